@@ -1,0 +1,109 @@
+"""Model families: declarative tables of which placement each Hugging Face tensor gets.
+
+A family is data: the placements of the embedding block (first pipeline stage), of one decoder
+layer (with its index kept in the names, as NxD does), and of the final block (last stage), plus
+the full tensor shapes a config implies. Adding a model is writing one small module with a table
+and registering it below.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..errors import UnsupportedModelError
+from ..layout import Layout, ModelDims
+from ..placements import Piece
+
+LAYER_PREFIX = "model.layers.{i}."
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's table. `shapes(dims)` gives the full shapes of `first`/`final` tensors by
+    full name and of `layer` tensors by their name inside a layer."""
+
+    name: str
+    model_types: tuple[str, ...]
+    first: tuple[Any, ...]
+    layer: tuple[Any, ...]
+    final: tuple[Any, ...]
+    shapes: Callable[[ModelDims], tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]]
+    ignored: tuple[str, ...] = field(default_factory=tuple)
+
+    def full_shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
+        """Every full tensor the config implies, in checkpoint order, with its shape."""
+        global_shapes, layer_shapes = self.shapes(dims)
+        out: dict[str, tuple[int, ...]] = {}
+        for rule in self.first:
+            for n in rule.sources(dims):
+                out[n] = global_shapes[n]
+        for i in range(dims.num_layers):
+            prefix = LAYER_PREFIX.format(i=i)
+            for rule in self.layer:
+                for n in rule.sources(dims):
+                    out[prefix + n] = layer_shapes[n]
+        for rule in self.final:
+            for n in rule.sources(dims):
+                out[n] = global_shapes[n]
+        return out
+
+    def split_dims(self, dims: ModelDims) -> dict[str, int]:
+        """The axis along which each full tensor is cut (0 for replicated ones)."""
+        out: dict[str, int] = {}
+        for rule in self.first + self.final:
+            out.update(rule.split_dims(dims))
+        for i in range(dims.num_layers):
+            prefix = LAYER_PREFIX.format(i=i)
+            for rule in self.layer:
+                out.update({prefix + n: d for n, d in rule.split_dims(dims).items()})
+        return out
+
+    def rank_pieces(
+        self, layout: Layout, dims: ModelDims, tp_rank: int, pp_rank: int, full_shapes: Mapping[str, tuple[int, ...]]
+    ) -> list[Piece]:
+        """The pieces of one rank file, in NxD's order."""
+        pieces: list[Piece] = []
+        if pp_rank == 0:
+            for rule in self.first:
+                pieces += rule.pieces("", layout, dims, tp_rank, full_shapes)
+        for i in layout.stage_layers(dims.num_layers)[pp_rank]:
+            for rule in self.layer:
+                pieces += rule.pieces(LAYER_PREFIX.format(i=i), layout, dims, tp_rank, full_shapes)
+        if pp_rank == layout.pp - 1:
+            for rule in self.final:
+                pieces += rule.pieces("", layout, dims, tp_rank, full_shapes)
+        return pieces
+
+    def is_ignored(self, name: str) -> bool:
+        """Tensors some checkpoints carry that models recompute (e.g. rotary inv_freq)."""
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.ignored)
+
+
+def _registry() -> dict[str, Family]:
+    from . import llama
+
+    families = [llama.FAMILY]
+    return {t: f for f in families for t in f.model_types}
+
+
+def family_for(config: Mapping[str, Any]) -> Family:
+    """The family of a Hugging Face config dict, or UnsupportedModelError naming the known ones."""
+    registry = _registry()
+    model_type = str(config.get("model_type", ""))
+    if model_type not in registry:
+        known = ", ".join(sorted(registry))
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported (known: {known}); "
+            "add a family module in shardkit/families/ to support it"
+        )
+    return registry[model_type]
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer index in a full tensor name, or None."""
+    match = _LAYER_RE.match(name)
+    return int(match.group(1)) if match else None

@@ -1,0 +1,194 @@
+"""The layout value: how one model is cut over tensor (tp), pipeline (pp) and expert (ep) ranks.
+
+A Layout is a small frozen value. Everything that depends on the parallel layout and not on a
+particular tensor lives here: validation against a model's dimensions, the pipeline stage rule,
+and which attention heads each tp rank holds under kv replication. How individual tensors are
+cut is in placements.py; which tensor gets which placement is in families/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+from .errors import ConfigMismatchError, LayoutError
+
+QKV_STYLES = ("separate", "gqa", "fused", "coalesced")
+REPLICATIONS = ("interleaved", "blocked")
+HW_TO_REPLICATION = {"trn1": "interleaved", "trn2": "blocked"}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The few numbers of a model config that layouts care about."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    num_experts: int = 0
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "ModelDims":
+        """Read the dimensions from a Hugging Face config.json dict."""
+        try:
+            num_heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            head_dim = config.get("head_dim") or hidden // num_heads
+            return cls(
+                model_type=str(config.get("model_type", "")),
+                num_layers=int(config["num_hidden_layers"]),
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_heads=num_heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+                head_dim=int(head_dim),
+                vocab_size=int(config["vocab_size"]),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                attention_bias=bool(config.get("attention_bias", False)),
+                mlp_bias=bool(config.get("mlp_bias", False)),
+                num_experts=int(config.get("num_local_experts") or 0),
+            )
+        except KeyError as e:
+            raise ConfigMismatchError(
+                f"config.json has no {e.args[0]!r}: pass the model's Hugging Face config.json (--config)"
+            ) from None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout. tp=pp=ep=1 with separate q/k/v is the full (unsharded) model."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    kv_multiplier: int = 1
+    kv_replication: str = "interleaved"
+    qkv: str = "separate"
+    vpp: int = 1
+
+    def __post_init__(self) -> None:
+        for field in ("tp", "pp", "ep", "kv_multiplier", "vpp"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"{field} must be a positive whole number, got {value!r}")
+        if self.kv_replication not in REPLICATIONS:
+            raise LayoutError(
+                f"kv replication {self.kv_replication!r} is unknown: use one of {', '.join(REPLICATIONS)}"
+            )
+        if self.qkv not in QKV_STYLES:
+            raise LayoutError(f"qkv style {self.qkv!r} is unknown: use one of {', '.join(QKV_STYLES)}")
+        if self.vpp != 1:
+            raise LayoutError("virtual pipeline stages (vpp > 1) are not supported yet: use vpp 1")
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Layout":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+    def describe(self) -> str:
+        parts = [f"tp {self.tp}", f"pp {self.pp}"]
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
+        if self.kv_multiplier > 1:
+            parts.append(f"kv-multiplier {self.kv_multiplier} ({self.kv_replication})")
+        parts.append(f"qkv {self.qkv}")
+        return ", ".join(parts)
+
+    # ---- validation ----------------------------------------------------------------------
+    def validate(self, dims: ModelDims) -> None:
+        """Raise LayoutError with the reason when this layout cannot hold the model."""
+        q, kv, m, t = dims.num_heads, dims.num_kv_heads, self.kv_multiplier, self.tp
+        if q % kv:
+            raise ConfigMismatchError(f"{q} attention heads are not a multiple of {kv} kv heads: check config.json")
+        if q % t:
+            raise LayoutError(f"{q} q heads are not divisible by tp {t}: choose a tp that divides {q}")
+        if (kv * m) % t:
+            hint = f"use --kv-multiplier {_smallest_multiplier(kv, t)}" if t % kv == 0 or kv % t == 0 else ""
+            raise LayoutError(
+                f"{kv} kv heads x kv-multiplier {m} = {kv * m} is not a multiple of tp {t}"
+                + (f": {hint}" if hint else ": choose tp and kv-multiplier so that kv heads x multiplier is a multiple of tp")
+            )
+        if q % (kv * m):
+            raise LayoutError(
+                f"kv-multiplier {m} is too large: {kv} kv heads x {m} replicas = {kv * m} do not divide "
+                f"{q} q heads (each replica must serve a whole number of q heads)"
+            )
+        if dims.vocab_size % t:
+            raise LayoutError(
+                f"vocab size {dims.vocab_size} is not divisible by tp {t}: pad the vocabulary to a multiple of {t}"
+            )
+        if dims.intermediate_size % t:
+            raise LayoutError(f"intermediate size {dims.intermediate_size} is not divisible by tp {t}")
+        if dims.num_layers < self.pp:
+            raise LayoutError(f"{dims.num_layers} layers cannot fill {self.pp} pipeline stages: use pp <= {dims.num_layers}")
+        if self.ep > 1 and (dims.num_experts == 0 or dims.num_experts % self.ep):
+            raise LayoutError(
+                f"ep {self.ep} needs a mixture-of-experts model whose expert count divides by it "
+                f"(this model has {dims.num_experts or 'no'} experts)"
+            )
+
+    # ---- ranks and stages ----------------------------------------------------------------
+    def ranks(self) -> Iterator[tuple[int, int, int]]:
+        """Every (ep, tp, pp) rank, in file-name order."""
+        for ep in range(self.ep):
+            for tp in range(self.tp):
+                for pp in range(self.pp):
+                    yield ep, tp, pp
+
+    def stage_layers(self, num_layers: int) -> list[range]:
+        """Decoder layers of each pipeline stage: even split, the remainder to the LAST stages."""
+        base, extra = divmod(num_layers, self.pp)
+        stages, start = [], 0
+        for stage in range(self.pp):
+            count = base + (1 if stage >= self.pp - extra else 0)
+            stages.append(range(start, start + count))
+            start += count
+        return stages
+
+    # ---- attention heads under kv replication ----------------------------------------------
+    def kv_entries(self, dims: ModelDims, tp_rank: int) -> list[tuple[int, int]]:
+        """(kv head, replica) entries held by tp_rank, in the order they sit in its k/v pieces.
+
+        K/V are replicated kv_multiplier times (interleaved = `repeat`: K0..Kn-1, K0..Kn-1, ...;
+        blocked = `repeat_interleave`: K0 x m, K1 x m, ...) and the result is split contiguously.
+        """
+        kv, m = dims.num_kv_heads, self.kv_multiplier
+        per_rank = kv * m // self.tp
+        entries = []
+        for i in range(tp_rank * per_rank, (tp_rank + 1) * per_rank):
+            entries.append((i % kv, i // kv) if self.kv_replication == "interleaved" else (i // m, i % m))
+        return entries
+
+    def q_heads(self, dims: ModelDims, tp_rank: int) -> list[int]:
+        """q heads held by tp_rank, in order: for each kv entry, the q heads its replica serves."""
+        group = dims.num_heads // dims.num_kv_heads
+        per_replica = group // self.kv_multiplier
+        heads: list[int] = []
+        for kv_head, replica in self.kv_entries(dims, tp_rank):
+            first = kv_head * group + replica * per_replica
+            heads.extend(range(first, first + per_replica))
+        return heads
+
+
+FULL = Layout()
+"""The trivial layout: one rank, the whole model (a Hugging Face checkpoint)."""
+
+
+def _smallest_multiplier(kv: int, tp: int) -> int:
+    m = 1
+    while (kv * m) % tp:
+        m += 1
+    return m
