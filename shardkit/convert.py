@@ -1,0 +1,379 @@
+"""The one engine behind convert, merge and reshard: plan output files, then stream them.
+
+A *plan* lists the output files and, for each, the pieces it holds (target names and the slices
+of full tensors they are made of). The *executor* builds each output file by locating those
+slices in the source checkpoint (`SegmentIndex.locate`), reading only them, concatenating, and
+handing each tensor to a streaming writer. Memory stays near one output file (torch, xser) or
+one tensor (safetensors) per worker plus a bounded window of mapped source pages, whatever the
+model size. Output goes to a staging directory renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from . import __version__
+from .errors import DestinationExistsError, FormatError, ShardkitError
+from .formats import MANIFEST, Checkpoint, open_checkpoint
+from .formats import hf, nxd
+from .formats.base import DTYPE_NAMES, FileRecord, TensorSpec
+from .formats.safetensors_io import SafetensorsWriter
+from .formats.torch_io import TorchWriter
+from .formats.xser import XserWriter
+from .layout import FULL, HW_TO_REPLICATION, Layout
+from .placements import Piece, Segment, SegmentIndex, make_piece
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[int, int], None]
+"""Called as progress(bytes_done_now, bytes_total) while output is written."""
+
+SHARD_FORMATS = ("torch", "xser", "safetensors")
+DEFAULT_READ_WINDOW = 64 * 2**20
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+
+class SourceReader:
+    """Reads slices of a checkpoint's pieces. Keeps files open while fewer than `window` bytes
+    have been read through them, then closes them (unmapping their pages) to bound memory."""
+
+    def __init__(self, ckpt: Checkpoint, window: int = DEFAULT_READ_WINDOW, index: SegmentIndex | None = None):
+        self.ckpt = ckpt
+        self.index = index or ckpt.index()
+        self.window = window
+        self._open: dict[str, Any] = {}
+        self._since_flush = 0
+
+    def _file(self, key: str):
+        if key not in self._open:
+            self._open[key] = self.ckpt.open(key)
+        return self._open[key]
+
+    def read_piece_slice(self, key: str, piece_name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        tensor = self._file(key).read(piece_name, dim, start, stop)
+        self._since_flush += tensor.numel() * tensor.element_size()
+        if self._since_flush > self.window:
+            self.close()
+        return tensor
+
+    def read_segment(self, seg: Segment) -> torch.Tensor:
+        reads = self.index.locate(seg)
+        parts = [self.read_piece_slice(r.holder, r.piece_name, r.dim, r.start, r.stop) for r in reads]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=seg.dim)
+
+    def read_piece(self, piece: Piece) -> torch.Tensor:
+        parts = [self.read_segment(s) for s in piece.segments]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=piece.dim)
+
+    def dtype_of(self, source: str) -> torch.dtype:
+        holders = self.index.holders(source)
+        if not holders:
+            raise FormatError(f"no file holds {source}")
+        _, _, key, piece_name, _ = holders[0]
+        return self._file(key).dtype(piece_name)
+
+    def close(self) -> None:
+        for reader in self._open.values():
+            reader.close()
+        self._open.clear()
+        self._since_flush = 0
+
+
+# ---- planning --------------------------------------------------------------------------------
+
+
+@dataclass
+class OutputFile:
+    """One file to write: its path under the output root and the pieces it holds, in order."""
+
+    path: str
+    pieces: list[Piece]
+    rank: tuple[int, int, int] | None = None
+    expert_parallel: Sequence[str] = field(default_factory=tuple)
+
+    def nbytes(self, itemsize: int) -> int:
+        return sum(p.numel() for p in self.pieces) * itemsize
+
+
+def plan_sharded(ckpt_family, dims, layout: Layout, fmt: str) -> list[OutputFile]:
+    """Rank files of `layout` (NxD names), each with its pieces."""
+    layout.validate(dims)
+    shapes = ckpt_family.full_shapes(dims)
+    outputs = []
+    for ep, tp, pp in layout.ranks():
+        pieces = ckpt_family.rank_pieces(layout, dims, tp, pp, shapes) if ep == 0 else []
+        outputs.append(OutputFile(nxd.rank_file_name(ep, tp, pp, layout, fmt), pieces, (ep, tp, pp)))
+    return outputs
+
+
+def plan_full(ckpt_family, dims, itemsize: int, max_shard_size: int | str) -> tuple[list[OutputFile], dict | None]:
+    """Hugging Face safetensors files holding every full tensor, split by size."""
+    shapes = ckpt_family.full_shapes(dims)
+    split_dims = ckpt_family.split_dims(dims)
+    pieces = {}
+    for name, shape in shapes.items():
+        dim = split_dims[name]
+        pieces[name] = make_piece(name, [Segment(name, dim, 0, shape[dim] if shape else 1)], shapes)
+    sizes = {n: p.numel() * itemsize for n, p in pieces.items()}
+    files, index = hf.split_into_files(sizes, max_shard_size)
+    return [OutputFile(f, [pieces[n] for n in names]) for f, names in files.items()], index
+
+
+# ---- executing -------------------------------------------------------------------------------
+
+
+def _writer(fmt: str, path: Path, root: Path, specs: list[TensorSpec], out: OutputFile):
+    if fmt == "safetensors":
+        return SafetensorsWriter(path, root, specs)
+    if fmt == "xser":
+        return XserWriter(path, root, specs, out.expert_parallel)
+    if fmt == "torch":
+        return TorchWriter(path, root, specs)
+    raise ShardkitError(f"format {fmt!r} is unknown: use one of {', '.join(SHARD_FORMATS)}")
+
+
+def execute(
+    src: Checkpoint,
+    outputs: Sequence[OutputFile],
+    out_root: Path,
+    fmt: str,
+    dtype: torch.dtype | None = None,
+    workers: int = 1,
+    progress: ProgressCallback | None = None,
+    window: int = DEFAULT_READ_WINDOW,
+) -> list[FileRecord]:
+    """Write every output file from `src`; returns the records of the files written."""
+    index = src.index()
+    probe = SourceReader(src, window, index)
+    dtypes: dict[str, torch.dtype] = {}
+    try:
+        for out in outputs:
+            for piece in out.pieces:
+                source = piece.segments[0].source
+                if source not in dtypes:
+                    dtypes[source] = dtype or probe.dtype_of(source)
+    finally:
+        probe.close()
+    total = sum(p.numel() * dtypes[p.segments[0].source].itemsize for o in outputs for p in o.pieces)
+    done = 0
+    lock = threading.Lock()
+
+    def build(out: OutputFile) -> list[FileRecord]:
+        nonlocal done
+        specs = [TensorSpec(p.name, p.shape, dtypes[p.segments[0].source]) for p in out.pieces]
+        writer = _writer(fmt, out_root / out.path, out_root, specs, out)
+        reader = SourceReader(src, window, index)
+        try:
+            for piece, spec in zip(out.pieces, specs):
+                tensor = reader.read_piece(piece)
+                if tensor.dtype != spec.dtype:
+                    tensor = tensor.to(spec.dtype)
+                if tuple(tensor.shape) != piece.shape:
+                    raise FormatError(f"{piece.name}: read shape {tuple(tensor.shape)}, expected {piece.shape}")
+                writer.write(piece.name, tensor)
+                del tensor
+                if progress:
+                    with lock:
+                        done += spec.nbytes
+                        progress(done, total)
+        finally:
+            reader.close()
+        return writer.close()
+
+    records: list[FileRecord] = []
+    if workers <= 1:
+        for out in outputs:
+            records += build(out)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for result in pool.map(build, outputs):
+                records += result
+    return records
+
+
+# ---- output directories ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def staged_output(dst: Path, overwrite: bool, sources: Sequence[Path] = ()) -> Iterator[Path]:
+    """A staging directory beside `dst`, renamed to `dst` only when the block succeeds."""
+    dst = Path(dst).absolute()
+    for src in sources:
+        src = Path(src).absolute()
+        if dst == src or src in dst.parents or dst in src.parents:
+            raise ShardkitError(f"destination {dst} overlaps the source {src}: choose another destination")
+    if dst.exists() and not dst.is_dir():
+        raise DestinationExistsError(f"{dst} exists and is a file: choose another destination")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise DestinationExistsError(f"{dst} exists and is not empty: pass --overwrite to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = dst.parent / f".{dst.name}.shardkit-tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+        if dst.exists():
+            old = dst.parent / f".{dst.name}.shardkit-old-{os.getpid()}"
+            os.rename(dst, old)
+            os.rename(staging, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staging, dst)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def _config_for_output(src: Checkpoint, dtype: torch.dtype | None) -> dict[str, Any]:
+    config = dict(src.config)
+    if dtype is not None:
+        name = str(dtype).replace("torch.", "")
+        for key in ("torch_dtype", "dtype"):
+            if key in config or key == "dtype":
+                config[key] = name
+    return config
+
+
+def _side_file_dirs(src: Checkpoint) -> list[Path]:
+    return [src.root, src.root.parent] if src.kind == "sharded" and src.manifest is None else [src.root]
+
+
+def _copy_side_files(src: Checkpoint, dst: Path) -> None:
+    for folder in _side_file_dirs(src):
+        if hf.copy_side_files(folder, dst):
+            break
+
+
+def _manifest(src: Checkpoint, layout: Layout, fmt: str, dtypes: str, records: list[FileRecord],
+              command: str | None) -> dict[str, Any]:
+    return {
+        "shardkit": __version__,
+        "kind": "sharded",
+        "format": fmt,
+        "family": src.family.name,
+        "layout": layout.to_dict(),
+        "dtype": dtypes,
+        "source": str(src.root),
+        "command": command,
+        "tensors": {n: list(s) for n, s in src.full_shapes.items()},
+        "files": [{"path": r.path, "size": r.size, "sha256": r.sha256} for r in records],
+    }
+
+
+# ---- the public operations ---------------------------------------------------------------------
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPE_NAMES:
+        raise ShardkitError(f"dtype {dtype!r} is unknown: use one of bf16, fp16, fp32")
+    return DTYPE_NAMES[dtype]
+
+
+def make_layout(tp: int = 1, pp: int = 1, ep: int = 1, kv_multiplier: int = 1, kv_replication: str | None = None,
+                hw: str | None = None, qkv: str = "separate") -> Layout:
+    """A Layout from CLI-style options (`hw` trn1/trn2 is an alias for the replication)."""
+    if hw is not None:
+        if hw not in HW_TO_REPLICATION:
+            raise ShardkitError(f"hardware {hw!r} is unknown: use trn1 or trn2")
+        if kv_replication and kv_replication != HW_TO_REPLICATION[hw]:
+            raise ShardkitError(f"--hw {hw} means {HW_TO_REPLICATION[hw]} replication, not {kv_replication}")
+        kv_replication = HW_TO_REPLICATION[hw]
+    return Layout(tp=tp, pp=pp, ep=ep, kv_multiplier=kv_multiplier, kv_replication=kv_replication or "interleaved", qkv=qkv)
+
+
+@dataclass
+class Result:
+    """What an operation wrote."""
+
+    path: Path
+    files: list[FileRecord]
+    layout: Layout
+    format: str
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def reshard(
+    src: str | Path | Checkpoint,
+    dst: str | Path,
+    layout: Layout,
+    *,
+    format: str = "torch",
+    dtype: str | torch.dtype | None = None,
+    workers: int = 1,
+    overwrite: bool = False,
+    config: str | Path | Mapping | None = None,
+    hints: Mapping | None = None,
+    progress: ProgressCallback | None = None,
+    command: str | None = None,
+) -> Result:
+    """Write `src` (any checkpoint) as shards of `layout` in `format`, reading only needed slices."""
+    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src, config, hints)
+    if format not in SHARD_FORMATS:
+        raise ShardkitError(f"format {format!r} is unknown: use one of {', '.join(SHARD_FORMATS)}")
+    target_dtype = parse_dtype(dtype)
+    layout.validate(ckpt.dims)
+    ckpt.check_files()
+    outputs = plan_sharded(ckpt.family, ckpt.dims, layout, format)
+    with staged_output(Path(dst), overwrite, [ckpt.root]) as stage:
+        records = execute(ckpt, outputs, stage, format, target_dtype, workers, progress)
+        _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
+        _copy_side_files(ckpt, stage)
+        dtype_name = str(target_dtype or ckpt.dtype()).replace("torch.", "")
+        _write_json(stage / MANIFEST, _manifest(ckpt, layout, format, dtype_name, records, command))
+    log.info("wrote %d files (%s) to %s", len(records), layout.describe(), dst)
+    return Result(Path(dst), records, layout, format)
+
+
+def convert(src: str | Path, dst: str | Path, layout: Layout, **options) -> Result:
+    """Hugging Face checkpoint (directory or state-dict file) -> shards of `layout`."""
+    return reshard(src, dst, layout, **options)
+
+
+def merge(
+    src: str | Path | Checkpoint,
+    dst: str | Path,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: str | torch.dtype | None = None,
+    workers: int = 1,
+    overwrite: bool = False,
+    config: str | Path | Mapping | None = None,
+    hints: Mapping | None = None,
+    progress: ProgressCallback | None = None,
+) -> Result:
+    """Any checkpoint -> a Hugging Face model directory (safetensors + index + config)."""
+    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src, config, hints)
+    target_dtype = parse_dtype(dtype)
+    ckpt.check_files()
+    itemsize = (target_dtype or ckpt.dtype()).itemsize
+    outputs, index = plan_full(ckpt.family, ckpt.dims, itemsize, max_shard_size)
+    with staged_output(Path(dst), overwrite, [ckpt.root]) as stage:
+        records = execute(ckpt, outputs, stage, "safetensors", target_dtype, workers, progress)
+        if index is not None:
+            _write_json(stage / "model.safetensors.index.json", index)
+        _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
+        _copy_side_files(ckpt, stage)
+    log.info("merged %s into %s (%d files)", ckpt.root, dst, len(records))
+    return Result(Path(dst), records, FULL, "safetensors")

@@ -1,0 +1,91 @@
+"""Hugging Face model directories (and single state-dict files): find the weights, write them.
+
+Read: `model.safetensors`, sharded safetensors with `model.safetensors.index.json`,
+`pytorch_model.bin` (single or with index), or one torch state-dict file (NxD's merge output).
+Write: config.json (+ generation config and tokenizer files), safetensors split by size with
+huggingface_hub's splitter, and the index when there is more than one file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+from huggingface_hub import split_state_dict_into_shards_factory
+
+from ..errors import FormatError
+from .safetensors_io import read_header
+
+SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def is_hf_dir(path: Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / "config.json").is_file() and bool(weight_files(path, strict=False))
+
+
+def weight_files(path: Path, strict: bool = True) -> list[Path]:
+    """The weight files of an HF model directory, safetensors preferred over .bin."""
+    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"), ("pytorch_model.bin.index.json", "*.bin")):
+        index = path / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError):
+                raise FormatError(f"{index} is not a valid index (no weight_map): re-create it") from None
+            files = sorted({path / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise FormatError(f"{index.name} names {missing[0]}, which is missing from {path}")
+            return files
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (path / name).is_file():
+            return [path / name]
+    for pattern in ("*.safetensors", "*.bin"):
+        files = sorted(path.glob(pattern))
+        if files:
+            return files
+    if strict:
+        raise FormatError(f"{path} has config.json but no weights (*.safetensors or pytorch_model*.bin)")
+    return []
+
+
+def tensor_names(file: Path) -> list[str]:
+    """Names in a weight file, cheaply (safetensors header, or a mapped torch load)."""
+    if file.suffix == ".safetensors":
+        return [k for k in read_header(file) if k != "__metadata__"]
+    from .torch_io import TorchFile
+
+    reader = TorchFile(file)
+    names = reader.keys()
+    reader.close()
+    return names
+
+
+def copy_side_files(src: Path, dst: Path, names: Iterable[str] = SIDE_FILES) -> list[str]:
+    """Copy generation config and tokenizer files that exist in src."""
+    copied = []
+    for name in names:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def split_into_files(sizes: dict[str, int], max_shard_size: int | str) -> tuple[dict[str, list[str]], dict | None]:
+    """Split tensors (name -> bytes) into safetensors files as transformers names them.
+
+    Returns file -> tensor names, and the index dict (None for a single file)."""
+    split = split_state_dict_into_shards_factory(
+        sizes, get_storage_size=lambda n: n, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
+    )
+    index = None
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(split.tensor_to_filename)}
+    return dict(split.filename_to_tensors), index

@@ -1,0 +1,138 @@
+"""NxD sharded directories: rank file names (v1, v2, v3), scanning, and layout inference.
+
+See docs/FORMATS.md in the shared design for the conventions. shardkit's own shards use the same
+names (`.safetensors` instead of `.pt` for the safetensors format) plus a `shardkit.json` manifest.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigMismatchError, FormatError, LayoutError
+from ..layout import Layout, ModelDims
+
+_V3 = re.compile(r"^dp_rank_(\d+)_ep_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.(pt|safetensors)$")
+_V2 = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.(pt|safetensors)$")
+_V1 = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)$")
+
+FORMAT_SUFFIX = {"torch": ".pt", "xser": ".pt", "safetensors": ".safetensors"}
+
+
+def rank_file_name(ep: int, tp: int, pp: int, layout: Layout, fmt: str) -> str:
+    """NxD's file name for a rank (v3 with ep_rank when ep > 1, else v2), under model/."""
+    suffix = FORMAT_SUFFIX[fmt]
+    if layout.ep > 1:
+        return f"model/dp_rank_00_ep_rank_{ep:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}{suffix}"
+    return f"model/dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}{suffix}"
+
+
+@dataclass
+class RankFiles:
+    """The rank files found in a directory."""
+
+    files: dict[tuple[int, int, int], Path]  # (ep, tp, pp) -> path
+    format: str  # torch | xser | safetensors
+    naming: str  # v1 | v2 | v3
+    tp: int
+    pp: int
+    ep: int
+
+
+def find_rank_files(root: Path) -> RankFiles | None:
+    """Scan `root` (or `root/model`) for rank files; None when there are none."""
+    root = Path(root)
+    found: dict[tuple[int, int, int], Path] = {}
+    naming = None
+    for folder in (root / "model", root):
+        if not folder.is_dir():
+            continue
+        for entry in folder.iterdir():
+            if m := _V3.match(entry.name):
+                if int(m.group(1)) == 0:
+                    found[(int(m.group(2)), int(m.group(3)), int(m.group(4)))] = entry
+                    naming = "v3"
+            elif m := _V2.match(entry.name):
+                if int(m.group(1)) == 0:
+                    found[(0, int(m.group(2)), int(m.group(3)))] = entry
+                    naming = naming or "v2"
+            elif (m := _V1.match(entry.name)) and (entry / "checkpoint.pt").is_file():
+                found[(0, int(m.group(1)), int(m.group(2)))] = entry / "checkpoint.pt"
+                naming = naming or "v1"
+        if found:
+            break
+    if not found:
+        return None
+    suffixes = {p.suffix for p in found.values()}
+    if len(suffixes) > 1:
+        raise FormatError(f"{root} mixes .pt and .safetensors rank files: keep one format per directory")
+    if suffixes == {".safetensors"}:
+        fmt = "safetensors"
+    else:
+        fmt = "xser" if any(Path(str(p) + ".tensors").is_dir() for p in found.values()) else "torch"
+    ep, tp, pp = (max(k[i] for k in found) + 1 for i in range(3))
+    files = RankFiles(found, fmt, naming or "v2", tp, pp, ep)
+    for key in ((e, t, p) for e in range(ep) for t in range(tp) for p in range(pp)):
+        if key not in found:
+            example = rank_file_name(*key, Layout(tp=tp, pp=pp, ep=ep), fmt)
+            raise FormatError(
+                f"rank file {example} is missing from {root} (found {len(found)} of {ep * tp * pp} for "
+                f"tp {tp}, pp {pp}{f', ep {ep}' if ep > 1 else ''}): copy it back or re-create the shards"
+            )
+    return files
+
+
+QKV_KEYS = (
+    ("gqa", "self_attn.qkv_proj.weight_k"),
+    ("fused", "self_attn.qkv_proj.weight_qkv"),
+    ("coalesced", "self_attn.qkv_proj.weight"),
+    ("separate", "self_attn.k_proj.weight"),
+)
+
+
+def infer_layout(rank_files: RankFiles, first_file, dims: ModelDims, hints: dict) -> Layout:
+    """The layout of NxD shards from file names, key names and shapes (and `hints` from flags).
+
+    `first_file` is the open tp-rank-0, pp-rank-0 file. kv replication (interleaved or blocked)
+    cannot be seen in shapes; it comes from `hints` or is decided later from the data.
+    """
+    tp, pp, ep = rank_files.tp, rank_files.pp, rank_files.ep
+    keys = first_file.keys()
+    layer_keys = [k for k in keys if k.startswith("model.layers.")]
+    if not layer_keys:
+        raise FormatError(f"{first_file.path} holds no decoder layers: is this a sharded model directory?")
+    prefix = layer_keys[0][: layer_keys[0].index(".", len("model.layers.")) + 1]
+    down = prefix + "mlp.down_proj.weight"
+    if down in keys:
+        cols = first_file.shape(down)[1]
+        if cols and dims.intermediate_size % cols == 0 and dims.intermediate_size // cols != tp:
+            raise FormatError(
+                f"the shards are cut for tp {dims.intermediate_size // cols} but {tp} tp rank files were found: "
+                "rank files are missing"
+            )
+    qkv = hints.get("qkv")
+    kv_rows = None
+    for style, suffix in QKV_KEYS:
+        if prefix + suffix in keys:
+            qkv = qkv or style
+            rows = first_file.shape(prefix + suffix)[0]
+            q_rows = dims.num_heads // tp * dims.head_dim
+            kv_rows = rows if style in ("gqa", "separate") else (rows - q_rows) // 2
+            break
+    if qkv is None:
+        raise FormatError(f"{first_file.path} has no attention weights shardkit knows (q_proj, qkv_proj)")
+    m = hints.get("kv_multiplier")
+    if m is None:
+        per_rank = kv_rows // dims.head_dim
+        if per_rank * tp % dims.num_kv_heads:
+            raise ConfigMismatchError(
+                f"k pieces of {per_rank} heads at tp {tp} do not fit {dims.num_kv_heads} kv heads: "
+                "the config does not match the shards (pass the right --config)"
+            )
+        m = max(1, per_rank * tp // dims.num_kv_heads)
+    try:
+        return Layout(tp=tp, pp=pp, ep=ep, kv_multiplier=m, qkv=qkv,
+                      kv_replication=hints.get("kv_replication") or "interleaved")
+    except LayoutError as e:
+        raise FormatError(f"cannot infer the layout of the shards: {e}") from None

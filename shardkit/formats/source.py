@@ -1,0 +1,292 @@
+"""One view over any checkpoint: what each file holds, in terms of full (Hugging Face) tensors.
+
+`open_checkpoint` recognises a Hugging Face directory, a single state-dict file, shardkit's own
+sharded directory (with its `shardkit.json` manifest) or NxD's (layout inferred), and returns a
+`Checkpoint`: its config, family, layout, files, and for each file the pieces it holds. The
+engine needs nothing else to read any slice of any full tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import ConfigMismatchError, FormatError
+from ..families import Family, family_for
+from ..layout import FULL, Layout, ModelDims
+from ..placements import Piece, Segment, SegmentIndex, make_piece
+from . import hf, nxd
+from .base import TensorFile
+from .safetensors_io import SafetensorsFile
+from .torch_io import TorchFile
+from .xser import XserFile
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "shardkit.json"
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint on disk, described in full-tensor terms."""
+
+    root: Path
+    kind: str  # "hf" (full tensors) or "sharded"
+    format: str  # safetensors | torch | xser
+    config: dict[str, Any]
+    family: Family
+    dims: ModelDims
+    layout: Layout
+    files: dict[str, Path]  # key (path relative to root) -> path
+    holdings: dict[str, list[Piece]]  # key -> pieces that file holds
+    ranks: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    manifest: dict[str, Any] | None = None
+    naming: str = "hf"
+
+    @property
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.family.full_shapes(self.dims)
+
+    def open(self, key: str) -> TensorFile:
+        path = self.files[key]
+        if self.format == "xser":
+            return XserFile(path)
+        if path.suffix == ".safetensors":
+            return SafetensorsFile(path)
+        return TorchFile(path)
+
+    def index(self) -> SegmentIndex:
+        index = SegmentIndex()
+        for key, pieces in self.holdings.items():
+            for piece in pieces:
+                index.add(key, piece)
+        return index
+
+    def dtype(self) -> torch.dtype:
+        """The dtype of the checkpoint's tensors (of its first file's first tensor)."""
+        key = next(iter(self.holdings))
+        reader = self.open(key)
+        try:
+            return reader.dtype(self.holdings[key][0].name)
+        finally:
+            reader.close()
+
+    def total_bytes(self) -> int:
+        return sum(_size_on_disk(p) for p in self.files.values())
+
+    def check_files(self) -> None:
+        """Every file holds exactly the pieces the layout says, with the right shapes."""
+        for key, pieces in self.holdings.items():
+            reader = self.open(key)
+            try:
+                have = set(k for k in reader.keys() if not self.family.is_ignored(k))
+                want = {p.name for p in pieces}
+                missing, extra = sorted(want - have), sorted(have - want)
+                if missing or extra:
+                    what = f"lacks {missing[0]}" if missing else f"has unexpected {extra[0]}"
+                    raise ConfigMismatchError(
+                        f"{key} {what} (expected for {self.describe()}): the config or layout does not match the shards"
+                    )
+                for piece in pieces:
+                    shape = reader.shape(piece.name)
+                    if tuple(shape) != piece.shape:
+                        raise ConfigMismatchError(
+                            f"{key}: {piece.name} has shape {tuple(shape)} but {self.describe()} with this config "
+                            f"expects {piece.shape}: the config does not match the shards (pass the right --config)"
+                        )
+            finally:
+                reader.close()
+
+    def describe(self) -> str:
+        return "a full model" if self.kind == "hf" else self.layout.describe()
+
+
+def _size_on_disk(path: Path) -> int:
+    size = path.stat().st_size
+    tensors = Path(str(path) + ".tensors")
+    if tensors.is_dir():
+        size += sum(f.stat().st_size for f in tensors.iterdir())
+    return size
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FormatError(f"config {path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        raise FormatError(f"{path} is not valid JSON") from None
+
+
+def open_checkpoint(path: Path | str, config: Path | str | Mapping | None = None, hints: Mapping | None = None) -> Checkpoint:
+    """Open any supported checkpoint. `config` overrides/provides config.json; `hints` are layout
+    fields (qkv, kv_multiplier, kv_replication) for NxD shards whose layout cannot be inferred."""
+    root = Path(path)
+    hints = {k: v for k, v in (hints or {}).items() if v is not None}
+    if not root.exists():
+        raise FormatError(f"{root} does not exist")
+    given = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
+
+    if root.is_file():
+        cfg = given or _config_near(root)
+        return _open_full(root.parent, {root.name: root}, cfg)
+    manifest_path = root / MANIFEST
+    if manifest_path.is_file():
+        return _open_shardkit(root, given)
+    rank_files = nxd.find_rank_files(root)
+    if rank_files is not None:
+        return _open_nxd(root, rank_files, given, hints)
+    if (root / "config.json").is_file() or given:
+        files = hf.weight_files(root)
+        return _open_full(root, {f.name: f for f in files}, given or load_config(root))
+    raise FormatError(
+        f"{root} is not a model directory: expected a Hugging Face directory (config.json + weights), "
+        "shardkit shards (shardkit.json) or NxD rank files (model/dp_rank_00_tp_rank_00_pp_rank_00.pt)"
+    )
+
+
+def _config_near(path: Path) -> dict[str, Any]:
+    for candidate in (path.parent / "config.json", path.parent.parent / "config.json"):
+        if candidate.is_file():
+            return load_config(candidate)
+    raise FormatError(f"no config.json next to {path}: pass the model's config with --config")
+
+
+def _family_dims(cfg: Mapping[str, Any]) -> tuple[Family, ModelDims]:
+    family = family_for(cfg)
+    return family, ModelDims.from_config(cfg)
+
+
+def _open_full(root: Path, files: dict[str, Path], cfg: dict[str, Any]) -> Checkpoint:
+    family, dims = _family_dims(cfg)
+    shapes = family.full_shapes(dims)
+    split_dims = family.split_dims(dims)
+    holdings: dict[str, list[Piece]] = {}
+    seen: set[str] = set()
+    for key, path in files.items():
+        pieces = []
+        for name in hf.tensor_names(path):
+            if family.is_ignored(name) or name in seen:
+                continue
+            if name not in shapes:
+                if name == "lm_head.weight" and dims.tie_word_embeddings:
+                    continue  # some tied checkpoints also store the (identical) lm_head
+                raise ConfigMismatchError(
+                    f"{path.name} holds {name}, which a {family.name} model with this config does not have: "
+                    "the config does not match the weights"
+                )
+            seen.add(name)
+            dim = split_dims[name]
+            pieces.append(make_piece(name, [Segment(name, dim, 0, shapes[name][dim] if shapes[name] else 1)], shapes))
+        holdings[key] = pieces
+    missing = [n for n in shapes if n not in seen]
+    if missing:
+        raise ConfigMismatchError(
+            f"the weights lack {missing[0]} ({len(missing)} tensors missing) that the config implies: "
+            "the config does not match the weights"
+        )
+    fmt = "safetensors" if all(p.suffix == ".safetensors" for p in files.values()) else "torch"
+    return Checkpoint(root, "hf", fmt, cfg, family, dims, FULL, files, holdings)
+
+
+def _sharded_holdings(family, dims, layout, keys_by_rank) -> tuple[dict[str, list[Piece]], dict[str, tuple]]:
+    layout.validate(dims)
+    shapes = family.full_shapes(dims)
+    holdings, ranks = {}, {}
+    for (ep, tp, pp), key in keys_by_rank.items():
+        holdings[key] = family.rank_pieces(layout, dims, tp, pp, shapes) if ep == 0 else []
+        ranks[key] = (ep, tp, pp)
+    return holdings, ranks
+
+
+def _open_shardkit(root: Path, given: dict | None) -> Checkpoint:
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+        layout = Layout.from_dict(manifest["layout"])
+        fmt = manifest["format"]
+    except (ValueError, KeyError, TypeError):
+        raise FormatError(f"{root / MANIFEST} is corrupt: re-create the shards") from None
+    cfg = given or load_config(root)
+    family, dims = _family_dims(cfg)
+    keys_by_rank = {}
+    for ep, tp, pp in layout.ranks():
+        key = nxd.rank_file_name(ep, tp, pp, layout, fmt)
+        if not (root / key).is_file():
+            raise FormatError(f"rank file {key} is missing from {root}: copy it back or re-create the shards")
+        keys_by_rank[(ep, tp, pp)] = key
+    holdings, ranks = _sharded_holdings(family, dims, layout, keys_by_rank)
+    files = {key: root / key for key in holdings}
+    return Checkpoint(root, "sharded", fmt, cfg, family, dims, layout, files, holdings, ranks, manifest, "v3" if layout.ep > 1 else "v2")
+
+
+def _open_nxd(root: Path, rank_files: nxd.RankFiles, given: dict | None, hints: Mapping) -> Checkpoint:
+    if given is None:
+        for candidate in (root / "config.json", root.parent / "config.json"):
+            if candidate.is_file():
+                given = load_config(candidate)
+                break
+        else:
+            raise FormatError(
+                f"{root} holds NxD shards but no config.json: pass the model's Hugging Face config with --config"
+            )
+    family, dims = _family_dims(given)
+    keys_by_rank = {rank: path.relative_to(root).as_posix() for rank, path in rank_files.files.items()}
+    files = {key: root / key for key in keys_by_rank.values()}
+    probe = Checkpoint(root, "sharded", rank_files.format, given, family, dims, FULL, files, {})
+    first = probe.open(keys_by_rank[(0, 0, 0)])
+    try:
+        layout = nxd.infer_layout(rank_files, first, dims, dict(hints))
+    finally:
+        first.close()
+    holdings, ranks = _sharded_holdings(family, dims, layout, keys_by_rank)
+    ckpt = Checkpoint(root, "sharded", rank_files.format, given, family, dims, layout, files, holdings, ranks,
+                      None, rank_files.naming)
+    if layout.kv_multiplier > 1 and "kv_replication" not in hints:
+        ckpt = _decide_replication(ckpt, keys_by_rank)
+    return ckpt
+
+
+def _decide_replication(ckpt: Checkpoint, keys_by_rank) -> Checkpoint:
+    """Interleaved or blocked kv replication, decided from the data: under the right one, every
+    rank that claims to hold a given kv head holds the same values."""
+    from ..convert import SourceReader  # local: the engine imports this module
+
+    verdicts = {}
+    for replication in ("interleaved", "blocked"):
+        layout = Layout(**{**ckpt.layout.to_dict(), "kv_replication": replication})
+        holdings, _ = _sharded_holdings(ckpt.family, ckpt.dims, layout, keys_by_rank)
+        candidate = Checkpoint(**{**ckpt.__dict__, "layout": layout, "holdings": holdings})
+        verdicts[replication] = (candidate, _replicas_agree(candidate, SourceReader(candidate)))
+    agree = [r for r, (_, ok) in verdicts.items() if ok]
+    if not agree:
+        raise FormatError(
+            f"{ckpt.root}: the k/v replicas disagree under both interleaved and blocked replication: "
+            "the shards are corrupt or were written by a broken converter"
+        )
+    choice = agree[0]
+    log.info("kv replication inferred from the data: %s", choice)
+    return verdicts[choice][0]
+
+
+def _replicas_agree(ckpt: Checkpoint, reader) -> bool:
+    index = ckpt.index()
+    first_layer = ckpt.layout.stage_layers(ckpt.dims.num_layers)[0][0]
+    name = f"model.layers.{first_layer}.self_attn.k_proj.weight"
+    try:
+        seen: dict[tuple[int, int], torch.Tensor] = {}
+        for start, stop, holder, piece_name, offset in index.holders(name):
+            data = reader.read_piece_slice(holder, piece_name, 0, offset, offset + stop - start)
+            if (start, stop) in seen and not torch.equal(seen[(start, stop)], data):
+                return False
+            seen.setdefault((start, stop), data)
+        return True
+    finally:
+        reader.close()
