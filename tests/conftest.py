@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny seeded HF models built from fixtures/ configs, and the golden folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardkit.testing import make_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT.parent / "shared" / "golden"
+
+
+def golden_or_skip() -> Path:
+    """The golden reference folder (../shared/golden), or skip the test saying why."""
+    if not GOLDEN.is_dir():
+        pytest.skip(f"golden NxD shards not found at {GOLDEN} (they live in the shared folder beside the repo)")
+    return GOLDEN
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(config_name, dtype=torch.float32, seed=0) -> path of a saved HF model (cached)."""
+    cache: dict = {}
+
+    def build(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+        key = (name, dtype, seed)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{name}-{str(dtype).split('.')[-1]}-{seed}")
+            cache[key] = make_tiny_model(name, out / "hf", seed=seed, dtype=dtype)
+        return cache[key]
+
+    return build
