@@ -98,6 +98,15 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor that owns exactly its bytes (a view would drag its whole storage into
+    torch.save files and keep source pages alive)."""
+    tensor = tensor.contiguous()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
 def narrow(tensor: torch.Tensor, dim: int, start: int | None, stop: int | None) -> torch.Tensor:
     if start is None and stop is None or tensor.dim() == 0:
         return tensor

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import FormatError
-from .base import FileRecord, HashingFile, TensorSpec, check_specs, tensor_bytes
+from .base import FileRecord, HashingFile, TensorSpec, check_specs, compact, tensor_bytes
 
 _DTYPE_TO_ST = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -55,7 +55,7 @@ class SafetensorsFile:
             sl = self._handle.get_slice(name)
             index = [slice(None)] * len(sl.get_shape())
             index[dim] = slice(start, stop)
-            return sl[tuple(index)]
+            return compact(sl[tuple(index)])
         except SafetensorError as e:
             raise FormatError(f"cannot read {name} from {self.path} ({e}): the file may be truncated") from None
 

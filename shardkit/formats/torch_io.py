@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import FormatError
-from .base import FileRecord, HashingFile, TensorSpec, check_specs, narrow
+from .base import FileRecord, HashingFile, TensorSpec, check_specs, compact, narrow
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 
@@ -90,7 +90,7 @@ class TorchFile:
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         try:
-            return narrow(self._sd[name], dim, start, stop).clone()
+            return compact(narrow(self._sd[name], dim, start, stop))
         except RuntimeError as e:
             raise FormatError(f"cannot read {name} from {self.path} ({e}): the file may be truncated") from None
 
@@ -108,7 +108,7 @@ class TorchWriter:
         self._data: dict[str, torch.Tensor] = {}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        self._data[name] = tensor.contiguous()
+        self._data[name] = compact(tensor)
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
         missing = [s.name for s in self._specs if s.name not in self._data]

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import FormatError
-from .base import FileRecord, HashingFile, TensorSpec, check_specs, narrow
+from .base import FileRecord, HashingFile, TensorSpec, check_specs, compact, narrow
 from .torch_io import TensorReference, safe_load, state_dict_of
 
 
@@ -87,7 +87,7 @@ class XserFile:
         return self._tensor(name).dtype
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        return narrow(self._tensor(name), dim, start, stop).clone()
+        return compact(narrow(self._tensor(name), dim, start, stop))
 
     def close(self) -> None:
         self._sd = {}
@@ -121,7 +121,7 @@ class XserWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         out = HashingFile(tensor_path(self.path, self._tids[name]), self.root)
-        torch.save(tensor.contiguous(), out)
+        torch.save(compact(tensor), out)
         self._records.append(out.close())
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
