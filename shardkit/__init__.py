@@ -17,10 +17,11 @@ from .errors import (  # noqa: E402
 from .layout import FULL, Layout, ModelDims  # noqa: E402
 from .formats import Checkpoint, open_checkpoint  # noqa: E402
 from .convert import Result, convert, make_layout, merge, reshard  # noqa: E402
+from .check import VerifyReport, inspect, verify  # noqa: E402
 
 __all__ = [
     "__version__", "Layout", "ModelDims", "FULL", "Checkpoint", "open_checkpoint", "Result",
-    "convert", "merge", "reshard", "make_layout",
+    "convert", "merge", "reshard", "make_layout", "inspect", "verify", "VerifyReport",
     "ShardkitError", "LayoutError", "FormatError", "ConfigMismatchError", "UnsupportedModelError",
     "DestinationExistsError",
 ]
