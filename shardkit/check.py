@@ -100,11 +100,11 @@ def _check_replicas(ckpt: Checkpoint) -> list[str]:
     try:
         for source in index.sources():
             seen: dict[tuple[int, int], torch.Tensor] = {}
-            for start, stop, holder, piece_name, offset in index.holders(source):
-                data = reader.read_piece_slice(holder, piece_name, index.dim_of(source), offset, offset + stop - start)
-                ref = seen.setdefault((start, stop), data)
+            for h in index.holdings(source):
+                data = reader.read(h.read())
+                ref = seen.setdefault((h.start, h.stop), data)
                 if ref is not data and not torch.equal(ref, data):
-                    problems.append(f"copies of {source}[{start}:{stop}] disagree ({holder} differs)")
+                    problems.append(f"copies of {source}[{h.start}:{h.stop}] disagree ({h.holder} differs)")
                     break
     finally:
         reader.close()

@@ -17,7 +17,7 @@ import os
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -32,7 +32,7 @@ from .formats.safetensors_io import SafetensorsWriter
 from .formats.torch_io import TorchWriter
 from .formats.xser import XserWriter
 from .layout import FULL, HW_TO_REPLICATION, Layout
-from .placements import Piece, Segment, SegmentIndex, make_piece
+from .placements import Piece, Read, Segment, SegmentIndex, build_piece, make_piece
 
 log = logging.getLogger(__name__)
 
@@ -62,28 +62,31 @@ class SourceReader:
             self._open[key] = self.ckpt.open(key)
         return self._open[key]
 
-    def read_piece_slice(self, key: str, piece_name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        tensor = self._file(key).read(piece_name, dim, start, stop)
+    def read(self, r: Read) -> torch.Tensor:
+        """One read: a slice of a source piece, in the full tensor's orientation."""
+        file = self._file(r.holder)
+        if r.slab is None and not r.transposed:
+            tensor = file.read(r.piece_name, r.dim, r.start, r.stop)
+        else:
+            base = file.read(r.piece_name, 0, r.slab, r.slab + 1)[0] if r.slab is not None else file.read(r.piece_name)
+            tensor = r.take(base)
         self._since_flush += tensor.numel() * tensor.element_size()
         if self._since_flush > self.window:
             self.close()
         return tensor
 
     def read_segment(self, seg: Segment) -> torch.Tensor:
-        reads = self.index.locate(seg)
-        parts = [self.read_piece_slice(r.holder, r.piece_name, r.dim, r.start, r.stop) for r in reads]
+        parts = [self.read(r) for r in self.index.locate(seg)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=seg.dim)
 
     def read_piece(self, piece: Piece) -> torch.Tensor:
-        parts = [self.read_segment(s) for s in piece.segments]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=piece.dim)
+        return build_piece(piece, self.read_segment)
 
     def dtype_of(self, source: str) -> torch.dtype:
-        holders = self.index.holders(source)
-        if not holders:
+        holdings = self.index.holdings(source)
+        if not holdings:
             raise FormatError(f"no file holds {source}")
-        _, _, key, piece_name, _ = holders[0]
-        return self._file(key).dtype(piece_name)
+        return self._file(holdings[0].holder).dtype(holdings[0].piece_name)
 
     def close(self) -> None:
         for reader in self._open.values():
@@ -102,7 +105,10 @@ class OutputFile:
     path: str
     pieces: list[Piece]
     rank: tuple[int, int, int] | None = None
-    expert_parallel: Sequence[str] = field(default_factory=tuple)
+
+    @property
+    def expert_parallel(self) -> list[str]:
+        return [p.name for p in self.pieces if p.expert]
 
     def nbytes(self, itemsize: int) -> int:
         return sum(p.numel() for p in self.pieces) * itemsize
@@ -114,7 +120,7 @@ def plan_sharded(ckpt_family, dims, layout: Layout, fmt: str) -> list[OutputFile
     shapes = ckpt_family.full_shapes(dims)
     outputs = []
     for ep, tp, pp in layout.ranks():
-        pieces = ckpt_family.rank_pieces(layout, dims, tp, pp, shapes) if ep == 0 else []
+        pieces = ckpt_family.rank_pieces(layout, dims, tp, pp, shapes, ep)
         outputs.append(OutputFile(nxd.rank_file_name(ep, tp, pp, layout, fmt), pieces, (ep, tp, pp)))
     return outputs
 

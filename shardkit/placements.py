@@ -3,7 +3,9 @@
 Every placement reduces to one idea: a rank's *piece* is a concatenation, along one axis, of
 *segments* (contiguous slices) of full tensors. A column-parallel split is one segment; a fused
 gate_up is two (gate's slice, then up's slice); attention under kv replication is a few head
-ranges of q, k and v. So each placement only has to list a rank's pieces (`pieces()`), and the
+ranges of q, k and v. Expert layers add two twists that stay in the same description: a piece
+may stack several such concatenations (*slabs*, one per local expert) on a leading axis, and
+may hold its segments transposed (NxD's expert weights are (in, out)). So each placement only has to list a rank's pieces (`pieces()`), and the
 three questions of the design are answered once, for all placements, by the functions below:
 
 1. `shard` builds a piece from full tensors; `gather` rebuilds full tensors from pieces
@@ -42,15 +44,29 @@ class Segment:
 
 @dataclass(frozen=True)
 class Piece:
-    """One tensor of a rank file: its segments concatenated along their (common) dim."""
+    """One tensor of a rank file.
+
+    A piece is one *slab*, or several slabs stacked on a new leading axis (experts). A slab is
+    its segments, each transposed first when `transposed` (expert layers store (in, out)),
+    concatenated along `cat_dim`.
+    """
 
     name: str
-    segments: tuple[Segment, ...]
+    slabs: tuple[tuple[Segment, ...], ...]
     shape: tuple[int, ...]
+    stacked: bool = False
+    transposed: bool = False
+    expert: bool = False
 
     @property
-    def dim(self) -> int:
-        return self.segments[0].dim
+    def segments(self) -> tuple[Segment, ...]:
+        return tuple(s for slab in self.slabs for s in slab)
+
+    @property
+    def cat_dim(self) -> int:
+        """The axis, in slab coordinates, along which a slab's segments are concatenated."""
+        dim = self.slabs[0][0].dim
+        return 1 - dim if self.transposed else dim
 
     def numel(self) -> int:
         n = 1
@@ -59,8 +75,7 @@ class Piece:
         return n
 
 
-def make_piece(name: str, segments: Sequence[Segment], full_shapes: Mapping[str, tuple[int, ...]]) -> Piece:
-    """A piece with its shape computed from its segments (adjacent segments merged)."""
+def _merge_adjacent(segments: Sequence[Segment]) -> tuple[Segment, ...]:
     merged: list[Segment] = []
     for seg in segments:
         last = merged[-1] if merged else None
@@ -68,10 +83,28 @@ def make_piece(name: str, segments: Sequence[Segment], full_shapes: Mapping[str,
             merged[-1] = Segment(seg.source, seg.dim, last.start, seg.stop)
         else:
             merged.append(seg)
-    dim = merged[0].dim
-    shape = list(full_shapes[merged[0].source])
-    shape[dim] = sum(s.length for s in merged)
-    return Piece(name, tuple(merged), tuple(shape))
+    return tuple(merged)
+
+
+def _slab_shape(slab: Sequence[Segment], full_shapes, transposed: bool) -> tuple[int, ...]:
+    shape = list(full_shapes[slab[0].source])
+    shape[slab[0].dim] = sum(s.length for s in slab)
+    return tuple(reversed(shape)) if transposed else tuple(shape)
+
+
+def make_piece(name: str, segments: Sequence[Segment], full_shapes: Mapping[str, tuple[int, ...]],
+               transposed: bool = False) -> Piece:
+    """A one-slab piece with its shape computed from its segments (adjacent segments merged)."""
+    slab = _merge_adjacent(segments)
+    return Piece(name, (slab,), _slab_shape(slab, full_shapes, transposed), transposed=transposed)
+
+
+def make_stacked(name: str, slabs: Sequence[Sequence[Segment]], full_shapes: Mapping[str, tuple[int, ...]],
+                 transposed: bool = False) -> Piece:
+    """Slabs stacked on a new leading axis (one per local expert)."""
+    merged = tuple(_merge_adjacent(s) for s in slabs)
+    shape = (len(merged), *_slab_shape(merged[0], full_shapes, transposed))
+    return Piece(name, merged, shape, stacked=True, transposed=transposed, expert=True)
 
 
 def whole(source: str, full_shapes: Mapping[str, tuple[int, ...]], dim: int = 0) -> Segment:
@@ -96,6 +129,7 @@ class Replicated:
 
     name: str
     when: Callable[[ModelDims], bool] | None = None
+    out: str | None = None  # the name in rank files, when NxD renames it
 
     def sources(self, dims: ModelDims) -> list[str]:
         return [self.name] if self.when is None or self.when(dims) else []
@@ -103,8 +137,9 @@ class Replicated:
     def split_dims(self, dims: ModelDims) -> dict[str, int]:
         return {n: 0 for n in self.sources(dims)}
 
-    def pieces(self, prefix, layout, dims, tp_rank, full_shapes) -> list[Piece]:
-        return [make_piece(prefix + n, [whole(prefix + n, full_shapes)], full_shapes) for n in self.sources(dims)]
+    def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
+        return [make_piece(prefix + (self.out or n), [whole(prefix + n, full_shapes)], full_shapes)
+                for n in self.sources(dims)]
 
 
 @dataclass(frozen=True)
@@ -130,7 +165,7 @@ class Split:
     def split_dims(self, dims: ModelDims) -> dict[str, int]:
         return {n: self.dim for n in self.sources(dims)}
 
-    def pieces(self, prefix, layout, dims, tp_rank, full_shapes) -> list[Piece]:
+    def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
         if self.when is not None and not self.when(dims):
             return []
         source = prefix + (self.tied_to if (self.tied_to and dims.tie_word_embeddings) else self.name)
@@ -153,7 +188,7 @@ class Fused:
     def split_dims(self, dims: ModelDims) -> dict[str, int]:
         return {n: self.dim for n in self.sources(dims)}
 
-    def pieces(self, prefix, layout, dims, tp_rank, full_shapes) -> list[Piece]:
+    def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
         segments = []
         for part in self.sources(dims):
             source = prefix + part
@@ -202,7 +237,7 @@ class HeadGroups:
         result[f"{self.scope}{self.o}.weight"] = 1
         return result
 
-    def pieces(self, prefix, layout, dims, tp_rank, full_shapes) -> list[Piece]:
+    def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
         d = dims.head_dim
         prefix = prefix + self.scope
 
@@ -231,6 +266,42 @@ class HeadGroups:
         return pieces
 
 
+@dataclass(frozen=True)
+class Experts:
+    """Mixture-of-experts MLP as NxD's expert layers hold it: per-expert HF matrices stacked on a
+    leading expert axis, that axis split over ep, each matrix transposed to (in, out) and split
+    over tp: gate_up (E/ep, hidden, 2*I/tp) = [gate_r | up_r], down (E/ep, I/tp, hidden).
+
+    `gate`, `up`, `down` are the per-expert HF names with `{e}` for the expert index."""
+
+    gate: str
+    up: str
+    down: str
+    gate_up_out: str
+    down_out: str
+    expert = True
+
+    def sources(self, dims: ModelDims) -> list[str]:
+        return [t.format(e=e) for e in range(dims.num_experts) for t in (self.gate, self.up, self.down)]
+
+    def split_dims(self, dims: ModelDims) -> dict[str, int]:
+        out = {}
+        for e in range(dims.num_experts):
+            out.update({self.gate.format(e=e): 0, self.up.format(e=e): 0, self.down.format(e=e): 1})
+        return out
+
+    def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
+        first, last = _split_range(dims.num_experts, layout.ep, ep_rank, "experts")
+        gate_up, down = [], []
+        for e in range(first, last):
+            gate, up, dn = (prefix + t.format(e=e) for t in (self.gate, self.up, self.down))
+            rows = _split_range(full_shapes[gate][0], layout.tp, tp_rank, gate)
+            gate_up.append([Segment(gate, 0, *rows), Segment(up, 0, *rows)])
+            down.append([Segment(dn, 1, *_split_range(full_shapes[dn][1], layout.tp, tp_rank, dn))])
+        return [make_stacked(prefix + self.gate_up_out, gate_up, full_shapes, transposed=True),
+                make_stacked(prefix + self.down_out, down, full_shapes, transposed=True)]
+
+
 # ---- the generic operations -----------------------------------------------------------------
 
 
@@ -238,10 +309,60 @@ def read_segment(full: torch.Tensor, seg: Segment) -> torch.Tensor:
     return full.narrow(seg.dim, seg.start, seg.length)
 
 
+def build_piece(piece: Piece, fetch: Callable[[Segment], torch.Tensor]) -> torch.Tensor:
+    """Assemble a piece from its segments; `fetch` returns one segment of a full tensor."""
+    slabs = []
+    for slab in piece.slabs:
+        parts = [fetch(s) for s in slab]
+        if piece.transposed:
+            parts = [p.t() for p in parts]
+        slabs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=piece.cat_dim))
+    out = (torch.stack(slabs) if piece.stacked else slabs[0]).contiguous()
+    return out.clone() if out.untyped_storage().nbytes() != out.numel() * out.element_size() else out
+
+
 def shard(piece: Piece, full_tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Build one piece from full tensors."""
-    parts = [read_segment(full_tensors[s.source], s) for s in piece.segments]
-    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=piece.dim)
+    return build_piece(piece, lambda s: read_segment(full_tensors[s.source], s))
+
+
+@dataclass(frozen=True)
+class Read:
+    """Take [start, stop) along `dim` of slab `slab` (None: unstacked) of piece `piece_name` in
+    file `holder`; transpose it back when the piece stores the segment transposed."""
+
+    holder: object
+    piece_name: str
+    slab: int | None
+    dim: int
+    start: int
+    stop: int
+    transposed: bool = False
+
+    def take(self, piece_data: torch.Tensor) -> torch.Tensor:
+        """Apply this read to a piece (or, for stacked pieces, to the already-selected slab)."""
+        t = piece_data.narrow(self.dim, self.start, self.stop - self.start)
+        return t.t() if self.transposed else t
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Where the slice [start, stop) of a full tensor sits inside one piece of one file."""
+
+    start: int
+    stop: int
+    holder: object
+    piece_name: str
+    offset: int  # along the piece's cat dim, inside its slab
+    slab: int | None
+    cat_dim: int
+    transposed: bool
+
+    def read(self, start: int | None = None, stop: int | None = None) -> Read:
+        start = self.start if start is None else start
+        stop = self.stop if stop is None else stop
+        return Read(self.holder, self.piece_name, self.slab, self.cat_dim,
+                    self.offset + start - self.start, self.offset + stop - self.start, self.transposed)
 
 
 def gather(name: str, shape: Sequence[int], held: Iterable[tuple[Piece, torch.Tensor]]) -> torch.Tensor:
@@ -251,36 +372,29 @@ def gather(name: str, shape: Sequence[int], held: Iterable[tuple[Piece, torch.Te
     for key, (piece, tensor) in enumerate(held):
         index.add(key, piece)
         data[key] = tensor
-    reads = index.locate(Segment(name, index.dim_of(name), 0, shape[index.dim_of(name)] if shape else 1))
-    parts = [data[r.holder].narrow(r.dim, r.start, r.stop - r.start) for r in reads]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=reads[0].dim)
+    dim = index.dim_of(name)
+    reads = index.locate(Segment(name, dim, 0, shape[dim] if shape else 1))
+    parts = [r.take(data[r.holder] if r.slab is None else data[r.holder][r.slab]) for r in reads]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
     return out.reshape(shape).clone()
-
-
-@dataclass(frozen=True)
-class Read:
-    """Read [start, stop) along dim of piece `piece_name` held by `holder` (a file key)."""
-
-    holder: object
-    piece_name: str
-    dim: int
-    start: int
-    stop: int
 
 
 @dataclass
 class SegmentIndex:
     """Where each slice of each full tensor is held, over a set of pieces in files."""
 
-    _by_source: dict[str, list[tuple[int, int, object, str, int]]] = field(default_factory=dict)
+    _by_source: dict[str, list[Holding]] = field(default_factory=dict)
     _dims: dict[str, int] = field(default_factory=dict)
 
     def add(self, holder: object, piece: Piece) -> None:
-        offset = 0
-        for seg in piece.segments:
-            self._by_source.setdefault(seg.source, []).append((seg.start, seg.stop, holder, piece.name, offset))
-            self._dims.setdefault(seg.source, seg.dim)
-            offset += seg.length
+        for k, slab in enumerate(piece.slabs):
+            offset = 0
+            for seg in slab:
+                self._by_source.setdefault(seg.source, []).append(Holding(
+                    seg.start, seg.stop, holder, piece.name, offset, k if piece.stacked else None,
+                    piece.cat_dim, piece.transposed))
+                self._dims.setdefault(seg.source, seg.dim)
+                offset += seg.length
 
     def sources(self) -> list[str]:
         return list(self._by_source)
@@ -288,7 +402,7 @@ class SegmentIndex:
     def dim_of(self, source: str) -> int:
         return self._dims.get(source, 0)
 
-    def holders(self, source: str) -> list[tuple[int, int, object, str, int]]:
+    def holdings(self, source: str) -> list[Holding]:
         return self._by_source.get(source, [])
 
     def locate(self, seg: Segment, prefer: object = None) -> list[Read]:
@@ -302,18 +416,18 @@ class SegmentIndex:
         pos = seg.start
         while pos < seg.stop:
             best = None
-            for start, stop, holder, name, offset in entries:
-                if start <= pos < stop:
-                    score = (holder == prefer, stop)
+            for h in entries:
+                if h.start <= pos < h.stop:
+                    score = (h.holder == prefer, h.stop)
                     if best is None or score > best[0]:
-                        best = (score, start, stop, holder, name, offset)
+                        best = (score, h)
             if best is None:
                 raise FormatError(
                     f"no shard holds rows {pos}..{seg.stop} of {seg.source}: a rank file is missing or truncated"
                 )
-            _, start, stop, holder, name, offset = best
-            end = min(stop, seg.stop)
-            reads.append(Read(holder, name, seg.dim, offset + pos - start, offset + end - start))
-            prefer = holder
+            h = best[1]
+            end = min(h.stop, seg.stop)
+            reads.append(h.read(pos, end))
+            prefer = h.holder
             pos = end
         return reads

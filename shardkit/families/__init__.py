@@ -63,19 +63,26 @@ class Family:
         return out
 
     def rank_pieces(
-        self, layout: Layout, dims: ModelDims, tp_rank: int, pp_rank: int, full_shapes: Mapping[str, tuple[int, ...]]
+        self, layout: Layout, dims: ModelDims, tp_rank: int, pp_rank: int,
+        full_shapes: Mapping[str, tuple[int, ...]], ep_rank: int = 0,
     ) -> list[Piece]:
-        """The pieces of one rank file, in NxD's order."""
+        """The pieces of one rank file, in NxD's order. Expert-parallel ranks other than 0 hold
+        only their experts (the rest is identical on every ep rank and saved once, as NxD does)."""
+
+        def emit(rules, prefix: str) -> list[Piece]:
+            out: list[Piece] = []
+            for rule in rules:
+                if ep_rank == 0 or getattr(rule, "expert", False):
+                    out += rule.pieces(prefix, layout, dims, tp_rank, full_shapes, ep_rank)
+            return out
+
         pieces: list[Piece] = []
         if pp_rank == 0:
-            for rule in self.first:
-                pieces += rule.pieces("", layout, dims, tp_rank, full_shapes)
+            pieces += emit(self.first, "")
         for i in layout.stage_layers(dims.num_layers)[pp_rank]:
-            for rule in self.layer:
-                pieces += rule.pieces(LAYER_PREFIX.format(i=i), layout, dims, tp_rank, full_shapes)
+            pieces += emit(self.layer, LAYER_PREFIX.format(i=i))
         if pp_rank == layout.pp - 1:
-            for rule in self.final:
-                pieces += rule.pieces("", layout, dims, tp_rank, full_shapes)
+            pieces += emit(self.final, "")
         return pieces
 
     def is_ignored(self, name: str) -> bool:
@@ -84,9 +91,9 @@ class Family:
 
 
 def _registry() -> dict[str, Family]:
-    from . import llama
+    from . import llama, mistral, mixtral, qwen2
 
-    families = [llama.FAMILY]
+    families = [llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, mixtral.FAMILY]
     return {t: f for f in families for t in f.model_types}
 
 

@@ -202,7 +202,7 @@ def _sharded_holdings(family, dims, layout, keys_by_rank) -> tuple[dict[str, lis
     shapes = family.full_shapes(dims)
     holdings, ranks = {}, {}
     for (ep, tp, pp), key in keys_by_rank.items():
-        holdings[key] = family.rank_pieces(layout, dims, tp, pp, shapes) if ep == 0 else []
+        holdings[key] = family.rank_pieces(layout, dims, tp, pp, shapes, ep)
         ranks[key] = (ep, tp, pp)
     return holdings, ranks
 
@@ -282,11 +282,11 @@ def _replicas_agree(ckpt: Checkpoint, reader) -> bool:
     name = f"model.layers.{first_layer}.self_attn.k_proj.weight"
     try:
         seen: dict[tuple[int, int], torch.Tensor] = {}
-        for start, stop, holder, piece_name, offset in index.holders(name):
-            data = reader.read_piece_slice(holder, piece_name, 0, offset, offset + stop - start)
-            if (start, stop) in seen and not torch.equal(seen[(start, stop)], data):
+        for h in index.holdings(name):
+            data = reader.read(h.read())
+            if (h.start, h.stop) in seen and not torch.equal(seen[(h.start, h.stop)], data):
                 return False
-            seen.setdefault((start, stop), data)
+            seen.setdefault((h.start, h.stop), data)
         return True
     finally:
         reader.close()

@@ -104,7 +104,10 @@ class _ReferencePickler(pickle._Pickler):
         super().save_global(obj, name)
 
 
-_PICKLE_MODULE = types.SimpleNamespace(Pickler=_ReferencePickler, Unpickler=pickle.Unpickler, load=pickle.load)
+_PICKLE_MODULE = types.ModuleType("shardkit_xser_pickle")
+_PICKLE_MODULE.Pickler = _ReferencePickler
+_PICKLE_MODULE.Unpickler = pickle.Unpickler
+_PICKLE_MODULE.load = pickle.load
 
 
 class XserWriter:

@@ -1,0 +1,8 @@
+"""Mistral (model_type "mistral"): Llama's table exactly; sliding-window attention changes
+nothing about the weights."""
+
+import dataclasses
+
+from .llama import FAMILY as LLAMA
+
+FAMILY = dataclasses.replace(LLAMA, name="mistral", model_types=("mistral",))

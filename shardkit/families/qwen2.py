@@ -1,0 +1,18 @@
+"""Qwen2 (model_type "qwen2"): Llama's layout, with biases on q, k and v (none on o).
+
+The biases follow their weights' rows, so kv replication and q head reordering apply to them
+exactly as to the weights (HeadGroups cuts weights and biases from the same head list)."""
+
+from ..placements import HeadGroups
+from .llama import EMBEDDING, GATED_MLP, HEAD, NORMS, shapes
+from . import Family
+
+FAMILY = Family(
+    name="qwen2",
+    model_types=("qwen2",),
+    first=EMBEDDING,
+    layer=(HeadGroups(scope="self_attn.", qkv_bias=lambda dims: True, o_bias=lambda dims: False), *GATED_MLP, *NORMS),
+    final=HEAD,
+    shapes=shapes,
+    ignored=("*.rotary_emb.inv_freq",),
+)
