@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -180,6 +181,8 @@ class _Bar:
 
 
 def _report(ctx: click.Context, result, started: float, as_json: bool, verb: str) -> None:
+    if os.environ.get("RANK", "0") != "0":
+        return  # under torchrun only rank 0 reports
     data = {"path": str(result.path), "format": result.format, "layout": result.layout.to_dict(),
             "files": len(result.files), "bytes": result.bytes, "seconds": round(time.perf_counter() - started, 3)}
     if as_json:
@@ -206,13 +209,16 @@ def _command_line() -> str:
 @output_options
 @config_option
 @click.option("--max-shard-size", default="5GB", show_default=True, help="With --to-hf: largest safetensors file.")
+@click.option("--revision", default=None, help="When SRC is a Hub repo id: the branch, tag or commit to download.")
 @click.pass_context
-def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, as_json, config, max_shard_size, **layout_opts):
+def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, as_json, config, max_shard_size, revision,
+            **layout_opts):
     """Convert SRC (a Hugging Face model directory, or one torch state-dict file) into shards.
 
     \b
     SRC: a directory with config.json and model.safetensors / model-*.safetensors + index /
-    pytorch_model*.bin, or a single .pt/.bin state dict (give --config). DST gets
+    pytorch_model*.bin, or a single .pt/.bin state dict (give --config), or a Hugging Face Hub
+    repo id (org/name, fetched into the HF cache). DST gets
     model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt, config.json, tokenizer files and shardkit.json.
 
     \b
@@ -223,6 +229,7 @@ def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, as_json, 
     from . import merge as api_merge
 
     started = time.perf_counter()
+    src = _hub_source(ctx, src, revision)
     bar = _Bar("convert", ctx.obj["quiet"])
     try:
         if to_sharded:
@@ -244,8 +251,14 @@ def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, as_json, 
               help="Largest safetensors file (e.g. 5GB, 500MB); larger models get model-0000i-of-0000n files + index.")
 @_source_options
 @output_options
+@click.option("--revision", default=None, help="When SRC is a Hub repo id: the branch, tag or commit to download.")
+@click.option("--push-to", "push_to", metavar="REPO_ID", default=None,
+              help="Then upload DST to this Hub repo (namespace/name), as `shardkit push DST REPO_ID` does.")
+@click.option("--private", is_flag=True, help="With --push-to and --create: make the new repo private.")
+@click.option("--create", is_flag=True, help="With --push-to: create the repo when it does not exist.")
 @click.pass_context
-def merge(ctx, src, dst, max_shard_size, config, kv_replication, hw, dtype, workers, overwrite, as_json):
+def merge(ctx, src, dst, max_shard_size, config, kv_replication, hw, dtype, workers, overwrite, as_json, revision,
+          push_to, private, create):
     """Merge shards in SRC into a Hugging Face model directory DST.
 
     \b
@@ -257,12 +270,22 @@ def merge(ctx, src, dst, max_shard_size, config, kv_replication, hw, dtype, work
     from . import merge as api_merge
 
     started = time.perf_counter()
+    src = _hub_source(ctx, src, revision)
+    if push_to:
+        _hub_check(push_to, private, create)
+    elif private or create:
+        raise ShardkitError("--private and --create only apply with --push-to REPO_ID")
     bar = _Bar("merge", ctx.obj["quiet"])
     try:
         result = api_merge(src, dst, max_shard_size=max_shard_size, dtype=dtype, workers=workers, overwrite=overwrite,
                            config=config, hints=_hints({"kv_replication": kv_replication, "hw": hw}), progress=bar)
     finally:
         bar.close()
+    if push_to:
+        _merge_and_push_report(ctx, result, started, as_json, _hub_push(
+            ctx, dst, push_to, private=private, create=create, origin=src, config=config,
+            hints=_hints({"kv_replication": kv_replication, "hw": hw})))
+        return
     _report(ctx, result, started, as_json, "merged into")
 
 
@@ -372,6 +395,264 @@ def verify(ctx, a, b, config_a, config_b, atol, show_all, as_json):
         verdict = "equal" if report.ok else f"{len(report.mismatches)} of {len(report.tensors)} tensors differ"
         click.echo(f"{len(report.tensors)} tensors compared: {verdict}")
     ctx.exit(0 if report.ok else 1)
+
+
+@cli.command(name="plan")
+@click.option("--config", required=True, type=click.Path(exists=True, dir_okay=True, path_type=Path),
+              help="The model's Hugging Face config.json (or its folder). No weights are read.")
+@click.option("--tp", "--tp-size", "tp", type=click.IntRange(min=1), default=None,
+              help="Tensor-parallel degree (default 1). With --suggest: consider only this tp.")
+@click.option("--pp", "--pp-size", "pp", type=click.IntRange(min=1), default=None,
+              help="Pipeline stages (default 1). With --suggest: consider only this pp.")
+@click.option("--kv-multiplier", "--kv-size-multiplier", "kv_multiplier", type=click.IntRange(min=1), default=None,
+              help="K/V head replicas, NxD's kv_size_multiplier (default 1). Each replica is real memory. "
+                   "With --suggest: only this multiplier (default: the smallest valid one for each tp).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
+              help="Training dtype of the weights; gradients are counted in the same dtype. Adam keeps an fp32 "
+                   "master copy + exp_avg + exp_avg_sq (12 B/parameter) for bf16/fp16, exp_avg + exp_avg_sq "
+                   "(8 B/parameter) for fp32.")
+@click.option("--zero1", is_flag=True,
+              help="ZeRO-1: the optimizer state (only) is sharded over the data-parallel ranks (--dp).")
+@click.option("--dp", "--dp-size", "dp", type=click.IntRange(min=1), default=None,
+              help="Data-parallel degree: divides the optimizer state with --zero1 (default 1, or "
+                   "world size / (tp x pp) with --world-size).")
+@click.option("--world-size", type=click.IntRange(min=1), default=None,
+              help="Devices in total: only layouts with tp x pp x dp = this (dp is derived when not given).")
+@click.option("--device-memory", default=None,
+              help="Memory of one device (one rank): 16GiB = 16 x 2**30, 16GB = 16 x 10**9, 32G = 32GiB. "
+                   "Decides whether the layout fits.")
+@click.option("--reserve", default="10%", show_default=True,
+              help="Device memory kept back for activations, runtime and compiler scratch, which are NOT "
+                   "estimated: a percentage (10%), a fraction (0.1) or a size (2GiB). Raise it for long "
+                   "sequences or large micro-batches.")
+@click.option("--suggest", is_flag=True,
+              help="List the valid (tp, pp, kv-multiplier) layouts that fit --device-memory: smallest tp "
+                   "first, then smallest pp.")
+@click.option("--max-pp", type=click.IntRange(min=1), default=None,
+              help="With --suggest: try pp up to this (default: the number of layers).")
+@click.option("--all-kv-multipliers", is_flag=True,
+              help="With --suggest: also list the larger valid kv-multipliers, not only the smallest per tp.")
+@click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True,
+              help="With --suggest: print at most this many layouts (0: all of them).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan (or the suggestions) as JSON on stdout.")
+@click.pass_context
+def plan_cmd(ctx, config, tp, pp, kv_multiplier, dtype, zero1, dp, world_size, device_memory, reserve, suggest,
+             max_pp, all_kv_multipliers, limit, as_json):
+    """Per-rank training memory of a parallel layout, from config.json alone (no weights).
+
+    \b
+    For each pipeline stage, the largest of its tp ranks: parameters (replicated norms and
+    kv-head replicas included), weights and gradients in --dtype, and Adam's state (fp32
+    master + exp_avg + exp_avg_sq; over dp with --zero1). Activations are NOT estimated:
+    --reserve keeps part of --device-memory for them.
+    Exit code 0 when it fits (or no --device-memory was given), 1 when it does not (with
+    --suggest: when no layout fits), 2 when the layout is impossible (the reason is printed).
+
+    \b
+    Examples:
+      shardkit plan --config Llama-2-70b-hf/config.json --tp 32 --pp 4 --kv-multiplier 4 --device-memory 16GiB
+      shardkit plan --config Llama-2-70b-hf --suggest --device-memory 16GiB --world-size 128 --zero1
+    """
+    from .layout import Layout
+    from .plan import format_bytes, plan_memory, suggest_layouts
+
+    if not suggest:
+        used = [f for f, v in (("--max-pp", max_pp), ("--all-kv-multipliers", all_kv_multipliers)) if v]
+        if used:
+            raise ShardkitError(f"{used[0]} only applies with --suggest")
+    if zero1 and dp is None and world_size is None:
+        raise ShardkitError("--zero1 shards the optimizer state over data-parallel ranks: give --dp (or --world-size)")
+    training = (f"{dtype} weights {4 if dtype == 'fp32' else 2} B + {dtype} grads {4 if dtype == 'fp32' else 2} B + "
+                f"Adam {8 if dtype == 'fp32' else 12} B per parameter"
+                + (" (exp_avg, exp_avg_sq)" if dtype == "fp32" else " (fp32 master, exp_avg, exp_avg_sq)"))
+    note = "activations are not estimated: the reserve must cover them"
+
+    def layout_text(r) -> str:
+        lay = r.layout
+        kv = f", kv-multiplier {lay.kv_multiplier}" if lay.kv_multiplier > 1 else ""
+        return f"tp {lay.tp}, pp {lay.pp}{kv}, dp {r.dp}{' (ZeRO-1)' if r.zero1 else ''} = {r.world_size} devices"
+
+    def usable_text(r) -> str:
+        return (f"{format_bytes(r.device_memory)} per device - reserve {format_bytes(r.reserve_bytes)} = "
+                f"{format_bytes(r.usable_bytes)} usable")
+
+    if suggest:
+        if device_memory is None:
+            raise ShardkitError("--suggest needs --device-memory (e.g. --device-memory 16GiB)")
+        found = suggest_layouts(config, device_memory, dtype=dtype, zero1=zero1, dp=dp, world_size=world_size,
+                                tp=tp, pp=pp, max_pp=max_pp, kv_multiplier=kv_multiplier,
+                                all_kv_multipliers=all_kv_multipliers, reserve=reserve)
+        shown = found.layouts[:limit] if limit else found.layouts
+        more = len(found.layouts) - len(shown)
+        if as_json:
+            data = found.to_dict()
+            data["layouts"] = data["layouts"][:len(shown)]
+            data["more"] = more
+            click.echo(json.dumps(data, indent=2))
+        else:
+            if found.layouts:
+                first = found.layouts[0]
+                click.echo(f"device:   {usable_text(first)}")
+                click.echo(f"training: {training}" + ("; ZeRO-1: optimizer state / dp" if zero1 else ""))
+                click.echo(f"{len(found.layouts)} valid layouts fit, smallest tp first:")
+                click.echo(f"  {'tp':>4} {'pp':>4} {'kv-mult':>8} {'dp':>4} {'devices':>8} {'per rank':>11} {'spare':>11}")
+                for r in shown:
+                    click.echo(f"  {r.layout.tp:>4} {r.layout.pp:>4} {r.layout.kv_multiplier:>8} {r.dp:>4} "
+                               f"{r.world_size:>8} {format_bytes(r.peak_bytes):>11} {format_bytes(r.spare_bytes):>11}")
+                if more:
+                    click.echo(f"  ... and {more} more (--limit 0 lists them all)")
+            elif found.closest is not None:
+                c = found.closest
+                click.echo(f"no valid layout fits ({usable_text(c)}): the smallest need is "
+                           f"{format_bytes(c.peak_bytes)} per rank, at {layout_text(c)}")
+            else:
+                click.echo("no valid layout matches"
+                           + (f" --world-size {world_size}" if world_size else " the given --tp/--pp/--kv-multiplier")
+                           + (f" with --dp {dp}" if dp and world_size else ""))
+            for bad in found.impossible:
+                click.echo(f"not possible: tp {bad['tp']}: {bad['reason']}")
+            click.echo(note)
+        ctx.exit(0 if found.layouts else 1)
+
+    layout = Layout(tp=tp or 1, pp=pp or 1, kv_multiplier=kv_multiplier or 1)
+    if world_size is not None:
+        if world_size % (layout.tp * layout.pp) or (dp is not None and layout.tp * layout.pp * dp != world_size):
+            raise ShardkitError(f"tp {layout.tp} x pp {layout.pp}" + (f" x dp {dp}" if dp is not None else " x dp")
+                                + f" cannot make --world-size {world_size}")
+        dp = world_size // (layout.tp * layout.pp)
+    report = plan_memory(config, layout, dtype=dtype, zero1=zero1, dp=dp or 1, device_memory=device_memory,
+                         reserve=reserve)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        extra = report.held_parameters - report.parameters
+        kind = report.family if report.family == report.model_type else f"{report.family} ({report.model_type})"
+        click.echo(f"model:    {kind}, {report.parameters:,} parameters; its "
+                   f"{report.layout.tp * report.layout.pp} ranks hold {report.held_parameters:,}"
+                   + (f" (+{extra:,} replicated)" if extra else ""))
+        click.echo(f"layout:   {layout_text(report)}")
+        click.echo(f"training: {training}" + (f"; optimizer state / dp {report.dp}" if report.zero1 else ""))
+        click.echo("per rank (the largest tp rank of each stage):")
+        click.echo(f"  {'stage':>5} {'layers':>9} {'parameters':>15} {'weights':>11} {'grads':>11} "
+                   f"{'optimizer':>11} {'total':>11}")
+        for s in report.stages:
+            click.echo(f"  {s.stage:>5} {f'{s.layers[0]}-{s.layers[1]}':>9} {s.params:>15,} "
+                       f"{format_bytes(s.param_bytes):>11} {format_bytes(s.grad_bytes):>11} "
+                       f"{format_bytes(s.optimizer_bytes):>11} {format_bytes(s.total_bytes):>11}")
+        peak = report.peak
+        click.echo(f"peak:     {format_bytes(peak.total_bytes)} per rank ({peak.total_bytes:,} B, stage {peak.stage})")
+        if report.fits is None:
+            click.echo("device:   not given (--device-memory 16GiB checks the fit)")
+        elif report.fits:
+            click.echo(f"device:   {usable_text(report)}: fits, {format_bytes(report.spare_bytes)} to spare")
+        else:
+            click.echo(f"device:   {usable_text(report)}: does NOT fit, "
+                       f"{format_bytes(-report.spare_bytes)} short (try shardkit plan --suggest)")
+        click.echo(f"note:     {note}")
+    ctx.exit(1 if report.fits is False else 0)
+
+
+# ---- the Hub -----------------------------------------------------------------------------------
+
+
+def _hub_quiet(ctx: click.Context) -> None:
+    if ctx.obj["quiet"]:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
+def _hub_source(ctx: click.Context, src: Path, revision: str | None) -> Path:
+    """SRC as given, or the Hub repo SRC fetched into the Hugging Face cache."""
+    from .hub import resolve_source
+
+    _hub_quiet(ctx)
+    return resolve_source(str(src), revision=revision)
+
+
+def _hub_check(repo_id: str, private: bool, create: bool) -> None:
+    """Fail before any work when REPO_ID cannot be pushed to (no token, missing repo without --create)."""
+    from .hub import check_repo
+
+    check_repo(repo_id, private=private, create=create, dry_run=True)
+
+
+def _hub_push(ctx: click.Context, src: Path, repo_id: str, **options) -> dict:
+    from .hub import push as api_push
+
+    _hub_quiet(ctx)
+    bar = _Bar("merge", ctx.obj["quiet"])
+    try:
+        return api_push(src, repo_id, progress=bar, command=_command_line(), **options)
+    finally:
+        bar.close()
+
+
+def _push_line(pushed: dict) -> str:
+    where = pushed["pr_url"] or pushed["commit_url"] or pushed["url"]
+    return (f"pushed to {pushed['repo_id']} ({pushed['revision']}): {pushed['files']} files, "
+            f"{pushed['bytes'] / 2**20:.1f} MiB" + (", model card generated" if pushed["model_card"] else "")
+            + f" -- {where}")
+
+
+def _merge_and_push_report(ctx: click.Context, result, started: float, as_json: bool, pushed: dict) -> None:
+    if as_json:
+        click.echo(json.dumps({"path": str(result.path), "format": result.format, "layout": result.layout.to_dict(),
+                               "files": len(result.files), "bytes": result.bytes,
+                               "seconds": round(time.perf_counter() - started, 3), "push": pushed}, indent=2))
+    else:
+        _report(ctx, result, started, False, "merged into")
+        if not ctx.obj["quiet"]:
+            click.echo(_push_line(pushed))
+
+
+@cli.command(name="push")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("repo_id")
+@click.option("--private", is_flag=True,
+              help="Make the repo private when --create creates it (an existing repo keeps its visibility).")
+@click.option("--create", is_flag=True, help="Create REPO_ID on the Hub when it does not exist yet.")
+@click.option("--revision", default=None,
+              help="Branch to commit to, created from the default branch when missing (default: main).")
+@click.option("--commit-message", default=None, help="Message of the commit (default: 'Upload <SRC> with shardkit').")
+@click.option("--create-pr", is_flag=True,
+              help="Open a pull request against the default branch instead of committing to it.")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="When SRC is merged first: largest safetensors file (e.g. 5GB, 500MB).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="When SRC is merged first: cast weights to this dtype (default: keep the source's).")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="When SRC is merged first: output files built in parallel (threads).")
+@click.option("--tmp-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where a merged copy is staged before the upload (default: the system temp folder); it needs "
+                   "room for the whole model.")
+@_source_options
+@click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
+@click.pass_context
+def push_cmd(ctx, src, repo_id, private, create, revision, commit_message, create_pr, max_shard_size, dtype, workers,
+             tmp_dir, config, kv_replication, hw, as_json):
+    """Upload SRC to the Hugging Face Hub model repo REPO_ID (namespace/name).
+
+    \b
+    SRC: a Hugging Face model directory (uploaded as it is), or shards, NxD shards or a training
+    checkpoint tag (merged first, streaming, into a temporary folder). A README.md model card is
+    added when SRC has none: base model, the layout it was trained in, this command, tensor count
+    and size. The token comes from HF_TOKEN (or `hf auth login`) and needs write access; it is
+    never printed. HF_ENDPOINT selects the Hub. Network failures are retried; a push that still
+    fails resumes when run again (files already uploaded are skipped).
+
+    \b
+    Example:
+      shardkit push ./llama-tp8pp2 my-org/llama-7b-finetuned --create --private
+    """
+    pushed = _hub_push(ctx, src, repo_id, private=private, create=create, revision=revision,
+                       commit_message=commit_message, create_pr=create_pr, max_shard_size=max_shard_size, dtype=dtype,
+                       workers=workers, tmp_dir=tmp_dir, config=config,
+                       hints=_hints({"kv_replication": kv_replication, "hw": hw}))
+    if as_json:
+        click.echo(json.dumps(pushed, indent=2))
+    elif not ctx.obj["quiet"]:
+        click.echo(_push_line(pushed))
 
 
 def main() -> None:

@@ -5,12 +5,12 @@ of full tensors they are made of). The *executor* builds each output file by loc
 slices in the source checkpoint (`SegmentIndex.locate`), reading only them, concatenating, and
 handing each tensor to a streaming writer. Memory stays near one output file (torch, xser) or
 one tensor (safetensors) per worker plus a bounded window of mapped source pages, whatever the
-model size. Output goes to a staging directory renamed into place at the end.
+model size. Output goes to a staging directory renamed into place at the end. Under torchrun the
+output files are divided among the job's processes (distributed.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -19,11 +19,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from . import __version__
+from .distributed import current_job
 from .errors import DestinationExistsError, FormatError, ShardkitError
 from .formats import MANIFEST, Checkpoint, open_checkpoint
 from .formats import hf, nxd
@@ -213,9 +214,8 @@ def execute(
 # ---- output directories ------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def staged_output(dst: Path, overwrite: bool, sources: Sequence[Path] = ()) -> Iterator[Path]:
-    """A staging directory beside `dst`, renamed to `dst` only when the block succeeds."""
+def prepare_staging(dst: Path, overwrite: bool, sources: Sequence[Path] = ()) -> Path:
+    """Check the destination and create a staging folder beside it (renamed to dst at the end)."""
     dst = Path(dst).absolute()
     for src in sources:
         src = Path(src).absolute()
@@ -229,18 +229,62 @@ def staged_output(dst: Path, overwrite: bool, sources: Sequence[Path] = ()) -> I
     staging = dst.parent / f".{dst.name}.shardkit-tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
+    return staging
+
+
+def commit_staging(staging: Path, dst: Path) -> None:
+    """Put the finished staging folder in place of dst (replacing it when it exists)."""
+    dst = Path(dst).absolute()
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.shardkit-old-{os.getpid()}"
+        os.rename(dst, old)
+        os.rename(staging, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(staging, dst)
+
+
+def produce(
+    src: Checkpoint,
+    outputs: Sequence[OutputFile],
+    dst: Path,
+    fmt: str,
+    dtype: torch.dtype | None,
+    workers: int,
+    overwrite: bool,
+    progress: ProgressCallback | None,
+    finish: Callable[[Path, list[FileRecord]], None],
+) -> list[FileRecord]:
+    """Write `outputs` into a staging folder, let `finish` add its files, and rename to `dst`.
+
+    In a torch.distributed job every rank writes its share of the files (see distributed.py)."""
+    job = current_job()
+    if job.leader:
+        try:
+            prepared: Any = prepare_staging(dst, overwrite, [src.root])
+        except ShardkitError as e:
+            prepared = e
+    staging = job.broadcast(prepared if job.leader else None)
+    if isinstance(staging, BaseException):
+        raise staging
     try:
-        yield staging
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.shardkit-old-{os.getpid()}"
-            os.rename(dst, old)
-            os.rename(staging, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(staging, dst)
+        mine = job.run_all_or_none(lambda: execute(src, job.share(list(outputs)), staging, fmt, dtype, workers,
+                                                   progress if job.leader else None))
+        records = sorted((r for part in job.gather(mine) for r in part), key=lambda r: r.path)
+
+        def finish_and_rename() -> None:
+            if job.leader:
+                finish(staging, records)
+                commit_staging(staging, dst)
+
+        job.run_all_or_none(finish_and_rename)
+        if job.world > 1:
+            log.info("rank %d wrote %d of %d files", job.rank, len(mine), len(records))
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if job.leader:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
+    return records
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -342,12 +386,14 @@ def reshard(
     layout.validate(ckpt.dims)
     ckpt.check_files()
     outputs = plan_sharded(ckpt.family, ckpt.dims, layout, format)
-    with staged_output(Path(dst), overwrite, [ckpt.root]) as stage:
-        records = execute(ckpt, outputs, stage, format, target_dtype, workers, progress)
+
+    def finish(stage: Path, records: list[FileRecord]) -> None:
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
         dtype_name = str(target_dtype or ckpt.dtype()).replace("torch.", "")
         _write_json(stage / MANIFEST, _manifest(ckpt, layout, format, dtype_name, records, command))
+
+    records = produce(ckpt, outputs, Path(dst), format, target_dtype, workers, overwrite, progress, finish)
     log.info("wrote %d files (%s) to %s", len(records), layout.describe(), dst)
     return Result(Path(dst), records, layout, format)
 
@@ -375,11 +421,13 @@ def merge(
     ckpt.check_files()
     itemsize = (target_dtype or ckpt.dtype()).itemsize
     outputs, index = plan_full(ckpt.family, ckpt.dims, itemsize, max_shard_size)
-    with staged_output(Path(dst), overwrite, [ckpt.root]) as stage:
-        records = execute(ckpt, outputs, stage, "safetensors", target_dtype, workers, progress)
+
+    def finish(stage: Path, records: list[FileRecord]) -> None:
         if index is not None:
             _write_json(stage / "model.safetensors.index.json", index)
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
+
+    records = produce(ckpt, outputs, Path(dst), "safetensors", target_dtype, workers, overwrite, progress, finish)
     log.info("merged %s into %s (%d files)", ckpt.root, dst, len(records))
     return Result(Path(dst), records, FULL, "safetensors")

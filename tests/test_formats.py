@@ -1,0 +1,801 @@
+"""On-disk formats: xser as torch-xla writes and reads it (checked against a fake of torch-xla's
+public loader and against real torch-xla output), reading inline and referenced xser tensors,
+never running arbitrary pickle, the streaming safetensors writer, manifest checksums, and clean
+failures on truncated files."""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import importlib.util
+import json
+import os
+import pickletools
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import golden_or_skip
+from shardkit import FormatError, Layout, convert, merge, open_checkpoint
+from shardkit.formats.safetensors_io import SafetensorsWriter
+from shardkit.formats.base import TensorSpec
+from shardkit.formats.xser import XserFile
+from shardkit.formats.xser import load as shardkit_xser_load
+
+MODEL = "llama-gqa64"
+LAYOUT = Layout(tp=2, pp=2, qkv="gqa")
+REFERENCE_GLOBAL = "torch_xla.utils.serialization TensorReference"
+RANK_FILE = re.compile(r"^dp_rank_\d+_(ep_rank_\d+_)?tp_rank_\d+_pp_rank_\d+\.(pt|safetensors)$")
+GOLDEN_XSER_CASE = "gqa-tp8-pp2-qkvlinear"
+
+
+# ---- a fake torch_xla.utils.serialization ----------------------------------------------------------
+# It follows torch-xla's public implementation (torch_xla/utils/serialization.py): the class
+# TensorReference with one field `tid`; save() rewrites device tensors into references, each
+# tensor torch.save'd alone at <path>.tensors/tensor_<tid>.pt, then torch.save(ref_data, path);
+# load() torch.loads the reference structure with full pickle and replaces each TensorReference
+# by torch.load(<path>.tensors/tensor_<tid>.pt). torch-xla's ToXlaTensorArena collects the
+# selected objects, converts them in one batch and rewrites the structure; _Arena does the same.
+# The only invention is `to_device`, which stands in for moving a tensor to an XLA device (torch-xla
+# only rewrites device tensors; CPU tensors stay inline in the .pt).
+
+FAKE_SERIALIZATION = '''
+import os
+import shutil
+
+import torch
+
+
+class TensorReference(object):
+
+  def __init__(self, tid):
+    self.tid = tid
+
+
+def _get_tensors_folder(path):
+  return path + '.tensors'
+
+
+def _get_tensor_file(path, tid):
+  return os.path.join(path, 'tensor_{}.pt'.format(tid))
+
+
+def to_device(tensor):
+  """Stand-in for tensor.to(xm.xla_device()): marks the tensor as living on the device."""
+  tensor = tensor.detach().clone()
+  tensor._fake_xla_device = True
+  return tensor
+
+
+def _is_xla_tensor(v):
+  return getattr(v, '_fake_xla_device', False)
+
+
+class _Arena(object):
+  """torch-xla's ToXlaTensorArena: collect selected objects, convert them at once, rewrite."""
+
+  def __init__(self, convert_fn, select_fn):
+    self._convert_fn = convert_fn
+    self._select_fn = select_fn
+
+  def _collect(self, value, found):
+    if self._select_fn(value):
+      if all(v is not value for v in found):
+        found.append(value)
+    elif isinstance(value, dict):
+      for k, v in value.items():
+        self._collect(k, found)
+        self._collect(v, found)
+    elif isinstance(value, (list, tuple, set)):
+      for v in value:
+        self._collect(v, found)
+
+  def _rewrite(self, value, converted):
+    if self._select_fn(value):
+      return converted[id(value)]
+    if isinstance(value, dict):
+      result = value.__class__()
+      for k, v in value.items():
+        result[k] = self._rewrite(v, converted)
+      return result
+    if isinstance(value, (list, tuple, set)):
+      return value.__class__(self._rewrite(v, converted) for v in value)
+    return value
+
+  def transform(self, data):
+    found = []
+    self._collect(data, found)
+    converted = dict(zip([id(v) for v in found], self._convert_fn(found)))
+    return self._rewrite(data, converted)
+
+
+def _rewrite_data(path, data, save_tensors):
+
+  def convert_fn(tensors):
+    rewritten_tensors = []
+    for i, t in enumerate(tensors):
+      if save_tensors:
+        torch.save(t.detach().clone().cpu(), _get_tensor_file(path, i))
+      rewritten_tensors.append(TensorReference(i))
+    return rewritten_tensors
+
+  def select_fn(v):
+    return type(v) == torch.Tensor and _is_xla_tensor(v)
+
+  if save_tensors:
+    if os.path.isdir(path):
+      shutil.rmtree(path)
+    os.mkdir(path)
+  return _Arena(convert_fn, select_fn).transform(data)
+
+
+def save(data, path, master_only=True, global_master=False):
+  ref_data = _rewrite_data(_get_tensors_folder(path), data, True)
+  torch.save(ref_data, path)
+
+
+def load(path):
+  ref_data = torch.load(path, weights_only=False)
+  tensor_folder = _get_tensors_folder(path)
+
+  def convert_fn(tensors):
+    rewritten_tensors = []
+    for t in tensors:
+      rewritten_tensors.append(
+          torch.load(_get_tensor_file(tensor_folder, t.tid), weights_only=False))
+    return rewritten_tensors
+
+  def select_fn(v):
+    return type(v) == TensorReference
+
+  return _Arena(convert_fn, select_fn).transform(ref_data)
+'''
+
+# Loads xser files with the fake torch-xla (never importing shardkit) and saves what it got as
+# plain state dicts, so the test process can compare them.
+LOAD_SCRIPT = '''
+import json, os, sys
+import torch
+import torch_xla
+import torch_xla.utils.serialization as xser
+
+def name(t):
+    return t.__module__ + "." + t.__qualname__
+
+out_dir = sys.argv[1]
+report = {"torch_xla": torch_xla.__file__, "files": []}
+for i, path in enumerate(sys.argv[2:]):
+    raw = torch.load(path, weights_only=False)
+    obj = xser.load(path)
+    out = os.path.join(out_dir, "loaded_%d.pt" % i)
+    torch.save({k: v for k, v in obj.items()}, out)
+    report["files"].append({
+        "path": path,
+        "out": out,
+        "raw_type": name(type(raw)),
+        "type": name(type(obj)),
+        "keys": list(obj),
+        "raw": {k: [name(type(v)), type(v) is xser.TensorReference, getattr(v, "tid", None)] for k, v in raw.items()},
+        "loaded_types": sorted({name(type(v)) for v in obj.values()}),
+    })
+report["shardkit_imported"] = sorted(m for m in sys.modules if m == "shardkit" or m.startswith("shardkit."))
+print(json.dumps(report))
+'''
+
+# Writes xser files with the fake torch-xla: tensors named in "device" become references, the
+# others stay inline; NxD's .info.pt is added when asked.
+SAVE_SCRIPT = '''
+import json, sys
+import torch
+import torch_xla.utils.serialization as xser
+
+jobs = json.loads(open(sys.argv[1]).read())
+for job in jobs:
+    sd = torch.load(job["src"], weights_only=True)
+    data = {k: (xser.to_device(v) if k in job["device"] else v) for k, v in sd.items()}
+    xser.save(data, job["dst"])
+    if job["info"]:
+        refs = torch.load(job["dst"], weights_only=False)
+        info = {v.tid: {"dtype": sd[k].dtype, "shape": sd[k].shape, "expert_model_parallel": False}
+                for k, v in refs.items() if type(v) is xser.TensorReference}
+        torch.save(info, job["dst"] + ".info.pt")
+print("ok")
+'''
+
+
+@pytest.fixture(scope="module")
+def fake_xla(tmp_path_factory) -> Path:
+    """A folder holding a fake torch_xla package (only utils.serialization), for PYTHONPATH."""
+    root = tmp_path_factory.mktemp("fake-torch-xla")
+    pkg = root / "torch_xla"
+    (pkg / "utils").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('"""Fake torch_xla for tests: only utils.serialization."""\nFAKE = True\n')
+    (pkg / "utils" / "__init__.py").write_text("")
+    (pkg / "utils" / "serialization.py").write_text(FAKE_SERIALIZATION)
+    return root
+
+
+def run_with_fake_xla(fake_xla: Path, script: str, *args, tmp: Path) -> str:
+    """Run `script` in a fresh interpreter with the fake torch_xla importable; returns stdout."""
+    path = tmp / f"script_{abs(hash(script)) % 10**8}.py"
+    path.write_text(script)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(fake_xla)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, str(path), *map(str, args)], capture_output=True, text=True, env=env,
+                          cwd=tmp, timeout=120)
+    assert proc.returncode == 0, f"subprocess failed:\n{proc.stderr[-3000:]}"
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def fake_xla_load(fake_xla: Path, files: list[Path], tmp: Path) -> dict:
+    out = tmp / "fake-loaded"
+    out.mkdir(exist_ok=True)
+    report = json.loads(run_with_fake_xla(fake_xla, LOAD_SCRIPT, out, *files, tmp=tmp))
+    assert Path(report["torch_xla"]).resolve().is_relative_to(fake_xla.resolve()), report["torch_xla"]
+    assert report["shardkit_imported"] == [], "the fake torch-xla load must not need shardkit"
+    return report
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+class _Ref:
+    """Our own stand-in for TensorReference (to read reference files independently of shardkit)."""
+
+    def __init__(self, tid=None):
+        self.tid = tid
+
+
+def load_refs(path: Path) -> dict:
+    with torch.serialization.safe_globals([(_Ref, "torch_xla.utils.serialization.TensorReference")]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_plain(path: Path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def rank_files(root: Path) -> list[Path]:
+    """The rank files (not .info.pt side files) under root/model, sorted."""
+    return sorted(p for p in (root / "model").iterdir() if RANK_FILE.match(p.name))
+
+
+def files_under(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+
+
+def pickle_globals(path: Path) -> list[str]:
+    """The GLOBAL / STACK_GLOBAL names in a torch zip file's data.pkl."""
+    with zipfile.ZipFile(path) as zf:
+        name = next(n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+        data = zf.read(name)
+    found, strings = [], []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            found.append(arg)
+        elif op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+            strings.append(arg)
+        elif op.name == "STACK_GLOBAL":
+            found.append(f"{strings[-2]} {strings[-1]}")
+    return found
+
+
+def assert_same_tensor(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert isinstance(got, torch.Tensor), f"{what}: got a {type(got).__name__}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.equal(got, want), f"{what}: values differ"
+
+
+def convert_to(src: Path, dst: Path, fmt: str, layout: Layout = LAYOUT, **options) -> Path:
+    convert(src, dst, layout, format=fmt, **options)
+    return dst
+
+
+def nxd_copy(shards: Path, dst: Path) -> Path:
+    """An NxD-style directory (model/ + config.json, no shardkit manifest) from shardkit's shards."""
+    dst.mkdir(parents=True)
+    shutil.copytree(shards / "model", dst / "model")
+    shutil.copyfile(shards / "config.json", dst / "config.json")
+    return dst
+
+
+def no_output_left(dst: Path) -> None:
+    assert not dst.exists(), f"{dst} was left behind"
+    leftovers = [p.name for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}.")]
+    assert not leftovers, f"staging directories left behind: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def torch_shards(tiny_model, tmp_path_factory) -> Path:
+    """llama-gqa64 (64 heads, 8 kv) in torch format, tp 2, pp 2, GQA layer; read-only for tests."""
+    return convert_to(tiny_model(MODEL), tmp_path_factory.mktemp("torch-shards") / "shards", "torch")
+
+
+@pytest.fixture(scope="module")
+def hand_xser(torch_shards, fake_xla, tmp_path_factory) -> Path:
+    """The same shards as an NxD xser directory written by the fake torch-xla: in every rank file
+    some tensors are references (<file>.tensors/tensor_<tid>.pt) and some are inline; even rank
+    files also carry NxD's .info.pt. Read-only for tests: copy before changing."""
+    tmp = tmp_path_factory.mktemp("hand-xser")
+    root = tmp / "nxd"
+    (root / "model").mkdir(parents=True)
+    shutil.copyfile(torch_shards / "config.json", root / "config.json")
+    jobs = []
+    for i, src in enumerate(rank_files(torch_shards)):
+        keys = list(load_plain(src))
+        device = [k for j, k in enumerate(keys) if (i + j) % 2 == 0]
+        assert 0 < len(device) < len(keys)
+        jobs.append({"src": str(src), "dst": str(root / "model" / src.name), "device": device, "info": i % 2 == 0})
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    run_with_fake_xla(fake_xla, SAVE_SCRIPT, tmp / "jobs.json", tmp=tmp)
+    return root
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---- 1. xser written by shardkit is what torch-xla writes and reads ------------------------------
+
+
+def test_xser_output_loads_with_torch_xla_loader(tiny_model, torch_shards, fake_xla, tmp_path):
+    """torch-xla's xser.load (faked, full pickle) gives, for every rank file, a dict with the
+    torch-format file's keys in the same order and equal tensors: shardkit's TensorReference
+    resolves to torch-xla's own class."""
+    xser_dir = convert_to(tiny_model(MODEL), tmp_path / "xser", "xser")
+    files = rank_files(xser_dir)
+    assert [f.name for f in files] == [f.name for f in rank_files(torch_shards)]
+    report = fake_xla_load(fake_xla, files, tmp_path)
+    assert len(report["files"]) == len(files)
+    for entry, path in zip(report["files"], files):
+        want = load_plain(torch_shards / "model" / path.name)
+        assert entry["raw_type"] in ("builtins.dict", "collections.OrderedDict"), entry["raw_type"]
+        assert entry["type"] == entry["raw_type"]
+        assert entry["keys"] == list(want), f"{path.name}: keys or key order differ from the torch format"
+        for key, (cls, is_fake_class, tid) in entry["raw"].items():
+            assert cls == "torch_xla.utils.serialization.TensorReference" and is_fake_class, (path.name, key, cls)
+            assert isinstance(tid, int), (path.name, key, tid)
+        assert entry["loaded_types"] == ["torch.Tensor"]
+        got = load_plain(Path(entry["out"]))
+        for key in want:
+            assert_same_tensor(got[key], want[key], f"{path.name}:{key}")
+
+
+def test_xser_output_is_the_reference_form(tiny_model, torch_shards, tmp_path):
+    """The .pt holds only torch-xla TensorReference objects (pickle GLOBAL under torch-xla's name),
+    each tensor sits alone in <file>.tensors/tensor_<tid>.pt, and <file>.info.pt maps
+    tid -> {dtype, shape, expert_model_parallel}."""
+    xser_dir = convert_to(tiny_model(MODEL), tmp_path / "xser", "xser")
+    for path in rank_files(xser_dir):
+        want = load_plain(torch_shards / "model" / path.name)
+        globals_ = pickle_globals(path)
+        assert REFERENCE_GLOBAL in globals_, f"{path.name}: no {REFERENCE_GLOBAL!r} GLOBAL in {globals_}"
+        assert not [g for g in globals_ if g.startswith("torch.")], f"{path.name}: inline tensors in {globals_}"
+        refs = load_refs(path)
+        assert list(refs) == list(want)
+        assert all(isinstance(v, _Ref) and isinstance(v.tid, int) for v in refs.values())
+        tids = {k: v.tid for k, v in refs.items()}
+        assert len(set(tids.values())) == len(tids), f"{path.name}: duplicate tids"
+        tensor_dir = Path(str(path) + ".tensors")
+        assert {p.name for p in tensor_dir.iterdir()} == {f"tensor_{t}.pt" for t in tids.values()}
+        for key, tid in tids.items():
+            assert_same_tensor(load_plain(tensor_dir / f"tensor_{tid}.pt"), want[key], f"{path.name}:{key}")
+        info = load_plain(Path(str(path) + ".info.pt"))
+        assert set(info) == set(tids.values())
+        for key, tid in tids.items():
+            assert info[tid] == {"dtype": want[key].dtype, "shape": want[key].shape, "expert_model_parallel": False}
+            assert isinstance(info[tid]["shape"], torch.Size)
+
+
+def test_xser_output_matches_real_torch_xla_golden(tmp_path):
+    """Same layout as the golden files written by real torch-xla: same file names, same tids per
+    key (in the same order), same .info.pt contents, equal tensors, same pickle globals."""
+    golden = golden_or_skip()
+    want_root = golden / "nxd-xser" / GOLDEN_XSER_CASE
+    got_root = convert_to(golden / "hf" / "llama-gqa-tiny", tmp_path / "xser", "xser", Layout(tp=8, pp=2, qkv="gqa"))
+    want_files = {f for f in files_under(want_root / "model")}
+    got_files = {f for f in files_under(got_root / "model")}
+    assert got_files == want_files, (sorted(got_files - want_files)[:5], sorted(want_files - got_files)[:5])
+    for want_path in rank_files(want_root):
+        got_path = got_root / "model" / want_path.name
+        want_refs, got_refs = load_refs(want_path), load_refs(got_path)
+        assert [(k, v.tid) for k, v in got_refs.items()] == [(k, v.tid) for k, v in want_refs.items()], want_path.name
+        assert pickle_globals(got_path) == pickle_globals(want_path)
+        assert load_plain(Path(str(got_path) + ".info.pt")) == load_plain(Path(str(want_path) + ".info.pt"))
+        for key, ref in want_refs.items():
+            rel = f"{want_path.name}.tensors/tensor_{ref.tid}.pt"
+            assert_same_tensor(load_plain(got_root / "model" / rel), load_plain(want_root / "model" / rel), rel)
+
+
+def test_fake_torch_xla_reads_real_torch_xla_output(fake_xla, tmp_path):
+    """Check of the fake itself: it reads real torch-xla files to the torch-form golden tensors."""
+    golden = golden_or_skip()
+    files = rank_files(golden / "nxd-xser" / GOLDEN_XSER_CASE)[:2]
+    report = fake_xla_load(fake_xla, files, tmp_path)
+    for entry, path in zip(report["files"], files):
+        want = load_plain(golden / "nxd" / GOLDEN_XSER_CASE / "model" / path.name)
+        assert entry["keys"] == list(want)
+        got = load_plain(Path(entry["out"]))
+        for key in want:
+            assert_same_tensor(got[key], want[key], f"{path.name}:{key}")
+
+
+# ---- 2. reading xser with referenced and inline tensors -------------------------------------------
+
+
+def test_reads_xser_with_inline_and_referenced_tensors(hand_xser, torch_shards, tiny_model, tmp_path):
+    files = rank_files(hand_xser)
+    for path in files:  # the fixture really mixes both forms in each file
+        globals_ = pickle_globals(path)
+        assert REFERENCE_GLOBAL in globals_ and "torch._utils _rebuild_tensor_v2" in globals_, (path.name, globals_)
+    ckpt = open_checkpoint(hand_xser)
+    assert ckpt.format == "xser" and ckpt.kind == "sharded"
+    assert (ckpt.layout.tp, ckpt.layout.pp, ckpt.layout.qkv) == (2, 2, "gqa")
+    for path in files:
+        want = load_plain(torch_shards / "model" / path.name)
+        reader = XserFile(path)
+        try:
+            assert reader.keys() == list(want)
+            for key, tensor in want.items():
+                assert reader.shape(key) == tuple(tensor.shape), (path.name, key)
+                assert reader.dtype(key) == tensor.dtype, (path.name, key)
+                assert_same_tensor(reader.read(key), tensor, f"{path.name}:{key}")
+                rows = tensor.shape[0]
+                if tensor.dim() and rows > 1:
+                    assert_same_tensor(reader.read(key, 0, 1, rows), tensor[1:rows], f"{path.name}:{key}[1:]")
+        finally:
+            reader.close()
+        loaded = shardkit_xser_load(path)
+        assert list(loaded) == list(want)
+        for key in want:
+            assert_same_tensor(loaded[key], want[key], f"xser.load {path.name}:{key}")
+    merged = tmp_path / "merged"
+    merge(hand_xser, merged)
+    hf = load_file(tiny_model(MODEL) / "model.safetensors")
+    got = load_file(merged / "model.safetensors")
+    assert set(got) == set(hf)
+    for key in hf:
+        assert_same_tensor(got[key], hf[key], f"merged {key}")
+
+
+def test_reads_real_torch_xla_golden_with_xserfile():
+    golden = golden_or_skip()
+    for path in rank_files(golden / "nxd-xser" / GOLDEN_XSER_CASE):
+        want = load_plain(golden / "nxd" / GOLDEN_XSER_CASE / "model" / path.name)
+        reader = XserFile(path)
+        try:
+            assert reader.keys() == list(want)
+            for key in want:
+                assert_same_tensor(reader.read(key), want[key], f"{path.name}:{key}")
+        finally:
+            reader.close()
+
+
+# ---- 3. never run arbitrary pickle ---------------------------------------------------------------
+
+
+class _Payload:
+    """Unpickling calls func(arg): what a malicious checkpoint does."""
+
+    def __init__(self, func, arg):
+        self.func, self.arg = func, arg
+
+    def __reduce__(self):
+        return (self.func, (self.arg,))
+
+
+def payload(kind: str, marker: Path) -> _Payload:
+    if kind == "os.system":
+        return _Payload(os.system, f"touch '{marker}'")
+    return _Payload(builtins.exec, f"open({str(marker)!r}, 'w').close()")
+
+
+PAYLOADS = ("os.system", "exec")
+
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_payloads_are_live(kind, tmp_path):
+    """Guard against a vacuous test: full pickle really runs these payloads."""
+    marker = tmp_path / "canary"
+    torch.save({"w": payload(kind, marker)}, tmp_path / "evil.pt")
+    torch.load(tmp_path / "evil.pt", weights_only=False)
+    assert marker.exists()
+
+
+def _malicious_rank_file(path: Path, kind: str, marker: Path) -> None:
+    """Rewrite a torch rank file with one tensor replaced by the payload."""
+    sd = load_plain(path)
+    first = next(iter(sd))
+    sd[first] = payload(kind, marker)
+    torch.save(sd, path)
+
+
+def assert_refused(excinfo, bad_file: Path, marker: Path) -> None:
+    message = str(excinfo.value)
+    assert "refus" in message.lower(), message
+    assert bad_file.name in message, message
+    assert "\n" not in message, message
+    assert not marker.exists(), "the malicious pickle ran"
+
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_refuses_malicious_nxd_rank_file(kind, torch_shards, tmp_path):
+    """(a) A rank file of an NxD directory: open_checkpoint (first rank) and merge (any rank)."""
+    marker = tmp_path / "pwned"
+    first = nxd_copy(torch_shards, tmp_path / "first")
+    bad = rank_files(first)[0]
+    _malicious_rank_file(bad, kind, marker)
+    with pytest.raises(FormatError) as excinfo:
+        open_checkpoint(first)
+    assert_refused(excinfo, bad, marker)
+    with pytest.raises(FormatError) as excinfo:
+        merge(first, tmp_path / "out1")
+    assert_refused(excinfo, bad, marker)
+    no_output_left(tmp_path / "out1")
+
+    last = nxd_copy(torch_shards, tmp_path / "last")
+    bad = rank_files(last)[-1]
+    _malicious_rank_file(bad, kind, marker)
+    with pytest.raises(FormatError) as excinfo:
+        merge(last, tmp_path / "out2")
+    assert_refused(excinfo, bad, marker)
+    no_output_left(tmp_path / "out2")
+
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_refuses_malicious_rank_file_in_shardkit_dir(kind, torch_shards, tmp_path):
+    """(a) A rank file of shardkit's own shards (manifest present): merge and reshard refuse."""
+    marker = tmp_path / "pwned"
+    shards = copy_tree(torch_shards, tmp_path / "shards")
+    bad = rank_files(shards)[-1]
+    _malicious_rank_file(bad, kind, marker)
+    with pytest.raises(FormatError) as excinfo:
+        merge(shards, tmp_path / "out")
+    assert_refused(excinfo, bad, marker)
+    no_output_left(tmp_path / "out")
+    with pytest.raises(FormatError) as excinfo:
+        convert(shards, tmp_path / "resharded", Layout(tp=1, pp=1, qkv="gqa"))
+    assert_refused(excinfo, bad, marker)
+    no_output_left(tmp_path / "resharded")
+
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+@pytest.mark.parametrize("target", ["tensor", "main", "info"])
+def test_refuses_malicious_xser_files(kind, target, hand_xser, tmp_path):
+    """(b) An xser tensor file, the xser reference file itself, and NxD's .info.pt."""
+    marker = tmp_path / "pwned"
+    root = copy_tree(hand_xser, tmp_path / "xser")
+    main = rank_files(root)[0]  # rank 0 has an .info.pt (even rank files do)
+    if target == "tensor":
+        bad = sorted(Path(str(main) + ".tensors").iterdir())[0]
+        torch.save(payload(kind, marker), bad)
+    elif target == "main":
+        bad = main  # the reference file: payload first, then the file's tensors (inline)
+        resolved = {k: (load_plain(Path(str(main) + ".tensors") / f"tensor_{v.tid}.pt") if isinstance(v, _Ref) else v)
+                    for k, v in load_refs(main).items()}
+        resolved[next(iter(resolved))] = payload(kind, marker)
+        torch.save(resolved, main)
+    else:
+        bad = Path(str(main) + ".info.pt")
+        assert bad.is_file()
+        info = load_plain(bad)
+        info[next(iter(info))]["dtype"] = payload(kind, marker)
+        torch.save(info, bad)
+    with pytest.raises(FormatError) as excinfo:
+        merge(root, tmp_path / "out")
+    assert_refused(excinfo, bad, marker)
+    no_output_left(tmp_path / "out")
+
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_refuses_malicious_hf_pytorch_model_bin(kind, tiny_model, tmp_path):
+    """(c) The Hugging Face source's pytorch_model.bin: convert refuses (directory and file)."""
+    marker = tmp_path / "pwned"
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shutil.copyfile(tiny_model(MODEL) / "config.json", hf / "config.json")
+    sd = load_file(tiny_model(MODEL) / "model.safetensors")
+    sd["model.embed_tokens.weight"] = payload(kind, marker)
+    torch.save(sd, hf / "pytorch_model.bin")
+    bad = hf / "pytorch_model.bin"
+    with pytest.raises(FormatError) as excinfo:
+        convert(hf, tmp_path / "out", LAYOUT)
+    assert_refused(excinfo, bad, marker)
+    no_output_left(tmp_path / "out")
+    with pytest.raises(FormatError) as excinfo:
+        convert(bad, tmp_path / "out2", LAYOUT)
+    assert_refused(excinfo, bad, marker)
+    no_output_left(tmp_path / "out2")
+    with pytest.raises(FormatError) as excinfo:
+        open_checkpoint(hf)
+    assert_refused(excinfo, bad, marker)
+
+
+def test_cli_refuses_malicious_files(torch_shards, tiny_model, tmp_path):
+    """The CLI (merge and convert): exit 2, one line naming the refusal, no DST, payload not run."""
+    if importlib.util.find_spec("shardkit.cli") is None:
+        pytest.skip("the shardkit CLI (shardkit.cli) does not exist yet")
+    from click.testing import CliRunner
+
+    from shardkit.cli import cli
+
+    marker = tmp_path / "pwned"
+    shards = nxd_copy(torch_shards, tmp_path / "nxd")
+    bad_rank = rank_files(shards)[-1]
+    _malicious_rank_file(bad_rank, "os.system", marker)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shutil.copyfile(tiny_model(MODEL) / "config.json", hf / "config.json")
+    torch.save({"model.embed_tokens.weight": payload("exec", marker)}, hf / "pytorch_model.bin")
+    runs = [
+        (bad_rank, "merge", shards, tmp_path / "out1"),
+        (hf / "pytorch_model.bin", "convert", hf, tmp_path / "out2", "--tp", "2", "--pp", "2", "--qkv", "gqa"),
+    ]
+    for bad, command, src, dst, *rest in runs:
+        result = CliRunner().invoke(cli, ["-q", command, str(src), str(dst), *rest])
+        assert result.exit_code == 2, (command, result.exit_code, result.output, result.exception)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, (command, result.stderr)
+        assert "refus" in lines[0].lower() and bad.name in lines[0], (command, lines[0])
+        assert "Traceback" not in result.stderr
+        no_output_left(dst)
+        assert not marker.exists(), "the malicious pickle ran"
+
+
+# ---- 4. safetensors written by shardkit --------------------------------------------------------------
+
+
+def read_st_header(path: Path) -> tuple[int, dict]:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return length, json.loads(raw[8:8 + length])
+
+
+def check_st_layout(path: Path) -> dict:
+    """Header length a multiple of 8, metadata {"format": "pt"}, data offsets packed and covering the file."""
+    length, header = read_st_header(path)
+    assert length % 8 == 0, f"{path.name}: header length {length} is not a multiple of 8"
+    assert header.pop("__metadata__", None) == {"format": "pt"}, path.name
+    spans = sorted(tuple(v["data_offsets"]) for v in header.values())
+    end = 0
+    for start, stop in spans:
+        assert start == end, f"{path.name}: gap or overlap at {start}"
+        end = stop
+    assert path.stat().st_size == 8 + length + end, f"{path.name}: size does not match the header"
+    return header
+
+
+@pytest.mark.parametrize("model,dtype", [(MODEL, torch.float32), (MODEL, torch.bfloat16),
+                                         ("llama-bias", torch.bfloat16)])
+def test_safetensors_shards(model, dtype, tiny_model, tmp_path):
+    src = tiny_model(model, dtype=dtype)
+    layout = Layout(tp=2, pp=2, qkv="gqa")
+    st = convert_to(src, tmp_path / "st", "safetensors", layout)
+    pt = convert_to(src, tmp_path / "pt", "torch", layout)
+    st_files = rank_files(st)
+    assert [f.stem for f in st_files] == [f.stem for f in rank_files(pt)]
+    assert all(f.suffix == ".safetensors" for f in st_files)
+    st_name = {torch.float32: "F32", torch.bfloat16: "BF16"}[dtype]
+    for path in st_files:
+        header = check_st_layout(path)
+        want = load_plain(pt / "model" / (path.stem + ".pt"))
+        assert list(header) == list(want), f"{path.name}: names or order differ from the torch format"
+        assert {v["dtype"] for v in header.values()} == {st_name}
+        got = load_file(path)
+        assert set(got) == set(want)
+        for key in want:
+            assert want[key].dtype == dtype
+            assert_same_tensor(got[key], want[key], f"{path.name}:{key}")
+
+
+def test_safetensors_cast_on_write(tiny_model, tmp_path):
+    """dtype="bf16" from an fp32 source: the streamed bf16 file equals the cast tensors."""
+    src = tiny_model(MODEL)
+    st = convert_to(src, tmp_path / "st", "safetensors", dtype="bf16")
+    pt = convert_to(src, tmp_path / "pt", "torch")
+    for path in rank_files(st):
+        check_st_layout(path)
+        want = load_plain(pt / "model" / (path.stem + ".pt"))
+        got = load_file(path)
+        for key in want:
+            assert_same_tensor(got[key], want[key].to(torch.bfloat16), f"{path.name}:{key}")
+
+
+def test_safetensors_writer_streams_any_shapes_and_dtypes(tmp_path):
+    torch.manual_seed(0)
+    tensors = {
+        "a.weight": torch.randn(3, 5),
+        "b.bf16": torch.randn(7, 3).to(torch.bfloat16),
+        "c.fp16": torch.randn(1).to(torch.float16),
+        "d.scalar": torch.tensor(2.5),
+        "e.int": torch.arange(11, dtype=torch.int64),
+        "f.bool": torch.tensor([True, False, True]),
+        "g.u8": torch.arange(5, dtype=torch.uint8),
+        "h.noncontiguous": torch.randn(4, 6).t(),
+        "i.fp64": torch.randn(2, 2, dtype=torch.float64),
+    }
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    path = tmp_path / "out" / "file.safetensors"
+    writer = SafetensorsWriter(path, tmp_path, specs)
+    for name, tensor in tensors.items():
+        writer.write(name, tensor)
+    (record,) = writer.close()
+    raw = path.read_bytes()
+    assert record.path == "out/file.safetensors"
+    assert record.size == len(raw) and record.sha256 == hashlib.sha256(raw).hexdigest()
+    header = check_st_layout(path)
+    assert list(header) == list(tensors)
+    got = load_file(path)
+    for name, tensor in tensors.items():
+        assert_same_tensor(got[name], tensor.contiguous(), name)
+
+
+# ---- 5. manifest checksums ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["torch", "xser", "safetensors"])
+def test_manifest_sizes_and_sha256_match_disk(fmt, tiny_model, tmp_path):
+    out = convert_to(tiny_model(MODEL), tmp_path / fmt, fmt)
+    manifest = json.loads((out / "shardkit.json").read_text())
+    assert manifest["format"] == fmt
+    listed = [entry["path"] for entry in manifest["files"]]
+    assert len(listed) == len(set(listed)), "a file is listed twice"
+    for entry in manifest["files"]:
+        path = out / entry["path"]
+        assert path.is_file(), f"{entry['path']} is listed but missing"
+        data = path.read_bytes()
+        assert entry["size"] == len(data), entry["path"]
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest(), entry["path"]
+    model_files = {f"model/{p}" for p in files_under(out / "model")}
+    assert model_files <= set(listed), f"not in the manifest: {sorted(model_files - set(listed))[:5]}"
+    assert {p for p in listed if p.startswith("model/")} == model_files
+
+
+# ---- 6. truncated files ------------------------------------------------------------------------
+
+
+def truncate(path: Path, how: str) -> None:
+    size = path.stat().st_size
+    keep = size // 2 if how == "half" else size - 1
+    with open(path, "r+b") as fh:
+        fh.truncate(keep)
+
+
+@pytest.mark.parametrize("how", ["half", "last-byte"])
+@pytest.mark.parametrize("kind", ["torch", "safetensors", "xser-tensor", "xser-tensor-noinfo"])
+def test_merge_of_truncated_file_fails_cleanly(kind, how, tiny_model, torch_shards, hand_xser, tmp_path):
+    if kind == "torch":
+        root = copy_tree(torch_shards, tmp_path / "src")
+        bad = rank_files(root)[-1]
+    elif kind == "safetensors":
+        root = convert_to(tiny_model(MODEL), tmp_path / "src", "safetensors")
+        bad = rank_files(root)[-1]
+    else:
+        root = copy_tree(hand_xser, tmp_path / "src")
+        # rank file 2 has an .info.pt (shapes come from it, data is read while writing); rank file 3
+        # has none (shapes are read from the tensor files while checking)
+        main = rank_files(root)[2 if kind == "xser-tensor" else 3]
+        assert Path(str(main) + ".info.pt").is_file() == (kind == "xser-tensor")
+        # a tensor merge must read (tp-split, not a replicated norm that another rank also holds)
+        tid = next(r.tid for k, r in load_refs(main).items() if isinstance(r, _Ref) and "norm" not in k)
+        bad = Path(str(main) + ".tensors") / f"tensor_{tid}.pt"
+    truncate(bad, how)
+    dst = tmp_path / "merged"
+    with pytest.raises(FormatError) as excinfo:
+        merge(root, dst)
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    assert bad.name in message, message
+    if kind.startswith("xser"):
+        assert bad.parent.name in message, message
+    no_output_left(dst)
