@@ -11,7 +11,8 @@ the only knowledge used is the public NxD convention (names, local sizes, partit
 tests check that the written shards *mean* the right thing.
 
 1. one decoder layer, many layouts, single process (all-reduce = a Python sum), plus negative
-   controls that prove the comparison can fail;
+   controls that prove the comparison can fail, plus a direct check of the kv replica order
+   (which a forward cannot see) against FORMATS.md;
 2. the same with real torch.distributed gloo process groups, one process per tp rank;
 3. the whole model stage by stage (vocab-parallel embedding and lm_head), then merge back and
    reload with transformers: logits bit-identical.
@@ -20,7 +21,6 @@ tests check that the written shards *mean* the right thing.
 from __future__ import annotations
 
 import json
-import os
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -104,17 +104,20 @@ def layers_in(sd: dict) -> set[int]:
     return {int(k.split(".")[2]) for k in sd if k.startswith("model.layers.")}
 
 
-def check_stage_files(shard_dir: Path, dims: Dims, layout: Layout) -> None:
-    """Exactly tp*pp files, each stage's files holding exactly that stage's layers (global index)."""
+def load_stages(shard_dir: Path, dims: Dims, layout: Layout) -> list[list[dict]]:
+    """Every stage's rank dicts ([stage][tp], each loaded from that rank's own file), after checking:
+    exactly tp*pp files, each stage's files holding exactly that stage's layers (global index)."""
     names = sorted(p.name for p in (Path(shard_dir) / "model").iterdir())
     assert names == sorted(FILE.format(tp=t, pp=p) for t in range(layout.tp) for p in range(layout.pp))
+    stages = [[load_rank(shard_dir, tp, pp) for tp in range(layout.tp)] for pp in range(layout.pp)]
     for pp, layers in enumerate(stage_layers(dims.layers, layout.pp)):
         for tp in range(layout.tp):
-            sd = load_rank(shard_dir, tp, pp)
+            sd = stages[pp][tp]
             assert layers_in(sd) == set(layers), (tp, pp)
             assert ("model.embed_tokens.weight" in sd) == (pp == 0)
             assert ("model.norm.weight" in sd) == (pp == layout.pp - 1)
             assert ("lm_head.weight" in sd) == (pp == layout.pp - 1)
+    return stages
 
 
 # ---- the tensor-parallel forward, per rank ------------------------------------------------------
@@ -249,7 +252,6 @@ def layer_forward_tp(rank_sds, layer, x, cos, sin, mask, dims, layout, qkv_overr
 # ---- the Hugging Face reference ------------------------------------------------------------------
 
 _HF_CACHE: dict = {}
-_SHARD_CACHE: dict = {}
 
 
 def hf_model(path: Path):
@@ -278,19 +280,29 @@ def hf_layer_io(model, layer: int, seed: int = 1234):
     return x, cos, sin, mask, out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Thousands of tiny matmuls: one intra-op thread is much faster than contended thread pools."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def sharded(tiny_model, tmp_path_factory):
     """sharded(config_name, **layout) -> (hf_dir, shard_dir, Layout), converted once per module."""
+    cache: dict = {}
 
     def build(name: str, **layout_kw):
         layout = Layout(**layout_kw)
         key = (name, layout)
-        if key not in _SHARD_CACHE:
+        if key not in cache:
             hf_dir = tiny_model(name)
             dst = tmp_path_factory.mktemp(f"{name}-shards") / "out"
             convert(hf_dir, dst, layout)
-            _SHARD_CACHE[key] = (hf_dir, dst, layout)
-        return _SHARD_CACHE[key]
+            cache[key] = (hf_dir, dst, layout)
+        return cache[key]
 
     return build
 
@@ -342,11 +354,10 @@ def test_layer_forward_matches_hf(case, sharded):
     name, kw = case
     hf_dir, shard_dir, layout = sharded(name, **kw)
     dims = read_dims(hf_dir)
-    check_stage_files(shard_dir, dims, layout)
+    stage_sds = load_stages(shard_dir, dims, layout)
     model = hf_model(hf_dir)
-    stages = stage_layers(dims.layers, layout.pp)
-    for stage, layers in enumerate(stages):
-        rank_sds = stage_rank_dicts(shard_dir, layout, stage)
+    for stage, layers in enumerate(stage_layers(dims.layers, layout.pp)):
+        rank_sds = stage_sds[stage]  # the stage's tp ranks, each from its own file
         for layer in layers:
             x, cos, sin, mask, expected = hf_layer_io(model, layer)
             got = layer_forward_tp(rank_sds, layer, x, cos, sin, mask, dims, layout)
@@ -354,6 +365,56 @@ def test_layer_forward_matches_hf(case, sharded):
             assert torch.allclose(got, expected, atol=ATOL_LAYER, rtol=1e-5), (
                 f"layer {layer} (stage {stage}): max |diff| {max_diff(got, expected):.3g}"
             )
+
+
+# ---- the replica order itself ------------------------------------------------------------------
+# A forward cannot tell which rank holds which kv replica (any consistent relabelling of q, k, v and
+# o over ranks computes the same thing), but NxD groups replicas by the hardware convention, so the
+# order is checked directly against FORMATS.md, from the HF tensors, without shardkit's functions.
+
+REPLICA_CASES = [
+    ("llama-gqa64", dict(tp=32, pp=4, kv_multiplier=4, kv_replication=rep, qkv="gqa")) for rep in ("interleaved", "blocked")
+] + [
+    ("llama-gqa64", dict(tp=16, pp=2, kv_multiplier=2, kv_replication=rep, qkv="gqa")) for rep in ("interleaved", "blocked")
+] + [
+    ("llama-gqa64", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="interleaved", qkv="gqa")),
+    ("llama-bias", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="blocked", qkv="fused")),
+    ("llama-bias", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="interleaved", qkv="gqa")),
+]
+
+
+@pytest.mark.parametrize("case", REPLICA_CASES, ids=case_id)
+def test_kv_replica_order_follows_formats(case, sharded):
+    from safetensors.torch import load_file
+
+    name, kw = case
+    hf_dir, shard_dir, layout = sharded(name, **kw)
+    dims = read_dims(hf_dir)
+    full = load_file(str(Path(hf_dir) / "model.safetensors"))
+    kv, m, t, d = dims.kv_heads, layout.kv_multiplier, layout.tp, dims.head_dim
+    # the replicated kv head order: interleaved = `repeat`, blocked = `repeat_interleave`
+    order = list(range(kv)) * m if layout.kv_replication == "interleaved" else [h for h in range(kv) for _ in range(m)]
+    replica = [i // kv for i in range(kv * m)] if layout.kv_replication == "interleaved" else [i % m for i in range(kv * m)]
+    per_rank, group, serve = kv * m // t, dims.heads // kv, dims.heads // (kv * m)
+    layer = stage_layers(dims.layers, layout.pp)[-1][-1]
+    attn = f"model.layers.{layer}.self_attn."
+
+    def rows(tensor, heads):
+        return torch.cat([tensor[h * d:(h + 1) * d] for h in heads], dim=0)
+
+    for r in range(t):
+        sd = load_rank(shard_dir, r, layout.pp - 1)
+        wq, wk, wv, bq, bk, bv = unpack_qkv(sd, f"model.layers.{layer}.", dims, layout)
+        entries = range(r * per_rank, (r + 1) * per_rank)
+        kv_heads = [order[i] for i in entries]
+        q_heads = [order[i] * group + replica[i] * serve + j for i in entries for j in range(serve)]
+        assert torch.equal(wk, rows(full[attn + "k_proj.weight"], kv_heads)), r
+        assert torch.equal(wv, rows(full[attn + "v_proj.weight"], kv_heads)), r
+        assert torch.equal(wq, rows(full[attn + "q_proj.weight"], q_heads)), r
+        assert torch.equal(sd[attn + "o_proj.weight"], rows(full[attn + "o_proj.weight"].T, q_heads).T), r
+        if dims.attention_bias:
+            assert torch.equal(bk, rows(full[attn + "k_proj.bias"], kv_heads)), r
+            assert torch.equal(bq, rows(full[attn + "q_proj.bias"], q_heads)), r
 
 
 # ---- negative controls: the comparison above must be able to fail ---------------------------------
@@ -462,49 +523,63 @@ def test_negative_within_rank_q_head_order(sharded):
 DIST_TIMEOUT_S = 120
 
 
-def _dist_worker(rank: int, world: int, init_method: str, io_path: str, shard_dir: str, stage: int,
-                 layout_kw: dict, result_dir: str) -> None:
-    """One tp rank: loads only its own rank file, all-reduces its partial outputs over gloo."""
+def _dist_worker(rank: int, world: int, init_method: str, jobs: list[dict], result_dir: str) -> None:
+    """One tp rank of a real gloo process group. For each job it loads only its own rank file of the
+    job's stage, runs the stage's layers with all-reduced partial outputs, and compares with HF."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        io = torch.load(io_path, weights_only=True)
-        dims = Dims(io["config"])
-        layout = Layout(**layout_kw)
-        sd = load_rank(Path(shard_dir), rank, stage)
-        assert layers_in(sd) == set(io["layers"])
-        x = io["x"]
-        for layer in io["layers"]:
-            prefix = f"model.layers.{layer}."
-            attn = attention_partial(sd, layer, x, io["cos"], io["sin"], io["mask"], dims, layout)
-            dist.all_reduce(attn, op=dist.ReduceOp.SUM)
+        report = {"rank": rank}
+        for job in jobs:
+            io = torch.load(job["io"], weights_only=True)
+            dims = Dims(io["config"])
+            layout = Layout(**job["layout"])
+            assert layout.tp == world
+            sd = load_rank(Path(job["shards"]), rank, job["stage"])
+            assert layers_in(sd) == set(io["layers"])
+            x = io["x"]
+            lone = None  # this rank's partials without the all-reduce: must NOT match
+            for layer in io["layers"]:
+                prefix = f"model.layers.{layer}."
+                attn = attention_partial(sd, layer, x, io["cos"], io["sin"], io["mask"], dims, layout)
+                if lone is None:
+                    lone = attn.clone()
+                dist.all_reduce(attn, op=dist.ReduceOp.SUM)
+                if dims.attention_bias:
+                    attn = attn + sd[prefix + "self_attn.o_proj.bias"]  # once, after the all-reduce
+                x1 = x + attn
+                mlp = mlp_partial(sd, layer, x1, dims, layout)
+                dist.all_reduce(mlp, op=dist.ReduceOp.SUM)
+                if dims.mlp_bias:
+                    mlp = mlp + sd[prefix + "mlp.down_proj.bias"]
+                x = x1 + mlp
+            diff = (x - io["expected"]).abs().max().item()
+            report[job["name"]] = diff
+            assert torch.allclose(x, io["expected"], atol=ATOL_LAYER, rtol=1e-5), (
+                f"{job['name']} rank {rank}: max |diff| {diff:.3g}")
+            # without the sum over ranks one rank's attention is far from the full attention output
+            full_attn = io["attn0"]
             if dims.attention_bias:
-                attn = attn + sd[prefix + "self_attn.o_proj.bias"]
-            x1 = x + attn
-            mlp = mlp_partial(sd, layer, x1, dims, layout)
-            dist.all_reduce(mlp, op=dist.ReduceOp.SUM)
-            if dims.mlp_bias:
-                mlp = mlp + sd[prefix + "mlp.down_proj.bias"]
-            x = x1 + mlp
-        diff = (x - io["expected"]).abs().max().item()
-        Path(result_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "max_diff": diff}))
-        assert torch.allclose(x, io["expected"], atol=ATOL_LAYER, rtol=1e-5), f"rank {rank}: max |diff| {diff:.3g}"
+                full_attn = full_attn - sd[f"model.layers.{io['layers'][0]}.self_attn.o_proj.bias"]
+            assert (lone - full_attn).abs().max().item() > 1e-2, "one rank's partial equals the full output"
         dist.barrier()
+        Path(result_dir, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
 
 
 def _run_spawned(fn, args, nprocs: int, timeout: float) -> None:
-    """torch.multiprocessing spawn with a deadline; a child's exception or exit fails the caller."""
+    """torch.multiprocessing spawn with a deadline; a child's exception or exit fails the caller
+    (ProcessContext.join raises and terminates the remaining children)."""
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
-        while not ctx.join(timeout=1.0):  # raises ProcessRaisedException / ProcessExitedException
+        while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
                 pytest.fail(f"distributed workers did not finish within {timeout} s")
     finally:
@@ -515,39 +590,47 @@ def _run_spawned(fn, args, nprocs: int, timeout: float) -> None:
             p.join(5)
 
 
-@pytest.mark.parametrize(
-    "name,layout_kw",
-    [
-        ("llama-gqa64", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="blocked", qkv="gqa")),
-        ("llama-bias", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="interleaved", qkv="fused")),
-    ],
-    ids=["gqa64-tp4-m2b-gqa", "bias-tp4-m2i-fused"],
-)
-def test_layer_forward_torch_distributed_gloo(name, layout_kw, sharded, tmp_path):
-    hf_dir, shard_dir, layout = sharded(name, **layout_kw)
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
-    dims = Dims(config)
-    model = hf_model(hf_dir)
-    stage = layout.pp - 1
-    layers = stage_layers(dims.layers, layout.pp)[stage]
-    x, cos, sin, mask, _ = hf_layer_io(model, layers[0])
-    expected = x
-    with torch.no_grad():
-        for layer in layers:
-            expected = model.model.layers[layer](expected, attention_mask=mask, position_embeddings=(cos, sin))
-            if isinstance(expected, tuple):
-                expected = expected[0]
-    io_path = tmp_path / "io.pt"
-    torch.save({"config": config, "layers": layers, "x": x, "cos": cos, "sin": sin,
-                "mask": mask.contiguous(), "expected": expected}, io_path)
+DIST_CASES = [
+    ("llama-gqa64", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="blocked", qkv="gqa")),
+    ("llama-bias", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="interleaved", qkv="fused")),
+]
+
+
+def test_layer_forward_torch_distributed_gloo(sharded, tmp_path):
+    """tp 4 worlds over gloo (one process group, several layouts): each process loads only its own
+    rank file of the LAST stage and runs that stage's layers; the parent saved HF's output."""
+    jobs = []
+    for name, layout_kw in DIST_CASES:
+        hf_dir, shard_dir, layout = sharded(name, **layout_kw)
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+        dims = Dims(config)
+        model = hf_model(hf_dir)
+        stage = layout.pp - 1
+        layers = stage_layers(dims.layers, layout.pp)[stage]
+        x, cos, sin, mask, _ = hf_layer_io(model, layers[0])
+        expected = x
+        with torch.no_grad():
+            first = model.model.layers[layers[0]]
+            attn0, _ = first.self_attn(first.input_layernorm(x), attention_mask=mask, position_embeddings=(cos, sin))
+            for layer in layers:
+                expected = model.model.layers[layer](expected, attention_mask=mask, position_embeddings=(cos, sin))
+                if isinstance(expected, tuple):
+                    expected = expected[0]
+        io_path = tmp_path / f"{name}-io.pt"
+        torch.save({"config": config, "layers": layers, "x": x, "cos": cos, "sin": sin, "mask": mask.contiguous(),
+                    "expected": expected, "attn0": attn0}, io_path)
+        jobs.append({"name": case_id((name, layout_kw)), "io": str(io_path), "shards": str(shard_dir),
+                     "stage": stage, "layout": layout_kw})
+    world = DIST_CASES[0][1]["tp"]
     results = tmp_path / "results"
     results.mkdir()
     init_method = f"file://{tmp_path / 'store'}"
-    _run_spawned(_dist_worker,
-                 (layout.tp, init_method, str(io_path), str(shard_dir), stage, layout_kw, str(results)),
-                 layout.tp, DIST_TIMEOUT_S)
-    reports = sorted(json.loads(p.read_text())["rank"] for p in results.glob("rank*.json"))
-    assert reports == list(range(layout.tp)), "not every tp rank reported a result"
+    _run_spawned(_dist_worker, (world, init_method, jobs, str(results)), world, DIST_TIMEOUT_S)
+    reports = [json.loads(p.read_text()) for p in sorted(results.glob("rank*.json"))]
+    assert sorted(r["rank"] for r in reports) == list(range(world)), "not every tp rank reported"
+    for r in reports:
+        for job in jobs:
+            assert r[job["name"]] <= ATOL_LAYER + 1e-5, (r["rank"], job["name"], r[job["name"]])
 
 
 # ---- 3. the whole model, stage by stage; then merge ----------------------------------------------
@@ -579,14 +662,14 @@ def lm_head_vocab_parallel(rank_sds, h, dims: Dims, tp: int) -> torch.Tensor:
     return torch.cat(pieces, dim=-1)
 
 
-def sharded_model_logits(shard_dir, dims: Dims, layout: Layout, ids: torch.Tensor) -> torch.Tensor:
+def sharded_model_logits(stage_sds, dims: Dims, layout: Layout, ids: torch.Tensor) -> torch.Tensor:
     B, S = ids.shape
     position_ids = torch.arange(S)[None].expand(B, S)
     cos, sin = rope_cos_sin(dims, position_ids)
     mask = causal_mask(B, S)
     h = None
     for stage, layers in enumerate(stage_layers(dims.layers, layout.pp)):
-        rank_sds = stage_rank_dicts(shard_dir, layout, stage)  # only this stage's files
+        rank_sds = stage_sds[stage]  # only this stage's files
         if stage == 0:
             h = embed_vocab_parallel(rank_sds, ids, dims, layout.tp)
         for layer in layers:
@@ -611,12 +694,12 @@ def test_whole_model_logits_and_merge(case, sharded, tmp_path):
     name, kw = case
     hf_dir, shard_dir, layout = sharded(name, **kw)
     dims = read_dims(hf_dir)
-    check_stage_files(shard_dir, dims, layout)
+    stage_sds = load_stages(shard_dir, dims, layout)
     model = hf_model(hf_dir)
     ids = torch.randint(0, dims.vocab, (BATCH, 9), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         expected = model(ids).logits
-    got = sharded_model_logits(shard_dir, dims, layout, ids)
+    got = sharded_model_logits(stage_sds, dims, layout, ids)
     assert got.shape == expected.shape
     assert torch.allclose(got, expected, atol=ATOL_LOGITS, rtol=1e-4), (
         f"whole-model logits: max |diff| {max_diff(got, expected):.3g}"
