@@ -77,6 +77,9 @@ def layout_options(func):
                      help="Tensor-parallel degree: heads, MLP columns and vocabulary are split over this many ranks."),
         click.option("--pp", "--pp-size", "pp", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Pipeline stages: decoder layers split evenly, the remainder to the last stages."),
+        click.option("--ep", "--ep-size", "ep", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Expert-parallel degree (mixture-of-experts models): experts split over this many ranks; "
+                          "file names then carry ep_rank (NxD v3)."),
         click.option("--kv-multiplier", "--kv-size-multiplier", "kv_multiplier", type=click.IntRange(min=1), default=1,
                      show_default=True,
                      help="Replicate K/V heads this many times so that kv heads x multiplier is a multiple of tp "
@@ -114,7 +117,7 @@ def _layout(o: dict):
     from .convert import make_layout
 
     qkv = _qkv_style(o.pop("qkv"), o.pop("qkv_linear"), o.pop("fuse_qkv"), o.pop("coalesce_qkv"))
-    return make_layout(tp=o.pop("tp"), pp=o.pop("pp"), kv_multiplier=o.pop("kv_multiplier"),
+    return make_layout(tp=o.pop("tp"), pp=o.pop("pp"), ep=o.pop("ep"), kv_multiplier=o.pop("kv_multiplier"),
                        kv_replication=o.pop("kv_replication"), hw=o.pop("hw"), qkv=qkv or "separate")
 
 
