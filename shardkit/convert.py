@@ -3,9 +3,9 @@
 A *plan* lists the output files and, for each, the pieces it holds (target names and the slices
 of full tensors they are made of). The *executor* builds each output file by locating those
 slices in the source checkpoint (`SegmentIndex.locate`), reading only them, concatenating, and
-handing each tensor to a streaming writer. Memory stays near one output file (torch, xser) or
-one tensor (safetensors) per worker plus a bounded window of mapped source pages, whatever the
-model size. Output goes to a staging directory renamed into place at the end. Under torchrun the
+handing each tensor to a streaming writer. Sources are read positionally (nothing is
+memory-mapped), so memory stays near one output file (torch, xser) or one block of rows
+(safetensors) per worker, whatever the model size. Output goes to a staging directory renamed into place at the end. Under torchrun the
 output files are divided among the job's processes (distributed.py).
 """
 
@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,25 +42,27 @@ ProgressCallback = Callable[[int, int], None]
 """Called as progress(bytes_done_now, bytes_total) while output is written."""
 
 SHARD_FORMATS = ("torch", "xser", "safetensors")
-DEFAULT_READ_WINDOW = 64 * 2**20
 
 
 # ---- reading ---------------------------------------------------------------------------------
 
 
 class SourceReader:
-    """Reads slices of a checkpoint's pieces. Keeps files open while fewer than `window` bytes
-    have been read through them, then closes them (unmapping their pages) to bound memory."""
+    """Reads slices of a checkpoint's pieces. Readers hold only metadata and a file descriptor
+    (bytes are read positionally, nothing is mapped), so files stay open, up to `max_open`."""
 
-    def __init__(self, ckpt: Checkpoint, window: int = DEFAULT_READ_WINDOW, index: SegmentIndex | None = None):
+    def __init__(self, ckpt: Checkpoint, max_open: int = 256, index: SegmentIndex | None = None):
         self.ckpt = ckpt
         self.index = index or ckpt.index()
-        self.window = window
-        self._open: dict[str, Any] = {}
-        self._since_flush = 0
+        self.max_open = max_open
+        self._open: OrderedDict[str, Any] = OrderedDict()
 
     def _file(self, key: str):
-        if key not in self._open:
+        if key in self._open:
+            self._open.move_to_end(key)
+        else:
+            if len(self._open) >= self.max_open:
+                self._open.popitem(last=False)[1].close()
             self._open[key] = self.ckpt.open(key)
         return self._open[key]
 
@@ -71,9 +74,6 @@ class SourceReader:
         else:
             base = file.read(r.piece_name, 0, r.slab, r.slab + 1)[0] if r.slab is not None else file.read(r.piece_name)
             tensor = r.take(base)
-        self._since_flush += tensor.numel() * tensor.element_size()
-        if self._since_flush > self.window:
-            self.close()
         return tensor
 
     def read_segment(self, seg: Segment) -> torch.Tensor:
@@ -82,6 +82,13 @@ class SourceReader:
 
     def read_piece(self, piece: Piece) -> torch.Tensor:
         return build_piece(piece, self.read_segment)
+
+    def row_blocks(self, piece: Piece):
+        """A piece as consecutive blocks of rows, when its bytes are simply its reads one after
+        another (one slab, concatenated along dim 0): streamed without assembling the piece."""
+        if piece.stacked or piece.transposed or piece.cat_dim != 0:
+            return None
+        return (self.read(r) for seg in piece.slabs[0] for r in self.index.locate(seg))
 
     def dtype_of(self, source: str) -> torch.dtype:
         holdings = self.index.holdings(source)
@@ -93,7 +100,6 @@ class SourceReader:
         for reader in self._open.values():
             reader.close()
         self._open.clear()
-        self._since_flush = 0
 
 
 # ---- planning --------------------------------------------------------------------------------
@@ -160,11 +166,10 @@ def execute(
     dtype: torch.dtype | None = None,
     workers: int = 1,
     progress: ProgressCallback | None = None,
-    window: int = DEFAULT_READ_WINDOW,
 ) -> list[FileRecord]:
     """Write every output file from `src`; returns the records of the files written."""
     index = src.index()
-    probe = SourceReader(src, window, index)
+    probe = SourceReader(src, index=index)
     dtypes: dict[str, torch.dtype] = {}
     try:
         for out in outputs:
@@ -182,16 +187,20 @@ def execute(
         nonlocal done
         specs = [TensorSpec(p.name, p.shape, dtypes[p.segments[0].source]) for p in out.pieces]
         writer = _writer(fmt, out_root / out.path, out_root, specs, out)
-        reader = SourceReader(src, window, index)
+        reader = SourceReader(src, index=index)
         try:
             for piece, spec in zip(out.pieces, specs):
-                tensor = reader.read_piece(piece)
-                if tensor.dtype != spec.dtype:
-                    tensor = tensor.to(spec.dtype)
-                if tuple(tensor.shape) != piece.shape:
-                    raise FormatError(f"{piece.name}: read shape {tuple(tensor.shape)}, expected {piece.shape}")
-                writer.write(piece.name, tensor)
-                del tensor
+                blocks = reader.row_blocks(piece) if hasattr(writer, "write_chunks") else None
+                if blocks is not None:
+                    writer.write_chunks(piece.name, blocks)
+                else:
+                    tensor = reader.read_piece(piece)
+                    if tensor.dtype != spec.dtype:
+                        tensor = tensor.to(spec.dtype)
+                    if tuple(tensor.shape) != piece.shape:
+                        raise FormatError(f"{piece.name}: read shape {tuple(tensor.shape)}, expected {piece.shape}")
+                    writer.write(piece.name, tensor)
+                    del tensor
                 if progress:
                     with lock:
                         done += spec.nbytes
@@ -201,13 +210,18 @@ def execute(
         return writer.close()
 
     records: list[FileRecord] = []
-    if workers <= 1:
-        for out in outputs:
-            records += build(out)
-    else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for result in pool.map(build, outputs):
-                records += result
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the work is copies; torch's intra-op threads only contend
+    try:
+        if workers <= 1:
+            for out in outputs:
+                records += build(out)
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                for result in pool.map(build, outputs):
+                    records += result
+    finally:
+        torch.set_num_threads(threads)
     return records
 
 

@@ -107,6 +107,77 @@ def compact(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor's elements sit in a file: byte offset of its storage, element offset,
+    shape and stride (row-major when `stride` is None)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file_offset: int
+    storage_offset: int = 0
+    stride: tuple[int, ...] | None = None
+
+    def strides(self) -> tuple[int, ...]:
+        if self.stride is not None:
+            return self.stride
+        out, step = [], 1
+        for size in reversed(self.shape):
+            out.append(step)
+            step *= size
+        return tuple(reversed(out))
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def pread_into(fd: int, nbytes: int, offset: int, what: str) -> bytearray:
+    """Read exactly nbytes at offset (FormatError when the file is shorter: truncated)."""
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    done = 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            from ..errors import FormatError
+
+            raise FormatError(f"{what} is truncated: re-create it")
+        done += got
+    return buf
+
+
+def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int | None, what: str) -> torch.Tensor:
+    """Read [start, stop) along dim of a stored tensor with positional reads: only the bytes the
+    slice spans are read, and the result owns its memory (nothing stays mapped)."""
+    shape, stride, item = list(t.shape), list(t.strides()), t.dtype.itemsize
+    if not shape:
+        buf = pread_into(fd, item, t.file_offset + t.storage_offset * item, what)
+        return torch.frombuffer(buf, dtype=t.dtype).reshape(())
+    start = 0 if start is None else start
+    stop = shape[dim] if stop is None else stop
+    out_shape = shape.copy()
+    out_shape[dim] = stop - start
+    if 0 in out_shape:
+        return torch.empty(out_shape, dtype=t.dtype)
+    first = t.storage_offset + start * stride[dim]
+    extent = 1 + sum((n - 1) * st for n, st in zip(out_shape, stride))
+    buf = pread_into(fd, extent * item, t.file_offset + first * item, what)
+    base = torch.frombuffer(buf, dtype=t.dtype)
+    if extent == _numel(out_shape) and stride == list(StoredTensor(t.dtype, tuple(out_shape), 0).strides()):
+        return base.reshape(out_shape)  # a contiguous run of rows: no copy
+    return base.as_strided(out_shape, stride).clone()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 def narrow(tensor: torch.Tensor, dim: int, start: int | None, stop: int | None) -> torch.Tensor:
     if start is None and stop is None or tensor.dim() == 0:
         return tensor

@@ -10,15 +10,15 @@ little-endian header length, a JSON header (`dtype`, `shape`, `data_offsets` per
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Sequence
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from ..errors import FormatError
-from .base import FileRecord, HashingFile, TensorSpec, check_specs, compact, tensor_bytes
+from .base import FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, read_stored, tensor_bytes
 
 _DTYPE_TO_ST = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -29,38 +29,46 @@ _ST_TO_DTYPE = {v: k for k, v in _DTYPE_TO_ST.items()}
 
 
 class SafetensorsFile:
-    """Lazy reader over safetensors' own `safe_open` (slices read only their bytes)."""
+    """Lazy reader: the header once, then positional reads of exactly the bytes a slice spans.
+
+    (safetensors' own `safe_open` memory-maps the file, and the tensors it returns keep that
+    mapping alive: the pages of every byte read would stay in this process's resident memory.)"""
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        header = read_header(self.path)
+        data_start = 8 + struct.unpack("<Q", open(self.path, "rb").read(8))[0]
+        size = self.path.stat().st_size
+        self._tensors: dict[str, StoredTensor] = {}
         try:
-            self._handle = safe_open(str(path), framework="pt")
-            self._keys = list(self._handle.keys())
-        except (SafetensorError, OSError, ValueError) as e:
-            raise FormatError(f"{path} is not a readable safetensors file ({e}): it may be truncated; re-create it") from None
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, end = info["data_offsets"]
+                stored = StoredTensor(_ST_TO_DTYPE[info["dtype"]], tuple(info["shape"]), data_start + begin)
+                if data_start + end > size or end - begin != stored.numel() * stored.dtype.itemsize:
+                    raise FormatError(f"{self.path} is truncated (tensor {name} lies past its end): re-create it")
+                self._tensors[name] = stored
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"{self.path} has a corrupt safetensors header: re-create it") from None
+        self._fd = os.open(self.path, os.O_RDONLY)
 
     def keys(self) -> list[str]:
-        return self._keys
+        return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle.get_slice(name).get_shape())
+        return self._tensors[name].shape
 
     def dtype(self, name: str) -> torch.dtype:
-        return _ST_TO_DTYPE[self._handle.get_slice(name).get_dtype()]
+        return self._tensors[name].dtype
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        try:
-            if start is None and stop is None:
-                return self._handle.get_tensor(name)
-            sl = self._handle.get_slice(name)
-            index = [slice(None)] * len(sl.get_shape())
-            index[dim] = slice(start, stop)
-            return compact(sl[tuple(index)])
-        except SafetensorError as e:
-            raise FormatError(f"cannot read {name} from {self.path} ({e}): the file may be truncated") from None
+        return read_stored(self._fd, self._tensors[name], dim, start, stop, str(self.path))
 
     def close(self) -> None:
-        self._handle = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class SafetensorsWriter:
@@ -89,6 +97,22 @@ class SafetensorsWriter:
         self._file.write(tensor_bytes(tensor))
         self._next += 1
 
+    def write_chunks(self, name: str, chunks) -> None:
+        """Write a tensor as consecutive row blocks (each a tensor), without assembling it."""
+        spec = self._specs[self._next]
+        if name != spec.name:
+            raise RuntimeError(f"expected {spec.name}, got {name}")
+        written = 0
+        for chunk in chunks:
+            if chunk.dtype != spec.dtype:
+                chunk = chunk.to(spec.dtype)
+            data = tensor_bytes(chunk)
+            self._file.write(data)
+            written += len(data)
+        if written != spec.nbytes:
+            raise RuntimeError(f"{name}: wrote {written} bytes, expected {spec.nbytes}")
+        self._next += 1
+
     def close(self, fsync: bool = False) -> list[FileRecord]:
         if self._next != len(self._specs):
             raise RuntimeError(f"{self._file.path}: {len(self._specs) - self._next} tensors were not written")
@@ -102,7 +126,11 @@ def read_header(path: Path) -> dict:
         if len(head) < 8:
             raise FormatError(f"{path} is empty or truncated: re-create it")
         (length,) = struct.unpack("<Q", head)
+        if length > 100 * 2**20:
+            raise FormatError(f"{path} has a corrupt safetensors header (claims {length} bytes): re-create it")
         raw = fh.read(length)
+        if len(raw) < length:
+            raise FormatError(f"{path} is truncated inside its header: re-create it")
     try:
         return json.loads(raw)
     except ValueError:

@@ -7,7 +7,10 @@ real name. A file that asks for anything else is refused with a clear error.
 
 from __future__ import annotations
 
+import io
+import os
 import pickle
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any, Sequence
@@ -15,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import FormatError
-from .base import FileRecord, HashingFile, TensorSpec, check_specs, compact, narrow
+from .base import FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, compact, narrow, read_stored
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 
@@ -62,21 +65,118 @@ def _refused_global(message: str) -> str:
 
 def state_dict_of(obj: Any, path: Path) -> dict[str, Any]:
     """The flat name -> tensor dict inside a loaded file (training checkpoints wrap it in 'model')."""
-    if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict) and "model.embed_tokens.weight" not in obj:
         obj = obj["model"]
     if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
         raise FormatError(f"{path} does not hold a state dict (name -> tensor)")
     return obj
 
 
-class TorchFile:
-    """Lazy reader of a torch.save state dict (memory-mapped: only read slices are paged in)."""
+def _zip_record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]]]:
+    """The archive's folder prefix and, per record name, (data offset in the file, size).
 
-    def __init__(self, path: Path):
+    torch.save writes records uncompressed (ZIP_STORED) and aligned; a record's data starts after
+    its local header, whose extra field (torch's alignment padding) may differ from the central one.
+    """
+    records: dict[str, tuple[int, int]] = {}
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as fh:
+        infos = archive.infolist()
+        pickles = [i.filename for i in infos if i.filename.endswith("data.pkl")]
+        if not pickles:
+            raise FormatError(f"{path} is not a torch.save file (no data.pkl): re-create it")
+        prefix = pickles[0][: -len("data.pkl")]
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise FormatError(f"{path}: record {info.filename} is compressed; torch files never are")
+            fh.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", fh.read(4))
+            records[info.filename] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+    return prefix, records
+
+
+def load_metadata(path: Path) -> Any:
+    """Unpickle a torch.save file with torch's weights-only unpickler, but with storages on the
+    meta device: shapes, strides and dtypes without reading any tensor data. Every tensor is
+    returned as a StoredTensor saying where its bytes are. Non-zip (legacy) files return None."""
+    from torch import _weights_only_unpickler
+
+    path = Path(path)
+    if not zipfile.is_zipfile(path):
+        return None
+    prefix, records = _zip_record_offsets(path)
+    keys: dict[int, str] = {}
+
+    def persistent_load(saved):
+        _, storage_type, key, _, numel = saved
+        dtype = storage_type.dtype
+        storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
+        keys[storage._cdata] = str(key)
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+    with zipfile.ZipFile(path) as archive:
+        raw = archive.read(prefix + "data.pkl")
+    with torch.serialization.safe_globals([(TensorReference, XSER_REFERENCE)]):
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(raw), encoding="utf-8")
+        unpickler.persistent_load = persistent_load
+        obj = unpickler.load()
+
+    def locate(value):
+        if isinstance(value, torch.Tensor):
+            key = keys[value.untyped_storage()._cdata]
+            offset, size = records.get(f"{prefix}data/{key}", (None, 0))
+            span = value.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(value.shape, value.stride()))
+            if offset is None or (value.numel() and span * value.element_size() > size):
+                raise FormatError(f"{path}: the data of a tensor is missing or cut short: the file is truncated")
+            return StoredTensor(value.dtype, tuple(value.shape), offset, value.storage_offset(), tuple(value.stride()))
+        if isinstance(value, dict):
+            return type(value)((k, locate(v)) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return type(value)(locate(v) for v in value)
+        return value
+
+    return locate(obj)
+
+
+def read_metadata(path: Path) -> Any:
+    """load_metadata with shardkit's errors (unsafe pickle refused, truncation reported)."""
+    try:
+        return load_metadata(path)
+    except FormatError:
+        raise
+    except pickle.UnpicklingError as e:
+        reason = _refused_global(str(e)) if "GLOBAL" in str(e) else str(e).splitlines()[0]
+        raise FormatError(
+            f"refusing to load {path}: it holds Python objects other than tensors ({reason}); "
+            "shardkit never runs arbitrary pickle: re-save it as a plain state dict"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, KeyError, struct.error) as e:
+        raise FormatError(f"{path} is truncated or corrupt ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}): re-create it") from None
+
+
+class TorchFile:
+    """Lazy reader of a torch.save state dict: metadata once, then positional reads of exactly
+    the bytes a slice spans (no memory mapping, so nothing read stays resident)."""
+
+    SINGLE = ""  # the name of the one tensor of a single-tensor file (xser's tensor files)
+
+    def __init__(self, path: Path, single_tensor: bool = False):
         self.path = Path(path)
-        self._sd = state_dict_of(safe_load(self.path), self.path)
+        if not self.path.is_file():
+            raise FormatError(f"{self.path} does not exist")
+        meta = read_metadata(self.path)
+        self._fd = None
+        if meta is None:  # legacy format: load it (bounded by one rank file)
+            meta = safe_load(self.path, mmap=False)
+        else:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        if single_tensor:
+            if not isinstance(meta, (torch.Tensor, StoredTensor)):
+                raise FormatError(f"{self.path} does not hold a tensor")
+            self._sd = {self.SINGLE: meta}
+        else:
+            self._sd = state_dict_of(meta, self.path)
         for name, value in self._sd.items():
-            if not isinstance(value, torch.Tensor):
+            if not isinstance(value, (torch.Tensor, StoredTensor)):
                 raise FormatError(f"{self.path}: entry {name} is a {type(value).__name__}, not a tensor")
 
     def keys(self) -> list[str]:
@@ -89,12 +189,15 @@ class TorchFile:
         return self._sd[name].dtype
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        try:
-            return compact(narrow(self._sd[name], dim, start, stop))
-        except RuntimeError as e:
-            raise FormatError(f"cannot read {name} from {self.path} ({e}): the file may be truncated") from None
+        value = self._sd[name]
+        if isinstance(value, StoredTensor):
+            return read_stored(self._fd, value, dim, start, stop, str(self.path))
+        return compact(narrow(value, dim, start, stop))
 
     def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self._sd = {}
 
 

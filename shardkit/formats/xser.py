@@ -17,7 +17,7 @@ import torch
 
 from ..errors import FormatError
 from .base import FileRecord, HashingFile, TensorSpec, check_specs, compact, narrow
-from .torch_io import TensorReference, safe_load, state_dict_of
+from .torch_io import TensorReference, TorchFile, safe_load, state_dict_of
 
 
 def tensors_dir(path: Path) -> Path:
@@ -55,6 +55,7 @@ class XserFile:
         self.path = Path(path)
         self._sd = state_dict_of(safe_load(self.path), self.path)
         self._info = safe_load(info_path(self.path), mmap=False) if info_path(self.path).is_file() else {}
+        self._files: dict[int, TorchFile] = {}
         for name, value in self._sd.items():
             if isinstance(value, TensorReference):
                 if not tensor_path(self.path, value.tid).is_file():
@@ -65,31 +66,40 @@ class XserFile:
     def keys(self) -> list[str]:
         return list(self._sd)
 
-    def _tensor(self, name: str) -> torch.Tensor:
+    def _file(self, tid: int) -> TorchFile:
+        """The reader of one referenced tensor file (metadata only until a slice is read)."""
+        if tid not in self._files:
+            self._files[tid] = TorchFile(tensor_path(self.path, tid), single_tensor=True)
+        return self._files[tid]
+
+    def _tensor(self, name: str):
         value = self._sd[name]
-        if isinstance(value, torch.Tensor):
-            return value
-        tensor = safe_load(tensor_path(self.path, value.tid))
-        if not isinstance(tensor, torch.Tensor):
-            raise FormatError(f"{tensor_path(self.path, value.tid)} does not hold a tensor")
-        return tensor
+        return value if isinstance(value, torch.Tensor) else self._file(value.tid)
 
     def shape(self, name: str) -> tuple[int, ...]:
         value = self._sd[name]
         if isinstance(value, TensorReference) and value.tid in self._info:
             return tuple(self._info[value.tid]["shape"])
-        return tuple(self._tensor(name).shape)
+        tensor = self._tensor(name)
+        return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor.shape(TorchFile.SINGLE)
 
     def dtype(self, name: str) -> torch.dtype:
         value = self._sd[name]
         if isinstance(value, TensorReference) and value.tid in self._info:
             return self._info[value.tid]["dtype"]
-        return self._tensor(name).dtype
+        tensor = self._tensor(name)
+        return tensor.dtype if isinstance(tensor, torch.Tensor) else tensor.dtype(TorchFile.SINGLE)
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        return compact(narrow(self._tensor(name), dim, start, stop))
+        tensor = self._tensor(name)
+        if isinstance(tensor, torch.Tensor):
+            return compact(narrow(tensor, dim, start, stop))
+        return tensor.read(TorchFile.SINGLE, dim, start, stop)
 
     def close(self) -> None:
+        for reader in self._files.values():
+            reader.close()
+        self._files = {}
         self._sd = {}
 
 
