@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -65,7 +66,12 @@ class TensorFileWriter(Protocol):
 
 
 class HashingFile:
-    """A binary file that hashes what is written to it (for manifests)."""
+    """A binary file that hashes what is written to it (for manifests).
+
+    Large blocks are hashed on a helper thread while the next block is written (hashlib and
+    file writes both release the GIL), so hashing costs little wall time."""
+
+    _ASYNC_MIN = 1 << 20
 
     def __init__(self, path: Path, root: Path):
         self.path = Path(path)
@@ -73,11 +79,21 @@ class HashingFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "wb")
         self._hash = hashlib.sha256()
+        self._pending: Future | None = None
         self.size = 0
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self._hash.update(view)
+        self._wait()  # keep blocks in order (and at most one block referenced)
+        if len(view) >= self._ASYNC_MIN:
+            self._pending = _HASHER.submit(self._hash.update, view)
+        else:
+            self._hash.update(view)
         self.size += len(view)
         return self._fh.write(view)
 
@@ -85,11 +101,15 @@ class HashingFile:
         self._fh.flush()
 
     def close(self, fsync: bool = False) -> FileRecord:
+        self._wait()
         self._fh.flush()
         if fsync:
             os.fsync(self._fh.fileno())
         self._fh.close()
         return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, self._hash.hexdigest())
+
+
+_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardkit-sha256")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -134,10 +154,11 @@ class StoredTensor:
         return n
 
 
-def pread_into(fd: int, nbytes: int, offset: int, what: str) -> bytearray:
-    """Read exactly nbytes at offset (FormatError when the file is shorter: truncated)."""
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
+def pread_into(fd: int, nbytes: int, offset: int, what: str) -> torch.Tensor:
+    """Read exactly nbytes at offset into a new uint8 tensor (FormatError when the file is
+    shorter: truncated). The buffer is not zero-filled first."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
     done = 0
     while done < nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
@@ -155,7 +176,7 @@ def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int
     shape, stride, item = list(t.shape), list(t.strides()), t.dtype.itemsize
     if not shape:
         buf = pread_into(fd, item, t.file_offset + t.storage_offset * item, what)
-        return torch.frombuffer(buf, dtype=t.dtype).reshape(())
+        return buf.view(t.dtype).reshape(())
     start = 0 if start is None else start
     stop = shape[dim] if stop is None else stop
     out_shape = shape.copy()
@@ -165,7 +186,7 @@ def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int
     first = t.storage_offset + start * stride[dim]
     extent = 1 + sum((n - 1) * st for n, st in zip(out_shape, stride))
     buf = pread_into(fd, extent * item, t.file_offset + first * item, what)
-    base = torch.frombuffer(buf, dtype=t.dtype)
+    base = buf.view(t.dtype)
     if extent == _numel(out_shape) and stride == list(StoredTensor(t.dtype, tuple(out_shape), 0).strides()):
         return base.reshape(out_shape)  # a contiguous run of rows: no copy
     return base.as_strided(out_shape, stride).clone()
