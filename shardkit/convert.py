@@ -81,7 +81,22 @@ class SourceReader:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=seg.dim)
 
     def read_piece(self, piece: Piece) -> torch.Tensor:
-        return build_piece(piece, self.read_segment)
+        if piece.stacked or piece.transposed or piece.cat_dim != 0:
+            return build_piece(piece, self.read_segment)
+        reads = [r for seg in piece.slabs[0] for r in self.index.locate(seg)]
+        if len(reads) == 1:
+            return self.read(reads[0])
+        # several blocks of rows: read each straight into its place, no concatenation copy
+        out = torch.empty(piece.shape, dtype=self.dtype_of(piece.slabs[0][0].source))
+        row = 0
+        for r in reads:
+            block = out.narrow(0, row, r.stop - r.start)
+            file = self._file(r.holder)
+            if r.slab is not None or not getattr(file, "read_into", None) or not file.read_into(
+                    r.piece_name, r.start, r.stop, block):
+                block.copy_(self.read(r))
+            row += r.stop - r.start
+        return out
 
     def row_blocks(self, piece: Piece):
         """A piece as consecutive blocks of rows, when its bytes are simply its reads one after

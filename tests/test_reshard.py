@@ -534,7 +534,7 @@ def test_reshard_reads_only_needed_source_files_and_bytes(work, tmp_path, monkey
     read_bytes: Counter = Counter()
     orig_open, orig_writer = Checkpoint.open, engine._writer
     from shardkit.formats.torch_io import TorchFile
-    orig_read = TorchFile.read
+    orig_read, orig_read_into = TorchFile.read, TorchFile.read_into
 
     def counting_open(self, key):
         if Path(self.root).resolve() == Path(src).resolve():
@@ -557,7 +557,14 @@ def test_reshard_reads_only_needed_source_files_and_bytes(work, tmp_path, monkey
             read_bytes[current["out"]] += t.numel() * t.element_size()
         return t
 
+    def counting_read_into(self, name, start, stop, out):
+        done = orig_read_into(self, name, start, stop, out)
+        if done and Path(self.path).resolve().is_relative_to(Path(src).resolve()):
+            read_bytes[current["out"]] += out.numel() * out.element_size()
+        return done
+
     monkeypatch.setattr(Checkpoint, "open", counting_open)
+    monkeypatch.setattr(TorchFile, "read_into", counting_read_into)
     monkeypatch.setattr(engine, "_writer", tracking_writer)
     monkeypatch.setattr(engine, "_config_for_output", tracking_finish)
     monkeypatch.setattr(TorchFile, "read", counting_read)

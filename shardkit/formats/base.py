@@ -192,6 +192,30 @@ def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int
     return base.as_strided(out_shape, stride).clone()
 
 
+def read_rows_into(fd: int, t: StoredTensor, start: int, stop: int, out: torch.Tensor, what: str) -> bool:
+    """Read rows [start, stop) of a row-major stored tensor straight into `out` (a contiguous
+    tensor of the same dtype and row shape). False when the stored layout does not allow it."""
+    stride = list(t.strides())
+    row_shape = list(t.shape[1:])
+    if (not t.shape or out.dtype != t.dtype or not out.is_contiguous() or list(out.shape[1:]) != row_shape
+            or stride != list(StoredTensor(t.dtype, tuple(t.shape), 0).strides())):
+        return False
+    nbytes = out.numel() * out.element_size()
+    if out.shape[0] != stop - start:
+        return False
+    first = t.storage_offset + start * (stride[0] if stride else 1)
+    view = memoryview(out.view(torch.uint8).reshape(-1).numpy()) if nbytes else memoryview(b"")
+    done, offset = 0, t.file_offset + first * t.dtype.itemsize
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            from ..errors import FormatError
+
+            raise FormatError(f"{what} is truncated: re-create it")
+        done += got
+    return True
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:

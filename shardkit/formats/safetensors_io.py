@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from ..errors import FormatError
-from .base import FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, read_stored, tensor_bytes
+from .base import FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, read_rows_into, read_stored, tensor_bytes
 
 _DTYPE_TO_ST = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -64,6 +64,10 @@ class SafetensorsFile:
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         return read_stored(self._fd, self._tensors[name], dim, start, stop, str(self.path))
+
+    def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
+        return read_rows_into(self._fd, self._tensors[name], start, stop, out, str(self.path))
 
     def close(self) -> None:
         if self._fd is not None:

@@ -11,14 +11,16 @@ import io
 import os
 import pickle
 import struct
+import threading
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from ..errors import FormatError
-from .base import FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, compact, narrow, read_stored
+from .base import FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, compact, narrow, read_rows_into, read_stored
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 
@@ -137,8 +139,29 @@ def load_metadata(path: Path) -> Any:
     return locate(obj)
 
 
+_METADATA_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
+_METADATA_LOCK = threading.Lock()
+
+
 def read_metadata(path: Path) -> Any:
-    """load_metadata with shardkit's errors (unsafe pickle refused, truncation reported)."""
+    """load_metadata with shardkit's errors (unsafe pickle refused, truncation reported).
+
+    Cached per (path, size, mtime), so the many readers of one operation parse a file once."""
+    stat = os.stat(path)
+    key = (str(Path(path).absolute()), stat.st_size, stat.st_mtime_ns)
+    with _METADATA_LOCK:
+        if key in _METADATA_CACHE:
+            _METADATA_CACHE.move_to_end(key)
+            return _METADATA_CACHE[key]
+    meta = _read_metadata_uncached(path)
+    with _METADATA_LOCK:
+        _METADATA_CACHE[key] = meta
+        while len(_METADATA_CACHE) > 4096:
+            _METADATA_CACHE.popitem(last=False)
+    return meta
+
+
+def _read_metadata_uncached(path: Path) -> Any:
     try:
         return load_metadata(path)
     except FormatError:
@@ -193,6 +216,11 @@ class TorchFile:
         if isinstance(value, StoredTensor):
             return read_stored(self._fd, value, dim, start, stop, str(self.path))
         return compact(narrow(value, dim, start, stop))
+
+    def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
+        value = self._sd[name]
+        return isinstance(value, StoredTensor) and read_rows_into(self._fd, value, start, stop, out, str(self.path))
 
     def close(self) -> None:
         if self._fd is not None:

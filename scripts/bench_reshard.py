@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Benchmark direct `shardkit reshard` against merge-then-convert, side by side.
+
+Builds (or reuses) the synthetic checkpoint of bench_convert.py (default TinyLlama-1.1B's shape in
+bf16), converts it once to the source layout (default tp 8, pp 2; untimed setup), then measures,
+each operation in a fresh child process (wall time of the call, the child's own peak RSS):
+  - cp -r of the source shards (the baseline for moving these bytes),
+  - reshard source -> target (default tp 4, pp 4) directly,
+  - merge source -> HF, then convert HF -> target (the two-step way, times added),
+for each --workers count, so the speed-up of threads on this machine shows too.
+Targets (issue): direct reshard at least 2x faster than merge-then-convert; peak RSS under 25% of
+the checkpoint size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc  # noqa: E402
+from bench_convert import PRELOAD, smallest_kv_multiplier  # noqa: E402
+
+SPEEDUP_TARGET = 2.0
+RSS_TARGET = 0.25
+
+
+def run_reshard(src: str, dst: str, tp: int, pp: int, qkv: str, kv_multiplier: int, workers: int) -> dict:
+    import shardkit
+
+    result = shardkit.reshard(src, dst, shardkit.Layout(tp=tp, pp=pp, kv_multiplier=kv_multiplier, qkv=qkv),
+                              workers=workers, overwrite=True)
+    return {"files": len(result.files), "bytes": result.bytes, "shardkit": str(Path(shardkit.__file__).parent)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="tinyllama", choices=sorted(bc.SHAPES), help="named model shape")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES), help="dtype of the synthetic checkpoint")
+    p.add_argument("--source", default="8,2", help="source layout tp,pp (default 8,2)")
+    p.add_argument("--target", default="4,4", help="target layout tp,pp (default 4,4)")
+    p.add_argument("--qkv", default="gqa", help="qkv style of both layouts")
+    p.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated")
+    p.add_argument("--repeat", type=int, default=1, help="repeats per worker count (median taken)")
+    p.add_argument("--workdir", default=str(bc.DEFAULT_WORKDIR), help="cache and scratch folder")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    name, config = bc.load_shape(args.shape)
+    (stp, spp), (ttp, tpp) = (tuple(int(x) for x in v.split(",")) for v in (args.source, args.target))
+    workdir = Path(args.workdir).absolute()
+    logdir, rundir = workdir / "logs", workdir / "run-reshard"
+    spec = bc.synthetic_spec(name, config, args.dtype)
+    built = bc.run_python("build", "bench_common:build_synthetic_checkpoint", {"workdir": str(workdir), "spec": spec},
+                          logdir, preload=("torch",))
+    hf = Path(built.result["path"])
+    size = bc.dir_bytes(hf)
+    skv, tkv = smallest_kv_multiplier(config, stp), smallest_kv_multiplier(config, ttp)
+    source = rundir / f"source-tp{stp}pp{spp}"
+    bc.remove(source)
+    bc.progress(f"setup: converting {hf.name} to tp {stp} pp {spp} (untimed)")
+    bc.run_python("setup", "bench_convert:run_convert", {"src": str(hf), "dst": str(source), "tp": stp, "pp": spp,
+                  "qkv": args.qkv, "kv_multiplier": skv, "fmt": "torch", "workers": 2}, logdir, preload=PRELOAD)
+    rows, report = [], {"checkpoint_bytes": size, "runs": []}
+    for workers in bc.parse_int_list(args.workers):
+        samples: dict[str, list] = {"cp": [], "direct": [], "merge": [], "convert": []}
+        for _ in range(args.repeat):
+            bc.sync_disks()
+            samples["cp"].append(bc.cp_baseline("cp -r shards", source, rundir / "cp", logdir))
+            samples["cp"][-1].bytes_written = bc.dir_bytes(source)
+            bc.remove(rundir / "cp")
+            for key, target, kwargs in (
+                ("direct", "bench_reshard:run_reshard", {"src": str(source), "dst": str(rundir / "direct"), "tp": ttp,
+                                                          "pp": tpp, "qkv": args.qkv, "kv_multiplier": tkv, "workers": workers}),
+                ("merge", "bench_convert:run_merge", {"src": str(source), "dst": str(rundir / "merged"), "workers": workers}),
+                ("convert", "bench_convert:run_convert", {"src": str(rundir / "merged"), "dst": str(rundir / "two-step"),
+                                                          "tp": ttp, "pp": tpp, "qkv": args.qkv, "kv_multiplier": tkv,
+                                                          "fmt": "torch", "workers": workers}),
+            ):
+                bc.sync_disks()
+                m = bc.run_python(f"{key} w{workers}", target, kwargs, logdir, preload=PRELOAD)
+                samples[key].append(m)
+                bc.progress(f"workers {workers}: {key} {m.seconds:.2f} s, peak RSS {m.peak_rss / bc.MB:.0f} MB")
+            ok = bc.run_python("compare", "bench_reshard:same_shards", {"a": str(rundir / "direct"),
+                               "b": str(rundir / "two-step")}, logdir, preload=PRELOAD).result
+            for d in ("direct", "merged", "two-step"):
+                bc.remove(rundir / d)
+        c = {k: bc.combine(v) for k, v in samples.items()}
+        two_step = c["merge"].seconds + c["convert"].seconds
+        speedup = two_step / c["direct"].seconds
+        rss = max(c["direct"].peak_rss, 1) / size
+        rows.append((workers, f"{c['cp'].seconds:.2f}", f"{c['direct'].seconds:.2f}", f"{two_step:.2f}",
+                     f"{speedup:.2f}x", f"{c['direct'].peak_rss / bc.MB:.0f}", f"{100 * rss:.1f}%",
+                     f"{max(c['merge'].peak_rss, c['convert'].peak_rss) / bc.MB:.0f}", "equal" if ok else "DIFFER"))
+        report["runs"].append({"workers": workers, "cp_s": c["cp"].seconds, "direct_s": c["direct"].seconds,
+                               "merge_s": c["merge"].seconds, "convert_s": c["convert"].seconds, "speedup": speedup,
+                               "direct_peak_rss": c["direct"].peak_rss, "same_result": ok})
+    if args.json:
+        bc.print_json(report)
+        return 0
+    print(f"\n{name} ({size / bc.GB:.2f} GB {args.dtype}): tp {stp} pp {spp} -> tp {ttp} pp {tpp}, qkv {args.qkv}")
+    print(bc.busy_note(bc.load_average()))
+    print(bc.format_table(("workers", "cp -r s", "reshard s", "merge+convert s", "speed-up", "reshard RSS MB",
+                           "RSS % ckpt", "2-step RSS MB", "result"), rows))
+    for r in report["runs"]:
+        print(f"  workers {r['workers']}: speed-up >= {SPEEDUP_TARGET}x  {'PASS' if r['speedup'] >= SPEEDUP_TARGET else 'FAIL'};"
+              f"  RSS < 25%  {'PASS' if r['direct_peak_rss'] / size < RSS_TARGET else 'FAIL'}")
+    return 0
+
+
+def same_shards(a: str, b: str) -> bool:
+    """Do two shard directories hold the same tensors under the same names?"""
+    import torch
+
+    names = sorted(p.name for p in Path(a, "model").glob("*.pt"))
+    if names != sorted(p.name for p in Path(b, "model").glob("*.pt")):
+        return False
+    for n in names:
+        x, y = torch.load(Path(a, "model", n), weights_only=True), torch.load(Path(b, "model", n), weights_only=True)
+        if x.keys() != y.keys() or not all(torch.equal(x[k], y[k]) for k in x):
+            return False
+    return True
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    sys.exit(main())
