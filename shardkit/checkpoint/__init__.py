@@ -1,0 +1,55 @@
+"""Training checkpoints in NxD's directory tree: save, resume into any layout, async, retention.
+
+A training job checkpoints every N steps; a crash, a preemption or a new cluster shape must
+never lose more than the last interval, and saving must barely pause training.
+
+    from shardkit.checkpoint import save_checkpoint, load_checkpoint
+
+    save_checkpoint(ckpt_dir, f"step_{step}", model_pieces, optimizer_state, scheduler,
+                    {"step": step}, layout=layout, config=hf_config, async_save=True, num_kept=3)
+    ...
+    loaded = load_checkpoint(ckpt_dir, "latest_if_exists", target_layout=new_layout)
+    if loaded is not None:
+        model_pieces, optimizer_state = loaded.model, loaded.optimizer
+
+One concern per module: `base` (the protocol, ranks, configuration, errors), `tree` (markers,
+listing, ordering, retention and deletion), `state` (what a rank saves, checked against the
+layout), `save` (the save protocol and the Checkpointer), `async_save` (host copies and the
+background writer), `load` (resolving tags, checking, resharding reads, export to Hugging Face).
+"""
+
+from .base import (
+    FORMATS,
+    CheckpointError,
+    CheckpointerConfig,
+    CheckpointWriteError,
+    IncompleteCheckpointError,
+    LoadedCheckpoint,
+    NoCheckpointError,
+    OptimizerState,
+    Rank,
+    StateMismatchError,
+    optimizer_state_from_torch,
+)
+from .load import LATEST_IF_EXISTS, export_checkpoint, load_checkpoint, resolve_tag
+from .save import Checkpointer, default_checkpointer, finalize_checkpoint, save_checkpoint
+from .state import model_file, optim_file
+from .tree import (
+    CheckpointInfo,
+    RetentionPlan,
+    has_checkpoint,
+    latest,
+    list_checkpoints,
+    plan_retention,
+    prune_checkpoints,
+    remove_tag,
+)
+
+__all__ = [
+    "save_checkpoint", "load_checkpoint", "has_checkpoint", "list_checkpoints", "latest", "prune_checkpoints",
+    "export_checkpoint", "finalize_checkpoint", "Checkpointer", "CheckpointerConfig", "default_checkpointer",
+    "LoadedCheckpoint", "OptimizerState", "optimizer_state_from_torch", "Rank", "CheckpointInfo", "RetentionPlan",
+    "plan_retention", "remove_tag", "resolve_tag", "model_file", "optim_file", "LATEST_IF_EXISTS", "FORMATS",
+    "CheckpointError", "NoCheckpointError", "IncompleteCheckpointError", "CheckpointWriteError",
+    "StateMismatchError",
+]

@@ -1,0 +1,320 @@
+"""Loading a training checkpoint into any layout: this rank's pieces, read slice by slice.
+
+The model part is an ordinary sharded checkpoint (`open_checkpoint(<tag>)`: the manifest gives
+the saved layout; NxD tags without one have it inferred). The optimizer files hold each moment
+as a prefixed copy of the model's pieces (`exp_avg::<piece>`), so the same `Checkpoint`
+description with every piece name and segment source prefixed by `<moment>::` lets the engine's
+`SourceReader` reshard moments exactly like their parameters. For every target piece only the
+slices it is made of are read (positional reads of exactly those bytes); nothing is gathered to
+full tensors.
+
+Before any tensor is read, the tag is checked: complete (`done`), every listed file present with
+its size, the config equal to the caller's, the files this rank reads holding the expected names
+and shapes and (with `verify`) their sha256 equal to the manifest's. A failure raises a
+ShardkitError and returns nothing: no rank state is ever loaded half-way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..convert import Result, SourceReader, merge
+from ..errors import ConfigMismatchError, FormatError
+from ..formats import Checkpoint, load_config, open_checkpoint
+from ..formats.torch_io import safe_load
+from ..layout import Layout, ModelDims
+from ..placements import Piece, Read
+from .base import (
+    MOMENT_SEP,
+    IncompleteCheckpointError,
+    LoadedCheckpoint,
+    NoCheckpointError,
+    OptimizerState,
+    Rank,
+)
+from .tree import CONFIG, MODEL_DIR, OPTIM_DIR, SCHEDULER, USER_CONTENT, is_complete, latest, read_manifest
+
+log = logging.getLogger(__name__)
+
+LATEST_IF_EXISTS = "latest_if_exists"
+
+
+def resolve_tag(directory: Path, tag: str | None) -> str | None:
+    """The tag to load: the newest complete one (tag None; None when there is none and tag is
+    "latest_if_exists"), or the named tag, which must be complete."""
+    directory = Path(directory)
+    if tag is None or tag == LATEST_IF_EXISTS:
+        found = latest(directory)
+        if found is None and tag is None:
+            raise NoCheckpointError(f"{directory} holds no complete checkpoint (no <tag>/done): train from scratch, "
+                                    "or pass tag='latest_if_exists' to get None instead of this error")
+        return found
+    tag_dir = directory / str(tag)
+    if not tag_dir.is_dir():
+        raise NoCheckpointError(f"checkpoint {tag_dir} does not exist (see `shardkit ckpt list {directory}`)")
+    if not is_complete(tag_dir):
+        raise IncompleteCheckpointError(
+            f"checkpoint {tag_dir} has no done marker: it is incomplete (an interrupted save or deletion); "
+            f"load another tag (`shardkit ckpt list {directory}`)")
+    return str(tag)
+
+
+def prefixed(piece: Piece, prefix: str) -> Piece:
+    """The same piece with its name and every segment's source prefixed (a moment of it)."""
+    slabs = tuple(tuple(replace(s, source=prefix + s.source) for s in slab) for slab in piece.slabs)
+    return replace(piece, name=prefix + piece.name, slabs=slabs)
+
+
+# ---- checks before reading -------------------------------------------------------------------------
+
+
+def _check_listed_files(tag_dir: Path, manifest: Mapping[str, Any]) -> None:
+    for entry in manifest.get("files", []):
+        path = tag_dir / entry["path"]
+        if not path.is_file():
+            raise FormatError(f"{tag_dir.name}/{entry['path']} is missing: checkpoint {tag_dir} is damaged; load "
+                              "an older tag (tag=...) or restore the file")
+        if path.stat().st_size != entry["size"]:
+            raise FormatError(f"{tag_dir.name}/{entry['path']} has {path.stat().st_size} bytes, the manifest says "
+                              f"{entry['size']}: the file is truncated or was replaced; load an older tag (tag=...)")
+
+
+def _compare_configs(saved: Mapping[str, Any], given: Mapping[str, Any], tag_dir: Path) -> None:
+    a, b = ModelDims.from_config(saved), ModelDims.from_config(given)
+    if a == b:
+        return
+    for field_name in a.__dataclass_fields__:
+        if getattr(a, field_name) != getattr(b, field_name):
+            raise ConfigMismatchError(
+                f"checkpoint {tag_dir} was saved for a model with {field_name} {getattr(a, field_name)!r}, but the "
+                f"target config has {getattr(b, field_name)!r}: resume with the model's own config, or another "
+                "checkpoint directory")
+
+
+def _check_files(ckpt: Checkpoint, keys: set[str]) -> None:
+    """The files this rank reads hold the names and shapes the layout and config imply."""
+    for key in sorted(keys):
+        reader = ckpt.open(key)
+        try:
+            have = set(reader.keys())
+            for piece in ckpt.holdings[key]:
+                if piece.name not in have:
+                    raise ConfigMismatchError(
+                        f"{ckpt.root.name}/{key} lacks {piece.name} (expected for {ckpt.layout.describe()}): "
+                        "the config or layout does not match the checkpoint")
+                shape = tuple(reader.shape(piece.name))
+                if shape != piece.shape:
+                    raise ConfigMismatchError(
+                        f"{ckpt.root.name}/{key}: {piece.name} has shape {shape} but {ckpt.layout.describe()} with "
+                        f"this config expects {piece.shape}: the config does not match the checkpoint")
+        finally:
+            reader.close()
+
+
+def _verify_hashes(tag_dir: Path, manifest: Mapping[str, Any], keys: set[str]) -> None:
+    """sha256 of every file (and xser tensor file) behind `keys` against the manifest."""
+    entries = manifest.get("files", [])
+    for key in sorted(keys):
+        mine = [e for e in entries if e["path"] == key or e["path"].startswith(key + ".")]
+        if not mine:
+            raise FormatError(f"the manifest of {tag_dir} does not list {key}: the checkpoint is damaged")
+        for entry in mine:
+            digest = hashlib.sha256()
+            with open(tag_dir / entry["path"], "rb") as fh:
+                for block in iter(lambda: fh.read(8 << 20), b""):
+                    digest.update(block)
+            if digest.hexdigest() != entry["sha256"]:
+                raise FormatError(f"{tag_dir.name}/{entry['path']} does not match its sha256 in the manifest: the "
+                                  "file is corrupt; load an older tag (tag=...)")
+
+
+# ---- reading ---------------------------------------------------------------------------------------
+
+
+def _whole(key: str, piece: Piece) -> Read:
+    """A read of a whole stored piece (the fast path when the target piece is stored as it is)."""
+    rows = piece.shape[0] if piece.shape else None
+    return Read(key, piece.name, None, 0, 0 if rows is not None else None, rows)
+
+
+def _plan_reads(ckpt: Checkpoint, pieces: list[Piece], rank: Rank,
+                same_layout: bool) -> tuple[list[tuple[Piece, str | None]], set[str]]:
+    """For each target piece, the file holding exactly that piece (read whole), or None (assembled
+    from slices); and every file touched. Replicated pieces come from this rank's own file when the
+    layout is unchanged, else from a file that is read anyway."""
+    holders: dict[Piece, list[str]] = {}
+    for key, held in ckpt.holdings.items():
+        for p in held:
+            holders.setdefault(p, []).append(key)
+    index = ckpt.index()
+    needed: set[str] = set()
+    for piece in pieces:
+        keys = holders.get(piece)
+        if not keys:
+            for seg in piece.segments:
+                needed.update(r.holder for r in index.locate(seg))
+        elif len(keys) == 1:
+            needed.add(keys[0])
+    plan: list[tuple[Piece, str | None]] = []
+    for piece in pieces:
+        keys = holders.get(piece)
+        if keys and len(keys) > 1:
+            own = [k for k in keys if same_layout and ckpt.ranks.get(k) == rank.key]
+            keys = own or [k for k in keys if k in needed] or keys
+            needed.add(keys[0])
+        plan.append((piece, keys[0] if keys else None))
+    return plan, needed
+
+
+def read_pieces(ckpt: Checkpoint, pieces: list[Piece], rank: Rank, manifest: Mapping[str, Any] | None,
+                verify: bool, same_layout: bool = False) -> dict[str, torch.Tensor]:
+    """Check, then read, the target pieces from `ckpt` (only the slices they are made of)."""
+    plan, needed = _plan_reads(ckpt, pieces, rank, same_layout)
+    _check_files(ckpt, needed)
+    if verify and manifest is not None:
+        _verify_hashes(ckpt.root, manifest, needed)
+    reader = SourceReader(ckpt)  # positional reads: every tensor read owns its memory
+    out: dict[str, torch.Tensor] = {}
+    try:
+        for piece, key in plan:
+            tensor = reader.read(_whole(key, piece)) if key else reader.read_piece(piece)
+            if tuple(tensor.shape) != piece.shape:
+                raise FormatError(f"{piece.name}: read shape {tuple(tensor.shape)}, expected {piece.shape}")
+            out[piece.name] = tensor
+    finally:
+        reader.close()
+    return out
+
+
+def optimizer_checkpoint(ckpt: Checkpoint, moments: list[str], params: Mapping[str, Any]) -> Checkpoint:
+    """The optimizer files described like the model: each piece with state, once per moment."""
+    files, holdings, ranks = {}, {}, {}
+    for key, pieces in ckpt.holdings.items():
+        optim_key = OPTIM_DIR + key[len(MODEL_DIR):]
+        stated = [p for p in pieces if all(s.source in params for s in p.segments)]
+        if not stated:
+            continue
+        files[optim_key] = ckpt.root / optim_key
+        holdings[optim_key] = [prefixed(p, m + MOMENT_SEP) for p in stated for m in moments]
+        ranks[optim_key] = ckpt.ranks.get(key)
+    missing = [k for k, p in files.items() if not p.is_file()]
+    if missing:
+        raise FormatError(f"optimizer file {missing[0]} is missing from {ckpt.root}: the checkpoint is damaged; "
+                          "load an older tag or pass optimizer=False")
+    return Checkpoint(ckpt.root, "sharded", ckpt.format, ckpt.config, ckpt.family, ckpt.dims, ckpt.layout, files,
+                      holdings, ranks, None, ckpt.naming)
+
+
+def read_optimizer(ckpt: Checkpoint, pieces: list[Piece], rank: Rank, manifest: Mapping[str, Any], verify: bool,
+                   same_layout: bool = False) -> OptimizerState | None:
+    info = (manifest.get("checkpoint") or {}).get("optimizer")
+    if not info:
+        return None
+    moments, params = list(info["moments"]), info["params"]
+    optim = optimizer_checkpoint(ckpt, moments, params)
+    stated = [p for p in pieces if all(s.source in params for s in p.segments)]
+    targets = [prefixed(p, m + MOMENT_SEP) for p in stated for m in moments]
+    data = read_pieces(optim, targets, rank, manifest, verify, same_layout)
+    state: dict[str, dict[str, Any]] = {}
+    groups: dict[str, int] = {}
+    for piece in stated:
+        first = params[piece.segments[0].source]
+        entry: dict[str, Any] = {m: data[m + MOMENT_SEP + piece.name] for m in moments}
+        if first.get("step") is not None:
+            entry["step"] = first["step"]
+        state[piece.name] = entry
+        groups[piece.name] = int(first.get("group", 0))
+    hyper = [dict(g) for g in info.get("param_groups") or []]
+    for g in hyper:
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+    return OptimizerState(state, hyper, groups)
+
+
+# ---- the API ---------------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    dir: str | Path,
+    tag: str | None = None,
+    *,
+    target_layout: Layout | None = None,
+    rank: Any = None,
+    config: Mapping[str, Any] | str | Path | None = None,
+    hints: Mapping[str, Any] | None = None,
+    optimizer: bool = True,
+    verify: bool = True,
+) -> LoadedCheckpoint | None:
+    """This rank's model pieces and optimizer state for `target_layout`, from checkpoint `tag`.
+
+    `tag`: None = the newest complete tag (NoCheckpointError when there is none);
+    "latest_if_exists" = the same, or None when there is none; or a tag name (it must be
+    complete). `target_layout`: the layout to resume in (default: the saved one); any valid layout
+    works: pieces are resharded on the fly, moments with their parameters. `rank`: (tp, pp),
+    (ep, tp, pp) or Rank of the target layout (default: from torch.distributed). `config`: the
+    model config the trainer uses; it must match the checkpoint's (and is needed for NxD tags
+    without config.json). `verify`: check the sha256 of every file this rank reads against the
+    manifest (reads those files once more). Returns a LoadedCheckpoint."""
+    root = Path(dir)
+    name = resolve_tag(root, tag)
+    if name is None:
+        return None
+    tag_dir = root / name
+    manifest = read_manifest(tag_dir)
+    if manifest is not None:
+        _check_listed_files(tag_dir, manifest)
+    saved = load_config(tag_dir) if (tag_dir / CONFIG).is_file() else None
+    given = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
+    if saved is not None and given is not None:
+        _compare_configs(saved, given, tag_dir)
+    ckpt = open_checkpoint(tag_dir, saved or given, hints)
+    target = target_layout or ckpt.layout
+    target.validate(ckpt.dims)
+    me = Rank.of(rank, target)
+    pieces = ckpt.family.rank_pieces(target, ckpt.dims, me.tp, me.pp, ckpt.full_shapes, me.ep)
+    same = target == ckpt.layout
+    model = read_pieces(ckpt, pieces, me, manifest, verify, same)
+    opt = read_optimizer(ckpt, pieces, me, manifest, verify, same) if optimizer and manifest else None
+    if optimizer and manifest is None and (tag_dir / OPTIM_DIR).is_dir():
+        log.warning("%s has optimizer files but no shardkit manifest (an NxD checkpoint): its optimizer state is "
+                    "not loaded (NxD's optimizer files are numbered, not keyed by parameter name)", tag_dir)
+    scheduler = safe_load(tag_dir / SCHEDULER, mmap=False) if (tag_dir / SCHEDULER).is_file() else None
+    user_content = safe_load(tag_dir / USER_CONTENT, mmap=False) if (tag_dir / USER_CONTENT).is_file() else None
+    step = (manifest or {}).get("checkpoint", {}).get("step") if manifest else None
+    if step is None and isinstance(user_content, Mapping) and isinstance(user_content.get("step"), int):
+        step = user_content["step"]
+    if step is None:
+        from .tree import tag_step
+
+        step = tag_step(name)
+    log.info("loaded checkpoint %s (saved %s) as rank (%s) of %s", tag_dir, ckpt.layout.describe(), me.describe(),
+             target.describe())
+    return LoadedCheckpoint(name, tag_dir, step, ckpt.layout, target, me, ckpt.config, model, opt, scheduler,
+                            user_content, ckpt.format)
+
+
+def export_checkpoint(
+    dir: str | Path,
+    out: str | Path,
+    tag: str | None = None,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    config: Mapping[str, Any] | str | Path | None = None,
+    hints: Mapping[str, Any] | None = None,
+    workers: int = 1,
+    progress=None,
+) -> Result:
+    """Merge a training checkpoint's model (the newest complete tag, or `tag`) into a Hugging Face
+    model directory `out` (safetensors + index + config.json)."""
+    root = Path(dir)
+    name = resolve_tag(root, tag)
+    return merge(root / name, out, max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, config=config,
+                 hints=hints, workers=workers, progress=progress)

@@ -1,0 +1,566 @@
+"""Saving a training checkpoint: each rank writes only its own files, markers around them.
+
+One save, on every rank of the job (steps 2-5 run in the background thread for async saves):
+1. (caller's thread) check this rank's state against the layout, copy it to host memory when
+   async, and agree with the other ranks that every (tp, pp, ep) rank is held by one process
+   (dp 0); an error on any rank fails the save on every rank before anything is written;
+2. rank 0 creates `<tag>/` (removing an older tag of the same name, `done` first) and writes the
+   `checkpoint` marker, durably; barrier;
+3. every rank with dp 0 writes its model and optimizer files with the format's writer, fsyncs
+   them and their folders; global rank 0 also writes config.json, scheduler.pt, user_content.pt;
+   the ranks exchange their file records;
+4. rank 0 writes the manifest (shardkit.json), fsyncs it and the folder, then writes `done`,
+   durably; the ranks agree that it was written;
+5. rank 0 applies retention (after `done`, never before; failures logged, not raised).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .. import __version__
+from ..families import Family, family_for
+from ..formats.base import FileRecord, HashingFile, TensorSpec
+from ..formats.safetensors_io import SafetensorsWriter
+from ..formats.source import MANIFEST, load_config
+from ..formats.torch_io import TorchWriter
+from ..formats.xser import XserWriter, tensors_dir
+from ..layout import Layout, ModelDims
+from .async_save import BackgroundWriter, HostStaging, host_copy
+from ..errors import LayoutError
+from .base import (
+    CheckpointError,
+    CheckpointerConfig,
+    CheckpointWriteError,
+    Rank,
+    check_format,
+    check_retention,
+    distributed_rank,
+)
+from .state import (
+    RankState,
+    check_plain,
+    is_rank_mapping,
+    model_file,
+    normalize_optimizer,
+    optim_file,
+    rank_state,
+    scheduler_state,
+)
+from .tree import (
+    CHECKPOINT_MARKER,
+    CONFIG,
+    DONE_MARKER,
+    MODEL_DIR,
+    SCHEDULER,
+    USER_CONTENT,
+    apply_retention,
+    check_tag_name,
+    fsync_path,
+    is_complete,
+    list_checkpoints,
+    plan_retention,
+    remove_tag,
+    tag_step,
+    write_marker,
+    write_text,
+)
+
+log = logging.getLogger(__name__)
+
+
+# ---- rank coordination -----------------------------------------------------------------------------
+
+
+class Comm:
+    """The checkpoint layer's collectives, on its own process group (None: a one-process run)."""
+
+    def __init__(self, group: Any = None):
+        self.group = group
+        if group is None:
+            self.rank, self.world = 0, 1
+        else:
+            import torch.distributed as dist
+
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def gather(self, obj: Any) -> list[Any]:
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def agree(self, what: str, step: Callable[[], Any]) -> list[Any]:
+        """Run `step` here; every rank's result, or the first failure raised on every rank."""
+        error, value = None, None
+        try:
+            value = step()
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
+            error = e
+        answers = self.gather((None if error is None else f"rank {self.rank}: {error}", value))
+        if isinstance(error, OSError):
+            raise CheckpointWriteError(f"{what} failed: {error}") from error
+        if error is not None:
+            raise error
+        failed = [m for m, _ in answers if m]
+        if failed:
+            raise CheckpointWriteError(f"{what} failed on another rank ({failed[0]})")
+        return [v for _, v in answers]
+
+
+def new_group() -> Any:
+    """A dedicated gloo group for checkpoint collectives (None without a multi-process job)."""
+    if distributed_rank() is None:
+        return None
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
+# ---- one save ------------------------------------------------------------------------------------
+
+
+@dataclass
+class SaveJob:
+    """Everything one save writes from this process, already validated (and copied when async)."""
+
+    root: Path
+    tag: str
+    layout: Layout
+    fmt: str
+    config: dict[str, Any]
+    family: Family
+    dims: ModelDims
+    step: int | None
+    ranks: list[RankState]
+    leader: bool
+    scheduler: Any = None
+    user_content: Any = None
+    num_kept: int | None = None
+    keep_every: int | None = None
+    fsync: bool = True
+    async_save: bool = False
+    world: int = 1
+    started: float = 0.0
+    records: list[FileRecord] = field(default_factory=list)
+
+    @property
+    def tag_dir(self) -> Path:
+        return self.root / self.tag
+
+
+def _make_writer(fmt: str, path: Path, root: Path, specs: list[TensorSpec], expert: set[str]):
+    if fmt == "safetensors":
+        return SafetensorsWriter(path, root, specs)
+    if fmt == "xser":
+        return XserWriter(path, root, specs, [s.name for s in specs if s.name in expert])
+    return TorchWriter(path, root, specs)
+
+
+def write_tensor_file(tag_dir: Path, key: str, items: list[tuple[str, torch.Tensor]], fmt: str,
+                      expert: set[str], fsync: bool) -> list[FileRecord]:
+    """One rank file with the format's writer; durable (file, tensor files, folders) with fsync."""
+    path = tag_dir / key
+    specs = [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in items]
+    writer = _make_writer(fmt, path, tag_dir, specs, expert)
+    for name, tensor in items:
+        writer.write(name, tensor.cpu())
+    records = writer.close(fsync=fsync)
+    if fsync:
+        if fmt == "xser":  # XserWriter syncs its reference and info files; the tensor files are ours
+            for record in records:
+                if ".tensors/" in record.path:
+                    fsync_path(tag_dir / record.path)
+            fsync_path(tensors_dir(path))
+        fsync_path(path.parent)
+        fsync_path(path.parent.parent)
+    return records
+
+
+def save_object(tag_dir: Path, name: str, obj: Any, fsync: bool) -> FileRecord:
+    """torch.save of plain data (scheduler, user content), hashed and durable."""
+    out = HashingFile(tag_dir / name, tag_dir)
+    torch.save(obj, out)
+    return out.close(fsync)
+
+
+def _save_json(tag_dir: Path, name: str, data: Any, fsync: bool) -> FileRecord:
+    out = HashingFile(tag_dir / name, tag_dir)
+    out.write((json.dumps(data, indent=2) + "\n").encode())
+    return out.close(fsync)
+
+
+def prepare_tag(job: SaveJob) -> None:
+    """Rank 0: a fresh `<tag>/` with its `checkpoint` marker (an older tag of that name goes first)."""
+    job.root.mkdir(parents=True, exist_ok=True)
+    if job.tag_dir.exists():
+        (log.warning if is_complete(job.tag_dir) else log.info)(
+            "tag %s exists: replacing it (its done marker is removed first)", job.tag_dir)
+        remove_tag(job.tag_dir, job.fsync)
+    job.tag_dir.mkdir()
+    write_marker(job.tag_dir, CHECKPOINT_MARKER, job.fsync)  # first, before anything else in the tag
+    if job.fsync:
+        fsync_path(job.root)
+    (job.tag_dir / MODEL_DIR).mkdir()
+
+
+def write_rank_files(job: SaveJob) -> dict[str, Any]:
+    """This process's files: its ranks' model and optimizer files, and (leader) the plain files."""
+    records: list[FileRecord] = []
+    optimizer: dict[str, Any] = {"moments": [], "params": {}, "param_groups": []}
+    for state in job.ranks:
+        records += write_tensor_file(job.tag_dir, model_file(state.rank, job.layout, job.fmt), state.model,
+                                     job.fmt, state.expert, job.fsync)
+        if state.optim:
+            records += write_tensor_file(job.tag_dir, optim_file(state.rank, job.layout, job.fmt), state.optim,
+                                         job.fmt, state.expert, job.fsync)
+            optimizer["moments"] = optimizer["moments"] or state.moments
+            optimizer["params"].update(state.params)
+            optimizer["param_groups"] = optimizer["param_groups"] or state.param_groups
+    if job.leader:
+        records.append(_save_json(job.tag_dir, CONFIG, job.config, job.fsync))
+        if job.scheduler is not None:
+            records.append(save_object(job.tag_dir, SCHEDULER, job.scheduler, job.fsync))
+        if job.user_content is not None:
+            records.append(save_object(job.tag_dir, USER_CONTENT, job.user_content, job.fsync))
+        if job.fsync:
+            fsync_path(job.tag_dir)
+    first = job.ranks[0].model[0][1].dtype if job.ranks and job.ranks[0].model else None
+    return {"records": records, "optimizer": optimizer if optimizer["moments"] else None,
+            "dtype": str(first).replace("torch.", "") if first is not None else None}
+
+
+def manifest(job: SaveJob, results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """shardkit.json: convert's manifest shape plus a `checkpoint` section."""
+    records = sorted((r for res in results for r in res["records"]), key=lambda r: r.path)
+    optim = [res["optimizer"] for res in results if res["optimizer"]]
+    optimizer = None
+    if optim:
+        params: dict[str, Any] = {}
+        for part in optim:
+            params.update(part["params"])
+        moment_sets = {tuple(sorted(part["moments"])) for part in optim}
+        if len(moment_sets) > 1:
+            raise CheckpointError(f"ranks saved different optimizer moments {sorted(moment_sets)}: "
+                                  "every rank must save the same optimizer")
+        optimizer = {"moments": optim[0]["moments"], "param_groups": optim[0]["param_groups"], "params": params}
+    dtype = next((res["dtype"] for res in results if res["dtype"]), None)
+    return {
+        "shardkit": __version__,
+        "kind": "sharded",
+        "format": job.fmt,
+        "family": job.family.name,
+        "layout": job.layout.to_dict(),
+        "dtype": dtype,
+        "source": None,
+        "command": None,
+        "tensors": {n: list(s) for n, s in job.family.full_shapes(job.dims).items()},
+        "files": [{"path": r.path, "size": r.size, "sha256": r.sha256} for r in records],
+        "checkpoint": {
+            "tag": job.tag,
+            "step": job.step,
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "world_size": job.world,
+            "async": job.async_save,
+            "zero1": False,
+            "scheduler": job.scheduler is not None,
+            "user_content": job.user_content is not None,
+            "optimizer": optimizer,
+        },
+    }
+
+
+def finish_tag(job: SaveJob, results: Sequence[Mapping[str, Any]]) -> None:
+    """Rank 0, after every rank's files are durable: the manifest, then `done`."""
+    write_text(job.tag_dir / MANIFEST, json.dumps(manifest(job, results), indent=2) + "\n", job.fsync)
+    write_marker(job.tag_dir, DONE_MARKER, job.fsync)
+    if job.fsync:
+        fsync_path(job.root)
+
+
+def retain(job: SaveJob) -> None:
+    """Rank 0, after `done`: retention (the tag just saved is never removed). Failures are logged,
+    never raised: what could not be removed is retried at the next save."""
+    try:
+        plan = plan_retention(list_checkpoints(job.root, details=False), job.num_kept, job.keep_every,
+                              protect=(job.tag,))
+        if plan.remove:
+            apply_retention(job.root, plan, job.fsync)
+    except Exception:  # noqa: BLE001 - retention must never fail a save or training
+        log.exception("checkpoint retention in %s failed (retried at the next save)", job.root)
+
+
+def run_save(job: SaveJob, comm: Comm, retention: Callable[[SaveJob], None] | None = retain) -> None:
+    """Steps 2-5 of a save (module docstring), on every rank."""
+    what = f"saving checkpoint {job.tag}"
+    comm.agree(what, lambda: prepare_tag(job) if job.leader else None)
+    results = comm.agree(what, lambda: write_rank_files(job))
+    comm.agree(what, lambda: finish_tag(job, results) if job.leader else None)
+    log.info("saved checkpoint %s (%s, %s)", job.tag_dir, job.layout.describe(), job.fmt)
+    if job.leader and retention is not None:
+        retention(job)
+
+
+# ---- the Checkpointer -----------------------------------------------------------------------------
+
+_UNSET: Any = object()
+
+
+class Checkpointer:
+    """Saves training checkpoints in NxD's tree, synchronously or in the background.
+
+    One per training process (`save_checkpoint` uses a default one). With torch.distributed
+    initialised, create it on every rank at the same point: it creates its gloo group then."""
+
+    def __init__(self, config: CheckpointerConfig | None = None, *, group: Any = _UNSET):
+        self.config = config or CheckpointerConfig()
+        self.comm = Comm(new_group() if group is _UNSET else group)
+        self._writer = BackgroundWriter()
+        self._staging = HostStaging(self.config.reuse_buffers)
+        self._lock = threading.Lock()
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref()._at_exit())  # type: ignore[union-attr]
+
+    # -- the API
+    def save(
+        self,
+        dir: str | Path,
+        tag: str,
+        model_state: Mapping[Any, Any],
+        optimizer_state: Any = None,
+        scheduler: Any = None,
+        user_content: Any = None,
+        *,
+        layout: Layout,
+        config: Mapping[str, Any] | str | Path,
+        rank: Any = None,
+        format: str | None = None,
+        async_save: bool | None = None,
+        num_kept: int | None = _UNSET,
+        keep_every: int | None = _UNSET,
+        step: int | None = None,
+        param_names: Sequence[str] | Mapping[Any, Sequence[str]] | None = None,
+    ) -> None:
+        """Save this rank's `model_state` ({piece name -> tensor}) and optimizer state as `<dir>/<tag>`.
+
+        Returns when the checkpoint is complete (sync), or once the state is copied to host memory
+        (async: the write goes on in the background; `wait()` for it). Raises the failure of a
+        previous async save before starting."""
+        with self._lock:
+            self._writer.wait()
+            job = self._job(dir, tag, model_state, optimizer_state, scheduler, user_content, layout, config, rank,
+                            format, async_save, num_kept, keep_every, step, param_names)
+            if job.async_save:
+                self._writer.submit_save(job.tag, lambda: run_save(job, self.comm))
+            else:
+                run_save(job, self.comm, retention=lambda j: self._writer.submit_purge(lambda: retain(j)))
+
+    def wait(self) -> None:
+        """Wait for the save in flight (and its retention); raise its error if it failed."""
+        with self._lock:
+            self._writer.wait()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._writer.busy
+
+    def close(self) -> None:
+        """Wait for the save in flight, then stop the background thread and free the host copies."""
+        with self._lock:
+            try:
+                self._writer.close()
+            finally:
+                self._staging.clear()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _at_exit(self) -> None:
+        try:
+            self._writer.close()
+        except Exception:
+            log.exception("the last checkpoint save failed before exit")
+            raise
+
+    # -- building a job (caller's thread)
+    def _job(self, dir, tag, model_state, optimizer_state, scheduler, user_content, layout, config, rank, fmt,
+             async_save, num_kept, keep_every, step, param_names) -> SaveJob:
+        cfg = self.config
+        fmt = check_format(fmt or cfg.format)
+        async_save = cfg.async_save if async_save is None else bool(async_save)
+        num_kept = cfg.num_kept if num_kept is _UNSET else num_kept
+        keep_every = cfg.keep_every if keep_every is _UNSET else keep_every
+
+        def build() -> SaveJob:
+            check_retention(num_kept, keep_every)
+            check_tag_name(tag)
+            if not isinstance(layout, Layout):
+                raise CheckpointError("layout= must be a shardkit.Layout (the layout the state is cut in)")
+            if config is None:
+                raise CheckpointError("save needs the model's Hugging Face config: pass config= "
+                                      "(a dict or config.json)")
+            cfg_dict = load_config(config) if isinstance(config, (str, Path)) else dict(config)
+            family = family_for(cfg_dict)
+            dims = ModelDims.from_config(cfg_dict)
+            layout.validate(dims)
+            shapes = family.full_shapes(dims)
+            states = self._states(family, dims, layout, shapes, model_state, optimizer_state, rank, param_names)
+            sched = scheduler_state(scheduler)
+            if user_content is not None:
+                check_plain(user_content, "user_content")
+            the_step = step if step is not None else tag_step(str(tag))
+            if the_step is None and isinstance(user_content, Mapping) and isinstance(user_content.get("step"), int):
+                the_step = user_content["step"]
+            job = SaveJob(Path(dir), str(tag), layout, fmt, cfg_dict, family, dims, the_step, states,
+                          self.comm.rank == 0, sched, user_content, num_kept, keep_every, cfg.fsync, async_save,
+                          self.comm.world)
+            if async_save:
+                self._snapshot(job)
+            else:
+                for s in job.ranks:
+                    s.model = [(n, t.cpu()) for n, t in s.model]
+                    s.optim = [(n, t.cpu()) for n, t in s.optim]
+            return job
+
+        built: list[SaveJob] = []
+
+        def claims() -> list[tuple[int, int, int, int]]:
+            built.append(build())
+            return [(*st.rank.key, st.rank.dp) for st in built[0].ranks]
+
+        answers = self.comm.agree(f"saving checkpoint {tag}", claims)
+        _check_claims(layout, answers, self.comm.world)
+        return built[0]
+
+    def _states(self, family, dims, layout, shapes, model_state, optimizer_state, rank, param_names) -> list[RankState]:
+        if not isinstance(model_state, Mapping):
+            raise CheckpointError(f"model_state must be a dict of this rank's pieces, got {type(model_state).__name__}")
+        if is_rank_mapping(model_state):
+            if self.comm.world > 1:
+                raise CheckpointError("in a torch.distributed job each process saves its own rank: pass "
+                                      "{piece name -> tensor}, not {rank -> pieces}")
+            ranks = {Rank.of(k, layout): k for k in model_state}
+            opts = optimizer_state or {}
+            names = param_names or {}
+            return [rank_state(family, dims, layout, r, shapes, model_state[k],
+                               normalize_optimizer(opts.get(k), names.get(k) if isinstance(names, Mapping) else None))
+                    for r, k in sorted(ranks.items(), key=lambda rk: rk[0].key)]
+        me = Rank.of(rank, layout)
+        if me.dp > 0:
+            return []  # a data-parallel replica holds dp 0's pieces and writes nothing (see base.py)
+        if isinstance(param_names, Mapping):
+            raise CheckpointError("param_names must be a list of this rank's piece names")
+        return [rank_state(family, dims, layout, me, shapes, model_state,
+                           normalize_optimizer(optimizer_state, param_names))]
+
+    def _snapshot(self, job: SaveJob) -> None:
+        """Copy every tensor to host memory (reused buffers), so training may change its own."""
+        staging = self._staging
+        staging.begin()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # plain copies: waking torch's intra-op threads costs more than it saves
+        try:
+            for s in job.ranks:
+                s.model = [(n, staging.copy((s.rank.key, n), t)) for n, t in s.model]
+                s.optim = [(n, staging.copy((s.rank.key, n), t)) for n, t in s.optim]
+        finally:
+            torch.set_num_threads(threads)
+            staging.end()
+        job.scheduler = host_copy(job.scheduler)
+        job.user_content = host_copy(job.user_content)
+
+
+def _check_claims(layout: Layout, claims: Sequence[Sequence[tuple[int, int, int, int]]], world: int) -> None:
+    """Every (ep, tp, pp) rank of the layout must be saved by exactly one process (dp 0)."""
+    seen: dict[tuple[int, int, int], int] = {}
+    for proc, mine in enumerate(claims):
+        for ep, tp, pp, dp in mine:
+            if dp != 0:
+                continue
+            if (ep, tp, pp) in seen:
+                raise CheckpointError(f"processes {seen[(ep, tp, pp)]} and {proc} both save rank "
+                                      f"(tp {tp}, pp {pp}{f', ep {ep}' if ep else ''}): give each process its own rank")
+            seen[(ep, tp, pp)] = proc
+    missing = [k for k in layout.ranks() if k not in seen]
+    if missing:
+        ep, tp, pp = missing[0]
+        n = layout.tp * layout.pp * layout.ep
+        hint = ("run one process per rank with torch.distributed (world size a multiple of "
+                f"{n}), or pass every rank's pieces as model_state={{(tp, pp): pieces}}") if world == 1 else \
+            f"the job has {world} processes: the world size must be a multiple of tp x pp x ep = {n}"
+        raise LayoutError(f"no process saves rank (tp {tp}, pp {pp}{f', ep {ep}' if ep else ''}) of "
+                          f"{layout.describe()} ({len(missing)} of {n} ranks missing): {hint}")
+
+
+# ---- the function API ----------------------------------------------------------------------------
+
+_default: Checkpointer | None = None
+_default_lock = threading.Lock()
+
+
+def default_checkpointer() -> Checkpointer:
+    """The process's Checkpointer behind `save_checkpoint` (created at the first save, on every rank)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Checkpointer()
+        return _default
+
+
+def save_checkpoint(
+    dir: str | Path,
+    tag: str,
+    model_state: Mapping[Any, Any],
+    optimizer_state: Any = None,
+    scheduler: Any = None,
+    user_content: Any = None,
+    *,
+    layout: Layout,
+    config: Mapping[str, Any] | str | Path,
+    rank: Any = None,
+    format: str = "torch",
+    async_save: bool = False,
+    num_kept: int | None = None,
+    keep_every: int | None = None,
+    step: int | None = None,
+    param_names: Sequence[str] | None = None,
+) -> None:
+    """Save this rank's state as checkpoint `<dir>/<tag>` in NxD's tree (see Checkpointer.save).
+
+    `model_state`: this rank's pieces {piece name -> tensor} (NxD names, as
+    `family.rank_pieces(layout, dims, tp, pp, shapes, ep)` gives them); in a one-process run it may
+    also map every rank to its pieces ({(tp, pp): pieces}). `optimizer_state`: {piece name ->
+    {"exp_avg": T, "exp_avg_sq": T, "step": n}}, an OptimizerState, or a torch.optim state_dict
+    with `param_names`. `scheduler`: an LR scheduler (its state_dict is saved) or plain data.
+    `user_content`: plain data (step, data position, ...). `rank`: (tp, pp), (ep, tp, pp) or Rank
+    (default: from torch.distributed). `num_kept`/`keep_every`: retention after `done`."""
+    default_checkpointer().save(
+        dir, tag, model_state, optimizer_state, scheduler, user_content, layout=layout, config=config, rank=rank,
+        format=format, async_save=async_save, num_kept=num_kept, keep_every=keep_every, step=step,
+        param_names=param_names)
+
+
+def finalize_checkpoint() -> None:
+    """Wait for the default Checkpointer's save in flight; raise its error (call before exit or
+    before destroying the process group)."""
+    if _default is not None:
+        _default.wait()
+
+
+__all__ = ["Checkpointer", "save_checkpoint", "finalize_checkpoint", "default_checkpointer"]
