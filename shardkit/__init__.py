@@ -18,10 +18,12 @@ from .layout import FULL, Layout, ModelDims  # noqa: E402
 from .formats import Checkpoint, open_checkpoint  # noqa: E402
 from .convert import Result, convert, make_layout, merge, reshard  # noqa: E402
 from .check import VerifyReport, inspect, verify  # noqa: E402
+from .checkpoint import latest, list_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
 
 __all__ = [
     "__version__", "Layout", "ModelDims", "FULL", "Checkpoint", "open_checkpoint", "Result",
     "convert", "merge", "reshard", "make_layout", "inspect", "verify", "VerifyReport",
+    "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest",
     "ShardkitError", "LayoutError", "FormatError", "ConfigMismatchError", "UnsupportedModelError",
     "DestinationExistsError",
 ]

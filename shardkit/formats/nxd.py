@@ -108,8 +108,8 @@ def infer_layout(rank_files: RankFiles, first_file, dims: ModelDims, hints: dict
         cols = first_file.shape(down)[1]
         if cols and dims.intermediate_size % cols == 0 and dims.intermediate_size // cols != tp:
             raise FormatError(
-                f"the shards are cut for tp {dims.intermediate_size // cols} but {tp} tp rank files were found: "
-                "rank files are missing"
+                f"by config.json the shards are cut for tp {dims.intermediate_size // cols} but {tp} tp rank files "
+                "were found: rank files are missing, or the config does not match the shards"
             )
     qkv = hints.get("qkv")
     kv_rows = None
