@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -66,12 +65,7 @@ class TensorFileWriter(Protocol):
 
 
 class HashingFile:
-    """A binary file that hashes what is written to it (for manifests).
-
-    Large blocks are hashed on a helper thread while the next block is written (hashlib and
-    file writes both release the GIL), so hashing costs little wall time."""
-
-    _ASYNC_MIN = 1 << 20
+    """A binary file that hashes what is written to it (for manifests, without reading back)."""
 
     def __init__(self, path: Path, root: Path):
         self.path = Path(path)
@@ -79,21 +73,11 @@ class HashingFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "wb")
         self._hash = hashlib.sha256()
-        self._pending: Future | None = None
         self.size = 0
-
-    def _wait(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self._wait()  # keep blocks in order (and at most one block referenced)
-        if len(view) >= self._ASYNC_MIN:
-            self._pending = _HASHER.submit(self._hash.update, view)
-        else:
-            self._hash.update(view)
+        self._hash.update(view)
         self.size += len(view)
         return self._fh.write(view)
 
@@ -101,15 +85,11 @@ class HashingFile:
         self._fh.flush()
 
     def close(self, fsync: bool = False) -> FileRecord:
-        self._wait()
         self._fh.flush()
         if fsync:
             os.fsync(self._fh.fileno())
         self._fh.close()
         return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, self._hash.hexdigest())
-
-
-_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardkit-sha256")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
