@@ -1,0 +1,262 @@
+#!/usr/bin/env python
+"""Benchmark the trainer.
+
+1. tokens/s of the trainer at tp1pp1 against a plain PyTorch loop (transformers' model +
+   torch.optim.AdamW, the same clipping and learning rate) on the same model and data, side by side
+   (target: the trainer at least 0.9x the plain loop). The plain loop reads the same batches in the
+   same order, so its losses are printed beside the trainer's too (they agree to ~1e-6).
+2. step time of tp2 and pp2 (2 local processes, gloo) against tp1 (1 process), with the share of
+   the step that is not computation (collectives, pipeline waits and bubbles).
+
+    python scripts/bench_train.py                          # tiny fixture + tinyllama-mini, fp32
+    python scripts/bench_train.py --models tinyllama-mini --steps 30 --seq-len 256
+
+Each measurement is the median step time over the steps after the first `--skip`, best of
+`--repeats` runs (trainer and plain loop alternate, so background load hits both alike). Every process
+uses `--threads-per-process` intra-op threads (default 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+# ---- the plain loop (child process) ------------------------------------------------------------------
+
+
+def plain_loop(args) -> None:
+    """transformers' LlamaForCausalLM + torch.optim.AdamW: what a user writes without the trainer."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from trainer.data import Batches, TokenFile
+
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    batches = Batches(TokenFile(args.data), args.seq_len, args.global_batch, args.micro_batch, 1, 0, 1234)
+    n_micro = args.global_batch // args.micro_batch
+    vocab = model.config.vocab_size
+    out = open(args.metrics, "w")
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        inputs, targets = batches.step_batch()
+        total = 0.0
+        for x, y in zip(inputs.split(args.micro_batch), targets.split(args.micro_batch)):
+            logits = model(input_ids=x).logits
+            loss = F.cross_entropy(logits.float().view(-1, vocab), y.reshape(-1)) / n_micro
+            loss.backward()
+            total += float(loss)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.write(json.dumps({"event": "step", "step": step + 1, "loss": total, "grad_norm": float(norm),
+                              "step_time": time.perf_counter() - t0}) + "\n")
+        out.flush()
+
+
+# ---- driving runs ---------------------------------------------------------------------------------------
+
+
+def _env(threads: int) -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run(cmd: list[str], env: dict) -> None:
+    done = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"bench_train: a run failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
+
+
+def _steps(metrics: Path) -> list[dict]:
+    return [r for r in (json.loads(line) for line in metrics.read_text().splitlines()) if r.get("event") == "step"]
+
+
+def run_trainer(args, model: Path, data: Path, work: Path, name: str, nproc: int, extra: list[str]) -> list[dict]:
+    threads = args.threads_per_process
+    metrics = work / f"{name}.jsonl"
+    metrics.unlink(missing_ok=True)
+    common = ["--model", str(model), "--data", str(data), "--seq-len", str(args.seq_len), "--micro-batch",
+              str(args.micro_batch), "--global-batch", str(args.global_batch), "--steps", str(args.steps),
+              "--lr", str(args.lr), "--dtype", args.dtype, "--threads", str(threads), "--no-progress",
+              "--metrics", str(metrics), "--decay", "constant", "--min-lr-ratio", "1.0", *extra]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "trainer", *common]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "trainer", *common]
+    _run(cmd, _env(threads))
+    return _steps(metrics)
+
+
+def run_plain(args, model: Path, data: Path, work: Path) -> list[dict]:
+    metrics = work / "plain.jsonl"
+    cmd = [sys.executable, __file__, "--child-plain", "--model", str(model), "--data", str(data), "--seq-len",
+           str(args.seq_len), "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
+           "--steps", str(args.steps), "--lr", str(args.lr), "--dtype", args.dtype, "--threads", str(args.threads_per_process),
+           "--metrics", str(metrics)]
+    _run(cmd, _env(args.threads_per_process))
+    return _steps(metrics)
+
+
+def median_step(records: list[dict], skip: int) -> float:
+    times = [r["step_time"] for r in records[skip:]] or [r["step_time"] for r in records]
+    return statistics.median(times)
+
+
+def comm_share(records: list[dict], skip: int) -> float:
+    values = [r["comm_share"] for r in records[skip:] if "comm_share" in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def build_model(config: str, out: Path) -> Path:
+    """A model with transformers' own initialisation (the trainer starts from it like any user)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardkit.testing import fixture_config
+
+    cfg = fixture_config(config)
+    model_type = cfg.pop("model_type")
+    cfg.pop("architectures", None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg)).save_pretrained(out)
+    return out
+
+
+def build_data(out: Path, vocab: int) -> Path:
+    import numpy as np
+
+    from trainer.data import write_tokens
+
+    text = (ROOT / "fixtures" / "tiny-corpus.txt").read_bytes()
+    tokens = np.frombuffer(text, dtype=np.uint8).astype(np.int64) % vocab
+    return write_tokens(out, np.tile(tokens, 4), vocab)
+
+
+def bench_model(args, config: str, work: Path) -> dict:
+    import json as _json
+
+    from shardkit.testing import fixture_config
+
+    vocab = fixture_config(config)["vocab_size"]
+    model = build_model(config, work / f"{config}-hf")
+    data = build_data(work / f"{config}-tokens.bin", vocab)
+    tokens_per_step = args.global_batch * args.seq_len
+    best: dict[str, tuple[float, list[dict]]] = {}
+
+    def keep(name: str, records: list[dict]) -> None:
+        t = median_step(records, args.skip)
+        if name not in best or t < best[name][0]:
+            best[name] = (t, records)
+
+    for _ in range(args.repeats):
+        keep("plain", run_plain(args, model, data, work))
+        keep("trainer", run_trainer(args, model, data, work, "tp1", 1, []))
+    for _ in range(args.repeats if args.parallel else 0):
+        keep("tp2", run_trainer(args, model, data, work, "tp2", 2, ["--tp", "2"]))
+        keep("pp2", run_trainer(args, model, data, work, "pp2", 2, ["--pp", "2"]))
+    result = {"config": config, "params": _count_params(model), "tokens_per_step": tokens_per_step, "runs": {}}
+    for name, (t, records) in best.items():
+        result["runs"][name] = {"step_time": t, "tokens_per_s": tokens_per_step / t,
+                                "comm_share": comm_share(records, args.skip),
+                                "losses": [r["loss"] for r in records]}
+    plain, ours = result["runs"]["plain"], result["runs"]["trainer"]
+    result["ratio"] = ours["tokens_per_s"] / plain["tokens_per_s"]
+    result["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], plain["losses"]))
+    (work / f"{config}-result.json").write_text(_json.dumps(result, indent=2))
+    return result
+
+
+def _count_params(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(f, "pt") as h:
+            for k in h.keys():
+                n = 1
+                for s in h.get_slice(k).get_shape():
+                    n *= s
+                total += n
+    return total
+
+
+def report(results: list[dict], args) -> str:
+    lines = [f"trainer benchmark: fp32={args.dtype == 'fp32'}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
+             f"global batch {args.global_batch}, {args.steps} steps (median after {args.skip}), {args.threads_per_process} thread(s) per process, "
+             f"{os.cpu_count()} cores", ""]
+    lines.append("| model | params | plain loop tok/s | trainer tp1pp1 tok/s | ratio | max loss rel diff |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        p, t = r["runs"]["plain"], r["runs"]["trainer"]
+        lines.append(f"| {r['config']} | {r['params'] / 1e6:.2f}M | {p['tokens_per_s']:,.0f} | {t['tokens_per_s']:,.0f} | "
+                     f"{r['ratio']:.2f}x | {r['max_loss_rel_diff']:.1e} |")
+    lines += ["", "| model | layout | processes | step time | vs tp1 | non-compute share (comm, waits, bubbles) |",
+              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        base = r["runs"]["trainer"]["step_time"]
+        for name, label, n in (("trainer", "tp1pp1", 1), ("tp2", "tp2", 2), ("pp2", "pp2 (1F1B)", 2)):
+            if name not in r["runs"]:
+                continue
+            run = r["runs"][name]
+            lines.append(f"| {r['config']} | {label} | {n} | {run['step_time'] * 1000:.1f} ms | "
+                         f"{run['step_time'] / base:.2f}x | {run['comm_share'] * 100:.0f}% |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child-plain", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--metrics", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--models", nargs="+", default=["llama-trainer-tiny", "tinyllama-mini"],
+                        help="fixture configs to benchmark")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--skip", type=int, default=3, help="steps not timed (warm-up)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--threads-per-process", type=int, default=1,
+                        help="intra-op threads of each process (1 avoids oversubscription on a shared machine)")
+    parser.add_argument("--no-parallel", dest="parallel", action="store_false",
+                        help="only the trainer-vs-plain-loop comparison (skip tp2 and pp2)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.child_plain:
+        plain_loop(args)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        results = [bench_model(args, config, Path(tmp)) for config in args.models]
+    text = report(results, args)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

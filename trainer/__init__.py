@@ -1,0 +1,20 @@
+"""shardkit's slim trainer: tensor, pipeline and data parallel training of Llama-family models on
+torch.distributed, consuming sharded (NxD) or Hugging Face checkpoints of any layout.
+
+    torchrun --nproc-per-node 8 -m trainer --model ./llama-tp2pp2 --data ./tokens.bin \\
+        --tp 2 --pp 2 --dp 2 --zero1 --global-batch 16 --seq-len 2048 --steps 1000
+
+or, as a library, `trainer.train(TrainConfig(...))` inside each process of the job.
+
+Modules: `config` (the options), `parallel` (process groups, devices, timeouts), `layers`
+(tensor-parallel layers and the vocab-parallel loss), `model` (a decoder built from one rank's
+pieces), `pipeline` (1F1B with torch.distributed.pipelining), `optim` (master weights, ZeRO-1,
+clipping), `data` (token files and the sample order), `weights` (loading pieces, --export-hf),
+`checkpointing` (shardkit.checkpoint), `loop` (the run).
+"""
+
+from .config import TrainConfig, parse_args
+from .errors import DataError, TrainerError
+from .loop import Summary, train
+
+__all__ = ["TrainConfig", "parse_args", "train", "Summary", "TrainerError", "DataError"]

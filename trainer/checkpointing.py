@@ -1,0 +1,153 @@
+"""Training checkpoints through shardkit.checkpoint: save in the run's layout, resume in ANY layout.
+
+Save (every `--checkpoint-every` steps and at the end, tag `step_<N>` under `--checkpoint-dir`):
+every rank calls `Checkpointer.save` with its model pieces (`model.state_dict()`, which is the
+rank file), its optimizer state keyed by piece name (`exp_avg`, `exp_avg_sq`, `step`, and the fp32
+`master` of bf16 parameters), the LR schedule's state and `user_content` = {step, data position}.
+dp > 0 replicas write nothing (shardkit saves dp rank 0's files); with ZeRO-1, whose moments are
+spread over dp, the owners first send theirs to dp rank 0 (shardkit has no ZeRO-1 optimizer
+files). `--async-save` writes in the background; `--num-kept` / `--keep-every` prune old tags.
+
+Resume (`--resume`): `load_checkpoint(..., target_layout=this run's layout, rank=this rank)` reads
+exactly this rank's pieces and moments from a checkpoint saved in any layout (resharded slice by
+slice, moments like their parameters). The checkpoint's config must be the model's: that, the
+tag's completeness and the rest are checked before any process group exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from shardkit.checkpoint import (LATEST_IF_EXISTS, Checkpointer, CheckpointerConfig, Rank, load_checkpoint,
+                                 resolve_tag)
+from shardkit.checkpoint.tree import CHECKPOINT_MARKER, DONE_MARKER
+from shardkit.formats import load_config
+from shardkit.layout import ModelDims
+
+from .errors import TrainerError
+
+log = logging.getLogger("trainer")
+
+
+@dataclass
+class ResumePoint:
+    """A complete checkpoint tag to resume from (resolved before the job starts)."""
+
+    directory: Path
+    tag: str
+    config: dict[str, Any]
+
+    @property
+    def path(self) -> Path:
+        return self.directory / self.tag
+
+
+def _resolve(cfg) -> tuple[Path, str | None] | None:
+    """(checkpoint directory, tag or None for the newest) for --resume; None: nothing to resume."""
+    spec = cfg.resume
+    if spec is None:
+        return None
+    if spec == LATEST_IF_EXISTS:
+        if not cfg.checkpoint_dir:
+            raise TrainerError("--resume latest_if_exists needs --checkpoint-dir (where to look for checkpoints)")
+        return Path(cfg.checkpoint_dir), LATEST_IF_EXISTS
+    path = Path(spec)
+    if not path.exists():
+        raise TrainerError(f"--resume {path} does not exist: give a checkpoint tag directory, a checkpoint "
+                           "directory, or latest_if_exists")
+    if (path / CHECKPOINT_MARKER).exists() or (path / DONE_MARKER).exists():
+        return path.parent, path.name
+    return path, None
+
+
+def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | None:
+    """The checkpoint --resume names, checked against the model (no process group, no writes)."""
+    where = _resolve(cfg)
+    if where is None:
+        return None
+    directory, tag = where
+    name = resolve_tag(directory, tag)
+    if name is None:
+        log.info("no checkpoint in %s yet: starting from %s", directory, cfg.model)
+        return None
+    tag_dir = directory / name
+    if not (tag_dir / "config.json").is_file():
+        raise TrainerError(f"checkpoint {tag_dir} has no config.json: it was not written by shardkit's trainer")
+    saved = load_config(tag_dir / "config.json")
+    if model_config is not None:
+        a, b = ModelDims.from_config(saved), ModelDims.from_config(model_config)
+        if a != b:
+            field_name = next(f for f in a.__dataclass_fields__ if getattr(a, f) != getattr(b, f))
+            raise TrainerError(
+                f"checkpoint {tag_dir} is of another model ({field_name} {getattr(a, field_name)!r}, the model "
+                f"has {getattr(b, field_name)!r}): resume with that model's --model, or another checkpoint"
+            )
+    return ResumePoint(directory, name, saved)
+
+
+@dataclass
+class Restored:
+    """What a resume hands the run: this rank's pieces, optimizer state and position."""
+
+    tensors: dict[str, torch.Tensor]
+    optimizer: dict[str, dict[str, Any]]
+    scheduler: Any
+    step: int
+    data: Mapping[str, Any]
+
+
+def load(point: ResumePoint, spec, par) -> Restored:
+    """This rank's part of the checkpoint, in the run's layout (call on every rank)."""
+    rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=0, dp=par.dp_rank)
+    loaded = load_checkpoint(point.directory, point.tag, target_layout=spec.layout, rank=rank, config=spec.config)
+    if loaded is None:  # resolved before; it vanished since
+        raise TrainerError(f"checkpoint {point.path} disappeared before it could be loaded")
+    content = loaded.user_content if isinstance(loaded.user_content, Mapping) else {}
+    step = int(content.get("step", loaded.step or 0))
+    optimizer = dict(loaded.optimizer.state) if loaded.optimizer is not None else {}
+    if not optimizer:
+        log.warning("checkpoint %s has no optimizer state: Adam restarts from zero moments", point.path)
+    return Restored(dict(loaded.model), optimizer, loaded.scheduler, step, content.get("data") or {})
+
+
+def apply(restored: Restored, optimizer, schedule, batches) -> int:
+    """Give the restored state to the optimizer, schedule and data; returns the step to start at."""
+    optimizer.load_state_dict(restored.optimizer)
+    if isinstance(restored.scheduler, Mapping):
+        schedule.load_state_dict(restored.scheduler)
+    batches.load_state(restored.data, log)
+    return restored.step
+
+
+class Saver:
+    """Saves the run's checkpoints (create on every rank at the same point: it makes a group)."""
+
+    def __init__(self, plan, par):
+        cfg = plan.cfg
+        self.plan, self.par = plan, par
+        self.root = Path(cfg.checkpoint_dir)
+        self.checkpointer = Checkpointer(CheckpointerConfig(
+            format=cfg.checkpoint_format, async_save=cfg.async_save, num_kept=cfg.num_kept or None,
+            keep_every=cfg.keep_every or None))
+
+    def save(self, step: int, model, optimizer, schedule, batches) -> str:
+        tag = f"step_{step}"
+        states = optimizer.gather_state_to_dp0()
+        model_state = {k: v.detach() for k, v in model.state_dict().items()}
+        user_content = {"step": step, "data": batches.state().to_dict(),
+                        "trainer": {"layout": self.plan.spec.layout.to_dict(), "dp": self.par.dp,
+                                    "zero1": bool(self.plan.cfg.zero1), "dtype": self.plan.cfg.dtype}}
+        rank = Rank(tp=self.par.tp_rank, pp=self.par.pp_rank, ep=0, dp=self.par.dp_rank)
+        self.checkpointer.save(self.root, tag, model_state, states if self.par.dp_rank == 0 else None,
+                               schedule.state_dict(), user_content, layout=self.plan.spec.layout,
+                               config=self.plan.spec.config, rank=rank, step=step)
+        return tag
+
+    def finish(self) -> None:
+        """Wait for a background save (its error is raised here) and release the writer."""
+        self.checkpointer.close()

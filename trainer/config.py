@@ -1,0 +1,110 @@
+"""The run's configuration: one dataclass whose every field has a default and a one-line doc.
+
+The command line (`python -m trainer` / torchrun) is generated from it, so a field added here is
+an option there; library users build a TrainConfig directly and call `trainer.train(config)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+def _opt(default: Any, doc: str, *aliases: str, choices: Sequence[str] | None = None, metavar: str | None = None):
+    return field(default=default, metadata={"doc": doc, "aliases": aliases, "choices": choices, "metavar": metavar})
+
+
+@dataclass
+class TrainConfig:
+    # ---- what to train on ----------------------------------------------------------------------
+    model: str = _opt(None, "Model to start from: a Hugging Face directory or sharded directory of any layout "
+                            "(resharded on load to this run's layout).", metavar="DIR")
+    data: str = _opt(None, "Pre-tokenized token file (scripts/prepare_data.py writes one; .npy is read too).",
+                     metavar="FILE")
+    # ---- parallel layout -----------------------------------------------------------------------
+    tp: int = _opt(1, "Tensor-parallel degree.", "--tp-size")
+    pp: int = _opt(1, "Pipeline-parallel stages (1F1B schedule over micro-batches).", "--pp-size")
+    dp: int = _opt(0, "Data-parallel degree (default: world size / (tp x pp)).", "--dp-size")
+    kv_multiplier: int = _opt(1, "Replicate K/V heads this many times (NxD's kv_size_multiplier).",
+                              "--kv-size-multiplier")
+    kv_replication: str = _opt("interleaved", "Order of K/V replicas (interleaved = Trn1, blocked = Trn2).",
+                               choices=("interleaved", "blocked"))
+    qkv: str = _opt("separate", "How q/k/v are held: separate, gqa (NxD qkv_proj.weight_q/_k/_v), fused, coalesced.",
+                    choices=("separate", "gqa", "fused", "coalesced"))
+    zero1: bool = _opt(False, "Shard optimizer state (and fp32 master weights) over data-parallel ranks (ZeRO-1).")
+    sequence_parallel: bool = _opt(False, "Sequence parallelism: norms and residuals on 1/tp of the sequence.")
+    activation_checkpointing: bool = _opt(False, "Recompute each decoder layer in backward (saves activation memory).")
+    # ---- batch and schedule --------------------------------------------------------------------
+    micro_batch: int = _opt(1, "Sequences per micro-batch per data-parallel rank.")
+    global_batch: int = _opt(8, "Sequences per optimizer step over all data-parallel ranks.")
+    seq_len: int = _opt(512, "Tokens per sequence.")
+    steps: int = _opt(100, "Optimizer steps to train (total, counting steps before a resume).")
+    lr: float = _opt(3e-4, "Peak learning rate.")
+    min_lr_ratio: float = _opt(0.1, "Learning rate at the end of the decay, as a fraction of --lr.")
+    warmup: int = _opt(0, "Linear warm-up steps.")
+    decay: str = _opt("cosine", "Learning-rate decay after warm-up.", choices=("cosine", "linear", "constant"))
+    weight_decay: float = _opt(0.0, "AdamW weight decay (not applied to norms and biases).")
+    beta1: float = _opt(0.9, "AdamW beta1.")
+    beta2: float = _opt(0.95, "AdamW beta2.")
+    eps: float = _opt(1e-8, "AdamW epsilon.")
+    clip_grad: float = _opt(1.0, "Clip the global gradient norm (over all ranks) to this; 0 disables.",
+                            "--max-grad-norm")
+    seed: int = _opt(1234, "Seed of the data order.")
+    dtype: str = _opt("bf16", "Weights and activations dtype (bf16 keeps fp32 master weights in the optimizer).",
+                      choices=("bf16", "fp32"))
+    # ---- checkpoints ---------------------------------------------------------------------------
+    checkpoint_dir: str = _opt(None, "Where training checkpoints go (NxD tree: <dir>/<tag>/...).", metavar="DIR")
+    checkpoint_every: int = _opt(0, "Save a checkpoint every N steps (0: only at the end when --checkpoint-dir).")
+    num_kept: int = _opt(0, "Keep the newest N checkpoints (0: keep all).")
+    keep_every: int = _opt(0, "Also keep every checkpoint whose step is a multiple of N (0: none).")
+    async_save: bool = _opt(False, "Write checkpoints in the background while training continues.")
+    checkpoint_format: str = _opt("torch", "Format of checkpoint shards.", choices=("torch", "xser", "safetensors"))
+    resume: str = _opt(None, "Resume from a training checkpoint of ANY layout: a tag directory, a checkpoint "
+                             "directory (newest tag), or latest_if_exists (newest tag of --checkpoint-dir, if any).",
+                       metavar="CKPT")
+    # ---- output --------------------------------------------------------------------------------
+    export_hf: str = _opt(None, "At the end, write the merged Hugging Face model here.", metavar="DIR")
+    metrics: str = _opt(None, "JSONL metrics file (default: <checkpoint-dir>/metrics.jsonl when --checkpoint-dir).",
+                        metavar="FILE")
+    log_every: int = _opt(1, "Update the progress bar and metrics every N steps.")
+    progress: bool = _opt(True, "Show a progress bar on rank 0 (--no-progress to hide).")
+    # ---- runtime -------------------------------------------------------------------------------
+    device: str = _opt(None, "Force the device: cpu (gloo), cuda (nccl) or xla (Trainium; needs torch-xla).",
+                       choices=("cpu", "cuda", "xla"))
+    timeout: float = _opt(600.0, "Seconds before a collective gives up (no rank hangs forever).")
+    threads: int = _opt(0, "CPU threads per process (0: torch's default / OMP_NUM_THREADS).")
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description="shardkit's slim trainer: tensor, pipeline and data parallel training of Llama-family models "
+                    "from Hugging Face or sharded (NxD) checkpoints of any layout. Run it with torchrun, e.g. "
+                    "torchrun --nproc-per-node 8 -m trainer --model ./llama-tp2pp2 --data ./tokens.bin "
+                    "--tp 2 --pp 2 --dp 2 --zero1 --global-batch 16 --seq-len 2048 --steps 1000",
+    )
+    for f in dataclasses.fields(TrainConfig):
+        meta = f.metadata
+        flags = [_flag(f.name), *meta.get("aliases", ())]
+        if isinstance(f.default, bool):
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=meta["doc"])
+            continue
+        kind = type(f.default) if f.default is not None else str
+        parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=meta["doc"],
+                            choices=meta.get("choices"), metavar=meta.get("metavar"))
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    ns = build_parser().parse_args(argv)
+    return TrainConfig(**vars(ns))

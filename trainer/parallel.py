@@ -1,0 +1,316 @@
+"""Process groups for tensor (tp), pipeline (pp) and data (dp) parallelism.
+
+Rank order is NxD's and Megatron's: tp fastest, then pp, then dp,
+`global rank = dp * (pp * tp) + pp_rank * tp + tp_rank`. So the tp ranks of one stage are
+neighbours (one node, fastest links), and rank 0 is tp 0 of the first stage of replica 0.
+
+Every group is created with a timeout: a collective that a peer never joins fails after
+`timeout` seconds instead of hanging the job. The backend follows the device: gloo on CPU,
+nccl on CUDA, xla when torch-xla is installed (Trainium); `--device` forces one.
+
+A one-process run creates no process group at all; every collective on a group of size 1 is a
+no-op, so the single-process path costs nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .errors import TrainerError
+
+log = logging.getLogger("trainer")
+T = TypeVar("T")
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}
+
+
+# ---- timing of communication -------------------------------------------------------------------
+
+
+class Clock:
+    """Accumulated wall time of a kind of work; nested regions count once. A clock with `exclude`
+    does not count the time the excluded clock accumulates inside its regions (compute net of the
+    collectives it waits on). On CPU (gloo) collectives are synchronous, so the communication clock
+    measures their cost, including waiting for slower peers."""
+
+    def __init__(self, exclude: "Clock | None" = None) -> None:
+        self.seconds = 0.0
+        self.exclude = exclude
+        self._depth = 0
+        self._start = 0.0
+        self._excluded = 0.0
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        if self._depth == 0:
+            self._start = time.perf_counter()
+            self._excluded = self.exclude.seconds if self.exclude else 0.0
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                inside = (self.exclude.seconds - self._excluded) if self.exclude else 0.0
+                self.seconds += time.perf_counter() - self._start - inside
+
+    def take(self) -> float:
+        """Seconds since the last take."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+COMM = Clock()
+"""Time inside blocking collectives (tp, dp, ZeRO, norm, replica syncs)."""
+COMPUTE = Clock(exclude=COMM)
+"""Time computing forward, backward and the update (net of collectives inside them)."""
+
+
+# ---- groups --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Group:
+    """A process group and this rank's place in it. `ranks` are global ranks in group order."""
+
+    ranks: list[int]
+    rank: int  # this process's index in `ranks`
+    pg: Any = None  # torch ProcessGroup; None when size 1
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.size > 1:
+            with COMM.timed():
+                dist.all_reduce(tensor, op=op, group=self.pg)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Broadcast from group member `src` (an index into `ranks`)."""
+        if self.size > 1:
+            with COMM.timed():
+                dist.broadcast(tensor, src=self.ranks[src], group=self.pg)
+        return tensor
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every member's `tensor` along dim 0 into `output`."""
+        if self.size == 1:
+            output.copy_(tensor)
+            return output
+        with COMM.timed():
+            dist.all_gather_single(output, tensor.contiguous(), group=self.pg)
+        return output
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum every member's `tensor`, each member keeping its chunk (along dim 0) in `output`."""
+        if self.size == 1:
+            output.copy_(tensor)
+            return output
+        with COMM.timed():
+            dist.reduce_scatter_single(output, tensor.contiguous(), group=self.pg)
+        return output
+
+
+def _solo(rank: int) -> Group:
+    return Group([rank], 0, None)
+
+
+@dataclass
+class Parallel:
+    """This process's coordinates in the tp x pp x dp grid, its device and its groups."""
+
+    tp: int
+    pp: int
+    dp: int
+    rank: int
+    world: int
+    device: torch.device
+    backend: str
+    timeout: datetime.timedelta
+    tp_group: Group
+    pp_group: Group
+    dp_group: Group
+    mp_group: Group  # tp x pp: one model replica
+    extra: dict[frozenset, Group] = field(default_factory=dict)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp % self.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp * self.pp)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def global_rank(self, dp: int, pp: int, tp: int) -> int:
+        return dp * self.pp * self.tp + pp * self.tp + tp
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (dp {self.dp_rank}, pp {self.pp_rank}, tp {self.tp_rank})"
+
+    def new_groups(self, rank_sets: Iterable[Iterable[int]]) -> dict[frozenset, Group]:
+        """Create a group for each set of global ranks; EVERY process must call this with the same
+        sets in the same order. Returns the groups this process belongs to, keyed by rank set."""
+        created: dict[frozenset, Group] = {}
+        for ranks in sorted({tuple(sorted(r)) for r in rank_sets}):
+            key = frozenset(ranks)
+            if len(ranks) == 1:
+                if self.rank in ranks:
+                    created[key] = _solo(self.rank)
+                continue
+            pg = dist.new_group(list(ranks), timeout=self.timeout)
+            if self.rank in ranks:
+                created[key] = Group(list(ranks), list(ranks).index(self.rank), pg)
+        self.extra.update(created)
+        return created
+
+    # ---- whole-job helpers (default group) -------------------------------------------------------
+    def barrier(self) -> None:
+        if self.world > 1:
+            with COMM.timed():
+                dist.barrier()
+
+    def broadcast_object(self, value: Any) -> Any:
+        if self.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_ok(self, step: Callable[[], T]) -> T:
+        """Run `step` on every rank; if it fails anywhere, raise on every rank (no rank is left
+        waiting in a collective for one that died)."""
+        from shardkit.distributed import Job
+
+        return Job(self.rank, self.world).run_all_or_none(step)
+
+    def sum_over_world(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            with COMM.timed():
+                dist.all_reduce(t)
+        return t.tolist()
+
+
+# ---- environment ---------------------------------------------------------------------------------
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) for a plain run."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    return rank, world, local
+
+
+def _xla_available() -> bool:
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_device(requested: str | None, local_rank: int) -> torch.device:
+    """xla when torch-xla is installed, else cuda when available, else cpu; `requested` forces."""
+    kind = requested or ("xla" if _xla_available() else "cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainerError("--device cuda: no CUDA device is available; use --device cpu")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    if kind == "xla":
+        if not _xla_available():
+            raise TrainerError("--device xla needs torch-xla (pip install torch-xla / the Neuron SDK)")
+        import torch_xla.core.xla_model as xm
+
+        return xm.xla_device()
+    return torch.device("cpu")
+
+
+def resolve_dp(tp: int, pp: int, dp: int, world: int) -> int:
+    """The data-parallel degree for `world` processes, or a TrainerError saying what to change."""
+    if world % (tp * pp):
+        raise TrainerError(
+            f"tp {tp} x pp {pp} = {tp * pp} does not divide the {world} processes of this job: "
+            f"launch a multiple of {tp * pp} processes or change --tp/--pp"
+        )
+    if dp and tp * pp * dp != world:
+        raise TrainerError(
+            f"tp {tp} x pp {pp} x dp {dp} = {tp * pp * dp} processes, but the job has {world}: "
+            f"launch {tp * pp * dp} processes (torchrun --nproc-per-node {tp * pp * dp}) or change --dp"
+        )
+    return dp or world // (tp * pp)
+
+
+def init_parallel(tp: int, pp: int, dp: int, device: torch.device, timeout_s: float) -> Parallel:
+    """Join (or create) the job's process group and build the tp/pp/dp groups."""
+    rank, world, _ = world_from_env()
+    backend = BACKENDS[device.type] if device.type in BACKENDS else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if world > 1 and not dist.is_initialized():
+        kwargs: dict[str, Any] = {"timeout": timeout}
+        if backend == "xla":
+            kwargs["init_method"] = "xla://"
+        dist.init_process_group(backend, **kwargs)
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    solo = _solo(rank)
+    par = Parallel(tp, pp, dp, rank, world, device, backend, timeout, solo, solo, solo, solo)
+    if world == 1:
+        return par
+
+    def index(d: int, p: int, t: int) -> int:
+        return par.global_rank(d, p, t)
+
+    tp_sets = [[index(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)]
+    pp_sets = [[index(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    dp_sets = [[index(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    mp_sets = [[index(d, p, t) for p in range(pp) for t in range(tp)] for d in range(dp)]
+    for attr, sets in (("tp_group", tp_sets), ("pp_group", pp_sets), ("dp_group", dp_sets), ("mp_group", mp_sets)):
+        mine = [s for s in sets if rank in s][0]
+        if len(mine) == 1:
+            # still call new_group for the others' sets? no: every process skips size-1 sets alike
+            continue
+        groups = {}
+        for ranks in sets:
+            pg = dist.new_group(ranks, timeout=timeout)
+            groups[tuple(ranks)] = pg
+        setattr(par, attr, Group(mine, mine.index(rank), groups[tuple(mine)]))
+    log.debug("%s of %d (%s backend, device %s)", par.describe(), world, backend, device)
+    return par
+
+
+def shutdown() -> None:
+    """Leave the process group (after a barrier, so no peer is still talking to us)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
