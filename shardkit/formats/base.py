@@ -134,6 +134,9 @@ class StoredTensor:
         return n
 
 
+STRIDED_READ_CHUNK = 4 << 20  # bytes read at once for a slice along a dimension other than the first
+
+
 def pread_into(fd: int, nbytes: int, offset: int, what: str) -> torch.Tensor:
     """Read exactly nbytes at offset into a new uint8 tensor (FormatError when the file is
     shorter: truncated). The buffer is not zero-filled first."""
@@ -165,6 +168,17 @@ def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int
         return torch.empty(out_shape, dtype=t.dtype)
     first = t.storage_offset + start * stride[dim]
     extent = 1 + sum((n - 1) * st for n, st in zip(out_shape, stride))
+    row_major = stride == list(StoredTensor(t.dtype, t.shape, 0).strides())
+    if dim > 0 and row_major and shape[0] > 1 and extent * item > STRIDED_READ_CHUNK:
+        # A column block of a large row-major tensor spans (nearly) all of its bytes: read it in
+        # blocks of rows, so that the transient buffer stays small whatever the tensor's size.
+        out = torch.empty(out_shape, dtype=t.dtype)
+        rows = max(1, STRIDED_READ_CHUNK // (stride[0] * item))
+        for r0 in range(0, shape[0], rows):
+            r1 = min(shape[0], r0 + rows)
+            block = StoredTensor(t.dtype, (r1 - r0, *shape[1:]), t.file_offset, t.storage_offset + r0 * stride[0])
+            out[r0:r1] = read_stored(fd, block, dim, start, stop, what)
+        return out
     buf = pread_into(fd, extent * item, t.file_offset + first * item, what)
     base = buf.view(t.dtype)
     if extent == _numel(out_shape) and stride == list(StoredTensor(t.dtype, tuple(out_shape), 0).strides()):

@@ -11,6 +11,7 @@ import io
 import os
 import pickle
 import struct
+import sys
 import threading
 import zipfile
 from collections import OrderedDict
@@ -229,23 +230,88 @@ class TorchFile:
         self._sd = {}
 
 
+class _StorageStub:
+    """Stands for a tensor's storage in the pickle: torch.save's persistent id, without data."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int):
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _TensorStub:
+    """Pickles exactly as `Tensor.__reduce_ex__` does for a compact CPU tensor of this shape."""
+
+    def __init__(self, storage: _StorageStub, shape: tuple[int, ...]):
+        self.storage, self.shape = storage, shape
+
+    def __reduce_ex__(self, protocol):
+        stride, step = [], 1
+        for size in reversed(self.shape):
+            stride.append(step)
+            step *= size
+        # fresh tuples, as torch makes them: the pickler memoizes by identity
+        args = (self.storage, 0, tuple(list(self.shape)), tuple(reversed(stride)), False, OrderedDict())
+        if self.storage.dtype in torch.storage._new_dtypes():
+            return (torch._utils._rebuild_tensor_v3, args + (self.storage.dtype,))
+        return (torch._utils._rebuild_tensor_v2, args)
+
+
+class _StubPickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        if not isinstance(obj, _StorageStub):
+            return None
+        if obj.dtype in torch.storage._new_dtypes():
+            return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
+        storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
+        return ("storage", storage_type, obj.key, "cpu", obj.numel)
+
+
+def state_dict_pickle(specs: Sequence[TensorSpec]) -> bytes:
+    """The data.pkl torch.save writes for {name: compact tensor} in spec order, from shapes alone."""
+    stubs = {}
+    for key, spec in enumerate(specs):
+        numel = 1
+        for size in spec.shape:
+            numel *= size
+        stubs[spec.name] = _TensorStub(_StorageStub(str(key), spec.dtype, numel), tuple(spec.shape))
+    buf = io.BytesIO()
+    _StubPickler(buf, protocol=2).dump(stubs)  # torch.save's default protocol
+    return buf.getvalue()
+
+
 class TorchWriter:
-    """Collects one rank file's tensors and torch.saves them (each with its own storage, as NxD)."""
+    """Streams one rank file in torch.save's format, a tensor at a time (each tensor with its own
+    storage, as NxD writes them): the file is byte for byte what `torch.save(state_dict)` writes,
+    but only the tensor being written is in memory. `write` is called in spec order."""
 
     def __init__(self, path: Path, root: Path, specs: Sequence[TensorSpec]):
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
         self._specs = list(specs)
-        self._data: dict[str, torch.Tensor] = {}
+        self._next = 0
+        self._out = HashingFile(self.path, self.root)
+        from torch.serialization import _get_storage_alignment, get_crc32_options
+
+        self._zip = torch._C.PyTorchFileWriter(self._out, get_crc32_options(), _get_storage_alignment())
+        data_pkl = state_dict_pickle(self._specs)
+        alignment = str(_get_storage_alignment())
+        # the records torch.save writes before the storages, in its order
+        self._zip.write_record("data.pkl", data_pkl, len(data_pkl))
+        self._zip.write_record(".format_version", "1", 1)
+        self._zip.write_record(".storage_alignment", alignment, len(alignment))
+        self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        self._data[name] = compact(tensor)
+        spec = self._specs[self._next] if self._next < len(self._specs) else None
+        if spec is None or spec.name != name or tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
+            raise RuntimeError(f"{self.path}: expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        storage = compact(tensor.detach()).untyped_storage()
+        self._zip.write_record(f"data/{self._next}", storage, spec.nbytes)
+        self._next += 1
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
-        missing = [s.name for s in self._specs if s.name not in self._data]
-        if missing:
+        if self._next != len(self._specs):
+            missing = [s.name for s in self._specs[self._next:]]
             raise RuntimeError(f"{self.path}: tensors not written: {missing[:3]}")
-        out = HashingFile(self.path, self.root)
-        torch.save({s.name: self._data[s.name] for s in self._specs}, out)
-        self._data = {}
-        return [out.close(fsync)]
+        self._zip.write_end_of_file()
+        self._zip = None
+        return [self._out.close(fsync)]
