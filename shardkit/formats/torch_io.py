@@ -1,4 +1,4 @@
-"""torch.save files (NxD's own format): safe loading, lazy reads through mmap, hashed writes.
+"""torch.save files (NxD's own format): safe loading, positional reads, streamed hashed writes.
 
 Loading never runs arbitrary pickle: `torch.load(weights_only=True)`, with the one foreign class
 the formats need (torch-xla's `TensorReference`, which xser files reference) allowed under its
