@@ -13,9 +13,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .convert import SourceReader
+from .convert import SourceReader, open_source
 from .errors import ShardkitError
-from .formats import Checkpoint, open_checkpoint
+from .formats import Checkpoint
 from .placements import Segment
 
 log = logging.getLogger(__name__)
@@ -26,12 +26,13 @@ def inspect(
     config: str | Path | Mapping | None = None,
     hints: Mapping | None = None,
     check_data: bool = False,
+    revision: str | None = None,
 ) -> dict[str, Any]:
     """Describe a checkpoint: kind, format, family, layout, stages, files, tensors and problems.
 
     With `check_data`, also re-hash files against the manifest and compare every replicated
     copy of every slice (reads the whole checkpoint)."""
-    ckpt = open_checkpoint(path, config, hints)
+    ckpt = open_source(path, config, hints, revision)
     problems: list[str] = []
     try:
         ckpt.check_files()
@@ -148,9 +149,12 @@ def verify(
     hints_b: Mapping | None = None,
     atol: float = 0.0,
     on_tensor: Callable[[TensorDiff], None] | None = None,
+    revision_a: str | None = None,
+    revision_b: str | None = None,
 ) -> VerifyReport:
-    """Compare two checkpoints (any formats and layouts) tensor by tensor in full-weight space."""
-    ca, cb = open_checkpoint(a, config_a, hints_a), open_checkpoint(b, config_b, hints_b)
+    """Compare two checkpoints (any formats and layouts; paths or Hub repo ids) tensor by tensor
+    in full-weight space."""
+    ca, cb = open_source(a, config_a, hints_a, revision_a), open_source(b, config_b, hints_b, revision_b)
     ca.check_files()
     cb.check_files()
     report = VerifyReport(str(a), str(b))

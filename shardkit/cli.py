@@ -305,16 +305,19 @@ def merge(ctx, src, dst, max_shard_size, config, kv_replication, hw, dtype, work
               help="Replica order of NxD source shards (inferred from the data when omitted).")
 @output_options
 @config_option
+@click.option("--revision", default=None, help="When SRC is a Hub repo id: the branch, tag or commit to download.")
 @click.pass_context
-def reshard(ctx, src, dst, fmt, source_kv_replication, dtype, workers, overwrite, as_json, config, **layout_opts):
+def reshard(ctx, src, dst, fmt, source_kv_replication, dtype, workers, overwrite, as_json, config, revision,
+            **layout_opts):
     """Turn shards of one layout (SRC) into another layout (DST) directly.
 
     Each new piece is assembled from exactly the source slices it needs; the full model is never
-    written or held.
+    written or held. SRC may be a Hub repo id (shards or a Hugging Face model).
     """
     from . import reshard as api_reshard
 
     started = time.perf_counter()
+    src = _hub_source(ctx, src, revision)
     bar = _Bar("reshard", ctx.obj["quiet"])
     try:
         result = api_reshard(src, dst, _layout(layout_opts), format=fmt, dtype=dtype, workers=workers,
@@ -332,14 +335,17 @@ def reshard(ctx, src, dst, fmt, source_kv_replication, dtype, workers, overwrite
               help="Also re-hash files against shardkit.json and check that all replicated copies agree (reads everything).")
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every full tensor with its shape.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--revision", default=None, help="When PATH is a Hub repo id: the branch, tag or commit to download.")
 @click.pass_context
-def inspect_cmd(ctx, path, config, kv_replication, hw, check_data, show_tensors, as_json):
+def inspect_cmd(ctx, path, config, kv_replication, hw, check_data, show_tensors, as_json, revision):
     """Explain a checkpoint directory: format, model, layout, stages, size and problems.
 
+    PATH may also be a Hub repo id (its weights, config and tokenizer files are fetched).
     Exit code 0 when no problem was found, 1 when problems were found, 2 when PATH cannot be read.
     """
     from .check import inspect as api_inspect
 
+    path = _hub_source(ctx, path, revision)
     report = api_inspect(path, config, _hints({"kv_replication": kv_replication, "hw": hw}), check_data)
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -381,15 +387,19 @@ def _describe(r: dict, show_tensors: bool) -> str:
               help="Largest absolute difference still counted as equal (0: bit-exact).")
 @click.option("--all", "show_all", is_flag=True, help="Print every tensor, not only mismatches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-tensor report as JSON.")
+@click.option("--revision-a", default=None, help="When A is a Hub repo id: the branch, tag or commit to download.")
+@click.option("--revision-b", default=None, help="When B is a Hub repo id: the branch, tag or commit to download.")
 @click.pass_context
-def verify(ctx, a, b, config_a, config_b, atol, show_all, as_json):
+def verify(ctx, a, b, config_a, config_b, atol, show_all, as_json, revision_a, revision_b):
     """Check that A and B hold the same weights, whatever their formats and layouts.
 
     Both are mapped to full tensors and compared one by one; the worst absolute difference of
-    each tensor is printed. Exit code 0 when all are equal, 1 on any mismatch.
+    each tensor is printed. Exit code 0 when all are equal, 1 on any mismatch. A or B may be a
+    Hub repo id, e.g. `shardkit verify meta-llama/Llama-2-7b-hf ./llama-tp8`.
     """
     from .check import verify as api_verify
 
+    a, b = _hub_source(ctx, a, revision_a), _hub_source(ctx, b, revision_b)
     report = api_verify(a, b, config_a=config_a, config_b=config_b, atol=atol)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))

@@ -117,6 +117,20 @@ class SourceReader:
         self._open.clear()
 
 
+def open_source(src: str | Path | Checkpoint, config: str | Path | Mapping | None = None,
+                hints: Mapping | None = None, revision: str | None = None) -> Checkpoint:
+    """A checkpoint to read from: `src` itself, a local path, or a Hub repo id (fetched into the
+    Hugging Face cache by `hub.resolve_source`; `revision` picks its branch, tag or commit)."""
+    if isinstance(src, Checkpoint):
+        return src
+    if revision is not None or not Path(src).exists():
+        from .hub import looks_like_repo_id, resolve_source
+
+        if revision is not None or looks_like_repo_id(str(src)):
+            src = resolve_source(str(src), revision=revision)
+    return open_checkpoint(src, config, hints)
+
+
 # ---- planning --------------------------------------------------------------------------------
 
 
@@ -406,9 +420,11 @@ def reshard(
     hints: Mapping | None = None,
     progress: ProgressCallback | None = None,
     command: str | None = None,
+    revision: str | None = None,
 ) -> Result:
-    """Write `src` (any checkpoint) as shards of `layout` in `format`, reading only needed slices."""
-    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src, config, hints)
+    """Write `src` (any checkpoint: a path or a Hub repo id) as shards of `layout` in `format`,
+    reading only the slices each shard needs."""
+    ckpt = open_source(src, config, hints, revision)
     if format not in SHARD_FORMATS:
         raise ShardkitError(f"format {format!r} is unknown: use one of {', '.join(SHARD_FORMATS)}")
     target_dtype = parse_dtype(dtype)
@@ -443,9 +459,11 @@ def merge(
     config: str | Path | Mapping | None = None,
     hints: Mapping | None = None,
     progress: ProgressCallback | None = None,
+    revision: str | None = None,
 ) -> Result:
-    """Any checkpoint -> a Hugging Face model directory (safetensors + index + config)."""
-    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src, config, hints)
+    """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
+    index + config)."""
+    ckpt = open_source(src, config, hints, revision)
     target_dtype = parse_dtype(dtype)
     ckpt.check_files()
     itemsize = (target_dtype or ckpt.dtype()).itemsize

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import textwrap
 import sys
 import types
 from pathlib import Path
@@ -137,8 +138,8 @@ def reference(shards, tmp_path_factory) -> Path:
     return out
 
 
-def run_cli(*args, hub: HubStandIn, home: Path, token: str | None = TOKEN, offline: bool = False):
-    """`python -m shardkit ARGS` with the Hub settings in its environment (as a user would set them)."""
+def hub_env(hub: HubStandIn, home: Path, token: str | None = TOKEN, offline: bool = False) -> dict[str, str]:
+    """The environment of a user whose Hub is the stand-in (as a user would set it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1",
                HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="10", NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
@@ -146,8 +147,13 @@ def run_cli(*args, hub: HubStandIn, home: Path, token: str | None = TOKEN, offli
         env["HF_TOKEN"] = token
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run([sys.executable, "-m", "shardkit", *map(str, args)], env=env, capture_output=True,
-                          text=True, timeout=240)
+    return env
+
+
+def run_cli(*args, hub: HubStandIn, home: Path, token: str | None = TOKEN, offline: bool = False):
+    """`python -m shardkit ARGS` with the Hub settings in its environment."""
+    return subprocess.run([sys.executable, "-m", "shardkit", *map(str, args)], env=hub_env(hub, home, token, offline),
+                          capture_output=True, text=True, timeout=240)
 
 
 def one_line_error(result, *phrases: str) -> str:
@@ -251,6 +257,39 @@ def test_cli_convert_from_a_repo_id_end_to_end_then_offline_from_the_cache(hub, 
     assert offline.returncode == 0, offline.stderr
     assert len(hub.requests) == seen, "offline mode must not touch the network"
     assert shardkit.verify(served, tmp_path / "tp2-offline").ok
+
+
+def test_reshard_inspect_and_verify_take_repo_ids(hub, served, shards, tmp_path):
+    """Every command's SRC may be a Hub repo id: reshard a repo of shards, inspect it, verify a
+    local result against the original repo; the library API takes repo ids as the CLI does."""
+    hub.add_repo(REPO, served)
+    hub.add_repo("alice/tp2pp3", tree(shards))
+    home = tmp_path / "hf-home"
+    result = run_cli("-q", "reshard", "alice/tp2pp3", tmp_path / "tp1pp2", "--tp", "1", "--pp", "2", hub=hub, home=home)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "tp1pp2" / "shardkit.json").read_text())["layout"]["pp"] == 2
+
+    result = run_cli("inspect", "alice/tp2pp3", "--json", hub=hub, home=home)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["layout"]["tp"], report["layout"]["pp"], report["layout"]["qkv"]) == (2, 3, "gqa")
+
+    result = run_cli("verify", REPO, tmp_path / "tp1pp2", hub=hub, home=home)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tensors compared: equal" in result.stdout
+    result = run_cli("verify", REPO, tmp_path / "tp1pp2", "--revision-a", "nope", hub=hub, home=home)
+    one_line_error(result, "has no revision 'nope'")
+
+    api = textwrap.dedent(f"""
+        import shardkit
+        assert shardkit.verify({REPO!r}, "alice/tp2pp3").ok
+        assert shardkit.inspect("alice/tp2pp3")["layout"]["pp"] == 3
+        shardkit.merge("alice/tp2pp3", {str(tmp_path / "merged")!r})
+    """)
+    result = subprocess.run([sys.executable, "-c", api], env=hub_env(hub, tmp_path / "api-home"), capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert shardkit.verify(served, tmp_path / "merged").ok
 
 
 def test_cli_offline_without_cache_is_one_clear_line(hub, tmp_path):
