@@ -396,3 +396,44 @@ def test_zero1_async_retention_and_latest_if_exists(work, hf_model, tokens):
     assert [r["step"] for r in steps(work / "z-second.jsonl")] == [5, 6]
     assert rel_diff(first + second, ref) < REL, (first, second, ref)
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_6"]
+
+
+def test_device_and_backend_choice_with_a_fake_torch_xla(monkeypatch):
+    """torch-xla installed: the xla device (torch_xla.core.xla_model.xla_device, as documented) and
+    the xla backend with init_method "xla://"; forcing a device that is absent is a clear error."""
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    from trainer import parallel
+    from trainer.errors import TrainerError
+
+    assert parallel.choose_device(None, 0) == torch.device("cpu")  # no torch-xla, no CUDA here
+    with pytest.raises(TrainerError, match="needs torch-xla"):
+        parallel.choose_device("xla", 0)
+    with pytest.raises(TrainerError, match="no CUDA device"):
+        parallel.choose_device("cuda", 0)
+
+    xla_device = torch.device("meta")  # stands for the XLA device object torch-xla returns
+    xla_model = types.SimpleNamespace(xla_device=lambda: xla_device)
+    core = types.SimpleNamespace(xla_model=xla_model)
+    fake = types.ModuleType("torch_xla")
+    fake.core = core
+    monkeypatch.setitem(sys.modules, "torch_xla", fake)
+    monkeypatch.setitem(sys.modules, "torch_xla.core", core)
+    monkeypatch.setitem(sys.modules, "torch_xla.core.xla_model", xla_model)
+    assert parallel.choose_device(None, 0) is xla_device
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: ("group", tuple(ranks)))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    par = parallel.init_parallel(1, 1, 2, torch.device("xla"), 30.0)
+    (backend, kwargs), = calls
+    assert backend == "xla" and kwargs["init_method"] == "xla://" and par.backend == "xla"
+    assert par.dp_group.ranks == [0, 1]

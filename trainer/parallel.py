@@ -296,8 +296,7 @@ def init_parallel(tp: int, pp: int, dp: int, device: torch.device, timeout_s: fl
     for attr, sets in (("tp_group", tp_sets), ("pp_group", pp_sets), ("dp_group", dp_sets), ("mp_group", mp_sets)):
         mine = [s for s in sets if rank in s][0]
         if len(mine) == 1:
-            # still call new_group for the others' sets? no: every process skips size-1 sets alike
-            continue
+            continue  # every set of this kind has one rank, on every process alike: no group to create
         groups = {}
         for ranks in sets:
             pg = dist.new_group(ranks, timeout=timeout)
