@@ -289,15 +289,19 @@ class TorchWriter:
         self._specs = list(specs)
         self._next = 0
         self._out = HashingFile(self.path, self.root)
-        from torch.serialization import _get_storage_alignment, get_crc32_options
-
-        self._zip = torch._C.PyTorchFileWriter(self._out, get_crc32_options(), _get_storage_alignment())
         data_pkl = state_dict_pickle(self._specs)
-        alignment = str(_get_storage_alignment())
-        # the records torch.save writes before the storages, in its order
-        self._zip.write_record("data.pkl", data_pkl, len(data_pkl))
-        self._zip.write_record(".format_version", "1", 1)
-        self._zip.write_record(".storage_alignment", alignment, len(alignment))
+        try:
+            from torch.serialization import _get_storage_alignment, get_crc32_options
+        except ImportError:  # older torch: 64-byte alignment, no format records (still a valid archive)
+            self._zip = torch._C.PyTorchFileWriter(self._out)
+            self._zip.write_record("data.pkl", data_pkl, len(data_pkl))
+        else:
+            alignment = _get_storage_alignment()
+            self._zip = torch._C.PyTorchFileWriter(self._out, get_crc32_options(), alignment)
+            # the records torch.save writes before the storages, in its order
+            self._zip.write_record("data.pkl", data_pkl, len(data_pkl))
+            self._zip.write_record(".format_version", "1", 1)
+            self._zip.write_record(".storage_alignment", str(alignment), len(str(alignment)))
         self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
