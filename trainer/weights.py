@@ -5,28 +5,28 @@ In: the rank's pieces for the run's layout (`ModelSpec.rank_pieces`), each read 
 slices a piece is made of: a Hugging Face directory is sharded on load, a sharded directory of
 another layout is resharded on load).
 
-Out (`--export-hf`): every model replica-0 rank writes its rank file (its `state_dict()`, which is
-the NxD rank file by construction) into a staging directory with a shardkit manifest; then
-`shardkit.merge` (divided among the job's processes) writes the Hugging Face directory.
+Out (`--export-hf`): every model replica-0 rank saves its rank file (its `state_dict()`, which is
+the NxD rank file by construction) as a model-only checkpoint tag in a staging directory, with
+shardkit's `Checkpointer`; then `export_checkpoint` (divided among the job's processes) merges
+the tag into the Hugging Face directory.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
-from shardkit import __version__ as shardkit_version
-from shardkit import merge
+from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank, export_checkpoint
 from shardkit.convert import SourceReader
-from shardkit.formats import MANIFEST, Checkpoint
-from shardkit.formats import hf, nxd
+from shardkit.formats import Checkpoint, hf
 
 from .model import ModelSpec
 from .parallel import Parallel
+
+EXPORT_TAG = "export"
 
 
 def read_rank_pieces(ckpt: Checkpoint, spec: ModelSpec, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
@@ -48,37 +48,26 @@ def check_export_destination(dst: str | Path) -> None:
 
 def export_hf(model: torch.nn.Module, spec: ModelSpec, par: Parallel, dst: str | Path, source_dir: str | Path | None,
               dtype: torch.dtype) -> Path:
-    """Write the merged Hugging Face model of the current weights to `dst` (all ranks call this)."""
+    """Write the merged Hugging Face model of the current weights to `dst` (all ranks call this):
+    the rank files are saved as a model-only checkpoint tag in a staging folder, which
+    `export_checkpoint` merges (divided among the job's processes)."""
     dst = Path(dst).absolute()
     staging = dst.parent / f".{dst.name}.trainer-export-{os.getpid()}"
     staging = Path(par.broadcast_object(str(staging) if par.leader else None))
+    checkpointer = Checkpointer(CheckpointerConfig(format="torch", fsync=False))  # a throwaway tag
 
-    def make_staging() -> None:
-        if par.leader:
-            (staging / "model").mkdir(parents=True, exist_ok=True)
-
-    def write_rank_files() -> None:
-        if par.dp_rank == 0:
-            state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
-            name = nxd.rank_file_name(0, par.tp_rank, par.pp_rank, spec.layout, "torch")
-            torch.save(state, staging / name)
-        if par.leader:
-            config = dict(spec.config)
-            config["torch_dtype"] = config["dtype"] = str(dtype).replace("torch.", "")
-            (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            if source_dir is not None and Path(source_dir).is_dir():
-                hf.copy_side_files(Path(source_dir), staging)
-            manifest = {"shardkit": shardkit_version, "kind": "sharded", "format": "torch",
-                        "family": spec.family.name, "layout": spec.layout.to_dict(),
-                        "dtype": config["dtype"], "source": "trainer", "command": "trainer --export-hf",
-                        "tensors": {n: list(s) for n, s in spec.full_shapes.items()}, "files": []}
-            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    def copy_side_files() -> None:
+        if par.leader and source_dir is not None and Path(source_dir).is_dir():
+            hf.copy_side_files(Path(source_dir), staging / EXPORT_TAG)
 
     try:
-        par.all_ok(make_staging)
-        par.all_ok(write_rank_files)
-        merge(staging, dst)
+        state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+        rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=0, dp=par.dp_rank)
+        checkpointer.save(staging, EXPORT_TAG, state, layout=spec.layout, config=spec.config, rank=rank)
+        par.all_ok(copy_side_files)
+        export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype)
     finally:
+        checkpointer.close()
         par.barrier()
         if par.leader:
             shutil.rmtree(staging, ignore_errors=True)
