@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
+from shardkit.distributed import Job
+
 from .errors import TrainerError
 
 log = logging.getLogger("trainer")
@@ -176,7 +178,13 @@ class Parallel:
 
     def new_groups(self, rank_sets: Iterable[Iterable[int]]) -> dict[frozenset, Group]:
         """Create a group for each set of global ranks; EVERY process must call this with the same
-        sets in the same order. Returns the groups this process belongs to, keyed by rank set."""
+        sets in the same order. Returns the groups this process belongs to, keyed by rank set
+        (and keeps them in `extra`)."""
+        created = self._make_groups(rank_sets)
+        self.extra.update(created)
+        return created
+
+    def _make_groups(self, rank_sets: Iterable[Iterable[int]]) -> dict[frozenset, Group]:
         created: dict[frozenset, Group] = {}
         for ranks in sorted({tuple(sorted(r)) for r in rank_sets}):
             key = frozenset(ranks)
@@ -187,7 +195,6 @@ class Parallel:
             pg = dist.new_group(list(ranks), timeout=self.timeout)
             if self.rank in ranks:
                 created[key] = Group(list(ranks), list(ranks).index(self.rank), pg)
-        self.extra.update(created)
         return created
 
     # ---- whole-job helpers (default group) -------------------------------------------------------
@@ -196,19 +203,19 @@ class Parallel:
             with COMM.timed():
                 dist.barrier()
 
+    @property
+    def job(self) -> Job:
+        """The whole job as shardkit's whole-job helpers see it."""
+        return Job(self.rank, self.world)
+
     def broadcast_object(self, value: Any) -> Any:
-        if self.world == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        """Rank 0's value, on every rank."""
+        return self.job.broadcast(value)
 
     def all_ok(self, step: Callable[[], T]) -> T:
         """Run `step` on every rank; if it fails anywhere, raise on every rank (no rank is left
         waiting in a collective for one that died)."""
-        from shardkit.distributed import Job
-
-        return Job(self.rank, self.world).run_all_or_none(step)
+        return self.job.run_all_or_none(step)
 
     def sum_over_world(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -294,14 +301,8 @@ def init_parallel(tp: int, pp: int, dp: int, device: torch.device, timeout_s: fl
     dp_sets = [[index(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
     mp_sets = [[index(d, p, t) for p in range(pp) for t in range(tp)] for d in range(dp)]
     for attr, sets in (("tp_group", tp_sets), ("pp_group", pp_sets), ("dp_group", dp_sets), ("mp_group", mp_sets)):
-        mine = [s for s in sets if rank in s][0]
-        if len(mine) == 1:
-            continue  # every set of this kind has one rank, on every process alike: no group to create
-        groups = {}
-        for ranks in sets:
-            pg = dist.new_group(ranks, timeout=timeout)
-            groups[tuple(ranks)] = pg
-        setattr(par, attr, Group(mine, mine.index(rank), groups[tuple(mine)]))
+        mine = next(frozenset(s) for s in sets if rank in s)
+        setattr(par, attr, par._make_groups(sets)[mine])
     log.debug("%s of %d (%s backend, device %s)", par.describe(), world, backend, device)
     return par
 
