@@ -317,12 +317,12 @@ def reshard(ctx, src, dst, fmt, source_kv_replication, dtype, workers, overwrite
     from . import reshard as api_reshard
 
     started = time.perf_counter()
-    src = _hub_source(ctx, src, revision)
+    _hub_quiet(ctx)
     bar = _Bar("reshard", ctx.obj["quiet"])
     try:
         result = api_reshard(src, dst, _layout(layout_opts), format=fmt, dtype=dtype, workers=workers,
                              overwrite=overwrite, config=config, hints={"kv_replication": source_kv_replication},
-                             progress=bar, command=_command_line())
+                             progress=bar, command=_command_line(), revision=revision)
     finally:
         bar.close()
     _report(ctx, result, started, as_json, "wrote")
@@ -345,8 +345,8 @@ def inspect_cmd(ctx, path, config, kv_replication, hw, check_data, show_tensors,
     """
     from .check import inspect as api_inspect
 
-    path = _hub_source(ctx, path, revision)
-    report = api_inspect(path, config, _hints({"kv_replication": kv_replication, "hw": hw}), check_data)
+    _hub_quiet(ctx)
+    report = api_inspect(path, config, _hints({"kv_replication": kv_replication, "hw": hw}), check_data, revision)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -399,8 +399,9 @@ def verify(ctx, a, b, config_a, config_b, atol, show_all, as_json, revision_a, r
     """
     from .check import verify as api_verify
 
-    a, b = _hub_source(ctx, a, revision_a), _hub_source(ctx, b, revision_b)
-    report = api_verify(a, b, config_a=config_a, config_b=config_b, atol=atol)
+    _hub_quiet(ctx)
+    report = api_verify(a, b, config_a=config_a, config_b=config_b, atol=atol, revision_a=revision_a,
+                        revision_b=revision_b)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -33,6 +33,7 @@ from .formats.base import DTYPE_NAMES, FileRecord, TensorSpec
 from .formats.safetensors_io import SafetensorsWriter
 from .formats.torch_io import TorchWriter
 from .formats.xser import XserWriter
+from .hub import resolve_source
 from .layout import FULL, HW_TO_REPLICATION, Layout
 from .placements import Piece, Read, Segment, SegmentIndex, build_piece, make_piece
 
@@ -123,12 +124,7 @@ def open_source(src: str | Path | Checkpoint, config: str | Path | Mapping | Non
     Hugging Face cache by `hub.resolve_source`; `revision` picks its branch, tag or commit)."""
     if isinstance(src, Checkpoint):
         return src
-    if revision is not None or not Path(src).exists():
-        from .hub import looks_like_repo_id, resolve_source
-
-        if revision is not None or looks_like_repo_id(str(src)):
-            src = resolve_source(str(src), revision=revision)
-    return open_checkpoint(src, config, hints)
+    return open_checkpoint(resolve_source(src, revision=revision), config, hints)
 
 
 # ---- planning --------------------------------------------------------------------------------

@@ -244,12 +244,9 @@ class _TensorStub:
         self.storage, self.shape = storage, shape
 
     def __reduce_ex__(self, protocol):
-        stride, step = [], 1
-        for size in reversed(self.shape):
-            stride.append(step)
-            step *= size
+        stride = StoredTensor(self.storage.dtype, self.shape, 0).strides()
         # fresh tuples, as torch makes them: the pickler memoizes by identity
-        args = (self.storage, 0, tuple(list(self.shape)), tuple(reversed(stride)), False, OrderedDict())
+        args = (self.storage, 0, tuple(list(self.shape)), tuple(list(stride)), False, OrderedDict())
         if self.storage.dtype in torch.storage._new_dtypes():
             return (torch._utils._rebuild_tensor_v3, args + (self.storage.dtype,))
         return (torch._utils._rebuild_tensor_v2, args)
@@ -269,9 +266,7 @@ def state_dict_pickle(specs: Sequence[TensorSpec]) -> bytes:
     """The data.pkl torch.save writes for {name: compact tensor} in spec order, from shapes alone."""
     stubs = {}
     for key, spec in enumerate(specs):
-        numel = 1
-        for size in spec.shape:
-            numel *= size
+        numel = spec.nbytes // spec.dtype.itemsize
         stubs[spec.name] = _TensorStub(_StorageStub(str(key), spec.dtype, numel), tuple(spec.shape))
     buf = io.BytesIO()
     _StubPickler(buf, protocol=2).dump(stubs)  # torch.save's default protocol
