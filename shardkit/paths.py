@@ -1,0 +1,89 @@
+"""The one place that turns names read from files, repos or users into paths, safely.
+
+Every name that comes from data (an index's weight_map, a manifest's file list, an xser tensor
+id, a checkpoint tag) goes through `inside`, which refuses absolute names, `..`, and names that
+resolve through a symlink to somewhere outside their folder. `overlaps` compares folders by
+what they really are (resolved paths), so an alias of a source (`OTHER/../SRC`, a symlink) is
+recognised. `remove_tree` never deletes through a link.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+from .errors import ShardkitError
+
+
+class UnsafePathError(ShardkitError):
+    """A name read from a file, a repo or the command line would lead outside its folder."""
+
+
+def inside(root: str | Path, name: str, what: str = "name") -> Path:
+    """`root / name`, provided `name` is relative, has no `..` and stays inside `root` once
+    symlinks are resolved; else UnsafePathError naming `what`."""
+    root = Path(root)
+    text = str(name)
+    if (not text or "\x00" in text or PurePosixPath(text).is_absolute() or PureWindowsPath(text).is_absolute()
+            or PureWindowsPath(text).drive):
+        raise UnsafePathError(f"{what} {text!r} is not a relative path inside {root}: refusing to use it")
+    parts = text.replace("\\", "/").split("/")
+    if any(p == ".." for p in parts):
+        raise UnsafePathError(f"{what} {text!r} climbs out of {root} ('..'): refusing to use it")
+    path = root / text
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise UnsafePathError(f"{what} {text!r} leads outside {root} (through a symlink): refusing to use it")
+    return path
+
+
+def resolved(path: str | Path) -> Path:
+    """The real path (symlinks and `..` resolved; a missing tail is kept as written)."""
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def overlaps(a: str | Path, b: str | Path) -> bool:
+    """True when a and b are the same folder or one contains the other, after resolving links."""
+    ra, rb = resolved(a), resolved(b)
+    if ra == rb or ra in rb.parents or rb in ra.parents:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def is_link(path: str | Path) -> bool:
+    """A symlink (or a Windows junction): something never to delete or descend through."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISLNK(st.st_mode) or bool(getattr(st, "st_reparse_tag", 0))
+
+
+def remove_tree(path: str | Path) -> None:
+    """Delete a folder we created, never through a link: a symlink itself is unlinked (its target
+    is left alone), a folder is removed with links inside it unlinked, not followed."""
+    path = Path(path)
+    if is_link(path) or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path)  # symlink-attack resistant: links inside are unlinked, never followed
+
+
+def regular_file(path: str | Path, what: str = "file") -> Path:
+    """`path` if it is a regular file (not a folder, FIFO, device or socket), else a clear error."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ShardkitError(f"{what} {path} does not exist") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ShardkitError(f"{what} {path} is a folder, not a file: remove or rename it")
+    if not stat.S_ISREG(st.st_mode):
+        raise ShardkitError(f"{what} {path} is not a regular file (a FIFO, device or socket): refusing to read it")
+    return path
