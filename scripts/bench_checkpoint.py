@@ -59,7 +59,7 @@ DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "shardkit-bench-checkpoint"
 
 def _rank_pieces(src: str, layout) -> tuple[dict, dict]:
     """Every rank's pieces of `layout`, read from the HF checkpoint (a direct conversion in memory)."""
-    from shardkit.convert import SourceReader
+    from shardkit.formats import SourceReader
     from shardkit.formats import open_checkpoint
 
     ckpt = open_checkpoint(src)

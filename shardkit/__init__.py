@@ -1,12 +1,15 @@
 """shardkit: move LLM weights between Hugging Face checkpoints and tensor/pipeline/expert-parallel
 shards (neuronx-distributed conventions), exactly and with bounded memory.
 
-The library API mirrors the CLI: `convert`, `merge`, `reshard`, `inspect`, `verify`.
+The library API mirrors the CLI: `convert`, `merge`, `reshard`, `inspect`, `verify`, and the
+training-checkpoint functions. This module is only the public face: nothing inside the package
+imports it (the version lives in `shardkit.version`).
 """
 
-__version__ = "0.1.0"
-
-from .errors import (  # noqa: E402
+from .api import Result, convert, export_checkpoint, inspect, merge, reshard, verify
+from .checkpoint import latest, list_checkpoints, load_checkpoint, save_checkpoint
+from .engine import VerifyReport
+from .errors import (
     ConfigMismatchError,
     DestinationExistsError,
     FormatError,
@@ -14,15 +17,13 @@ from .errors import (  # noqa: E402
     ShardkitError,
     UnsupportedModelError,
 )
-from .layout import FULL, Layout, ModelDims  # noqa: E402
-from .formats import Checkpoint, open_checkpoint  # noqa: E402
-from .convert import Result, convert, make_layout, merge, reshard  # noqa: E402
-from .check import VerifyReport, inspect, verify  # noqa: E402
-from .checkpoint import latest, list_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
+from .formats import Checkpoint, open_checkpoint
+from .layout import FULL, Layout, ModelDims, make_layout
+from .version import __version__
 
 __all__ = [
     "__version__", "Layout", "ModelDims", "FULL", "Checkpoint", "open_checkpoint", "Result",
-    "convert", "merge", "reshard", "make_layout", "inspect", "verify", "VerifyReport",
+    "convert", "merge", "reshard", "make_layout", "inspect", "verify", "VerifyReport", "export_checkpoint",
     "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest",
     "ShardkitError", "LayoutError", "FormatError", "ConfigMismatchError", "UnsupportedModelError",
     "DestinationExistsError",

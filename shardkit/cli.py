@@ -16,7 +16,8 @@ from typing import Any
 
 import click
 
-from . import __version__
+from .formats.registry import format_names
+from .version import __version__
 from .errors import ShardkitError
 
 log = logging.getLogger("shardkit")
@@ -114,7 +115,7 @@ def _qkv_style(qkv: str | None, qkv_linear: bool, fuse_qkv: bool, coalesce_qkv: 
 
 
 def _layout(o: dict):
-    from .convert import make_layout
+    from .layout import make_layout
 
     qkv = _qkv_style(o.pop("qkv"), o.pop("qkv_linear"), o.pop("fuse_qkv"), o.pop("coalesce_qkv"))
     return make_layout(tp=o.pop("tp"), pp=o.pop("pp"), ep=o.pop("ep"), kv_multiplier=o.pop("kv_multiplier"),
@@ -207,7 +208,7 @@ def _command_line() -> str:
 @click.option("--to-sharded/--to-hf", "to_sharded", default=True, show_default=True,
               help="Write shards of the given layout (default), or a Hugging Face directory (same as merge).")
 @layout_options
-@click.option("--format", "fmt", type=click.Choice(["torch", "xser", "safetensors"]), default="torch", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(format_names()), default="torch", show_default=True,
               help="Shard files: torch (NxD's .pt), xser (torch-xla's, tensors in <file>.tensors/), or safetensors.")
 @output_options
 @config_option
@@ -228,8 +229,8 @@ def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, as_json, 
     Example (Llama-2-70B on 128 Trainium cores):
       shardkit convert ./Llama-2-70b-hf ./llama70b-tp32pp4 --tp 32 --pp 4 --kv-multiplier 4 --qkv gqa
     """
-    from . import convert as api_convert
-    from . import merge as api_merge
+    from .api import convert as api_convert
+    from .api import merge as api_merge
 
     started = time.perf_counter()
     src = _hub_source(ctx, src, revision)
@@ -271,7 +272,7 @@ def merge(ctx, src, dst, max_shard_size, config, kv_replication, hw, dtype, work
     transformers.AutoModelForCausalLM.from_pretrained; --push-to REPO_ID then uploads it to the
     Hub as `shardkit push` does.
     """
-    from . import merge as api_merge
+    from .api import merge as api_merge
 
     started = time.perf_counter()
     if (private or create) and not push_to:
@@ -299,7 +300,7 @@ def merge(ctx, src, dst, max_shard_size, config, kv_replication, hw, dtype, work
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @layout_options
-@click.option("--format", "fmt", type=click.Choice(["torch", "xser", "safetensors"]), default="torch", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(format_names()), default="torch", show_default=True,
               help="Format of the new shards.")
 @click.option("--source-kv-replication", type=click.Choice(["interleaved", "blocked"]), default=None,
               help="Replica order of NxD source shards (inferred from the data when omitted).")
@@ -314,7 +315,7 @@ def reshard(ctx, src, dst, fmt, source_kv_replication, dtype, workers, overwrite
     Each new piece is assembled from exactly the source slices it needs; the full model is never
     written or held. SRC may be a Hub repo id (shards or a Hugging Face model).
     """
-    from . import reshard as api_reshard
+    from .api import reshard as api_reshard
 
     started = time.perf_counter()
     _hub_quiet(ctx)
@@ -343,7 +344,7 @@ def inspect_cmd(ctx, path, config, kv_replication, hw, check_data, show_tensors,
     PATH may also be a Hub repo id (its weights, config and tokenizer files are fetched).
     Exit code 0 when no problem was found, 1 when problems were found, 2 when PATH cannot be read.
     """
-    from .check import inspect as api_inspect
+    from .api import inspect as api_inspect
 
     _hub_quiet(ctx)
     report = api_inspect(path, config, _hints({"kv_replication": kv_replication, "hw": hw}), check_data, revision)
@@ -397,7 +398,7 @@ def verify(ctx, a, b, config_a, config_b, atol, show_all, as_json, revision_a, r
     each tensor is printed. Exit code 0 when all are equal, 1 on any mismatch. A or B may be a
     Hub repo id, e.g. `shardkit verify meta-llama/Llama-2-7b-hf ./llama-tp8`.
     """
-    from .check import verify as api_verify
+    from .api import verify as api_verify
 
     _hub_quiet(ctx)
     report = api_verify(a, b, config_a=config_a, config_b=config_b, atol=atol, revision_a=revision_a,
@@ -471,7 +472,8 @@ def plan_cmd(ctx, config, tp, pp, kv_multiplier, dtype, zero1, dp, world_size, d
       shardkit plan --config Llama-2-70b-hf --suggest --device-memory 16GiB --world-size 128 --zero1
     """
     from .layout import Layout
-    from .plan import format_bytes, plan_memory, suggest_layouts
+    from .memory import plan_memory, suggest_layouts
+    from .sizes import format_bytes
 
     if not suggest:
         used = [f for f, v in (("--max-pp", max_pp), ("--all-kv-multipliers", all_kv_multipliers)) if v]
@@ -765,7 +767,7 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
 @click.pass_context
 def ckpt_export(ctx, directory, out, tag, max_shard_size, dtype, overwrite, config, as_json):
     """Merge the model of a training checkpoint (DIR/<tag>) into a Hugging Face model directory OUT."""
-    from .checkpoint import export_checkpoint
+    from .api import export_checkpoint
 
     started = time.perf_counter()
     bar = _Bar("export", ctx.obj["quiet"])

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from .errors import ConfigMismatchError, LayoutError
+from .errors import ConfigMismatchError, LayoutError, ShardkitError
 
 QKV_STYLES = ("separate", "gqa", "fused", "coalesced")
 REPLICATIONS = ("interleaved", "blocked")
@@ -192,3 +192,15 @@ def _smallest_multiplier(kv: int, tp: int) -> int:
     while (kv * m) % tp:
         m += 1
     return m
+
+
+def make_layout(tp: int = 1, pp: int = 1, ep: int = 1, kv_multiplier: int = 1, kv_replication: str | None = None,
+                hw: str | None = None, qkv: str = "separate") -> Layout:
+    """A Layout from CLI-style options (`hw` trn1/trn2 is an alias for the replication)."""
+    if hw is not None:
+        if hw not in HW_TO_REPLICATION:
+            raise ShardkitError(f"hardware {hw!r} is unknown: use trn1 or trn2")
+        if kv_replication and kv_replication != HW_TO_REPLICATION[hw]:
+            raise ShardkitError(f"--hw {hw} means {HW_TO_REPLICATION[hw]} replication, not {kv_replication}")
+        kv_replication = HW_TO_REPLICATION[hw]
+    return Layout(tp=tp, pp=pp, ep=ep, kv_multiplier=kv_multiplier, kv_replication=kv_replication or "interleaved", qkv=qkv)

@@ -20,7 +20,7 @@ tensor is held in a set of pieces.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, ClassVar, Iterable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -119,14 +119,28 @@ def _split_range(size: int, parts: int, index: int, what: str) -> tuple[int, int
 
 
 # ---- the placements ------------------------------------------------------------------------
-# Each has `sources(dims)` (the full tensors it consumes, relative to the block prefix) and
-# `pieces(prefix, layout, dims, tp_rank, full_shapes)`.
+
+
+class Placement(Protocol):
+    """What every placement answers: the full tensors it consumes (relative to the block prefix),
+    the axis each is cut along, and one rank's pieces. `expert` placements are split over ep
+    (held by every ep rank); the others live once, on ep rank 0."""
+
+    expert: ClassVar[bool]
+
+    def sources(self, dims: ModelDims) -> list[str]: ...
+
+    def split_dims(self, dims: ModelDims) -> dict[str, int]: ...
+
+    def pieces(self, prefix: str, layout: Layout, dims: ModelDims, tp_rank: int,
+               full_shapes: Mapping[str, tuple[int, ...]], ep_rank: int = 0) -> list[Piece]: ...
 
 
 @dataclass(frozen=True)
 class Replicated:
     """Every tp rank of the stage holds the whole tensor (norms, router, row-parallel biases)."""
 
+    expert: ClassVar[bool] = False
     name: str
     when: Callable[[ModelDims], bool] | None = None
     out: str | None = None  # the name in rank files, when NxD renames it
@@ -150,6 +164,7 @@ class Split:
     checkpoint omits it (lm_head <- embed_tokens).
     """
 
+    expert: ClassVar[bool] = False
     name: str
     dim: int
     tied_to: str | None = None
@@ -177,6 +192,7 @@ class Split:
 class Fused:
     """Per rank, the rank's split of each of several tensors, concatenated (gate_up)."""
 
+    expert: ClassVar[bool] = False
     name: str
     parts: tuple[str, ...]
     dim: int = 0
@@ -216,6 +232,7 @@ class HeadGroups:
     ranks of the row-parallel o_proj outputs is the full attention output.
     """
 
+    expert: ClassVar[bool] = False
     scope: str = "self_attn."
     q: str = "q_proj"
     k: str = "k_proj"
@@ -279,7 +296,7 @@ class Experts:
     down: str
     gate_up_out: str
     down_out: str
-    expert = True
+    expert: ClassVar[bool] = True
 
     def sources(self, dims: ModelDims) -> list[str]:
         return [t.format(e=e) for e in range(dims.num_experts) for t in (self.gate, self.up, self.down)]

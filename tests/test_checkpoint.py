@@ -35,7 +35,7 @@ from shardkit.checkpoint import (
     OptimizerState,
     Rank,
     StateMismatchError,
-    export_checkpoint,
+
     finalize_checkpoint,
     has_checkpoint,
     latest,
@@ -44,6 +44,7 @@ from shardkit.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
+from shardkit.api import export_checkpoint
 from shardkit.checkpoint import save as ckpt_save
 from shardkit.checkpoint import tree as ckpt_tree
 from shardkit.cli import cli

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from shardkit.cli import cli
 from shardkit.errors import LayoutError, ShardkitError
 from shardkit.layout import Layout, ModelDims
-from shardkit.plan import parse_reserve, parse_size, plan_memory, suggest_layouts
+from shardkit.memory import parse_reserve, plan_memory, suggest_layouts
+from shardkit.sizes import parse_size
 from shardkit.testing import FIXTURES
 
 L7B = FIXTURES / "llama-2-7b.json"
@@ -340,7 +341,7 @@ def test_cli_suggest_nothing_fits_exits_1():
     (L13B, ["--tp", "5"], "intermediate size 13824 is not divisible by tp 5"),
     (L13B, ["--tp", "5", "--suggest", "--device-memory", "16GiB"], "intermediate size 13824 is not divisible by tp 5"),
     (L70B, ["--suggest", "--pp", "81", "--device-memory", "16GiB"], "80 layers cannot fill 81"),
-    (L7B, ["--device-memory", "lots"], "size 'lots' is not understood"),
+    (L7B, ["--device-memory", "lots"], "device memory 'lots' is not understood"),
     (L7B, ["--device-memory", "16GiB", "--reserve", "20GiB"], "give a smaller --reserve"),
     (L7B, ["--zero1"], "give --dp"),
     (L7B, ["--tp", "8", "--world-size", "12"], "cannot make --world-size 12"),

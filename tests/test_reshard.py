@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import hashlib
+import dataclasses
 import importlib
 import json
 import shutil
@@ -34,10 +35,11 @@ from safetensors.torch import load_file, save_file
 
 import shardkit
 from shardkit import Layout, LayoutError, ShardkitError, convert, merge, open_checkpoint, reshard
-from shardkit.formats.source import Checkpoint
+from shardkit.formats import Checkpoint
 
 # the package exports the *function* convert, which shadows the module as an attribute
-engine = importlib.import_module("shardkit.convert")
+engine = importlib.import_module("shardkit.engine.operations")
+registry = importlib.import_module("shardkit.formats.registry")
 placements = importlib.import_module("shardkit.placements")
 
 SUFFIX = {"torch": ".pt", "xser": ".pt", "safetensors": ".safetensors"}
@@ -199,9 +201,9 @@ def no_full_model():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(placements, "gather", refuse("placements.gather"))
-        mp.setattr(engine, "merge", refuse("convert.merge"))
+        mp.setattr(engine, "merge_checkpoint", refuse("engine.merge_checkpoint"))
         mp.setattr(shardkit, "merge", refuse("shardkit.merge"))
-        mp.setattr(engine, "plan_full", refuse("convert.plan_full"))
+        mp.setattr(engine, "plan_full", refuse("engine.plan_full"))
         yield
 
 
@@ -532,7 +534,7 @@ def test_reshard_reads_only_needed_source_files_and_bytes(work, tmp_path, monkey
     current = {"out": None}
     opens: dict = defaultdict(Counter)  # output (None before the first) -> source key -> opens
     read_bytes: Counter = Counter()
-    orig_open, orig_writer = Checkpoint.open, engine._writer
+    orig_open, torch_format = Checkpoint.open, registry.FORMATS["torch"]
     from shardkit.formats.torch_io import TorchFile
     orig_read, orig_read_into = TorchFile.read, TorchFile.read_into
 
@@ -541,9 +543,9 @@ def test_reshard_reads_only_needed_source_files_and_bytes(work, tmp_path, monkey
             opens[current["out"]][key] += 1
         return orig_open(self, key)
 
-    def tracking_writer(fmt, path, root, specs, out):
-        current["out"] = out.path
-        return orig_writer(fmt, path, root, specs, out)
+    def tracking_writer(path, root, specs, expert):
+        current["out"] = Path(path).relative_to(root).as_posix()
+        return torch_format.writer(path, root, specs, expert)
 
     orig_config = engine._config_for_output
 
@@ -565,7 +567,7 @@ def test_reshard_reads_only_needed_source_files_and_bytes(work, tmp_path, monkey
 
     monkeypatch.setattr(Checkpoint, "open", counting_open)
     monkeypatch.setattr(TorchFile, "read_into", counting_read_into)
-    monkeypatch.setattr(engine, "_writer", tracking_writer)
+    monkeypatch.setitem(registry.FORMATS, "torch", dataclasses.replace(torch_format, writer=tracking_writer))
     monkeypatch.setattr(engine, "_config_for_output", tracking_finish)
     monkeypatch.setattr(TorchFile, "read", counting_read)
     dst = tmp_path / "tp4pp4"

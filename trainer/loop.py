@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shardkit.convert import make_layout
+from shardkit.layout import make_layout
 from shardkit.errors import ShardkitError
 from shardkit.formats import Checkpoint, open_checkpoint
 

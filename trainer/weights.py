@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank, export_checkpoint
-from shardkit.convert import SourceReader
+from shardkit.api import export_checkpoint
+from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank
+from shardkit.formats import SourceReader
 from shardkit.formats import Checkpoint, hf
 
 from .model import ModelSpec

@@ -15,7 +15,8 @@ never lose more than the last interval, and saving must barely pause training.
 One concern per module: `base` (the protocol, ranks, configuration, errors), `tree` (markers,
 listing, ordering, retention and deletion), `state` (what a rank saves, checked against the
 layout), `save` (the save protocol and the Checkpointer), `async_save` (host copies and the
-background writer), `load` (resolving tags, checking, resharding reads, export to Hugging Face).
+background writer), `load` (resolving tags, checking, resharding reads). Exporting a tag to a Hugging Face directory
+is `shardkit.api.export_checkpoint` (it needs the engine, which sits above this package).
 """
 
 from .base import (
@@ -31,7 +32,7 @@ from .base import (
     StateMismatchError,
     optimizer_state_from_torch,
 )
-from .load import LATEST_IF_EXISTS, export_checkpoint, load_checkpoint, resolve_tag
+from .load import LATEST_IF_EXISTS, load_checkpoint, resolve_tag
 from .save import Checkpointer, default_checkpointer, finalize_checkpoint, save_checkpoint
 from .state import model_file, optim_file
 from .tree import (
@@ -47,7 +48,7 @@ from .tree import (
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "has_checkpoint", "list_checkpoints", "latest", "prune_checkpoints",
-    "export_checkpoint", "finalize_checkpoint", "Checkpointer", "CheckpointerConfig", "default_checkpointer",
+    "finalize_checkpoint", "Checkpointer", "CheckpointerConfig", "default_checkpointer",
     "LoadedCheckpoint", "OptimizerState", "optimizer_state_from_torch", "Rank", "CheckpointInfo", "RetentionPlan",
     "plan_retention", "remove_tag", "resolve_tag", "model_file", "optim_file", "LATEST_IF_EXISTS", "FORMATS",
     "CheckpointError", "NoCheckpointError", "IncompleteCheckpointError", "CheckpointWriteError",

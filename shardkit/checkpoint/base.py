@@ -45,9 +45,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..errors import ConfigMismatchError, FormatError, LayoutError, ShardkitError
+from ..formats.registry import format_names
 from ..layout import Layout
 
-FORMATS = ("torch", "xser", "safetensors")
+FORMATS = tuple(format_names())
 
 # ---- errors --------------------------------------------------------------------------------------
 

@@ -24,9 +24,8 @@ from typing import Any, Mapping
 
 import torch
 
-from ..convert import Result, SourceReader, merge
 from ..errors import ConfigMismatchError, FormatError
-from ..formats import Checkpoint, load_config, open_checkpoint
+from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
 from ..formats.torch_io import safe_load
 from ..layout import Layout, ModelDims
 from ..placements import Piece, Read
@@ -297,24 +296,3 @@ def load_checkpoint(
              target.describe())
     return LoadedCheckpoint(name, tag_dir, step, ckpt.layout, target, me, ckpt.config, model, opt, scheduler,
                             user_content, ckpt.format)
-
-
-def export_checkpoint(
-    dir: str | Path,
-    out: str | Path,
-    tag: str | None = None,
-    *,
-    max_shard_size: int | str = "5GB",
-    dtype: str | torch.dtype | None = None,
-    overwrite: bool = False,
-    config: Mapping[str, Any] | str | Path | None = None,
-    hints: Mapping[str, Any] | None = None,
-    workers: int = 1,
-    progress=None,
-) -> Result:
-    """Merge a training checkpoint's model (the newest complete tag, or `tag`) into a Hugging Face
-    model directory `out` (safetensors + index + config.json)."""
-    root = Path(dir)
-    name = resolve_tag(root, tag)
-    return merge(root / name, out, max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, config=config,
-                 hints=hints, workers=workers, progress=progress)

@@ -28,11 +28,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..families import Family, family_for
 from ..formats.base import FileRecord, HashingFile, TensorSpec
 from ..formats.safetensors_io import SafetensorsWriter
-from ..formats.source import MANIFEST, load_config
+from ..formats import MANIFEST, load_config
 from ..formats.torch_io import TorchWriter
 from ..formats.xser import XserWriter, tensors_dir
 from ..layout import Layout, ModelDims

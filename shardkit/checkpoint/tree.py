@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats import nxd
-from ..formats.source import MANIFEST
+from ..formats import MANIFEST
 from .base import CheckpointError, check_retention
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ values when the config ties them.
 
 from ..layout import ModelDims
 from ..placements import Fused, HeadGroups, Replicated, Split
-from . import Family
+from .base import Family, register
 
 
 def _mlp_bias(dims: ModelDims) -> bool:
@@ -53,7 +53,7 @@ GATED_MLP = (
     Replicated("mlp.down_proj.bias", when=_mlp_bias),
 )
 
-FAMILY = Family(
+FAMILY = register(Family(
     name="llama",
     model_types=("llama",),
     first=EMBEDDING,
@@ -61,4 +61,4 @@ FAMILY = Family(
     final=HEAD,
     shapes=shapes,
     ignored=("*.rotary_emb.inv_freq",),
-)
+))

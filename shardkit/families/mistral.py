@@ -3,6 +3,7 @@ nothing about the weights."""
 
 import dataclasses
 
+from .base import register
 from .llama import FAMILY as LLAMA
 
-FAMILY = dataclasses.replace(LLAMA, name="mistral", model_types=("mistral",))
+FAMILY = register(dataclasses.replace(LLAMA, name="mistral", model_types=("mistral",)))

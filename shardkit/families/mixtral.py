@@ -11,7 +11,7 @@ weights. The expert axis is split over ep (v3 file names); the rest lives on ep 
 
 from ..layout import ModelDims
 from ..placements import Experts, HeadGroups, Replicated
-from . import Family
+from .base import Family, register
 from .llama import EMBEDDING, HEAD, NORMS, attention_and_norm_shapes, global_shapes
 
 EXPERT = "block_sparse_moe.experts.{e}."
@@ -26,7 +26,7 @@ def shapes(d: ModelDims):
     return global_shapes(d), layer_shapes
 
 
-FAMILY = Family(
+FAMILY = register(Family(
     name="mixtral",
     model_types=("mixtral",),
     first=EMBEDDING,
@@ -41,4 +41,4 @@ FAMILY = Family(
     final=HEAD,
     shapes=shapes,
     ignored=("*.rotary_emb.inv_freq",),
-)
+))

@@ -5,9 +5,9 @@ exactly as to the weights (HeadGroups cuts weights and biases from the same head
 
 from ..placements import HeadGroups
 from .llama import EMBEDDING, GATED_MLP, HEAD, NORMS, shapes
-from . import Family
+from .base import Family, register
 
-FAMILY = Family(
+FAMILY = register(Family(
     name="qwen2",
     model_types=("qwen2",),
     first=EMBEDDING,
@@ -15,4 +15,4 @@ FAMILY = Family(
     final=HEAD,
     shapes=shapes,
     ignored=("*.rotary_emb.inv_freq",),
-)
+))

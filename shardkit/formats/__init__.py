@@ -1,6 +1,9 @@
-"""Readers and writers for every on-disk form: Hugging Face directories, NxD torch, xser,
-safetensors. `open_checkpoint` is the one entry point for reading."""
+"""Every reader and writer, the format registry, and the one view over any checkpoint."""
 
-from .source import MANIFEST, Checkpoint, load_config, open_checkpoint
+from .checkpoint import Checkpoint, is_plain_hf_dir, load_config, open_checkpoint
+from .manifest import MANIFEST
+from .reader import SourceReader
+from .registry import FORMATS, Format, format_names, get_format
 
-__all__ = ["MANIFEST", "Checkpoint", "load_config", "open_checkpoint"]
+__all__ = ["Checkpoint", "FORMATS", "Format", "MANIFEST", "SourceReader", "format_names", "get_format", "is_plain_hf_dir", "load_config",
+           "open_checkpoint"]

@@ -1,4 +1,8 @@
-"""The protocol every tensor-file backend follows, and helpers they share.
+"""The protocol every tensor-file backend follows, and helpers they share .
+
+Raw tensor bytes are read and written in the machine's byte order without swapping; every file
+format here is little-endian, so `tensor_bytes` refuses to run on a big-endian machine rather
+than write wrong bytes.
 
 A backend reads one file lazily (`TensorFile`: names, shapes, dtypes, and slices on demand) and
 writes one file as tensors arrive (`TensorFileWriter`), reporting the files it produced with
@@ -9,11 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
 import torch
+
+from ..errors import FormatError
 
 DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -50,18 +57,27 @@ class FileRecord:
 class TensorFile(Protocol):
     """A lazily read tensor file."""
 
+    path: Path
+
     def keys(self) -> list[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def dtype(self, name: str) -> torch.dtype: ...
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor: ...
+
+    def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Rows [start, stop) straight into `out`; False when the stored layout does not allow it
+        (the caller then uses `read`)."""
+        ...
+
     def close(self) -> None: ...
 
 
 class TensorFileWriter(Protocol):
-    """Writes one rank file; `write` is called once per spec, in spec order."""
+    """Writes one rank file; `write` is called once per spec, in spec order. Formats whose
+    registry entry says `chunked_writes` also take a tensor as row blocks (`write_chunks`)."""
 
     def write(self, name: str, tensor: torch.Tensor) -> None: ...
-    def close(self) -> list[FileRecord]: ...
+    def close(self, fsync: bool = False) -> list[FileRecord]: ...
 
 
 class HashingFile:
@@ -93,7 +109,10 @@ class HashingFile:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a tensor, without copying when it is contiguous."""
+    """The raw bytes of a tensor (little-endian: the machine's order, checked), without copying
+    when it is contiguous."""
+    if sys.byteorder != "little":
+        raise RuntimeError("shardkit writes little-endian files and does not byte-swap: run it on a little-endian machine")
     flat = tensor.detach().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
 
@@ -146,8 +165,6 @@ def pread_into(fd: int, nbytes: int, offset: int, what: str) -> torch.Tensor:
     while done < nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
         if got <= 0:
-            from ..errors import FormatError
-
             raise FormatError(f"{what} is truncated: re-create it")
         done += got
     return buf
@@ -203,8 +220,6 @@ def read_rows_into(fd: int, t: StoredTensor, start: int, stop: int, out: torch.T
     while done < nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
         if got <= 0:
-            from ..errors import FormatError
-
             raise FormatError(f"{what} is truncated: re-create it")
         done += got
     return True
@@ -231,3 +246,12 @@ def check_specs(specs: Sequence[TensorSpec]) -> None:
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError("duplicate tensor names in one file")
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """A torch dtype from a name or alias (bf16, fp16, fp32, bfloat16, ...); None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPE_NAMES:
+        raise FormatError(f"dtype {dtype!r} is unknown: use one of bf16, fp16, fp32")
+    return DTYPE_NAMES[dtype]

@@ -22,12 +22,6 @@ SIDE_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
 )
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def is_hf_dir(path: Path) -> bool:
-    path = Path(path)
-    return path.is_dir() and (path / "config.json").is_file() and bool(weight_files(path, strict=False))
 
 
 def weight_files(path: Path, strict: bool = True) -> list[Path]:

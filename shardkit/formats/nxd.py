@@ -12,17 +12,17 @@ from pathlib import Path
 
 from ..errors import ConfigMismatchError, FormatError, LayoutError
 from ..layout import Layout, ModelDims
+from .registry import SUFFIXES, detect_format, get_format
 
-_V3 = re.compile(r"^dp_rank_(\d+)_ep_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.(pt|safetensors)$")
-_V2 = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.(pt|safetensors)$")
+_SUFFIX = "(" + "|".join(re.escape(s) for s in SUFFIXES) + ")"
+_V3 = re.compile(r"^dp_rank_(\d+)_ep_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)" + _SUFFIX + "$")
+_V2 = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)" + _SUFFIX + "$")
 _V1 = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)$")
-
-FORMAT_SUFFIX = {"torch": ".pt", "xser": ".pt", "safetensors": ".safetensors"}
 
 
 def rank_file_name(ep: int, tp: int, pp: int, layout: Layout, fmt: str) -> str:
     """NxD's file name for a rank (v3 with ep_rank when ep > 1, else v2), under model/."""
-    suffix = FORMAT_SUFFIX[fmt]
+    suffix = get_format(fmt).suffix
     if layout.ep > 1:
         return f"model/dp_rank_00_ep_rank_{ep:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}{suffix}"
     return f"model/dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}{suffix}"
@@ -64,13 +64,10 @@ def find_rank_files(root: Path) -> RankFiles | None:
             break
     if not found:
         return None
-    suffixes = {p.suffix for p in found.values()}
-    if len(suffixes) > 1:
-        raise FormatError(f"{root} mixes .pt and .safetensors rank files: keep one format per directory")
-    if suffixes == {".safetensors"}:
-        fmt = "safetensors"
-    else:
-        fmt = "xser" if any(Path(str(p) + ".tensors").is_dir() for p in found.values()) else "torch"
+    formats = sorted({detect_format(p).name for p in found.values()})
+    if len(formats) > 1:
+        raise FormatError(f"{root} mixes rank files of formats {' and '.join(formats)}: keep one format per directory")
+    fmt = formats[0]
     ep, tp, pp = (max(k[i] for k in found) + 1 for i in range(3))
     files = RankFiles(found, fmt, naming or "v2", tp, pp, ep)
     for key in ((e, t, p) for e in range(ep) for t in range(tp) for p in range(pp)):

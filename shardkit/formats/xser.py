@@ -96,6 +96,10 @@ class XserFile:
             return compact(narrow(tensor, dim, start, stop))
         return tensor.read(TorchFile.SINGLE, dim, start, stop)
 
+    def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        tensor = self._tensor(name)
+        return not isinstance(tensor, torch.Tensor) and tensor.read_into(TorchFile.SINGLE, start, stop, out)
+
     def close(self) -> None:
         for reader in self._files.values():
             reader.close()

@@ -22,14 +22,11 @@ from ..layout import FULL, Layout, ModelDims
 from ..placements import Piece, Segment, SegmentIndex, make_piece
 from . import hf, nxd
 from .base import TensorFile
-from .safetensors_io import SafetensorsFile
-from .torch_io import TorchFile
-from .xser import XserFile
+from .manifest import MANIFEST
+from .reader import SourceReader
+from .registry import format_of_file
 
 log = logging.getLogger(__name__)
-
-MANIFEST = "shardkit.json"
-
 
 @dataclass
 class Checkpoint:
@@ -54,11 +51,7 @@ class Checkpoint:
 
     def open(self, key: str) -> TensorFile:
         path = self.files[key]
-        if self.format == "xser":
-            return XserFile(path)
-        if path.suffix == ".safetensors":
-            return SafetensorsFile(path)
-        return TorchFile(path)
+        return format_of_file(path, self.format).reader(path)
 
     def index(self) -> SegmentIndex:
         index = SegmentIndex()
@@ -77,7 +70,8 @@ class Checkpoint:
             reader.close()
 
     def total_bytes(self) -> int:
-        return sum(_size_on_disk(p) for p in self.files.values())
+        return sum(f.stat().st_size for p in self.files.values()
+                   for f in format_of_file(p, self.format).files_of(p))
 
     def check_files(self) -> None:
         """Every file holds exactly the pieces the layout says, with the right shapes."""
@@ -104,14 +98,6 @@ class Checkpoint:
 
     def describe(self) -> str:
         return "a full model" if self.kind == "hf" else self.layout.describe()
-
-
-def _size_on_disk(path: Path) -> int:
-    size = path.stat().st_size
-    tensors = Path(str(path) + ".tensors")
-    if tensors.is_dir():
-        size += sum(f.stat().st_size for f in tensors.iterdir())
-    return size
 
 
 def load_config(path: Path) -> dict[str, Any]:
@@ -151,6 +137,13 @@ def open_checkpoint(path: Path | str, config: Path | str | Mapping | None = None
         f"{root} is not a model directory: expected a Hugging Face directory (config.json + weights), "
         "shardkit shards (shardkit.json) or NxD rank files (model/dp_rank_00_tp_rank_00_pp_rank_00.pt)"
     )
+
+
+def is_plain_hf_dir(path: Path) -> bool:
+    """A Hugging Face model directory (config.json + weights), not shards of any kind."""
+    path = Path(path)
+    return (path.is_dir() and (path / "config.json").is_file() and bool(hf.weight_files(path, strict=False))
+            and not (path / MANIFEST).is_file() and nxd.find_rank_files(path) is None)
 
 
 def _config_near(path: Path) -> dict[str, Any]:
@@ -257,8 +250,6 @@ def _open_nxd(root: Path, rank_files: nxd.RankFiles, given: dict | None, hints: 
 def _decide_replication(ckpt: Checkpoint, keys_by_rank) -> Checkpoint:
     """Interleaved or blocked kv replication, decided from the data: under the right one, every
     rank that claims to hold a given kv head holds the same values."""
-    from ..convert import SourceReader  # local: the engine imports this module
-
     verdicts = {}
     for replication in ("interleaved", "blocked"):
         layout = Layout(**{**ckpt.layout.to_dict(), "kv_replication": replication})

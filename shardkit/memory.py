@@ -34,18 +34,19 @@ layer), then smallest pp.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .errors import LayoutError, ShardkitError
+from .errors import FormatError, LayoutError, ShardkitError
 from .families import Family, family_for, layer_of
+from .formats import load_config
+from .formats.base import parse_dtype
 from .layout import Layout, ModelDims
 from .placements import Piece
+from .sizes import format_bytes, parse_size
 
 DTYPES = ("bf16", "fp16", "fp32")
-_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 DEFAULT_RESERVE = 0.10
 """Share of the device memory kept for activations, runtime and compiler scratch (not estimated)."""
 
@@ -62,35 +63,17 @@ def optimizer_bytes_per_param(dtype: str) -> int:
 
 
 def _dtype(dtype: str) -> str:
-    name = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
-    if name not in DTYPES:
+    try:
+        torch_dtype = parse_dtype(str(dtype).lower())
+    except FormatError:
+        torch_dtype = None
+    name = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(torch_dtype))
+    if name is None:
         raise ShardkitError(f"dtype {dtype!r} is unknown: use one of {', '.join(DTYPES)}")
     return name
 
 
 # ---- sizes ------------------------------------------------------------------------------------
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1}
-for _i, _p in enumerate("kmgtp", start=1):
-    _UNITS.update({_p: 1024**_i, _p + "i": 1024**_i, _p + "ib": 1024**_i, _p + "b": 1000**_i})
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from a size: 16GiB = 16 x 2**30, 16GB = 16 x 10**9, 32G = 32 x 2**30 (a bare K/M/G/T
-    is binary, as in `free -h`), 17179869184 = bytes. Case and spaces do not matter."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ShardkitError(f"size {text} is negative")
-        return text
-    match = _SIZE_RE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise ShardkitError(
-            f"size {text!r} is not understood: write a number with an optional unit, e.g. 16GiB (2**30), 16GB (10**9) or 32G (= 32GiB)"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
 
 def parse_reserve(reserve: str | float | int, device_memory: int) -> int:
     """Bytes kept back from `device_memory`: a percentage ("10%"), a fraction below 1 (0.1) or a
@@ -110,21 +93,13 @@ def parse_reserve(reserve: str | float | int, device_memory: int) -> int:
             value = None
         if value is not None and value < 1:
             return parse_reserve(value, device_memory)
-    nbytes = parse_size(reserve)
+    nbytes = parse_size(reserve, what="reserve")
     if nbytes >= device_memory:
         raise ShardkitError(
             f"reserve {format_bytes(nbytes)} leaves nothing of the {format_bytes(device_memory)} device memory: "
             "give a smaller --reserve"
         )
     return nbytes
-
-
-def format_bytes(n: int | float) -> str:
-    """Binary units with two decimals: 1.07 GiB."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 # ---- reports ----------------------------------------------------------------------------------
@@ -235,8 +210,6 @@ class PlanReport:
 
 def _model(config: Mapping[str, Any] | str | Path) -> tuple[dict[str, Any], Family, ModelDims]:
     if isinstance(config, (str, Path)):
-        from .formats.source import load_config
-
         config = load_config(Path(config))
     config = dict(config)
     return config, family_for(config), ModelDims.from_config(config)
@@ -286,7 +259,7 @@ def _report(family: Family, dims: ModelDims, shapes: Mapping[str, tuple[int, ...
 def _memory(device_memory: str | int | None, reserve: str | float | int) -> tuple[int | None, int | None]:
     if device_memory is None:
         return None, None
-    total = parse_size(device_memory)
+    total = parse_size(device_memory, what="device memory", require_unit=True)
     if total <= 0:
         raise ShardkitError("device memory must be more than 0 bytes")
     return total, parse_reserve(reserve, total)

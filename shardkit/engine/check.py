@@ -1,38 +1,30 @@
-"""inspect (what is this directory?) and verify (do two checkpoints hold the same weights?).
+"""inspect (what is this checkpoint?) and verify (do two checkpoints hold the same weights?).
 
-Both work on any checkpoint `open_checkpoint` understands and stream one tensor at a time.
+Both take opened checkpoints of any kind (the api layer resolves paths and Hub repo ids) and
+stream one tensor at a time.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
-from .convert import SourceReader, open_source
-from .errors import ShardkitError
-from .formats import Checkpoint
-from .placements import Segment
+from ..errors import ShardkitError
+from ..formats import Checkpoint, SourceReader
+from ..formats.manifest import file_sha256
+from ..placements import Segment
 
 log = logging.getLogger(__name__)
 
 
-def inspect(
-    path: str | Path,
-    config: str | Path | Mapping | None = None,
-    hints: Mapping | None = None,
-    check_data: bool = False,
-    revision: str | None = None,
-) -> dict[str, Any]:
+def inspect_checkpoint(ckpt: Checkpoint, check_data: bool = False) -> dict[str, Any]:
     """Describe a checkpoint: kind, format, family, layout, stages, files, tensors and problems.
 
     With `check_data`, also re-hash files against the manifest and compare every replicated
     copy of every slice (reads the whole checkpoint)."""
-    ckpt = open_source(path, config, hints, revision)
     problems: list[str] = []
     try:
         ckpt.check_files()
@@ -84,11 +76,7 @@ def _check_manifest_hashes(ckpt: Checkpoint) -> list[str]:
         if not path.is_file():
             problems.append(f"{entry['path']} is listed in the manifest but missing")
             continue
-        digest = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                digest.update(block)
-        if path.stat().st_size != entry["size"] or digest.hexdigest() != entry["sha256"]:
+        if path.stat().st_size != entry["size"] or file_sha256(path) != entry["sha256"]:
             problems.append(f"{entry['path']} does not match its sha256 in the manifest: the file changed or is corrupt")
     return problems
 
@@ -139,25 +127,19 @@ class VerifyReport:
                 "tensors": [asdict(t) for t in self.tensors]}
 
 
-def verify(
-    a: str | Path,
-    b: str | Path,
+def verify_checkpoints(
+    ca: Checkpoint,
+    cb: Checkpoint,
     *,
-    config_a: str | Path | Mapping | None = None,
-    config_b: str | Path | Mapping | None = None,
-    hints_a: Mapping | None = None,
-    hints_b: Mapping | None = None,
     atol: float = 0.0,
     on_tensor: Callable[[TensorDiff], None] | None = None,
-    revision_a: str | None = None,
-    revision_b: str | None = None,
+    names: tuple[str, str] | None = None,
 ) -> VerifyReport:
-    """Compare two checkpoints (any formats and layouts; paths or Hub repo ids) tensor by tensor
-    in full-weight space."""
-    ca, cb = open_source(a, config_a, hints_a, revision_a), open_source(b, config_b, hints_b, revision_b)
+    """Compare two checkpoints (any formats and layouts) tensor by tensor in full-weight space;
+    `names` are how the report calls them (default: their paths)."""
     ca.check_files()
     cb.check_files()
-    report = VerifyReport(str(a), str(b))
+    report = VerifyReport(*(names or (str(ca.root), str(cb.root))))
     shapes_a, shapes_b = ca.full_shapes, cb.full_shapes
     ra, rb = SourceReader(ca), SourceReader(cb)
     dims_a = ca.family.split_dims(ca.dims)

@@ -1,0 +1,139 @@
+"""The public operations, as users call them from Python (the CLI is a thin shell over these).
+
+Each resolves its sources once (a local path, or a Hub repo id with `revision`, fetched into the
+Hugging Face cache), opens them, and hands the opened checkpoints to the engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .checkpoint import resolve_tag
+from .engine import (
+    ProgressCallback,
+    Result,
+    TensorDiff,
+    VerifyReport,
+    inspect_checkpoint,
+    merge_checkpoint,
+    reshard_checkpoint,
+    verify_checkpoints,
+)
+from .formats import Checkpoint, open_checkpoint
+from .hub import resolve_source
+from .layout import Layout, make_layout
+from .paths import inside
+
+__all__ = ["Result", "VerifyReport", "TensorDiff", "convert", "export_checkpoint", "inspect", "make_layout", "merge",
+           "open_source", "reshard", "verify"]
+
+ConfigArg = str | Path | Mapping[str, Any] | None
+
+
+def open_source(src: str | Path | Checkpoint, config: ConfigArg = None, hints: Mapping | None = None,
+                revision: str | None = None) -> Checkpoint:
+    """A checkpoint to read from: `src` itself, a local path, or a Hub repo id (fetched into the
+    Hugging Face cache; `revision` picks its branch, tag or commit)."""
+    if isinstance(src, Checkpoint):
+        return src
+    return open_checkpoint(resolve_source(src, revision=revision), config, hints)
+
+
+def reshard(
+    src: str | Path | Checkpoint,
+    dst: str | Path,
+    layout: Layout,
+    *,
+    format: str = "torch",
+    dtype: str | torch.dtype | None = None,
+    workers: int = 1,
+    overwrite: bool = False,
+    config: ConfigArg = None,
+    hints: Mapping | None = None,
+    progress: ProgressCallback | None = None,
+    command: str | None = None,
+    revision: str | None = None,
+) -> Result:
+    """Write `src` (any checkpoint: a path or a Hub repo id) as shards of `layout` in `format`,
+    reading only the slices each shard needs."""
+    return reshard_checkpoint(open_source(src, config, hints, revision), dst, layout, format=format, dtype=dtype,
+                              workers=workers, overwrite=overwrite, progress=progress, command=command)
+
+
+def convert(src: str | Path, dst: str | Path, layout: Layout, **options: Any) -> Result:
+    """Hugging Face checkpoint (directory, state-dict file or Hub repo id) -> shards of `layout`
+    (the same options as `reshard`)."""
+    return reshard(src, dst, layout, **options)
+
+
+def merge(
+    src: str | Path | Checkpoint,
+    dst: str | Path,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: str | torch.dtype | None = None,
+    workers: int = 1,
+    overwrite: bool = False,
+    config: ConfigArg = None,
+    hints: Mapping | None = None,
+    progress: ProgressCallback | None = None,
+    revision: str | None = None,
+) -> Result:
+    """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
+    index + config)."""
+    return merge_checkpoint(open_source(src, config, hints, revision), dst, max_shard_size=max_shard_size,
+                            dtype=dtype, workers=workers, overwrite=overwrite, progress=progress)
+
+
+def inspect(path: str | Path, config: ConfigArg = None, hints: Mapping | None = None, check_data: bool = False,
+            revision: str | None = None) -> dict[str, Any]:
+    """Describe a checkpoint: kind, format, family, layout, stages, files, tensors and problems.
+
+    With `check_data`, also re-hash files against the manifest and compare every replicated
+    copy of every slice (reads the whole checkpoint)."""
+    return inspect_checkpoint(open_source(path, config, hints, revision), check_data)
+
+
+def verify(
+    a: str | Path,
+    b: str | Path,
+    *,
+    config_a: ConfigArg = None,
+    config_b: ConfigArg = None,
+    hints_a: Mapping | None = None,
+    hints_b: Mapping | None = None,
+    atol: float = 0.0,
+    on_tensor: Callable[[TensorDiff], None] | None = None,
+    revision_a: str | None = None,
+    revision_b: str | None = None,
+) -> VerifyReport:
+    """Compare two checkpoints (any formats and layouts; paths or Hub repo ids) tensor by tensor
+    in full-weight space."""
+    ca, cb = open_source(a, config_a, hints_a, revision_a), open_source(b, config_b, hints_b, revision_b)
+    return verify_checkpoints(ca, cb, atol=atol, on_tensor=on_tensor, names=(str(a), str(b)))
+
+
+def export_checkpoint(
+    dir: str | Path,
+    out: str | Path,
+    tag: str | None = None,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    config: ConfigArg = None,
+    hints: Mapping[str, Any] | None = None,
+    workers: int = 1,
+    progress: ProgressCallback | None = None,
+) -> Result:
+    """Merge a training checkpoint's model (the newest complete tag, or `tag`) into a Hugging Face
+    model directory `out` (safetensors + index + config.json)."""
+    root = Path(dir)
+    name = resolve_tag(root, tag)
+    if name is None:
+        raise AssertionError("resolve_tag returns a tag or raises when none is asked for by name")
+    return merge(inside(root, name, "checkpoint tag"), out, max_shard_size=max_shard_size, dtype=dtype,
+                 overwrite=overwrite, config=config, hints=hints, workers=workers, progress=progress)

@@ -1,0 +1,10 @@
+"""The engine: output-file planning, the streaming executor, staging + atomic commit, and the
+operations built on them (reshard, merge, inspect, verify) over opened checkpoints. It never
+imports the Hub or the CLI: those sit above it (`api.py` resolves sources, then calls here)."""
+
+from .check import TensorDiff, VerifyReport, inspect_checkpoint, verify_checkpoints
+from .executor import ProgressCallback
+from .operations import Result, merge_checkpoint, reshard_checkpoint
+
+__all__ = ["ProgressCallback", "Result", "TensorDiff", "VerifyReport", "inspect_checkpoint", "merge_checkpoint",
+           "reshard_checkpoint", "verify_checkpoints"]

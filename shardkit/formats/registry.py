@@ -1,0 +1,101 @@
+"""The one table of tensor-file formats: every caller (engine, training checkpoints, NxD file
+naming and detection, the CLI's choices, the trainer's config, the model card) reads it.
+
+A format is a name, the suffix of its rank files, how to recognise one of its files, its reader
+and writer, and what its writer can do. Adding a format is one module with a reader and a
+writer that follow `base.TensorFile` / `base.TensorFileWriter`, plus one entry in `FORMATS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Collection, Sequence
+
+from ..errors import ShardkitError
+from .base import TensorFile, TensorFileWriter, TensorSpec
+from .safetensors_io import SafetensorsFile, SafetensorsWriter
+from .torch_io import TorchFile, TorchWriter
+from .xser import XserFile, XserWriter, info_path, tensors_dir
+
+WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str]], TensorFileWriter]
+"""writer(path, root, specs, expert_names): a writer of one rank file under `root`."""
+
+
+@dataclass(frozen=True)
+class Format:
+    """One tensor-file format and what it can do."""
+
+    name: str
+    suffix: str
+    label: str
+    """How people call it (model cards, reports)."""
+    summary: str
+    reader: Callable[[Path], TensorFile]
+    writer: WriterFactory
+    detect: Callable[[Path], bool]
+    """True when the rank file at this path (with this format's suffix) is of this format."""
+    chunked_writes: bool = False
+    """The writer takes a tensor as consecutive blocks of rows (`write_chunks`), never whole."""
+    companions: Callable[[Path], list[Path]] = lambda path: []
+    """Other files and folders that belong to a rank file (xser's tensor files)."""
+
+    def files_of(self, path: Path) -> list[Path]:
+        """The rank file and every file that belongs to it."""
+        return [path, *self.companions(path)]
+
+
+def _xser_companions(path: Path) -> list[Path]:
+    folder = tensors_dir(path)
+    tensors = sorted(folder.iterdir()) if folder.is_dir() else []
+    return [p for p in (info_path(path),) if p.is_file()] + tensors
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        # Order matters for detection: the most specific first (xser files are also .pt files).
+        Format("xser", ".pt", "NxD xser", "torch-xla's xser: each tensor in its own file under <file>.tensors/",
+               reader=XserFile, writer=lambda path, root, specs, expert: XserWriter(path, root, specs, list(expert)),
+               detect=lambda path: tensors_dir(path).is_dir(), companions=_xser_companions),
+        Format("torch", ".pt", "NxD torch", "torch.save state dicts, NxD's own rank files",
+               reader=TorchFile, writer=lambda path, root, specs, expert: TorchWriter(path, root, specs),
+               detect=lambda path: True),
+        Format("safetensors", ".safetensors", "safetensors", "safetensors files: no pickle, fast to read",
+               reader=SafetensorsFile, writer=lambda path, root, specs, expert: SafetensorsWriter(path, root, specs),
+               detect=lambda path: True, chunked_writes=True),
+    )
+}
+
+DEFAULT_FORMAT = "torch"
+SUFFIXES = tuple(sorted({f.suffix for f in FORMATS.values()}))
+
+
+def format_names() -> list[str]:
+    """The format names, for CLI choices and messages (the default first)."""
+    return [DEFAULT_FORMAT, *(n for n in FORMATS if n != DEFAULT_FORMAT)]
+
+
+def get_format(name: str) -> Format:
+    """The format called `name`, or a one-line error listing the known ones."""
+    if name not in FORMATS:
+        raise ShardkitError(f"format {name!r} is unknown: use one of {', '.join(format_names())}")
+    return FORMATS[name]
+
+
+def detect_format(path: Path) -> Format:
+    """The format of one rank file, from its suffix and what lies beside it."""
+    for fmt in FORMATS.values():
+        if path.suffix == fmt.suffix and fmt.detect(path):
+            return fmt
+    raise ShardkitError(f"{path} is not a rank file of a known format ({', '.join(SUFFIXES)})")
+
+
+def format_of_file(path: Path, default: str) -> Format:
+    """The format a checkpoint file is read with: the first whose suffix and detection match
+    (a .safetensors file among .bin files, an xser file), else the checkpoint's `default`
+    (Hugging Face `pytorch_model.bin` files are torch files)."""
+    for fmt in FORMATS.values():
+        if path.suffix == fmt.suffix and fmt.detect(path):
+            return fmt
+    return get_format(default)

@@ -1,0 +1,239 @@
+"""Pushing to the Hub: a Hugging Face directory as it is, anything else merged first.
+
+A sharded source (shardkit or NxD shards, a training checkpoint tag) is merged, streaming, into
+a temporary staging directory; a model card is written when the directory has none; the upload
+is huggingface_hub's `upload_folder` (large files through Xet or LFS, already-uploaded content
+skipped), retried a few times on network failures; when it still fails, the error says how to
+resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..engine import merge_checkpoint
+from ..errors import FormatError, ShardkitError
+from ..formats import is_plain_hf_dir, open_checkpoint
+from .card import model_card, weight_stats
+from .errors import (HubAuthError, HubError, HubOfflineError, HubUploadError, _api, _hub_cause, _is_transient, _offline,
+                     _one_line, _translate, _endpoint)
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[int, int], None]
+
+DEFAULT_RETRIES = 3
+"""Upload attempts before `push` gives up (each attempt skips what the previous ones uploaded)."""
+
+
+def check_repo(repo_id: str, *, private: bool = False, create: bool = False, token: str | None = None,
+               endpoint: str | None = None, dry_run: bool = False) -> bool:
+    """Make sure `repo_id` can be pushed to: a token exists, the repo exists or `create` is given
+    (then it is created, with `private` visibility, unless `dry_run`). Returns True when the repo
+    is missing (and was created, without `dry_run`)."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except Exception:
+        raise HubError(f"{repo_id!r} is not a valid Hub repo id: use namespace/name (letters, digits, - _ .)") from None
+    if _offline():
+        raise HubOfflineError("pushing needs the network but offline mode is on (HF_HUB_OFFLINE=1): unset it")
+    token = token or _get_token()
+    if not token:
+        raise HubAuthError("pushing needs a Hugging Face token with write access: set HF_TOKEN or run `hf auth login`")
+    api = _api(endpoint, token)
+    try:
+        try:
+            info = api.model_info(repo_id)
+            if private and not getattr(info, "private", False):
+                log.warning("%s exists and is public: --private only applies when the repo is created", repo_id)
+            return False
+        except GatedRepoError:
+            return False  # it exists; write access shows at upload time
+        except RepositoryNotFoundError:
+            if not create:
+                raise
+        if dry_run:
+            return True
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        log.info("created %s repo %s", "private" if private else "public", repo_id)
+        return True
+    except HubError:
+        raise
+    except Exception as e:
+        error = _translate(e, repo_id=repo_id, action="check", endpoint=endpoint, token=token)
+        if error is None:
+            raise
+        raise error from None
+
+
+def _get_token() -> str | None:
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """`dst` mirrors the files of `src` as symlinks (copies where links are impossible)."""
+    dst.mkdir(parents=True)
+    for root, dirs, files in os.walk(src):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        rel = Path(root).relative_to(src)
+        for name in files:
+            if name.startswith("."):
+                continue
+            target = dst / rel / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.symlink(Path(root, name).absolute(), target)
+            except OSError:
+                shutil.copy2(Path(root, name), target)
+
+
+def push(
+    src: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    create_pr: bool = False,
+    create: bool = False,
+    token: str | None = None,
+    progress: ProgressCallback | None = None,
+    endpoint: str | None = None,
+    config: str | Path | Mapping | None = None,
+    hints: Mapping | None = None,
+    max_shard_size: int | str = "5GB",
+    dtype: str | None = None,
+    workers: int = 1,
+    origin: Any = None,
+    command: str | None = None,
+    base_model: str | None = None,
+    tmp_dir: str | Path | None = None,
+    retries: int = DEFAULT_RETRIES,
+    retry_wait: float = 2.0,
+) -> dict[str, Any]:
+    """Upload `src` to the Hub model repo `repo_id` and return what was pushed.
+
+    `src` is a Hugging Face directory (uploaded as it is) or anything `merge` reads (shards,
+    NxD checkpoints, a training checkpoint tag, a state-dict file), merged first into a
+    temporary directory (under `tmp_dir`) with `max_shard_size`/`dtype`/`workers`; `progress`
+    follows the merge. A README.md model card is added when missing (`origin`: the checkpoint
+    the directory was merged from, for the card; `command`: the command line to record).
+
+    `revision` is the branch to commit to (created when missing); `create_pr` opens a pull
+    request instead; `create` creates a missing repo (`private` decides its visibility).
+    Network failures are retried `retries` times, each attempt skipping what earlier ones
+    uploaded; then HubUploadError says how to resume."""
+    from huggingface_hub import constants
+
+    src = Path(src)
+    if not src.exists():
+        raise FormatError(f"{src} does not exist (push uploads a local directory)")
+    if create_pr and revision not in (None, constants.DEFAULT_REVISION):
+        raise HubError("--create-pr opens a pull request against the default branch: drop --revision")
+    merged = not is_plain_hf_dir(src)
+    if merged and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ShardkitError("push merges in one process: run `shardkit merge` under torchrun, then push the merged "
+                            "directory (or use `shardkit merge --push-to` there)")
+    token = token or _get_token()
+    check = dict(private=private, create=create, token=token, endpoint=endpoint)
+    missing = check_repo(repo_id, dry_run=True, **check)  # fail fast, before any merging
+    api = _api(endpoint, token)
+
+    work = Path(tempfile.mkdtemp(prefix="shardkit-push-", dir=tmp_dir))
+    keep = False
+    try:
+        folder = work / "model"
+        if merged:
+            ckpt = open_checkpoint(src, config, hints)
+            log.info("merging %s (%s) before the upload", src, ckpt.describe())
+            merge_checkpoint(ckpt, folder, max_shard_size=max_shard_size, dtype=dtype, workers=workers, progress=progress)
+            origin = origin or ckpt
+        else:
+            _link_tree(src, folder)
+        card = not (folder / "README.md").exists()
+        if card:
+            command = command or f"shardkit.push({str(src)!r}, {repo_id!r})"
+            (folder / "README.md").write_text(model_card(folder, repo_id, origin=origin, command=command,
+                                                         base_model=base_model, config=config, hints=hints))
+        if missing:
+            check_repo(repo_id, **check)  # created only now that there is something to upload
+        if revision and revision != constants.DEFAULT_REVISION and not create_pr:
+            _call(lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), repo_id, endpoint, revision,
+                  token)
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        total = sum(p.stat().st_size for p in files)
+        message = commit_message or (f"Upload {src.name} with shardkit" + (" (merged from shards)" if merged else ""))
+        try:
+            info = _upload(api, folder, repo_id, revision=revision, message=message, create_pr=create_pr,
+                           retries=retries, retry_wait=retry_wait, endpoint=endpoint, token=token)
+        except HubUploadError as e:
+            if merged:
+                keep = True
+                resume = (f"the merged model is kept in {folder}; resume with: shardkit push {folder} {repo_id}"
+                          + (f" --revision {revision}" if revision else "") + (" --create-pr" if create_pr else ""))
+            else:
+                resume = "re-run the same command to resume"
+            raise HubUploadError(_one_line(f"{e} -- {resume} (files already uploaded are skipped)", token)) from None
+        stats = weight_stats(folder)
+        result = {
+            "repo_id": repo_id,
+            "url": f"{_endpoint(endpoint)}/{repo_id}",
+            "revision": revision or constants.DEFAULT_REVISION,
+            "commit": getattr(info, "oid", None),
+            "commit_url": getattr(info, "commit_url", None),
+            "pr_url": getattr(info, "pr_url", None),
+            "merged": merged,
+            "model_card": card,
+            "files": len(files),
+            "bytes": total,
+            "tensors": stats["tensors"],
+        }
+        log.info("pushed %s to %s (%d files, %d bytes)", src, repo_id, len(files), total)
+        return result
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _call(fn, repo_id, endpoint, revision, token):
+    try:
+        return fn()
+    except Exception as e:
+        error = _translate(e, repo_id=repo_id, action="push", endpoint=endpoint, revision=revision, token=token)
+        if error is None:
+            raise
+        raise error from None
+
+
+def _upload(api, folder: Path, repo_id: str, *, revision, message, create_pr, retries, retry_wait, endpoint, token):
+    """upload_folder with bounded retries on network and server failures."""
+    attempts = max(1, int(retries))
+    for attempt in range(1, attempts + 1):
+        try:
+            return api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision, commit_message=message,
+                                     create_pr=create_pr or None)
+        except Exception as e:
+            if not _is_transient(e):
+                error = _translate(e, repo_id=repo_id, action="push", endpoint=endpoint, revision=revision,
+                                   token=token)
+                if error is None:
+                    raise
+                raise error from None
+            reason = _one_line(f"{type(_hub_cause(e) or e).__name__}: {_hub_cause(e) or e}", token)[:300]
+            if attempt == attempts:
+                raise HubUploadError(f"upload to {repo_id} failed after {attempts} attempts ({reason})") from None
+            wait = retry_wait * 2 ** (attempt - 1)
+            log.warning("upload attempt %d of %d failed (%s); retrying in %.0f s", attempt, attempts, reason, wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
