@@ -1,6 +1,6 @@
 """NxD sharded directories: rank file names (v1, v2, v3), scanning, and layout inference.
 
-See docs/FORMATS.md in the shared design for the conventions. shardkit's own shards use the same
+See docs/FORMATS.md ("NxD rank files") for the conventions. shardkit's own shards use the same
 names (`.safetensors` instead of `.pt` for the safetensors format) plus a `shardkit.json` manifest.
 """
 
