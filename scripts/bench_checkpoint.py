@@ -59,8 +59,7 @@ DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "shardkit-bench-checkpoint"
 
 def _rank_pieces(src: str, layout) -> tuple[dict, dict]:
     """Every rank's pieces of `layout`, read from the HF checkpoint (a direct conversion in memory)."""
-    from shardkit.formats import SourceReader
-    from shardkit.formats import open_checkpoint
+    from shardkit.formats import SourceReader, open_checkpoint
 
     ckpt = open_checkpoint(src)
     reader = SourceReader(ckpt)
@@ -74,24 +73,14 @@ def _rank_pieces(src: str, layout) -> tuple[dict, dict]:
     return pieces, ckpt.config
 
 
-def _drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def run_format(src: str, workdir: str, fmt: str, tp: int, pp: int, qkv: str, kv_multiplier: int,
                sync_saves: int, async_saves: int, interval: float | None, step_ms: float, reshard_tp: int,
                drop_caches: bool, optimizer: str = "none") -> dict[str, Any]:
     """The whole scenario for one format (see the module docstring); returns the timings."""
     import torch
 
-    from shardkit.checkpoint import Checkpointer, CheckpointerConfig, list_checkpoints, load_checkpoint
-    from shardkit.layout import Layout
+    from shardkit import Layout, list_checkpoints, load_checkpoint
+    from shardkit.checkpoint import Checkpointer, CheckpointerConfig
 
     layout = Layout(tp=tp, pp=pp, qkv=qkv, kv_multiplier=kv_multiplier)
     t0 = time.perf_counter()
@@ -184,7 +173,7 @@ def run_format(src: str, workdir: str, fmt: str, tp: int, pp: int, qkv: str, kv_
         cases.append((f"into tp {reshard_tp} pp {pp}", Layout(tp=reshard_tp, pp=pp, qkv=qkv,
                                                               kv_multiplier=kv_multiplier), False))
     for label, target, verify in cases:
-        if drop_caches and _drop_caches():
+        if drop_caches and bc.drop_caches()[0]:
             cache = "dropped before each load"
         s = time.perf_counter()
         nbytes = 0
@@ -255,38 +244,36 @@ def _disk_note(workdir: Path) -> str:
     return f"{256 * 2**20 / seconds / bc.GB:.2f} GB/s (256 MiB written + fsync in {seconds:.2f} s)"
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    name, config = bc.load_shape(args.shape, args.config)
-    workdir = Path(args.workdir).absolute()
-    logdir = workdir / "logs"
+def build_fixture(args, workdir: Path, name: str, config: dict) -> tuple[Path, str]:
+    """The synthetic checkpoint (built in a child) and a note on the disk's write speed."""
     workdir.mkdir(parents=True, exist_ok=True)
-    spec = bc.synthetic_spec(name, config, args.dtype, seed=args.seed)
     bc.progress(f"synthetic checkpoint {name} ({args.dtype}) under {workdir}")
-    built = bc.run_python("build", "bench_common:build_synthetic_checkpoint", {"workdir": str(workdir), "spec": spec},
-                          logdir, preload=("torch",))
-    src = Path(built.result["path"])
+    src, _ = bc.synthetic_source(workdir, workdir / "logs", name, config, args.dtype, args.seed)
     disk = _disk_note(workdir)
     bc.progress(f"source {src} ({bc.dir_bytes(src) / bc.GB:.2f} GB); disk: {disk}")
-    load_start = bc.load_average()
-    results = []
-    for fmt in args.formats:
-        bc.progress(f"{fmt}: {args.sync_saves} sync + {args.async_saves} async saves, then loads")
-        m = bc.run_python(f"checkpoint-{fmt}", "bench_checkpoint:run_format", {
-            "src": str(src), "workdir": str(workdir), "fmt": fmt, "tp": args.tp, "pp": args.pp, "qkv": args.qkv,
-            "kv_multiplier": args.kv_multiplier, "sync_saves": args.sync_saves, "async_saves": args.async_saves,
-            "interval": args.interval, "step_ms": args.step_ms, "reshard_tp": args.reshard_tp,
-            "drop_caches": args.drop_caches, "optimizer": args.optimizer}, logdir, preload=PRELOAD)
-        r = m.result
-        r["peak_rss"] = m.peak_rss
-        results.append(r)
-        sync_s = statistics.median(r["sync"]["blocked"])
-        steady = statistics.median(r["async"]["blocked"][1:])
-        bc.progress(f"{fmt}: sync save {sync_s:.2f} s, async blocked {steady:.3f} s (first "
-                    f"{r['async']['blocked'][0]:.3f} s)")
-        bc.remove(workdir / f"ckpt-{fmt}")
-    load_end = bc.load_average()
+    return src, disk
 
+
+def measure_format(args, src: Path, workdir: Path, fmt: str) -> dict:
+    """The whole scenario of one format in a fresh child; its result with the child's peak RSS."""
+    bc.progress(f"{fmt}: {args.sync_saves} sync + {args.async_saves} async saves, then loads")
+    m = bc.run_python(f"checkpoint-{fmt}", "bench_checkpoint:run_format", {
+        "src": str(src), "workdir": str(workdir), "fmt": fmt, "tp": args.tp, "pp": args.pp, "qkv": args.qkv,
+        "kv_multiplier": args.kv_multiplier, "sync_saves": args.sync_saves, "async_saves": args.async_saves,
+        "interval": args.interval, "step_ms": args.step_ms, "reshard_tp": args.reshard_tp,
+        "drop_caches": args.drop_caches, "optimizer": args.optimizer}, workdir / "logs", preload=PRELOAD)
+    r = m.result
+    r["peak_rss"] = m.peak_rss
+    sync_s = statistics.median(r["sync"]["blocked"])
+    steady = statistics.median(r["async"]["blocked"][1:])
+    bc.progress(f"{fmt}: sync save {sync_s:.2f} s, async blocked {steady:.3f} s (first "
+                f"{r['async']['blocked'][0]:.3f} s)")
+    bc.remove(workdir / f"ckpt-{fmt}")
+    return r
+
+
+def summarize(results: list[dict]) -> tuple[list[list], list[dict]]:
+    """Table rows (one per format) and the blocked-time target of each."""
     rows, targets = [], []
     for r in results:
         gb = r["checkpoint_bytes"] / bc.GB
@@ -307,13 +294,11 @@ def main(argv=None) -> int:
             bc.fmt(r["peak_rss"] / bc.GB, 1),
         ])
         targets.append({"format": r["format"], "blocked_ratio": ratio, "pass": ratio <= BLOCKED_TARGET})
-    machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
-    if args.json:
-        bc.print_json({"model": name, "config": config, "dtype": args.dtype, "source": str(src), "disk": disk,
-                       "layout": {"tp": args.tp, "pp": args.pp, "qkv": args.qkv, "kv_multiplier": args.kv_multiplier},
-                       "env": machine, "load_average": {"start": load_start, "end": load_end},
-                       "results": results, "targets": targets})
-        return 0
+    return rows, targets
+
+
+def print_report(args, name: str, config: dict, disk: str, results: list[dict], rows: list[list],
+                 targets: list[dict], loads: dict, machine: dict) -> None:
     n_params = sum(bc.numel(s) for _, s in bc.llama_tensors(config))
     print(f"shardkit checkpoint benchmark ({machine['cpus']} CPUs, python {machine['python']})")
     print(f"model:  {name}: {n_params / 1e9:.3f} B params, {args.dtype}, "
@@ -325,11 +310,8 @@ def main(argv=None) -> int:
           f"{args.sync_saves} sync then {args.async_saves} async saves "
           f"(fsync, num_kept 1); async saves every {results[0]['interval']:.0f} s of training")
     print(f"cache:  loads: {results[0]['cache']}")
-    if load_start and load_end:
-        print(f"load:   1/5/15-min load average {'/'.join(f'{x:.1f}' for x in load_start)} at start, "
-              f"{'/'.join(f'{x:.1f}' for x in load_end)} at end")
-        for note in {bc.busy_note(load_start), bc.busy_note(load_end)} - {""}:
-            print(f"        {note}")
+    for line in bc.load_lines(loads["start"], loads["end"]):
+        print(line)
     print()
     print(bc.format_table(
         ["format", "GB", "files", "sync save s", "save GB/s", "async blocked s (first)", "(steady)",
@@ -340,6 +322,24 @@ def main(argv=None) -> int:
           "(steady state)")
     for t in targets:
         print(f"  {t['format']:<12} {100 * t['blocked_ratio']:5.1f}%  {'PASS' if t['pass'] else 'FAIL'}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    name, config = bc.load_shape(args.shape, args.config)
+    workdir = Path(args.workdir).absolute()
+    src, disk = build_fixture(args, workdir, name, config)
+    load_start = bc.load_average()
+    results = [measure_format(args, src, workdir, fmt) for fmt in args.formats]
+    loads = {"start": load_start, "end": bc.load_average()}
+    rows, targets = summarize(results)
+    machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    if args.json:
+        bc.print_json({"model": name, "config": config, "dtype": args.dtype, "source": str(src), "disk": disk,
+                       "layout": {"tp": args.tp, "pp": args.pp, "qkv": args.qkv, "kv_multiplier": args.kv_multiplier},
+                       "env": machine, "load_average": loads, "results": results, "targets": targets})
+    else:
+        print_report(args, name, config, disk, results, rows, targets, loads, machine)
     return 0
 
 

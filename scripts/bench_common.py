@@ -24,7 +24,9 @@ What is here:
   not isolate one child. Without `/usr/bin/time` we fall back to `wait4` and flag the value as an
   upper bound (the parent stays light: it never imports torch).
 * **Baselines and output.** `cp_baseline` (`cp -r --reflink=never`), `dir_bytes`, page-cache
-  handling (`sync_disks`, `drop_caches`), statistics over repeats, table and JSON printing, and a
+  handling (`settle` before every timed step: sync, or with --drop-caches `sync; echo 3 >
+  /proc/sys/vm/drop_caches`, which `require_drop_caches` checks up front and refuses with exit 2
+  when it is not possible), statistics over repeats, table, load-average and JSON printing, and a
   torch-free comparison of two Hugging Face safetensors directories.
 """
 
@@ -162,21 +164,12 @@ def numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _parse_size(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    s = size.strip().upper()
-    for unit in sorted(units, key=len, reverse=True):
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * units[unit])
-    return int(s)
-
-
 def split_files(tensors: list[tuple[str, tuple[int, ...]]], itemsize: int, max_shard_size: int | str) -> dict[str, list[str]]:
     """File name -> tensor names, the way transformers/huggingface_hub split a state dict
     (greedy in state-dict order; a tensor larger than the limit gets its own file)."""
-    limit = _parse_size(max_shard_size)
+    from shardkit.sizes import parse_size  # here, not at the top: the parent never imports shardkit (and torch)
+
+    limit = parse_size(max_shard_size, what="max_shard_size")
     shards: list[list[str]] = []
     current: list[str] = []
     size = 0
@@ -301,6 +294,16 @@ def build_synthetic_checkpoint(workdir: str, spec: dict[str, Any], chunk_elems: 
     return {"path": str(final), "cached": False}
 
 
+def synthetic_source(workdir: Path, logdir: Path, name: str, config: dict[str, Any], dtype: str = "bfloat16",
+                     seed: int = 0) -> tuple[Path, Measurement]:
+    """Build (or reuse) the synthetic checkpoint in a child process, so that the parent never
+    imports torch; returns its directory and the build's Measurement (`.result["cached"]`)."""
+    spec = synthetic_spec(name, config, dtype, seed=seed)
+    built = run_python("build", "bench_common:build_synthetic_checkpoint", {"workdir": str(workdir), "spec": spec},
+                       logdir, preload=("torch",))
+    return Path(built.result["path"]), built
+
+
 # ---- files, disks and the page cache -------------------------------------------------------------
 
 
@@ -340,6 +343,35 @@ def drop_caches() -> tuple[bool, str]:
         return True, "dropped"
     except OSError as e:
         return False, f"cannot drop caches ({e.strerror or e})"
+
+
+DROP_CACHES_EXIT = 2
+
+
+def _refuse_drop_caches(why: str) -> None:
+    print(f"--drop-caches: {why}; the page cache cannot be dropped here (needs root and a writable "
+          "/proc/sys/vm/drop_caches). Run without --drop-caches for a warm-cache measurement.", file=sys.stderr)
+    raise SystemExit(DROP_CACHES_EXIT)
+
+
+def require_drop_caches() -> None:
+    """For --drop-caches: drop the page cache once now, or say why it is not possible and exit 2."""
+    if hasattr(os, "geteuid") and os.geteuid() != 0:
+        _refuse_drop_caches(f"not running as root (uid {os.geteuid()})")
+    ok, why = drop_caches()
+    if not ok:
+        _refuse_drop_caches(why)
+
+
+def settle(drop: bool) -> None:
+    """Before every timed step (cp baselines included), untimed: sync, and with `drop` also drop the
+    page cache (`sync; echo 3 > /proc/sys/vm/drop_caches`); exits 2 if that stops working."""
+    if not drop:
+        sync_disks()
+        return
+    ok, why = drop_caches()
+    if not ok:
+        _refuse_drop_caches(why)
 
 
 # ---- which shardkit is measured ----------------------------------------------------------------
@@ -398,6 +430,18 @@ def busy_note(load: tuple[float, float, float] | None) -> str:
         return ""
     return (f"WARNING: 1-min load average {load[0]:.1f} on {cpus} CPUs: other processes compete, timings are noisy"
             if load[0] > 0.5 * cpus else "")
+
+
+def load_lines(start: tuple[float, float, float] | None, end: tuple[float, float, float] | None) -> list[str]:
+    """The report's "load:" line for the load averages at the start and the end of a run, with a
+    warning under it when either shows a busy machine (none when the load average is unknown)."""
+    if not (start and end):
+        return []
+    first = (f"load:   1/5/15-min load average {'/'.join(f'{x:.1f}' for x in start)} at start, "
+             f"{'/'.join(f'{x:.1f}' for x in end)} at end")
+    lines = [first]
+    lines += [f"        {note}" for note in {busy_note(start), busy_note(end)} - {""}]
+    return lines
 
 
 # ---- measured children ---------------------------------------------------------------------------
@@ -520,12 +564,15 @@ def run_command(op: str, cmd: Sequence[str], logdir: str | Path) -> Measurement:
     return Measurement(op=op, seconds=wall, process_seconds=wall, peak_rss=peak, cpu_seconds=cpu, rss_method=method)
 
 
-def cp_baseline(op: str, src: str | Path, dst: str | Path, logdir: str | Path) -> Measurement:
-    """`cp -r src dst` (no reflinks, so bytes are really copied); bytes_written = size of the copy."""
+def cp_baseline(op: str, src: str | Path, dst: str | Path, logdir: str | Path, *, keep: bool = False) -> Measurement:
+    """`cp -r src dst` (no reflinks, so bytes are really copied); bytes_written = size of the copy.
+    The copy is removed afterwards unless `keep`."""
     remove(dst)
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     m = run_command(op, ["cp", "-r", "--reflink=never", str(src), str(dst)], logdir)
     m.bytes_written = dir_bytes(dst)
+    if not keep:
+        remove(dst)
     return m
 
 

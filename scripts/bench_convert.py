@@ -11,7 +11,9 @@ Method (see bench_common for the measuring machinery):
   `cp -r` of the source, convert of the source, `cp -r` of the shard directory, merge of the shards.
   Each op is preceded by a cp of its own input, so op and baseline see the same (warm) page cache.
   `sync` runs (untimed) before every step so that no step pays for the previous step's writeback;
-  with --drop-caches the page cache is also dropped before every step, when the kernel allows it.
+  with --drop-caches the page cache is also dropped before every step (`sync; echo 3 >
+  /proc/sys/vm/drop_caches`, cp baselines included); that needs root, and without it the
+  benchmark says so and exits 2. The default is a warm cache.
 * seconds: for convert/merge, the call alone inside the child (after interpreter start and
   imports); for cp, the whole `cp` process. Throughput = bytes written / seconds (cp: the bytes it
   copied). With --repeat N the median seconds is reported (--stat best for the minimum) and the
@@ -37,6 +39,7 @@ import os
 import platform
 import re
 import sys
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -175,7 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workdir", default=str(bc.DEFAULT_WORKDIR),
                    help=f"where the synthetic checkpoint is cached and outputs go (default {bc.DEFAULT_WORKDIR})")
     p.add_argument("--keep", action="store_true", help="keep the shard and merged outputs (the source is always cached)")
-    p.add_argument("--drop-caches", action="store_true", help="drop the page cache before every step (needs root)")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="drop the page cache before every timed step, cp included (needs root; exits 2 otherwise)")
     p.add_argument("--verify", default="sample", choices=("sample", "full", "none"),
                    help="compare merged vs source bytes for a sample of tensors (default) or all")
     p.add_argument("--profile", action="store_true",
@@ -193,12 +197,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def profile_op(label: str, target: str, kwargs: dict, logdir: Path, dst: Path, env: dict | None) -> dict:
+def profile_op(label: str, target: str, kwargs: dict, logdir: Path, dst: Path, env: dict | None,
+               drop_caches: bool = False) -> dict:
     import pstats
 
     stats_path = logdir / f"{label}.pstats"
     bc.remove(dst)
-    bc.sync_disks()
+    bc.settle(drop_caches)
     m = bc.run_python(f"{label} (cProfile)", target, kwargs, logdir, preload=PRELOAD, profile=stats_path, env=env)
     out = io.StringIO()
     st = pstats.Stats(str(stats_path), stream=out)
@@ -207,134 +212,183 @@ def profile_op(label: str, target: str, kwargs: dict, logdir: Path, dst: Path, e
     return {"seconds": m.seconds, "stats_file": str(stats_path), "text": out.getvalue()}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+@dataclass
+class Bench:
+    """What the steps of one benchmark run share: the arguments, the paths, the measured code, the source."""
+
+    args: argparse.Namespace
+    name: str
+    config: dict
+    workdir: Path
+    kv_mult: int
+    kv_auto: bool
+    env: dict | None = None  # the children's environment (None: inherit)
+    snap: Path | None = None  # with --shardkit-ref: the exported shardkit
+    code_note: str = ""
+    threads_note: str = ""
+    cache_note: str = ""
+    src: Path = Path()
+    built: bc.Measurement | None = None
+    src_bytes: int = 0
+    weights: list[str] = field(default_factory=list)
+    n_params: int = 0
+
+    @property
+    def logdir(self) -> Path:
+        return self.workdir / "logs"
+
+    @property
+    def rundir(self) -> Path:
+        return self.workdir / "run"
+
+    @property
+    def copy_dst(self) -> Path:
+        return self.rundir / "cp-copy"
+
+    def convert_kwargs(self, dst: Path, workers: int, src: Path | None = None) -> dict:
+        a = self.args
+        return {"src": str(src or self.src), "dst": str(dst), "tp": a.tp, "pp": a.pp, "qkv": a.qkv,
+                "kv_multiplier": self.kv_mult, "fmt": a.format, "workers": workers}
+
+
+# ---- the steps of main ---------------------------------------------------------------------------------
+
+
+def setup(args: argparse.Namespace) -> Bench:
     name, config = bc.load_shape(args.shape, args.config)
     workdir = Path(args.workdir).absolute()
-    logdir = workdir / "logs"
-    rundir = workdir / "run"
     workdir.mkdir(parents=True, exist_ok=True)
     kv_auto = args.kv_multiplier == "auto"
     kv_mult = smallest_kv_multiplier(config, args.tp) if kv_auto else int(args.kv_multiplier)
+    return Bench(args, name, config, workdir, kv_mult, kv_auto)
 
-    # -- which shardkit the children import
-    env = None
+
+def choose_page_cache(b: Bench) -> None:
+    """Warm by default; with --drop-caches, dropped before every step, or exit 2 when that is not possible."""
+    if b.args.drop_caches:
+        bc.require_drop_caches()
+        b.cache_note = "dropped (sync + drop_caches) before every step"
+    else:
+        b.cache_note = "warm: every op follows a cp of its own input; sync (untimed) before every step"
+
+
+def choose_code(b: Bench) -> None:
+    """Which shardkit the children import (the working tree or a git ref), and their torch threads."""
+    args = b.args
     if args.shardkit_ref:
-        snap, sha = bc.shardkit_snapshot(args.shardkit_ref, workdir)
-        env = bc.child_env(snap)
-        code_note = f"git {args.shardkit_ref} = {sha[:12]} (snapshot {snap}/shardkit)"
+        b.snap, sha = bc.shardkit_snapshot(args.shardkit_ref, b.workdir)
+        b.env = bc.child_env(b.snap)
+        b.code_note = f"git {args.shardkit_ref} = {sha[:12]} (snapshot {b.snap}/shardkit)"
     else:
         state = bc.git_state()
-        code_note = (f"working tree at {str(state['commit'])[:12]}"
-                     + (" + uncommitted changes in shardkit/" if state["dirty"] else " (clean)"))
+        b.code_note = (f"working tree at {str(state['commit'])[:12]}"
+                       + (" + uncommitted changes in shardkit/" if state["dirty"] else " (clean)"))
     if args.torch_threads:
-        env = dict(env or os.environ)
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.torch_threads)
-    threads_note = (f"OMP_NUM_THREADS={args.torch_threads}" if args.torch_threads
-                    else f"torch default intra-op threads (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
-    bc.progress(f"measuring shardkit from {code_note}")
+        b.env = dict(b.env or os.environ)
+        b.env["OMP_NUM_THREADS"] = b.env["MKL_NUM_THREADS"] = str(args.torch_threads)
+    b.threads_note = (f"OMP_NUM_THREADS={args.torch_threads}" if args.torch_threads
+                      else f"torch default intra-op threads (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
+    bc.progress(f"measuring shardkit from {b.code_note}")
 
-    # -- the synthetic checkpoint (built in a child: the parent stays free of torch)
-    spec = bc.synthetic_spec(name, config, args.dtype, seed=args.seed)
-    bc.progress(f"synthetic checkpoint {name} ({args.dtype}) under {workdir}")
-    built = bc.run_python("build", "bench_common:build_synthetic_checkpoint",
-                          {"workdir": str(workdir), "spec": spec}, logdir, preload=("torch",))
-    src = Path(built.result["path"])
-    src_bytes = bc.dir_bytes(src)
-    weights = sorted(p.name for p in src.glob("*.safetensors"))
-    n_params = sum(bc.numel(s) for _, s in bc.llama_tensors(config))
-    bc.progress(f"{'reusing cached' if built.result['cached'] else f'built in {built.seconds:.1f} s:'} {src} "
-                f"({src_bytes / bc.GB:.2f} GB, {len(weights)} safetensors files)")
 
-    cache_note = "warm: every op follows a cp of its own input; sync (untimed) before every step"
-    if args.drop_caches:
-        ok, why = bc.drop_caches()
-        if ok:
-            cache_note = "dropped (sync + drop_caches) before every step"
-        else:
-            bc.progress(f"--drop-caches: {why}; running with a warm cache")
-            args.drop_caches = False
-            cache_note += f" (--drop-caches refused: {why})"
+def build_fixture(b: Bench) -> None:
+    """The synthetic checkpoint (built in a child: the parent stays free of torch)."""
+    bc.progress(f"synthetic checkpoint {b.name} ({b.args.dtype}) under {b.workdir}")
+    b.src, b.built = bc.synthetic_source(b.workdir, b.logdir, b.name, b.config, b.args.dtype, b.args.seed)
+    b.src_bytes = bc.dir_bytes(b.src)
+    b.weights = sorted(p.name for p in b.src.glob("*.safetensors"))
+    b.n_params = sum(bc.numel(s) for _, s in bc.llama_tensors(b.config))
+    bc.progress(f"{'reusing cached' if b.built.result['cached'] else f'built in {b.built.seconds:.1f} s:'} {b.src} "
+                f"({b.src_bytes / bc.GB:.2f} GB, {len(b.weights)} safetensors files)")
 
-    def settle() -> None:
-        if args.drop_caches:
-            bc.drop_caches()
-        else:
-            bc.sync_disks()
 
+def timed_cp(b: Bench, label: str, src: Path, tag: str) -> bc.Measurement:
+    """The baseline: `cp -r` of an op's input, after the same settling as the op."""
+    bc.settle(b.args.drop_caches)
+    m = bc.cp_baseline(label, src, b.copy_dst, b.logdir)
+    bc.progress(f"[{tag}] {label}: {m.seconds:.2f} s")
+    return m
+
+
+def timed_op(b: Bench, op: str, target: str, kwargs: dict, dst: Path, tag: str) -> bc.Measurement:
+    """A shardkit operation in a fresh child, into an emptied `dst`; bytes_written = what it wrote."""
+    bc.remove(dst)
+    bc.settle(b.args.drop_caches)
+    m = bc.run_python(op, target, kwargs, b.logdir, preload=PRELOAD, env=b.env)
+    m.bytes_written = bc.dir_bytes(dst)
+    bc.progress(f"[{tag}] {op}: {m.seconds:.2f} s, peak RSS {m.peak_rss / bc.MB:.0f} MB")
+    return m
+
+
+def run_repeat(b: Bench, w: int, tag: str, shards: Path, merged: Path, samples: dict[str, list[bc.Measurement]]) -> None:
+    """One repeat: cp source, convert, cp shards, merge (each op right after a cp of its own input)."""
+    samples["cp_src"].append(timed_cp(b, "cp -r source", b.src, tag))
+    m = timed_op(b, "convert", "bench_convert:run_convert", b.convert_kwargs(shards, w), shards, tag)
+    if b.args.shardkit_ref and not m.result["shardkit"].startswith(str(b.snap)):
+        raise SystemExit(f"the child imported {m.result['shardkit']}, not the snapshot in {b.snap}")
+    samples["convert"].append(m)
+    samples["cp_shards"].append(timed_cp(b, "cp -r shards", shards, tag))
+    samples["merge"].append(timed_op(b, "merge", "bench_convert:run_merge",
+                                     {"src": str(shards), "dst": str(merged), "workers": w}, merged, tag))
+
+
+def run_workers(b: Bench, w: int) -> dict:
+    """Every repeat for one worker count, combined, then the outputs verified."""
+    args = b.args
+    shards, merged = b.rundir / f"shards-w{w}", b.rundir / f"merged-w{w}"
+    samples: dict[str, list[bc.Measurement]] = {"cp_src": [], "convert": [], "cp_shards": [], "merge": []}
+    for r in range(args.repeat):
+        run_repeat(b, w, f"workers {w}, repeat {r + 1}/{args.repeat}", shards, merged, samples)
+    combined = {k: bc.combine(v, args.stat) for k, v in samples.items()}
+    verify = None
+    if args.verify != "none":
+        bc.progress(f"[workers {w}] verifying ({args.verify})")
+        verify = bc.run_python("verify", "bench_convert:verify_outputs",
+                               {"src": str(b.src), "shards": str(shards), "merged": str(merged), "fmt": args.format,
+                                "tp": args.tp, "pp": args.pp, "full": args.verify == "full"},
+                               b.logdir, preload=("torch",)).result
+    if not args.keep and w != args.workers[-1]:
+        bc.remove(merged)
+        bc.remove(shards)
+    return {"workers": w, "ops": combined, "verify": verify}
+
+
+def run_profiles(b: Bench) -> dict:
+    """With --profile: convert and merge once more under cProfile (first worker count)."""
+    if not b.args.profile:
+        return {}
+    w = b.args.workers[0]
+    shards, merged = b.rundir / "profile-shards", b.rundir / "profile-merged"
+    bc.progress("profiling convert and merge under cProfile (workers %d)" % w)
+    profiles = {
+        "convert": profile_op("convert", "bench_convert:run_convert", b.convert_kwargs(shards, w), b.logdir, shards,
+                              b.env, b.args.drop_caches),
+        "merge": profile_op("merge", "bench_convert:run_merge", {"src": str(shards), "dst": str(merged), "workers": w},
+                            b.logdir, merged, b.env, b.args.drop_caches),
+    }
+    bc.remove(shards)
+    bc.remove(merged)
+    return profiles
+
+
+def measure(b: Bench) -> tuple[list[dict], dict, dict]:
+    """Every worker count, then the profiles; returns (runs, profiles, load averages at start and end)."""
     load_start = bc.load_average()
-    layout_desc = f"tp {args.tp}, pp {args.pp}, qkv {args.qkv}, kv-multiplier {kv_mult}{' (auto)' if kv_auto else ''}"
-    runs = []
-    copy_dst = rundir / "cp-copy"
     try:
-        for w in args.workers:
-            shards, merged = rundir / f"shards-w{w}", rundir / f"merged-w{w}"
-            samples: dict[str, list[bc.Measurement]] = {"cp_src": [], "convert": [], "cp_shards": [], "merge": []}
-            for r in range(args.repeat):
-                tag = f"workers {w}, repeat {r + 1}/{args.repeat}"
-                settle()
-                m = bc.cp_baseline("cp -r source", src, copy_dst, logdir)
-                bc.remove(copy_dst)
-                samples["cp_src"].append(m)
-                bc.progress(f"[{tag}] cp -r source: {m.seconds:.2f} s")
-
-                bc.remove(shards)
-                settle()
-                m = bc.run_python("convert", "bench_convert:run_convert",
-                                  {"src": str(src), "dst": str(shards), "tp": args.tp, "pp": args.pp, "qkv": args.qkv,
-                                   "kv_multiplier": kv_mult, "fmt": args.format, "workers": w}, logdir, preload=PRELOAD, env=env)
-                m.bytes_written = bc.dir_bytes(shards)
-                if args.shardkit_ref and not m.result["shardkit"].startswith(str(snap)):
-                    raise SystemExit(f"the child imported {m.result['shardkit']}, not the snapshot in {snap}")
-                samples["convert"].append(m)
-                bc.progress(f"[{tag}] convert: {m.seconds:.2f} s, peak RSS {m.peak_rss / bc.MB:.0f} MB")
-
-                settle()
-                m = bc.cp_baseline("cp -r shards", shards, copy_dst, logdir)
-                bc.remove(copy_dst)
-                samples["cp_shards"].append(m)
-                bc.progress(f"[{tag}] cp -r shards: {m.seconds:.2f} s")
-
-                bc.remove(merged)
-                settle()
-                m = bc.run_python("merge", "bench_convert:run_merge",
-                                  {"src": str(shards), "dst": str(merged), "workers": w}, logdir, preload=PRELOAD, env=env)
-                m.bytes_written = bc.dir_bytes(merged)
-                samples["merge"].append(m)
-                bc.progress(f"[{tag}] merge: {m.seconds:.2f} s, peak RSS {m.peak_rss / bc.MB:.0f} MB")
-            combined = {k: bc.combine(v, args.stat) for k, v in samples.items()}
-            verify = None
-            if args.verify != "none":
-                bc.progress(f"[workers {w}] verifying ({args.verify})")
-                verify = bc.run_python("verify", "bench_convert:verify_outputs",
-                                       {"src": str(src), "shards": str(shards), "merged": str(merged), "fmt": args.format,
-                                        "tp": args.tp, "pp": args.pp, "full": args.verify == "full"},
-                                       logdir, preload=("torch",)).result
-            runs.append({"workers": w, "ops": combined, "verify": verify})
-            if not args.keep and w != args.workers[-1]:
-                bc.remove(merged)
-                bc.remove(shards)
-
-        profiles = {}
-        if args.profile:
-            w = args.workers[0]
-            bc.progress("profiling convert and merge under cProfile (workers %d)" % w)
-            profiles["convert"] = profile_op(
-                "convert", "bench_convert:run_convert",
-                {"src": str(src), "dst": str(rundir / "profile-shards"), "tp": args.tp, "pp": args.pp, "qkv": args.qkv,
-                 "kv_multiplier": kv_mult, "fmt": args.format, "workers": w}, logdir, rundir / "profile-shards", env)
-            profiles["merge"] = profile_op(
-                "merge", "bench_convert:run_merge", {"src": str(rundir / "profile-shards"), "dst": str(rundir / "profile-merged"), "workers": w},
-                logdir, rundir / "profile-merged", env)
-            bc.remove(rundir / "profile-shards")
-            bc.remove(rundir / "profile-merged")
+        runs = [run_workers(b, w) for w in b.args.workers]
+        profiles = run_profiles(b)
     finally:
-        bc.remove(copy_dst)
-        if not args.keep:
-            bc.remove(rundir)
+        bc.remove(b.copy_dst)
+        if not b.args.keep:
+            bc.remove(b.rundir)
+    return runs, profiles, {"start": load_start, "end": bc.load_average()}
 
-    # -- report
-    load_end = bc.load_average()
+
+OP_LABELS = {"cp_src": "cp -r source", "convert": "convert ({format})", "cp_shards": "cp -r shards", "merge": "merge -> HF"}
+
+
+def summarize(b: Bench, runs: list[dict]) -> tuple[list[list], list[dict]]:
+    """Table rows (one per op and worker count) and the pass/fail of each target."""
     targets = []
     rows = []
     for run in runs:
@@ -344,12 +398,11 @@ def main(argv=None) -> int:
             m = ops[key]
             ratio = m.throughput / ops[base_key].throughput if base_key else None
             m.extra["ratio_vs_cp"] = ratio
-            m.extra["rss_fraction"] = m.peak_rss / src_bytes
-            label = {"cp_src": "cp -r source", "convert": f"convert ({args.format})", "cp_shards": "cp -r shards",
-                     "merge": "merge -> HF"}[key]
-            rows.append([label, w if base_key else "-", bc.fmt(m.bytes_written / bc.GB), bc.fmt(m.seconds),
+            m.extra["rss_fraction"] = m.peak_rss / b.src_bytes
+            rows.append([OP_LABELS[key].format(format=b.args.format), w if base_key else "-",
+                         bc.fmt(m.bytes_written / bc.GB), bc.fmt(m.seconds),
                          bc.fmt(m.throughput / bc.GB, 3), bc.fmt(ratio, 2, "x") if ratio is not None else "-",
-                         bc.fmt(m.peak_rss / bc.MB, 0), bc.fmt(100 * m.peak_rss / src_bytes, 1, "%"),
+                         bc.fmt(m.peak_rss / bc.MB, 0), bc.fmt(100 * m.peak_rss / b.src_bytes, 1, "%"),
                          bc.fmt(m.base_rss / bc.MB, 0) if m.base_rss else "-",
                          bc.fmt(m.peak_anon / bc.MB, 0) if m.peak_anon else "-",
                          bc.fmt(m.peak_file / bc.MB, 0) if m.peak_file else "-",
@@ -358,61 +411,65 @@ def main(argv=None) -> int:
                 targets.append({"workers": w, "op": key, "target": f"throughput >= {RATIO_TARGET}x cp",
                                 "value": ratio, "pass": ratio >= RATIO_TARGET})
                 targets.append({"workers": w, "op": key, "target": f"peak RSS < {RSS_TARGET:.0%} of checkpoint",
-                                "value": m.peak_rss / src_bytes, "pass": m.peak_rss / src_bytes < RSS_TARGET})
+                                "value": m.peak_rss / b.src_bytes, "pass": m.peak_rss / b.src_bytes < RSS_TARGET})
+    return rows, targets
 
-    machine = {
+
+def machine_info() -> dict:
+    return {
         "python": platform.python_version(), "torch": _version("torch"), "shardkit": _version("shardkit"),
         "cpus": os.cpu_count(), "ram_gb": _ram_gb(), "platform": platform.platform(),
     }
-    header = {
-        "model": name, "config": config, "params": n_params, "dtype": args.dtype, "source": str(src),
-        "source_bytes": src_bytes, "source_files": weights, "source_cached": built.result["cached"],
-        "layout": {"tp": args.tp, "pp": args.pp, "qkv": args.qkv, "kv_multiplier": kv_mult}, "format": args.format,
-        "workers": args.workers, "repeat": args.repeat, "stat": args.stat, "page_cache": cache_note, "env": machine,
-        "shardkit_code": code_note, "torch_threads": threads_note,
-        "load_average": {"start": load_start, "end": load_end},
-    }
-    if args.json:
-        bc.print_json({
-            **header,
-            "runs": [{"workers": r["workers"], "ops": {k: m.to_dict() for k, m in r["ops"].items()}, "verify": r["verify"]}
-                     for r in runs],
-            "targets": targets,
-            "profiles": {k: {kk: vv for kk, vv in v.items() if kk != "text"} for k, v in profiles.items()},
-        })
-        return 0
 
+
+def print_json_report(b: Bench, runs: list[dict], profiles: dict, targets: list[dict], loads: dict, machine: dict) -> None:
+    args = b.args
+    bc.print_json({
+        "model": b.name, "config": b.config, "params": b.n_params, "dtype": args.dtype, "source": str(b.src),
+        "source_bytes": b.src_bytes, "source_files": b.weights, "source_cached": b.built.result["cached"],
+        "layout": {"tp": args.tp, "pp": args.pp, "qkv": args.qkv, "kv_multiplier": b.kv_mult}, "format": args.format,
+        "workers": args.workers, "repeat": args.repeat, "stat": args.stat, "page_cache": b.cache_note, "env": machine,
+        "shardkit_code": b.code_note, "torch_threads": b.threads_note,
+        "load_average": loads,
+        "runs": [{"workers": r["workers"], "ops": {k: m.to_dict() for k, m in r["ops"].items()}, "verify": r["verify"]}
+                 for r in runs],
+        "targets": targets,
+        "profiles": {k: {kk: vv for kk, vv in v.items() if kk != "text"} for k, v in profiles.items()},
+    })
+
+
+def print_header(b: Bench, loads: dict, machine: dict) -> None:
+    args = b.args
+    layout_desc = f"tp {args.tp}, pp {args.pp}, qkv {args.qkv}, kv-multiplier {b.kv_mult}{' (auto)' if b.kv_auto else ''}"
     print(f"shardkit convert/merge benchmark ({machine['cpus']} CPUs, {machine['ram_gb']} GB RAM, "
           f"python {machine['python']}, torch {machine['torch']})")
-    print(f"code:   shardkit from {code_note}")
-    print(f"model:  {name}: {n_params / 1e9:.3f} B params, {args.dtype}, {src_bytes / bc.GB:.3f} GB in "
-          f"{len(weights)} safetensors files{' (cached)' if built.result['cached'] else ''}: {src}")
+    print(f"code:   shardkit from {b.code_note}")
+    print(f"model:  {b.name}: {b.n_params / 1e9:.3f} B params, {args.dtype}, {b.src_bytes / bc.GB:.3f} GB in "
+          f"{len(b.weights)} safetensors files{' (cached)' if b.built.result['cached'] else ''}: {b.src}")
     print(f"layout: {layout_desc}; shard format {args.format}; merge -> HF safetensors (5GB split)")
-    print(f"torch:  {threads_note}")
-    print(f"cache:  {cache_note}")
-    if load_start and load_end:
-        print(f"load:   1/5/15-min load average {'/'.join(f'{x:.1f}' for x in load_start)} at start, "
-              f"{'/'.join(f'{x:.1f}' for x in load_end)} at end")
-        for note in {bc.busy_note(load_start), bc.busy_note(load_end)} - {""}:
-            print(f"        {note}")
+    print(f"torch:  {b.threads_note}")
+    print(f"cache:  {b.cache_note}")
+    for line in bc.load_lines(loads["start"], loads["end"]):
+        print(line)
     print(f"timing: {'median' if args.stat == 'median' else 'best'} of {args.repeat} run(s); convert/merge seconds are the "
           "call inside a fresh child (imports excluded); cp seconds are the cp process")
     print("memory: peak RSS = the child's own high-water mark (VmHWM / GNU time %M), including the interpreter and "
           "imports (base MB); anon/file MB = sampled peaks of anonymous and file-backed (mapped) RSS")
-    print()
-    print(bc.format_table(
-        ["operation", "workers", "GB", "seconds", "GB/s", "vs cp", "peak RSS MB", "RSS % ckpt", "base MB",
-         "anon MB", "file MB", "CPU s"], rows))
-    print()
+
+
+def print_targets(b: Bench, runs: list[dict], targets: list[dict]) -> None:
     print(f"targets (convert and merge >= {RATIO_TARGET}x cp throughput; peak RSS < {RSS_TARGET:.0%} of the "
-          f"{src_bytes / bc.GB:.2f} GB checkpoint = {RSS_TARGET * src_bytes / bc.MB:.0f} MB):")
+          f"{b.src_bytes / bc.GB:.2f} GB checkpoint = {RSS_TARGET * b.src_bytes / bc.MB:.0f} MB):")
     bases = [m.base_rss for r in runs for m in r["ops"].values() if m.base_rss]
-    if bases and max(bases) > RSS_TARGET * src_bytes:
+    if bases and max(bases) > RSS_TARGET * b.src_bytes:
         print(f"  note: the RSS target cannot be met at this size: the interpreter with torch and shardkit imported "
               f"is already {max(bases) / bc.MB:.0f} MB resident (use the default tinyllama shape for this target)")
     for t in targets:
         value = f"{t['value']:.2f}x" if "throughput" in t["target"] else f"{100 * t['value']:.1f}%"
         print(f"  workers {t['workers']}  {t['op']:<8} {t['target']:<34} {value:>8}  {'PASS' if t['pass'] else 'FAIL'}")
+
+
+def print_verify(b: Bench, runs: list[dict]) -> None:
     for run in runs:
         v = run["verify"]
         if v is None:
@@ -422,14 +479,44 @@ def main(argv=None) -> int:
               f"tensors, names/dtypes/shapes {'equal' if mv['structure_ok'] else 'DIFFER'}, "
               f"{mv['compared']} compared byte for byte ({mv['compared_bytes'] / bc.GB:.2f} GB); "
               f"shards: {sv['slices_checked']} slices checked against the source"
-              + (" (slice checks are done for torch and safetensors shards only)" if args.format == "xser" else ""))
+              + (" (slice checks are done for torch and safetensors shards only)" if b.args.format == "xser" else ""))
         for p in mv["problems"] + sv["problems"]:
             print(f"  problem: {p}")
+
+
+def print_profiles(b: Bench, profiles: dict) -> None:
     for label, prof in profiles.items():
         print()
-        print(f"==== cProfile of {label} (workers {args.workers[0]}; {prof['seconds']:.2f} s under the profiler; "
+        print(f"==== cProfile of {label} (workers {b.args.workers[0]}; {prof['seconds']:.2f} s under the profiler; "
               f"stats {prof['stats_file']}) ====")
         print(prof["text"].rstrip())
+
+
+def print_report(b: Bench, runs: list[dict], profiles: dict, rows: list[list], targets: list[dict], loads: dict,
+                 machine: dict) -> None:
+    print_header(b, loads, machine)
+    print()
+    print(bc.format_table(
+        ["operation", "workers", "GB", "seconds", "GB/s", "vs cp", "peak RSS MB", "RSS % ckpt", "base MB",
+         "anon MB", "file MB", "CPU s"], rows))
+    print()
+    print_targets(b, runs, targets)
+    print_verify(b, runs)
+    print_profiles(b, profiles)
+
+
+def main(argv=None) -> int:
+    b = setup(parse_args(argv))
+    choose_page_cache(b)
+    choose_code(b)
+    build_fixture(b)
+    runs, profiles, loads = measure(b)
+    rows, targets = summarize(b, runs)
+    machine = machine_info()
+    if b.args.json:
+        print_json_report(b, runs, profiles, targets, loads, machine)
+    else:
+        print_report(b, runs, profiles, rows, targets, loads, machine)
     return 0
 
 

@@ -10,6 +10,14 @@ each operation in a fresh child process (wall time of the call, the child's own 
 for each --workers count, so the speed-up of threads on this machine shows too.
 Targets (issue): direct reshard at least 2x faster than merge-then-convert; peak RSS under 25% of
 the checkpoint size.
+
+`sync` runs (untimed) before every timed step; with --drop-caches the page cache is also dropped
+(`sync; echo 3 > /proc/sys/vm/drop_caches`) before every timed step, the cp baseline included. That
+needs root: without it the benchmark says so and exits 2. The default is a warm cache.
+
+Examples:
+    python scripts/bench_reshard.py --shape tiny --workers 1     # a quick smoke run (~60 MB)
+    python scripts/bench_reshard.py                              # TinyLlama shape, workers 1 and 2
 """
 
 from __future__ import annotations
@@ -47,64 +55,74 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated")
     p.add_argument("--repeat", type=int, default=1, help="repeats per worker count (median taken)")
     p.add_argument("--workdir", default=str(bc.DEFAULT_WORKDIR), help="cache and scratch folder")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="drop the page cache before every timed step, cp included (needs root; exits 2 otherwise)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    name, config = bc.load_shape(args.shape)
+def parse_layouts(args: argparse.Namespace) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(source tp, pp), (target tp, pp) from --source and --target."""
     (stp, spp), (ttp, tpp) = (tuple(int(x) for x in v.split(",")) for v in (args.source, args.target))
-    workdir = Path(args.workdir).absolute()
-    logdir, rundir = workdir / "logs", workdir / "run-reshard"
-    spec = bc.synthetic_spec(name, config, args.dtype)
-    built = bc.run_python("build", "bench_common:build_synthetic_checkpoint", {"workdir": str(workdir), "spec": spec},
-                          logdir, preload=("torch",))
-    hf = Path(built.result["path"])
-    size = bc.dir_bytes(hf)
-    skv, tkv = smallest_kv_multiplier(config, stp), smallest_kv_multiplier(config, ttp)
-    source = rundir / f"source-tp{stp}pp{spp}"
+    return (stp, spp), (ttp, tpp)
+
+
+def prepare_source(args, workdir: Path, name: str, config: dict, source: Path, stp: int, spp: int) -> int:
+    """Build (or reuse) the HF checkpoint, convert it to the source layout (untimed); returns the HF size."""
+    logdir = workdir / "logs"
+    hf, _ = bc.synthetic_source(workdir, logdir, name, config, args.dtype)
     bc.remove(source)
     bc.progress(f"setup: converting {hf.name} to tp {stp} pp {spp} (untimed)")
     bc.run_python("setup", "bench_convert:run_convert", {"src": str(hf), "dst": str(source), "tp": stp, "pp": spp,
-                  "qkv": args.qkv, "kv_multiplier": skv, "fmt": "torch", "workers": 2}, logdir, preload=PRELOAD)
-    rows, report = [], {"checkpoint_bytes": size, "runs": []}
-    for workers in bc.parse_int_list(args.workers):
-        samples: dict[str, list] = {"cp": [], "direct": [], "merge": [], "convert": []}
-        for _ in range(args.repeat):
-            bc.sync_disks()
-            samples["cp"].append(bc.cp_baseline("cp -r shards", source, rundir / "cp", logdir))
-            samples["cp"][-1].bytes_written = bc.dir_bytes(source)
-            bc.remove(rundir / "cp")
-            for key, target, kwargs in (
-                ("direct", "bench_reshard:run_reshard", {"src": str(source), "dst": str(rundir / "direct"), "tp": ttp,
-                                                          "pp": tpp, "qkv": args.qkv, "kv_multiplier": tkv, "workers": workers}),
-                ("merge", "bench_convert:run_merge", {"src": str(source), "dst": str(rundir / "merged"), "workers": workers}),
-                ("convert", "bench_convert:run_convert", {"src": str(rundir / "merged"), "dst": str(rundir / "two-step"),
-                                                          "tp": ttp, "pp": tpp, "qkv": args.qkv, "kv_multiplier": tkv,
-                                                          "fmt": "torch", "workers": workers}),
-            ):
-                bc.sync_disks()
-                m = bc.run_python(f"{key} w{workers}", target, kwargs, logdir, preload=PRELOAD)
-                samples[key].append(m)
-                bc.progress(f"workers {workers}: {key} {m.seconds:.2f} s, peak RSS {m.peak_rss / bc.MB:.0f} MB")
-            ok = bc.run_python("compare", "bench_reshard:same_shards", {"a": str(rundir / "direct"),
-                               "b": str(rundir / "two-step")}, logdir, preload=PRELOAD).result
-            for d in ("direct", "merged", "two-step"):
-                bc.remove(rundir / d)
-        c = {k: bc.combine(v) for k, v in samples.items()}
-        two_step = c["merge"].seconds + c["convert"].seconds
-        speedup = two_step / c["direct"].seconds
-        rss = max(c["direct"].peak_rss, 1) / size
-        rows.append((workers, f"{c['cp'].seconds:.2f}", f"{c['direct'].seconds:.2f}", f"{two_step:.2f}",
-                     f"{speedup:.2f}x", f"{c['direct'].peak_rss / bc.MB:.0f}", f"{100 * rss:.1f}%",
-                     f"{max(c['merge'].peak_rss, c['convert'].peak_rss) / bc.MB:.0f}", "equal" if ok else "DIFFER"))
-        report["runs"].append({"workers": workers, "cp_s": c["cp"].seconds, "direct_s": c["direct"].seconds,
-                               "merge_s": c["merge"].seconds, "convert_s": c["convert"].seconds, "speedup": speedup,
-                               "direct_peak_rss": c["direct"].peak_rss, "same_result": ok})
-    if args.json:
-        bc.print_json(report)
-        return 0
+                  "qkv": args.qkv, "kv_multiplier": smallest_kv_multiplier(config, stp), "fmt": "torch", "workers": 2},
+                  logdir, preload=PRELOAD)
+    return bc.dir_bytes(hf)
+
+
+def measured_ops(args, source: Path, rundir: Path, ttp: int, tpp: int, tkv: int, workers: int):
+    """(key, child target, kwargs) of the direct reshard and of the two steps of merge-then-convert."""
+    target = {"tp": ttp, "pp": tpp, "qkv": args.qkv, "kv_multiplier": tkv, "workers": workers}
+    return (
+        ("direct", "bench_reshard:run_reshard", {"src": str(source), "dst": str(rundir / "direct"), **target}),
+        ("merge", "bench_convert:run_merge", {"src": str(source), "dst": str(rundir / "merged"), "workers": workers}),
+        ("convert", "bench_convert:run_convert", {"src": str(rundir / "merged"), "dst": str(rundir / "two-step"),
+                                                  **target, "fmt": "torch"}),
+    )
+
+
+def run_repeat(args, source: Path, rundir: Path, logdir: Path, ttp: int, tpp: int, tkv: int, workers: int,
+               samples: dict[str, list]) -> bool:
+    """One repeat: cp baseline, direct reshard, merge, convert; returns whether both ways agree."""
+    bc.settle(args.drop_caches)
+    samples["cp"].append(bc.cp_baseline("cp -r shards", source, rundir / "cp", logdir))
+    for key, target, kwargs in measured_ops(args, source, rundir, ttp, tpp, tkv, workers):
+        bc.settle(args.drop_caches)
+        m = bc.run_python(f"{key} w{workers}", target, kwargs, logdir, preload=PRELOAD)
+        samples[key].append(m)
+        bc.progress(f"workers {workers}: {key} {m.seconds:.2f} s, peak RSS {m.peak_rss / bc.MB:.0f} MB")
+    ok = bc.run_python("compare", "bench_reshard:same_shards", {"a": str(rundir / "direct"),
+                       "b": str(rundir / "two-step")}, logdir, preload=PRELOAD).result
+    for d in ("direct", "merged", "two-step"):
+        bc.remove(rundir / d)
+    return ok
+
+
+def summarize(workers: int, c: dict[str, bc.Measurement], ok: bool, size: int) -> tuple[tuple, dict]:
+    """The table row and the JSON record of one worker count."""
+    two_step = c["merge"].seconds + c["convert"].seconds
+    speedup = two_step / c["direct"].seconds
+    rss = max(c["direct"].peak_rss, 1) / size
+    row = (workers, f"{c['cp'].seconds:.2f}", f"{c['direct'].seconds:.2f}", f"{two_step:.2f}",
+           f"{speedup:.2f}x", f"{c['direct'].peak_rss / bc.MB:.0f}", f"{100 * rss:.1f}%",
+           f"{max(c['merge'].peak_rss, c['convert'].peak_rss) / bc.MB:.0f}", "equal" if ok else "DIFFER")
+    record = {"workers": workers, "cp_s": c["cp"].seconds, "direct_s": c["direct"].seconds,
+              "merge_s": c["merge"].seconds, "convert_s": c["convert"].seconds, "speedup": speedup,
+              "direct_peak_rss": c["direct"].peak_rss, "same_result": ok}
+    return row, record
+
+
+def print_report(args, name: str, size: int, layouts, rows: list, report: dict) -> None:
+    (stp, spp), (ttp, tpp) = layouts
     print(f"\n{name} ({size / bc.GB:.2f} GB {args.dtype}): tp {stp} pp {spp} -> tp {ttp} pp {tpp}, qkv {args.qkv}")
     print(bc.busy_note(bc.load_average()))
     print(bc.format_table(("workers", "cp -r s", "reshard s", "merge+convert s", "speed-up", "reshard RSS MB",
@@ -112,6 +130,30 @@ def main(argv=None) -> int:
     for r in report["runs"]:
         print(f"  workers {r['workers']}: speed-up >= {SPEEDUP_TARGET}x  {'PASS' if r['speedup'] >= SPEEDUP_TARGET else 'FAIL'};"
               f"  RSS < 25%  {'PASS' if r['direct_peak_rss'] / size < RSS_TARGET else 'FAIL'}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.drop_caches:
+        bc.require_drop_caches()
+    name, config = bc.load_shape(args.shape)
+    (stp, spp), (ttp, tpp) = layouts = parse_layouts(args)
+    workdir = Path(args.workdir).absolute()
+    logdir, rundir = workdir / "logs", workdir / "run-reshard"
+    source = rundir / f"source-tp{stp}pp{spp}"
+    size = prepare_source(args, workdir, name, config, source, stp, spp)
+    tkv = smallest_kv_multiplier(config, ttp)
+    rows, report = [], {"checkpoint_bytes": size, "runs": []}
+    for workers in bc.parse_int_list(args.workers):
+        samples: dict[str, list] = {"cp": [], "direct": [], "merge": [], "convert": []}
+        oks = [run_repeat(args, source, rundir, logdir, ttp, tpp, tkv, workers, samples) for _ in range(args.repeat)]
+        row, record = summarize(workers, {k: bc.combine(v) for k, v in samples.items()}, oks[-1], size)
+        rows.append(row)
+        report["runs"].append(record)
+    if args.json:
+        bc.print_json(report)
+    else:
+        print_report(args, name, size, layouts, rows, report)
     return 0
 
 

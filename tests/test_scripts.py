@@ -1,0 +1,87 @@
+"""Quick checks of the benchmark scripts' shared code (scripts/bench_common.py) and their command lines.
+
+The benchmarks themselves take minutes; these run in seconds and never drop the page cache."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench_common as bc  # noqa: E402
+
+
+def test_split_files_uses_shardkit_sizes():
+    tensors = [("a", (1000,)), ("b", (1000,)), ("c", (1500,))]  # 2000, 2000, 3000 bytes in bf16
+    assert bc.split_files(tensors, 2, "4KB") == {
+        "model-00001-of-00002.safetensors": ["a", "b"],
+        "model-00002-of-00002.safetensors": ["c"],
+    }
+    assert bc.split_files(tensors, 2, "1MB") == {"model.safetensors": ["a", "b", "c"]}
+    assert bc.split_files(tensors, 2, 4000) == bc.split_files(tensors, 2, "4KB")
+
+
+def test_require_drop_caches_exits_2_when_not_root(monkeypatch, capsys):
+    monkeypatch.setattr(bc.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(bc, "drop_caches", lambda: pytest.fail("must not try to drop caches"))
+    with pytest.raises(SystemExit) as e:
+        bc.require_drop_caches()
+    assert e.value.code == 2
+    assert "not running as root" in capsys.readouterr().err
+
+
+def test_require_drop_caches_exits_2_when_the_kernel_refuses(monkeypatch, capsys):
+    monkeypatch.setattr(bc.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(bc, "drop_caches", lambda: (False, "cannot drop caches (Read-only file system)"))
+    with pytest.raises(SystemExit) as e:
+        bc.require_drop_caches()
+    assert e.value.code == 2
+    assert "Read-only file system" in capsys.readouterr().err
+
+
+def test_settle_syncs_or_drops(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bc, "sync_disks", lambda: calls.append("sync"))
+    monkeypatch.setattr(bc, "drop_caches", lambda: (calls.append("drop"), (True, "dropped"))[1])
+    bc.settle(False)
+    bc.settle(True)
+    assert calls == ["sync", "drop"]
+    monkeypatch.setattr(bc, "drop_caches", lambda: (False, "no"))
+    with pytest.raises(SystemExit) as e:
+        bc.settle(True)
+    assert e.value.code == 2
+
+
+def test_cp_baseline_measures_and_removes_the_copy(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"x" * 5000)
+    m = bc.cp_baseline("cp -r src", src, tmp_path / "copy", tmp_path / "logs")
+    assert m.bytes_written == 5000 and m.seconds > 0 and m.peak_rss > 0
+    assert not (tmp_path / "copy").exists()
+
+
+def test_load_lines():
+    assert bc.load_lines(None, (1.0, 1.0, 1.0)) == []
+    lines = bc.load_lines((0.0, 0.1, 0.2), (0.0, 0.0, 0.0))
+    assert lines == ["load:   1/5/15-min load average 0.0/0.1/0.2 at start, 0.0/0.0/0.0 at end"]
+    busy = bc.load_lines((99.0, 0.0, 0.0), (99.0, 0.0, 0.0))
+    assert len(busy) == 2 and busy[1].startswith("        WARNING: 1-min load average 99.0")
+
+
+def test_format_table_aligns_numbers_right():
+    text = bc.format_table(["op", "seconds"], [["cp", "1.50"], ["convert", "12.25"]])
+    assert text.splitlines() == ["op       seconds", "-------  -------", "cp          1.50", "convert    12.25"]
+
+
+@pytest.mark.parametrize("script", ["bench_convert.py", "bench_reshard.py", "bench_checkpoint.py", "bench_train.py"])
+def test_scripts_parse_their_options(script):
+    out = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"], capture_output=True, text=True, check=True)
+    assert "usage:" in out.stdout
+    if script in ("bench_convert.py", "bench_reshard.py"):
+        assert "--drop-caches" in out.stdout
