@@ -6,7 +6,8 @@
    equals transformers' model + torch AdamW; exports of tp1pp1 and tp2pp2 hold the same weights;
 3. a tiny model learns the bundled text (loss well below the unigram entropy) and its
    --export-hf output loads with transformers and generates;
-4. bad input: one line on rank 0, every rank exits, nothing written, no hang.
+4. bad input: one line on rank 0, every rank exits with code 2 (torchrun itself exits 1), nothing
+   written, no hang.
 (2, resuming on another layout, is in the checkpoint section at the end.)
 """
 
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer_helpers import (CORPUS, check_ok, corpus_tokens, losses, rel_diff, run_inprocess, steps, torchrun)
+from trainer_helpers import (CORPUS, check_ok, corpus_tokens, losses, rel_diff, run_inprocess, steps, torchrun,
+                             worker_exit_codes)
 
 from shardkit import Layout, convert
 from shardkit.testing import make_tiny_model
@@ -193,7 +195,8 @@ def test_bad_input_one_line_every_rank_exits(name, work, hf_model, tokens):
     args = ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--checkpoint-dir", str(out / "ckpt"),
             "--metrics", str(out / "metrics.jsonl"), "--export-hf", str(out / "export"), *extra]
     done = torchrun(nproc, args, timeout=120)  # a hang fails here
-    assert done.returncode != 0
+    assert done.returncode == 1, done.stderr  # torchrun's own code when its workers fail
+    assert worker_exit_codes(done.stderr) == {rank: 2 for rank in range(nproc)}, done.stderr  # none SIGTERMed
     lines = _error_lines(done.stderr)
     assert len(lines) == 1, done.stderr  # rank 0 only, one line
     assert fragment in lines[0], lines[0]
@@ -239,9 +242,89 @@ def test_one_rank_failing_stops_every_rank(work, hf_model, tokens):
     victim = shards / "model" / "dp_rank_00_tp_rank_01_pp_rank_00.pt"
     victim.write_bytes(victim.read_bytes()[:200])
     done = torchrun(2, ["--model", str(shards), "--data", str(tokens), *COMMON, "--tp", "2"], timeout=120)
-    assert done.returncode != 0
+    assert done.returncode == 1
+    assert worker_exit_codes(done.stderr) == {0: 2, 1: 2}, done.stderr  # the same code on every rank
     lines = [ln for ln in done.stderr.splitlines() if ln.startswith("trainer:") and "error" in ln]
-    assert lines and any("rank 1" in ln for ln in lines), done.stderr
+    assert len(lines) == 1 and "rank 1 of 2" in lines[0] and "truncated or corrupt" in lines[0], done.stderr
+    assert "/trainer/" not in done.stderr, "a trainer traceback without --debug"
+
+
+def test_debug_prints_the_failing_ranks_traceback(tmp_path, tokens, capsys):
+    from trainer.__main__ import main
+
+    assert main(["--model", str(tmp_path / "nope"), "--data", str(tokens), "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("trainer: error:")
+
+
+# ---- re-running a finished command; --export-hf ----------------------------------------------------------
+
+
+def test_rerunning_the_finished_readme_command_succeeds(tmp_path, hf_model, tokens):
+    """README's command (checkpoints, async save, latest_if_exists, --export-hf) run twice under
+    torchrun: the second run finds the run finished, keeps its own export and exits 0."""
+    ckpt, export = tmp_path / "ckpt", tmp_path / "trained"
+    args = ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "2", "--tp", "2",
+            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--num-kept", "3", "--async-save",
+            "--resume", "latest_if_exists", "--export-hf", str(export)]
+    check_ok(torchrun(2, args, timeout=120))
+    weights = (export / "model.safetensors").read_bytes()
+    assert json.loads((export / "trainer-export.json").read_text())["step"] == 2
+    again = torchrun(2, args, timeout=120)
+    check_ok(again)
+    assert "already holds this run's export of step 2" in again.stderr, again.stderr
+    assert "nothing to train: already at step 2" in again.stderr
+    assert (export / "model.safetensors").read_bytes() == weights
+
+
+def test_export_destination_rules(tmp_path, hf_model, tokens, capsys):
+    """--export-hf never clobbers what is not this run's export unless --overwrite-export; this
+    run's export is replaced when the run went on; never the --model."""
+    from safetensors.torch import load_file
+
+    from trainer.__main__ import main
+
+    export = tmp_path / "out"
+    export.mkdir()
+    (export / "notes.txt").write_text("mine")
+    base = ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "1", "--export-hf", str(export)]
+    assert main(base) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not an earlier export of this run" in err[0] and "--overwrite-export" in err[0], err
+    assert (export / "notes.txt").read_text() == "mine"
+    assert main([*base, "--overwrite-export"]) == 0
+    assert not (export / "notes.txt").exists() and (export / "config.json").is_file()
+    first = load_file(str(export / "model.safetensors"))
+    assert main([*base, "--steps", "2"]) == 0  # the same run, one step further: its export is replaced
+    assert json.loads((export / "trainer-export.json").read_text())["step"] == 2
+    assert not torch.equal(load_file(str(export / "model.safetensors"))["model.norm.weight"], first["model.norm.weight"])
+    capsys.readouterr()
+    assert main([*base[:-1], str(hf_model), "--overwrite-export"]) == 2
+    assert "overlaps --model" in capsys.readouterr().err
+
+
+def test_load_keeps_the_sources_qkv_style_and_kv_replication(tmp_path, hf_model, tokens, caplog):
+    """Shards (tp4, kv-multiplier 2, blocked, fused qkv) resharded on load to tp2: the run keeps
+    fused and blocked (and says so) unless --qkv / --kv-replication ask otherwise."""
+    import logging
+
+    from trainer.config import parse_args
+    from trainer.loop import plan_run
+
+    shards = tmp_path / "tp4-fused-blocked"
+    convert(hf_model, shards, Layout(tp=4, kv_multiplier=2, kv_replication="blocked", qkv="fused"))
+    base = ["--model", str(shards), "--data", str(tokens), "--tp", "2", "--seq-len", "32"]
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        layout = plan_run(parse_args(base), world=2).spec.layout
+    assert (layout.tp, layout.qkv, layout.kv_replication) == (2, "fused", "blocked")
+    kept = [r.getMessage() for r in caplog.records if "keeping" in r.getMessage()]
+    assert len(kept) == 1 and "fused" in kept[0] and "blocked" in kept[0], kept
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        layout = plan_run(parse_args([*base, "--qkv", "gqa"]), world=2).spec.layout
+    assert (layout.qkv, layout.kv_replication) == ("gqa", "blocked")
+    assert plan_run(parse_args(["--model", str(hf_model), "--data", str(tokens), "--seq-len", "32"]),
+                    world=1).spec.layout.qkv == "separate"
 
 
 # ---- parts --------------------------------------------------------------------------------------------

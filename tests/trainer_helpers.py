@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,9 @@ def check_ok(done: subprocess.CompletedProcess) -> None:
 def rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (a, b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def worker_exit_codes(stderr: str) -> dict[int, int]:
+    """{rank: exit code} from torchrun's failure report (every failed worker is listed)."""
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stderr)
+    return {int(rank): int(code) for rank, code in found}

@@ -29,10 +29,12 @@ class TrainConfig:
     dp: int = _opt(0, "Data-parallel degree (default: world size / (tp x pp)).", "--dp-size")
     kv_multiplier: int = _opt(1, "Replicate K/V heads this many times (NxD's kv_size_multiplier).",
                               "--kv-size-multiplier")
-    kv_replication: str = _opt("interleaved", "Order of K/V replicas (interleaved = Trn1, blocked = Trn2).",
-                               choices=("interleaved", "blocked"))
-    qkv: str = _opt("separate", "How q/k/v are held: separate, gqa (NxD qkv_proj.weight_q/_k/_v), fused, coalesced.",
-                    choices=("separate", "gqa", "fused", "coalesced"))
+    kv_replication: str | None = _opt(None, "Order of K/V replicas (interleaved = Trn1, blocked = Trn2); default: "
+                                            "--model's when it is sharded, else interleaved.",
+                                      choices=("interleaved", "blocked"))
+    qkv: str | None = _opt(None, "How q/k/v are held: separate, gqa (NxD qkv_proj.weight_q/_k/_v), fused, coalesced; "
+                                 "default: --model's when it is sharded, else separate.",
+                           choices=("separate", "gqa", "fused", "coalesced"))
     zero1: bool = _opt(False, "Shard optimizer state (and fp32 master weights) over data-parallel ranks (ZeRO-1).")
     sequence_parallel: bool = _opt(False, "Sequence parallelism: norms and residuals on 1/tp of the sequence.")
     activation_checkpointing: bool = _opt(False, "Recompute each decoder layer in backward (saves activation memory).")
@@ -65,7 +67,10 @@ class TrainConfig:
                              "directory (newest tag), or latest_if_exists (newest tag of --checkpoint-dir, if any).",
                        metavar="CKPT")
     # ---- output --------------------------------------------------------------------------------
-    export_hf: str = _opt(None, "At the end, write the merged Hugging Face model here.", metavar="DIR")
+    export_hf: str = _opt(None, "At the end, write the merged Hugging Face model here. DIR must be new, empty, or "
+                                "this run's own earlier export (same --model, --data and --checkpoint-dir), which is "
+                                "replaced, or kept when it already holds the final step.", metavar="DIR")
+    overwrite_export: bool = _opt(False, "Let --export-hf replace a non-empty DIR that is not this run's export.")
     metrics: str = _opt(None, "JSONL metrics file (default: <checkpoint-dir>/metrics.jsonl when --checkpoint-dir).",
                         metavar="FILE")
     log_every: int = _opt(1, "Update the progress bar and metrics every N steps.")
@@ -75,6 +80,7 @@ class TrainConfig:
                        choices=("cpu", "cuda", "xla"))
     timeout: float = _opt(600.0, "Seconds before a collective gives up (no rank hangs forever).")
     threads: int = _opt(0, "CPU threads per process (0: torch's default / OMP_NUM_THREADS).")
+    debug: bool = _opt(False, "On an error, also print the traceback of each rank that failed (or TRAINER_DEBUG=1).")
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

@@ -151,50 +151,65 @@ class Optimizer:
         self.clip_grad = clip_grad
         self.zero1 = zero1 and par.dp > 1
         self.sequence_parallel = sequence_parallel and par.tp > 1
-        replicated = spec.replicated_names(par.pp_rank)
+        self.slots = self._make_slots(model, spec.replicated_names(par.pp_rank))
+        self.by_name = {n: s for s in self.slots for n in s.names}
+        self.owned = self._assign_owners()
+        self._plumb_gradients(sources)
+        self.replica_groups = self._replica_groups(spec)
+        self.adam = self._make_adam(lr, betas, eps, weight_decay)
+
+    def _make_slots(self, model: nn.Module, replicated: set[str]) -> list[Slot]:
+        """One slot per Parameter (shared ones once), its gradient a view into one flat fp32 buffer."""
         by_param: dict[int, Slot] = {}
         order: list[Slot] = []
-        named = list(model.named_parameters(remove_duplicate=False))
-        numel = sum(p.numel() for _, p in dict(model.named_parameters()).items())
-        self.flat = torch.zeros(numel, dtype=torch.float32, device=par.device)
+        numel = sum(p.numel() for p in dict(model.named_parameters()).values())
+        self.flat = torch.zeros(numel, dtype=torch.float32, device=self.par.device)
         offset = 0
-        for name, p in named:
+        for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in by_param:
                 by_param[id(p)].names.append(name)
                 continue
             view = self.flat[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
-            slot = Slot([name], p, view, name in replicated, p.dim() >= 2)
-            by_param[id(p)] = slot
+            by_param[id(p)] = slot = Slot([name], p, view, name in replicated, p.dim() >= 2)
             order.append(slot)
-        self.slots = order
-        self.by_name = {n: s for s in order for n in s.names}
+        return order
 
-        # ZeRO-1 ownership: greedy by size, identical on every dp rank (same pieces)
+    def _assign_owners(self) -> list[Slot]:
+        """ZeRO-1 ownership: greedy by size, identical on every dp rank (same pieces); without
+        ZeRO-1 every rank owns everything. Returns the slots this rank owns."""
+        par = self.par
         loads = [0] * par.dp
-        for slot in order:
+        for slot in self.slots:
             if self.zero1:
                 slot.owner = min(range(par.dp), key=lambda r: (loads[r], r))
                 loads[slot.owner] += slot.param.numel()
             else:
                 slot.owner = par.dp_rank
-        self.owned = [s for s in order if s.owner == par.dp_rank]
+        return [s for s in self.slots if s.owner == par.dp_rank]
 
-        # masters and gradient plumbing
-        for slot in order:
+    def _plumb_gradients(self, sources: Mapping[str, torch.Tensor] | None) -> None:
+        """fp32 params: `.grad` is the flat buffer's view and the param its own master. bf16 params:
+        an fp32 master (from the source tensor when given) on the owner, and a hook accumulating
+        into the buffer."""
+        for slot in self.slots:
+            mine = slot.owner == self.par.dp_rank
             if slot.param.dtype == torch.float32:
                 slot.param.grad = slot.grad
-                if slot.owner == par.dp_rank:
+                if mine:
                     slot.master = slot.param
-            else:
-                if slot.owner == par.dp_rank:
-                    source = sources.get(slot.names[0]) if sources else None
-                    init = (source if source is not None else slot.param.detach()).to(torch.float32)
-                    slot.master = nn.Parameter(init.clone(), requires_grad=False)
-                    slot.master.grad = slot.grad
-                slot.param.register_post_accumulate_grad_hook(self._accumulate_hook(slot))
+                continue
+            if mine:
+                source = sources.get(slot.names[0]) if sources else None
+                init = (source if source is not None else slot.param.detach()).to(torch.float32)
+                slot.master = nn.Parameter(init.clone(), requires_grad=False)
+                slot.master.grad = slot.grad
+            slot.param.register_post_accumulate_grad_hook(self._accumulate_hook(slot))
 
-        # replicated slices (kv replicas, tied embeddings across stages) and their groups
+    def _replica_groups(self, spec: ModelSpec) -> list[tuple[Group, list[_Interval]]]:
+        """The replicated slices this rank holds (kv replicas, tied embeddings across stages),
+        grouped by the ranks that hold them. Every rank creates every group (same order)."""
+        par = self.par
         intervals = _replica_intervals(spec)
         rank_sets = []
         for iv in intervals:
@@ -202,33 +217,34 @@ class Optimizer:
             rank_sets += [[par.global_rank(d, p, t) for p, t in coords] for d in range(par.dp)]
         groups = par.new_groups(rank_sets)
         me = (par.pp_rank, par.tp_rank)
-        self.replica_groups: list[tuple[Group, list[_Interval]]] = []
         by_group: dict[frozenset, list[_Interval]] = {}
         for iv in intervals:
             coords = sorted({r for r, _, _ in iv.holders})
             if me not in coords:
                 continue
-            key = frozenset(par.global_rank(par.dp_rank, p, t) for p, t in coords)
             for position, (coord, name, off) in enumerate(iv.holders):
-                if coord != me:
-                    continue
-                held = _Held(self.by_name[name], iv.dim, off, iv.length)
-                iv.mine.append(held)
-                if position > 0:  # not the first holder: not counted in the norm
-                    slot = held.slot
-                    if slot.norm_mask is None:
-                        slot.norm_mask = torch.ones_like(slot.grad)
-                    slot.norm_mask.narrow(iv.dim, off, iv.length).zero_()
-            by_group.setdefault(key, []).append(iv)
-        for key in sorted(by_group, key=lambda k: sorted(k)):
-            self.replica_groups.append((groups[key], by_group[key]))
+                if coord == me:
+                    self._hold(iv, _Held(self.by_name[name], iv.dim, off, iv.length), counted=position == 0)
+            by_group.setdefault(frozenset(par.global_rank(par.dp_rank, p, t) for p, t in coords), []).append(iv)
+        return [(groups[key], by_group[key]) for key in sorted(by_group, key=lambda k: sorted(k))]
 
-        # torch's AdamW on the masters this rank owns
+    @staticmethod
+    def _hold(iv: _Interval, held: _Held, counted: bool) -> None:
+        """Record this rank's copy of a replicated slice; only the first holder counts in the norm."""
+        iv.mine.append(held)
+        if not counted:
+            slot = held.slot
+            if slot.norm_mask is None:
+                slot.norm_mask = torch.ones_like(slot.grad)
+            slot.norm_mask.narrow(iv.dim, held.offset, iv.length).zero_()
+
+    def _make_adam(self, lr: float, betas, eps: float, weight_decay: float) -> torch.optim.AdamW | None:
+        """torch's AdamW on the masters this rank owns (no weight decay for norms and biases)."""
         decay = [s.master for s in self.owned if s.decay]
         no_decay = [s.master for s in self.owned if not s.decay]
         param_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                                     {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        self.adam = torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps) if param_groups else None
+        return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps) if param_groups else None
 
     @staticmethod
     def _accumulate_hook(slot: Slot):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from shardkit.distributed import Job
 
-from .errors import TrainerError
+from .errors import JobFailed, TrainerError, decide_exit, exit_code, one_line
 
 log = logging.getLogger("trainer")
 T = TypeVar("T")
@@ -213,9 +213,15 @@ class Parallel:
         return self.job.broadcast(value)
 
     def all_ok(self, step: Callable[[], T]) -> T:
-        """Run `step` on every rank; if it fails anywhere, raise on every rank (no rank is left
-        waiting in a collective for one that died)."""
-        return self.job.run_all_or_none(step)
+        """Run `step` on every rank; if it fails anywhere, raise `JobFailed` on every rank (no rank
+        is left waiting in a collective for one that died; every rank exits with the same code)."""
+        error, result = None, None
+        try:
+            result = step()
+        except Exception as e:  # noqa: BLE001 - agreed on, then raised on every rank
+            error = e
+        agree(self.job, error)
+        return result  # type: ignore[return-value]
 
     def sum_over_world(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -223,6 +229,31 @@ class Parallel:
             with COMM.timed():
                 dist.all_reduce(t)
         return t.tolist()
+
+
+# ---- failing together ------------------------------------------------------------------------------
+
+
+def agree(job: Job, error: BaseException | None) -> None:
+    """Every rank calls this with its own error (or None). If any rank failed, every rank raises
+    `JobFailed` with the first failing rank's one-line message and exit code, and only after a
+    barrier: by then every rank has decided its exit code (`decide_exit`), so whichever rank
+    torchrun reaches first, all exit with the same code. A one-process run re-raises `error`."""
+    mine = None if error is None else (exit_code(error), one_line(error))
+    if mine is not None:
+        decide_exit(mine[0])
+    if job.world == 1:
+        if error is not None:
+            raise error
+        return
+    reports = job.gather(mine)
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if not failed:
+        return
+    rank, (code, message) = failed[0]
+    decide_exit(code)
+    dist.barrier()
+    raise JobFailed(message, rank, code, job.world) from error
 
 
 # ---- environment ---------------------------------------------------------------------------------
@@ -276,18 +307,31 @@ def resolve_dp(tp: int, pp: int, dp: int, world: int) -> int:
     return dp or world // (tp * pp)
 
 
-def init_parallel(tp: int, pp: int, dp: int, device: torch.device, timeout_s: float) -> Parallel:
-    """Join (or create) the job's process group and build the tp/pp/dp groups."""
+def _backend(device: torch.device | None) -> str:
+    return BACKENDS.get(device.type, "gloo") if device is not None else "gloo"
+
+
+def join(device: torch.device | None, timeout_s: float) -> Job:
+    """Join (or create) the job's default process group; no group for one process. Without a
+    device (choosing it failed) the group is gloo's, just to agree on the failure."""
     rank, world, _ = world_from_env()
-    backend = BACKENDS[device.type] if device.type in BACKENDS else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
     if world > 1 and not dist.is_initialized():
-        kwargs: dict[str, Any] = {"timeout": timeout}
+        backend = _backend(device)
+        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s if timeout_s > 0 else 600.0)}
         if backend == "xla":
             kwargs["init_method"] = "xla://"
         dist.init_process_group(backend, **kwargs)
     if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
+        return Job(dist.get_rank(), dist.get_world_size())
+    return Job(rank, world)
+
+
+def init_parallel(tp: int, pp: int, dp: int, device: torch.device, timeout_s: float) -> Parallel:
+    """Join (or create) the job's process group and build the tp/pp/dp groups."""
+    backend = _backend(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    job = join(device, timeout_s)
+    rank, world = job.rank, job.world
     solo = _solo(rank)
     par = Parallel(tp, pp, dp, rank, world, device, backend, timeout, solo, solo, solo, solo)
     if world == 1:

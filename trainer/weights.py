@@ -8,14 +8,21 @@ another layout is resharded on load).
 Out (`--export-hf`): every model replica-0 rank saves its rank file (its `state_dict()`, which is
 the NxD rank file by construction) as a model-only checkpoint tag in a staging directory, with
 shardkit's `Checkpointer`; then `export_checkpoint` (divided among the job's processes) merges
-the tag into the Hugging Face directory.
+the tag into the Hugging Face directory, replacing what is there (the destination was checked
+before the job started, `check_export_destination`), and rank 0 adds `trainer-export.json`: which
+run (--model, --data, --checkpoint-dir) and step it holds. That marker is what lets the same
+command run again: its own earlier export is replaced, or kept when it already holds the final
+step; any other non-empty directory needs `--overwrite-export`.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,10 +31,13 @@ from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank
 from shardkit.formats import SourceReader
 from shardkit.formats import Checkpoint, hf
 
+from .errors import TrainerError
 from .model import ModelSpec
 from .parallel import Parallel
 
+log = logging.getLogger("trainer")
 EXPORT_TAG = "export"
+EXPORT_MARKER = "trainer-export.json"
 
 
 def read_rank_pieces(ckpt: Checkpoint, spec: ModelSpec, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
@@ -39,19 +49,55 @@ def read_rank_pieces(ckpt: Checkpoint, spec: ModelSpec, tp_rank: int, pp_rank: i
         reader.close()
 
 
-def check_export_destination(dst: str | Path) -> None:
-    from .errors import TrainerError
+def export_run(cfg) -> dict[str, Any]:
+    """What identifies a run's exports: its --model, --data and --checkpoint-dir (absolute)."""
+    def where(path: str | None) -> str | None:
+        return str(Path(path).absolute()) if path else None
 
-    dst = Path(dst)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise TrainerError(f"--export-hf {dst} exists and is not empty: choose another directory or remove it")
+    return {"model": where(cfg.model), "data": where(cfg.data), "checkpoint_dir": where(cfg.checkpoint_dir)}
+
+
+def _marker(dst: Path) -> dict[str, Any] | None:
+    try:
+        marker = json.loads((dst / EXPORT_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _inputs(cfg) -> list[tuple[str, Path]]:
+    named = [("--model", cfg.model), ("--checkpoint-dir", cfg.checkpoint_dir)]
+    if cfg.resume and Path(cfg.resume).exists():
+        named.append(("--resume", cfg.resume))
+    return [(flag, Path(path).absolute()) for flag, path in named if path]
+
+
+def check_export_destination(cfg) -> int | None:
+    """Check --export-hf before the job starts (nothing is written). Returns the step of this run's
+    own earlier export found there, or None when there is none."""
+    dst = Path(cfg.export_hf).absolute()
+    for flag, src in _inputs(cfg):
+        if dst == src or dst in src.parents or (flag != "--checkpoint-dir" and src in dst.parents):
+            raise TrainerError(f"--export-hf {cfg.export_hf} overlaps {flag} {src}: export to another directory")
+    if dst.exists() and not dst.is_dir():
+        raise TrainerError(f"--export-hf {cfg.export_hf} is a file: give a directory")
+    if not dst.is_dir() or not any(dst.iterdir()):
+        return None
+    marker = _marker(dst)
+    if marker is not None and marker.get("run") == export_run(cfg):
+        return int(marker.get("step", -1))
+    if cfg.overwrite_export:
+        return None
+    raise TrainerError(f"--export-hf {cfg.export_hf} exists, is not empty and is not an earlier export of this run: "
+                       "choose another directory, or pass --overwrite-export to replace it")
 
 
 def export_hf(model: torch.nn.Module, spec: ModelSpec, par: Parallel, dst: str | Path, source_dir: str | Path | None,
-              dtype: torch.dtype) -> Path:
-    """Write the merged Hugging Face model of the current weights to `dst` (all ranks call this):
-    the rank files are saved as a model-only checkpoint tag in a staging folder, which
-    `export_checkpoint` merges (divided among the job's processes)."""
+              dtype: torch.dtype, run: dict[str, Any], step: int) -> Path:
+    """Write the merged Hugging Face model of the current weights (of `step`) to `dst`, replacing
+    it (all ranks call this): the rank files are saved as a model-only checkpoint tag in a staging
+    folder, which `export_checkpoint` merges (divided among the job's processes); rank 0 then
+    marks it as `run`'s export."""
     dst = Path(dst).absolute()
     staging = dst.parent / f".{dst.name}.trainer-export-{os.getpid()}"
     staging = Path(par.broadcast_object(str(staging) if par.leader else None))
@@ -66,7 +112,9 @@ def export_hf(model: torch.nn.Module, spec: ModelSpec, par: Parallel, dst: str |
         rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=0, dp=par.dp_rank)
         checkpointer.save(staging, EXPORT_TAG, state, layout=spec.layout, config=spec.config, rank=rank)
         par.all_ok(copy_side_files)
-        export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype)
+        export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype, overwrite=True)
+        if par.leader:
+            (dst / EXPORT_MARKER).write_text(json.dumps({"run": run, "step": step}, indent=2) + "\n")
     finally:
         checkpointer.close()
         par.barrier()
