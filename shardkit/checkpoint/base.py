@@ -46,6 +46,7 @@ import torch
 
 from ..errors import ConfigMismatchError, FormatError, LayoutError, ShardkitError
 from ..layout import Layout
+from ..paths import UnsafePathError
 
 FORMATS = ("torch", "xser", "safetensors")
 
@@ -62,6 +63,14 @@ class NoCheckpointError(CheckpointError):
 
 class IncompleteCheckpointError(CheckpointError, FormatError):
     """The tag has no `done` marker: an interrupted save or deletion."""
+
+
+class UnsafeTagError(CheckpointError, UnsafePathError):
+    """A tag name would lead outside its checkpoint directory (absolute, `..`, separators)."""
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another process (or Checkpointer) is saving to or pruning the same checkpoint directory."""
 
 
 class CheckpointWriteError(CheckpointError):
