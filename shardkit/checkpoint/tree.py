@@ -542,9 +542,12 @@ def lock_directory(directory: str | Path, what: str) -> DirectoryLock:
     except BlockingIOError:
         holder = _holder_text(fd)
         os.close(fd)
+        hint = ("that is this process: let its save finish first (Checkpointer.wait() or finalize_checkpoint())"
+                if holder.startswith(f"pid {os.getpid()} on host {socket.gethostname()} ") else
+                "wait for it to finish or stop it, then retry")
         raise CheckpointLockedError(
-            f"checkpoint directory {directory} is in use by {holder}: wait for it to finish or stop it, then retry "
-            "(two writers on one directory would mix or delete each other's files)") from None
+            f"checkpoint directory {directory} is in use by {holder}: {hint} (two writers on one directory would "
+            "mix or delete each other's files)") from None
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
