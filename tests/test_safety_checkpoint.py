@@ -30,6 +30,7 @@ import ckpt_child
 from shardkit.checkpoint import (
     Checkpointer,
     CheckpointError,
+    CheckpointLockedError,
     Rank,
     finalize_checkpoint,
     latest,
@@ -39,7 +40,6 @@ from shardkit.checkpoint import (
     save_checkpoint,
 )
 from shardkit.checkpoint import save as ckpt_save
-from shardkit.checkpoint.base import CheckpointLockedError
 from shardkit.cli import cli
 from shardkit.errors import FormatError, ShardkitError
 from shardkit.layout import Layout
@@ -229,6 +229,10 @@ def test_a_second_writer_is_refused_while_a_save_holds_the_directory(ckpt, tmp_p
         with pytest.raises(CheckpointLockedError, match=who):
             save(ckpt, 8, Checkpointer())
         assert not (ckpt / "step_8").exists()  # refused before anything was written
+        written = snapshot(ckpt / "step_7")
+        with pytest.raises(CheckpointLockedError, match=who):
+            save(ckpt, 7, Checkpointer())  # the same tag: the files would mix
+        assert snapshot(ckpt / "step_7") == written
         out = CliRunner().invoke(cli, ["ckpt", "prune", str(ckpt), "--keep", "1"])
         assert out.exit_code == 2 and one_line(out.output) and f"pid {holder.pid}" in out.output
         assert tags(ckpt) == [("step_1", True), ("step_2", True), ("step_7", False)]  # nothing pruned
