@@ -384,3 +384,49 @@ def test_manifest_file_names_cannot_leave_the_tag(ckpt, tmp_path):
     with pytest.raises(UnsafePathError, match="leads outside"):
         load_checkpoint(ckpt, "step_2")
     assert load_checkpoint(ckpt, "latest_if_exists").tag == "step_1"  # and resuming falls back
+
+
+# ---- resuming in a torch.distributed job: the ranks never split across steps --------------------------
+
+RANK_LOADER = r"""
+import sys
+import torch.distributed as dist
+from shardkit.checkpoint import load_checkpoint
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+for root in sys.argv[3:]:
+    try:
+        print(load_checkpoint(root, "latest_if_exists", optimizer=False).tag)
+    except Exception as e:
+        print(type(e).__name__)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # two processes importing torch: ~5 s on an idle machine
+def test_distributed_ranks_skip_only_what_every_rank_sees(tmp_path):
+    layout = Layout(tp=2)
+    full = ckpt_child.full_state(CONFIG, 1)["weight"]
+    model = {(tp, 0): ckpt_child.rank_pieces(CONFIG, layout, Rank(tp=tp), full) for tp in (0, 1)}
+    roots = [tmp_path / "manifest", tmp_path / "hash"]
+    with Checkpointer() as ck:
+        for root in roots:
+            for step in (1, 2):
+                ck.save(root, f"step_{step}", model, layout=layout, config=CONFIG)
+                ck.wait()
+    # every rank sees a damaged manifest: all of them resume from step_1
+    edit_manifest(roots[0] / "step_2", lambda d: d["checkpoint"].update(step="abc"))
+    # only rank 1 reads (and hashes) this file: it must not resume alone from step_1
+    path = roots[1] / "step_2" / "model" / "dp_rank_00_tp_rank_01_pp_rank_00.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_LOADER, str(r), port, *map(str, roots)], env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert [o[0].split() for o in outs] == [["step_1", "step_2"], ["step_1", "FormatError"]]
