@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+import ckpt_child
 import pytest
 from click.testing import CliRunner
 
-import ckpt_child
 from shardkit.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -263,7 +263,7 @@ def test_async_save_holds_the_lock_until_its_retention_is_done(ckpt, monkeypatch
         ck.save(ckpt, "step_3", pieces(3), layout=LAYOUT, config=CONFIG, async_save=True, num_kept=1)
         assert in_retention.wait(30)  # the save is complete, its retention runs in the background
         assert (ckpt / "step_3" / "done").exists()
-        other = subprocess.run(prune, env=_env(), capture_output=True, text=True, timeout=60)
+        other = subprocess.run(prune, env=_env(), capture_output=True, text=True, timeout=60, check=False)
         assert other.returncode == 2, other.stderr
         assert one_line(other.stderr) and f"pid {os.getpid()}" in other.stderr and "step_3" in other.stderr
         go_on.set()
@@ -369,7 +369,7 @@ def test_manifest_file_names_cannot_leave_the_tag(ckpt, tmp_path):
     secret.write_text("the password is swordfish\n")
     entry = {"size": secret.stat().st_size, "sha256": _sha(secret)}
     for name in ("../../secret.txt", str(secret)):
-        edit_manifest(ckpt / "step_2", lambda d: d["files"].append({"path": name, **entry}))
+        edit_manifest(ckpt / "step_2", lambda d, name=name: d["files"].append({"path": name, **entry}))
         with pytest.raises(UnsafePathError, match="listed in step_2/shardkit.json") as e:
             load_checkpoint(ckpt, "step_2")
         assert one_line(str(e.value))

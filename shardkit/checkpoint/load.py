@@ -40,7 +40,6 @@ from ..layout import Layout, ModelDims
 from ..placements import Piece, Read
 from .base import (
     MOMENT_SEP,
-    CheckpointError,
     IncompleteCheckpointError,
     LoadedCheckpoint,
     NoCheckpointError,

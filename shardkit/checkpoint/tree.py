@@ -32,7 +32,12 @@ from ..formats import nxd
 from ..formats.source import MANIFEST
 from ..layout import Layout
 from ..paths import UnsafePathError, inside, is_link, remove_tree
-from .base import CheckpointError, CheckpointLockedError, UnsafeTagError, check_retention
+from .base import (
+    CheckpointError,
+    CheckpointLockedError,
+    UnsafeTagError,
+    check_retention,
+)
 
 log = logging.getLogger(__name__)
 
@@ -175,12 +180,12 @@ def manifest_problem(data: Any) -> str | None:
     if step is not None and not _whole_number(step):
         return f"{MANIFEST} step {step!r} is not a whole number"
     optim = info.get("optimizer")
-    if optim is not None:
-        if not (isinstance(optim, dict) and isinstance(optim.get("moments"), list)
-                and all(isinstance(m, str) for m in optim["moments"]) and isinstance(optim.get("params"), dict)
-                and all(isinstance(v, dict) for v in optim["params"].values())
-                and isinstance(optim.get("param_groups") or [], list)):
-            return f"{MANIFEST} optimizer section is malformed (moments, params, param_groups)"
+    if optim is not None and not (
+            isinstance(optim, dict) and isinstance(optim.get("moments"), list)
+            and all(isinstance(m, str) for m in optim["moments"]) and isinstance(optim.get("params"), dict)
+            and all(isinstance(v, dict) for v in optim["params"].values())
+            and isinstance(optim.get("param_groups") or [], list)):
+        return f"{MANIFEST} optimizer section is malformed (moments, params, param_groups)"
     return None
 
 
