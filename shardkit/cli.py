@@ -704,7 +704,7 @@ def ckpt_list(directory, as_json):
     if not directory.is_dir():
         raise ShardkitError(f"{directory} does not exist: give the checkpoint directory (the parent of the tags)")
     infos = list_checkpoints(directory)
-    newest = next((i.tag for i in reversed(infos) if i.complete), None)
+    newest = next((i.tag for i in reversed(infos) if i.loadable), None)
     if as_json:
         click.echo(json.dumps({"directory": str(directory), "latest": newest,
                                "checkpoints": [i.to_dict() for i in infos]}, indent=2))
@@ -715,12 +715,16 @@ def ckpt_list(directory, as_json):
     rows = [("tag", "state", "step", "layout", "format", "size", "saved")]
     for i in infos:
         saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.mtime)) if i.mtime else "-"
-        state = ("complete" if i.complete else "INCOMPLETE") + (" (latest)" if i.tag == newest else "")
+        state = ("DAMAGED" if i.damaged else "complete" if i.complete else "INCOMPLETE") + \
+            (" (latest)" if i.tag == newest else "") + (" (link)" if i.link else "")
         rows.append((i.tag, state, "-" if i.step is None else str(i.step), i.layout_text, i.format or "-",
                      _size_text(i.size), saved))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for i in infos:
+        if i.damaged:
+            click.echo(f"{i.tag} is damaged: {i.problem} (skipped when resuming; never pruned)", err=True)
 
 
 @ckpt_group.command(name="prune")

@@ -23,6 +23,7 @@ from .base import (
     FORMATS,
     CheckpointError,
     CheckpointerConfig,
+    CheckpointLockedError,
     CheckpointWriteError,
     IncompleteCheckpointError,
     LoadedCheckpoint,
@@ -30,6 +31,7 @@ from .base import (
     OptimizerState,
     Rank,
     StateMismatchError,
+    UnsafeTagError,
     optimizer_state_from_torch,
 )
 from .load import LATEST_IF_EXISTS, load_checkpoint, resolve_tag
@@ -52,5 +54,5 @@ __all__ = [
     "LoadedCheckpoint", "OptimizerState", "optimizer_state_from_torch", "Rank", "CheckpointInfo", "RetentionPlan",
     "plan_retention", "remove_tag", "resolve_tag", "model_file", "optim_file", "LATEST_IF_EXISTS", "FORMATS",
     "CheckpointError", "NoCheckpointError", "IncompleteCheckpointError", "CheckpointWriteError",
-    "StateMismatchError",
+    "StateMismatchError", "CheckpointLockedError", "UnsafeTagError",
 ]

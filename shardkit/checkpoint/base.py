@@ -27,6 +27,16 @@ The protocol, which every part of this package keeps:
 5. Tags are ordered by step (from the manifest, else from the tag name: `step_120`,
    `epoch=1-step=120`, `120`), then by the mtime of their `checkpoint` marker; when some tag has
    no step, by that mtime alone (NxD's rule).
+6. One writer per checkpoint directory: a save (until its retention is over, also in the
+   background) and a prune hold an flock on `<dir>/.shardkit.lock`, which names the holder (pid,
+   host, command). Only rank 0 of a job takes it; the kernel releases it when the holder dies.
+7. Nothing is deleted through a symlink: a tag that is a link is removed (or replaced by a save)
+   by unlinking the link; links inside a tag are unlinked, never followed.
+8. A complete tag whose manifest is unreadable or malformed is *damaged*: listed as such, never
+   "the latest", neither counted nor removed by retention. Resuming from the latest checkpoint
+   skips damaged tags and tags that fail their checks, with a warning (load.py).
+9. Tag names and the file names a manifest lists are confined to their folders
+   (`shardkit.paths.inside`): absolute names and `..` are refused (UnsafeTagError / UnsafePathError).
 
 Ranks. A process's place in the job is a `Rank` (tp, pp, ep, dp). Without an explicit rank it
 comes from torch.distributed's global rank, in NxD/Megatron order, tensor parallel fastest:
@@ -47,6 +57,7 @@ import torch
 from ..errors import ConfigMismatchError, FormatError, LayoutError, ShardkitError
 from ..formats.registry import format_names
 from ..layout import Layout
+from ..paths import UnsafePathError
 
 FORMATS = tuple(format_names())
 
@@ -63,6 +74,14 @@ class NoCheckpointError(CheckpointError):
 
 class IncompleteCheckpointError(CheckpointError, FormatError):
     """The tag has no `done` marker: an interrupted save or deletion."""
+
+
+class UnsafeTagError(CheckpointError, UnsafePathError):
+    """A tag name would lead outside its checkpoint directory (absolute, `..`, separators)."""
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another process (or Checkpointer) is saving to or pruning the same checkpoint directory."""
 
 
 class CheckpointWriteError(CheckpointError):

@@ -12,6 +12,13 @@ Before any tensor is read, the tag is checked: complete (`done`), every listed f
 its size, the config equal to the caller's, the files this rank reads holding the expected names
 and shapes and (with `verify`) their sha256 equal to the manifest's. A failure raises a
 ShardkitError and returns nothing: no rank state is ever loaded half-way.
+
+"The latest checkpoint" (tag None or "latest_if_exists") is the newest complete tag that loads:
+damaged tags (malformed manifest) are skipped, and a tag that fails its checks (missing,
+truncated or corrupt files) is skipped for the next older one, with a warning naming the tag and
+why. In a torch.distributed job only failures every rank sees alike (the manifest, the listed
+files and their sizes) are skipped that way; a failure of one rank's own files (sha256) raises,
+since ranks resuming from different steps would be worse than stopping.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 
 from ..errors import ConfigMismatchError, FormatError
 from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
+from ..paths import UnsafePathError, inside
 from ..formats.torch_io import safe_load
 from ..layout import Layout, ModelDims
 from ..placements import Piece, Read
@@ -36,8 +44,20 @@ from .base import (
     NoCheckpointError,
     OptimizerState,
     Rank,
+    distributed_rank,
 )
-from .tree import CONFIG, MODEL_DIR, OPTIM_DIR, SCHEDULER, USER_CONTENT, is_complete, latest, read_manifest
+from .tree import (
+    CONFIG,
+    MODEL_DIR,
+    OPTIM_DIR,
+    SCHEDULER,
+    USER_CONTENT,
+    CheckpointInfo,
+    check_manifest,
+    is_complete,
+    list_checkpoints,
+    tag_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +69,9 @@ def resolve_tag(directory: Path, tag: str | None) -> str | None:
     "latest_if_exists"), or the named tag, which must be complete."""
     directory = Path(directory)
     if tag is None or tag == LATEST_IF_EXISTS:
-        found = latest(directory)
-        if found is None and tag is None:
-            raise NoCheckpointError(f"{directory} holds no complete checkpoint (no <tag>/done): train from scratch, "
-                                    "or pass tag='latest_if_exists' to get None instead of this error")
-        return found
-    tag_dir = directory / str(tag)
+        found = _candidates(directory, tag)
+        return found[0] if found else None
+    tag_dir = tag_path(directory, tag)
     if not tag_dir.is_dir():
         raise NoCheckpointError(f"checkpoint {tag_dir} does not exist (see `shardkit ckpt list {directory}`)")
     if not is_complete(tag_dir):
@@ -62,6 +79,31 @@ def resolve_tag(directory: Path, tag: str | None) -> str | None:
             f"checkpoint {tag_dir} has no done marker: it is incomplete (an interrupted save or deletion); "
             f"load another tag (`shardkit ckpt list {directory}`)")
     return str(tag)
+
+
+def _candidates(directory: Path, tag: str | None) -> list[str]:
+    """The loadable (complete, not damaged) tags, newest first; logs the damaged tags skipped.
+    No candidate: NoCheckpointError (tag None), [] (latest_if_exists), or an error when complete
+    tags exist but every one is damaged (never "train from scratch" over damaged checkpoints)."""
+    infos = list_checkpoints(directory, details=False)
+    loadable = [i for i in reversed(infos) if i.loadable]
+    newest = loadable[0] if loadable else None
+    damaged = [i for i in infos if i.complete and i.damaged and (newest is None or _newer(i, newest, infos))]
+    for info in damaged:
+        log.warning("skipping damaged checkpoint %s: %s", info.path, info.problem)
+    if loadable:
+        return [i.tag for i in loadable]
+    if damaged:
+        raise FormatError(f"every complete checkpoint in {directory} is damaged ({damaged[-1].tag}: "
+                          f"{damaged[-1].problem}): fix or restore its shardkit.json, or load a tag by name")
+    if tag is None:
+        raise NoCheckpointError(f"{directory} holds no complete checkpoint (no <tag>/done): train from scratch, "
+                                "or pass tag='latest_if_exists' to get None instead of this error")
+    return []
+
+
+def _newer(a: CheckpointInfo, b: CheckpointInfo, ordered: list[CheckpointInfo]) -> bool:
+    return ordered.index(a) > ordered.index(b)
 
 
 def prefixed(piece: Piece, prefix: str) -> Piece:
@@ -73,9 +115,17 @@ def prefixed(piece: Piece, prefix: str) -> Piece:
 # ---- checks before reading -------------------------------------------------------------------------
 
 
+def _listed_path(tag_dir: Path, name: str) -> Path:
+    """A file named by the manifest: inside the tag (no absolute names, `..` or escaping links)."""
+    try:
+        return inside(tag_dir, name, f"file {name!r} listed in {tag_dir.name}/shardkit.json")
+    except UnsafePathError as e:
+        raise UnsafePathError(f"{e}; checkpoint {tag_dir} is damaged or tampered with: load another tag") from None
+
+
 def _check_listed_files(tag_dir: Path, manifest: Mapping[str, Any]) -> None:
     for entry in manifest.get("files", []):
-        path = tag_dir / entry["path"]
+        path = _listed_path(tag_dir, entry["path"])
         if not path.is_file():
             raise FormatError(f"{tag_dir.name}/{entry['path']} is missing: checkpoint {tag_dir} is damaged; load "
                               "an older tag (tag=...) or restore the file")
@@ -125,7 +175,7 @@ def _verify_hashes(tag_dir: Path, manifest: Mapping[str, Any], keys: set[str]) -
             raise FormatError(f"the manifest of {tag_dir} does not list {key}: the checkpoint is damaged")
         for entry in mine:
             digest = hashlib.sha256()
-            with open(tag_dir / entry["path"], "rb") as fh:
+            with open(_listed_path(tag_dir, entry["path"]), "rb") as fh:
                 for block in iter(lambda: fh.read(8 << 20), b""):
                     digest.update(block)
             if digest.hexdigest() != entry["sha256"]:
@@ -261,11 +311,47 @@ def load_checkpoint(
     without config.json). `verify`: check the sha256 of every file this rank reads against the
     manifest (reads those files once more). Returns a LoadedCheckpoint."""
     root = Path(dir)
-    name = resolve_tag(root, tag)
-    if name is None:
+    if tag is not None and tag != LATEST_IF_EXISTS:
+        name = resolve_tag(root, tag)
+        assert name is not None
+        return _load_tag(root, name, target_layout, rank, config, hints, optimizer, verify)
+    candidates = _candidates(root, tag)
+    if not candidates:
         return None
+    one_process = distributed_rank() is None
+    first: Exception | None = None
+    for pos, name in enumerate(candidates):
+        shared = [True]  # still in the checks every rank makes alike
+        try:
+            return _load_tag(root, name, target_layout, rank, config, hints, optimizer, verify, shared)
+        except _SKIPPABLE as e:
+            first = first or e
+            if not (one_process or shared[0]):
+                log.error("checkpoint %s fails on this rank (%s): in a torch.distributed job the ranks cannot agree "
+                          "on an older tag on their own; pass tag=<an older tag> to every rank", root / name, e)
+                raise
+            if pos + 1 == len(candidates):
+                raise FormatError(f"no complete checkpoint in {root} can be loaded (the newest, {candidates[0]}: "
+                                  f"{first}): restore the damaged files or load a tag by name") from e
+            log.warning("skipping checkpoint %s: %s; trying the older %s", root / name, e, candidates[pos + 1])
+    return None  # unreachable
+
+
+_SKIPPABLE = (FormatError, UnsafePathError, NoCheckpointError, OSError)
+"""Failures of a tag itself (damaged, missing, corrupt) after which an older tag is tried. A config
+or layout that does not fit is the caller's, and raised at once."""
+
+
+def _load_tag(root: Path, name: str, target_layout: Layout | None, rank: Any,
+              config: Mapping[str, Any] | str | Path | None, hints: Mapping[str, Any] | None, optimizer: bool,
+              verify: bool, shared: list[bool] | None = None) -> LoadedCheckpoint:
     tag_dir = root / name
-    manifest = read_manifest(tag_dir)
+    if not is_complete(tag_dir):
+        raise IncompleteCheckpointError(f"checkpoint {tag_dir} has no done marker (removed meanwhile?): load "
+                                        "another tag")
+    manifest, problem = check_manifest(tag_dir)
+    if problem is not None:
+        raise FormatError(f"checkpoint {tag_dir} is damaged: {problem}; load an older tag (tag=...) or restore it")
     if manifest is not None:
         _check_listed_files(tag_dir, manifest)
     saved = load_config(tag_dir) if (tag_dir / CONFIG).is_file() else None
@@ -278,6 +364,8 @@ def load_checkpoint(
     me = Rank.of(rank, target)
     pieces = ckpt.family.rank_pieces(target, ckpt.dims, me.tp, me.pp, ckpt.full_shapes, me.ep)
     same = target == ckpt.layout
+    if shared is not None:
+        shared[0] = False  # from here on, each rank reads (and hashes) its own files
     model = read_pieces(ckpt, pieces, me, manifest, verify, same)
     opt = read_optimizer(ckpt, pieces, me, manifest, verify, same) if optimizer and manifest else None
     if optimizer and manifest is None and (tag_dir / OPTIM_DIR).is_dir():
@@ -285,7 +373,7 @@ def load_checkpoint(
                     "not loaded (NxD's optimizer files are numbered, not keyed by parameter name)", tag_dir)
     scheduler = safe_load(tag_dir / SCHEDULER, mmap=False) if (tag_dir / SCHEDULER).is_file() else None
     user_content = safe_load(tag_dir / USER_CONTENT, mmap=False) if (tag_dir / USER_CONTENT).is_file() else None
-    step = (manifest or {}).get("checkpoint", {}).get("step") if manifest else None
+    step = (manifest.get("checkpoint") or {}).get("step") if manifest else None
     if step is None and isinstance(user_content, Mapping) and isinstance(user_content.get("step"), int):
         step = user_content["step"]
     if step is None:

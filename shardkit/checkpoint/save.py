@@ -12,6 +12,11 @@ One save, on every rank of the job (steps 2-5 run in the background thread for a
 4. rank 0 writes the manifest (shardkit.json), fsyncs it and the folder, then writes `done`,
    durably; the ranks agree that it was written;
 5. rank 0 applies retention (after `done`, never before; failures logged, not raised).
+
+One writer per directory: before step 2, rank 0 (only it: the ranks of one job share the folder)
+takes the directory's lock (`<dir>/.shardkit.lock`, tree.lock_directory) and keeps it until step
+5 is over, also when steps 2-5 run in the background; a second job saving or pruning meanwhile
+gets CheckpointLockedError naming the holder, on every rank of its job, before anything is written.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from ..formats.xser import XserWriter, tensors_dir
 from ..layout import Layout, ModelDims
 from .async_save import BackgroundWriter, HostStaging, host_copy
 from ..errors import LayoutError
+from ..paths import is_link
 from .base import (
     CheckpointError,
     CheckpointerConfig,
@@ -64,13 +70,15 @@ from .tree import (
     MODEL_DIR,
     SCHEDULER,
     USER_CONTENT,
+    DirectoryLock,
     apply_retention,
-    check_tag_name,
     fsync_path,
     is_complete,
     list_checkpoints,
+    lock_directory,
     plan_retention,
     remove_tag,
+    tag_path,
     tag_step,
     write_marker,
     write_text,
@@ -206,7 +214,11 @@ def _save_json(tag_dir: Path, name: str, data: Any, fsync: bool) -> FileRecord:
 def prepare_tag(job: SaveJob) -> None:
     """Rank 0: a fresh `<tag>/` with its `checkpoint` marker (an older tag of that name goes first)."""
     job.root.mkdir(parents=True, exist_ok=True)
-    if job.tag_dir.exists():
+    if is_link(job.tag_dir):  # never written or emptied through: the link goes, its target stays
+        log.warning("tag %s is a symlink (to %s): replacing the link with a new folder; its target is left untouched",
+                    job.tag_dir, Path(job.tag_dir).resolve())
+        remove_tag(job.tag_dir, job.fsync)
+    elif job.tag_dir.exists():
         (log.warning if is_complete(job.tag_dir) else log.info)(
             "tag %s exists: replacing it (its done marker is removed first)", job.tag_dir)
         remove_tag(job.tag_dir, job.fsync)
@@ -363,10 +375,22 @@ class Checkpointer:
             self._writer.wait()
             job = self._job(dir, tag, model_state, optimizer_state, scheduler, user_content, layout, config, rank,
                             format, async_save, num_kept, keep_every, step, param_names)
-            if job.async_save:
-                self._writer.submit_save(job.tag, lambda: run_save(job, self.comm))
-            else:
-                run_save(job, self.comm, retention=lambda j: self._writer.submit_purge(lambda: retain(j)))
+            lock = self._lock_directory(job)
+            released = False  # True once the lock's release is handed to the background thread
+            try:
+                if job.async_save:
+                    self._writer.submit_save(job.tag, lambda: _then_release(lambda: run_save(job, self.comm), lock))
+                    released = True
+                else:
+                    def purge(j: SaveJob) -> None:
+                        nonlocal released
+                        self._writer.submit_purge(lambda: _then_release(lambda: retain(j), lock))
+                        released = True
+
+                    run_save(job, self.comm, retention=purge)
+            finally:
+                if not released:
+                    lock.release()
 
     def wait(self) -> None:
         """Wait for the save in flight (and its retention); raise its error if it failed."""
@@ -398,6 +422,24 @@ class Checkpointer:
             log.exception("the last checkpoint save failed before exit")
             raise
 
+    def _lock_directory(self, job: SaveJob) -> DirectoryLock:
+        """Rank 0 takes the directory's writer lock; every rank learns whether it could (one lock
+        per job: the other ranks write into the folder rank 0 locked)."""
+        taken: list[DirectoryLock] = []
+
+        def take() -> None:
+            if job.leader:
+                job.root.mkdir(parents=True, exist_ok=True)
+                taken.append(lock_directory(job.root, f"saving checkpoint {job.tag}"))
+
+        try:
+            self.comm.agree(f"saving checkpoint {job.tag}", take)
+        except BaseException:
+            for lock in taken:
+                lock.release()
+            raise
+        return taken[0] if taken else DirectoryLock(job.root, None)
+
     # -- building a job (caller's thread)
     def _job(self, dir, tag, model_state, optimizer_state, scheduler, user_content, layout, config, rank, fmt,
              async_save, num_kept, keep_every, step, param_names) -> SaveJob:
@@ -409,7 +451,7 @@ class Checkpointer:
 
         def build() -> SaveJob:
             check_retention(num_kept, keep_every)
-            check_tag_name(tag)
+            tag_path(Path(dir), tag)  # a plain folder name inside dir, else a one-line error
             if not isinstance(layout, Layout):
                 raise CheckpointError("layout= must be a shardkit.Layout (the layout the state is cut in)")
             if config is None:
@@ -484,6 +526,13 @@ class Checkpointer:
             staging.end()
         job.scheduler = host_copy(job.scheduler)
         job.user_content = host_copy(job.user_content)
+
+
+def _then_release(task: Callable[[], Any], lock: DirectoryLock) -> Any:
+    try:
+        return task()
+    finally:
+        lock.release()
 
 
 def _check_claims(layout: Layout, claims: Sequence[Sequence[tuple[int, int, int, int]]], world: int) -> None:

@@ -1,22 +1,43 @@
-"""The checkpoint tree on disk: markers, durable writes, listing, ordering, retention, deletion.
+"""The checkpoint tree on disk: markers, durable writes, listing, ordering, retention, deletion,
+and the lock that keeps one writer per checkpoint directory.
 
 Nothing here knows about tensors. See base.py for the protocol these functions keep.
+
+Safety rules kept here:
+- Nothing is ever deleted *through* a symlink: a tag that is a link is removed by unlinking the
+  link (its target is left as it was); links inside a tag are unlinked, never followed.
+- A tag whose manifest (shardkit.json) is unreadable or malformed is *damaged*: listed as such,
+  never loaded as "the latest", never counted or removed by retention (a person decides).
+- Saves, retention and prune hold `<dir>/.shardkit.lock` (an flock, released when the holder
+  finishes or dies); a second writer gets a one-line error naming the holder.
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
+import fcntl
 import json
 import logging
 import os
 import re
-import shutil
+import socket
+import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
+from ..errors import ShardkitError
 from ..formats import nxd
 from ..formats import MANIFEST
-from .base import CheckpointError, check_retention
+from ..layout import Layout
+from ..paths import UnsafePathError, inside, is_link, remove_tree
+from .base import (
+    CheckpointError,
+    CheckpointLockedError,
+    UnsafeTagError,
+    check_retention,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +81,41 @@ def write_marker(tag_dir: Path, name: str, fsync: bool = True) -> None:
     write_text(Path(tag_dir) / name, "1", fsync)
 
 
-def check_tag_name(tag: str) -> str:
-    tag = str(tag)
-    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or tag.startswith("."):
-        raise CheckpointError(f"tag {tag!r} is not a plain folder name: use e.g. step_1000")
-    return tag
+def check_tag_name(tag: str, directory: str | Path | None = None) -> str:
+    """A tag must be a plain folder name (UnsafeTagError otherwise, saying why)."""
+    text = str(tag)
+    why = None
+    if not text or text in (".", ".."):
+        why = "it is empty or a dot" if text in ("", ".") else "'..' climbs out of the checkpoint directory"
+    elif "\x00" in text:
+        why = "it holds a NUL byte"
+    elif PurePosixPath(text).is_absolute() or PureWindowsPath(text).is_absolute() or PureWindowsPath(text).drive:
+        why = "it is an absolute path"
+    elif ".." in text.replace("\\", "/").split("/"):
+        why = "'..' climbs out of the checkpoint directory"
+    elif "/" in text or "\\" in text:
+        why = "it holds a path separator"
+    elif text.startswith("."):
+        why = "names starting with '.' are not tags"
+    if why:
+        where = f" inside {directory}" if directory is not None else ""
+        raise UnsafeTagError(f"tag {text!r} is not a plain folder name{where} ({why}): use e.g. step_1000")
+    return text
+
+
+def tag_path(directory: str | Path, tag: str) -> Path:
+    """`<directory>/<tag>` for a tag name given by a user or read from data: a plain folder name
+    that resolves inside `directory` (shardkit.paths.inside), else UnsafeTagError. A tag that is
+    itself a symlink is returned as it is: read through, but never written or deleted through
+    (see remove_tag, which unlinks the link)."""
+    root = Path(directory)
+    text = check_tag_name(tag, root)
+    if is_link(root / text):
+        return root / text
+    try:
+        return inside(root, text, "checkpoint tag")
+    except UnsafePathError as e:
+        raise UnsafeTagError(str(e)) from None
 
 
 # ---- listing -------------------------------------------------------------------------------------
@@ -77,11 +128,65 @@ def tag_step(tag: str) -> int | None:
 
 
 def read_manifest(tag_dir: Path) -> dict[str, Any] | None:
+    """The tag's manifest when it is present and well-formed, else None (see check_manifest)."""
+    return check_manifest(tag_dir)[0]
+
+
+def check_manifest(tag_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) for a well-formed shardkit.json; (None, None) when there is none (an NxD
+    tag); (None, what is wrong) when it is unreadable, not JSON or malformed (a damaged tag)."""
+    path = Path(tag_dir) / MANIFEST
     try:
-        data = json.loads((Path(tag_dir) / MANIFEST).read_text())
-    except (OSError, ValueError):
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"{MANIFEST} cannot be read ({e.strerror or e})"
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return None, f"{MANIFEST} is not valid JSON"
+    problem = manifest_problem(data)
+    return (None, problem) if problem else (data, None)
+
+
+def _whole_number(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def manifest_problem(data: Any) -> str | None:
+    """What is wrong with a parsed shardkit.json (None: every field loading relies on is sound)."""
+    if not isinstance(data, dict):
+        return f"{MANIFEST} is a JSON {type(data).__name__}, not an object"
+    for key, kind in (("format", str), ("layout", dict), ("files", list)):
+        if key not in data:
+            return f"{MANIFEST} lacks {key!r}"
+        if not isinstance(data[key], kind):
+            return f"{MANIFEST} field {key!r} is a {type(data[key]).__name__}, not a {kind.__name__}"
+    try:
+        Layout.from_dict(data["layout"])
+    except Exception as e:  # noqa: BLE001 - any failure is a malformed layout
+        return f"{MANIFEST} layout is invalid ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    for entry in data["files"]:
+        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str) and _whole_number(entry.get("size"))
+                and isinstance(entry.get("sha256"), str)):
+            return f"{MANIFEST} lists a file entry {str(entry)[:80]!r} without a path, size and sha256"
+    info = data.get("checkpoint")
+    if info is None:
         return None
-    return data if isinstance(data, dict) else None
+    if not isinstance(info, dict):
+        return f"{MANIFEST} field 'checkpoint' is a {type(info).__name__}, not an object"
+    step = info.get("step")
+    if step is not None and not _whole_number(step):
+        return f"{MANIFEST} step {step!r} is not a whole number"
+    optim = info.get("optimizer")
+    if optim is not None and not (
+            isinstance(optim, dict) and isinstance(optim.get("moments"), list)
+            and all(isinstance(m, str) for m in optim["moments"]) and isinstance(optim.get("params"), dict)
+            and all(isinstance(v, dict) for v in optim["params"].values())
+            and isinstance(optim.get("param_groups") or [], list)):
+        return f"{MANIFEST} optimizer section is malformed (moments, params, param_groups)"
+    return None
 
 
 def is_complete(tag_dir: Path) -> bool:
@@ -102,6 +207,17 @@ class CheckpointInfo:
     mtime: float  # of the `checkpoint` marker (when the save began)
     manifest: bool = False  # True when written by shardkit (shardkit.json present)
     files: int = 0
+    problem: str | None = None  # why the tag is damaged (its manifest is unreadable or malformed)
+    link: bool = False  # the tag is a symlink (removing it unlinks the link, never its target)
+
+    @property
+    def damaged(self) -> bool:
+        return self.problem is not None
+
+    @property
+    def loadable(self) -> bool:
+        """Complete and not damaged: a candidate for "the latest checkpoint"."""
+        return self.complete and self.problem is None
 
     @property
     def layout_text(self) -> str:
@@ -119,6 +235,7 @@ class CheckpointInfo:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["path"] = str(self.path)
+        data["damaged"] = self.damaged
         return data
 
 
@@ -136,7 +253,7 @@ def _tree_size(path: Path) -> tuple[int, int]:
 
 def _info(tag_dir: Path, details: bool = True) -> CheckpointInfo:
     complete = is_complete(tag_dir)
-    manifest = read_manifest(tag_dir)
+    manifest, problem = check_manifest(tag_dir)
     marker = tag_dir / CHECKPOINT_MARKER
     try:
         mtime = (marker if marker.is_file() else tag_dir).stat().st_mtime
@@ -149,7 +266,7 @@ def _info(tag_dir: Path, details: bool = True) -> CheckpointInfo:
         layout, fmt = manifest.get("layout"), manifest.get("format")
     if step is None:
         step = tag_step(tag_dir.name)
-    if layout is None and details:
+    if layout is None and details and problem is None:
         try:
             found = nxd.find_rank_files(tag_dir)
         except Exception:  # noqa: BLE001 - incomplete or damaged: no layout to show
@@ -157,7 +274,8 @@ def _info(tag_dir: Path, details: bool = True) -> CheckpointInfo:
         if found is not None:
             layout, fmt = {"tp": found.tp, "pp": found.pp, "ep": found.ep}, found.format
     size, count = _tree_size(tag_dir) if details else (0, 0)
-    return CheckpointInfo(tag_dir.name, tag_dir, complete, step, layout, fmt, size, mtime, manifest is not None, count)
+    return CheckpointInfo(tag_dir.name, tag_dir, complete, step, layout, fmt, size, mtime,
+                          manifest is not None or problem is not None, count, problem, is_link(tag_dir))
 
 
 def _is_tag(path: Path) -> bool:
@@ -180,9 +298,9 @@ def list_checkpoints(directory: str | Path, details: bool = True) -> list[Checkp
 
 
 def latest(directory: str | Path) -> str | None:
-    """The newest complete tag, or None."""
-    complete = [i for i in list_checkpoints(directory, details=False) if i.complete]
-    return complete[-1].tag if complete else None
+    """The newest complete tag that is not damaged, or None."""
+    loadable = [i for i in list_checkpoints(directory, details=False) if i.loadable]
+    return loadable[-1].tag if loadable else None
 
 
 def has_checkpoint(directory: str | Path) -> bool:
@@ -211,18 +329,24 @@ def plan_retention(infos: list[CheckpointInfo], num_kept: int | None, keep_every
                    protect: tuple[str, ...] = ()) -> RetentionPlan:
     """Keep the newest `num_kept` complete tags and those whose step is a multiple of `keep_every`;
     remove the other complete tags and the incomplete tags older than the newest complete one. The
-    newest complete tag and `protect`ed tags are always kept. With no complete tag, nothing goes."""
+    newest complete tag and `protect`ed tags are always kept. With no complete tag, nothing goes.
+    Damaged tags (complete, but with a malformed manifest) are neither counted nor removed."""
     check_retention(num_kept, keep_every)
     plan = RetentionPlan()
-    complete = [i for i in infos if i.complete]
+    complete = [i for i in infos if i.loadable]
     if not complete:
         plan.keep = [i.tag for i in infos]
+        for info in infos:
+            if info.complete and info.damaged:
+                plan.reasons[info.tag] = f"damaged ({info.problem}): never removed by retention"
         return plan
     newest = complete[-1]
     newest_pos = infos.index(newest)
     kept_recent = {i.tag for i in (complete if num_kept in (None, -1) else complete[-num_kept:])}
     for pos, info in enumerate(infos):
-        if info.complete:
+        if info.complete and info.damaged:  # not counted, not removed: a person decides
+            plan.reasons[info.tag] = f"damaged ({info.problem}): never removed by retention; fix or remove it"
+        elif info.complete:
             if info.tag in kept_recent or info is newest:
                 plan.reasons[info.tag] = "newest" if info is newest else "recent"
             elif keep_every and info.step is not None and info.step % keep_every == 0:
@@ -249,11 +373,12 @@ def _remove_file(path: Path) -> None:
 
 
 def _remove_children(folder: Path, keep: str | None = None) -> None:
+    """Delete what a folder holds; links are unlinked, never descended (entries are lstat'ed)."""
     for entry in list(os.scandir(folder)):
         if entry.name == keep:
             continue
         path = Path(entry.path)
-        if entry.is_dir(follow_symlinks=False):
+        if entry.is_dir(follow_symlinks=False) and not is_link(path):
             _remove_children(path)
             os.rmdir(path)
         else:
@@ -261,9 +386,13 @@ def _remove_children(folder: Path, keep: str | None = None) -> None:
 
 
 def clear_done(tag_dir: Path, fsync: bool = True) -> bool:
-    """Remove a tag's `done` marker durably (the first step of deleting or re-saving it)."""
-    done = Path(tag_dir) / DONE_MARKER
-    if not done.exists():
+    """Remove a tag's `done` marker durably (the first step of deleting or re-saving it). Through
+    a tag that is a symlink nothing is removed (the link's target is not ours)."""
+    tag_dir = Path(tag_dir)
+    if is_link(tag_dir):
+        return False
+    done = tag_dir / DONE_MARKER
+    if not done.exists() and not is_link(done):
         return False
     _remove_file(done)
     if fsync:
@@ -273,37 +402,52 @@ def clear_done(tag_dir: Path, fsync: bool = True) -> bool:
 
 def remove_tag(tag_dir: Path, fsync: bool = True) -> None:
     """Delete a tag so that an interruption at any point leaves an incomplete tag (or nothing):
-    `done` first (durably), then every file, then the `checkpoint` marker, then the folder."""
+    `done` first (durably), then every file, then the `checkpoint` marker, then the folder.
+
+    A tag that is a symlink is removed by unlinking the link: its target is never touched."""
     tag_dir = Path(tag_dir)
+    if is_link(tag_dir):
+        log.info("%s is a symlink: removing the link only (its target %s is left untouched)", tag_dir,
+                 os.path.realpath(tag_dir))
+        os.unlink(tag_dir)
+        if fsync:
+            fsync_path(tag_dir.parent)
+        return
     if not tag_dir.exists():
         return
+    if not tag_dir.is_dir():
+        raise CheckpointError(f"{tag_dir} is a file, not a checkpoint tag folder: move it away or pick another tag")
     clear_done(tag_dir, fsync)
     _remove_children(tag_dir, keep=CHECKPOINT_MARKER)
     marker = tag_dir / CHECKPOINT_MARKER
-    if marker.exists():
+    if marker.exists() or is_link(marker):
         _remove_file(marker)
     try:
         os.rmdir(tag_dir)
-    except OSError:  # something appeared meanwhile: leave it to the next retention
-        shutil.rmtree(tag_dir, ignore_errors=True)
+    except OSError:  # something appeared meanwhile: removed without following any link
+        try:
+            remove_tree(tag_dir)
+        except OSError as e:
+            log.warning("could not remove %s completely (%s): it is retried at the next retention", tag_dir, e)
 
 
 def apply_retention(directory: Path, plan: RetentionPlan, fsync: bool = True) -> RetentionPlan:
     """Remove `plan.remove`: every `done` marker first, then the tags one by one. A failure is
-    recorded in `plan.failed` and logged; the other tags are still removed."""
+    recorded in `plan.failed` and logged; the other tags are still removed. The caller holds the
+    directory's lock (lock_directory)."""
     directory = Path(directory)
     for tag in plan.remove:
         try:
-            clear_done(directory / tag, fsync)
-        except OSError as e:
+            clear_done(tag_path(directory, tag), fsync)
+        except (OSError, ShardkitError) as e:
             plan.failed[tag] = str(e)
     for tag in plan.remove:
         if tag in plan.failed:
             continue
         try:
-            remove_tag(directory / tag, fsync)
+            remove_tag(tag_path(directory, tag), fsync)
             plan.removed.append(tag)
-        except OSError as e:
+        except (OSError, ShardkitError) as e:
             plan.failed[tag] = str(e)
     for tag, why in plan.failed.items():
         log.warning("retention could not remove %s: %s (it is retried at the next save)", directory / tag, why)
@@ -314,9 +458,114 @@ def apply_retention(directory: Path, plan: RetentionPlan, fsync: bool = True) ->
 
 def prune_checkpoints(directory: str | Path, num_kept: int | None = None, keep_every: int | None = None,
                       dry_run: bool = False, protect: tuple[str, ...] = (), fsync: bool = True) -> RetentionPlan:
-    """Apply retention to a checkpoint directory now (what `shardkit ckpt prune` runs)."""
+    """Apply retention to a checkpoint directory now (what `shardkit ckpt prune` runs). Holds the
+    directory's lock (CheckpointLockedError while a save or another prune is running)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} does not exist: give the checkpoint directory (the parent of the tags)")
-    plan = plan_retention(list_checkpoints(directory, details=False), num_kept, keep_every, protect)
-    return plan if dry_run else apply_retention(directory, plan, fsync)
+    if dry_run:
+        return plan_retention(list_checkpoints(directory, details=False), num_kept, keep_every, protect)
+    with lock_directory(directory, "pruning"):
+        plan = plan_retention(list_checkpoints(directory, details=False), num_kept, keep_every, protect)
+        return apply_retention(directory, plan, fsync)
+
+
+# ---- one writer per checkpoint directory -----------------------------------------------------------
+
+LOCK_FILE = ".shardkit.lock"
+"""In the checkpoint directory; holds the holder's pid, host and command while it is locked."""
+
+
+class DirectoryLock:
+    """An exclusive flock on `<dir>/.shardkit.lock`. Released by `release()` (idempotent), or by
+    the kernel when the holder dies. The file itself is never deleted (deleting lock files races)."""
+
+    def __init__(self, directory: Path, fd: int | None):
+        self.directory = directory
+        self._fd = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # explicit: a forked child may share this open file
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> "DirectoryLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _holder_text(fd: int) -> str:
+    try:
+        raw = os.pread(fd, 4096, 0)
+        info = json.loads(raw) if raw.strip() else {}
+    except (OSError, ValueError):
+        info = {}
+    if not isinstance(info, dict) or not info:
+        return "another process (it has not written its pid yet)"
+    text = f"pid {info.get('pid', '?')} on host {info.get('host', '?')}"
+    extra = [str(info[k]) for k in ("what",) if info.get(k)]
+    if info.get("since"):
+        extra.append(f"since {info['since']}")
+    if info.get("command"):
+        extra.append(f"command: {info['command']}")
+    text += f" ({'; '.join(extra)})" if extra else ""
+    return " ".join(text.split())  # one line, whatever the file held
+
+
+def lock_directory(directory: str | Path, what: str) -> DirectoryLock:
+    """Take the checkpoint directory's writer lock without waiting, or raise CheckpointLockedError
+    naming the holder. On a file system without flock support, warn and go on unlocked."""
+    directory = Path(directory)
+    path = directory / LOCK_FILE
+    if is_link(path):
+        raise CheckpointError(f"{path} is a symlink: remove it (shardkit's lock file is never followed)")
+    flags = os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR | flags, 0o644)
+        except PermissionError:  # another user's lock file: lock it read-only (no holder info)
+            fd = os.open(path, os.O_RDONLY | flags)
+    except OSError as e:
+        raise CheckpointError(f"cannot open the lock file {path} ({e.strerror or e}): check that the checkpoint "
+                              "directory is writable") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder_text(fd)
+        os.close(fd)
+        hint = ("that is this process: let its save finish first (Checkpointer.wait() or finalize_checkpoint())"
+                if holder.startswith(f"pid {os.getpid()} on host {socket.gethostname()} ") else
+                "wait for it to finish or stop it, then retry")
+        raise CheckpointLockedError(
+            f"checkpoint directory {directory} is in use by {holder}: {hint} (two writers on one directory would "
+            "mix or delete each other's files)") from None
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            log.warning("%s: the file system does not support flock (%s): saving without the one-writer lock; "
+                        "make sure no other job writes to this directory", directory, e.strerror)
+            return DirectoryLock(directory, None)
+        raise CheckpointError(f"cannot lock {path} ({e.strerror or e})") from None
+    command = " ".join(sys.argv)[:300] if sys.argv else ""
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "what": what,
+            "since": datetime.datetime.now().isoformat(timespec="seconds"), "command": command}
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    except OSError:
+        pass  # a read-only lock file: the lock holds, the holder is just not named
+    return DirectoryLock(directory, fd)

@@ -1,0 +1,432 @@
+"""Data safety of training checkpoints: what an unlucky user or an attacker can do to a checkpoint
+directory must never cost a checkpoint.
+
+1. Symlinked tags: prune, retention and a save onto the tag never delete through the link.
+2. Two writers on one directory: a per-directory flock; the second writer gets a one-line error
+   naming the holder; it works again once the holder is gone (also when it was killed).
+3. Damaged manifests: listed as damaged, skipped (never crash list/prune/resume); the newest
+   loadable tag is resumed, also when the newest tag fails its sha256 check.
+4. Names used as paths: tags and manifest file names stay inside their folders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ckpt_child
+import pytest
+from click.testing import CliRunner
+
+from shardkit.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointLockedError,
+    Rank,
+    finalize_checkpoint,
+    latest,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from shardkit.checkpoint import save as ckpt_save
+from shardkit.cli import cli
+from shardkit.errors import FormatError, ShardkitError
+from shardkit.layout import Layout
+from shardkit.paths import UnsafePathError
+from shardkit.testing import fixture_config
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = fixture_config("llama-mha")
+LAYOUT = Layout()
+MODEL_FILE = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+
+
+# ---- helpers -----------------------------------------------------------------------------------------
+
+
+def pieces(step: int) -> dict:
+    return ckpt_child.rank_pieces(CONFIG, LAYOUT, Rank(), ckpt_child.full_state(CONFIG, step)["weight"])
+
+
+def save(root: Path, step: int, checkpointer: Checkpointer | None = None, **options) -> None:
+    tag = options.pop("tag", f"step_{step}")
+    state = ckpt_child.full_state(CONFIG, step)
+    optim = ckpt_child.rank_optimizer(CONFIG, LAYOUT, Rank(), state, step)
+    args = (root, tag, pieces(step), optim)
+    kwargs = dict(user_content={"step": step}, layout=LAYOUT, config=CONFIG, **options)
+    if checkpointer is None:
+        save_checkpoint(*args, **kwargs)
+        finalize_checkpoint()  # sync saves run retention in the background
+    else:
+        checkpointer.save(*args, **kwargs)
+        checkpointer.wait()
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (links not followed) and its bytes."""
+    out = {}
+    for base, dirs, files in os.walk(folder):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(base, d))]:
+            path = Path(base) / name
+            out[path.relative_to(folder).as_posix()] = os.readlink(path).encode() if path.is_symlink() \
+                else path.read_bytes()
+    return out
+
+
+def precious_folder(path: Path) -> Path:
+    """A folder that looks like a complete tag to a careless deleter: done, checkpoint, files."""
+    (path / "model").mkdir(parents=True)
+    (path / "done").write_text("1")
+    (path / "checkpoint").write_text("1")
+    (path / "model" / "weights.pt").write_bytes(os.urandom(4096))
+    (path / "thesis.tex").write_text("three years of work\n")
+    return path
+
+
+def tags(root: Path) -> list[tuple[str, bool]]:
+    return [(i.tag, i.complete) for i in list_checkpoints(root)]
+
+
+def one_line(text: str) -> bool:
+    return len(text.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def two_tags(tmp_path_factory) -> Path:
+    """step_1 and step_2, complete, saved once (tests copy them)."""
+    root = tmp_path_factory.mktemp("two") / "ckpt"
+    with Checkpointer() as ck:
+        save(root, 1, ck)
+        save(root, 2, ck)
+    return root
+
+
+@pytest.fixture
+def ckpt(two_tags, tmp_path) -> Path:
+    root = tmp_path / "ckpt"
+    shutil.copytree(two_tags, root, symlinks=True)
+    return root
+
+
+def edit_manifest(tag_dir: Path, change) -> None:
+    path = tag_dir / "shardkit.json"
+    data = json.loads(path.read_text())
+    result = change(data)  # changes data in place, or returns a whole new (list) manifest
+    path.write_text(json.dumps(result if isinstance(result, list) else data))
+
+
+# ---- 1. symlinked tags ------------------------------------------------------------------------------
+
+
+def test_prune_unlinks_a_symlinked_tag_and_never_touches_its_target(ckpt, tmp_path):
+    precious = precious_folder(tmp_path / "pinned" / "step_0")
+    before = snapshot(precious)
+    (ckpt / "step_0").symlink_to(precious, target_is_directory=True)  # oldest: pruned first
+    plan = prune_checkpoints(ckpt, num_kept=1)
+    assert plan.failed == {} and set(plan.removed) == {"step_0", "step_1"}
+    assert snapshot(precious) == before  # every byte of the target is still there
+    assert not os.path.lexists(ckpt / "step_0") and tags(ckpt) == [("step_2", True)]
+
+
+def test_retention_after_a_save_never_deletes_through_a_symlinked_tag(ckpt, tmp_path):
+    precious = precious_folder(tmp_path / "elsewhere")  # any folder holding a `done` file
+    (precious / "sub").mkdir()
+    (precious / "sub" / "notes.txt").write_text("keep me")
+    before = snapshot(precious)
+    (ckpt / "step_0").symlink_to(precious, target_is_directory=True)
+    with Checkpointer() as ck:
+        save(ckpt, 3, ck, num_kept=1)
+    assert snapshot(precious) == before
+    assert tags(ckpt) == [("step_3", True)]
+
+
+def test_saving_onto_a_symlinked_tag_replaces_the_link_not_the_target(ckpt, tmp_path):
+    precious = precious_folder(tmp_path / "pinned" / "step_5")
+    before = snapshot(precious)
+    (ckpt / "step_5").symlink_to(precious, target_is_directory=True)
+    (ckpt / "step_6").symlink_to(tmp_path / "nowhere", target_is_directory=True)  # dangling
+    with Checkpointer() as ck:
+        save(ckpt, 5, ck)
+        save(ckpt, 6, ck)
+    assert snapshot(precious) == before
+    for step in (5, 6):
+        tag = ckpt / f"step_{step}"
+        assert tag.is_dir() and not tag.is_symlink()
+        assert load_checkpoint(ckpt, f"step_{step}").user_content == {"step": step}
+
+
+def test_links_inside_a_tag_are_unlinked_not_followed(ckpt, tmp_path):
+    precious = precious_folder(tmp_path / "data")
+    before = snapshot(precious)
+    (ckpt / "step_1" / "model" / "more").symlink_to(precious, target_is_directory=True)
+    (ckpt / "step_1" / "user_content.pt").unlink()
+    (ckpt / "step_1" / "user_content.pt").symlink_to(precious / "thesis.tex")
+    prune_checkpoints(ckpt, num_kept=1)
+    assert snapshot(precious) == before and tags(ckpt) == [("step_2", True)]
+
+
+# ---- 2. one writer per directory -------------------------------------------------------------------
+
+HOLDER = r"""
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+import ckpt_child
+from shardkit.checkpoint import Rank, save_checkpoint
+from shardkit.checkpoint import save as ckpt_save
+from shardkit.layout import Layout
+from shardkit.testing import fixture_config
+
+root, flag = Path(sys.argv[1]), Path(sys.argv[2])
+real = ckpt_save.write_tensor_file
+
+def stuck(*args, **kwargs):  # the save is in progress, holding the lock, until killed
+    flag.write_text("holding")
+    time.sleep(60)
+    return real(*args, **kwargs)
+
+ckpt_save.write_tensor_file = stuck
+config = fixture_config("llama-mha")
+state = ckpt_child.full_state(config, 7)
+save_checkpoint(root, "step_7", ckpt_child.rank_pieces(config, Layout(), Rank(), state["weight"]),
+                layout=Layout(), config=config, num_kept=1)
+"""
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "the holder never took the lock"
+        time.sleep(0.02)
+
+
+def test_a_second_writer_is_refused_while_a_save_holds_the_directory(ckpt, tmp_path):
+    flag = tmp_path / "holding"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(ckpt), str(flag), str(REPO / "tests")],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(flag, holder)
+        who = rf"pid {holder.pid} on host {socket.gethostname()}"
+        with pytest.raises(CheckpointLockedError, match=who + r".*saving checkpoint step_7") as e:
+            prune_checkpoints(ckpt, num_kept=1)
+        assert one_line(str(e.value))
+        with pytest.raises(CheckpointLockedError, match=who):
+            save(ckpt, 8, Checkpointer())
+        assert not (ckpt / "step_8").exists()  # refused before anything was written
+        written = snapshot(ckpt / "step_7")
+        with pytest.raises(CheckpointLockedError, match=who):
+            save(ckpt, 7, Checkpointer())  # the same tag: the files would mix
+        assert snapshot(ckpt / "step_7") == written
+        out = CliRunner().invoke(cli, ["ckpt", "prune", str(ckpt), "--keep", "1"])
+        assert out.exit_code == 2 and one_line(out.output) and f"pid {holder.pid}" in out.output
+        assert tags(ckpt) == [("step_1", True), ("step_2", True), ("step_7", False)]  # nothing pruned
+    finally:
+        holder.send_signal(signal.SIGKILL)  # a writer that dies: the kernel releases its flock
+        holder.wait(30)
+    plan = prune_checkpoints(ckpt, num_kept=1)
+    assert plan.removed == ["step_1"] and tags(ckpt) == [("step_2", True), ("step_7", False)]
+    with Checkpointer() as ck:
+        save(ckpt, 7, ck, num_kept=1)  # the half-written tag is replaced
+    assert tags(ckpt) == [("step_7", True)]
+
+
+def test_async_save_holds_the_lock_until_its_retention_is_done(ckpt, monkeypatch):
+    import threading
+
+    in_retention, go_on = threading.Event(), threading.Event()
+    real = ckpt_save.plan_retention
+
+    def slow_retention(*args, **kwargs):
+        in_retention.set()
+        assert go_on.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_save, "plan_retention", slow_retention)
+    prune = [sys.executable, "-m", "shardkit", "ckpt", "prune", str(ckpt), "--keep", "1"]
+    with Checkpointer() as ck:
+        ck.save(ckpt, "step_3", pieces(3), layout=LAYOUT, config=CONFIG, async_save=True, num_kept=1)
+        assert in_retention.wait(30)  # the save is complete, its retention runs in the background
+        assert (ckpt / "step_3" / "done").exists()
+        other = subprocess.run(prune, env=_env(), capture_output=True, text=True, timeout=60, check=False)
+        assert other.returncode == 2, other.stderr
+        assert one_line(other.stderr) and f"pid {os.getpid()}" in other.stderr and "step_3" in other.stderr
+        go_on.set()
+        ck.wait()
+    assert tags(ckpt) == [("step_3", True)]
+    assert prune_checkpoints(ckpt, num_kept=1).failed == {}  # released: another writer may go on
+
+
+# ---- 3. damaged manifests ---------------------------------------------------------------------------
+
+DAMAGE = {
+    "step is text": lambda d: d["checkpoint"].update(step="abc"),
+    "not json": None,
+    "a list": lambda d: [d],
+    "lacks files": lambda d: d.pop("files"),
+    "checkpoint is a list": lambda d: d.update(checkpoint=[]),
+    "layout is text": lambda d: d.update(layout="tp2"),
+    "bad file entry": lambda d: d["files"].append({"path": 3}),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_manifest_is_listed_skipped_and_never_blocks_resuming(ckpt, caplog, damage):
+    newest = ckpt / "step_2"
+    if DAMAGE[damage] is None:
+        (newest / "shardkit.json").write_text("{not json")
+    else:
+        edit_manifest(newest, DAMAGE[damage])
+    runner = CliRunner()
+    out = runner.invoke(cli, ["ckpt", "list", str(ckpt)])
+    assert out.exit_code == 0, out.output
+    row = next(line for line in out.output.splitlines() if line.startswith("step_2"))
+    assert "DAMAGED" in row and "step_2 is damaged: shardkit.json" in out.output
+    listed = json.loads(runner.invoke(cli, ["ckpt", "list", str(ckpt), "--json"]).stdout)
+    assert listed["latest"] == "step_1" and [c["damaged"] for c in listed["checkpoints"]] == [False, True]
+
+    with caplog.at_level(logging.WARNING, logger="shardkit"):
+        loaded = load_checkpoint(ckpt, "latest_if_exists")
+    assert loaded.tag == "step_1" and loaded.user_content == {"step": 1}
+    assert "step_2" in caplog.text and "shardkit.json" in caplog.text
+    with pytest.raises(FormatError, match="step_2 is damaged") as e:
+        load_checkpoint(ckpt, "step_2")
+    assert one_line(str(e.value))
+
+    out = runner.invoke(cli, ["ckpt", "prune", str(ckpt), "--keep", "1"])
+    assert out.exit_code == 0, out.output
+    assert tags(ckpt) == [("step_1", True), ("step_2", True)]  # the damaged tag is neither counted nor removed
+    infos = {i.tag: i for i in list_checkpoints(ckpt)}
+    assert infos["step_2"].damaged and not infos["step_1"].damaged and latest(ckpt) == "step_1"
+
+
+def test_latest_falls_back_when_the_newest_tag_fails_its_hash_check(ckpt, caplog):
+    path = ckpt / "step_2" / MODEL_FILE
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the sha256 check sees it
+    path.write_bytes(bytes(data))
+    for tag in ("latest_if_exists", None):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shardkit"):
+            loaded = load_checkpoint(ckpt, tag)
+        assert loaded.tag == "step_1" and loaded.step == 1
+        assert "skipping checkpoint" in caplog.text and "step_2" in caplog.text and "sha256" in caplog.text
+    with pytest.raises(FormatError, match="sha256"):
+        load_checkpoint(ckpt, "step_2")  # a tag asked for by name never falls back
+
+    # every tag fails: an error, never None ("train from scratch") over existing checkpoints
+    (ckpt / "step_1" / "shardkit.json").write_text("[]")
+    with pytest.raises(FormatError, match="can be loaded|damaged") as e:
+        load_checkpoint(ckpt, "latest_if_exists")
+    assert one_line(str(e.value))
+    edit_manifest(ckpt / "step_2", lambda d: d["checkpoint"].update(step="abc"))
+    with pytest.raises(FormatError, match="every complete checkpoint .* is damaged"):
+        load_checkpoint(ckpt, "latest_if_exists")
+
+
+# ---- 4. names used as paths ---------------------------------------------------------------------------
+
+
+def test_tag_names_cannot_leave_the_checkpoint_directory(ckpt, tmp_path):
+    outside = tmp_path / "x"
+    shutil.copytree(ckpt / "step_1", outside)  # a complete checkpoint outside the directory
+    for tag in ("../x", str(outside), "step_1/../../x"):
+        with pytest.raises(UnsafePathError, match="not a plain folder name") as e:
+            load_checkpoint(ckpt, tag)
+        assert one_line(str(e.value)) and isinstance(e.value, ShardkitError)
+        with pytest.raises(CheckpointError, match="not a plain folder name"):
+            save_checkpoint(ckpt, tag, pieces(9), layout=LAYOUT, config=CONFIG)
+    assert snapshot(outside) == snapshot(ckpt / "step_1")  # untouched
+
+    runner = CliRunner()
+    for tag in ("../x", str(outside)):
+        out = runner.invoke(cli, ["ckpt", "export", str(ckpt), str(tmp_path / "hf"), "--tag", tag])
+        assert out.exit_code == 2 and one_line(out.output) and "not a plain folder name" in out.output, out.output
+        assert not (tmp_path / "hf").exists()
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_manifest_file_names_cannot_leave_the_tag(ckpt, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the password is swordfish\n")
+    entry = {"size": secret.stat().st_size, "sha256": _sha(secret)}
+    for name in ("../../secret.txt", str(secret)):
+        edit_manifest(ckpt / "step_2", lambda d, name=name: d["files"].append({"path": name, **entry}))
+        with pytest.raises(UnsafePathError, match="listed in step_2/shardkit.json") as e:
+            load_checkpoint(ckpt, "step_2")
+        assert one_line(str(e.value))
+        edit_manifest(ckpt / "step_2", lambda d: d["files"].pop())
+
+    # a listed file replaced by a symlink to an identical file outside the tag: refused too
+    model = ckpt / "step_2" / MODEL_FILE
+    copy = tmp_path / "model-copy.pt"
+    shutil.copyfile(model, copy)
+    model.unlink()
+    model.symlink_to(copy)
+    with pytest.raises(UnsafePathError, match="leads outside"):
+        load_checkpoint(ckpt, "step_2")
+    assert load_checkpoint(ckpt, "latest_if_exists").tag == "step_1"  # and resuming falls back
+
+
+# ---- resuming in a torch.distributed job: the ranks never split across steps --------------------------
+
+RANK_LOADER = r"""
+import sys
+import torch.distributed as dist
+from shardkit.checkpoint import load_checkpoint
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+for root in sys.argv[3:]:
+    try:
+        print(load_checkpoint(root, "latest_if_exists", optimizer=False).tag)
+    except Exception as e:
+        print(type(e).__name__)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # two processes importing torch: ~5 s on an idle machine
+def test_distributed_ranks_skip_only_what_every_rank_sees(tmp_path):
+    layout = Layout(tp=2)
+    full = ckpt_child.full_state(CONFIG, 1)["weight"]
+    model = {(tp, 0): ckpt_child.rank_pieces(CONFIG, layout, Rank(tp=tp), full) for tp in (0, 1)}
+    roots = [tmp_path / "manifest", tmp_path / "hash"]
+    with Checkpointer() as ck:
+        for root in roots:
+            for step in (1, 2):
+                ck.save(root, f"step_{step}", model, layout=layout, config=CONFIG)
+                ck.wait()
+    # every rank sees a damaged manifest: all of them resume from step_1
+    edit_manifest(roots[0] / "step_2", lambda d: d["checkpoint"].update(step="abc"))
+    # only rank 1 reads (and hashes) this file: it must not resume alone from step_1
+    path = roots[1] / "step_2" / "model" / "dp_rank_00_tp_rank_01_pp_rank_00.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_LOADER, str(r), port, *map(str, roots)], env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert [o[0].split() for o in outs] == [["step_1", "step_2"], ["step_1", "FormatError"]]
