@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from shardkit.formats import format_names
+
 
 def _opt(default: Any, doc: str, *aliases: str, choices: Sequence[str] | None = None, metavar: str | None = None):
     return field(default=default, metadata={"doc": doc, "aliases": aliases, "choices": choices, "metavar": metavar})
@@ -62,7 +64,7 @@ class TrainConfig:
     num_kept: int = _opt(0, "Keep the newest N checkpoints (0: keep all).")
     keep_every: int = _opt(0, "Also keep every checkpoint whose step is a multiple of N (0: none).")
     async_save: bool = _opt(False, "Write checkpoints in the background while training continues.")
-    checkpoint_format: str = _opt("torch", "Format of checkpoint shards.", choices=("torch", "xser", "safetensors"))
+    checkpoint_format: str = _opt("torch", "Format of checkpoint shards.", choices=tuple(format_names()))
     resume: str = _opt(None, "Resume from a training checkpoint of ANY layout: a tag directory, a checkpoint "
                              "directory (newest tag), or latest_if_exists (newest tag of --checkpoint-dir, if any).",
                        metavar="CKPT")
