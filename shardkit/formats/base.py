@@ -65,31 +65,84 @@ class TensorFileWriter(Protocol):
 
 
 class HashingFile:
-    """A binary file that hashes what is written to it (for manifests, without reading back)."""
+    """A binary file that hashes what is written to it (for manifests, without reading back).
 
-    def __init__(self, path: Path, root: Path):
+    `expected_size` (when the caller knows the file's size in advance) is checked against the free
+    space first, so a full disk is refused before anything is written. A full disk (ENOSPC, or an
+    exhausted quota) while writing becomes a one-line NoSpaceError. `abort()` discards the file."""
+
+    def __init__(self, path: Path, root: Path, expected_size: int | None = None):
+        from ..paths import ensure_free_space
+
         self.path = Path(path)
         self.root = Path(root)
+        self.expected_size = expected_size
+        self._fh = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if expected_size is not None:
+            try:
+                replaced = os.stat(self.path).st_size if self.path.is_file() else 0
+            except OSError:
+                replaced = 0
+            ensure_free_space(self.path.parent, expected_size, replaced)
         self._fh = open(self.path, "wb")
+        st = os.fstat(self._fh.fileno())
+        self._identity = (st.st_dev, st.st_ino)
         self._hash = hashlib.sha256()
         self.size = 0
 
+    def _failed(self, error: OSError, pending: int = 0) -> Exception:
+        import errno
+
+        from ..paths import no_space_error
+
+        if error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            needed = self.expected_size if self.expected_size is not None else self.size + pending
+            return no_space_error(self.path.parent, needed)
+        return error
+
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        try:
+            written = self._fh.write(view)
+        except OSError as e:
+            raise self._failed(e, len(view)) from None
         self._hash.update(view)
         self.size += len(view)
-        return self._fh.write(view)
+        return written
 
     def flush(self) -> None:
-        self._fh.flush()
+        try:
+            self._fh.flush()
+        except OSError as e:
+            raise self._failed(e) from None
 
     def close(self, fsync: bool = False) -> FileRecord:
-        self._fh.flush()
-        if fsync:
-            os.fsync(self._fh.fileno())
-        self._fh.close()
+        try:
+            self._fh.flush()
+            if fsync:
+                os.fsync(self._fh.fileno())
+            self._fh.close()
+        except OSError as e:
+            raise self._failed(e) from None
         return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, self._hash.hexdigest())
+
+    def abort(self) -> None:
+        """Close and delete the file, if the path still names the file this object created (a
+        retry may have written a new one there since). Never raises an OSError."""
+        fh, self._fh = self._fh, None
+        if fh is None:
+            return
+        try:
+            fh.close()  # a failing flush of the last buffered bytes still closes the descriptor
+        except (OSError, ValueError):
+            pass
+        try:
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._identity:
+                os.unlink(self.path)
+        except OSError:
+            pass
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
