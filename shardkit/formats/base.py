@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -80,12 +81,17 @@ class HashingFile:
         self._fh = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if expected_size is not None:
-            try:
-                replaced = os.stat(self.path).st_size if self.path.is_file() else 0
+            try:  # the file this one replaces frees its blocks (unless linked elsewhere too)
+                old = os.lstat(self.path)
+                replaced = old.st_size if stat.S_ISREG(old.st_mode) and old.st_nlink == 1 else 0
             except OSError:
                 replaced = 0
             ensure_free_space(self.path.parent, expected_size, replaced)
-        self._fh = open(self.path, "wb")
+        try:  # a new file, never written through: an old one (or a link to a source) is replaced, not truncated
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self._fh = open(self.path, "xb")
         st = os.fstat(self._fh.fileno())
         self._identity = (st.st_dev, st.st_ino)
         self._hash = hashlib.sha256()

@@ -109,8 +109,6 @@ def _parse(path: Path, fd: int, size: int) -> tuple[dict, int]:
     raw = _pread(fd, length, 8)
     try:
         text = raw.decode("utf-8")
-        if not text.startswith("{"):
-            raise _HeaderError("it is not a JSON object")
         header = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_bad_constant)
         if not isinstance(header, dict):
             raise _HeaderError("it is not a JSON object")
@@ -159,7 +157,7 @@ def _check_entries(header: dict, data_size: int) -> None:
         if begin < end:
             raise _HeaderError(f"tensor {name!r} overlaps the tensor before it")
         if begin > end:
-            raise _HeaderError(f"the data does not start at 0 (the first tensor, {name!r}, starts at {begin})" if end == 0
+            raise _HeaderError(f"the data does not start at 0: the first tensor, {name!r}, starts at {begin}" if end == 0
                                else f"a gap of {begin - end} bytes lies before tensor {name!r}")
         end = stop
     if end > data_size:
