@@ -343,6 +343,24 @@ def test_abort_leaves_a_newer_file_at_the_same_path_alone(tmp_path):
     assert SafetensorsFile(tmp_path / "x.safetensors").keys() == [s.name for s in SPECS]
 
 
+def test_torch_size_bound_is_an_upper_bound_and_tight(tmp_path):
+    """The pre-check's estimate of a torch file's size never undershoots (or a file that fits
+    could be refused) and stays within a few hundred bytes per record."""
+    from shardkit.formats.torch_io import _zip_size_bound, state_dict_pickle
+    from torch.serialization import _get_storage_alignment
+
+    specs = [TensorSpec("a" * 60, (3, 7), torch.bfloat16), TensorSpec("e", (0,), torch.float32),
+             TensorSpec("b", (100_000,), torch.float32), TensorSpec("c", (), torch.int64)]
+    writer = TorchWriter(tmp_path / "x.pt", tmp_path, specs)
+    for spec in specs:
+        writer.write(spec.name, torch.zeros(spec.shape, dtype=spec.dtype))
+    size = writer.close()[0].size
+    records = [("data.pkl", len(state_dict_pickle(specs))), (".format_version", 1), (".storage_alignment", 8),
+               ("byteorder", 8)] + [(f"data/{i}", s.nbytes) for i, s in enumerate(specs)]
+    bound = _zip_size_bound(records, _get_storage_alignment())
+    assert size <= bound < size + 300 * (len(records) + 3), (size, bound)
+
+
 # ---- 3. safetensors reader strictness -------------------------------------------------------------
 
 STRICT_CASES = {
@@ -581,7 +599,7 @@ def test_torch_and_xser_readers_refuse_fifos(tmp_path):
     os.mkfifo(fifo)
     for read in (TorchFile, safe_load, XserFile):
         with pytest.raises(FormatError) as info:
-            returns_within(lambda: read(fifo), 10, [fifo])
+            returns_within(lambda read=read: read(fifo), 10, [fifo])
         assert "FIFO" in one_line(info.value)
 
 

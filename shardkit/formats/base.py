@@ -147,6 +147,9 @@ class HashingFile:
             st = os.lstat(self.path)
             if (st.st_dev, st.st_ino) == self._identity:
                 os.unlink(self.path)
+                import logging
+
+                logging.getLogger(__name__).info("removed the unfinished file %s", self.path)
         except OSError:
             pass
 

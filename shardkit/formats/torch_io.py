@@ -318,7 +318,9 @@ def _keep_forever(zip_writer) -> None:
     """Never destroy a torch zip writer left mid-record by an exception that reached its C++ code:
     its destructor would throw and abort the process. Costs a few KiB, only after such a failure."""
     import ctypes
+    import logging
 
+    logging.getLogger(__name__).debug("keeping a failed torch zip writer alive: destroying it would abort")
     _KEPT.append(zip_writer)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(zip_writer))  # not even freed at interpreter exit
 
