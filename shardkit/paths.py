@@ -87,3 +87,62 @@ def regular_file(path: str | Path, what: str = "file") -> Path:
     if not stat.S_ISREG(st.st_mode):
         raise ShardkitError(f"{what} {path} is not a regular file (a FIFO, device or socket): refusing to read it")
     return path
+
+
+def member(root: str | Path, name: str, what: str = "name") -> Path:
+    """`root / name` for a file a folder's own index names (an HF index's weight_map): like
+    `inside`, the name must be relative, without `..`, and its folders must stay inside `root`;
+    unlike `inside`, the file itself may be a symlink to elsewhere, as the Hub cache and
+    shardkit's own mirrors link every file to a blob outside the snapshot folder."""
+    root = Path(root)
+    text = str(name)
+    if (not text or "\x00" in text or PurePosixPath(text).is_absolute() or PureWindowsPath(text).is_absolute()
+            or PureWindowsPath(text).drive):
+        raise UnsafePathError(f"{what} {text!r} is not a relative path inside {root}: refusing to use it")
+    parts = text.replace("\\", "/").split("/")
+    if any(p == ".." for p in parts):
+        raise UnsafePathError(f"{what} {text!r} climbs out of {root} ('..'): refusing to use it")
+    if parts[-1] in ("", "."):
+        raise UnsafePathError(f"{what} {text!r} does not name a file inside {root}: refusing to use it")
+    folder = "/".join(p for p in parts[:-1] if p not in ("", "."))
+    if folder:
+        try:
+            inside(root, folder, what)
+        except UnsafePathError:
+            raise UnsafePathError(
+                f"{what} {text!r} leads outside {root} (through a linked folder): refusing to use it") from None
+    return root / text
+
+
+class NoSpaceError(ShardkitError):
+    """The file system that should hold an output has no room left for it."""
+
+
+def free_space(folder: str | Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system holding `folder` (None when
+    it cannot be told, e.g. on a platform without statvfs)."""
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def no_space_error(folder: str | Path, needed: int, free: int | None = None) -> NoSpaceError:
+    """The one-line error for a full disk (or an exhausted quota) under `folder`."""
+    from .sizes import format_bytes
+
+    free = free_space(folder) if free is None else free
+    have = "unknown" if free is None else format_bytes(free)
+    return NoSpaceError(
+        f"no space left on {folder} (needed {format_bytes(needed)}, free {have}): "
+        "free some space there or write somewhere else"
+    )
+
+
+def ensure_free_space(folder: str | Path, needed: int, reclaimed: int = 0) -> None:
+    """Refuse early (NoSpaceError) when the file system under `folder` has less than `needed`
+    bytes free; `reclaimed` counts bytes the write will free (a file it replaces)."""
+    free = free_space(folder)
+    if free is not None and free + reclaimed < needed:
+        raise no_space_error(folder, needed, free + reclaimed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,31 +82,92 @@ class TensorFileWriter(Protocol):
 
 
 class HashingFile:
-    """A binary file that hashes what is written to it (for manifests, without reading back)."""
+    """A binary file that hashes what is written to it (for manifests, without reading back).
 
-    def __init__(self, path: Path, root: Path):
+    `expected_size` (when the caller knows the file's size in advance) is checked against the free
+    space first, so a full disk is refused before anything is written. A full disk (ENOSPC, or an
+    exhausted quota) while writing becomes a one-line NoSpaceError. `abort()` discards the file."""
+
+    def __init__(self, path: Path, root: Path, expected_size: int | None = None):
+        from ..paths import ensure_free_space
+
         self.path = Path(path)
         self.root = Path(root)
+        self.expected_size = expected_size
+        self._fh = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "wb")
+        if expected_size is not None:
+            try:  # the file this one replaces frees its blocks (unless linked elsewhere too)
+                old = os.lstat(self.path)
+                replaced = old.st_size if stat.S_ISREG(old.st_mode) and old.st_nlink == 1 else 0
+            except OSError:
+                replaced = 0
+            ensure_free_space(self.path.parent, expected_size, replaced)
+        try:  # a new file, never written through: an old one (or a link to a source) is replaced, not truncated
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self._fh = open(self.path, "xb")
+        st = os.fstat(self._fh.fileno())
+        self._identity = (st.st_dev, st.st_ino)
         self._hash = hashlib.sha256()
         self.size = 0
 
+    def _failed(self, error: OSError, pending: int = 0) -> Exception:
+        import errno
+
+        from ..paths import no_space_error
+
+        if error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            needed = self.expected_size if self.expected_size is not None else self.size + pending
+            return no_space_error(self.path.parent, needed)
+        return error
+
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        try:
+            written = self._fh.write(view)
+        except OSError as e:
+            raise self._failed(e, len(view)) from None
         self._hash.update(view)
         self.size += len(view)
-        return self._fh.write(view)
+        return written
 
     def flush(self) -> None:
-        self._fh.flush()
+        try:
+            self._fh.flush()
+        except OSError as e:
+            raise self._failed(e) from None
 
     def close(self, fsync: bool = False) -> FileRecord:
-        self._fh.flush()
-        if fsync:
-            os.fsync(self._fh.fileno())
-        self._fh.close()
+        try:
+            self._fh.flush()
+            if fsync:
+                os.fsync(self._fh.fileno())
+            self._fh.close()
+        except OSError as e:
+            raise self._failed(e) from None
         return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, self._hash.hexdigest())
+
+    def abort(self) -> None:
+        """Close and delete the file, if the path still names the file this object created (a
+        retry may have written a new one there since). Never raises an OSError."""
+        fh, self._fh = self._fh, None
+        if fh is None:
+            return
+        try:
+            fh.close()  # a failing flush of the last buffered bytes still closes the descriptor
+        except (OSError, ValueError):
+            pass
+        try:
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._identity:
+                os.unlink(self.path)
+                import logging
+
+                logging.getLogger(__name__).info("removed the unfinished file %s", self.path)
+        except OSError:
+            pass
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -16,7 +16,9 @@ from typing import Iterable
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from ..errors import FormatError
+from ..paths import member
 from .safetensors_io import read_header
+from .torch_io import regular
 
 SIDE_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
@@ -25,26 +27,32 @@ SIDE_FILES = (
 
 
 def weight_files(path: Path, strict: bool = True) -> list[Path]:
-    """The weight files of an HF model directory, safetensors preferred over .bin."""
-    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"), ("pytorch_model.bin.index.json", "*.bin")):
+    """The weight files of an HF model directory, safetensors preferred over .bin.
+
+    Names an index lists must stay inside the directory (no absolute paths, no `..`), and every
+    weight file must be a regular file (a folder, FIFO or device is refused, never read)."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = path / index_name
-        if index.is_file():
+        if index.exists():
+            regular(index, "index")
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError):
+            except (ValueError, KeyError, TypeError):
                 raise FormatError(f"{index} is not a valid index (no weight_map): re-create it") from None
-            files = sorted({path / f for f in weight_map.values()})
-            missing = [f.name for f in files if not f.is_file()]
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise FormatError(f"{index} is not a valid index (weight_map is not names -> file names): re-create it")
+            files = sorted({member(path, f, f"{index_name} entry") for f in weight_map.values()})
+            missing = [f.name for f in files if not f.exists()]
             if missing:
                 raise FormatError(f"{index.name} names {missing[0]}, which is missing from {path}")
-            return files
+            return [regular(f, "weight file") for f in files]
     for name in ("model.safetensors", "pytorch_model.bin"):
-        if (path / name).is_file():
-            return [path / name]
+        if (path / name).exists():
+            return [regular(path / name, "weight file")]
     for pattern in ("*.safetensors", "*.bin"):
         files = sorted(path.glob(pattern))
         if files:
-            return files
+            return [regular(f, "weight file") for f in files]
     if strict:
         raise FormatError(f"{path} has config.json but no weights (*.safetensors or pytorch_model*.bin)")
     return []

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from ..errors import ConfigMismatchError, FormatError, LayoutError
 from ..layout import Layout, ModelDims
+from ..paths import inside
 from .registry import SUFFIXES, detect_format, get_format
+from .torch_io import regular
 
 _SUFFIX = "(" + "|".join(re.escape(s) for s in SUFFIXES) + ")"
 _V3 = re.compile(r"^dp_rank_(\d+)_ep_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)" + _SUFFIX + "$")
@@ -45,7 +47,10 @@ def find_rank_files(root: Path) -> RankFiles | None:
     root = Path(root)
     found: dict[tuple[int, int, int], Path] = {}
     naming = None
-    for folder in (root / "model", root):
+    model = root / "model"
+    if model.is_dir():
+        inside(root, "model", "folder")  # a `model` link that leads out of root is refused, not followed
+    for folder in (model, root):
         if not folder.is_dir():
             continue
         for entry in folder.iterdir():
@@ -57,13 +62,16 @@ def find_rank_files(root: Path) -> RankFiles | None:
                 if int(m.group(1)) == 0:
                     found[(0, int(m.group(2)), int(m.group(3)))] = entry
                     naming = naming or "v2"
-            elif (m := _V1.match(entry.name)) and (entry / "checkpoint.pt").is_file():
+            elif (m := _V1.match(entry.name)) and (entry / "checkpoint.pt").exists():
                 found[(0, int(m.group(1)), int(m.group(2)))] = entry / "checkpoint.pt"
                 naming = naming or "v1"
         if found:
             break
     if not found:
         return None
+    for path in found.values():  # a stat each: a FIFO would block its reader, an empty file is no rank file
+        if regular(path, "rank file").stat().st_size == 0:
+            raise FormatError(f"rank file {path} is empty (0 bytes): copy it back from the original or re-create the shards")
     formats = sorted({detect_format(p).name for p in found.values()})
     if len(formats) > 1:
         raise FormatError(f"{root} mixes rank files of formats {' and '.join(formats)}: keep one format per directory")

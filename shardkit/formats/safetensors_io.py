@@ -1,16 +1,21 @@
-"""safetensors: read with the safetensors library, write streaming (one tensor in memory).
+"""safetensors, read and written by shardkit itself (the safetensors library is not used).
 
-The safetensors library can only save a complete dict of tensors; shardkit knows every shape in
-advance, so it writes the header first and then each tensor's bytes as it is assembled, which
-keeps peak memory at one tensor. The bytes follow the format's specification: an 8-byte
-little-endian header length, a JSON header (`dtype`, `shape`, `data_offsets` per tensor and
-`__metadata__`) padded with spaces to 8 bytes, then the data.
+Reading: the header once, then positional reads of exactly the bytes a slice spans. The header
+is held to the rules the safetensors library enforces (`safe_open` refuses the same files): a
+JSON object without duplicate keys, known dtypes, non-negative integer shapes and offsets, and
+tensors that tile the data section exactly (starting at 0, no gaps, no overlaps, nothing after
+the last one). Writing: the safetensors library can only save a complete dict of tensors;
+shardkit knows every shape in advance, so it writes the header first and then each tensor's
+bytes as it is assembled, which keeps peak memory at one tensor. The bytes follow the format's
+specification: an 8-byte little-endian header length, a JSON header (`dtype`, `shape`,
+`data_offsets` per tensor and `__metadata__`) padded with spaces to 8 bytes, then the data.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Sequence
@@ -19,6 +24,7 @@ import torch
 
 from ..errors import FormatError
 from .base import FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, read_rows_into, read_stored, tensor_bytes
+from .torch_io import regular
 
 _DTYPE_TO_ST = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -26,6 +32,138 @@ _DTYPE_TO_ST = {
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 _ST_TO_DTYPE = {v: k for k, v in _DTYPE_TO_ST.items()}
+# every dtype of the safetensors format, with its size in bits (the library's own list)
+_ST_BITS = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
+    "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}
+MAX_HEADER = 100_000_000  # bytes, as the safetensors library
+
+
+def _open(path: Path) -> tuple[int, int]:
+    """(descriptor, size) of a regular file, opened without blocking: a FIFO or device in place
+    of a weight file is refused, never waited on."""
+    path = regular(Path(path), "safetensors file")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise FormatError(f"cannot open {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path} is not a regular file (a FIFO, device or socket): refusing to read it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    parts, done = [], 0
+    while done < n:
+        chunk = os.pread(fd, n - done, offset + done)
+        if not chunk:
+            break
+        parts.append(chunk)
+        done += len(chunk)
+    return b"".join(parts)
+
+
+class _HeaderError(ValueError):
+    """Why a header is refused."""
+
+
+class _Truncated(_HeaderError):
+    """The header describes more data than the file holds."""
+
+
+def _no_duplicates(pairs: list) -> dict:
+    """A JSON object's pairs as a dict, refusing a key given twice (which would hide a tensor)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _HeaderError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _bad_constant(name: str):
+    raise _HeaderError(f"{name} is not JSON")
+
+
+def _natural(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _parse(path: Path, fd: int, size: int) -> tuple[dict, int]:
+    """The validated header of the open safetensors file and where its data starts."""
+    if size < 8:
+        raise FormatError(f"{path} is empty or truncated ({size} bytes): re-create it")
+    (length,) = struct.unpack("<Q", _pread(fd, 8, 0))
+    if length > MAX_HEADER:
+        raise FormatError(f"{path} has a corrupt safetensors header (claims {length} bytes): re-create it")
+    if 8 + length > size:
+        raise FormatError(f"{path} is truncated inside its header: re-create it")
+    raw = _pread(fd, length, 8)
+    try:
+        text = raw.decode("utf-8")
+        header = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_bad_constant)
+        if not isinstance(header, dict):
+            raise _HeaderError("it is not a JSON object")
+        _check_entries(header, size - 8 - length)
+    except UnicodeDecodeError:
+        raise FormatError(f"{path} has a corrupt safetensors header (not UTF-8): re-create it") from None
+    except _Truncated as e:
+        raise FormatError(f"{path} is truncated ({e}): re-create it") from None
+    except (_HeaderError, ValueError, RecursionError) as e:
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise FormatError(f"{path} has a corrupt safetensors header ({reason}): re-create it") from None
+    return header, 8 + length
+
+
+def _check_entries(header: dict, data_size: int) -> None:
+    """The rules of the safetensors library: metadata is str -> str; each tensor has a known
+    dtype, a shape of non-negative ints and [begin, end] offsets matching its size; sorted by
+    offset, the tensors cover the data section exactly."""
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            if info is not None and (not isinstance(info, dict)
+                                     or not all(isinstance(v, str) for v in info.values())):
+                raise _HeaderError("__metadata__ is not a map of strings to strings")
+            continue
+        if not isinstance(info, dict):
+            raise _HeaderError(f"tensor {name!r} is described by a {type(info).__name__}, not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _ST_BITS:
+            raise _HeaderError(f"tensor {name!r} has an unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_natural(n) for n in shape):
+            raise _HeaderError(f"tensor {name!r} has an invalid shape {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(n) for n in offsets)
+                or offsets[0] > offsets[1]):
+            raise _HeaderError(f"tensor {name!r} has invalid data_offsets {offsets!r}")
+        bits = _ST_BITS[dtype]
+        for n in shape:
+            bits *= n
+        if bits != 8 * (offsets[1] - offsets[0]):
+            raise _HeaderError(f"tensor {name!r}: data_offsets span {offsets[1] - offsets[0]} bytes, "
+                               f"its shape {shape} of {dtype} needs {bits / 8:g}")
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    end = 0
+    for begin, stop, name in spans:
+        if begin < end:
+            raise _HeaderError(f"tensor {name!r} overlaps the tensor before it")
+        if begin > end:
+            raise _HeaderError(f"the data does not start at 0: the first tensor, {name!r}, starts at {begin}" if end == 0
+                               else f"a gap of {begin - end} bytes lies before tensor {name!r}")
+        end = stop
+    if end > data_size:
+        raise _Truncated(f"its tensors need {end} bytes of data, it holds {data_size}")
+    if end < data_size:
+        raise _HeaderError(f"{data_size - end} bytes follow the last tensor")
 
 
 class SafetensorsFile:
@@ -36,22 +174,23 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        header = read_header(self.path)
-        data_start = 8 + struct.unpack("<Q", open(self.path, "rb").read(8))[0]
-        size = self.path.stat().st_size
-        self._tensors: dict[str, StoredTensor] = {}
+        self._fd = None
+        fd, size = _open(self.path)
         try:
+            header, data_start = _parse(self.path, fd, size)
+            self._tensors: dict[str, StoredTensor] = {}
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
-                begin, end = info["data_offsets"]
-                stored = StoredTensor(_ST_TO_DTYPE[info["dtype"]], tuple(info["shape"]), data_start + begin)
-                if data_start + end > size or end - begin != stored.numel() * stored.dtype.itemsize:
-                    raise FormatError(f"{self.path} is truncated (tensor {name} lies past its end): re-create it")
-                self._tensors[name] = stored
-        except (KeyError, TypeError, ValueError):
-            raise FormatError(f"{self.path} has a corrupt safetensors header: re-create it") from None
-        self._fd = os.open(self.path, os.O_RDONLY)
+                if info["dtype"] not in _ST_TO_DTYPE:
+                    raise FormatError(f"{self.path}: tensor {name} has dtype {info['dtype']}, which shardkit does not "
+                                      f"read (it reads {', '.join(sorted(_ST_TO_DTYPE))})")
+                self._tensors[name] = StoredTensor(_ST_TO_DTYPE[info["dtype"]], tuple(info["shape"]),
+                                                   data_start + info["data_offsets"][0])
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -76,12 +215,17 @@ class SafetensorsFile:
 
 
 class SafetensorsWriter:
-    """Streams one safetensors file: header from the specs, then each tensor as it comes."""
+    """Streams one safetensors file: header from the specs, then each tensor as it comes.
+
+    Its size is known from the specs, so a disk without room for it is refused before writing.
+    Any failure aborts the writer and deletes the partial file; so does a writer dropped without
+    `close`, when it is collected."""
 
     def __init__(self, path: Path, root: Path, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None):
         check_specs(specs)
         self._specs = list(specs)
         self._next = 0
+        self._file = None
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
         for spec in self._specs:
@@ -90,53 +234,90 @@ class SafetensorsWriter:
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self._file = HashingFile(path, root)
-        self._file.write(struct.pack("<Q", len(raw)))
-        self._file.write(raw)
+        self._file = HashingFile(path, root, expected_size=8 + len(raw) + offset)
+        try:
+            self._file.write(struct.pack("<Q", len(raw)))
+            self._file.write(raw)
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        spec = self._specs[self._next]
-        if name != spec.name or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-            raise RuntimeError(f"expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
-        self._file.write(tensor_bytes(tensor))
-        self._next += 1
+        try:
+            spec = self._expect(name)
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                raise RuntimeError(f"expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+            self._file.write(tensor_bytes(tensor))
+            self._next += 1
+        except BaseException:
+            self.abort()
+            raise
 
     def write_chunks(self, name: str, chunks) -> None:
         """Write a tensor as consecutive row blocks (each a tensor), without assembling it."""
-        spec = self._specs[self._next]
-        if name != spec.name:
-            raise RuntimeError(f"expected {spec.name}, got {name}")
-        written = 0
-        for chunk in chunks:
-            if chunk.dtype != spec.dtype:
-                chunk = chunk.to(spec.dtype)
-            data = tensor_bytes(chunk)
-            self._file.write(data)
-            written += len(data)
-        if written != spec.nbytes:
-            raise RuntimeError(f"{name}: wrote {written} bytes, expected {spec.nbytes}")
-        self._next += 1
+        try:
+            spec = self._expect(name)
+            written = 0
+            for chunk in chunks:
+                if chunk.dtype != spec.dtype:
+                    chunk = chunk.to(spec.dtype)
+                data = tensor_bytes(chunk)
+                self._file.write(data)
+                written += len(data)
+            if written != spec.nbytes:
+                raise RuntimeError(f"{name}: wrote {written} bytes, expected {spec.nbytes}")
+            self._next += 1
+        except BaseException:
+            self.abort()
+            raise
+
+    def _expect(self, name: str) -> TensorSpec:
+        if self._file is None:
+            raise RuntimeError("the safetensors writer is closed or was aborted")
+        spec = self._specs[self._next] if self._next < len(self._specs) else None
+        if spec is None or name != spec.name:
+            raise RuntimeError(f"{self._file.path}: expected {spec.name if spec else 'no more tensors'}, got {name}")
+        return spec
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
-        if self._next != len(self._specs):
-            raise RuntimeError(f"{self._file.path}: {len(self._specs) - self._next} tensors were not written")
-        return [self._file.close(fsync)]
+        try:
+            if self._file is None:
+                raise RuntimeError("the safetensors writer is closed or was aborted")
+            if self._next != len(self._specs):
+                raise RuntimeError(f"{self._file.path}: {len(self._specs) - self._next} tensors were not written")
+            record = self._file.close(fsync)
+        except BaseException:
+            self.abort()
+            raise
+        self._file = None
+        return [record]
+
+    def abort(self) -> None:
+        """Give up this file: close and delete it. Safe to call more than once."""
+        file, self._file = getattr(self, "_file", None), None
+        if file is not None:
+            file.abort()
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is not None:
+            self.abort()
+
+    def __del__(self) -> None:
+        if getattr(self, "_file", None) is not None:
+            try:
+                self.abort()
+            except Exception:  # noqa: BLE001 - at interpreter exit modules may be half gone
+                pass
 
 
 def read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (names, dtypes, shapes) without reading data."""
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise FormatError(f"{path} is empty or truncated: re-create it")
-        (length,) = struct.unpack("<Q", head)
-        if length > 100 * 2**20:
-            raise FormatError(f"{path} has a corrupt safetensors header (claims {length} bytes): re-create it")
-        raw = fh.read(length)
-        if len(raw) < length:
-            raise FormatError(f"{path} is truncated inside its header: re-create it")
+    """The JSON header of a safetensors file (names, dtypes, shapes) without reading data,
+    validated as the safetensors library validates it."""
+    fd, size = _open(Path(path))
     try:
-        return json.loads(raw)
-    except ValueError:
-        raise FormatError(f"{path} has a corrupt safetensors header: re-create it") from None
-
+        return _parse(Path(path), fd, size)[0]
+    finally:
+        os.close(fd)

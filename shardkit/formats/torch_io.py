@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import FormatError
+from ..errors import FormatError, ShardkitError
+from ..paths import regular_file
 from .base import FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, compact, narrow, read_rows_into, read_stored
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
@@ -36,11 +37,18 @@ class TensorReference:
         return f"TensorReference(tid={self.tid})"
 
 
+def regular(path: Path, what: str = "file") -> Path:
+    """`path` if it is a regular file; else a one-line FormatError (missing, a folder, or a FIFO,
+    device or socket, which would block a reader forever)."""
+    try:
+        return regular_file(path, what)
+    except ShardkitError as e:
+        raise FormatError(str(e)) from None
+
+
 def safe_load(path: Path, mmap: bool = True) -> Any:
     """torch.load with weights_only=True; TensorReference allowed; clear errors for bad files."""
-    path = Path(path)
-    if not path.is_file():
-        raise FormatError(f"{path} does not exist")
+    path = regular(Path(path))
     try:
         with torch.serialization.safe_globals([(TensorReference, XSER_REFERENCE)]):
             try:
@@ -184,9 +192,7 @@ class TorchFile:
     SINGLE = ""  # the name of the one tensor of a single-tensor file (xser's tensor files)
 
     def __init__(self, path: Path, single_tensor: bool = False):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FormatError(f"{self.path} does not exist")
+        self.path = regular(Path(path))
         meta = read_metadata(self.path)
         self._fd = None
         if meta is None:  # legacy format: load it (bounded by one rank file)
@@ -273,44 +279,187 @@ def state_dict_pickle(specs: Sequence[TensorSpec]) -> bytes:
     return buf.getvalue()
 
 
+class _ZipSink:
+    """What torch's zip writer (`PyTorchFileWriter`) writes into: forwards to a HashingFile, but
+    never lets an exception out. An exception thrown into torch's C++ writer leaves it mid-record,
+    and its destructor then finishes the archive anyway and throws inside a destructor: the process
+    aborts (`terminate called ... c10::Error`). So the first failure (a full disk, Ctrl-C) is kept
+    in `error`, later writes are dropped, and the owner raises `error` once torch returns."""
+
+    __slots__ = ("out", "error")
+
+    def __init__(self, out: HashingFile):
+        self.out: HashingFile | None = out
+        self.error: BaseException | None = None
+
+    def write(self, data) -> None:
+        try:
+            if self.out is not None:
+                self.out.write(data)
+        except BaseException as e:  # noqa: B036 - re-raised by the owner, outside torch's C++ frames
+            self.error, self.out = e, None
+
+    def flush(self) -> None:
+        try:
+            if self.out is not None:
+                self.out.flush()
+        except BaseException as e:  # noqa: B036
+            self.error, self.out = e, None
+
+    def discard(self) -> None:
+        """From now on drop everything torch writes (its end of file, when it is destroyed)."""
+        self.out = None
+
+
+_KEPT: list = []
+
+
+def _keep_forever(zip_writer) -> None:
+    """Never destroy a torch zip writer left mid-record by an exception that reached its C++ code:
+    its destructor would throw and abort the process. Costs a few KiB, only after such a failure."""
+    import ctypes
+    import logging
+
+    logging.getLogger(__name__).debug("keeping a failed torch zip writer alive: destroying it would abort")
+    _KEPT.append(zip_writer)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(zip_writer))  # not even freed at interpreter exit
+
+
+def _zip_size_bound(records: Sequence[tuple[str, int]], alignment: int) -> int:
+    """An upper bound of the size of the archive torch writes for these (name, bytes) records:
+    per record a local header, alignment padding, a central directory entry and zip64 fields;
+    then the records torch adds at the end and the end-of-archive records."""
+    total = 512
+    for name, size in list(records) + [("version", 8), (".data/version", 8), (".data/serialization_id", 64)]:
+        total += size + 2 * len("archive/" + name) + alignment + 160
+    return total
+
+
+def torch_save(obj: Any, out: HashingFile, **kwargs) -> None:
+    """torch.save into a HashingFile, safely: a write failure (a full disk, Ctrl-C) is raised as
+    itself once torch has returned, never thrown through torch's zip writer (see _ZipSink)."""
+    sink = _ZipSink(out)
+    try:
+        torch.save(obj, sink, **kwargs)
+    finally:
+        sink.discard()
+    if sink.error is not None:
+        raise sink.error
+
+
 class TorchWriter:
     """Streams one rank file in torch.save's format, a tensor at a time (each tensor with its own
     storage, as NxD writes them): the file is byte for byte what `torch.save(state_dict)` writes,
-    but only the tensor being written is in memory. `write` is called in spec order."""
+    but only the tensor being written is in memory. `write` is called in spec order.
+
+    Any failure (a full disk, Ctrl-C, a wrong tensor) aborts the writer: the partial file is
+    deleted and torch's zip writer is released without finishing the archive. A writer dropped
+    without `close` (an exception elsewhere) aborts the same way when it is collected; `abort()`
+    or `with TorchWriter(...) as w:` do it at once."""
 
     def __init__(self, path: Path, root: Path, specs: Sequence[TensorSpec]):
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
         self._specs = list(specs)
         self._next = 0
-        self._out = HashingFile(self.path, self.root)
+        self._zip = None
+        self._broken = False
         data_pkl = state_dict_pickle(self._specs)
         try:
             from torch.serialization import _get_storage_alignment, get_crc32_options
         except ImportError:  # older torch: 64-byte alignment, no format records (still a valid archive)
-            self._zip = torch._C.PyTorchFileWriter(self._out)
-            self._zip.write_record("data.pkl", data_pkl, len(data_pkl))
+            alignment, options = 64, None
         else:
-            alignment = _get_storage_alignment()
-            self._zip = torch._C.PyTorchFileWriter(self._out, get_crc32_options(), alignment)
-            # the records torch.save writes before the storages, in its order
-            self._zip.write_record("data.pkl", data_pkl, len(data_pkl))
-            self._zip.write_record(".format_version", "1", 1)
-            self._zip.write_record(".storage_alignment", str(alignment), len(str(alignment)))
-        self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+            alignment, options = _get_storage_alignment(), get_crc32_options()
+        records = [("data.pkl", len(data_pkl)), (".format_version", 1), (".storage_alignment", 8), ("byteorder", 8)]
+        records += [(f"data/{i}", s.nbytes) for i, s in enumerate(self._specs)]
+        self._out = HashingFile(self.path, self.root, expected_size=_zip_size_bound(records, alignment))
+        self._sink = _ZipSink(self._out)
+        try:
+            if options is None:
+                self._zip = torch._C.PyTorchFileWriter(self._sink)
+                self._record("data.pkl", data_pkl, len(data_pkl))
+            else:
+                self._zip = torch._C.PyTorchFileWriter(self._sink, options, alignment)
+                # the records torch.save writes before the storages, in its order
+                self._record("data.pkl", data_pkl, len(data_pkl))
+                self._record(".format_version", "1", 1)
+                self._record(".storage_alignment", str(alignment), len(str(alignment)))
+            self._record("byteorder", sys.byteorder, len(sys.byteorder))
+        except BaseException:
+            self.abort()
+            raise
+
+    def _record(self, name: str, data, size: int) -> None:
+        """One record through torch's writer; the sink's failure raised here, outside torch."""
+        try:
+            self._zip.write_record(name, data, size)
+        except BaseException:
+            self._broken = True  # thrown through torch's C++ writer: it is mid-record now
+            raise
+        if self._sink.error is not None:
+            raise self._sink.error
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        spec = self._specs[self._next] if self._next < len(self._specs) else None
-        if spec is None or spec.name != name or tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
-            raise RuntimeError(f"{self.path}: expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
-        storage = compact(tensor.detach()).untyped_storage()
-        self._zip.write_record(f"data/{self._next}", storage, spec.nbytes)
-        self._next += 1
+        try:
+            if self._zip is None:
+                raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
+            spec = self._specs[self._next] if self._next < len(self._specs) else None
+            if (spec is None or spec.name != name or tuple(tensor.shape) != tuple(spec.shape)
+                    or tensor.dtype != spec.dtype):
+                raise RuntimeError(f"{self.path}: expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+            storage = compact(tensor.detach()).untyped_storage()
+            self._record(f"data/{self._next}", storage, spec.nbytes)
+            self._next += 1
+        except BaseException:
+            self.abort()
+            raise
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
-        if self._next != len(self._specs):
-            missing = [s.name for s in self._specs[self._next:]]
-            raise RuntimeError(f"{self.path}: tensors not written: {missing[:3]}")
-        self._zip.write_end_of_file()
-        self._zip = None
-        return [self._out.close(fsync)]
+        try:
+            if self._zip is None:
+                raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
+            if self._next != len(self._specs):
+                missing = [s.name for s in self._specs[self._next:]]
+                raise RuntimeError(f"{self.path}: tensors not written: {missing[:3]}")
+            try:
+                self._zip.write_end_of_file()
+            except BaseException:
+                self._broken = True
+                raise
+            if self._sink.error is not None:
+                raise self._sink.error
+            self._zip = None  # finished: its destructor writes nothing more
+            return [self._out.close(fsync)]
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Give up this file: delete it and release torch's writer without finishing the archive.
+        Safe to call at any time, more than once, and after a failure."""
+        sink = getattr(self, "_sink", None)
+        if sink is not None:
+            sink.discard()
+        zip_writer, self._zip = getattr(self, "_zip", None), None
+        if zip_writer is not None:
+            if getattr(self, "_broken", False):
+                _keep_forever(zip_writer)
+            del zip_writer  # its destructor writes the end of the archive into the discarding sink
+        out = getattr(self, "_out", None)
+        if out is not None:
+            out.abort()
+
+    def __enter__(self) -> "TorchWriter":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is not None:
+            self.abort()
+
+    def __del__(self) -> None:
+        if getattr(self, "_zip", None) is not None:
+            try:
+                self.abort()
+            except Exception:  # noqa: BLE001 - at interpreter exit modules may be half gone
+                pass

@@ -16,8 +16,9 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import FormatError
+from ..paths import NoSpaceError, ensure_free_space, no_space_error
 from .base import FileRecord, HashingFile, TensorSpec, check_specs, compact, narrow
-from .torch_io import TensorReference, TorchFile, safe_load, state_dict_of
+from .torch_io import TensorReference, TorchFile, _zip_size_bound, regular, safe_load, state_dict_of, torch_save
 
 
 def tensors_dir(path: Path) -> Path:
@@ -25,6 +26,13 @@ def tensors_dir(path: Path) -> Path:
 
 
 def tensor_path(path: Path, tid: int) -> Path:
+    """`<path>.tensors/tensor_<tid>.pt`; `tid` (read from the file) must be a non-negative int,
+    anything else (a string such as "../../x") is refused before it becomes part of a path."""
+    if type(tid) is not int or tid < 0:
+        raise FormatError(
+            f"{path} references a tensor by an invalid id {tid!r} (expected a non-negative integer): "
+            "the file is corrupt or was crafted; re-create it"
+        )
     return tensors_dir(path) / f"tensor_{tid}.pt"
 
 
@@ -48,18 +56,35 @@ def load(path: Path) -> Any:
     return resolve(safe_load(Path(path)), Path(path))
 
 
+def _valid_info(path: Path) -> dict:
+    """The `.info.pt` beside an xser file (`tid -> {dtype, shape, ...}`), checked: entries that
+    would be used as shapes and dtypes must be exactly that."""
+    info = safe_load(regular(path, "xser info file"), mmap=False)
+    if not isinstance(info, dict):
+        raise FormatError(f"{path} is not an xser info file (expected tid -> {{dtype, shape}}): re-create it")
+    for tid, entry in info.items():
+        entry = entry if isinstance(entry, dict) else {}
+        shape, dtype = entry.get("shape"), entry.get("dtype")
+        if (type(tid) is not int or not isinstance(dtype, torch.dtype) or not isinstance(shape, (tuple, list))
+                or not all(type(n) is int and n >= 0 for n in shape)):
+            raise FormatError(f"{path}: entry {tid!r} is not {{dtype, shape}} of a tensor: the file is corrupt; re-create it")
+    return info
+
+
 class XserFile:
     """Lazy reader of one xser rank file: each referenced tensor is mapped only when read."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
+        self.path = regular(Path(path), "xser file")
         self._sd = state_dict_of(safe_load(self.path), self.path)
-        self._info = safe_load(info_path(self.path), mmap=False) if info_path(self.path).is_file() else {}
+        self._info = _valid_info(info_path(self.path)) if info_path(self.path).exists() else {}
         self._files: dict[int, TorchFile] = {}
         for name, value in self._sd.items():
             if isinstance(value, TensorReference):
-                if not tensor_path(self.path, value.tid).is_file():
-                    raise FormatError(f"{self.path}: tensor file of {name} ({tensor_path(self.path, value.tid).name}) is missing")
+                file = tensor_path(self.path, value.tid)
+                if not file.exists():
+                    raise FormatError(f"{self.path}: tensor file of {name} ({file.name}) is missing")
+                regular(file, f"tensor file of {name}")
             elif not isinstance(value, torch.Tensor):
                 raise FormatError(f"{self.path}: entry {name} is a {type(value).__name__}, not a tensor")
 
@@ -124,8 +149,22 @@ _PICKLE_MODULE.Unpickler = pickle.Unpickler
 _PICKLE_MODULE.load = pickle.load
 
 
+_PICKLE_BOUND = 1024  # bytes: the data.pkl of one tensor's file, or per entry of the reference and info files
+
+
+def _file_bound(nbytes: int) -> int:
+    """An upper bound of the size of a torch.save file holding one tensor of nbytes."""
+    from torch.serialization import _get_storage_alignment
+
+    return _zip_size_bound([("data.pkl", _PICKLE_BOUND), (".format_version", 1), (".storage_alignment", 8),
+                            ("byteorder", 8), ("data/0", nbytes)], _get_storage_alignment())
+
+
 class XserWriter:
-    """Writes each tensor to its own file as it arrives; the reference file and .info.pt last."""
+    """Writes each tensor to its own file as it arrives; the reference file and .info.pt last.
+
+    Any failure aborts the writer: the files it wrote are deleted (see TorchWriter); so does a
+    writer dropped without `close`, when it is collected."""
 
     def __init__(self, path: Path, root: Path, specs: Sequence[TensorSpec], expert_parallel: Sequence[str] = ()):
         check_specs(specs)
@@ -134,20 +173,76 @@ class XserWriter:
         self._tids = {s.name: i for i, s in enumerate(self._specs)}
         self._expert = set(expert_parallel)
         self._records: list[FileRecord] = []
+        self._files: list[HashingFile] = []  # every file this writer created, to delete on abort
         self._fsync = False
+        self._open = True
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        ensure_free_space(self.path.parent, self._remaining_bound())
+
+    def _remaining_bound(self) -> int:
+        """An upper bound of the bytes this rank still needs: its unwritten tensors' files, the
+        reference file and .info.pt."""
+        left = self._specs[len(self._records):]
+        return sum(_file_bound(s.nbytes) for s in left) + 2 * _file_bound(_PICKLE_BOUND * len(self._specs))
+
+    def _save(self, obj: Any, path: Path, **kwargs) -> HashingFile:
+        out = HashingFile(path, self.root)
+        self._files.append(out)
+        try:
+            torch_save(obj, out, **kwargs)
+        except NoSpaceError:
+            raise no_space_error(self.path.parent, self._remaining_bound()) from None
+        return out
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        out = HashingFile(tensor_path(self.path, self._tids[name]), self.root)
-        torch.save(compact(tensor), out)
-        self._records.append(out.close())
+        try:
+            if not self._open:
+                raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
+            out = self._save(compact(tensor), tensor_path(self.path, self._tids[name]))
+            self._records.append(out.close())
+        except BaseException:
+            self.abort()
+            raise
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
-        if len(self._records) != len(self._specs):
-            raise RuntimeError(f"{self.path}: {len(self._specs) - len(self._records)} tensors were not written")
-        main = HashingFile(self.path, self.root)
-        refs = {s.name: TensorReference(self._tids[s.name]) for s in self._specs}
-        torch.save(refs, main, pickle_module=_PICKLE_MODULE, pickle_protocol=2)
-        info = HashingFile(info_path(self.path), self.root)
-        torch.save({self._tids[s.name]: {"dtype": s.dtype, "shape": torch.Size(s.shape),
-                                         "expert_model_parallel": s.name in self._expert} for s in self._specs}, info)
-        return [main.close(fsync), info.close(fsync)] + self._records
+        try:
+            if not self._open:
+                raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
+            if len(self._records) != len(self._specs):
+                raise RuntimeError(f"{self.path}: {len(self._specs) - len(self._records)} tensors were not written")
+            refs = {s.name: TensorReference(self._tids[s.name]) for s in self._specs}
+            main = self._save(refs, self.path, pickle_module=_PICKLE_MODULE, pickle_protocol=2)
+            info = self._save({self._tids[s.name]: {"dtype": s.dtype, "shape": torch.Size(s.shape),
+                                                    "expert_model_parallel": s.name in self._expert}
+                               for s in self._specs}, info_path(self.path))
+            records = [main.close(fsync), info.close(fsync)] + self._records
+        except BaseException:
+            self.abort()
+            raise
+        self._open = False
+        return records
+
+    def abort(self) -> None:
+        """Give up this rank file: delete every file written so far. Safe to call more than once."""
+        self._open = False
+        files, self._files = getattr(self, "_files", []), []
+        for out in files:
+            out.abort()
+        try:
+            tensors_dir(self.path).rmdir()  # only if empty: never anything we did not write
+        except OSError:
+            pass
+
+    def __enter__(self) -> "XserWriter":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is not None:
+            self.abort()
+
+    def __del__(self) -> None:
+        if getattr(self, "_open", False):
+            try:
+                self.abort()
+            except Exception:  # noqa: BLE001 - at interpreter exit modules may be half gone
+                pass
