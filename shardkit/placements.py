@@ -19,6 +19,7 @@ tensor is held in a set of pieces.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterable, Mapping, Protocol, Sequence
 
@@ -69,10 +70,7 @@ class Piece:
         return 1 - dim if self.transposed else dim
 
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def _merge_adjacent(segments: Sequence[Segment]) -> tuple[Segment, ...]:

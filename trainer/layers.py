@@ -85,17 +85,6 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return _gather_seq(grad, ctx.group), None
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group: Group):
-        ctx.group = group
-        return x.chunk(group.size, dim=0)[group.rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
-
-
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _CopyToTP.apply(x, group)
 
@@ -110,10 +99,6 @@ def gather_from_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _ReduceScatterToSP.apply(x, group)
-
-
-def scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.size == 1 else _ScatterToSP.apply(x, group)
 
 
 class TPContext:

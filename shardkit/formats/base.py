@@ -12,6 +12,7 @@ their sizes and sha256 (hashed while writing, never by reading back).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import stat
 import sys
@@ -40,10 +41,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return self.dtype.itemsize * math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -209,26 +207,26 @@ class StoredTensor:
         return tuple(reversed(out))
 
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 STRIDED_READ_CHUNK = 4 << 20  # bytes read at once for a slice along a dimension other than the first
 
 
-def pread_into(fd: int, nbytes: int, offset: int, what: str) -> torch.Tensor:
-    """Read exactly nbytes at offset into a new uint8 tensor (FormatError when the file is
-    shorter: truncated). The buffer is not zero-filled first."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
-    done = 0
+def pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
+    """Fill `view` with the bytes at `offset` (FormatError when the file is shorter: truncated)."""
+    done, nbytes = 0, len(view)
     while done < nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
         if got <= 0:
             raise FormatError(f"{what} is truncated: re-create it")
         done += got
+
+
+def pread_into(fd: int, nbytes: int, offset: int, what: str) -> torch.Tensor:
+    """Read exactly nbytes at offset into a new uint8 tensor. The buffer is not zero-filled first."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    pread_exact(fd, memoryview(buf.numpy()), offset, what)
     return buf
 
 
@@ -260,7 +258,7 @@ def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int
         return out
     buf = pread_into(fd, extent * item, t.file_offset + first * item, what)
     base = buf.view(t.dtype)
-    if extent == _numel(out_shape) and stride == list(StoredTensor(t.dtype, tuple(out_shape), 0).strides()):
+    if extent == math.prod(out_shape) and stride == list(StoredTensor(t.dtype, tuple(out_shape), 0).strides()):
         return base.reshape(out_shape)  # a contiguous run of rows: no copy
     return base.as_strided(out_shape, stride).clone()
 
@@ -278,20 +276,8 @@ def read_rows_into(fd: int, t: StoredTensor, start: int, stop: int, out: torch.T
         return False
     first = t.storage_offset + start * (stride[0] if stride else 1)
     view = memoryview(out.view(torch.uint8).reshape(-1).numpy()) if nbytes else memoryview(b"")
-    done, offset = 0, t.file_offset + first * t.dtype.itemsize
-    while done < nbytes:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            raise FormatError(f"{what} is truncated: re-create it")
-        done += got
+    pread_exact(fd, view, t.file_offset + first * t.dtype.itemsize, what)
     return True
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def narrow(tensor: torch.Tensor, dim: int, start: int | None, stop: int | None) -> torch.Tensor:

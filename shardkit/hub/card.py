@@ -13,6 +13,7 @@ from ..errors import ShardkitError
 from ..formats import Checkpoint, get_format, hf, is_plain_hf_dir, open_checkpoint
 from ..formats.safetensors_io import read_header
 from ..formats.torch_io import TorchFile
+from ..sizes import format_bytes
 from ..version import __version__
 from .download import looks_like_repo_id
 
@@ -97,7 +98,7 @@ def model_card(folder: Path, repo_id: str, *, origin=None, command: str | None =
     base = base_model or _base_model(origin_path, manifest, cfg)
     architecture = ", ".join(cfg.get("architectures") or []) or cfg.get("model_type", "unknown")
     size = stats["bytes"]
-    size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.2f} MiB"
+    size_text = format_bytes(size)
     meta = ["---", "library_name: transformers"]
     if base:
         meta.append(f"base_model: {base}")
