@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import torch_compat
 from ..errors import FormatError
 from .base import FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, compact, narrow, read_rows_into, read_stored
 
@@ -101,8 +102,6 @@ def load_metadata(path: Path) -> Any:
     """Unpickle a torch.save file with torch's weights-only unpickler, but with storages on the
     meta device: shapes, strides and dtypes without reading any tensor data. Every tensor is
     returned as a StoredTensor saying where its bytes are. Non-zip (legacy) files return None."""
-    from torch import _weights_only_unpickler
-
     path = Path(path)
     if not zipfile.is_zipfile(path):
         return None
@@ -119,7 +118,7 @@ def load_metadata(path: Path) -> Any:
     with zipfile.ZipFile(path) as archive:
         raw = archive.read(prefix + "data.pkl")
     with torch.serialization.safe_globals([(TensorReference, XSER_REFERENCE)]):
-        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(raw), encoding="utf-8")
+        unpickler = torch_compat.weights_only_unpickler(io.BytesIO(raw), encoding="utf-8")
         unpickler.persistent_load = persistent_load
         obj = unpickler.load()
 
@@ -247,19 +246,18 @@ class _TensorStub:
         stride = StoredTensor(self.storage.dtype, self.shape, 0).strides()
         # fresh tuples, as torch makes them: the pickler memoizes by identity
         args = (self.storage, 0, tuple(list(self.shape)), tuple(list(stride)), False, OrderedDict())
-        if self.storage.dtype in torch.storage._new_dtypes():
-            return (torch._utils._rebuild_tensor_v3, args + (self.storage.dtype,))
-        return (torch._utils._rebuild_tensor_v2, args)
+        if self.storage.dtype in torch_compat.new_dtypes():
+            return (torch_compat.rebuild_tensor_v3(), args + (self.storage.dtype,))
+        return (torch_compat.rebuild_tensor_v2(), args)
 
 
 class _StubPickler(pickle.Pickler):
     def persistent_id(self, obj):
         if not isinstance(obj, _StorageStub):
             return None
-        if obj.dtype in torch.storage._new_dtypes():
+        if obj.dtype in torch_compat.new_dtypes():
             return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
-        storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
-        return ("storage", storage_type, obj.key, "cpu", obj.numel)
+        return ("storage", torch_compat.storage_type(obj.dtype), obj.key, "cpu", obj.numel)
 
 
 def state_dict_pickle(specs: Sequence[TensorSpec]) -> bytes:
@@ -285,18 +283,11 @@ class TorchWriter:
         self._next = 0
         self._out = HashingFile(self.path, self.root)
         data_pkl = state_dict_pickle(self._specs)
-        try:
-            from torch.serialization import _get_storage_alignment, get_crc32_options
-        except ImportError:  # older torch: 64-byte alignment, no format records (still a valid archive)
-            self._zip = torch._C.PyTorchFileWriter(self._out)
-            self._zip.write_record("data.pkl", data_pkl, len(data_pkl))
-        else:
-            alignment = _get_storage_alignment()
-            self._zip = torch._C.PyTorchFileWriter(self._out, get_crc32_options(), alignment)
-            # the records torch.save writes before the storages, in its order
-            self._zip.write_record("data.pkl", data_pkl, len(data_pkl))
-            self._zip.write_record(".format_version", "1", 1)
-            self._zip.write_record(".storage_alignment", str(alignment), len(str(alignment)))
+        self._zip, alignment = torch_compat.file_writer(self._out)
+        # the records torch.save writes before the storages, in its order
+        self._zip.write_record("data.pkl", data_pkl, len(data_pkl))
+        self._zip.write_record(".format_version", "1", 1)
+        self._zip.write_record(".storage_alignment", str(alignment), len(str(alignment)))
         self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
