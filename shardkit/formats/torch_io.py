@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import torch_compat
 from ..errors import FormatError, ShardkitError
 from ..paths import regular_file
 from .base import FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, compact, narrow, read_rows_into, read_stored
@@ -109,8 +110,6 @@ def load_metadata(path: Path) -> Any:
     """Unpickle a torch.save file with torch's weights-only unpickler, but with storages on the
     meta device: shapes, strides and dtypes without reading any tensor data. Every tensor is
     returned as a StoredTensor saying where its bytes are. Non-zip (legacy) files return None."""
-    from torch import _weights_only_unpickler
-
     path = Path(path)
     if not zipfile.is_zipfile(path):
         return None
@@ -127,7 +126,7 @@ def load_metadata(path: Path) -> Any:
     with zipfile.ZipFile(path) as archive:
         raw = archive.read(prefix + "data.pkl")
     with torch.serialization.safe_globals([(TensorReference, XSER_REFERENCE)]):
-        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(raw), encoding="utf-8")
+        unpickler = torch_compat.weights_only_unpickler(io.BytesIO(raw), encoding="utf-8")
         unpickler.persistent_load = persistent_load
         obj = unpickler.load()
 
@@ -253,19 +252,18 @@ class _TensorStub:
         stride = StoredTensor(self.storage.dtype, self.shape, 0).strides()
         # fresh tuples, as torch makes them: the pickler memoizes by identity
         args = (self.storage, 0, tuple(list(self.shape)), tuple(list(stride)), False, OrderedDict())
-        if self.storage.dtype in torch.storage._new_dtypes():
-            return (torch._utils._rebuild_tensor_v3, args + (self.storage.dtype,))
-        return (torch._utils._rebuild_tensor_v2, args)
+        if self.storage.dtype in torch_compat.new_dtypes():
+            return (torch_compat.rebuild_tensor_v3(), args + (self.storage.dtype,))
+        return (torch_compat.rebuild_tensor_v2(), args)
 
 
 class _StubPickler(pickle.Pickler):
     def persistent_id(self, obj):
         if not isinstance(obj, _StorageStub):
             return None
-        if obj.dtype in torch.storage._new_dtypes():
+        if obj.dtype in torch_compat.new_dtypes():
             return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
-        storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
-        return ("storage", storage_type, obj.key, "cpu", obj.numel)
+        return ("storage", torch_compat.storage_type(obj.dtype), obj.key, "cpu", obj.numel)
 
 
 def state_dict_pickle(specs: Sequence[TensorSpec]) -> bytes:
@@ -365,26 +363,17 @@ class TorchWriter:
         self._zip = None
         self._broken = False
         data_pkl = state_dict_pickle(self._specs)
-        try:
-            from torch.serialization import _get_storage_alignment, get_crc32_options
-        except ImportError:  # older torch: 64-byte alignment, no format records (still a valid archive)
-            alignment, options = 64, None
-        else:
-            alignment, options = _get_storage_alignment(), get_crc32_options()
+        alignment = torch_compat.zip_options()[1]
         records = [("data.pkl", len(data_pkl)), (".format_version", 1), (".storage_alignment", 8), ("byteorder", 8)]
         records += [(f"data/{i}", s.nbytes) for i, s in enumerate(self._specs)]
         self._out = HashingFile(self.path, self.root, expected_size=_zip_size_bound(records, alignment))
         self._sink = _ZipSink(self._out)
         try:
-            if options is None:
-                self._zip = torch._C.PyTorchFileWriter(self._sink)
-                self._record("data.pkl", data_pkl, len(data_pkl))
-            else:
-                self._zip = torch._C.PyTorchFileWriter(self._sink, options, alignment)
-                # the records torch.save writes before the storages, in its order
-                self._record("data.pkl", data_pkl, len(data_pkl))
-                self._record(".format_version", "1", 1)
-                self._record(".storage_alignment", str(alignment), len(str(alignment)))
+            self._zip, _ = torch_compat.file_writer(self._sink)
+            # the records torch.save writes before the storages, in its order
+            self._record("data.pkl", data_pkl, len(data_pkl))
+            self._record(".format_version", "1", 1)
+            self._record(".storage_alignment", str(alignment), len(str(alignment)))
             self._record("byteorder", sys.byteorder, len(sys.byteorder))
         except BaseException:
             self.abort()

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import torch_compat
 from ..errors import FormatError
 from ..paths import NoSpaceError, ensure_free_space, no_space_error
 from .base import FileRecord, HashingFile, TensorSpec, check_specs, compact, narrow
@@ -132,7 +133,7 @@ class XserFile:
         self._sd = {}
 
 
-class _ReferencePickler(pickle._Pickler):
+class _ReferencePickler(torch_compat.PurePickler):
     """Writes TensorReference under torch-xla's module name (which need not be importable)."""
 
     def save_global(self, obj, name=None):
