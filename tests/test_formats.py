@@ -853,3 +853,30 @@ def test_merge_of_truncated_file_fails_cleanly(kind, how, tiny_model, torch_shar
     if kind.startswith("xser"):
         assert bad.parent.name in message, message
     no_output_left(dst)
+
+
+def test_torch_files_with_dtypes_that_have_no_typed_storage_read_back(tmp_path):
+    """float8 and uint16 tensors are saved with an UntypedStorage (numel in bytes): reading their
+    metadata and slices must work (FP8 checkpoints are real), and the streaming writer must write
+    exactly what torch.save writes for them."""
+    from shardkit.formats.torch_io import TorchFile, TorchWriter
+
+    torch.manual_seed(0)
+    tensors = {"f8": torch.randn(6, 4).to(torch.float8_e4m3fn), "f8b": torch.randn(3).to(torch.float8_e5m2),
+               "u16": torch.arange(10, dtype=torch.int32).to(torch.uint16).reshape(2, 5), "f32": torch.randn(2, 3)}
+    with open(tmp_path / "ref.pt", "wb") as fh:  # through a file object, as the streaming writer writes
+        torch.save(tensors, fh)
+    reader = TorchFile(tmp_path / "ref.pt")
+    try:
+        for name, t in tensors.items():
+            assert reader.dtype(name) == t.dtype and reader.shape(name) == tuple(t.shape)
+            assert torch.equal(reader.read(name).view(torch.uint8), t.view(torch.uint8))
+        assert torch.equal(reader.read("f8", 0, 2, 5).view(torch.uint8), tensors["f8"][2:5].view(torch.uint8))
+    finally:
+        reader.close()
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    writer = TorchWriter(tmp_path / "streamed.pt", tmp_path, specs)
+    for name, t in tensors.items():
+        writer.write(name, t)
+    writer.close()
+    assert (tmp_path / "streamed.pt").read_bytes() == (tmp_path / "ref.pt").read_bytes()

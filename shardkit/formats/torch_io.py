@@ -118,7 +118,9 @@ def load_metadata(path: Path) -> Any:
 
     def persistent_load(saved):
         _, storage_type, key, _, numel = saved
-        dtype = storage_type.dtype
+        # dtypes without a typed storage class (float8, uint16...) are saved as UntypedStorage,
+        # numel counting bytes; the tensor's dtype then comes from _rebuild_tensor_v3
+        dtype = getattr(storage_type, "dtype", torch.uint8)
         storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
         keys[storage._cdata] = str(key)
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
