@@ -204,7 +204,9 @@ def test_verify_reads_blocks_never_a_whole_tensor_nor_float64(shards, monkeypatc
 def test_progress_reaches_the_bytes_of_a(shards):
     src, out = shards
     calls = []
+    threads = torch.get_num_threads()
     shardkit.verify(out, src, progress=lambda done, total: calls.append((done, total)))
+    assert torch.get_num_threads() == threads  # verify runs single-threaded, then restores torch's setting
     total = sum(math.prod(s) * 4 for s in shardkit.open_checkpoint(src).full_shapes.values())  # float32
     assert calls[-1] == (total, total)
     assert all(t == total for _, t in calls)

@@ -229,6 +229,9 @@ def _worst(a: torch.Tensor, b: torch.Tensor, work: torch.dtype) -> float:
         a, b = torch.view_as_real(a.to(torch.complex64)), torch.view_as_real(b.to(torch.complex64))
     x, y = a.to(work), b.to(work)
     d = (x - y).abs_()
+    worst = float(d.max())
+    if worst == worst:  # no NaN anywhere (nor an infinity facing the same one): the common case
+        return worst
     d.masked_fill_(x == y, 0.0)
     nx, ny = torch.isnan(x), torch.isnan(y)
     d.masked_fill_(nx & ny, 0.0)
@@ -295,6 +298,8 @@ def verify_checkpoints(
     report = VerifyReport(*(names or (str(ca.root), str(cb.root))))
     shapes_a, shapes_b = ca.full_shapes, cb.full_shapes
     ra, rb = SourceReader(ca), SourceReader(cb)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # blocks of a few MiB: torch's intra-op threads only contend (as in convert)
     try:
         dtypes_a = {n: ra.dtype_of(n) for n in shapes_a}
         tick = _Progress(progress, sum(_numel(s) * dtypes_a[n].itemsize for n, s in shapes_a.items()))
@@ -313,6 +318,7 @@ def verify_checkpoints(
             if on_tensor:
                 on_tensor(diff)
     finally:
+        torch.set_num_threads(threads)
         ra.close()
         rb.close()
     return report
