@@ -65,6 +65,14 @@ def test_hf_and_its_shards_are_bit_equal(shards, blocks, request):
     assert shardkit.verify(out, src).ok
 
 
+@pytest.mark.parametrize("fmt", ["xser", "safetensors"])
+def test_every_format_reads_blocks_of_rows(tiny_model, tmp_path, small_blocks, fmt):
+    src = tiny_model(MODEL)
+    convert(src, tmp_path / fmt, Layout(tp=4, pp=1, qkv="fused", kv_multiplier=2), format=fmt)
+    report = shardkit.verify(tmp_path / fmt, src)
+    assert report.ok and all(t.max_abs_diff == 0.0 for t in report.tensors), mismatched(report)
+
+
 def test_experts_stacked_and_transposed_compare_in_blocks(tiny_model, tmp_path, small_blocks):
     src = tiny_model("mixtral-tiny")
     convert(src, tmp_path / "ep2", Layout(tp=2, ep=2, qkv="gqa"))
@@ -287,7 +295,7 @@ def test_manifest_paths_outside_the_folder_are_problems_not_opens(shards, tmp_pa
     bad = [p for p in report["problems"] if name in p]
     assert len(bad) == 1 and words in bad[0] and "\n" not in bad[0]
     assert len(hashed) == 8 and all(root in p.parents for p in hashed)
-    assert report["checked"]["files_hashed"] == 8
+    assert report["checked"]["files_hashed"] == 8 and report["checked"]["replica_groups"] > 0
 
 
 def test_symlink_out_of_the_folder_is_refused(shards, tmp_path, monkeypatch):

@@ -65,9 +65,9 @@ def inspect_checkpoint(ckpt: Checkpoint, check_data: bool = False,
     if check_data:
         # the files are hashed whatever else is wrong; copies are compared only when every file
         # holds what the layout says (else the slices cannot be located)
+        index = ckpt.index() if not problems else None
         entries, bad = _manifest_entries(ckpt)
         problems += bad
-        index = ckpt.index() if not problems else None
         groups = _replica_groups(ckpt, index) if index is not None else []
         hash_bytes = sum(size for _, _, size, _ in entries)
         total = hash_bytes + sum(nbytes for _, _, nbytes in groups)
