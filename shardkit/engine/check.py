@@ -7,24 +7,30 @@ stream one tensor at a time.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ..errors import ShardkitError
+from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, SourceReader
-from ..formats.manifest import file_sha256
-from ..placements import Segment
+from ..formats.manifest import MANIFEST, file_sha256
+from ..paths import UnsafePathError, inside, regular_file
+from ..placements import Segment, SegmentIndex
 
 log = logging.getLogger(__name__)
 
 
-def inspect_checkpoint(ckpt: Checkpoint, check_data: bool = False) -> dict[str, Any]:
+def inspect_checkpoint(ckpt: Checkpoint, check_data: bool = False,
+                       progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Describe a checkpoint: kind, format, family, layout, stages, files, tensors and problems.
 
     With `check_data`, also re-hash files against the manifest and compare every replicated
-    copy of every slice (reads the whole checkpoint)."""
+    copy of every slice (reads the whole checkpoint); the report's "checked" then says how many
+    files were hashed and how many groups of copies were compared, and `progress(bytes_done,
+    bytes_total)` follows the bytes read."""
     problems: list[str] = []
     try:
         ckpt.check_files()
@@ -56,9 +62,22 @@ def inspect_checkpoint(ckpt: Checkpoint, check_data: bool = False) -> dict[str, 
         "tensors": {n: list(s) for n, s in ckpt.full_shapes.items()},
         "problems": problems,
     }
-    if check_data and not problems:
-        problems += _check_manifest_hashes(ckpt)
-        problems += _check_replicas(ckpt)
+    if check_data:
+        # the files are hashed whatever else is wrong; copies are compared only when every file
+        # holds what the layout says (else the slices cannot be located)
+        index = ckpt.index() if not problems else None
+        entries, bad = _manifest_entries(ckpt)
+        problems += bad
+        groups = _replica_groups(ckpt, index) if index is not None else []
+        hash_bytes = sum(size for _, _, size, _ in entries)
+        total = hash_bytes + sum(nbytes for _, _, nbytes in groups)
+        tick = _Progress(progress, total)
+        found, hashed, mismatched = _check_manifest_hashes(entries, tick)
+        problems += found
+        found, differ = _check_replicas(ckpt, index, groups, tick) if index is not None else ([], 0)
+        problems += found
+        report["checked"] = {"files_hashed": hashed, "hash_mismatches": mismatched,
+                             "replica_groups": len(groups), "replica_mismatches": differ}
     return report
 
 
@@ -69,35 +88,165 @@ def _numel(shape) -> int:
     return n
 
 
-def _check_manifest_hashes(ckpt: Checkpoint) -> list[str]:
-    problems = []
-    for entry in (ckpt.manifest or {}).get("files", []):
-        path = ckpt.root / entry["path"]
-        if not path.is_file():
-            problems.append(f"{entry['path']} is listed in the manifest but missing")
+class _Progress:
+    """Cumulative progress(bytes_done, bytes_total), or nothing."""
+
+    def __init__(self, callback: Callable[[int, int], None] | None, total: int):
+        self.callback, self.total, self.done = callback, total, 0
+
+    def __call__(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.callback:
+            self.callback(self.done, self.total)
+
+
+def _manifest_entries(ckpt: Checkpoint) -> tuple[list[tuple[str, Path, int, str]], list[str]]:
+    """The manifest's file entries as (name, path inside the folder, size, sha256), and a problem
+    line for every entry that is malformed, names a path outside the folder, or is missing."""
+    if ckpt.manifest is None:
+        return [], []
+    files = ckpt.manifest.get("files") if isinstance(ckpt.manifest, dict) else None
+    if not isinstance(files, list):
+        return [], [f"{MANIFEST}: 'files' is not a list of files: the files cannot be checked (re-create the shards)"]
+    entries, problems = [], []
+    for i, entry in enumerate(files):
+        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)
+                and isinstance(entry.get("size"), int) and not isinstance(entry.get("size"), bool)
+                and isinstance(entry.get("sha256"), str)):
+            problems.append(f"{MANIFEST}: files[{i}] is not {{path: str, size: int, sha256: str}}: it cannot be checked")
             continue
-        if path.stat().st_size != entry["size"] or file_sha256(path) != entry["sha256"]:
-            problems.append(f"{entry['path']} does not match its sha256 in the manifest: the file changed or is corrupt")
-    return problems
+        name = entry["path"]
+        try:
+            path = inside(ckpt.root, name, "manifest entry")
+        except UnsafePathError as e:
+            problems.append(str(e))
+            continue
+        if not path.exists():
+            problems.append(f"{name} is listed in the manifest but missing")
+            continue
+        try:
+            regular_file(path, "manifest entry")
+        except ShardkitError as e:
+            problems.append(str(e))
+            continue
+        entries.append((name, path, entry["size"], entry["sha256"]))
+    return entries, problems
 
 
-def _check_replicas(ckpt: Checkpoint) -> list[str]:
-    """Every copy of every slice (replicated norms, kv replicas, tied lm_head) must agree."""
-    problems = []
-    index = ckpt.index()
-    reader = SourceReader(ckpt)
+def _check_manifest_hashes(entries, tick: _Progress) -> tuple[list[str], int, int]:
+    """Re-hash every listed file: (problems, files checked, files that differ from the manifest)."""
+    problems, hashed, mismatched = [], 0, 0
+    for name, path, size, sha256 in entries:
+        hashed += 1
+        if path.stat().st_size != size or file_sha256(path) != sha256:
+            mismatched += 1
+            problems.append(f"{name} does not match its sha256 in the manifest: the file changed or is corrupt")
+        tick(size)
+    return problems, hashed, mismatched
+
+
+def _replica_groups(ckpt: Checkpoint, index: SegmentIndex) -> list[tuple[str, list, int]]:
+    """(source, holdings, bytes to read) for every slice of a full tensor held more than once
+    (replicated norms, kv replicas, tied lm_head)."""
+    shapes = ckpt.full_shapes
+    reader = SourceReader(ckpt, index=index)
+    groups = []
     try:
         for source in index.sources():
-            seen: dict[tuple[int, int], torch.Tensor] = {}
+            by_range: dict[tuple[int, int], list] = {}
             for h in index.holdings(source):
-                data = reader.read(h.read())
-                ref = seen.setdefault((h.start, h.stop), data)
-                if ref is not data and not torch.equal(ref, data):
-                    problems.append(f"copies of {source}[{h.start}:{h.stop}] disagree ({h.holder} differs)")
-                    break
+                by_range.setdefault((h.start, h.stop), []).append(h)
+            copies = [hs for hs in by_range.values() if len(hs) > 1]
+            if not copies:
+                continue
+            shape = shapes.get(source, ())
+            dim = index.dim_of(source)
+            row = _numel(shape) // shape[dim] if shape and shape[dim] else 0
+            itemsize = reader.dtype_of(source).itemsize
+            for hs in copies:
+                groups.append((source, hs, len(hs) * (hs[0].stop - hs[0].start) * row * itemsize))
     finally:
         reader.close()
-    return problems
+    return groups
+
+
+def _check_replicas(ckpt: Checkpoint, index: SegmentIndex, groups, tick: _Progress) -> tuple[list[str], int]:
+    """Every copy of every slice must hold the same bits (NaN equal to NaN)."""
+    problems, differ = [], 0
+    reader = SourceReader(ckpt, index=index)
+    try:
+        for source, holdings, nbytes in groups:
+            ref = reader.read(holdings[0].read())
+            for h in holdings[1:]:
+                data = reader.read(h.read())
+                if not _same(ref, data):
+                    h0 = holdings[0]
+                    problems.append(f"copies of {source}[{h0.start}:{h0.stop}] disagree ({h.holder} differs)")
+                    differ += 1
+                    break
+            tick(nbytes)
+    finally:
+        reader.close()
+    return problems, differ
+
+
+# ---- comparing blocks ------------------------------------------------------------------------------
+
+VERIFY_BLOCK_BYTES = 4 << 20
+"""verify compares tensors in blocks of rows of about this many bytes (counted in float32)."""
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _isnan(t: torch.Tensor) -> torch.Tensor:
+    try:
+        return torch.isnan(t)
+    except (RuntimeError, NotImplementedError):  # float8 and friends
+        return torch.isnan(t.float())
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits, except that NaN equals NaN in the same place."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_complex():
+        return _same(torch.view_as_real(a), torch.view_as_real(b))
+    if not a.is_floating_point() or a.element_size() not in _INT_OF_SIZE:
+        return torch.equal(a, b)
+    bits = _INT_OF_SIZE[a.element_size()]
+    ia, ib = a.view(bits), b.view(bits)
+    if torch.equal(ia, ib):
+        return True
+    return bool(((ia == ib) | (_isnan(a) & _isnan(b))).all())
+
+
+def _worst(a: torch.Tensor, b: torch.Tensor, work: torch.dtype) -> float:
+    """The largest |a - b| of two blocks in `work` precision: NaN against NaN and an infinity
+    against the same infinity count as 0, NaN against anything else as infinite."""
+    if not a.numel():
+        return 0.0
+    if a.is_complex() or b.is_complex():
+        a, b = torch.view_as_real(a.to(torch.complex64)), torch.view_as_real(b.to(torch.complex64))
+    x, y = a.to(work), b.to(work)
+    d = (x - y).abs_()
+    worst = float(d.max())
+    if worst == worst:  # no NaN anywhere (nor an infinity facing the same one): the common case
+        return worst
+    d.masked_fill_(x == y, 0.0)
+    nx, ny = torch.isnan(x), torch.isnan(y)
+    d.masked_fill_(nx & ny, 0.0)
+    d.masked_fill_(nx ^ ny, math.inf)
+    return float(d.max())
+
+
+def _row_blocks(shape: tuple[int, ...], block_bytes: int):
+    """[start, stop) ranges of dim 0 of about `block_bytes` each (counted in float32)."""
+    if not shape:
+        return
+    row = _numel(shape[1:])
+    rows = max(1, block_bytes // max(1, row * 4))
+    for start in range(0, shape[0], rows):
+        yield start, min(shape[0], start + rows)
 
 
 @dataclass
@@ -134,33 +283,69 @@ def verify_checkpoints(
     atol: float = 0.0,
     on_tensor: Callable[[TensorDiff], None] | None = None,
     names: tuple[str, str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Compare two checkpoints (any formats and layouts) tensor by tensor in full-weight space;
-    `names` are how the report calls them (default: their paths)."""
+    `names` are how the report calls them (default: their paths).
+
+    Each tensor is read from both sides in blocks of rows (VERIFY_BLOCK_BYTES), never whole.
+    With atol 0 and equal dtypes the blocks must hold the same bits (NaN equals NaN in the same
+    place); otherwise they are compared in float32 (float64 when both are), and a tensor is
+    equal when its largest |a - b| is at most `atol` (NaN must face NaN, an infinity the same
+    infinity). `progress(bytes_done, bytes_total)` counts the bytes of A's tensors."""
     ca.check_files()
     cb.check_files()
     report = VerifyReport(*(names or (str(ca.root), str(cb.root))))
     shapes_a, shapes_b = ca.full_shapes, cb.full_shapes
     ra, rb = SourceReader(ca), SourceReader(cb)
-    dims_a = ca.family.split_dims(ca.dims)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # blocks of a few MiB: torch's intra-op threads only contend (as in convert)
     try:
+        dtypes_a = {n: ra.dtype_of(n) for n in shapes_a}
+        tick = _Progress(progress, sum(_numel(s) * dtypes_a[n].itemsize for n, s in shapes_a.items()))
         for name in list(shapes_a) + [n for n in shapes_b if n not in shapes_a]:
             if name not in shapes_b or name not in shapes_a:
                 diff = TensorDiff(name, None, False, f"only in {'a' if name in shapes_a else 'b'}")
             elif shapes_a[name] != shapes_b[name]:
                 diff = TensorDiff(name, None, False, f"shape {shapes_a[name]} vs {shapes_b[name]}")
             else:
-                dim = dims_a[name]
-                seg = Segment(name, dim, 0, shapes_a[name][dim] if shapes_a[name] else 1)
-                ta, tb = ra.read_segment(seg), rb.read_segment(seg)
-                worst = (ta.double() - tb.double()).abs().max().item() if ta.numel() else 0.0
-                note = "" if ta.dtype == tb.dtype else f"dtype {ta.dtype} vs {tb.dtype}".replace("torch.", "")
-                equal = worst <= atol if atol > 0 or ta.dtype != tb.dtype else torch.equal(ta, tb)
-                diff = TensorDiff(name, worst, equal, note)
+                diff = _compare_tensor(name, shapes_a[name], ra, rb, dtypes_a[name], rb.dtype_of(name), atol, tick)
+            if name in shapes_a and diff.max_abs_diff is None:
+                tick(_numel(shapes_a[name]) * dtypes_a[name].itemsize)
+            ra.forget()
+            rb.forget()
             report.tensors.append(diff)
             if on_tensor:
                 on_tensor(diff)
     finally:
+        torch.set_num_threads(threads)
         ra.close()
         rb.close()
     return report
+
+
+def _compare_tensor(name: str, shape: tuple[int, ...], ra: SourceReader, rb: SourceReader, da: torch.dtype,
+                    db: torch.dtype, atol: float, tick: _Progress) -> TensorDiff:
+    exact = atol == 0 and da == db
+    work = torch.float64 if da == db == torch.float64 else torch.float32
+    equal, worst = True, 0.0
+    if shape:
+        blocks = ((ra.read_rows(name, start, stop), rb.read_rows(name, start, stop))
+                  for start, stop in _row_blocks(shape, VERIFY_BLOCK_BYTES))
+    else:
+        whole = Segment(name, 0, 0, 1)
+        blocks = iter([(ra.read_segment(whole), rb.read_segment(whole))])
+    for ta, tb in blocks:
+        if tuple(ta.shape) != tuple(tb.shape):
+            raise FormatError(f"{name}: read blocks of shapes {tuple(ta.shape)} and {tuple(tb.shape)}")
+        if not exact:
+            worst = max(worst, _worst(ta, tb, work))
+        elif not _same(ta, tb):
+            equal = False
+            worst = max(worst, _worst(ta, tb, work))
+        tick(ta.numel() * ta.element_size())
+        del ta, tb
+    note = "" if da == db else f"dtype {da} vs {db}".replace("torch.", "")
+    if exact and not equal and worst == 0:
+        note = "same values, different bits (signed zeros)"
+    return TensorDiff(name, worst, equal if exact else worst <= atol, note)

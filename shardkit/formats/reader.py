@@ -28,6 +28,8 @@ class SourceReader:
         self.index = index or ckpt.index()
         self.max_open = max_open
         self._open: OrderedDict[str, TensorFile] = OrderedDict()
+        self._kept: dict[tuple, torch.Tensor] = {}  # read_rows: stacked/transposed pieces of one tensor
+        self._kept_source: str | None = None
 
     def _file(self, key: str) -> TensorFile:
         if key in self._open:
@@ -76,6 +78,44 @@ class SourceReader:
             return None
         return (self.read(r) for seg in piece.slabs[0] for r in self.index.locate(seg))
 
+    def read_rows(self, source: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along dim 0 of full tensor `source`, whatever dim it is held split
+        along: a block of a tensor split along dim 1 is read as those rows of every piece
+        (contiguous bytes in row-major files) rather than as a block of columns (which spans
+        nearly all of a file's bytes). Pieces that store the tensor stacked or transposed are
+        read whole once and kept until a block of another tensor is asked for."""
+        dim = self.index.dim_of(source)
+        if dim == 0:
+            reads = self.index.locate(Segment(source, 0, start, stop))
+        else:
+            size = max((h.stop for h in self.index.holdings(source)), default=0)
+            reads = self.index.locate(Segment(source, dim, 0, size))
+        if self._kept_source != source:
+            self._kept.clear()
+            self._kept_source = source
+        parts = []
+        for r in reads:
+            if r.slab is None and not r.transposed:
+                if dim == 0:
+                    parts.append(self.read(r))
+                else:  # a plain piece's dim 0 is the full tensor's dim 0
+                    rows = self._file(r.holder).read(r.piece_name, 0, start, stop)
+                    parts.append(rows.narrow(dim, r.start, r.stop - r.start))
+                continue
+            key = (r.holder, r.piece_name, r.slab)
+            if key not in self._kept:
+                file = self._file(r.holder)
+                self._kept[key] = (file.read(r.piece_name, 0, r.slab, r.slab + 1)[0] if r.slab is not None
+                                   else file.read(r.piece_name))
+            part = r.take(self._kept[key])
+            parts.append(part if dim == 0 else part.narrow(0, start, stop - start))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+    def forget(self) -> None:
+        """Drop the pieces `read_rows` keeps."""
+        self._kept.clear()
+        self._kept_source = None
+
     def dtype_of(self, source: str) -> torch.dtype:
         holdings = self.index.holdings(source)
         if not holdings:
@@ -83,6 +123,7 @@ class SourceReader:
         return self._file(holdings[0].holder).dtype(holdings[0].piece_name)
 
     def close(self) -> None:
+        self.forget()
         for reader in self._open.values():
             reader.close()
         self._open.clear()
