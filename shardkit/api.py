@@ -89,11 +89,12 @@ def merge(
 
 
 def inspect(path: str | Path, config: ConfigArg = None, hints: Mapping | None = None, check_data: bool = False,
-            revision: str | None = None) -> dict[str, Any]:
+            revision: str | None = None, progress: ProgressCallback | None = None) -> dict[str, Any]:
     """Describe a checkpoint: kind, format, family, layout, stages, files, tensors and problems.
 
     With `check_data`, also re-hash files against the manifest and compare every replicated
-    copy of every slice (reads the whole checkpoint)."""
+    copy of every slice (reads the whole checkpoint). `progress(bytes done, bytes total)`: not
+    called yet (engine/check.py's inspect takes it in the rewrite under way)."""
     return inspect_checkpoint(open_source(path, config, hints, revision), check_data)
 
 
@@ -109,9 +110,11 @@ def verify(
     on_tensor: Callable[[TensorDiff], None] | None = None,
     revision_a: str | None = None,
     revision_b: str | None = None,
+    progress: ProgressCallback | None = None,
 ) -> VerifyReport:
     """Compare two checkpoints (any formats and layouts; paths or Hub repo ids) tensor by tensor
-    in full-weight space."""
+    in full-weight space. `progress(bytes done, bytes total)`: not called yet (engine/check.py's
+    verify takes it in the rewrite under way)."""
     ca, cb = open_source(a, config_a, hints_a, revision_a), open_source(b, config_b, hints_b, revision_b)
     return verify_checkpoints(ca, cb, atol=atol, on_tensor=on_tensor, names=(str(a), str(b)))
 
