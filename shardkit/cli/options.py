@@ -115,7 +115,7 @@ class Size(click.ParamType):
 
 
 def max_shard_size_option(help_text: str) -> Callable:
-    return click.option("--max-shard-size", type=Size("--max-shard-size"), default="5GB", show_default=True,
+    return click.option("--max-shard-size", type=Size("max shard size"), default="5GB", show_default=True,
                         metavar="SIZE", help=f"{help_text} ({SIZE_HELP}).")
 
 

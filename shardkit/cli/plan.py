@@ -202,7 +202,7 @@ def plan_one(ctx, config, o: dict) -> None:
                    "world size / (tp x pp) with --world-size).")
 @click.option("--world-size", type=click.IntRange(min=1), default=None,
               help="Devices in total: only layouts with tp x pp x dp = this (dp is derived when not given).")
-@click.option("--device-memory", type=Size("--device-memory", require_unit=True), default=None, metavar="SIZE",
+@click.option("--device-memory", type=Size("device memory", require_unit=True), default=None, metavar="SIZE",
               help=f"Memory of one device (one rank), with a unit ({SIZE_HELP}; a bare number is refused). "
                    "Decides whether the layout fits.")
 @click.option("--reserve", default="10%", show_default=True,
