@@ -16,7 +16,7 @@ from .options import (REPLICATION_CHOICES, Bar, build_layout, command_line, comm
 
 
 @click.command()
-@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--to-sharded/--to-hf", "to_sharded", default=True, show_default=True,
               help="Write shards of the given layout (default), or a Hugging Face directory (same as merge).")
@@ -59,7 +59,7 @@ def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, as_json, 
 
 
 @click.command()
-@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
 @click.argument("dst", type=click.Path(path_type=Path))
 @max_shard_size_option("Largest safetensors file; larger models get model-0000i-of-0000n files + index")
 @source_options
@@ -115,7 +115,7 @@ def kept_from_source(layout_opts: dict, source, target) -> str | None:
 
 
 @click.command()
-@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
 @click.argument("dst", type=click.Path(path_type=Path))
 @layout_options
 @click.option("--format", "fmt", type=click.Choice(format_names()), default="torch", show_default=True,

@@ -59,7 +59,7 @@ def merge_and_push_report(ctx: click.Context, result, started: float, as_json: b
 
 
 @click.command(name="push")
-@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
 @click.argument("repo_id")
 @click.option("--private", is_flag=True,
               help="Make the repo private when --create creates it (an existing repo keeps its visibility).")

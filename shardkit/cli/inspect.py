@@ -11,7 +11,7 @@ from .options import Bar, common_options, hints, print_json, source_options
 
 
 @click.command(name="inspect")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=click.Path())  # as typed: "does not exist" names it so
 @source_options
 @click.option("--check-data", is_flag=True,
               help="Also re-hash files against shardkit.json and check that all replicated copies agree (reads "
@@ -79,8 +79,8 @@ def describe(r: dict, show_tensors: bool) -> str:
 
 
 @click.command()
-@click.argument("a", type=click.Path(path_type=Path))
-@click.argument("b", type=click.Path(path_type=Path))
+@click.argument("a", type=click.Path())  # as typed: "does not exist" names it so
+@click.argument("b", type=click.Path())  # as typed: "does not exist" names it so
 @click.option("--config-a", type=click.Path(exists=True, path_type=Path), default=None, help="config.json for A (NxD shards without one).")
 @click.option("--config-b", type=click.Path(exists=True, path_type=Path), default=None, help="config.json for B.")
 @click.option("--atol", type=float, default=0.0, show_default=True,
