@@ -21,7 +21,6 @@ import shardkit.api
 from shardkit.cli import cli, main
 from shardkit.engine.operations import StagingProgress
 from shardkit.layout import Layout, make_layout
-from shardkit.testing import fixture_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_DIR = ROOT / "shardkit" / "cli"
@@ -217,7 +216,7 @@ def test_item6_make_layout_inherits_only_what_is_unset(tiny_model, tmp_path):
     assert make_layout(tp=2, qkv="gqa", hw="trn1", inherit=source) == Layout(tp=2, qkv="gqa")
     assert make_layout(tp=2) == Layout(tp=2)  # no source: separate, interleaved
     src = tiny_model("llama-gqa64")
-    result = invoke("-q", "convert", src, tmp_path / "c", "--tp", "2")
+    assert invoke("-q", "convert", src, tmp_path / "c", "--tp", "2").exit_code == 0
     assert json.loads((tmp_path / "c" / "shardkit.json").read_text())["layout"]["qkv"] == "separate"
 
 
