@@ -195,12 +195,18 @@ def _smallest_multiplier(kv: int, tp: int) -> int:
 
 
 def make_layout(tp: int = 1, pp: int = 1, ep: int = 1, kv_multiplier: int = 1, kv_replication: str | None = None,
-                hw: str | None = None, qkv: str = "separate") -> Layout:
-    """A Layout from CLI-style options (`hw` trn1/trn2 is an alias for the replication)."""
+                hw: str | None = None, qkv: str | None = None, inherit: Layout | None = None) -> Layout:
+    """A Layout from CLI-style options (`hw` trn1/trn2 is an alias for the replication).
+
+    `qkv` and `kv_replication` (or `hw`) left unset come from `inherit` when given (a source's
+    layout: resharding keeps its qkv style and replica order unless asked otherwise), else the
+    defaults: separate q/k/v, interleaved replicas."""
     if hw is not None:
         if hw not in HW_TO_REPLICATION:
             raise ShardkitError(f"hardware {hw!r} is unknown: use trn1 or trn2")
         if kv_replication and kv_replication != HW_TO_REPLICATION[hw]:
             raise ShardkitError(f"--hw {hw} means {HW_TO_REPLICATION[hw]} replication, not {kv_replication}")
         kv_replication = HW_TO_REPLICATION[hw]
-    return Layout(tp=tp, pp=pp, ep=ep, kv_multiplier=kv_multiplier, kv_replication=kv_replication or "interleaved", qkv=qkv)
+    base = inherit if inherit is not None else FULL
+    return Layout(tp=tp, pp=pp, ep=ep, kv_multiplier=kv_multiplier,
+                  kv_replication=kv_replication or base.kv_replication, qkv=qkv or base.qkv)

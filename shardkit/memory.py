@@ -373,6 +373,21 @@ class Suggestions:
     closest: PlanReport | None = None
     """When nothing fits: the valid layout needing the least memory per rank."""
 
+    def distinct(self) -> list[PlanReport]:
+        """The layouts that add something, in order: a layout is left out when one with the same tp
+        and kv-multiplier and fewer pipeline stages needs no more memory per rank (more stages,
+        no saving: e.g. pp 4 of a 5-layer model holds as many layers per rank as pp 3)."""
+        kept: list[PlanReport] = []
+        best: dict[tuple[int, int], int] = {}
+        for r in sorted(self.layouts, key=lambda r: (r.layout.tp, r.layout.kv_multiplier, r.layout.pp)):
+            key = (r.layout.tp, r.layout.kv_multiplier)
+            if key in best and best[key] <= r.peak_bytes:
+                continue
+            best[key] = min(best.get(key, r.peak_bytes), r.peak_bytes)
+            kept.append(r)
+        order = {id(r): i for i, r in enumerate(self.layouts)}
+        return sorted(kept, key=lambda r: order[id(r)])
+
     def to_dict(self) -> dict[str, Any]:
         return {"layouts": [r.to_dict() for r in self.layouts], "considered": self.considered,
                 "impossible": self.impossible, "closest": self.closest.to_dict() if self.closest else None}

@@ -324,8 +324,11 @@ def test_cli_suggest_text_and_json():
 
     limited = run("plan", "--config", L7B, "--suggest", "--device-memory", "16GiB", "--limit", "3", "--json")
     data = json.loads(limited.output)
-    assert [(d["layout"]["tp"], d["layout"]["pp"]) for d in data["layouts"]] == [(1, 8), (1, 9), (1, 10)]
-    assert data["more"] == len(suggest_layouts(L7B, "16GiB").layouts) - 3
+    # pp 9, 10 hold as many layers per rank as pp 8 (32 layers): no saving, left out
+    assert [(d["layout"]["tp"], d["layout"]["pp"]) for d in data["layouts"]] == [(1, 8), (1, 11), (1, 16)]
+    found = suggest_layouts(L7B, "16GiB")
+    assert data["more"] == len(found.distinct()) - 3
+    assert data["redundant"] == len(found.layouts) - len(found.distinct())
 
 
 def test_cli_suggest_nothing_fits_exits_1():

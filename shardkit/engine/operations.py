@@ -8,20 +8,26 @@ tokenizer files and the manifest before the folder is renamed into place.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
+from ..checkpoint.tree import CHECKPOINT_MARKER
+from ..distributed import current_job
+from ..errors import FormatError
 from ..formats import MANIFEST, Checkpoint, get_format, hf
 from ..formats.base import FileRecord, parse_dtype
 from ..formats.manifest import manifest
 from ..layout import FULL, Layout
 from .executor import ProgressCallback
-from .outputs import plan_full, plan_sharded
+from .outputs import OutputFile, plan_full, plan_sharded
 from .staging import produce
 
 log = logging.getLogger(__name__)
@@ -42,13 +48,93 @@ def _config_for_output(src: Checkpoint, dtype: torch.dtype | None) -> dict[str, 
 
 
 def _side_file_dirs(src: Checkpoint) -> list[Path]:
-    return [src.root, src.root.parent] if src.kind == "sharded" and src.manifest is None else [src.root]
+    """Where generation config and tokenizer files may be: the checkpoint's folder, and for NxD
+    shards without a manifest or a training checkpoint tag (DIR/<tag>) also the folder above."""
+    if src.kind == "sharded" and (src.manifest is None or (src.root / CHECKPOINT_MARKER).is_file()):
+        return [src.root, src.root.parent]
+    return [src.root]
 
 
 def _copy_side_files(src: Checkpoint, dst: Path) -> None:
+    """Each side file from the first folder that has it (a tag may hold some, DIR the others)."""
+    copied: set[str] = set()
     for folder in _side_file_dirs(src):
-        if hf.copy_side_files(folder, dst):
-            break
+        copied.update(hf.copy_side_files(folder, dst, [n for n in hf.SIDE_FILES if n not in copied]))
+
+
+def _guarded(ckpt: Checkpoint) -> Checkpoint:
+    """The checkpoint as the destination check sees it: its folder, except for a single
+    state-dict file (read from a folder whose own weights are other files or none), where only
+    the file itself is protected: an output may sit beside it, never replace it or its folder."""
+    if ckpt.kind != "hf" or len(ckpt.files) != 1:
+        return ckpt
+    (path,) = ckpt.files.values()
+    try:
+        folder_weights = {p.name for p in hf.weight_files(ckpt.root, strict=False)}
+    except FormatError:
+        folder_weights = set()
+    if path.name in folder_weights:
+        return ckpt
+    return dataclasses.replace(ckpt, root=path)  # only produce()'s destination check reads this root
+
+
+class StagingProgress:
+    """Progress of the whole torchrun job, as rank 0 sees it: every rank writes its files into
+    the one staging folder (staging.prepare_staging: `.<dst>.shardkit-tmp-<rank 0's pid>` beside
+    dst), so rank 0 polls the size of that folder against the planned bytes of all outputs.
+
+    What rank 0 shows is bytes on disk: file headers count, a file being written counts as far as
+    it got, and the bar stops at the planned total until the end, where it reports the total."""
+
+    def __init__(self, progress: ProgressCallback, dst: Path, total: int, interval: float = 0.5):
+        dst = Path(dst).absolute()
+        self.staging = dst.parent / f".{dst.name}.shardkit-tmp-{os.getpid()}"
+        self.progress, self.total, self.interval = progress, total, interval
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="shardkit-progress", daemon=True)
+
+    def poll(self) -> int:
+        done = 0
+        for folder, _, names in os.walk(self.staging):
+            for name in names:
+                try:
+                    done += os.stat(os.path.join(folder, name)).st_size
+                except OSError:
+                    pass  # renamed or removed under us
+        done = min(done, self.total)
+        self.progress(done, self.total)
+        return done
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval):
+            self.poll()
+
+    def __enter__(self) -> "StagingProgress":
+        self.thread.start()
+        return self
+
+    def __exit__(self, exc_type, *_: Any) -> None:
+        self.stop.set()
+        self.thread.join()
+        if exc_type is None:
+            self.progress(self.total, self.total)
+
+
+def _planned_bytes(outputs: Sequence[OutputFile], itemsize: int) -> int:
+    return sum(p.numel() * itemsize for o in outputs for p in o.pieces)
+
+
+def _produce(ckpt: Checkpoint, outputs: Sequence[OutputFile], dst: Path, fmt: str, dtype: torch.dtype | None,
+             workers: int, overwrite: bool, progress: ProgressCallback | None, finish) -> list[FileRecord]:
+    """staging.produce, with the destination checked against what the source really is, and
+    under torchrun rank 0's progress covering every rank's bytes (StagingProgress)."""
+    job = current_job()
+    if progress is None or job.world == 1:
+        return produce(_guarded(ckpt), outputs, dst, fmt, dtype, workers, overwrite, progress, finish)
+    if not job.leader:
+        return produce(_guarded(ckpt), outputs, dst, fmt, dtype, workers, overwrite, None, finish)
+    with StagingProgress(progress, dst, _planned_bytes(outputs, (dtype or ckpt.dtype()).itemsize)):
+        return produce(_guarded(ckpt), outputs, dst, fmt, dtype, workers, overwrite, None, finish)
 
 
 # ---- the public operations ---------------------------------------------------------------------
@@ -95,7 +181,7 @@ def reshard_checkpoint(
             fmt=format, family=ckpt.family.name, layout=layout, dtype=dtype_name, records=records,
             tensors=ckpt.full_shapes, source=str(ckpt.root), command=command))
 
-    records = produce(ckpt, outputs, Path(dst), format, target_dtype, workers, overwrite, progress, finish)
+    records = _produce(ckpt, outputs, Path(dst), format, target_dtype, workers, overwrite, progress, finish)
     log.info("wrote %d files (%s) to %s", len(records), layout.describe(), dst)
     return Result(Path(dst), records, layout, format)
 
@@ -122,6 +208,6 @@ def merge_checkpoint(
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
 
-    records = produce(ckpt, outputs, Path(dst), "safetensors", target_dtype, workers, overwrite, progress, finish)
+    records = _produce(ckpt, outputs, Path(dst), "safetensors", target_dtype, workers, overwrite, progress, finish)
     log.info("merged %s into %s (%d files)", ckpt.root, dst, len(records))
     return Result(Path(dst), records, FULL, "safetensors")

@@ -12,6 +12,7 @@ from ..families import Family
 from ..formats import hf, nxd
 from ..layout import Layout, ModelDims
 from ..placements import Piece, Segment, make_piece
+from ..sizes import parse_size
 
 
 @dataclass
@@ -48,5 +49,6 @@ def plan_full(family: Family, dims: ModelDims, itemsize: int,
         dim = split_dims[name]
         pieces[name] = make_piece(name, [Segment(name, dim, 0, shape[dim] if shape else 1)], shapes)
     sizes = {n: p.numel() * itemsize for n, p in pieces.items()}
-    files, index = hf.split_into_files(sizes, max_shard_size)
+    # one size grammar (5GB, 5GiB, 5G, bytes): huggingface_hub's splitter gets bytes
+    files, index = hf.split_into_files(sizes, parse_size(max_shard_size, what="max shard size"))
     return [OutputFile(f, [pieces[n] for n in names]) for f, names in files.items()], index

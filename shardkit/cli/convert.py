@@ -1,0 +1,169 @@
+"""convert, merge and reshard: write a checkpoint in another layout or as a Hugging Face directory."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from ..errors import ShardkitError
+from ..formats.registry import format_names
+from .hub import hub_check, hub_push, hub_quiet, hub_source, merge_and_push_report
+from .options import (
+    REPLICATION_CHOICES,
+    Bar,
+    build_layout,
+    command_line,
+    common_options,
+    config_option,
+    hints,
+    is_leader,
+    layout_options,
+    max_shard_size_option,
+    note,
+    output_options,
+    report,
+    revision_option,
+    source_options,
+)
+
+
+@click.command()
+@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--to-sharded/--to-hf", "to_sharded", default=True, show_default=True,
+              help="Write shards of the given layout (default), or a Hugging Face directory (same as merge).")
+@layout_options
+@click.option("--format", "fmt", type=click.Choice(format_names()), default="torch", show_default=True,
+              help="Shard files: torch (NxD's .pt), xser (torch-xla's, tensors in <file>.tensors/), or safetensors.")
+@output_options
+@config_option
+@max_shard_size_option("With --to-hf: largest safetensors file")
+@revision_option
+@common_options
+@click.pass_context
+def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, as_json, config, max_shard_size, revision,
+            **layout_opts):
+    """Convert SRC (a Hugging Face model directory, or one torch state-dict file) into shards.
+
+    \b
+    SRC: a directory with config.json and model.safetensors / model-*.safetensors + index /
+    pytorch_model*.bin, or a single .pt/.bin state dict (give --config), or a Hugging Face Hub
+    repo id (org/name, fetched into the HF cache). DST gets
+    model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt, config.json, tokenizer files and shardkit.json.
+
+    \b
+    Example (Llama-2-70B on 128 Trainium cores):
+      shardkit convert ./Llama-2-70b-hf ./llama70b-tp32pp4 --tp 32 --pp 4 --kv-multiplier 4 --qkv gqa
+    """
+    from ..api import convert as api_convert
+    from ..api import merge as api_merge
+
+    started = time.perf_counter()
+    src = hub_source(ctx, src, revision)
+    with Bar(ctx, "convert") as bar:
+        if to_sharded:
+            result = api_convert(src, dst, build_layout(layout_opts), format=fmt, dtype=dtype, workers=workers,
+                                 overwrite=overwrite, config=config, progress=bar, command=command_line())
+        else:
+            result = api_merge(src, dst, dtype=dtype, workers=workers, overwrite=overwrite, config=config,
+                               max_shard_size=max_shard_size, progress=bar)
+    report(ctx, result, started, as_json, "wrote")
+
+
+@click.command()
+@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
+@click.argument("dst", type=click.Path(path_type=Path))
+@max_shard_size_option("Largest safetensors file; larger models get model-0000i-of-0000n files + index")
+@source_options
+@output_options
+@revision_option
+@click.option("--push-to", "push_to", metavar="REPO_ID", default=None,
+              help="Then upload DST to this Hub repo (namespace/name), as `shardkit push DST REPO_ID` does.")
+@click.option("--private", is_flag=True, help="With --push-to and --create: make the new repo private.")
+@click.option("--create", is_flag=True, help="With --push-to: create the repo when it does not exist.")
+@common_options
+@click.pass_context
+def merge(ctx, src, dst, max_shard_size, config, kv_replication, hw, dtype, workers, overwrite, as_json, revision,
+          push_to, private, create):
+    """Merge shards in SRC into a Hugging Face model directory DST.
+
+    \b
+    SRC: shardkit's shards (layout from shardkit.json) or NxD's (v1/v2/v3 file names, torch or
+    xser; the layout is inferred from file names, key names, shapes and config.json -- give
+    --config when the directory has none), or a Hub repo id. DST loads with
+    transformers.AutoModelForCausalLM.from_pretrained; --push-to REPO_ID then uploads it to the
+    Hub as `shardkit push` does.
+    """
+    from ..api import merge as api_merge
+
+    started = time.perf_counter()
+    if (private or create) and not push_to:
+        raise ShardkitError("--private and --create only apply with --push-to REPO_ID")
+    src = hub_source(ctx, src, revision)
+    if push_to:
+        hub_check(push_to, private, create)
+    with Bar(ctx, "merge") as bar:
+        result = api_merge(src, dst, max_shard_size=max_shard_size, dtype=dtype, workers=workers, overwrite=overwrite,
+                           config=config, hints=hints(kv_replication, hw), progress=bar)
+    if not push_to:
+        report(ctx, result, started, as_json, "merged into")
+    elif is_leader():  # under torchrun rank 0 uploads, once every rank has written its files
+        pushed = hub_push(ctx, dst, push_to, private=private, create=create, origin=src, config=config,
+                          hints=hints(kv_replication, hw))
+        merge_and_push_report(ctx, result, started, as_json, pushed)
+
+
+def kept_from_source(layout_opts: dict, source, target) -> str | None:
+    """The line saying which layout choices reshard kept from the source (None: nothing kept)."""
+    kept = []
+    if not any(layout_opts.get(k) for k in ("qkv", "qkv_linear", "fuse_qkv", "coalesce_qkv")):
+        kept.append(f"qkv style {target.qkv}")
+    if target.kv_multiplier > 1 and not (layout_opts.get("kv_replication") or layout_opts.get("hw")):
+        kept.append(f"kv replication {target.kv_replication}")
+    if not kept:
+        return None
+    return (f"kept the source's {' and '.join(kept)} ({source.describe()}); "
+            "give --qkv / --kv-replication to change")
+
+
+@click.command()
+@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
+@click.argument("dst", type=click.Path(path_type=Path))
+@layout_options
+@click.option("--format", "fmt", type=click.Choice(format_names()), default="torch", show_default=True,
+              help="Format of the new shards.")
+@click.option("--source-kv-replication", type=click.Choice(REPLICATION_CHOICES), default=None,
+              help="Replica order of NxD source shards (inferred from the data when omitted).")
+@output_options
+@config_option
+@revision_option
+@common_options
+@click.pass_context
+def reshard(ctx, src, dst, fmt, source_kv_replication, dtype, workers, overwrite, as_json, config, revision,
+            **layout_opts):
+    """Turn shards of one layout (SRC) into another layout (DST) directly.
+
+    Each new piece is assembled from exactly the source slices it needs; the full model is never
+    written or held. SRC may be a Hub repo id (shards or a Hugging Face model). Without --qkv
+    (and without --kv-replication / --hw) the source's qkv style (and replica order) is kept.
+    """
+    from ..api import open_source
+    from ..api import reshard as api_reshard
+
+    started = time.perf_counter()
+    hub_quiet(ctx)
+    source = open_source(src, config, {"kv_replication": source_kv_replication}, revision)
+    given = dict(layout_opts)
+    layout = build_layout(layout_opts, inherit=source.layout)
+    kept = kept_from_source(given, source.layout, layout)
+    if kept and is_leader():
+        note(ctx, kept)
+    with Bar(ctx, "reshard") as bar:
+        result = api_reshard(source, dst, layout, format=fmt, dtype=dtype, workers=workers, overwrite=overwrite,
+                             progress=bar, command=command_line())
+    report(ctx, result, started, as_json, "wrote")
+
+
+COMMANDS = [convert, merge, reshard]

@@ -1,0 +1,120 @@
+"""inspect (what is this checkpoint?) and verify (do two checkpoints hold the same weights?)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..sizes import format_bytes
+from .hub import hub_quiet
+from .options import Bar, common_options, hints, print_json, source_options
+
+
+@click.command(name="inspect")
+@click.argument("path", type=click.Path())  # as typed: "does not exist" names it so
+@source_options
+@click.option("--check-data", is_flag=True,
+              help="Also re-hash files against shardkit.json and check that all replicated copies agree (reads "
+                   "everything; shows progress and says what was checked).")
+@click.option("--tensors", "show_tensors", is_flag=True, help="List every full tensor with its shape.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--revision", default=None, help="When PATH is a Hub repo id: the branch, tag or commit to download.")
+@common_options
+@click.pass_context
+def inspect_cmd(ctx, path, config, kv_replication, hw, check_data, show_tensors, as_json, revision):
+    """Explain a checkpoint directory: format, model, layout, stages, size and problems.
+
+    PATH may also be a Hub repo id (its weights, config and tokenizer files are fetched).
+    Exit code 0 when no problem was found, 1 when problems were found, 2 when PATH cannot be read.
+    """
+    from ..api import inspect as api_inspect
+
+    hub_quiet(ctx)
+    with Bar(ctx, "check-data") as bar:
+        found = api_inspect(path, config, hints(kv_replication, hw), check_data, revision,
+                            progress=bar if check_data else None)
+    if as_json:
+        print_json(found)
+    else:
+        click.echo(describe(found, show_tensors))
+    ctx.exit(1 if found["problems"] else 0)
+
+
+def checked_line(checked: dict) -> str:
+    """What --check-data checked: "128 files re-hashed, 0 mismatches; kv replicas agree"."""
+    files, bad = checked.get("files_hashed", 0), checked.get("hash_mismatches", 0)
+    groups, differ = checked.get("replica_groups", 0), checked.get("replica_mismatches", 0)
+    text = f"{files} file{'s' if files != 1 else ''} re-hashed, {bad} mismatch{'es' if bad != 1 else ''}; "
+    if not groups:
+        return text + "no replicated slices to compare"
+    if not differ:
+        return text + f"kv replicas agree ({groups} replica group{'s' if groups != 1 else ''} compared)"
+    return text + f"{differ} of {groups} replica groups differ"
+
+
+def describe(r: dict, show_tensors: bool) -> str:
+    m, lay = r["model"], r["layout"]
+    kind = {"hf": "a Hugging Face checkpoint (full tensors)", "sharded": "sharded weights"}[r["kind"]]
+    lines = [f"{r['path']}: {kind}, {r['format']} format" + (f" ({r['naming']} file names)" if r["kind"] == "sharded" else "")]
+    lines.append(f"  model:   {r['family']} ({m['model_type']}), {m['parameters'] / 1e6:.2f}M parameters, {m['layers']} layers, "
+                 f"hidden {m['hidden_size']}, {m['heads']} heads / {m['kv_heads']} kv heads of dim {m['head_dim']}, "
+                 f"vocab {m['vocab_size']}" + (", tied embeddings" if m["tied_embeddings"] else ""))
+    if r["kind"] == "sharded":
+        kv = (f", kv heads x{lay['kv_multiplier']} ({lay['kv_replication']})" if lay["kv_multiplier"] > 1 else "")
+        lines.append(f"  layout:  tp {lay['tp']}, pp {lay['pp']}" + (f", ep {lay['ep']}" if lay["ep"] > 1 else "")
+                     + f", qkv {lay['qkv']}{kv} -- {r['layout_from']}")
+        stages = ", ".join(f"{s['stage']}: {s['layers'][0]}-{s['layers'][1]}" for s in r["stages"])
+        lines.append(f"  stages:  layers per stage {stages}")
+    lines.append(f"  files:   {r['files']} ({format_bytes(r['bytes'])}), dtype {r['dtype']}")
+    if show_tensors:
+        lines += [f"    {n} {tuple(s)}" for n, s in r["tensors"].items()]
+    if r.get("checked"):
+        lines.append(f"  checked: {checked_line(r['checked'])}")
+    if r["problems"]:
+        lines.append("  problems:")
+        lines += [f"    - {p}" for p in r["problems"]]
+    else:
+        lines.append("  problems: none found")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("a", type=click.Path())  # as typed: "does not exist" names it so
+@click.argument("b", type=click.Path())  # as typed: "does not exist" names it so
+@click.option("--config-a", type=click.Path(exists=True, path_type=Path), default=None, help="config.json for A (NxD shards without one).")
+@click.option("--config-b", type=click.Path(exists=True, path_type=Path), default=None, help="config.json for B.")
+@click.option("--atol", type=float, default=0.0, show_default=True,
+              help="Largest absolute difference still counted as equal (0: bit-exact).")
+@click.option("--all", "show_all", is_flag=True, help="Print every tensor, not only mismatches.")
+@click.option("--json", "as_json", is_flag=True, help="Print the per-tensor report as JSON.")
+@click.option("--revision-a", default=None, help="When A is a Hub repo id: the branch, tag or commit to download.")
+@click.option("--revision-b", default=None, help="When B is a Hub repo id: the branch, tag or commit to download.")
+@common_options
+@click.pass_context
+def verify(ctx, a, b, config_a, config_b, atol, show_all, as_json, revision_a, revision_b):
+    """Check that A and B hold the same weights, whatever their formats and layouts.
+
+    Both are mapped to full tensors and compared one by one; the worst absolute difference of
+    each tensor is printed. Exit code 0 when all are equal, 1 on any mismatch. A or B may be a
+    Hub repo id, e.g. `shardkit verify meta-llama/Llama-2-7b-hf ./llama-tp8`.
+    """
+    from ..api import verify as api_verify
+
+    hub_quiet(ctx)
+    with Bar(ctx, "verify") as bar:
+        found = api_verify(a, b, config_a=config_a, config_b=config_b, atol=atol, revision_a=revision_a,
+                           revision_b=revision_b, progress=bar)
+    if as_json:
+        print_json(found.to_dict())
+    else:
+        for t in found.tensors:
+            if show_all or not t.equal:
+                diff = "n/a" if t.max_abs_diff is None else f"{t.max_abs_diff:.3g}"
+                click.echo(f"{'ok      ' if t.equal else 'MISMATCH'} {t.name}  max|a-b| {diff}" + (f"  ({t.note})" if t.note else ""))
+        verdict = "equal" if found.ok else f"{len(found.mismatches)} of {len(found.tensors)} tensors differ"
+        click.echo(f"{len(found.tensors)} tensors compared: {verdict}")
+    ctx.exit(0 if found.ok else 1)
+
+
+COMMANDS = [inspect_cmd, verify]
