@@ -21,17 +21,23 @@ class UnsafePathError(ShardkitError):
     """A name read from a file, a repo or the command line would lead outside its folder."""
 
 
-def inside(root: str | Path, name: str, what: str = "name") -> Path:
-    """`root / name`, provided `name` is relative, has no `..` and stays inside `root` once
-    symlinks are resolved; else UnsafePathError naming `what`."""
-    root = Path(root)
-    text = str(name)
+def _relative_parts(root: Path, text: str, what: str) -> list[str]:
+    """The parts of a name that must be relative and free of `..` (else UnsafePathError)."""
     if (not text or "\x00" in text or PurePosixPath(text).is_absolute() or PureWindowsPath(text).is_absolute()
             or PureWindowsPath(text).drive):
         raise UnsafePathError(f"{what} {text!r} is not a relative path inside {root}: refusing to use it")
     parts = text.replace("\\", "/").split("/")
     if any(p == ".." for p in parts):
         raise UnsafePathError(f"{what} {text!r} climbs out of {root} ('..'): refusing to use it")
+    return parts
+
+
+def inside(root: str | Path, name: str, what: str = "name") -> Path:
+    """`root / name`, provided `name` is relative, has no `..` and stays inside `root` once
+    symlinks are resolved; else UnsafePathError naming `what`."""
+    root = Path(root)
+    text = str(name)
+    _relative_parts(root, text, what)
     path = root / text
     real_root = os.path.realpath(root)
     real = os.path.realpath(path)
@@ -96,12 +102,7 @@ def member(root: str | Path, name: str, what: str = "name") -> Path:
     shardkit's own mirrors link every file to a blob outside the snapshot folder."""
     root = Path(root)
     text = str(name)
-    if (not text or "\x00" in text or PurePosixPath(text).is_absolute() or PureWindowsPath(text).is_absolute()
-            or PureWindowsPath(text).drive):
-        raise UnsafePathError(f"{what} {text!r} is not a relative path inside {root}: refusing to use it")
-    parts = text.replace("\\", "/").split("/")
-    if any(p == ".." for p in parts):
-        raise UnsafePathError(f"{what} {text!r} climbs out of {root} ('..'): refusing to use it")
+    parts = _relative_parts(root, text, what)
     if parts[-1] in ("", "."):
         raise UnsafePathError(f"{what} {text!r} does not name a file inside {root}: refusing to use it")
     folder = "/".join(p for p in parts[:-1] if p not in ("", "."))

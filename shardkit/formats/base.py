@@ -79,6 +79,32 @@ class TensorFileWriter(Protocol):
     def close(self, fsync: bool = False) -> list[FileRecord]: ...
 
 
+class DiscardOnFailure:
+    """What every streaming writer does with failure: leaving a `with` block on an exception
+    aborts the file, and a writer abandoned unfinished is aborted when it is collected (never
+    finished by a destructor, as torch's zip writer would)."""
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def _unfinished(self) -> bool:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is not None:
+            self.abort()
+
+    def __del__(self) -> None:
+        try:
+            if self._unfinished():
+                self.abort()
+        except Exception:  # noqa: BLE001 - at interpreter exit modules may be half gone
+            pass
+
+
 class HashingFile:
     """A binary file that hashes what is written to it (for manifests, without reading back).
 

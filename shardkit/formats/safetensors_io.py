@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from ..errors import FormatError
-from .base import FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, read_rows_into, read_stored, tensor_bytes
+from .base import DiscardOnFailure, FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, read_rows_into, read_stored, tensor_bytes
 from .torch_io import regular
 
 _DTYPE_TO_ST = {
@@ -214,7 +214,7 @@ class SafetensorsFile:
             self._fd = None
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(DiscardOnFailure):
     """Streams one safetensors file: header from the specs, then each tensor as it comes.
 
     Its size is known from the specs, so a disk without room for it is refused before writing.
@@ -298,19 +298,8 @@ class SafetensorsWriter:
         if file is not None:
             file.abort()
 
-    def __enter__(self) -> "SafetensorsWriter":
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is not None:
-            self.abort()
-
-    def __del__(self) -> None:
-        if getattr(self, "_file", None) is not None:
-            try:
-                self.abort()
-            except Exception:  # noqa: BLE001 - at interpreter exit modules may be half gone
-                pass
+    def _unfinished(self) -> bool:
+        return bool(getattr(self, "_file", None) is not None)
 
 
 def read_header(path: Path) -> dict:

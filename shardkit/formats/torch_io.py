@@ -23,7 +23,7 @@ import torch
 from .. import torch_compat
 from ..errors import FormatError, ShardkitError
 from ..paths import regular_file
-from .base import FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, compact, narrow, read_rows_into, read_stored
+from .base import DiscardOnFailure, FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, compact, narrow, read_rows_into, read_stored
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 
@@ -347,7 +347,7 @@ def torch_save(obj: Any, out: HashingFile, **kwargs) -> None:
         raise sink.error
 
 
-class TorchWriter:
+class TorchWriter(DiscardOnFailure):
     """Streams one rank file in torch.save's format, a tensor at a time (each tensor with its own
     storage, as NxD writes them): the file is byte for byte what `torch.save(state_dict)` writes,
     but only the tensor being written is in memory. `write` is called in spec order.
@@ -441,16 +441,5 @@ class TorchWriter:
         if out is not None:
             out.abort()
 
-    def __enter__(self) -> "TorchWriter":
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is not None:
-            self.abort()
-
-    def __del__(self) -> None:
-        if getattr(self, "_zip", None) is not None:
-            try:
-                self.abort()
-            except Exception:  # noqa: BLE001 - at interpreter exit modules may be half gone
-                pass
+    def _unfinished(self) -> bool:
+        return bool(getattr(self, "_zip", None) is not None)

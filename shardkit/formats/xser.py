@@ -18,7 +18,7 @@ import torch
 from .. import torch_compat
 from ..errors import FormatError
 from ..paths import NoSpaceError, ensure_free_space, no_space_error
-from .base import FileRecord, HashingFile, TensorSpec, check_specs, compact, narrow
+from .base import DiscardOnFailure, FileRecord, HashingFile, TensorSpec, check_specs, compact, narrow
 from .torch_io import TensorReference, TorchFile, _zip_size_bound, regular, safe_load, state_dict_of, torch_save
 
 
@@ -161,7 +161,7 @@ def _file_bound(nbytes: int) -> int:
                             ("byteorder", 8), ("data/0", nbytes)], _get_storage_alignment())
 
 
-class XserWriter:
+class XserWriter(DiscardOnFailure):
     """Writes each tensor to its own file as it arrives; the reference file and .info.pt last.
 
     Any failure aborts the writer: the files it wrote are deleted (see TorchWriter); so does a
@@ -234,16 +234,5 @@ class XserWriter:
         except OSError:
             pass
 
-    def __enter__(self) -> "XserWriter":
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is not None:
-            self.abort()
-
-    def __del__(self) -> None:
-        if getattr(self, "_open", False):
-            try:
-                self.abort()
-            except Exception:  # noqa: BLE001 - at interpreter exit modules may be half gone
-                pass
+    def _unfinished(self) -> bool:
+        return bool(getattr(self, "_open", False))
