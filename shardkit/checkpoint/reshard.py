@@ -31,7 +31,7 @@ from ..placements import Piece
 from .base import CheckpointError
 from .load import resolve_tag
 from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT, write_marker
-from .zero1 import MASTER, MOMENTS, SEP, Zero1Tag, build_optim, optim_name, prefixed, save_object
+from .zero1 import MASTER, MOMENTS, SEP, Zero1Tag, build_optim, model_has_data, optim_name, prefixed, save_object
 
 log = logging.getLogger(__name__)
 
@@ -60,24 +60,6 @@ def open_training_tag(tag_dir: Path, config: Any = None, hints: Mapping[str, Any
     model = open_checkpoint(tag_dir, config, hints)
     zero = Zero1Tag.open(tag_dir, model, param_order)
     return Source(tag_dir, model, zero, model_has_data(model))
-
-
-def model_has_data(ckpt: Checkpoint) -> bool:
-    """False when the model files hold no tensor data (NxD's avoid_saving_lower_precision_weights):
-    the master weights in the optimizer files are then the truth."""
-    key = next(iter(ckpt.holdings))
-    reader = ckpt.open(key)
-    try:
-        names = set(reader.keys())
-        for piece in ckpt.holdings[key]:
-            if piece.name not in names:
-                return False
-            shape = tuple(reader.shape(piece.name))
-            if shape != piece.shape and 0 in shape or (shape == (0,) and piece.shape != (0,)):
-                return False
-        return True
-    finally:
-        reader.close()
 
 
 def model_dtype(src: Source) -> torch.dtype:

@@ -195,10 +195,13 @@ def save_object(path: Path, obj: Any, use_xser: bool, expert: bool = False) -> l
 
 
 def build_optim(names: Sequence[str], groups: Sequence[int], hyper: Sequence[Mapping[str, Any]],
-                state: Mapping[str, Mapping[str, Any]], dp: int, d: int, master: bool) -> dict[str, Any]:
+                state: Mapping[str, Mapping[str, Any]], dp: int, d: int, master: bool,
+                presharded: bool = False, shapes: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     """dp rank d's ZeRO-1 optimizer object for a stage whose parameters are `names` (stage-local
     `named_parameters()` order), `groups[i]` the group of names[i]. `state[name]` holds the
-    tp-local `exp_avg`, `exp_avg_sq`, `step` (and `master` when `master`)."""
+    tp-local `exp_avg`, `exp_avg_sq`, `step` (and `master` when `master`); with `presharded`,
+    already dp rank d's shards, and `shapes[i]` is names[i]'s tp-local shape."""
+    cut = (lambda t: t.float().clone()) if presharded else (lambda t: dp_shard(t.float(), dp, d))
     order = [i for g in range(len(hyper)) for i, gi in enumerate(groups) if gi == g]
     param_groups = copy.deepcopy(list(hyper))  # shared objects (betas) stay shared, like NxD's
     for g in param_groups:
@@ -212,12 +215,10 @@ def build_optim(names: Sequence[str], groups: Sequence[int], hyper: Sequence[Map
         entry = state[name]
         step = entry["step"]
         step_t = torch.tensor(float(step.item() if isinstance(step, torch.Tensor) else step), dtype=torch.float32)
-        base_state[idx] = {"step": step_t,
-                           "exp_avg": dp_shard(entry["exp_avg"].float(), dp, d),
-                           "exp_avg_sq": dp_shard(entry["exp_avg_sq"].float(), dp, d)}
-        shape_info[idx] = list(entry["exp_avg"].shape)
+        base_state[idx] = {"step": step_t, "exp_avg": cut(entry["exp_avg"]), "exp_avg_sq": cut(entry["exp_avg_sq"])}
+        shape_info[idx] = list(shapes[i]) if shapes is not None else list(entry["exp_avg"].shape)
         if master:
-            masters[idx] = dp_shard(entry[MASTER].float(), dp, d)
+            masters[idx] = cut(entry[MASTER])
     obj: dict[str, Any] = {"state": {}, "param_groups": param_groups, "base_state": base_state,
                            "shape_info": shape_info}
     if master:
@@ -231,6 +232,24 @@ def hyper_of(param_groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for g in groups:
         g.pop("params", None)
     return groups
+
+
+def model_has_data(ckpt: Checkpoint) -> bool:
+    """False when the model files hold no tensor data (NxD's avoid_saving_lower_precision_weights):
+    the master weights in the optimizer files are then the truth."""
+    key = next(iter(ckpt.holdings))
+    reader = ckpt.open(key)
+    try:
+        names = set(reader.keys())
+        for piece in ckpt.holdings[key]:
+            if piece.name not in names:
+                return False
+            shape = tuple(reader.shape(piece.name))
+            if shape != piece.shape and 0 in shape or (shape == (0,) and piece.shape != (0,)):
+                return False
+        return True
+    finally:
+        reader.close()
 
 
 # ---- reading a tag's optimizer files ----------------------------------------------------------------
