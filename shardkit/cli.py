@@ -783,6 +783,64 @@ def ckpt_export(ctx, directory, out, tag, max_shard_size, dtype, overwrite, conf
     _report(ctx, result, started, as_json, "exported to")
 
 
+# ---- ckpt reshard / ckpt inspect (NxD training checkpoints; logic in shardkit.api) ---- BEGIN nxdtrain
+
+
+@ckpt_group.command(name="reshard")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--config", "config", required=True, type=click.Path(path_type=Path),
+              help="The model's Hugging Face config (NxD checkpoints carry none).")
+@click.option("--tp", type=int, default=1, show_default=True)
+@click.option("--pp", type=int, default=1, show_default=True)
+@click.option("--dp", type=int, default=1, show_default=True)
+@click.option("--zero1/--no-zero1", default=True, show_default=True, help="One optimizer shard per dp rank.")
+@click.option("--kv-multiplier", type=int, default=1, show_default=True)
+@click.option("--kv-replication", type=click.Choice(["interleaved", "blocked"]), default=None)
+@click.option("--qkv", type=click.Choice(["gqa", "fused", "coalesced", "separate"]), default="gqa", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["torch", "xser"]), default=None, help="Default: the source's.")
+@click.option("--tag", default=None, help="The tag to reshard (default: the newest complete one).")
+@click.option("--master-weights", type=click.Choice(["keep", "drop"]), default="keep", show_default=True)
+@click.option("--param-order", type=click.Path(path_type=Path), default=None,
+              help="JSON list of parameter names per param group, when it cannot be recovered.")
+def ckpt_reshard(src, dst, config, tp, pp, dp, zero1, kv_multiplier, kv_replication, qkv, fmt, tag, master_weights,
+                 param_order):
+    """Write the whole training state of SRC (model, ZeRO-1 optimizer shards, master weights,
+    scheduler, user content) for another layout as a new checkpoint directory DST, in NxD's format."""
+    from .api import reshard_training_checkpoint
+    from .layout import make_layout
+
+    layout = make_layout(tp=tp, pp=pp, kv_multiplier=kv_multiplier, kv_replication=kv_replication, qkv=qkv)
+    out = reshard_training_checkpoint(src, dst, layout, dp=dp, zero1=zero1, config=config, tag=tag, format=fmt,
+                                      master_weights=master_weights, param_order=param_order)
+    click.echo(f"wrote {out}")
+
+
+@ckpt_group.command(name="inspect")
+@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
+@click.option("--tag", default=None, help="The tag (default: the newest complete one, or DIR itself).")
+@click.option("--config", "config", default=None, type=click.Path(path_type=Path),
+              help="The model's Hugging Face config (needed when the tag has no config.json).")
+@click.option("--param-order", type=click.Path(path_type=Path), default=None)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def ckpt_inspect(directory, tag, config, param_order, as_json):
+    """Layout (tp, pp, dp, ZeRO-1), param groups, step, master weights and optimizer bytes of a tag."""
+    from .api import inspect_training_checkpoint
+
+    info = inspect_training_checkpoint(directory, tag, config, param_order)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    click.echo(f"{info['path']}: {info['describe']}, dp {info['dp']}{' (ZeRO-1)' if info['zero1'] else ''}, "
+               f"{info['format']}, step {info['step']}, master weights {'yes' if info['master_weights'] else 'no'}, "
+               f"optimizer {_size_text(info['optimizer_bytes'])}")
+    for g, group in enumerate(info["param_groups"]):
+        hyper = ", ".join(f"{k}={v}" for k, v in group["hyper"].items())
+        click.echo(f"  group {g}: {len(group['parameters_on_tp0_pp0'])} parameters on tp0 pp0; {hyper}")
+
+# ---- END nxdtrain
+
+
 def main() -> None:
     cli(prog_name="shardkit")
 

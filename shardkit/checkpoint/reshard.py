@@ -243,3 +243,35 @@ def _step(src: Source, name: str) -> int | None:
 
 
 __all__ = ["reshard_training", "open_training_tag", "Source", "model_has_data", "write_rank", "RankReaders"]
+
+
+def inspect_training(src_dir: str | Path, tag: str | None = None, config: Any = None,
+                     param_order: list[list[str]] | None = None) -> dict[str, Any]:
+    """What a training checkpoint tag holds: layout incl. dp and ZeRO-1, param groups and their
+    hyper-parameters, step, master weights, optimizer bytes. `src_dir` is a checkpoint directory
+    (its newest complete tag, or `tag`) or a tag folder."""
+    src_dir = Path(src_dir)
+    if tag is None and (src_dir / CHECKPOINT_MARKER).is_file():
+        src_dir, tag = src_dir.parent, src_dir.name
+    name = resolve_tag(src_dir, tag)
+    if name is None:
+        raise CheckpointError(f"{src_dir} holds no complete checkpoint")
+    src = open_training_tag(src_dir / name, config, None, param_order)
+    zero = src.zero1
+    optim_bytes = 0
+    if zero is not None:
+        for path in zero.files.values():
+            for f in [path, Path(str(path) + ".info.pt"), *sorted(Path(str(path) + ".tensors").glob("*"))]:
+                if f.is_file():
+                    optim_bytes += f.stat().st_size
+    groups = []
+    if zero is not None:
+        order = zero.orders[(0, 0)]
+        for g, hyper in enumerate(zero.hyper):
+            groups.append({"hyper": {k: v for k, v in hyper.items()},
+                           "parameters_on_tp0_pp0": [n for n, gi in zip(order.names, order.groups) if gi == g]})
+    return {"tag": name, "path": str(src_dir / name), "format": src.model.format,
+            "layout": src.model.layout.to_dict(), "describe": src.model.layout.describe(),
+            "dp": zero.dp if zero else None, "zero1": bool(zero and zero.dp > 1),
+            "step": zero.step if zero else _step(src, name), "master_weights": bool(zero and zero.master),
+            "model_has_data": src.has_data, "param_groups": groups, "optimizer_bytes": optim_bytes}
