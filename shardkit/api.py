@@ -141,3 +141,29 @@ def export_checkpoint(
         raise AssertionError("resolve_tag returns a tag or raises when none is asked for by name")
     return merge(inside(root, name, "checkpoint tag"), out, max_shard_size=max_shard_size, dtype=dtype,
                  overwrite=overwrite, config=config, hints=hints, workers=workers, progress=progress)
+
+
+def reshard_training_checkpoint(src: str | Path, dst: str | Path, layout: Layout, *, dp: int = 1, zero1: bool = True,
+                                config: ConfigArg = None, tag: str | None = None, format: str | None = None,
+                                master_weights: str = "keep", hints: Mapping | None = None,
+                                param_order: str | Path | list[list[str]] | None = None) -> Path:
+    """Write the training checkpoint `src` (NxD's or shardkit's: model, ZeRO-1 optimizer shards,
+    master weights, scheduler, user content) for `layout` and `dp` data-parallel ranks as a new
+    checkpoint root `dst`, in NxD's format (see shardkit.checkpoint.reshard)."""
+    from .checkpoint.reshard import reshard_training
+    from .checkpoint.zero1 import read_param_order
+
+    order = read_param_order(param_order) if isinstance(param_order, (str, Path)) else param_order
+    return reshard_training(src, dst, layout, dp=dp, zero1=zero1, config=config, tag=tag, format=format,
+                            master_weights=master_weights, hints=hints, param_order=order)
+
+
+def inspect_training_checkpoint(src: str | Path, tag: str | None = None, config: ConfigArg = None,
+                                param_order: str | Path | list[list[str]] | None = None) -> dict[str, Any]:
+    """Layout (tp, pp, dp, ZeRO-1), param groups, step, master weights and optimizer bytes of a
+    training checkpoint tag (see shardkit.checkpoint.reshard.inspect_training)."""
+    from .checkpoint.reshard import inspect_training
+    from .checkpoint.zero1 import read_param_order
+
+    order = read_param_order(param_order) if isinstance(param_order, (str, Path)) else param_order
+    return inspect_training(src, tag, config, order)

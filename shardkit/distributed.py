@@ -28,6 +28,8 @@ class Job:
 
     rank: int = 0
     world: int = 1
+    group: Any = None
+    """The process group of the collectives (None: the default group)."""
 
     @property
     def leader(self) -> bool:
@@ -44,7 +46,8 @@ class Job:
         import torch.distributed as dist
 
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                                   group=self.group)
         return box[0]
 
     def gather(self, value: Any) -> list[Any]:
@@ -54,26 +57,37 @@ class Job:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value)
+        dist.all_gather_object(out, value, group=self.group)
         return out
 
-    def run_all_or_none(self, step: Callable[[], T]) -> T:
-        """Run `step` on every rank; if it fails anywhere, raise on every rank (the first error)."""
+    def agree(self, step: Callable[[], T], elsewhere: Callable[[str], BaseException] | None = None,
+              share: bool = True) -> list[T]:
+        """Run `step` on every rank; every rank's result (in rank order; only this rank's, the others
+        None, when not `share`), or, if it failed anywhere, an error on every rank: the local one,
+        else `elsewhere(first message)`."""
         error: BaseException | None = None
         result = None
         try:
             result = step()
         except BaseException as e:  # noqa: BLE001 - re-raised below, on every rank
             error = e
-        messages = self.gather(None if error is None else f"rank {self.rank}: {error}")
+        answers = self.gather((None if error is None else f"rank {self.rank}: {error}", result if share else None))
+        if not share:
+            answers[self.rank] = (answers[self.rank][0], result)
         if error is not None:
             raise error
-        failed = [m for m in messages if m]
+        failed = [m for m, _ in answers if m]
         if failed:
+            if elsewhere is not None:
+                raise elsewhere(failed[0])
             from .errors import ShardkitError
 
             raise ShardkitError(f"another process of the job failed ({failed[0]})")
-        return result  # type: ignore[return-value]
+        return [v for _, v in answers]
+
+    def run_all_or_none(self, step: Callable[[], T]) -> T:
+        """Run `step` on every rank; if it fails anywhere, raise on every rank (the first error)."""
+        return self.agree(step, share=False)[self.rank]
 
 
 def _destroy_group() -> None:

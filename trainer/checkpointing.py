@@ -77,7 +77,10 @@ def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | No
         return None
     tag_dir = directory / name
     if not (tag_dir / "config.json").is_file():
-        raise TrainerError(f"checkpoint {tag_dir} has no config.json: it was not written by shardkit's trainer")
+        if model_config is None:  # an NxD checkpoint carries no config: the model's comes from --model
+            raise TrainerError(f"checkpoint {tag_dir} has no config.json (an NxD checkpoint): pass --model with the "
+                               "model's Hugging Face config")
+        return ResumePoint(directory, name, dict(model_config))
     saved = load_config(tag_dir / "config.json")
     if model_config is not None:
         a, b = ModelDims.from_config(saved), ModelDims.from_config(model_config)

@@ -6,8 +6,8 @@ checkpoint tree"):
 ```
 <dir>/<tag>/checkpoint                                  "1": written FIRST (rank 0)
 <dir>/<tag>/model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt   this rank's model pieces (NxD names)
-<dir>/<tag>/optim/dp_rank_00_tp_rank_XX_pp_rank_YY.pt   this rank's optimizer moments, flat:
-                                                        "<moment>::<piece name>" -> tensor
+<dir>/<tag>/optim/dp_rank_DD_tp_rank_XX_pp_rank_YY.pt   NxD's ZeRO-1 optimizer state (zero1.py),
+                                                        one per dp rank with zero1
 <dir>/<tag>/scheduler.pt, user_content.pt               plain data (loads with weights_only=True)
 <dir>/<tag>/config.json, shardkit.json                  the model config; the manifest (layout,
                                                         format, family, step, files + sha256)
@@ -42,9 +42,8 @@ Ranks. A process's place in the job is a `Rank` (tp, pp, ep, dp). Without an exp
 comes from torch.distributed's global rank, in NxD/Megatron order, tensor parallel fastest:
 `global = ((dp * ep_size + ep) * pp_size + pp) * tp_size + tp` (so with ep = 1,
 `global = dp * tp_size * pp_size + pp * tp_size + tp`). Data-parallel replicas (dp > 0) hold the
-same pieces as dp 0 and write nothing: the model and (without ZeRO-1) the optimizer state are
-saved once, by dp rank 0, in `dp_rank_00_...` files. ZeRO-1 sharding of the optimizer state over
-dp (`optim/dp_rank_DD_...`) is not implemented.
+same pieces as dp 0: the model is saved once, by dp rank 0; the optimizer state by dp rank 0, or
+with `zero1=True` by every dp rank, its own shard (`optim/dp_rank_DD_...`, NxD's ZeRO-1 layout).
 """
 
 from __future__ import annotations

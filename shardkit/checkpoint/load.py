@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -37,8 +36,8 @@ from ..paths import UnsafePathError, inside
 from ..formats.torch_io import safe_load
 from ..layout import Layout, ModelDims
 from ..placements import Piece, Read
+from .zero1 import MASTER, SEP, Zero1Tag, load_object, model_has_data, optim_name, prefixed
 from .base import (
-    MOMENT_SEP,
     IncompleteCheckpointError,
     LoadedCheckpoint,
     NoCheckpointError,
@@ -104,12 +103,6 @@ def _candidates(directory: Path, tag: str | None) -> list[str]:
 
 def _newer(a: CheckpointInfo, b: CheckpointInfo, ordered: list[CheckpointInfo]) -> bool:
     return ordered.index(a) > ordered.index(b)
-
-
-def prefixed(piece: Piece, prefix: str) -> Piece:
-    """The same piece with its name and every segment's source prefixed (a moment of it)."""
-    slabs = tuple(tuple(replace(s, source=prefix + s.source) for s in slab) for slab in piece.slabs)
-    return replace(piece, name=prefix + piece.name, slabs=slabs)
 
 
 # ---- checks before reading -------------------------------------------------------------------------
@@ -241,49 +234,60 @@ def read_pieces(ckpt: Checkpoint, pieces: list[Piece], rank: Rank, manifest: Map
     return out
 
 
-def optimizer_checkpoint(ckpt: Checkpoint, moments: list[str], params: Mapping[str, Any]) -> Checkpoint:
-    """The optimizer files described like the model: each piece with state, once per moment."""
-    files, holdings, ranks = {}, {}, {}
-    for key, pieces in ckpt.holdings.items():
-        optim_key = OPTIM_DIR + key[len(MODEL_DIR):]
-        stated = [p for p in pieces if all(s.source in params for s in p.segments)]
-        if not stated:
-            continue
-        files[optim_key] = ckpt.root / optim_key
-        holdings[optim_key] = [prefixed(p, m + MOMENT_SEP) for p in stated for m in moments]
-        ranks[optim_key] = ckpt.ranks.get(key)
-    missing = [k for k, p in files.items() if not p.is_file()]
-    if missing:
-        raise FormatError(f"optimizer file {missing[0]} is missing from {ckpt.root}: the checkpoint is damaged; "
-                          "load an older tag or pass optimizer=False")
-    return Checkpoint(ckpt.root, "sharded", ckpt.format, ckpt.config, ckpt.family, ckpt.dims, ckpt.layout, files,
-                      holdings, ranks, None, ckpt.naming)
-
-
-def read_optimizer(ckpt: Checkpoint, pieces: list[Piece], rank: Rank, manifest: Mapping[str, Any], verify: bool,
-                   same_layout: bool = False) -> OptimizerState | None:
-    info = (manifest.get("checkpoint") or {}).get("optimizer")
-    if not info:
-        return None
-    moments, params = list(info["moments"]), info["params"]
-    optim = optimizer_checkpoint(ckpt, moments, params)
-    stated = [p for p in pieces if all(s.source in params for s in p.segments)]
-    targets = [prefixed(p, m + MOMENT_SEP) for p in stated for m in moments]
-    data = read_pieces(optim, targets, rank, manifest, verify, same_layout)
+def read_optimizer(zero: Zero1Tag, pieces: list[Piece]) -> OptimizerState:
+    """This rank's per-parameter optimizer state from NxD's ZeRO-1 files: each target piece's
+    moments (and fp32 `master`), dp-merged and resharded like the piece; `step`; its group."""
+    reader = SourceReader(zero.view())
+    groups = zero.group_of()
     state: dict[str, dict[str, Any]] = {}
-    groups: dict[str, int] = {}
-    for piece in stated:
-        first = params[piece.segments[0].source]
-        entry: dict[str, Any] = {m: data[m + MOMENT_SEP + piece.name] for m in moments}
-        if first.get("step") is not None:
-            entry["step"] = first["step"]
-        state[piece.name] = entry
-        groups[piece.name] = int(first.get("group", 0))
-    hyper = [dict(g) for g in info.get("param_groups") or []]
-    for g in hyper:
-        if isinstance(g.get("betas"), list):
-            g["betas"] = tuple(g["betas"])
-    return OptimizerState(state, hyper, groups)
+    owner: dict[str, int] = {}
+    try:
+        for piece in pieces:
+            entry: dict[str, Any] = {m: reader.read_piece(prefixed(piece, m + SEP)) for m in zero.moments()}
+            entry["step"] = torch.tensor(zero.step if zero.step is not None else 0.0, dtype=torch.float32)
+            state[piece.name] = entry
+            owner[piece.name] = groups.get(piece.segments[0].source, 0)
+    finally:
+        reader.close()
+    return OptimizerState(state, [dict(g) for g in zero.hyper], owner)
+
+
+def _from_master(ckpt: Checkpoint, zero: Zero1Tag | None, pieces: list[Piece]) -> dict[str, torch.Tensor]:
+    """The weights from the fp32 master weights, when the model files hold no tensor data."""
+    if zero is None or not zero.master:
+        raise FormatError(f"{ckpt.root}: the model files hold no tensor data and the optimizer files no master "
+                          "weights: the checkpoint holds no weights")
+    name = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype") or "bfloat16"
+    dtype = getattr(torch, str(name).replace("torch.", ""), torch.bfloat16)
+    reader = SourceReader(zero.view([MASTER]))
+    try:
+        return {p.name: reader.read_piece(prefixed(p, MASTER + SEP)).to(dtype) for p in pieces}
+    finally:
+        reader.close()
+
+
+def _load_generic(tag_dir: Path, name: str, manifest: Mapping[str, Any], rank: Any,
+                  optimizer: bool) -> LoadedCheckpoint:
+    """A checkpoint saved without layout/config: the objects exactly as saved (this process's
+    ZeRO-1 optimizer shard when each dp rank saved its own)."""
+    info = manifest.get("checkpoint") or {}
+    dist_rank = distributed_rank()
+    dp = rank.dp if isinstance(rank, Rank) else (dist_rank[0] if dist_rank else 0)
+    model = load_object(tag_dir / MODEL_DIR / "dp_rank_00_tp_rank_00_pp_rank_00.pt", False)
+    opt = None
+    if optimizer:
+        path = tag_dir / optim_name(dp if info.get("zero1") else 0, 0, 0)
+        if (tag_dir / OPTIM_DIR).is_dir():
+            if not path.is_file():
+                raise FormatError(f"{tag_dir.name}/{optim_name(dp, 0, 0)} is missing: the checkpoint has "
+                                  f"{len(list((tag_dir / OPTIM_DIR).iterdir()))} optimizer shards; load it with as many "
+                                  "processes as saved it")
+            opt = load_object(path, False)
+    scheduler = safe_load(tag_dir / SCHEDULER, mmap=False) if (tag_dir / SCHEDULER).is_file() else None
+    user_content = safe_load(tag_dir / USER_CONTENT, mmap=False) if (tag_dir / USER_CONTENT).is_file() else None
+    layout = Layout()
+    return LoadedCheckpoint(name, tag_dir, info.get("step"), layout, layout, Rank(dp=dp), {}, model, opt, scheduler,
+                            user_content, manifest.get("format", "torch"))
 
 
 # ---- the API ---------------------------------------------------------------------------------------
@@ -299,6 +303,7 @@ def load_checkpoint(
     hints: Mapping[str, Any] | None = None,
     optimizer: bool = True,
     verify: bool = True,
+    param_order: list[list[str]] | None = None,
 ) -> LoadedCheckpoint | None:
     """This rank's model pieces and optimizer state for `target_layout`, from checkpoint `tag`.
 
@@ -309,12 +314,18 @@ def load_checkpoint(
     (ep, tp, pp) or Rank of the target layout (default: from torch.distributed). `config`: the
     model config the trainer uses; it must match the checkpoint's (and is needed for NxD tags
     without config.json). `verify`: check the sha256 of every file this rank reads against the
-    manifest (reads those files once more). Returns a LoadedCheckpoint."""
+    manifest (reads those files once more). `param_order`: names per param group, when the
+    ZeRO-1 index order of NxD's optimizer files cannot be recovered. Returns a LoadedCheckpoint
+    (for a checkpoint saved without layout/config: the state dicts exactly as saved).
+
+    NxD's optimizer files (ZeRO-1, any dp) are read by meaning: `loaded.optimizer.state[piece]` is
+    `{"exp_avg", "exp_avg_sq", "step"[, "master"]}` with this rank's tp-local (dp-unsharded)
+    shapes; `zero1.dp_shard(t, dp, d)` gives dp rank d's ZeRO-1 part of it."""
     root = Path(dir)
     if tag is not None and tag != LATEST_IF_EXISTS:
         name = resolve_tag(root, tag)
         assert name is not None
-        return _load_tag(root, name, target_layout, rank, config, hints, optimizer, verify)
+        return _load_tag(root, name, target_layout, rank, config, hints, optimizer, verify, None, param_order)
     candidates = _candidates(root, tag)
     if not candidates:
         return None
@@ -323,7 +334,7 @@ def load_checkpoint(
     for pos, name in enumerate(candidates):
         shared = [True]  # still in the checks every rank makes alike
         try:
-            return _load_tag(root, name, target_layout, rank, config, hints, optimizer, verify, shared)
+            return _load_tag(root, name, target_layout, rank, config, hints, optimizer, verify, shared, param_order)
         except _SKIPPABLE as e:
             first = first or e
             if not (one_process or shared[0]):
@@ -344,7 +355,8 @@ or layout that does not fit is the caller's, and raised at once."""
 
 def _load_tag(root: Path, name: str, target_layout: Layout | None, rank: Any,
               config: Mapping[str, Any] | str | Path | None, hints: Mapping[str, Any] | None, optimizer: bool,
-              verify: bool, shared: list[bool] | None = None) -> LoadedCheckpoint:
+              verify: bool, shared: list[bool] | None = None,
+              param_order: list[list[str]] | None = None) -> LoadedCheckpoint:
     tag_dir = root / name
     if not is_complete(tag_dir):
         raise IncompleteCheckpointError(f"checkpoint {tag_dir} has no done marker (removed meanwhile?): load "
@@ -354,6 +366,8 @@ def _load_tag(root: Path, name: str, target_layout: Layout | None, rank: Any,
         raise FormatError(f"checkpoint {tag_dir} is damaged: {problem}; load an older tag (tag=...) or restore it")
     if manifest is not None:
         _check_listed_files(tag_dir, manifest)
+        if (manifest.get("checkpoint") or {}).get("generic"):
+            return _load_generic(tag_dir, name, manifest, rank, optimizer)
     saved = load_config(tag_dir) if (tag_dir / CONFIG).is_file() else None
     given = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
     if saved is not None and given is not None:
@@ -366,11 +380,15 @@ def _load_tag(root: Path, name: str, target_layout: Layout | None, rank: Any,
     same = target == ckpt.layout
     if shared is not None:
         shared[0] = False  # from here on, each rank reads (and hashes) its own files
-    model = read_pieces(ckpt, pieces, me, manifest, verify, same)
-    opt = read_optimizer(ckpt, pieces, me, manifest, verify, same) if optimizer and manifest else None
-    if optimizer and manifest is None and (tag_dir / OPTIM_DIR).is_dir():
-        log.warning("%s has optimizer files but no shardkit manifest (an NxD checkpoint): its optimizer state is "
-                    "not loaded (NxD's optimizer files are numbered, not keyed by parameter name)", tag_dir)
+    has_data = model_has_data(ckpt)
+    zero = Zero1Tag.open(tag_dir, ckpt, param_order) if optimizer or not has_data else None
+    if has_data:
+        model = read_pieces(ckpt, pieces, me, manifest, verify, same)
+    else:
+        model = _from_master(ckpt, zero, pieces)
+    if verify and manifest is not None and zero is not None:
+        _verify_hashes(tag_dir, manifest, {p.relative_to(tag_dir).as_posix() for p in zero.files.values()})
+    opt = read_optimizer(zero, pieces) if optimizer and zero is not None else None
     scheduler = safe_load(tag_dir / SCHEDULER, mmap=False) if (tag_dir / SCHEDULER).is_file() else None
     user_content = safe_load(tag_dir / USER_CONTENT, mmap=False) if (tag_dir / USER_CONTENT).is_file() else None
     step = (manifest.get("checkpoint") or {}).get("step") if manifest else None

@@ -33,7 +33,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..version import __version__
 from ..families import Family, family_for
 from ..formats.base import FileRecord, HashingFile, TensorSpec
 from ..formats.safetensors_io import SafetensorsWriter
@@ -42,9 +41,13 @@ from ..formats.torch_io import TorchWriter
 from ..formats.xser import XserWriter, tensors_dir
 from ..layout import Layout, ModelDims
 from .async_save import BackgroundWriter, HostStaging, host_copy
+from ..distributed import Job
+from ..formats.manifest import file_sha256, manifest as build_manifest
+from .zero1 import build_optim, save_object
 from ..errors import LayoutError
 from ..paths import is_link
 from .base import (
+    jsonable,
     CheckpointError,
     CheckpointerConfig,
     CheckpointWriteError,
@@ -90,43 +93,22 @@ log = logging.getLogger(__name__)
 # ---- rank coordination -----------------------------------------------------------------------------
 
 
-class Comm:
-    """The checkpoint layer's collectives, on its own process group (None: a one-process run)."""
+def make_job(group: Any = None) -> Job:
+    """The checkpoint layer's collectives: a `Job` on its own process group (None: one process)."""
+    if group is None:
+        return Job()
+    import torch.distributed as dist
 
-    def __init__(self, group: Any = None):
-        self.group = group
-        if group is None:
-            self.rank, self.world = 0, 1
-        else:
-            import torch.distributed as dist
+    return Job(dist.get_rank(), dist.get_world_size(), group)
 
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
-    def gather(self, obj: Any) -> list[Any]:
-        if self.group is None:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def agree(self, what: str, step: Callable[[], Any]) -> list[Any]:
-        """Run `step` here; every rank's result, or the first failure raised on every rank."""
-        error, value = None, None
-        try:
-            value = step()
-        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
-            error = e
-        answers = self.gather((None if error is None else f"rank {self.rank}: {error}", value))
-        if isinstance(error, OSError):
-            raise CheckpointWriteError(f"{what} failed: {error}") from error
-        if error is not None:
-            raise error
-        failed = [m for m, _ in answers if m]
-        if failed:
-            raise CheckpointWriteError(f"{what} failed on another rank ({failed[0]})")
-        return [v for _, v in answers]
+def agree(job: Job, what: str, step: Callable[[], Any]) -> list[Any]:
+    """`Job.agree` with the checkpoint layer's errors: an OSError here, or any failure elsewhere,
+    is a CheckpointWriteError naming what failed."""
+    try:
+        return job.agree(step, elsewhere=lambda m: CheckpointWriteError(f"{what} failed on another rank ({m})"))
+    except OSError as e:
+        raise CheckpointWriteError(f"{what} failed: {e}") from e
 
 
 def new_group() -> Any:
@@ -147,11 +129,11 @@ class SaveJob:
 
     root: Path
     tag: str
-    layout: Layout
+    layout: Layout | None  # None: a generic checkpoint (any state dicts, no model family)
     fmt: str
-    config: dict[str, Any]
-    family: Family
-    dims: ModelDims
+    config: dict[str, Any] | None
+    family: Family | None
+    dims: ModelDims | None
     step: int | None
     ranks: list[RankState]
     leader: bool
@@ -164,6 +146,9 @@ class SaveJob:
     world: int = 1
     started: float = 0.0
     records: list[FileRecord] = field(default_factory=list)
+    zero1: bool = False
+    dp_size: int = 1
+    generic: dict[str, Any] | None = None  # generic: {"model": obj or None, "optimizer": obj or None, "dp": d}
 
     @property
     def tag_dir(self) -> Path:
@@ -198,7 +183,7 @@ def write_tensor_file(tag_dir: Path, key: str, items: list[tuple[str, torch.Tens
     return records
 
 
-def save_object(tag_dir: Path, name: str, obj: Any, fsync: bool) -> FileRecord:
+def save_object_hashed(tag_dir: Path, name: str, obj: Any, fsync: bool) -> FileRecord:
     """torch.save of plain data (scheduler, user content), hashed and durable."""
     out = HashingFile(tag_dir / name, tag_dir)
     torch.save(obj, out)
@@ -229,70 +214,88 @@ def prepare_tag(job: SaveJob) -> None:
     (job.tag_dir / MODEL_DIR).mkdir()
 
 
+def _written(tag_dir: Path, paths: list[Path], fsync: bool) -> list[FileRecord]:
+    """Records (size, sha256) of files just written; durable with fsync (files and folders)."""
+    records = []
+    folders = set()
+    for path in paths:
+        if fsync:
+            fsync_path(path)
+        folders.add(path.parent)
+        records.append(FileRecord(path.relative_to(tag_dir).as_posix(), path.stat().st_size, file_sha256(path)))
+    if fsync:
+        for folder in sorted(folders, key=lambda f: -len(f.parts)):
+            fsync_path(folder)
+    return records
+
+
 def write_rank_files(job: SaveJob) -> dict[str, Any]:
-    """This process's files: its ranks' model and optimizer files, and (leader) the plain files."""
+    """This process's files: its ranks' model files (dp rank 0) and ZeRO-1 optimizer files (its own
+    dp shard), and (leader) the plain files."""
     records: list[FileRecord] = []
-    optimizer: dict[str, Any] = {"moments": [], "params": {}, "param_groups": []}
+    master = False
+    xser = job.fmt == "xser"
+    if job.generic is not None:
+        if job.generic.get("model") is not None:
+            path = job.tag_dir / MODEL_DIR / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+            records += _written(job.tag_dir, save_object(path, job.generic["model"], False), job.fsync)
+        if job.generic.get("optimizer") is not None:
+            path = job.tag_dir / optim_file(Rank(dp=job.generic["dp"]), Layout())
+            records += _written(job.tag_dir, save_object(path, job.generic["optimizer"], False), job.fsync)
     for state in job.ranks:
-        records += write_tensor_file(job.tag_dir, model_file(state.rank, job.layout, job.fmt), state.model,
-                                     job.fmt, state.expert, job.fsync)
-        if state.optim:
-            records += write_tensor_file(job.tag_dir, optim_file(state.rank, job.layout, job.fmt), state.optim,
+        assert job.layout is not None
+        if state.write_model:
+            records += write_tensor_file(job.tag_dir, model_file(state.rank, job.layout, job.fmt), state.model,
                                          job.fmt, state.expert, job.fsync)
-            optimizer["moments"] = optimizer["moments"] or state.moments
-            optimizer["params"].update(state.params)
-            optimizer["param_groups"] = optimizer["param_groups"] or state.param_groups
+        if state.optim is not None:
+            names = [n for n, _ in state.model]
+            obj = build_optim(names, state.groups, state.param_groups, state.optim, state.dp_size,
+                              state.rank.dp, state.master, presharded=state.dp_size > 1,
+                              shapes=[tuple(t.shape) for _, t in state.model])
+            path = job.tag_dir / optim_file(state.rank, job.layout)
+            records += _written(job.tag_dir, save_object(path, obj, xser, bool(state.expert)), job.fsync)
+            master = master or state.master
     if job.leader:
-        records.append(_save_json(job.tag_dir, CONFIG, job.config, job.fsync))
+        if job.config is not None:
+            records.append(_save_json(job.tag_dir, CONFIG, job.config, job.fsync))
         if job.scheduler is not None:
-            records.append(save_object(job.tag_dir, SCHEDULER, job.scheduler, job.fsync))
+            records.append(save_object_hashed(job.tag_dir, SCHEDULER, job.scheduler, job.fsync))
         if job.user_content is not None:
-            records.append(save_object(job.tag_dir, USER_CONTENT, job.user_content, job.fsync))
+            records.append(save_object_hashed(job.tag_dir, USER_CONTENT, job.user_content, job.fsync))
         if job.fsync:
             fsync_path(job.tag_dir)
     first = job.ranks[0].model[0][1].dtype if job.ranks and job.ranks[0].model else None
-    return {"records": records, "optimizer": optimizer if optimizer["moments"] else None,
+    groups = next((s.param_groups for s in job.ranks if s.optim is not None), None)
+    return {"records": records, "master": master, "param_groups": groups,
+            "optimizer": any(s.optim is not None for s in job.ranks) or bool(job.generic and job.generic.get("optimizer") is not None),
             "dtype": str(first).replace("torch.", "") if first is not None else None}
 
 
 def manifest(job: SaveJob, results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """shardkit.json: convert's manifest shape plus a `checkpoint` section."""
-    records = sorted((r for res in results for r in res["records"]), key=lambda r: r.path)
-    optim = [res["optimizer"] for res in results if res["optimizer"]]
-    optimizer = None
-    if optim:
-        params: dict[str, Any] = {}
-        for part in optim:
-            params.update(part["params"])
-        moment_sets = {tuple(sorted(part["moments"])) for part in optim}
-        if len(moment_sets) > 1:
-            raise CheckpointError(f"ranks saved different optimizer moments {sorted(moment_sets)}: "
-                                  "every rank must save the same optimizer")
-        optimizer = {"moments": optim[0]["moments"], "param_groups": optim[0]["param_groups"], "params": params}
-    dtype = next((res["dtype"] for res in results if res["dtype"]), None)
-    return {
-        "shardkit": __version__,
-        "kind": "sharded",
-        "format": job.fmt,
-        "family": job.family.name,
-        "layout": job.layout.to_dict(),
-        "dtype": dtype,
-        "source": None,
-        "command": None,
-        "tensors": {n: list(s) for n, s in job.family.full_shapes(job.dims).items()},
-        "files": [{"path": r.path, "size": r.size, "sha256": r.sha256} for r in records],
-        "checkpoint": {
-            "tag": job.tag,
-            "step": job.step,
-            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "world_size": job.world,
-            "async": job.async_save,
-            "zero1": False,
-            "scheduler": job.scheduler is not None,
-            "user_content": job.user_content is not None,
-            "optimizer": optimizer,
-        },
+    """shardkit.json: convert's manifest (formats.manifest) plus a `checkpoint` section."""
+    records = [r for res in results for r in res["records"]]
+    groups = next((res["param_groups"] for res in results if res["param_groups"] is not None), None)
+    section = {
+        "tag": job.tag,
+        "step": job.step,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "world_size": job.world,
+        "async": job.async_save,
+        "zero1": job.zero1,
+        "dp": job.dp_size,
+        "generic": job.generic is not None,
+        "scheduler": job.scheduler is not None,
+        "user_content": job.user_content is not None,
+        "optimizer": {"format": "nxd-zero1", "master_weights": any(res["master"] for res in results),
+                      "param_groups": jsonable(groups)} if any(res["optimizer"] for res in results) else None,
     }
+    if job.generic is not None:
+        return build_manifest(fmt=job.fmt, family="generic", layout=Layout(), dtype=None, records=records, tensors={},
+                              checkpoint=section)
+    assert job.layout is not None and job.family is not None and job.dims is not None
+    dtype = next((res["dtype"] for res in results if res["dtype"]), None)
+    return build_manifest(fmt=job.fmt, family=job.family.name, layout=job.layout, dtype=dtype, records=records,
+                          tensors=job.family.full_shapes(job.dims), checkpoint=section)
 
 
 def finish_tag(job: SaveJob, results: Sequence[Mapping[str, Any]]) -> None:
@@ -315,13 +318,13 @@ def retain(job: SaveJob) -> None:
         log.exception("checkpoint retention in %s failed (retried at the next save)", job.root)
 
 
-def run_save(job: SaveJob, comm: Comm, retention: Callable[[SaveJob], None] | None = retain) -> None:
+def run_save(job: SaveJob, comm: Job, retention: Callable[[SaveJob], None] | None = retain) -> None:
     """Steps 2-5 of a save (module docstring), on every rank."""
     what = f"saving checkpoint {job.tag}"
-    comm.agree(what, lambda: prepare_tag(job) if job.leader else None)
-    results = comm.agree(what, lambda: write_rank_files(job))
-    comm.agree(what, lambda: finish_tag(job, results) if job.leader else None)
-    log.info("saved checkpoint %s (%s, %s)", job.tag_dir, job.layout.describe(), job.fmt)
+    agree(comm, what, lambda: prepare_tag(job) if job.leader else None)
+    results = agree(comm, what, lambda: write_rank_files(job))
+    agree(comm, what, lambda: finish_tag(job, results) if job.leader else None)
+    log.info("saved checkpoint %s (%s, %s)", job.tag_dir, job.layout.describe() if job.layout else "generic", job.fmt)
     if job.leader and retention is not None:
         retention(job)
 
@@ -339,7 +342,7 @@ class Checkpointer:
 
     def __init__(self, config: CheckpointerConfig | None = None, *, group: Any = _UNSET):
         self.config = config or CheckpointerConfig()
-        self.comm = Comm(new_group() if group is _UNSET else group)
+        self.comm = make_job(new_group() if group is _UNSET else group)
         self._writer = BackgroundWriter()
         self._staging = HostStaging(self.config.reuse_buffers)
         self._lock = threading.Lock()
@@ -356,8 +359,8 @@ class Checkpointer:
         scheduler: Any = None,
         user_content: Any = None,
         *,
-        layout: Layout,
-        config: Mapping[str, Any] | str | Path,
+        layout: Layout | None = None,
+        config: Mapping[str, Any] | str | Path | None = None,
         rank: Any = None,
         format: str | None = None,
         async_save: bool | None = None,
@@ -365,8 +368,23 @@ class Checkpointer:
         keep_every: int | None = _UNSET,
         step: int | None = None,
         param_names: Sequence[str] | Mapping[Any, Sequence[str]] | None = None,
+        zero1: bool = False,
     ) -> None:
-        """Save this rank's `model_state` ({piece name -> tensor}) and optimizer state as `<dir>/<tag>`.
+        """Save this rank's state as checkpoint `<dir>/<tag>` in NxD's tree and format.
+
+        With `layout` and `config` (resharding on load possible): `model_state` is this rank's
+        pieces {piece name -> tensor} (NxD names, as `family.rank_pieces(layout, dims, tp, pp,
+        shapes, ep)` gives them; in a one-process run also {(tp, pp): pieces} for every rank);
+        `optimizer_state` {piece name -> {"exp_avg", "exp_avg_sq", "step"[, "master"]}}, an
+        OptimizerState, or a torch.optim state_dict with `param_names`; it is written as NxD's
+        ZeRO-1 optimizer file. `zero1`: every dp rank passes its own dp shard of each tensor
+        (`zero1.dp_shard`) and writes its own `optim/dp_rank_DD_...` file; else dp rank 0 writes one.
+        Without `layout` and `config` (like NxD's own save): `model_state` and `optimizer_state` are
+        any plain state dicts, saved as they are (model by rank 0; the optimizer by rank 0, or by
+        every rank with `zero1`), and `load_checkpoint` gives them back exactly.
+        `scheduler`: an LR scheduler (its state_dict is saved) or plain data. `user_content`: plain
+        data. `rank`: (tp, pp), (ep, tp, pp) or Rank (default: from torch.distributed).
+        `num_kept`/`keep_every`: retention after `done`.
 
         Returns when the checkpoint is complete (sync), or once the state is copied to host memory
         (async: the write goes on in the background; `wait()` for it). Raises the failure of a
@@ -374,7 +392,7 @@ class Checkpointer:
         with self._lock:
             self._writer.wait()
             job = self._job(dir, tag, model_state, optimizer_state, scheduler, user_content, layout, config, rank,
-                            format, async_save, num_kept, keep_every, step, param_names)
+                            format, async_save, num_kept, keep_every, step, param_names, zero1)
             lock = self._lock_directory(job)
             released = False  # True once the lock's release is handed to the background thread
             try:
@@ -433,7 +451,7 @@ class Checkpointer:
                 taken.append(lock_directory(job.root, f"saving checkpoint {job.tag}"))
 
         try:
-            self.comm.agree(f"saving checkpoint {job.tag}", take)
+            agree(self.comm, f"saving checkpoint {job.tag}", take)
         except BaseException:
             for lock in taken:
                 lock.release()
@@ -442,7 +460,7 @@ class Checkpointer:
 
     # -- building a job (caller's thread)
     def _job(self, dir, tag, model_state, optimizer_state, scheduler, user_content, layout, config, rank, fmt,
-             async_save, num_kept, keep_every, step, param_names) -> SaveJob:
+             async_save, num_kept, keep_every, step, param_names, zero1=False) -> SaveJob:
         cfg = self.config
         fmt = check_format(fmt or cfg.format)
         async_save = cfg.async_save if async_save is None else bool(async_save)
@@ -452,6 +470,9 @@ class Checkpointer:
         def build() -> SaveJob:
             check_retention(num_kept, keep_every)
             tag_path(Path(dir), tag)  # a plain folder name inside dir, else a one-line error
+            if layout is None and config is None:
+                return self._generic_job(dir, tag, model_state, optimizer_state, scheduler, user_content, fmt,
+                                         async_save, num_kept, keep_every, step, zero1)
             if not isinstance(layout, Layout):
                 raise CheckpointError("layout= must be a shardkit.Layout (the layout the state is cut in)")
             if config is None:
@@ -462,7 +483,9 @@ class Checkpointer:
             dims = ModelDims.from_config(cfg_dict)
             layout.validate(dims)
             shapes = family.full_shapes(dims)
-            states = self._states(family, dims, layout, shapes, model_state, optimizer_state, rank, param_names)
+            dp_size = max(1, self.comm.world // (layout.tp * layout.pp * layout.ep)) if zero1 else 1
+            states = self._states(family, dims, layout, shapes, model_state, optimizer_state, rank, param_names,
+                                  dp_size)
             sched = scheduler_state(scheduler)
             if user_content is not None:
                 check_plain(user_content, "user_content")
@@ -471,26 +494,61 @@ class Checkpointer:
                 the_step = user_content["step"]
             job = SaveJob(Path(dir), str(tag), layout, fmt, cfg_dict, family, dims, the_step, states,
                           self.comm.rank == 0, sched, user_content, num_kept, keep_every, cfg.fsync, async_save,
-                          self.comm.world)
+                          self.comm.world, zero1=bool(zero1), dp_size=dp_size)
             if async_save:
                 self._snapshot(job)
             else:
                 for s in job.ranks:
                     s.model = [(n, t.cpu()) for n, t in s.model]
-                    s.optim = [(n, t.cpu()) for n, t in s.optim]
+                    if s.optim is not None:
+                        s.optim = {n: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
+                                   for n, e in s.optim.items()}
             return job
 
         built: list[SaveJob] = []
 
         def claims() -> list[tuple[int, int, int, int]]:
             built.append(build())
-            return [(*st.rank.key, st.rank.dp) for st in built[0].ranks]
+            return [(*st.rank.key, st.rank.dp) for st in built[0].ranks if st.write_model]
 
-        answers = self.comm.agree(f"saving checkpoint {tag}", claims)
-        _check_claims(layout, answers, self.comm.world)
+        answers = agree(self.comm, f"saving checkpoint {tag}", claims)
+        if layout is not None:
+            _check_claims(layout, answers, self.comm.world)
         return built[0]
 
-    def _states(self, family, dims, layout, shapes, model_state, optimizer_state, rank, param_names) -> list[RankState]:
+    def _generic_job(self, dir, tag, model_state, optimizer_state, scheduler, user_content, fmt, async_save,
+                     num_kept, keep_every, step, zero1) -> SaveJob:
+        """A checkpoint of any state dicts, without a model family (like NxD's own save)."""
+        if fmt not in ("torch",):
+            raise CheckpointError(f"a checkpoint without layout= and config= is saved as torch files, not {fmt}: "
+                                  "pass layout= and config= for other formats")
+        leader = self.comm.rank == 0
+        check_plain(model_state, "model_state")
+        if optimizer_state is not None:
+            if isinstance(optimizer_state, torch.optim.Optimizer):
+                optimizer_state = optimizer_state.state_dict()
+            check_plain(optimizer_state, "optimizer_state")
+        writes_optim = optimizer_state is not None and (zero1 or leader)
+        generic = {"model": model_state if leader else None, "optimizer": optimizer_state if writes_optim else None,
+                   "dp": self.comm.rank if zero1 else 0}
+        sched = scheduler_state(scheduler)
+        if user_content is not None:
+            check_plain(user_content, "user_content")
+        the_step = step if step is not None else tag_step(str(tag))
+        if the_step is None and isinstance(user_content, Mapping) and isinstance(user_content.get("step"), int):
+            the_step = user_content["step"]
+        job = SaveJob(Path(dir), str(tag), None, "torch", None, None, None, the_step, [], leader, sched, user_content,
+                      num_kept, keep_every, self.config.fsync, async_save, self.comm.world, zero1=bool(zero1),
+                      dp_size=self.comm.world if zero1 else 1, generic=generic)
+        if async_save:
+            generic["model"] = host_copy(generic["model"])
+            generic["optimizer"] = host_copy(generic["optimizer"])
+            job.scheduler = host_copy(job.scheduler)
+            job.user_content = host_copy(job.user_content)
+        return job
+
+    def _states(self, family, dims, layout, shapes, model_state, optimizer_state, rank, param_names,
+                dp_size: int = 1) -> list[RankState]:
         if not isinstance(model_state, Mapping):
             raise CheckpointError(f"model_state must be a dict of this rank's pieces, got {type(model_state).__name__}")
         if is_rank_mapping(model_state):
@@ -504,12 +562,12 @@ class Checkpointer:
                                normalize_optimizer(opts.get(k), names.get(k) if isinstance(names, Mapping) else None))
                     for r, k in sorted(ranks.items(), key=lambda rk: rk[0].key)]
         me = Rank.of(rank, layout)
-        if me.dp > 0:
-            return []  # a data-parallel replica holds dp 0's pieces and writes nothing (see base.py)
+        if me.dp > 0 and dp_size == 1:
+            return []  # a data-parallel replica holds dp 0's state and writes nothing (see base.py)
         if isinstance(param_names, Mapping):
             raise CheckpointError("param_names must be a list of this rank's piece names")
         return [rank_state(family, dims, layout, me, shapes, model_state,
-                           normalize_optimizer(optimizer_state, param_names))]
+                           normalize_optimizer(optimizer_state, param_names), dp_size)]
 
     def _snapshot(self, job: SaveJob) -> None:
         """Copy every tensor to host memory (reused buffers), so training may change its own."""
@@ -520,7 +578,9 @@ class Checkpointer:
         try:
             for s in job.ranks:
                 s.model = [(n, staging.copy((s.rank.key, n), t)) for n, t in s.model]
-                s.optim = [(n, staging.copy((s.rank.key, n), t)) for n, t in s.optim]
+                if s.optim is not None:
+                    s.optim = {n: {k: staging.copy((s.rank.key, k, n), v) if isinstance(v, torch.Tensor) else v
+                                   for k, v in e.items()} for n, e in s.optim.items()}
         finally:
             torch.set_num_threads(threads)
             staging.end()
@@ -572,37 +632,12 @@ def default_checkpointer() -> Checkpointer:
         return _default
 
 
-def save_checkpoint(
-    dir: str | Path,
-    tag: str,
-    model_state: Mapping[Any, Any],
-    optimizer_state: Any = None,
-    scheduler: Any = None,
-    user_content: Any = None,
-    *,
-    layout: Layout,
-    config: Mapping[str, Any] | str | Path,
-    rank: Any = None,
-    format: str = "torch",
-    async_save: bool = False,
-    num_kept: int | None = None,
-    keep_every: int | None = None,
-    step: int | None = None,
-    param_names: Sequence[str] | None = None,
-) -> None:
-    """Save this rank's state as checkpoint `<dir>/<tag>` in NxD's tree (see Checkpointer.save).
-
-    `model_state`: this rank's pieces {piece name -> tensor} (NxD names, as
-    `family.rank_pieces(layout, dims, tp, pp, shapes, ep)` gives them); in a one-process run it may
-    also map every rank to its pieces ({(tp, pp): pieces}). `optimizer_state`: {piece name ->
-    {"exp_avg": T, "exp_avg_sq": T, "step": n}}, an OptimizerState, or a torch.optim state_dict
-    with `param_names`. `scheduler`: an LR scheduler (its state_dict is saved) or plain data.
-    `user_content`: plain data (step, data position, ...). `rank`: (tp, pp), (ep, tp, pp) or Rank
-    (default: from torch.distributed). `num_kept`/`keep_every`: retention after `done`."""
-    default_checkpointer().save(
-        dir, tag, model_state, optimizer_state, scheduler, user_content, layout=layout, config=config, rank=rank,
-        format=format, async_save=async_save, num_kept=num_kept, keep_every=keep_every, step=step,
-        param_names=param_names)
+def save_checkpoint(dir: str | Path, tag: str, model_state: Any, optimizer_state: Any = None, scheduler: Any = None,
+                    user_content: Any = None, **options: Any) -> None:
+    """Save checkpoint `<dir>/<tag>` with the process's default Checkpointer: the arguments and
+    keyword options of `Checkpointer.save` (layout=, config=, rank=, format=, async_save=,
+    num_kept=, keep_every=, step=, param_names=, zero1=)."""
+    default_checkpointer().save(dir, tag, model_state, optimizer_state, scheduler, user_content, **options)
 
 
 def finalize_checkpoint() -> None:

@@ -1,9 +1,10 @@
-"""What one rank saves: its model pieces and optimizer moments, checked against the layout.
+"""What one rank saves: its model pieces and optimizer state, checked against the layout.
 
 `model_state` is a rank's pieces, `{piece name -> tensor}` with exactly the names and shapes of
 `family.rank_pieces(layout, dims, tp, pp, shapes, ep)` (NxD's names). The optimizer state is
-keyed by the same piece names; each moment has its parameter's shape, so on disk it is one more
-"model" whose names carry a `<moment>::` prefix, resharded with its parameter's pieces.
+keyed by the same piece names (`exp_avg`, `exp_avg_sq`, `step`, optional fp32 `master`) and is
+written as NxD's ZeRO-1 optimizer file (zero1.build_optim): with `zero1` each dp rank gives its
+own dp shard of every moment (`zero1.dp_shard`) and writes its own file.
 """
 
 from __future__ import annotations
@@ -18,16 +19,14 @@ from ..families import Family
 from ..formats import nxd
 from ..layout import Layout, ModelDims
 from ..placements import Piece
+from .zero1 import MASTER, MOMENTS, dp_shard, optim_name, shard_rows
 from .base import (
-    MOMENT_SEP,
     CheckpointError,
     OptimizerState,
     Rank,
     StateMismatchError,
-    jsonable,
     optimizer_state_from_torch,
 )
-from .tree import MODEL_DIR, OPTIM_DIR
 
 
 def model_file(rank: Rank, layout: Layout, fmt: str) -> str:
@@ -35,13 +34,9 @@ def model_file(rank: Rank, layout: Layout, fmt: str) -> str:
     return nxd.rank_file_name(rank.ep, rank.tp, rank.pp, layout, fmt)
 
 
-def optim_file(rank: Rank, layout: Layout, fmt: str) -> str:
-    """The optimizer file of a rank: the model file's name under `optim/` (dp rank 00: no ZeRO-1)."""
-    return OPTIM_DIR + model_file(rank, layout, fmt)[len(MODEL_DIR):]
-
-
-def moment_name(moment: str, piece: str) -> str:
-    return f"{moment}{MOMENT_SEP}{piece}"
+def optim_file(rank: Rank, layout: Layout, fmt: str = "torch") -> str:
+    """NxD's optimizer file of a rank: `optim/dp_rank_DD_tp_rank_TT_pp_rank_PP.pt` (always .pt)."""
+    return optim_name(rank.dp, rank.tp, rank.pp, rank.ep if layout.ep > 1 else None)
 
 
 @dataclass
@@ -50,14 +45,19 @@ class RankState:
 
     rank: Rank
     model: list[tuple[str, torch.Tensor]]
-    optim: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    optim: dict[str, dict[str, Any]] | None = None  # piece -> {exp_avg, exp_avg_sq, step[, master]}
     expert: set[str] = field(default_factory=set)  # expert-parallel names (xser's .info.pt)
-    moments: list[str] = field(default_factory=list)
-    params: dict[str, dict[str, Any]] = field(default_factory=dict)  # full tensor -> {"step", "group"}
-    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)  # per model piece: its param group
+    param_groups: list[dict[str, Any]] = field(default_factory=list)  # hyper-parameters
+    master: bool = False
+    dp_size: int = 1  # ZeRO-1: the optimizer tensors are this rank's shards of dp_size
+    write_model: bool = True  # dp rank 0 writes the model file
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return self.model + self.optim
+        out = list(self.model) if self.write_model else []
+        for name, entry in (self.optim or {}).items():
+            out += [(f"{k}:{name}", v) for k, v in entry.items() if isinstance(v, torch.Tensor)]
+        return out
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.tensors())
@@ -90,7 +90,7 @@ def normalize_optimizer(optimizer_state: Any, param_names: Sequence[str] | None)
 
 def rank_state(
     family: Family, dims: ModelDims, layout: Layout, rank: Rank, shapes: Mapping[str, tuple[int, ...]],
-    model_state: Mapping[str, Any], optimizer: OptimizerState | None,
+    model_state: Mapping[str, Any], optimizer: OptimizerState | None, dp_size: int = 1,
 ) -> RankState:
     """Check a rank's pieces (and optimizer state) against the layout; order them as NxD does."""
     pieces = family.rank_pieces(layout, dims, rank.tp, rank.pp, shapes, rank.ep)
@@ -112,7 +112,8 @@ def rank_state(
             raise StateMismatchError(f"model_state[{piece.name!r}] has shape {tuple(tensor.shape)}, but {where} "
                                      f"holds {piece.shape}: the layout or config does not match the model")
         model.append((piece.name, tensor))
-    state = RankState(rank, model, expert={p.name for p in pieces if p.expert})
+    state = RankState(rank, model, expert={p.name for p in pieces if p.expert}, dp_size=dp_size,
+                      write_model=rank.dp == 0)
     if optimizer is not None:
         _add_optimizer(state, optimizer, expected, where)
     return state
@@ -125,44 +126,51 @@ def _tensor(value: Any, name: str) -> torch.Tensor:
 
 
 def _add_optimizer(state: RankState, opt: OptimizerState, expected: Mapping[str, Piece], where: str) -> None:
+    """NxD's optimizer files hold Adam state for every parameter: exp_avg, exp_avg_sq, step and
+    (for all parameters or none) the fp32 master weight; with dp_size > 1 each tensor is this dp
+    rank's ZeRO-1 shard (dim 0 padded to a multiple of dp_size, piece rank.dp)."""
     unknown = [n for n in opt.state if n not in expected]
     if unknown:
         raise StateMismatchError(f"optimizer state has {unknown[0]!r}, which is not a piece of {where}: key the "
                                  "optimizer state by this rank's piece names")
-    moments: list[str] | None = None
+    D = state.dp_size
+    model = dict(state.model)
+    master = any(MASTER in (opt.state.get(n) or {}) for n in expected)
+    out: dict[str, dict[str, Any]] = {}
     for name, piece in expected.items():
-        entry = opt.state.get(name)
-        if not entry:
-            continue
-        these, step = [], None
-        for key, value in entry.items():
-            if key == "step":
-                step = value.item() if isinstance(value, torch.Tensor) else value
-                if not isinstance(step, (int, float)):
-                    raise CheckpointError(f"optimizer step of {name} is {step!r}, not a number")
-                continue
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != piece.shape:
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise StateMismatchError(
-                    f"optimizer state {key!r} of {name} is {shape}, not a tensor of its parameter's shape "
-                    f"{piece.shape}: only moments shaped like their parameter (and 'step') can be resharded")
-            if MOMENT_SEP in key:
-                raise CheckpointError(f"optimizer state key {key!r} must not contain {MOMENT_SEP!r}")
-            these.append(key)
-        if moments is None:
-            moments = these
-        elif set(these) != set(moments):
-            raise StateMismatchError(f"optimizer state of {name} has moments {sorted(these)} but other pieces have "
-                                     f"{sorted(moments)}: every parameter with state needs the same moments")
-        for moment in moments:
-            state.optim.append((moment_name(moment, name), entry[moment].detach()))
-        for seg in piece.segments:
-            state.params[seg.source] = {"step": step, "group": int(opt.groups.get(name, 0))}
-        if piece.expert:
-            state.expert.update(moment_name(m, name) for m in moments)
-    state.moments = moments or []
-    state.param_groups = [jsonable({k: v for k, v in g.items() if k not in ("params", "param_names")})
-                          for g in opt.param_groups]
+        entry = dict(opt.state.get(name) or {})
+        shape = piece.shape
+        want = shape if D == 1 else ((shard_rows(shape[0], D), *shape[1:]) if shape else (1,))
+        extra = [k for k in entry if k not in (*MOMENTS, MASTER, "step")]
+        if extra:
+            raise StateMismatchError(f"optimizer state {extra[0]!r} of {name}: NxD's optimizer files hold Adam state "
+                                     "only (exp_avg, exp_avg_sq, step, and the fp32 master)")
+        if not entry:  # no update yet: zero moments, step 0 (NxD saves every parameter)
+            entry = {m: torch.zeros(want, dtype=torch.float32) for m in MOMENTS}
+            entry["step"] = 0
+        if master and MASTER not in entry:  # an fp32 parameter is its own master
+            entry[MASTER] = model[name].float() if D == 1 else dp_shard(model[name].float(), D, state.rank.dp)
+        for key in (*MOMENTS, *((MASTER,) if master else ())):
+            value = entry.get(key)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(want):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                what = f"its parameter's shape {shape}" if D == 1 else f"dp rank {state.rank.dp}'s ZeRO-1 shard {want}"
+                raise StateMismatchError(f"optimizer state {key!r} of {name} is {got}, not {what}")
+            entry[key] = value.detach()
+        step = entry.get("step", 0)
+        step = step.item() if isinstance(step, torch.Tensor) else step
+        if not isinstance(step, (int, float)):
+            raise CheckpointError(f"optimizer step of {name} is {step!r}, not a number")
+        entry["step"] = step
+        out[name] = entry
+    state.optim = out
+    state.master = master
+    state.groups = [int(opt.groups.get(n, 0)) for n, _ in state.model]
+    hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in opt.param_groups]
+    while len(hyper) <= max(state.groups, default=0):
+        hyper.append({})
+    check_plain(hyper, "optimizer param_groups")
+    state.param_groups = hyper
 
 
 # ---- plain data (scheduler, user content) ---------------------------------------------------------

@@ -180,12 +180,9 @@ def manifest_problem(data: Any) -> str | None:
     if step is not None and not _whole_number(step):
         return f"{MANIFEST} step {step!r} is not a whole number"
     optim = info.get("optimizer")
-    if optim is not None and not (
-            isinstance(optim, dict) and isinstance(optim.get("moments"), list)
-            and all(isinstance(m, str) for m in optim["moments"]) and isinstance(optim.get("params"), dict)
-            and all(isinstance(v, dict) for v in optim["params"].values())
-            and isinstance(optim.get("param_groups") or [], list)):
-        return f"{MANIFEST} optimizer section is malformed (moments, params, param_groups)"
+    if optim is not None and not (isinstance(optim, dict) and optim.get("format") == "nxd-zero1"
+                                  and isinstance(optim.get("param_groups") or [], list)):
+        return f"{MANIFEST} optimizer section is malformed (format nxd-zero1, param_groups)"
     return None
 
 
