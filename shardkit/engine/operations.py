@@ -79,8 +79,11 @@ def reshard_checkpoint(
     overwrite: bool = False,
     progress: ProgressCallback | None = None,
     command: str | None = None,
+    verify_hashes: bool = True,
 ) -> Result:
-    """Write `ckpt` as shards of `layout` in `format`, reading only the slices each shard needs."""
+    """Write `ckpt` as shards of `layout` in `format`, reading only the slices each shard needs.
+
+    `verify_hashes`: check each source file against the sha256 in its manifest when first read."""
     get_format(format)
     target_dtype = parse_dtype(dtype)
     layout.validate(ckpt.dims)
@@ -95,7 +98,8 @@ def reshard_checkpoint(
             fmt=format, family=ckpt.family.name, layout=layout, dtype=dtype_name, records=records,
             tensors=ckpt.full_shapes, source=str(ckpt.root), command=command))
 
-    records = produce(ckpt, outputs, Path(dst), format, target_dtype, workers, overwrite, progress, finish)
+    records = produce(ckpt, outputs, Path(dst), format, target_dtype, workers, overwrite, progress, finish,
+                      verify_hashes=verify_hashes)
     log.info("wrote %d files (%s) to %s", len(records), layout.describe(), dst)
     return Result(Path(dst), records, layout, format)
 
@@ -109,8 +113,11 @@ def merge_checkpoint(
     workers: int = 1,
     overwrite: bool = False,
     progress: ProgressCallback | None = None,
+    verify_hashes: bool = True,
 ) -> Result:
-    """Write `ckpt` as a Hugging Face model directory (safetensors + index + config)."""
+    """Write `ckpt` as a Hugging Face model directory (safetensors + index + config).
+
+    `verify_hashes`: check each source file against the sha256 in its manifest when first read."""
     target_dtype = parse_dtype(dtype)
     ckpt.check_files()
     itemsize = (target_dtype or ckpt.dtype()).itemsize
@@ -122,6 +129,7 @@ def merge_checkpoint(
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
 
-    records = produce(ckpt, outputs, Path(dst), "safetensors", target_dtype, workers, overwrite, progress, finish)
+    records = produce(ckpt, outputs, Path(dst), "safetensors", target_dtype, workers, overwrite, progress, finish,
+                      verify_hashes=verify_hashes)
     log.info("merged %s into %s (%d files)", ckpt.root, dst, len(records))
     return Result(Path(dst), records, FULL, "safetensors")
