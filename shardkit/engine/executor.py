@@ -37,12 +37,16 @@ def execute(
 ) -> list[FileRecord]:
     """Write every output file from `src`; returns the records of the files written.
 
-    With `verify_hashes`, each source file the manifest lists is checked against its sha256 as
-    it is first opened for reading (by the worker that reads it; once per file)."""
+    With `verify_hashes`, each source file the manifest lists is checked against its sha256 (once
+    per file), in a background thread while the files are written, and before this returns: a
+    mismatch raises FormatError and nothing is committed."""
     file_format = get_format(fmt)
     index = src.index()
     source_dtypes = check_dtypes(src)
-    hashes = HashCheck(src) if verify_hashes else None
+    hashes = None
+    if verify_hashes:  # only the files this process reads (under torchrun, its share of the outputs)
+        needed = {r.holder for out in outputs for p in out.pieces for seg in p.segments for r in index.locate(seg)}
+        hashes = HashCheck(src).start([key for key in src.files if key in needed])
     dtypes: dict[str, torch.dtype] = {}
     for out in outputs:
         for piece in out.pieces:
@@ -85,21 +89,38 @@ def execute(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the work is copies; torch's intra-op threads only contend
     try:
-        if workers <= 1:
-            for out in outputs:
-                records += build(out)
-        else:
-            pool = ThreadPoolExecutor(max_workers=workers)
-            try:
-                for result in pool.map(build, outputs):
-                    records += result
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)  # on an error or Ctrl-C: stop, do not finish
-                raise
-            pool.shutdown(wait=True)
+        _write_all(build, outputs, workers, records)
+        if hashes is not None:
+            hashes.finish()  # before anything is committed: corrupt sources never reach the destination
+    except KeyboardInterrupt:
+        if hashes is not None:
+            hashes.stop()
+        raise
+    except BaseException as e:
+        mismatch = hashes.failure() if hashes is not None else None
+        if mismatch is not None and mismatch is not e:
+            raise mismatch from None
+        raise
     finally:
         torch.set_num_threads(threads)
     return records
+
+
+def _write_all(build, outputs, workers: int, records: list[FileRecord]) -> None:
+    """Every output file, by `workers` threads; on an error or Ctrl-C the files not started are
+    cancelled (not finished first)."""
+    if workers <= 1:
+        for out in outputs:
+            records += build(out)
+        return
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        for result in pool.map(build, outputs):
+            records += result
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def check_dtypes(src: Checkpoint) -> dict[str, torch.dtype]:
