@@ -6,6 +6,8 @@ Hugging Face cache), opens them, and hands the opened checkpoints to the engine.
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -25,10 +27,12 @@ from .engine import (
 from .formats import Checkpoint, open_checkpoint
 from .hub import resolve_source
 from .layout import Layout, make_layout
-from .paths import inside
+from .paths import inside, recover_interrupted
 
 __all__ = ["Result", "VerifyReport", "TensorDiff", "convert", "export_checkpoint", "inspect", "make_layout", "merge",
            "open_source", "reshard", "verify"]
+
+log = logging.getLogger(__name__)
 
 ConfigArg = str | Path | Mapping[str, Any] | None
 
@@ -39,6 +43,8 @@ def open_source(src: str | Path | Checkpoint, config: ConfigArg = None, hints: M
     Hugging Face cache; `revision` picks its branch, tag or commit)."""
     if isinstance(src, Checkpoint):
         return src
+    if not os.path.lexists(src):
+        recover_interrupted(Path(src), log)  # a run killed while replacing it left it beside, renamed
     return open_checkpoint(resolve_source(src, revision=revision), config, hints)
 
 
@@ -56,11 +62,14 @@ def reshard(
     progress: ProgressCallback | None = None,
     command: str | None = None,
     revision: str | None = None,
+    verify_hashes: bool = True,
 ) -> Result:
     """Write `src` (any checkpoint: a path or a Hub repo id) as shards of `layout` in `format`,
-    reading only the slices each shard needs."""
+    reading only the slices each shard needs. `verify_hashes` checks every source file against
+    the sha256 its manifest lists (each once, as it is first read); False skips it."""
     return reshard_checkpoint(open_source(src, config, hints, revision), dst, layout, format=format, dtype=dtype,
-                              workers=workers, overwrite=overwrite, progress=progress, command=command)
+                              workers=workers, overwrite=overwrite, progress=progress, command=command,
+                              verify_hashes=verify_hashes)
 
 
 def convert(src: str | Path, dst: str | Path, layout: Layout, **options: Any) -> Result:
@@ -81,11 +90,14 @@ def merge(
     hints: Mapping | None = None,
     progress: ProgressCallback | None = None,
     revision: str | None = None,
+    verify_hashes: bool = True,
 ) -> Result:
     """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
-    index + config)."""
+    index + config). `verify_hashes` checks every source file against the sha256 its manifest
+    lists (each once, as it is first read); False skips it."""
     return merge_checkpoint(open_source(src, config, hints, revision), dst, max_shard_size=max_shard_size,
-                            dtype=dtype, workers=workers, overwrite=overwrite, progress=progress)
+                            dtype=dtype, workers=workers, overwrite=overwrite, progress=progress,
+                            verify_hashes=verify_hashes)
 
 
 def inspect(path: str | Path, config: ConfigArg = None, hints: Mapping | None = None, check_data: bool = False,
@@ -132,15 +144,17 @@ def export_checkpoint(
     hints: Mapping[str, Any] | None = None,
     workers: int = 1,
     progress: ProgressCallback | None = None,
+    verify_hashes: bool = True,
 ) -> Result:
     """Merge a training checkpoint's model (the newest complete tag, or `tag`) into a Hugging Face
-    model directory `out` (safetensors + index + config.json)."""
+    model directory `out` (safetensors + index + config.json); `verify_hashes` as in `merge`."""
     root = Path(dir)
     name = resolve_tag(root, tag)
     if name is None:
         raise AssertionError("resolve_tag returns a tag or raises when none is asked for by name")
     return merge(inside(root, name, "checkpoint tag"), out, max_shard_size=max_shard_size, dtype=dtype,
-                 overwrite=overwrite, config=config, hints=hints, workers=workers, progress=progress)
+                 overwrite=overwrite, config=config, hints=hints, workers=workers, progress=progress,
+                 verify_hashes=verify_hashes)
 
 
 def reshard_training_checkpoint(src: str | Path, dst: str | Path, layout: Layout, *, dp: int = 1, zero1: bool = True,

@@ -37,30 +37,102 @@ class ModelDims:
     num_experts: int = 0
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "ModelDims":
-        """Read the dimensions from a Hugging Face config.json dict."""
-        try:
-            num_heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
-            head_dim = config.get("head_dim") or hidden // num_heads
-            return cls(
-                model_type=str(config.get("model_type", "")),
-                num_layers=int(config["num_hidden_layers"]),
-                hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_heads=num_heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-                head_dim=int(head_dim),
-                vocab_size=int(config["vocab_size"]),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                attention_bias=bool(config.get("attention_bias", False)),
-                mlp_bias=bool(config.get("mlp_bias", False)),
-                num_experts=int(config.get("num_local_experts") or 0),
-            )
-        except KeyError as e:
+    def from_config(cls, config: Mapping[str, Any], where: str = "config.json") -> "ModelDims":
+        """Read the dimensions from a Hugging Face config.json dict (`where` names it in errors).
+
+        Every size must be a whole number (not a string, a float, null or a list), positive, and
+        below a sane bound (so that an absurd config fails at once instead of allocating without
+        bound): ConfigMismatchError naming the field otherwise."""
+        if not isinstance(config, Mapping):
+            raise ConfigMismatchError(f"{where} is not a JSON object: pass the model's Hugging Face config.json")
+
+        def whole(key: str, value: Any, minimum: int = 1) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigMismatchError(
+                    f"{where}: {key} must be a whole number, got {_short(value)}: fix it in the config "
+                    "(or pass the model's config with --config)")
+            if value < minimum:
+                raise ConfigMismatchError(
+                    f"{where}: {key} is {value} but must be at least {minimum}: fix it in the config")
+            bound = _MAX_DIMS.get(key)
+            if bound is not None and value > bound:
+                raise ConfigMismatchError(
+                    f"{where}: {key} is {value}, more than any real model ({bound} at most): fix it in the config")
+            return value
+
+        def required(key: str) -> int:
+            if key not in config:
+                raise ConfigMismatchError(
+                    f"{where} has no {key!r}: pass the model's Hugging Face config.json (--config)")
+            return whole(key, config[key])
+
+        def optional(key: str, default: int, minimum: int = 1) -> int:
+            value = config.get(key)
+            return default if value is None else whole(key, value, minimum)
+
+        def flag(key: str) -> bool:
+            value = config.get(key, False)
+            if value is None:
+                return False
+            if not isinstance(value, bool):
+                raise ConfigMismatchError(f"{where}: {key} must be true or false, got {_short(value)}: fix it in the config")
+            return value
+
+        model_type = config.get("model_type", "")
+        if not isinstance(model_type, str):
+            raise ConfigMismatchError(f"{where}: model_type must be a string, got {_short(model_type)}: fix it in the config")
+        num_heads = required("num_attention_heads")
+        hidden = required("hidden_size")
+        num_layers = required("num_hidden_layers")
+        intermediate = required("intermediate_size")
+        vocab = required("vocab_size")
+        if config.get("head_dim") is None and hidden % num_heads:
             raise ConfigMismatchError(
-                f"config.json has no {e.args[0]!r}: pass the model's Hugging Face config.json (--config)"
-            ) from None
+                f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {num_heads} and there is no "
+                "head_dim: fix the config")
+        head_dim = optional("head_dim", hidden // num_heads)
+        num_kv_heads = optional("num_key_value_heads", num_heads)
+        experts = optional("num_local_experts", 0, minimum=0)
+        per_layer = 16 + 4 * experts
+        if num_layers * per_layer > _MAX_TENSORS:
+            raise ConfigMismatchError(
+                f"{where}: num_hidden_layers {num_layers} x num_local_experts {experts} means more than "
+                f"{_MAX_TENSORS:,} tensors: fix the config")
+        return cls(
+            model_type=model_type,
+            num_layers=num_layers,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            vocab_size=vocab,
+            tie_word_embeddings=flag("tie_word_embeddings"),
+            attention_bias=flag("attention_bias"),
+            mlp_bias=flag("mlp_bias"),
+            num_experts=experts,
+        )
+
+
+_MAX_DIMS = {
+    "num_hidden_layers": 4096,
+    "hidden_size": 1 << 20,
+    "intermediate_size": 1 << 22,
+    "num_attention_heads": 1 << 14,
+    "num_key_value_heads": 1 << 14,
+    "head_dim": 1 << 14,
+    "vocab_size": 1 << 24,
+    "num_local_experts": 4096,
+}
+"""Upper bounds far above any real model (the largest have ~130 layers, ~256k vocabularies):
+a config beyond them is a mistake, refused before anything is sized from it."""
+
+_MAX_TENSORS = 1 << 20
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from .options import (
     max_shard_size_option,
     print_json,
     report,
+    verify_hashes_option,
 )
 
 
@@ -105,11 +106,12 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="Cast weights to this dtype (default: keep the checkpoint's).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists and is not empty.")
+@verify_hashes_option
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @common_options
 @click.pass_context
-def ckpt_export(ctx, directory, out, tag, max_shard_size, dtype, overwrite, config, as_json):
+def ckpt_export(ctx, directory, out, tag, max_shard_size, dtype, overwrite, verify_hashes, config, as_json):
     """Merge the model of a training checkpoint (DIR/<tag>) into a Hugging Face model directory OUT.
 
     OUT also gets config.json, generation_config.json and tokenizer files, from the tag or from DIR.
@@ -119,7 +121,7 @@ def ckpt_export(ctx, directory, out, tag, max_shard_size, dtype, overwrite, conf
     started = time.perf_counter()
     with Bar(ctx, "export") as bar:
         result = export_checkpoint(directory, out, tag, max_shard_size=max_shard_size, dtype=dtype,
-                                   overwrite=overwrite, config=config, progress=bar)
+                                   overwrite=overwrite, config=config, progress=bar, verify_hashes=verify_hashes)
     report(ctx, result, started, as_json, "exported to")
 
 

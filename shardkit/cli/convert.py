@@ -43,8 +43,8 @@ from .options import (
 @revision_option
 @common_options
 @click.pass_context
-def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, as_json, config, max_shard_size, revision,
-            **layout_opts):
+def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, verify_hashes, as_json, config, max_shard_size,
+            revision, **layout_opts):
     """Convert SRC (a Hugging Face model directory, or one torch state-dict file) into shards.
 
     \b
@@ -65,10 +65,11 @@ def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, as_json, 
     with Bar(ctx, "convert") as bar:
         if to_sharded:
             result = api_convert(src, dst, build_layout(layout_opts), format=fmt, dtype=dtype, workers=workers,
-                                 overwrite=overwrite, config=config, progress=bar, command=command_line())
+                                 overwrite=overwrite, config=config, progress=bar, command=command_line(),
+                                 verify_hashes=verify_hashes)
         else:
             result = api_merge(src, dst, dtype=dtype, workers=workers, overwrite=overwrite, config=config,
-                               max_shard_size=max_shard_size, progress=bar)
+                               max_shard_size=max_shard_size, progress=bar, verify_hashes=verify_hashes)
     report(ctx, result, started, as_json, "wrote")
 
 
@@ -85,8 +86,8 @@ def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, as_json, 
 @click.option("--create", is_flag=True, help="With --push-to: create the repo when it does not exist.")
 @common_options
 @click.pass_context
-def merge(ctx, src, dst, max_shard_size, config, kv_replication, hw, dtype, workers, overwrite, as_json, revision,
-          push_to, private, create):
+def merge(ctx, src, dst, max_shard_size, config, kv_replication, hw, dtype, workers, overwrite, verify_hashes, as_json,
+          revision, push_to, private, create):
     """Merge shards in SRC into a Hugging Face model directory DST.
 
     \b
@@ -106,7 +107,7 @@ def merge(ctx, src, dst, max_shard_size, config, kv_replication, hw, dtype, work
         hub_check(push_to, private, create)
     with Bar(ctx, "merge") as bar:
         result = api_merge(src, dst, max_shard_size=max_shard_size, dtype=dtype, workers=workers, overwrite=overwrite,
-                           config=config, hints=hints(kv_replication, hw), progress=bar)
+                           config=config, hints=hints(kv_replication, hw), progress=bar, verify_hashes=verify_hashes)
     if not push_to:
         report(ctx, result, started, as_json, "merged into")
     elif is_leader():  # under torchrun rank 0 uploads, once every rank has written its files
@@ -141,8 +142,8 @@ def kept_from_source(layout_opts: dict, source, target) -> str | None:
 @revision_option
 @common_options
 @click.pass_context
-def reshard(ctx, src, dst, fmt, source_kv_replication, dtype, workers, overwrite, as_json, config, revision,
-            **layout_opts):
+def reshard(ctx, src, dst, fmt, source_kv_replication, dtype, workers, overwrite, verify_hashes, as_json, config,
+            revision, **layout_opts):
     """Turn shards of one layout (SRC) into another layout (DST) directly.
 
     Each new piece is assembled from exactly the source slices it needs; the full model is never
@@ -162,7 +163,7 @@ def reshard(ctx, src, dst, fmt, source_kv_replication, dtype, workers, overwrite
         note(ctx, kept)
     with Bar(ctx, "reshard") as bar:
         result = api_reshard(source, dst, layout, format=fmt, dtype=dtype, workers=workers, overwrite=overwrite,
-                             progress=bar, command=command_line())
+                             progress=bar, command=command_line(), verify_hashes=verify_hashes)
     report(ctx, result, started, as_json, "wrote")
 
 

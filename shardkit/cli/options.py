@@ -208,11 +208,18 @@ def output_options(func: Callable) -> Callable:
         click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Output files built in parallel (threads). Memory grows with each worker."),
         click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),
+        verify_hashes_option,
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout."),
     ]
     for option in reversed(options):
         func = option(func)
     return func
+
+
+verify_hashes_option = click.option(
+    "--verify-hashes/--no-verify-hashes", default=True, show_default=True,
+    help="Check every source file listed in the source's shardkit.json against its sha256 before the output "
+         "is committed (a flipped bit is refused, never copied).")
 
 
 # ---- progress and reports ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ the model size. Workers are threads over output files (copies and I/O release th
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Sequence
@@ -16,6 +17,7 @@ import torch
 
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
+from ..formats.reader import HashCheck
 from ..formats.base import FileRecord, TensorSpec
 from .outputs import OutputFile
 
@@ -31,20 +33,28 @@ def execute(
     dtype: torch.dtype | None = None,
     workers: int = 1,
     progress: ProgressCallback | None = None,
+    verify_hashes: bool = True,
 ) -> list[FileRecord]:
-    """Write every output file from `src`; returns the records of the files written."""
+    """Write every output file from `src`; returns the records of the files written.
+
+    With `verify_hashes`, each source file the manifest lists is checked against its sha256 (once
+    per file), in a background thread while the files are written, and before this returns: a
+    mismatch raises FormatError and nothing is committed."""
     file_format = get_format(fmt)
     index = src.index()
-    probe = SourceReader(src, index=index)
+    source_dtypes = check_dtypes(src)
+    hashes = None
+    if verify_hashes:  # only the files this process reads (under torchrun, its share of the outputs)
+        needed = {r.holder for out in outputs for p in out.pieces for seg in p.segments for r in index.locate(seg)}
+        hashes = HashCheck(src).start([key for key in src.files if key in needed])
     dtypes: dict[str, torch.dtype] = {}
-    try:
-        for out in outputs:
-            for piece in out.pieces:
-                source = piece.segments[0].source
-                if source not in dtypes:
-                    dtypes[source] = dtype or probe.dtype_of(source)
-    finally:
-        probe.close()
+    for out in outputs:
+        for piece in out.pieces:
+            source = piece.segments[0].source
+            if source not in dtypes:
+                if source not in source_dtypes:
+                    raise FormatError(f"no file holds {source}")
+                dtypes[source] = dtype or source_dtypes[source]
     total = sum(p.numel() * dtypes[p.segments[0].source].itemsize for o in outputs for p in o.pieces)
     done = 0
     lock = threading.Lock()
@@ -53,7 +63,7 @@ def execute(
         nonlocal done
         specs = [TensorSpec(p.name, p.shape, dtypes[p.segments[0].source]) for p in out.pieces]
         writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel)
-        reader = SourceReader(src, index=index)
+        reader = SourceReader(src, index=index, hashes=hashes)
         try:
             for piece, spec in zip(out.pieces, specs):
                 blocks = reader.row_blocks(piece) if file_format.chunked_writes else None
@@ -79,13 +89,64 @@ def execute(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the work is copies; torch's intra-op threads only contend
     try:
-        if workers <= 1:
-            for out in outputs:
-                records += build(out)
-        else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                for result in pool.map(build, outputs):
-                    records += result
+        _write_all(build, outputs, workers, records)
+        if hashes is not None:
+            hashes.finish()  # before anything is committed: corrupt sources never reach the destination
+    except KeyboardInterrupt:
+        if hashes is not None:
+            hashes.stop()
+        raise
+    except BaseException as e:
+        mismatch = hashes.failure() if hashes is not None else None
+        if mismatch is not None and mismatch is not e:
+            raise mismatch from None
+        raise
     finally:
         torch.set_num_threads(threads)
     return records
+
+
+def _write_all(build, outputs, workers: int, records: list[FileRecord]) -> None:
+    """Every output file, by `workers` threads; on an error or Ctrl-C the files not started are
+    cancelled (not finished first)."""
+    if workers <= 1:
+        for out in outputs:
+            records += build(out)
+        return
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        for result in pool.map(build, outputs):
+            records += result
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def check_dtypes(src: Checkpoint) -> dict[str, torch.dtype]:
+    """The dtype of every full tensor, read from the files' headers (each file opened once); all
+    pieces of one full tensor must share it, else FormatError naming the odd file and tensor."""
+    seen: dict[str, list[tuple[torch.dtype, str, str]]] = {}
+    for key, pieces in src.holdings.items():
+        if not pieces:
+            continue
+        file = src.open(key)
+        try:
+            for piece in pieces:
+                found = file.dtype(piece.name)
+                for seg in piece.segments:
+                    seen.setdefault(seg.source, []).append((found, key, piece.name))
+        finally:
+            file.close()
+    overall = Counter(d for held in seen.values() for d, _, _ in held)
+    dtypes: dict[str, torch.dtype] = {}
+    for source, held in seen.items():
+        counts = Counter(d for d, _, _ in held)
+        if len(counts) > 1:
+            common = max(counts, key=lambda d: (counts[d], overall[d]))
+            odd, key, name = next(h for h in held if h[0] != common)
+            raise FormatError(
+                f"{key}: {name} is {str(odd).replace('torch.', '')} but the other pieces of {source} are "
+                f"{str(common).replace('torch.', '')}: the shards are corrupt or mixed from different checkpoints")
+        dtypes[source] = held[0][0]
+    return dtypes

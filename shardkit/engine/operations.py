@@ -8,7 +8,6 @@ tokenizer files and the manifest before the folder is renamed into place.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -21,7 +20,6 @@ import torch
 
 from ..checkpoint.tree import CHECKPOINT_MARKER
 from ..distributed import current_job
-from ..errors import FormatError
 from ..formats import MANIFEST, Checkpoint, get_format, hf
 from ..formats.base import FileRecord, parse_dtype
 from ..formats.manifest import manifest
@@ -60,22 +58,6 @@ def _copy_side_files(src: Checkpoint, dst: Path) -> None:
     copied: set[str] = set()
     for folder in _side_file_dirs(src):
         copied.update(hf.copy_side_files(folder, dst, [n for n in hf.SIDE_FILES if n not in copied]))
-
-
-def _guarded(ckpt: Checkpoint) -> Checkpoint:
-    """The checkpoint as the destination check sees it: its folder, except for a single
-    state-dict file (read from a folder whose own weights are other files or none), where only
-    the file itself is protected: an output may sit beside it, never replace it or its folder."""
-    if ckpt.kind != "hf" or len(ckpt.files) != 1:
-        return ckpt
-    (path,) = ckpt.files.values()
-    try:
-        folder_weights = {p.name for p in hf.weight_files(ckpt.root, strict=False)}
-    except FormatError:
-        folder_weights = set()
-    if path.name in folder_weights:
-        return ckpt
-    return dataclasses.replace(ckpt, root=path)  # only produce()'s destination check reads this root
 
 
 class StagingProgress:
@@ -125,16 +107,17 @@ def _planned_bytes(outputs: Sequence[OutputFile], itemsize: int) -> int:
 
 
 def _produce(ckpt: Checkpoint, outputs: Sequence[OutputFile], dst: Path, fmt: str, dtype: torch.dtype | None,
-             workers: int, overwrite: bool, progress: ProgressCallback | None, finish) -> list[FileRecord]:
-    """staging.produce, with the destination checked against what the source really is, and
-    under torchrun rank 0's progress covering every rank's bytes (StagingProgress)."""
+             workers: int, overwrite: bool, progress: ProgressCallback | None, finish,
+             verify_hashes: bool) -> list[FileRecord]:
+    """staging.produce, with rank 0's progress covering every rank's bytes under torchrun
+    (StagingProgress)."""
     job = current_job()
     if progress is None or job.world == 1:
-        return produce(_guarded(ckpt), outputs, dst, fmt, dtype, workers, overwrite, progress, finish)
+        return produce(ckpt, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes)
     if not job.leader:
-        return produce(_guarded(ckpt), outputs, dst, fmt, dtype, workers, overwrite, None, finish)
+        return produce(ckpt, outputs, dst, fmt, dtype, workers, overwrite, None, finish, verify_hashes)
     with StagingProgress(progress, dst, _planned_bytes(outputs, (dtype or ckpt.dtype()).itemsize)):
-        return produce(_guarded(ckpt), outputs, dst, fmt, dtype, workers, overwrite, None, finish)
+        return produce(ckpt, outputs, dst, fmt, dtype, workers, overwrite, None, finish, verify_hashes)
 
 
 # ---- the public operations ---------------------------------------------------------------------
@@ -165,8 +148,11 @@ def reshard_checkpoint(
     overwrite: bool = False,
     progress: ProgressCallback | None = None,
     command: str | None = None,
+    verify_hashes: bool = True,
 ) -> Result:
-    """Write `ckpt` as shards of `layout` in `format`, reading only the slices each shard needs."""
+    """Write `ckpt` as shards of `layout` in `format`, reading only the slices each shard needs.
+
+    `verify_hashes`: check each source file against the sha256 in its manifest when first read."""
     get_format(format)
     target_dtype = parse_dtype(dtype)
     layout.validate(ckpt.dims)
@@ -181,7 +167,8 @@ def reshard_checkpoint(
             fmt=format, family=ckpt.family.name, layout=layout, dtype=dtype_name, records=records,
             tensors=ckpt.full_shapes, source=str(ckpt.root), command=command))
 
-    records = _produce(ckpt, outputs, Path(dst), format, target_dtype, workers, overwrite, progress, finish)
+    records = _produce(ckpt, outputs, Path(dst), format, target_dtype, workers, overwrite, progress, finish,
+                       verify_hashes)
     log.info("wrote %d files (%s) to %s", len(records), layout.describe(), dst)
     return Result(Path(dst), records, layout, format)
 
@@ -195,8 +182,11 @@ def merge_checkpoint(
     workers: int = 1,
     overwrite: bool = False,
     progress: ProgressCallback | None = None,
+    verify_hashes: bool = True,
 ) -> Result:
-    """Write `ckpt` as a Hugging Face model directory (safetensors + index + config)."""
+    """Write `ckpt` as a Hugging Face model directory (safetensors + index + config).
+
+    `verify_hashes`: check each source file against the sha256 in its manifest when first read."""
     target_dtype = parse_dtype(dtype)
     ckpt.check_files()
     itemsize = (target_dtype or ckpt.dtype()).itemsize
@@ -208,6 +198,7 @@ def merge_checkpoint(
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
 
-    records = _produce(ckpt, outputs, Path(dst), "safetensors", target_dtype, workers, overwrite, progress, finish)
+    records = _produce(ckpt, outputs, Path(dst), "safetensors", target_dtype, workers, overwrite, progress, finish,
+                       verify_hashes)
     log.info("merged %s into %s (%d files)", ckpt.root, dst, len(records))
     return Result(Path(dst), records, FULL, "safetensors")

@@ -19,6 +19,7 @@ import torch
 from ..errors import ConfigMismatchError, FormatError
 from ..families import Family, family_for
 from ..layout import FULL, Layout, ModelDims
+from ..paths import recover_interrupted
 from ..placements import Piece, Segment, SegmentIndex, make_piece
 from . import hf, nxd
 from .base import TensorFile
@@ -44,6 +45,7 @@ class Checkpoint:
     ranks: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
     naming: str = "hf"
+    single_file: bool = False  # opened from one state-dict file: only that file (not root) is the source
 
     @property
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -118,21 +120,27 @@ def open_checkpoint(path: Path | str, config: Path | str | Mapping | None = None
     root = Path(path)
     hints = {k: v for k, v in (hints or {}).items() if v is not None}
     if not root.exists():
-        raise FormatError(f"{root} does not exist")
+        recover_interrupted(root, log)  # a run killed while replacing it leaves it beside, renamed
+        if not root.exists():
+            raise FormatError(f"{root} does not exist")
     given = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
+    where = str(config) if isinstance(config, (str, Path)) else ("the given config" if config else None)
 
     if root.is_file():
         cfg = given or _config_near(root)
-        return _open_full(root.parent, {root.name: root}, cfg)
+        ckpt = _open_full(root.parent, {root.name: root}, cfg, where or _config_near_path(root))
+        ckpt.single_file = True
+        return ckpt
     manifest_path = root / MANIFEST
     if manifest_path.is_file():
-        return _open_shardkit(root, given)
+        return _open_shardkit(root, given, where)
     rank_files = nxd.find_rank_files(root)
     if rank_files is not None:
-        return _open_nxd(root, rank_files, given, hints)
+        return _open_nxd(root, rank_files, given, hints, where)
     if (root / "config.json").is_file() or given:
         files = hf.weight_files(root)
-        return _open_full(root, {f.name: f for f in files}, given or load_config(root))
+        return _open_full(root, {f.name: f for f in files}, given or load_config(root),
+                          where or str(root / "config.json"))
     raise FormatError(
         f"{root} is not a model directory: expected a Hugging Face directory (config.json + weights), "
         "shardkit shards (shardkit.json) or NxD rank files (model/dp_rank_00_tp_rank_00_pp_rank_00.pt)"
@@ -146,6 +154,13 @@ def is_plain_hf_dir(path: Path) -> bool:
             and not (path / MANIFEST).is_file() and nxd.find_rank_files(path) is None)
 
 
+def _config_near_path(path: Path) -> str:
+    for candidate in (path.parent / "config.json", path.parent.parent / "config.json"):
+        if candidate.is_file():
+            return str(candidate)
+    return "config.json"
+
+
 def _config_near(path: Path) -> dict[str, Any]:
     for candidate in (path.parent / "config.json", path.parent.parent / "config.json"):
         if candidate.is_file():
@@ -153,20 +168,28 @@ def _config_near(path: Path) -> dict[str, Any]:
     raise FormatError(f"no config.json next to {path}: pass the model's config with --config")
 
 
-def _family_dims(cfg: Mapping[str, Any]) -> tuple[Family, ModelDims]:
+def _family_dims(cfg: Mapping[str, Any], where: str | None = None) -> tuple[Family, ModelDims]:
+    if not isinstance(cfg, Mapping):
+        raise ConfigMismatchError(f"{where or 'config.json'} is not a JSON object: pass the model's config.json")
     family = family_for(cfg)
-    return family, ModelDims.from_config(cfg)
+    return family, ModelDims.from_config(cfg, where or "config.json")
 
 
-def _open_full(root: Path, files: dict[str, Path], cfg: dict[str, Any]) -> Checkpoint:
-    family, dims = _family_dims(cfg)
+def _open_full(root: Path, files: dict[str, Path], cfg: dict[str, Any], where: str | None = None) -> Checkpoint:
+    names = {key: hf.tensor_names(path) for key, path in files.items()}
+    family, dims = _family_dims(cfg, where)
+    total = sum(len(n) for n in names.values())
+    if dims.num_layers > total:
+        raise ConfigMismatchError(
+            f"{where or 'config.json'}: num_hidden_layers is {dims.num_layers} but the weights hold only {total} "
+            "tensors: the config does not match the weights (fix num_hidden_layers or pass the right --config)")
     shapes = family.full_shapes(dims)
     split_dims = family.split_dims(dims)
     holdings: dict[str, list[Piece]] = {}
     seen: set[str] = set()
     for key, path in files.items():
         pieces = []
-        for name in hf.tensor_names(path):
+        for name in names[key]:
             if family.is_ignored(name) or name in seen:
                 continue
             if name not in shapes:
@@ -200,7 +223,7 @@ def _sharded_holdings(family, dims, layout, keys_by_rank) -> tuple[dict[str, lis
     return holdings, ranks
 
 
-def _open_shardkit(root: Path, given: dict | None) -> Checkpoint:
+def _open_shardkit(root: Path, given: dict | None, where: str | None = None) -> Checkpoint:
     try:
         manifest = json.loads((root / MANIFEST).read_text())
         layout = Layout.from_dict(manifest["layout"])
@@ -208,7 +231,7 @@ def _open_shardkit(root: Path, given: dict | None) -> Checkpoint:
     except (ValueError, KeyError, TypeError):
         raise FormatError(f"{root / MANIFEST} is corrupt: re-create the shards") from None
     cfg = given or load_config(root)
-    family, dims = _family_dims(cfg)
+    family, dims = _family_dims(cfg, where or str(root / "config.json"))
     keys_by_rank = {}
     for ep, tp, pp in layout.ranks():
         key = nxd.rank_file_name(ep, tp, pp, layout, fmt)
@@ -220,17 +243,19 @@ def _open_shardkit(root: Path, given: dict | None) -> Checkpoint:
     return Checkpoint(root, "sharded", fmt, cfg, family, dims, layout, files, holdings, ranks, manifest, "v3" if layout.ep > 1 else "v2")
 
 
-def _open_nxd(root: Path, rank_files: nxd.RankFiles, given: dict | None, hints: Mapping) -> Checkpoint:
+def _open_nxd(root: Path, rank_files: nxd.RankFiles, given: dict | None, hints: Mapping,
+              where: str | None = None) -> Checkpoint:
     if given is None:
         for candidate in (root / "config.json", root.parent / "config.json"):
             if candidate.is_file():
                 given = load_config(candidate)
+                where = str(candidate)
                 break
         else:
             raise FormatError(
                 f"{root} holds NxD shards but no config.json: pass the model's Hugging Face config with --config"
             )
-    family, dims = _family_dims(given)
+    family, dims = _family_dims(given, where)
     keys_by_rank = {rank: path.relative_to(root).as_posix() for rank, path in rank_files.files.items()}
     files = {key: root / key for key in keys_by_rank.values()}
     probe = Checkpoint(root, "sharded", rank_files.format, given, family, dims, FULL, files, {})

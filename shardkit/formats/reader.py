@@ -6,7 +6,9 @@ them (`SegmentIndex.locate`) and reading exactly those bytes from the files, pos
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,17 +16,122 @@ import torch
 from ..errors import FormatError
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
 from .base import TensorFile
+from .manifest import MANIFEST, file_sha256
+from .registry import format_of_file
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
+
+
+class HashCheck:
+    """Checks source files against the sha256 their manifest lists, each file once per operation
+    (thread-safe; shared by the readers of one operation). Files the manifest does not list are
+    not checked.
+
+    `check(key)` hashes a file in the calling thread (when it is not hashed yet) before it is used.
+    `start()` instead hashes every listed file in a background thread while the operation reads,
+    writes into its staging folder and uses the idle core: then `finish()` must be called before
+    the output is committed (it waits and raises the first mismatch), so that corrupt data never
+    reaches the destination, at a fraction of the cost of hashing in the reading thread."""
+
+    def __init__(self, ckpt: "Checkpoint"):
+        self.root = Path(ckpt.root)
+        self.ckpt = ckpt
+        self.expected: dict[str, tuple[int | None, str]] = {}
+        for entry in (ckpt.manifest or {}).get("files", []) or []:
+            try:
+                self.expected[str(entry["path"])] = (entry.get("size"), str(entry["sha256"]))
+            except (KeyError, TypeError, AttributeError):
+                raise FormatError(f"{self.root / MANIFEST} has a malformed files entry: re-create the shards") from None
+        self._checked: set[str] = set()
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self, keys=None) -> "HashCheck":
+        """Hash the files of `keys` (default: every file of the checkpoint) in a background thread
+        (see `finish`)."""
+        if self.expected and self._thread is None:
+            self._keys = list(self.ckpt.files if keys is None else keys)
+            self._thread = threading.Thread(target=self._run, name="shardkit-hash-check", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            for key in self._keys:
+                if self._stop.is_set():
+                    return
+                self._check(key)
+        except BaseException as e:  # noqa: BLE001 - reported by finish()
+            self.error = e
+
+    def finish(self) -> None:
+        """Wait for the background check and raise its error (FormatError on a mismatch)."""
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def failure(self) -> BaseException | None:
+        """After another error: the background check's verdict, when it found a mismatch (a
+        corrupt file often breaks the reader first; the mismatch is the better message)."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.error
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def check(self, key: str) -> None:
+        """Check the files of `key` now, in the calling thread (unless the background check runs:
+        then `finish` is the gate)."""
+        if self._thread is None:
+            self._check(key)
+
+    def _check(self, key: str) -> None:
+        """Raise FormatError when a file of `key` (the rank file and its companions) differs from
+        the manifest."""
+        if not self.expected or key in self._checked:
+            return
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            if key in self._checked:
+                return
+            path = self.ckpt.files[key]
+            for file in format_of_file(path, self.ckpt.format).files_of(path):
+                try:
+                    rel = Path(file).relative_to(self.root).as_posix()
+                except ValueError:
+                    continue
+                if rel not in self.expected:
+                    continue
+                size, digest = self.expected[rel]
+                try:
+                    actual_size = Path(file).stat().st_size
+                    same = (size is None or actual_size == size) and file_sha256(Path(file)) == digest
+                except OSError as e:
+                    raise FormatError(f"cannot read {file}: {e.strerror or e}") from None
+                if not same:
+                    raise FormatError(
+                        f"{rel} in {self.root} does not match the sha256 in its {MANIFEST}: the file is corrupt or was "
+                        "changed; restore it or re-create the shards (--no-verify-hashes skips this check)")
+            self._checked.add(key)
 
 
 class SourceReader:
     """Reads slices of a checkpoint's pieces. Readers hold only metadata and a file descriptor
     (bytes are read positionally, nothing is mapped), so files stay open, up to `max_open`."""
 
-    def __init__(self, ckpt: "Checkpoint", max_open: int = 256, index: SegmentIndex | None = None):
+    def __init__(self, ckpt: "Checkpoint", max_open: int = 256, index: SegmentIndex | None = None,
+                 hashes: HashCheck | None = None):
         self.ckpt = ckpt
+        self.hashes = hashes
         self.index = index or ckpt.index()
         self.max_open = max_open
         self._open: OrderedDict[str, TensorFile] = OrderedDict()
@@ -35,6 +142,8 @@ class SourceReader:
         if key in self._open:
             self._open.move_to_end(key)
         else:
+            if self.hashes is not None:
+                self.hashes.check(key)
             if len(self._open) >= self.max_open:
                 self._open.popitem(last=False)[1].close()
             self._open[key] = self.ckpt.open(key)

@@ -81,8 +81,42 @@ def _get_token() -> str | None:
     return get_token()
 
 
+def _outside_links(src: Path) -> list[tuple[Path, str]]:
+    """The symlinks under `src` (files the upload would publish, and folders) that lead outside it.
+
+    A Hugging Face cache snapshot's links into its own repo's `blobs` folder are allowed."""
+    real_src = os.path.realpath(src)
+    allowed = [real_src]
+    if Path(real_src).parent.name == "snapshots":
+        allowed.append(str(Path(real_src).parent.parent / "blobs"))
+    bad = []
+    for root, dirs, files in os.walk(src):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in [n for n in files if not n.startswith(".")] + dirs:
+            path = Path(root, name)
+            if not os.path.islink(path):
+                continue
+            real = os.path.realpath(path)
+            if not any(real == a or real.startswith(a.rstrip(os.sep) + os.sep) for a in allowed):
+                bad.append((path, real))
+    return bad
+
+
+def _check_links(src: Path) -> None:
+    """Refuse to publish a folder with symlinks leading outside it (e.g. to ~/.ssh/id_rsa)."""
+    bad = _outside_links(Path(src))
+    if bad:
+        path, real = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise ShardkitError(
+            f"{path} is a symlink to {real}, outside {src}{more}: refusing to publish it; "
+            "replace the link with a copy of the file or remove it")
+
+
 def _link_tree(src: Path, dst: Path) -> None:
-    """`dst` mirrors the files of `src` as symlinks (copies where links are impossible)."""
+    """`dst` mirrors the files of `src` as symlinks (copies where links are impossible); symlinks
+    in `src` that lead outside it are refused (ShardkitError), never followed."""
+    _check_links(src)
     dst.mkdir(parents=True)
     for root, dirs, files in os.walk(src):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
@@ -145,6 +179,8 @@ def push(
     if merged and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ShardkitError("push merges in one process: run `shardkit merge` under torchrun, then push the merged "
                             "directory (or use `shardkit merge --push-to` there)")
+    if not merged:
+        _check_links(src)  # before any Hub call
     token = token or _get_token()
     check = dict(private=private, create=create, token=token, endpoint=endpoint)
     missing = check_repo(repo_id, dry_run=True, **check)  # fail fast, before any merging
