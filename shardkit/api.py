@@ -11,13 +11,14 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import torch
+from typing_extensions import Unpack
 
 from .checkpoint import resolve_tag
 from .engine import (
     ProgressCallback,
     Result,
     TensorDiff,
+    WriteOptions,
     VerifyReport,
     inspect_checkpoint,
     merge_checkpoint,
@@ -48,28 +49,15 @@ def open_source(src: str | Path | Checkpoint, config: ConfigArg = None, hints: M
     return open_checkpoint(resolve_source(src, revision=revision), config, hints)
 
 
-def reshard(
-    src: str | Path | Checkpoint,
-    dst: str | Path,
-    layout: Layout,
-    *,
-    format: str = "torch",
-    dtype: str | torch.dtype | None = None,
-    workers: int = 1,
-    overwrite: bool = False,
-    config: ConfigArg = None,
-    hints: Mapping | None = None,
-    progress: ProgressCallback | None = None,
-    command: str | None = None,
-    revision: str | None = None,
-    verify_hashes: bool = True,
-) -> Result:
+def reshard(src: str | Path | Checkpoint, dst: str | Path, layout: Layout, *, format: str = "torch",
+            config: ConfigArg = None, hints: Mapping | None = None, revision: str | None = None,
+            command: str | None = None, **options: Unpack[WriteOptions]) -> Result:
     """Write `src` (any checkpoint: a path or a Hub repo id) as shards of `layout` in `format`,
-    reading only the slices each shard needs. `verify_hashes` checks every source file against
-    the sha256 its manifest lists (each once, as it is first read); False skips it."""
-    return reshard_checkpoint(open_source(src, config, hints, revision), dst, layout, format=format, dtype=dtype,
-                              workers=workers, overwrite=overwrite, progress=progress, command=command,
-                              verify_hashes=verify_hashes)
+    reading only the slices each shard needs. `options`: dtype, workers, overwrite, progress,
+    verify_hashes (see `engine.WriteOptions`); `config`/`hints` describe NxD shards that lack
+    them; `revision` picks a Hub repo's branch, tag or commit."""
+    return reshard_checkpoint(open_source(src, config, hints, revision), dst, layout, format=format, command=command,
+                              **options)
 
 
 def convert(src: str | Path, dst: str | Path, layout: Layout, **options: Any) -> Result:
@@ -78,26 +66,12 @@ def convert(src: str | Path, dst: str | Path, layout: Layout, **options: Any) ->
     return reshard(src, dst, layout, **options)
 
 
-def merge(
-    src: str | Path | Checkpoint,
-    dst: str | Path,
-    *,
-    max_shard_size: int | str = "5GB",
-    dtype: str | torch.dtype | None = None,
-    workers: int = 1,
-    overwrite: bool = False,
-    config: ConfigArg = None,
-    hints: Mapping | None = None,
-    progress: ProgressCallback | None = None,
-    revision: str | None = None,
-    verify_hashes: bool = True,
-) -> Result:
+def merge(src: str | Path | Checkpoint, dst: str | Path, *, max_shard_size: int | str = "5GB",
+          config: ConfigArg = None, hints: Mapping | None = None, revision: str | None = None,
+          **options: Unpack[WriteOptions]) -> Result:
     """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
-    index + config). `verify_hashes` checks every source file against the sha256 its manifest
-    lists (each once, as it is first read); False skips it."""
-    return merge_checkpoint(open_source(src, config, hints, revision), dst, max_shard_size=max_shard_size,
-                            dtype=dtype, workers=workers, overwrite=overwrite, progress=progress,
-                            verify_hashes=verify_hashes)
+    index + config), in files of at most `max_shard_size`. `options` as for `reshard`."""
+    return merge_checkpoint(open_source(src, config, hints, revision), dst, max_shard_size=max_shard_size, **options)
 
 
 def inspect(path: str | Path, config: ConfigArg = None, hints: Mapping | None = None, check_data: bool = False,
@@ -132,29 +106,17 @@ def verify(
     return verify_checkpoints(ca, cb, atol=atol, on_tensor=on_tensor, names=(str(a), str(b)), progress=progress)
 
 
-def export_checkpoint(
-    dir: str | Path,
-    out: str | Path,
-    tag: str | None = None,
-    *,
-    max_shard_size: int | str = "5GB",
-    dtype: str | torch.dtype | None = None,
-    overwrite: bool = False,
-    config: ConfigArg = None,
-    hints: Mapping[str, Any] | None = None,
-    workers: int = 1,
-    progress: ProgressCallback | None = None,
-    verify_hashes: bool = True,
-) -> Result:
+def export_checkpoint(dir: str | Path, out: str | Path, tag: str | None = None, *, max_shard_size: int | str = "5GB",
+                      config: ConfigArg = None, hints: Mapping[str, Any] | None = None,
+                      **options: Unpack[WriteOptions]) -> Result:
     """Merge a training checkpoint's model (the newest complete tag, or `tag`) into a Hugging Face
-    model directory `out` (safetensors + index + config.json); `verify_hashes` as in `merge`."""
+    model directory `out` (safetensors + index + config.json); `options` as for `merge`."""
     root = Path(dir)
     name = resolve_tag(root, tag)
     if name is None:
         raise AssertionError("resolve_tag returns a tag or raises when none is asked for by name")
-    return merge(inside(root, name, "checkpoint tag"), out, max_shard_size=max_shard_size, dtype=dtype,
-                 overwrite=overwrite, config=config, hints=hints, workers=workers, progress=progress,
-                 verify_hashes=verify_hashes)
+    return merge(inside(root, name, "checkpoint tag"), out, max_shard_size=max_shard_size, config=config, hints=hints,
+                 **options)
 
 
 def reshard_training_checkpoint(src: str | Path, dst: str | Path, layout: Layout, *, dp: int = 1, zero1: bool = True,

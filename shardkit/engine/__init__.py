@@ -4,7 +4,7 @@ imports the Hub or the CLI: those sit above it (`api.py` resolves sources, then 
 
 from .check import TensorDiff, VerifyReport, inspect_checkpoint, verify_checkpoints
 from .executor import ProgressCallback
-from .operations import Result, merge_checkpoint, reshard_checkpoint
+from .operations import Result, WriteOptions, merge_checkpoint, reshard_checkpoint
 
 __all__ = ["ProgressCallback", "Result", "TensorDiff", "VerifyReport", "inspect_checkpoint", "merge_checkpoint",
-           "reshard_checkpoint", "verify_checkpoints"]
+           "reshard_checkpoint", "verify_checkpoints", "WriteOptions"]

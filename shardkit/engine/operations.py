@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from typing_extensions import TypedDict, Unpack
 
 from ..checkpoint.tree import CHECKPOINT_MARKER
 from ..distributed import current_job
@@ -123,6 +124,29 @@ def _produce(ckpt: Checkpoint, outputs: Sequence[OutputFile], dst: Path, fmt: st
 # ---- the public operations ---------------------------------------------------------------------
 
 
+class WriteOptions(TypedDict, total=False):
+    """How every writing operation (reshard, convert, merge, export) writes its output."""
+
+    dtype: str | torch.dtype | None
+    """Cast weights to this dtype (bf16, fp16, fp32; default: keep the source's)."""
+    workers: int
+    """Output files built in parallel (threads; default 1)."""
+    overwrite: bool
+    """Replace a destination that exists and is not empty (default False)."""
+    progress: ProgressCallback | None
+    """Called as progress(bytes_done, bytes_total) while output is written."""
+    verify_hashes: bool
+    """Check each source file against the sha256 its manifest lists before the output is
+    committed (default True)."""
+
+
+def _write(ckpt: Checkpoint, outputs: Sequence[OutputFile], dst: str | Path, fmt: str, finish,
+           options: WriteOptions) -> list[FileRecord]:
+    return _produce(ckpt, outputs, Path(dst), fmt, parse_dtype(options.get("dtype")), options.get("workers", 1),
+                    options.get("overwrite", False), options.get("progress"), finish,
+                    options.get("verify_hashes", True))
+
+
 @dataclass
 class Result:
     """What an operation wrote."""
@@ -137,24 +161,12 @@ class Result:
         return sum(f.size for f in self.files)
 
 
-def reshard_checkpoint(
-    ckpt: Checkpoint,
-    dst: str | Path,
-    layout: Layout,
-    *,
-    format: str = "torch",
-    dtype: str | torch.dtype | None = None,
-    workers: int = 1,
-    overwrite: bool = False,
-    progress: ProgressCallback | None = None,
-    command: str | None = None,
-    verify_hashes: bool = True,
-) -> Result:
-    """Write `ckpt` as shards of `layout` in `format`, reading only the slices each shard needs.
-
-    `verify_hashes`: check each source file against the sha256 in its manifest when first read."""
+def reshard_checkpoint(ckpt: Checkpoint, dst: str | Path, layout: Layout, *, format: str = "torch",
+                       command: str | None = None, **options: Unpack[WriteOptions]) -> Result:
+    """Write `ckpt` as shards of `layout` in `format`, reading only the slices each shard needs
+    (`command`: the command line to record in the manifest)."""
     get_format(format)
-    target_dtype = parse_dtype(dtype)
+    target_dtype = parse_dtype(options.get("dtype"))
     layout.validate(ckpt.dims)
     ckpt.check_files()
     outputs = plan_sharded(ckpt.family, ckpt.dims, layout, format)
@@ -167,27 +179,16 @@ def reshard_checkpoint(
             fmt=format, family=ckpt.family.name, layout=layout, dtype=dtype_name, records=records,
             tensors=ckpt.full_shapes, source=str(ckpt.root), command=command))
 
-    records = _produce(ckpt, outputs, Path(dst), format, target_dtype, workers, overwrite, progress, finish,
-                       verify_hashes)
+    records = _write(ckpt, outputs, dst, format, finish, options)
     log.info("wrote %d files (%s) to %s", len(records), layout.describe(), dst)
     return Result(Path(dst), records, layout, format)
 
 
-def merge_checkpoint(
-    ckpt: Checkpoint,
-    dst: str | Path,
-    *,
-    max_shard_size: int | str = "5GB",
-    dtype: str | torch.dtype | None = None,
-    workers: int = 1,
-    overwrite: bool = False,
-    progress: ProgressCallback | None = None,
-    verify_hashes: bool = True,
-) -> Result:
-    """Write `ckpt` as a Hugging Face model directory (safetensors + index + config).
-
-    `verify_hashes`: check each source file against the sha256 in its manifest when first read."""
-    target_dtype = parse_dtype(dtype)
+def merge_checkpoint(ckpt: Checkpoint, dst: str | Path, *, max_shard_size: int | str = "5GB",
+                     **options: Unpack[WriteOptions]) -> Result:
+    """Write `ckpt` as a Hugging Face model directory (safetensors + index + config), in files of
+    at most `max_shard_size`."""
+    target_dtype = parse_dtype(options.get("dtype"))
     ckpt.check_files()
     itemsize = (target_dtype or ckpt.dtype()).itemsize
     outputs, index = plan_full(ckpt.family, ckpt.dims, itemsize, max_shard_size)
@@ -198,7 +199,6 @@ def merge_checkpoint(
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
 
-    records = _produce(ckpt, outputs, Path(dst), "safetensors", target_dtype, workers, overwrite, progress, finish,
-                       verify_hashes)
+    records = _write(ckpt, outputs, dst, "safetensors", finish, options)
     log.info("merged %s into %s (%d files)", ckpt.root, dst, len(records))
     return Result(Path(dst), records, FULL, "safetensors")
