@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 from ..engine import merge_checkpoint
 from ..errors import FormatError, ShardkitError
-from ..formats import is_plain_hf_dir, open_checkpoint
+from ..formats import Checkpoint, is_plain_hf_dir, open_checkpoint
 from .card import model_card, weight_stats
 from .errors import (HubAuthError, HubError, HubOfflineError, HubUploadError, _api, _hub_cause, _is_transient, _offline,
                      _one_line, _translate, _endpoint)
@@ -171,16 +171,7 @@ def push(
     from huggingface_hub import constants
 
     src = Path(src)
-    if not src.exists():
-        raise FormatError(f"{src} does not exist (push uploads a local directory)")
-    if create_pr and revision not in (None, constants.DEFAULT_REVISION):
-        raise HubError("--create-pr opens a pull request against the default branch: drop --revision")
-    merged = not is_plain_hf_dir(src)
-    if merged and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ShardkitError("push merges in one process: run `shardkit merge` under torchrun, then push the merged "
-                            "directory (or use `shardkit merge --push-to` there)")
-    if not merged:
-        _check_links(src)  # before any Hub call
+    merged = _check_source(src, revision, create_pr)
     token = token or _get_token()
     check = dict(private=private, create=create, token=token, endpoint=endpoint)
     missing = check_repo(repo_id, dry_run=True, **check)  # fail fast, before any merging
@@ -191,10 +182,8 @@ def push(
     try:
         folder = work / "model"
         if merged:
-            ckpt = open_checkpoint(src, config, hints)
-            log.info("merging %s (%s) before the upload", src, ckpt.describe())
-            merge_checkpoint(ckpt, folder, max_shard_size=max_shard_size, dtype=dtype, workers=workers, progress=progress)
-            origin = origin or ckpt
+            origin = origin or _merge_into(src, folder, config, hints, max_shard_size=max_shard_size, dtype=dtype,
+                                           workers=workers, progress=progress)
         else:
             _link_tree(src, folder)
         card = not (folder / "README.md").exists()
@@ -207,39 +196,73 @@ def push(
         if revision and revision != constants.DEFAULT_REVISION and not create_pr:
             _call(lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), repo_id, endpoint, revision,
                   token)
-        files = sorted(p for p in folder.rglob("*") if p.is_file())
-        total = sum(p.stat().st_size for p in files)
         message = commit_message or (f"Upload {src.name} with shardkit" + (" (merged from shards)" if merged else ""))
         try:
             info = _upload(api, folder, repo_id, revision=revision, message=message, create_pr=create_pr,
                            retries=retries, retry_wait=retry_wait, endpoint=endpoint, token=token)
         except HubUploadError as e:
-            if merged:
-                keep = True
-                resume = (f"the merged model is kept in {folder}; resume with: shardkit push {folder} {repo_id}"
-                          + (f" --revision {revision}" if revision else "") + (" --create-pr" if create_pr else ""))
-            else:
-                resume = "re-run the same command to resume"
-            raise HubUploadError(_one_line(f"{e} -- {resume} (files already uploaded are skipped)", token)) from None
-        stats = weight_stats(folder)
-        result = {
-            "repo_id": repo_id,
-            "url": f"{_endpoint(endpoint)}/{repo_id}",
-            "revision": revision or constants.DEFAULT_REVISION,
-            "commit": getattr(info, "oid", None),
-            "commit_url": getattr(info, "commit_url", None),
-            "pr_url": getattr(info, "pr_url", None),
-            "merged": merged,
-            "model_card": card,
-            "files": len(files),
-            "bytes": total,
-            "tensors": stats["tensors"],
-        }
-        log.info("pushed %s to %s (%d files, %d bytes)", src, repo_id, len(files), total)
-        return result
+            keep = merged  # a merged copy is worth keeping: the next push resumes from it
+            raise HubUploadError(_one_line(f"{e} -- {_resume_hint(folder, repo_id, merged, revision, create_pr)} "
+                                           "(files already uploaded are skipped)", token)) from None
+        return _pushed(folder, src, repo_id, info, endpoint, revision, merged, card)
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _check_source(src: Path, revision: str | None, create_pr: bool) -> bool:
+    """Whether `src` must be merged first; refuses what cannot be pushed, before any Hub call."""
+    from huggingface_hub import constants
+
+    if not src.exists():
+        raise FormatError(f"{src} does not exist (push uploads a local directory)")
+    if create_pr and revision not in (None, constants.DEFAULT_REVISION):
+        raise HubError("--create-pr opens a pull request against the default branch: drop --revision")
+    merged = not is_plain_hf_dir(src)
+    if merged and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ShardkitError("push merges in one process: run `shardkit merge` under torchrun, then push the merged "
+                            "directory (or use `shardkit merge --push-to` there)")
+    if not merged:
+        _check_links(src)
+    return merged
+
+
+def _merge_into(src: Path, folder: Path, config, hints, **options: Any) -> Checkpoint:
+    """Merge a sharded `src` into `folder` (streaming); returns the opened source for the card."""
+    ckpt = open_checkpoint(src, config, hints)
+    log.info("merging %s (%s) before the upload", src, ckpt.describe())
+    merge_checkpoint(ckpt, folder, **options)
+    return ckpt
+
+
+def _resume_hint(folder: Path, repo_id: str, merged: bool, revision: str | None, create_pr: bool) -> str:
+    if not merged:
+        return "re-run the same command to resume"
+    return (f"the merged model is kept in {folder}; resume with: shardkit push {folder} {repo_id}"
+            + (f" --revision {revision}" if revision else "") + (" --create-pr" if create_pr else ""))
+
+
+def _pushed(folder: Path, src: Path, repo_id: str, info: Any, endpoint: str | None, revision: str | None,
+            merged: bool, card: bool) -> dict[str, Any]:
+    """What `push` returns: where it went and what was uploaded."""
+    from huggingface_hub import constants
+
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    log.info("pushed %s to %s (%d files, %d bytes)", src, repo_id, len(files), total)
+    return {
+        "repo_id": repo_id,
+        "url": f"{_endpoint(endpoint)}/{repo_id}",
+        "revision": revision or constants.DEFAULT_REVISION,
+        "commit": getattr(info, "oid", None),
+        "commit_url": getattr(info, "commit_url", None),
+        "pr_url": getattr(info, "pr_url", None),
+        "merged": merged,
+        "model_card": card,
+        "files": len(files),
+        "bytes": total,
+        "tensors": weight_stats(folder)["tensors"],
+    }
 
 
 def _call(fn, repo_id, endpoint, revision, token):
