@@ -107,20 +107,18 @@ class Group:
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every member's `tensor` along dim 0 into `output`."""
-        if self.size == 1:
-            output.copy_(tensor)
-            return output
-        with COMM.timed():
-            dist.all_gather_single(output, tensor.contiguous(), group=self.pg)
-        return output
+        return self._along_dim0(dist.all_gather_single, output, tensor)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         """Sum every member's `tensor`, each member keeping its chunk (along dim 0) in `output`."""
+        return self._along_dim0(dist.reduce_scatter_single, output, tensor)
+
+    def _along_dim0(self, collective, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             output.copy_(tensor)
             return output
         with COMM.timed():
-            dist.reduce_scatter_single(output, tensor.contiguous(), group=self.pg)
+            collective(output, tensor.contiguous(), group=self.pg)
         return output
 
 
