@@ -520,3 +520,123 @@ def test_device_and_backend_choice_with_a_fake_torch_xla(monkeypatch):
     (backend, kwargs), = calls
     assert backend == "xla" and kwargs["init_method"] == "xla://" and par.backend == "xla"
     assert par.dp_group.ranks == [0, 1]
+
+
+# ---- NxD's own checkpoints: resume, first step = AdamW (issue 11) -------------------------------------
+
+NXD_CASES = {
+    # checkpoint -> (processes, the trainer's layout flags)
+    "tp2_dp2_pp1_torch": (4, ["--tp", "2", "--dp", "2", "--zero1", "--qkv", "gqa"]),  # NxD's dp cut, padded rows
+    "tp2_pp2_dp1_torch": (1, []),  # remapped to tp1 pp1, separate q/k/v
+    "reshard:tp2_dp2_pp1_xser": (2, ["--dp", "2", "--zero1"]),  # `ckpt reshard` to tp1 dp2 (xser), then dp2
+}
+NXD_RUN = ["--steps", "4", "--dtype", "fp32", "--seq-len", "16", "--micro-batch", "1", "--global-batch", "4",
+           "--no-progress", "--threads", "1"]
+
+
+def nxd_golden() -> Path:
+    from conftest import golden_or_skip
+
+    root = golden_or_skip() / "nxd-train"
+    if not root.is_dir():
+        pytest.skip(f"NxD training reference checkpoints not found at {root}")
+    return root
+
+
+def _hf_names(pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """tp1 pieces (separate q/k/v, fused gate_up = [gate; up]) under Hugging Face names."""
+    out = {}
+    for name, t in pieces.items():
+        if name.endswith("mlp.gate_up_proj.weight"):
+            gate, up = t.chunk(2, dim=0)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate
+            out[name.replace("gate_up_proj", "up_proj")] = up
+        else:
+            out[name] = t
+    return out
+
+
+def serial_adamw_step(tag_dir: Path, config: Path, inputs: torch.Tensor, targets: torch.Tensor):
+    """One torch.optim.AdamW step of a plain transformers model from the checkpoint's full state
+    (read with shardkit's load_checkpoint at tp1): weights, exp_avg, exp_avg_sq, step, and
+    lr / betas / eps / weight decay from its param_groups and scheduler. Returns (weights before,
+    weights after, loss)."""
+    import torch.nn.functional as F
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardkit.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(tag_dir.parent, tag_dir.name, target_layout=Layout(), rank=(0, 0), config=config)
+    opt_state = loaded.optimizer
+    weights = {k: v.float() for k, v in _hf_names(loaded.model).items()}
+    moments = {m: _hf_names({n: e[m] for n, e in opt_state.state.items()}) for m in ("exp_avg", "exp_avg_sq")}
+    groups_of = _hf_names({n: torch.full((2,), opt_state.groups[n]) for n in opt_state.state})
+    steps = {float(e["step"]) for e in opt_state.state.values()}
+    assert len(steps) == 1
+    lr = loaded.scheduler["_last_lr"][0]
+    assert all(g["lr"] == lr for g in opt_state.param_groups)  # NxD's groups hold the next step's lr
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.parent), dtype=torch.float32)
+    model.load_state_dict(weights, strict=True)
+    named = dict(model.named_parameters())
+    groups = []
+    for g, hyper in enumerate(opt_state.param_groups):
+        groups.append({"params": [named[n] for n in named if int(groups_of[n][0]) == g], "lr": lr,
+                       "betas": tuple(hyper["betas"]), "eps": hyper["eps"], "weight_decay": hyper["weight_decay"]})
+    opt = torch.optim.AdamW(groups)
+    step = steps.pop()
+    for n, p in named.items():
+        opt.state[p] = {"step": torch.tensor(step), "exp_avg": moments["exp_avg"][n].clone(), "exp_avg_sq": moments["exp_avg_sq"][n].clone()}
+    before = {n: p.detach().clone() for n, p in named.items()}
+    logits = model(input_ids=inputs).logits.float()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return before, {n: p.detach().clone() for n, p in named.items()}, float(loss.detach())
+
+
+@pytest.mark.parametrize("case", list(NXD_CASES))
+def test_resume_from_nxd_checkpoint_first_step_is_adamw(case, tmp_path):
+    """Resuming a checkpoint NxD's own trainer wrote (or `ckpt reshard`'s output of one), in another
+    or the same layout: the first step's update equals one torch AdamW step of transformers' model
+    from the checkpoint's full state (weights, moments, step, hyperparameters, NxD's schedule) on
+    the same batch, to 1e-6."""
+    from safetensors.torch import load_file
+
+    from shardkit.api import export_checkpoint
+    from shardkit.checkpoint.reshard import reshard_training
+    from trainer.data import Batches, TokenFile
+
+    root = nxd_golden()
+    config = root / "config.json"
+    nproc, flags = NXD_CASES[case]
+    name = case.split(":")[-1]
+    tag = root / name / "step_3"
+    if case.startswith("reshard:"):
+        reshard_training(root / name, tmp_path / "resharded", Layout(qkv="gqa"), dp=2, config=config)
+        tag = tmp_path / "resharded" / "step_3"
+        assert (tag / "optim/dp_rank_01_tp_rank_00_pp_rank_00.pt").is_file()
+    hf = tmp_path / "hf"  # --model: the model's config (an NxD tag has none) and its weights, as HF
+    export_checkpoint(root / name, hf, config=config)
+    tokens = corpus_tokens(tmp_path / "tokens.bin", vocab=90)
+    args = ["--model", str(hf), "--data", str(tokens), "--resume", str(tag), "--export-hf", str(tmp_path / "out"),
+            "--metrics", str(tmp_path / "m.jsonl"), *NXD_RUN, *flags]
+    if nproc == 1:
+        run_inprocess(args)
+    else:
+        check_ok(torchrun(nproc, args))
+    record, = steps(tmp_path / "m.jsonl")
+    assert record["step"] == 4
+
+    inputs, targets = Batches(TokenFile(tokens), 16, 4, 1, 1, 0, 1234, 90).step_batch()
+    before, after, loss = serial_adamw_step(tag, config, inputs, targets)
+    assert abs(record["loss"] - loss) <= 1e-5 * loss
+    assert record["lr"] == pytest.approx(0.000962320368593087, rel=1e-12)  # NxD's schedule at step 4
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(got) == set(after)
+    moved = max(float((after[n] - before[n]).abs().max()) for n in after)
+    assert moved > 1e-4, "the step barely moved the weights: the comparison would be weak"
+    for n in after:
+        torch.testing.assert_close(got[n], after[n], rtol=0, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
