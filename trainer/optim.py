@@ -478,7 +478,7 @@ class Optimizer:
             master = slot.master
             a, b = slot.rows
 
-            def mine(t: torch.Tensor) -> torch.Tensor:
+            def mine(t: torch.Tensor, slot: Slot = slot, a: int = a, b: int = b) -> torch.Tensor:
                 t = t.detach().to(torch.float32).reshape(slot.param.shape)
                 return (t if not self._sharded(slot) else t[a:b]).clone()
 
