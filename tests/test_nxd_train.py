@@ -204,3 +204,33 @@ def test_generic_save_load_without_layout(tmp_path):
     for i, entry in want["state"].items():
         assert all(torch.equal(loaded.optimizer["state"][i][k], v) for k, v in entry.items())
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_2", "step_3", "step_4"]
+
+
+# ---- ckpt reshard under torchrun -------------------------------------------------------------------------
+
+
+def test_ckpt_reshard_under_torchrun_equals_one_process(tmp_path):
+    """`shardkit ckpt reshard` in a 2-process gloo job (torchrun) divides the target (tp, pp) ranks
+    between the processes; the result is byte for byte the one-process result (manifest included)."""
+    import os
+    import subprocess
+    import sys
+
+    root = nxd()
+    src = root / "tp2_pp2_dp1_torch"
+    args = ["ckpt", "reshard", str(src), str(tmp_path / "dist"), "--config", str(root / "config.json"), "--tp", "2",
+            "--dp", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "shardkit", "-v", *args], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "joined a job of 2 processes" in done.stderr
+    reshard_training(src, tmp_path / "single", Layout(tp=2, qkv="gqa"), dp=2, config=root / "config.json")
+    dist, single = tmp_path / "dist" / "step_3", tmp_path / "single" / "step_3"
+    files = sorted(f.relative_to(single) for f in single.rglob("*") if f.is_file())
+    assert files == sorted(f.relative_to(dist) for f in dist.rglob("*") if f.is_file())
+    assert len([f for f in files if f.parts[0] == "optim"]) == 4
+    for f in files:
+        assert file_hash(dist / f) == file_hash(single / f), f
+    assert not [p for p in tmp_path.iterdir() if "shardkit-tmp" in p.name]

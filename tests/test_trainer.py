@@ -520,3 +520,237 @@ def test_device_and_backend_choice_with_a_fake_torch_xla(monkeypatch):
     (backend, kwargs), = calls
     assert backend == "xla" and kwargs["init_method"] == "xla://" and par.backend == "xla"
     assert par.dp_group.ranks == [0, 1]
+
+
+# ---- NxD's own checkpoints: resume, first step = AdamW (issue 11) -------------------------------------
+
+NXD_CASES = {
+    # checkpoint -> (processes, the trainer's layout flags)
+    "tp2_dp2_pp1_torch": (4, ["--tp", "2", "--dp", "2", "--zero1", "--qkv", "gqa"]),  # NxD's dp cut, padded rows
+    "tp2_pp2_dp1_torch": (1, []),  # remapped to tp1 pp1, separate q/k/v
+    "reshard:tp2_dp2_pp1_xser": (2, ["--dp", "2", "--zero1"]),  # `ckpt reshard` to tp1 dp2 (xser), then dp2
+}
+NXD_RUN = ["--steps", "4", "--dtype", "fp32", "--seq-len", "16", "--micro-batch", "1", "--global-batch", "4",
+           "--no-progress", "--threads", "1"]
+
+
+def nxd_golden() -> Path:
+    from conftest import golden_or_skip
+
+    root = golden_or_skip() / "nxd-train"
+    if not root.is_dir():
+        pytest.skip(f"NxD training reference checkpoints not found at {root}")
+    return root
+
+
+def _hf_names(pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """tp1 pieces (separate q/k/v, fused gate_up = [gate; up]) under Hugging Face names."""
+    out = {}
+    for name, t in pieces.items():
+        if name.endswith("mlp.gate_up_proj.weight"):
+            gate, up = t.chunk(2, dim=0)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate
+            out[name.replace("gate_up_proj", "up_proj")] = up
+        else:
+            out[name] = t
+    return out
+
+
+def serial_adamw_step(tag_dir: Path, config: Path, inputs: torch.Tensor, targets: torch.Tensor):
+    """One torch.optim.AdamW step of a plain transformers model from the checkpoint's full state
+    (read with shardkit's load_checkpoint at tp1): weights, exp_avg, exp_avg_sq, step, and
+    lr / betas / eps / weight decay from its param_groups and scheduler. Returns (weights before,
+    weights after, loss)."""
+    import torch.nn.functional as F
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardkit.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(tag_dir.parent, tag_dir.name, target_layout=Layout(), rank=(0, 0), config=config)
+    opt_state = loaded.optimizer
+    weights = {k: v.float() for k, v in _hf_names(loaded.model).items()}
+    moments = {m: _hf_names({n: e[m] for n, e in opt_state.state.items()}) for m in ("exp_avg", "exp_avg_sq")}
+    groups_of = _hf_names({n: torch.full((2,), opt_state.groups[n]) for n in opt_state.state})
+    steps = {float(e["step"]) for e in opt_state.state.values()}
+    assert len(steps) == 1
+    lr = loaded.scheduler["_last_lr"][0]
+    assert all(g["lr"] == lr for g in opt_state.param_groups)  # NxD's groups hold the next step's lr
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.parent), dtype=torch.float32)
+    model.load_state_dict(weights, strict=True)
+    named = dict(model.named_parameters())
+    groups = []
+    for g, hyper in enumerate(opt_state.param_groups):
+        groups.append({"params": [named[n] for n in named if int(groups_of[n][0]) == g], "lr": lr,
+                       "betas": tuple(hyper["betas"]), "eps": hyper["eps"], "weight_decay": hyper["weight_decay"]})
+    opt = torch.optim.AdamW(groups)
+    step = steps.pop()
+    for n, p in named.items():
+        opt.state[p] = {"step": torch.tensor(step), "exp_avg": moments["exp_avg"][n].clone(), "exp_avg_sq": moments["exp_avg_sq"][n].clone()}
+    before = {n: p.detach().clone() for n, p in named.items()}
+    logits = model(input_ids=inputs).logits.float()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return before, {n: p.detach().clone() for n, p in named.items()}, float(loss.detach())
+
+
+@pytest.mark.parametrize("case", list(NXD_CASES))
+def test_resume_from_nxd_checkpoint_first_step_is_adamw(case, tmp_path):
+    """Resuming a checkpoint NxD's own trainer wrote (or `ckpt reshard`'s output of one), in another
+    or the same layout: the first step's update equals one torch AdamW step of transformers' model
+    from the checkpoint's full state (weights, moments, step, hyperparameters, NxD's schedule) on
+    the same batch, to 1e-6."""
+    from safetensors.torch import load_file
+
+    from shardkit.api import export_checkpoint
+    from shardkit.checkpoint.reshard import reshard_training
+    from trainer.data import Batches, TokenFile
+
+    root = nxd_golden()
+    config = root / "config.json"
+    nproc, flags = NXD_CASES[case]
+    name = case.split(":")[-1]
+    tag = root / name / "step_3"
+    if case.startswith("reshard:"):
+        reshard_training(root / name, tmp_path / "resharded", Layout(qkv="gqa"), dp=2, config=config)
+        tag = tmp_path / "resharded" / "step_3"
+        assert (tag / "optim/dp_rank_01_tp_rank_00_pp_rank_00.pt").is_file()
+    hf = tmp_path / "hf"  # --model: the model's config (an NxD tag has none) and its weights, as HF
+    export_checkpoint(root / name, hf, config=config)
+    tokens = corpus_tokens(tmp_path / "tokens.bin", vocab=90)
+    args = ["--model", str(hf), "--data", str(tokens), "--resume", str(tag), "--export-hf", str(tmp_path / "out"),
+            "--metrics", str(tmp_path / "m.jsonl"), *NXD_RUN, *flags]
+    if nproc == 1:
+        run_inprocess(args)
+    else:
+        check_ok(torchrun(nproc, args))
+    record, = steps(tmp_path / "m.jsonl")
+    assert record["step"] == 4
+
+    inputs, targets = Batches(TokenFile(tokens), 16, 4, 1, 1, 0, 1234, 90).step_batch()
+    before, after, loss = serial_adamw_step(tag, config, inputs, targets)
+    assert abs(record["loss"] - loss) <= 1e-5 * loss
+    assert record["lr"] == pytest.approx(0.000962320368593087, rel=1e-12)  # NxD's schedule at step 4
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(got) == set(after)
+    moved = max(float((after[n] - before[n]).abs().max()) for n in after)
+    assert moved > 1e-4, "the step barely moved the weights: the comparison would be weak"
+    for n in after:
+        torch.testing.assert_close(got[n], after[n], rtol=0, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+# ---- ZeRO-1 checkpoints sharded over dp, fp32 master weights end to end --------------------------------
+
+
+@pytest.fixture(scope="module")
+def zero1_bf16(work, hf_model, tokens) -> Path:
+    """tp2 dp2 ZeRO-1 in bf16 (fp32 master weights, weight decay 0.1) for 2 steps: tag step_2."""
+    ckpt = work / "ckpt-zero1-bf16"
+    check_ok(torchrun(4, run_args(hf_model, tokens, work / "zb.jsonl", "--steps", "2", "--dtype", "bf16",
+                                  "--tp", "2", "--dp", "2", "--zero1", "--qkv", "gqa", "--weight-decay", "0.1",
+                                  "--checkpoint-dir", str(ckpt))))
+    return ckpt / "step_2"
+
+
+def test_zero1_checkpoint_each_dp_rank_writes_its_nxd_shard(zero1_bf16):
+    """With ZeRO-1 every dp rank writes its own optim/dp_rank_DD_... file in NxD's form (nothing is
+    gathered): base_state and sharded_master_weights are NxD's dp cut (zero-padded dim 0, chunk d) of
+    the merged tp-local state, the param groups are NxD's two, the fp32 masters are real fp32 values
+    whose bf16 rounding is the saved model."""
+    from shardkit.checkpoint import load_checkpoint
+    from shardkit.checkpoint.zero1 import dp_shard
+
+    tag = zero1_bf16
+    assert sorted(p.name for p in (tag / "optim").iterdir()) == [
+        f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt" for d in range(2) for t in range(2)]
+    assert sorted(p.name for p in (tag / "model").iterdir()) == [
+        f"dp_rank_00_tp_rank_{t:02d}_pp_rank_00.pt" for t in range(2)]
+    info = json.loads((tag / "shardkit.json").read_text())["checkpoint"]
+    assert info["zero1"] and info["dp"] == 2 and info["world_size"] == 4 and info["optimizer"]["master_weights"]
+    finer = 0
+    for t in range(2):
+        loaded = load_checkpoint(tag.parent, tag.name, rank=(t, 0))  # dp shards merged
+        order = [n for g in (0, 1) for n in loaded.model if loaded.optimizer.groups[n] == g]
+        assert [loaded.optimizer.groups[n] for n in order].count(1) == 9  # 4 layers x 2 norms + model.norm
+        shards = []
+        for d in range(2):
+            obj = torch.load(tag / f"optim/dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt", weights_only=True)
+            assert list(obj) == ["state", "param_groups", "base_state", "shape_info", "sharded_master_weights"]
+            assert [g["weight_decay"] for g in obj["param_groups"]] == [0.1, 0.0]
+            assert [g["params"] for g in obj["param_groups"]] == [list(range(len(order) - 9)),
+                                                                 list(range(len(order) - 9, len(order)))]
+            for idx, name in enumerate(order):
+                state = loaded.optimizer.state[name]
+                assert obj["shape_info"][idx] == list(loaded.model[name].shape)
+                assert float(obj["base_state"][idx]["step"]) == 2.0
+                for m in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(obj["base_state"][idx][m], dp_shard(state[m], 2, d)), (name, m, d)
+                assert torch.equal(obj["sharded_master_weights"][idx], dp_shard(state["master"], 2, d))
+            shards.append(obj["base_state"][1]["exp_avg"])  # layer 0's q
+        assert not torch.equal(shards[0], shards[1])  # each dp rank its own rows, not a copy
+        for name, weight in loaded.model.items():
+            master = loaded.optimizer.state[name]["master"]
+            assert weight.dtype == torch.bfloat16 and torch.equal(master.to(torch.bfloat16), weight)
+            finer += int(not torch.equal(master, weight.float()))
+    assert finer > 0, "the masters hold nothing beyond the bf16 weights: they were not saved"
+
+
+def _strip_model_data(tag: Path) -> None:
+    """Model files without tensor data (NxD's avoid_saving_lower_precision_weights), the manifest
+    updated to match: the weights live only in the optimizer files' master weights."""
+    import hashlib
+
+    manifest = json.loads((tag / "shardkit.json").read_text())
+    for f in (tag / "model").iterdir():
+        names = torch.load(f, weights_only=True)
+        torch.save({k: torch.empty(0, dtype=v.dtype) for k, v in names.items()}, str(f))
+        entry = next(e for e in manifest["files"] if e["path"] == f"model/{f.name}")
+        entry["size"], entry["sha256"] = f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest()
+    (tag / "shardkit.json").write_text(json.dumps(manifest))
+
+
+def test_master_weights_survive_reshard_and_carry_a_model_without_data(zero1_bf16, tmp_path):
+    """The trainer's fp32 masters (tp2 dp2) resharded with --master-weights keep to tp1 dp3 (padded
+    rows) are exactly the same values; with model files holding no tensor data, load and reshard
+    take the model from those masters."""
+    from safetensors.torch import load_file
+
+    from shardkit.api import export_checkpoint
+    from shardkit.checkpoint import load_checkpoint
+    from shardkit.checkpoint.reshard import reshard_training
+
+    tag = zero1_bf16
+    src = load_checkpoint(tag.parent, tag.name, target_layout=Layout(qkv="gqa"), rank=(0, 0))
+    out = reshard_training(tag.parent, tmp_path / "tp1dp3", Layout(qkv="gqa"), dp=3, master_weights="keep")
+    last = torch.load(out / "optim/dp_rank_02_tp_rank_00_pp_rank_00.pt", weights_only=True)
+    emb = last["sharded_master_weights"][0]  # embed_tokens: 256 rows -> 86 per dp rank, the last 2 padding
+    assert emb.shape == (86, 32) and not emb[-2:].any() and emb[:-2].any()
+    dst = load_checkpoint(out.parent, out.name, rank=(0, 0))
+    assert set(dst.optimizer.state) == set(src.optimizer.state)
+    for name, entry in src.optimizer.state.items():
+        for m in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(dst.optimizer.state[name][m], entry[m]), (name, m)
+        assert torch.equal(dst.model[name], src.model[name])
+
+    _strip_model_data(out)
+    bare = load_checkpoint(out.parent, out.name, target_layout=Layout(tp=2, qkv="gqa"), rank=(1, 0))
+    whole = load_checkpoint(tag.parent, tag.name, rank=(1, 0))
+    for name, weight in whole.model.items():
+        assert bare.model[name].dtype == torch.bfloat16 and torch.equal(bare.model[name], weight), name
+        assert torch.equal(bare.optimizer.state[name]["master"], whole.optimizer.state[name]["master"])
+    # the engine merges the model from the masters (what `ckpt export` needs: see model_checkpoint)
+    from shardkit.api import merge
+    from shardkit.checkpoint.reshard import model_checkpoint
+
+    merge(model_checkpoint(out), tmp_path / "hf-direct")
+    direct = load_file(str(tmp_path / "hf-direct" / "model.safetensors"))
+    assert torch.equal(direct["model.embed_tokens.weight"], src.model["model.embed_tokens.weight"])
+    assert torch.equal(direct["model.layers.3.self_attn.v_proj.weight"],
+                       src.model["model.layers.3.self_attn.qkv_proj.weight_v"])
+    # ckpt reshard writes the model from the masters: then it exports like any checkpoint
+    again = reshard_training(out.parent, tmp_path / "materialised", Layout(qkv="gqa"), dp=1)
+    export_checkpoint(again.parent, tmp_path / "hf")
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert torch.equal(hf["model.embed_tokens.weight"], src.model["model.embed_tokens.weight"])

@@ -3,28 +3,33 @@
 Save (every `--checkpoint-every` steps and at the end, tag `step_<N>` under `--checkpoint-dir`):
 every rank calls `Checkpointer.save` with its model pieces (`model.state_dict()`, which is the
 rank file), its optimizer state keyed by piece name (`exp_avg`, `exp_avg_sq`, `step`, and the fp32
-`master` of bf16 parameters), the LR schedule's state and `user_content` = {step, data position}.
-dp > 0 replicas write nothing (shardkit saves dp rank 0's files); with ZeRO-1, whose moments are
-spread over dp, the owners first send theirs to dp rank 0 (shardkit has no ZeRO-1 optimizer
-files). `--async-save` writes in the background; `--num-kept` / `--keep-every` prune old tags.
+`master` of bf16 parameters) with NxD's two param groups, the LR schedule's state and
+`user_content` = {step, data position}: NxD's tree and ZeRO-1 optimizer files. Without ZeRO-1 the
+dp > 0 replicas write nothing (dp rank 0 writes one optimizer file per (tp, pp) rank); with
+ZeRO-1 every dp rank passes its own shards (already cut as NxD cuts them) and writes its own
+`optim/dp_rank_DD_...` file, all in parallel; nothing is gathered. `--async-save` writes in the
+background; `--num-kept` / `--keep-every` prune old tags.
 
 Resume (`--resume`): `load_checkpoint(..., target_layout=this run's layout, rank=this rank)` reads
-exactly this rank's pieces and moments from a checkpoint saved in any layout (resharded slice by
-slice, moments like their parameters). The checkpoint's config must be the model's: that, the
-tag's completeness and the rest are checked before any process group exists.
+exactly this rank's pieces and moments from a checkpoint saved in any layout and dp size (dp
+shards merged, resharded slice by slice, moments like their parameters); the optimizer keeps its
+own rows. NxD's own checkpoints resume too: no config.json (the model's comes from --model), the
+checkpoint's betas / eps / weight decay are adopted, and NxD's cosine schedule continues. The
+checkpoint's config must be the model's: that, the tag's completeness and the rest are checked
+before any process group exists.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from shardkit.checkpoint import (LATEST_IF_EXISTS, Checkpointer, CheckpointerConfig, Rank, load_checkpoint,
-                                 resolve_tag)
+from shardkit.checkpoint import (LATEST_IF_EXISTS, Checkpointer, CheckpointerConfig, OptimizerState, Rank,
+                                 load_checkpoint, resolve_tag)
 from shardkit.checkpoint.tree import CHECKPOINT_MARKER, DONE_MARKER
 from shardkit.formats import load_config
 from shardkit.layout import ModelDims
@@ -102,6 +107,8 @@ class Restored:
     scheduler: Any
     step: int
     data: Mapping[str, Any]
+    param_groups: list[dict[str, Any]] = field(default_factory=list)  # the checkpoint's hyperparameters
+    groups: dict[str, int] = field(default_factory=dict)  # piece -> index into param_groups
 
 
 def load(point: ResumePoint, spec, par) -> Restored:
@@ -115,12 +122,18 @@ def load(point: ResumePoint, spec, par) -> Restored:
     optimizer = dict(loaded.optimizer.state) if loaded.optimizer is not None else {}
     if not optimizer:
         log.warning("checkpoint %s has no optimizer state: Adam restarts from zero moments", point.path)
-    return Restored(dict(loaded.model), optimizer, loaded.scheduler, step, content.get("data") or {})
+    if "data" not in content and par.leader:
+        log.warning("checkpoint %s records no data position (not the trainer's): the data starts from the "
+                    "beginning of --data", point.path)
+    opt = loaded.optimizer
+    return Restored(dict(loaded.model), optimizer, loaded.scheduler, step, content.get("data") or {},
+                    [dict(g) for g in opt.param_groups] if opt is not None else [],
+                    dict(opt.groups) if opt is not None else {})
 
 
 def apply(restored: Restored, optimizer, schedule, batches) -> int:
     """Give the restored state to the optimizer, schedule and data; returns the step to start at."""
-    optimizer.load_state_dict(restored.optimizer)
+    optimizer.load_state_dict(restored.optimizer, restored.param_groups, restored.groups)
     if isinstance(restored.scheduler, Mapping):
         schedule.load_state_dict(restored.scheduler)
     batches.load_state(restored.data, log)
@@ -139,16 +152,22 @@ class Saver:
             keep_every=cfg.keep_every or None))
 
     def save(self, step: int, model, optimizer, schedule, batches) -> str:
+        """Every rank: its pieces (dp rank 0 writes them) and its optimizer state: with ZeRO-1 its
+        own NxD shards, written by itself; without, dp rank 0's (the replicas hold the same)."""
         tag = f"step_{step}"
-        states = optimizer.gather_state_to_dp0()
+        zero1 = optimizer.zero1
+        states = None
+        if zero1 or self.par.dp_rank == 0:
+            param_groups, groups = optimizer.save_param_groups(schedule.at(step))
+            states = OptimizerState(optimizer.state_dict(), param_groups, groups)
         model_state = {k: v.detach() for k, v in model.state_dict().items()}
         user_content = {"step": step, "data": batches.state().to_dict(),
                         "trainer": {"layout": self.plan.spec.layout.to_dict(), "dp": self.par.dp,
                                     "zero1": bool(self.plan.cfg.zero1), "dtype": self.plan.cfg.dtype}}
         rank = Rank(tp=self.par.tp_rank, pp=self.par.pp_rank, ep=0, dp=self.par.dp_rank)
-        self.checkpointer.save(self.root, tag, model_state, states if self.par.dp_rank == 0 else None,
-                               schedule.state_dict(), user_content, layout=self.plan.spec.layout,
-                               config=self.plan.spec.config, rank=rank, step=step)
+        self.checkpointer.save(self.root, tag, model_state, states, schedule.state_dict(), user_content,
+                               layout=self.plan.spec.layout, config=self.plan.spec.config, rank=rank, step=step,
+                               zero1=zero1)
         return tag
 
     def finish(self) -> None:

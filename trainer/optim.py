@@ -18,13 +18,15 @@ into it through a post-accumulate hook). After the last micro-batch's backward:
    same reduced gradients). Clipping scales the flat buffer.
 
 Update. `torch.optim.AdamW` runs on fp32 masters: the parameter itself in fp32 runs, an fp32 copy
-for bf16 parameters (copied back to bf16 after the step). With ZeRO-1 each parameter is owned by
-one dp rank (greedy balance by size, like torch's ZeroRedundancyOptimizer): only the owner keeps
-its master weight and Adam moments and updates it, then every owner broadcasts its updated
-parameters over dp.
+for bf16 parameters (copied back to bf16 after the step). With ZeRO-1 the optimizer state is cut
+exactly as NxD's ZeRO-1 optimizer cuts it (torch-xla's ZeroRedundancyOptimizer): every tp-local
+parameter's dim 0 is padded to a multiple of dp and chunked, dp rank d keeps the fp32 master and
+Adam moments of chunk d (`shardkit.checkpoint.zero1.dp_shard`) and updates those rows only (AdamW
+is elementwise, so this is the unsharded update); then the dp ranks all-gather the updated rows.
 
 Optimizer state is exposed keyed by piece name, `{name: {"exp_avg", "exp_avg_sq", "step"}}` (+
-`"master"` for bf16 parameters), which is what layout-independent checkpoints need.
+`"master"` for bf16 parameters), which is what layout-independent checkpoints need; with ZeRO-1
+each dp rank's entries are its NxD shards, which it saves in its own `optim/dp_rank_DD_...` file.
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from shardkit.checkpoint.zero1 import MOMENTS, shard_rows
 from shardkit.placements import SegmentIndex
 
 from .model import ModelSpec
 from .parallel import COMM, COMPUTE, Group, Parallel
 
 log = logging.getLogger("trainer")
+DECAY, NO_DECAY = "decay", "no_decay"
+NXD_COSINE_KEYS = {"base_lrs", "last_epoch", "warmup_steps", "decay_steps", "max_steps", "min_lr"}
 
 
 @dataclass
@@ -55,8 +60,8 @@ class Slot:
     grad: torch.Tensor  # fp32 view into the flat gradient buffer
     replicated: bool  # a Replicated piece (every tp rank computes with the whole tensor)
     decay: bool
-    owner: int = 0  # dp rank holding its optimizer state
-    master: torch.Tensor | None = None
+    rows: tuple[int, int] = (0, 0)  # the rows of dim 0 whose optimizer state this dp rank keeps
+    master: torch.Tensor | None = None  # fp32 rows `rows` (the param itself, a view of it, or a copy)
     norm_mask: torch.Tensor | None = None  # 1 where counted in the global norm (only when partly)
 
 
@@ -120,9 +125,12 @@ class LRSchedule:
     def __init__(self, lr: float, warmup: int, total: int, decay: str = "cosine", min_ratio: float = 0.1):
         self.lr, self.warmup, self.total, self.decay, self.min_ratio = lr, warmup, total, decay, min_ratio
         self.last_step = 0
+        self.nxd: dict[str, Any] | None = None  # NxD's CosineAnnealing state, when resumed from one
 
     def at(self, step: int) -> float:
         """Learning rate of optimizer step `step` (0-based)."""
+        if self.nxd is not None:
+            return self._nxd_at(step)
         if self.warmup and step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         if self.decay == "constant" or self.total <= self.warmup:
@@ -134,11 +142,41 @@ class LRSchedule:
         return floor + 0.5 * (self.lr - floor) * (1 + math.cos(math.pi * progress))
 
     def state_dict(self) -> dict[str, Any]:
+        if self.nxd is not None:
+            lr = self.at(self.last_step)
+            return {**self.nxd, "last_epoch": self.last_step, "_step_count": self.last_step + 1,
+                    "_last_lr": [lr] * len(self.nxd["base_lrs"])}
         return {"last_step": self.last_step, "lr": self.lr, "warmup": self.warmup, "total": self.total,
                 "decay": self.decay, "min_ratio": self.min_ratio}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """This schedule's own state, or NxD's CosineAnnealing state_dict (an NxD checkpoint): the
+        run then continues NxD's schedule (its lr, warm-up, decay and floor) instead of the options'."""
+        if NXD_COSINE_KEYS <= set(state):
+            self.nxd = {k: v for k, v in state.items() if k not in ("last_epoch", "_step_count", "_last_lr")}
+            self.last_step = int(state["last_epoch"])
+            base = {float(v) for v in state["base_lrs"]}
+            if len(base) > 1:
+                log.warning("the checkpoint's schedule has several base learning rates %s: using the first",
+                            sorted(base))
+            log.info("continuing the checkpoint's NxD cosine schedule (lr %g, warm-up %d, %d decay steps to %g, "
+                     "max %d steps) from step %d", float(state["base_lrs"][0]), int(state["warmup_steps"]),
+                     int(state["decay_steps"]), float(state["min_lr"]), int(state["max_steps"]), self.last_step)
+            return
         self.last_step = int(state.get("last_step", 0))
+
+    def _nxd_at(self, step: int) -> float:
+        """NxD's CosineAnnealing (NeMo's) learning rate at `last_epoch == step`: linear warm-up
+        (step + 1) / (warmup + 1), then cosine from the base lr to min_lr over decay_steps, min_lr
+        after max_steps (and in the constant phase)."""
+        s = self.nxd
+        base, floor = float(s["base_lrs"][0]), float(s["min_lr"])
+        warmup, decay, max_steps = int(s["warmup_steps"]), int(s["decay_steps"]), int(s["max_steps"])
+        if warmup > 0 and step <= warmup:
+            return base * (step + 1) / (warmup + 1)
+        if step > max_steps or (int(s.get("constant_steps") or 0) > 0 and warmup + decay < step):
+            return floor
+        return (base - floor) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / decay)) + floor
 
 
 class Optimizer:
@@ -153,9 +191,10 @@ class Optimizer:
         self.sequence_parallel = sequence_parallel and par.tp > 1
         self.slots = self._make_slots(model, spec.replicated_names(par.pp_rank))
         self.by_name = {n: s for s in self.slots for n in s.names}
-        self.owned = self._assign_owners()
+        self.owned = self._assign_rows()
         self._plumb_gradients(sources)
         self.replica_groups = self._replica_groups(spec)
+        self.initial_lr = lr
         self.adam = self._make_adam(lr, betas, eps, weight_decay)
 
     def _make_slots(self, model: nn.Module, replicated: set[str]) -> list[Slot]:
@@ -175,35 +214,46 @@ class Optimizer:
             order.append(slot)
         return order
 
-    def _assign_owners(self) -> list[Slot]:
-        """ZeRO-1 ownership: greedy by size, identical on every dp rank (same pieces); without
-        ZeRO-1 every rank owns everything. Returns the slots this rank owns."""
-        par = self.par
-        loads = [0] * par.dp
+    def _sharded(self, slot: Slot) -> bool:
+        return self.zero1 and slot.param.dim() > 0
+
+    def _rows_of(self, slot: Slot, d: int) -> tuple[int, int]:
+        """dp rank d's rows of dim 0 under NxD's ZeRO-1 cut (all rows without ZeRO-1)."""
+        n0 = slot.param.shape[0] if slot.param.dim() else 1
+        if not self._sharded(slot):
+            return 0, n0
+        r = shard_rows(n0, self.par.dp)
+        return min(n0, d * r), min(n0, (d + 1) * r)
+
+    def _assign_rows(self) -> list[Slot]:
+        """Which rows of each parameter this dp rank updates (NxD's ZeRO-1 cut; without ZeRO-1
+        all of them). Returns the slots of which it holds at least one row."""
         for slot in self.slots:
-            if self.zero1:
-                slot.owner = min(range(par.dp), key=lambda r: (loads[r], r))
-                loads[slot.owner] += slot.param.numel()
-            else:
-                slot.owner = par.dp_rank
-        return [s for s in self.slots if s.owner == par.dp_rank]
+            slot.rows = self._rows_of(slot, self.par.dp_rank)
+        return [s for s in self.slots if s.rows[1] > s.rows[0]]
 
     def _plumb_gradients(self, sources: Mapping[str, torch.Tensor] | None) -> None:
-        """fp32 params: `.grad` is the flat buffer's view and the param its own master. bf16 params:
-        an fp32 master (from the source tensor when given) on the owner, and a hook accumulating
-        into the buffer."""
+        """fp32 params: `.grad` is the flat buffer's view and the param its own master (with ZeRO-1
+        a view of this rank's rows). bf16 params: an fp32 master of this rank's rows (from the
+        source tensor when given), and a hook accumulating into the buffer."""
         for slot in self.slots:
-            mine = slot.owner == self.par.dp_rank
+            a, b = slot.rows
+            mine = b > a
+            whole = not self._sharded(slot)
             if slot.param.dtype == torch.float32:
                 slot.param.grad = slot.grad
                 if mine:
-                    slot.master = slot.param
+                    if whole:
+                        slot.master = slot.param
+                    else:  # updating the view updates the parameter's rows in place
+                        slot.master = nn.Parameter(slot.param.data[a:b], requires_grad=False)
+                        slot.master.grad = slot.grad[a:b]
                 continue
             if mine:
                 source = sources.get(slot.names[0]) if sources else None
                 init = (source if source is not None else slot.param.detach()).to(torch.float32)
-                slot.master = nn.Parameter(init.clone(), requires_grad=False)
-                slot.master.grad = slot.grad
+                slot.master = nn.Parameter((init if whole else init[a:b]).clone(), requires_grad=False)
+                slot.master.grad = slot.grad if whole else slot.grad[a:b]
             slot.param.register_post_accumulate_grad_hook(self._accumulate_hook(slot))
 
     def _replica_groups(self, spec: ModelSpec) -> list[tuple[Group, list[_Interval]]]:
@@ -239,11 +289,14 @@ class Optimizer:
             slot.norm_mask.narrow(iv.dim, held.offset, iv.length).zero_()
 
     def _make_adam(self, lr: float, betas, eps: float, weight_decay: float) -> torch.optim.AdamW | None:
-        """torch's AdamW on the masters this rank owns (no weight decay for norms and biases)."""
+        """torch's AdamW on the masters this rank owns (no weight decay for norms and biases).
+        Group 0 ("decay") and 1 ("no_decay") are NxD's two param groups."""
+        self.hyper = {kind: {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": wd}
+                      for kind, wd in ((DECAY, weight_decay), (NO_DECAY, 0.0))}
         decay = [s.master for s in self.owned if s.decay]
         no_decay = [s.master for s in self.owned if not s.decay]
-        param_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
-                                    {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        param_groups = [g for g in ({"params": decay, "weight_decay": weight_decay, "kind": DECAY},
+                                    {"params": no_decay, "weight_decay": 0.0, "kind": NO_DECAY}) if g["params"]]
         return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps) if param_groups else None
 
     @staticmethod
@@ -316,81 +369,106 @@ class Optimizer:
                     group["lr"] = lr
                 self.adam.step()
             for slot in self.owned:
-                if slot.master is not slot.param:
-                    slot.param.data.copy_(slot.master.data)
+                if slot.param.dtype != torch.float32:
+                    a, b = slot.rows
+                    slot.param.data[a:b].copy_(slot.master.data)
             if self.zero1:
-                self._broadcast_owned()
+                self._gather_rows()
             self.zero_grad()
         return norm
 
-    def _broadcast_owned(self) -> None:
-        for owner in range(self.par.dp):
-            tensors = [s.param.data for s in self.slots if s.owner == owner]
-            if not tensors:
-                continue
-            flat = _flatten_dense_tensors(tensors)
-            self.par.dp_group.broadcast(flat, src=owner)
-            if owner != self.par.dp_rank:
-                for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-                    t.copy_(synced)
+    def _padded_rows(self, slot: Slot, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a parameter-shaped tensor as NxD's ZeRO-1 shard (zero-padded rows)."""
+        a, b = slot.rows
+        r = shard_rows(t.shape[0], self.par.dp)
+        out = torch.zeros((r, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        out[: b - a].copy_(t[a:b])
+        return out
+
+    def _gather_rows(self) -> None:
+        """ZeRO-1: every dp rank's updated rows to every dp rank (one all-gather per dtype)."""
+        import torch.distributed as dist
+
+        par = self.par
+        by_dtype: dict[torch.dtype, list[Slot]] = {}
+        for slot in self.slots:
+            if self._sharded(slot):
+                by_dtype.setdefault(slot.param.dtype, []).append(slot)
+        for slots in by_dtype.values():
+            send = torch.cat([self._padded_rows(s, s.param.data).reshape(-1) for s in slots])
+            outs = [torch.empty_like(send) for _ in range(par.dp)]
+            with COMM.timed():
+                dist.all_gather(outs, send, group=par.dp_group.pg)
+            for d, out in enumerate(outs):
+                if d == par.dp_rank:
+                    continue
+                offset = 0
+                for s in slots:
+                    rows = shard_rows(s.param.shape[0], par.dp)
+                    size = rows * math.prod(s.param.shape[1:])
+                    a, b = self._rows_of(s, d)
+                    s.param.data[a:b].copy_(out[offset:offset + size].view(rows, *s.param.shape[1:])[: b - a])
+                    offset += size
 
     # ---- state by piece name ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{piece name: {"exp_avg", "exp_avg_sq", "step"[, "master"]}} of the parameters this rank owns."""
+        """{piece name: {"exp_avg", "exp_avg_sq", "step"[, "master"]}}: the tp-local tensors; with
+        ZeRO-1 this dp rank's NxD shard of each (dim 0 zero-padded to a multiple of dp, chunk dp_rank),
+        for every parameter. Empty before the first update."""
+        if self.adam is None or not self.adam.state:
+            return {}
+        step = next(iter(self.adam.state.values()))["step"]
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for slot in self.owned:
-            state = self.adam.state.get(slot.master, {}) if self.adam is not None else {}
-            if not state:
+        for slot in self.slots:
+            state = self.adam.state.get(slot.master, {}) if slot.master is not None else {}
+            bf16 = slot.param.dtype != torch.float32
+            if not state and not self._sharded(slot):
                 continue
-            entry = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"], "step": state["step"]}
-            if slot.master is not slot.param:
-                entry["master"] = slot.master.data
+            if self._sharded(slot):
+                shard = (shard_rows(slot.param.shape[0], self.par.dp), *slot.param.shape[1:])
+                if state:
+                    entry = {m: self._pad_local(state[m], shard) for m in MOMENTS}
+                    entry["step"] = state["step"]
+                    if bf16:
+                        entry["master"] = self._pad_local(slot.master.data, shard)
+                else:  # none of this parameter's rows is this rank's: an all-padding shard
+                    entry = {m: torch.zeros(shard, dtype=torch.float32) for m in MOMENTS}
+                    entry["step"] = step
+                    if bf16:
+                        entry["master"] = torch.zeros(shard, dtype=torch.float32)
+            else:
+                entry = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"], "step": state["step"]}
+                if bf16:
+                    entry["master"] = slot.master.data
             for name in slot.names:
                 out[name] = entry
         return out
 
-    def gather_state_to_dp0(self) -> dict[str, dict[str, torch.Tensor]] | None:
-        """The whole optimizer state of this (tp, pp) rank on dp rank 0 (None elsewhere). Without
-        ZeRO-1 dp rank 0 has it already; with ZeRO-1 every owner sends its moments there."""
-        par = self.par
-        mine = self.state_dict()
-        if not self.zero1:
-            return mine if par.dp_rank == 0 else None
-        import torch.distributed as dist
+    @staticmethod
+    def _pad_local(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        out = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        out[: t.shape[0]].copy_(t)
+        return out
 
-        full = dict(mine) if par.dp_rank == 0 else None
-        for owner in range(1, par.dp):
-            slots = [s for s in self.slots if s.owner == owner]
-            if not slots or par.dp_rank not in (0, owner):
-                continue
-            moments = [["exp_avg", "exp_avg_sq"] + (["master"] if s.param.dtype != torch.float32 else [])
-                       for s in slots]
-            sizes = [s.param.numel() for s, ms in zip(slots, moments) for _ in ms] + [len(slots)]
-            if par.dp_rank == owner:
-                zero = {"step": torch.zeros(())}  # no update yet (e.g. a skipped non-finite step)
-                entries = [mine.get(s.names[0], zero) for s in slots]
-                parts = [(e[m] if m in e else torch.zeros_like(s.grad)).reshape(-1).float()
-                         for s, e, ms in zip(slots, entries, moments) for m in ms]
-                parts.append(torch.stack([torch.as_tensor(e["step"]).float().reshape(()) for e in entries]))
-                with COMM.timed():
-                    dist.send(torch.cat(parts), dst=par.dp_group.ranks[0], group=par.dp_group.pg)
-                continue
-            buf = torch.empty(sum(sizes), dtype=torch.float32, device=self.flat.device)
-            with COMM.timed():
-                dist.recv(buf, src=par.dp_group.ranks[owner], group=par.dp_group.pg)
-            chunks = iter(buf.split(sizes))
-            entries = []
-            for s, ms in zip(slots, moments):
-                entries.append({m: next(chunks).view(s.param.shape).clone() for m in ms})
-            steps = next(chunks)
-            for s, entry, step in zip(slots, entries, steps):
-                entry["step"] = step.clone()
-                for name in s.names:
-                    full[name] = entry
-        return full
+    def save_param_groups(self, next_lr: float) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """NxD's two param groups' hyperparameters (as its AdamW saves them, `lr` the next step's)
+        and each piece's group (0: weights with decay, 1: norms and biases)."""
+        groups = []
+        for kind in (DECAY, NO_DECAY):
+            h = self.hyper[kind]
+            groups.append({"weight_decay": h["weight_decay"], "lr": next_lr, "betas": list(h["betas"]),
+                           "initial_lr": self.initial_lr, "eps": h["eps"], "amsgrad": False, "maximize": False,
+                           "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                           "decoupled_weight_decay": True})
+        return groups, {n: 0 if s.decay else 1 for s in self.slots for n in s.names}
 
-    def load_state_dict(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        """Take optimizer state by piece name (any names this rank does not own are ignored)."""
+    def load_state_dict(self, states: Mapping[str, Mapping[str, torch.Tensor]],
+                        param_groups: list[Mapping[str, Any]] | None = None,
+                        groups: Mapping[str, int] | None = None) -> None:
+        """Take optimizer state by piece name: tp-local (dp-unsharded) tensors, of which this rank
+        keeps its rows (any names this rank does not hold are ignored). With the checkpoint's
+        `param_groups` and each piece's group index (`groups`), its betas, eps and weight decay are
+        adopted, as torch's and NxD's optimizers do on load."""
         if self.adam is None:
             return
         for slot in self.owned:
@@ -398,12 +476,40 @@ class Optimizer:
             if entry is None:
                 continue
             master = slot.master
-            if "master" in entry and master is not slot.param:
-                master.data.copy_(entry["master"].to(master.dtype))
+            a, b = slot.rows
+
+            def mine(t: torch.Tensor, slot: Slot = slot, a: int = a, b: int = b) -> torch.Tensor:
+                t = t.detach().to(torch.float32).reshape(slot.param.shape)
+                return (t if not self._sharded(slot) else t[a:b]).clone()
+
+            if "master" in entry and slot.param.dtype != torch.float32:
+                master.data.copy_(mine(entry["master"]))
             step = entry["step"]
             self.adam.state[master] = {
-                "step": (step.detach().clone().to(torch.float32) if torch.is_tensor(step)
+                "step": (step.detach().clone().to(torch.float32).reshape(()) if torch.is_tensor(step)
                          else torch.tensor(float(step))),
-                "exp_avg": entry["exp_avg"].detach().to(torch.float32).clone().view(master.shape),
-                "exp_avg_sq": entry["exp_avg_sq"].detach().to(torch.float32).clone().view(master.shape),
+                "exp_avg": mine(entry["exp_avg"]),
+                "exp_avg_sq": mine(entry["exp_avg_sq"]),
             }
+        if param_groups and groups:
+            self._adopt_hyper(param_groups, groups, states)
+
+    def _adopt_hyper(self, saved: list[Mapping[str, Any]], groups: Mapping[str, int], states: Mapping) -> None:
+        for kind in (DECAY, NO_DECAY):
+            index = {groups.get(n, 0) for s in self.slots if s.decay == (kind == DECAY) for n in s.names
+                     if n in states}
+            if len(index) != 1 or next(iter(index)) >= len(saved):
+                continue
+            g = saved[next(iter(index))]
+            h = self.hyper[kind]
+            for key in ("betas", "eps", "weight_decay"):
+                if key not in g:
+                    continue
+                value = tuple(float(v) for v in g[key]) if key == "betas" else float(g[key])
+                if value != h[key]:
+                    log.info("resuming with the checkpoint's %s %s for %s parameters (the options say %s)", key,
+                             value, kind.replace("_", " "), h[key])
+                    h[key] = value
+            for group in self.adam.param_groups:
+                if group.get("kind") == kind:
+                    group.update({k: h[k] for k in ("betas", "eps", "weight_decay")})

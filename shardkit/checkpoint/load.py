@@ -36,7 +36,7 @@ from ..paths import UnsafePathError, inside
 from ..formats.torch_io import safe_load
 from ..layout import Layout, ModelDims
 from ..placements import Piece, Read
-from .zero1 import MASTER, SEP, Zero1Tag, load_object, model_has_data, optim_name, prefixed
+from .zero1 import MASTER, SEP, Zero1Tag, load_object, model_has_data, optim_name, prefixed, stored_dtype
 from .base import (
     IncompleteCheckpointError,
     LoadedCheckpoint,
@@ -257,8 +257,7 @@ def _from_master(ckpt: Checkpoint, zero: Zero1Tag | None, pieces: list[Piece]) -
     if zero is None or not zero.master:
         raise FormatError(f"{ckpt.root}: the model files hold no tensor data and the optimizer files no master "
                           "weights: the checkpoint holds no weights")
-    name = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype") or "bfloat16"
-    dtype = getattr(torch, str(name).replace("torch.", ""), torch.bfloat16)
+    dtype = stored_dtype(ckpt)
     reader = SourceReader(zero.view([MASTER]))
     try:
         return {p.name: reader.read_piece(prefixed(p, MASTER + SEP)).to(dtype) for p in pieces}

@@ -31,7 +31,8 @@ from ..placements import Piece
 from .base import CheckpointError
 from .load import resolve_tag
 from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT, write_marker
-from .zero1 import MASTER, MOMENTS, SEP, Zero1Tag, build_optim, model_has_data, optim_name, prefixed, save_object
+from .zero1 import (MASTER, MOMENTS, SEP, Zero1Tag, build_optim, model_has_data, optim_name, prefixed,
+                    master_weights_view, save_object, stored_dtype)
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,22 @@ def open_training_tag(tag_dir: Path, config: Any = None, hints: Mapping[str, Any
     return Source(tag_dir, model, zero, model_has_data(model))
 
 
-def model_dtype(src: Source) -> torch.dtype:
+def model_checkpoint(tag_dir: Path, config: Any = None, hints: Mapping[str, Any] | None = None,
+                     param_order: list[list[str]] | None = None) -> Checkpoint:
+    """A tag's model as the engine reads it (merge, export): its model files, or, when they hold no
+    tensor data (NxD's avoid_saving_lower_precision_weights), its fp32 master weights in the
+    model's dtype under the model's names."""
+    src = open_training_tag(tag_dir, config, hints, param_order)
     if src.has_data:
-        return src.model.dtype()
-    name = src.model.config.get("torch_dtype") or src.model.config.get("dtype") or "bfloat16"
-    return getattr(torch, str(name).replace("torch.", ""), torch.bfloat16)
+        return src.model
+    if src.zero1 is None:
+        raise CheckpointError(f"{tag_dir}: the model files hold no tensor data and there are no optimizer files "
+                              "with master weights: the checkpoint holds no weights")
+    return master_weights_view(src.model, src.zero1)
+
+
+def model_dtype(src: Source) -> torch.dtype:
+    return src.model.dtype() if src.has_data else stored_dtype(src.model)
 
 
 @dataclass
@@ -242,7 +254,7 @@ def _step(src: Source, name: str) -> int | None:
     return tag_step(name)
 
 
-__all__ = ["reshard_training", "open_training_tag", "Source", "model_has_data", "write_rank", "RankReaders"]
+__all__ = ["reshard_training", "open_training_tag", "model_checkpoint", "Source", "model_has_data", "write_rank", "RankReaders"]
 
 
 def inspect_training(src_dir: str | Path, tag: str | None = None, config: Any = None,

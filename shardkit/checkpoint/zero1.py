@@ -252,6 +252,23 @@ def model_has_data(ckpt: Checkpoint) -> bool:
         reader.close()
 
 
+def stored_dtype(ckpt: Checkpoint) -> torch.dtype:
+    """The model's dtype when its files hold no tensor data: the dtype the data-less tensors keep,
+    else the manifest's, else the config's (bf16 when none says)."""
+    key = next(iter(ckpt.holdings))
+    reader = ckpt.open(key)
+    try:
+        names = set(reader.keys())
+        for piece in ckpt.holdings[key]:
+            if piece.name in names:
+                return reader.dtype(piece.name)
+    finally:
+        reader.close()
+    name = (ckpt.manifest or {}).get("dtype") or ckpt.config.get("torch_dtype") or ckpt.config.get("dtype")
+    dtype = getattr(torch, str(name or "bfloat16").replace("torch.", ""), None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+
+
 # ---- reading a tag's optimizer files ----------------------------------------------------------------
 
 
@@ -568,6 +585,63 @@ class MergedOptimFile:
 
     def close(self) -> None:
         self._objs = None
+
+
+class _MasterWeightsCheckpoint(Checkpoint):
+    """A tag's model read from its fp32 master weights (model files without tensor data)."""
+
+    zero1: Zero1Tag
+    weights_dtype: torch.dtype
+
+    def open(self, key: str):  # type: ignore[override]
+        ep, tp, pp = self.ranks[key]
+        return _MasterWeightsFile(self.zero1.merged_reader(tp, pp), self.weights_dtype)
+
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.zero1.files.values())
+
+
+class _MasterWeightsFile:
+    """A (tp, pp) rank's weights under their own names, from `master::<name>`, in the model dtype."""
+
+    def __init__(self, merged: MergedOptimFile, dtype: torch.dtype):
+        self.merged, self.dtype_, self.path = merged, dtype, merged.path
+
+    def keys(self) -> list[str]:
+        return list(self.merged.order.names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.merged.shape(MASTER + SEP + name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.dtype_
+
+    def full(self, name: str) -> torch.Tensor:
+        return self.merged.full(MASTER + SEP + name).to(self.dtype_)
+
+    def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        return self.merged.read(MASTER + SEP + name, dim, start, stop).to(self.dtype_)
+
+    def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.merged.close()
+
+
+def master_weights_view(model: Checkpoint, zero: "Zero1Tag") -> Checkpoint:
+    """The tag's model as a Checkpoint whose tensors are the optimizer files' fp32 master weights
+    (cast to the model's dtype), under the model's own names and layout: what a merge or export
+    reads when the model files hold no tensor data."""
+    if not zero.master:
+        raise OptimFileError(f"{model.root}: the model files hold no tensor data and the optimizer files no master "
+                             "weights (sharded_master_weights): the checkpoint holds no weights")
+    files = {key: zero.files[(0, tp, pp)] for key, (ep, tp, pp) in model.ranks.items()}
+    view = _MasterWeightsCheckpoint(model.root, "sharded", "torch", model.config, model.family, model.dims,
+                                    model.layout, files, model.holdings, model.ranks, model.manifest, model.naming)
+    view.zero1 = zero
+    view.weights_dtype = stored_dtype(model)
+    return view
 
 
 def _numel(shape: Sequence[int]) -> int:
