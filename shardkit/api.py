@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 from typing_extensions import Unpack
 
 from .checkpoint import resolve_tag
+from .checkpoint.reshard import model_checkpoint
 from .engine import (
     ProgressCallback,
     Result,
@@ -115,8 +116,9 @@ def export_checkpoint(dir: str | Path, out: str | Path, tag: str | None = None, 
     name = resolve_tag(root, tag)
     if name is None:
         raise AssertionError("resolve_tag returns a tag or raises when none is asked for by name")
-    return merge(inside(root, name, "checkpoint tag"), out, max_shard_size=max_shard_size, config=config, hints=hints,
-                 **options)
+    # the tag's model files, or its fp32 master weights when the model files hold no data
+    model = model_checkpoint(inside(root, name, "checkpoint tag"), config, hints)
+    return merge(model, out, max_shard_size=max_shard_size, **options)
 
 
 def reshard_training_checkpoint(src: str | Path, dst: str | Path, layout: Layout, *, dp: int = 1, zero1: bool = True,
