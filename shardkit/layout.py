@@ -145,10 +145,9 @@ class Layout:
     kv_multiplier: int = 1
     kv_replication: str = "interleaved"
     qkv: str = "separate"
-    vpp: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("tp", "pp", "ep", "kv_multiplier", "vpp"):
+        for field in ("tp", "pp", "ep", "kv_multiplier"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{field} must be a positive whole number, got {value!r}")
@@ -158,8 +157,6 @@ class Layout:
             )
         if self.qkv not in QKV_STYLES:
             raise LayoutError(f"qkv style {self.qkv!r} is unknown: use one of {', '.join(QKV_STYLES)}")
-        if self.vpp != 1:
-            raise LayoutError("virtual pipeline stages (vpp > 1) are not supported yet: use vpp 1")
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -167,6 +164,8 @@ class Layout:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Layout":
+        if data.get("vpp", 1) != 1:  # written by versions that reserved the field; never other than 1
+            raise LayoutError(f"virtual pipeline stages (vpp {data['vpp']!r}) are not supported: re-create the shards")
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in fields})
 

@@ -365,3 +365,12 @@ def test_cli_unknown_model(tmp_path):
 def test_cli_help_says_activations_are_not_estimated():
     result = CliRunner().invoke(cli, ["plan", "--help"])
     assert result.exit_code == 0 and "NOT estimated" in result.output and "--suggest" in result.output
+
+
+def test_layout_has_no_virtual_stages_and_refuses_manifests_that_claim_some():
+    """vpp was a reserved field that had to be 1: it is gone from Layout; old manifests with
+    "vpp": 1 still load, and one claiming virtual stages is refused rather than misread."""
+    assert "vpp" not in Layout().to_dict()
+    assert Layout.from_dict({"tp": 2, "pp": 1, "vpp": 1}) == Layout(tp=2)
+    with pytest.raises(LayoutError, match="virtual pipeline stages"):
+        Layout.from_dict({"tp": 2, "pp": 2, "vpp": 2})

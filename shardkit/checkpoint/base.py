@@ -134,7 +134,8 @@ def check_retention(num_kept: int | None, keep_every: int | None) -> None:
 
 @dataclass(frozen=True)
 class Rank:
-    """A process's place in a parallel layout. dp > 0 ranks are replicas that write nothing."""
+    """A process's place in a parallel layout: its tensor, pipeline and expert coordinates, and
+    which data-parallel replica it is (dp > 0 replicas write no model files)."""
 
     tp: int = 0
     pp: int = 0

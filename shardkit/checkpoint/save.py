@@ -486,12 +486,7 @@ class Checkpointer:
             dp_size = max(1, self.comm.world // (layout.tp * layout.pp * layout.ep)) if zero1 else 1
             states = self._states(family, dims, layout, shapes, model_state, optimizer_state, rank, param_names,
                                   dp_size)
-            sched = scheduler_state(scheduler)
-            if user_content is not None:
-                check_plain(user_content, "user_content")
-            the_step = step if step is not None else tag_step(str(tag))
-            if the_step is None and isinstance(user_content, Mapping) and isinstance(user_content.get("step"), int):
-                the_step = user_content["step"]
+            sched, the_step = _plain_parts(tag, scheduler, user_content, step)
             job = SaveJob(Path(dir), str(tag), layout, fmt, cfg_dict, family, dims, the_step, states,
                           self.comm.rank == 0, sched, user_content, num_kept, keep_every, cfg.fsync, async_save,
                           self.comm.world, zero1=bool(zero1), dp_size=dp_size)
@@ -531,12 +526,7 @@ class Checkpointer:
         writes_optim = optimizer_state is not None and (zero1 or leader)
         generic = {"model": model_state if leader else None, "optimizer": optimizer_state if writes_optim else None,
                    "dp": self.comm.rank if zero1 else 0}
-        sched = scheduler_state(scheduler)
-        if user_content is not None:
-            check_plain(user_content, "user_content")
-        the_step = step if step is not None else tag_step(str(tag))
-        if the_step is None and isinstance(user_content, Mapping) and isinstance(user_content.get("step"), int):
-            the_step = user_content["step"]
+        sched, the_step = _plain_parts(tag, scheduler, user_content, step)
         job = SaveJob(Path(dir), str(tag), None, "torch", None, None, None, the_step, [], leader, sched, user_content,
                       num_kept, keep_every, self.config.fsync, async_save, self.comm.world, zero1=bool(zero1),
                       dp_size=self.comm.world if zero1 else 1, generic=generic)
@@ -593,6 +583,17 @@ def _then_release(task: Callable[[], Any], lock: DirectoryLock) -> Any:
         return task()
     finally:
         lock.release()
+
+
+def _plain_parts(tag: str, scheduler: Any, user_content: Any, step: int | None) -> tuple[Any, int | None]:
+    """The scheduler's state and the step of a save (given, else from the tag name, else
+    user_content["step"]); user_content must be plain data."""
+    if user_content is not None:
+        check_plain(user_content, "user_content")
+    the_step = step if step is not None else tag_step(str(tag))
+    if the_step is None and isinstance(user_content, Mapping) and isinstance(user_content.get("step"), int):
+        the_step = user_content["step"]
+    return scheduler_state(scheduler), the_step
 
 
 def _check_claims(layout: Layout, claims: Sequence[Sequence[tuple[int, int, int, int]]], world: int) -> None:

@@ -114,45 +114,22 @@ def load_object(path: Path, use_xser: bool) -> Any:
     return _resolve(obj, Path(path)) if use_xser else obj
 
 
-def _resolve(obj: Any, path: Path) -> Any:
-    """xser.resolve that keeps shared objects shared (NxD's param groups share their betas list)."""
+_KEEP = object()
+
+
+def _map_leaves(obj: Any, leaf: Any) -> Any:
+    """`obj` rebuilt with `leaf(x)` in place of each value it maps (`_KEEP`: walk on), keeping
+    shared dicts and lists shared (NxD's param groups share one betas list)."""
     memo: dict[int, Any] = {}
 
     def walk(x: Any) -> Any:
-        if isinstance(x, TensorReference):
-            return safe_load(xser.tensor_path(path, x.tid))
+        mapped = leaf(x)
+        if mapped is not _KEEP:
+            return mapped
         if id(x) in memo:
             return memo[id(x)]
         if isinstance(x, dict):
             out = memo[id(x)] = type(x)()
-            for k, v in x.items():
-                out[k] = walk(v)
-            return out
-        if isinstance(x, list):
-            out_l = memo[id(x)] = []
-            out_l.extend(walk(v) for v in x)
-            return out_l
-        if isinstance(x, tuple):
-            return tuple(walk(v) for v in x)
-        return x
-
-    return walk(obj)
-
-
-def _reference_walk(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """obj with every tensor replaced by TensorReference(tid), tid in depth-first insertion order
-    (torch-xla's ToXlaTensorArena). Sharing of plain objects (e.g. a betas list) is kept."""
-    memo: dict[int, Any] = {}
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            tensors.append(x)
-            return TensorReference(len(tensors) - 1)
-        if id(x) in memo:
-            return memo[id(x)]
-        if isinstance(x, dict):
-            out = type(x)()
-            memo[id(x)] = out
             for k, v in x.items():
                 out[k] = walk(v)
             return out
@@ -166,6 +143,25 @@ def _reference_walk(obj: Any, tensors: list[torch.Tensor]) -> Any:
         return x
 
     return walk(obj)
+
+
+def _resolve(obj: Any, path: Path) -> Any:
+    """xser.resolve that keeps shared objects shared."""
+    return _map_leaves(obj, lambda x: safe_load(xser.tensor_path(path, x.tid)) if isinstance(x, TensorReference)
+                       else _KEEP)
+
+
+def _reference_walk(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """obj with every tensor replaced by TensorReference(tid), tid in depth-first insertion order
+    (torch-xla's ToXlaTensorArena). Sharing of plain objects (e.g. a betas list) is kept."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return TensorReference(len(tensors) - 1)
+        return _KEEP
+
+    return _map_leaves(obj, leaf)
 
 
 def save_object(path: Path, obj: Any, use_xser: bool, expert: bool = False) -> list[Path]:
