@@ -13,8 +13,9 @@ import atexit
 import datetime
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -34,9 +34,10 @@ layer), then smallest pp.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .errors import FormatError, LayoutError, ShardkitError
 from .families import Family, family_for, layer_of
@@ -306,7 +307,7 @@ class _RankTable:
     layer_prefix: list[list[int]]  # per rank, cumulative sums over layers (length num_layers + 1)
 
     @classmethod
-    def build(cls, family: Family, dims: ModelDims, shapes, tp: int, kv_multiplier: int) -> "_RankTable":
+    def build(cls, family: Family, dims: ModelDims, shapes, tp: int, kv_multiplier: int) -> _RankTable:
         key = (family, dims, tp, kv_multiplier)
         if key not in _TABLES:
             if len(_TABLES) >= 64:
@@ -315,7 +316,7 @@ class _RankTable:
         return _TABLES[key]
 
     @classmethod
-    def _build(cls, family: Family, dims: ModelDims, shapes, tp: int, kv_multiplier: int) -> "_RankTable":
+    def _build(cls, family: Family, dims: ModelDims, shapes, tp: int, kv_multiplier: int) -> _RankTable:
         L = dims.num_layers
         whole = Layout(tp=tp, pp=1, kv_multiplier=kv_multiplier)
         # one layer per stage: stage 0 is the first block + layer 0, the last stage layer L-1 + the final block

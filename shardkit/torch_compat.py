@@ -17,7 +17,8 @@ import importlib
 import inspect
 import pickle
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -22,14 +22,22 @@ before any process group exists.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from shardkit.checkpoint import (LATEST_IF_EXISTS, Checkpointer, CheckpointerConfig, OptimizerState, Rank,
-                                 load_checkpoint, resolve_tag)
+from shardkit.checkpoint import (
+    LATEST_IF_EXISTS,
+    Checkpointer,
+    CheckpointerConfig,
+    OptimizerState,
+    Rank,
+    load_checkpoint,
+    resolve_tag,
+)
 from shardkit.checkpoint.tree import CHECKPOINT_MARKER, DONE_MARKER
 from shardkit.formats import load_config
 from shardkit.layout import ModelDims

@@ -18,9 +18,10 @@ import datetime
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ class Clock:
     collectives it waits on). On CPU (gloo) collectives are synchronous, so the communication clock
     measures their cost, including waiting for slower peers."""
 
-    def __init__(self, exclude: "Clock | None" = None) -> None:
+    def __init__(self, exclude: Clock | None = None) -> None:
         self.seconds = 0.0
         self.exclude = exclude
         self._depth = 0

@@ -19,7 +19,7 @@ With pp = 1 no pipeline machinery is used: `run_micro_batches` is a plain accumu
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -21,8 +21,8 @@ is `shardkit.api.export_checkpoint` (it needs the engine, which sits above this 
 
 from .base import (
     FORMATS,
-    CheckpointError,
     CheckpointerConfig,
+    CheckpointError,
     CheckpointLockedError,
     CheckpointWriteError,
     IncompleteCheckpointError,

@@ -21,8 +21,9 @@ Destroy the default process group only after `wait()`/`finalize_checkpoint()`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -48,8 +48,9 @@ with `zero1=True` by every dp rank, its own shard (`optim/dp_rank_DD_...`, NxD's
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -155,7 +156,7 @@ class Rank:
             parts.append(f"dp {self.dp}")
         return ", ".join(parts)
 
-    def validate(self, layout: Layout) -> "Rank":
+    def validate(self, layout: Layout) -> Rank:
         for name, size in (("tp", layout.tp), ("pp", layout.pp), ("ep", layout.ep)):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value < size:
@@ -166,7 +167,7 @@ class Rank:
         return self
 
     @classmethod
-    def from_global(cls, global_rank: int, layout: Layout) -> "Rank":
+    def from_global(cls, global_rank: int, layout: Layout) -> Rank:
         """NxD/Megatron order: tp fastest, then pp, then ep, dp outermost."""
         tp = global_rank % layout.tp
         rest = global_rank // layout.tp
@@ -178,7 +179,7 @@ class Rank:
         return ((self.dp * layout.ep + self.ep) * layout.pp + self.pp) * layout.tp + self.tp
 
     @classmethod
-    def of(cls, value: Any, layout: Layout) -> "Rank":
+    def of(cls, value: Any, layout: Layout) -> Rank:
         """A Rank from a Rank, (tp, pp), (ep, tp, pp) or None (this process's torch.distributed rank;
         rank 0 of a one-process run). dp is derived from the global rank when not given."""
         if isinstance(value, Rank):

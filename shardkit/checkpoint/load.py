@@ -25,18 +25,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from ..errors import ConfigMismatchError, FormatError
 from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
-from ..paths import UnsafePathError, inside
 from ..formats.torch_io import safe_load
 from ..layout import Layout, ModelDims
+from ..paths import UnsafePathError, inside
 from ..placements import Piece, Read
-from .zero1 import MASTER, SEP, Zero1Tag, load_object, model_has_data, optim_name, prefixed, stored_dtype
 from .base import (
     IncompleteCheckpointError,
     LoadedCheckpoint,
@@ -57,6 +57,7 @@ from .tree import (
     list_checkpoints,
     tag_path,
 )
+from .zero1 import MASTER, SEP, Zero1Tag, load_object, model_has_data, optim_name, prefixed, stored_dtype
 
 log = logging.getLogger(__name__)
 

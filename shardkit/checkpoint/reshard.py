@@ -16,9 +16,10 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -31,8 +32,19 @@ from ..placements import Piece
 from .base import CheckpointError
 from .load import resolve_tag
 from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT, write_marker
-from .zero1 import (MASTER, MOMENTS, SEP, Zero1Tag, build_optim, model_has_data, optim_name, prefixed,
-                    master_weights_view, save_object, stored_dtype)
+from .zero1 import (
+    MASTER,
+    MOMENTS,
+    SEP,
+    Zero1Tag,
+    build_optim,
+    master_weights_view,
+    model_has_data,
+    optim_name,
+    prefixed,
+    save_object,
+    stored_dtype,
+)
 
 log = logging.getLogger(__name__)
 

@@ -27,34 +27,35 @@ import json
 import logging
 import threading
 import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from ..distributed import Job
+from ..errors import LayoutError
 from ..families import Family, family_for
-from ..formats.base import FileRecord, HashingFile, TensorSpec
-from ..formats.safetensors_io import SafetensorsWriter
 from ..formats import MANIFEST, load_config
+from ..formats.base import FileRecord, HashingFile, TensorSpec
+from ..formats.manifest import file_sha256
+from ..formats.manifest import manifest as build_manifest
+from ..formats.safetensors_io import SafetensorsWriter
 from ..formats.torch_io import TorchWriter
 from ..formats.xser import XserWriter, tensors_dir
 from ..layout import Layout, ModelDims
-from .async_save import BackgroundWriter, HostStaging, host_copy
-from ..distributed import Job
-from ..formats.manifest import file_sha256, manifest as build_manifest
-from .zero1 import build_optim, save_object
-from ..errors import LayoutError
 from ..paths import is_link
+from .async_save import BackgroundWriter, HostStaging, host_copy
 from .base import (
-    jsonable,
-    CheckpointError,
     CheckpointerConfig,
+    CheckpointError,
     CheckpointWriteError,
     Rank,
     check_format,
     check_retention,
     distributed_rank,
+    jsonable,
 )
 from .state import (
     RankState,
@@ -86,6 +87,7 @@ from .tree import (
     write_marker,
     write_text,
 )
+from .zero1 import build_optim, save_object
 
 log = logging.getLogger(__name__)
 
@@ -427,7 +429,7 @@ class Checkpointer:
             finally:
                 self._staging.clear()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -10,8 +10,9 @@ own dp shard of every moment (`zero1.dp_shard`) and writes its own file.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -19,7 +20,6 @@ from ..families import Family
 from ..formats import nxd
 from ..layout import Layout, ModelDims
 from ..placements import Piece
-from .zero1 import MASTER, MOMENTS, dp_shard, optim_name, shard_rows
 from .base import (
     CheckpointError,
     OptimizerState,
@@ -27,6 +27,7 @@ from .base import (
     StateMismatchError,
     optimizer_state_from_torch,
 )
+from .zero1 import MASTER, MOMENTS, dp_shard, optim_name, shard_rows
 
 
 def model_file(rank: Rank, layout: Layout, fmt: str) -> str:

@@ -28,8 +28,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from ..errors import ShardkitError
-from ..formats import nxd
-from ..formats import MANIFEST
+from ..formats import MANIFEST, nxd
 from ..layout import Layout
 from ..paths import UnsafePathError, inside, is_link, remove_tree
 from .base import (
@@ -498,7 +497,7 @@ class DirectoryLock:
         finally:
             os.close(fd)
 
-    def __enter__(self) -> "DirectoryLock":
+    def __enter__(self) -> DirectoryLock:
         return self
 
     def __exit__(self, *exc) -> None:

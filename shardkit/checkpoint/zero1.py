@@ -23,16 +23,16 @@ import copy
 import json
 import logging
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from ..errors import FormatError, ShardkitError
-from ..formats import Checkpoint
+from ..formats import Checkpoint, xser
 from ..formats.torch_io import TensorReference, safe_load
-from ..formats import xser
 from ..placements import Piece
 from .tree import MODEL_DIR, OPTIM_DIR
 
@@ -305,7 +305,7 @@ class Zero1Tag:
     _objects: dict[tuple[int, int, int], Any] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, tag_dir: Path, model: Checkpoint, param_order: list[list[str]] | None = None) -> "Zero1Tag | None":
+    def open(cls, tag_dir: Path, model: Checkpoint, param_order: list[list[str]] | None = None) -> Zero1Tag | None:
         """The tag's optimizer files, checked; None when it has no `optim/` folder."""
         folder = Path(tag_dir) / OPTIM_DIR
         if not folder.is_dir():
@@ -511,7 +511,7 @@ class Zero1Tag:
         view.zero1 = self
         return view
 
-    def merged_reader(self, tp: int, pp: int) -> "MergedOptimFile":
+    def merged_reader(self, tp: int, pp: int) -> MergedOptimFile:
         return MergedOptimFile(self, tp, pp)
 
 
@@ -625,7 +625,7 @@ class _MasterWeightsFile:
         self.merged.close()
 
 
-def master_weights_view(model: Checkpoint, zero: "Zero1Tag") -> Checkpoint:
+def master_weights_view(model: Checkpoint, zero: Zero1Tag) -> Checkpoint:
     """The tag's model as a Checkpoint whose tensors are the optimizer files' fp32 master weights
     (cast to the model's dtype), under the model's own names and layout: what a merge or export
     reads when the model files hold no tensor data."""

@@ -8,9 +8,9 @@ writer that follow `base.TensorFile` / `base.TensorFileWriter`, plus one entry i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Collection, Sequence
 
 from ..errors import ShardkitError
 from .base import TensorFile, TensorFileWriter, TensorSpec

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import ShardkitError
 from ..formats import Checkpoint, get_format, hf, is_plain_hf_dir, open_checkpoint

@@ -13,8 +13,9 @@ import glob
 import json
 import logging
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from ..errors import FormatError, ShardkitError
 from ..formats import MANIFEST, hf

@@ -4,7 +4,7 @@ put in a message), and the small helpers every Hub call shares."""
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..errors import ShardkitError
 from ..version import __version__

@@ -14,15 +14,27 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ..engine import merge_checkpoint
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, is_plain_hf_dir, open_checkpoint
 from .card import model_card, weight_stats
-from .errors import (HubAuthError, HubError, HubOfflineError, HubUploadError, _api, _hub_cause, _is_transient, _offline,
-                     _one_line, _translate, _endpoint)
+from .errors import (
+    HubAuthError,
+    HubError,
+    HubOfflineError,
+    HubUploadError,
+    _api,
+    _endpoint,
+    _hub_cause,
+    _is_transient,
+    _offline,
+    _one_line,
+    _translate,
+)
 
 log = logging.getLogger(__name__)
 
