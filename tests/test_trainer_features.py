@@ -431,3 +431,14 @@ def test_resume_override_schedule_says_what_changed(tmp_path, hf_model, tokens, 
     said = [r.getMessage() for r in caplog.records if "other than its run's" in r.getMessage()]
     assert len(said) == 1 and "--micro-batch 1 -> 2" in said[0], said
     assert rel_diff(losses(tmp_path / "mb.jsonl"), first[2:]) < REL
+
+
+def test_readme_options_table_lists_every_option():
+    import dataclasses
+
+    from trainer.config import TrainConfig
+
+    readme = (ROOT / "trainer" / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| `--")]
+    flags = {line.split("`")[1].split(" ")[0] for line in rows}
+    assert flags == {"--" + f.name.replace("_", "-") for f in dataclasses.fields(TrainConfig)}

@@ -134,7 +134,8 @@ def _marker(dst: Path) -> dict[str, Any] | None:
 
 
 def _inputs(cfg) -> list[tuple[str, Path]]:
-    named = [("--model", cfg.model), ("--checkpoint-dir", cfg.checkpoint_dir)]
+    named = [("--model", cfg.model), ("--model-config", getattr(cfg, "model_config", None)),
+             ("--checkpoint-dir", cfg.checkpoint_dir)]
     if cfg.resume and Path(cfg.resume).exists():
         named.append(("--resume", cfg.resume))
     return [(flag, Path(path).absolute()) for flag, path in named if path]
