@@ -100,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         return code
     if rank == 0:
         exported = f"; exported {summary.exported}" if summary.exported else ""
+        evaluated = f", eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else ""
         if summary.steps:
             print(f"trainer: steps {summary.first_step + 1}-{summary.first_step + summary.steps} ({summary.layout}): "
-                  f"final loss {summary.losses[-1]:.4f}, {summary.tokens_per_s:,.0f} tokens/s{exported}",
+                  f"final loss {summary.losses[-1]:.4f}{evaluated}, {summary.tokens_per_s:,.0f} tokens/s{exported}",
                   file=sys.stderr, flush=True)
         else:
             print(f"trainer: nothing to train: already at step {summary.first_step} ({summary.layout}){exported}",

@@ -23,8 +23,16 @@ class TrainConfig:
     # ---- what to train on ----------------------------------------------------------------------
     model: str = _opt(None, "Model to start from: a Hugging Face directory or sharded directory of any layout "
                             "(resharded on load to this run's layout).", metavar="DIR")
+    model_config: str = _opt(None, "Pre-train from random weights instead of --model: a Hugging Face config.json "
+                                   "(or a directory holding one); the same full weights in every layout for a "
+                                   "--seed (trainer/README.md gives the rule).", metavar="FILE")
     data: str = _opt(None, "Pre-tokenized token file (scripts/prepare_data.py writes one; .npy is read too).",
                      metavar="FILE")
+    eval_data: str = _opt(None, "Held-out token file: evaluate loss and perplexity on it (same format as --data).",
+                          metavar="FILE")
+    eval_every: int = _opt(0, "Evaluate every N steps, and after the last (0: only after the last).")
+    eval_steps: int = _opt(0, "Batches of --global-batch sequences per evaluation, from the start of --eval-data "
+                              "(0: every whole batch it holds).")
     # ---- parallel layout -----------------------------------------------------------------------
     tp: int = _opt(1, "Tensor-parallel degree.", "--tp-size")
     pp: int = _opt(1, "Pipeline-parallel stages (1F1B schedule over micro-batches).", "--pp-size")
@@ -55,7 +63,7 @@ class TrainConfig:
     eps: float = _opt(1e-8, "AdamW epsilon.")
     clip_grad: float = _opt(1.0, "Clip the global gradient norm (over all ranks) to this; 0 disables.",
                             "--max-grad-norm")
-    seed: int = _opt(1234, "Seed of the data order.")
+    seed: int = _opt(1234, "Seed of the data order and of --model-config's random weights.")
     dtype: str = _opt("bf16", "Weights and activations dtype (bf16 keeps fp32 master weights in the optimizer).",
                       choices=("bf16", "fp32"))
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -68,6 +76,9 @@ class TrainConfig:
     resume: str = _opt(None, "Resume from a training checkpoint of ANY layout: a tag directory, a checkpoint "
                              "directory (newest tag), or latest_if_exists (newest tag of --checkpoint-dir, if any).",
                        metavar="CKPT")
+    override_schedule: bool = _opt(False, "Resume even though --steps, --warmup, --lr, --decay, --min-lr-ratio, "
+                                          "--global-batch or --seq-len differ from the checkpoint's run (refused "
+                                          "otherwise): continue with this run's values.")
     # ---- output --------------------------------------------------------------------------------
     export_hf: str = _opt(None, "At the end, write the merged Hugging Face model here. DIR must be new, empty, or "
                                 "this run's own earlier export (same --model, --data and --checkpoint-dir), which is "
@@ -75,7 +86,9 @@ class TrainConfig:
     overwrite_export: bool = _opt(False, "Let --export-hf replace a non-empty DIR that is not this run's export.")
     metrics: str = _opt(None, "JSONL metrics file (default: <checkpoint-dir>/metrics.jsonl when --checkpoint-dir).",
                         metavar="FILE")
-    log_every: int = _opt(1, "Update the progress bar and metrics every N steps.")
+    tensorboard: str = _opt(None, "Also write TensorBoard scalars (loss, lr, grad norm, tokens/s, eval loss, memory) "
+                                  "here, from rank 0 (needs the tensorboard package).", metavar="DIR")
+    log_every: int = _opt(1, "Update the progress bar every N steps (metrics are written every step).")
     progress: bool = _opt(True, "Show a progress bar on rank 0 (--no-progress to hide).")
     # ---- runtime -------------------------------------------------------------------------------
     device: str = _opt(None, "Force the device: cpu (gloo), cuda (nccl) or xla (Trainium; needs torch-xla).",

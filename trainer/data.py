@@ -20,6 +20,10 @@ order of a permutation seeded with (seed, e). The run consumes the global sample
 step s takes samples [s * G, (s + 1) * G) of it (G = global batch); data-parallel rank d takes the
 d-th contiguous 1/dp of those, cut into micro-batches. The position is the number of samples
 consumed, which does not depend on the layout: resuming with another tp/pp/dp continues exactly.
+
+Held-out data (`--eval-data`) is read the same way without shuffling (`shuffle=False`: sample i
+is window i), from its start at every evaluation, so evaluations are comparable over a run and
+between layouts.
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ class Batches:
     """This data-parallel rank's micro-batches of each step, in the global order."""
 
     def __init__(self, file: TokenFile, seq_len: int, global_batch: int, micro_batch: int, dp: int, dp_rank: int,
-                 seed: int, vocab_size: int | None = None):
+                 seed: int, vocab_size: int | None = None, shuffle: bool = True):
         if global_batch % (micro_batch * dp):
             raise DataError(f"--global-batch {global_batch} is not a multiple of --micro-batch {micro_batch} x dp {dp}")
         self.file = file
@@ -126,6 +130,7 @@ class Batches:
         self.dp_rank = dp_rank
         self.seed = seed
         self.vocab_size = vocab_size
+        self.shuffle = shuffle
         self.num_samples = (len(file) - 1) // seq_len
         if self.num_samples < 1:
             raise DataError(f"{file.path} holds {len(file)} tokens: fewer than one sequence of --seq-len {seq_len} + 1")
@@ -139,7 +144,8 @@ class Batches:
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(self.num_samples) if self.shuffle
+                          else np.arange(self.num_samples))
             self._perm_epoch = epoch
         assert self._perm is not None
         return self._perm

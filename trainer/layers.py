@@ -7,13 +7,18 @@ The conjugate communication ops are autograd Functions:
 | --- | --- | --- |
 | `copy_to_tp` (f) | identity | all-reduce |
 | `reduce_from_tp` (g) | all-reduce | identity |
-| `gather_from_sp` | all-gather along seq | reduce-scatter along seq |
+| `gather_linear` | all-gather along seq, matmul | all-gather again; reduce-scatter along seq |
 | `reduce_scatter_to_sp` | reduce-scatter along seq | all-gather along seq |
 
-A column-parallel linear takes `f` (or `gather_from_sp` with sequence parallelism) before its
-matmul; a row-parallel linear takes `g` (or `reduce_scatter_to_sp`) after it. The vocabulary is
-split over tp for both the embedding and the output layer; the loss is a vocab-parallel cross
-entropy that never gathers the logits. With tp = 1 every op is the identity.
+A column-parallel linear takes `f` before its matmul; a row-parallel linear takes `g` (or
+`reduce_scatter_to_sp`) after it. With sequence parallelism a column-parallel linear (or several
+sharing one input, like q/k/v) is ONE autograd Function, `gather_linear`, Megatron's way: forward
+all-gathers the sequence chunks and multiplies, but keeps only the local chunk for backward;
+backward all-gathers it again for the weight gradient and reduce-scatters the input gradient. So
+the activations saved for the matmuls' inputs are 1/tp of the sequence, like the norms'.
+
+The vocabulary is split over tp for both the embedding and the output layer; the loss is a
+vocab-parallel cross entropy that never gathers the logits. With tp = 1 every op is the identity.
 """
 
 from __future__ import annotations
@@ -63,17 +68,6 @@ def _reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     return group.reduce_scatter(out, x)
 
 
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group: Group):
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
-
-
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group: Group):
@@ -85,16 +79,47 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return _gather_seq(grad, ctx.group), None
 
 
+class _GatherLinear(torch.autograd.Function):
+    """y_i = all_gather_seq(x) W_i^T (+ b_i) for several weights sharing one input, saving only
+    the local chunk x (not the gathered input) for backward, where it is gathered again."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group, n: int, *params):
+        weights, biases = params[:n], params[n:]
+        total = _gather_seq(x, group)
+        outs = tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
+        ctx.group, ctx.has_bias = group, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        total = _gather_seq(x, ctx.group)  # the input again: only the local chunk was kept
+        flat_total = total.reshape(-1, total.shape[-1])
+        grad_total = None
+        grad_weights, grad_biases = [], []
+        for grad, weight, has_bias in zip(grads, weights, ctx.has_bias):
+            grad_in = grad.matmul(weight)
+            grad_total = grad_in if grad_total is None else grad_total.add_(grad_in)
+            flat = grad.reshape(-1, grad.shape[-1])
+            grad_weights.append(flat.t().matmul(flat_total) if ctx.needs_input_grad[3 + len(grad_weights)] else None)
+            grad_biases.append(flat.sum(0) if has_bias else None)
+        return (_reduce_scatter_seq(grad_total, ctx.group), None, None, *grad_weights, *grad_biases)
+
+
+def gather_linear(x: torch.Tensor, group: Group, weights: list[torch.Tensor],
+                  biases: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    """Column-parallel matmuls of the sequence-parallel input chunk `x` (see `_GatherLinear`)."""
+    return _GatherLinear.apply(x, group, len(weights), *weights, *biases)
+
+
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _ReduceFromTP.apply(x, group)
-
-
-def gather_from_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.size == 1 else _GatherFromSP.apply(x, group)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -108,9 +133,14 @@ class TPContext:
         self.group = group
         self.sequence_parallel = sequence_parallel and group.size > 1
 
-    def column_input(self, x: torch.Tensor) -> torch.Tensor:
-        """Input of a column-parallel matmul: f, or the all-gather of the sequence chunks."""
-        return gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+    def column_linear(self, x: torch.Tensor, weights: list[torch.Tensor],
+                      biases: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+        """Column-parallel matmuls sharing the input `x`: f then F.linear each, or with sequence
+        parallelism `gather_linear` (only the local chunk of the input is kept for backward)."""
+        if self.sequence_parallel:
+            return gather_linear(x, self.group, weights, biases)
+        x = copy_to_tp(x, self.group)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
 
     def row_output(self, x: torch.Tensor) -> torch.Tensor:
         """Output of a row-parallel matmul (a partial sum): g, or its reduce-scatter over the sequence."""
@@ -139,7 +169,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.ctx.column_input(x), self.weight, self.bias)
+        return self.ctx.column_linear(x, [self.weight], [self.bias])[0]
 
 
 class RowParallelLinear(nn.Module):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,7 +25,9 @@ import torch
 
 from shardkit.layout import make_layout
 from shardkit.errors import ShardkitError
-from shardkit.formats import Checkpoint, open_checkpoint
+from shardkit.checkpoint.tree import SCHEDULER, USER_CONTENT
+from shardkit.formats import Checkpoint, load_config, open_checkpoint
+from shardkit.formats.torch_io import safe_load
 
 if TYPE_CHECKING:
     from shardkit.layout import Layout
@@ -39,7 +42,7 @@ from .optim import LRSchedule, Optimizer
 from .parallel import (COMM, COMPUTE, Parallel, agree, choose_device, init_parallel, join, resolve_dp, shutdown,
                        world_from_env)
 from .pipeline import Pipeline, run_micro_batches
-from .weights import check_export_destination, export_hf, export_run, read_rank_pieces
+from .weights import check_export_destination, export_hf, export_run, init_rank_pieces, read_rank_pieces
 
 log = logging.getLogger("trainer")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -59,6 +62,8 @@ class Plan:
     resume: Any = None  # checkpointing.ResumePoint or None
     metrics_path: Path | None = None
     exported_step: int | None = None  # the step of this run's earlier export in --export-hf
+    eval_tokens: TokenFile | None = None
+    eval_steps: int = 0  # batches per evaluation
 
     @property
     def micro_batches(self) -> int:
@@ -70,7 +75,7 @@ def _positive(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
             raise TrainerError(f"--{name.replace('_', '-')} must be a positive whole number, got {value!r}")
-    for name in ("dp", "warmup", "checkpoint_every", "num_kept", "keep_every", "threads"):
+    for name in ("dp", "warmup", "checkpoint_every", "num_kept", "keep_every", "threads", "eval_every", "eval_steps"):
         if getattr(cfg, name) < 0:
             raise TrainerError(f"--{name.replace('_', '-')} must not be negative")
     if not cfg.lr > 0:
@@ -81,8 +86,12 @@ def _positive(cfg: TrainConfig) -> None:
 
 def plan_run(cfg: TrainConfig, world: int) -> Plan:
     """Check everything that can be checked locally; raise a ShardkitError with what to do."""
-    if not cfg.model and not cfg.resume:
-        raise TrainerError("--model is required: a Hugging Face or sharded model directory to start from")
+    if cfg.model and cfg.model_config:
+        raise TrainerError("--model and --model-config both say where to start: give one (--model-config starts "
+                           "from random weights)")
+    if not cfg.model and not cfg.model_config and not cfg.resume:
+        raise TrainerError("--model is required: a Hugging Face or sharded model directory to start from (or "
+                           "--model-config config.json to pre-train from random weights)")
     if not cfg.data:
         raise TrainerError("--data is required: a token file (scripts/prepare_data.py writes one)")
     _positive(cfg)
@@ -94,14 +103,19 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
         )
     if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
         raise TrainerError(f"--sequence-parallel needs --seq-len divisible by tp {cfg.tp} (got {cfg.seq_len})")
+    if cfg.tensorboard:
+        check_tensorboard(cfg.tensorboard)
     source = open_checkpoint(cfg.model) if cfg.model else None
+    model_config = load_config(Path(cfg.model_config)) if cfg.model_config else None
+    if model_config is None and source is not None:
+        model_config = source.config
     layout = run_layout(cfg, source)
-    resume = checkpointing.find_resume(cfg, source.config if source is not None else None)
-    if source is None and resume is None:
+    resume = checkpointing.find_resume(cfg, model_config)
+    if model_config is None and resume is None:
         raise TrainerError(f"--resume {cfg.resume} found no checkpoint and there is no --model to start from")
     if cfg.checkpoint_dir and Path(cfg.checkpoint_dir).exists() and not Path(cfg.checkpoint_dir).is_dir():
         raise TrainerError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file: give a directory")
-    spec = ModelSpec.from_config(source.config if source is not None else resume.config, layout)
+    spec = ModelSpec.from_config(model_config if model_config is not None else resume.config, layout)
     spec.check_sequence(cfg.seq_len)
     tokens = TokenFile(cfg.data)
     if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
@@ -111,12 +125,130 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
         )
     if len(tokens) < cfg.seq_len + 1:
         raise DataError(f"{cfg.data} holds {len(tokens)} tokens: fewer than one sequence of --seq-len {cfg.seq_len} + 1")
+    eval_tokens, eval_steps = plan_eval(cfg, spec)
+    if resume is not None:
+        check_resume_settings(cfg, resume)
     exported_step = check_export_destination(cfg) if cfg.export_hf else None
     metrics = Path(cfg.metrics) if cfg.metrics else (Path(cfg.checkpoint_dir) / "metrics.jsonl"
                                                      if cfg.checkpoint_dir else None)
     if metrics is not None and metrics.exists() and metrics.is_dir():
         raise TrainerError(f"--metrics {metrics} is a directory: give a file path")
-    return Plan(cfg, world, dp, spec, source, tokens, DTYPES[cfg.dtype], resume, metrics, exported_step)
+    return Plan(cfg, world, dp, spec, source, tokens, DTYPES[cfg.dtype], resume, metrics, exported_step, eval_tokens,
+                eval_steps)
+
+
+def plan_eval(cfg: TrainConfig, spec: ModelSpec) -> tuple[TokenFile | None, int]:
+    """--eval-data checked: (its tokens, batches per evaluation), or (None, 0) without it."""
+    if not cfg.eval_data:
+        if cfg.eval_every or cfg.eval_steps:
+            raise TrainerError("--eval-every / --eval-steps need --eval-data (a held-out token file)")
+        return None, 0
+    tokens = TokenFile(cfg.eval_data)
+    if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
+        raise DataError(f"{cfg.eval_data} was tokenized with a vocabulary of {tokens.vocab_size} ids, but the model "
+                        f"has {spec.dims.vocab_size}: tokenize with the model's tokenizer")
+    whole = max(0, len(tokens) - 1) // cfg.seq_len // cfg.global_batch
+    if whole < 1:
+        raise DataError(f"{cfg.eval_data} holds {len(tokens)} tokens: fewer than one batch of --global-batch "
+                        f"{cfg.global_batch} sequences of --seq-len {cfg.seq_len} + 1")
+    if cfg.eval_steps > whole:
+        log.info("%s holds %d batch%s of %d x %d tokens: evaluating on %s, not --eval-steps %d", cfg.eval_data, whole,
+                 "es" if whole > 1 else "", cfg.global_batch, cfg.seq_len, "it" if whole == 1 else "them",
+                 cfg.eval_steps)
+    return tokens, min(cfg.eval_steps or whole, whole)
+
+
+def check_tensorboard(directory: str) -> None:
+    """--tensorboard needs the tensorboard package (torch.utils.tensorboard writes with it)."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise TrainerError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise TrainerError(f"--tensorboard {directory} is a file: give a directory")
+
+
+# ---- resuming with the checkpoint's settings ---------------------------------------------------------
+
+
+# flag -> (where the checkpoint's run keeps it: the scheduler state's key, or run settings below)
+SCHEDULE_FLAGS = {"steps": "total", "warmup": "warmup", "lr": "lr", "decay": "decay", "min_lr_ratio": "min_ratio"}
+BATCH_FLAGS = ("global_batch", "seq_len")
+
+
+class RunSchedule(LRSchedule):
+    """The LR schedule, whose saved state also carries the run's batch settings (global batch,
+    micro-batch, sequence length), so a resume can tell what it changes."""
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__(cfg.lr, cfg.warmup, cfg.steps, cfg.decay, cfg.min_lr_ratio)
+        self.run = {"global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch, "seq_len": cfg.seq_len}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "run": dict(self.run)}
+
+
+def saved_settings(tag_dir: Path) -> dict[str, Any]:
+    """The settings of the run that saved `tag_dir`, by flag name (those it recorded: the LR
+    schedule, the batch; the global batch of older checkpoints from their data position)."""
+    def read(name: str) -> Any:
+        try:
+            return safe_load(tag_dir / name, mmap=False) if (tag_dir / name).is_file() else None
+        except Exception:  # noqa: BLE001 - another trainer's file (NxD): nothing to compare
+            return None
+
+    sched, content = read(SCHEDULER), read(USER_CONTENT)
+    found: dict[str, Any] = {}
+    if isinstance(sched, dict):
+        for flag, key in SCHEDULE_FLAGS.items():
+            if key in sched and isinstance(sched[key], (int, float, str)) and not isinstance(sched[key], bool):
+                found[flag] = sched[key]
+        run = sched.get("run")
+        if isinstance(run, dict):
+            found.update({k: run[k] for k in (*BATCH_FLAGS, "micro_batch") if isinstance(run.get(k), int)})
+    if isinstance(content, dict) and isinstance(content.get("data"), dict):
+        data, step = content["data"], content.get("step")
+        if "seq_len" not in found and isinstance(data.get("seq_len"), int) and data["seq_len"] > 0:
+            found["seq_len"] = data["seq_len"]
+        consumed = data.get("consumed_samples")
+        if "global_batch" not in found and isinstance(step, int) and step > 0 and isinstance(consumed, int) \
+                and consumed % step == 0:
+            found["global_batch"] = consumed // step
+    return found
+
+
+def check_resume_settings(cfg: TrainConfig, point: Any) -> None:
+    """Refuse (bad input) a resume whose --steps, --warmup, --lr, --decay, --min-lr-ratio,
+    --global-batch or --seq-len differ from the checkpoint's run unless --override-schedule, which
+    says so in one line. --steps with a constant LR after warm-up changes no step's learning rate,
+    and --micro-batch only how a step is split: both are said, not refused."""
+    saved = saved_settings(point.path)
+    if not saved:
+        return
+
+    def differs(flag: str) -> bool:
+        if flag not in saved:
+            return False
+        if flag in ("lr", "min_lr_ratio"):
+            return not math.isclose(float(saved[flag]), float(getattr(cfg, flag)), rel_tol=1e-12)
+        return saved[flag] != getattr(cfg, flag)
+
+    def change(flag: str) -> str:
+        return f"--{flag.replace('_', '-')} {saved[flag]} -> {getattr(cfg, flag)}"
+
+    constant = cfg.decay == "constant" and saved.get("decay", "constant") == "constant"
+    refused = [f for f in (*SCHEDULE_FLAGS, *BATCH_FLAGS) if differs(f) and not (f == "steps" and constant)]
+    noted = [f for f in ("steps", "micro_batch") if differs(f) and f not in refused]
+    if refused and not cfg.override_schedule:
+        raise TrainerError(
+            f"--resume {point.path} was saved by a run with other settings ({', '.join(change(f) for f in refused)}), "
+            "which changes its learning-rate schedule or batch from here on: pass the checkpoint's values, or "
+            "--override-schedule to continue with these"
+        )
+    if refused or noted:
+        why = " (--override-schedule)" if refused else " (they change no step's learning rate or batch)"
+        log.info("resuming %s with settings other than its run's: %s%s", point.path,
+                 ", ".join(change(f) for f in (*refused, *noted)), why)
 
 
 def run_layout(cfg: TrainConfig, source: Checkpoint | None) -> Layout:
@@ -135,18 +267,48 @@ def run_layout(cfg: TrainConfig, source: Checkpoint | None) -> Layout:
 # ---- metrics and progress --------------------------------------------------------------------------
 
 
+def summary_writer(directory: str):
+    """TensorBoard's writer, as NxD's examples log (`torch.utils.tensorboard`)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=directory)
+
+
+# step record key -> TensorBoard tag
+TB_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+              "tokens_per_s": "train/tokens_per_s", "step_time": "train/step_time", "memory_mb": "memory/peak_mb",
+              "eval_loss": "eval/loss", "eval_ppl": "eval/perplexity"}
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This process's peak memory: allocated on a CUDA device, else the resident set (max RSS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return 0.0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB elsewhere
+
+
 class Reporter:
-    """Rank 0's progress bar (loss, tokens/s, step time) and JSONL metrics file."""
+    """Rank 0's progress bar (loss, tokens/s, step time, eval loss), JSONL metrics file and
+    TensorBoard scalars."""
 
     def __init__(self, plan: Plan, par: Parallel, start_step: int):
         self.enabled = par.leader
         self.file = None
         self.bar = None
+        self.tb = None
+        self.postfix: dict[str, str] = {}
         if not self.enabled:
             return
         if plan.metrics_path is not None:
             plan.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             self.file = open(plan.metrics_path, "a", encoding="utf-8")
+        if plan.cfg.tensorboard:
+            self.tb = summary_writer(plan.cfg.tensorboard)
         if plan.cfg.progress:
             from tqdm.auto import tqdm
 
@@ -158,20 +320,36 @@ class Reporter:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
 
+    def scalars(self, record: dict[str, Any]) -> None:
+        if self.tb is not None:
+            for key, tag in TB_SCALARS.items():
+                if key in record:
+                    self.tb.add_scalar(tag, record[key], record["step"])
+
     def step(self, record: dict[str, Any], show: bool) -> None:
         self.write(record)
+        self.scalars(record)
         if self.bar is not None:
             if show:
-                self.bar.set_postfix(ordered_dict={"loss": f"{record['loss']:.4f}",
-                                                   "tok/s": f"{record['tokens_per_s']:,.0f}",
-                                                   "step": f"{record['step_time'] * 1000:.0f}ms"}, refresh=False)
+                self.postfix.update({"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:,.0f}",
+                                     "step": f"{record['step_time'] * 1000:.0f}ms"})
+                self.bar.set_postfix(ordered_dict=self.postfix, refresh=False)
             self.bar.update(1)
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        self.write(record)
+        self.scalars(record)
+        if self.bar is not None:
+            self.postfix.update({"eval": f"{record['eval_loss']:.4f}", "ppl": f"{record['eval_ppl']:.2f}"})
+            self.bar.set_postfix(ordered_dict=self.postfix)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.file is not None:
             self.file.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 @dataclass
@@ -186,6 +364,7 @@ class Summary:
     layout: str = ""
     exported: str | None = None
     checkpoints: list[str] = field(default_factory=list)
+    eval_loss: float | None = None  # of the last evaluation (--eval-data)
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
@@ -235,6 +414,8 @@ def _run(plan: Plan, par: Parallel) -> Summary:
 
 def _initial_tensors(plan: Plan, par: Parallel) -> tuple[dict[str, torch.Tensor], Any]:
     """This rank's pieces (and the restored checkpoint when resuming), read on every rank."""
+    if plan.resume is None and plan.source is None:  # --model-config: random weights, the same in every layout
+        return par.all_ok(lambda: init_rank_pieces(plan.spec, plan.cfg.seed, par.tp_rank, par.pp_rank)), None
     if plan.resume is None:
         return par.all_ok(lambda: read_rank_pieces(plan.source, plan.spec, par.tp_rank, par.pp_rank)), None
     restored = par.all_ok(lambda: checkpointing.load(plan.resume, plan.spec, par))
@@ -258,7 +439,7 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
                           weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad, zero1=cfg.zero1,
                           sequence_parallel=cfg.sequence_parallel, sources=tensors)
     del tensors
-    schedule = LRSchedule(cfg.lr, cfg.warmup, cfg.steps, cfg.decay, cfg.min_lr_ratio)
+    schedule = RunSchedule(cfg)
     batches = Batches(plan.tokens, cfg.seq_len, cfg.global_batch, cfg.micro_batch, plan.dp, par.dp_rank, cfg.seed,
                       spec.dims.vocab_size)
     start_step = 0
@@ -300,7 +481,7 @@ def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
         reporter.write({"event": "start", "step": run.start_step, "world": par.world, "dp": par.dp,
                         "layout": plan.spec.layout.to_dict(), "schedule": getattr(run.pipeline, "schedule_name", None),
                         "config": asdict(cfg)})
-    t_start = time.perf_counter()
+    t_start, eval_seconds = time.perf_counter(), 0.0
     try:
         for step in range(run.start_step, cfg.steps):
             record = _one_step(plan, par, run, step)
@@ -308,6 +489,11 @@ def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
             summary.steps += 1
             last = step + 1 == cfg.steps
             reporter.step(record, show=last or (step + 1) % cfg.log_every == 0)
+            if plan.eval_steps and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
+                evaluated = _evaluate(plan, par, run, step + 1)
+                summary.eval_loss = evaluated["eval_loss"]
+                eval_seconds += evaluated["eval_time"]
+                reporter.evaluation(evaluated)
             if saver is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
                 summary.checkpoints.append(saver.save(step + 1, run.model, run.optimizer, run.schedule, run.batches))
         if saver is not None:
@@ -315,9 +501,49 @@ def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
     finally:
         reporter.close()
     summary.seconds = time.perf_counter() - t_start
-    if summary.steps:
-        summary.tokens_per_s = summary.steps * cfg.global_batch * cfg.seq_len / summary.seconds
+    if summary.steps:  # training throughput: the time spent evaluating is not training's
+        summary.tokens_per_s = summary.steps * cfg.global_batch * cfg.seq_len / (summary.seconds - eval_seconds)
     return summary
+
+
+def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
+    """Loss and perplexity on the first `plan.eval_steps` batches of --eval-data (forward only,
+    the same batches every time and in every layout); returns the metrics record."""
+    cfg = plan.cfg
+    t0 = time.perf_counter()
+    batches = Batches(plan.eval_tokens, cfg.seq_len, cfg.global_batch, cfg.micro_batch, plan.dp, par.dp_rank, cfg.seed,
+                      plan.spec.dims.vocab_size, shuffle=False)
+    total = 0.0
+    run.model.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(plan.eval_steps):
+                inputs, targets = batches.step_batch()
+                inputs, targets = inputs.to(par.device), targets.to(par.device)
+                if run.pipeline is not None:
+                    total += _pipeline_forward(run.pipeline, par, inputs, targets)
+                else:
+                    total += sum(float(run.loss_fn(run.model(ids), tgt))
+                                 for ids, tgt in zip(inputs.split(cfg.micro_batch), targets.split(cfg.micro_batch)))
+    finally:
+        run.model.train()
+    mine = total if (par.is_last_stage and par.tp_rank == 0) else 0.0
+    loss = par.sum_over_world([mine])[0] / plan.eval_steps  # each step's sum is its batch's mean token loss
+    return {"event": "eval", "step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
+            "eval_tokens": plan.eval_steps * cfg.global_batch * cfg.seq_len, "eval_time": time.perf_counter() - t0}
+
+
+def _pipeline_forward(pipeline: Pipeline, par: Parallel, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """pp > 1, forward only: the schedule's `eval` over the step's micro-batches; the sum of the
+    (scaled) micro-batch losses on the last stage, 0 elsewhere."""
+    losses: list[torch.Tensor] = []
+    if par.is_first_stage:
+        pipeline.schedule.eval(inputs, return_outputs=False)
+    elif par.is_last_stage:
+        pipeline.schedule.eval(target=targets, losses=losses, return_outputs=False)
+    else:
+        pipeline.schedule.eval(return_outputs=False)
+    return float(sum(loss.detach().float() for loss in losses)) if losses else 0.0
 
 
 def _one_step(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
@@ -346,7 +572,7 @@ def _one_step(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
         "step_time": step_time, "tokens_per_s": tokens_per_step / step_time,
         "tokens": (step + 1) * tokens_per_step, "consumed_samples": run.batches.consumed_samples,
         "compute_time": compute_mean, "collective_time": comm_mean,
-        "comm_share": max(0.0, 1.0 - compute_mean / step_time),
+        "comm_share": max(0.0, 1.0 - compute_mean / step_time), "memory_mb": peak_memory_mb(par.device),
     }
 
 
@@ -358,6 +584,9 @@ def _export(plan: Plan, par: Parallel, run: Run, summary: Summary) -> str:
         log.info("%s already holds this run's export of step %d: kept", cfg.export_hf, step)
         return cfg.export_hf
     source_dir = cfg.model or (plan.resume.path if plan.resume else None)
+    if cfg.model_config:  # its tokenizer and generation config, when beside it
+        config = Path(cfg.model_config)
+        source_dir = str(config if config.is_dir() else config.parent)
     return str(export_hf(run.model, plan.spec, par, cfg.export_hf, source_dir, plan.dtype, export_run(cfg), step))
 
 

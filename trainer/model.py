@@ -203,16 +203,17 @@ class Attention(nn.Module):
         return getattr(getattr(self, ref[0]), ref[1])
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of the (sequence-parallel: local chunk of the) input, column-parallel."""
         weights = [self._param(r) for r in self.weight_refs]
         biases = [self._param(r) for r in self.bias_refs] if self.bias_refs else [None] * len(weights)
-        if len(weights) == 3:
-            return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))  # type: ignore[return-value]
-        return tuple(F.linear(x, weights[0], biases[0]).split(list(self.rows), dim=-1))  # type: ignore[return-value]
+        outs = self.ctx.column_linear(x, weights, biases)
+        if len(outs) == 3:
+            return outs  # type: ignore[return-value]
+        return tuple(outs[0].split(list(self.rows), dim=-1))  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = self.ctx.column_input(x)
-        seq, batch = x.shape[0], x.shape[1]
         q, k, v = self.project(x)
+        seq, batch = q.shape[0], q.shape[1]
         # [seq, batch, heads * d] -> [batch, heads, seq, d], contiguous: SDPA and RoPE run as fast as
         # on transformers' batch-first tensors (strided inputs cost ~10% of the attention block)
         q, k, v = (t.view(seq, batch, -1, self.head_dim).permute(1, 2, 0, 3).contiguous() for t in (q, k, v))

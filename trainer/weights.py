@@ -13,10 +13,22 @@ before the job started, `check_export_destination`), and rank 0 adds `trainer-ex
 run (--model, --data, --checkpoint-dir) and step it holds. That marker is what lets the same
 command run again: its own earlier export is replaced, or kept when it already holds the final
 step; any other non-empty directory needs `--overwrite-export`.
+
+From a config (`--model-config`, pre-training): `init_rank_pieces` draws the rank's pieces from
+full tensors that are a function of (--seed, tensor name) only, never of the layout, so every
+layout starts from the same full weights. The rule (transformers' `_init_weights` distributions
+for these families): matrices ~ N(0, initializer_range) (0.02 when absent), the embedding row of
+`pad_token_id` zero, 1-D weights (norm scales) one, biases zero. A full tensor's rows are drawn in
+blocks of `INIT_BLOCK_ROWS`, each from its own generator seeded by sha256(seed, name, block), so a
+rank draws only the blocks of rows its pieces touch (all of them, one block at a time, for a
+piece split by columns) and never holds a whole tensor. The values differ from
+`AutoModelForCausalLM.from_config` after `torch.manual_seed`, whose single random stream makes
+every tensor depend on all the tensors drawn before it (so a rank could not draw its slice alone).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -30,6 +42,7 @@ from shardkit.api import export_checkpoint
 from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank
 from shardkit.formats import SourceReader
 from shardkit.formats import Checkpoint, hf
+from shardkit.placements import Segment, build_piece
 
 from .errors import TrainerError
 from .model import ModelSpec
@@ -49,12 +62,67 @@ def read_rank_pieces(ckpt: Checkpoint, spec: ModelSpec, tp_rank: int, pp_rank: i
         reader.close()
 
 
+INIT_BLOCK_ROWS = 256
+
+
+def _block_seed(seed: int, source: str, block: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{source}/{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class InitialWeights:
+    """The full tensors of `--model-config`'s random init, read by segment (see the module doc)."""
+
+    def __init__(self, spec: ModelSpec, seed: int):
+        self.shapes = spec.full_shapes
+        self.seed = seed
+        self.std = float(spec.config.get("initializer_range") or 0.02)
+        pad = spec.config.get("pad_token_id")
+        self.pad = pad if isinstance(pad, int) and not isinstance(pad, bool) else None
+
+    def rows(self, source: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) (dim 0) of full tensor `source`, fp32."""
+        shape = self.shapes[source]
+        if len(shape) == 1 or source.endswith(".bias"):
+            fill = 0.0 if source.endswith(".bias") else 1.0
+            return torch.full((stop - start, *shape[1:]), fill, dtype=torch.float32)
+        out = torch.empty((stop - start, *shape[1:]), dtype=torch.float32)
+        for block in range(start // INIT_BLOCK_ROWS, (stop - 1) // INIT_BLOCK_ROWS + 1):
+            lo, hi = block * INIT_BLOCK_ROWS, min((block + 1) * INIT_BLOCK_ROWS, shape[0])
+            gen = torch.Generator().manual_seed(_block_seed(self.seed, source, block))
+            values = torch.empty((hi - lo, *shape[1:]), dtype=torch.float32).normal_(0.0, self.std, generator=gen)
+            a, b = max(lo, start), min(hi, stop)
+            out[a - start:b - start] = values[a - lo:b - lo]
+        if self.pad is not None and source.endswith("embed_tokens.weight") and start <= self.pad < stop:
+            out[self.pad - start].zero_()
+        return out
+
+    def segment(self, seg: Segment) -> torch.Tensor:
+        if seg.dim == 0:
+            return self.rows(seg.source, seg.start, seg.stop)
+        rows = self.shapes[seg.source][0]
+        return torch.cat([self.rows(seg.source, lo, min(lo + INIT_BLOCK_ROWS, rows)).narrow(seg.dim, seg.start,
+                                                                                            seg.stop - seg.start)
+                          for lo in range(0, rows, INIT_BLOCK_ROWS)])
+
+
+def init_rank_pieces(spec: ModelSpec, seed: int, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+    """This rank's pieces of the random init of `--model-config` (the same full weights for every
+    layout; module doc)."""
+    weights = InitialWeights(spec, seed)
+    return {p.name: build_piece(p, weights.segment) for p in spec.rank_pieces(tp_rank, pp_rank)}
+
+
 def export_run(cfg) -> dict[str, Any]:
-    """What identifies a run's exports: its --model, --data and --checkpoint-dir (absolute)."""
+    """What identifies a run's exports: its --model (or --model-config), --data and --checkpoint-dir
+    (absolute)."""
     def where(path: str | None) -> str | None:
         return str(Path(path).absolute()) if path else None
 
-    return {"model": where(cfg.model), "data": where(cfg.data), "checkpoint_dir": where(cfg.checkpoint_dir)}
+    run = {"model": where(cfg.model), "data": where(cfg.data), "checkpoint_dir": where(cfg.checkpoint_dir)}
+    if getattr(cfg, "model_config", None):
+        run["model_config"] = where(cfg.model_config)
+    return run
 
 
 def _marker(dst: Path) -> dict[str, Any] | None:
@@ -66,7 +134,8 @@ def _marker(dst: Path) -> dict[str, Any] | None:
 
 
 def _inputs(cfg) -> list[tuple[str, Path]]:
-    named = [("--model", cfg.model), ("--checkpoint-dir", cfg.checkpoint_dir)]
+    named = [("--model", cfg.model), ("--model-config", getattr(cfg, "model_config", None)),
+             ("--checkpoint-dir", cfg.checkpoint_dir)]
     if cfg.resume and Path(cfg.resume).exists():
         named.append(("--resume", cfg.resume))
     return [(flag, Path(path).absolute()) for flag, path in named if path]
