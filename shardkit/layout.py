@@ -35,6 +35,25 @@ class ModelDims:
     attention_bias: bool = False
     mlp_bias: bool = False
     num_experts: int = 0
+    # fields some families need (all optional, read by _family_fields)
+    moe_intermediate_size: int = 0  # one expert's intermediate size when it differs (Qwen3-MoE)
+    dense_mlp_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model (Qwen3-MoE mlp_only_layers)
+    moe_every: int = 1  # every n-th layer is MoE (Qwen3-MoE decoder_sparse_step)
+    rotary_pct: float = 1.0  # the share of each head that gets rotary (GPT-NeoX rotary_pct, Phi partial_rotary_factor)
+    max_position_embeddings: int = 0  # absolute position embeddings (BERT; 0 for rotary models)
+    type_vocab_size: int = 0  # token-type embeddings (BERT)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "ModelDims":
@@ -55,12 +74,31 @@ class ModelDims:
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 attention_bias=bool(config.get("attention_bias", False)),
                 mlp_bias=bool(config.get("mlp_bias", False)),
-                num_experts=int(config.get("num_local_experts") or 0),
+                num_experts=int(config.get("num_local_experts") or config.get("num_experts") or 0),
+                **_family_fields(config),
             )
         except KeyError as e:
             raise ConfigMismatchError(
                 f"config.json has no {e.args[0]!r}: pass the model's Hugging Face config.json (--config)"
             ) from None
+
+
+def _family_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The optional ModelDims fields of the newer families, from a config dict."""
+    out: dict[str, Any] = {}
+    if config.get("moe_intermediate_size"):
+        out["moe_intermediate_size"] = int(config["moe_intermediate_size"])
+    if config.get("num_experts") and not config.get("num_local_experts"):
+        out["dense_mlp_layers"] = tuple(int(i) for i in (config.get("mlp_only_layers") or ()))
+        out["moe_every"] = int(config.get("decoder_sparse_step") or 1)
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
+    pct = config.get("rotary_pct", config.get("partial_rotary_factor", rope.get("partial_rotary_factor")))
+    if pct is not None:
+        out["rotary_pct"] = float(pct)
+    if config.get("type_vocab_size"):  # absolute position and token-type embeddings are weights (BERT)
+        out["type_vocab_size"] = int(config["type_vocab_size"])
+        out["max_position_embeddings"] = int(config["max_position_embeddings"])
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,496 @@
+"""The newer model families: Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, GPT-NeoX, and Llama 3.1/3.2
+fixtures; and the family tables themselves (full shapes derived from the placements).
+
+For every family, from a tiny random model made with transformers' own class:
+1. convert (tp2 pp2, ep2 for MoE, a kv multiplier where GQA allows) -> merge -> transformers
+   loads it and gives identical logits (torch.equal) and identical tensors;
+2. a sharded forward computed from the rank files alone (NxD names and local sizes, the all-reduce
+   a Python sum, no shardkit placement logic) equals the Hugging Face logits;
+3. reshard between two layouts equals a direct convert, file for file;
+4. `plan` per-rank numbers for one real (7B-class) config, computed by hand here;
+5. qkv styles that cannot apply are refused with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+from shardkit import Layout, convert, inspect, merge, reshard, verify
+from shardkit.cli import cli
+from shardkit.errors import ConfigMismatchError, LayoutError
+from shardkit.families import family_for, known_families
+from shardkit.layout import ModelDims
+from shardkit.memory import plan_memory
+from shardkit.testing import FIXTURES, fixture_config
+
+BATCH, SEQ = 2, 9
+ATOL = 1e-4
+
+
+@dataclass(frozen=True)
+class Case:
+    fixture: str
+    layout: dict
+    reshard_to: dict
+    arch: str = "causal"
+
+    @property
+    def id(self) -> str:
+        return self.fixture
+
+
+CASES = [
+    Case("llama-3.1-tiny", dict(tp=2, pp=2, kv_multiplier=2, qkv="gqa"), dict(tp=4, pp=1, kv_multiplier=2)),
+    Case("llama-3.2-tiny", dict(tp=2, pp=2, kv_multiplier=2, kv_replication="blocked"), dict(tp=1, pp=3, qkv="fused")),
+    Case("qwen3-tiny", dict(tp=2, pp=2, kv_multiplier=2, qkv="gqa"), dict(tp=4, pp=3, qkv="fused")),
+    Case("qwen3-moe-tiny", dict(tp=2, pp=2, ep=2, qkv="fused"), dict(tp=4, pp=1, ep=4, kv_multiplier=1)),
+    Case("phi3-tiny", dict(tp=2, pp=2, kv_multiplier=2, qkv="coalesced"), dict(tp=4, pp=3, kv_multiplier=2, qkv="gqa")),
+    Case("gemma2-tiny", dict(tp=2, pp=2, kv_multiplier=2), dict(tp=4, pp=3, kv_multiplier=2, qkv="gqa")),
+    Case("gemma3-tiny", dict(tp=2, pp=2, kv_multiplier=2, qkv="fused"), dict(tp=4, pp=1, kv_multiplier=2)),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_model, tmp_path_factory):
+    """shards(case) -> (hf_dir, shard_dir), converted once per module."""
+    cache: dict = {}
+
+    def build(case: Case):
+        if case.fixture not in cache:
+            hf_dir = tiny_model(case.fixture)
+            dst = tmp_path_factory.mktemp(f"{case.fixture}-shards") / "out"
+            convert(hf_dir, dst, Layout(**case.layout))
+            cache[case.fixture] = (hf_dir, dst)
+        return cache[case.fixture]
+
+    return build
+
+
+_HF: dict = {}
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    if str(path) not in _HF:
+        _HF[str(path)] = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                                              dtype=torch.float32).eval()
+    return _HF[str(path)]
+
+
+def token_ids(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+# ---- 0. the family tables -----------------------------------------------------------------------
+
+
+def test_new_families_are_registered():
+    assert {"qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text"} <= set(known_families())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_full_shapes_from_the_placements_are_the_checkpoints(case, tiny_model):
+    """Family.full_shapes (declared by the placements, each tensor named once) is exactly the
+    set of tensors, with shapes, that transformers saves for the config."""
+    from safetensors import safe_open
+
+    hf_dir = tiny_model(case.fixture)
+    config = json.loads((hf_dir / "config.json").read_text())
+    family = family_for(config)
+    with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if not family.is_ignored(k)}
+    assert family.full_shapes(ModelDims.from_config(config)) == saved
+
+
+def test_existing_families_shapes_by_hand():
+    """The refactor keeps the old tables' shapes: Llama-2 7B and the tiny Mixtral, spelled out."""
+    dims = ModelDims.from_config(json.loads((FIXTURES / "llama-2-7b.json").read_text()))
+    shapes = family_for({"model_type": "llama"}).full_shapes(dims)
+    H, I, V = 4096, 11008, 32000
+    layer = {"self_attn.q_proj.weight": (H, H), "self_attn.k_proj.weight": (H, H), "self_attn.v_proj.weight": (H, H),
+             "self_attn.o_proj.weight": (H, H), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
+             "mlp.down_proj.weight": (H, I), "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
+    want = {"model.embed_tokens.weight": (V, H)}
+    for i in range(32):
+        want.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+    want.update({"model.norm.weight": (H,), "lm_head.weight": (V, H)})
+    assert shapes == want and list(shapes) == list(want)
+    mix = ModelDims.from_config(fixture_config("mixtral-tiny"))
+    shapes = family_for({"model_type": "mixtral"}).full_shapes(mix)
+    assert shapes["model.layers.2.block_sparse_moe.gate.weight"] == (4, 64)
+    assert shapes["model.layers.2.block_sparse_moe.experts.3.w2.weight"] == (64, 32)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (64, 64)  # 16 heads of 4
+
+
+def test_qwen3_moe_dense_layers_are_refused():
+    cfg = {**fixture_config("qwen3-moe-tiny"), "mlp_only_layers": [1]}
+    with pytest.raises(ConfigMismatchError, match="dense MLP"):
+        family_for(cfg).full_shapes(ModelDims.from_config(cfg))
+
+
+# ---- 1. convert -> merge -> transformers: identical -------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_convert_merge_gives_identical_logits(case, shards, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, shard_dir = shards(case)
+    merged = tmp_path / "merged"
+    merge(shard_dir, merged)
+    model = hf_model(hf_dir)
+    back = AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager", dtype=torch.float32).eval()
+    a, b = model.state_dict(), back.state_dict()
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ids = token_ids(model.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, back(ids).logits)
+    report = inspect(shard_dir, check_data=True)
+    assert report["problems"] == [], report["problems"]
+    assert verify(hf_dir, shard_dir).ok and verify(merged, shard_dir).ok
+
+
+# ---- 2. the sharded forward, from rank files only ---------------------------------------------------
+
+QKV_WEIGHTS = {
+    "separate": ("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+    "gqa": ("qkv_proj.weight_q", "qkv_proj.weight_k", "qkv_proj.weight_v"),
+    "fused": ("qkv_proj.weight_qkv",),
+    "coalesced": ("qkv_proj.weight",),
+}
+
+
+@dataclass
+class Spec:
+    """What the forward needs, read from config.json (not from shardkit)."""
+
+    config: dict
+    hidden: int = 0
+    heads: int = 0
+    kv: int = 0
+    head_dim: int = 0
+    inter: int = 0
+    vocab: int = 0
+    layers: int = 0
+    eps: float = 1e-6
+    gemma: bool = False
+    qk_norm: bool = False
+    experts: int = 0
+    top_k: int = 0
+    moe_inter: int = 0
+    norm_topk: bool = False
+    act: object = F.silu
+    scale: float = 0.0
+    attn_cap: float | None = None
+    final_cap: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, config: dict) -> "Spec":
+        t = config["model_type"]
+        s = cls(config)
+        s.hidden, s.heads = config["hidden_size"], config["num_attention_heads"]
+        s.kv = config.get("num_key_value_heads") or s.heads
+        s.head_dim = config.get("head_dim") or s.hidden // s.heads
+        s.inter, s.vocab, s.layers = config["intermediate_size"], config["vocab_size"], config["num_hidden_layers"]
+        s.eps = config["rms_norm_eps"]
+        s.gemma = t in ("gemma2", "gemma3_text")
+        s.qk_norm = t in ("qwen3", "qwen3_moe", "gemma3_text")
+        if t == "qwen3_moe":
+            s.experts = config.get("num_experts") or config["num_local_experts"]
+            s.top_k = config["num_experts_per_tok"]
+            s.moe_inter, s.norm_topk = config["moe_intermediate_size"], config["norm_topk_prob"]
+        if s.gemma:
+            s.act = lambda x: F.gelu(x, approximate="tanh")
+            s.scale = config["query_pre_attn_scalar"] ** -0.5
+            s.attn_cap, s.final_cap = config.get("attn_logit_softcapping"), config.get("final_logit_softcapping")
+        else:
+            s.scale = s.head_dim ** -0.5
+        return s
+
+
+def rank_path(shard_dir: Path, layout: Layout, ep: int, tp: int, pp: int) -> Path:
+    if layout.ep > 1:
+        return shard_dir / "model" / f"dp_rank_00_ep_rank_{ep:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+    return shard_dir / "model" / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+
+
+def load_ranks(shard_dir: Path, layout: Layout) -> dict[tuple[int, int, int], dict]:
+    return {(e, t, p): torch.load(rank_path(shard_dir, layout, e, t, p), map_location="cpu", weights_only=True)
+            for e in range(layout.ep) for t in range(layout.tp) for p in range(layout.pp)}
+
+
+def stage_layers(n: int, pp: int) -> list[list[int]]:
+    base, extra = divmod(n, pp)
+    out, start = [], 0
+    for stage in range(pp):
+        count = base + (1 if stage >= pp - extra else 0)
+        out.append(list(range(start, start + count)))
+        start += count
+    return out
+
+
+def rms(x, w, eps, gemma: bool):
+    xf = x.float()
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (n * (1.0 + w.float())).type_as(x) if gemma else w * n.to(x.dtype)
+
+
+def rotate_half(x):
+    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-b, a), dim=-1)
+
+
+def causal_mask(seq: int) -> torch.Tensor:
+    upper = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)
+    return torch.zeros(seq, seq).masked_fill(upper, torch.finfo(torch.float32).min)[None, None]
+
+
+def local_qkv(sd, attn, s: Spec, layout: Layout):
+    nq, nkv = s.heads // layout.tp, s.kv * layout.kv_multiplier // layout.tp
+    names = QKV_WEIGHTS[layout.qkv]
+    if len(names) == 3:
+        parts = [sd[attn + n] for n in names]
+    else:
+        parts = list(torch.split(sd[attn + names[0]], [nq * s.head_dim, nkv * s.head_dim, nkv * s.head_dim]))
+    assert [p.shape for p in parts] == [(nq * s.head_dim, s.hidden), (nkv * s.head_dim, s.hidden),
+                                        (nkv * s.head_dim, s.hidden)]
+    return parts
+
+
+def attention_partial(sd, layer, h, cos, sin, s: Spec, layout: Layout):
+    attn = f"model.layers.{layer}.self_attn."
+    wq, wk, wv = local_qkv(sd, attn, s, layout)
+    B, S, _ = h.shape
+    d = s.head_dim
+    q, k, v = (F.linear(h, w).view(B, S, -1, d) for w in (wq, wk, wv))
+    if s.qk_norm:  # one (head_dim,) weight for every head: the same on every rank
+        q, k = rms(q, sd[attn + "q_norm.weight"], s.eps, s.gemma), rms(k, sd[attn + "k_norm.weight"], s.eps, s.gemma)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    c, sn = cos[:, None], sin[:, None]
+    q, k = q * c + rotate_half(q) * sn, k * c + rotate_half(k) * sn
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * s.scale
+    if s.attn_cap:
+        scores = torch.tanh(scores / s.attn_cap) * s.attn_cap
+    probs = torch.softmax(scores + causal_mask(S), dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v).transpose(1, 2).reshape(B, S, -1)
+    return out @ sd[attn + "o_proj.weight"].T
+
+
+def dense_mlp_partial(sd, layer, h, s: Spec, layout: Layout):
+    p = f"model.layers.{layer}.mlp."
+    local = s.inter // layout.tp
+    w = sd[p + "gate_up_proj.weight"]
+    assert w.shape == (2 * local, s.hidden)
+    gate, up = F.linear(h, w).split(local, dim=-1)  # [gate_r; up_r]
+    return (s.act(gate) * up) @ sd[p + "down_proj.weight"].T
+
+
+def moe_mlp(ranks, stage, layer, h, s: Spec, layout: Layout):
+    """Router from ep rank 0 (replicated over tp); each (ep, tp) rank runs its local experts on its
+    tp slice; the partial outputs are summed over tp and ep."""
+    p = f"model.layers.{layer}.mlp."
+    router = ranks[(0, 0, stage)][p + "router.linear_router.weight"]
+    probs = torch.softmax(F.linear(h, router), dim=-1, dtype=torch.float)
+    top, idx = torch.topk(probs, s.top_k, dim=-1)
+    if s.norm_topk:
+        top = top / top.sum(-1, keepdim=True)
+    top = top.to(h.dtype)
+    per_ep, local = s.experts // layout.ep, s.moe_inter // layout.tp
+    out = torch.zeros_like(h)
+    for ep in range(layout.ep):
+        for tp in range(layout.tp):
+            sd = ranks[(ep, tp, stage)]
+            gu, dn = sd[p + "expert_mlps.mlp_op.gate_up_proj.weight"], sd[p + "expert_mlps.mlp_op.down_proj.weight"]
+            assert gu.shape == (per_ep, s.hidden, 2 * local) and dn.shape == (per_ep, local, s.hidden)
+            for j in range(per_ep):
+                e = ep * per_ep + j
+                weight = (top * (idx == e)).sum(-1, keepdim=True)
+                gate, up = (h @ gu[j]).split(local, dim=-1)
+                out = out + weight * ((s.act(gate) * up) @ dn[j])
+    return out
+
+
+def sharded_logits(ranks, s: Spec, layout: Layout, ids, rope) -> torch.Tensor:
+    h = None
+    for stage, layers in enumerate(stage_layers(s.layers, layout.pp)):
+        sds = [ranks[(0, tp, stage)] for tp in range(layout.tp)]
+        if stage == 0:
+            per = s.vocab // layout.tp
+            h = 0
+            for r, sd in enumerate(sds):
+                local = ids - r * per
+                inside = (local >= 0) & (local < per)
+                h = h + sd["model.embed_tokens.weight"][local.clamp(0, per - 1)] * inside[..., None]
+            if s.gemma:
+                h = h * torch.tensor(s.hidden ** 0.5, dtype=h.dtype)
+        for layer in layers:
+            pre = f"model.layers.{layer}."
+            cos, sin = rope(layer)
+            x = rms(h, sds[0][pre + "input_layernorm.weight"], s.eps, s.gemma)
+            attn = sum(attention_partial(sd, layer, x, cos, sin, s, layout) for sd in sds)  # all-reduce
+            if s.gemma:
+                attn = rms(attn, sds[0][pre + "post_attention_layernorm.weight"], s.eps, True)
+                h1 = h + attn
+                x = rms(h1, sds[0][pre + "pre_feedforward_layernorm.weight"], s.eps, True)
+            else:
+                h1 = h + attn
+                x = rms(h1, sds[0][pre + "post_attention_layernorm.weight"], s.eps, False)
+            if s.experts:
+                mlp = moe_mlp(ranks, stage, layer, x, s, layout)
+            else:
+                mlp = sum(dense_mlp_partial(sd, layer, x, s, layout) for sd in sds)
+            if s.gemma:
+                mlp = rms(mlp, sds[0][pre + "post_feedforward_layernorm.weight"], s.eps, True)
+            h = h1 + mlp
+        if stage == layout.pp - 1:
+            x = rms(h, sds[0]["model.norm.weight"], s.eps, s.gemma)
+            logits = torch.cat([x @ sd["lm_head.weight"].T for sd in sds], dim=-1)
+            if s.final_cap:
+                logits = torch.tanh(logits / s.final_cap) * s.final_cap
+            return logits
+    raise AssertionError("no last stage")
+
+
+def hf_rope(model):
+    """cos/sin of each layer from the model's rotary module (computed from config.json numbers,
+    no weights: rotary buffers are not in the shards)."""
+    x = torch.zeros(1, SEQ, model.config.hidden_size)
+    pos = torch.arange(SEQ)[None]
+    types = getattr(model.config, "layer_types", None)
+
+    def rope(layer: int):
+        with torch.no_grad():
+            if types is not None and model.config.model_type == "gemma3_text":  # one rope per layer type
+                return model.model.rotary_emb(x, pos, types[layer])
+            return model.model.rotary_emb(x, pos)
+
+    return rope
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_sharded_forward_from_rank_files(case, shards):
+    hf_dir, shard_dir = shards(case)
+    layout = Layout(**case.layout)
+    s = Spec.of(json.loads((hf_dir / "config.json").read_text()))
+    model = hf_model(hf_dir)
+    ranks = load_ranks(shard_dir, layout)
+    ids = token_ids(s.vocab)
+    with torch.no_grad():
+        want = model(ids).logits
+        got = sharded_logits(ranks, s, layout, ids, hf_rope(model))
+    assert torch.allclose(got, want, atol=ATOL, rtol=1e-4), (got - want).abs().max().item()
+    # negative control: the same forward with two tp ranks' files swapped is far off
+    swapped = {(e, 1 - t, p): sd for (e, t, p), sd in ranks.items()}
+    with torch.no_grad():
+        bad = sharded_logits(swapped, s, layout, ids, hf_rope(model))
+    assert (bad - want).abs().max().item() > 1e-2
+
+
+# ---- 3. reshard == direct convert, file for file ----------------------------------------------------
+
+
+def same_rank_files(a: Path, b: Path) -> None:
+    names_a = sorted(p.name for p in (a / "model").iterdir())
+    names_b = sorted(p.name for p in (b / "model").iterdir())
+    assert names_a == names_b
+    for name in names_a:
+        sa = torch.load(a / "model" / name, map_location="cpu", weights_only=True)
+        sb = torch.load(b / "model" / name, map_location="cpu", weights_only=True)
+        assert list(sa) == list(sb), name
+        for k in sa:
+            assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape and torch.equal(sa[k], sb[k]), (name, k)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_reshard_equals_direct_convert(case, shards, tmp_path):
+    hf_dir, shard_dir = shards(case)
+    target = Layout(**case.reshard_to)
+    reshard(shard_dir, tmp_path / "resharded", target)
+    convert(hf_dir, tmp_path / "direct", target)
+    same_rank_files(tmp_path / "resharded", tmp_path / "direct")
+
+
+# ---- 4. plan: per-rank numbers of real configs, by hand ---------------------------------------------
+
+
+def plan_params(name: str, layout: Layout) -> list[int]:
+    return [st.params for st in plan_memory(FIXTURES / f"{name}.json", layout).stages]
+
+
+def test_plan_llama_3_1_8b_tp8_pp2():
+    H, I, L, V, D, kv, tp = 4096, 14336, 32, 128256, 128, 8, 8
+    per_layer = (H * H + 2 * kv * D * H + H * H) // tp + 3 * H * I // tp + 2 * H
+    assert plan_params("llama-3.1-8b", Layout(tp=8, pp=2)) == [V * H // tp + 16 * per_layer,
+                                                              16 * per_layer + H + V * H // tp]
+
+
+def test_plan_llama_3_2_3b_tied_tp4():
+    H, I, L, V, D, kv, tp = 3072, 8192, 28, 128256, 128, 8, 4
+    per_layer = (2 * H * H + 2 * kv * D * H) // tp + 3 * H * I // tp + 2 * H
+    # tied: lm_head is the embedding's slice, the same parameter on the one stage: counted once
+    assert plan_params("llama-3.2-3b", Layout(tp=4)) == [V * H // tp + L * per_layer + H]
+
+
+def test_plan_qwen3_8b_tp8_kv_multiplier():
+    H, I, L, V, D, q, kv, tp = 4096, 12288, 36, 151936, 128, 32, 8, 8
+    attn = (q * D * H + 2 * kv * D * H + H * q * D) // tp
+    per_layer = attn + 3 * H * I // tp + 2 * H + 2 * D  # two norms, q_norm and k_norm
+    assert plan_params("qwen3-8b", Layout(tp=8, pp=2)) == [V * H // tp + 18 * per_layer,
+                                                          18 * per_layer + H + V * H // tp]
+    # kv multiplier 2 at tp 16: each rank holds one kv head of k and of v (8 x 2 / 16)
+    attn16 = (q * D * H) // 16 + 2 * 1 * D * H + (H * q * D) // 16
+    per16 = attn16 + 3 * H * I // 16 + 2 * H + 2 * D
+    assert plan_params("qwen3-8b", Layout(tp=16, pp=1, kv_multiplier=2)) == [2 * V * H // 16 + L * per16 + H]
+
+
+def test_plan_qwen3_30b_a3b_tp4_ep():
+    H, I, L, V, D, q, kv, E, tp = 2048, 768, 48, 151936, 128, 32, 4, 128, 4
+    attn = (q * D * H + 2 * kv * D * H + H * q * D) // tp
+    experts = E * 3 * H * I // tp  # plan counts a replica's ep rank 0: all experts at ep 1
+    per_layer = attn + 2 * D + E * H + experts + 2 * H
+    assert plan_params("qwen3-30b-a3b", Layout(tp=4, pp=4)) == [
+        V * H // tp + 12 * per_layer, 12 * per_layer, 12 * per_layer, 12 * per_layer + H + V * H // tp]
+
+
+def test_plan_phi_3_mini_tp4():
+    H, I, L, V, tp = 3072, 8192, 32, 32064, 4
+    per_layer = 4 * H * H // tp + 3 * H * I // tp + 2 * H   # MHA: qkv_proj (3H, H) cut by heads
+    assert plan_params("phi-3-mini-4k", Layout(tp=4)) == [V * H // tp + L * per_layer + H + V * H // tp]
+
+
+def test_plan_gemma_2_9b_tp8_pp2():
+    H, I, L, V, D, q, kv, tp = 3584, 14336, 42, 256000, 256, 16, 8, 8
+    per_layer = (q * D * H + 2 * kv * D * H + H * q * D) // tp + 3 * H * I // tp + 4 * H  # four norms
+    # tied embeddings: stage 0 holds the embedding slice, the last stage the lm_head slice (same values)
+    assert plan_params("gemma-2-9b", Layout(tp=8, pp=2)) == [V * H // tp + 21 * per_layer,
+                                                            21 * per_layer + H + V * H // tp]
+
+
+# ---- 5. qkv styles that cannot apply; config checks --------------------------------------------------
+
+
+def test_every_qkv_style_applies_to_the_llama_like_families():
+    for model_type in ("qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text"):
+        assert known_families()[model_type].qkv_styles == ("separate", "gqa", "fused", "coalesced")
