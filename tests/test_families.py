@@ -494,3 +494,117 @@ def test_plan_gemma_2_9b_tp8_pp2():
 def test_every_qkv_style_applies_to_the_llama_like_families():
     for model_type in ("qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text"):
         assert known_families()[model_type].qkv_styles == ("separate", "gqa", "fused", "coalesced")
+
+
+# ---- GPT-NeoX ------------------------------------------------------------------------------------
+
+NEOX = Case("gpt-neox-tiny", dict(tp=2, pp=2), dict(tp=4, pp=3))
+
+
+def layer_norm(x, sd, name, eps):
+    return F.layer_norm(x, x.shape[-1:], sd[name + ".weight"], sd[name + ".bias"], eps)
+
+
+def neox_sharded_logits(ranks, config: dict, layout: Layout, ids, cos, sin) -> torch.Tensor:
+    """GPT-NeoX as NxD's example runs it: per rank, query_key_value's rows are the rank's heads,
+    each [q; k; v] (viewed (local heads, 3 * head_dim)), rotary on the first rotary_pct of each
+    head, dense row-parallel (bias once after the sum), parallel residual, vocab-parallel ends."""
+    H, n, V, eps = config["hidden_size"], config["num_attention_heads"], config["vocab_size"], config["layer_norm_eps"]
+    D, tp = H // n, layout.tp
+    parallel = config.get("use_parallel_residual", True)
+    rot = cos.shape[-1]
+    act = F.gelu  # hidden_act "gelu"
+    h = None
+    for stage, layers in enumerate(stage_layers(config["num_hidden_layers"], layout.pp)):
+        sds = [ranks[(0, t, stage)] for t in range(tp)]
+        if stage == 0:
+            per = V // tp
+            h = 0
+            for r, sd in enumerate(sds):
+                local = ids - r * per
+                inside = (local >= 0) & (local < per)
+                h = h + sd["gpt_neox.embed_in.weight"][local.clamp(0, per - 1)] * inside[..., None]
+        for layer in layers:
+            p = f"gpt_neox.layers.{layer}."
+            B, S, _ = h.shape
+            x = layer_norm(h, sds[0], p + "input_layernorm", eps)
+            attn = 0
+            for sd in sds:
+                w, b = sd[p + "attention.query_key_value.weight"], sd[p + "attention.query_key_value.bias"]
+                assert w.shape == (3 * H // tp, H)
+                qkv = F.linear(x, w, b).view(B, S, n // tp, 3 * D).transpose(1, 2)
+                q, k, v = qkv.chunk(3, dim=-1)
+                c, s = cos[:, None], sin[:, None]
+                q = torch.cat((q[..., :rot] * c + rotate_half(q[..., :rot]) * s, q[..., rot:]), dim=-1)
+                k = torch.cat((k[..., :rot] * c + rotate_half(k[..., :rot]) * s, k[..., rot:]), dim=-1)
+                scores = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 + causal_mask(S)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+                out = torch.matmul(probs, v).transpose(1, 2).reshape(B, S, -1)
+                attn = attn + out @ sd[p + "attention.dense.weight"].T
+            attn = attn + sds[0][p + "attention.dense.bias"]
+            mlp_in = h if parallel else h + attn
+            y = layer_norm(mlp_in, sds[0], p + "post_attention_layernorm", eps)
+            mlp = sum(act(F.linear(y, sd[p + "mlp.dense_h_to_4h.weight"], sd[p + "mlp.dense_h_to_4h.bias"]))
+                      @ sd[p + "mlp.dense_4h_to_h.weight"].T for sd in sds)
+            mlp = mlp + sds[0][p + "mlp.dense_4h_to_h.bias"]
+            h = h + attn + mlp if parallel else mlp_in + mlp
+        if stage == layout.pp - 1:
+            x = layer_norm(h, sds[0], "gpt_neox.final_layer_norm", eps)
+            return torch.cat([x @ sd["embed_out.weight"].T for sd in sds], dim=-1)
+    raise AssertionError("no last stage")
+
+
+def test_gpt_neox_convert_merge_gives_identical_logits(shards, tmp_path):
+    test_convert_merge_gives_identical_logits(NEOX, shards, tmp_path)
+
+
+def test_gpt_neox_sharded_forward_from_rank_files(shards):
+    hf_dir, shard_dir = shards(NEOX)
+    layout = Layout(**NEOX.layout)
+    config = json.loads((hf_dir / "config.json").read_text())
+    model = hf_model(hf_dir)
+    ranks = load_ranks(shard_dir, layout)
+    ids = token_ids(config["vocab_size"])
+    x = torch.zeros(1, SEQ, config["hidden_size"])
+    with torch.no_grad():
+        cos, sin = model.gpt_neox.rotary_emb(x, torch.arange(SEQ)[None])
+        assert cos.shape[-1] == int(config["hidden_size"] // config["num_attention_heads"] * 0.5)  # rotary_pct
+        want = model(ids).logits
+        got = neox_sharded_logits(ranks, config, layout, ids, cos, sin)
+        assert torch.allclose(got, want, atol=ATOL, rtol=1e-4), (got - want).abs().max().item()
+        swapped = {(e, 1 - t, p): sd for (e, t, p), sd in ranks.items()}
+        assert (neox_sharded_logits(swapped, config, layout, ids, cos, sin) - want).abs().max().item() > 1e-2
+
+
+def test_gpt_neox_reshard_equals_direct_convert(shards, tmp_path):
+    test_reshard_equals_direct_convert(NEOX, shards, tmp_path)
+
+
+def test_plan_pythia_6_9b_tp8_pp2():
+    H, I, L, V, tp = 4096, 16384, 32, 50432, 8
+    per_layer = ((3 * H * H + 3 * H) // tp + H * H // tp + H          # query_key_value (+bias), dense, dense bias
+                 + (I * H + I) // tp + I * H // tp + H                # h_to_4h (+bias), 4h_to_h, its bias
+                 + 4 * H)                                             # two LayerNorms, weight and bias
+    assert plan_params("pythia-6.9b", Layout(tp=8, pp=2)) == [V * H // tp + 16 * per_layer,
+                                                             16 * per_layer + 2 * H + V * H // tp]
+
+
+@pytest.mark.parametrize("qkv", ["gqa", "fused", "coalesced"])
+def test_gpt_neox_refuses_other_qkv_styles(qkv, tiny_model, tmp_path):
+    with pytest.raises(LayoutError, match=f"--qkv {qkv} does not apply to gpt_neox: NxD's GPT-NeoX example") as e:
+        convert(tiny_model("gpt-neox-tiny"), tmp_path / "out", Layout(tp=2, qkv=qkv))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.pt"))
+
+
+def test_gpt_neox_kv_multiplier_is_refused(tiny_model, tmp_path):
+    with pytest.raises(LayoutError, match="kv-multiplier 2 is too large"):
+        convert(tiny_model("gpt-neox-tiny"), tmp_path / "out", Layout(tp=2, kv_multiplier=2))
+
+
+def test_cli_refuses_qkv_with_one_line(tiny_model, tmp_path):
+    result = CliRunner().invoke(cli, ["-q", "convert", str(tiny_model("gpt-neox-tiny")), str(tmp_path / "out"),
+                                      "--tp", "2", "--qkv", "fused"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--qkv fused does not apply to gpt_neox" in lines[0], result.stderr
