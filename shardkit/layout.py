@@ -71,7 +71,7 @@ class ModelDims:
                 num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
                 head_dim=int(head_dim),
                 vocab_size=int(config["vocab_size"]),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", _tied_by_default(config))),
                 attention_bias=bool(config.get("attention_bias", False)),
                 mlp_bias=bool(config.get("mlp_bias", False)),
                 num_experts=int(config.get("num_local_experts") or config.get("num_experts") or 0),
@@ -81,6 +81,15 @@ class ModelDims:
             raise ConfigMismatchError(
                 f"config.json has no {e.args[0]!r}: pass the model's Hugging Face config.json (--config)"
             ) from None
+
+
+TIED_BY_DEFAULT = ("bert", "gemma", "gemma2", "gemma3_text")
+"""Model types whose transformers config defaults tie_word_embeddings to True (their real
+config.json files usually omit the key)."""
+
+
+def _tied_by_default(config: Mapping[str, Any]) -> bool:
+    return str(config.get("model_type", "")) in TIED_BY_DEFAULT
 
 
 def _family_fields(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -180,9 +180,15 @@ class Replicated:
     shape: Shape
     when: Callable[[ModelDims], bool] | None = None
     out: str | None = None  # the name in rank files, when NxD renames it
+    tied_to: str | None = None  # as Split's: the tensor whose values it takes when the config ties them
+
+    def _active(self, dims: ModelDims) -> bool:
+        return self.when is None or self.when(dims)
 
     def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
-        return {self.name: shape_of(self.shape, dims)} if self.when is None or self.when(dims) else {}
+        if not self._active(dims) or (self.tied_to and dims.tie_word_embeddings):
+            return {}
+        return {self.name: shape_of(self.shape, dims)}
 
     def sources(self, dims: ModelDims) -> list[str]:
         return list(self.shapes(dims))
@@ -191,6 +197,8 @@ class Replicated:
         return {n: 0 for n in self.sources(dims)}
 
     def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
+        if self.tied_to and dims.tie_word_embeddings and self._active(dims):
+            return [make_piece(prefix + (self.out or self.name), [whole(prefix + self.tied_to, full_shapes)], full_shapes)]
         return [make_piece(prefix + (self.out or n), [whole(prefix + n, full_shapes)], full_shapes)
                 for n in self.sources(dims)]
 

@@ -608,3 +608,134 @@ def test_cli_refuses_qkv_with_one_line(tiny_model, tmp_path):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--qkv fused does not apply to gpt_neox" in lines[0], result.stderr
+
+
+# ---- BERT ------------------------------------------------------------------------------------------
+
+BERT = Case("bert-tiny", dict(tp=2, pp=2), dict(tp=4, pp=3), arch="bert")
+
+
+def bert_inputs(config: dict):
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, config["vocab_size"], (BATCH, SEQ), generator=g)
+    types = torch.randint(0, config["type_vocab_size"], (BATCH, SEQ), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, 6:] = 0  # padding in the second sequence: an encoder's only mask
+    return ids, types, mask
+
+
+def bert_model(path: Path):
+    from transformers import BertForPreTraining
+
+    return BertForPreTraining.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def bert_sharded(ranks, config: dict, layout: Layout, ids, types, mask):
+    """BERT as NxD's example runs it: embeddings replicated; per rank, its heads of query/key/value
+    (column-parallel, with their bias slices), attention over all positions but the padding,
+    output.dense partial outputs summed (bias once), the same for the MLP; pooler and heads on the
+    last stage, the MLM decoder being the word embeddings (tied)."""
+    H, n, eps, tp = config["hidden_size"], config["num_attention_heads"], config["layer_norm_eps"], layout.tp
+    D = H // n
+    B, S = ids.shape
+    ext = (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+    h = None
+    for stage, layers in enumerate(stage_layers(config["num_hidden_layers"], layout.pp)):
+        sds = [ranks[(0, t, stage)] for t in range(tp)]
+        if stage == 0:
+            e = sds[0]
+            h = (e["bert.embeddings.word_embeddings.weight"][ids] + e["bert.embeddings.token_type_embeddings.weight"][types]
+                 + e["bert.embeddings.position_embeddings.weight"][torch.arange(S)][None])
+            h = layer_norm(h, e, "bert.embeddings.LayerNorm", eps)
+        for layer in layers:
+            p = f"bert.encoder.layer.{layer}."
+            attn = 0
+            for sd in sds:
+                q, k, v = (F.linear(h, sd[p + f"attention.self.{w}.weight"], sd[p + f"attention.self.{w}.bias"])
+                           .view(B, S, n // tp, D).transpose(1, 2) for w in ("query", "key", "value"))
+                probs = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 + ext, dim=-1)
+                ctx = torch.matmul(probs, v).transpose(1, 2).reshape(B, S, -1)
+                attn = attn + ctx @ sd[p + "attention.output.dense.weight"].T
+            h1 = layer_norm(attn + sds[0][p + "attention.output.dense.bias"] + h, sds[0], p + "attention.output.LayerNorm", eps)
+            mlp = sum(F.gelu(F.linear(h1, sd[p + "intermediate.dense.weight"], sd[p + "intermediate.dense.bias"]))
+                      @ sd[p + "output.dense.weight"].T for sd in sds)
+            h = layer_norm(mlp + sds[0][p + "output.dense.bias"] + h1, sds[0], p + "output.LayerNorm", eps)
+        if stage == layout.pp - 1:
+            f = sds[0]
+            pooled = torch.tanh(F.linear(h[:, 0], f["bert.pooler.dense.weight"], f["bert.pooler.dense.bias"]))
+            t = F.gelu(F.linear(h, f["cls.predictions.transform.dense.weight"], f["cls.predictions.transform.dense.bias"]))
+            t = layer_norm(t, f, "cls.predictions.transform.LayerNorm", eps)
+            mlm = F.linear(t, f["cls.predictions.decoder.weight"], f["cls.predictions.bias"])
+            nsp = F.linear(pooled, f["cls.seq_relationship.weight"], f["cls.seq_relationship.bias"])
+            return mlm, nsp
+    raise AssertionError("no last stage")
+
+
+def test_bert_convert_merge_gives_identical_outputs(shards, tmp_path):
+    hf_dir, shard_dir = shards(BERT)
+    merge(shard_dir, tmp_path / "merged")
+    a, b = bert_model(hf_dir), bert_model(tmp_path / "merged")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    ids, types, mask = bert_inputs(json.loads((hf_dir / "config.json").read_text()))
+    with torch.no_grad():
+        oa, ob = a(ids, token_type_ids=types, attention_mask=mask), b(ids, token_type_ids=types, attention_mask=mask)
+    assert torch.equal(oa.prediction_logits, ob.prediction_logits)
+    assert torch.equal(oa.seq_relationship_logits, ob.seq_relationship_logits)
+    assert inspect(shard_dir, check_data=True)["problems"] == []
+    assert verify(hf_dir, shard_dir).ok
+
+
+def test_bert_sharded_forward_from_rank_files(shards):
+    hf_dir, shard_dir = shards(BERT)
+    layout = Layout(**BERT.layout)
+    config = json.loads((hf_dir / "config.json").read_text())
+    ranks = load_ranks(shard_dir, layout)
+    ids, types, mask = bert_inputs(config)
+    with torch.no_grad():
+        want = bert_model(hf_dir)(ids, token_type_ids=types, attention_mask=mask)
+        mlm, nsp = bert_sharded(ranks, config, layout, ids, types, mask)
+        assert torch.allclose(mlm, want.prediction_logits, atol=ATOL, rtol=1e-4), (mlm - want.prediction_logits).abs().max()
+        assert torch.allclose(nsp, want.seq_relationship_logits, atol=ATOL, rtol=1e-4)
+        # negative control: rank 0's keys with rank 1's queries (heads mismatched) is far off
+        swapped = {key: dict(sd) for key, sd in ranks.items()}
+        for stage in range(layout.pp):
+            for name in ranks[(0, 0, stage)]:
+                if name.endswith("attention.self.key.weight"):
+                    swapped[(0, 0, stage)][name], swapped[(0, 1, stage)][name] = ranks[(0, 1, stage)][name], ranks[(0, 0, stage)][name]
+        bad, _ = bert_sharded(swapped, config, layout, ids, types, mask)
+        assert (bad - want.prediction_logits).abs().max().item() > 10 * ATOL, (bad - want.prediction_logits).abs().max()
+
+
+def test_bert_reshard_equals_direct_convert(shards, tmp_path):
+    test_reshard_equals_direct_convert(BERT, shards, tmp_path)
+
+
+def test_plan_bert_large_tp2():
+    H, I, L, V, P, T, tp = 1024, 4096, 24, 30522, 512, 2, 2
+    embeddings = V * H + P * H + T * H + 2 * H                    # replicated on every tp rank
+    per_layer = (3 * (H * H + H) // tp + H * H // tp + H + 2 * H  # q k v (+biases), output.dense (+bias), LN
+                 + (I * H + I) // tp + I * H // tp + H + 2 * H)  # intermediate (+bias), output (+bias), LN
+    heads = (H * H + H) + (H * H + H) + 2 * H + V + (2 * H + 2)  # pooler, transform, its LN, MLM bias, NSP
+    # one stage: the tied MLM decoder is the word embeddings, counted once
+    assert plan_params("bert-large-uncased", Layout(tp=2)) == [embeddings + L * per_layer + heads]
+    # two stages: the last one holds its own copy of the decoder (V x H)
+    assert plan_params("bert-large-uncased", Layout(tp=2, pp=2)) == [embeddings + 12 * per_layer,
+                                                                   12 * per_layer + heads + V * H]
+
+
+@pytest.mark.parametrize("qkv", ["gqa", "fused"])
+def test_bert_refuses_other_qkv_styles(qkv, tiny_model, tmp_path):
+    with pytest.raises(LayoutError, match=f"--qkv {qkv} does not apply to bert: NxD's BERT example"):
+        convert(tiny_model("bert-tiny"), tmp_path / "out", Layout(tp=2, qkv=qkv))
+
+
+def test_tied_by_default_model_types():
+    """Real Gemma and BERT config.json files omit tie_word_embeddings: transformers' default (True)."""
+    for name in ("gemma-2-9b", "bert-large-uncased"):
+        config = json.loads((FIXTURES / f"{name}.json").read_text())
+        assert "tie_word_embeddings" not in config and ModelDims.from_config(config).tie_word_embeddings
+    assert not ModelDims.from_config(json.loads((FIXTURES / "pythia-6.9b.json").read_text())).tie_word_embeddings
+    H, I, L, V, D, q, kv, tp = 3584, 14336, 42, 256000, 256, 16, 8, 8
+    per_layer = (q * D * H + 2 * kv * D * H + H * q * D) // tp + 3 * H * I // tp + 4 * H
+    assert plan_params("gemma-2-9b", Layout(tp=8)) == [V * H // tp + L * per_layer + H]  # lm_head is the embedding
