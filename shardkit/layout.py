@@ -58,6 +58,7 @@ class ModelDims:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "ModelDims":
         """Read the dimensions from a Hugging Face config.json dict."""
+        config = _aliased(config)
         try:
             num_heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
@@ -90,6 +91,26 @@ config.json files usually omit the key)."""
 
 def _tied_by_default(config: Mapping[str, Any]) -> bool:
     return str(config.get("model_type", "")) in TIED_BY_DEFAULT
+
+
+_ALIASES = {  # a config's own names for the standard keys (DBRX), nested keys as "section.key"
+    "hidden_size": "d_model", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
+    "num_key_value_heads": "attn_config.kv_n_heads", "intermediate_size": "ffn_config.ffn_hidden_size",
+    "num_local_experts": "ffn_config.moe_num_experts",
+}
+
+
+def _aliased(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The config with the standard keys filled from a family's own names where it lacks them."""
+    extra = {}
+    for key, alias in _ALIASES.items():
+        if key in config:
+            continue
+        section, _, name = alias.rpartition(".")
+        holder = config.get(section) if section else config
+        if isinstance(holder, Mapping) and holder.get(name) is not None:
+            extra[key] = holder[name]
+    return {**config, **extra} if extra else config
 
 
 def _family_fields(config: Mapping[str, Any]) -> dict[str, Any]:

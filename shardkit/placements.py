@@ -217,6 +217,7 @@ class Split:
     shape: Shape
     tied_to: str | None = None
     when: Callable[[ModelDims], bool] | None = None
+    out: str | None = None  # the name in rank files, when NxD renames it
 
     def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
         if self.when is not None and not self.when(dims):
@@ -236,7 +237,7 @@ class Split:
             return []
         source = prefix + (self.tied_to if (self.tied_to and dims.tie_word_embeddings) else self.name)
         start, stop = _split_range(full_shapes[source][self.dim], layout.tp, tp_rank, source)
-        return [make_piece(prefix + self.name, [Segment(source, self.dim, start, stop)], full_shapes)]
+        return [make_piece(prefix + (self.out or self.name), [Segment(source, self.dim, start, stop)], full_shapes)]
 
 
 @dataclass(frozen=True)
@@ -322,6 +323,8 @@ class HeadGroups:
     qkv_bias: Callable[[ModelDims], bool] = lambda dims: dims.attention_bias
     o_bias: Callable[[ModelDims], bool] = lambda dims: dims.attention_bias
     fused: str | None = None
+    out_scope: str | None = None  # the scope in rank files, when NxD renames it (DBRX: self_attn.)
+    o_out: str | None = None  # o's name in rank files, when NxD renames it (DBRX: o_proj)
 
     def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
         H, q, kv = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
@@ -352,6 +355,7 @@ class HeadGroups:
 
     def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
         d = dims.head_dim
+        out = prefix + (self.out_scope or self.scope)
         prefix = prefix + self.scope
         q_rows, kv_rows = dims.num_heads * d, dims.num_kv_heads * d
 
@@ -374,13 +378,14 @@ class HeadGroups:
             per_proj = [head_segments("q", kind, q_heads), head_segments("k", kind, kv_heads),
                         head_segments("v", kind, kv_heads)]
             if len(names) == 1:
-                pieces.append(make_piece(prefix + names[0], [s for segs in per_proj for s in segs], full_shapes))
+                pieces.append(make_piece(out + names[0], [s for segs in per_proj for s in segs], full_shapes))
             else:
-                pieces.extend(make_piece(prefix + n, segs, full_shapes) for n, segs in zip(names, per_proj))
-        o_weight = prefix + f"{self.o}.weight"
-        pieces.append(make_piece(o_weight, [Segment(o_weight, 1, h * d, (h + 1) * d) for h in q_heads], full_shapes))
+                pieces.extend(make_piece(out + n, segs, full_shapes) for n, segs in zip(names, per_proj))
+        o_weight, o_name = prefix + f"{self.o}.weight", f"{out}{self.o_out or self.o}"
+        pieces.append(make_piece(o_name + ".weight", [Segment(o_weight, 1, h * d, (h + 1) * d) for h in q_heads],
+                                 full_shapes))
         if self.o_bias(dims):
-            pieces.append(make_piece(prefix + f"{self.o}.bias", [whole(prefix + f"{self.o}.bias", full_shapes)], full_shapes))
+            pieces.append(make_piece(o_name + ".bias", [whole(prefix + f"{self.o}.bias", full_shapes)], full_shapes))
         return pieces
 
 
@@ -426,6 +431,46 @@ class Experts:
             down.append([Segment(dn, 1, *_split_range(full_shapes[dn][1], layout.tp, tp_rank, dn))])
         return [make_stacked(prefix + self.gate_up_out, gate_up, full_shapes, transposed=True),
                 make_stacked(prefix + self.down_out, down, full_shapes, transposed=True)]
+
+
+@dataclass(frozen=True)
+class FlatExperts:
+    """Experts stored flat, one tensor per matrix for all experts of a layer (DBRX's `w1`, `v1`,
+    `w2`, each (E * I, hidden): expert e is rows [e*I, (e+1)*I)), held as NxD's expert layers hold
+    them: gate_up (E/ep, hidden, 2*I/tp) = [w1_e,r^T | v1_e,r^T] and down (E/ep, I/tp, hidden) =
+    w2_e,r as stored (w2 is already (in, out)). Each expert's slice is a segment of the flat
+    tensor, so shard, gather and reads stay generic."""
+
+    gate: str
+    up: str
+    down: str
+    gate_up_out: str
+    down_out: str
+    inter: Size = "intermediate_size"
+    expert: ClassVar[bool] = True
+
+    def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
+        rows = dims.num_experts * size_of(self.inter, dims)
+        return {n: (rows, dims.hidden_size) for n in (self.gate, self.up, self.down)}
+
+    def sources(self, dims: ModelDims) -> list[str]:
+        return list(self.shapes(dims))
+
+    def split_dims(self, dims: ModelDims) -> dict[str, int]:
+        return {n: 0 for n in self.sources(dims)}
+
+    def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
+        first, last = _split_range(dims.num_experts, layout.ep, ep_rank, "experts")
+        inter = size_of(self.inter, dims)
+        gate, up, down = (prefix + n for n in (self.gate, self.up, self.down))
+        start, stop = _split_range(inter, layout.tp, tp_rank, gate)
+        gate_up, down_slabs = [], []
+        for e in range(first, last):
+            rows = (e * inter + start, e * inter + stop)
+            gate_up.append([Segment(gate, 0, *rows), Segment(up, 0, *rows)])
+            down_slabs.append([Segment(down, 0, *rows)])
+        return [make_stacked(prefix + self.gate_up_out, gate_up, full_shapes, transposed=True),
+                make_stacked(prefix + self.down_out, down_slabs, full_shapes)]
 
 
 # ---- the generic operations -----------------------------------------------------------------

@@ -55,6 +55,7 @@ CASES = [
     Case("phi3-tiny", dict(tp=2, pp=2, kv_multiplier=2, qkv="coalesced"), dict(tp=4, pp=3, kv_multiplier=2, qkv="gqa")),
     Case("gemma2-tiny", dict(tp=2, pp=2, kv_multiplier=2), dict(tp=4, pp=3, kv_multiplier=2, qkv="gqa")),
     Case("gemma3-tiny", dict(tp=2, pp=2, kv_multiplier=2, qkv="fused"), dict(tp=4, pp=1, kv_multiplier=2)),
+    Case("dbrx-tiny", dict(tp=2, pp=2, ep=2, kv_multiplier=2, qkv="gqa"), dict(tp=4, pp=3, qkv="fused")),
 ]
 
 
@@ -85,12 +86,26 @@ def shards(tiny_model, tmp_path_factory):
 _HF: dict = {}
 
 
-def hf_model(path: Path):
+def fresh(model):
+    """The model with every parameter copied out of the memory-mapped file into fresh memory: the
+    same values at a different address can round differently in vectorised kernels (seen with
+    DBRX: 6e-8 between two loads of equal tensors whose mmap offsets differ mod 64), and the
+    logits comparison must see the weights, not where the loader left them."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    return model
+
+
+def load_causal(path: Path):
     from transformers import AutoModelForCausalLM
 
+    return fresh(AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval())
+
+
+def hf_model(path: Path):
     if str(path) not in _HF:
-        _HF[str(path)] = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                              dtype=torch.float32).eval()
+        _HF[str(path)] = load_causal(path)
     return _HF[str(path)]
 
 
@@ -150,13 +165,11 @@ def test_qwen3_moe_dense_layers_are_refused():
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_convert_merge_gives_identical_logits(case, shards, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     hf_dir, shard_dir = shards(case)
     merged = tmp_path / "merged"
     merge(shard_dir, merged)
     model = hf_model(hf_dir)
-    back = AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager", dtype=torch.float32).eval()
+    back = load_causal(merged)
     a, b = model.state_dict(), back.state_dict()
     assert set(a) == set(b)
     for k in a:
@@ -198,6 +211,9 @@ class Spec:
     top_k: int = 0
     moe_inter: int = 0
     norm_topk: bool = False
+    norm_p: float | None = None
+    layer_norm: bool = False
+    clip: float | None = None
     act: object = F.silu
     scale: float = 0.0
     attn_cap: float | None = None
@@ -207,6 +223,15 @@ class Spec:
     @classmethod
     def of(cls, config: dict) -> "Spec":
         t = config["model_type"]
+        if t == "dbrx":  # DBRX's own config names
+            attn, ffn = config["attn_config"], config["ffn_config"]
+            s = cls(config, hidden=config["d_model"], heads=config["n_heads"], kv=attn["kv_n_heads"],
+                    head_dim=config["d_model"] // config["n_heads"], vocab=config["vocab_size"],
+                    layers=config["n_layers"], eps=1e-5, layer_norm=True, clip=attn.get("clip_qkv"),
+                    experts=ffn["moe_num_experts"], top_k=ffn["moe_top_k"], moe_inter=ffn["ffn_hidden_size"],
+                    norm_p=ffn.get("moe_normalize_expert_weights"))
+            s.scale = s.head_dim ** -0.5
+            return s
         s = cls(config)
         s.hidden, s.heads = config["hidden_size"], config["num_attention_heads"]
         s.kv = config.get("num_key_value_heads") or s.heads
@@ -255,6 +280,11 @@ def rms(x, w, eps, gemma: bool):
     return (n * (1.0 + w.float())).type_as(x) if gemma else w * n.to(x.dtype)
 
 
+def norm(s: "Spec", x, w):
+    """The model's norm: RMSNorm (Gemma's with 1 + w), or DBRX's LayerNorm without bias."""
+    return F.layer_norm(x, x.shape[-1:], w, None, s.eps) if s.layer_norm else rms(x, w, s.eps, s.gemma)
+
+
 def rotate_half(x):
     a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-b, a), dim=-1)
@@ -283,6 +313,8 @@ def attention_partial(sd, layer, h, cos, sin, s: Spec, layout: Layout):
     B, S, _ = h.shape
     d = s.head_dim
     q, k, v = (F.linear(h, w).view(B, S, -1, d) for w in (wq, wk, wv))
+    if s.clip is not None:  # elementwise: clamping each rank's q, k, v = clamping the fused output
+        q, k, v = (t.clamp(-s.clip, s.clip) for t in (q, k, v))
     if s.qk_norm:  # one (head_dim,) weight for every head: the same on every rank
         q, k = rms(q, sd[attn + "q_norm.weight"], s.eps, s.gemma), rms(k, sd[attn + "k_norm.weight"], s.eps, s.gemma)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -316,6 +348,8 @@ def moe_mlp(ranks, stage, layer, h, s: Spec, layout: Layout):
     top, idx = torch.topk(probs, s.top_k, dim=-1)
     if s.norm_topk:
         top = top / top.sum(-1, keepdim=True)
+    if s.norm_p is not None:
+        top = top / torch.norm(top, p=s.norm_p, dim=-1, keepdim=True)
     top = top.to(h.dtype)
     per_ep, local = s.experts // layout.ep, s.moe_inter // layout.tp
     out = torch.zeros_like(h)
@@ -348,24 +382,24 @@ def sharded_logits(ranks, s: Spec, layout: Layout, ids, rope) -> torch.Tensor:
         for layer in layers:
             pre = f"model.layers.{layer}."
             cos, sin = rope(layer)
-            x = rms(h, sds[0][pre + "input_layernorm.weight"], s.eps, s.gemma)
+            x = norm(s, h, sds[0][pre + "input_layernorm.weight"])
             attn = sum(attention_partial(sd, layer, x, cos, sin, s, layout) for sd in sds)  # all-reduce
             if s.gemma:
-                attn = rms(attn, sds[0][pre + "post_attention_layernorm.weight"], s.eps, True)
+                attn = norm(s, attn, sds[0][pre + "post_attention_layernorm.weight"])
                 h1 = h + attn
-                x = rms(h1, sds[0][pre + "pre_feedforward_layernorm.weight"], s.eps, True)
+                x = norm(s, h1, sds[0][pre + "pre_feedforward_layernorm.weight"])
             else:
                 h1 = h + attn
-                x = rms(h1, sds[0][pre + "post_attention_layernorm.weight"], s.eps, False)
+                x = norm(s, h1, sds[0][pre + "post_attention_layernorm.weight"])
             if s.experts:
                 mlp = moe_mlp(ranks, stage, layer, x, s, layout)
             else:
                 mlp = sum(dense_mlp_partial(sd, layer, x, s, layout) for sd in sds)
             if s.gemma:
-                mlp = rms(mlp, sds[0][pre + "post_feedforward_layernorm.weight"], s.eps, True)
+                mlp = norm(s, mlp, sds[0][pre + "post_feedforward_layernorm.weight"])
             h = h1 + mlp
         if stage == layout.pp - 1:
-            x = rms(h, sds[0]["model.norm.weight"], s.eps, s.gemma)
+            x = norm(s, h, sds[0]["model.norm.weight"])
             logits = torch.cat([x @ sd["lm_head.weight"].T for sd in sds], dim=-1)
             if s.final_cap:
                 logits = torch.tanh(logits / s.final_cap) * s.final_cap
@@ -379,12 +413,13 @@ def hf_rope(model):
     x = torch.zeros(1, SEQ, model.config.hidden_size)
     pos = torch.arange(SEQ)[None]
     types = getattr(model.config, "layer_types", None)
+    rotary = (model.transformer if model.config.model_type == "dbrx" else model.model).rotary_emb
 
     def rope(layer: int):
         with torch.no_grad():
             if types is not None and model.config.model_type == "gemma3_text":  # one rope per layer type
-                return model.model.rotary_emb(x, pos, types[layer])
-            return model.model.rotary_emb(x, pos)
+                return rotary(x, pos, types[layer])
+            return rotary(x, pos)
 
     return rope
 
@@ -739,3 +774,40 @@ def test_tied_by_default_model_types():
     H, I, L, V, D, q, kv, tp = 3584, 14336, 42, 256000, 256, 16, 8, 8
     per_layer = (q * D * H + 2 * kv * D * H + H * q * D) // tp + 3 * H * I // tp + 4 * H
     assert plan_params("gemma-2-9b", Layout(tp=8)) == [V * H // tp + L * per_layer + H]  # lm_head is the embedding
+
+
+# ---- DBRX --------------------------------------------------------------------------------------------
+
+
+def test_dbrx_names_follow_nxd_and_experts_are_segments_of_the_flat_tensors(shards):
+    """Rank files use NxD's Llama-style names; expert e's gate/up are rows [e*I, (e+1)*I) of the
+    flat w1/v1, transposed, and its down is those rows of w2 as stored."""
+    from safetensors.torch import load_file
+
+    case = next(c for c in CASES if c.fixture == "dbrx-tiny")
+    hf_dir, shard_dir = shards(case)
+    hf = load_file(hf_dir / "model.safetensors")
+    layout = Layout(**case.layout)
+    ranks = load_ranks(shard_dir, layout)
+    E, I, tp = 4, 32, layout.tp
+    per_ep, local = E // layout.ep, I // tp
+    for (ep, t, stage), sd in ranks.items():
+        for name in sd:
+            assert name.startswith(("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")), name
+        for layer in stage_layers(3, layout.pp)[stage]:
+            src = f"transformer.blocks.{layer}.ffn.experts.mlp."
+            gu = sd[f"model.layers.{layer}.mlp.expert_mlps.mlp_op.gate_up_proj.weight"]
+            dn = sd[f"model.layers.{layer}.mlp.expert_mlps.mlp_op.down_proj.weight"]
+            for j in range(per_ep):
+                e = ep * per_ep + j
+                rows = slice(e * I + t * local, e * I + (t + 1) * local)
+                assert torch.equal(gu[j], torch.cat([hf[src + "w1"][rows].T, hf[src + "v1"][rows].T], dim=1))
+                assert torch.equal(dn[j], hf[src + "w2"][rows])
+
+
+def test_plan_dbrx_base_tp8_pp4():
+    H, I, L, V, D, q, kv, E, tp = 6144, 10752, 40, 100352, 128, 48, 8, 16, 8
+    attn = (q * D * H + 2 * kv * D * H + H * q * D) // tp
+    per_layer = attn + E * H + E * 3 * I * H // tp + 2 * H   # router replicated, every expert at ep 1, two norms
+    assert plan_params("dbrx-base", Layout(tp=8, pp=4)) == [V * H // tp + 10 * per_layer, 10 * per_layer,
+                                                           10 * per_layer, 10 * per_layer + H + V * H // tp]

@@ -9,6 +9,7 @@ once and `full_shapes` is derived from it.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ class Family:
     qkv_styles: tuple[str, ...] = QKV_STYLES
     qkv_reason: str = ""
     check: Callable[[ModelDims], str | None] | None = None
+    out_layer_prefix: str | None = None  # the layer prefix in rank files, when NxD renames it
 
     def full_shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
         """Every full tensor the config implies, in checkpoint order, with its shape (as the
@@ -97,7 +99,12 @@ class Family:
         if pp_rank == 0:
             pieces += emit(self.first, "")
         for i in layout.stage_layers(dims.num_layers)[pp_rank]:
-            pieces += emit(self.layer, self.layer_prefix.format(i=i))
+            prefix = self.layer_prefix.format(i=i)
+            layer = emit(self.layer, prefix)
+            if self.out_layer_prefix is not None:
+                out = self.out_layer_prefix.format(i=i)
+                layer = [dataclasses.replace(p, name=out + p.name[len(prefix):]) for p in layer]
+            pieces += layer
         if pp_rank == layout.pp - 1:
             pieces += emit(self.final, "")
         return pieces
