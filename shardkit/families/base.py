@@ -129,16 +129,25 @@ def register(family: Family) -> Family:
     return family
 
 
-_LAYER_RES: dict[str, re.Pattern] = {}
+_LAYER_RES: list = [0, ()]  # [registry size when built, compiled patterns]
+
+
+def _layer_patterns() -> tuple[re.Pattern, ...]:
+    if _LAYER_RES[0] != len(REGISTRY) or not _LAYER_RES[1]:
+        prefixes = dict.fromkeys([LAYER_PREFIX, *(f.layer_prefix for f in REGISTRY.values()),
+                                  *(f.out_layer_prefix for f in REGISTRY.values() if f.out_layer_prefix)])
+        patterns = []
+        for prefix in prefixes:
+            head, tail = prefix.split("{i}")
+            patterns.append(re.compile("^" + re.escape(head) + r"(\d+)" + re.escape(tail)))
+        _LAYER_RES[:] = [len(REGISTRY), tuple(patterns)]
+    return _LAYER_RES[1]
 
 
 def layer_of(name: str) -> int | None:
-    """The layer index in a full tensor name (under any registered family's layer prefix), or None."""
-    for prefix in {LAYER_PREFIX, *(f.layer_prefix for f in REGISTRY.values())}:
-        pattern = _LAYER_RES.get(prefix)
-        if pattern is None:
-            head, tail = prefix.split("{i}")
-            pattern = _LAYER_RES[prefix] = re.compile("^" + re.escape(head) + r"(\d+)" + re.escape(tail))
+    """The layer index in a full tensor or piece name (under any registered family's layer
+    prefix), or None."""
+    for pattern in _layer_patterns():
         if match := pattern.match(name):
             return int(match.group(1))
     return None
