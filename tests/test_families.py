@@ -811,3 +811,28 @@ def test_plan_dbrx_base_tp8_pp4():
     per_layer = attn + E * H + E * 3 * I * H // tp + 2 * H   # router replicated, every expert at ep 1, two norms
     assert plan_params("dbrx-base", Layout(tp=8, pp=4)) == [V * H // tp + 10 * per_layer, 10 * per_layer,
                                                            10 * per_layer, 10 * per_layer + H + V * H // tp]
+
+
+# ---- the training checkpoint API ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "ep" not in c.layout] + [NEOX, BERT] +
+                         [c for c in CASES if "ep" in c.layout], ids=lambda c: c.id)
+def test_training_checkpoint_saves_and_loads_on_another_layout(case, shards, tmp_path):
+    """save_checkpoint of the rank files of one layout (one process, every rank), then
+    load_checkpoint on the reshard target layout gives each rank what a direct convert writes."""
+    from shardkit import load_checkpoint, save_checkpoint
+
+    hf_dir, shard_dir = shards(case)
+    layout, target = Layout(**case.layout), Layout(**case.reshard_to)
+    config = json.loads((hf_dir / "config.json").read_text())
+    ranks = load_ranks(shard_dir, layout)
+    state = {(e, t, p) if layout.ep > 1 else (t, p): sd for (e, t, p), sd in ranks.items()}
+    save_checkpoint(tmp_path / "ckpt", "step_1", state, layout=layout, config=config)
+    convert(hf_dir, tmp_path / "direct", target)
+    want = load_ranks(tmp_path / "direct", target)
+    for (e, t, p), sd in want.items():
+        got = load_checkpoint(tmp_path / "ckpt", "step_1", target_layout=target, rank=(e, t, p), optimizer=False)
+        assert list(got.model) == list(sd)
+        for k in sd:
+            assert torch.equal(got.model[k], sd[k]), (e, t, p, k)
