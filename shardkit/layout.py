@@ -118,9 +118,10 @@ def _family_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if config.get("moe_intermediate_size"):
         out["moe_intermediate_size"] = int(config["moe_intermediate_size"])
-    if config.get("num_experts") and not config.get("num_local_experts"):
-        out["dense_mlp_layers"] = tuple(int(i) for i in (config.get("mlp_only_layers") or ()))
-        out["moe_every"] = int(config.get("decoder_sparse_step") or 1)
+    if config.get("mlp_only_layers"):
+        out["dense_mlp_layers"] = tuple(int(i) for i in config["mlp_only_layers"])
+    if config.get("decoder_sparse_step"):
+        out["moe_every"] = int(config["decoder_sparse_step"])
     rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
     pct = config.get("rotary_pct", config.get("partial_rotary_factor", rope.get("partial_rotary_factor")))
     if pct is not None:

@@ -154,8 +154,10 @@ def test_existing_families_shapes_by_hand():
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (64, 64)  # 16 heads of 4
 
 
-def test_qwen3_moe_dense_layers_are_refused():
-    cfg = {**fixture_config("qwen3-moe-tiny"), "mlp_only_layers": [1]}
+@pytest.mark.parametrize("change", [{"mlp_only_layers": [1]}, {"decoder_sparse_step": 2},
+                                    {"mlp_only_layers": [0], "num_local_experts": 4}])
+def test_qwen3_moe_dense_layers_are_refused(change):
+    cfg = {**fixture_config("qwen3-moe-tiny"), **change}
     with pytest.raises(ConfigMismatchError, match="dense MLP"):
         family_for(cfg).full_shapes(ModelDims.from_config(cfg))
 
