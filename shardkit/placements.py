@@ -251,8 +251,8 @@ class Fused:
     expert: ClassVar[bool] = False
     name: str
     parts: tuple[str | Block, ...]
-    dim: int = 0
-    shape: Shape = ()
+    dim: int
+    shape: Shape
     when: Callable[[ModelDims], bool] | None = None
 
     def _active(self, dims: ModelDims) -> bool:
