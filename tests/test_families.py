@@ -838,3 +838,22 @@ def test_training_checkpoint_saves_and_loads_on_another_layout(case, shards, tmp
         assert list(got.model) == list(sd)
         for k in sd:
             assert torch.equal(got.model[k], sd[k]), (e, t, p, k)
+
+
+@pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen3-moe-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny",
+                                     "gpt-neox-tiny", "bert-tiny", "dbrx-tiny"])
+def test_trainer_refuses_the_families_it_cannot_express(fixture):
+    from trainer.errors import TrainerError
+    from trainer.model import ModelSpec
+
+    with pytest.raises(TrainerError, match="the trainer supports dense decoder families .* not ") as e:
+        ModelSpec.from_config(fixture_config(fixture), Layout())
+    assert "\n" not in str(e.value) and "convert/merge/reshard still work" in str(e.value)
+
+
+def test_trainer_accepts_llama_3_1_and_3_2():
+    from trainer.model import ModelSpec
+
+    for fixture in ("llama-3.1-tiny", "llama-3.2-tiny"):
+        spec = ModelSpec.from_config(fixture_config(fixture), Layout(tp=2, kv_multiplier=2))
+        assert spec.family.name == "llama" and spec.rope_parameters()[0] == "llama3"
