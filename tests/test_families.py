@@ -525,6 +525,13 @@ def test_plan_gemma_2_9b_tp8_pp2():
                                                             21 * per_layer + H + V * H // tp]
 
 
+def test_plan_gemma_3_1b_tp4_kv_multiplier_4():
+    H, I, L, V, D, q, kv, tp = 1152, 6912, 26, 262144, 256, 4, 1, 4
+    # one kv head replicated 4 times: every rank holds one q head and a whole k and v head
+    per_layer = q * D * H // tp + 2 * D * H + H * q * D // tp + 3 * H * I // tp + 4 * H + 2 * D
+    assert plan_params("gemma-3-1b", Layout(tp=4, kv_multiplier=4)) == [V * H // tp + L * per_layer + H]
+
+
 # ---- 5. qkv styles that cannot apply; config checks --------------------------------------------------
 
 
