@@ -35,6 +35,25 @@ class ModelDims:
     attention_bias: bool = False
     mlp_bias: bool = False
     num_experts: int = 0
+    # fields some families need (all optional, read by _family_fields)
+    moe_intermediate_size: int = 0  # one expert's intermediate size when it differs (Qwen3-MoE)
+    dense_mlp_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model (Qwen3-MoE mlp_only_layers)
+    moe_every: int = 1  # every n-th layer is MoE (Qwen3-MoE decoder_sparse_step)
+    rotary_pct: float = 1.0  # the share of each head that gets rotary (GPT-NeoX rotary_pct, Phi partial_rotary_factor)
+    max_position_embeddings: int = 0  # absolute position embeddings (BERT; 0 for rotary models)
+    type_vocab_size: int = 0  # token-type embeddings (BERT)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], where: str = "config.json") -> "ModelDims":
@@ -45,6 +64,7 @@ class ModelDims:
         bound): ConfigMismatchError naming the field otherwise."""
         if not isinstance(config, Mapping):
             raise ConfigMismatchError(f"{where} is not a JSON object: pass the model's Hugging Face config.json")
+        config = _aliased(config)
 
         def whole(key: str, value: Any, minimum: int = 1) -> int:
             if isinstance(value, bool) or not isinstance(value, int):
@@ -92,7 +112,7 @@ class ModelDims:
                 "head_dim: fix the config")
         head_dim = optional("head_dim", hidden // num_heads)
         num_kv_heads = optional("num_key_value_heads", num_heads)
-        experts = optional("num_local_experts", 0, minimum=0)
+        experts = optional("num_local_experts", 0, minimum=0) or optional("num_experts", 0, minimum=0)
         per_layer = 16 + 4 * experts
         if num_layers * per_layer > _MAX_TENSORS:
             raise ConfigMismatchError(
@@ -107,10 +127,12 @@ class ModelDims:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             vocab_size=vocab,
-            tie_word_embeddings=flag("tie_word_embeddings"),
+            tie_word_embeddings=flag("tie_word_embeddings") if "tie_word_embeddings" in config
+            else _tied_by_default(config),
             attention_bias=flag("attention_bias"),
             mlp_bias=flag("mlp_bias"),
             num_experts=experts,
+            **_family_fields(config),
         )
 
 
@@ -123,6 +145,7 @@ _MAX_DIMS = {
     "head_dim": 1 << 14,
     "vocab_size": 1 << 24,
     "num_local_experts": 4096,
+    "num_experts": 4096,
 }
 """Upper bounds far above any real model (the largest have ~130 layers, ~256k vocabularies):
 a config beyond them is a mistake, refused before anything is sized from it."""
@@ -133,6 +156,54 @@ _MAX_TENSORS = 1 << 20
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+TIED_BY_DEFAULT = ("bert", "gemma", "gemma2", "gemma3_text")
+"""Model types whose transformers config defaults tie_word_embeddings to True (their real
+config.json files usually omit the key)."""
+
+
+def _tied_by_default(config: Mapping[str, Any]) -> bool:
+    return str(config.get("model_type", "")) in TIED_BY_DEFAULT
+
+
+_ALIASES = {  # a config's own names for the standard keys (DBRX), nested keys as "section.key"
+    "hidden_size": "d_model", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
+    "num_key_value_heads": "attn_config.kv_n_heads", "intermediate_size": "ffn_config.ffn_hidden_size",
+    "num_local_experts": "ffn_config.moe_num_experts",
+}
+
+
+def _aliased(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The config with the standard keys filled from a family's own names where it lacks them."""
+    extra = {}
+    for key, alias in _ALIASES.items():
+        if key in config:
+            continue
+        section, _, name = alias.rpartition(".")
+        holder = config.get(section) if section else config
+        if isinstance(holder, Mapping) and holder.get(name) is not None:
+            extra[key] = holder[name]
+    return {**config, **extra} if extra else config
+
+
+def _family_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The optional ModelDims fields of the newer families, from a config dict."""
+    out: dict[str, Any] = {}
+    if config.get("moe_intermediate_size"):
+        out["moe_intermediate_size"] = int(config["moe_intermediate_size"])
+    if config.get("mlp_only_layers"):
+        out["dense_mlp_layers"] = tuple(int(i) for i in config["mlp_only_layers"])
+    if config.get("decoder_sparse_step"):
+        out["moe_every"] = int(config["decoder_sparse_step"])
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
+    pct = config.get("rotary_pct", config.get("partial_rotary_factor", rope.get("partial_rotary_factor")))
+    if pct is not None:
+        out["rotary_pct"] = float(pct)
+    if config.get("type_vocab_size"):  # absolute position and token-type embeddings are weights (BERT)
+        out["type_vocab_size"] = int(config["type_vocab_size"])
+        out["max_position_embeddings"] = int(config["max_position_embeddings"])
+    return out
 
 
 @dataclass(frozen=True)

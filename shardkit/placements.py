@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterable, Mapping, Protocol, Sequence
+from typing import Callable, ClassVar, Iterable, Mapping, Protocol, Sequence, Union
 
 import torch
 
@@ -116,15 +116,52 @@ def _split_range(size: int, parts: int, index: int, what: str) -> tuple[int, int
     return index * step, (index + 1) * step
 
 
+# ---- full shapes, declared by the placements ------------------------------------------------
+
+Size = Union[int, str, Callable[[ModelDims], int]]
+"""One dimension of a declared shape: a number, the name of a ModelDims field or property
+(`"hidden_size"`, `"q_size"`), or a function of the dims."""
+
+Shape = tuple[Size, ...]
+
+
+def size_of(spec: Size, dims: ModelDims) -> int:
+    if isinstance(spec, int):
+        return spec
+    if isinstance(spec, str):
+        return int(getattr(dims, spec))
+    return int(spec(dims))
+
+
+def shape_of(spec: Shape, dims: ModelDims) -> tuple[int, ...]:
+    return tuple(size_of(s, dims) for s in spec)
+
+
+@dataclass(frozen=True)
+class Block:
+    """The `index`-th of `count` equal blocks, along the placement's axis, of the full tensor
+    `source`: a part of a Hugging Face tensor that is stored already fused (Phi-3's
+    `gate_up_proj` = [gate; up] is Block(name, 0, 2) and Block(name, 1, 2))."""
+
+    source: str
+    index: int
+    count: int
+
+
 # ---- the placements ------------------------------------------------------------------------
 
 
 class Placement(Protocol):
-    """What every placement answers: the full tensors it consumes (relative to the block prefix),
-    the axis each is cut along, and one rank's pieces. `expert` placements are split over ep
-    (held by every ep rank); the others live once, on ep rank 0."""
+    """What every placement answers: the full tensors it consumes (relative to the block prefix)
+    with their full shapes, the axis each is cut along, and one rank's pieces. `expert`
+    placements are split over ep (held by every ep rank); the others live once, on ep rank 0.
+
+    A placement declares the shape of each source it consumes, in terms of ModelDims, so a family
+    table names each tensor once (`Family.full_shapes` collects them)."""
 
     expert: ClassVar[bool]
+
+    def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]: ...
 
     def sources(self, dims: ModelDims) -> list[str]: ...
 
@@ -140,16 +177,28 @@ class Replicated:
 
     expert: ClassVar[bool] = False
     name: str
+    shape: Shape
     when: Callable[[ModelDims], bool] | None = None
     out: str | None = None  # the name in rank files, when NxD renames it
+    tied_to: str | None = None  # as Split's: the tensor whose values it takes when the config ties them
+
+    def _active(self, dims: ModelDims) -> bool:
+        return self.when is None or self.when(dims)
+
+    def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
+        if not self._active(dims) or (self.tied_to and dims.tie_word_embeddings):
+            return {}
+        return {self.name: shape_of(self.shape, dims)}
 
     def sources(self, dims: ModelDims) -> list[str]:
-        return [self.name] if self.when is None or self.when(dims) else []
+        return list(self.shapes(dims))
 
     def split_dims(self, dims: ModelDims) -> dict[str, int]:
         return {n: 0 for n in self.sources(dims)}
 
     def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
+        if self.tied_to and dims.tie_word_embeddings and self._active(dims):
+            return [make_piece(prefix + (self.out or self.name), [whole(prefix + self.tied_to, full_shapes)], full_shapes)]
         return [make_piece(prefix + (self.out or n), [whole(prefix + n, full_shapes)], full_shapes)
                 for n in self.sources(dims)]
 
@@ -165,15 +214,20 @@ class Split:
     expert: ClassVar[bool] = False
     name: str
     dim: int
+    shape: Shape
     tied_to: str | None = None
     when: Callable[[ModelDims], bool] | None = None
+    out: str | None = None  # the name in rank files, when NxD renames it
+
+    def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
+        if self.when is not None and not self.when(dims):
+            return {}
+        if self.tied_to and dims.tie_word_embeddings:
+            return {}
+        return {self.name: shape_of(self.shape, dims)}
 
     def sources(self, dims: ModelDims) -> list[str]:
-        if self.when is not None and not self.when(dims):
-            return []
-        if self.tied_to and dims.tie_word_embeddings:
-            return []
-        return [self.name]
+        return list(self.shapes(dims))
 
     def split_dims(self, dims: ModelDims) -> dict[str, int]:
         return {n: self.dim for n in self.sources(dims)}
@@ -183,31 +237,56 @@ class Split:
             return []
         source = prefix + (self.tied_to if (self.tied_to and dims.tie_word_embeddings) else self.name)
         start, stop = _split_range(full_shapes[source][self.dim], layout.tp, tp_rank, source)
-        return [make_piece(prefix + self.name, [Segment(source, self.dim, start, stop)], full_shapes)]
+        return [make_piece(prefix + (self.out or self.name), [Segment(source, self.dim, start, stop)], full_shapes)]
 
 
 @dataclass(frozen=True)
 class Fused:
-    """Per rank, the rank's split of each of several tensors, concatenated (gate_up)."""
+    """Per rank, the rank's split of each of several parts, concatenated (gate_up).
+
+    A part is a whole full tensor (Llama's gate_proj, up_proj) or a `Block` of one (Phi-3's
+    gate_up_proj, stored fused by Hugging Face: merge writes it back fused). `shape` is the shape
+    of one part."""
 
     expert: ClassVar[bool] = False
     name: str
-    parts: tuple[str, ...]
-    dim: int = 0
+    parts: tuple[str | Block, ...]
+    dim: int
+    shape: Shape
     when: Callable[[ModelDims], bool] | None = None
 
+    def _active(self, dims: ModelDims) -> bool:
+        return self.when is None or self.when(dims)
+
+    def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
+        if not self._active(dims):
+            return {}
+        out: dict[str, tuple[int, ...]] = {}
+        for part in self.parts:
+            shape = list(shape_of(self.shape, dims))
+            if isinstance(part, Block):
+                shape[self.dim] *= part.count
+                out[part.source] = tuple(shape)
+            else:
+                out[part] = tuple(shape)
+        return out
+
     def sources(self, dims: ModelDims) -> list[str]:
-        return list(self.parts) if self.when is None or self.when(dims) else []
+        return list(self.shapes(dims))
 
     def split_dims(self, dims: ModelDims) -> dict[str, int]:
         return {n: self.dim for n in self.sources(dims)}
 
     def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
+        if not self._active(dims):
+            return []
         segments = []
-        for part in self.sources(dims):
-            source = prefix + part
-            start, stop = _split_range(full_shapes[source][self.dim], layout.tp, tp_rank, source)
-            segments.append(Segment(source, self.dim, start, stop))
+        for part in self.parts:
+            name, index, count = (part.source, part.index, part.count) if isinstance(part, Block) else (part, 0, 1)
+            source = prefix + name
+            length = full_shapes[source][self.dim] // count
+            start, stop = _split_range(length, layout.tp, tp_rank, source)
+            segments.append(Segment(source, self.dim, index * length + start, index * length + stop))
         return [make_piece(prefix + self.name, segments, full_shapes)] if segments else []
 
 
@@ -228,6 +307,11 @@ class HeadGroups:
     K/V heads are replicated `kv_multiplier` times and split; each rank holds the q heads that its
     kv replicas serve (Layout.q_heads), so local heads attend to local kv heads and the sum over
     ranks of the row-parallel o_proj outputs is the full attention output.
+
+    With `fused` (e.g. "qkv_proj"), Hugging Face stores q, k and v as one tensor `fused.weight`
+    (rows [q; k; v], Phi-3's qkv_proj, DBRX's Wqkv): the head segments are then cut at offsets
+    inside it, and merge writes it back fused. The rank-file names are the layout's qkv style's
+    either way.
     """
 
     expert: ClassVar[bool] = False
@@ -238,14 +322,31 @@ class HeadGroups:
     o: str = "o_proj"
     qkv_bias: Callable[[ModelDims], bool] = lambda dims: dims.attention_bias
     o_bias: Callable[[ModelDims], bool] = lambda dims: dims.attention_bias
+    fused: str | None = None
+    out_scope: str | None = None  # the scope in rank files, when NxD renames it (DBRX: self_attn.)
+    o_out: str | None = None  # o's name in rank files, when NxD renames it (DBRX: o_proj)
+
+    def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
+        H, q, kv = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+        kinds = ["weight"] + (["bias"] if self.qkv_bias(dims) else [])
+        out: dict[str, tuple[int, ...]] = {}
+        if self.fused:
+            for kind in kinds:
+                out[f"{self.scope}{self.fused}.{kind}"] = (q + 2 * kv, H) if kind == "weight" else (q + 2 * kv,)
+            out[f"{self.scope}{self.o}.weight"] = (H, q)
+        else:
+            for proj, rows in ((self.q, q), (self.k, kv), (self.v, kv)):
+                out[f"{self.scope}{proj}.weight"] = (rows, H)
+            out[f"{self.scope}{self.o}.weight"] = (H, q)
+            if self.qkv_bias(dims):
+                for proj, rows in ((self.q, q), (self.k, kv), (self.v, kv)):
+                    out[f"{self.scope}{proj}.bias"] = (rows,)
+        if self.o_bias(dims):
+            out[f"{self.scope}{self.o}.bias"] = (H,)
+        return out
 
     def sources(self, dims: ModelDims) -> list[str]:
-        names = [f"{p}.weight" for p in (self.q, self.k, self.v, self.o)]
-        if self.qkv_bias(dims):
-            names += [f"{p}.bias" for p in (self.q, self.k, self.v)]
-        if self.o_bias(dims):
-            names.append(f"{self.o}.bias")
-        return [self.scope + n for n in names]
+        return list(self.shapes(dims))
 
     def split_dims(self, dims: ModelDims) -> dict[str, int]:
         result = {n: 0 for n in self.sources(dims)}
@@ -254,10 +355,18 @@ class HeadGroups:
 
     def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
         d = dims.head_dim
+        out = prefix + (self.out_scope or self.scope)
         prefix = prefix + self.scope
+        q_rows, kv_rows = dims.num_heads * d, dims.num_kv_heads * d
 
-        def head_segments(source: str, heads: Iterable[int], dim: int) -> list[Segment]:
-            return [Segment(prefix + source, dim, h * d, (h + 1) * d) for h in heads]
+        def head_segments(which: str, kind: str, heads: Iterable[int]) -> list[Segment]:
+            if self.fused:
+                source = f"{prefix}{self.fused}.{kind}"
+                base = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}[which]
+            else:
+                source = f"{prefix}{getattr(self, which)}.{kind}"
+                base = 0
+            return [Segment(source, 0, base + h * d, base + (h + 1) * d) for h in heads]
 
         q_heads = layout.q_heads(dims, tp_rank)
         kv_heads = [k for k, _ in layout.kv_entries(dims, tp_rank)]
@@ -266,18 +375,17 @@ class HeadGroups:
         for kind, names, present in (("weight", weight_names, True), ("bias", bias_names, self.qkv_bias(dims))):
             if not present:
                 continue
-            per_proj = [
-                head_segments(f"{self.q}.{kind}", q_heads, 0),
-                head_segments(f"{self.k}.{kind}", kv_heads, 0),
-                head_segments(f"{self.v}.{kind}", kv_heads, 0),
-            ]
+            per_proj = [head_segments("q", kind, q_heads), head_segments("k", kind, kv_heads),
+                        head_segments("v", kind, kv_heads)]
             if len(names) == 1:
-                pieces.append(make_piece(prefix + names[0], [s for segs in per_proj for s in segs], full_shapes))
+                pieces.append(make_piece(out + names[0], [s for segs in per_proj for s in segs], full_shapes))
             else:
-                pieces.extend(make_piece(prefix + n, segs, full_shapes) for n, segs in zip(names, per_proj))
-        pieces.append(make_piece(prefix + f"{self.o}.weight", head_segments(f"{self.o}.weight", q_heads, 1), full_shapes))
+                pieces.extend(make_piece(out + n, segs, full_shapes) for n, segs in zip(names, per_proj))
+        o_weight, o_name = prefix + f"{self.o}.weight", f"{out}{self.o_out or self.o}"
+        pieces.append(make_piece(o_name + ".weight", [Segment(o_weight, 1, h * d, (h + 1) * d) for h in q_heads],
+                                 full_shapes))
         if self.o_bias(dims):
-            pieces.append(make_piece(prefix + f"{self.o}.bias", [whole(prefix + f"{self.o}.bias", full_shapes)], full_shapes))
+            pieces.append(make_piece(o_name + ".bias", [whole(prefix + f"{self.o}.bias", full_shapes)], full_shapes))
         return pieces
 
 
@@ -294,10 +402,18 @@ class Experts:
     down: str
     gate_up_out: str
     down_out: str
+    inter: Size = "intermediate_size"  # one expert's intermediate size
     expert: ClassVar[bool] = True
 
+    def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
+        H, I = dims.hidden_size, size_of(self.inter, dims)
+        out: dict[str, tuple[int, ...]] = {}
+        for e in range(dims.num_experts):
+            out.update({self.gate.format(e=e): (I, H), self.up.format(e=e): (I, H), self.down.format(e=e): (H, I)})
+        return out
+
     def sources(self, dims: ModelDims) -> list[str]:
-        return [t.format(e=e) for e in range(dims.num_experts) for t in (self.gate, self.up, self.down)]
+        return list(self.shapes(dims))
 
     def split_dims(self, dims: ModelDims) -> dict[str, int]:
         out = {}
@@ -315,6 +431,46 @@ class Experts:
             down.append([Segment(dn, 1, *_split_range(full_shapes[dn][1], layout.tp, tp_rank, dn))])
         return [make_stacked(prefix + self.gate_up_out, gate_up, full_shapes, transposed=True),
                 make_stacked(prefix + self.down_out, down, full_shapes, transposed=True)]
+
+
+@dataclass(frozen=True)
+class FlatExperts:
+    """Experts stored flat, one tensor per matrix for all experts of a layer (DBRX's `w1`, `v1`,
+    `w2`, each (E * I, hidden): expert e is rows [e*I, (e+1)*I)), held as NxD's expert layers hold
+    them: gate_up (E/ep, hidden, 2*I/tp) = [w1_e,r^T | v1_e,r^T] and down (E/ep, I/tp, hidden) =
+    w2_e,r as stored (w2 is already (in, out)). Each expert's slice is a segment of the flat
+    tensor, so shard, gather and reads stay generic."""
+
+    gate: str
+    up: str
+    down: str
+    gate_up_out: str
+    down_out: str
+    inter: Size = "intermediate_size"
+    expert: ClassVar[bool] = True
+
+    def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
+        rows = dims.num_experts * size_of(self.inter, dims)
+        return {n: (rows, dims.hidden_size) for n in (self.gate, self.up, self.down)}
+
+    def sources(self, dims: ModelDims) -> list[str]:
+        return list(self.shapes(dims))
+
+    def split_dims(self, dims: ModelDims) -> dict[str, int]:
+        return {n: 0 for n in self.sources(dims)}
+
+    def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
+        first, last = _split_range(dims.num_experts, layout.ep, ep_rank, "experts")
+        inter = size_of(self.inter, dims)
+        gate, up, down = (prefix + n for n in (self.gate, self.up, self.down))
+        start, stop = _split_range(inter, layout.tp, tp_rank, gate)
+        gate_up, down_slabs = [], []
+        for e in range(first, last):
+            rows = (e * inter + start, e * inter + stop)
+            gate_up.append([Segment(gate, 0, *rows), Segment(up, 0, *rows)])
+            down_slabs.append([Segment(down, 0, *rows)])
+        return [make_stacked(prefix + self.gate_up_out, gate_up, full_shapes, transposed=True),
+                make_stacked(prefix + self.down_out, down_slabs, full_shapes)]
 
 
 # ---- the generic operations -----------------------------------------------------------------

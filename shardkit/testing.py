@@ -21,13 +21,18 @@ def make_tiny_model(config: str | dict, out_dir: str | Path, seed: int = 0, dtyp
 
     Weights are drawn with a larger spread than transformers' init so that mistakes in head order
     change outputs visibly."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg_dict = fixture_config(config) if isinstance(config, str) else dict(config)
     model_type = cfg_dict.pop("model_type")
     cfg = AutoConfig.for_model(model_type, **{k: v for k, v in cfg_dict.items() if k != "architectures"})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
+    arch = (cfg_dict.get("architectures") or [""])[0]
+    if arch and not arch.endswith("ForCausalLM"):  # an encoder's pre-training class (BertForPreTraining)
+        model = getattr(transformers, arch)(cfg)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)

@@ -113,11 +113,11 @@ def test_config_does_not_match_hf_weights(tiny_model, tmp_path):
 def test_unknown_model_type(tiny_model, tmp_path):
     src = copy_of(tiny_model("llama-mha"), tmp_path)
     config = json.loads((src / "config.json").read_text())
-    config["model_type"] = "gpt_neox"
+    config["model_type"] = "mamba"
     (src / "config.json").write_text(json.dumps(config))
     before = tree_digest(src)
     result = run("convert", src, tmp_path / "out", "--tp", "2")
-    assert_clean_failure(result, tmp_path / "out", "'gpt_neox' is not supported", "llama")
+    assert_clean_failure(result, tmp_path / "out", "'mamba' is not supported", "llama")
     assert tree_digest(src) == before
 
 

@@ -357,9 +357,9 @@ def test_cli_impossible_says_why(config, flags, phrase):
 
 def test_cli_unknown_model(tmp_path):
     cfg = json.loads(L7B.read_text())
-    cfg["model_type"] = "gpt_neox"
+    cfg["model_type"] = "mamba"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert_clean_failure(run("plan", "--config", tmp_path), "'gpt_neox' is not supported")
+    assert_clean_failure(run("plan", "--config", tmp_path), "'mamba' is not supported")
 
 
 def test_cli_help_says_activations_are_not_estimated():

@@ -33,6 +33,14 @@ from .layers import (ColumnParallelLinear, ParamHolder, RMSNorm, RowParallelLine
                      VocabParallelEmbedding)
 
 SUPPORTED = ("llama", "mistral", "qwen2")
+# why the trainer's blocks cannot express a family (shardkit converts, merges and reshards them all)
+UNSUPPORTED_BECAUSE = {
+    "mixtral": "mixture-of-experts layers", "qwen3_moe": "mixture-of-experts layers", "dbrx": "mixture-of-experts layers",
+    "qwen3": "per-head q/k norms", "gemma3": "per-head q/k norms and Gemma's norms",
+    "gemma2": "Gemma's (1 + w) norms, extra feed-forward norms, embedding scaling and soft-capping",
+    "phi3": "Phi-3's rope variants (longrope) are not implemented",
+    "gpt_neox": "LayerNorm, partial rotary and the parallel residual", "bert": "it is an encoder, not a causal LM",
+}
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -50,9 +58,10 @@ class ModelSpec:
     def from_config(cls, config: Mapping[str, Any], layout: Layout) -> "ModelSpec":
         family = family_for(config)
         if family.name not in SUPPORTED:
+            why = UNSUPPORTED_BECAUSE.get(family.name)
             raise TrainerError(
-                f"the trainer supports dense decoder families ({', '.join(SUPPORTED)}), not {family.name}: "
-                "convert/merge still work for it with shardkit"
+                f"the trainer supports dense decoder families ({', '.join(SUPPORTED)}), not {family.name}"
+                + (f" ({why})" if why else "") + ": convert/merge/reshard still work for it with shardkit"
             )
         dims = ModelDims.from_config(config)
         layout.validate(dims)

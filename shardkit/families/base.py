@@ -2,52 +2,64 @@
 the registry that family modules add themselves to (keyed by `model_type`).
 
 A family is data: the placements of the embedding block (first pipeline stage), of one decoder
-layer (with its index kept in the names, as NxD does), and of the final block (last stage), plus
-the full tensor shapes a config implies.
+layer (with its index kept in the names, as NxD does), and of the final block (last stage). Each
+placement declares the full shape of every tensor it consumes, so the table names each tensor
+once and `full_shapes` is derived from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from ..layout import Layout, ModelDims
+from ..errors import ConfigMismatchError, LayoutError
+from ..layout import QKV_STYLES, Layout, ModelDims
 from ..placements import Piece, Placement
 
 LAYER_PREFIX = "model.layers.{i}."
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
 class Family:
-    """A model family's table. `shapes(dims)` gives the full shapes of `first`/`final` tensors by
-    full name and of `layer` tensors by their name inside a layer."""
+    """A model family's table: placements of the first block (full names), of one layer (names
+    inside a layer, under `layer_prefix`) and of the final block.
+
+    `qkv_styles` are the layout qkv styles the family can be stored in (the others are refused
+    with `qkv_reason`); `check` refuses configs the table cannot express, with the reason."""
 
     name: str
     model_types: tuple[str, ...]
     first: tuple[Placement, ...]
     layer: tuple[Placement, ...]
     final: tuple[Placement, ...]
-    shapes: Callable[[ModelDims], tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]]
     ignored: tuple[str, ...] = field(default_factory=tuple)
+    layer_prefix: str = LAYER_PREFIX
+    qkv_styles: tuple[str, ...] = QKV_STYLES
+    qkv_reason: str = ""
+    check: Callable[[ModelDims], str | None] | None = None
+    out_layer_prefix: str | None = None  # the layer prefix in rank files, when NxD renames it
 
     def full_shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
-        """Every full tensor the config implies, in checkpoint order, with its shape."""
-        global_shapes, layer_shapes = self.shapes(dims)
+        """Every full tensor the config implies, in checkpoint order, with its shape (as the
+        placements declare them)."""
+        if self.check is not None and (reason := self.check(dims)):
+            raise ConfigMismatchError(f"{self.name}: {reason}")
         out: dict[str, tuple[int, ...]] = {}
-        for rule in self.first:
-            for n in rule.sources(dims):
-                out[n] = global_shapes[n]
+
+        def add(rules: tuple[Placement, ...], prefix: str) -> None:
+            for rule in rules:
+                for n, shape in rule.shapes(dims).items():
+                    if prefix + n in out:
+                        raise ValueError(f"family {self.name}: {prefix + n} is placed twice")
+                    out[prefix + n] = shape
+
+        add(self.first, "")
         for i in range(dims.num_layers):
-            prefix = LAYER_PREFIX.format(i=i)
-            for rule in self.layer:
-                for n in rule.sources(dims):
-                    out[prefix + n] = layer_shapes[n]
-        for rule in self.final:
-            for n in rule.sources(dims):
-                out[n] = global_shapes[n]
+            add(self.layer, self.layer_prefix.format(i=i))
+        add(self.final, "")
         return out
 
     def split_dims(self, dims: ModelDims) -> dict[str, int]:
@@ -56,10 +68,17 @@ class Family:
         for rule in self.first + self.final:
             out.update(rule.split_dims(dims))
         for i in range(dims.num_layers):
-            prefix = LAYER_PREFIX.format(i=i)
+            prefix = self.layer_prefix.format(i=i)
             for rule in self.layer:
                 out.update({prefix + n: d for n, d in rule.split_dims(dims).items()})
         return out
+
+    def check_layout(self, layout: Layout) -> None:
+        """Refuse a qkv style this family cannot be stored in, with the one-line reason."""
+        if layout.qkv not in self.qkv_styles:
+            raise LayoutError(
+                f"--qkv {layout.qkv} does not apply to {self.name}: {self.qkv_reason or 'use ' + ', '.join(self.qkv_styles)}"
+            )
 
     def rank_pieces(
         self, layout: Layout, dims: ModelDims, tp_rank: int, pp_rank: int,
@@ -67,6 +86,7 @@ class Family:
     ) -> list[Piece]:
         """The pieces of one rank file, in NxD's order. Expert-parallel ranks other than 0 hold
         only their experts (the rest is identical on every ep rank and saved once, as NxD does)."""
+        self.check_layout(layout)
 
         def emit(rules: tuple[Placement, ...], prefix: str) -> list[Piece]:
             out: list[Piece] = []
@@ -79,7 +99,12 @@ class Family:
         if pp_rank == 0:
             pieces += emit(self.first, "")
         for i in layout.stage_layers(dims.num_layers)[pp_rank]:
-            pieces += emit(self.layer, LAYER_PREFIX.format(i=i))
+            prefix = self.layer_prefix.format(i=i)
+            layer = emit(self.layer, prefix)
+            if self.out_layer_prefix is not None:
+                out = self.out_layer_prefix.format(i=i)
+                layer = [dataclasses.replace(p, name=out + p.name[len(prefix):]) for p in layer]
+            pieces += layer
         if pp_rank == layout.pp - 1:
             pieces += emit(self.final, "")
         return pieces
@@ -104,7 +129,25 @@ def register(family: Family) -> Family:
     return family
 
 
+_LAYER_RES: list = [0, ()]  # [registry size when built, compiled patterns]
+
+
+def _layer_patterns() -> tuple[re.Pattern, ...]:
+    if _LAYER_RES[0] != len(REGISTRY) or not _LAYER_RES[1]:
+        prefixes = dict.fromkeys([LAYER_PREFIX, *(f.layer_prefix for f in REGISTRY.values()),
+                                  *(f.out_layer_prefix for f in REGISTRY.values() if f.out_layer_prefix)])
+        patterns = []
+        for prefix in prefixes:
+            head, tail = prefix.split("{i}")
+            patterns.append(re.compile("^" + re.escape(head) + r"(\d+)" + re.escape(tail)))
+        _LAYER_RES[:] = [len(REGISTRY), tuple(patterns)]
+    return _LAYER_RES[1]
+
+
 def layer_of(name: str) -> int | None:
-    """The decoder layer index in a full tensor name, or None."""
-    match = _LAYER_RE.match(name)
-    return int(match.group(1)) if match else None
+    """The layer index in a full tensor or piece name (under any registered family's layer
+    prefix), or None."""
+    for pattern in _layer_patterns():
+        if match := pattern.match(name):
+            return int(match.group(1))
+    return None

@@ -4,7 +4,7 @@ The biases follow their weights' rows, so kv replication and q head reordering a
 exactly as to the weights (HeadGroups cuts weights and biases from the same head list)."""
 
 from ..placements import HeadGroups
-from .llama import EMBEDDING, GATED_MLP, HEAD, NORMS, shapes
+from .llama import EMBEDDING, GATED_MLP, HEAD, NORMS
 from .base import Family, register
 
 FAMILY = register(Family(
@@ -13,6 +13,5 @@ FAMILY = register(Family(
     first=EMBEDDING,
     layer=(HeadGroups(scope="self_attn.", qkv_bias=lambda dims: True, o_bias=lambda dims: False), *GATED_MLP, *NORMS),
     final=HEAD,
-    shapes=shapes,
     ignored=("*.rotary_emb.inv_freq",),
 ))
