@@ -35,14 +35,14 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shardkit.checkpoint.zero1 import MOMENTS, shard_rows
-from shardkit.placements import SegmentIndex
+from shardkit.placements import Holding, SegmentIndex
 
 from .model import ModelSpec
 from .parallel import COMM, COMPUTE, Group, Parallel
@@ -88,6 +88,11 @@ class _Interval:
     mine: list[_Held] = field(default_factory=list)
 
 
+def _rank_piece(h: Holding) -> tuple[tuple[int, int], str]:
+    """The holder `_replica_intervals` indexes a piece under: ((pp, tp), piece name)."""
+    return cast(tuple[tuple[int, int], str], h.holder)
+
+
 def _replica_intervals(spec: ModelSpec) -> list[_Interval]:
     """Every slice of a full tensor that more than one piece of one model replica holds, from the
     layout algebra alone (no data): K/V heads replicated by kv_multiplier, a tied lm_head on
@@ -111,7 +116,7 @@ def _replica_intervals(spec: ModelSpec) -> list[_Interval]:
         dim = index.dim_of(source)
         bounds = sorted({h.start for h in holdings} | {h.stop for h in holdings})
         for a, b in zip(bounds, bounds[1:]):
-            holders = sorted((h.holder[0], h.holder[1], h.offset + a - h.start) for h in holdings
+            holders = sorted((*_rank_piece(h), h.offset + a - h.start) for h in holdings
                              if h.start <= a and b <= h.stop)
             if len(holders) > 1:
                 shape = list(shapes[source])
@@ -171,6 +176,7 @@ class LRSchedule:
         (step + 1) / (warmup + 1), then cosine from the base lr to min_lr over decay_steps, min_lr
         after max_steps (and in the constant phase)."""
         s = self.nxd
+        assert s is not None  # `at` calls this only with NxD's state
         base, floor = float(s["base_lrs"][0]), float(s["min_lr"])
         warmup, decay, max_steps = int(s["warmup_steps"]), int(s["decay_steps"]), int(s["max_steps"])
         if warmup > 0 and step <= warmup:
@@ -292,7 +298,7 @@ class Optimizer:
     def _make_adam(self, lr: float, betas, eps: float, weight_decay: float) -> torch.optim.AdamW | None:
         """torch's AdamW on the masters this rank owns (no weight decay for norms and biases).
         Group 0 ("decay") and 1 ("no_decay") are NxD's two param groups."""
-        self.hyper = {kind: {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": wd}
+        self.hyper: dict[str, dict[str, Any]] = {kind: {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": wd}
                       for kind, wd in ((DECAY, weight_decay), (NO_DECAY, 0.0))}
         decay = [s.master for s in self.owned if s.decay]
         no_decay = [s.master for s in self.owned if not s.decay]
@@ -303,6 +309,7 @@ class Optimizer:
     @staticmethod
     def _accumulate_hook(slot: Slot):
         def hook(p: torch.Tensor) -> None:
+            assert p.grad is not None  # torch runs the hook after accumulating into p.grad
             slot.grad.add_(p.grad)
             p.grad = None
 
@@ -338,7 +345,8 @@ class Optimizer:
                     held.region().copy_(chunk)
 
     def grad_norm(self) -> float:
-        whole, partial = [], []
+        whole: list[Slot] = []
+        partial: list[Slot] = []
         for slot in self.slots:
             if slot.replicated and self.par.tp_rank != 0:
                 continue
@@ -348,6 +356,7 @@ class Optimizer:
             norms = torch._foreach_norm([s.grad for s in whole])
             sq += torch.stack(norms).double().pow(2).sum()
         for slot in partial:
+            assert slot.norm_mask is not None  # `partial` holds the slots with a mask
             sq += (slot.grad.double().pow(2) * slot.norm_mask).sum()
         self.par.mp_group.all_reduce(sq)
         return float(sq.sqrt())
@@ -371,6 +380,7 @@ class Optimizer:
                 self.adam.step()
             for slot in self.owned:
                 if slot.param.dtype != torch.float32:
+                    assert slot.master is not None  # every owned slot has a master (_plumb_gradients)
                     a, b = slot.rows
                     slot.param.data[a:b].copy_(slot.master.data)
             if self.zero1:
@@ -431,6 +441,7 @@ class Optimizer:
                     entry = {m: self._pad_local(state[m], shard) for m in MOMENTS}
                     entry["step"] = state["step"]
                     if bf16:
+                        assert slot.master is not None  # there is state only under a master
                         entry["master"] = self._pad_local(slot.master.data, shard)
                 else:  # none of this parameter's rows is this rank's: an all-padding shard
                     entry = {m: torch.zeros(shard, dtype=torch.float32) for m in MOMENTS}
@@ -440,6 +451,7 @@ class Optimizer:
             else:
                 entry = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"], "step": state["step"]}
                 if bf16:
+                    assert slot.master is not None  # unsharded slots without state were skipped above
                     entry["master"] = slot.master.data
             for name in slot.names:
                 out[name] = entry
@@ -477,6 +489,7 @@ class Optimizer:
             if entry is None:
                 continue
             master = slot.master
+            assert master is not None  # every owned slot has a master (_plumb_gradients)
             a, b = slot.rows
 
             def mine(t: torch.Tensor, slot: Slot = slot, a: int = a, b: int = b) -> torch.Tensor:
@@ -511,6 +524,7 @@ class Optimizer:
                     log.info("resuming with the checkpoint's %s %s for %s parameters (the options say %s)", key,
                              value, kind.replace("_", " "), h[key])
                     h[key] = value
+            assert self.adam is not None  # load_state_dict returns before this without one
             for group in self.adam.param_groups:
                 if group.get("kind") == kind:
                     group.update({k: h[k] for k in ("betas", "eps", "weight_decay")})

@@ -243,10 +243,11 @@ class OptimizerState:
             if isinstance(g.get("betas"), list):
                 g["betas"] = tuple(g["betas"])
         for name in param_names:
-            g = self.groups.get(name, 0)
-            if g >= len(hyper):
-                raise CheckpointError(f"{name} belongs to optimizer group {g}, but only {len(hyper)} groups are given")
-            hyper[g]["params"].append(index[name])
+            group = self.groups.get(name, 0)
+            if group >= len(hyper):
+                raise CheckpointError(f"{name} belongs to optimizer group {group}, "
+                                      f"but only {len(hyper)} groups are given")
+            hyper[group]["params"].append(index[name])
         state = {}
         for name in param_names:
             if name in self.state:

@@ -27,7 +27,7 @@ import hashlib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -201,7 +201,7 @@ def _plan_reads(ckpt: Checkpoint, pieces: list[Piece], rank: Rank,
         keys = holders.get(piece)
         if not keys:
             for seg in piece.segments:
-                needed.update(r.holder for r in index.locate(seg))
+                needed.update(cast(str, r.holder) for r in index.locate(seg))  # ckpt.index() holders are file keys
         elif len(keys) == 1:
             needed.add(keys[0])
     plan: list[tuple[Piece, str | None]] = []

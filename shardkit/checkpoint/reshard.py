@@ -114,7 +114,7 @@ class RankReaders:
         for p in pieces:
             if self.model is not None:
                 t = self.model.read_piece(p)
-            elif self.optim is not None and self.src.zero1.master:
+            elif self.optim is not None and self.src.zero1 is not None and self.src.zero1.master:
                 t = self.optim.read_piece(prefixed(p, MASTER + SEP)).to(dtype)
             else:
                 raise CheckpointError(f"{self.src.tag_dir}: the model files hold no weights and the optimizer files "

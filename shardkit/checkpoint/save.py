@@ -188,7 +188,7 @@ def write_tensor_file(tag_dir: Path, key: str, items: list[tuple[str, torch.Tens
 def save_object_hashed(tag_dir: Path, name: str, obj: Any, fsync: bool) -> FileRecord:
     """torch.save of plain data (scheduler, user content), hashed and durable."""
     out = HashingFile(tag_dir / name, tag_dir)
-    torch.save(obj, out)
+    torch.save(obj, out)  # type: ignore[arg-type]  # torch.save takes any object with write(); typed as IO[bytes]
     return out.close(fsync)
 
 

@@ -147,8 +147,14 @@ def _map_leaves(obj: Any, leaf: Any) -> Any:
 
 def _resolve(obj: Any, path: Path) -> Any:
     """xser.resolve that keeps shared objects shared."""
-    return _map_leaves(obj, lambda x: safe_load(xser.tensor_path(path, x.tid)) if isinstance(x, TensorReference)
-                       else _KEEP)
+
+    def leaf(x: Any) -> Any:
+        if not isinstance(x, TensorReference):
+            return _KEEP
+        tid: Any = x.tid  # unpickled from the file, so anything: tensor_path refuses all but an int >= 0
+        return safe_load(xser.tensor_path(path, tid))
+
+    return _map_leaves(obj, leaf)
 
 
 def _reference_walk(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -190,7 +196,7 @@ def save_object(path: Path, obj: Any, use_xser: bool, expert: bool = False) -> l
 # ---- building the objects NxD saves ---------------------------------------------------------------
 
 
-def build_optim(names: Sequence[str], groups: Sequence[int], hyper: Sequence[Mapping[str, Any]],
+def build_optim(names: Sequence[str], groups: Sequence[int], hyper: Sequence[dict[str, Any]],
                 state: Mapping[str, Mapping[str, Any]], dp: int, d: int, master: bool,
                 presharded: bool = False, shapes: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     """dp rank d's ZeRO-1 optimizer object for a stage whose parameters are `names` (stage-local
@@ -222,7 +228,7 @@ def build_optim(names: Sequence[str], groups: Sequence[int], hyper: Sequence[Map
     return obj
 
 
-def hyper_of(param_groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def hyper_of(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Param groups without their `params` (copied; shared objects stay shared)."""
     groups = copy.deepcopy(list(param_groups))
     for g in groups:
@@ -526,7 +532,7 @@ def prefixed(piece: Piece, prefix: str) -> Piece:
 class _MergedCheckpoint(Checkpoint):
     zero1: Zero1Tag
 
-    def open(self, key: str):  # type: ignore[override]
+    def open(self, key: str) -> MergedOptimFile:
         ep, tp, pp = self.ranks[key]
         return self.zero1.merged_reader(tp, pp)
 
@@ -589,7 +595,7 @@ class _MasterWeightsCheckpoint(Checkpoint):
     zero1: Zero1Tag
     weights_dtype: torch.dtype
 
-    def open(self, key: str):  # type: ignore[override]
+    def open(self, key: str) -> _MasterWeightsFile:
         ep, tp, pp = self.ranks[key]
         return _MasterWeightsFile(self.zero1.merged_reader(tp, pp), self.weights_dtype)
 

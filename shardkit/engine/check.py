@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -330,6 +330,7 @@ def _compare_tensor(name: str, shape: tuple[int, ...], ra: SourceReader, rb: Sou
     exact = atol == 0 and da == db
     work = torch.float64 if da == db == torch.float64 else torch.float32
     equal, worst = True, 0.0
+    blocks: Iterator[tuple[torch.Tensor, torch.Tensor]]
     if shape:
         blocks = ((ra.read_rows(name, start, stop), rb.read_rows(name, start, stop))
                   for start, stop in _row_blocks(shape, VERIFY_BLOCK_BYTES))

@@ -103,7 +103,7 @@ class Checkpoint:
         return "a full model" if self.kind == "hf" else self.layout.describe()
 
 
-def load_config(path: Path) -> dict[str, Any]:
+def load_config(path: Path | str) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"

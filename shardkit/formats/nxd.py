@@ -129,6 +129,8 @@ def infer_layout(rank_files: RankFiles, first_file, dims: ModelDims, hints: dict
         raise FormatError(f"{first_file.path} has no attention weights shardkit knows (q_proj, qkv_proj)")
     m = hints.get("kv_multiplier")
     if m is None:
+        if kv_rows is None:  # a qkv style was given by hint, but no attention key was found
+            raise FormatError(f"{first_file.path} has no attention weights shardkit knows (q_proj, qkv_proj)")
         per_rank = kv_rows // dims.head_dim
         if per_rank * tp % dims.num_kv_heads:
             raise ConfigMismatchError(

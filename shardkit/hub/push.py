@@ -9,6 +9,7 @@ resume.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -185,8 +186,8 @@ def push(
     src = Path(src)
     merged = _check_source(src, revision, create_pr)
     token = token or _get_token()
-    check = dict(private=private, create=create, token=token, endpoint=endpoint)
-    missing = check_repo(repo_id, dry_run=True, **check)  # fail fast, before any merging
+    check = functools.partial(check_repo, repo_id, private=private, create=create, token=token, endpoint=endpoint)
+    missing = check(dry_run=True)  # fail fast, before any merging
     api = _api(endpoint, token)
 
     work = Path(tempfile.mkdtemp(prefix="shardkit-push-", dir=tmp_dir))
@@ -204,7 +205,7 @@ def push(
             (folder / "README.md").write_text(model_card(folder, repo_id, origin=origin, command=command,
                                                          base_model=base_model, config=config, hints=hints))
         if missing:
-            check_repo(repo_id, **check)  # created only now that there is something to upload
+            check()  # created only now that there is something to upload
         if revision and revision != constants.DEFAULT_REVISION and not create_pr:
             _call(lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), repo_id, endpoint, revision,
                   token)
