@@ -499,20 +499,23 @@ def shard(piece: Piece, full_tensors: Mapping[str, torch.Tensor]) -> torch.Tenso
 
 @dataclass(frozen=True)
 class Read:
-    """Take [start, stop) along `dim` of slab `slab` (None: unstacked) of piece `piece_name` in
-    file `holder`; transpose it back when the piece stores the segment transposed."""
+    """Take [start, stop) along `dim` (None: from the first / to the last) of slab `slab` (None:
+    unstacked) of piece `piece_name` in file `holder`; transpose it back when the piece stores
+    the segment transposed."""
 
     holder: object
     piece_name: str
     slab: int | None
     dim: int
-    start: int
-    stop: int
+    start: int | None
+    stop: int | None
     transposed: bool = False
 
     def take(self, piece_data: torch.Tensor) -> torch.Tensor:
         """Apply this read to a piece (or, for stacked pieces, to the already-selected slab)."""
-        t = piece_data.narrow(self.dim, self.start, self.stop - self.start)
+        start = 0 if self.start is None else self.start
+        stop = piece_data.shape[self.dim] if self.stop is None else self.stop
+        t = piece_data.narrow(self.dim, start, stop - start)
         return t.t() if self.transposed else t
 
 

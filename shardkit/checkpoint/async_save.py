@@ -59,10 +59,6 @@ class HostStaging:
     def clear(self) -> None:
         self._buffers, self._next = {}, {}
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._buffers.values())
-
 
 def host_copy(obj: Any) -> Any:
     """A deep copy of plain data with every tensor copied to host memory."""

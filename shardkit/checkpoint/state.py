@@ -60,9 +60,6 @@ class RankState:
             out += [(f"{k}:{name}", v) for k, v in entry.items() if isinstance(v, torch.Tensor)]
         return out
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self.tensors())
-
 
 def is_rank_mapping(model_state: Mapping) -> bool:
     """True when model_state maps ranks ((tp, pp), (ep, tp, pp) or Rank) to their pieces."""
