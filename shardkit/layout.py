@@ -196,7 +196,8 @@ def _family_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         out["dense_mlp_layers"] = tuple(int(i) for i in config["mlp_only_layers"])
     if config.get("decoder_sparse_step"):
         out["moe_every"] = int(config["decoder_sparse_step"])
-    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
+    rope_parameters = config.get("rope_parameters")
+    rope: Mapping[str, Any] = rope_parameters if isinstance(rope_parameters, Mapping) else {}
     pct = config.get("rotary_pct", config.get("partial_rotary_factor", rope.get("partial_rotary_factor")))
     if pct is not None:
         out["rotary_pct"] = float(pct)

@@ -542,7 +542,7 @@ class Holding:
 def gather(name: str, shape: Sequence[int], held: Iterable[tuple[Piece, torch.Tensor]]) -> torch.Tensor:
     """Rebuild the full tensor `name` from pieces (any replicas; the first holder of a slice wins)."""
     index = SegmentIndex()
-    data = {}
+    data: dict[object, torch.Tensor] = {}  # by Read.holder: the position in `held`
     for key, (piece, tensor) in enumerate(held):
         index.add(key, piece)
         data[key] = tensor

@@ -59,7 +59,7 @@ class Plan:
     source: Checkpoint | None
     tokens: TokenFile
     dtype: torch.dtype
-    resume: Any = None  # checkpointing.ResumePoint or None
+    resume: checkpointing.ResumePoint | None = None
     metrics_path: Path | None = None
     exported_step: int | None = None  # the step of this run's earlier export in --export-hf
     eval_tokens: TokenFile | None = None
@@ -111,11 +111,13 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
         model_config = source.config
     layout = run_layout(cfg, source)
     resume = checkpointing.find_resume(cfg, model_config)
-    if model_config is None and resume is None:
-        raise TrainerError(f"--resume {cfg.resume} found no checkpoint and there is no --model to start from")
+    if model_config is None:
+        if resume is None:
+            raise TrainerError(f"--resume {cfg.resume} found no checkpoint and there is no --model to start from")
+        model_config = resume.config
     if cfg.checkpoint_dir and Path(cfg.checkpoint_dir).exists() and not Path(cfg.checkpoint_dir).is_dir():
         raise TrainerError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file: give a directory")
-    spec = ModelSpec.from_config(model_config if model_config is not None else resume.config, layout)
+    spec = ModelSpec.from_config(model_config, layout)
     spec.check_sequence(cfg.seq_len)
     tokens = TokenFile(cfg.data)
     if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
@@ -382,6 +384,7 @@ def train(cfg: TrainConfig) -> Summary:
     job = join(device, cfg.timeout)
     try:
         agree(job, error)
+        assert device is not None and plan is not None  # agree() raised if choosing either failed
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         par = init_parallel(cfg.tp, cfg.pp, plan.dp, device, cfg.timeout)
@@ -412,13 +415,14 @@ def _run(plan: Plan, par: Parallel) -> Summary:
     return summary
 
 
-def _initial_tensors(plan: Plan, par: Parallel) -> tuple[dict[str, torch.Tensor], Any]:
+def _initial_tensors(plan: Plan, par: Parallel) -> tuple[dict[str, torch.Tensor], checkpointing.Restored | None]:
     """This rank's pieces (and the restored checkpoint when resuming), read on every rank."""
-    if plan.resume is None and plan.source is None:  # --model-config: random weights, the same in every layout
-        return par.all_ok(lambda: init_rank_pieces(plan.spec, plan.cfg.seed, par.tp_rank, par.pp_rank)), None
-    if plan.resume is None:
-        return par.all_ok(lambda: read_rank_pieces(plan.source, plan.spec, par.tp_rank, par.pp_rank)), None
-    restored = par.all_ok(lambda: checkpointing.load(plan.resume, plan.spec, par))
+    source, resume = plan.source, plan.resume
+    if resume is None:
+        if source is None:  # --model-config: random weights, the same in every layout
+            return par.all_ok(lambda: init_rank_pieces(plan.spec, plan.cfg.seed, par.tp_rank, par.pp_rank)), None
+        return par.all_ok(lambda: read_rank_pieces(source, plan.spec, par.tp_rank, par.pp_rank)), None
+    restored = par.all_ok(lambda: checkpointing.load(resume, plan.spec, par))
     tensors = restored.tensors
     if plan.dtype == torch.float32:  # the fp32 masters of a bf16 run are the exact weights
         for name, entry in restored.optimizer.items():
@@ -444,6 +448,7 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
                       spec.dims.vocab_size)
     start_step = 0
     if restored is not None:
+        assert plan.resume is not None  # _initial_tensors restores a checkpoint only when resuming
         start_step = par.all_ok(lambda: checkpointing.apply(restored, optimizer, schedule, batches))
         log.info("resumed from %s at step %d (%s)", plan.resume.path, start_step, spec.layout.describe())
     scale, tp_group = 1.0 / (plan.micro_batches * plan.dp), par.tp_group
@@ -511,6 +516,7 @@ def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
     the same batches every time and in every layout); returns the metrics record."""
     cfg = plan.cfg
     t0 = time.perf_counter()
+    assert plan.eval_tokens is not None  # plan_eval gives eval_steps > 0 only with --eval-data's tokens
     batches = Batches(plan.eval_tokens, cfg.seq_len, cfg.global_batch, cfg.micro_batch, plan.dp, par.dp_rank, cfg.seed,
                       plan.spec.dims.vocab_size, shuffle=False)
     total = 0.0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +41,9 @@ UNSUPPORTED_BECAUSE = {
     "phi3": "Phi-3's rope variants (longrope) are not implemented",
     "gpt_neox": "LayerNorm, partial rotary and the parallel residual", "bert": "it is an encoder, not a causal LM",
 }
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # ---- blocks --------------------------------------------------------------------------------------------
 
 
+def _module_param(name: str) -> tuple[str, str]:
+    """("qkv_proj", "weight_q") of "qkv_proj.weight_q": the holder module and its parameter."""
+    module, param = name.split(".")
+    return module, param
+
+
 class Attention(nn.Module):
     """Local q heads and kv entries of one tp rank; q/k/v parameters named per the qkv style."""
 
@@ -204,8 +211,8 @@ class Attention(nn.Module):
             add(bias_names, self.rows, ())
         for module, params in shapes.items():
             self.add_module(module, ParamHolder(params, dtype, device))
-        self.weight_refs = [tuple(n.split(".")) for n in weight_names]
-        self.bias_refs = [tuple(n.split(".")) for n in bias_names] if qkv_bias else None
+        self.weight_refs = [_module_param(n) for n in weight_names]
+        self.bias_refs = [_module_param(n) for n in bias_names] if qkv_bias else None
         self.o_proj = RowParallelLinear(q_rows, dims.hidden_size, o_bias, ctx, dtype, device)
 
     def _param(self, ref: tuple[str, str]) -> torch.Tensor:
@@ -214,11 +221,12 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of the (sequence-parallel: local chunk of the) input, column-parallel."""
         weights = [self._param(r) for r in self.weight_refs]
-        biases = [self._param(r) for r in self.bias_refs] if self.bias_refs else [None] * len(weights)
+        biases: list[torch.Tensor | None] = ([self._param(r) for r in self.bias_refs] if self.bias_refs
+                                             else [None] * len(weights))
         outs = self.ctx.column_linear(x, weights, biases)
         if len(outs) == 3:
-            return outs  # type: ignore[return-value]
-        return tuple(outs[0].split(list(self.rows), dim=-1))  # type: ignore[return-value]
+            return outs
+        return tuple(outs[0].split(list(self.rows), dim=-1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(x)
@@ -263,6 +271,14 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class _Body(nn.Module):
+    """The `model.` part of the piece names; it holds embed_tokens on the first stage and norm on the last."""
+
+    embed_tokens: VocabParallelEmbedding
+    layers: nn.ModuleDict
+    norm: RMSNorm
+
+
 class StageModel(nn.Module):
     """The part of the model one (tp, pp) rank runs. First stage: token ids [batch, seq] in;
     middle stages: hidden [seq(/tp), batch, hidden] in and out; last stage: local logits
@@ -278,7 +294,7 @@ class StageModel(nn.Module):
         self.last = pp_rank == layout.pp - 1
         self.activation_checkpointing = activation_checkpointing
         meta = torch.device("meta")
-        self.model = nn.Module()
+        self.model = _Body()
         if self.first:
             pad = spec.config.get("pad_token_id")
             self.model.embed_tokens = VocabParallelEmbedding(dims.vocab_size // layout.tp, dims.hidden_size, ctx, dtype,
