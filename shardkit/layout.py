@@ -9,8 +9,9 @@ cut is in placements.py; which tensor gets which placement is in families/.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from .errors import ConfigMismatchError, LayoutError, ShardkitError
 
@@ -56,7 +57,7 @@ class ModelDims:
         return self.moe_intermediate_size or self.intermediate_size
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], where: str = "config.json") -> "ModelDims":
+    def from_config(cls, config: Mapping[str, Any], where: str = "config.json") -> ModelDims:
         """Read the dimensions from a Hugging Face config.json dict (`where` names it in errors).
 
         Every size must be a whole number (not a string, a float, null or a list), positive, and
@@ -235,7 +236,7 @@ class Layout:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Layout":
+    def from_dict(cls, data: Mapping[str, Any]) -> Layout:
         if data.get("vpp", 1) != 1:  # written by versions that reserved the field; never other than 1
             raise LayoutError(f"virtual pipeline stages (vpp {data['vpp']!r}) are not supported: re-create the shards")
         fields = {f.name for f in dataclasses.fields(cls)}

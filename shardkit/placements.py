@@ -20,8 +20,9 @@ tensor is held in a set of pieces.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterable, Mapping, Protocol, Sequence, Union
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -118,7 +119,7 @@ def _split_range(size: int, parts: int, index: int, what: str) -> tuple[int, int
 
 # ---- full shapes, declared by the placements ------------------------------------------------
 
-Size = Union[int, str, Callable[[ModelDims], int]]
+Size = int | str | Callable[[ModelDims], int]
 """One dimension of a declared shape: a number, the name of a ModelDims field or property
 (`"hidden_size"`, `"q_size"`), or a function of the dims."""
 

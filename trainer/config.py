@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from shardkit.formats import format_names
 
@@ -97,7 +98,7 @@ class TrainConfig:
     threads: int = _opt(0, "CPU threads per process (0: torch's default / OMP_NUM_THREADS).")
     debug: bool = _opt(False, "On an error, also print the traceback of each rank that failed (or TRAINER_DEBUG=1).")
 
-    def replace(self, **changes: Any) -> "TrainConfig":
+    def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
 

@@ -29,7 +29,6 @@ from torch import nn
 
 from .parallel import Group
 
-
 # ---- the conjugate ops ---------------------------------------------------------------------------
 
 

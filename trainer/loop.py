@@ -17,17 +17,18 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardkit.layout import make_layout
-from shardkit.errors import ShardkitError
 from shardkit.checkpoint.tree import SCHEDULER, USER_CONTENT
+from shardkit.errors import ShardkitError
 from shardkit.formats import Checkpoint, load_config, open_checkpoint
 from shardkit.formats.torch_io import safe_load
+from shardkit.layout import make_layout
 
 if TYPE_CHECKING:
     from shardkit.layout import Layout
@@ -39,8 +40,18 @@ from .errors import DataError, TrainerError
 from .layers import TPContext, vocab_parallel_cross_entropy
 from .model import ModelSpec, StageModel, param_count
 from .optim import LRSchedule, Optimizer
-from .parallel import (COMM, COMPUTE, Parallel, agree, choose_device, init_parallel, join, resolve_dp, shutdown,
-                       world_from_env)
+from .parallel import (
+    COMM,
+    COMPUTE,
+    Parallel,
+    agree,
+    choose_device,
+    init_parallel,
+    join,
+    resolve_dp,
+    shutdown,
+    world_from_env,
+)
 from .pipeline import Pipeline, run_micro_batches
 from .weights import check_export_destination, export_hf, export_run, init_rank_pieces, read_rank_pieces
 

@@ -16,8 +16,9 @@ the Hugging Face model's. Activations are sequence-first, `[seq, batch, hidden]`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,7 @@ from shardkit.layout import Layout, ModelDims
 from shardkit.placements import QKV_NAMES, HeadGroups, Piece, Replicated
 
 from .errors import TrainerError
-from .layers import (ColumnParallelLinear, ParamHolder, RMSNorm, RowParallelLinear, TPContext,
-                     VocabParallelEmbedding)
+from .layers import ColumnParallelLinear, ParamHolder, RMSNorm, RowParallelLinear, TPContext, VocabParallelEmbedding
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 # why the trainer's blocks cannot express a family (shardkit converts, merges and reshards them all)
@@ -56,7 +56,7 @@ class ModelSpec:
     layout: Layout
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], layout: Layout) -> "ModelSpec":
+    def from_config(cls, config: Mapping[str, Any], layout: Layout) -> ModelSpec:
         family = family_for(config)
         if family.name not in SUPPORTED:
             why = UNSUPPORTED_BECAUSE.get(family.name)

@@ -40,8 +40,7 @@ import torch
 
 from shardkit.api import export_checkpoint
 from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank
-from shardkit.formats import SourceReader
-from shardkit.formats import Checkpoint, hf
+from shardkit.formats import Checkpoint, SourceReader, hf
 from shardkit.placements import Segment, build_piece
 
 from .errors import TrainerError

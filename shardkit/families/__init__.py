@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..errors import UnsupportedModelError
 from .base import LAYER_PREFIX, REGISTRY, Family, layer_of, register

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 from ..errors import ConfigMismatchError, LayoutError
 from ..layout import QKV_STYLES, Layout, ModelDims

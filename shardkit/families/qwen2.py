@@ -4,8 +4,8 @@ The biases follow their weights' rows, so kv replication and q head reordering a
 exactly as to the weights (HeadGroups cuts weights and biases from the same head list)."""
 
 from ..placements import HeadGroups
-from .llama import EMBEDDING, GATED_MLP, HEAD, NORMS
 from .base import Family, register
+from .llama import EMBEDDING, GATED_MLP, HEAD, NORMS
 
 FAMILY = register(Family(
     name="qwen2",
