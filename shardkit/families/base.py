@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import ConfigMismatchError, LayoutError
-from ..layout import QKV_STYLES, Layout, ModelDims
-from ..placements import Piece, Placement
+from ..layout import FULL, QKV_STYLES, Layout, ModelDims
+from ..placements import QKV_NAMES, HeadGroups, Piece, Placement, Segment
 
 LAYER_PREFIX = "model.layers.{i}."
 
@@ -108,6 +108,25 @@ class Family:
         if pp_rank == layout.pp - 1:
             pieces += emit(self.final, "")
         return pieces
+
+    def k_source(self, dims: ModelDims, layer: int) -> Segment | None:
+        """The rows of the full tensor that hold all of `layer`'s k heads (k_proj, or the k rows
+        inside a fused qkv tensor: Phi-3's qkv_proj, DBRX's Wqkv), as the family's attention
+        placement cuts them; None for a family without kv heads (no HeadGroups)."""
+        prefix = self.layer_prefix.format(i=layer)
+        k_name = QKV_NAMES["separate"][0][1]
+        for rule in self.layer:
+            if not isinstance(rule, HeadGroups):
+                continue
+            shapes = {prefix + n: shape for n, shape in rule.shapes(dims).items()}
+            for piece in rule.pieces(prefix, FULL, dims, 0, shapes):
+                if piece.name.endswith("." + k_name):
+                    segments = piece.segments
+                    first, last = segments[0], segments[-1]
+                    if len(segments) != 1:  # the full layout holds the kv heads in order: one run of rows
+                        raise ValueError(f"family {self.name}: {k_name} is not one run of rows of {first.source}")
+                    return Segment(first.source, first.dim, first.start, last.stop)
+        return None
 
     def is_ignored(self, name: str) -> bool:
         """Tensors some checkpoints carry that models recompute (e.g. rotary inv_freq)."""

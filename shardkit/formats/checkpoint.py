@@ -276,12 +276,19 @@ def _open_nxd(root: Path, rank_files: nxd.RankFiles, given: dict | None, hints: 
 def _decide_replication(ckpt: Checkpoint, keys_by_rank) -> Checkpoint:
     """Interleaved or blocked kv replication, decided from the data: under the right one, every
     rank that claims to hold a given kv head holds the same values."""
+    first_layer = ckpt.layout.stage_layers(ckpt.dims.num_layers)[0][0]
+    k_rows = ckpt.family.k_source(ckpt.dims, first_layer)
+    if k_rows is None:
+        raise FormatError(
+            f"{ckpt.root}: {ckpt.family.name} has no kv heads whose replication could be read from the data: "
+            "pass --kv-replication (or write the layout in shardkit.json)"
+        )
     verdicts = {}
     for replication in ("interleaved", "blocked"):
         layout = Layout(**{**ckpt.layout.to_dict(), "kv_replication": replication})
         holdings, _ = _sharded_holdings(ckpt.family, ckpt.dims, layout, keys_by_rank)
         candidate = Checkpoint(**{**ckpt.__dict__, "layout": layout, "holdings": holdings})
-        verdicts[replication] = (candidate, _replicas_agree(candidate, SourceReader(candidate)))
+        verdicts[replication] = (candidate, _replicas_agree(candidate, SourceReader(candidate), k_rows))
     agree = [r for r, (_, ok) in verdicts.items() if ok]
     if not agree:
         raise FormatError(
@@ -293,17 +300,25 @@ def _decide_replication(ckpt: Checkpoint, keys_by_rank) -> Checkpoint:
     return verdicts[choice][0]
 
 
-def _replicas_agree(ckpt: Checkpoint, reader) -> bool:
+def _replicas_agree(ckpt: Checkpoint, reader, k_rows: Segment) -> bool:
+    """Whether every holder of each k head (the rows `k_rows` of their full tensor: k_proj, or
+    the k rows of a fused qkv tensor) holds the same values, compared head by head."""
     index = ckpt.index()
-    first_layer = ckpt.layout.stage_layers(ckpt.dims.num_layers)[0][0]
-    name = f"model.layers.{first_layer}.self_attn.k_proj.weight"
+    head_dim = ckpt.dims.head_dim
     try:
-        seen: dict[tuple[int, int], torch.Tensor] = {}
-        for h in index.holdings(name):
-            data = reader.read(h.read())
-            if (h.start, h.stop) in seen and not torch.equal(seen[(h.start, h.stop)], data):
-                return False
-            seen.setdefault((h.start, h.stop), data)
+        seen: dict[int, torch.Tensor] = {}
+        for h in index.holdings(k_rows.source):
+            start, stop = max(h.start, k_rows.start), min(h.stop, k_rows.stop)
+            if start >= stop:
+                continue  # q or v rows of a fused tensor
+            data = reader.read(h.read(start, stop))
+            for row in range(start, stop, head_dim):
+                head = data.narrow(k_rows.dim, row - start, min(head_dim, stop - row))
+                if row in seen and not torch.equal(seen[row], head):
+                    return False
+                seen.setdefault(row, head)
+        if not seen:
+            raise FormatError(f"{ckpt.root}: no rank file holds {k_rows.source}: the config does not match the shards")
         return True
     finally:
         reader.close()
