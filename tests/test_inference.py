@@ -60,3 +60,44 @@ def test_blocked_replication_of_llama_coalesced_is_inferred(tiny_model, tmp_path
     src, shards = _nxd_style(tiny_model, tmp_path, "llama-3.2-tiny", layout)
     assert open_checkpoint(shards).layout == layout
     _assert_merges_exactly(src, shards, tmp_path / "merged")
+
+
+# ---- 2. families with their own layer prefix and qkv names ---------------------------------
+
+@pytest.mark.parametrize("model, layout", [
+    ("gpt-neox-tiny", Layout(tp=2, pp=1)),
+    ("gpt-neox-tiny", Layout(tp=4, pp=3)),
+    ("bert-tiny", Layout(tp=2, pp=1)),
+    ("bert-tiny", Layout(tp=4, pp=2)),
+])
+def test_gpt_neox_and_bert_shards_without_manifest_open_and_merge(tiny_model, tmp_path, model, layout):
+    src, shards = _nxd_style(tiny_model, tmp_path, model, layout)
+    assert open_checkpoint(shards).layout == layout
+    _assert_merges_exactly(src, shards, tmp_path / "merged")
+
+
+def test_gpt_neox_shards_cut_for_another_tp_are_refused(tiny_model, tmp_path):
+    _, shards = _nxd_style(tiny_model, tmp_path, "gpt-neox-tiny", Layout(tp=2))
+    for f in (shards / "model").glob("*tp_rank_01*"):
+        f.unlink()
+    with pytest.raises(FormatError, match="cut for tp 2 but 1 tp rank files"):
+        open_checkpoint(shards)
+
+
+def _empty_weights(shards: Path) -> None:
+    """Every tensor of every rank file replaced by a 0-element one (NxD's
+    avoid_saving_lower_precision_weights keeps the master weights in the optimizer files only)."""
+    for f in (shards / "model").glob("*.pt"):
+        state = torch.load(f, weights_only=True)
+        torch.save({k: torch.empty(0, dtype=v.dtype) for k, v in state.items()}, f)
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-tiny", "phi3-tiny"])
+def test_rank_files_without_data_say_to_pass_the_layout(tiny_model, tmp_path, model):
+    _, shards = _nxd_style(tiny_model, tmp_path, model, Layout(tp=2, kv_multiplier=2 if model == "phi3-tiny" else 1))
+    _empty_weights(shards)
+    with pytest.raises(FormatError, match="holds no data.*shardkit.json") as excinfo:
+        open_checkpoint(shards)
+    assert "\n" not in str(excinfo.value)
+    layout = open_checkpoint(shards, hints={"qkv": "separate", "kv_multiplier": 1, "kv_replication": "interleaved"}).layout
+    assert (layout.tp, layout.kv_multiplier, layout.qkv) == (2, 1, "separate")

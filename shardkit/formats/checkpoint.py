@@ -262,7 +262,7 @@ def _open_nxd(root: Path, rank_files: nxd.RankFiles, given: dict | None, hints: 
     probe = Checkpoint(root, "sharded", rank_files.format, given, family, dims, FULL, files, {})
     first = probe.open(keys_by_rank[(0, 0, 0)])
     try:
-        layout = nxd.infer_layout(rank_files, first, dims, dict(hints))
+        layout = nxd.infer_layout(rank_files, first, dims, dict(hints), family)
     finally:
         first.close()
     holdings, ranks = _sharded_holdings(family, dims, layout, keys_by_rank)

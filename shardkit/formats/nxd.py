@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigMismatchError, FormatError, LayoutError
+from ..families import Family, family_for
 from ..layout import Layout, ModelDims
 from ..paths import inside
+from ..placements import QKV_NAMES, HeadGroups, Split
 from .registry import SUFFIXES, detect_format, get_format
 from .torch_io import regular
 
@@ -88,56 +90,91 @@ def find_rank_files(root: Path) -> RankFiles | None:
     return files
 
 
-QKV_KEYS = (
-    ("gqa", "self_attn.qkv_proj.weight_k"),
-    ("fused", "self_attn.qkv_proj.weight_qkv"),
-    ("coalesced", "self_attn.qkv_proj.weight"),
-    ("separate", "self_attn.k_proj.weight"),
-)
+def _k_key_suffixes() -> tuple[tuple[str, str], ...]:
+    """(qkv style, the rank-file name under the attention scope of the piece that holds k)."""
+    out = []
+    for style in ("gqa", "fused", "coalesced", "separate"):  # most specific names first
+        names = QKV_NAMES[style][0]
+        out.append((style, names[1] if len(names) == 3 else names[0]))
+    return tuple(out)
 
 
-def infer_layout(rank_files: RankFiles, first_file, dims: ModelDims, hints: dict) -> Layout:
+QKV_KEYS = _k_key_suffixes()
+
+
+def _empty(shape: tuple[int, ...], ndim: int) -> bool:
+    return len(shape) != ndim or 0 in shape
+
+
+def _no_data(path, name: str) -> FormatError:
+    return FormatError(
+        f"{path}: {name} holds no data (NxD saved the weights empty, e.g. with avoid_saving_lower_precision_weights), "
+        "so the layout cannot be read from it: write it in a shardkit.json manifest or pass qkv and kv_multiplier"
+    )
+
+
+def _mlp_out_name(family: Family) -> str:
+    """The family's row-parallel MLP weight (split over tp along intermediate_size), by its layer table."""
+    for rule in family.layer:
+        if isinstance(rule, Split) and rule.dim == 1 and rule.shape[1:2] == ("intermediate_size",):
+            return rule.out or rule.name
+    return "mlp.down_proj.weight"
+
+
+def infer_layout(rank_files: RankFiles, first_file, dims: ModelDims, hints: dict, family: Family | None = None) -> Layout:
     """The layout of NxD shards from file names, key names and shapes (and `hints` from flags).
 
-    `first_file` is the open tp-rank-0, pp-rank-0 file. kv replication (interleaved or blocked)
-    cannot be seen in shapes; it comes from `hints` or is decided later from the data.
+    `first_file` is the open tp-rank-0, pp-rank-0 file; `family` (default: by the config's
+    model_type) gives the layer prefix in rank files and the attention placement's scope.
+    kv replication (interleaved or blocked) cannot be seen in shapes; it comes from `hints` or
+    is decided later from the data.
     """
+    if family is None:
+        family = family_for({"model_type": dims.model_type})
     tp, pp, ep = rank_files.tp, rank_files.pp, rank_files.ep
-    keys = first_file.keys()
-    layer_keys = [k for k in keys if k.startswith("model.layers.")]
-    if not layer_keys:
-        raise FormatError(f"{first_file.path} holds no decoder layers: is this a sharded model directory?")
-    prefix = layer_keys[0][: layer_keys[0].index(".", len("model.layers.")) + 1]
-    down = prefix + "mlp.down_proj.weight"
-    if down in keys:
-        cols = first_file.shape(down)[1]
-        if cols and dims.intermediate_size % cols == 0 and dims.intermediate_size // cols != tp:
+    keys = set(first_file.keys())
+    layer = (family.out_layer_prefix or family.layer_prefix).format(i=0)  # pp rank 0 holds layer 0
+    if not any(k.startswith(layer) for k in keys):
+        raise FormatError(
+            f"{first_file.path} holds no {family.name} layers ({layer}*): is this a sharded {family.name} model directory?"
+        )
+    attention = next((rule for rule in family.layer if isinstance(rule, HeadGroups)), None)
+    mlp_out = layer + _mlp_out_name(family)
+    if mlp_out in keys and not _empty(shape := tuple(first_file.shape(mlp_out)), 2):
+        cols = shape[1]
+        if dims.intermediate_size % cols == 0 and dims.intermediate_size // cols != tp:
             raise FormatError(
                 f"by config.json the shards are cut for tp {dims.intermediate_size // cols} but {tp} tp rank files "
                 "were found: rank files are missing, or the config does not match the shards"
             )
     qkv = hints.get("qkv")
-    kv_rows = None
-    for style, suffix in QKV_KEYS:
-        if prefix + suffix in keys:
-            qkv = qkv or style
-            rows = first_file.shape(prefix + suffix)[0]
-            q_rows = dims.num_heads // tp * dims.head_dim
-            kv_rows = rows if style in ("gqa", "separate") else (rows - q_rows) // 2
-            break
-    if qkv is None:
-        raise FormatError(f"{first_file.path} has no attention weights shardkit knows (q_proj, qkv_proj)")
     m = hints.get("kv_multiplier")
-    if m is None:
-        if kv_rows is None:  # a qkv style was given by hint, but no attention key was found
-            raise FormatError(f"{first_file.path} has no attention weights shardkit knows (q_proj, qkv_proj)")
-        per_rank = kv_rows // dims.head_dim
-        if per_rank * tp % dims.num_kv_heads:
-            raise ConfigMismatchError(
-                f"k pieces of {per_rank} heads at tp {tp} do not fit {dims.num_kv_heads} kv heads: "
-                "the config does not match the shards (pass the right --config)"
-            )
-        m = max(1, per_rank * tp // dims.num_kv_heads)
+    if attention is None:  # q, k and v as the family keeps them (one style), no kv heads to replicate
+        qkv = qkv or family.qkv_styles[0]
+        m = m or 1
+    else:
+        scope = layer + (attention.out_scope or attention.scope)
+        kv_rows = None
+        for style, suffix in QKV_KEYS:
+            if scope + suffix in keys:
+                qkv = qkv or style
+                shape = tuple(first_file.shape(scope + suffix))
+                if m is None and _empty(shape, 2):
+                    raise _no_data(first_file.path, scope + suffix)
+                q_rows = dims.num_heads // tp * dims.head_dim
+                kv_rows = shape[0] if style in ("gqa", "separate") else (shape[0] - q_rows) // 2
+                break
+        if qkv is None or (m is None and kv_rows is None):
+            raise FormatError(f"{first_file.path} has no attention weights shardkit knows ({scope}q_proj, qkv_proj)")
+        if m is None:
+            assert kv_rows is not None
+            per_rank = kv_rows // dims.head_dim
+            if per_rank * tp % dims.num_kv_heads:
+                raise ConfigMismatchError(
+                    f"k pieces of {per_rank} heads at tp {tp} do not fit {dims.num_kv_heads} kv heads: "
+                    "the config does not match the shards (pass the right --config)"
+                )
+            m = max(1, per_rank * tp // dims.num_kv_heads)
     try:
         return Layout(tp=tp, pp=pp, ep=ep, kv_multiplier=m, qkv=qkv,
                       kv_replication=hints.get("kv_replication") or "interleaved")
