@@ -253,7 +253,10 @@ class Layout:
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self, dims: ModelDims) -> None:
-        """Raise LayoutError with the reason when this layout cannot hold the model."""
+        """Raise LayoutError with the reason when this layout cannot hold the model.
+
+        Rules that depend on how the family places its tensors (a vocabulary split over tp must
+        divide by tp; qkv styles) are the family's: `Family.validate` checks both."""
         q, kv, m, t = dims.num_heads, dims.num_kv_heads, self.kv_multiplier, self.tp
         if q % kv:
             raise ConfigMismatchError(f"{q} attention heads are not a multiple of {kv} kv heads: check config.json")
@@ -269,10 +272,6 @@ class Layout:
             raise LayoutError(
                 f"kv-multiplier {m} is too large: {kv} kv heads x {m} replicas = {kv * m} do not divide "
                 f"{q} q heads (each replica must serve a whole number of q heads)"
-            )
-        if dims.vocab_size % t:
-            raise LayoutError(
-                f"vocab size {dims.vocab_size} is not divisible by tp {t}: pad the vocabulary to a multiple of {t}"
             )
         if dims.intermediate_size % t:
             raise LayoutError(f"intermediate size {dims.intermediate_size} is not divisible by tp {t}")

@@ -210,10 +210,13 @@ class PlanReport:
 
 
 def _model(config: Mapping[str, Any] | str | Path) -> tuple[dict[str, Any], Family, ModelDims]:
+    where = "config.json"  # a dict: the name it stands for
     if isinstance(config, (str, Path)):
-        config = load_config(Path(config))
+        path = Path(config)
+        where = str(path / "config.json" if path.is_dir() else path)
+        config = load_config(path)
     config = dict(config)
-    return config, family_for(config), ModelDims.from_config(config)
+    return config, family_for(config), ModelDims.from_config(config, where)
 
 
 def _unique(pieces: Sequence[Piece]) -> list[Piece]:
@@ -232,10 +235,10 @@ def rank_params(pieces: Sequence[Piece]) -> int:
     return sum(p.numel() for p in _unique(pieces))
 
 
-def _check_layout(layout: Layout, dims: ModelDims) -> None:
+def _check_layout(family: Family, layout: Layout, dims: ModelDims) -> None:
     if layout.ep != 1:
         raise LayoutError("plan does not estimate expert parallelism yet: use ep 1")
-    layout.validate(dims)
+    family.validate(layout, dims)
 
 
 def _report(family: Family, dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], layout: Layout,
@@ -282,7 +285,7 @@ def plan_memory(config: Mapping[str, Any] | str | Path, layout: Layout, *, dtype
     """
     _, family, dims = _model(config)
     dtype, dp = _dtype(dtype), _dp(dp)
-    _check_layout(layout, dims)
+    _check_layout(family, layout, dims)
     memory, reserve_bytes = _memory(device_memory, reserve)
     shapes = family.full_shapes(dims)
     stage_rank_params = [
@@ -394,13 +397,13 @@ class Suggestions:
                 "impossible": self.impossible, "closest": self.closest.to_dict() if self.closest else None}
 
 
-def _multipliers(dims: ModelDims, tp: int, pinned: int | None, every: bool) -> tuple[list[int], str | None]:
+def _multipliers(family: Family, dims: ModelDims, tp: int, pinned: int | None, every: bool) -> tuple[list[int], str | None]:
     """The kv-multipliers that make tp valid (smallest only unless `every`), or the reason none does."""
     candidates = [pinned] if pinned else list(range(1, dims.num_heads // dims.num_kv_heads + 1))
     valid, reason = [], None
     for m in candidates:
         try:
-            Layout(tp=tp, kv_multiplier=m).validate(dims)
+            family.validate(Layout(tp=tp, kv_multiplier=m), dims)
         except LayoutError as e:
             reason = reason or str(e)
             continue
@@ -409,7 +412,7 @@ def _multipliers(dims: ModelDims, tp: int, pinned: int | None, every: bool) -> t
             break
     if not valid and not pinned:
         try:  # the reason as the user would meet it, with the default multiplier
-            Layout(tp=tp).validate(dims)
+            family.validate(Layout(tp=tp), dims)
         except LayoutError as e:
             reason = str(e)
     return valid, reason
@@ -422,7 +425,7 @@ def suggest_layouts(config: Mapping[str, Any] | str | Path, device_memory: str |
                     reserve: str | float | int = DEFAULT_RESERVE) -> Suggestions:
     """The valid layouts whose every rank fits `device_memory` (after `reserve`), smallest tp first.
 
-    Candidates: tp among the divisors of the q-head count that pass Layout.validate, each with
+    Candidates: tp among the divisors of the q-head count that pass the family's validate, each with
     its smallest valid kv-multiplier (all valid ones with `all_kv_multipliers`; only
     `kv_multiplier` when given); pp from 1 to the layer count (or `max_pp`; only `pp` when given).
     With `world_size`, only layouts with tp x pp x dp == world_size; dp is then derived per layout
@@ -439,10 +442,10 @@ def suggest_layouts(config: Mapping[str, Any] | str | Path, device_memory: str |
         raise ShardkitError(f"pp {pp} is above max pp {max_pp}: give one of them")
     # a pinned part of the layout must be possible on its own: say why not
     if pp is not None:
-        _check_layout(Layout(pp=pp), dims)
+        _check_layout(family, Layout(pp=pp), dims)
     if tp is not None:
         Layout(tp=tp)  # a positive whole number
-        valid, reason = _multipliers(dims, tp, kv_multiplier, False)
+        valid, reason = _multipliers(family, dims, tp, kv_multiplier, False)
         if not valid:
             raise LayoutError(reason)
     elif kv_multiplier is not None:
@@ -456,7 +459,7 @@ def suggest_layouts(config: Mapping[str, Any] | str | Path, device_memory: str |
     closest: PlanReport | None = None
     considered = 0
     for t in tps:
-        multipliers, reason = _multipliers(dims, t, kv_multiplier, all_kv_multipliers)
+        multipliers, reason = _multipliers(family, dims, t, kv_multiplier, all_kv_multipliers)
         if not multipliers:
             impossible.append({"tp": t, "reason": reason})
             continue

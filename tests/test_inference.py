@@ -101,3 +101,69 @@ def test_rank_files_without_data_say_to_pass_the_layout(tiny_model, tmp_path, mo
     assert "\n" not in str(excinfo.value)
     layout = open_checkpoint(shards, hints={"qkv": "separate", "kv_multiplier": 1, "kv_replication": "interleaved"}).layout
     assert (layout.tp, layout.kv_multiplier, layout.qkv) == (2, 1, "separate")
+
+
+# ---- 3. the vocabulary rule belongs to families that split the vocabulary ----------------------
+
+def test_bert_large_plans_at_tp_8_its_vocabulary_is_replicated():
+    from shardkit.memory import plan_memory, suggest_layouts
+    from shardkit.testing import FIXTURES
+
+    config = FIXTURES / "bert-large-uncased.json"  # vocab 30522: not a multiple of 4 or 8
+    for tp in (4, 8):
+        report = plan_memory(config, Layout(tp=tp))
+        assert report.layout.tp == tp and report.peak.params > 0
+    found = suggest_layouts(config, "16GiB", tp=8)
+    assert found.layouts and all(r.layout.tp == 8 for r in found.layouts)
+
+
+def test_split_vocabulary_must_still_divide_by_tp():
+    from shardkit.errors import LayoutError
+    from shardkit.memory import plan_memory, suggest_layouts
+    from shardkit.testing import fixture_config
+
+    config = {**fixture_config("llama-2-7b"), "vocab_size": 32001}
+    with pytest.raises(LayoutError, match="vocab size 32001 is not divisible by tp 8: pad the vocabulary"):
+        plan_memory(config, Layout(tp=8))
+    with pytest.raises(LayoutError, match="vocab size 32001 is not divisible by tp 8"):
+        suggest_layouts(config, "16GiB", tp=8)
+    found = suggest_layouts(config, "80GiB")
+    assert {r.layout.tp for r in found.layouts} == {1}
+    assert any("vocab size 32001" in i["reason"] for i in found.impossible)
+
+
+def test_bert_converts_at_a_tp_that_does_not_divide_its_vocabulary(tiny_model, tmp_path):
+    from shardkit.testing import fixture_config, make_tiny_model
+
+    src = make_tiny_model({**fixture_config("bert-tiny"), "vocab_size": 63}, tmp_path / "hf")
+    convert(src, tmp_path / "shards", Layout(tp=2))
+    _assert_merges_exactly(src, tmp_path / "shards", tmp_path / "merged")
+
+
+def test_llama_converts_refuses_a_tp_that_does_not_divide_its_vocabulary(tmp_path):
+    from shardkit.errors import LayoutError
+    from shardkit.testing import fixture_config, make_tiny_model
+
+    src = make_tiny_model({**fixture_config("llama-3.2-tiny"), "vocab_size": 95}, tmp_path / "hf")
+    with pytest.raises(LayoutError, match="vocab size 95 is not divisible by tp 2"):
+        convert(src, tmp_path / "shards", Layout(tp=2))
+    assert not (tmp_path / "shards").exists()
+
+
+# ---- 4. plan errors name the config file ---------------------------------------------------------
+
+def test_plan_errors_name_the_config_file(tmp_path):
+    from shardkit.errors import ConfigMismatchError
+    from shardkit.memory import plan_memory
+    from shardkit.testing import fixture_config
+
+    config = {**fixture_config("llama-2-7b")}
+    del config["intermediate_size"]
+    path = tmp_path / "my-model.json"
+    path.write_text(__import__("json").dumps(config))
+    with pytest.raises(ConfigMismatchError, match=f"^{path} has no 'intermediate_size'"):
+        plan_memory(path, Layout())
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "config.json").write_text(path.read_text())
+    with pytest.raises(ConfigMismatchError, match=f"^{tmp_path / 'dir' / 'config.json'} has no"):
+        plan_memory(tmp_path / "dir", Layout())

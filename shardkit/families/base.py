@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigMismatchError, LayoutError
 from ..layout import FULL, QKV_STYLES, Layout, ModelDims
-from ..placements import QKV_NAMES, HeadGroups, Piece, Placement, Segment
+from ..placements import QKV_NAMES, HeadGroups, Piece, Placement, Segment, Split
 
 LAYER_PREFIX = "model.layers.{i}."
 
@@ -73,12 +73,30 @@ class Family:
                 out.update({prefix + n: d for n, d in rule.split_dims(dims).items()})
         return out
 
-    def check_layout(self, layout: Layout) -> None:
-        """Refuse a qkv style this family cannot be stored in, with the one-line reason."""
+    def check_layout(self, layout: Layout, dims: ModelDims | None = None) -> None:
+        """Refuse, with the one-line reason, a qkv style this family cannot be stored in and (with
+        `dims`) a tp that does not split the vocabulary when the family splits it over tp."""
         if layout.qkv not in self.qkv_styles:
             raise LayoutError(
                 f"--qkv {layout.qkv} does not apply to {self.name}: {self.qkv_reason or 'use ' + ', '.join(self.qkv_styles)}"
             )
+        if dims is not None and self.splits_vocab() and dims.vocab_size % layout.tp:
+            raise LayoutError(
+                f"vocab size {dims.vocab_size} is not divisible by tp {layout.tp}: "
+                f"pad the vocabulary to a multiple of {layout.tp}"
+            )
+
+    def splits_vocab(self) -> bool:
+        """Whether the embedding or the lm_head is vocab-parallel (a Split of its vocab rows over
+        tp), by the family's placements; BERT's are replicated."""
+        return any(isinstance(rule, Split) and rule.dim == 0 and rule.shape[:1] == ("vocab_size",)
+                   for rule in self.first + self.final)
+
+    def validate(self, layout: Layout, dims: ModelDims) -> None:
+        """Raise LayoutError with the reason when `layout` cannot hold this family's model of `dims`
+        (Layout.validate's rules, then the family's own: `check_layout`)."""
+        layout.validate(dims)
+        self.check_layout(layout, dims)
 
     def rank_pieces(
         self, layout: Layout, dims: ModelDims, tp_rank: int, pp_rank: int,
@@ -86,7 +104,7 @@ class Family:
     ) -> list[Piece]:
         """The pieces of one rank file, in NxD's order. Expert-parallel ranks other than 0 hold
         only their experts (the rest is identical on every ep rank and saved once, as NxD does)."""
-        self.check_layout(layout)
+        self.check_layout(layout, dims)
 
         def emit(rules: tuple[Placement, ...], prefix: str) -> list[Piece]:
             out: list[Piece] = []

@@ -215,7 +215,7 @@ def _open_full(root: Path, files: dict[str, Path], cfg: dict[str, Any], where: s
 
 
 def _sharded_holdings(family, dims, layout, keys_by_rank) -> tuple[dict[str, list[Piece]], dict[str, tuple]]:
-    layout.validate(dims)
+    family.validate(layout, dims)
     shapes = family.full_shapes(dims)
     holdings, ranks = {}, {}
     for (ep, tp, pp), key in keys_by_rank.items():
