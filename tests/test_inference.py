@@ -167,3 +167,56 @@ def test_plan_errors_name_the_config_file(tmp_path):
     (tmp_path / "dir" / "config.json").write_text(path.read_text())
     with pytest.raises(ConfigMismatchError, match=f"^{tmp_path / 'dir' / 'config.json'} has no"):
         plan_memory(tmp_path / "dir", Layout())
+
+
+# ---- 5. scheduler.pt / user_content.pt: torch_save's sink (bytes unchanged, full disk is NoSpaceError) --
+
+SCHEDULER_STATE = {"last_epoch": 3, "_last_lr": [0.001, 0.0005], "base_lrs": [0.001], "buffer": torch.arange(300.0)}
+
+
+def test_save_object_hashed_writes_the_bytes_torch_save_writes(tmp_path):
+    import zipfile
+
+    from shardkit.checkpoint.save import save_object_hashed
+    from shardkit.formats.base import HashingFile
+
+    for name, obj in (("scheduler.pt", SCHEDULER_STATE), ("user_content.pt", {"step": 3, "note": "x" * 100})):
+        before = HashingFile(tmp_path / "before" / name, tmp_path / "before")  # what save_object_hashed wrote before
+        torch.save(obj, before)  # type: ignore[arg-type]
+        want = before.close()
+        got = save_object_hashed(tmp_path / "after", name, obj, fsync=False)
+        assert (tmp_path / "after" / name).read_bytes() == (tmp_path / "before" / name).read_bytes()
+        assert (got.path, got.size, got.sha256) == (name, want.size, want.sha256)
+        with zipfile.ZipFile(tmp_path / "after" / name) as archive:  # torch.save's name for a file object
+            assert archive.namelist()[0] == "archive/data.pkl"
+
+
+def test_save_object_hashed_on_a_full_disk_is_no_space_error(tmp_path, monkeypatch):
+    import builtins
+    import errno
+
+    import shardkit.formats.base as base
+    from shardkit.checkpoint.save import save_object_hashed
+    from shardkit.paths import NoSpaceError
+
+    class FullDisk:
+        """A file whose writes fail with ENOSPC after the first 100 bytes."""
+
+        def __init__(self, fh):
+            self.fh, self.written = fh, 0
+
+        def write(self, data):
+            if self.written + len(data) > 100:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += len(data)
+            return self.fh.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+    monkeypatch.setattr(base, "open", lambda path, mode: FullDisk(builtins.open(path, mode)), raising=False)
+    with pytest.raises(NoSpaceError) as excinfo:
+        save_object_hashed(tmp_path, "scheduler.pt", SCHEDULER_STATE, fsync=False)
+    message = str(excinfo.value)
+    assert "\n" not in message and "enforce fail" not in message
+    assert not (tmp_path / "scheduler.pt").exists()

@@ -42,7 +42,7 @@ from ..formats.base import FileRecord, HashingFile, TensorSpec
 from ..formats.manifest import file_sha256
 from ..formats.manifest import manifest as build_manifest
 from ..formats.safetensors_io import SafetensorsWriter
-from ..formats.torch_io import TorchWriter
+from ..formats.torch_io import TorchWriter, torch_save
 from ..formats.xser import XserWriter, tensors_dir
 from ..layout import Layout, ModelDims
 from ..paths import is_link
@@ -186,10 +186,16 @@ def write_tensor_file(tag_dir: Path, key: str, items: list[tuple[str, torch.Tens
 
 
 def save_object_hashed(tag_dir: Path, name: str, obj: Any, fsync: bool) -> FileRecord:
-    """torch.save of plain data (scheduler, user content), hashed and durable."""
+    """torch.save of plain data (scheduler, user content), hashed and durable. Written through
+    `torch_save`, so a full disk is shardkit's one-line NoSpaceError (not torch's "enforce fail")
+    and the partial file is removed; the bytes are torch.save's into a file object."""
     out = HashingFile(tag_dir / name, tag_dir)
-    torch.save(obj, out)  # type: ignore[arg-type]  # torch.save takes any object with write(); typed as IO[bytes]
-    return out.close(fsync)
+    try:
+        torch_save(obj, out)
+        return out.close(fsync)
+    except BaseException:
+        out.abort()
+        raise
 
 
 def _save_json(tag_dir: Path, name: str, data: Any, fsync: bool) -> FileRecord:
