@@ -47,8 +47,9 @@ class Job:
         import torch.distributed as dist
 
         box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
-                                   group=self.group)
+        dist.broadcast_object_list(
+            box, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group
+        )
         return box[0]
 
     def gather(self, value: Any) -> list[Any]:
@@ -61,8 +62,9 @@ class Job:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
-    def agree(self, step: Callable[[], T], elsewhere: Callable[[str], BaseException] | None = None,
-              share: bool = True) -> list[T]:
+    def agree(
+        self, step: Callable[[], T], elsewhere: Callable[[str], BaseException] | None = None, share: bool = True
+    ) -> list[T]:
         """Run `step` on every rank; every rank's result (in rank order; only this rank's, the others
         None, when not `share`), or, if it failed anywhere, an error on every rank: the local one,
         else `elsewhere(first message)`."""

@@ -71,20 +71,24 @@ class ModelDims:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigMismatchError(
                     f"{where}: {key} must be a whole number, got {_short(value)}: fix it in the config "
-                    "(or pass the model's config with --config)")
+                    "(or pass the model's config with --config)"
+                )
             if value < minimum:
                 raise ConfigMismatchError(
-                    f"{where}: {key} is {value} but must be at least {minimum}: fix it in the config")
+                    f"{where}: {key} is {value} but must be at least {minimum}: fix it in the config"
+                )
             bound = _MAX_DIMS.get(key)
             if bound is not None and value > bound:
                 raise ConfigMismatchError(
-                    f"{where}: {key} is {value}, more than any real model ({bound} at most): fix it in the config")
+                    f"{where}: {key} is {value}, more than any real model ({bound} at most): fix it in the config"
+                )
             return value
 
         def required(key: str) -> int:
             if key not in config:
                 raise ConfigMismatchError(
-                    f"{where} has no {key!r}: pass the model's Hugging Face config.json (--config)")
+                    f"{where} has no {key!r}: pass the model's Hugging Face config.json (--config)"
+                )
             return whole(key, config[key])
 
         def optional(key: str, default: int, minimum: int = 1) -> int:
@@ -96,12 +100,16 @@ class ModelDims:
             if value is None:
                 return False
             if not isinstance(value, bool):
-                raise ConfigMismatchError(f"{where}: {key} must be true or false, got {_short(value)}: fix it in the config")
+                raise ConfigMismatchError(
+                    f"{where}: {key} must be true or false, got {_short(value)}: fix it in the config"
+                )
             return value
 
         model_type = config.get("model_type", "")
         if not isinstance(model_type, str):
-            raise ConfigMismatchError(f"{where}: model_type must be a string, got {_short(model_type)}: fix it in the config")
+            raise ConfigMismatchError(
+                f"{where}: model_type must be a string, got {_short(model_type)}: fix it in the config"
+            )
         num_heads = required("num_attention_heads")
         hidden = required("hidden_size")
         num_layers = required("num_hidden_layers")
@@ -110,7 +118,8 @@ class ModelDims:
         if config.get("head_dim") is None and hidden % num_heads:
             raise ConfigMismatchError(
                 f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {num_heads} and there is no "
-                "head_dim: fix the config")
+                "head_dim: fix the config"
+            )
         head_dim = optional("head_dim", hidden // num_heads)
         num_kv_heads = optional("num_key_value_heads", num_heads)
         experts = optional("num_local_experts", 0, minimum=0) or optional("num_experts", 0, minimum=0)
@@ -118,7 +127,8 @@ class ModelDims:
         if num_layers * per_layer > _MAX_TENSORS:
             raise ConfigMismatchError(
                 f"{where}: num_hidden_layers {num_layers} x num_local_experts {experts} means more than "
-                f"{_MAX_TENSORS:,} tensors: fix the config")
+                f"{_MAX_TENSORS:,} tensors: fix the config"
+            )
         return cls(
             model_type=model_type,
             num_layers=num_layers,
@@ -128,7 +138,8 @@ class ModelDims:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             vocab_size=vocab,
-            tie_word_embeddings=flag("tie_word_embeddings") if "tie_word_embeddings" in config
+            tie_word_embeddings=flag("tie_word_embeddings")
+            if "tie_word_embeddings" in config
             else _tied_by_default(config),
             attention_bias=flag("attention_bias"),
             mlp_bias=flag("mlp_bias"),
@@ -169,8 +180,11 @@ def _tied_by_default(config: Mapping[str, Any]) -> bool:
 
 
 _ALIASES = {  # a config's own names for the standard keys (DBRX), nested keys as "section.key"
-    "hidden_size": "d_model", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
-    "num_key_value_heads": "attn_config.kv_n_heads", "intermediate_size": "ffn_config.ffn_hidden_size",
+    "hidden_size": "d_model",
+    "num_attention_heads": "n_heads",
+    "num_hidden_layers": "n_layers",
+    "num_key_value_heads": "attn_config.kv_n_heads",
+    "intermediate_size": "ffn_config.ffn_hidden_size",
     "num_local_experts": "ffn_config.moe_num_experts",
 }
 
@@ -266,7 +280,11 @@ class Layout:
             hint = f"use --kv-multiplier {_smallest_multiplier(kv, t)}" if t % kv == 0 or kv % t == 0 else ""
             raise LayoutError(
                 f"{kv} kv heads x kv-multiplier {m} = {kv * m} is not a multiple of tp {t}"
-                + (f": {hint}" if hint else ": choose tp and kv-multiplier so that kv heads x multiplier is a multiple of tp")
+                + (
+                    f": {hint}"
+                    if hint
+                    else ": choose tp and kv-multiplier so that kv heads x multiplier is a multiple of tp"
+                )
             )
         if q % (kv * m):
             raise LayoutError(
@@ -276,7 +294,9 @@ class Layout:
         if dims.intermediate_size % t:
             raise LayoutError(f"intermediate size {dims.intermediate_size} is not divisible by tp {t}")
         if dims.num_layers < self.pp:
-            raise LayoutError(f"{dims.num_layers} layers cannot fill {self.pp} pipeline stages: use pp <= {dims.num_layers}")
+            raise LayoutError(
+                f"{dims.num_layers} layers cannot fill {self.pp} pipeline stages: use pp <= {dims.num_layers}"
+            )
         if self.ep > 1 and (dims.num_experts == 0 or dims.num_experts % self.ep):
             raise LayoutError(
                 f"ep {self.ep} needs a mixture-of-experts model whose expert count divides by it "
@@ -337,8 +357,16 @@ def _smallest_multiplier(kv: int, tp: int) -> int:
     return m
 
 
-def make_layout(tp: int = 1, pp: int = 1, ep: int = 1, kv_multiplier: int = 1, kv_replication: str | None = None,
-                hw: str | None = None, qkv: str | None = None, inherit: Layout | None = None) -> Layout:
+def make_layout(
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    kv_multiplier: int = 1,
+    kv_replication: str | None = None,
+    hw: str | None = None,
+    qkv: str | None = None,
+    inherit: Layout | None = None,
+) -> Layout:
     """A Layout from CLI-style options (`hw` trn1/trn2 is an alias for the replication).
 
     `qkv` and `kv_replication` (or `hw`) left unset come from `inherit` when given (a source's
@@ -351,5 +379,11 @@ def make_layout(tp: int = 1, pp: int = 1, ep: int = 1, kv_multiplier: int = 1, k
             raise ShardkitError(f"--hw {hw} means {HW_TO_REPLICATION[hw]} replication, not {kv_replication}")
         kv_replication = HW_TO_REPLICATION[hw]
     base = inherit if inherit is not None else FULL
-    return Layout(tp=tp, pp=pp, ep=ep, kv_multiplier=kv_multiplier,
-                  kv_replication=kv_replication or base.kv_replication, qkv=qkv or base.qkv)
+    return Layout(
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        kv_multiplier=kv_multiplier,
+        kv_replication=kv_replication or base.kv_replication,
+        qkv=qkv or base.qkv,
+    )

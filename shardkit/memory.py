@@ -76,6 +76,7 @@ def _dtype(dtype: str) -> str:
 
 # ---- sizes ------------------------------------------------------------------------------------
 
+
 def parse_reserve(reserve: str | float | int, device_memory: int) -> int:
     """Bytes kept back from `device_memory`: a percentage ("10%"), a fraction below 1 (0.1) or a
     size ("2GiB", or an int of bytes)."""
@@ -126,9 +127,16 @@ class StagePlan:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stage": self.stage, "layers": list(self.layers), "params": self.params, "tp_rank": self.tp_rank,
-                "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
-                "optimizer_bytes": self.optimizer_bytes, "total_bytes": self.total_bytes}
+        return {
+            "stage": self.stage,
+            "layers": list(self.layers),
+            "params": self.params,
+            "tp_rank": self.tp_rank,
+            "param_bytes": self.param_bytes,
+            "grad_bytes": self.grad_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "total_bytes": self.total_bytes,
+        }
 
 
 @dataclass(frozen=True)
@@ -196,8 +204,11 @@ class PlanReport:
             "zero1": self.zero1,
             "dp": self.dp,
             "world_size": self.world_size,
-            "bytes_per_param": {"weights": self.weight_bytes_per_param, "grads": self.weight_bytes_per_param,
-                                "optimizer": self.optimizer_bytes_per_param},
+            "bytes_per_param": {
+                "weights": self.weight_bytes_per_param,
+                "grads": self.weight_bytes_per_param,
+                "optimizer": self.optimizer_bytes_per_param,
+            },
             "stages": [s.to_dict() for s in self.stages],
             "peak": {"stage": self.peak.stage, "params": self.peak.params, "total_bytes": self.peak_bytes},
             "device_memory": self.device_memory,
@@ -241,22 +252,47 @@ def _check_layout(family: Family, layout: Layout, dims: ModelDims) -> None:
     family.validate(layout, dims)
 
 
-def _report(family: Family, dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], layout: Layout,
-            stage_rank_params: Sequence[Sequence[int]], dtype: str, zero1: bool, dp: int,
-            device_memory: int | None, reserve_bytes: int | None) -> PlanReport:
+def _report(
+    family: Family,
+    dims: ModelDims,
+    shapes: Mapping[str, tuple[int, ...]],
+    layout: Layout,
+    stage_rank_params: Sequence[Sequence[int]],
+    dtype: str,
+    zero1: bool,
+    dp: int,
+    device_memory: int | None,
+    reserve_bytes: int | None,
+) -> PlanReport:
     """Bytes from per-stage, per-tp-rank parameter counts."""
     weight, optim = weight_bytes_per_param(dtype), optimizer_bytes_per_param(dtype)
     stages = []
     for s, (layers, per_rank) in enumerate(zip(layout.stage_layers(dims.num_layers), stage_rank_params)):
         params = max(per_rank)
         optim_params = math.ceil(params / dp) if zero1 else params
-        stages.append(StagePlan(stage=s, layers=(layers.start, layers.stop - 1), params=params,
-                                tp_rank=list(per_rank).index(params), param_bytes=params * weight,
-                                grad_bytes=params * weight, optimizer_bytes=optim_params * optim))
+        stages.append(
+            StagePlan(
+                stage=s,
+                layers=(layers.start, layers.stop - 1),
+                params=params,
+                tp_rank=list(per_rank).index(params),
+                param_bytes=params * weight,
+                grad_bytes=params * weight,
+                optimizer_bytes=optim_params * optim,
+            )
+        )
     return PlanReport(
-        family=family.name, model_type=dims.model_type, parameters=sum(math.prod(s) for s in shapes.values()),
-        held_parameters=sum(sum(r) for r in stage_rank_params), layout=layout, dtype=dtype, zero1=zero1, dp=dp,
-        stages=tuple(stages), device_memory=device_memory, reserve_bytes=reserve_bytes,
+        family=family.name,
+        model_type=dims.model_type,
+        parameters=sum(math.prod(s) for s in shapes.values()),
+        held_parameters=sum(sum(r) for r in stage_rank_params),
+        layout=layout,
+        dtype=dtype,
+        zero1=zero1,
+        dp=dp,
+        stages=tuple(stages),
+        device_memory=device_memory,
+        reserve_bytes=reserve_bytes,
     )
 
 
@@ -275,9 +311,16 @@ def _dp(dp: int) -> int:
     return dp
 
 
-def plan_memory(config: Mapping[str, Any] | str | Path, layout: Layout, *, dtype: str = "bf16", zero1: bool = False,
-                dp: int = 1, device_memory: str | int | None = None,
-                reserve: str | float | int = DEFAULT_RESERVE) -> PlanReport:
+def plan_memory(
+    config: Mapping[str, Any] | str | Path,
+    layout: Layout,
+    *,
+    dtype: str = "bf16",
+    zero1: bool = False,
+    dp: int = 1,
+    device_memory: str | int | None = None,
+    reserve: str | float | int = DEFAULT_RESERVE,
+) -> PlanReport:
     """Per-rank training memory of `layout` for the model of `config` (a config.json dict, file or folder).
 
     Raises LayoutError (with the reason) when the layout cannot hold the model. `device_memory`
@@ -393,11 +436,17 @@ class Suggestions:
         return sorted(kept, key=lambda r: order[id(r)])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layouts": [r.to_dict() for r in self.layouts], "considered": self.considered,
-                "impossible": self.impossible, "closest": self.closest.to_dict() if self.closest else None}
+        return {
+            "layouts": [r.to_dict() for r in self.layouts],
+            "considered": self.considered,
+            "impossible": self.impossible,
+            "closest": self.closest.to_dict() if self.closest else None,
+        }
 
 
-def _multipliers(family: Family, dims: ModelDims, tp: int, pinned: int | None, every: bool) -> tuple[list[int], str | None]:
+def _multipliers(
+    family: Family, dims: ModelDims, tp: int, pinned: int | None, every: bool
+) -> tuple[list[int], str | None]:
     """The kv-multipliers that make tp valid (smallest only unless `every`), or the reason none does."""
     candidates = [pinned] if pinned else list(range(1, dims.num_heads // dims.num_kv_heads + 1))
     valid, reason = [], None
@@ -418,11 +467,21 @@ def _multipliers(family: Family, dims: ModelDims, tp: int, pinned: int | None, e
     return valid, reason
 
 
-def suggest_layouts(config: Mapping[str, Any] | str | Path, device_memory: str | int, *, dtype: str = "bf16",
-                    zero1: bool = False, dp: int | None = None, world_size: int | None = None,
-                    tp: int | None = None, pp: int | None = None, max_pp: int | None = None,
-                    kv_multiplier: int | None = None, all_kv_multipliers: bool = False,
-                    reserve: str | float | int = DEFAULT_RESERVE) -> Suggestions:
+def suggest_layouts(
+    config: Mapping[str, Any] | str | Path,
+    device_memory: str | int,
+    *,
+    dtype: str = "bf16",
+    zero1: bool = False,
+    dp: int | None = None,
+    world_size: int | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    max_pp: int | None = None,
+    kv_multiplier: int | None = None,
+    all_kv_multipliers: bool = False,
+    reserve: str | float | int = DEFAULT_RESERVE,
+) -> Suggestions:
     """The valid layouts whose every rank fits `device_memory` (after `reserve`), smallest tp first.
 
     Candidates: tp among the divisors of the q-head count that pass the family's validate, each with
@@ -474,8 +533,18 @@ def suggest_layouts(config: Mapping[str, Any] | str | Path, device_memory: str |
                     layout_dp = dp or 1
                 layout = Layout(tp=t, pp=p, kv_multiplier=m)
                 table = table or _RankTable.build(family, dims, shapes, t, m)
-                report = _report(family, dims, shapes, layout, table.stage_rank_params(layout, dims.num_layers),
-                                 dtype, zero1, layout_dp, memory, reserve_bytes)
+                report = _report(
+                    family,
+                    dims,
+                    shapes,
+                    layout,
+                    table.stage_rank_params(layout, dims.num_layers),
+                    dtype,
+                    zero1,
+                    layout_dp,
+                    memory,
+                    reserve_bytes,
+                )
                 considered += 1
                 if report.fits:
                     fitting.append(report)

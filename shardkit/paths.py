@@ -23,8 +23,13 @@ class UnsafePathError(ShardkitError):
 
 def _relative_parts(root: Path, text: str, what: str) -> list[str]:
     """The parts of a name that must be relative and free of `..` (else UnsafePathError)."""
-    if (not text or "\x00" in text or PurePosixPath(text).is_absolute() or PureWindowsPath(text).is_absolute()
-            or PureWindowsPath(text).drive):
+    if (
+        not text
+        or "\x00" in text
+        or PurePosixPath(text).is_absolute()
+        or PureWindowsPath(text).is_absolute()
+        or PureWindowsPath(text).drive
+    ):
         raise UnsafePathError(f"{what} {text!r} is not a relative path inside {root}: refusing to use it")
     parts = text.replace("\\", "/").split("/")
     if any(p == ".." for p in parts):
@@ -111,7 +116,8 @@ def member(root: str | Path, name: str, what: str = "name") -> Path:
             inside(root, folder, what)
         except UnsafePathError:
             raise UnsafePathError(
-                f"{what} {text!r} leads outside {root} (through a linked folder): refusing to use it") from None
+                f"{what} {text!r} leads outside {root} (through a linked folder): refusing to use it"
+            ) from None
     return root / text
 
 
@@ -226,8 +232,10 @@ def recover_interrupted(dst: str | Path, log=None) -> list[str]:
                 os.rename(path, dst)
                 notes.append(f"restored {dst} from {path.name}: a run (process {pid}) was killed while replacing it")
             else:
-                notes.append(f"{path} holds the {dst.name} that an interrupted run (process {pid}) replaced: "
-                             "delete it once you have checked the new one")
+                notes.append(
+                    f"{path} holds the {dst.name} that an interrupted run (process {pid}) replaced: "
+                    "delete it once you have checked the new one"
+                )
         else:
             host = _owner_elsewhere(path)
             if host is not None:

@@ -91,15 +91,17 @@ def _slab_shape(slab: Sequence[Segment], full_shapes, transposed: bool) -> tuple
     return tuple(reversed(shape)) if transposed else tuple(shape)
 
 
-def make_piece(name: str, segments: Sequence[Segment], full_shapes: Mapping[str, tuple[int, ...]],
-               transposed: bool = False) -> Piece:
+def make_piece(
+    name: str, segments: Sequence[Segment], full_shapes: Mapping[str, tuple[int, ...]], transposed: bool = False
+) -> Piece:
     """A one-slab piece with its shape computed from its segments (adjacent segments merged)."""
     slab = _merge_adjacent(segments)
     return Piece(name, (slab,), _slab_shape(slab, full_shapes, transposed), transposed=transposed)
 
 
-def make_stacked(name: str, slabs: Sequence[Sequence[Segment]], full_shapes: Mapping[str, tuple[int, ...]],
-                 transposed: bool = False) -> Piece:
+def make_stacked(
+    name: str, slabs: Sequence[Sequence[Segment]], full_shapes: Mapping[str, tuple[int, ...]], transposed: bool = False
+) -> Piece:
     """Slabs stacked on a new leading axis (one per local expert)."""
     merged = tuple(_merge_adjacent(s) for s in slabs)
     shape = (len(merged), *_slab_shape(merged[0], full_shapes, transposed))
@@ -168,8 +170,15 @@ class Placement(Protocol):
 
     def split_dims(self, dims: ModelDims) -> dict[str, int]: ...
 
-    def pieces(self, prefix: str, layout: Layout, dims: ModelDims, tp_rank: int,
-               full_shapes: Mapping[str, tuple[int, ...]], ep_rank: int = 0) -> list[Piece]: ...
+    def pieces(
+        self,
+        prefix: str,
+        layout: Layout,
+        dims: ModelDims,
+        tp_rank: int,
+        full_shapes: Mapping[str, tuple[int, ...]],
+        ep_rank: int = 0,
+    ) -> list[Piece]: ...
 
 
 @dataclass(frozen=True)
@@ -199,9 +208,13 @@ class Replicated:
 
     def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
         if self.tied_to and dims.tie_word_embeddings and self._active(dims):
-            return [make_piece(prefix + (self.out or self.name), [whole(prefix + self.tied_to, full_shapes)], full_shapes)]
-        return [make_piece(prefix + (self.out or n), [whole(prefix + n, full_shapes)], full_shapes)
-                for n in self.sources(dims)]
+            return [
+                make_piece(prefix + (self.out or self.name), [whole(prefix + self.tied_to, full_shapes)], full_shapes)
+            ]
+        return [
+            make_piece(prefix + (self.out or n), [whole(prefix + n, full_shapes)], full_shapes)
+            for n in self.sources(dims)
+        ]
 
 
 @dataclass(frozen=True)
@@ -295,7 +308,10 @@ class Fused:
 # means q, k and v are concatenated into one piece.
 QKV_NAMES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "separate": (("q_proj.weight", "k_proj.weight", "v_proj.weight"), ("q_proj.bias", "k_proj.bias", "v_proj.bias")),
-    "gqa": (("qkv_proj.weight_q", "qkv_proj.weight_k", "qkv_proj.weight_v"), ("qkv_proj.bias_q", "qkv_proj.bias_k", "qkv_proj.bias_v")),
+    "gqa": (
+        ("qkv_proj.weight_q", "qkv_proj.weight_k", "qkv_proj.weight_v"),
+        ("qkv_proj.bias_q", "qkv_proj.bias_k", "qkv_proj.bias_v"),
+    ),
     "fused": (("qkv_proj.weight_qkv",), ("qkv_proj.bias_qkv",)),
     "coalesced": (("qkv_proj.weight",), ("qkv_proj.bias",)),
 }
@@ -376,15 +392,19 @@ class HeadGroups:
         for kind, names, present in (("weight", weight_names, True), ("bias", bias_names, self.qkv_bias(dims))):
             if not present:
                 continue
-            per_proj = [head_segments("q", kind, q_heads), head_segments("k", kind, kv_heads),
-                        head_segments("v", kind, kv_heads)]
+            per_proj = [
+                head_segments("q", kind, q_heads),
+                head_segments("k", kind, kv_heads),
+                head_segments("v", kind, kv_heads),
+            ]
             if len(names) == 1:
                 pieces.append(make_piece(out + names[0], [s for segs in per_proj for s in segs], full_shapes))
             else:
                 pieces.extend(make_piece(out + n, segs, full_shapes) for n, segs in zip(names, per_proj))
         o_weight, o_name = prefix + f"{self.o}.weight", f"{out}{self.o_out or self.o}"
-        pieces.append(make_piece(o_name + ".weight", [Segment(o_weight, 1, h * d, (h + 1) * d) for h in q_heads],
-                                 full_shapes))
+        pieces.append(
+            make_piece(o_name + ".weight", [Segment(o_weight, 1, h * d, (h + 1) * d) for h in q_heads], full_shapes)
+        )
         if self.o_bias(dims):
             pieces.append(make_piece(o_name + ".bias", [whole(prefix + f"{self.o}.bias", full_shapes)], full_shapes))
         return pieces
@@ -430,8 +450,10 @@ class Experts:
             rows = _split_range(full_shapes[gate][0], layout.tp, tp_rank, gate)
             gate_up.append([Segment(gate, 0, *rows), Segment(up, 0, *rows)])
             down.append([Segment(dn, 1, *_split_range(full_shapes[dn][1], layout.tp, tp_rank, dn))])
-        return [make_stacked(prefix + self.gate_up_out, gate_up, full_shapes, transposed=True),
-                make_stacked(prefix + self.down_out, down, full_shapes, transposed=True)]
+        return [
+            make_stacked(prefix + self.gate_up_out, gate_up, full_shapes, transposed=True),
+            make_stacked(prefix + self.down_out, down, full_shapes, transposed=True),
+        ]
 
 
 @dataclass(frozen=True)
@@ -470,8 +492,10 @@ class FlatExperts:
             rows = (e * inter + start, e * inter + stop)
             gate_up.append([Segment(gate, 0, *rows), Segment(up, 0, *rows)])
             down_slabs.append([Segment(down, 0, *rows)])
-        return [make_stacked(prefix + self.gate_up_out, gate_up, full_shapes, transposed=True),
-                make_stacked(prefix + self.down_out, down_slabs, full_shapes)]
+        return [
+            make_stacked(prefix + self.gate_up_out, gate_up, full_shapes, transposed=True),
+            make_stacked(prefix + self.down_out, down_slabs, full_shapes),
+        ]
 
 
 # ---- the generic operations -----------------------------------------------------------------
@@ -536,8 +560,15 @@ class Holding:
     def read(self, start: int | None = None, stop: int | None = None) -> Read:
         start = self.start if start is None else start
         stop = self.stop if stop is None else stop
-        return Read(self.holder, self.piece_name, self.slab, self.cat_dim,
-                    self.offset + start - self.start, self.offset + stop - self.start, self.transposed)
+        return Read(
+            self.holder,
+            self.piece_name,
+            self.slab,
+            self.cat_dim,
+            self.offset + start - self.start,
+            self.offset + stop - self.start,
+            self.transposed,
+        )
 
 
 def gather(name: str, shape: Sequence[int], held: Iterable[tuple[Piece, torch.Tensor]]) -> torch.Tensor:
@@ -565,9 +596,18 @@ class SegmentIndex:
         for k, slab in enumerate(piece.slabs):
             offset = 0
             for seg in slab:
-                self._by_source.setdefault(seg.source, []).append(Holding(
-                    seg.start, seg.stop, holder, piece.name, offset, k if piece.stacked else None,
-                    piece.cat_dim, piece.transposed))
+                self._by_source.setdefault(seg.source, []).append(
+                    Holding(
+                        seg.start,
+                        seg.stop,
+                        holder,
+                        piece.name,
+                        offset,
+                        k if piece.stacked else None,
+                        piece.cat_dim,
+                        piece.transposed,
+                    )
+                )
                 self._dims.setdefault(seg.source, seg.dim)
                 offset += seg.length
 

@@ -15,8 +15,13 @@ def fixture_config(name: str) -> dict:
     return json.loads((FIXTURES / f"{name}.json").read_text())
 
 
-def make_tiny_model(config: str | dict, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    max_shard_size: str | None = None) -> Path:
+def make_tiny_model(
+    config: str | dict,
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+) -> Path:
     """Build a seeded random model with transformers from a config and save it as an HF directory.
 
     Weights are drawn with a larger spread than transformers' init so that mistakes in head order

@@ -39,8 +39,10 @@ def torch_version() -> str:
 def changed(name: str) -> TorchInternalsError:
     """The one-line error for an internal that is missing or no longer has the expected shape."""
     lo, hi = TESTED_TORCH
-    return TorchInternalsError(f"torch {torch_version()} changed an internal shardkit relies on ({name}): "
-                               f"install torch {lo}–{hi} (tested) or report this")
+    return TorchInternalsError(
+        f"torch {torch_version()} changed an internal shardkit relies on ({name}): "
+        f"install torch {lo}–{hi} (tested) or report this"
+    )
 
 
 def _lookup(module: str, attr: str) -> Any:
@@ -56,7 +58,7 @@ def _takes(fn: Callable, params: tuple[str, ...]) -> bool:
         names = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return True
-    return tuple(names[:len(params)]) == params
+    return tuple(names[: len(params)]) == params
 
 
 _REBUILD_ARGS = ("storage", "storage_offset", "size", "stride", "requires_grad", "backward_hooks")
@@ -153,8 +155,10 @@ def _pure_pickler() -> type:
     cls = getattr(pickle, "_Pickler", None)
     if isinstance(cls, type) and all(hasattr(cls, m) for m in ("save_global", "memoize", "dump")):
         return cls
-    message = (f"Python {sys.version_info.major}.{sys.version_info.minor} changed an internal shardkit "
-               f"relies on (pickle._Pickler): use an earlier Python or report this")
+    message = (
+        f"Python {sys.version_info.major}.{sys.version_info.minor} changed an internal shardkit "
+        f"relies on (pickle._Pickler): use an earlier Python or report this"
+    )
 
     class MissingPickler:
         def __init__(self, *args, **kwargs):

@@ -67,8 +67,11 @@ def _report(error: Exception, rank: int, code: int, debug: bool) -> None:
             print(f"trainer: error: {one_line(error)}", file=sys.stderr, flush=True)
         return
     where = f" on rank {rank}" if rank else ""
-    print(f"trainer: internal error{where}: {one_line(error)}" + ("" if debug else " (--debug for the traceback)"),
-          file=sys.stderr, flush=True)
+    print(
+        f"trainer: internal error{where}: {one_line(error)}" + ("" if debug else " (--debug for the traceback)"),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     rank, world, _ = world_from_env()
     debug = cfg.debug or bool(os.environ.get("TRAINER_DEBUG"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="trainer: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING, format="trainer: %(message)s", stream=sys.stderr
+    )
     for noisy in ("torch.distributed", "torch.distributed.pipelining", "shardkit"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if world > 1 and threading.current_thread() is threading.main_thread():
@@ -102,12 +106,18 @@ def main(argv: list[str] | None = None) -> int:
         exported = f"; exported {summary.exported}" if summary.exported else ""
         evaluated = f", eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else ""
         if summary.steps:
-            print(f"trainer: steps {summary.first_step + 1}-{summary.first_step + summary.steps} ({summary.layout}): "
-                  f"final loss {summary.losses[-1]:.4f}{evaluated}, {summary.tokens_per_s:,.0f} tokens/s{exported}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"trainer: steps {summary.first_step + 1}-{summary.first_step + summary.steps} ({summary.layout}): "
+                f"final loss {summary.losses[-1]:.4f}{evaluated}, {summary.tokens_per_s:,.0f} tokens/s{exported}",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
-            print(f"trainer: nothing to train: already at step {summary.first_step} ({summary.layout}){exported}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"trainer: nothing to train: already at step {summary.first_step} ({summary.layout}){exported}",
+                file=sys.stderr,
+                flush=True,
+            )
     return 0
 
 

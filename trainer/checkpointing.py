@@ -71,8 +71,10 @@ def _resolve(cfg) -> tuple[Path, str | None] | None:
         return Path(cfg.checkpoint_dir), LATEST_IF_EXISTS
     path = Path(spec)
     if not path.exists():
-        raise TrainerError(f"--resume {path} does not exist: give a checkpoint tag directory, a checkpoint "
-                           "directory, or latest_if_exists")
+        raise TrainerError(
+            f"--resume {path} does not exist: give a checkpoint tag directory, a checkpoint "
+            "directory, or latest_if_exists"
+        )
     if (path / CHECKPOINT_MARKER).exists() or (path / DONE_MARKER).exists():
         return path.parent, path.name
     return path, None
@@ -91,8 +93,10 @@ def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | No
     tag_dir = directory / name
     if not (tag_dir / "config.json").is_file():
         if model_config is None:  # an NxD checkpoint carries no config: the model's comes from --model
-            raise TrainerError(f"checkpoint {tag_dir} has no config.json (an NxD checkpoint): pass --model with the "
-                               "model's Hugging Face config")
+            raise TrainerError(
+                f"checkpoint {tag_dir} has no config.json (an NxD checkpoint): pass --model with the "
+                "model's Hugging Face config"
+            )
         return ResumePoint(directory, name, dict(model_config))
     saved = load_config(tag_dir / "config.json")
     if model_config is not None:
@@ -131,12 +135,20 @@ def load(point: ResumePoint, spec, par) -> Restored:
     if not optimizer:
         log.warning("checkpoint %s has no optimizer state: Adam restarts from zero moments", point.path)
     if "data" not in content and par.leader:
-        log.warning("checkpoint %s records no data position (not the trainer's): the data starts from the "
-                    "beginning of --data", point.path)
+        log.warning(
+            "checkpoint %s records no data position (not the trainer's): the data starts from the beginning of --data",
+            point.path,
+        )
     opt = loaded.optimizer
-    return Restored(dict(loaded.model), optimizer, loaded.scheduler, step, content.get("data") or {},
-                    [dict(g) for g in opt.param_groups] if opt is not None else [],
-                    dict(opt.groups) if opt is not None else {})
+    return Restored(
+        dict(loaded.model),
+        optimizer,
+        loaded.scheduler,
+        step,
+        content.get("data") or {},
+        [dict(g) for g in opt.param_groups] if opt is not None else [],
+        dict(opt.groups) if opt is not None else {},
+    )
 
 
 def apply(restored: Restored, optimizer, schedule, batches) -> int:
@@ -155,9 +167,14 @@ class Saver:
         cfg = plan.cfg
         self.plan, self.par = plan, par
         self.root = Path(cfg.checkpoint_dir)
-        self.checkpointer = Checkpointer(CheckpointerConfig(
-            format=cfg.checkpoint_format, async_save=cfg.async_save, num_kept=cfg.num_kept or None,
-            keep_every=cfg.keep_every or None))
+        self.checkpointer = Checkpointer(
+            CheckpointerConfig(
+                format=cfg.checkpoint_format,
+                async_save=cfg.async_save,
+                num_kept=cfg.num_kept or None,
+                keep_every=cfg.keep_every or None,
+            )
+        )
 
     def save(self, step: int, model, optimizer, schedule, batches) -> str:
         """Every rank: its pieces (dp rank 0 writes them) and its optimizer state: with ZeRO-1 its
@@ -169,13 +186,30 @@ class Saver:
             param_groups, groups = optimizer.save_param_groups(schedule.at(step))
             states = OptimizerState(optimizer.state_dict(), param_groups, groups)
         model_state = {k: v.detach() for k, v in model.state_dict().items()}
-        user_content = {"step": step, "data": batches.state().to_dict(),
-                        "trainer": {"layout": self.plan.spec.layout.to_dict(), "dp": self.par.dp,
-                                    "zero1": bool(self.plan.cfg.zero1), "dtype": self.plan.cfg.dtype}}
+        user_content = {
+            "step": step,
+            "data": batches.state().to_dict(),
+            "trainer": {
+                "layout": self.plan.spec.layout.to_dict(),
+                "dp": self.par.dp,
+                "zero1": bool(self.plan.cfg.zero1),
+                "dtype": self.plan.cfg.dtype,
+            },
+        }
         rank = Rank(tp=self.par.tp_rank, pp=self.par.pp_rank, ep=0, dp=self.par.dp_rank)
-        self.checkpointer.save(self.root, tag, model_state, states, schedule.state_dict(), user_content,
-                               layout=self.plan.spec.layout, config=self.plan.spec.config, rank=rank, step=step,
-                               zero1=zero1)
+        self.checkpointer.save(
+            self.root,
+            tag,
+            model_state,
+            states,
+            schedule.state_dict(),
+            user_content,
+            layout=self.plan.spec.layout,
+            config=self.plan.spec.config,
+            rank=rank,
+            step=step,
+            zero1=zero1,
+        )
         return tag
 
     def finish(self) -> None:

@@ -22,30 +22,50 @@ def _opt(default: Any, doc: str, *aliases: str, choices: Sequence[str] | None = 
 @dataclass
 class TrainConfig:
     # ---- what to train on ----------------------------------------------------------------------
-    model: str = _opt(None, "Model to start from: a Hugging Face directory or sharded directory of any layout "
-                            "(resharded on load to this run's layout).", metavar="DIR")
-    model_config: str = _opt(None, "Pre-train from random weights instead of --model: a Hugging Face config.json "
-                                   "(or a directory holding one); the same full weights in every layout for a "
-                                   "--seed (trainer/README.md gives the rule).", metavar="FILE")
-    data: str = _opt(None, "Pre-tokenized token file (scripts/prepare_data.py writes one; .npy is read too).",
-                     metavar="FILE")
-    eval_data: str = _opt(None, "Held-out token file: evaluate loss and perplexity on it (same format as --data).",
-                          metavar="FILE")
+    model: str = _opt(
+        None,
+        "Model to start from: a Hugging Face directory or sharded directory of any layout "
+        "(resharded on load to this run's layout).",
+        metavar="DIR",
+    )
+    model_config: str = _opt(
+        None,
+        "Pre-train from random weights instead of --model: a Hugging Face config.json "
+        "(or a directory holding one); the same full weights in every layout for a "
+        "--seed (trainer/README.md gives the rule).",
+        metavar="FILE",
+    )
+    data: str = _opt(
+        None, "Pre-tokenized token file (scripts/prepare_data.py writes one; .npy is read too).", metavar="FILE"
+    )
+    eval_data: str = _opt(
+        None, "Held-out token file: evaluate loss and perplexity on it (same format as --data).", metavar="FILE"
+    )
     eval_every: int = _opt(0, "Evaluate every N steps, and after the last (0: only after the last).")
-    eval_steps: int = _opt(0, "Batches of --global-batch sequences per evaluation, from the start of --eval-data "
-                              "(0: every whole batch it holds).")
+    eval_steps: int = _opt(
+        0,
+        "Batches of --global-batch sequences per evaluation, from the start of --eval-data "
+        "(0: every whole batch it holds).",
+    )
     # ---- parallel layout -----------------------------------------------------------------------
     tp: int = _opt(1, "Tensor-parallel degree.", "--tp-size")
     pp: int = _opt(1, "Pipeline-parallel stages (1F1B schedule over micro-batches).", "--pp-size")
     dp: int = _opt(0, "Data-parallel degree (default: world size / (tp x pp)).", "--dp-size")
-    kv_multiplier: int = _opt(1, "Replicate K/V heads this many times (NxD's kv_size_multiplier).",
-                              "--kv-size-multiplier")
-    kv_replication: str | None = _opt(None, "Order of K/V replicas (interleaved = Trn1, blocked = Trn2); default: "
-                                            "--model's when it is sharded, else interleaved.",
-                                      choices=("interleaved", "blocked"))
-    qkv: str | None = _opt(None, "How q/k/v are held: separate, gqa (NxD qkv_proj.weight_q/_k/_v), fused, coalesced; "
-                                 "default: --model's when it is sharded, else separate.",
-                           choices=("separate", "gqa", "fused", "coalesced"))
+    kv_multiplier: int = _opt(
+        1, "Replicate K/V heads this many times (NxD's kv_size_multiplier).", "--kv-size-multiplier"
+    )
+    kv_replication: str | None = _opt(
+        None,
+        "Order of K/V replicas (interleaved = Trn1, blocked = Trn2); default: "
+        "--model's when it is sharded, else interleaved.",
+        choices=("interleaved", "blocked"),
+    )
+    qkv: str | None = _opt(
+        None,
+        "How q/k/v are held: separate, gqa (NxD qkv_proj.weight_q/_k/_v), fused, coalesced; "
+        "default: --model's when it is sharded, else separate.",
+        choices=("separate", "gqa", "fused", "coalesced"),
+    )
     zero1: bool = _opt(False, "Shard optimizer state (and fp32 master weights) over data-parallel ranks (ZeRO-1).")
     sequence_parallel: bool = _opt(False, "Sequence parallelism: norms and residuals on 1/tp of the sequence.")
     activation_checkpointing: bool = _opt(False, "Recompute each decoder layer in backward (saves activation memory).")
@@ -62,11 +82,15 @@ class TrainConfig:
     beta1: float = _opt(0.9, "AdamW beta1.")
     beta2: float = _opt(0.95, "AdamW beta2.")
     eps: float = _opt(1e-8, "AdamW epsilon.")
-    clip_grad: float = _opt(1.0, "Clip the global gradient norm (over all ranks) to this; 0 disables.",
-                            "--max-grad-norm")
+    clip_grad: float = _opt(
+        1.0, "Clip the global gradient norm (over all ranks) to this; 0 disables.", "--max-grad-norm"
+    )
     seed: int = _opt(1234, "Seed of the data order and of --model-config's random weights.")
-    dtype: str = _opt("bf16", "Weights and activations dtype (bf16 keeps fp32 master weights in the optimizer).",
-                      choices=("bf16", "fp32"))
+    dtype: str = _opt(
+        "bf16",
+        "Weights and activations dtype (bf16 keeps fp32 master weights in the optimizer).",
+        choices=("bf16", "fp32"),
+    )
     # ---- checkpoints ---------------------------------------------------------------------------
     checkpoint_dir: str = _opt(None, "Where training checkpoints go (NxD tree: <dir>/<tag>/...).", metavar="DIR")
     checkpoint_every: int = _opt(0, "Save a checkpoint every N steps (0: only at the end when --checkpoint-dir).")
@@ -74,26 +98,44 @@ class TrainConfig:
     keep_every: int = _opt(0, "Also keep every checkpoint whose step is a multiple of N (0: none).")
     async_save: bool = _opt(False, "Write checkpoints in the background while training continues.")
     checkpoint_format: str = _opt("torch", "Format of checkpoint shards.", choices=tuple(format_names()))
-    resume: str = _opt(None, "Resume from a training checkpoint of ANY layout: a tag directory, a checkpoint "
-                             "directory (newest tag), or latest_if_exists (newest tag of --checkpoint-dir, if any).",
-                       metavar="CKPT")
-    override_schedule: bool = _opt(False, "Resume even though --steps, --warmup, --lr, --decay, --min-lr-ratio, "
-                                          "--global-batch or --seq-len differ from the checkpoint's run (refused "
-                                          "otherwise): continue with this run's values.")
+    resume: str = _opt(
+        None,
+        "Resume from a training checkpoint of ANY layout: a tag directory, a checkpoint "
+        "directory (newest tag), or latest_if_exists (newest tag of --checkpoint-dir, if any).",
+        metavar="CKPT",
+    )
+    override_schedule: bool = _opt(
+        False,
+        "Resume even though --steps, --warmup, --lr, --decay, --min-lr-ratio, "
+        "--global-batch or --seq-len differ from the checkpoint's run (refused "
+        "otherwise): continue with this run's values.",
+    )
     # ---- output --------------------------------------------------------------------------------
-    export_hf: str = _opt(None, "At the end, write the merged Hugging Face model here. DIR must be new, empty, or "
-                                "this run's own earlier export (same --model, --data and --checkpoint-dir), which is "
-                                "replaced, or kept when it already holds the final step.", metavar="DIR")
+    export_hf: str = _opt(
+        None,
+        "At the end, write the merged Hugging Face model here. DIR must be new, empty, or "
+        "this run's own earlier export (same --model, --data and --checkpoint-dir), which is "
+        "replaced, or kept when it already holds the final step.",
+        metavar="DIR",
+    )
     overwrite_export: bool = _opt(False, "Let --export-hf replace a non-empty DIR that is not this run's export.")
-    metrics: str = _opt(None, "JSONL metrics file (default: <checkpoint-dir>/metrics.jsonl when --checkpoint-dir).",
-                        metavar="FILE")
-    tensorboard: str = _opt(None, "Also write TensorBoard scalars (loss, lr, grad norm, tokens/s, eval loss, memory) "
-                                  "here, from rank 0 (needs the tensorboard package).", metavar="DIR")
+    metrics: str = _opt(
+        None, "JSONL metrics file (default: <checkpoint-dir>/metrics.jsonl when --checkpoint-dir).", metavar="FILE"
+    )
+    tensorboard: str = _opt(
+        None,
+        "Also write TensorBoard scalars (loss, lr, grad norm, tokens/s, eval loss, memory) "
+        "here, from rank 0 (needs the tensorboard package).",
+        metavar="DIR",
+    )
     log_every: int = _opt(1, "Update the progress bar every N steps (metrics are written every step).")
     progress: bool = _opt(True, "Show a progress bar on rank 0 (--no-progress to hide).")
     # ---- runtime -------------------------------------------------------------------------------
-    device: str = _opt(None, "Force the device: cpu (gloo), cuda (nccl) or xla (Trainium; needs torch-xla).",
-                       choices=("cpu", "cuda", "xla"))
+    device: str = _opt(
+        None,
+        "Force the device: cpu (gloo), cuda (nccl) or xla (Trainium; needs torch-xla).",
+        choices=("cpu", "cuda", "xla"),
+    )
     timeout: float = _opt(600.0, "Seconds before a collective gives up (no rank hangs forever).")
     threads: int = _opt(0, "CPU threads per process (0: torch's default / OMP_NUM_THREADS).")
     debug: bool = _opt(False, "On an error, also print the traceback of each rank that failed (or TRAINER_DEBUG=1).")
@@ -110,20 +152,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainer",
         description="shardkit's slim trainer: tensor, pipeline and data parallel training of Llama-family models "
-                    "from Hugging Face or sharded (NxD) checkpoints of any layout. Run it with torchrun, e.g. "
-                    "torchrun --nproc-per-node 8 -m trainer --model ./llama-tp2pp2 --data ./tokens.bin "
-                    "--tp 2 --pp 2 --dp 2 --zero1 --global-batch 16 --seq-len 2048 --steps 1000",
+        "from Hugging Face or sharded (NxD) checkpoints of any layout. Run it with torchrun, e.g. "
+        "torchrun --nproc-per-node 8 -m trainer --model ./llama-tp2pp2 --data ./tokens.bin "
+        "--tp 2 --pp 2 --dp 2 --zero1 --global-batch 16 --seq-len 2048 --steps 1000",
     )
     for f in dataclasses.fields(TrainConfig):
         meta = f.metadata
         flags = [_flag(f.name), *meta.get("aliases", ())]
         if isinstance(f.default, bool):
-            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=meta["doc"])
+            parser.add_argument(
+                *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=meta["doc"]
+            )
             continue
         kind = type(f.default) if f.default is not None else str
-        parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=meta["doc"],
-                            choices=meta.get("choices"), metavar=meta.get("metavar"))
+        parser.add_argument(
+            *flags,
+            dest=f.name,
+            type=kind,
+            default=f.default,
+            help=meta["doc"],
+            choices=meta.get("choices"),
+            metavar=meta.get("metavar"),
+        )
     return parser
 
 

@@ -93,8 +93,10 @@ class TokenFile:
             expected = HEADER.size + count * itemsize
             actual = self.path.stat().st_size
             if actual < expected:
-                raise DataError(f"{self.path} is truncated: the header promises {count} tokens ({expected} bytes), "
-                                f"the file has {actual} bytes")
+                raise DataError(
+                    f"{self.path} is truncated: the header promises {count} tokens ({expected} bytes), "
+                    f"the file has {actual} bytes"
+                )
             self.tokens = np.memmap(self.path, dtype=dtype, mode="r", offset=HEADER.size, shape=(count,))
             self.vocab_size = int(vocab) or None
 
@@ -112,15 +114,26 @@ class DataState:
     num_samples: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        return dict(consumed_samples=self.consumed_samples, seed=self.seed, seq_len=self.seq_len,
-                    num_samples=self.num_samples)
+        return dict(
+            consumed_samples=self.consumed_samples, seed=self.seed, seq_len=self.seq_len, num_samples=self.num_samples
+        )
 
 
 class Batches:
     """This data-parallel rank's micro-batches of each step, in the global order."""
 
-    def __init__(self, file: TokenFile, seq_len: int, global_batch: int, micro_batch: int, dp: int, dp_rank: int,
-                 seed: int, vocab_size: int | None = None, shuffle: bool = True):
+    def __init__(
+        self,
+        file: TokenFile,
+        seq_len: int,
+        global_batch: int,
+        micro_batch: int,
+        dp: int,
+        dp_rank: int,
+        seed: int,
+        vocab_size: int | None = None,
+        shuffle: bool = True,
+    ):
         if global_batch % (micro_batch * dp):
             raise DataError(f"--global-batch {global_batch} is not a multiple of --micro-batch {micro_batch} x dp {dp}")
         self.file = file
@@ -145,8 +158,11 @@ class Batches:
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
-            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(self.num_samples) if self.shuffle
-                          else np.arange(self.num_samples))
+            self._perm = (
+                np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+                if self.shuffle
+                else np.arange(self.num_samples)
+            )
             self._perm_epoch = epoch
         assert self._perm is not None
         return self._perm
@@ -155,7 +171,7 @@ class Batches:
         """Global sample `index` of the stream: seq_len + 1 tokens."""
         epoch, pos = divmod(index, self.num_samples)
         start = int(self._order(epoch)[pos]) * self.seq_len
-        return np.asarray(self.file.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        return np.asarray(self.file.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
     def step_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (inputs, targets) of the next step, each [micro-batches x micro_batch, seq_len],
@@ -176,11 +192,12 @@ class Batches:
         return DataState(self.consumed_samples, self.seed, self.seq_len, self.num_samples)
 
     def load_state(self, state: Mapping[str, Any], log=None) -> None:
-        changed = [k for k in ("seed", "seq_len", "num_samples")
-                   if k in state and int(state[k]) != getattr(self, k)]
+        changed = [k for k in ("seed", "seq_len", "num_samples") if k in state and int(state[k]) != getattr(self, k)]
         if changed and log is not None:
-            log.warning("the data differs from the checkpoint's (%s): the position is kept, the order is not the same",
-                        ", ".join(f"{k} {state[k]} -> {getattr(self, k)}" for k in changed))
+            log.warning(
+                "the data differs from the checkpoint's (%s): the position is kept, the order is not the same",
+                ", ".join(f"{k} {state[k]} -> {getattr(self, k)}" for k in changed),
+            )
         self.consumed_samples = int(state.get("consumed_samples", 0))
 
 

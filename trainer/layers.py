@@ -107,8 +107,9 @@ class _GatherLinear(torch.autograd.Function):
         return (_reduce_scatter_seq(grad_total, ctx.group), None, None, *grad_weights, *grad_biases)
 
 
-def gather_linear(x: torch.Tensor, group: Group, weights: list[torch.Tensor],
-                  biases: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+def gather_linear(
+    x: torch.Tensor, group: Group, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+) -> tuple[torch.Tensor, ...]:
     """Column-parallel matmuls of the sequence-parallel input chunk `x` (see `_GatherLinear`)."""
     return _GatherLinear.apply(x, group, len(weights), *weights, *biases)
 
@@ -132,8 +133,9 @@ class TPContext:
         self.group = group
         self.sequence_parallel = sequence_parallel and group.size > 1
 
-    def column_linear(self, x: torch.Tensor, weights: list[torch.Tensor],
-                      biases: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    def column_linear(
+        self, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+    ) -> tuple[torch.Tensor, ...]:
         """Column-parallel matmuls sharing the input `x`: f then F.linear each, or with sequence
         parallelism `gather_linear` (only the local chunk of the input is kept for backward)."""
         if self.sequence_parallel:
@@ -190,8 +192,9 @@ class VocabParallelEmbedding(nn.Module):
     """Rows [r*V/tp, (r+1)*V/tp) of the embedding on tp rank r: each rank looks up the ids it
     owns, zeros the others, and the partial embeddings are summed (or reduce-scattered)."""
 
-    def __init__(self, vocab_local: int, hidden: int, ctx: TPContext, dtype, padding_idx: int | None = None,
-                 device=None):
+    def __init__(
+        self, vocab_local: int, hidden: int, ctx: TPContext, dtype, padding_idx: int | None = None, device=None
+    ):
         super().__init__()
         self.ctx = ctx
         self.vocab_start = ctx.group.rank * vocab_local

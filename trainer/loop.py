@@ -98,11 +98,14 @@ def _positive(cfg: TrainConfig) -> None:
 def plan_run(cfg: TrainConfig, world: int) -> Plan:
     """Check everything that can be checked locally; raise a ShardkitError with what to do."""
     if cfg.model and cfg.model_config:
-        raise TrainerError("--model and --model-config both say where to start: give one (--model-config starts "
-                           "from random weights)")
+        raise TrainerError(
+            "--model and --model-config both say where to start: give one (--model-config starts from random weights)"
+        )
     if not cfg.model and not cfg.model_config and not cfg.resume:
-        raise TrainerError("--model is required: a Hugging Face or sharded model directory to start from (or "
-                           "--model-config config.json to pre-train from random weights)")
+        raise TrainerError(
+            "--model is required: a Hugging Face or sharded model directory to start from (or "
+            "--model-config config.json to pre-train from random weights)"
+        )
     if not cfg.data:
         raise TrainerError("--data is required: a token file (scripts/prepare_data.py writes one)")
     _positive(cfg)
@@ -137,17 +140,23 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
             f"{spec.dims.vocab_size}: tokenize with the model's tokenizer"
         )
     if len(tokens) < cfg.seq_len + 1:
-        raise DataError(f"{cfg.data} holds {len(tokens)} tokens: fewer than one sequence of --seq-len {cfg.seq_len} + 1")
+        raise DataError(
+            f"{cfg.data} holds {len(tokens)} tokens: fewer than one sequence of --seq-len {cfg.seq_len} + 1"
+        )
     eval_tokens, eval_steps = plan_eval(cfg, spec)
     if resume is not None:
         check_resume_settings(cfg, resume)
     exported_step = check_export_destination(cfg) if cfg.export_hf else None
-    metrics = Path(cfg.metrics) if cfg.metrics else (Path(cfg.checkpoint_dir) / "metrics.jsonl"
-                                                     if cfg.checkpoint_dir else None)
+    metrics = (
+        Path(cfg.metrics)
+        if cfg.metrics
+        else (Path(cfg.checkpoint_dir) / "metrics.jsonl" if cfg.checkpoint_dir else None)
+    )
     if metrics is not None and metrics.exists() and metrics.is_dir():
         raise TrainerError(f"--metrics {metrics} is a directory: give a file path")
-    return Plan(cfg, world, dp, spec, source, tokens, DTYPES[cfg.dtype], resume, metrics, exported_step, eval_tokens,
-                eval_steps)
+    return Plan(
+        cfg, world, dp, spec, source, tokens, DTYPES[cfg.dtype], resume, metrics, exported_step, eval_tokens, eval_steps
+    )
 
 
 def plan_eval(cfg: TrainConfig, spec: ModelSpec) -> tuple[TokenFile | None, int]:
@@ -158,16 +167,27 @@ def plan_eval(cfg: TrainConfig, spec: ModelSpec) -> tuple[TokenFile | None, int]
         return None, 0
     tokens = TokenFile(cfg.eval_data)
     if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
-        raise DataError(f"{cfg.eval_data} was tokenized with a vocabulary of {tokens.vocab_size} ids, but the model "
-                        f"has {spec.dims.vocab_size}: tokenize with the model's tokenizer")
+        raise DataError(
+            f"{cfg.eval_data} was tokenized with a vocabulary of {tokens.vocab_size} ids, but the model "
+            f"has {spec.dims.vocab_size}: tokenize with the model's tokenizer"
+        )
     whole = max(0, len(tokens) - 1) // cfg.seq_len // cfg.global_batch
     if whole < 1:
-        raise DataError(f"{cfg.eval_data} holds {len(tokens)} tokens: fewer than one batch of --global-batch "
-                        f"{cfg.global_batch} sequences of --seq-len {cfg.seq_len} + 1")
+        raise DataError(
+            f"{cfg.eval_data} holds {len(tokens)} tokens: fewer than one batch of --global-batch "
+            f"{cfg.global_batch} sequences of --seq-len {cfg.seq_len} + 1"
+        )
     if cfg.eval_steps > whole:
-        log.info("%s holds %d batch%s of %d x %d tokens: evaluating on %s, not --eval-steps %d", cfg.eval_data, whole,
-                 "es" if whole > 1 else "", cfg.global_batch, cfg.seq_len, "it" if whole == 1 else "them",
-                 cfg.eval_steps)
+        log.info(
+            "%s holds %d batch%s of %d x %d tokens: evaluating on %s, not --eval-steps %d",
+            cfg.eval_data,
+            whole,
+            "es" if whole > 1 else "",
+            cfg.global_batch,
+            cfg.seq_len,
+            "it" if whole == 1 else "them",
+            cfg.eval_steps,
+        )
     return tokens, min(cfg.eval_steps or whole, whole)
 
 
@@ -204,6 +224,7 @@ class RunSchedule(LRSchedule):
 def saved_settings(tag_dir: Path) -> dict[str, Any]:
     """The settings of the run that saved `tag_dir`, by flag name (those it recorded: the LR
     schedule, the batch; the global batch of older checkpoints from their data position)."""
+
     def read(name: str) -> Any:
         try:
             return safe_load(tag_dir / name, mmap=False) if (tag_dir / name).is_file() else None
@@ -224,8 +245,13 @@ def saved_settings(tag_dir: Path) -> dict[str, Any]:
         if "seq_len" not in found and isinstance(data.get("seq_len"), int) and data["seq_len"] > 0:
             found["seq_len"] = data["seq_len"]
         consumed = data.get("consumed_samples")
-        if "global_batch" not in found and isinstance(step, int) and step > 0 and isinstance(consumed, int) \
-                and consumed % step == 0:
+        if (
+            "global_batch" not in found
+            and isinstance(step, int)
+            and step > 0
+            and isinstance(consumed, int)
+            and consumed % step == 0
+        ):
             found["global_batch"] = consumed // step
     return found
 
@@ -260,21 +286,32 @@ def check_resume_settings(cfg: TrainConfig, point: Any) -> None:
         )
     if refused or noted:
         why = " (--override-schedule)" if refused else " (they change no step's learning rate or batch)"
-        log.info("resuming %s with settings other than its run's: %s%s", point.path,
-                 ", ".join(change(f) for f in (*refused, *noted)), why)
+        log.info(
+            "resuming %s with settings other than its run's: %s%s",
+            point.path,
+            ", ".join(change(f) for f in (*refused, *noted)),
+            why,
+        )
 
 
 def run_layout(cfg: TrainConfig, source: Checkpoint | None) -> Layout:
     """The run's layout from the options. The qkv style and K/V replication order not given keep
     those of a sharded --model (logged), else separate and interleaved."""
     held = source.layout if source is not None and source.kind == "sharded" else None
-    kept = [f"{what} ({getattr(held, name)})" for what, name in (("qkv style", "qkv"), ("kv replication", "kv_replication"))
-            if held is not None and getattr(cfg, name) is None]
+    kept = [
+        f"{what} ({getattr(held, name)})"
+        for what, name in (("qkv style", "qkv"), ("kv replication", "kv_replication"))
+        if held is not None and getattr(cfg, name) is None
+    ]
     if kept:
         log.info("keeping the qkv layout of %s: %s (--qkv / --kv-replication to change)", cfg.model, " and ".join(kept))
-    return make_layout(tp=cfg.tp, pp=cfg.pp, kv_multiplier=cfg.kv_multiplier,
-                       kv_replication=cfg.kv_replication or (held.kv_replication if held else "interleaved"),
-                       qkv=cfg.qkv or (held.qkv if held else "separate"))
+    return make_layout(
+        tp=cfg.tp,
+        pp=cfg.pp,
+        kv_multiplier=cfg.kv_multiplier,
+        kv_replication=cfg.kv_replication or (held.kv_replication if held else "interleaved"),
+        qkv=cfg.qkv or (held.qkv if held else "separate"),
+    )
 
 
 # ---- metrics and progress --------------------------------------------------------------------------
@@ -288,9 +325,16 @@ def summary_writer(directory: str):
 
 
 # step record key -> TensorBoard tag
-TB_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-              "tokens_per_s": "train/tokens_per_s", "step_time": "train/step_time", "memory_mb": "memory/peak_mb",
-              "eval_loss": "eval/loss", "eval_ppl": "eval/perplexity"}
+TB_SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "step_time": "train/step_time",
+    "memory_mb": "memory/peak_mb",
+    "eval_loss": "eval/loss",
+    "eval_ppl": "eval/perplexity",
+}
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -325,8 +369,15 @@ class Reporter:
         if plan.cfg.progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=plan.cfg.steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
-                            dynamic_ncols=True, leave=True)
+            self.bar = tqdm(
+                total=plan.cfg.steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                leave=True,
+            )
 
     def write(self, record: dict[str, Any]) -> None:
         if self.file is not None:
@@ -344,8 +395,13 @@ class Reporter:
         self.scalars(record)
         if self.bar is not None:
             if show:
-                self.postfix.update({"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:,.0f}",
-                                     "step": f"{record['step_time'] * 1000:.0f}ms"})
+                self.postfix.update(
+                    {
+                        "loss": f"{record['loss']:.4f}",
+                        "tok/s": f"{record['tokens_per_s']:,.0f}",
+                        "step": f"{record['step_time'] * 1000:.0f}ms",
+                    }
+                )
                 self.bar.set_postfix(ordered_dict=self.postfix, refresh=False)
             self.bar.update(1)
 
@@ -450,13 +506,31 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
     model = StageModel(spec, ctx, par.pp_rank, plan.dtype, par.device, cfg.activation_checkpointing)
     model.load_pieces({k: v.to(par.device) for k, v in tensors.items()})
     model.train()
-    optimizer = Optimizer(model, spec, par, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                          weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad, zero1=cfg.zero1,
-                          sequence_parallel=cfg.sequence_parallel, sources=tensors)
+    optimizer = Optimizer(
+        model,
+        spec,
+        par,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        clip_grad=cfg.clip_grad,
+        zero1=cfg.zero1,
+        sequence_parallel=cfg.sequence_parallel,
+        sources=tensors,
+    )
     del tensors
     schedule = RunSchedule(cfg)
-    batches = Batches(plan.tokens, cfg.seq_len, cfg.global_batch, cfg.micro_batch, plan.dp, par.dp_rank, cfg.seed,
-                      spec.dims.vocab_size)
+    batches = Batches(
+        plan.tokens,
+        cfg.seq_len,
+        cfg.global_batch,
+        cfg.micro_batch,
+        plan.dp,
+        par.dp_rank,
+        cfg.seed,
+        spec.dims.vocab_size,
+    )
     start_step = 0
     if restored is not None:
         assert plan.resume is not None  # _initial_tensors restores a checkpoint only when resuming
@@ -469,8 +543,18 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
 
     pipeline = None
     if par.pp > 1:
-        pipeline = Pipeline(model, par, loss_fn, plan.micro_batches, cfg.micro_batch, cfg.seq_len,
-                            spec.dims.hidden_size, spec.dims.vocab_size // par.tp, plan.dtype, cfg.sequence_parallel)
+        pipeline = Pipeline(
+            model,
+            par,
+            loss_fn,
+            plan.micro_batches,
+            cfg.micro_batch,
+            cfg.seq_len,
+            spec.dims.hidden_size,
+            spec.dims.vocab_size // par.tp,
+            plan.dtype,
+            cfg.sequence_parallel,
+        )
     return Run(model, optimizer, schedule, batches, loss_fn, pipeline, start_step)
 
 
@@ -479,12 +563,35 @@ def _announce(plan: Plan, par: Parallel, run: Run) -> None:
     if not par.leader:
         return
     cfg, spec, pipeline = plan.cfg, plan.spec, run.pipeline
-    extras = [name for name, on in (("ZeRO-1", run.optimizer.zero1), ("sequence parallel", run.optimizer.sequence_parallel), ("activation checkpointing", cfg.activation_checkpointing)) if on]
-    log.info("%d process%s: tp %d x pp %d x dp %d (%s, %s); %s %.2fM parameters in %s; %d micro-batch%s of "
-             "%d x %d tokens per step%s%s", par.world, "es" if par.world > 1 else "", par.tp, par.pp, par.dp,
-             par.backend, par.device, spec.family.name, param_count(spec) / 1e6, cfg.dtype, plan.micro_batches,
-             "es" if plan.micro_batches > 1 else "", cfg.micro_batch, cfg.seq_len,
-             f" ({pipeline.schedule_name})" if pipeline else "", "; " + ", ".join(extras) if extras else "")
+    extras = [
+        name
+        for name, on in (
+            ("ZeRO-1", run.optimizer.zero1),
+            ("sequence parallel", run.optimizer.sequence_parallel),
+            ("activation checkpointing", cfg.activation_checkpointing),
+        )
+        if on
+    ]
+    log.info(
+        "%d process%s: tp %d x pp %d x dp %d (%s, %s); %s %.2fM parameters in %s; %d micro-batch%s of "
+        "%d x %d tokens per step%s%s",
+        par.world,
+        "es" if par.world > 1 else "",
+        par.tp,
+        par.pp,
+        par.dp,
+        par.backend,
+        par.device,
+        spec.family.name,
+        param_count(spec) / 1e6,
+        cfg.dtype,
+        plan.micro_batches,
+        "es" if plan.micro_batches > 1 else "",
+        cfg.micro_batch,
+        cfg.seq_len,
+        f" ({pipeline.schedule_name})" if pipeline else "",
+        "; " + ", ".join(extras) if extras else "",
+    )
 
 
 def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
@@ -494,9 +601,17 @@ def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
     reporter = Reporter(plan, par, run.start_step)
     summary = Summary(first_step=run.start_step, layout=plan.spec.layout.describe())
     if par.leader:
-        reporter.write({"event": "start", "step": run.start_step, "world": par.world, "dp": par.dp,
-                        "layout": plan.spec.layout.to_dict(), "schedule": getattr(run.pipeline, "schedule_name", None),
-                        "config": asdict(cfg)})
+        reporter.write(
+            {
+                "event": "start",
+                "step": run.start_step,
+                "world": par.world,
+                "dp": par.dp,
+                "layout": plan.spec.layout.to_dict(),
+                "schedule": getattr(run.pipeline, "schedule_name", None),
+                "config": asdict(cfg),
+            }
+        )
     t_start, eval_seconds = time.perf_counter(), 0.0
     try:
         for step in range(run.start_step, cfg.steps):
@@ -528,8 +643,17 @@ def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
     cfg = plan.cfg
     t0 = time.perf_counter()
     assert plan.eval_tokens is not None  # plan_eval gives eval_steps > 0 only with --eval-data's tokens
-    batches = Batches(plan.eval_tokens, cfg.seq_len, cfg.global_batch, cfg.micro_batch, plan.dp, par.dp_rank, cfg.seed,
-                      plan.spec.dims.vocab_size, shuffle=False)
+    batches = Batches(
+        plan.eval_tokens,
+        cfg.seq_len,
+        cfg.global_batch,
+        cfg.micro_batch,
+        plan.dp,
+        par.dp_rank,
+        cfg.seed,
+        plan.spec.dims.vocab_size,
+        shuffle=False,
+    )
     total = 0.0
     run.model.eval()
     try:
@@ -540,14 +664,22 @@ def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
                 if run.pipeline is not None:
                     total += _pipeline_forward(run.pipeline, par, inputs, targets)
                 else:
-                    total += sum(float(run.loss_fn(run.model(ids), tgt))
-                                 for ids, tgt in zip(inputs.split(cfg.micro_batch), targets.split(cfg.micro_batch)))
+                    total += sum(
+                        float(run.loss_fn(run.model(ids), tgt))
+                        for ids, tgt in zip(inputs.split(cfg.micro_batch), targets.split(cfg.micro_batch))
+                    )
     finally:
         run.model.train()
     mine = total if (par.is_last_stage and par.tp_rank == 0) else 0.0
     loss = par.sum_over_world([mine])[0] / plan.eval_steps  # each step's sum is its batch's mean token loss
-    return {"event": "eval", "step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
-            "eval_tokens": plan.eval_steps * cfg.global_batch * cfg.seq_len, "eval_time": time.perf_counter() - t0}
+    return {
+        "event": "eval",
+        "step": step,
+        "eval_loss": loss,
+        "eval_ppl": math.exp(min(loss, 700.0)),
+        "eval_tokens": plan.eval_steps * cfg.global_batch * cfg.seq_len,
+        "eval_time": time.perf_counter() - t0,
+    }
 
 
 def _pipeline_forward(pipeline: Pipeline, par: Parallel, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -585,11 +717,19 @@ def _one_step(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
     compute_mean, comm_mean = compute_sum / par.world, comm_sum / par.world
     tokens_per_step = cfg.global_batch * cfg.seq_len
     return {
-        "event": "step", "step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
-        "step_time": step_time, "tokens_per_s": tokens_per_step / step_time,
-        "tokens": (step + 1) * tokens_per_step, "consumed_samples": run.batches.consumed_samples,
-        "compute_time": compute_mean, "collective_time": comm_mean,
-        "comm_share": max(0.0, 1.0 - compute_mean / step_time), "memory_mb": peak_memory_mb(par.device),
+        "event": "step",
+        "step": step + 1,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": norm,
+        "step_time": step_time,
+        "tokens_per_s": tokens_per_step / step_time,
+        "tokens": (step + 1) * tokens_per_step,
+        "consumed_samples": run.batches.consumed_samples,
+        "compute_time": compute_mean,
+        "collective_time": comm_mean,
+        "comm_share": max(0.0, 1.0 - compute_mean / step_time),
+        "memory_mb": peak_memory_mb(par.device),
     }
 
 

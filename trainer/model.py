@@ -35,14 +35,21 @@ from .layers import ColumnParallelLinear, ParamHolder, RMSNorm, RowParallelLinea
 SUPPORTED = ("llama", "mistral", "qwen2")
 # why the trainer's blocks cannot express a family (shardkit converts, merges and reshards them all)
 UNSUPPORTED_BECAUSE = {
-    "mixtral": "mixture-of-experts layers", "qwen3_moe": "mixture-of-experts layers", "dbrx": "mixture-of-experts layers",
-    "qwen3": "per-head q/k norms", "gemma3": "per-head q/k norms and Gemma's norms",
+    "mixtral": "mixture-of-experts layers",
+    "qwen3_moe": "mixture-of-experts layers",
+    "dbrx": "mixture-of-experts layers",
+    "qwen3": "per-head q/k norms",
+    "gemma3": "per-head q/k norms and Gemma's norms",
     "gemma2": "Gemma's (1 + w) norms, extra feed-forward norms, embedding scaling and soft-capping",
     "phi3": "Phi-3's rope variants (longrope) are not implemented",
-    "gpt_neox": "LayerNorm, partial rotary and the parallel residual", "bert": "it is an encoder, not a causal LM",
+    "gpt_neox": "LayerNorm, partial rotary and the parallel residual",
+    "bert": "it is an encoder, not a causal LM",
 }
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
 
 
@@ -62,7 +69,8 @@ class ModelSpec:
             why = UNSUPPORTED_BECAUSE.get(family.name)
             raise TrainerError(
                 f"the trainer supports dense decoder families ({', '.join(SUPPORTED)}), not {family.name}"
-                + (f" ({why})" if why else "") + ": convert/merge/reshard still work for it with shardkit"
+                + (f" ({why})" if why else "")
+                + ": convert/merge/reshard still work for it with shardkit"
             )
         dims = ModelDims.from_config(config)
         layout.validate(dims)
@@ -145,7 +153,9 @@ class Rotary:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             cfg = dict(spec.config)
-            cfg_obj = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "architectures"})
+            cfg_obj = AutoConfig.for_model(
+                cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "architectures"}
+            )
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg_obj, device)
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float)
         self._cache: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -191,7 +201,7 @@ class Attention(nn.Module):
         self.head_dim = d
         self.n_q = dims.num_heads // layout.tp
         self.n_kv = dims.num_kv_heads * layout.kv_multiplier // layout.tp
-        self.scaling = d ** -0.5
+        self.scaling = d**-0.5
         q_rows, kv_rows = self.n_q * d, self.n_kv * d
         self.rows = (q_rows, kv_rows, kv_rows)
         weight_names, bias_names = QKV_NAMES[layout.qkv]
@@ -221,8 +231,9 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of the (sequence-parallel: local chunk of the) input, column-parallel."""
         weights = [self._param(r) for r in self.weight_refs]
-        biases: list[torch.Tensor | None] = ([self._param(r) for r in self.bias_refs] if self.bias_refs
-                                             else [None] * len(weights))
+        biases: list[torch.Tensor | None] = (
+            [self._param(r) for r in self.bias_refs] if self.bias_refs else [None] * len(weights)
+        )
         outs = self.ctx.column_linear(x, weights, biases)
         if len(outs) == 3:
             return outs
@@ -235,8 +246,9 @@ class Attention(nn.Module):
         # on transformers' batch-first tensors (strided inputs cost ~10% of the attention block)
         q, k, v = (t.view(seq, batch, -1, self.head_dim).permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
-                                             enable_gqa=self.n_q != self.n_kv)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.n_q != self.n_kv
+        )
         out = out.permute(2, 0, 1, 3).reshape(seq, batch, self.n_q * self.head_dim)
         return self.o_proj(out)
 
@@ -249,7 +261,9 @@ class MLP(nn.Module):
         dims = spec.dims
         self.inter_local = dims.intermediate_size // spec.layout.tp
         self.act = ACTIVATIONS[str(spec.config.get("hidden_act", "silu"))]
-        self.gate_up_proj = ColumnParallelLinear(dims.hidden_size, 2 * self.inter_local, dims.mlp_bias, ctx, dtype, device)
+        self.gate_up_proj = ColumnParallelLinear(
+            dims.hidden_size, 2 * self.inter_local, dims.mlp_bias, ctx, dtype, device
+        )
         self.down_proj = RowParallelLinear(self.inter_local, dims.hidden_size, dims.mlp_bias, ctx, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -284,8 +298,15 @@ class StageModel(nn.Module):
     middle stages: hidden [seq(/tp), batch, hidden] in and out; last stage: local logits
     [seq, batch, vocab/tp] out."""
 
-    def __init__(self, spec: ModelSpec, ctx: TPContext, pp_rank: int, dtype: torch.dtype, device: torch.device,
-                 activation_checkpointing: bool = False):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        ctx: TPContext,
+        pp_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        activation_checkpointing: bool = False,
+    ):
         super().__init__()
         dims, layout = spec.dims, spec.layout
         self.spec = spec
@@ -297,8 +318,9 @@ class StageModel(nn.Module):
         self.model = _Body()
         if self.first:
             pad = spec.config.get("pad_token_id")
-            self.model.embed_tokens = VocabParallelEmbedding(dims.vocab_size // layout.tp, dims.hidden_size, ctx, dtype,
-                                                             pad if isinstance(pad, int) else None, meta)
+            self.model.embed_tokens = VocabParallelEmbedding(
+                dims.vocab_size // layout.tp, dims.hidden_size, ctx, dtype, pad if isinstance(pad, int) else None, meta
+            )
         self.layer_ids = list(layout.stage_layers(dims.num_layers)[pp_rank])
         self.model.layers = nn.ModuleDict({str(i): DecoderLayer(spec, ctx, dtype, meta) for i in self.layer_ids})
         if self.last:
@@ -315,8 +337,13 @@ class StageModel(nn.Module):
             missing = sorted(set(expected) - set(got))
             extra = sorted(set(got) - set(expected))
             wrong = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
-            what = (f"lacks {missing[0]}" if missing else f"has unexpected {extra[0]}" if extra else
-                    f"{wrong[0]} has shape {got[wrong[0]]}, the model expects {expected[wrong[0]]}")
+            what = (
+                f"lacks {missing[0]}"
+                if missing
+                else f"has unexpected {extra[0]}"
+                if extra
+                else f"{wrong[0]} has shape {got[wrong[0]]}, the model expects {expected[wrong[0]]}"
+            )
             raise TrainerError(f"the rank's pieces do not fit the model: {what}")
         dtype = next(iter(self.state_dict(keep_vars=True).values())).dtype
         self.load_state_dict({k: v.to(dtype).contiguous() for k, v in tensors.items()}, assign=True)

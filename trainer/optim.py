@@ -116,8 +116,9 @@ def _replica_intervals(spec: ModelSpec) -> list[_Interval]:
         dim = index.dim_of(source)
         bounds = sorted({h.start for h in holdings} | {h.stop for h in holdings})
         for a, b in zip(bounds, bounds[1:]):
-            holders = sorted((*_rank_piece(h), h.offset + a - h.start) for h in holdings
-                             if h.start <= a and b <= h.stop)
+            holders = sorted(
+                (*_rank_piece(h), h.offset + a - h.start) for h in holdings if h.start <= a and b <= h.stop
+            )
             if len(holders) > 1:
                 shape = list(shapes[source])
                 shape[dim] = b - a
@@ -150,10 +151,20 @@ class LRSchedule:
     def state_dict(self) -> dict[str, Any]:
         if self.nxd is not None:
             lr = self.at(self.last_step)
-            return {**self.nxd, "last_epoch": self.last_step, "_step_count": self.last_step + 1,
-                    "_last_lr": [lr] * len(self.nxd["base_lrs"])}
-        return {"last_step": self.last_step, "lr": self.lr, "warmup": self.warmup, "total": self.total,
-                "decay": self.decay, "min_ratio": self.min_ratio}
+            return {
+                **self.nxd,
+                "last_epoch": self.last_step,
+                "_step_count": self.last_step + 1,
+                "_last_lr": [lr] * len(self.nxd["base_lrs"]),
+            }
+        return {
+            "last_step": self.last_step,
+            "lr": self.lr,
+            "warmup": self.warmup,
+            "total": self.total,
+            "decay": self.decay,
+            "min_ratio": self.min_ratio,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """This schedule's own state, or NxD's CosineAnnealing state_dict (an NxD checkpoint): the
@@ -163,11 +174,19 @@ class LRSchedule:
             self.last_step = int(state["last_epoch"])
             base = {float(v) for v in state["base_lrs"]}
             if len(base) > 1:
-                log.warning("the checkpoint's schedule has several base learning rates %s: using the first",
-                            sorted(base))
-            log.info("continuing the checkpoint's NxD cosine schedule (lr %g, warm-up %d, %d decay steps to %g, "
-                     "max %d steps) from step %d", float(state["base_lrs"][0]), int(state["warmup_steps"]),
-                     int(state["decay_steps"]), float(state["min_lr"]), int(state["max_steps"]), self.last_step)
+                log.warning(
+                    "the checkpoint's schedule has several base learning rates %s: using the first", sorted(base)
+                )
+            log.info(
+                "continuing the checkpoint's NxD cosine schedule (lr %g, warm-up %d, %d decay steps to %g, "
+                "max %d steps) from step %d",
+                float(state["base_lrs"][0]),
+                int(state["warmup_steps"]),
+                int(state["decay_steps"]),
+                float(state["min_lr"]),
+                int(state["max_steps"]),
+                self.last_step,
+            )
             return
         self.last_step = int(state.get("last_step", 0))
 
@@ -189,9 +208,21 @@ class LRSchedule:
 class Optimizer:
     """See the module docstring. `step(lr)` synchronises, clips and updates; returns the norm."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec, par: Parallel, *, lr: float, betas=(0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.0, clip_grad: float = 1.0, zero1: bool = False,
-                 sequence_parallel: bool = False, sources: Mapping[str, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        par: Parallel,
+        *,
+        lr: float,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        clip_grad: float = 1.0,
+        zero1: bool = False,
+        sequence_parallel: bool = False,
+        sources: Mapping[str, torch.Tensor] | None = None,
+    ):
         self.par = par
         self.clip_grad = clip_grad
         self.zero1 = zero1 and par.dp > 1
@@ -215,7 +246,7 @@ class Optimizer:
             if id(p) in by_param:
                 by_param[id(p)].names.append(name)
                 continue
-            view = self.flat[offset:offset + p.numel()].view(p.shape)
+            view = self.flat[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
             by_param[id(p)] = slot = Slot([name], p, view, name in replicated, p.dim() >= 2)
             order.append(slot)
@@ -298,12 +329,20 @@ class Optimizer:
     def _make_adam(self, lr: float, betas, eps: float, weight_decay: float) -> torch.optim.AdamW | None:
         """torch's AdamW on the masters this rank owns (no weight decay for norms and biases).
         Group 0 ("decay") and 1 ("no_decay") are NxD's two param groups."""
-        self.hyper: dict[str, dict[str, Any]] = {kind: {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": wd}
-                      for kind, wd in ((DECAY, weight_decay), (NO_DECAY, 0.0))}
+        self.hyper: dict[str, dict[str, Any]] = {
+            kind: {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": wd}
+            for kind, wd in ((DECAY, weight_decay), (NO_DECAY, 0.0))
+        }
         decay = [s.master for s in self.owned if s.decay]
         no_decay = [s.master for s in self.owned if not s.decay]
-        param_groups = [g for g in ({"params": decay, "weight_decay": weight_decay, "kind": DECAY},
-                                    {"params": no_decay, "weight_decay": 0.0, "kind": NO_DECAY}) if g["params"]]
+        param_groups = [
+            g
+            for g in (
+                {"params": decay, "weight_decay": weight_decay, "kind": DECAY},
+                {"params": no_decay, "weight_decay": 0.0, "kind": NO_DECAY},
+            )
+            if g["params"]
+        ]
         return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps) if param_groups else None
 
     @staticmethod
@@ -418,7 +457,7 @@ class Optimizer:
                     rows = shard_rows(s.param.shape[0], par.dp)
                     size = rows * math.prod(s.param.shape[1:])
                     a, b = self._rows_of(s, d)
-                    s.param.data[a:b].copy_(out[offset:offset + size].view(rows, *s.param.shape[1:])[: b - a])
+                    s.param.data[a:b].copy_(out[offset : offset + size].view(rows, *s.param.shape[1:])[: b - a])
                     offset += size
 
     # ---- state by piece name ------------------------------------------------------------------------
@@ -469,15 +508,30 @@ class Optimizer:
         groups = []
         for kind in (DECAY, NO_DECAY):
             h = self.hyper[kind]
-            groups.append({"weight_decay": h["weight_decay"], "lr": next_lr, "betas": list(h["betas"]),
-                           "initial_lr": self.initial_lr, "eps": h["eps"], "amsgrad": False, "maximize": False,
-                           "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-                           "decoupled_weight_decay": True})
+            groups.append(
+                {
+                    "weight_decay": h["weight_decay"],
+                    "lr": next_lr,
+                    "betas": list(h["betas"]),
+                    "initial_lr": self.initial_lr,
+                    "eps": h["eps"],
+                    "amsgrad": False,
+                    "maximize": False,
+                    "foreach": None,
+                    "capturable": False,
+                    "differentiable": False,
+                    "fused": None,
+                    "decoupled_weight_decay": True,
+                }
+            )
         return groups, {n: 0 if s.decay else 1 for s in self.slots for n in s.names}
 
-    def load_state_dict(self, states: Mapping[str, Mapping[str, torch.Tensor]],
-                        param_groups: list[Mapping[str, Any]] | None = None,
-                        groups: Mapping[str, int] | None = None) -> None:
+    def load_state_dict(
+        self,
+        states: Mapping[str, Mapping[str, torch.Tensor]],
+        param_groups: list[Mapping[str, Any]] | None = None,
+        groups: Mapping[str, int] | None = None,
+    ) -> None:
         """Take optimizer state by piece name: tp-local (dp-unsharded) tensors, of which this rank
         keeps its rows (any names this rank does not hold are ignored). With the checkpoint's
         `param_groups` and each piece's group index (`groups`), its betas, eps and weight decay are
@@ -500,8 +554,11 @@ class Optimizer:
                 master.data.copy_(mine(entry["master"]))
             step = entry["step"]
             self.adam.state[master] = {
-                "step": (step.detach().clone().to(torch.float32).reshape(()) if torch.is_tensor(step)
-                         else torch.tensor(float(step))),
+                "step": (
+                    step.detach().clone().to(torch.float32).reshape(())
+                    if torch.is_tensor(step)
+                    else torch.tensor(float(step))
+                ),
                 "exp_avg": mine(entry["exp_avg"]),
                 "exp_avg_sq": mine(entry["exp_avg_sq"]),
             }
@@ -510,8 +567,7 @@ class Optimizer:
 
     def _adopt_hyper(self, saved: list[Mapping[str, Any]], groups: Mapping[str, int], states: Mapping) -> None:
         for kind in (DECAY, NO_DECAY):
-            index = {groups.get(n, 0) for s in self.slots if s.decay == (kind == DECAY) for n in s.names
-                     if n in states}
+            index = {groups.get(n, 0) for s in self.slots if s.decay == (kind == DECAY) for n in s.names if n in states}
             if len(index) != 1 or next(iter(index)) >= len(saved):
                 continue
             g = saved[next(iter(index))]
@@ -521,8 +577,13 @@ class Optimizer:
                     continue
                 value = tuple(float(v) for v in g[key]) if key == "betas" else float(g[key])
                 if value != h[key]:
-                    log.info("resuming with the checkpoint's %s %s for %s parameters (the options say %s)", key,
-                             value, kind.replace("_", " "), h[key])
+                    log.info(
+                        "resuming with the checkpoint's %s %s for %s parameters (the options say %s)",
+                        key,
+                        value,
+                        kind.replace("_", " "),
+                        h[key],
+                    )
                     h[key] = value
             assert self.adam is not None  # load_state_dict returns before this without one
             for group in self.adam.param_groups:

@@ -48,8 +48,19 @@ class Pipeline:
     """One step = `step(inputs, targets)`: the schedule over this rank's micro-batches; returns
     the sum of the (scaled) micro-batch losses on the last stage, 0 elsewhere."""
 
-    def __init__(self, model: torch.nn.Module, par: Parallel, loss_fn: Callable, n_micro: int, micro_batch: int,
-                 seq_len: int, hidden: int, vocab_local: int, dtype: torch.dtype, sequence_parallel: bool):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        par: Parallel,
+        loss_fn: Callable,
+        n_micro: int,
+        micro_batch: int,
+        seq_len: int,
+        hidden: int,
+        vocab_local: int,
+        dtype: torch.dtype,
+        sequence_parallel: bool,
+    ):
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         meta = torch.device("meta")
@@ -65,8 +76,9 @@ class Pipeline:
         else:
             outputs = hidden_meta
         stage_cls = _timed_stage_class()
-        self.stage = stage_cls(model, par.pp_rank, par.pp, par.device, input_args=inputs, output_args=outputs,
-                               group=par.pp_group.pg)
+        self.stage = stage_cls(
+            model, par.pp_rank, par.pp, par.device, input_args=inputs, output_args=outputs, group=par.pp_group.pg
+        )
         schedule_cls = Schedule1F1B if n_micro >= par.pp else ScheduleGPipe
         self.schedule_name = schedule_cls.__name__
         self.schedule = schedule_cls(self.stage, n_micro, loss_fn=loss_fn, scale_grads=False)
@@ -84,8 +96,9 @@ class Pipeline:
         return float(sum(loss.detach().float() for loss in losses)) if losses else 0.0
 
 
-def run_micro_batches(model: torch.nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor,
-                      micro_batch: int) -> float:
+def run_micro_batches(
+    model: torch.nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int
+) -> float:
     """pp = 1: forward and backward each micro-batch, accumulating gradients; returns the loss sum."""
     total = 0.0
     for ids, tgt in zip(inputs.split(micro_batch), targets.split(micro_batch)):

@@ -91,7 +91,7 @@ class InitialWeights:
             gen = torch.Generator().manual_seed(_block_seed(self.seed, source, block))
             values = torch.empty((hi - lo, *shape[1:]), dtype=torch.float32).normal_(0.0, self.std, generator=gen)
             a, b = max(lo, start), min(hi, stop)
-            out[a - start:b - start] = values[a - lo:b - lo]
+            out[a - start : b - start] = values[a - lo : b - lo]
         if self.pad is not None and source.endswith("embed_tokens.weight") and start <= self.pad < stop:
             out[self.pad - start].zero_()
         return out
@@ -100,9 +100,14 @@ class InitialWeights:
         if seg.dim == 0:
             return self.rows(seg.source, seg.start, seg.stop)
         rows = self.shapes[seg.source][0]
-        return torch.cat([self.rows(seg.source, lo, min(lo + INIT_BLOCK_ROWS, rows)).narrow(seg.dim, seg.start,
-                                                                                            seg.stop - seg.start)
-                          for lo in range(0, rows, INIT_BLOCK_ROWS)])
+        return torch.cat(
+            [
+                self.rows(seg.source, lo, min(lo + INIT_BLOCK_ROWS, rows)).narrow(
+                    seg.dim, seg.start, seg.stop - seg.start
+                )
+                for lo in range(0, rows, INIT_BLOCK_ROWS)
+            ]
+        )
 
 
 def init_rank_pieces(spec: ModelSpec, seed: int, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
@@ -115,6 +120,7 @@ def init_rank_pieces(spec: ModelSpec, seed: int, tp_rank: int, pp_rank: int) -> 
 def export_run(cfg) -> dict[str, Any]:
     """What identifies a run's exports: its --model (or --model-config), --data and --checkpoint-dir
     (absolute)."""
+
     def where(path: str | None) -> str | None:
         return str(Path(path).absolute()) if path else None
 
@@ -133,8 +139,11 @@ def _marker(dst: Path) -> dict[str, Any] | None:
 
 
 def _inputs(cfg) -> list[tuple[str, Path]]:
-    named = [("--model", cfg.model), ("--model-config", getattr(cfg, "model_config", None)),
-             ("--checkpoint-dir", cfg.checkpoint_dir)]
+    named = [
+        ("--model", cfg.model),
+        ("--model-config", getattr(cfg, "model_config", None)),
+        ("--checkpoint-dir", cfg.checkpoint_dir),
+    ]
     if cfg.resume and Path(cfg.resume).exists():
         named.append(("--resume", cfg.resume))
     return [(flag, Path(path).absolute()) for flag, path in named if path]
@@ -156,12 +165,22 @@ def check_export_destination(cfg) -> int | None:
         return int(marker.get("step", -1))
     if cfg.overwrite_export:
         return None
-    raise TrainerError(f"--export-hf {cfg.export_hf} exists, is not empty and is not an earlier export of this run: "
-                       "choose another directory, or pass --overwrite-export to replace it")
+    raise TrainerError(
+        f"--export-hf {cfg.export_hf} exists, is not empty and is not an earlier export of this run: "
+        "choose another directory, or pass --overwrite-export to replace it"
+    )
 
 
-def export_hf(model: torch.nn.Module, spec: ModelSpec, par: Parallel, dst: str | Path, source_dir: str | Path | None,
-              dtype: torch.dtype, run: dict[str, Any], step: int) -> Path:
+def export_hf(
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    par: Parallel,
+    dst: str | Path,
+    source_dir: str | Path | None,
+    dtype: torch.dtype,
+    run: dict[str, Any],
+    step: int,
+) -> Path:
     """Write the merged Hugging Face model of the current weights (of `step`) to `dst`, replacing
     it (all ranks call this): the rank files are saved as a model-only checkpoint tag in a staging
     folder, which `export_checkpoint` merges (divided among the job's processes); rank 0 then

@@ -160,8 +160,9 @@ class Rank:
         for name, size in (("tp", layout.tp), ("pp", layout.pp), ("ep", layout.ep)):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value < size:
-                raise LayoutError(f"{name} rank {value!r} is outside the layout ({layout.describe()}): "
-                                  f"use 0..{size - 1}")
+                raise LayoutError(
+                    f"{name} rank {value!r} is outside the layout ({layout.describe()}): use 0..{size - 1}"
+                )
         if self.dp < 0:
             raise LayoutError(f"dp rank must be >= 0, got {self.dp}")
         return self
@@ -224,20 +225,25 @@ class OptimizerState:
     param_groups: list[dict[str, Any]] = field(default_factory=list)
     groups: dict[str, int] = field(default_factory=dict)
 
-    def to_torch(self, param_names: Sequence[str],
-                 param_groups: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    def to_torch(
+        self, param_names: Sequence[str], param_groups: Sequence[Mapping[str, Any]] | None = None
+    ) -> dict[str, Any]:
         """A `torch.optim` state_dict for parameters named `param_names` (the trainer's order), ready
         for `optimizer.load_state_dict`. Hyperparameters come from the checkpoint, or from
         `param_groups` (e.g. `optimizer.state_dict()["param_groups"]`) when given."""
         index = {n: i for i, n in enumerate(param_names)}
         unknown = [n for n in self.state if n not in index]
         if unknown:
-            raise StateMismatchError(f"the loaded optimizer state has {unknown[0]}, which param_names lacks: "
-                                     "pass every parameter name of this rank, in the optimizer's order")
+            raise StateMismatchError(
+                f"the loaded optimizer state has {unknown[0]}, which param_names lacks: "
+                "pass every parameter name of this rank, in the optimizer's order"
+            )
         hyper = [dict(g) for g in (param_groups if param_groups is not None else self.param_groups)]
         if not hyper:
-            raise CheckpointError("the checkpoint has no optimizer param_groups: pass param_groups= "
-                                  "(e.g. optimizer.state_dict()['param_groups'])")
+            raise CheckpointError(
+                "the checkpoint has no optimizer param_groups: pass param_groups= "
+                "(e.g. optimizer.state_dict()['param_groups'])"
+            )
         for g in hyper:
             g["params"] = []
             if isinstance(g.get("betas"), list):
@@ -245,8 +251,9 @@ class OptimizerState:
         for name in param_names:
             group = self.groups.get(name, 0)
             if group >= len(hyper):
-                raise CheckpointError(f"{name} belongs to optimizer group {group}, "
-                                      f"but only {len(hyper)} groups are given")
+                raise CheckpointError(
+                    f"{name} belongs to optimizer group {group}, but only {len(hyper)} groups are given"
+                )
             hyper[group]["params"].append(index[name])
         state = {}
         for name in param_names:
@@ -267,8 +274,10 @@ def optimizer_state_from_torch(state_dict: Mapping[str, Any], param_names: Seque
         raise CheckpointError("expected a torch.optim state_dict with 'state' and 'param_groups'")
     count = sum(len(g["params"]) for g in state_dict["param_groups"])
     if count != len(param_names):
-        raise StateMismatchError(f"the optimizer has {count} parameters but {len(param_names)} param_names were "
-                                 "given: pass one name per parameter, in the optimizer's order")
+        raise StateMismatchError(
+            f"the optimizer has {count} parameters but {len(param_names)} param_names were "
+            "given: pass one name per parameter, in the optimizer's order"
+        )
     groups: dict[str, int] = {}
     hyper = []
     for g_index, group in enumerate(state_dict["param_groups"]):
@@ -291,8 +300,10 @@ def jsonable(value: Any) -> Any:
         return value
     if isinstance(value, torch.dtype):
         return str(value).replace("torch.", "")
-    raise CheckpointError(f"optimizer hyperparameter {value!r} ({type(value).__name__}) cannot be saved: "
-                          "use numbers, strings, booleans, lists or tensors")
+    raise CheckpointError(
+        f"optimizer hyperparameter {value!r} ({type(value).__name__}) cannot be saved: "
+        "use numbers, strings, booleans, lists or tensors"
+    )
 
 
 # ---- results -------------------------------------------------------------------------------------

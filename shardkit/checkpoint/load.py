@@ -77,7 +77,8 @@ def resolve_tag(directory: Path, tag: str | None) -> str | None:
     if not is_complete(tag_dir):
         raise IncompleteCheckpointError(
             f"checkpoint {tag_dir} has no done marker: it is incomplete (an interrupted save or deletion); "
-            f"load another tag (`shardkit ckpt list {directory}`)")
+            f"load another tag (`shardkit ckpt list {directory}`)"
+        )
     return str(tag)
 
 
@@ -94,11 +95,15 @@ def _candidates(directory: Path, tag: str | None) -> list[str]:
     if loadable:
         return [i.tag for i in loadable]
     if damaged:
-        raise FormatError(f"every complete checkpoint in {directory} is damaged ({damaged[-1].tag}: "
-                          f"{damaged[-1].problem}): fix or restore its shardkit.json, or load a tag by name")
+        raise FormatError(
+            f"every complete checkpoint in {directory} is damaged ({damaged[-1].tag}: "
+            f"{damaged[-1].problem}): fix or restore its shardkit.json, or load a tag by name"
+        )
     if tag is None:
-        raise NoCheckpointError(f"{directory} holds no complete checkpoint (no <tag>/done): train from scratch, "
-                                "or pass tag='latest_if_exists' to get None instead of this error")
+        raise NoCheckpointError(
+            f"{directory} holds no complete checkpoint (no <tag>/done): train from scratch, "
+            "or pass tag='latest_if_exists' to get None instead of this error"
+        )
     return []
 
 
@@ -121,11 +126,15 @@ def _check_listed_files(tag_dir: Path, manifest: Mapping[str, Any]) -> None:
     for entry in manifest.get("files", []):
         path = _listed_path(tag_dir, entry["path"])
         if not path.is_file():
-            raise FormatError(f"{tag_dir.name}/{entry['path']} is missing: checkpoint {tag_dir} is damaged; load "
-                              "an older tag (tag=...) or restore the file")
+            raise FormatError(
+                f"{tag_dir.name}/{entry['path']} is missing: checkpoint {tag_dir} is damaged; load "
+                "an older tag (tag=...) or restore the file"
+            )
         if path.stat().st_size != entry["size"]:
-            raise FormatError(f"{tag_dir.name}/{entry['path']} has {path.stat().st_size} bytes, the manifest says "
-                              f"{entry['size']}: the file is truncated or was replaced; load an older tag (tag=...)")
+            raise FormatError(
+                f"{tag_dir.name}/{entry['path']} has {path.stat().st_size} bytes, the manifest says "
+                f"{entry['size']}: the file is truncated or was replaced; load an older tag (tag=...)"
+            )
 
 
 def _compare_configs(saved: Mapping[str, Any], given: Mapping[str, Any], tag_dir: Path) -> None:
@@ -137,7 +146,8 @@ def _compare_configs(saved: Mapping[str, Any], given: Mapping[str, Any], tag_dir
             raise ConfigMismatchError(
                 f"checkpoint {tag_dir} was saved for a model with {field_name} {getattr(a, field_name)!r}, but the "
                 f"target config has {getattr(b, field_name)!r}: resume with the model's own config, or another "
-                "checkpoint directory")
+                "checkpoint directory"
+            )
 
 
 def _check_files(ckpt: Checkpoint, keys: set[str]) -> None:
@@ -150,12 +160,14 @@ def _check_files(ckpt: Checkpoint, keys: set[str]) -> None:
                 if piece.name not in have:
                     raise ConfigMismatchError(
                         f"{ckpt.root.name}/{key} lacks {piece.name} (expected for {ckpt.layout.describe()}): "
-                        "the config or layout does not match the checkpoint")
+                        "the config or layout does not match the checkpoint"
+                    )
                 shape = tuple(reader.shape(piece.name))
                 if shape != piece.shape:
                     raise ConfigMismatchError(
                         f"{ckpt.root.name}/{key}: {piece.name} has shape {shape} but {ckpt.layout.describe()} with "
-                        f"this config expects {piece.shape}: the config does not match the checkpoint")
+                        f"this config expects {piece.shape}: the config does not match the checkpoint"
+                    )
         finally:
             reader.close()
 
@@ -173,8 +185,10 @@ def _verify_hashes(tag_dir: Path, manifest: Mapping[str, Any], keys: set[str]) -
                 for block in iter(lambda: fh.read(8 << 20), b""):
                     digest.update(block)
             if digest.hexdigest() != entry["sha256"]:
-                raise FormatError(f"{tag_dir.name}/{entry['path']} does not match its sha256 in the manifest: the "
-                                  "file is corrupt; load an older tag (tag=...)")
+                raise FormatError(
+                    f"{tag_dir.name}/{entry['path']} does not match its sha256 in the manifest: the "
+                    "file is corrupt; load an older tag (tag=...)"
+                )
 
 
 # ---- reading ---------------------------------------------------------------------------------------
@@ -186,8 +200,9 @@ def _whole(key: str, piece: Piece) -> Read:
     return Read(key, piece.name, None, 0, 0 if rows is not None else None, rows)
 
 
-def _plan_reads(ckpt: Checkpoint, pieces: list[Piece], rank: Rank,
-                same_layout: bool) -> tuple[list[tuple[Piece, str | None]], set[str]]:
+def _plan_reads(
+    ckpt: Checkpoint, pieces: list[Piece], rank: Rank, same_layout: bool
+) -> tuple[list[tuple[Piece, str | None]], set[str]]:
     """For each target piece, the file holding exactly that piece (read whole), or None (assembled
     from slices); and every file touched. Replicated pieces come from this rank's own file when the
     layout is unchanged, else from a file that is read anyway."""
@@ -215,8 +230,14 @@ def _plan_reads(ckpt: Checkpoint, pieces: list[Piece], rank: Rank,
     return plan, needed
 
 
-def read_pieces(ckpt: Checkpoint, pieces: list[Piece], rank: Rank, manifest: Mapping[str, Any] | None,
-                verify: bool, same_layout: bool = False) -> dict[str, torch.Tensor]:
+def read_pieces(
+    ckpt: Checkpoint,
+    pieces: list[Piece],
+    rank: Rank,
+    manifest: Mapping[str, Any] | None,
+    verify: bool,
+    same_layout: bool = False,
+) -> dict[str, torch.Tensor]:
     """Check, then read, the target pieces from `ckpt` (only the slices they are made of)."""
     plan, needed = _plan_reads(ckpt, pieces, rank, same_layout)
     _check_files(ckpt, needed)
@@ -256,8 +277,10 @@ def read_optimizer(zero: Zero1Tag, pieces: list[Piece]) -> OptimizerState:
 def _from_master(ckpt: Checkpoint, zero: Zero1Tag | None, pieces: list[Piece]) -> dict[str, torch.Tensor]:
     """The weights from the fp32 master weights, when the model files hold no tensor data."""
     if zero is None or not zero.master:
-        raise FormatError(f"{ckpt.root}: the model files hold no tensor data and the optimizer files no master "
-                          "weights: the checkpoint holds no weights")
+        raise FormatError(
+            f"{ckpt.root}: the model files hold no tensor data and the optimizer files no master "
+            "weights: the checkpoint holds no weights"
+        )
     dtype = stored_dtype(ckpt)
     reader = SourceReader(zero.view([MASTER]))
     try:
@@ -266,8 +289,9 @@ def _from_master(ckpt: Checkpoint, zero: Zero1Tag | None, pieces: list[Piece]) -
         reader.close()
 
 
-def _load_generic(tag_dir: Path, name: str, manifest: Mapping[str, Any], rank: Any,
-                  optimizer: bool) -> LoadedCheckpoint:
+def _load_generic(
+    tag_dir: Path, name: str, manifest: Mapping[str, Any], rank: Any, optimizer: bool
+) -> LoadedCheckpoint:
     """A checkpoint saved without layout/config: the objects exactly as saved (this process's
     ZeRO-1 optimizer shard when each dp rank saved its own)."""
     info = manifest.get("checkpoint") or {}
@@ -279,15 +303,29 @@ def _load_generic(tag_dir: Path, name: str, manifest: Mapping[str, Any], rank: A
         path = tag_dir / optim_name(dp if info.get("zero1") else 0, 0, 0)
         if (tag_dir / OPTIM_DIR).is_dir():
             if not path.is_file():
-                raise FormatError(f"{tag_dir.name}/{optim_name(dp, 0, 0)} is missing: the checkpoint has "
-                                  f"{len(list((tag_dir / OPTIM_DIR).iterdir()))} optimizer shards; load it with as many "
-                                  "processes as saved it")
+                raise FormatError(
+                    f"{tag_dir.name}/{optim_name(dp, 0, 0)} is missing: the checkpoint has "
+                    f"{len(list((tag_dir / OPTIM_DIR).iterdir()))} optimizer shards; load it with as many "
+                    "processes as saved it"
+                )
             opt = load_object(path, False)
     scheduler = safe_load(tag_dir / SCHEDULER, mmap=False) if (tag_dir / SCHEDULER).is_file() else None
     user_content = safe_load(tag_dir / USER_CONTENT, mmap=False) if (tag_dir / USER_CONTENT).is_file() else None
     layout = Layout()
-    return LoadedCheckpoint(name, tag_dir, info.get("step"), layout, layout, Rank(dp=dp), {}, model, opt, scheduler,
-                            user_content, manifest.get("format", "torch"))
+    return LoadedCheckpoint(
+        name,
+        tag_dir,
+        info.get("step"),
+        layout,
+        layout,
+        Rank(dp=dp),
+        {},
+        model,
+        opt,
+        scheduler,
+        user_content,
+        manifest.get("format", "torch"),
+    )
 
 
 # ---- the API ---------------------------------------------------------------------------------------
@@ -338,12 +376,18 @@ def load_checkpoint(
         except _SKIPPABLE as e:
             first = first or e
             if not (one_process or shared[0]):
-                log.error("checkpoint %s fails on this rank (%s): in a torch.distributed job the ranks cannot agree "
-                          "on an older tag on their own; pass tag=<an older tag> to every rank", root / name, e)
+                log.error(
+                    "checkpoint %s fails on this rank (%s): in a torch.distributed job the ranks cannot agree "
+                    "on an older tag on their own; pass tag=<an older tag> to every rank",
+                    root / name,
+                    e,
+                )
                 raise
             if pos + 1 == len(candidates):
-                raise FormatError(f"no complete checkpoint in {root} can be loaded (the newest, {candidates[0]}: "
-                                  f"{first}): restore the damaged files or load a tag by name") from e
+                raise FormatError(
+                    f"no complete checkpoint in {root} can be loaded (the newest, {candidates[0]}: "
+                    f"{first}): restore the damaged files or load a tag by name"
+                ) from e
             log.warning("skipping checkpoint %s: %s; trying the older %s", root / name, e, candidates[pos + 1])
     return None  # unreachable
 
@@ -353,14 +397,23 @@ _SKIPPABLE = (FormatError, UnsafePathError, NoCheckpointError, OSError)
 or layout that does not fit is the caller's, and raised at once."""
 
 
-def _load_tag(root: Path, name: str, target_layout: Layout | None, rank: Any,
-              config: Mapping[str, Any] | str | Path | None, hints: Mapping[str, Any] | None, optimizer: bool,
-              verify: bool, shared: list[bool] | None = None,
-              param_order: list[list[str]] | None = None) -> LoadedCheckpoint:
+def _load_tag(
+    root: Path,
+    name: str,
+    target_layout: Layout | None,
+    rank: Any,
+    config: Mapping[str, Any] | str | Path | None,
+    hints: Mapping[str, Any] | None,
+    optimizer: bool,
+    verify: bool,
+    shared: list[bool] | None = None,
+    param_order: list[list[str]] | None = None,
+) -> LoadedCheckpoint:
     tag_dir = root / name
     if not is_complete(tag_dir):
-        raise IncompleteCheckpointError(f"checkpoint {tag_dir} has no done marker (removed meanwhile?): load "
-                                        "another tag")
+        raise IncompleteCheckpointError(
+            f"checkpoint {tag_dir} has no done marker (removed meanwhile?): load another tag"
+        )
     manifest, problem = check_manifest(tag_dir)
     if problem is not None:
         raise FormatError(f"checkpoint {tag_dir} is damaged: {problem}; load an older tag (tag=...) or restore it")
@@ -398,7 +451,13 @@ def _load_tag(root: Path, name: str, target_layout: Layout | None, rank: Any,
         from .tree import tag_step
 
         step = tag_step(name)
-    log.info("loaded checkpoint %s (saved %s) as rank (%s) of %s", tag_dir, ckpt.layout.describe(), me.describe(),
-             target.describe())
-    return LoadedCheckpoint(name, tag_dir, step, ckpt.layout, target, me, ckpt.config, model, opt, scheduler,
-                            user_content, ckpt.format)
+    log.info(
+        "loaded checkpoint %s (saved %s) as rank (%s) of %s",
+        tag_dir,
+        ckpt.layout.describe(),
+        me.describe(),
+        target.describe(),
+    )
+    return LoadedCheckpoint(
+        name, tag_dir, step, ckpt.layout, target, me, ckpt.config, model, opt, scheduler, user_content, ckpt.format
+    )

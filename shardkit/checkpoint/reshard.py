@@ -63,20 +63,30 @@ class Source:
         return self.model.format == "xser"
 
 
-def open_training_tag(tag_dir: Path, config: Any = None, hints: Mapping[str, Any] | None = None,
-                      param_order: list[list[str]] | None = None) -> Source:
+def open_training_tag(
+    tag_dir: Path,
+    config: Any = None,
+    hints: Mapping[str, Any] | None = None,
+    param_order: list[list[str]] | None = None,
+) -> Source:
     """Open a tag (NxD's or shardkit's) and check its optimizer files against its model files."""
     tag_dir = Path(tag_dir)
     if config is None and not (tag_dir / CONFIG).is_file():
-        raise CheckpointError(f"{tag_dir} has no config.json (NxD checkpoints carry none): pass the model's "
-                              "Hugging Face config with --config")
+        raise CheckpointError(
+            f"{tag_dir} has no config.json (NxD checkpoints carry none): pass the model's "
+            "Hugging Face config with --config"
+        )
     model = open_checkpoint(tag_dir, config, hints)
     zero = Zero1Tag.open(tag_dir, model, param_order)
     return Source(tag_dir, model, zero, model_has_data(model))
 
 
-def model_checkpoint(tag_dir: Path, config: Any = None, hints: Mapping[str, Any] | None = None,
-                     param_order: list[list[str]] | None = None) -> Checkpoint:
+def model_checkpoint(
+    tag_dir: Path,
+    config: Any = None,
+    hints: Mapping[str, Any] | None = None,
+    param_order: list[list[str]] | None = None,
+) -> Checkpoint:
     """A tag's model as the engine reads it (merge, export): its model files, or, when they hold no
     tensor data (NxD's avoid_saving_lower_precision_weights), its fp32 master weights in the
     model's dtype under the model's names."""
@@ -84,8 +94,10 @@ def model_checkpoint(tag_dir: Path, config: Any = None, hints: Mapping[str, Any]
     if src.has_data:
         return src.model
     if src.zero1 is None:
-        raise CheckpointError(f"{tag_dir}: the model files hold no tensor data and there are no optimizer files "
-                              "with master weights: the checkpoint holds no weights")
+        raise CheckpointError(
+            f"{tag_dir}: the model files hold no tensor data and there are no optimizer files "
+            "with master weights: the checkpoint holds no weights"
+        )
     return master_weights_view(src.model, src.zero1)
 
 
@@ -117,8 +129,10 @@ class RankReaders:
             elif self.optim is not None and self.src.zero1 is not None and self.src.zero1.master:
                 t = self.optim.read_piece(prefixed(p, MASTER + SEP)).to(dtype)
             else:
-                raise CheckpointError(f"{self.src.tag_dir}: the model files hold no weights and the optimizer files "
-                                      "no master weights: the checkpoint has no weights to read")
+                raise CheckpointError(
+                    f"{self.src.tag_dir}: the model files hold no weights and the optimizer files "
+                    "no master weights: the checkpoint has no weights to read"
+                )
             out[p.name] = t.contiguous().clone()
         return out
 
@@ -126,8 +140,9 @@ class RankReaders:
         assert self.optim is not None and self.src.zero1 is not None
         out: dict[str, dict[str, Any]] = {}
         for p in pieces:
-            entry: dict[str, Any] = {m: self.optim.read_piece(prefixed(p, m + SEP)).contiguous().clone()
-                                     for m in moments}
+            entry: dict[str, Any] = {
+                m: self.optim.read_piece(prefixed(p, m + SEP)).contiguous().clone() for m in moments
+            }
             entry["step"] = self.src.zero1.step
             out[p.name] = entry
         return out
@@ -141,8 +156,17 @@ class RankReaders:
                 r.close()
 
 
-def write_rank(out_tag: Path, readers: RankReaders, layout: Layout, tp: int, pp: int, dp: int, use_xser: bool,
-               master: bool, dtype: torch.dtype) -> list[Path]:
+def write_rank(
+    out_tag: Path,
+    readers: RankReaders,
+    layout: Layout,
+    tp: int,
+    pp: int,
+    dp: int,
+    use_xser: bool,
+    master: bool,
+    dtype: torch.dtype,
+) -> list[Path]:
     """One target (tp, pp) rank: its model file and its dp optimizer files (NxD's format)."""
     src = readers.src
     pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes)
@@ -173,10 +197,21 @@ def _staging(dst: Path) -> Path:
     return staging
 
 
-def reshard_training(src_dir: str | Path, dst: str | Path, layout: Layout, *, dp: int = 1, zero1: bool = True,
-                     config: Any = None, tag: str | None = None, format: str | None = None,
-                     master_weights: str = "keep", hints: Mapping[str, Any] | None = None,
-                     param_order: list[list[str]] | None = None, job: Job | None = None) -> Path:
+def reshard_training(
+    src_dir: str | Path,
+    dst: str | Path,
+    layout: Layout,
+    *,
+    dp: int = 1,
+    zero1: bool = True,
+    config: Any = None,
+    tag: str | None = None,
+    format: str | None = None,
+    master_weights: str = "keep",
+    hints: Mapping[str, Any] | None = None,
+    param_order: list[list[str]] | None = None,
+    job: Job | None = None,
+) -> Path:
     """Write checkpoint `src_dir` (its newest complete tag, or `tag`) as a training checkpoint root
     `dst` (`dst/<tag>/...`) for `layout` and `dp` data-parallel ranks, in NxD's format. Returns
     the tag folder written."""
@@ -209,11 +244,13 @@ def reshard_training(src_dir: str | Path, dst: str | Path, layout: Layout, *, dp
     dtype = model_dtype(src)
     started = time.monotonic()
     try:
+
         def prepare() -> None:
             if job.leader:
                 out_tag.mkdir()
                 write_marker(out_tag, CHECKPOINT_MARKER, fsync=False)
                 (out_tag / MODEL_DIR).mkdir()
+
         job.run_all_or_none(prepare)
         units = [(tp, pp) for pp in range(layout.pp) for tp in range(layout.tp)]
 
@@ -226,6 +263,7 @@ def reshard_training(src_dir: str | Path, dst: str | Path, layout: Layout, *, dp
                 return [str(f) for f in files]
             finally:
                 readers.close()
+
         written = [f for part in job.gather(job.run_all_or_none(write_mine)) for f in part]
 
         def finish() -> None:
@@ -237,24 +275,47 @@ def reshard_training(src_dir: str | Path, dst: str | Path, layout: Layout, *, dp
                     written.append(str(out_tag / plain))
             (out_tag / CONFIG).write_text(json.dumps(src.model.config, indent=2) + "\n")
             written.append(str(out_tag / CONFIG))
-            records = [FileRecord(Path(f).relative_to(out_tag).as_posix(), Path(f).stat().st_size,
-                                  file_sha256(Path(f))) for f in written]
-            data = manifest(fmt="xser" if use_xser else "torch", family=src.model.family.name, layout=layout,
-                            dtype=str(dtype).replace("torch.", ""), records=records,
-                            tensors=src.model.full_shapes, source=str(src.tag_dir),
-                            command="ckpt reshard",
-                            checkpoint={"tag": name, "step": _step(src, name), "dp": dpn, "zero1": bool(zero1),
-                                        "master_weights": master, "nxd": True})
+            records = [
+                FileRecord(Path(f).relative_to(out_tag).as_posix(), Path(f).stat().st_size, file_sha256(Path(f)))
+                for f in written
+            ]
+            data = manifest(
+                fmt="xser" if use_xser else "torch",
+                family=src.model.family.name,
+                layout=layout,
+                dtype=str(dtype).replace("torch.", ""),
+                records=records,
+                tensors=src.model.full_shapes,
+                source=str(src.tag_dir),
+                command="ckpt reshard",
+                checkpoint={
+                    "tag": name,
+                    "step": _step(src, name),
+                    "dp": dpn,
+                    "zero1": bool(zero1),
+                    "master_weights": master,
+                    "nxd": True,
+                },
+            )
             (out_tag / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
             write_marker(out_tag, DONE_MARKER, fsync=True)
             os.rename(staging, dst)
+
         job.run_all_or_none(finish)
     except BaseException:
         if job.leader:
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    log.info("resharded %s (%s, dp %d) to %s (%s, dp %d) in %.1fs", src.tag_dir, src.model.layout.describe(),
-             src.zero1.dp if src.zero1 else 1, dst / name, layout.describe(), dpn, time.monotonic() - started)
+    log.info(
+        "resharded %s (%s, dp %d) to %s (%s, dp %d) in %.1fs",
+        src.tag_dir,
+        src.model.layout.describe(),
+        src.zero1.dp if src.zero1 else 1,
+        dst / name,
+        layout.describe(),
+        dpn,
+        time.monotonic() - started,
+    )
     return dst / name
 
 
@@ -266,11 +327,20 @@ def _step(src: Source, name: str) -> int | None:
     return tag_step(name)
 
 
-__all__ = ["reshard_training", "open_training_tag", "model_checkpoint", "Source", "model_has_data", "write_rank", "RankReaders"]
+__all__ = [
+    "reshard_training",
+    "open_training_tag",
+    "model_checkpoint",
+    "Source",
+    "model_has_data",
+    "write_rank",
+    "RankReaders",
+]
 
 
-def inspect_training(src_dir: str | Path, tag: str | None = None, config: Any = None,
-                     param_order: list[list[str]] | None = None) -> dict[str, Any]:
+def inspect_training(
+    src_dir: str | Path, tag: str | None = None, config: Any = None, param_order: list[list[str]] | None = None
+) -> dict[str, Any]:
     """What a training checkpoint tag holds: layout incl. dp and ZeRO-1, param groups and their
     hyper-parameters, step, master weights, optimizer bytes. `src_dir` is a checkpoint directory
     (its newest complete tag, or `tag`) or a tag folder."""
@@ -292,10 +362,23 @@ def inspect_training(src_dir: str | Path, tag: str | None = None, config: Any = 
     if zero is not None:
         order = zero.orders[(0, 0)]
         for g, hyper in enumerate(zero.hyper):
-            groups.append({"hyper": {k: v for k, v in hyper.items()},
-                           "parameters_on_tp0_pp0": [n for n, gi in zip(order.names, order.groups) if gi == g]})
-    return {"tag": name, "path": str(src_dir / name), "format": src.model.format,
-            "layout": src.model.layout.to_dict(), "describe": src.model.layout.describe(),
-            "dp": zero.dp if zero else None, "zero1": bool(zero and zero.dp > 1),
-            "step": zero.step if zero else _step(src, name), "master_weights": bool(zero and zero.master),
-            "model_has_data": src.has_data, "param_groups": groups, "optimizer_bytes": optim_bytes}
+            groups.append(
+                {
+                    "hyper": {k: v for k, v in hyper.items()},
+                    "parameters_on_tp0_pp0": [n for n, gi in zip(order.names, order.groups) if gi == g],
+                }
+            )
+    return {
+        "tag": name,
+        "path": str(src_dir / name),
+        "format": src.model.format,
+        "layout": src.model.layout.to_dict(),
+        "describe": src.model.layout.describe(),
+        "dp": zero.dp if zero else None,
+        "zero1": bool(zero and zero.dp > 1),
+        "step": zero.step if zero else _step(src, name),
+        "master_weights": bool(zero and zero.master),
+        "model_has_data": src.has_data,
+        "param_groups": groups,
+        "optimizer_bytes": optim_bytes,
+    }

@@ -165,8 +165,9 @@ def _make_writer(fmt: str, path: Path, root: Path, specs: list[TensorSpec], expe
     return TorchWriter(path, root, specs)
 
 
-def write_tensor_file(tag_dir: Path, key: str, items: list[tuple[str, torch.Tensor]], fmt: str,
-                      expert: set[str], fsync: bool) -> list[FileRecord]:
+def write_tensor_file(
+    tag_dir: Path, key: str, items: list[tuple[str, torch.Tensor]], fmt: str, expert: set[str], fsync: bool
+) -> list[FileRecord]:
     """One rank file with the format's writer; durable (file, tensor files, folders) with fsync."""
     path = tag_dir / key
     specs = [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in items]
@@ -208,12 +209,16 @@ def prepare_tag(job: SaveJob) -> None:
     """Rank 0: a fresh `<tag>/` with its `checkpoint` marker (an older tag of that name goes first)."""
     job.root.mkdir(parents=True, exist_ok=True)
     if is_link(job.tag_dir):  # never written or emptied through: the link goes, its target stays
-        log.warning("tag %s is a symlink (to %s): replacing the link with a new folder; its target is left untouched",
-                    job.tag_dir, Path(job.tag_dir).resolve())
+        log.warning(
+            "tag %s is a symlink (to %s): replacing the link with a new folder; its target is left untouched",
+            job.tag_dir,
+            Path(job.tag_dir).resolve(),
+        )
         remove_tag(job.tag_dir, job.fsync)
     elif job.tag_dir.exists():
         (log.warning if is_complete(job.tag_dir) else log.info)(
-            "tag %s exists: replacing it (its done marker is removed first)", job.tag_dir)
+            "tag %s exists: replacing it (its done marker is removed first)", job.tag_dir
+        )
         remove_tag(job.tag_dir, job.fsync)
     job.tag_dir.mkdir()
     write_marker(job.tag_dir, CHECKPOINT_MARKER, job.fsync)  # first, before anything else in the tag
@@ -253,13 +258,22 @@ def write_rank_files(job: SaveJob) -> dict[str, Any]:
     for state in job.ranks:
         assert job.layout is not None
         if state.write_model:
-            records += write_tensor_file(job.tag_dir, model_file(state.rank, job.layout, job.fmt), state.model,
-                                         job.fmt, state.expert, job.fsync)
+            records += write_tensor_file(
+                job.tag_dir, model_file(state.rank, job.layout, job.fmt), state.model, job.fmt, state.expert, job.fsync
+            )
         if state.optim is not None:
             names = [n for n, _ in state.model]
-            obj = build_optim(names, state.groups, state.param_groups, state.optim, state.dp_size,
-                              state.rank.dp, state.master, presharded=state.dp_size > 1,
-                              shapes=[tuple(t.shape) for _, t in state.model])
+            obj = build_optim(
+                names,
+                state.groups,
+                state.param_groups,
+                state.optim,
+                state.dp_size,
+                state.rank.dp,
+                state.master,
+                presharded=state.dp_size > 1,
+                shapes=[tuple(t.shape) for _, t in state.model],
+            )
             path = job.tag_dir / optim_file(state.rank, job.layout)
             records += _written(job.tag_dir, save_object(path, obj, xser, bool(state.expert)), job.fsync)
             master = master or state.master
@@ -274,9 +288,14 @@ def write_rank_files(job: SaveJob) -> dict[str, Any]:
             fsync_path(job.tag_dir)
     first = job.ranks[0].model[0][1].dtype if job.ranks and job.ranks[0].model else None
     groups = next((s.param_groups for s in job.ranks if s.optim is not None), None)
-    return {"records": records, "master": master, "param_groups": groups,
-            "optimizer": any(s.optim is not None for s in job.ranks) or bool(job.generic and job.generic.get("optimizer") is not None),
-            "dtype": str(first).replace("torch.", "") if first is not None else None}
+    return {
+        "records": records,
+        "master": master,
+        "param_groups": groups,
+        "optimizer": any(s.optim is not None for s in job.ranks)
+        or bool(job.generic and job.generic.get("optimizer") is not None),
+        "dtype": str(first).replace("torch.", "") if first is not None else None,
+    }
 
 
 def manifest(job: SaveJob, results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -294,16 +313,29 @@ def manifest(job: SaveJob, results: Sequence[Mapping[str, Any]]) -> dict[str, An
         "generic": job.generic is not None,
         "scheduler": job.scheduler is not None,
         "user_content": job.user_content is not None,
-        "optimizer": {"format": "nxd-zero1", "master_weights": any(res["master"] for res in results),
-                      "param_groups": jsonable(groups)} if any(res["optimizer"] for res in results) else None,
+        "optimizer": {
+            "format": "nxd-zero1",
+            "master_weights": any(res["master"] for res in results),
+            "param_groups": jsonable(groups),
+        }
+        if any(res["optimizer"] for res in results)
+        else None,
     }
     if job.generic is not None:
-        return build_manifest(fmt=job.fmt, family="generic", layout=Layout(), dtype=None, records=records, tensors={},
-                              checkpoint=section)
+        return build_manifest(
+            fmt=job.fmt, family="generic", layout=Layout(), dtype=None, records=records, tensors={}, checkpoint=section
+        )
     assert job.layout is not None and job.family is not None and job.dims is not None
     dtype = next((res["dtype"] for res in results if res["dtype"]), None)
-    return build_manifest(fmt=job.fmt, family=job.family.name, layout=job.layout, dtype=dtype, records=records,
-                          tensors=job.family.full_shapes(job.dims), checkpoint=section)
+    return build_manifest(
+        fmt=job.fmt,
+        family=job.family.name,
+        layout=job.layout,
+        dtype=dtype,
+        records=records,
+        tensors=job.family.full_shapes(job.dims),
+        checkpoint=section,
+    )
 
 
 def finish_tag(job: SaveJob, results: Sequence[Mapping[str, Any]]) -> None:
@@ -318,8 +350,9 @@ def retain(job: SaveJob) -> None:
     """Rank 0, after `done`: retention (the tag just saved is never removed). Failures are logged,
     never raised: what could not be removed is retried at the next save."""
     try:
-        plan = plan_retention(list_checkpoints(job.root, details=False), job.num_kept, job.keep_every,
-                              protect=(job.tag,))
+        plan = plan_retention(
+            list_checkpoints(job.root, details=False), job.num_kept, job.keep_every, protect=(job.tag,)
+        )
         if plan.remove:
             apply_retention(job.root, plan, job.fsync)
     except Exception:  # noqa: BLE001 - retention must never fail a save or training
@@ -399,8 +432,24 @@ class Checkpointer:
         previous async save before starting."""
         with self._lock:
             self._writer.wait()
-            job = self._job(dir, tag, model_state, optimizer_state, scheduler, user_content, layout, config, rank,
-                            format, async_save, num_kept, keep_every, step, param_names, zero1)
+            job = self._job(
+                dir,
+                tag,
+                model_state,
+                optimizer_state,
+                scheduler,
+                user_content,
+                layout,
+                config,
+                rank,
+                format,
+                async_save,
+                num_kept,
+                keep_every,
+                step,
+                param_names,
+                zero1,
+            )
             lock = self._lock_directory(job)
             released = False  # True once the lock's release is handed to the background thread
             try:
@@ -408,6 +457,7 @@ class Checkpointer:
                     self._writer.submit_save(job.tag, lambda: _then_release(lambda: run_save(job, self.comm), lock))
                     released = True
                 else:
+
                     def purge(j: SaveJob) -> None:
                         nonlocal released
                         self._writer.submit_purge(lambda: _then_release(lambda: retain(j), lock))
@@ -467,8 +517,25 @@ class Checkpointer:
         return taken[0] if taken else DirectoryLock(job.root, None)
 
     # -- building a job (caller's thread)
-    def _job(self, dir, tag, model_state, optimizer_state, scheduler, user_content, layout, config, rank, fmt,
-             async_save, num_kept, keep_every, step, param_names, zero1=False) -> SaveJob:
+    def _job(
+        self,
+        dir,
+        tag,
+        model_state,
+        optimizer_state,
+        scheduler,
+        user_content,
+        layout,
+        config,
+        rank,
+        fmt,
+        async_save,
+        num_kept,
+        keep_every,
+        step,
+        param_names,
+        zero1=False,
+    ) -> SaveJob:
         cfg = self.config
         fmt = check_format(fmt or cfg.format)
         async_save = cfg.async_save if async_save is None else bool(async_save)
@@ -479,33 +546,67 @@ class Checkpointer:
             check_retention(num_kept, keep_every)
             tag_path(Path(dir), tag)  # a plain folder name inside dir, else a one-line error
             if layout is None and config is None:
-                return self._generic_job(dir, tag, model_state, optimizer_state, scheduler, user_content, fmt,
-                                         async_save, num_kept, keep_every, step, zero1)
+                return self._generic_job(
+                    dir,
+                    tag,
+                    model_state,
+                    optimizer_state,
+                    scheduler,
+                    user_content,
+                    fmt,
+                    async_save,
+                    num_kept,
+                    keep_every,
+                    step,
+                    zero1,
+                )
             if not isinstance(layout, Layout):
                 raise CheckpointError("layout= must be a shardkit.Layout (the layout the state is cut in)")
             if config is None:
-                raise CheckpointError("save needs the model's Hugging Face config: pass config= "
-                                      "(a dict or config.json)")
+                raise CheckpointError(
+                    "save needs the model's Hugging Face config: pass config= (a dict or config.json)"
+                )
             cfg_dict = load_config(config) if isinstance(config, (str, Path)) else dict(config)
             family = family_for(cfg_dict)
             dims = ModelDims.from_config(cfg_dict)
             layout.validate(dims)
             shapes = family.full_shapes(dims)
             dp_size = max(1, self.comm.world // (layout.tp * layout.pp * layout.ep)) if zero1 else 1
-            states = self._states(family, dims, layout, shapes, model_state, optimizer_state, rank, param_names,
-                                  dp_size)
+            states = self._states(
+                family, dims, layout, shapes, model_state, optimizer_state, rank, param_names, dp_size
+            )
             sched, the_step = _plain_parts(tag, scheduler, user_content, step)
-            job = SaveJob(Path(dir), str(tag), layout, fmt, cfg_dict, family, dims, the_step, states,
-                          self.comm.rank == 0, sched, user_content, num_kept, keep_every, cfg.fsync, async_save,
-                          self.comm.world, zero1=bool(zero1), dp_size=dp_size)
+            job = SaveJob(
+                Path(dir),
+                str(tag),
+                layout,
+                fmt,
+                cfg_dict,
+                family,
+                dims,
+                the_step,
+                states,
+                self.comm.rank == 0,
+                sched,
+                user_content,
+                num_kept,
+                keep_every,
+                cfg.fsync,
+                async_save,
+                self.comm.world,
+                zero1=bool(zero1),
+                dp_size=dp_size,
+            )
             if async_save:
                 self._snapshot(job)
             else:
                 for s in job.ranks:
                     s.model = [(n, t.cpu()) for n, t in s.model]
                     if s.optim is not None:
-                        s.optim = {n: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
-                                   for n, e in s.optim.items()}
+                        s.optim = {
+                            n: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
+                            for n, e in s.optim.items()
+                        }
             return job
 
         built: list[SaveJob] = []
@@ -519,12 +620,27 @@ class Checkpointer:
             _check_claims(layout, answers, self.comm.world)
         return built[0]
 
-    def _generic_job(self, dir, tag, model_state, optimizer_state, scheduler, user_content, fmt, async_save,
-                     num_kept, keep_every, step, zero1) -> SaveJob:
+    def _generic_job(
+        self,
+        dir,
+        tag,
+        model_state,
+        optimizer_state,
+        scheduler,
+        user_content,
+        fmt,
+        async_save,
+        num_kept,
+        keep_every,
+        step,
+        zero1,
+    ) -> SaveJob:
         """A checkpoint of any state dicts, without a model family (like NxD's own save)."""
         if fmt not in ("torch",):
-            raise CheckpointError(f"a checkpoint without layout= and config= is saved as torch files, not {fmt}: "
-                                  "pass layout= and config= for other formats")
+            raise CheckpointError(
+                f"a checkpoint without layout= and config= is saved as torch files, not {fmt}: "
+                "pass layout= and config= for other formats"
+            )
         leader = self.comm.rank == 0
         check_plain(model_state, "model_state")
         if optimizer_state is not None:
@@ -532,12 +648,34 @@ class Checkpointer:
                 optimizer_state = optimizer_state.state_dict()
             check_plain(optimizer_state, "optimizer_state")
         writes_optim = optimizer_state is not None and (zero1 or leader)
-        generic = {"model": model_state if leader else None, "optimizer": optimizer_state if writes_optim else None,
-                   "dp": self.comm.rank if zero1 else 0}
+        generic = {
+            "model": model_state if leader else None,
+            "optimizer": optimizer_state if writes_optim else None,
+            "dp": self.comm.rank if zero1 else 0,
+        }
         sched, the_step = _plain_parts(tag, scheduler, user_content, step)
-        job = SaveJob(Path(dir), str(tag), None, "torch", None, None, None, the_step, [], leader, sched, user_content,
-                      num_kept, keep_every, self.config.fsync, async_save, self.comm.world, zero1=bool(zero1),
-                      dp_size=self.comm.world if zero1 else 1, generic=generic)
+        job = SaveJob(
+            Path(dir),
+            str(tag),
+            None,
+            "torch",
+            None,
+            None,
+            None,
+            the_step,
+            [],
+            leader,
+            sched,
+            user_content,
+            num_kept,
+            keep_every,
+            self.config.fsync,
+            async_save,
+            self.comm.world,
+            zero1=bool(zero1),
+            dp_size=self.comm.world if zero1 else 1,
+            generic=generic,
+        )
         if async_save:
             generic["model"] = host_copy(generic["model"])
             generic["optimizer"] = host_copy(generic["optimizer"])
@@ -545,27 +683,49 @@ class Checkpointer:
             job.user_content = host_copy(job.user_content)
         return job
 
-    def _states(self, family, dims, layout, shapes, model_state, optimizer_state, rank, param_names,
-                dp_size: int = 1) -> list[RankState]:
+    def _states(
+        self, family, dims, layout, shapes, model_state, optimizer_state, rank, param_names, dp_size: int = 1
+    ) -> list[RankState]:
         if not isinstance(model_state, Mapping):
             raise CheckpointError(f"model_state must be a dict of this rank's pieces, got {type(model_state).__name__}")
         if is_rank_mapping(model_state):
             if self.comm.world > 1:
-                raise CheckpointError("in a torch.distributed job each process saves its own rank: pass "
-                                      "{piece name -> tensor}, not {rank -> pieces}")
+                raise CheckpointError(
+                    "in a torch.distributed job each process saves its own rank: pass "
+                    "{piece name -> tensor}, not {rank -> pieces}"
+                )
             ranks = {Rank.of(k, layout): k for k in model_state}
             opts = optimizer_state or {}
             names = param_names or {}
-            return [rank_state(family, dims, layout, r, shapes, model_state[k],
-                               normalize_optimizer(opts.get(k), names.get(k) if isinstance(names, Mapping) else None))
-                    for r, k in sorted(ranks.items(), key=lambda rk: rk[0].key)]
+            return [
+                rank_state(
+                    family,
+                    dims,
+                    layout,
+                    r,
+                    shapes,
+                    model_state[k],
+                    normalize_optimizer(opts.get(k), names.get(k) if isinstance(names, Mapping) else None),
+                )
+                for r, k in sorted(ranks.items(), key=lambda rk: rk[0].key)
+            ]
         me = Rank.of(rank, layout)
         if me.dp > 0 and dp_size == 1:
             return []  # a data-parallel replica holds dp 0's state and writes nothing (see base.py)
         if isinstance(param_names, Mapping):
             raise CheckpointError("param_names must be a list of this rank's piece names")
-        return [rank_state(family, dims, layout, me, shapes, model_state,
-                           normalize_optimizer(optimizer_state, param_names), dp_size)]
+        return [
+            rank_state(
+                family,
+                dims,
+                layout,
+                me,
+                shapes,
+                model_state,
+                normalize_optimizer(optimizer_state, param_names),
+                dp_size,
+            )
+        ]
 
     def _snapshot(self, job: SaveJob) -> None:
         """Copy every tensor to host memory (reused buffers), so training may change its own."""
@@ -577,8 +737,13 @@ class Checkpointer:
             for s in job.ranks:
                 s.model = [(n, staging.copy((s.rank.key, n), t)) for n, t in s.model]
                 if s.optim is not None:
-                    s.optim = {n: {k: staging.copy((s.rank.key, k, n), v) if isinstance(v, torch.Tensor) else v
-                                   for k, v in e.items()} for n, e in s.optim.items()}
+                    s.optim = {
+                        n: {
+                            k: staging.copy((s.rank.key, k, n), v) if isinstance(v, torch.Tensor) else v
+                            for k, v in e.items()
+                        }
+                        for n, e in s.optim.items()
+                    }
         finally:
             torch.set_num_threads(threads)
             staging.end()
@@ -612,18 +777,27 @@ def _check_claims(layout: Layout, claims: Sequence[Sequence[tuple[int, int, int,
             if dp != 0:
                 continue
             if (ep, tp, pp) in seen:
-                raise CheckpointError(f"processes {seen[(ep, tp, pp)]} and {proc} both save rank "
-                                      f"(tp {tp}, pp {pp}{f', ep {ep}' if ep else ''}): give each process its own rank")
+                raise CheckpointError(
+                    f"processes {seen[(ep, tp, pp)]} and {proc} both save rank "
+                    f"(tp {tp}, pp {pp}{f', ep {ep}' if ep else ''}): give each process its own rank"
+                )
             seen[(ep, tp, pp)] = proc
     missing = [k for k in layout.ranks() if k not in seen]
     if missing:
         ep, tp, pp = missing[0]
         n = layout.tp * layout.pp * layout.ep
-        hint = ("run one process per rank with torch.distributed (world size a multiple of "
-                f"{n}), or pass every rank's pieces as model_state={{(tp, pp): pieces}}") if world == 1 else \
-            f"the job has {world} processes: the world size must be a multiple of tp x pp x ep = {n}"
-        raise LayoutError(f"no process saves rank (tp {tp}, pp {pp}{f', ep {ep}' if ep else ''}) of "
-                          f"{layout.describe()} ({len(missing)} of {n} ranks missing): {hint}")
+        hint = (
+            (
+                "run one process per rank with torch.distributed (world size a multiple of "
+                f"{n}), or pass every rank's pieces as model_state={{(tp, pp): pieces}}"
+            )
+            if world == 1
+            else f"the job has {world} processes: the world size must be a multiple of tp x pp x ep = {n}"
+        )
+        raise LayoutError(
+            f"no process saves rank (tp {tp}, pp {pp}{f', ep {ep}' if ep else ''}) of "
+            f"{layout.describe()} ({len(missing)} of {n} ranks missing): {hint}"
+        )
 
 
 # ---- the function API ----------------------------------------------------------------------------
@@ -641,8 +815,15 @@ def default_checkpointer() -> Checkpointer:
         return _default
 
 
-def save_checkpoint(dir: str | Path, tag: str, model_state: Any, optimizer_state: Any = None, scheduler: Any = None,
-                    user_content: Any = None, **options: Any) -> None:
+def save_checkpoint(
+    dir: str | Path,
+    tag: str,
+    model_state: Any,
+    optimizer_state: Any = None,
+    scheduler: Any = None,
+    user_content: Any = None,
+    **options: Any,
+) -> None:
     """Save checkpoint `<dir>/<tag>` with the process's default Checkpointer: the arguments and
     keyword options of `Checkpointer.save` (layout=, config=, rank=, format=, async_save=,
     num_kept=, keep_every=, step=, param_names=, zero1=)."""

@@ -77,18 +77,28 @@ def normalize_optimizer(optimizer_state: Any, param_names: Sequence[str] | None)
         optimizer_state = optimizer_state.state_dict()
     if isinstance(optimizer_state, Mapping) and "state" in optimizer_state and "param_groups" in optimizer_state:
         if param_names is None:
-            raise CheckpointError("a torch.optim state_dict is keyed by number: pass param_names= (this rank's "
-                                  "piece names in the optimizer's parameter order)")
+            raise CheckpointError(
+                "a torch.optim state_dict is keyed by number: pass param_names= (this rank's "
+                "piece names in the optimizer's parameter order)"
+            )
         return optimizer_state_from_torch(optimizer_state, param_names)
     if isinstance(optimizer_state, Mapping) and all(isinstance(v, Mapping) for v in optimizer_state.values()):
         return OptimizerState(dict(optimizer_state))
-    raise CheckpointError("optimizer_state must be {piece name -> {'exp_avg': tensor, ...}}, an OptimizerState, "
-                          "or a torch.optim state_dict with param_names=")
+    raise CheckpointError(
+        "optimizer_state must be {piece name -> {'exp_avg': tensor, ...}}, an OptimizerState, "
+        "or a torch.optim state_dict with param_names="
+    )
 
 
 def rank_state(
-    family: Family, dims: ModelDims, layout: Layout, rank: Rank, shapes: Mapping[str, tuple[int, ...]],
-    model_state: Mapping[str, Any], optimizer: OptimizerState | None, dp_size: int = 1,
+    family: Family,
+    dims: ModelDims,
+    layout: Layout,
+    rank: Rank,
+    shapes: Mapping[str, tuple[int, ...]],
+    model_state: Mapping[str, Any],
+    optimizer: OptimizerState | None,
+    dp_size: int = 1,
 ) -> RankState:
     """Check a rank's pieces (and optimizer state) against the layout; order them as NxD does."""
     pieces = family.rank_pieces(layout, dims, rank.tp, rank.pp, shapes, rank.ep)
@@ -102,16 +112,20 @@ def rank_state(
         what = f"lacks {missing[0]}" if missing else f"has {extra[0]!r}, which is not"
         raise StateMismatchError(
             f"model_state {what} a piece of {where} ({len(missing)} missing, {len(extra)} unexpected): save "
-            "exactly this rank's pieces, named as family.rank_pieces(layout, ...) names them")
+            "exactly this rank's pieces, named as family.rank_pieces(layout, ...) names them"
+        )
     model = []
     for piece in pieces:
         tensor = _tensor(model_state[piece.name], piece.name)
         if tuple(tensor.shape) != piece.shape:
-            raise StateMismatchError(f"model_state[{piece.name!r}] has shape {tuple(tensor.shape)}, but {where} "
-                                     f"holds {piece.shape}: the layout or config does not match the model")
+            raise StateMismatchError(
+                f"model_state[{piece.name!r}] has shape {tuple(tensor.shape)}, but {where} "
+                f"holds {piece.shape}: the layout or config does not match the model"
+            )
         model.append((piece.name, tensor))
-    state = RankState(rank, model, expert={p.name for p in pieces if p.expert}, dp_size=dp_size,
-                      write_model=rank.dp == 0)
+    state = RankState(
+        rank, model, expert={p.name for p in pieces if p.expert}, dp_size=dp_size, write_model=rank.dp == 0
+    )
     if optimizer is not None:
         _add_optimizer(state, optimizer, expected, where)
     return state
@@ -129,8 +143,10 @@ def _add_optimizer(state: RankState, opt: OptimizerState, expected: Mapping[str,
     rank's ZeRO-1 shard (dim 0 padded to a multiple of dp_size, piece rank.dp)."""
     unknown = [n for n in opt.state if n not in expected]
     if unknown:
-        raise StateMismatchError(f"optimizer state has {unknown[0]!r}, which is not a piece of {where}: key the "
-                                 "optimizer state by this rank's piece names")
+        raise StateMismatchError(
+            f"optimizer state has {unknown[0]!r}, which is not a piece of {where}: key the "
+            "optimizer state by this rank's piece names"
+        )
     D = state.dp_size
     model = dict(state.model)
     master = any(MASTER in (opt.state.get(n) or {}) for n in expected)
@@ -141,8 +157,10 @@ def _add_optimizer(state: RankState, opt: OptimizerState, expected: Mapping[str,
         want = shape if D == 1 else ((shard_rows(shape[0], D), *shape[1:]) if shape else (1,))
         extra = [k for k in entry if k not in (*MOMENTS, MASTER, "step")]
         if extra:
-            raise StateMismatchError(f"optimizer state {extra[0]!r} of {name}: NxD's optimizer files hold Adam state "
-                                     "only (exp_avg, exp_avg_sq, step, and the fp32 master)")
+            raise StateMismatchError(
+                f"optimizer state {extra[0]!r} of {name}: NxD's optimizer files hold Adam state "
+                "only (exp_avg, exp_avg_sq, step, and the fp32 master)"
+            )
         if not entry:  # no update yet: zero moments, step 0 (NxD saves every parameter)
             entry = {m: torch.zeros(want, dtype=torch.float32) for m in MOMENTS}
             entry["step"] = 0
@@ -189,8 +207,10 @@ def check_plain(obj: Any, what: str, path: str = "") -> None:
         for i, v in enumerate(obj):
             check_plain(v, what, f"{path}[{i}]")
         return
-    raise CheckpointError(f"{what}{path} is a {type(obj).__name__}: save plain data (dicts, lists, numbers, "
-                          "strings, tensors) so that it loads without running pickle code")
+    raise CheckpointError(
+        f"{what}{path} is a {type(obj).__name__}: save plain data (dicts, lists, numbers, "
+        "strings, tensors) so that it loads without running pickle code"
+    )
 
 
 def scheduler_state(scheduler: Any) -> Any:

@@ -167,8 +167,12 @@ def manifest_problem(data: Any) -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure is a malformed layout
         return f"{MANIFEST} layout is invalid ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
     for entry in data["files"]:
-        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str) and _whole_number(entry.get("size"))
-                and isinstance(entry.get("sha256"), str)):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("path"), str)
+            and _whole_number(entry.get("size"))
+            and isinstance(entry.get("sha256"), str)
+        ):
             return f"{MANIFEST} lists a file entry {str(entry)[:80]!r} without a path, size and sha256"
     info = data.get("checkpoint")
     if info is None:
@@ -179,8 +183,11 @@ def manifest_problem(data: Any) -> str | None:
     if step is not None and not _whole_number(step):
         return f"{MANIFEST} step {step!r} is not a whole number"
     optim = info.get("optimizer")
-    if optim is not None and not (isinstance(optim, dict) and optim.get("format") == "nxd-zero1"
-                                  and isinstance(optim.get("param_groups") or [], list)):
+    if optim is not None and not (
+        isinstance(optim, dict)
+        and optim.get("format") == "nxd-zero1"
+        and isinstance(optim.get("param_groups") or [], list)
+    ):
         return f"{MANIFEST} optimizer section is malformed (format nxd-zero1, param_groups)"
     return None
 
@@ -270,13 +277,28 @@ def _info(tag_dir: Path, details: bool = True) -> CheckpointInfo:
         if found is not None:
             layout, fmt = {"tp": found.tp, "pp": found.pp, "ep": found.ep}, found.format
     size, count = _tree_size(tag_dir) if details else (0, 0)
-    return CheckpointInfo(tag_dir.name, tag_dir, complete, step, layout, fmt, size, mtime,
-                          manifest is not None or problem is not None, count, problem, is_link(tag_dir))
+    return CheckpointInfo(
+        tag_dir.name,
+        tag_dir,
+        complete,
+        step,
+        layout,
+        fmt,
+        size,
+        mtime,
+        manifest is not None or problem is not None,
+        count,
+        problem,
+        is_link(tag_dir),
+    )
 
 
 def _is_tag(path: Path) -> bool:
-    return path.is_dir() and not path.name.startswith(".") and (
-        (path / CHECKPOINT_MARKER).is_file() or (path / DONE_MARKER).is_file())
+    return (
+        path.is_dir()
+        and not path.name.startswith(".")
+        and ((path / CHECKPOINT_MARKER).is_file() or (path / DONE_MARKER).is_file())
+    )
 
 
 def list_checkpoints(directory: str | Path, details: bool = True) -> list[CheckpointInfo]:
@@ -321,8 +343,9 @@ class RetentionPlan:
         return asdict(self)
 
 
-def plan_retention(infos: list[CheckpointInfo], num_kept: int | None, keep_every: int | None,
-                   protect: tuple[str, ...] = ()) -> RetentionPlan:
+def plan_retention(
+    infos: list[CheckpointInfo], num_kept: int | None, keep_every: int | None, protect: tuple[str, ...] = ()
+) -> RetentionPlan:
     """Keep the newest `num_kept` complete tags and those whose step is a multiple of `keep_every`;
     remove the other complete tags and the incomplete tags older than the newest complete one. The
     newest complete tag and `protect`ed tags are always kept. With no complete tag, nothing goes.
@@ -403,8 +426,11 @@ def remove_tag(tag_dir: Path, fsync: bool = True) -> None:
     A tag that is a symlink is removed by unlinking the link: its target is never touched."""
     tag_dir = Path(tag_dir)
     if is_link(tag_dir):
-        log.info("%s is a symlink: removing the link only (its target %s is left untouched)", tag_dir,
-                 os.path.realpath(tag_dir))
+        log.info(
+            "%s is a symlink: removing the link only (its target %s is left untouched)",
+            tag_dir,
+            os.path.realpath(tag_dir),
+        )
         os.unlink(tag_dir)
         if fsync:
             fsync_path(tag_dir.parent)
@@ -452,8 +478,14 @@ def apply_retention(directory: Path, plan: RetentionPlan, fsync: bool = True) ->
     return plan
 
 
-def prune_checkpoints(directory: str | Path, num_kept: int | None = None, keep_every: int | None = None,
-                      dry_run: bool = False, protect: tuple[str, ...] = (), fsync: bool = True) -> RetentionPlan:
+def prune_checkpoints(
+    directory: str | Path,
+    num_kept: int | None = None,
+    keep_every: int | None = None,
+    dry_run: bool = False,
+    protect: tuple[str, ...] = (),
+    fsync: bool = True,
+) -> RetentionPlan:
     """Apply retention to a checkpoint directory now (what `shardkit ckpt prune` runs). Holds the
     directory's lock (CheckpointLockedError while a save or another prune is running)."""
     directory = Path(directory)
@@ -536,29 +568,42 @@ def lock_directory(directory: str | Path, what: str) -> DirectoryLock:
         except PermissionError:  # another user's lock file: lock it read-only (no holder info)
             fd = os.open(path, os.O_RDONLY | flags)
     except OSError as e:
-        raise CheckpointError(f"cannot open the lock file {path} ({e.strerror or e}): check that the checkpoint "
-                              "directory is writable") from None
+        raise CheckpointError(
+            f"cannot open the lock file {path} ({e.strerror or e}): check that the checkpoint directory is writable"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _holder_text(fd)
         os.close(fd)
-        hint = ("that is this process: let its save finish first (Checkpointer.wait() or finalize_checkpoint())"
-                if holder.startswith(f"pid {os.getpid()} on host {socket.gethostname()} ") else
-                "wait for it to finish or stop it, then retry")
+        hint = (
+            "that is this process: let its save finish first (Checkpointer.wait() or finalize_checkpoint())"
+            if holder.startswith(f"pid {os.getpid()} on host {socket.gethostname()} ")
+            else "wait for it to finish or stop it, then retry"
+        )
         raise CheckpointLockedError(
             f"checkpoint directory {directory} is in use by {holder}: {hint} (two writers on one directory would "
-            "mix or delete each other's files)") from None
+            "mix or delete each other's files)"
+        ) from None
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            log.warning("%s: the file system does not support flock (%s): saving without the one-writer lock; "
-                        "make sure no other job writes to this directory", directory, e.strerror)
+            log.warning(
+                "%s: the file system does not support flock (%s): saving without the one-writer lock; "
+                "make sure no other job writes to this directory",
+                directory,
+                e.strerror,
+            )
             return DirectoryLock(directory, None)
         raise CheckpointError(f"cannot lock {path} ({e.strerror or e})") from None
     command = " ".join(sys.argv)[:300] if sys.argv else ""
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "what": what,
-            "since": datetime.datetime.now().isoformat(timespec="seconds"), "command": command}
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "what": what,
+        "since": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": command,
+    }
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)

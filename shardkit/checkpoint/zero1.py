@@ -196,9 +196,17 @@ def save_object(path: Path, obj: Any, use_xser: bool, expert: bool = False) -> l
 # ---- building the objects NxD saves ---------------------------------------------------------------
 
 
-def build_optim(names: Sequence[str], groups: Sequence[int], hyper: Sequence[dict[str, Any]],
-                state: Mapping[str, Mapping[str, Any]], dp: int, d: int, master: bool,
-                presharded: bool = False, shapes: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+def build_optim(
+    names: Sequence[str],
+    groups: Sequence[int],
+    hyper: Sequence[dict[str, Any]],
+    state: Mapping[str, Mapping[str, Any]],
+    dp: int,
+    d: int,
+    master: bool,
+    presharded: bool = False,
+    shapes: Sequence[Sequence[int]] | None = None,
+) -> dict[str, Any]:
     """dp rank d's ZeRO-1 optimizer object for a stage whose parameters are `names` (stage-local
     `named_parameters()` order), `groups[i]` the group of names[i]. `state[name]` holds the
     tp-local `exp_avg`, `exp_avg_sq`, `step` (and `master` when `master`); with `presharded`,
@@ -221,8 +229,12 @@ def build_optim(names: Sequence[str], groups: Sequence[int], hyper: Sequence[dic
         shape_info[idx] = list(shapes[i]) if shapes is not None else list(entry["exp_avg"].shape)
         if master:
             masters[idx] = cut(entry[MASTER])
-    obj: dict[str, Any] = {"state": {}, "param_groups": param_groups, "base_state": base_state,
-                           "shape_info": shape_info}
+    obj: dict[str, Any] = {
+        "state": {},
+        "param_groups": param_groups,
+        "base_state": base_state,
+        "shape_info": shape_info,
+    }
     if master:
         obj["sharded_master_weights"] = masters
     return obj
@@ -332,8 +344,10 @@ class Zero1Tag:
                     raise OptimFileError(f"{self._rel(entry)}: expert-parallel optimizer files are not supported")
                 self.files[(int(m.group(1)), int(m.group(3)), int(m.group(4)))] = entry
         if not self.files:
-            raise OptimFileError(f"{self.tag_dir.name}/{OPTIM_DIR} holds no optimizer files "
-                                 "(optim/dp_rank_DD_tp_rank_TT_pp_rank_PP.pt): the checkpoint is damaged")
+            raise OptimFileError(
+                f"{self.tag_dir.name}/{OPTIM_DIR} holds no optimizer files "
+                "(optim/dp_rank_DD_tp_rank_TT_pp_rank_PP.pt): the checkpoint is damaged"
+            )
         self.dp = max(k[0] for k in self.files) + 1
         layout = self.model.layout
         for pp in range(layout.pp):
@@ -342,21 +356,30 @@ class Zero1Tag:
                     if (d, tp, pp) not in self.files:
                         raise OptimFileError(
                             f"{self.tag_dir.name}/{optim_name(d, tp, pp)} is missing (dp {self.dp}: every "
-                            f"(dp, tp, pp) rank has its ZeRO-1 shard): copy it back or load another tag")
+                            f"(dp, tp, pp) rank has its ZeRO-1 shard): copy it back or load another tag"
+                        )
         extra = [k for k in self.files if k[1] >= layout.tp or k[2] >= layout.pp]
         if extra:
-            raise OptimFileError(f"{self._rel(self.files[extra[0]])} has no model file of its (tp, pp) rank "
-                                 f"({layout.describe()}): the checkpoint is damaged")
+            raise OptimFileError(
+                f"{self._rel(self.files[extra[0]])} has no model file of its (tp, pp) rank "
+                f"({layout.describe()}): the checkpoint is damaged"
+            )
 
     def object(self, d: int, tp: int, pp: int) -> dict[str, Any]:
         key = (d, tp, pp)
         if key not in self._objects:
             path = self.files[key]
             obj = load_object(path, self.use_xser)
-            if not (isinstance(obj, dict) and isinstance(obj.get("param_groups"), list)
-                    and isinstance(obj.get("base_state"), dict) and isinstance(obj.get("shape_info"), dict)):
-                raise OptimFileError(f"{self._rel(path)} is not a ZeRO-1 optimizer state (param_groups, base_state, "
-                                     "shape_info): it was not written by NxD's ZeRO-1 optimizer")
+            if not (
+                isinstance(obj, dict)
+                and isinstance(obj.get("param_groups"), list)
+                and isinstance(obj.get("base_state"), dict)
+                and isinstance(obj.get("shape_info"), dict)
+            ):
+                raise OptimFileError(
+                    f"{self._rel(path)} is not a ZeRO-1 optimizer state (param_groups, base_state, "
+                    "shape_info): it was not written by NxD's ZeRO-1 optimizer"
+                )
             self._objects[key] = obj
         return self._objects[key]
 
@@ -380,8 +403,10 @@ class Zero1Tag:
                 return key, list(expected.items())
             shapes = [tuple(reader.shape(n)) for n in names]
             # tensors saved without data (avoid_saving_lower_precision_weights) keep their names
-            return key, [(n, expected.get(n, s) if s != expected.get(n, s) and not _numel(s) else s)
-                         for n, s in zip(names, shapes)]
+            return key, [
+                (n, expected.get(n, s) if s != expected.get(n, s) and not _numel(s) else s)
+                for n, s in zip(names, shapes)
+            ]
         finally:
             reader.close()
 
@@ -395,8 +420,10 @@ class Zero1Tag:
         n = sum(sizes)
         flat = [i for g in obj["param_groups"] for i in g.get("params", [])]
         if sorted(flat) != list(range(n)) or sorted(info) != list(range(n)):
-            raise OptimFileError(f"{self._rel(path)}: its param_groups index {n} parameters but shape_info has "
-                                 f"{len(info)}: the file is corrupt")
+            raise OptimFileError(
+                f"{self._rel(path)}: its param_groups index {n} parameters but shape_info has "
+                f"{len(info)}: the file is corrupt"
+            )
         if not self.hyper:
             self.hyper = hyper_of(obj["param_groups"])
         model_names = [nm for nm, _ in named]
@@ -407,7 +434,7 @@ class Zero1Tag:
             candidates.append(("NxD's decay groups", default_groups(model_names)))
             pos, split = 0, []
             for s in sizes:
-                split.append(model_names[pos:pos + s])
+                split.append(model_names[pos : pos + s])
                 pos += s
             candidates.append(("model file order", split))
         first_problem = None
@@ -418,20 +445,28 @@ class Zero1Tag:
                 grp = [gi for gi, g in enumerate(groups) for _ in g]
                 # idx order follows the file's params lists (normally 0..n-1 in group order)
                 by_idx = {i: (names[pos], grp[pos]) for pos, i in enumerate(flat)}
-                return StageOrder([by_idx[i][0] for i in range(n)], [by_idx[i][1] for i in range(n)],
-                                  [tuple(shapes[by_idx[i][0]]) for i in range(n)])
+                return StageOrder(
+                    [by_idx[i][0] for i in range(n)],
+                    [by_idx[i][1] for i in range(n)],
+                    [tuple(shapes[by_idx[i][0]]) for i in range(n)],
+                )
             first_problem = first_problem or f"{label}: {problem}"
         if self.param_order is not None or n == len(model_names):
-            hint = "" if self.param_order is not None else \
-                "; if NxD grouped the parameters differently, pass --param-order FILE (a JSON list of names per group)"
+            hint = (
+                ""
+                if self.param_order is not None
+                else "; if NxD grouped the parameters differently, pass --param-order FILE (a JSON list of names per group)"
+            )
             raise OptimFileError(f"{self._rel(path)} does not match {key} ({first_problem}){hint}")
         raise ParamOrderError(
             f"{self._rel(path)}: cannot tell which parameter each of its {n} optimizer indices is ({first_problem}): "
-            "pass --param-order FILE (a JSON list of parameter names per param group, in NxD's order)")
+            "pass --param-order FILE (a JSON list of parameter names per param group, in NxD's order)"
+        )
 
     @staticmethod
-    def _fit(groups: list[list[str]], sizes: list[int], obj: Mapping[str, Any], shapes: Mapping[str, tuple],
-             n: int) -> str | None:
+    def _fit(
+        groups: list[list[str]], sizes: list[int], obj: Mapping[str, Any], shapes: Mapping[str, tuple], n: int
+    ) -> str | None:
         if [len(g) for g in groups] != sizes:
             return f"groups of {[len(g) for g in groups]} parameters, the file has {sizes}"
         flat = [i for g in obj["param_groups"] for i in g.get("params", [])]
@@ -454,16 +489,22 @@ class Zero1Tag:
         if (d, tp, pp) == (0, 0, 0):
             self.master = has_master
         elif has_master != self.master:
-            raise OptimFileError(f"{where}: {'has' if has_master else 'lacks'} sharded_master_weights, unlike "
-                                 f"{self.tag_dir.name}/{optim_name(0, 0, 0)}: the files are from different runs")
+            raise OptimFileError(
+                f"{where}: {'has' if has_master else 'lacks'} sharded_master_weights, unlike "
+                f"{self.tag_dir.name}/{optim_name(0, 0, 0)}: the files are from different runs"
+            )
         for idx, (name, shape) in enumerate(zip(order.names, order.shapes)):
             if [int(v) for v in obj["shape_info"].get(idx, [])] != list(shape):
-                raise OptimFileError(f"{where}: shape_info[{idx}] ({name}) is {obj['shape_info'].get(idx)}, the "
-                                     f"model file holds {list(shape)}: the optimizer and model files disagree")
+                raise OptimFileError(
+                    f"{where}: shape_info[{idx}] ({name}) is {obj['shape_info'].get(idx)}, the "
+                    f"model file holds {list(shape)}: the optimizer and model files disagree"
+                )
             entry = obj["base_state"].get(idx)
             if not isinstance(entry, dict) or not all(isinstance(entry.get(m), torch.Tensor) for m in MOMENTS):
-                raise OptimFileError(f"{where}: base_state[{idx}] ({name}) lacks exp_avg/exp_avg_sq: only Adam-style "
-                                     "optimizer state is supported")
+                raise OptimFileError(
+                    f"{where}: base_state[{idx}] ({name}) lacks exp_avg/exp_avg_sq: only Adam-style "
+                    "optimizer state is supported"
+                )
             rows = shard_rows(shape[0] if shape else 1, self.dp)
             want = (rows, *shape[1:]) if shape else (rows,)
             tensors = [(m, entry[m]) for m in MOMENTS]
@@ -474,7 +515,8 @@ class Zero1Tag:
                     got = tuple(t.shape) if isinstance(t, torch.Tensor) else t
                     raise OptimFileError(
                         f"{where}: {m} of {name} (idx {idx}) is {got}, a dp {self.dp} shard of {list(shape)} is "
-                        f"{list(want)}: dp shards are missing or the files are from different runs")
+                        f"{list(want)}: dp shards are missing or the files are from different runs"
+                    )
             step = entry.get("step")
             step_v = float(step.item()) if isinstance(step, torch.Tensor) else step
             if not isinstance(step_v, (int, float)):
@@ -482,8 +524,10 @@ class Zero1Tag:
             if self.step is None:
                 self.step = float(step_v)
             elif float(step_v) != self.step:
-                raise OptimFileError(f"{where}: {name} (idx {idx}) has taken {step_v:g} optimizer steps, other "
-                                     f"parameters {self.step:g}: the files are from different steps of the run")
+                raise OptimFileError(
+                    f"{where}: {name} (idx {idx}) has taken {step_v:g} optimizer steps, other "
+                    f"parameters {self.step:g}: the files are from different steps of the run"
+                )
 
     # -- the merged view
     def group_of(self) -> dict[str, int]:
@@ -512,8 +556,20 @@ class Zero1Tag:
             holdings[vkey] = [prefixed(p, m + SEP) for m in moments for p in pieces]
             files[vkey] = self.files[(0, tp, pp)]
             ranks[vkey] = (ep, tp, pp)
-        view = _MergedCheckpoint(self.tag_dir, "sharded", "torch", self.model.config, self.model.family,
-                                 self.model.dims, self.model.layout, files, holdings, ranks, None, "v2")
+        view = _MergedCheckpoint(
+            self.tag_dir,
+            "sharded",
+            "torch",
+            self.model.config,
+            self.model.family,
+            self.model.dims,
+            self.model.layout,
+            files,
+            holdings,
+            ranks,
+            None,
+            "v2",
+        )
         view.zero1 = self
         return view
 
@@ -549,8 +605,9 @@ class MergedOptimFile:
 
     def _objects(self) -> list[Any]:
         if self._objs is None:
-            self._objs = [load_object(self.tag.files[(d, self.tp, self.pp)], self.tag.use_xser)
-                          for d in range(self.tag.dp)]
+            self._objs = [
+                load_object(self.tag.files[(d, self.tp, self.pp)], self.tag.use_xser) for d in range(self.tag.dp)
+            ]
         return self._objs
 
     def _split(self, name: str) -> tuple[str, int]:
@@ -636,11 +693,25 @@ def master_weights_view(model: Checkpoint, zero: Zero1Tag) -> Checkpoint:
     (cast to the model's dtype), under the model's own names and layout: what a merge or export
     reads when the model files hold no tensor data."""
     if not zero.master:
-        raise OptimFileError(f"{model.root}: the model files hold no tensor data and the optimizer files no master "
-                             "weights (sharded_master_weights): the checkpoint holds no weights")
+        raise OptimFileError(
+            f"{model.root}: the model files hold no tensor data and the optimizer files no master "
+            "weights (sharded_master_weights): the checkpoint holds no weights"
+        )
     files = {key: zero.files[(0, tp, pp)] for key, (ep, tp, pp) in model.ranks.items()}
-    view = _MasterWeightsCheckpoint(model.root, "sharded", "torch", model.config, model.family, model.dims,
-                                    model.layout, files, model.holdings, model.ranks, model.manifest, model.naming)
+    view = _MasterWeightsCheckpoint(
+        model.root,
+        "sharded",
+        "torch",
+        model.config,
+        model.family,
+        model.dims,
+        model.layout,
+        files,
+        model.holdings,
+        model.ranks,
+        model.manifest,
+        model.naming,
+    )
     view.zero1 = zero
     view.weights_dtype = stored_dtype(model)
     return view

@@ -54,10 +54,22 @@ def ckpt_list(directory, as_json):
     rows = [("tag", "state", "step", "layout", "format", "size", "saved")]
     for i in infos:
         saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.mtime)) if i.mtime else "-"
-        state = ("DAMAGED" if i.damaged else "complete" if i.complete else "INCOMPLETE") + \
-            (" (latest)" if i.tag == newest else "") + (" (link)" if i.link else "")
-        rows.append((i.tag, state, "-" if i.step is None else str(i.step), i.layout_text, i.format or "-",
-                     format_bytes(i.size), saved))
+        state = (
+            ("DAMAGED" if i.damaged else "complete" if i.complete else "INCOMPLETE")
+            + (" (latest)" if i.tag == newest else "")
+            + (" (link)" if i.link else "")
+        )
+        rows.append(
+            (
+                i.tag,
+                state,
+                "-" if i.step is None else str(i.step),
+                i.layout_text,
+                i.format or "-",
+                format_bytes(i.size),
+                saved,
+            )
+        )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
@@ -69,8 +81,12 @@ def ckpt_list(directory, as_json):
 @ckpt_group.command(name="prune")
 @click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
 @click.option("--keep", type=click.IntRange(min=1), required=True, help="Keep the newest N complete checkpoints.")
-@click.option("--keep-every", type=click.IntRange(min=1), default=None,
-              help="Also keep every checkpoint whose step is a multiple of K.")
+@click.option(
+    "--keep-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Also keep every checkpoint whose step is a multiple of K.",
+)
 @click.option("--dry-run", is_flag=True, help="Only print what would be removed.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
 @common_options
@@ -103,8 +119,12 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--tag", default=None, help="The tag to export (default: the newest complete one).")
 @max_shard_size_option("Largest safetensors file")
-@click.option("--dtype", type=click.Choice(DTYPES), default=None,
-              help="Cast weights to this dtype (default: keep the checkpoint's).")
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPES),
+    default=None,
+    help="Cast weights to this dtype (default: keep the checkpoint's).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @verify_hashes_option
 @config_option
@@ -120,41 +140,111 @@ def ckpt_export(ctx, directory, out, tag, max_shard_size, dtype, overwrite, veri
 
     started = time.perf_counter()
     with Bar(ctx, "export") as bar:
-        result = export_checkpoint(directory, out, tag, max_shard_size=max_shard_size, dtype=dtype,
-                                   overwrite=overwrite, config=config, progress=bar, verify_hashes=verify_hashes)
+        result = export_checkpoint(
+            directory,
+            out,
+            tag,
+            max_shard_size=max_shard_size,
+            dtype=dtype,
+            overwrite=overwrite,
+            config=config,
+            progress=bar,
+            verify_hashes=verify_hashes,
+        )
     report(ctx, result, started, as_json, "exported to")
 
 
 @ckpt_group.command(name="reshard")
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--config", "config", required=True, type=click.Path(exists=True, path_type=Path),
-              help="The model's Hugging Face config.json (NxD checkpoints carry none).")
-@click.option("--tp", "--tp-size", "tp", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Tensor-parallel degree of the new layout.")
-@click.option("--pp", "--pp-size", "pp", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Pipeline stages of the new layout.")
-@click.option("--dp", "--dp-size", "dp", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Data-parallel degree of the new layout (the number of ZeRO-1 optimizer shards).")
-@click.option("--zero1/--no-zero1", default=True, show_default=True,
-              help="One optimizer shard per dp rank (NxD's ZeRO-1), or one unsharded optimizer file per (tp, pp).")
-@click.option("--kv-multiplier", "--kv-size-multiplier", "kv_multiplier", type=click.IntRange(min=1), default=1,
-              show_default=True, help="K/V head replicas of the new layout (NxD's kv_size_multiplier).")
-@click.option("--kv-replication", type=click.Choice(["interleaved", "blocked"]), default=None,
-              help="Order of K/V replicas: interleaved (Trn1) or blocked (Trn2). Default interleaved.")
-@click.option("--qkv", type=click.Choice(["gqa", "fused", "coalesced", "separate"]), default="gqa", show_default=True,
-              help="How q/k/v are stored in the new model files (NxD's GQA layer by default).")
-@click.option("--format", "fmt", type=click.Choice(["torch", "xser"]), default=None,
-              help="File format of the new checkpoint (default: the source's).")
+@click.option(
+    "--config",
+    "config",
+    required=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="The model's Hugging Face config.json (NxD checkpoints carry none).",
+)
+@click.option(
+    "--tp",
+    "--tp-size",
+    "tp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Tensor-parallel degree of the new layout.",
+)
+@click.option(
+    "--pp",
+    "--pp-size",
+    "pp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Pipeline stages of the new layout.",
+)
+@click.option(
+    "--dp",
+    "--dp-size",
+    "dp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Data-parallel degree of the new layout (the number of ZeRO-1 optimizer shards).",
+)
+@click.option(
+    "--zero1/--no-zero1",
+    default=True,
+    show_default=True,
+    help="One optimizer shard per dp rank (NxD's ZeRO-1), or one unsharded optimizer file per (tp, pp).",
+)
+@click.option(
+    "--kv-multiplier",
+    "--kv-size-multiplier",
+    "kv_multiplier",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="K/V head replicas of the new layout (NxD's kv_size_multiplier).",
+)
+@click.option(
+    "--kv-replication",
+    type=click.Choice(["interleaved", "blocked"]),
+    default=None,
+    help="Order of K/V replicas: interleaved (Trn1) or blocked (Trn2). Default interleaved.",
+)
+@click.option(
+    "--qkv",
+    type=click.Choice(["gqa", "fused", "coalesced", "separate"]),
+    default="gqa",
+    show_default=True,
+    help="How q/k/v are stored in the new model files (NxD's GQA layer by default).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["torch", "xser"]),
+    default=None,
+    help="File format of the new checkpoint (default: the source's).",
+)
 @click.option("--tag", default=None, help="The tag to reshard (default: the newest complete one).")
-@click.option("--master-weights", type=click.Choice(["keep", "drop"]), default="keep", show_default=True,
-              help="Carry fp32 master weights (sharded_master_weights) over, resharded, or leave them out.")
-@click.option("--param-order", type=click.Path(exists=True, path_type=Path), default=None,
-              help="A JSON list of parameter names per param group, for checkpoints whose optimizer index "
-                   "order cannot be recovered from the model files.")
+@click.option(
+    "--master-weights",
+    type=click.Choice(["keep", "drop"]),
+    default="keep",
+    show_default=True,
+    help="Carry fp32 master weights (sharded_master_weights) over, resharded, or leave them out.",
+)
+@click.option(
+    "--param-order",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="A JSON list of parameter names per param group, for checkpoints whose optimizer index "
+    "order cannot be recovered from the model files.",
+)
 @common_options
-def ckpt_reshard(src, dst, config, tp, pp, dp, zero1, kv_multiplier, kv_replication, qkv, fmt, tag, master_weights,
-                 param_order):
+def ckpt_reshard(
+    src, dst, config, tp, pp, dp, zero1, kv_multiplier, kv_replication, qkv, fmt, tag, master_weights, param_order
+):
     """Move a whole training state SRC (model, ZeRO-1 optimizer shards, master weights, scheduler,
     user content) to another layout, written as the checkpoint directory DST in NxD's format.
 
@@ -166,18 +256,37 @@ def ckpt_reshard(src, dst, config, tp, pp, dp, zero1, kv_multiplier, kv_replicat
     from ..layout import make_layout
 
     layout = make_layout(tp=tp, pp=pp, kv_multiplier=kv_multiplier, kv_replication=kv_replication, qkv=qkv)
-    out = reshard_training_checkpoint(src, dst, layout, dp=dp, zero1=zero1, config=config, tag=tag, format=fmt,
-                                      master_weights=master_weights, param_order=param_order)
+    out = reshard_training_checkpoint(
+        src,
+        dst,
+        layout,
+        dp=dp,
+        zero1=zero1,
+        config=config,
+        tag=tag,
+        format=fmt,
+        master_weights=master_weights,
+        param_order=param_order,
+    )
     click.echo(f"wrote {out}")
 
 
 @ckpt_group.command(name="inspect")
 @click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
 @click.option("--tag", default=None, help="The tag (default: the newest complete one, or DIR itself).")
-@click.option("--config", "config", default=None, type=click.Path(exists=True, path_type=Path),
-              help="The model's Hugging Face config.json (needed when the tag has no config.json).")
-@click.option("--param-order", type=click.Path(exists=True, path_type=Path), default=None,
-              help="A JSON list of parameter names per param group (when it cannot be recovered).")
+@click.option(
+    "--config",
+    "config",
+    default=None,
+    type=click.Path(exists=True, path_type=Path),
+    help="The model's Hugging Face config.json (needed when the tag has no config.json).",
+)
+@click.option(
+    "--param-order",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="A JSON list of parameter names per param group (when it cannot be recovered).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @common_options
 def ckpt_inspect(directory, tag, config, param_order, as_json):
@@ -188,9 +297,11 @@ def ckpt_inspect(directory, tag, config, param_order, as_json):
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return
-    click.echo(f"{info['path']}: {info['describe']}, dp {info['dp']}{' (ZeRO-1)' if info['zero1'] else ''}, "
-               f"{info['format']}, step {info['step']}, master weights {'yes' if info['master_weights'] else 'no'}, "
-               f"optimizer {format_bytes(info['optimizer_bytes'])}")
+    click.echo(
+        f"{info['path']}: {info['describe']}, dp {info['dp']}{' (ZeRO-1)' if info['zero1'] else ''}, "
+        f"{info['format']}, step {info['step']}, master weights {'yes' if info['master_weights'] else 'no'}, "
+        f"optimizer {format_bytes(info['optimizer_bytes'])}"
+    )
     for g, group in enumerate(info["param_groups"]):
         hyper = ", ".join(f"{k}={v}" for k, v in group["hyper"].items())
         click.echo(f"  group {g}: {len(group['parameters_on_tp0_pp0'])} parameters on tp0 pp0; {hyper}")

@@ -32,19 +32,44 @@ from .options import (
 @click.command()
 @click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--to-sharded/--to-hf", "to_sharded", default=True, show_default=True,
-              help="Write shards of the given layout (default), or a Hugging Face directory (same as merge).")
+@click.option(
+    "--to-sharded/--to-hf",
+    "to_sharded",
+    default=True,
+    show_default=True,
+    help="Write shards of the given layout (default), or a Hugging Face directory (same as merge).",
+)
 @layout_options
-@click.option("--format", "fmt", type=click.Choice(format_names()), default="torch", show_default=True,
-              help="Shard files: torch (NxD's .pt), xser (torch-xla's, tensors in <file>.tensors/), or safetensors.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(format_names()),
+    default="torch",
+    show_default=True,
+    help="Shard files: torch (NxD's .pt), xser (torch-xla's, tensors in <file>.tensors/), or safetensors.",
+)
 @output_options
 @config_option
 @max_shard_size_option("With --to-hf: largest safetensors file")
 @revision_option
 @common_options
 @click.pass_context
-def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, verify_hashes, as_json, config, max_shard_size,
-            revision, **layout_opts):
+def convert(
+    ctx,
+    src,
+    dst,
+    to_sharded,
+    fmt,
+    dtype,
+    workers,
+    overwrite,
+    verify_hashes,
+    as_json,
+    config,
+    max_shard_size,
+    revision,
+    **layout_opts,
+):
     """Convert SRC (a Hugging Face model directory, or one torch state-dict file) into shards.
 
     \b
@@ -64,12 +89,31 @@ def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, verify_ha
     src = hub_source(ctx, src, revision)
     with Bar(ctx, "convert") as bar:
         if to_sharded:
-            result = api_convert(src, dst, build_layout(layout_opts), format=fmt, dtype=dtype, workers=workers,
-                                 overwrite=overwrite, config=config, progress=bar, command=command_line(),
-                                 verify_hashes=verify_hashes)
+            result = api_convert(
+                src,
+                dst,
+                build_layout(layout_opts),
+                format=fmt,
+                dtype=dtype,
+                workers=workers,
+                overwrite=overwrite,
+                config=config,
+                progress=bar,
+                command=command_line(),
+                verify_hashes=verify_hashes,
+            )
         else:
-            result = api_merge(src, dst, dtype=dtype, workers=workers, overwrite=overwrite, config=config,
-                               max_shard_size=max_shard_size, progress=bar, verify_hashes=verify_hashes)
+            result = api_merge(
+                src,
+                dst,
+                dtype=dtype,
+                workers=workers,
+                overwrite=overwrite,
+                config=config,
+                max_shard_size=max_shard_size,
+                progress=bar,
+                verify_hashes=verify_hashes,
+            )
     report(ctx, result, started, as_json, "wrote")
 
 
@@ -80,14 +124,35 @@ def convert(ctx, src, dst, to_sharded, fmt, dtype, workers, overwrite, verify_ha
 @source_options
 @output_options
 @revision_option
-@click.option("--push-to", "push_to", metavar="REPO_ID", default=None,
-              help="Then upload DST to this Hub repo (namespace/name), as `shardkit push DST REPO_ID` does.")
+@click.option(
+    "--push-to",
+    "push_to",
+    metavar="REPO_ID",
+    default=None,
+    help="Then upload DST to this Hub repo (namespace/name), as `shardkit push DST REPO_ID` does.",
+)
 @click.option("--private", is_flag=True, help="With --push-to and --create: make the new repo private.")
 @click.option("--create", is_flag=True, help="With --push-to: create the repo when it does not exist.")
 @common_options
 @click.pass_context
-def merge(ctx, src, dst, max_shard_size, config, kv_replication, hw, dtype, workers, overwrite, verify_hashes, as_json,
-          revision, push_to, private, create):
+def merge(
+    ctx,
+    src,
+    dst,
+    max_shard_size,
+    config,
+    kv_replication,
+    hw,
+    dtype,
+    workers,
+    overwrite,
+    verify_hashes,
+    as_json,
+    revision,
+    push_to,
+    private,
+    create,
+):
     """Merge shards in SRC into a Hugging Face model directory DST.
 
     \b
@@ -106,13 +171,31 @@ def merge(ctx, src, dst, max_shard_size, config, kv_replication, hw, dtype, work
     if push_to:
         hub_check(push_to, private, create)
     with Bar(ctx, "merge") as bar:
-        result = api_merge(src, dst, max_shard_size=max_shard_size, dtype=dtype, workers=workers, overwrite=overwrite,
-                           config=config, hints=hints(kv_replication, hw), progress=bar, verify_hashes=verify_hashes)
+        result = api_merge(
+            src,
+            dst,
+            max_shard_size=max_shard_size,
+            dtype=dtype,
+            workers=workers,
+            overwrite=overwrite,
+            config=config,
+            hints=hints(kv_replication, hw),
+            progress=bar,
+            verify_hashes=verify_hashes,
+        )
     if not push_to:
         report(ctx, result, started, as_json, "merged into")
     elif is_leader():  # under torchrun rank 0 uploads, once every rank has written its files
-        pushed = hub_push(ctx, dst, push_to, private=private, create=create, origin=src, config=config,
-                          hints=hints(kv_replication, hw))
+        pushed = hub_push(
+            ctx,
+            dst,
+            push_to,
+            private=private,
+            create=create,
+            origin=src,
+            config=config,
+            hints=hints(kv_replication, hw),
+        )
         merge_and_push_report(ctx, result, started, as_json, pushed)
 
 
@@ -125,25 +208,47 @@ def kept_from_source(layout_opts: dict, source, target) -> str | None:
         kept.append(f"kv replication {target.kv_replication}")
     if not kept:
         return None
-    return (f"kept the source's {' and '.join(kept)} ({source.describe()}); "
-            "give --qkv / --kv-replication to change")
+    return f"kept the source's {' and '.join(kept)} ({source.describe()}); give --qkv / --kv-replication to change"
 
 
 @click.command()
 @click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
 @click.argument("dst", type=click.Path(path_type=Path))
 @layout_options
-@click.option("--format", "fmt", type=click.Choice(format_names()), default="torch", show_default=True,
-              help="Format of the new shards.")
-@click.option("--source-kv-replication", type=click.Choice(REPLICATION_CHOICES), default=None,
-              help="Replica order of NxD source shards (inferred from the data when omitted).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(format_names()),
+    default="torch",
+    show_default=True,
+    help="Format of the new shards.",
+)
+@click.option(
+    "--source-kv-replication",
+    type=click.Choice(REPLICATION_CHOICES),
+    default=None,
+    help="Replica order of NxD source shards (inferred from the data when omitted).",
+)
 @output_options
 @config_option
 @revision_option
 @common_options
 @click.pass_context
-def reshard(ctx, src, dst, fmt, source_kv_replication, dtype, workers, overwrite, verify_hashes, as_json, config,
-            revision, **layout_opts):
+def reshard(
+    ctx,
+    src,
+    dst,
+    fmt,
+    source_kv_replication,
+    dtype,
+    workers,
+    overwrite,
+    verify_hashes,
+    as_json,
+    config,
+    revision,
+    **layout_opts,
+):
     """Turn shards of one layout (SRC) into another layout (DST) directly.
 
     Each new piece is assembled from exactly the source slices it needs; the full model is never
@@ -162,8 +267,18 @@ def reshard(ctx, src, dst, fmt, source_kv_replication, dtype, workers, overwrite
     if kept and is_leader():
         note(ctx, kept)
     with Bar(ctx, "reshard") as bar:
-        result = api_reshard(source, dst, layout, format=fmt, dtype=dtype, workers=workers, overwrite=overwrite,
-                             progress=bar, command=command_line(), verify_hashes=verify_hashes)
+        result = api_reshard(
+            source,
+            dst,
+            layout,
+            format=fmt,
+            dtype=dtype,
+            workers=workers,
+            overwrite=overwrite,
+            progress=bar,
+            command=command_line(),
+            verify_hashes=verify_hashes,
+        )
     report(ctx, result, started, as_json, "wrote")
 
 

@@ -57,9 +57,10 @@ def hub_push(ctx: click.Context, src: Path, repo_id: str, **options) -> dict:
 
 def push_line(pushed: dict) -> str:
     where = pushed["pr_url"] or pushed["commit_url"] or pushed["url"]
-    return (f"pushed to {pushed['repo_id']} ({pushed['revision']}): {pushed['files']} files, "
-            f"{format_bytes(pushed['bytes'])}" + (", model card generated" if pushed["model_card"] else "")
-            + f" -- {where}")
+    return (
+        f"pushed to {pushed['repo_id']} ({pushed['revision']}): {pushed['files']} files, "
+        f"{format_bytes(pushed['bytes'])}" + (", model card generated" if pushed["model_card"] else "") + f" -- {where}"
+    )
 
 
 def merge_and_push_report(ctx: click.Context, result, started: float, as_json: bool, pushed: dict) -> None:
@@ -74,28 +75,64 @@ def merge_and_push_report(ctx: click.Context, result, started: float, as_json: b
 @click.command(name="push")
 @click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
 @click.argument("repo_id")
-@click.option("--private", is_flag=True,
-              help="Make the repo private when --create creates it (an existing repo keeps its visibility).")
+@click.option(
+    "--private",
+    is_flag=True,
+    help="Make the repo private when --create creates it (an existing repo keeps its visibility).",
+)
 @click.option("--create", is_flag=True, help="Create REPO_ID on the Hub when it does not exist yet.")
-@click.option("--revision", default=None,
-              help="Branch to commit to, created from the default branch when missing (default: main).")
+@click.option(
+    "--revision",
+    default=None,
+    help="Branch to commit to, created from the default branch when missing (default: main).",
+)
 @click.option("--commit-message", default=None, help="Message of the commit (default: 'Upload <SRC> with shardkit').")
-@click.option("--create-pr", is_flag=True,
-              help="Open a pull request against the default branch instead of committing to it.")
+@click.option(
+    "--create-pr", is_flag=True, help="Open a pull request against the default branch instead of committing to it."
+)
 @max_shard_size_option("When SRC is merged first: largest safetensors file")
-@click.option("--dtype", type=click.Choice(DTYPES), default=None,
-              help="When SRC is merged first: cast weights to this dtype (default: keep the source's).")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="When SRC is merged first: output files built in parallel (threads).")
-@click.option("--tmp-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where a merged copy is staged before the upload (default: the system temp folder); it needs "
-                   "room for the whole model.")
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPES),
+    default=None,
+    help="When SRC is merged first: cast weights to this dtype (default: keep the source's).",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="When SRC is merged first: output files built in parallel (threads).",
+)
+@click.option(
+    "--tmp-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where a merged copy is staged before the upload (default: the system temp folder); it needs "
+    "room for the whole model.",
+)
 @source_options
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
 @common_options
 @click.pass_context
-def push_cmd(ctx, src, repo_id, private, create, revision, commit_message, create_pr, max_shard_size, dtype, workers,
-             tmp_dir, config, kv_replication, hw, as_json):
+def push_cmd(
+    ctx,
+    src,
+    repo_id,
+    private,
+    create,
+    revision,
+    commit_message,
+    create_pr,
+    max_shard_size,
+    dtype,
+    workers,
+    tmp_dir,
+    config,
+    kv_replication,
+    hw,
+    as_json,
+):
     """Upload SRC to the Hugging Face Hub model repo REPO_ID (namespace/name).
 
     \b
@@ -110,9 +147,22 @@ def push_cmd(ctx, src, repo_id, private, create, revision, commit_message, creat
     Example:
       shardkit push ./llama-tp8pp2 my-org/llama-7b-finetuned --create --private
     """
-    pushed = hub_push(ctx, src, repo_id, private=private, create=create, revision=revision,
-                      commit_message=commit_message, create_pr=create_pr, max_shard_size=max_shard_size, dtype=dtype,
-                      workers=workers, tmp_dir=tmp_dir, config=config, hints=hints(kv_replication, hw))
+    pushed = hub_push(
+        ctx,
+        src,
+        repo_id,
+        private=private,
+        create=create,
+        revision=revision,
+        commit_message=commit_message,
+        create_pr=create_pr,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        workers=workers,
+        tmp_dir=tmp_dir,
+        config=config,
+        hints=hints(kv_replication, hw),
+    )
     if as_json:
         print_json(pushed)
     elif not quiet(ctx):

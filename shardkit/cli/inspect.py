@@ -14,9 +14,12 @@ from .options import Bar, common_options, hints, print_json, source_options
 @click.command(name="inspect")
 @click.argument("path", type=click.Path())  # as typed: "does not exist" names it so
 @source_options
-@click.option("--check-data", is_flag=True,
-              help="Also re-hash files against shardkit.json and check that all replicated copies agree (reads "
-                   "everything; shows progress and says what was checked).")
+@click.option(
+    "--check-data",
+    is_flag=True,
+    help="Also re-hash files against shardkit.json and check that all replicated copies agree (reads "
+    "everything; shows progress and says what was checked).",
+)
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every full tensor with its shape.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--revision", default=None, help="When PATH is a Hub repo id: the branch, tag or commit to download.")
@@ -32,8 +35,9 @@ def inspect_cmd(ctx, path, config, kv_replication, hw, check_data, show_tensors,
 
     hub_quiet(ctx)
     with Bar(ctx, "check-data") as bar:
-        found = api_inspect(path, config, hints(kv_replication, hw), check_data, revision,
-                            progress=bar if check_data else None)
+        found = api_inspect(
+            path, config, hints(kv_replication, hw), check_data, revision, progress=bar if check_data else None
+        )
     if as_json:
         print_json(found)
     else:
@@ -56,14 +60,22 @@ def checked_line(checked: dict) -> str:
 def describe(r: dict, show_tensors: bool) -> str:
     m, lay = r["model"], r["layout"]
     kind = {"hf": "a Hugging Face checkpoint (full tensors)", "sharded": "sharded weights"}[r["kind"]]
-    lines = [f"{r['path']}: {kind}, {r['format']} format" + (f" ({r['naming']} file names)" if r["kind"] == "sharded" else "")]
-    lines.append(f"  model:   {r['family']} ({m['model_type']}), {m['parameters'] / 1e6:.2f}M parameters, {m['layers']} layers, "
-                 f"hidden {m['hidden_size']}, {m['heads']} heads / {m['kv_heads']} kv heads of dim {m['head_dim']}, "
-                 f"vocab {m['vocab_size']}" + (", tied embeddings" if m["tied_embeddings"] else ""))
+    lines = [
+        f"{r['path']}: {kind}, {r['format']} format"
+        + (f" ({r['naming']} file names)" if r["kind"] == "sharded" else "")
+    ]
+    lines.append(
+        f"  model:   {r['family']} ({m['model_type']}), {m['parameters'] / 1e6:.2f}M parameters, {m['layers']} layers, "
+        f"hidden {m['hidden_size']}, {m['heads']} heads / {m['kv_heads']} kv heads of dim {m['head_dim']}, "
+        f"vocab {m['vocab_size']}" + (", tied embeddings" if m["tied_embeddings"] else "")
+    )
     if r["kind"] == "sharded":
-        kv = (f", kv heads x{lay['kv_multiplier']} ({lay['kv_replication']})" if lay["kv_multiplier"] > 1 else "")
-        lines.append(f"  layout:  tp {lay['tp']}, pp {lay['pp']}" + (f", ep {lay['ep']}" if lay["ep"] > 1 else "")
-                     + f", qkv {lay['qkv']}{kv} -- {r['layout_from']}")
+        kv = f", kv heads x{lay['kv_multiplier']} ({lay['kv_replication']})" if lay["kv_multiplier"] > 1 else ""
+        lines.append(
+            f"  layout:  tp {lay['tp']}, pp {lay['pp']}"
+            + (f", ep {lay['ep']}" if lay["ep"] > 1 else "")
+            + f", qkv {lay['qkv']}{kv} -- {r['layout_from']}"
+        )
         stages = ", ".join(f"{s['stage']}: {s['layers'][0]}-{s['layers'][1]}" for s in r["stages"])
         lines.append(f"  stages:  layers per stage {stages}")
     lines.append(f"  files:   {r['files']} ({format_bytes(r['bytes'])}), dtype {r['dtype']}")
@@ -82,10 +94,20 @@ def describe(r: dict, show_tensors: bool) -> str:
 @click.command()
 @click.argument("a", type=click.Path())  # as typed: "does not exist" names it so
 @click.argument("b", type=click.Path())  # as typed: "does not exist" names it so
-@click.option("--config-a", type=click.Path(exists=True, path_type=Path), default=None, help="config.json for A (NxD shards without one).")
+@click.option(
+    "--config-a",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="config.json for A (NxD shards without one).",
+)
 @click.option("--config-b", type=click.Path(exists=True, path_type=Path), default=None, help="config.json for B.")
-@click.option("--atol", type=float, default=0.0, show_default=True,
-              help="Largest absolute difference still counted as equal (0: bit-exact).")
+@click.option(
+    "--atol",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Largest absolute difference still counted as equal (0: bit-exact).",
+)
 @click.option("--all", "show_all", is_flag=True, help="Print every tensor, not only mismatches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-tensor report as JSON.")
 @click.option("--revision-a", default=None, help="When A is a Hub repo id: the branch, tag or commit to download.")
@@ -103,15 +125,26 @@ def verify(ctx, a, b, config_a, config_b, atol, show_all, as_json, revision_a, r
 
     hub_quiet(ctx)
     with Bar(ctx, "verify") as bar:
-        found = api_verify(a, b, config_a=config_a, config_b=config_b, atol=atol, revision_a=revision_a,
-                           revision_b=revision_b, progress=bar)
+        found = api_verify(
+            a,
+            b,
+            config_a=config_a,
+            config_b=config_b,
+            atol=atol,
+            revision_a=revision_a,
+            revision_b=revision_b,
+            progress=bar,
+        )
     if as_json:
         print_json(found.to_dict())
     else:
         for t in found.tensors:
             if show_all or not t.equal:
                 diff = "n/a" if t.max_abs_diff is None else f"{t.max_abs_diff:.3g}"
-                click.echo(f"{'ok      ' if t.equal else 'MISMATCH'} {t.name}  max|a-b| {diff}" + (f"  ({t.note})" if t.note else ""))
+                click.echo(
+                    f"{'ok      ' if t.equal else 'MISMATCH'} {t.name}  max|a-b| {diff}"
+                    + (f"  ({t.note})" if t.note else "")
+                )
         verdict = "equal" if found.ok else f"{len(found.mismatches)} of {len(found.tensors)} tensors differ"
         click.echo(f"{len(found.tensors)} tensors compared: {verdict}")
     ctx.exit(0 if found.ok else 1)

@@ -37,7 +37,9 @@ class ShardkitGroup(click.Group):
             if settings(ctx)["debug"]:
                 raise
             first = str(e).splitlines()[0] if str(e) else ""
-            click.echo(f"shardkit: internal error: {type(e).__name__}: {first} (rerun with --debug for details)", err=True)
+            click.echo(
+                f"shardkit: internal error: {type(e).__name__}: {first} (rerun with --debug for details)", err=True
+            )
             ctx.exit(1)
 
 

@@ -16,8 +16,7 @@ from .options import DTYPES, SIZE_HELP, Size, common_options, print_json
 NOTE = "activations are not estimated: the reserve must cover them"
 
 
-def check_options(suggest: bool, max_pp, all_kv_multipliers: bool, zero1: bool, dp, world_size,
-                  device_memory) -> None:
+def check_options(suggest: bool, max_pp, all_kv_multipliers: bool, zero1: bool, dp, world_size, device_memory) -> None:
     """Options that only make sense together."""
     if not suggest:
         used = [f for f, v in (("--max-pp", max_pp), ("--all-kv-multipliers", all_kv_multipliers)) if v]
@@ -31,9 +30,11 @@ def check_options(suggest: bool, max_pp, all_kv_multipliers: bool, zero1: bool, 
 
 def training_text(dtype: str) -> str:
     small = dtype != "fp32"
-    return (f"{dtype} weights {2 if small else 4} B + {dtype} grads {2 if small else 4} B + "
-            f"Adam {12 if small else 8} B per parameter"
-            + (" (fp32 master, exp_avg, exp_avg_sq)" if small else " (exp_avg, exp_avg_sq)"))
+    return (
+        f"{dtype} weights {2 if small else 4} B + {dtype} grads {2 if small else 4} B + "
+        f"Adam {12 if small else 8} B per parameter"
+        + (" (fp32 master, exp_avg, exp_avg_sq)" if small else " (exp_avg, exp_avg_sq)")
+    )
 
 
 def layout_text(r) -> str:
@@ -43,17 +44,21 @@ def layout_text(r) -> str:
 
 
 def usable_text(r) -> str:
-    return (f"{format_bytes(r.device_memory)} per device - reserve {format_bytes(r.reserve_bytes)} = "
-            f"{format_bytes(r.usable_bytes)} usable")
+    return (
+        f"{format_bytes(r.device_memory)} per device - reserve {format_bytes(r.reserve_bytes)} = "
+        f"{format_bytes(r.usable_bytes)} usable"
+    )
 
 
 def why_best(r) -> str:
     """One line on why the first suggestion is the one to take."""
     lay = r.layout
-    return (f"best:     tp {lay.tp}, pp {lay.pp}" + (f", kv-multiplier {lay.kv_multiplier}" if lay.kv_multiplier > 1
-                                                      else "")
-            + f" -- the smallest tp that fits (least tensor-parallel communication), then the fewest pipeline "
-              f"stages (smallest bubble); {format_bytes(r.spare_bytes)} to spare")
+    return (
+        f"best:     tp {lay.tp}, pp {lay.pp}"
+        + (f", kv-multiplier {lay.kv_multiplier}" if lay.kv_multiplier > 1 else "")
+        + f" -- the smallest tp that fits (least tensor-parallel communication), then the fewest pipeline "
+        f"stages (smallest bubble); {format_bytes(r.spare_bytes)} to spare"
+    )
 
 
 # ---- --suggest ---------------------------------------------------------------------------------
@@ -64,13 +69,17 @@ def print_suggestions(found, rows: list, limit: int, training: str, zero1: bool)
     more, redundant = len(rows) - len(shown), len(found.layouts) - len(rows)
     click.echo(f"device:   {usable_text(rows[0])}")
     click.echo(f"training: {training}" + ("; ZeRO-1: optimizer state / dp" if zero1 else ""))
-    click.echo(f"{len(rows)} valid layouts fit, smallest tp first"
-               + (f" ({redundant} more that add pipeline stages without saving memory left out)" if redundant else "")
-               + ":")
+    click.echo(
+        f"{len(rows)} valid layouts fit, smallest tp first"
+        + (f" ({redundant} more that add pipeline stages without saving memory left out)" if redundant else "")
+        + ":"
+    )
     click.echo(f"  {'tp':>4} {'pp':>4} {'kv-mult':>8} {'dp':>4} {'devices':>8} {'per rank':>11} {'spare':>11}")
     for r in shown:
-        click.echo(f"  {r.layout.tp:>4} {r.layout.pp:>4} {r.layout.kv_multiplier:>8} {r.dp:>4} "
-                   f"{r.world_size:>8} {format_bytes(r.peak_bytes):>11} {format_bytes(r.spare_bytes):>11}")
+        click.echo(
+            f"  {r.layout.tp:>4} {r.layout.pp:>4} {r.layout.kv_multiplier:>8} {r.dp:>4} "
+            f"{r.world_size:>8} {format_bytes(r.peak_bytes):>11} {format_bytes(r.spare_bytes):>11}"
+        )
     if more:
         click.echo(f"  ... and {more} more (--limit 0 lists them all)")
     click.echo(why_best(rows[0]))
@@ -79,26 +88,40 @@ def print_suggestions(found, rows: list, limit: int, training: str, zero1: bool)
 def print_no_fit(found, world_size, dp) -> None:
     if found.closest is not None:
         c = found.closest
-        click.echo(f"no valid layout fits ({usable_text(c)}): the smallest need is "
-                   f"{format_bytes(c.peak_bytes)} per rank, at {layout_text(c)}")
+        click.echo(
+            f"no valid layout fits ({usable_text(c)}): the smallest need is "
+            f"{format_bytes(c.peak_bytes)} per rank, at {layout_text(c)}"
+        )
     else:
-        click.echo("no valid layout matches"
-                   + (f" --world-size {world_size}" if world_size else " the given --tp/--pp/--kv-multiplier")
-                   + (f" with --dp {dp}" if dp and world_size else ""))
+        click.echo(
+            "no valid layout matches"
+            + (f" --world-size {world_size}" if world_size else " the given --tp/--pp/--kv-multiplier")
+            + (f" with --dp {dp}" if dp and world_size else "")
+        )
 
 
 def suggest(ctx, config, o: dict) -> None:
     """--suggest: the valid layouts that fit, the redundant ones left out; exit 1 when none fits."""
     from ..memory import suggest_layouts
 
-    found = suggest_layouts(config, o["device_memory"], dtype=o["dtype"], zero1=o["zero1"], dp=o["dp"],
-                            world_size=o["world_size"], tp=o["tp"], pp=o["pp"], max_pp=o["max_pp"],
-                            kv_multiplier=o["kv_multiplier"], all_kv_multipliers=o["all_kv_multipliers"],
-                            reserve=o["reserve"])
+    found = suggest_layouts(
+        config,
+        o["device_memory"],
+        dtype=o["dtype"],
+        zero1=o["zero1"],
+        dp=o["dp"],
+        world_size=o["world_size"],
+        tp=o["tp"],
+        pp=o["pp"],
+        max_pp=o["max_pp"],
+        kv_multiplier=o["kv_multiplier"],
+        all_kv_multipliers=o["all_kv_multipliers"],
+        reserve=o["reserve"],
+    )
     rows = found.distinct()
     if o["as_json"]:
         data = found.to_dict()
-        shown = rows[:o["limit"]] if o["limit"] else rows
+        shown = rows[: o["limit"]] if o["limit"] else rows
         data["layouts"] = [r.to_dict() for r in shown]
         data["more"] = len(rows) - len(shown)
         data["redundant"] = len(found.layouts) - len(rows)
@@ -122,19 +145,25 @@ def derive_dp(layout, world_size, dp):
     if world_size is None:
         return dp or 1
     if world_size % (layout.tp * layout.pp) or (dp is not None and layout.tp * layout.pp * dp != world_size):
-        raise ShardkitError(f"tp {layout.tp} x pp {layout.pp}" + (f" x dp {dp}" if dp is not None else " x dp")
-                            + f" cannot make --world-size {world_size}")
+        raise ShardkitError(
+            f"tp {layout.tp} x pp {layout.pp}"
+            + (f" x dp {dp}" if dp is not None else " x dp")
+            + f" cannot make --world-size {world_size}"
+        )
     return world_size // (layout.tp * layout.pp)
 
 
 def print_stages(report) -> None:
     click.echo("per rank (the largest tp rank of each stage):")
-    click.echo(f"  {'stage':>5} {'layers':>9} {'parameters':>15} {'weights':>11} {'grads':>11} "
-               f"{'optimizer':>11} {'total':>11}")
+    click.echo(
+        f"  {'stage':>5} {'layers':>9} {'parameters':>15} {'weights':>11} {'grads':>11} {'optimizer':>11} {'total':>11}"
+    )
     for s in report.stages:
-        click.echo(f"  {s.stage:>5} {f'{s.layers[0]}-{s.layers[1]}':>9} {s.params:>15,} "
-                   f"{format_bytes(s.param_bytes):>11} {format_bytes(s.grad_bytes):>11} "
-                   f"{format_bytes(s.optimizer_bytes):>11} {format_bytes(s.total_bytes):>11}")
+        click.echo(
+            f"  {s.stage:>5} {f'{s.layers[0]}-{s.layers[1]}':>9} {s.params:>15,} "
+            f"{format_bytes(s.param_bytes):>11} {format_bytes(s.grad_bytes):>11} "
+            f"{format_bytes(s.optimizer_bytes):>11} {format_bytes(s.total_bytes):>11}"
+        )
 
 
 def print_fit(report) -> None:
@@ -143,16 +172,20 @@ def print_fit(report) -> None:
     elif report.fits:
         click.echo(f"device:   {usable_text(report)}: fits, {format_bytes(report.spare_bytes)} to spare")
     else:
-        click.echo(f"device:   {usable_text(report)}: does NOT fit, "
-                   f"{format_bytes(-report.spare_bytes)} short (try shardkit plan --suggest)")
+        click.echo(
+            f"device:   {usable_text(report)}: does NOT fit, "
+            f"{format_bytes(-report.spare_bytes)} short (try shardkit plan --suggest)"
+        )
 
 
 def print_plan(report, training: str) -> None:
     extra = report.held_parameters - report.parameters
     kind = report.family if report.family == report.model_type else f"{report.family} ({report.model_type})"
-    click.echo(f"model:    {kind}, {report.parameters:,} parameters; its "
-               f"{report.layout.tp * report.layout.pp} ranks hold {report.held_parameters:,}"
-               + (f" (+{extra:,} replicated)" if extra else ""))
+    click.echo(
+        f"model:    {kind}, {report.parameters:,} parameters; its "
+        f"{report.layout.tp * report.layout.pp} ranks hold {report.held_parameters:,}"
+        + (f" (+{extra:,} replicated)" if extra else "")
+    )
     click.echo(f"layout:   {layout_text(report)}")
     click.echo(f"training: {training}" + (f"; optimizer state / dp {report.dp}" if report.zero1 else ""))
     print_stages(report)
@@ -169,8 +202,15 @@ def plan_one(ctx, config, o: dict) -> None:
 
     layout = Layout(tp=o["tp"] or 1, pp=o["pp"] or 1, kv_multiplier=o["kv_multiplier"] or 1)
     dp = derive_dp(layout, o["world_size"], o["dp"])
-    report = plan_memory(config, layout, dtype=o["dtype"], zero1=o["zero1"], dp=dp,
-                         device_memory=o["device_memory"], reserve=o["reserve"])
+    report = plan_memory(
+        config,
+        layout,
+        dtype=o["dtype"],
+        zero1=o["zero1"],
+        dp=dp,
+        device_memory=o["device_memory"],
+        reserve=o["reserve"],
+    )
     if o["as_json"]:
         print_json(report.to_dict())
     else:
@@ -182,42 +222,104 @@ def plan_one(ctx, config, o: dict) -> None:
 
 
 @click.command(name="plan")
-@click.option("--config", required=True, type=click.Path(exists=True, dir_okay=True, path_type=Path),
-              help="The model's Hugging Face config.json (or its folder). No weights are read.")
-@click.option("--tp", "--tp-size", "tp", type=click.IntRange(min=1), default=None,
-              help="Tensor-parallel degree (default 1). With --suggest: consider only this tp.")
-@click.option("--pp", "--pp-size", "pp", type=click.IntRange(min=1), default=None,
-              help="Pipeline stages (default 1). With --suggest: consider only this pp.")
-@click.option("--kv-multiplier", "--kv-size-multiplier", "kv_multiplier", type=click.IntRange(min=1), default=None,
-              help="K/V head replicas, NxD's kv_size_multiplier (default 1). Each replica is real memory. "
-                   "With --suggest: only this multiplier (default: the smallest valid one for each tp).")
-@click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True,
-              help="Training dtype of the weights; gradients are counted in the same dtype. Adam keeps an fp32 "
-                   "master copy + exp_avg + exp_avg_sq (12 B/parameter) for bf16/fp16, exp_avg + exp_avg_sq "
-                   "(8 B/parameter) for fp32.")
-@click.option("--zero1", is_flag=True,
-              help="ZeRO-1: the optimizer state (only) is sharded over the data-parallel ranks (--dp).")
-@click.option("--dp", "--dp-size", "dp", type=click.IntRange(min=1), default=None,
-              help="Data-parallel degree: divides the optimizer state with --zero1 (default 1, or "
-                   "world size / (tp x pp) with --world-size).")
-@click.option("--world-size", type=click.IntRange(min=1), default=None,
-              help="Devices in total: only layouts with tp x pp x dp = this (dp is derived when not given).")
-@click.option("--device-memory", type=Size("device memory", require_unit=True), default=None, metavar="SIZE",
-              help=f"Memory of one device (one rank), with a unit ({SIZE_HELP}; a bare number is refused). "
-                   "Decides whether the layout fits.")
-@click.option("--reserve", default="10%", show_default=True,
-              help="Device memory kept back for activations, runtime and compiler scratch, which are NOT "
-                   "estimated: a percentage (10%), a fraction (0.1) or a size (2GiB). Raise it for long "
-                   "sequences or large micro-batches.")
-@click.option("--suggest", is_flag=True,
-              help="List the valid (tp, pp, kv-multiplier) layouts that fit --device-memory: smallest tp "
-                   "first, then smallest pp; layouts whose extra stages save no memory are left out.")
-@click.option("--max-pp", type=click.IntRange(min=1), default=None,
-              help="With --suggest: try pp up to this (default: the number of layers).")
-@click.option("--all-kv-multipliers", is_flag=True,
-              help="With --suggest: also list the larger valid kv-multipliers, not only the smallest per tp.")
-@click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True,
-              help="With --suggest: print at most this many layouts (0: all of them).")
+@click.option(
+    "--config",
+    required=True,
+    type=click.Path(exists=True, dir_okay=True, path_type=Path),
+    help="The model's Hugging Face config.json (or its folder). No weights are read.",
+)
+@click.option(
+    "--tp",
+    "--tp-size",
+    "tp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tensor-parallel degree (default 1). With --suggest: consider only this tp.",
+)
+@click.option(
+    "--pp",
+    "--pp-size",
+    "pp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Pipeline stages (default 1). With --suggest: consider only this pp.",
+)
+@click.option(
+    "--kv-multiplier",
+    "--kv-size-multiplier",
+    "kv_multiplier",
+    type=click.IntRange(min=1),
+    default=None,
+    help="K/V head replicas, NxD's kv_size_multiplier (default 1). Each replica is real memory. "
+    "With --suggest: only this multiplier (default: the smallest valid one for each tp).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPES),
+    default="bf16",
+    show_default=True,
+    help="Training dtype of the weights; gradients are counted in the same dtype. Adam keeps an fp32 "
+    "master copy + exp_avg + exp_avg_sq (12 B/parameter) for bf16/fp16, exp_avg + exp_avg_sq "
+    "(8 B/parameter) for fp32.",
+)
+@click.option(
+    "--zero1", is_flag=True, help="ZeRO-1: the optimizer state (only) is sharded over the data-parallel ranks (--dp)."
+)
+@click.option(
+    "--dp",
+    "--dp-size",
+    "dp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Data-parallel degree: divides the optimizer state with --zero1 (default 1, or "
+    "world size / (tp x pp) with --world-size).",
+)
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Devices in total: only layouts with tp x pp x dp = this (dp is derived when not given).",
+)
+@click.option(
+    "--device-memory",
+    type=Size("device memory", require_unit=True),
+    default=None,
+    metavar="SIZE",
+    help=f"Memory of one device (one rank), with a unit ({SIZE_HELP}; a bare number is refused). "
+    "Decides whether the layout fits.",
+)
+@click.option(
+    "--reserve",
+    default="10%",
+    show_default=True,
+    help="Device memory kept back for activations, runtime and compiler scratch, which are NOT "
+    "estimated: a percentage (10%), a fraction (0.1) or a size (2GiB). Raise it for long "
+    "sequences or large micro-batches.",
+)
+@click.option(
+    "--suggest",
+    is_flag=True,
+    help="List the valid (tp, pp, kv-multiplier) layouts that fit --device-memory: smallest tp "
+    "first, then smallest pp; layouts whose extra stages save no memory are left out.",
+)
+@click.option(
+    "--max-pp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --suggest: try pp up to this (default: the number of layers).",
+)
+@click.option(
+    "--all-kv-multipliers",
+    is_flag=True,
+    help="With --suggest: also list the larger valid kv-multipliers, not only the smallest per tp.",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=20,
+    show_default=True,
+    help="With --suggest: print at most this many layouts (0: all of them).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan (or the suggestions) as JSON on stdout.")
 @common_options
 @click.pass_context
@@ -237,8 +339,9 @@ def plan_cmd(ctx, config, **o):
       shardkit plan --config Llama-2-70b-hf/config.json --tp 32 --pp 4 --kv-multiplier 4 --device-memory 16GiB
       shardkit plan --config Llama-2-70b-hf --suggest --device-memory 16GiB --world-size 128 --zero1
     """
-    check_options(o["suggest"], o["max_pp"], o["all_kv_multipliers"], o["zero1"], o["dp"], o["world_size"],
-                  o["device_memory"])
+    check_options(
+        o["suggest"], o["max_pp"], o["all_kv_multipliers"], o["zero1"], o["dp"], o["world_size"], o["device_memory"]
+    )
     (suggest if o["suggest"] else plan_one)(ctx, config, o)
 
 

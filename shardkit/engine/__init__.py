@@ -6,5 +6,14 @@ from .check import TensorDiff, VerifyReport, inspect_checkpoint, verify_checkpoi
 from .executor import ProgressCallback
 from .operations import Result, WriteOptions, merge_checkpoint, reshard_checkpoint
 
-__all__ = ["ProgressCallback", "Result", "TensorDiff", "VerifyReport", "inspect_checkpoint", "merge_checkpoint",
-           "reshard_checkpoint", "verify_checkpoints", "WriteOptions"]
+__all__ = [
+    "ProgressCallback",
+    "Result",
+    "TensorDiff",
+    "VerifyReport",
+    "inspect_checkpoint",
+    "merge_checkpoint",
+    "reshard_checkpoint",
+    "verify_checkpoints",
+    "WriteOptions",
+]

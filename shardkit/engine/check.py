@@ -24,8 +24,9 @@ from ..placements import Segment, SegmentIndex
 log = logging.getLogger(__name__)
 
 
-def inspect_checkpoint(ckpt: Checkpoint, check_data: bool = False,
-                       progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def inspect_checkpoint(
+    ckpt: Checkpoint, check_data: bool = False, progress: Callable[[int, int], None] | None = None
+) -> dict[str, Any]:
     """Describe a checkpoint: kind, format, family, layout, stages, files, tensors and problems.
 
     With `check_data`, also re-hash files against the manifest and compare every replicated
@@ -45,9 +46,14 @@ def inspect_checkpoint(ckpt: Checkpoint, check_data: bool = False,
         "naming": ckpt.naming,
         "family": ckpt.family.name,
         "model": {
-            "model_type": dims.model_type, "layers": dims.num_layers, "hidden_size": dims.hidden_size,
-            "heads": dims.num_heads, "kv_heads": dims.num_kv_heads, "head_dim": dims.head_dim,
-            "intermediate_size": dims.intermediate_size, "vocab_size": dims.vocab_size,
+            "model_type": dims.model_type,
+            "layers": dims.num_layers,
+            "hidden_size": dims.hidden_size,
+            "heads": dims.num_heads,
+            "kv_heads": dims.num_kv_heads,
+            "head_dim": dims.head_dim,
+            "intermediate_size": dims.intermediate_size,
+            "vocab_size": dims.vocab_size,
             "tied_embeddings": dims.tie_word_embeddings,
             "parameters": sum(_numel(s) for s in ckpt.full_shapes.values()),
         },
@@ -77,8 +83,12 @@ def inspect_checkpoint(ckpt: Checkpoint, check_data: bool = False,
         problems += found
         found, differ = _check_replicas(ckpt, index, groups, tick) if index is not None else ([], 0)
         problems += found
-        report["checked"] = {"files_hashed": hashed, "hash_mismatches": mismatched,
-                             "replica_groups": len(groups), "replica_mismatches": differ}
+        report["checked"] = {
+            "files_hashed": hashed,
+            "hash_mismatches": mismatched,
+            "replica_groups": len(groups),
+            "replica_mismatches": differ,
+        }
     return report
 
 
@@ -111,10 +121,16 @@ def _manifest_entries(ckpt: Checkpoint) -> tuple[list[tuple[str, Path, int, str]
         return [], [f"{MANIFEST}: 'files' is not a list of files: the files cannot be checked (re-create the shards)"]
     entries, problems = [], []
     for i, entry in enumerate(files):
-        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)
-                and isinstance(entry.get("size"), int) and not isinstance(entry.get("size"), bool)
-                and isinstance(entry.get("sha256"), str)):
-            problems.append(f"{MANIFEST}: files[{i}] is not {{path: str, size: int, sha256: str}}: it cannot be checked")
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("path"), str)
+            and isinstance(entry.get("size"), int)
+            and not isinstance(entry.get("size"), bool)
+            and isinstance(entry.get("sha256"), str)
+        ):
+            problems.append(
+                f"{MANIFEST}: files[{i}] is not {{path: str, size: int, sha256: str}}: it cannot be checked"
+            )
             continue
         name = entry["path"]
         try:
@@ -273,8 +289,13 @@ class VerifyReport:
         return not self.mismatches
 
     def to_dict(self) -> dict[str, Any]:
-        return {"a": self.a, "b": self.b, "ok": self.ok, "mismatches": len(self.mismatches),
-                "tensors": [asdict(t) for t in self.tensors]}
+        return {
+            "a": self.a,
+            "b": self.b,
+            "ok": self.ok,
+            "mismatches": len(self.mismatches),
+            "tensors": [asdict(t) for t in self.tensors],
+        }
 
 
 def verify_checkpoints(
@@ -325,15 +346,25 @@ def verify_checkpoints(
     return report
 
 
-def _compare_tensor(name: str, shape: tuple[int, ...], ra: SourceReader, rb: SourceReader, da: torch.dtype,
-                    db: torch.dtype, atol: float, tick: _Progress) -> TensorDiff:
+def _compare_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    ra: SourceReader,
+    rb: SourceReader,
+    da: torch.dtype,
+    db: torch.dtype,
+    atol: float,
+    tick: _Progress,
+) -> TensorDiff:
     exact = atol == 0 and da == db
     work = torch.float64 if da == db == torch.float64 else torch.float32
     equal, worst = True, 0.0
     blocks: Iterator[tuple[torch.Tensor, torch.Tensor]]
     if shape:
-        blocks = ((ra.read_rows(name, start, stop), rb.read_rows(name, start, stop))
-                  for start, stop in _row_blocks(shape, VERIFY_BLOCK_BYTES))
+        blocks = (
+            (ra.read_rows(name, start, stop), rb.read_rows(name, start, stop))
+            for start, stop in _row_blocks(shape, VERIFY_BLOCK_BYTES)
+        )
     else:
         whole = Segment(name, 0, 0, 1)
         blocks = iter([(ra.read_segment(whole), rb.read_segment(whole))])

@@ -39,8 +39,9 @@ def plan_sharded(family: Family, dims: ModelDims, layout: Layout, fmt: str) -> l
     return outputs
 
 
-def plan_full(family: Family, dims: ModelDims, itemsize: int,
-              max_shard_size: int | str) -> tuple[list[OutputFile], dict | None]:
+def plan_full(
+    family: Family, dims: ModelDims, itemsize: int, max_shard_size: int | str
+) -> tuple[list[OutputFile], dict | None]:
     """Hugging Face safetensors files holding every full tensor, split by size."""
     shapes = family.full_shapes(dims)
     split_dims = family.split_dims(dims)

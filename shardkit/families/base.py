@@ -89,8 +89,10 @@ class Family:
     def splits_vocab(self) -> bool:
         """Whether the embedding or the lm_head is vocab-parallel (a Split of its vocab rows over
         tp), by the family's placements; BERT's are replicated."""
-        return any(isinstance(rule, Split) and rule.dim == 0 and rule.shape[:1] == ("vocab_size",)
-                   for rule in self.first + self.final)
+        return any(
+            isinstance(rule, Split) and rule.dim == 0 and rule.shape[:1] == ("vocab_size",)
+            for rule in self.first + self.final
+        )
 
     def validate(self, layout: Layout, dims: ModelDims) -> None:
         """Raise LayoutError with the reason when `layout` cannot hold this family's model of `dims`
@@ -99,8 +101,13 @@ class Family:
         self.check_layout(layout, dims)
 
     def rank_pieces(
-        self, layout: Layout, dims: ModelDims, tp_rank: int, pp_rank: int,
-        full_shapes: Mapping[str, tuple[int, ...]], ep_rank: int = 0,
+        self,
+        layout: Layout,
+        dims: ModelDims,
+        tp_rank: int,
+        pp_rank: int,
+        full_shapes: Mapping[str, tuple[int, ...]],
+        ep_rank: int = 0,
     ) -> list[Piece]:
         """The pieces of one rank file, in NxD's order. Expert-parallel ranks other than 0 hold
         only their experts (the rest is identical on every ep rank and saved once, as NxD does)."""
@@ -121,7 +128,7 @@ class Family:
             layer = emit(self.layer, prefix)
             if self.out_layer_prefix is not None:
                 out = self.out_layer_prefix.format(i=i)
-                layer = [dataclasses.replace(p, name=out + p.name[len(prefix):]) for p in layer]
+                layer = [dataclasses.replace(p, name=out + p.name[len(prefix) :]) for p in layer]
             pieces += layer
         if pp_rank == layout.pp - 1:
             pieces += emit(self.final, "")
@@ -151,8 +158,6 @@ class Family:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.ignored)
 
 
-
-
 REGISTRY: dict[str, Family] = {}
 """model_type -> family; filled by `register` as each family module is imported."""
 
@@ -161,7 +166,9 @@ def register(family: Family) -> Family:
     """Add a family under each of its model types (a family module calls this on its table)."""
     for model_type in family.model_types:
         if REGISTRY.get(model_type, family) is not family:
-            raise ValueError(f"model_type {model_type!r} is registered twice ({REGISTRY[model_type].name}, {family.name})")
+            raise ValueError(
+                f"model_type {model_type!r} is registered twice ({REGISTRY[model_type].name}, {family.name})"
+            )
         REGISTRY[model_type] = family
     return family
 
@@ -171,8 +178,13 @@ _LAYER_RES: list = [0, ()]  # [registry size when built, compiled patterns]
 
 def _layer_patterns() -> tuple[re.Pattern, ...]:
     if _LAYER_RES[0] != len(REGISTRY) or not _LAYER_RES[1]:
-        prefixes = dict.fromkeys([LAYER_PREFIX, *(f.layer_prefix for f in REGISTRY.values()),
-                                  *(f.out_layer_prefix for f in REGISTRY.values() if f.out_layer_prefix)])
+        prefixes = dict.fromkeys(
+            [
+                LAYER_PREFIX,
+                *(f.layer_prefix for f in REGISTRY.values()),
+                *(f.out_layer_prefix for f in REGISTRY.values() if f.out_layer_prefix),
+            ]
+        )
         patterns = []
         for prefix in prefixes:
             head, tail = prefix.split("{i}")

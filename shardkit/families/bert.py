@@ -35,39 +35,43 @@ def _row(name: str, rows, cols) -> tuple[Split, Replicated]:
     return Split(f"{name}.weight", 1, (rows, cols)), Replicated(f"{name}.bias", (rows,))
 
 
-FAMILY = register(Family(
-    name="bert",
-    model_types=("bert",),
-    first=(
-        Replicated(WORDS, (V, H)),
-        Replicated("bert.embeddings.position_embeddings.weight", ("max_position_embeddings", H)),
-        Replicated("bert.embeddings.token_type_embeddings.weight", ("type_vocab_size", H)),
-        *_layer_norm("bert.embeddings.LayerNorm"),
-    ),
-    layer=(
-        *_column("attention.self.query", "q_size", H),
-        *_column("attention.self.key", "q_size", H),
-        *_column("attention.self.value", "q_size", H),
-        *_row("attention.output.dense", H, "q_size"),
-        *_layer_norm("attention.output.LayerNorm"),
-        *_column("intermediate.dense", I, H),
-        *_row("output.dense", H, I),
-        *_layer_norm("output.LayerNorm"),
-    ),
-    final=(
-        Replicated("bert.pooler.dense.weight", (H, H)),
-        Replicated("bert.pooler.dense.bias", (H,)),
-        Replicated("cls.predictions.transform.dense.weight", (H, H)),
-        Replicated("cls.predictions.transform.dense.bias", (H,)),
-        *_layer_norm("cls.predictions.transform.LayerNorm"),
-        Replicated("cls.predictions.decoder.weight", (V, H), tied_to=WORDS),
-        Replicated("cls.predictions.bias", (V,)),
-        Replicated("cls.seq_relationship.weight", (2, H)),
-        Replicated("cls.seq_relationship.bias", (2,)),
-    ),
-    ignored=("bert.embeddings.position_ids", "cls.predictions.decoder.bias"),
-    layer_prefix="bert.encoder.layer.{i}.",
-    qkv_styles=("separate",),
-    qkv_reason=("NxD's BERT example keeps attention.self.query/key/value as three column-parallel linears "
-                "under their Hugging Face names: leave --qkv at its default"),
-))
+FAMILY = register(
+    Family(
+        name="bert",
+        model_types=("bert",),
+        first=(
+            Replicated(WORDS, (V, H)),
+            Replicated("bert.embeddings.position_embeddings.weight", ("max_position_embeddings", H)),
+            Replicated("bert.embeddings.token_type_embeddings.weight", ("type_vocab_size", H)),
+            *_layer_norm("bert.embeddings.LayerNorm"),
+        ),
+        layer=(
+            *_column("attention.self.query", "q_size", H),
+            *_column("attention.self.key", "q_size", H),
+            *_column("attention.self.value", "q_size", H),
+            *_row("attention.output.dense", H, "q_size"),
+            *_layer_norm("attention.output.LayerNorm"),
+            *_column("intermediate.dense", I, H),
+            *_row("output.dense", H, I),
+            *_layer_norm("output.LayerNorm"),
+        ),
+        final=(
+            Replicated("bert.pooler.dense.weight", (H, H)),
+            Replicated("bert.pooler.dense.bias", (H,)),
+            Replicated("cls.predictions.transform.dense.weight", (H, H)),
+            Replicated("cls.predictions.transform.dense.bias", (H,)),
+            *_layer_norm("cls.predictions.transform.LayerNorm"),
+            Replicated("cls.predictions.decoder.weight", (V, H), tied_to=WORDS),
+            Replicated("cls.predictions.bias", (V,)),
+            Replicated("cls.seq_relationship.weight", (2, H)),
+            Replicated("cls.seq_relationship.bias", (2,)),
+        ),
+        ignored=("bert.embeddings.position_ids", "cls.predictions.decoder.bias"),
+        layer_prefix="bert.encoder.layer.{i}.",
+        qkv_styles=("separate",),
+        qkv_reason=(
+            "NxD's BERT example keeps attention.self.query/key/value as three column-parallel linears "
+            "under their Hugging Face names: leave --qkv at its default"
+        ),
+    )
+)

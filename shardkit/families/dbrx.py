@@ -22,25 +22,38 @@ from .base import Family, register
 H, V = "hidden_size", "vocab_size"
 EXPERTS = "ffn.experts.mlp."
 
-FAMILY = register(Family(
-    name="dbrx",
-    model_types=("dbrx",),
-    first=(Split("transformer.wte.weight", 0, (V, H), out="model.embed_tokens.weight"),),
-    layer=(
-        HeadGroups(scope="norm_attn_norm.attn.", fused="Wqkv", o="out_proj", out_scope="self_attn.", o_out="o_proj",
-                   qkv_bias=lambda dims: False, o_bias=lambda dims: False),
-        Replicated("ffn.router.layer.weight", ("num_experts", H), out="mlp.router.linear_router.weight"),
-        FlatExperts(gate=EXPERTS + "w1", up=EXPERTS + "v1", down=EXPERTS + "w2",
-                    gate_up_out="mlp.expert_mlps.mlp_op.gate_up_proj.weight",
-                    down_out="mlp.expert_mlps.mlp_op.down_proj.weight"),
-        Replicated("norm_attn_norm.norm_1.weight", (H,), out="input_layernorm.weight"),
-        Replicated("norm_attn_norm.norm_2.weight", (H,), out="post_attention_layernorm.weight"),
-    ),
-    final=(
-        Replicated("transformer.norm_f.weight", (H,), out="model.norm.weight"),
-        Split("lm_head.weight", 0, (V, H), tied_to="transformer.wte.weight"),
-    ),
-    ignored=("*.rotary_emb.inv_freq",),
-    layer_prefix="transformer.blocks.{i}.",
-    out_layer_prefix="model.layers.{i}.",
-))
+FAMILY = register(
+    Family(
+        name="dbrx",
+        model_types=("dbrx",),
+        first=(Split("transformer.wte.weight", 0, (V, H), out="model.embed_tokens.weight"),),
+        layer=(
+            HeadGroups(
+                scope="norm_attn_norm.attn.",
+                fused="Wqkv",
+                o="out_proj",
+                out_scope="self_attn.",
+                o_out="o_proj",
+                qkv_bias=lambda dims: False,
+                o_bias=lambda dims: False,
+            ),
+            Replicated("ffn.router.layer.weight", ("num_experts", H), out="mlp.router.linear_router.weight"),
+            FlatExperts(
+                gate=EXPERTS + "w1",
+                up=EXPERTS + "v1",
+                down=EXPERTS + "w2",
+                gate_up_out="mlp.expert_mlps.mlp_op.gate_up_proj.weight",
+                down_out="mlp.expert_mlps.mlp_op.down_proj.weight",
+            ),
+            Replicated("norm_attn_norm.norm_1.weight", (H,), out="input_layernorm.weight"),
+            Replicated("norm_attn_norm.norm_2.weight", (H,), out="post_attention_layernorm.weight"),
+        ),
+        final=(
+            Replicated("transformer.norm_f.weight", (H,), out="model.norm.weight"),
+            Split("lm_head.weight", 0, (V, H), tied_to="transformer.wte.weight"),
+        ),
+        ignored=("*.rotary_emb.inv_freq",),
+        layer_prefix="transformer.blocks.{i}.",
+        out_layer_prefix="model.layers.{i}.",
+    )
+)

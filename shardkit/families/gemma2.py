@@ -12,14 +12,17 @@ from ..placements import HeadGroups
 from .base import Family, register
 from .llama import EMBEDDING, GATED_MLP, HEAD, norms
 
-GEMMA_NORMS = norms("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                    "post_feedforward_layernorm")
+GEMMA_NORMS = norms(
+    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
+)
 
-FAMILY = register(Family(
-    name="gemma2",
-    model_types=("gemma2",),
-    first=EMBEDDING,
-    layer=(HeadGroups(scope="self_attn."), *GATED_MLP, *GEMMA_NORMS),
-    final=HEAD,
-    ignored=("*.rotary_emb.inv_freq",),
-))
+FAMILY = register(
+    Family(
+        name="gemma2",
+        model_types=("gemma2",),
+        first=EMBEDDING,
+        layer=(HeadGroups(scope="self_attn."), *GATED_MLP, *GEMMA_NORMS),
+        final=HEAD,
+        ignored=("*.rotary_emb.inv_freq",),
+    )
+)

@@ -9,11 +9,13 @@ from .gemma2 import GEMMA_NORMS
 from .llama import EMBEDDING, GATED_MLP, HEAD
 from .qwen3 import QK_NORMS
 
-FAMILY = register(Family(
-    name="gemma3",
-    model_types=("gemma3_text",),
-    first=EMBEDDING,
-    layer=(HeadGroups(scope="self_attn."), *QK_NORMS, *GATED_MLP, *GEMMA_NORMS),
-    final=HEAD,
-    ignored=("*.rotary_emb.inv_freq",),
-))
+FAMILY = register(
+    Family(
+        name="gemma3",
+        model_types=("gemma3_text",),
+        first=EMBEDDING,
+        layer=(HeadGroups(scope="self_attn."), *QK_NORMS, *GATED_MLP, *GEMMA_NORMS),
+        final=HEAD,
+        ignored=("*.rotary_emb.inv_freq",),
+    )
+)

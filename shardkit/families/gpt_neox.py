@@ -24,28 +24,32 @@ def _qkv_rows(dims) -> int:
     return 3 * dims.q_size
 
 
-FAMILY = register(Family(
-    name="gpt_neox",
-    model_types=("gpt_neox",),
-    first=(Split("gpt_neox.embed_in.weight", 0, (V, H)),),
-    layer=(
-        *norms("input_layernorm", "post_attention_layernorm", bias=True),
-        Split("attention.query_key_value.weight", 0, (_qkv_rows, H)),
-        Split("attention.query_key_value.bias", 0, (_qkv_rows,)),
-        Split("attention.dense.weight", 1, (H, Q)),
-        Replicated("attention.dense.bias", (H,)),
-        Split("mlp.dense_h_to_4h.weight", 0, (I, H)),
-        Split("mlp.dense_h_to_4h.bias", 0, (I,)),
-        Split("mlp.dense_4h_to_h.weight", 1, (H, I)),
-        Replicated("mlp.dense_4h_to_h.bias", (H,)),
-    ),
-    final=(
-        *norms("gpt_neox.final_layer_norm", bias=True),
-        Split("embed_out.weight", 0, (V, H), tied_to="gpt_neox.embed_in.weight"),
-    ),
-    ignored=("*.attention.bias", "*.attention.masked_bias", "*.rotary_emb.inv_freq"),
-    layer_prefix="gpt_neox.layers.{i}.",
-    qkv_styles=("separate",),
-    qkv_reason=("NxD's GPT-NeoX example keeps attention.query_key_value fused per head "
-                "(each rank's heads, q/k/v interleaved per head): leave --qkv at its default"),
-))
+FAMILY = register(
+    Family(
+        name="gpt_neox",
+        model_types=("gpt_neox",),
+        first=(Split("gpt_neox.embed_in.weight", 0, (V, H)),),
+        layer=(
+            *norms("input_layernorm", "post_attention_layernorm", bias=True),
+            Split("attention.query_key_value.weight", 0, (_qkv_rows, H)),
+            Split("attention.query_key_value.bias", 0, (_qkv_rows,)),
+            Split("attention.dense.weight", 1, (H, Q)),
+            Replicated("attention.dense.bias", (H,)),
+            Split("mlp.dense_h_to_4h.weight", 0, (I, H)),
+            Split("mlp.dense_h_to_4h.bias", 0, (I,)),
+            Split("mlp.dense_4h_to_h.weight", 1, (H, I)),
+            Replicated("mlp.dense_4h_to_h.bias", (H,)),
+        ),
+        final=(
+            *norms("gpt_neox.final_layer_norm", bias=True),
+            Split("embed_out.weight", 0, (V, H), tied_to="gpt_neox.embed_in.weight"),
+        ),
+        ignored=("*.attention.bias", "*.attention.masked_bias", "*.rotary_emb.inv_freq"),
+        layer_prefix="gpt_neox.layers.{i}.",
+        qkv_styles=("separate",),
+        qkv_reason=(
+            "NxD's GPT-NeoX example keeps attention.query_key_value fused per head "
+            "(each rank's heads, q/k/v interleaved per head): leave --qkv at its default"
+        ),
+    )
+)

@@ -26,8 +26,7 @@ def norms(*names: str, bias: bool = False) -> tuple[Replicated, ...]:
 
 EMBEDDING = (Split("model.embed_tokens.weight", 0, (V, H)),)
 NORMS = norms("input_layernorm", "post_attention_layernorm")
-HEAD = (Replicated("model.norm.weight", (H,)),
-        Split("lm_head.weight", 0, (V, H), tied_to="model.embed_tokens.weight"))
+HEAD = (Replicated("model.norm.weight", (H,)), Split("lm_head.weight", 0, (V, H), tied_to="model.embed_tokens.weight"))
 GATED_MLP = (
     Fused("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0, (I, H)),
     Fused("mlp.gate_up_proj.bias", ("mlp.gate_proj.bias", "mlp.up_proj.bias"), 0, (I,), when=_mlp_bias),
@@ -35,11 +34,13 @@ GATED_MLP = (
     Replicated("mlp.down_proj.bias", (H,), when=_mlp_bias),
 )
 
-FAMILY = register(Family(
-    name="llama",
-    model_types=("llama",),
-    first=EMBEDDING,
-    layer=(HeadGroups(scope="self_attn."), *GATED_MLP, *NORMS),
-    final=HEAD,
-    ignored=("*.rotary_emb.inv_freq",),
-))
+FAMILY = register(
+    Family(
+        name="llama",
+        model_types=("llama",),
+        first=EMBEDDING,
+        layer=(HeadGroups(scope="self_attn."), *GATED_MLP, *NORMS),
+        final=HEAD,
+        ignored=("*.rotary_emb.inv_freq",),
+    )
+)

@@ -16,18 +16,26 @@ from .llama import EMBEDDING, HEAD, NORMS
 EXPERT = "block_sparse_moe.experts.{e}."
 
 
-FAMILY = register(Family(
-    name="mixtral",
-    model_types=("mixtral",),
-    first=EMBEDDING,
-    layer=(
-        HeadGroups(scope="self_attn."),
-        Replicated("block_sparse_moe.gate.weight", ("num_experts", "hidden_size"), out="mlp.router.linear_router.weight"),
-        Experts(gate=EXPERT + "w1.weight", up=EXPERT + "w3.weight", down=EXPERT + "w2.weight",
+FAMILY = register(
+    Family(
+        name="mixtral",
+        model_types=("mixtral",),
+        first=EMBEDDING,
+        layer=(
+            HeadGroups(scope="self_attn."),
+            Replicated(
+                "block_sparse_moe.gate.weight", ("num_experts", "hidden_size"), out="mlp.router.linear_router.weight"
+            ),
+            Experts(
+                gate=EXPERT + "w1.weight",
+                up=EXPERT + "w3.weight",
+                down=EXPERT + "w2.weight",
                 gate_up_out="mlp.expert_mlps.mlp_op.gate_up_proj.weight",
-                down_out="mlp.expert_mlps.mlp_op.down_proj.weight"),
-        *NORMS,
-    ),
-    final=HEAD,
-    ignored=("*.rotary_emb.inv_freq",),
-))
+                down_out="mlp.expert_mlps.mlp_op.down_proj.weight",
+            ),
+            *NORMS,
+        ),
+        final=HEAD,
+        ignored=("*.rotary_emb.inv_freq",),
+    )
+)

@@ -7,11 +7,17 @@ from ..placements import HeadGroups
 from .base import Family, register
 from .llama import EMBEDDING, GATED_MLP, HEAD, NORMS
 
-FAMILY = register(Family(
-    name="qwen2",
-    model_types=("qwen2",),
-    first=EMBEDDING,
-    layer=(HeadGroups(scope="self_attn.", qkv_bias=lambda dims: True, o_bias=lambda dims: False), *GATED_MLP, *NORMS),
-    final=HEAD,
-    ignored=("*.rotary_emb.inv_freq",),
-))
+FAMILY = register(
+    Family(
+        name="qwen2",
+        model_types=("qwen2",),
+        first=EMBEDDING,
+        layer=(
+            HeadGroups(scope="self_attn.", qkv_bias=lambda dims: True, o_bias=lambda dims: False),
+            *GATED_MLP,
+            *NORMS,
+        ),
+        final=HEAD,
+        ignored=("*.rotary_emb.inv_freq",),
+    )
+)

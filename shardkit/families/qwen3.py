@@ -10,11 +10,13 @@ from .llama import EMBEDDING, GATED_MLP, HEAD, NORMS
 
 QK_NORMS = (Replicated("self_attn.q_norm.weight", ("head_dim",)), Replicated("self_attn.k_norm.weight", ("head_dim",)))
 
-FAMILY = register(Family(
-    name="qwen3",
-    model_types=("qwen3",),
-    first=EMBEDDING,
-    layer=(HeadGroups(scope="self_attn."), *QK_NORMS, *GATED_MLP, *NORMS),
-    final=HEAD,
-    ignored=("*.rotary_emb.inv_freq",),
-))
+FAMILY = register(
+    Family(
+        name="qwen3",
+        model_types=("qwen3",),
+        first=EMBEDDING,
+        layer=(HeadGroups(scope="self_attn."), *QK_NORMS, *GATED_MLP, *NORMS),
+        final=HEAD,
+        ignored=("*.rotary_emb.inv_freq",),
+    )
+)

@@ -19,27 +19,36 @@ EXPERT = "mlp.experts.{e}."
 
 def _every_layer_moe(dims: ModelDims) -> str | None:
     if dims.dense_mlp_layers or dims.moe_every != 1:
-        return ("layers with a dense MLP (mlp_only_layers / decoder_sparse_step > 1) are not supported yet: "
-                "every layer must be a MoE layer")
+        return (
+            "layers with a dense MLP (mlp_only_layers / decoder_sparse_step > 1) are not supported yet: "
+            "every layer must be a MoE layer"
+        )
     if not dims.num_experts:
         return "config.json has no num_experts"
     return None
 
 
-FAMILY = register(Family(
-    name="qwen3_moe",
-    model_types=("qwen3_moe",),
-    first=EMBEDDING,
-    layer=(
-        HeadGroups(scope="self_attn."),
-        *QK_NORMS,
-        Replicated("mlp.gate.weight", ("num_experts", "hidden_size"), out="mlp.router.linear_router.weight"),
-        Experts(gate=EXPERT + "gate_proj.weight", up=EXPERT + "up_proj.weight", down=EXPERT + "down_proj.weight",
+FAMILY = register(
+    Family(
+        name="qwen3_moe",
+        model_types=("qwen3_moe",),
+        first=EMBEDDING,
+        layer=(
+            HeadGroups(scope="self_attn."),
+            *QK_NORMS,
+            Replicated("mlp.gate.weight", ("num_experts", "hidden_size"), out="mlp.router.linear_router.weight"),
+            Experts(
+                gate=EXPERT + "gate_proj.weight",
+                up=EXPERT + "up_proj.weight",
+                down=EXPERT + "down_proj.weight",
                 gate_up_out="mlp.expert_mlps.mlp_op.gate_up_proj.weight",
-                down_out="mlp.expert_mlps.mlp_op.down_proj.weight", inter="expert_intermediate_size"),
-        *NORMS,
-    ),
-    final=HEAD,
-    ignored=("*.rotary_emb.inv_freq",),
-    check=_every_layer_moe,
-))
+                down_out="mlp.expert_mlps.mlp_op.down_proj.weight",
+                inter="expert_intermediate_size",
+            ),
+            *NORMS,
+        ),
+        final=HEAD,
+        ignored=("*.rotary_emb.inv_freq",),
+        check=_every_layer_moe,
+    )
+)

@@ -30,6 +30,7 @@ from .registry import format_of_file
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class Checkpoint:
     """A checkpoint on disk, described in full-tensor terms."""
@@ -73,8 +74,7 @@ class Checkpoint:
             reader.close()
 
     def total_bytes(self) -> int:
-        return sum(f.stat().st_size for p in self.files.values()
-                   for f in format_of_file(p, self.format).files_of(p))
+        return sum(f.stat().st_size for p in self.files.values() for f in format_of_file(p, self.format).files_of(p))
 
     def check_files(self) -> None:
         """Every file holds exactly the pieces the layout says, with the right shapes."""
@@ -115,7 +115,9 @@ def load_config(path: Path | str) -> dict[str, Any]:
         raise FormatError(f"{path} is not valid JSON") from None
 
 
-def open_checkpoint(path: Path | str, config: Path | str | Mapping | None = None, hints: Mapping | None = None) -> Checkpoint:
+def open_checkpoint(
+    path: Path | str, config: Path | str | Mapping | None = None, hints: Mapping | None = None
+) -> Checkpoint:
     """Open any supported checkpoint. `config` overrides/provides config.json; `hints` are layout
     fields (qkv, kv_multiplier, kv_replication) for NxD shards whose layout cannot be inferred."""
     root = Path(path)
@@ -140,8 +142,9 @@ def open_checkpoint(path: Path | str, config: Path | str | Mapping | None = None
         return _open_nxd(root, rank_files, given, hints, where)
     if (root / "config.json").is_file() or given:
         files = hf.weight_files(root)
-        return _open_full(root, {f.name: f for f in files}, given or load_config(root),
-                          where or str(root / "config.json"))
+        return _open_full(
+            root, {f.name: f for f in files}, given or load_config(root), where or str(root / "config.json")
+        )
     raise FormatError(
         f"{root} is not a model directory: expected a Hugging Face directory (config.json + weights), "
         "shardkit shards (shardkit.json) or NxD rank files (model/dp_rank_00_tp_rank_00_pp_rank_00.pt)"
@@ -151,8 +154,13 @@ def open_checkpoint(path: Path | str, config: Path | str | Mapping | None = None
 def is_plain_hf_dir(path: Path) -> bool:
     """A Hugging Face model directory (config.json + weights), not shards of any kind."""
     path = Path(path)
-    return (path.is_dir() and (path / "config.json").is_file() and bool(hf.weight_files(path, strict=False))
-            and not (path / MANIFEST).is_file() and nxd.find_rank_files(path) is None)
+    return (
+        path.is_dir()
+        and (path / "config.json").is_file()
+        and bool(hf.weight_files(path, strict=False))
+        and not (path / MANIFEST).is_file()
+        and nxd.find_rank_files(path) is None
+    )
 
 
 def _config_near_path(path: Path) -> str:
@@ -183,7 +191,8 @@ def _open_full(root: Path, files: dict[str, Path], cfg: dict[str, Any], where: s
     if dims.num_layers > total:
         raise ConfigMismatchError(
             f"{where or 'config.json'}: num_hidden_layers is {dims.num_layers} but the weights hold only {total} "
-            "tensors: the config does not match the weights (fix num_hidden_layers or pass the right --config)")
+            "tensors: the config does not match the weights (fix num_hidden_layers or pass the right --config)"
+        )
     shapes = family.full_shapes(dims)
     split_dims = family.split_dims(dims)
     holdings: dict[str, list[Piece]] = {}
@@ -241,11 +250,25 @@ def _open_shardkit(root: Path, given: dict | None, where: str | None = None) -> 
         keys_by_rank[(ep, tp, pp)] = key
     holdings, ranks = _sharded_holdings(family, dims, layout, keys_by_rank)
     files = {key: root / key for key in holdings}
-    return Checkpoint(root, "sharded", fmt, cfg, family, dims, layout, files, holdings, ranks, manifest, "v3" if layout.ep > 1 else "v2")
+    return Checkpoint(
+        root,
+        "sharded",
+        fmt,
+        cfg,
+        family,
+        dims,
+        layout,
+        files,
+        holdings,
+        ranks,
+        manifest,
+        "v3" if layout.ep > 1 else "v2",
+    )
 
 
-def _open_nxd(root: Path, rank_files: nxd.RankFiles, given: dict | None, hints: Mapping,
-              where: str | None = None) -> Checkpoint:
+def _open_nxd(
+    root: Path, rank_files: nxd.RankFiles, given: dict | None, hints: Mapping, where: str | None = None
+) -> Checkpoint:
     if given is None:
         for candidate in (root / "config.json", root.parent / "config.json"):
             if candidate.is_file():
@@ -266,8 +289,9 @@ def _open_nxd(root: Path, rank_files: nxd.RankFiles, given: dict | None, hints: 
     finally:
         first.close()
     holdings, ranks = _sharded_holdings(family, dims, layout, keys_by_rank)
-    ckpt = Checkpoint(root, "sharded", rank_files.format, given, family, dims, layout, files, holdings, ranks,
-                      None, rank_files.naming)
+    ckpt = Checkpoint(
+        root, "sharded", rank_files.format, given, family, dims, layout, files, holdings, ranks, None, rank_files.naming
+    )
     if layout.kv_multiplier > 1 and "kv_replication" not in hints:
         ckpt = _decide_replication(ckpt, keys_by_rank)
     return ckpt

@@ -73,7 +73,9 @@ def find_rank_files(root: Path) -> RankFiles | None:
         return None
     for path in found.values():  # a stat each: a FIFO would block its reader, an empty file is no rank file
         if regular(path, "rank file").stat().st_size == 0:
-            raise FormatError(f"rank file {path} is empty (0 bytes): copy it back from the original or re-create the shards")
+            raise FormatError(
+                f"rank file {path} is empty (0 bytes): copy it back from the original or re-create the shards"
+            )
     formats = sorted({detect_format(p).name for p in found.values()})
     if len(formats) > 1:
         raise FormatError(f"{root} mixes rank files of formats {' and '.join(formats)}: keep one format per directory")
@@ -121,7 +123,9 @@ def _mlp_out_name(family: Family) -> str:
     return "mlp.down_proj.weight"
 
 
-def infer_layout(rank_files: RankFiles, first_file, dims: ModelDims, hints: dict, family: Family | None = None) -> Layout:
+def infer_layout(
+    rank_files: RankFiles, first_file, dims: ModelDims, hints: dict, family: Family | None = None
+) -> Layout:
     """The layout of NxD shards from file names, key names and shapes (and `hints` from flags).
 
     `first_file` is the open tp-rank-0, pp-rank-0 file; `family` (default: by the config's
@@ -176,7 +180,8 @@ def infer_layout(rank_files: RankFiles, first_file, dims: ModelDims, hints: dict
                 )
             m = max(1, per_rank * tp // dims.num_kv_heads)
     try:
-        return Layout(tp=tp, pp=pp, ep=ep, kv_multiplier=m, qkv=qkv,
-                      kv_replication=hints.get("kv_replication") or "interleaved")
+        return Layout(
+            tp=tp, pp=pp, ep=ep, kv_multiplier=m, qkv=qkv, kv_replication=hints.get("kv_replication") or "interleaved"
+        )
     except LayoutError as e:
         raise FormatError(f"cannot infer the layout of the shards: {e}") from None

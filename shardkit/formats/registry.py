@@ -55,15 +55,35 @@ FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         # Order matters for detection: the most specific first (xser files are also .pt files).
-        Format("xser", ".pt", "NxD xser", "torch-xla's xser: each tensor in its own file under <file>.tensors/",
-               reader=XserFile, writer=lambda path, root, specs, expert: XserWriter(path, root, specs, list(expert)),
-               detect=lambda path: tensors_dir(path).is_dir(), companions=_xser_companions),
-        Format("torch", ".pt", "NxD torch", "torch.save state dicts, NxD's own rank files",
-               reader=TorchFile, writer=lambda path, root, specs, expert: TorchWriter(path, root, specs),
-               detect=lambda path: True),
-        Format("safetensors", ".safetensors", "safetensors", "safetensors files: no pickle, fast to read",
-               reader=SafetensorsFile, writer=lambda path, root, specs, expert: SafetensorsWriter(path, root, specs),
-               detect=lambda path: True, chunked_writes=True),
+        Format(
+            "xser",
+            ".pt",
+            "NxD xser",
+            "torch-xla's xser: each tensor in its own file under <file>.tensors/",
+            reader=XserFile,
+            writer=lambda path, root, specs, expert: XserWriter(path, root, specs, list(expert)),
+            detect=lambda path: tensors_dir(path).is_dir(),
+            companions=_xser_companions,
+        ),
+        Format(
+            "torch",
+            ".pt",
+            "NxD torch",
+            "torch.save state dicts, NxD's own rank files",
+            reader=TorchFile,
+            writer=lambda path, root, specs, expert: TorchWriter(path, root, specs),
+            detect=lambda path: True,
+        ),
+        Format(
+            "safetensors",
+            ".safetensors",
+            "safetensors",
+            "safetensors files: no pickle, fast to read",
+            reader=SafetensorsFile,
+            writer=lambda path, root, specs, expert: SafetensorsWriter(path, root, specs),
+            detect=lambda path: True,
+            chunked_writes=True,
+        ),
     )
 }
 

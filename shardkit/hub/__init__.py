@@ -15,7 +15,20 @@ from .errors import (
 from .push import DEFAULT_RETRIES, check_repo, push
 
 __all__ = [
-    "CONFIG_FILES", "DEFAULT_RETRIES", "GatedRepoAccessError", "HubAuthError", "HubError", "HubOfflineError",
-    "HubRepoNotFoundError", "HubRevisionNotFoundError", "HubUploadError", "check_repo", "choose_files",
-    "looks_like_repo_id", "model_card", "push", "resolve_source", "weight_stats",
+    "CONFIG_FILES",
+    "DEFAULT_RETRIES",
+    "GatedRepoAccessError",
+    "HubAuthError",
+    "HubError",
+    "HubOfflineError",
+    "HubRepoNotFoundError",
+    "HubRevisionNotFoundError",
+    "HubUploadError",
+    "check_repo",
+    "choose_files",
+    "looks_like_repo_id",
+    "model_card",
+    "push",
+    "resolve_source",
+    "weight_stats",
 ]

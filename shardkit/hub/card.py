@@ -79,12 +79,22 @@ def _describe_origin(origin, config=None, hints=None) -> tuple[str, Mapping | No
             return "sharded (layout not recorded)", None
     if ckpt.kind == "hf":
         return "not sharded (a Hugging Face checkpoint)", None
-    return f"{ckpt.layout.describe()} ({get_format(ckpt.format).label} shards, {ckpt.family.name} family)", ckpt.manifest
+    return (
+        f"{ckpt.layout.describe()} ({get_format(ckpt.format).label} shards, {ckpt.family.name} family)",
+        ckpt.manifest,
+    )
 
 
-def model_card(folder: Path, repo_id: str, *, origin=None, command: str | None = None,
-               base_model: str | None = None, config: str | Path | Mapping | None = None,
-               hints: Mapping | None = None) -> str:
+def model_card(
+    folder: Path,
+    repo_id: str,
+    *,
+    origin=None,
+    command: str | None = None,
+    base_model: str | None = None,
+    config: str | Path | Mapping | None = None,
+    hints: Mapping | None = None,
+) -> str:
     """README.md for a pushed model: base model, the layout it was trained in, the shardkit
     command that produced it, tensor count and size. `origin`: the checkpoint (path or opened
     Checkpoint) the directory was merged from."""
@@ -115,10 +125,22 @@ def model_card(folder: Path, repo_id: str, *, origin=None, command: str | None =
     ]
     if manifest and manifest.get("command"):
         rows.append(("Shards written by", f"`{manifest['command']}`"))
-    lines = meta + [f"# {repo_id.split('/')[-1]}", "",
-                    f"Weights in Hugging Face format (safetensors), uploaded with shardkit {__version__}.", "",
-                    "| | |", "|---|---|"]
+    lines = meta + [
+        f"# {repo_id.split('/')[-1]}",
+        "",
+        f"Weights in Hugging Face format (safetensors), uploaded with shardkit {__version__}.",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v.replace('|', '/')} |" for k, v in rows]
-    lines += ["", "```python", "from transformers import AutoModelForCausalLM", "",
-              f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")', "```", ""]
+    lines += [
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
+        "```",
+        "",
+    ]
     return "\n".join(lines)

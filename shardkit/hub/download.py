@@ -72,8 +72,14 @@ def choose_files(files: Iterable[str], index: Mapping[str, Any] | None = None) -
     return sorted({*weights, *extras})
 
 
-def resolve_source(src: str | Path, revision: str | None = None, token: str | None = None, *,
-                   endpoint: str | None = None, cache_dir: str | Path | None = None) -> Path:
+def resolve_source(
+    src: str | Path,
+    revision: str | None = None,
+    token: str | None = None,
+    *,
+    endpoint: str | None = None,
+    cache_dir: str | Path | None = None,
+) -> Path:
     """A local checkpoint path for `src`: the path itself when it exists, else the Hub repo `src`
     downloaded into huggingface_hub's cache (weights, config and tokenizer files only).
 
@@ -96,15 +102,17 @@ def resolve_source(src: str | Path, revision: str | None = None, token: str | No
     except FormatError as e:
         raise FormatError(f"Hub repo {repo_id}: {e}") from None
     except Exception as e:
-        error = _translate(e, repo_id=repo_id, action="download", endpoint=endpoint, revision=revision, token=token,
-                           src=text)
+        error = _translate(
+            e, repo_id=repo_id, action="download", endpoint=endpoint, revision=revision, token=token, src=text
+        )
         if error is None:
             raise
         raise error from None
 
 
-def _download(repo_id: str, revision: str | None, token: str | None, endpoint: str | None,
-              cache_dir: str | Path | None) -> Path:
+def _download(
+    repo_id: str, revision: str | None, token: str | None, endpoint: str | None, cache_dir: str | Path | None
+) -> Path:
     from huggingface_hub import get_cached_repo_tree, hf_hub_download, snapshot_download
     from huggingface_hub.errors import CachedRepoTreeNotFoundError
 
@@ -117,19 +125,27 @@ def _download(repo_id: str, revision: str | None, token: str | None, endpoint: s
         api = _api(endpoint, token)
         info = api.model_info(repo_id, revision=revision)
         siblings = getattr(info, "siblings", None)
-        listing = ([s.rfilename for s in siblings] if siblings is not None
-                   else api.list_repo_files(repo_id, revision=revision))
+        listing = (
+            [s.rfilename for s in siblings] if siblings is not None else api.list_repo_files(repo_id, revision=revision)
+        )
     wanted = choose_files(listing)
     index_names = [f for f in wanted if f.endswith(".index.json")]
     if index_names:
-        index_path = hf_hub_download(repo_id, index_names[0], revision=revision, cache_dir=cache_dir, token=token,
-                                     endpoint=endpoint)
+        index_path = hf_hub_download(
+            repo_id, index_names[0], revision=revision, cache_dir=cache_dir, token=token, endpoint=endpoint
+        )
         try:
             index = json.loads(Path(index_path).read_text())
         except ValueError:
             raise FormatError(f"{index_names[0]} is not valid JSON") from None
         wanted = choose_files(listing, index)
     log.info("fetching %d files of %s: %s", len(wanted), repo_id, ", ".join(wanted))
-    folder = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, token=token, endpoint=endpoint,
-                               allow_patterns=[glob.escape(f) for f in wanted])
+    folder = snapshot_download(
+        repo_id,
+        revision=revision,
+        cache_dir=cache_dir,
+        token=token,
+        endpoint=endpoint,
+        allow_patterns=[glob.escape(f) for f in wanted],
+    )
     return Path(folder)

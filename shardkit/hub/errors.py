@@ -46,7 +46,6 @@ class HubUploadError(HubError):
 # ---- small helpers -----------------------------------------------------------------------------
 
 
-
 def _endpoint(endpoint: str | None) -> str:
     from huggingface_hub import constants
 
@@ -113,8 +112,16 @@ def _is_transient(exc: BaseException) -> bool:
     return False
 
 
-def _translate(exc: BaseException, *, repo_id: str, action: str, endpoint: str | None, revision: str | None = None,
-               token: str | None = None, src: str | None = None) -> HubError | None:
+def _translate(
+    exc: BaseException,
+    *,
+    repo_id: str,
+    action: str,
+    endpoint: str | None,
+    revision: str | None = None,
+    token: str | None = None,
+    src: str | None = None,
+) -> HubError | None:
     """A HubError for a huggingface_hub / network failure (None when it is something else)."""
     import httpx2
     from huggingface_hub.errors import (
@@ -135,13 +142,20 @@ def _translate(exc: BaseException, *, repo_id: str, action: str, endpoint: str |
     login = "set HF_TOKEN or run `hf auth login`"
     if isinstance(cause, GatedRepoError):
         who = "your account has not been granted access" if has_token else "you are not logged in"
-        return GatedRepoAccessError(_one_line(
-            f"{repo_id} is a gated repo and {who}: request access at {url}, then use a token of an account "
-            f"that has it ({login})", token))
+        return GatedRepoAccessError(
+            _one_line(
+                f"{repo_id} is a gated repo and {who}: request access at {url}, then use a token of an account "
+                f"that has it ({login})",
+                token,
+            )
+        )
     if isinstance(cause, RevisionNotFoundError):
-        return HubRevisionNotFoundError(_one_line(
-            f"{repo_id} has no revision {revision or 'main'!r}: give an existing branch, tag or commit with --revision",
-            token))
+        return HubRevisionNotFoundError(
+            _one_line(
+                f"{repo_id} has no revision {revision or 'main'!r}: give an existing branch, tag or commit with --revision",
+                token,
+            )
+        )
     if isinstance(cause, DisabledRepoError):
         return HubError(_one_line(f"{repo_id} has been disabled on the Hub ({url}): use another repo", token))
     if isinstance(cause, RepositoryNotFoundError):
@@ -150,8 +164,9 @@ def _translate(exc: BaseException, *, repo_id: str, action: str, endpoint: str |
             hint = "check the spelling" + ("" if has_token else f"; for a private repo, {login}")
             return HubRepoNotFoundError(_one_line(f"{what} you can access at {_endpoint(endpoint)}: {hint}", token))
         hint = "pass --create to create it" if action == "check" else "check the repo id"
-        return HubRepoNotFoundError(_one_line(
-            f"the Hub has no model repo {repo_id} (or your token cannot see it): {hint}", token))
+        return HubRepoNotFoundError(
+            _one_line(f"the Hub has no model repo {repo_id} (or your token cannot see it): {hint}", token)
+        )
     if isinstance(cause, (OfflineModeIsEnabled, LocalEntryNotFoundError)) and (
         _offline() or any(isinstance(e, OfflineModeIsEnabled) for e in _chain(exc))
     ):
@@ -160,26 +175,40 @@ def _translate(exc: BaseException, *, repo_id: str, action: str, endpoint: str |
         return HubOfflineError("pushing needs the network but offline mode is on (HF_HUB_OFFLINE=1): unset it")
     if isinstance(cause, (LocalEntryNotFoundError, httpx2.TransportError)):
         where = f" and {repo_id} is not in the local cache" if action == "download" else ""
-        return HubError(_one_line(
-            f"cannot reach the Hub at {_endpoint(endpoint)}{where} ({type(cause).__name__}): check the network, "
-            "proxy settings or HF_ENDPOINT, then retry", token))
+        return HubError(
+            _one_line(
+                f"cannot reach the Hub at {_endpoint(endpoint)}{where} ({type(cause).__name__}): check the network, "
+                "proxy settings or HF_ENDPOINT, then retry",
+                token,
+            )
+        )
     if isinstance(cause, HfHubHTTPError):
         status = _status(cause)
         detail = _server_message(cause)
         detail = f": {detail}" if detail else ""
         if status == 401:
             if has_token:
-                return HubAuthError(_one_line(
-                    f"the Hub rejected your token (401 Unauthorized{detail}): {login} with a valid token", token))
+                return HubAuthError(
+                    _one_line(
+                        f"the Hub rejected your token (401 Unauthorized{detail}): {login} with a valid token", token
+                    )
+                )
             return HubAuthError(_one_line(f"the Hub wants a token for {repo_id} (401 Unauthorized): {login}", token))
         if status == 403:
             if action in ("push", "check"):
-                return HubAuthError(_one_line(
-                    f"your token cannot write to {repo_id} (403 Forbidden{detail}): use a token with write access "
-                    f"to it ({login})", token))
-            return HubAuthError(_one_line(
-                f"access to {repo_id} is denied (403 Forbidden{detail}): use a token that can read it ({login})",
-                token))
+                return HubAuthError(
+                    _one_line(
+                        f"your token cannot write to {repo_id} (403 Forbidden{detail}): use a token with write access "
+                        f"to it ({login})",
+                        token,
+                    )
+                )
+            return HubAuthError(
+                _one_line(
+                    f"access to {repo_id} is denied (403 Forbidden{detail}): use a token that can read it ({login})",
+                    token,
+                )
+            )
         if status is not None and status >= 500:
             return HubError(_one_line(f"the Hub failed ({status}{detail}): try again later", token))
         return HubError(_one_line(f"the Hub refused the request ({status}{detail})", token))
@@ -187,8 +216,10 @@ def _translate(exc: BaseException, *, repo_id: str, action: str, endpoint: str |
 
 
 def _offline_message(repo_id: str) -> str:
-    return (f"{repo_id} is not a local path and not in the local Hugging Face cache, and offline mode is on "
-            "(HF_HUB_OFFLINE=1): download the repo once online, or unset HF_HUB_OFFLINE")
+    return (
+        f"{repo_id} is not a local path and not in the local Hugging Face cache, and offline mode is on "
+        "(HF_HUB_OFFLINE=1): download the repo once online, or unset HF_HUB_OFFLINE"
+    )
 
 
 def _has_token() -> bool:

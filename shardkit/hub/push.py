@@ -45,8 +45,15 @@ DEFAULT_RETRIES = 3
 """Upload attempts before `push` gives up (each attempt skips what the previous ones uploaded)."""
 
 
-def check_repo(repo_id: str, *, private: bool = False, create: bool = False, token: str | None = None,
-               endpoint: str | None = None, dry_run: bool = False) -> bool:
+def check_repo(
+    repo_id: str,
+    *,
+    private: bool = False,
+    create: bool = False,
+    token: str | None = None,
+    endpoint: str | None = None,
+    dry_run: bool = False,
+) -> bool:
     """Make sure `repo_id` can be pushed to: a token exists, the repo exists or `create` is given
     (then it is created, with `private` visibility, unless `dry_run`). Returns True when the repo
     is missing (and was created, without `dry_run`)."""
@@ -123,7 +130,8 @@ def _check_links(src: Path) -> None:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise ShardkitError(
             f"{path} is a symlink to {real}, outside {src}{more}: refusing to publish it; "
-            "replace the link with a copy of the file or remove it")
+            "replace the link with a copy of the file or remove it"
+        )
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -195,28 +203,55 @@ def push(
     try:
         folder = work / "model"
         if merged:
-            origin = origin or _merge_into(src, folder, config, hints, max_shard_size=max_shard_size, dtype=dtype,
-                                           workers=workers, progress=progress)
+            origin = origin or _merge_into(
+                src,
+                folder,
+                config,
+                hints,
+                max_shard_size=max_shard_size,
+                dtype=dtype,
+                workers=workers,
+                progress=progress,
+            )
         else:
             _link_tree(src, folder)
         card = not (folder / "README.md").exists()
         if card:
             command = command or f"shardkit.push({str(src)!r}, {repo_id!r})"
-            (folder / "README.md").write_text(model_card(folder, repo_id, origin=origin, command=command,
-                                                         base_model=base_model, config=config, hints=hints))
+            (folder / "README.md").write_text(
+                model_card(
+                    folder, repo_id, origin=origin, command=command, base_model=base_model, config=config, hints=hints
+                )
+            )
         if missing:
             check()  # created only now that there is something to upload
         if revision and revision != constants.DEFAULT_REVISION and not create_pr:
-            _call(lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), repo_id, endpoint, revision,
-                  token)
+            _call(
+                lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), repo_id, endpoint, revision, token
+            )
         message = commit_message or (f"Upload {src.name} with shardkit" + (" (merged from shards)" if merged else ""))
         try:
-            info = _upload(api, folder, repo_id, revision=revision, message=message, create_pr=create_pr,
-                           retries=retries, retry_wait=retry_wait, endpoint=endpoint, token=token)
+            info = _upload(
+                api,
+                folder,
+                repo_id,
+                revision=revision,
+                message=message,
+                create_pr=create_pr,
+                retries=retries,
+                retry_wait=retry_wait,
+                endpoint=endpoint,
+                token=token,
+            )
         except HubUploadError as e:
             keep = merged  # a merged copy is worth keeping: the next push resumes from it
-            raise HubUploadError(_one_line(f"{e} -- {_resume_hint(folder, repo_id, merged, revision, create_pr)} "
-                                           "(files already uploaded are skipped)", token)) from None
+            raise HubUploadError(
+                _one_line(
+                    f"{e} -- {_resume_hint(folder, repo_id, merged, revision, create_pr)} "
+                    "(files already uploaded are skipped)",
+                    token,
+                )
+            ) from None
         return _pushed(folder, src, repo_id, info, endpoint, revision, merged, card)
     finally:
         if not keep:
@@ -233,8 +268,10 @@ def _check_source(src: Path, revision: str | None, create_pr: bool) -> bool:
         raise HubError("--create-pr opens a pull request against the default branch: drop --revision")
     merged = not is_plain_hf_dir(src)
     if merged and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ShardkitError("push merges in one process: run `shardkit merge` under torchrun, then push the merged "
-                            "directory (or use `shardkit merge --push-to` there)")
+        raise ShardkitError(
+            "push merges in one process: run `shardkit merge` under torchrun, then push the merged "
+            "directory (or use `shardkit merge --push-to` there)"
+        )
     if not merged:
         _check_links(src)
     return merged
@@ -251,12 +288,23 @@ def _merge_into(src: Path, folder: Path, config, hints, **options: Any) -> Check
 def _resume_hint(folder: Path, repo_id: str, merged: bool, revision: str | None, create_pr: bool) -> str:
     if not merged:
         return "re-run the same command to resume"
-    return (f"the merged model is kept in {folder}; resume with: shardkit push {folder} {repo_id}"
-            + (f" --revision {revision}" if revision else "") + (" --create-pr" if create_pr else ""))
+    return (
+        f"the merged model is kept in {folder}; resume with: shardkit push {folder} {repo_id}"
+        + (f" --revision {revision}" if revision else "")
+        + (" --create-pr" if create_pr else "")
+    )
 
 
-def _pushed(folder: Path, src: Path, repo_id: str, info: Any, endpoint: str | None, revision: str | None,
-            merged: bool, card: bool) -> dict[str, Any]:
+def _pushed(
+    folder: Path,
+    src: Path,
+    repo_id: str,
+    info: Any,
+    endpoint: str | None,
+    revision: str | None,
+    merged: bool,
+    card: bool,
+) -> dict[str, Any]:
     """What `push` returns: where it went and what was uploaded."""
     from huggingface_hub import constants
 
@@ -293,12 +341,16 @@ def _upload(api, folder: Path, repo_id: str, *, revision, message, create_pr, re
     attempts = max(1, int(retries))
     for attempt in range(1, attempts + 1):
         try:
-            return api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision, commit_message=message,
-                                     create_pr=create_pr or None)
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=folder,
+                revision=revision,
+                commit_message=message,
+                create_pr=create_pr or None,
+            )
         except Exception as e:
             if not _is_transient(e):
-                error = _translate(e, repo_id=repo_id, action="push", endpoint=endpoint, revision=revision,
-                                   token=token)
+                error = _translate(e, repo_id=repo_id, action="push", endpoint=endpoint, revision=revision, token=token)
                 if error is None:
                     raise
                 raise error from None
