@@ -18,7 +18,7 @@ import torch
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
 from ..formats.reader import HashCheck
-from ..formats.base import FileRecord, TensorSpec
+from ..formats.base import FileRecord, TensorSpec, reused_buffers
 from .outputs import OutputFile
 
 ProgressCallback = Callable[[int, int], None]
@@ -60,6 +60,10 @@ def execute(
     lock = threading.Lock()
 
     def build(out: OutputFile) -> list[FileRecord]:
+        with reused_buffers():  # every tensor read is written and dropped before the next read
+            return build_file(out)
+
+    def build_file(out: OutputFile) -> list[FileRecord]:
         nonlocal done
         specs = [TensorSpec(p.name, p.shape, dtypes[p.segments[0].source]) for p in out.pieces]
         writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel)
