@@ -55,7 +55,7 @@ def reshard(
     *,
     format: str = "torch",
     dtype: str | torch.dtype | None = None,
-    workers: int = 1,
+    workers: int | str = "auto",
     overwrite: bool = False,
     config: ConfigArg = None,
     hints: Mapping | None = None,
@@ -66,7 +66,8 @@ def reshard(
 ) -> Result:
     """Write `src` (any checkpoint: a path or a Hub repo id) as shards of `layout` in `format`,
     reading only the slices each shard needs. `verify_hashes` checks every source file against
-    the sha256 its manifest lists (each once, as it is first read); False skips it."""
+    the sha256 its manifest lists (each once, as it is first read); False skips it. `workers`:
+    output files built in parallel (threads); "auto" (the default) is one per CPU core, at most 4."""
     return reshard_checkpoint(open_source(src, config, hints, revision), dst, layout, format=format, dtype=dtype,
                               workers=workers, overwrite=overwrite, progress=progress, command=command,
                               verify_hashes=verify_hashes)
@@ -84,7 +85,7 @@ def merge(
     *,
     max_shard_size: int | str = "5GB",
     dtype: str | torch.dtype | None = None,
-    workers: int = 1,
+    workers: int | str = "auto",
     overwrite: bool = False,
     config: ConfigArg = None,
     hints: Mapping | None = None,
@@ -94,7 +95,7 @@ def merge(
 ) -> Result:
     """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
     index + config). `verify_hashes` checks every source file against the sha256 its manifest
-    lists (each once, as it is first read); False skips it."""
+    lists (each once, as it is first read); False skips it. `workers` as in `reshard`."""
     return merge_checkpoint(open_source(src, config, hints, revision), dst, max_shard_size=max_shard_size,
                             dtype=dtype, workers=workers, overwrite=overwrite, progress=progress,
                             verify_hashes=verify_hashes)
@@ -142,7 +143,7 @@ def export_checkpoint(
     overwrite: bool = False,
     config: ConfigArg = None,
     hints: Mapping[str, Any] | None = None,
-    workers: int = 1,
+    workers: int | str = "auto",
     progress: ProgressCallback | None = None,
     verify_hashes: bool = True,
 ) -> Result:

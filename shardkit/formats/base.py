@@ -349,6 +349,9 @@ POOLED_BUFFERS = 4
 """Read buffers kept per thread inside `reused_buffers`."""
 POOLED_MIN = 1 << 20
 """Smaller reads always get fresh memory (the allocator reuses small blocks by itself)."""
+POOLED_BYTES = 128 << 20
+"""At most this many bytes of buffers kept per thread (larger reads get fresh memory): the pool
+never holds more than the reads of one or two tensors would anyway."""
 
 
 @contextlib.contextmanager
@@ -372,7 +375,7 @@ def reused_buffers():
 def empty_bytes(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 tensor of nbytes: from this thread's pool inside `reused_buffers`."""
     pool = _BUFFERS.pool
-    if _BUFFERS.depth == 0 or nbytes < POOLED_MIN:
+    if _BUFFERS.depth == 0 or nbytes < POOLED_MIN or nbytes > POOLED_BYTES // 2:
         return torch.empty(nbytes, dtype=torch.uint8)
     best = spare = None
     for i in range(len(pool)):
@@ -384,11 +387,12 @@ def empty_bytes(nbytes: int) -> torch.Tensor:
         elif size < nbytes and (spare is None or size < len(pool[spare])):
             spare = i
     if best is None:
-        if len(pool) < POOLED_BUFFERS:
+        kept = sum(len(b) for b in pool)
+        if len(pool) < POOLED_BUFFERS and kept + nbytes <= POOLED_BYTES:
             pool.append(bytearray(nbytes))
             best = len(pool) - 1
-        elif spare is not None:  # replace the smallest free buffer by a larger one
-            pool[spare] = bytearray(nbytes)
+        elif spare is not None and kept - len(pool[spare]) + nbytes <= POOLED_BYTES:
+            pool[spare] = bytearray(nbytes)  # the smallest free buffer makes way for a larger one
             best = spare
         else:
             return torch.empty(nbytes, dtype=torch.uint8)
