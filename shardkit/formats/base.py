@@ -140,8 +140,12 @@ class _HashJob:
         caller may free the bytes as soon as this returns)."""
         if self.take():
             self.run()
-        else:
+            return
+        try:
             self.done.wait()
+        except BaseException:  # Ctrl-C: the helper still reads the caller's bytes, never leave before it is done
+            self.done.wait()
+            raise
 
 
 _HASH_LOCK = threading.Lock()
