@@ -67,7 +67,8 @@ def reshard(
     """Write `src` (any checkpoint: a path or a Hub repo id) as shards of `layout` in `format`,
     reading only the slices each shard needs. `verify_hashes` checks every source file against
     the sha256 its manifest lists (each once, as it is first read); False skips it. `workers`:
-    output files built in parallel (threads); "auto" (the default) is one per CPU core, at most 4."""
+    output files built in parallel (threads); "auto" (the default) is one per CPU core, at most 4,
+    and fewer when the largest tensors of that many workers would not fit in 256 MiB together."""
     return reshard_checkpoint(open_source(src, config, hints, revision), dst, layout, format=format, dtype=dtype,
                               workers=workers, overwrite=overwrite, progress=progress, command=command,
                               verify_hashes=verify_hashes)

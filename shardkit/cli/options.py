@@ -228,7 +228,8 @@ def output_options(func: Callable) -> Callable:
         click.option("--dtype", type=click.Choice(DTYPES), default=None,
                      help="Cast weights to this dtype (default: keep the source's)."),
         click.option("--workers", type=WORKERS, default="auto", show_default=True,
-                     help="Output files built in parallel (threads), or auto: one per CPU core, at most 4 "
+                     help="Output files built in parallel (threads), or auto: one per CPU core, at most 4, fewer when "
+                          "the largest tensors would not fit 256 MiB across workers "
                           "(the sha256 of the output runs beside each worker in a helper thread). Memory grows "
                           "by about one tensor with each worker."),
         click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),

@@ -44,6 +44,7 @@ def execute(
     per file), in a background thread while the files are written, and before this returns: a
     mismatch raises FormatError and nothing is committed."""
     file_format = get_format(fmt)
+    auto = workers is None or workers == "auto"
     workers = resolve_workers(workers, len(outputs))
     index = src.index()
     source_dtypes = check_dtypes(src)
@@ -63,6 +64,10 @@ def execute(
                     raise FormatError(f"no file holds {source}")
                 dtypes[source] = dtype or source_dtypes[source]
     total = sum(p.numel() * dtypes[p.segments[0].source].itemsize for o in outputs for p in o.pieces)
+    if auto and workers > 1:
+        largest = max((_held_bytes(p, dtypes[p.segments[0].source].itemsize, file_format.chunked_writes)
+                       for o in outputs for p in o.pieces), default=0)
+        workers = max(1, min(workers, AUTO_MEMORY // max(1, 2 * largest)))
     done = 0
     reports: "queue.SimpleQueue[int]" = queue.SimpleQueue()  # bytes written, from worker threads
     cancel = threading.Event()
@@ -165,6 +170,21 @@ def auto_workers() -> int:
     except ValueError:
         ranks_here = 1
     return max(1, min(AUTO_MAX_WORKERS, cores // ranks_here))
+
+
+AUTO_MEMORY = 256 << 20
+"""What `auto` lets all workers together hold of tensors at once (about two of the largest piece
+each: the piece and the reads it is made of); beyond that it uses fewer workers, so that peak
+memory stays near what one worker needs (under 512 MiB with Python and torch on a 7B model)."""
+
+
+def _held_bytes(piece, itemsize: int, chunked: bool) -> int:
+    """The bytes a worker holds for one piece: all of it, unless the format streams it in blocks
+    of rows (then about one read; counted as at most 64 MiB)."""
+    nbytes = piece.numel() * itemsize
+    if chunked and not piece.stacked and not piece.transposed and piece.cat_dim == 0:
+        return min(nbytes, 64 << 20)
+    return nbytes
 
 
 def resolve_workers(workers: int | str | None, files: int) -> int:
