@@ -201,12 +201,37 @@ def source_options(func: Callable) -> Callable:
     return func
 
 
+class WorkerCount(click.ParamType):
+    """A positive integer or "auto"."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            number = int(str(value).strip())
+        except ValueError:
+            number = 0
+        if number < 1:
+            self.fail(f"{value!r} is not a positive integer or 'auto'", param, ctx)
+        return number
+
+
+WORKERS = WorkerCount()
+
+
 def output_options(func: Callable) -> Callable:
     options = [
         click.option("--dtype", type=click.Choice(DTYPES), default=None,
                      help="Cast weights to this dtype (default: keep the source's)."),
-        click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Output files built in parallel (threads). Memory grows with each worker."),
+        click.option("--workers", type=WORKERS, default="auto", show_default=True,
+                     help="Output files built in parallel (threads), or auto: one per CPU core, at most 4, fewer when "
+                          "the largest tensors would not fit 256 MiB across workers "
+                          "(the sha256 of the output runs beside each worker in a helper thread). Memory grows "
+                          "by about one tensor with each worker."),
         click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),
         verify_hashes_option,
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout."),

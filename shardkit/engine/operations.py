@@ -108,7 +108,7 @@ def _planned_bytes(outputs: Sequence[OutputFile], itemsize: int) -> int:
 
 
 def _produce(ckpt: Checkpoint, outputs: Sequence[OutputFile], dst: Path, fmt: str, dtype: torch.dtype | None,
-             workers: int, overwrite: bool, progress: ProgressCallback | None, finish,
+             workers: int | str, overwrite: bool, progress: ProgressCallback | None, finish,
              verify_hashes: bool) -> list[FileRecord]:
     """staging.produce, with rank 0's progress covering every rank's bytes under torchrun
     (StagingProgress)."""
@@ -129,8 +129,9 @@ class WriteOptions(TypedDict, total=False):
 
     dtype: str | torch.dtype | None
     """Cast weights to this dtype (bf16, fp16, fp32; default: keep the source's)."""
-    workers: int
-    """Output files built in parallel (threads; default 1)."""
+    workers: int | str
+    """Output files built in parallel (threads); "auto" (the default): one per CPU core, at most 4,
+    and fewer when the largest tensors of that many workers would not fit in 256 MiB together."""
     overwrite: bool
     """Replace a destination that exists and is not empty (default False)."""
     progress: ProgressCallback | None
@@ -142,7 +143,7 @@ class WriteOptions(TypedDict, total=False):
 
 def _write(ckpt: Checkpoint, outputs: Sequence[OutputFile], dst: str | Path, fmt: str, finish,
            options: WriteOptions) -> list[FileRecord]:
-    return _produce(ckpt, outputs, Path(dst), fmt, parse_dtype(options.get("dtype")), options.get("workers", 1),
+    return _produce(ckpt, outputs, Path(dst), fmt, parse_dtype(options.get("dtype")), options.get("workers", "auto"),
                     options.get("overwrite", False), options.get("progress"), finish,
                     options.get("verify_hashes", True))
 

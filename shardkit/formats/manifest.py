@@ -5,6 +5,7 @@ file's size and sha256, so that readers can trust nothing they cannot check."""
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -14,7 +15,7 @@ from .base import FileRecord
 
 MANIFEST = "shardkit.json"
 
-HASH_BLOCK = 4 << 20
+HASH_BLOCK = 1 << 20
 """Bytes read at once when a file is re-hashed."""
 
 
@@ -39,9 +40,15 @@ def manifest(*, fmt: str, family: str, layout: Layout, dtype: str | None, record
 
 
 def file_sha256(path: Path) -> str:
-    """The sha256 of a file, read in large blocks."""
+    """The sha256 of a file, read in large blocks into one reused buffer (no allocation, and no
+    fresh pages to fault in, per block), with sequential read-ahead."""
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(HASH_BLOCK):
-            digest.update(block)
+    view = memoryview(bytearray(HASH_BLOCK))
+    with open(path, "rb", buffering=0) as fh:
+        try:
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError):  # not on every platform or file system
+            pass
+        while n := fh.readinto(view):
+            digest.update(view[:n])
     return digest.hexdigest()

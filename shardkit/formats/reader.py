@@ -15,7 +15,7 @@ import torch
 
 from ..errors import FormatError
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
-from .base import TensorFile
+from .base import TensorFile, empty_tensor
 from .manifest import MANIFEST, file_sha256
 from .registry import format_of_file
 
@@ -170,7 +170,7 @@ class SourceReader:
         if len(reads) == 1:
             return self.read(reads[0])
         # several blocks of rows: read each straight into its place, no concatenation copy
-        out = torch.empty(piece.shape, dtype=self.dtype_of(piece.slabs[0][0].source))
+        out = empty_tensor(piece.shape, self.dtype_of(piece.slabs[0][0].source))
         row = 0
         for r in reads:
             block = out.narrow(0, row, r.stop - r.start)

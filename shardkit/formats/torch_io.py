@@ -7,6 +7,7 @@ real name. A file that asks for anything else is refused with a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -38,6 +39,31 @@ class TensorReference:
         return f"TensorReference(tid={self.tid})"
 
 
+_ALLOWED_LOCK = threading.Lock()
+_allowed_users = 0
+
+
+@contextlib.contextmanager
+def _reference_allowed():
+    """torch.serialization.safe_globals([TensorReference]), safe across threads: torch's context
+    adds to and removes from one process-wide list, so a thread leaving it would disallow the
+    class under another thread's load (workers read xser files in parallel). Counted instead:
+    allowed while any thread is inside."""
+    global _allowed_users
+    entry = [(TensorReference, XSER_REFERENCE)]
+    with _ALLOWED_LOCK:
+        if _allowed_users == 0:
+            torch.serialization.add_safe_globals(entry)
+        _allowed_users += 1
+    try:
+        yield
+    finally:
+        with _ALLOWED_LOCK:
+            _allowed_users -= 1
+            if _allowed_users == 0:
+                torch.serialization.safe_globals(entry).__exit__(None, None, None)
+
+
 def regular(path: Path, what: str = "file") -> Path:
     """`path` if it is a regular file; else a one-line FormatError (missing, a folder, or a FIFO,
     device or socket, which would block a reader forever)."""
@@ -51,7 +77,7 @@ def safe_load(path: Path, mmap: bool = True) -> Any:
     """torch.load with weights_only=True; TensorReference allowed; clear errors for bad files."""
     path = regular(Path(path))
     try:
-        with torch.serialization.safe_globals([(TensorReference, XSER_REFERENCE)]):
+        with _reference_allowed():
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             except RuntimeError as e:
@@ -127,7 +153,7 @@ def load_metadata(path: Path) -> Any:
 
     with zipfile.ZipFile(path) as archive:
         raw = archive.read(prefix + "data.pkl")
-    with torch.serialization.safe_globals([(TensorReference, XSER_REFERENCE)]):
+    with _reference_allowed():
         unpickler = torch_compat.weights_only_unpickler(io.BytesIO(raw), encoding="utf-8")
         unpickler.persistent_load = persistent_load
         obj = unpickler.load()
