@@ -39,11 +39,9 @@ def run_op(op: str, src: str, dst: str, verify: bool, workers: str) -> dict:
     count = workers if workers == "auto" else int(workers)
     if op == "merge":
         result = shardkit.merge(src, dst, workers=count, overwrite=True, verify_hashes=verify)
-    else:
-        config_kv = None  # the target layout's kv multiplier comes from the caller
-        result = shardkit.reshard(src, dst, shardkit.Layout(tp=4, pp=4, qkv="gqa", kv_multiplier=int(os.environ.get(
-            "BENCH_KV", "1"))), workers=count, overwrite=True, verify_hashes=verify)
-        del config_kv
+    else:  # to tp 4, pp 4; the kv multiplier that layout needs comes from the parent (BENCH_KV)
+        layout = shardkit.Layout(tp=4, pp=4, qkv="gqa", kv_multiplier=int(os.environ.get("BENCH_KV", "1")))
+        result = shardkit.reshard(src, dst, layout, workers=count, overwrite=True, verify_hashes=verify)
     return {"bytes": result.bytes}
 
 

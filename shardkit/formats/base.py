@@ -364,7 +364,7 @@ POOLED_BUFFERS = 4
 """Read buffers kept per thread inside `reused_buffers`."""
 POOLED_MIN = 1 << 20
 """Smaller reads always get fresh memory (the allocator reuses small blocks by itself)."""
-POOLED_BYTES = 128 << 20
+POOLED_BYTES = 64 << 20
 """At most this many bytes of buffers kept per thread (larger reads get fresh memory): the pool
 never holds more than the reads of one or two tensors would anyway."""
 
