@@ -14,14 +14,14 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
 from ..formats.reader import HashCheck
-from ..formats.base import FileRecord, TensorSpec, reused_buffers
+from ..formats.base import ChunkedWriter, FileRecord, TensorSpec, reused_buffers
 from .outputs import OutputFile
 
 ProgressCallback = Callable[[int, int], None]
@@ -78,7 +78,8 @@ def execute(
         nonlocal done
         if threading.current_thread() is caller:
             done += nbytes
-            progress(done, total)
+            if progress is not None:
+                progress(done, total)
         else:
             reports.put(nbytes)
 
@@ -103,14 +104,16 @@ def execute(
     def build_file(out: OutputFile) -> list[FileRecord]:
         specs = [TensorSpec(p.name, p.shape, dtypes[p.segments[0].source]) for p in out.pieces]
         writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel)
+        # the registry says this format's writer takes row blocks (write_chunks)
+        chunked = cast(ChunkedWriter, writer) if file_format.chunked_writes else None
         reader = SourceReader(src, index=index, hashes=hashes)
         try:
             for piece, spec in zip(out.pieces, specs):
                 if cancel.is_set():
                     raise _Cancelled()
-                blocks = reader.row_blocks(piece) if file_format.chunked_writes else None
-                if blocks is not None:
-                    writer.write_chunks(piece.name, blocks)
+                blocks = reader.row_blocks(piece) if chunked is not None else None
+                if chunked is not None and blocks is not None:
+                    chunked.write_chunks(piece.name, blocks)
                 else:
                     tensor = reader.read_piece(piece)
                     if tensor.dtype != spec.dtype:
