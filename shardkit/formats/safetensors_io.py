@@ -18,7 +18,7 @@ import os
 import stat
 import struct
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -174,7 +174,7 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._fd = None
+        self._fd: int | None = None
         fd, size = _open(self.path)
         try:
             header, data_start = _parse(self.path, fd, size)
@@ -192,6 +192,13 @@ class SafetensorsFile:
             raise
         self._fd = fd
 
+    @property
+    def _open_fd(self) -> int:
+        """The file's descriptor; ValueError once the reader is closed."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the reader is closed")
+        return self._fd
+
     def keys(self) -> list[str]:
         return list(self._tensors)
 
@@ -202,11 +209,11 @@ class SafetensorsFile:
         return self._tensors[name].dtype
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        return read_stored(self._fd, self._tensors[name], dim, start, stop, str(self.path))
+        return read_stored(self._open_fd, self._tensors[name], dim, start, stop, str(self.path))
 
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
-        return read_rows_into(self._fd, self._tensors[name], start, stop, out, str(self.path))
+        return read_rows_into(self._open_fd, self._tensors[name], start, stop, out, str(self.path))
 
     def close(self) -> None:
         if self._fd is not None:
@@ -225,7 +232,7 @@ class SafetensorsWriter(DiscardOnFailure):
         check_specs(specs)
         self._specs = list(specs)
         self._next = 0
-        self._file = None
+        self._file: HashingFile | None = None
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
         for spec in self._specs:
@@ -247,13 +254,13 @@ class SafetensorsWriter(DiscardOnFailure):
             spec = self._expect(name)
             if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
                 raise RuntimeError(f"expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
-            self._file.write(tensor_bytes(tensor))
+            self._open_file.write(tensor_bytes(tensor))
             self._next += 1
         except BaseException:
             self.abort()
             raise
 
-    def write_chunks(self, name: str, chunks) -> None:
+    def write_chunks(self, name: str, chunks: Iterable[torch.Tensor]) -> None:
         """Write a tensor as consecutive row blocks (each a tensor), without assembling it."""
         try:
             spec = self._expect(name)
@@ -262,7 +269,7 @@ class SafetensorsWriter(DiscardOnFailure):
                 if chunk.dtype != spec.dtype:
                     chunk = chunk.to(spec.dtype)
                 data = tensor_bytes(chunk)
-                self._file.write(data)
+                self._open_file.write(data)
                 written += len(data)
             if written != spec.nbytes:
                 raise RuntimeError(f"{name}: wrote {written} bytes, expected {spec.nbytes}")
@@ -271,12 +278,17 @@ class SafetensorsWriter(DiscardOnFailure):
             self.abort()
             raise
 
-    def _expect(self, name: str) -> TensorSpec:
+    @property
+    def _open_file(self) -> HashingFile:
         if self._file is None:
             raise RuntimeError("the safetensors writer is closed or was aborted")
+        return self._file
+
+    def _expect(self, name: str) -> TensorSpec:
+        file = self._open_file
         spec = self._specs[self._next] if self._next < len(self._specs) else None
         if spec is None or name != spec.name:
-            raise RuntimeError(f"{self._file.path}: expected {spec.name if spec else 'no more tensors'}, got {name}")
+            raise RuntimeError(f"{file.path}: expected {spec.name if spec else 'no more tensors'}, got {name}")
         return spec
 
     def close(self, fsync: bool = False) -> list[FileRecord]:

@@ -221,7 +221,7 @@ class TorchFile:
     def __init__(self, path: Path, single_tensor: bool = False):
         self.path = regular(Path(path))
         meta = read_metadata(self.path)
-        self._fd = None
+        self._fd: int | None = None
         if meta is None:  # legacy format: load it (bounded by one rank file)
             meta = safe_load(self.path, mmap=False)
         else:
@@ -236,6 +236,13 @@ class TorchFile:
             if not isinstance(value, (torch.Tensor, StoredTensor)):
                 raise FormatError(f"{self.path}: entry {name} is a {type(value).__name__}, not a tensor")
 
+    @property
+    def _open_fd(self) -> int:
+        """The file's descriptor; ValueError once the reader is closed."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the reader is closed")
+        return self._fd
+
     def keys(self) -> list[str]:
         return list(self._sd)
 
@@ -248,13 +255,13 @@ class TorchFile:
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         value = self._sd[name]
         if isinstance(value, StoredTensor):
-            return read_stored(self._fd, value, dim, start, stop, str(self.path))
+            return read_stored(self._open_fd, value, dim, start, stop, str(self.path))
         return compact(narrow(value, dim, start, stop))
 
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
         value = self._sd[name]
-        return isinstance(value, StoredTensor) and read_rows_into(self._fd, value, start, stop, out, str(self.path))
+        return isinstance(value, StoredTensor) and read_rows_into(self._open_fd, value, start, stop, out, str(self.path))
 
     def close(self) -> None:
         if self._fd is not None:
@@ -366,7 +373,8 @@ def torch_save(obj: Any, out: HashingFile, **kwargs) -> None:
     itself once torch has returned, never thrown through torch's zip writer (see _ZipSink)."""
     sink = _ZipSink(out)
     try:
-        torch.save(obj, sink, **kwargs)
+        # torch.save writes into any object with write() and flush(); its stub says IO[bytes]
+        torch.save(obj, sink, **kwargs)  # type: ignore[arg-type]
     finally:
         sink.discard()
     if sink.error is not None:
@@ -409,8 +417,11 @@ class TorchWriter(DiscardOnFailure):
 
     def _record(self, name: str, data, size: int) -> None:
         """One record through torch's writer; the sink's failure raised here, outside torch."""
+        zip_writer = self._zip
+        if zip_writer is None:
+            raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
         try:
-            self._zip.write_record(name, data, size)
+            zip_writer.write_record(name, data, size)
         except BaseException:
             self._broken = True  # thrown through torch's C++ writer: it is mid-record now
             raise

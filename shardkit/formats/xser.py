@@ -26,7 +26,7 @@ def tensors_dir(path: Path) -> Path:
     return Path(str(path) + ".tensors")
 
 
-def tensor_path(path: Path, tid: int) -> Path:
+def tensor_path(path: Path, tid: object) -> Path:
     """`<path>.tensors/tensor_<tid>.pt`; `tid` (read from the file) must be a non-negative int,
     anything else (a string such as "../../x") is refused before it becomes part of a path."""
     if type(tid) is not int or tid < 0:
@@ -144,10 +144,8 @@ class _ReferencePickler(torch_compat.PurePickler):
         super().save_global(obj, name)
 
 
-_PICKLE_MODULE = types.ModuleType("shardkit_xser_pickle")
-_PICKLE_MODULE.Pickler = _ReferencePickler
-_PICKLE_MODULE.Unpickler = pickle.Unpickler
-_PICKLE_MODULE.load = pickle.load
+_PICKLE_MODULE = types.ModuleType("shardkit_xser_pickle")  # the pickle_module torch.save and torch.load use
+vars(_PICKLE_MODULE).update(Pickler=_ReferencePickler, Unpickler=pickle.Unpickler, load=pickle.load)
 
 
 _PICKLE_BOUND = 1024  # bytes: the data.pkl of one tensor's file, or per entry of the reference and info files
