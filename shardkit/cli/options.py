@@ -13,12 +13,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
 from ..errors import ShardkitError
 from ..sizes import format_bytes, parse_size
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 DTYPES = ["bf16", "fp16", "fp32"]
 QKV_CHOICES = ["separate", "gqa", "fused", "coalesced"]
@@ -257,19 +260,21 @@ class Bar:
     --no-progress. Use as a context manager so the bar is closed on errors too."""
 
     def __init__(self, ctx: click.Context, desc: str):
-        self.desc, self.enabled, self.bar, self.last = desc, show_progress(ctx), None, 0
+        self.desc, self.enabled, self.last = desc, show_progress(ctx), 0
+        self.bar: tqdm | None = None
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
             return
-        if self.bar is None:
+        bar = self.bar
+        if bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024,
-                            file=sys.stderr, dynamic_ncols=True)
-        if total != self.bar.total:
-            self.bar.total = total
-        self.bar.update(done - self.last)
+            bar = self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024,
+                                  file=sys.stderr, dynamic_ncols=True)
+        if total != bar.total:
+            bar.total = total
+        bar.update(done - self.last)
         self.last = done
 
     def close(self) -> None:

@@ -176,7 +176,7 @@ def produce(
     dst: Path,
     fmt: str,
     dtype: torch.dtype | None,
-    workers: int,
+    workers: int | str,
     overwrite: bool,
     progress: ProgressCallback | None,
     finish: Callable[[Path, list[FileRecord]], None],
