@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from typing_extensions import Unpack
 
@@ -19,8 +20,8 @@ from .engine import (
     ProgressCallback,
     Result,
     TensorDiff,
-    WriteOptions,
     VerifyReport,
+    WriteOptions,
     inspect_checkpoint,
     merge_checkpoint,
     reshard_checkpoint,

@@ -12,8 +12,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -282,7 +283,7 @@ class Bar:
             self.bar.close()
             self.bar = None
 
-    def __enter__(self) -> "Bar":
+    def __enter__(self) -> Bar:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -11,17 +11,18 @@ import os
 import queue
 import threading
 from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from typing import Callable, Sequence, cast
+from typing import cast
 
 import torch
 
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
-from ..formats.reader import HashCheck
 from ..formats.base import ChunkedWriter, FileRecord, TensorSpec, reused_buffers
+from ..formats.reader import HashCheck
 from .outputs import OutputFile
 
 ProgressCallback = Callable[[int, int], None]
@@ -69,7 +70,7 @@ def execute(
                        for o in outputs for p in o.pieces), default=0)
         workers = max(1, min(workers, AUTO_MEMORY // max(1, 2 * largest)))
     done = 0
-    reports: "queue.SimpleQueue[int]" = queue.SimpleQueue()  # bytes written, from worker threads
+    reports: queue.SimpleQueue[int] = queue.SimpleQueue()  # bytes written, from worker threads
     cancel = threading.Event()
 
     def report(nbytes: int) -> None:

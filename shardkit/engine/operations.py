@@ -12,9 +12,10 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from typing_extensions import TypedDict, Unpack
@@ -92,7 +93,7 @@ class StagingProgress:
         while not self.stop.wait(self.interval):
             self.poll()
 
-    def __enter__(self) -> "StagingProgress":
+    def __enter__(self) -> StagingProgress:
         self.thread.start()
         return self
 

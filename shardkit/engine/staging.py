@@ -21,8 +21,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -30,8 +31,18 @@ from ..distributed import current_job
 from ..errors import DestinationExistsError, ShardkitError
 from ..formats import Checkpoint
 from ..formats.base import FileRecord
-from ..paths import (OLD_TAG, OWNER_FILE, STAGING_TAG, is_link, overlaps, recover_interrupted, remove_tree, resolved,
-                     sibling_name, write_owner)
+from ..paths import (
+    OLD_TAG,
+    OWNER_FILE,
+    STAGING_TAG,
+    is_link,
+    overlaps,
+    recover_interrupted,
+    remove_tree,
+    resolved,
+    sibling_name,
+    write_owner,
+)
 from .executor import ProgressCallback, execute
 from .outputs import OutputFile
 

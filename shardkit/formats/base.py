@@ -19,9 +19,10 @@ import queue
 import stat
 import sys
 import threading
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -477,7 +478,6 @@ def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int
     out_shape[dim] = stop - start
     if 0 in out_shape:
         return torch.empty(out_shape, dtype=t.dtype)
-    first = t.storage_offset + start * stride[dim]
     extent = 1 + sum((n - 1) * st for n, st in zip(out_shape, stride))
     row_major = stride == list(StoredTensor(t.dtype, t.shape, 0).strides())
     if dim > 0 and row_major and shape[0] > 1 and extent * item > STRIDED_READ_CHUNK:

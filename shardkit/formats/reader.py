@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,7 +35,7 @@ class HashCheck:
     the output is committed (it waits and raises the first mismatch), so that corrupt data never
     reaches the destination, at a fraction of the cost of hashing in the reading thread."""
 
-    def __init__(self, ckpt: "Checkpoint"):
+    def __init__(self, ckpt: Checkpoint):
         self.root = Path(ckpt.root)
         self.ckpt = ckpt
         self.expected: dict[str, tuple[int | None, str]] = {}
@@ -50,7 +51,7 @@ class HashCheck:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
-    def start(self, keys=None) -> "HashCheck":
+    def start(self, keys=None) -> HashCheck:
         """Hash the files of `keys` (default: every file of the checkpoint) in a background thread
         (see `finish`)."""
         if self.expected and self._thread is None:
@@ -135,7 +136,7 @@ class SourceReader:
     """Reads slices of a checkpoint's pieces. Readers hold only metadata and a file descriptor
     (bytes are read positionally, nothing is mapped), so files stay open, up to `max_open`."""
 
-    def __init__(self, ckpt: "Checkpoint", max_open: int = 256, index: SegmentIndex | None = None,
+    def __init__(self, ckpt: Checkpoint, max_open: int = 256, index: SegmentIndex | None = None,
                  hashes: HashCheck | None = None):
         self.ckpt = ckpt
         self.hashes = hashes

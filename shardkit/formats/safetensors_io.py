@@ -17,13 +17,23 @@ import json
 import os
 import stat
 import struct
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
 from ..errors import FormatError
-from .base import DiscardOnFailure, FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, read_rows_into, read_stored, tensor_bytes
+from .base import (
+    DiscardOnFailure,
+    FileRecord,
+    HashingFile,
+    StoredTensor,
+    TensorSpec,
+    check_specs,
+    read_rows_into,
+    read_stored,
+    tensor_bytes,
+)
 from .torch_io import regular
 
 _DTYPE_TO_ST = {

@@ -16,15 +16,27 @@ import sys
 import threading
 import zipfile
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from .. import torch_compat
 from ..errors import FormatError, ShardkitError
 from ..paths import regular_file
-from .base import DiscardOnFailure, FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, compact, narrow, read_rows_into, read_stored
+from .base import (
+    DiscardOnFailure,
+    FileRecord,
+    HashingFile,
+    StoredTensor,
+    TensorSpec,
+    check_specs,
+    compact,
+    narrow,
+    read_rows_into,
+    read_stored,
+)
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 
@@ -175,7 +187,7 @@ def load_metadata(path: Path) -> Any:
     return locate(obj)
 
 
-_METADATA_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
+_METADATA_CACHE: OrderedDict[tuple, Any] = OrderedDict()
 _METADATA_LOCK = threading.Lock()
 
 

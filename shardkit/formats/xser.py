@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pickle
 import types
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
