@@ -53,8 +53,9 @@ def execute(
     if verify_hashes:  # only the files this process reads (under torchrun, its share of the outputs)
         # in the order the outputs first read them: on a cold cache the check's sequential reads
         # then bring in the files (with read-ahead) just before the workers' reads of them
-        needed = dict.fromkeys(r.holder for out in outputs for p in out.pieces for seg in p.segments
-                               for r in index.locate(seg))
+        needed = dict.fromkeys(
+            r.holder for out in outputs for p in out.pieces for seg in p.segments for r in index.locate(seg)
+        )
         hashes = HashCheck(src).start([key for key in needed if key in src.files])
     dtypes: dict[str, torch.dtype] = {}
     for out in outputs:
@@ -66,8 +67,14 @@ def execute(
                 dtypes[source] = dtype or source_dtypes[source]
     total = sum(p.numel() * dtypes[p.segments[0].source].itemsize for o in outputs for p in o.pieces)
     if auto and workers > 1:
-        largest = max((_held_bytes(p, dtypes[p.segments[0].source].itemsize, file_format.chunked_writes)
-                       for o in outputs for p in o.pieces), default=0)
+        largest = max(
+            (
+                _held_bytes(p, dtypes[p.segments[0].source].itemsize, file_format.chunked_writes)
+                for o in outputs
+                for p in o.pieces
+            ),
+            default=0,
+        )
         workers = max(1, min(workers, AUTO_MEMORY // max(1, 2 * largest)))
     done = 0
     reports: queue.SimpleQueue[int] = queue.SimpleQueue()  # bytes written, from worker threads
@@ -261,6 +268,7 @@ def check_dtypes(src: Checkpoint) -> dict[str, torch.dtype]:
             odd, key, name = next(h for h in held if h[0] != common)
             raise FormatError(
                 f"{key}: {name} is {str(odd).replace('torch.', '')} but the other pieces of {source} are "
-                f"{str(common).replace('torch.', '')}: the shards are corrupt or mixed from different checkpoints")
+                f"{str(common).replace('torch.', '')}: the shards are corrupt or mixed from different checkpoints"
+            )
         dtypes[source] = held[0][0]
     return dtypes

@@ -112,11 +112,14 @@ def prepare_staging(dst: Path, overwrite: bool, sources: Iterable[Path] = ()) ->
         if is_link(dst):
             raise DestinationExistsError(
                 f"{dst} is a symlink (to {os.readlink(dst)}): shardkit never writes or deletes through a link; "
-                "give the real destination path")
+                "give the real destination path"
+            )
         for src in sources:
             if overlaps(dst, src):
-                raise ShardkitError(f"destination {dst} overlaps the source {src} (same folder, or one inside the "
-                                    "other, once links and '..' are resolved): choose another destination")
+                raise ShardkitError(
+                    f"destination {dst} overlaps the source {src} (same folder, or one inside the "
+                    "other, once links and '..' are resolved): choose another destination"
+                )
         recover_interrupted(dst, log)
         if dst.exists() and not dst.is_dir():
             raise DestinationExistsError(f"{dst} exists and is a file: choose another destination")
@@ -213,8 +216,18 @@ def _produce(src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish
     if isinstance(staging, BaseException):
         raise staging
     try:
-        mine = job.run_all_or_none(lambda: execute(src, job.share(list(outputs)), staging, fmt, dtype, workers,
-                                                   progress if job.leader else None, verify_hashes))
+        mine = job.run_all_or_none(
+            lambda: execute(
+                src,
+                job.share(list(outputs)),
+                staging,
+                fmt,
+                dtype,
+                workers,
+                progress if job.leader else None,
+                verify_hashes,
+            )
+        )
         records = sorted((r for part in job.gather(mine) for r in part), key=lambda r: r.path)
 
         def finish_and_rename() -> None:

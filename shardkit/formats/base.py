@@ -34,9 +34,14 @@ if TYPE_CHECKING:
     import numpy
 
 DTYPE_NAMES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 
@@ -197,8 +202,9 @@ class _Hasher:
                 if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
                     self._queue = queue.SimpleQueue()
                     self._pid = os.getpid()
-                    self._thread = threading.Thread(target=self._run, args=(self._queue,),
-                                                    name="shardkit-hash-writes", daemon=True)
+                    self._thread = threading.Thread(
+                        target=self._run, args=(self._queue,), name="shardkit-hash-writes", daemon=True
+                    )
                     self._thread.start()
         self._queue.put(job)
         return job
@@ -272,7 +278,7 @@ class HashingFile:
             else:
                 written = 0
                 for start in range(0, len(view), WRITE_BLOCK):
-                    written += self._file.write(view[start:start + WRITE_BLOCK])
+                    written += self._file.write(view[start : start + WRITE_BLOCK])
         except OSError as e:
             if job is not None:
                 job.finish()  # never return while the helper may still read `data`
@@ -330,7 +336,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a tensor (little-endian: the machine's order, checked), without copying
     when it is contiguous."""
     if sys.byteorder != "little":
-        raise RuntimeError("shardkit writes little-endian files and does not byte-swap: run it on a little-endian machine")
+        raise RuntimeError(
+            "shardkit writes little-endian files and does not byte-swap: run it on a little-endian machine"
+        )
     flat = tensor.detach().contiguous().reshape(-1)
     return array_view(flat.view(torch.uint8).numpy())
 
@@ -522,8 +530,13 @@ def read_rows_into(fd: int, t: StoredTensor, start: int, stop: int, out: torch.T
     tensor of the same dtype and row shape). False when the stored layout does not allow it."""
     stride = list(t.strides())
     row_shape = list(t.shape[1:])
-    if (not t.shape or out.dtype != t.dtype or not out.is_contiguous() or list(out.shape[1:]) != row_shape
-            or stride != list(StoredTensor(t.dtype, tuple(t.shape), 0).strides())):
+    if (
+        not t.shape
+        or out.dtype != t.dtype
+        or not out.is_contiguous()
+        or list(out.shape[1:]) != row_shape
+        or stride != list(StoredTensor(t.dtype, tuple(t.shape), 0).strides())
+    ):
         return False
     nbytes = out.numel() * out.element_size()
     if out.shape[0] != stop - start:

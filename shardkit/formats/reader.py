@@ -121,7 +121,8 @@ class HashCheck:
                 if not same:
                     raise FormatError(
                         f"{rel} in {self.root} does not match the sha256 in its {MANIFEST}: the file is corrupt or was "
-                        "changed; restore it or re-create the shards (--no-verify-hashes skips this check)")
+                        "changed; restore it or re-create the shards (--no-verify-hashes skips this check)"
+                    )
             self._checked.add(key)
 
 
@@ -136,8 +137,9 @@ class SourceReader:
     """Reads slices of a checkpoint's pieces. Readers hold only metadata and a file descriptor
     (bytes are read positionally, nothing is mapped), so files stay open, up to `max_open`."""
 
-    def __init__(self, ckpt: Checkpoint, max_open: int = 256, index: SegmentIndex | None = None,
-                 hashes: HashCheck | None = None):
+    def __init__(
+        self, ckpt: Checkpoint, max_open: int = 256, index: SegmentIndex | None = None, hashes: HashCheck | None = None
+    ):
         self.ckpt = ckpt
         self.hashes = hashes
         self.index = index or ckpt.index()
@@ -233,8 +235,9 @@ class SourceReader:
             key = (r.holder, r.piece_name, r.slab)
             if key not in self._kept:
                 file = self._file(_key(r.holder))
-                self._kept[key] = (file.read(r.piece_name, 0, r.slab, r.slab + 1)[0] if r.slab is not None
-                                   else file.read(r.piece_name))
+                self._kept[key] = (
+                    file.read(r.piece_name, 0, r.slab, r.slab + 1)[0] if r.slab is not None else file.read(r.piece_name)
+                )
             part = r.take(self._kept[key])
             parts.append(part if dim == 0 else part.narrow(0, start, stop - start))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)

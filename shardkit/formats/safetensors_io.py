@@ -37,16 +37,44 @@ from .base import (
 from .torch_io import regular
 
 _DTYPE_TO_ST = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _ST_TO_DTYPE = {v: k for k, v in _DTYPE_TO_ST.items()}
 # every dtype of the safetensors format, with its size in bits (the library's own list)
 _ST_BITS = {
-    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
-    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
-    "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
 }
 MAX_HEADER = 100_000_000  # bytes, as the safetensors library
 
@@ -140,8 +168,7 @@ def _check_entries(header: dict, data_size: int) -> None:
     spans = []
     for name, info in header.items():
         if name == "__metadata__":
-            if info is not None and (not isinstance(info, dict)
-                                     or not all(isinstance(v, str) for v in info.values())):
+            if info is not None and (not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values())):
                 raise _HeaderError("__metadata__ is not a map of strings to strings")
             continue
         if not isinstance(info, dict):
@@ -151,15 +178,21 @@ def _check_entries(header: dict, data_size: int) -> None:
             raise _HeaderError(f"tensor {name!r} has an unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_natural(n) for n in shape):
             raise _HeaderError(f"tensor {name!r} has an invalid shape {shape!r}")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(n) for n in offsets)
-                or offsets[0] > offsets[1]):
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_natural(n) for n in offsets)
+            or offsets[0] > offsets[1]
+        ):
             raise _HeaderError(f"tensor {name!r} has invalid data_offsets {offsets!r}")
         bits = _ST_BITS[dtype]
         for n in shape:
             bits *= n
         if bits != 8 * (offsets[1] - offsets[0]):
-            raise _HeaderError(f"tensor {name!r}: data_offsets span {offsets[1] - offsets[0]} bytes, "
-                               f"its shape {shape} of {dtype} needs {bits / 8:g}")
+            raise _HeaderError(
+                f"tensor {name!r}: data_offsets span {offsets[1] - offsets[0]} bytes, "
+                f"its shape {shape} of {dtype} needs {bits / 8:g}"
+            )
         spans.append((offsets[0], offsets[1], name))
     spans.sort()
     end = 0
@@ -167,8 +200,11 @@ def _check_entries(header: dict, data_size: int) -> None:
         if begin < end:
             raise _HeaderError(f"tensor {name!r} overlaps the tensor before it")
         if begin > end:
-            raise _HeaderError(f"the data does not start at 0: the first tensor, {name!r}, starts at {begin}" if end == 0
-                               else f"a gap of {begin - end} bytes lies before tensor {name!r}")
+            raise _HeaderError(
+                f"the data does not start at 0: the first tensor, {name!r}, starts at {begin}"
+                if end == 0
+                else f"a gap of {begin - end} bytes lies before tensor {name!r}"
+            )
         end = stop
     if end > data_size:
         raise _Truncated(f"its tensors need {end} bytes of data, it holds {data_size}")
@@ -193,10 +229,13 @@ class SafetensorsFile:
                 if name == "__metadata__":
                     continue
                 if info["dtype"] not in _ST_TO_DTYPE:
-                    raise FormatError(f"{self.path}: tensor {name} has dtype {info['dtype']}, which shardkit does not "
-                                      f"read (it reads {', '.join(sorted(_ST_TO_DTYPE))})")
-                self._tensors[name] = StoredTensor(_ST_TO_DTYPE[info["dtype"]], tuple(info["shape"]),
-                                                   data_start + info["data_offsets"][0])
+                    raise FormatError(
+                        f"{self.path}: tensor {name} has dtype {info['dtype']}, which shardkit does not "
+                        f"read (it reads {', '.join(sorted(_ST_TO_DTYPE))})"
+                    )
+                self._tensors[name] = StoredTensor(
+                    _ST_TO_DTYPE[info["dtype"]], tuple(info["shape"]), data_start + info["data_offsets"][0]
+                )
         except BaseException:
             os.close(fd)
             raise
@@ -246,8 +285,11 @@ class SafetensorsWriter(DiscardOnFailure):
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
         for spec in self._specs:
-            header[spec.name] = {"dtype": _DTYPE_TO_ST[spec.dtype], "shape": list(spec.shape),
-                                 "data_offsets": [offset, offset + spec.nbytes]}
+            header[spec.name] = {
+                "dtype": _DTYPE_TO_ST[spec.dtype],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)

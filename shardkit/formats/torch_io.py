@@ -221,7 +221,9 @@ def _read_metadata_uncached(path: Path) -> Any:
             "shardkit never runs arbitrary pickle: re-save it as a plain state dict"
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, KeyError, struct.error) as e:
-        raise FormatError(f"{path} is truncated or corrupt ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}): re-create it") from None
+        raise FormatError(
+            f"{path} is truncated or corrupt ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}): re-create it"
+        ) from None
 
 
 class TorchFile:
@@ -273,7 +275,9 @@ class TorchFile:
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
         value = self._sd[name]
-        return isinstance(value, StoredTensor) and read_rows_into(self._open_fd, value, start, stop, out, str(self.path))
+        return isinstance(value, StoredTensor) and read_rows_into(
+            self._open_fd, value, start, stop, out, str(self.path)
+        )
 
     def close(self) -> None:
         if self._fd is not None:
@@ -445,8 +449,12 @@ class TorchWriter(DiscardOnFailure):
             if self._zip is None:
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
             spec = self._specs[self._next] if self._next < len(self._specs) else None
-            if (spec is None or spec.name != name or tuple(tensor.shape) != tuple(spec.shape)
-                    or tensor.dtype != spec.dtype):
+            if (
+                spec is None
+                or spec.name != name
+                or tuple(tensor.shape) != tuple(spec.shape)
+                or tensor.dtype != spec.dtype
+            ):
                 raise RuntimeError(f"{self.path}: expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
             storage = compact(tensor.detach()).untyped_storage()
             self._record(f"data/{self._next}", storage, spec.nbytes)
@@ -460,7 +468,7 @@ class TorchWriter(DiscardOnFailure):
             if self._zip is None:
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
             if self._next != len(self._specs):
-                missing = [s.name for s in self._specs[self._next:]]
+                missing = [s.name for s in self._specs[self._next :]]
                 raise RuntimeError(f"{self.path}: tensors not written: {missing[:3]}")
             try:
                 self._zip.write_end_of_file()
