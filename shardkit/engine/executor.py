@@ -11,17 +11,18 @@ import os
 import queue
 import threading
 from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import cast
 
 import torch
 
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
+from ..formats.base import ChunkedWriter, FileRecord, TensorSpec, reused_buffers
 from ..formats.reader import HashCheck
-from ..formats.base import FileRecord, TensorSpec, reused_buffers
 from .outputs import OutputFile
 
 ProgressCallback = Callable[[int, int], None]
@@ -52,8 +53,9 @@ def execute(
     if verify_hashes:  # only the files this process reads (under torchrun, its share of the outputs)
         # in the order the outputs first read them: on a cold cache the check's sequential reads
         # then bring in the files (with read-ahead) just before the workers' reads of them
-        needed = dict.fromkeys(r.holder for out in outputs for p in out.pieces for seg in p.segments
-                               for r in index.locate(seg))
+        needed = dict.fromkeys(
+            r.holder for out in outputs for p in out.pieces for seg in p.segments for r in index.locate(seg)
+        )
         hashes = HashCheck(src).start([key for key in needed if key in src.files])
     dtypes: dict[str, torch.dtype] = {}
     for out in outputs:
@@ -65,11 +67,17 @@ def execute(
                 dtypes[source] = dtype or source_dtypes[source]
     total = sum(p.numel() * dtypes[p.segments[0].source].itemsize for o in outputs for p in o.pieces)
     if auto and workers > 1:
-        largest = max((_held_bytes(p, dtypes[p.segments[0].source].itemsize, file_format.chunked_writes)
-                       for o in outputs for p in o.pieces), default=0)
+        largest = max(
+            (
+                _held_bytes(p, dtypes[p.segments[0].source].itemsize, file_format.chunked_writes)
+                for o in outputs
+                for p in o.pieces
+            ),
+            default=0,
+        )
         workers = max(1, min(workers, AUTO_MEMORY // max(1, 2 * largest)))
     done = 0
-    reports: "queue.SimpleQueue[int]" = queue.SimpleQueue()  # bytes written, from worker threads
+    reports: queue.SimpleQueue[int] = queue.SimpleQueue()  # bytes written, from worker threads
     cancel = threading.Event()
 
     def report(nbytes: int) -> None:
@@ -78,7 +86,8 @@ def execute(
         nonlocal done
         if threading.current_thread() is caller:
             done += nbytes
-            progress(done, total)
+            if progress is not None:
+                progress(done, total)
         else:
             reports.put(nbytes)
 
@@ -103,14 +112,16 @@ def execute(
     def build_file(out: OutputFile) -> list[FileRecord]:
         specs = [TensorSpec(p.name, p.shape, dtypes[p.segments[0].source]) for p in out.pieces]
         writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel)
+        # the registry says this format's writer takes row blocks (write_chunks)
+        chunked = cast(ChunkedWriter, writer) if file_format.chunked_writes else None
         reader = SourceReader(src, index=index, hashes=hashes)
         try:
             for piece, spec in zip(out.pieces, specs):
                 if cancel.is_set():
                     raise _Cancelled()
-                blocks = reader.row_blocks(piece) if file_format.chunked_writes else None
-                if blocks is not None:
-                    writer.write_chunks(piece.name, blocks)
+                blocks = reader.row_blocks(piece) if chunked is not None else None
+                if chunked is not None and blocks is not None:
+                    chunked.write_chunks(piece.name, blocks)
                 else:
                     tensor = reader.read_piece(piece)
                     if tensor.dtype != spec.dtype:
@@ -257,6 +268,7 @@ def check_dtypes(src: Checkpoint) -> dict[str, torch.dtype]:
             odd, key, name = next(h for h in held if h[0] != common)
             raise FormatError(
                 f"{key}: {name} is {str(odd).replace('torch.', '')} but the other pieces of {source} are "
-                f"{str(common).replace('torch.', '')}: the shards are corrupt or mixed from different checkpoints")
+                f"{str(common).replace('torch.', '')}: the shards are corrupt or mixed from different checkpoints"
+            )
         dtypes[source] = held[0][0]
     return dtypes

@@ -19,18 +19,29 @@ import queue
 import stat
 import sys
 import threading
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from ..errors import FormatError
 
+if TYPE_CHECKING:
+    import io
+
+    import numpy
+
 DTYPE_NAMES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 
@@ -81,6 +92,17 @@ class TensorFileWriter(Protocol):
     def write(self, name: str, tensor: torch.Tensor) -> None: ...
     def close(self, fsync: bool = False) -> list[FileRecord]: ...
 
+    def abort(self) -> None:
+        """Give up the file: close and delete it (safe to call more than once)."""
+        ...
+
+
+class ChunkedWriter(TensorFileWriter, Protocol):
+    """A writer of a format whose registry entry says `chunked_writes`: it also takes a tensor as
+    consecutive blocks of rows, without the tensor ever being assembled."""
+
+    def write_chunks(self, name: str, chunks: Iterable[torch.Tensor]) -> None: ...
+
 
 class DiscardOnFailure:
     """What every streaming writer does with failure: leaving a `with` block on an exception
@@ -124,7 +146,12 @@ class _HashJob:
 
     __slots__ = ("hash", "view", "taken", "done")
 
-    def __init__(self, digest, view: memoryview):
+    hash: Any  # a hashlib object
+    view: memoryview | None  # None once hashed
+    taken: bool
+    done: threading.Event
+
+    def __init__(self, digest: Any, view: memoryview):
         self.hash, self.view, self.taken, self.done = digest, view, False, threading.Event()
 
     def take(self) -> bool:
@@ -163,26 +190,27 @@ class _Hasher:
     the two are the largest CPU costs of writing. The writing thread takes a block back when the
     helper is busy (with another worker's block), so hashing never waits for the helper."""
 
-    def __init__(self):
-        self._queue: "queue.SimpleQueue[_HashJob]" = queue.SimpleQueue()
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[_HashJob] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._pid = None
+        self._pid: int | None = None
 
-    def submit(self, digest, view: memoryview) -> _HashJob:
+    def submit(self, digest: Any, view: memoryview) -> _HashJob:
         job = _HashJob(digest, view)
         if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
             with _HASH_LOCK:  # (re)started lazily, also in a forked child
                 if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
                     self._queue = queue.SimpleQueue()
                     self._pid = os.getpid()
-                    self._thread = threading.Thread(target=self._run, args=(self._queue,),
-                                                    name="shardkit-hash-writes", daemon=True)
+                    self._thread = threading.Thread(
+                        target=self._run, args=(self._queue,), name="shardkit-hash-writes", daemon=True
+                    )
                     self._thread.start()
         self._queue.put(job)
         return job
 
     @staticmethod
-    def _run(jobs) -> None:
+    def _run(jobs: queue.SimpleQueue[_HashJob]) -> None:
         while True:
             job = jobs.get()
             if job.take():
@@ -205,7 +233,7 @@ class HashingFile:
         self.path = Path(path)
         self.root = Path(root)
         self.expected_size = expected_size
-        self._fh = None
+        self._fh: io.BufferedWriter | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if expected_size is not None:
             try:  # the file this one replaces frees its blocks (unless linked elsewhere too)
@@ -224,6 +252,13 @@ class HashingFile:
         self._hash = hashlib.sha256()
         self.size = 0
 
+    @property
+    def _file(self) -> io.BufferedWriter:
+        """The open file; ValueError once closed or aborted (as a closed file object raises)."""
+        if self._fh is None:
+            raise ValueError(f"{self.path}: the file is closed or was aborted")
+        return self._fh
+
     def _failed(self, error: OSError, pending: int = 0) -> Exception:
         import errno
 
@@ -234,16 +269,16 @@ class HashingFile:
             return no_space_error(self.path.parent, needed)
         return error
 
-    def write(self, data) -> int:
+    def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         job = _HASHER.submit(self._hash, view) if len(view) >= PARALLEL_HASH_MIN else None
         try:
             if len(view) <= WRITE_BLOCK:
-                written = self._fh.write(view)
+                written = self._file.write(view)
             else:
                 written = 0
                 for start in range(0, len(view), WRITE_BLOCK):
-                    written += self._fh.write(view[start:start + WRITE_BLOCK])
+                    written += self._file.write(view[start : start + WRITE_BLOCK])
         except OSError as e:
             if job is not None:
                 job.finish()  # never return while the helper may still read `data`
@@ -261,16 +296,17 @@ class HashingFile:
 
     def flush(self) -> None:
         try:
-            self._fh.flush()
+            self._file.flush()
         except OSError as e:
             raise self._failed(e) from None
 
     def close(self, fsync: bool = False) -> FileRecord:
         try:
-            self._fh.flush()
+            fh = self._file
+            fh.flush()
             if fsync:
-                os.fsync(self._fh.fileno())
-            self._fh.close()
+                os.fsync(fh.fileno())
+            fh.close()
         except OSError as e:
             raise self._failed(e) from None
         return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, self._hash.hexdigest())
@@ -300,9 +336,17 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a tensor (little-endian: the machine's order, checked), without copying
     when it is contiguous."""
     if sys.byteorder != "little":
-        raise RuntimeError("shardkit writes little-endian files and does not byte-swap: run it on a little-endian machine")
+        raise RuntimeError(
+            "shardkit writes little-endian files and does not byte-swap: run it on a little-endian machine"
+        )
     flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return array_view(flat.view(torch.uint8).numpy())
+
+
+def array_view(array: numpy.ndarray) -> memoryview:
+    """A memoryview of a numpy array's memory (arrays are buffers; numpy's stubs do not say so
+    before Python 3.12)."""
+    return memoryview(cast(Any, array))
 
 
 def compact(tensor: torch.Tensor) -> torch.Tensor:
@@ -354,7 +398,7 @@ def pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
 class _Buffers(threading.local):
     """This thread's pool of read buffers (see `reused_buffers`)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.depth = 0
         self.pool: list[bytearray] = []
 
@@ -370,7 +414,7 @@ never holds more than the reads of one or two tensors would anyway."""
 
 
 @contextlib.contextmanager
-def reused_buffers():
+def reused_buffers() -> Iterator[None]:
     """In this thread, until the block ends, reads take their memory from a few buffers kept for
     reuse instead of fresh memory: fresh memory costs a page fault and the zeroing of every page
     on its first touch (about as much CPU as the read's copy itself). A buffer is handed out again
@@ -425,7 +469,7 @@ def empty_tensor(shape, dtype: torch.dtype) -> torch.Tensor:
 def pread_into(fd: int, nbytes: int, offset: int, what: str) -> torch.Tensor:
     """Read exactly nbytes at offset into a new uint8 tensor. The buffer is not zero-filled first."""
     buf = empty_bytes(nbytes)
-    pread_exact(fd, memoryview(buf.numpy()), offset, what)
+    pread_exact(fd, array_view(buf.numpy()), offset, what)
     return buf
 
 
@@ -442,7 +486,6 @@ def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int
     out_shape[dim] = stop - start
     if 0 in out_shape:
         return torch.empty(out_shape, dtype=t.dtype)
-    first = t.storage_offset + start * stride[dim]
     extent = 1 + sum((n - 1) * st for n, st in zip(out_shape, stride))
     row_major = stride == list(StoredTensor(t.dtype, t.shape, 0).strides())
     if dim > 0 and row_major and shape[0] > 1 and extent * item > STRIDED_READ_CHUNK:
@@ -487,14 +530,19 @@ def read_rows_into(fd: int, t: StoredTensor, start: int, stop: int, out: torch.T
     tensor of the same dtype and row shape). False when the stored layout does not allow it."""
     stride = list(t.strides())
     row_shape = list(t.shape[1:])
-    if (not t.shape or out.dtype != t.dtype or not out.is_contiguous() or list(out.shape[1:]) != row_shape
-            or stride != list(StoredTensor(t.dtype, tuple(t.shape), 0).strides())):
+    if (
+        not t.shape
+        or out.dtype != t.dtype
+        or not out.is_contiguous()
+        or list(out.shape[1:]) != row_shape
+        or stride != list(StoredTensor(t.dtype, tuple(t.shape), 0).strides())
+    ):
         return False
     nbytes = out.numel() * out.element_size()
     if out.shape[0] != stop - start:
         return False
     first = t.storage_offset + start * (stride[0] if stride else 1)
-    view = memoryview(out.view(torch.uint8).reshape(-1).numpy()) if nbytes else memoryview(b"")
+    view = array_view(out.view(torch.uint8).reshape(-1).numpy()) if nbytes else memoryview(b"")
     pread_exact(fd, view, t.file_offset + first * t.dtype.itemsize, what)
     return True
 

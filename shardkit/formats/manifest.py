@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ..layout import Layout
 from ..version import __version__
@@ -19,9 +20,18 @@ HASH_BLOCK = 1 << 20
 """Bytes read at once when a file is re-hashed."""
 
 
-def manifest(*, fmt: str, family: str, layout: Layout, dtype: str | None, records: Sequence[FileRecord],
-             tensors: Mapping[str, Sequence[int]], source: str | None = None, command: str | None = None,
-             **sections: Any) -> dict[str, Any]:
+def manifest(
+    *,
+    fmt: str,
+    family: str,
+    layout: Layout,
+    dtype: str | None,
+    records: Sequence[FileRecord],
+    tensors: Mapping[str, Sequence[int]],
+    source: str | None = None,
+    command: str | None = None,
+    **sections: Any,
+) -> dict[str, Any]:
     """The manifest of a sharded directory (extra `sections`, e.g. a training checkpoint's)."""
     return {
         "shardkit": __version__,
@@ -33,8 +43,7 @@ def manifest(*, fmt: str, family: str, layout: Layout, dtype: str | None, record
         "source": source,
         "command": command,
         "tensors": {n: list(s) for n, s in tensors.items()},
-        "files": [{"path": r.path, "size": r.size, "sha256": r.sha256}
-                  for r in sorted(records, key=lambda r: r.path)],
+        "files": [{"path": r.path, "size": r.size, "sha256": r.sha256} for r in sorted(records, key=lambda r: r.path)],
         **sections,
     }
 
