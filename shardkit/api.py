@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from typing_extensions import Unpack
 
@@ -19,8 +20,8 @@ from .engine import (
     ProgressCallback,
     Result,
     TensorDiff,
-    WriteOptions,
     VerifyReport,
+    WriteOptions,
     inspect_checkpoint,
     merge_checkpoint,
     reshard_checkpoint,
@@ -31,16 +32,28 @@ from .hub import resolve_source
 from .layout import Layout, make_layout
 from .paths import inside, recover_interrupted
 
-__all__ = ["Result", "VerifyReport", "TensorDiff", "convert", "export_checkpoint", "inspect", "make_layout", "merge",
-           "open_source", "reshard", "verify"]
+__all__ = [
+    "Result",
+    "VerifyReport",
+    "TensorDiff",
+    "convert",
+    "export_checkpoint",
+    "inspect",
+    "make_layout",
+    "merge",
+    "open_source",
+    "reshard",
+    "verify",
+]
 
 log = logging.getLogger(__name__)
 
 ConfigArg = str | Path | Mapping[str, Any] | None
 
 
-def open_source(src: str | Path | Checkpoint, config: ConfigArg = None, hints: Mapping | None = None,
-                revision: str | None = None) -> Checkpoint:
+def open_source(
+    src: str | Path | Checkpoint, config: ConfigArg = None, hints: Mapping | None = None, revision: str | None = None
+) -> Checkpoint:
     """A checkpoint to read from: `src` itself, a local path, or a Hub repo id (fetched into the
     Hugging Face cache; `revision` picks its branch, tag or commit)."""
     if isinstance(src, Checkpoint):
@@ -50,15 +63,25 @@ def open_source(src: str | Path | Checkpoint, config: ConfigArg = None, hints: M
     return open_checkpoint(resolve_source(src, revision=revision), config, hints)
 
 
-def reshard(src: str | Path | Checkpoint, dst: str | Path, layout: Layout, *, format: str = "torch",
-            config: ConfigArg = None, hints: Mapping | None = None, revision: str | None = None,
-            command: str | None = None, **options: Unpack[WriteOptions]) -> Result:
+def reshard(
+    src: str | Path | Checkpoint,
+    dst: str | Path,
+    layout: Layout,
+    *,
+    format: str = "torch",
+    config: ConfigArg = None,
+    hints: Mapping | None = None,
+    revision: str | None = None,
+    command: str | None = None,
+    **options: Unpack[WriteOptions],
+) -> Result:
     """Write `src` (any checkpoint: a path or a Hub repo id) as shards of `layout` in `format`,
     reading only the slices each shard needs. `options`: dtype, workers, overwrite, progress,
     verify_hashes (see `engine.WriteOptions`); `config`/`hints` describe NxD shards that lack
     them; `revision` picks a Hub repo's branch, tag or commit."""
-    return reshard_checkpoint(open_source(src, config, hints, revision), dst, layout, format=format, command=command,
-                              **options)
+    return reshard_checkpoint(
+        open_source(src, config, hints, revision), dst, layout, format=format, command=command, **options
+    )
 
 
 def convert(src: str | Path, dst: str | Path, layout: Layout, **options: Any) -> Result:
@@ -67,16 +90,29 @@ def convert(src: str | Path, dst: str | Path, layout: Layout, **options: Any) ->
     return reshard(src, dst, layout, **options)
 
 
-def merge(src: str | Path | Checkpoint, dst: str | Path, *, max_shard_size: int | str = "5GB",
-          config: ConfigArg = None, hints: Mapping | None = None, revision: str | None = None,
-          **options: Unpack[WriteOptions]) -> Result:
+def merge(
+    src: str | Path | Checkpoint,
+    dst: str | Path,
+    *,
+    max_shard_size: int | str = "5GB",
+    config: ConfigArg = None,
+    hints: Mapping | None = None,
+    revision: str | None = None,
+    **options: Unpack[WriteOptions],
+) -> Result:
     """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
     index + config), in files of at most `max_shard_size`. `options` as for `reshard`."""
     return merge_checkpoint(open_source(src, config, hints, revision), dst, max_shard_size=max_shard_size, **options)
 
 
-def inspect(path: str | Path, config: ConfigArg = None, hints: Mapping | None = None, check_data: bool = False,
-            revision: str | None = None, progress: ProgressCallback | None = None) -> dict[str, Any]:
+def inspect(
+    path: str | Path,
+    config: ConfigArg = None,
+    hints: Mapping | None = None,
+    check_data: bool = False,
+    revision: str | None = None,
+    progress: ProgressCallback | None = None,
+) -> dict[str, Any]:
     """Describe a checkpoint: kind, format, family, layout, stages, files, tensors and problems.
 
     With `check_data`, also re-hash files against the manifest and compare every replicated
@@ -107,9 +143,16 @@ def verify(
     return verify_checkpoints(ca, cb, atol=atol, on_tensor=on_tensor, names=(str(a), str(b)), progress=progress)
 
 
-def export_checkpoint(dir: str | Path, out: str | Path, tag: str | None = None, *, max_shard_size: int | str = "5GB",
-                      config: ConfigArg = None, hints: Mapping[str, Any] | None = None,
-                      **options: Unpack[WriteOptions]) -> Result:
+def export_checkpoint(
+    dir: str | Path,
+    out: str | Path,
+    tag: str | None = None,
+    *,
+    max_shard_size: int | str = "5GB",
+    config: ConfigArg = None,
+    hints: Mapping[str, Any] | None = None,
+    **options: Unpack[WriteOptions],
+) -> Result:
     """Merge a training checkpoint's model (the newest complete tag, or `tag`) into a Hugging Face
     model directory `out` (safetensors + index + config.json); `options` as for `merge`."""
     root = Path(dir)
@@ -121,10 +164,20 @@ def export_checkpoint(dir: str | Path, out: str | Path, tag: str | None = None, 
     return merge(model, out, max_shard_size=max_shard_size, **options)
 
 
-def reshard_training_checkpoint(src: str | Path, dst: str | Path, layout: Layout, *, dp: int = 1, zero1: bool = True,
-                                config: ConfigArg = None, tag: str | None = None, format: str | None = None,
-                                master_weights: str = "keep", hints: Mapping | None = None,
-                                param_order: str | Path | list[list[str]] | None = None) -> Path:
+def reshard_training_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    layout: Layout,
+    *,
+    dp: int = 1,
+    zero1: bool = True,
+    config: ConfigArg = None,
+    tag: str | None = None,
+    format: str | None = None,
+    master_weights: str = "keep",
+    hints: Mapping | None = None,
+    param_order: str | Path | list[list[str]] | None = None,
+) -> Path:
     """Write the training checkpoint `src` (NxD's or shardkit's: model, ZeRO-1 optimizer shards,
     master weights, scheduler, user content) for `layout` and `dp` data-parallel ranks as a new
     checkpoint root `dst`, in NxD's format (see shardkit.checkpoint.reshard)."""
@@ -132,12 +185,27 @@ def reshard_training_checkpoint(src: str | Path, dst: str | Path, layout: Layout
     from .checkpoint.zero1 import read_param_order
 
     order = read_param_order(param_order) if isinstance(param_order, (str, Path)) else param_order
-    return reshard_training(src, dst, layout, dp=dp, zero1=zero1, config=config, tag=tag, format=format,
-                            master_weights=master_weights, hints=hints, param_order=order)
+    return reshard_training(
+        src,
+        dst,
+        layout,
+        dp=dp,
+        zero1=zero1,
+        config=config,
+        tag=tag,
+        format=format,
+        master_weights=master_weights,
+        hints=hints,
+        param_order=order,
+    )
 
 
-def inspect_training_checkpoint(src: str | Path, tag: str | None = None, config: ConfigArg = None,
-                                param_order: str | Path | list[list[str]] | None = None) -> dict[str, Any]:
+def inspect_training_checkpoint(
+    src: str | Path,
+    tag: str | None = None,
+    config: ConfigArg = None,
+    param_order: str | Path | list[list[str]] | None = None,
+) -> dict[str, Any]:
     """Layout (tp, pp, dp, ZeRO-1), param groups, step, master weights and optimizer bytes of a
     training checkpoint tag (see shardkit.checkpoint.reshard.inspect_training)."""
     from .checkpoint.reshard import inspect_training

@@ -12,13 +12,17 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..errors import ShardkitError
 from ..sizes import format_bytes, parse_size
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 DTYPES = ["bf16", "fp16", "fp32"]
 QKV_CHOICES = ["separate", "gqa", "fused", "coalesced"]
@@ -51,21 +55,47 @@ def _set_flag(name: str) -> Callable[[click.Context, click.Parameter, Any], None
             return  # not given here: keep what was given before the subcommand
         settings(ctx)[name] = value
         configure_logging(ctx)
+
     return callback
 
 
 def common_options(func: Callable) -> Callable:
     """-q/--quiet, -v/--verbose, --debug and --progress/--no-progress, anywhere on the line."""
     options = [
-        click.option("--debug", is_flag=True, default=False, expose_value=False, callback=_set_flag("debug"),
-                     help="Show full tracebacks on errors."),
-        click.option("-q", "--quiet", is_flag=True, default=False, expose_value=False, callback=_set_flag("quiet"),
-                     help="No progress bars or notes; errors only."),
-        click.option("-v", "--verbose", is_flag=True, default=False, expose_value=False,
-                     callback=_set_flag("verbose"), help="Log what shardkit does (INFO level)."),
-        click.option("--progress/--no-progress", default=None, expose_value=False, callback=_set_flag("progress"),
-                     help="Show progress bars on stderr even when it is not a terminal, or never (default: "
-                          "only on a terminal, and never with -q)."),
+        click.option(
+            "--debug",
+            is_flag=True,
+            default=False,
+            expose_value=False,
+            callback=_set_flag("debug"),
+            help="Show full tracebacks on errors.",
+        ),
+        click.option(
+            "-q",
+            "--quiet",
+            is_flag=True,
+            default=False,
+            expose_value=False,
+            callback=_set_flag("quiet"),
+            help="No progress bars or notes; errors only.",
+        ),
+        click.option(
+            "-v",
+            "--verbose",
+            is_flag=True,
+            default=False,
+            expose_value=False,
+            callback=_set_flag("verbose"),
+            help="Log what shardkit does (INFO level).",
+        ),
+        click.option(
+            "--progress/--no-progress",
+            default=None,
+            expose_value=False,
+            callback=_set_flag("progress"),
+            help="Show progress bars on stderr even when it is not a terminal, or never (default: "
+            "only on a terminal, and never with -q).",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
@@ -115,8 +145,14 @@ class Size(click.ParamType):
 
 
 def max_shard_size_option(help_text: str) -> Callable:
-    return click.option("--max-shard-size", type=Size("max shard size"), default="5GB", show_default=True,
-                        metavar="SIZE", help=f"{help_text} ({SIZE_HELP}).")
+    return click.option(
+        "--max-shard-size",
+        type=Size("max shard size"),
+        default="5GB",
+        show_default=True,
+        metavar="SIZE",
+        help=f"{help_text} ({SIZE_HELP}).",
+    )
 
 
 # ---- layouts -----------------------------------------------------------------------------------
@@ -125,26 +161,65 @@ def max_shard_size_option(help_text: str) -> Callable:
 def layout_options(func: Callable) -> Callable:
     """--tp/--pp/--ep/--kv-multiplier/--kv-replication/--hw/--qkv (+ NxD's spellings)."""
     options = [
-        click.option("--tp", "--tp-size", "tp", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Tensor-parallel degree: heads, MLP columns and vocabulary are split over this many ranks."),
-        click.option("--pp", "--pp-size", "pp", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Pipeline stages: decoder layers split evenly, the remainder to the last stages."),
-        click.option("--ep", "--ep-size", "ep", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Expert-parallel degree (mixture-of-experts models): experts split over this many ranks; "
-                          "file names then carry ep_rank (NxD v3)."),
-        click.option("--kv-multiplier", "--kv-size-multiplier", "kv_multiplier", type=click.IntRange(min=1), default=1,
-                     show_default=True,
-                     help="Replicate K/V heads this many times so that kv heads x multiplier is a multiple of tp "
-                          "(NxD's kv_size_multiplier)."),
-        click.option("--kv-replication", type=click.Choice(REPLICATION_CHOICES), default=None,
-                     help="Order of K/V replicas: interleaved (Trn1, tensor.repeat) or blocked (Trn2, "
-                          "repeat_interleave). Default: interleaved (reshard: the source's)."),
-        click.option("--hw", type=click.Choice(HW_CHOICES), default=None,
-                     help="Alias for the replication order: trn1 = interleaved, trn2 = blocked."),
-        click.option("--qkv", type=click.Choice(QKV_CHOICES), default=None,
-                     help="How q/k/v are stored: separate q_proj/k_proj/v_proj; gqa = NxD's GQA layer "
-                          "(qkv_proj.weight_q/_k/_v); fused = qkv_proj.weight_qkv; coalesced = qkv_proj.weight. "
-                          "Default: separate (reshard: the source's)."),
+        click.option(
+            "--tp",
+            "--tp-size",
+            "tp",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Tensor-parallel degree: heads, MLP columns and vocabulary are split over this many ranks.",
+        ),
+        click.option(
+            "--pp",
+            "--pp-size",
+            "pp",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Pipeline stages: decoder layers split evenly, the remainder to the last stages.",
+        ),
+        click.option(
+            "--ep",
+            "--ep-size",
+            "ep",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Expert-parallel degree (mixture-of-experts models): experts split over this many ranks; "
+            "file names then carry ep_rank (NxD v3).",
+        ),
+        click.option(
+            "--kv-multiplier",
+            "--kv-size-multiplier",
+            "kv_multiplier",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Replicate K/V heads this many times so that kv heads x multiplier is a multiple of tp "
+            "(NxD's kv_size_multiplier).",
+        ),
+        click.option(
+            "--kv-replication",
+            type=click.Choice(REPLICATION_CHOICES),
+            default=None,
+            help="Order of K/V replicas: interleaved (Trn1, tensor.repeat) or blocked (Trn2, "
+            "repeat_interleave). Default: interleaved (reshard: the source's).",
+        ),
+        click.option(
+            "--hw",
+            type=click.Choice(HW_CHOICES),
+            default=None,
+            help="Alias for the replication order: trn1 = interleaved, trn2 = blocked.",
+        ),
+        click.option(
+            "--qkv",
+            type=click.Choice(QKV_CHOICES),
+            default=None,
+            help="How q/k/v are stored: separate q_proj/k_proj/v_proj; gqa = NxD's GQA layer "
+            "(qkv_proj.weight_q/_k/_v); fused = qkv_proj.weight_qkv; coalesced = qkv_proj.weight. "
+            "Default: separate (reshard: the source's).",
+        ),
         click.option("--qkv-linear", is_flag=True, help="NxD spelling of --qkv gqa."),
         click.option("--fuse-qkv", is_flag=True, help="NxD spelling of --qkv fused (with --qkv-linear)."),
         click.option("--coalesce-qkv", is_flag=True, help="NxD spelling of --qkv coalesced."),
@@ -171,8 +246,16 @@ def build_layout(o: dict, inherit=None):
     from ..layout import make_layout
 
     qkv = qkv_style(o.pop("qkv"), o.pop("qkv_linear"), o.pop("fuse_qkv"), o.pop("coalesce_qkv"))
-    return make_layout(tp=o.pop("tp"), pp=o.pop("pp"), ep=o.pop("ep"), kv_multiplier=o.pop("kv_multiplier"),
-                       kv_replication=o.pop("kv_replication"), hw=o.pop("hw"), qkv=qkv, inherit=inherit)
+    return make_layout(
+        tp=o.pop("tp"),
+        pp=o.pop("pp"),
+        ep=o.pop("ep"),
+        kv_multiplier=o.pop("kv_multiplier"),
+        kv_replication=o.pop("kv_replication"),
+        hw=o.pop("hw"),
+        qkv=qkv,
+        inherit=inherit,
+    )
 
 
 def hints(kv_replication: str | None, hw: str | None) -> dict:
@@ -183,16 +266,28 @@ def hints(kv_replication: str | None, hw: str | None) -> dict:
 
 
 config_option = click.option(
-    "--config", type=click.Path(exists=True, dir_okay=True, path_type=Path), default=None,
-    help="The model's Hugging Face config.json (or its folder). Needed for NxD shards saved without one.")
+    "--config",
+    type=click.Path(exists=True, dir_okay=True, path_type=Path),
+    default=None,
+    help="The model's Hugging Face config.json (or its folder). Needed for NxD shards saved without one.",
+)
 source_replication = [
-    click.option("--kv-replication", type=click.Choice(REPLICATION_CHOICES), default=None,
-                 help="Replica order of NxD source shards with kv-multiplier > 1 (inferred from the data when omitted)."),
-    click.option("--hw", type=click.Choice(HW_CHOICES), default=None,
-                 help="Alias: trn1 = interleaved, trn2 = blocked (for the source shards)."),
+    click.option(
+        "--kv-replication",
+        type=click.Choice(REPLICATION_CHOICES),
+        default=None,
+        help="Replica order of NxD source shards with kv-multiplier > 1 (inferred from the data when omitted).",
+    ),
+    click.option(
+        "--hw",
+        type=click.Choice(HW_CHOICES),
+        default=None,
+        help="Alias: trn1 = interleaved, trn2 = blocked (for the source shards).",
+    ),
 ]
-revision_option = click.option("--revision", default=None,
-                               help="When SRC is a Hub repo id: the branch, tag or commit to download.")
+revision_option = click.option(
+    "--revision", default=None, help="When SRC is a Hub repo id: the branch, tag or commit to download."
+)
 
 
 def source_options(func: Callable) -> Callable:
@@ -201,12 +296,46 @@ def source_options(func: Callable) -> Callable:
     return func
 
 
+class WorkerCount(click.ParamType):
+    """A positive integer or "auto"."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            number = int(str(value).strip())
+        except ValueError:
+            number = 0
+        if number < 1:
+            self.fail(f"{value!r} is not a positive integer or 'auto'", param, ctx)
+        return number
+
+
+WORKERS = WorkerCount()
+
+
 def output_options(func: Callable) -> Callable:
     options = [
-        click.option("--dtype", type=click.Choice(DTYPES), default=None,
-                     help="Cast weights to this dtype (default: keep the source's)."),
-        click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Output files built in parallel (threads). Memory grows with each worker."),
+        click.option(
+            "--dtype",
+            type=click.Choice(DTYPES),
+            default=None,
+            help="Cast weights to this dtype (default: keep the source's).",
+        ),
+        click.option(
+            "--workers",
+            type=WORKERS,
+            default="auto",
+            show_default=True,
+            help="Output files built in parallel (threads), or auto: one per CPU core, at most 4, fewer when "
+            "the largest tensors would not fit 256 MiB across workers "
+            "(the sha256 of the output runs beside each worker in a helper thread). Memory grows "
+            "by about one tensor with each worker.",
+        ),
         click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),
         verify_hashes_option,
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout."),
@@ -217,9 +346,12 @@ def output_options(func: Callable) -> Callable:
 
 
 verify_hashes_option = click.option(
-    "--verify-hashes/--no-verify-hashes", default=True, show_default=True,
+    "--verify-hashes/--no-verify-hashes",
+    default=True,
+    show_default=True,
     help="Check every source file listed in the source's shardkit.json against its sha256 before the output "
-         "is committed (a flipped bit is refused, never copied).")
+    "is committed (a flipped bit is refused, never copied).",
+)
 
 
 # ---- progress and reports ----------------------------------------------------------------------
@@ -232,19 +364,28 @@ class Bar:
     --no-progress. Use as a context manager so the bar is closed on errors too."""
 
     def __init__(self, ctx: click.Context, desc: str):
-        self.desc, self.enabled, self.bar, self.last = desc, show_progress(ctx), None, 0
+        self.desc, self.enabled, self.last = desc, show_progress(ctx), 0
+        self.bar: tqdm | None = None
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
             return
-        if self.bar is None:
+        bar = self.bar
+        if bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024,
-                            file=sys.stderr, dynamic_ncols=True)
-        if total != self.bar.total:
-            self.bar.total = total
-        self.bar.update(done - self.last)
+            bar = self.bar = tqdm(
+                total=total,
+                desc=self.desc,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+        if total != bar.total:
+            bar.total = total
+        bar.update(done - self.last)
         self.last = done
 
     def close(self) -> None:
@@ -252,7 +393,7 @@ class Bar:
             self.bar.close()
             self.bar = None
 
-    def __enter__(self) -> "Bar":
+    def __enter__(self) -> Bar:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -265,8 +406,14 @@ def is_leader() -> bool:
 
 
 def result_dict(result, started: float) -> dict[str, Any]:
-    return {"path": str(result.path), "format": result.format, "layout": result.layout.to_dict(),
-            "files": len(result.files), "bytes": result.bytes, "seconds": round(time.perf_counter() - started, 3)}
+    return {
+        "path": str(result.path),
+        "format": result.format,
+        "layout": result.layout.to_dict(),
+        "files": len(result.files),
+        "bytes": result.bytes,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
 
 
 def report(ctx: click.Context, result, started: float, as_json: bool, verb: str) -> None:

@@ -7,18 +7,22 @@ the model size. Workers are threads over output files (copies and I/O release th
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import cast
 
 import torch
 
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
+from ..formats.base import ChunkedWriter, FileRecord, TensorSpec, reused_buffers
 from ..formats.reader import HashCheck
-from ..formats.base import FileRecord, TensorSpec
 from .outputs import OutputFile
 
 ProgressCallback = Callable[[int, int], None]
@@ -31,7 +35,7 @@ def execute(
     out_root: Path,
     fmt: str,
     dtype: torch.dtype | None = None,
-    workers: int = 1,
+    workers: int | str = "auto",
     progress: ProgressCallback | None = None,
     verify_hashes: bool = True,
 ) -> list[FileRecord]:
@@ -41,12 +45,18 @@ def execute(
     per file), in a background thread while the files are written, and before this returns: a
     mismatch raises FormatError and nothing is committed."""
     file_format = get_format(fmt)
+    auto = workers is None or workers == "auto"
+    workers = resolve_workers(workers, len(outputs))
     index = src.index()
     source_dtypes = check_dtypes(src)
     hashes = None
     if verify_hashes:  # only the files this process reads (under torchrun, its share of the outputs)
-        needed = {r.holder for out in outputs for p in out.pieces for seg in p.segments for r in index.locate(seg)}
-        hashes = HashCheck(src).start([key for key in src.files if key in needed])
+        # in the order the outputs first read them: on a cold cache the check's sequential reads
+        # then bring in the files (with read-ahead) just before the workers' reads of them
+        needed = dict.fromkeys(
+            r.holder for out in outputs for p in out.pieces for seg in p.segments for r in index.locate(seg)
+        )
+        hashes = HashCheck(src).start([key for key in needed if key in src.files])
     dtypes: dict[str, torch.dtype] = {}
     for out in outputs:
         for piece in out.pieces:
@@ -56,19 +66,62 @@ def execute(
                     raise FormatError(f"no file holds {source}")
                 dtypes[source] = dtype or source_dtypes[source]
     total = sum(p.numel() * dtypes[p.segments[0].source].itemsize for o in outputs for p in o.pieces)
+    if auto and workers > 1:
+        largest = max(
+            (
+                _held_bytes(p, dtypes[p.segments[0].source].itemsize, file_format.chunked_writes)
+                for o in outputs
+                for p in o.pieces
+            ),
+            default=0,
+        )
+        workers = max(1, min(workers, AUTO_MEMORY // max(1, 2 * largest)))
     done = 0
-    lock = threading.Lock()
+    reports: queue.SimpleQueue[int] = queue.SimpleQueue()  # bytes written, from worker threads
+    cancel = threading.Event()
+
+    def report(nbytes: int) -> None:
+        """Progress is always called in the calling thread (a Ctrl-C or SIGTERM raised in a
+        callback then stops the operation, as with one worker)."""
+        nonlocal done
+        if threading.current_thread() is caller:
+            done += nbytes
+            if progress is not None:
+                progress(done, total)
+        else:
+            reports.put(nbytes)
+
+    def drain() -> None:
+        nonlocal done
+        if not progress:
+            return
+        moved = 0
+        while True:
+            try:
+                moved += reports.get_nowait()
+            except queue.Empty:
+                break
+        if moved:
+            done += moved
+            progress(done, total)
 
     def build(out: OutputFile) -> list[FileRecord]:
-        nonlocal done
+        with reused_buffers():  # every tensor read is written and dropped before the next read
+            return build_file(out)
+
+    def build_file(out: OutputFile) -> list[FileRecord]:
         specs = [TensorSpec(p.name, p.shape, dtypes[p.segments[0].source]) for p in out.pieces]
         writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel)
+        # the registry says this format's writer takes row blocks (write_chunks)
+        chunked = cast(ChunkedWriter, writer) if file_format.chunked_writes else None
         reader = SourceReader(src, index=index, hashes=hashes)
         try:
             for piece, spec in zip(out.pieces, specs):
-                blocks = reader.row_blocks(piece) if file_format.chunked_writes else None
-                if blocks is not None:
-                    writer.write_chunks(piece.name, blocks)
+                if cancel.is_set():
+                    raise _Cancelled()
+                blocks = reader.row_blocks(piece) if chunked is not None else None
+                if chunked is not None and blocks is not None:
+                    chunked.write_chunks(piece.name, blocks)
                 else:
                     tensor = reader.read_piece(piece)
                     if tensor.dtype != spec.dtype:
@@ -78,18 +131,20 @@ def execute(
                     writer.write(piece.name, tensor)
                     del tensor
                 if progress:
-                    with lock:
-                        done += spec.nbytes
-                        progress(done, total)
+                    report(spec.nbytes)
+        except BaseException:
+            writer.abort()
+            raise
         finally:
             reader.close()
         return writer.close()
 
+    caller = threading.current_thread()
     records: list[FileRecord] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the work is copies; torch's intra-op threads only contend
     try:
-        _write_all(build, outputs, workers, records)
+        _write_all(build, outputs, workers, records, cancel, drain)
         if hashes is not None:
             hashes.finish()  # before anything is committed: corrupt sources never reach the destination
     except KeyboardInterrupt:
@@ -106,18 +161,84 @@ def execute(
     return records
 
 
-def _write_all(build, outputs, workers: int, records: list[FileRecord]) -> None:
-    """Every output file, by `workers` threads; on an error or Ctrl-C the files not started are
-    cancelled (not finished first)."""
+AUTO_MAX_WORKERS = 4
+"""The most workers `--workers auto` picks."""
+
+
+def auto_workers() -> int:
+    """The worker count `auto` means: one per CPU core this process may use (shared with the other
+    ranks of a torchrun job on this host), at most AUTO_MAX_WORKERS. A worker keeps about one core
+    busy (reading, the kernel's copies into the page cache, torch's CRC32), and the sha256 of what
+    it writes runs beside it in a helper thread, so more workers than cores only contend; on cold
+    or networked storage the second and later workers mostly overlap waiting for reads. Memory
+    grows with each worker by about one output tensor (bounded by the pieces of one file)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks_here = 1
+    return max(1, min(AUTO_MAX_WORKERS, cores // ranks_here))
+
+
+AUTO_MEMORY = 256 << 20
+"""What `auto` lets all workers together hold of tensors at once (about two of the largest piece
+each: the piece and the reads it is made of); beyond that it uses fewer workers, so that peak
+memory stays near what one worker needs (under 512 MiB with Python and torch on a 7B model)."""
+
+
+def _held_bytes(piece, itemsize: int, chunked: bool) -> int:
+    """The bytes a worker holds for one piece: all of it, unless the format streams it in blocks
+    of rows (then about one read; counted as at most 64 MiB)."""
+    nbytes = piece.numel() * itemsize
+    if chunked and not piece.stacked and not piece.transposed and piece.cat_dim == 0:
+        return min(nbytes, 64 << 20)
+    return nbytes
+
+
+def resolve_workers(workers: int | str | None, files: int) -> int:
+    """A worker count from an int or "auto" (None means auto), never more than the files to write."""
+    if workers is None or workers == "auto":
+        count = auto_workers()
+    else:
+        try:
+            count = int(workers)
+        except (TypeError, ValueError):
+            raise ValueError(f"workers must be a positive integer or 'auto', not {workers!r}") from None
+        if count < 1 or isinstance(workers, bool) or (isinstance(workers, float) and workers != count):
+            raise ValueError(f"workers must be a positive integer or 'auto', not {workers!r}")
+    return max(1, min(count, files))
+
+
+class _Cancelled(Exception):
+    """A worker stops because another worker failed or the operation was interrupted."""
+
+
+def _write_all(build, outputs, workers: int, records: list[FileRecord], cancel: threading.Event, drain) -> None:
+    """Every output file, by `workers` threads, in order. The calling thread waits, and calls the
+    progress callback (`drain`); on an error or Ctrl-C the files not started are cancelled and the
+    running ones stop before their next tensor (not finished first)."""
     if workers <= 1:
         for out in outputs:
             records += build(out)
         return
-    pool = ThreadPoolExecutor(max_workers=workers)
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardkit-worker")
     try:
-        for result in pool.map(build, outputs):
+        futures = [pool.submit(build, out) for out in outputs]
+        for future in futures:
+            while True:
+                drain()
+                try:
+                    result = future.result(timeout=0.05)
+                    break
+                except FuturesTimeout:
+                    continue
             records += result
+        drain()
     except BaseException:
+        cancel.set()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
@@ -147,6 +268,7 @@ def check_dtypes(src: Checkpoint) -> dict[str, torch.dtype]:
             odd, key, name = next(h for h in held if h[0] != common)
             raise FormatError(
                 f"{key}: {name} is {str(odd).replace('torch.', '')} but the other pieces of {source} are "
-                f"{str(common).replace('torch.', '')}: the shards are corrupt or mixed from different checkpoints")
+                f"{str(common).replace('torch.', '')}: the shards are corrupt or mixed from different checkpoints"
+            )
         dtypes[source] = held[0][0]
     return dtypes

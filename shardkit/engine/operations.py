@@ -12,9 +12,10 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from typing_extensions import TypedDict, Unpack
@@ -92,7 +93,7 @@ class StagingProgress:
         while not self.stop.wait(self.interval):
             self.poll()
 
-    def __enter__(self) -> "StagingProgress":
+    def __enter__(self) -> StagingProgress:
         self.thread.start()
         return self
 
@@ -107,9 +108,18 @@ def _planned_bytes(outputs: Sequence[OutputFile], itemsize: int) -> int:
     return sum(p.numel() * itemsize for o in outputs for p in o.pieces)
 
 
-def _produce(ckpt: Checkpoint, outputs: Sequence[OutputFile], dst: Path, fmt: str, dtype: torch.dtype | None,
-             workers: int, overwrite: bool, progress: ProgressCallback | None, finish,
-             verify_hashes: bool) -> list[FileRecord]:
+def _produce(
+    ckpt: Checkpoint,
+    outputs: Sequence[OutputFile],
+    dst: Path,
+    fmt: str,
+    dtype: torch.dtype | None,
+    workers: int | str,
+    overwrite: bool,
+    progress: ProgressCallback | None,
+    finish,
+    verify_hashes: bool,
+) -> list[FileRecord]:
     """staging.produce, with rank 0's progress covering every rank's bytes under torchrun
     (StagingProgress)."""
     job = current_job()
@@ -129,8 +139,9 @@ class WriteOptions(TypedDict, total=False):
 
     dtype: str | torch.dtype | None
     """Cast weights to this dtype (bf16, fp16, fp32; default: keep the source's)."""
-    workers: int
-    """Output files built in parallel (threads; default 1)."""
+    workers: int | str
+    """Output files built in parallel (threads); "auto" (the default): one per CPU core, at most 4,
+    and fewer when the largest tensors of that many workers would not fit in 256 MiB together."""
     overwrite: bool
     """Replace a destination that exists and is not empty (default False)."""
     progress: ProgressCallback | None
@@ -140,11 +151,21 @@ class WriteOptions(TypedDict, total=False):
     committed (default True)."""
 
 
-def _write(ckpt: Checkpoint, outputs: Sequence[OutputFile], dst: str | Path, fmt: str, finish,
-           options: WriteOptions) -> list[FileRecord]:
-    return _produce(ckpt, outputs, Path(dst), fmt, parse_dtype(options.get("dtype")), options.get("workers", 1),
-                    options.get("overwrite", False), options.get("progress"), finish,
-                    options.get("verify_hashes", True))
+def _write(
+    ckpt: Checkpoint, outputs: Sequence[OutputFile], dst: str | Path, fmt: str, finish, options: WriteOptions
+) -> list[FileRecord]:
+    return _produce(
+        ckpt,
+        outputs,
+        Path(dst),
+        fmt,
+        parse_dtype(options.get("dtype")),
+        options.get("workers", "auto"),
+        options.get("overwrite", False),
+        options.get("progress"),
+        finish,
+        options.get("verify_hashes", True),
+    )
 
 
 @dataclass
@@ -161,8 +182,15 @@ class Result:
         return sum(f.size for f in self.files)
 
 
-def reshard_checkpoint(ckpt: Checkpoint, dst: str | Path, layout: Layout, *, format: str = "torch",
-                       command: str | None = None, **options: Unpack[WriteOptions]) -> Result:
+def reshard_checkpoint(
+    ckpt: Checkpoint,
+    dst: str | Path,
+    layout: Layout,
+    *,
+    format: str = "torch",
+    command: str | None = None,
+    **options: Unpack[WriteOptions],
+) -> Result:
     """Write `ckpt` as shards of `layout` in `format`, reading only the slices each shard needs
     (`command`: the command line to record in the manifest)."""
     get_format(format)
@@ -175,17 +203,28 @@ def reshard_checkpoint(ckpt: Checkpoint, dst: str | Path, layout: Layout, *, for
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
         dtype_name = str(target_dtype or ckpt.dtype()).replace("torch.", "")
-        _write_json(stage / MANIFEST, manifest(
-            fmt=format, family=ckpt.family.name, layout=layout, dtype=dtype_name, records=records,
-            tensors=ckpt.full_shapes, source=str(ckpt.root), command=command))
+        _write_json(
+            stage / MANIFEST,
+            manifest(
+                fmt=format,
+                family=ckpt.family.name,
+                layout=layout,
+                dtype=dtype_name,
+                records=records,
+                tensors=ckpt.full_shapes,
+                source=str(ckpt.root),
+                command=command,
+            ),
+        )
 
     records = _write(ckpt, outputs, dst, format, finish, options)
     log.info("wrote %d files (%s) to %s", len(records), layout.describe(), dst)
     return Result(Path(dst), records, layout, format)
 
 
-def merge_checkpoint(ckpt: Checkpoint, dst: str | Path, *, max_shard_size: int | str = "5GB",
-                     **options: Unpack[WriteOptions]) -> Result:
+def merge_checkpoint(
+    ckpt: Checkpoint, dst: str | Path, *, max_shard_size: int | str = "5GB", **options: Unpack[WriteOptions]
+) -> Result:
     """Write `ckpt` as a Hugging Face model directory (safetensors + index + config), in files of
     at most `max_shard_size`."""
     target_dtype = parse_dtype(options.get("dtype"))

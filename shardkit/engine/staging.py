@@ -21,8 +21,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -30,8 +31,18 @@ from ..distributed import current_job
 from ..errors import DestinationExistsError, ShardkitError
 from ..formats import Checkpoint
 from ..formats.base import FileRecord
-from ..paths import (OLD_TAG, OWNER_FILE, STAGING_TAG, is_link, overlaps, recover_interrupted, remove_tree, resolved,
-                     sibling_name, write_owner)
+from ..paths import (
+    OLD_TAG,
+    OWNER_FILE,
+    STAGING_TAG,
+    is_link,
+    overlaps,
+    recover_interrupted,
+    remove_tree,
+    resolved,
+    sibling_name,
+    write_owner,
+)
 from .executor import ProgressCallback, execute
 from .outputs import OutputFile
 
@@ -101,11 +112,14 @@ def prepare_staging(dst: Path, overwrite: bool, sources: Iterable[Path] = ()) ->
         if is_link(dst):
             raise DestinationExistsError(
                 f"{dst} is a symlink (to {os.readlink(dst)}): shardkit never writes or deletes through a link; "
-                "give the real destination path")
+                "give the real destination path"
+            )
         for src in sources:
             if overlaps(dst, src):
-                raise ShardkitError(f"destination {dst} overlaps the source {src} (same folder, or one inside the "
-                                    "other, once links and '..' are resolved): choose another destination")
+                raise ShardkitError(
+                    f"destination {dst} overlaps the source {src} (same folder, or one inside the "
+                    "other, once links and '..' are resolved): choose another destination"
+                )
         recover_interrupted(dst, log)
         if dst.exists() and not dst.is_dir():
             raise DestinationExistsError(f"{dst} exists and is a file: choose another destination")
@@ -176,7 +190,7 @@ def produce(
     dst: Path,
     fmt: str,
     dtype: torch.dtype | None,
-    workers: int,
+    workers: int | str,
     overwrite: bool,
     progress: ProgressCallback | None,
     finish: Callable[[Path, list[FileRecord]], None],
@@ -202,8 +216,18 @@ def _produce(src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish
     if isinstance(staging, BaseException):
         raise staging
     try:
-        mine = job.run_all_or_none(lambda: execute(src, job.share(list(outputs)), staging, fmt, dtype, workers,
-                                                   progress if job.leader else None, verify_hashes))
+        mine = job.run_all_or_none(
+            lambda: execute(
+                src,
+                job.share(list(outputs)),
+                staging,
+                fmt,
+                dtype,
+                workers,
+                progress if job.leader else None,
+                verify_hashes,
+            )
+        )
         records = sorted((r for part in job.gather(mine) for r in part), key=lambda r: r.path)
 
         def finish_and_rename() -> None:

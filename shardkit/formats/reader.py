@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ import torch
 
 from ..errors import FormatError
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
-from .base import TensorFile
+from .base import TensorFile, empty_tensor
 from .manifest import MANIFEST, file_sha256
 from .registry import format_of_file
 
@@ -34,7 +35,7 @@ class HashCheck:
     the output is committed (it waits and raises the first mismatch), so that corrupt data never
     reaches the destination, at a fraction of the cost of hashing in the reading thread."""
 
-    def __init__(self, ckpt: "Checkpoint"):
+    def __init__(self, ckpt: Checkpoint):
         self.root = Path(ckpt.root)
         self.ckpt = ckpt
         self.expected: dict[str, tuple[int | None, str]] = {}
@@ -50,7 +51,7 @@ class HashCheck:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
-    def start(self, keys=None) -> "HashCheck":
+    def start(self, keys=None) -> HashCheck:
         """Hash the files of `keys` (default: every file of the checkpoint) in a background thread
         (see `finish`)."""
         if self.expected and self._thread is None:
@@ -120,16 +121,25 @@ class HashCheck:
                 if not same:
                     raise FormatError(
                         f"{rel} in {self.root} does not match the sha256 in its {MANIFEST}: the file is corrupt or was "
-                        "changed; restore it or re-create the shards (--no-verify-hashes skips this check)")
+                        "changed; restore it or re-create the shards (--no-verify-hashes skips this check)"
+                    )
             self._checked.add(key)
+
+
+def _key(holder: object) -> str:
+    """The file key a read's holder is (the index of a checkpoint holds pieces by file key)."""
+    if not isinstance(holder, str):
+        raise TypeError(f"a source piece is held by {holder!r}, not by a file key")
+    return holder
 
 
 class SourceReader:
     """Reads slices of a checkpoint's pieces. Readers hold only metadata and a file descriptor
     (bytes are read positionally, nothing is mapped), so files stay open, up to `max_open`."""
 
-    def __init__(self, ckpt: "Checkpoint", max_open: int = 256, index: SegmentIndex | None = None,
-                 hashes: HashCheck | None = None):
+    def __init__(
+        self, ckpt: Checkpoint, max_open: int = 256, index: SegmentIndex | None = None, hashes: HashCheck | None = None
+    ):
         self.ckpt = ckpt
         self.hashes = hashes
         self.index = index or ckpt.index()
@@ -149,9 +159,18 @@ class SourceReader:
             self._open[key] = self.ckpt.open(key)
         return self._open[key]
 
+    def _span(self, r: Read) -> tuple[int, int]:
+        """[start, stop) of a read along its dim, a None bound being the start / end of the dim
+        (of the slab, for a stacked piece)."""
+        start = 0 if r.start is None else r.start
+        if r.stop is not None:
+            return start, r.stop
+        shape = self._file(_key(r.holder)).shape(r.piece_name)
+        return start, shape[r.dim + (1 if r.slab is not None else 0)]
+
     def read(self, r: Read) -> torch.Tensor:
         """One read: a slice of a source piece, in the full tensor's orientation."""
-        file = self._file(r.holder)
+        file = self._file(_key(r.holder))
         if r.slab is None and not r.transposed:
             tensor = file.read(r.piece_name, r.dim, r.start, r.stop)
         else:
@@ -170,17 +189,18 @@ class SourceReader:
         if len(reads) == 1:
             return self.read(reads[0])
         # several blocks of rows: read each straight into its place, no concatenation copy
-        out = torch.empty(piece.shape, dtype=self.dtype_of(piece.slabs[0][0].source))
+        out = empty_tensor(piece.shape, self.dtype_of(piece.slabs[0][0].source))
         row = 0
         for r in reads:
-            block = out.narrow(0, row, r.stop - r.start)
-            file = self._file(r.holder)
-            if r.slab is not None or not file.read_into(r.piece_name, r.start, r.stop, block):
+            start, stop = self._span(r)
+            block = out.narrow(0, row, stop - start)
+            file = self._file(_key(r.holder))
+            if r.slab is not None or not file.read_into(r.piece_name, start, stop, block):
                 block.copy_(self.read(r))
-            row += r.stop - r.start
+            row += stop - start
         return out
 
-    def row_blocks(self, piece: Piece):
+    def row_blocks(self, piece: Piece) -> Iterator[torch.Tensor] | None:
         """A piece as consecutive blocks of rows, when its bytes are simply its reads one after
         another (one slab, concatenated along dim 0): streamed without assembling the piece."""
         if piece.stacked or piece.transposed or piece.cat_dim != 0:
@@ -208,14 +228,16 @@ class SourceReader:
                 if dim == 0:
                     parts.append(self.read(r))
                 else:  # a plain piece's dim 0 is the full tensor's dim 0
-                    rows = self._file(r.holder).read(r.piece_name, 0, start, stop)
-                    parts.append(rows.narrow(dim, r.start, r.stop - r.start))
+                    rows = self._file(_key(r.holder)).read(r.piece_name, 0, start, stop)
+                    first, last = self._span(r)
+                    parts.append(rows.narrow(dim, first, last - first))
                 continue
             key = (r.holder, r.piece_name, r.slab)
             if key not in self._kept:
-                file = self._file(r.holder)
-                self._kept[key] = (file.read(r.piece_name, 0, r.slab, r.slab + 1)[0] if r.slab is not None
-                                   else file.read(r.piece_name))
+                file = self._file(_key(r.holder))
+                self._kept[key] = (
+                    file.read(r.piece_name, 0, r.slab, r.slab + 1)[0] if r.slab is not None else file.read(r.piece_name)
+                )
             part = r.take(self._kept[key])
             parts.append(part if dim == 0 else part.narrow(0, start, stop - start))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
@@ -229,7 +251,7 @@ class SourceReader:
         holdings = self.index.holdings(source)
         if not holdings:
             raise FormatError(f"no file holds {source}")
-        return self._file(holdings[0].holder).dtype(holdings[0].piece_name)
+        return self._file(_key(holdings[0].holder)).dtype(holdings[0].piece_name)
 
     def close(self) -> None:
         self.forget()

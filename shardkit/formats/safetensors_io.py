@@ -17,26 +17,64 @@ import json
 import os
 import stat
 import struct
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from ..errors import FormatError
-from .base import DiscardOnFailure, FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, read_rows_into, read_stored, tensor_bytes
+from .base import (
+    DiscardOnFailure,
+    FileRecord,
+    HashingFile,
+    StoredTensor,
+    TensorSpec,
+    check_specs,
+    read_rows_into,
+    read_stored,
+    tensor_bytes,
+)
 from .torch_io import regular
 
 _DTYPE_TO_ST = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _ST_TO_DTYPE = {v: k for k, v in _DTYPE_TO_ST.items()}
 # every dtype of the safetensors format, with its size in bits (the library's own list)
 _ST_BITS = {
-    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
-    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
-    "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
 }
 MAX_HEADER = 100_000_000  # bytes, as the safetensors library
 
@@ -130,8 +168,7 @@ def _check_entries(header: dict, data_size: int) -> None:
     spans = []
     for name, info in header.items():
         if name == "__metadata__":
-            if info is not None and (not isinstance(info, dict)
-                                     or not all(isinstance(v, str) for v in info.values())):
+            if info is not None and (not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values())):
                 raise _HeaderError("__metadata__ is not a map of strings to strings")
             continue
         if not isinstance(info, dict):
@@ -141,15 +178,21 @@ def _check_entries(header: dict, data_size: int) -> None:
             raise _HeaderError(f"tensor {name!r} has an unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_natural(n) for n in shape):
             raise _HeaderError(f"tensor {name!r} has an invalid shape {shape!r}")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(n) for n in offsets)
-                or offsets[0] > offsets[1]):
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_natural(n) for n in offsets)
+            or offsets[0] > offsets[1]
+        ):
             raise _HeaderError(f"tensor {name!r} has invalid data_offsets {offsets!r}")
         bits = _ST_BITS[dtype]
         for n in shape:
             bits *= n
         if bits != 8 * (offsets[1] - offsets[0]):
-            raise _HeaderError(f"tensor {name!r}: data_offsets span {offsets[1] - offsets[0]} bytes, "
-                               f"its shape {shape} of {dtype} needs {bits / 8:g}")
+            raise _HeaderError(
+                f"tensor {name!r}: data_offsets span {offsets[1] - offsets[0]} bytes, "
+                f"its shape {shape} of {dtype} needs {bits / 8:g}"
+            )
         spans.append((offsets[0], offsets[1], name))
     spans.sort()
     end = 0
@@ -157,8 +200,11 @@ def _check_entries(header: dict, data_size: int) -> None:
         if begin < end:
             raise _HeaderError(f"tensor {name!r} overlaps the tensor before it")
         if begin > end:
-            raise _HeaderError(f"the data does not start at 0: the first tensor, {name!r}, starts at {begin}" if end == 0
-                               else f"a gap of {begin - end} bytes lies before tensor {name!r}")
+            raise _HeaderError(
+                f"the data does not start at 0: the first tensor, {name!r}, starts at {begin}"
+                if end == 0
+                else f"a gap of {begin - end} bytes lies before tensor {name!r}"
+            )
         end = stop
     if end > data_size:
         raise _Truncated(f"its tensors need {end} bytes of data, it holds {data_size}")
@@ -174,7 +220,7 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._fd = None
+        self._fd: int | None = None
         fd, size = _open(self.path)
         try:
             header, data_start = _parse(self.path, fd, size)
@@ -183,14 +229,24 @@ class SafetensorsFile:
                 if name == "__metadata__":
                     continue
                 if info["dtype"] not in _ST_TO_DTYPE:
-                    raise FormatError(f"{self.path}: tensor {name} has dtype {info['dtype']}, which shardkit does not "
-                                      f"read (it reads {', '.join(sorted(_ST_TO_DTYPE))})")
-                self._tensors[name] = StoredTensor(_ST_TO_DTYPE[info["dtype"]], tuple(info["shape"]),
-                                                   data_start + info["data_offsets"][0])
+                    raise FormatError(
+                        f"{self.path}: tensor {name} has dtype {info['dtype']}, which shardkit does not "
+                        f"read (it reads {', '.join(sorted(_ST_TO_DTYPE))})"
+                    )
+                self._tensors[name] = StoredTensor(
+                    _ST_TO_DTYPE[info["dtype"]], tuple(info["shape"]), data_start + info["data_offsets"][0]
+                )
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
+
+    @property
+    def _open_fd(self) -> int:
+        """The file's descriptor; ValueError once the reader is closed."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the reader is closed")
+        return self._fd
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -202,11 +258,11 @@ class SafetensorsFile:
         return self._tensors[name].dtype
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        return read_stored(self._fd, self._tensors[name], dim, start, stop, str(self.path))
+        return read_stored(self._open_fd, self._tensors[name], dim, start, stop, str(self.path))
 
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
-        return read_rows_into(self._fd, self._tensors[name], start, stop, out, str(self.path))
+        return read_rows_into(self._open_fd, self._tensors[name], start, stop, out, str(self.path))
 
     def close(self) -> None:
         if self._fd is not None:
@@ -225,12 +281,15 @@ class SafetensorsWriter(DiscardOnFailure):
         check_specs(specs)
         self._specs = list(specs)
         self._next = 0
-        self._file = None
+        self._file: HashingFile | None = None
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
         for spec in self._specs:
-            header[spec.name] = {"dtype": _DTYPE_TO_ST[spec.dtype], "shape": list(spec.shape),
-                                 "data_offsets": [offset, offset + spec.nbytes]}
+            header[spec.name] = {
+                "dtype": _DTYPE_TO_ST[spec.dtype],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -247,13 +306,13 @@ class SafetensorsWriter(DiscardOnFailure):
             spec = self._expect(name)
             if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
                 raise RuntimeError(f"expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
-            self._file.write(tensor_bytes(tensor))
+            self._open_file.write(tensor_bytes(tensor))
             self._next += 1
         except BaseException:
             self.abort()
             raise
 
-    def write_chunks(self, name: str, chunks) -> None:
+    def write_chunks(self, name: str, chunks: Iterable[torch.Tensor]) -> None:
         """Write a tensor as consecutive row blocks (each a tensor), without assembling it."""
         try:
             spec = self._expect(name)
@@ -262,7 +321,7 @@ class SafetensorsWriter(DiscardOnFailure):
                 if chunk.dtype != spec.dtype:
                     chunk = chunk.to(spec.dtype)
                 data = tensor_bytes(chunk)
-                self._file.write(data)
+                self._open_file.write(data)
                 written += len(data)
             if written != spec.nbytes:
                 raise RuntimeError(f"{name}: wrote {written} bytes, expected {spec.nbytes}")
@@ -271,12 +330,17 @@ class SafetensorsWriter(DiscardOnFailure):
             self.abort()
             raise
 
-    def _expect(self, name: str) -> TensorSpec:
+    @property
+    def _open_file(self) -> HashingFile:
         if self._file is None:
             raise RuntimeError("the safetensors writer is closed or was aborted")
+        return self._file
+
+    def _expect(self, name: str) -> TensorSpec:
+        file = self._open_file
         spec = self._specs[self._next] if self._next < len(self._specs) else None
         if spec is None or name != spec.name:
-            raise RuntimeError(f"{self._file.path}: expected {spec.name if spec else 'no more tensors'}, got {name}")
+            raise RuntimeError(f"{file.path}: expected {spec.name if spec else 'no more tensors'}, got {name}")
         return spec
 
     def close(self, fsync: bool = False) -> list[FileRecord]:

@@ -7,6 +7,7 @@ real name. A file that asks for anything else is refused with a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -15,15 +16,27 @@ import sys
 import threading
 import zipfile
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from .. import torch_compat
 from ..errors import FormatError, ShardkitError
 from ..paths import regular_file
-from .base import DiscardOnFailure, FileRecord, HashingFile, StoredTensor, TensorSpec, check_specs, compact, narrow, read_rows_into, read_stored
+from .base import (
+    DiscardOnFailure,
+    FileRecord,
+    HashingFile,
+    StoredTensor,
+    TensorSpec,
+    check_specs,
+    compact,
+    narrow,
+    read_rows_into,
+    read_stored,
+)
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 
@@ -36,6 +49,31 @@ class TensorReference:
 
     def __repr__(self) -> str:
         return f"TensorReference(tid={self.tid})"
+
+
+_ALLOWED_LOCK = threading.Lock()
+_allowed_users = 0
+
+
+@contextlib.contextmanager
+def _reference_allowed():
+    """torch.serialization.safe_globals([TensorReference]), safe across threads: torch's context
+    adds to and removes from one process-wide list, so a thread leaving it would disallow the
+    class under another thread's load (workers read xser files in parallel). Counted instead:
+    allowed while any thread is inside."""
+    global _allowed_users
+    entry = [(TensorReference, XSER_REFERENCE)]
+    with _ALLOWED_LOCK:
+        if _allowed_users == 0:
+            torch.serialization.add_safe_globals(entry)
+        _allowed_users += 1
+    try:
+        yield
+    finally:
+        with _ALLOWED_LOCK:
+            _allowed_users -= 1
+            if _allowed_users == 0:
+                torch.serialization.safe_globals(entry).__exit__(None, None, None)
 
 
 def regular(path: Path, what: str = "file") -> Path:
@@ -51,7 +89,7 @@ def safe_load(path: Path, mmap: bool = True) -> Any:
     """torch.load with weights_only=True; TensorReference allowed; clear errors for bad files."""
     path = regular(Path(path))
     try:
-        with torch.serialization.safe_globals([(TensorReference, XSER_REFERENCE)]):
+        with _reference_allowed():
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             except RuntimeError as e:
@@ -127,7 +165,7 @@ def load_metadata(path: Path) -> Any:
 
     with zipfile.ZipFile(path) as archive:
         raw = archive.read(prefix + "data.pkl")
-    with torch.serialization.safe_globals([(TensorReference, XSER_REFERENCE)]):
+    with _reference_allowed():
         unpickler = torch_compat.weights_only_unpickler(io.BytesIO(raw), encoding="utf-8")
         unpickler.persistent_load = persistent_load
         obj = unpickler.load()
@@ -149,7 +187,7 @@ def load_metadata(path: Path) -> Any:
     return locate(obj)
 
 
-_METADATA_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
+_METADATA_CACHE: OrderedDict[tuple, Any] = OrderedDict()
 _METADATA_LOCK = threading.Lock()
 
 
@@ -183,7 +221,9 @@ def _read_metadata_uncached(path: Path) -> Any:
             "shardkit never runs arbitrary pickle: re-save it as a plain state dict"
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, KeyError, struct.error) as e:
-        raise FormatError(f"{path} is truncated or corrupt ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}): re-create it") from None
+        raise FormatError(
+            f"{path} is truncated or corrupt ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}): re-create it"
+        ) from None
 
 
 class TorchFile:
@@ -195,7 +235,7 @@ class TorchFile:
     def __init__(self, path: Path, single_tensor: bool = False):
         self.path = regular(Path(path))
         meta = read_metadata(self.path)
-        self._fd = None
+        self._fd: int | None = None
         if meta is None:  # legacy format: load it (bounded by one rank file)
             meta = safe_load(self.path, mmap=False)
         else:
@@ -210,6 +250,13 @@ class TorchFile:
             if not isinstance(value, (torch.Tensor, StoredTensor)):
                 raise FormatError(f"{self.path}: entry {name} is a {type(value).__name__}, not a tensor")
 
+    @property
+    def _open_fd(self) -> int:
+        """The file's descriptor; ValueError once the reader is closed."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the reader is closed")
+        return self._fd
+
     def keys(self) -> list[str]:
         return list(self._sd)
 
@@ -222,13 +269,15 @@ class TorchFile:
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         value = self._sd[name]
         if isinstance(value, StoredTensor):
-            return read_stored(self._fd, value, dim, start, stop, str(self.path))
+            return read_stored(self._open_fd, value, dim, start, stop, str(self.path))
         return compact(narrow(value, dim, start, stop))
 
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
         value = self._sd[name]
-        return isinstance(value, StoredTensor) and read_rows_into(self._fd, value, start, stop, out, str(self.path))
+        return isinstance(value, StoredTensor) and read_rows_into(
+            self._open_fd, value, start, stop, out, str(self.path)
+        )
 
     def close(self) -> None:
         if self._fd is not None:
@@ -340,7 +389,8 @@ def torch_save(obj: Any, out: HashingFile, **kwargs) -> None:
     itself once torch has returned, never thrown through torch's zip writer (see _ZipSink)."""
     sink = _ZipSink(out)
     try:
-        torch.save(obj, sink, **kwargs)
+        # torch.save writes into any object with write() and flush(); its stub says IO[bytes]
+        torch.save(obj, sink, **kwargs)  # type: ignore[arg-type]
     finally:
         sink.discard()
     if sink.error is not None:
@@ -383,8 +433,11 @@ class TorchWriter(DiscardOnFailure):
 
     def _record(self, name: str, data, size: int) -> None:
         """One record through torch's writer; the sink's failure raised here, outside torch."""
+        zip_writer = self._zip
+        if zip_writer is None:
+            raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
         try:
-            self._zip.write_record(name, data, size)
+            zip_writer.write_record(name, data, size)
         except BaseException:
             self._broken = True  # thrown through torch's C++ writer: it is mid-record now
             raise
@@ -396,8 +449,12 @@ class TorchWriter(DiscardOnFailure):
             if self._zip is None:
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
             spec = self._specs[self._next] if self._next < len(self._specs) else None
-            if (spec is None or spec.name != name or tuple(tensor.shape) != tuple(spec.shape)
-                    or tensor.dtype != spec.dtype):
+            if (
+                spec is None
+                or spec.name != name
+                or tuple(tensor.shape) != tuple(spec.shape)
+                or tensor.dtype != spec.dtype
+            ):
                 raise RuntimeError(f"{self.path}: expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
             storage = compact(tensor.detach()).untyped_storage()
             self._record(f"data/{self._next}", storage, spec.nbytes)
@@ -411,7 +468,7 @@ class TorchWriter(DiscardOnFailure):
             if self._zip is None:
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
             if self._next != len(self._specs):
-                missing = [s.name for s in self._specs[self._next:]]
+                missing = [s.name for s in self._specs[self._next :]]
                 raise RuntimeError(f"{self.path}: tensors not written: {missing[:3]}")
             try:
                 self._zip.write_end_of_file()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pickle
 import types
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ def tensors_dir(path: Path) -> Path:
     return Path(str(path) + ".tensors")
 
 
-def tensor_path(path: Path, tid: int) -> Path:
+def tensor_path(path: Path, tid: object) -> Path:
     """`<path>.tensors/tensor_<tid>.pt`; `tid` (read from the file) must be a non-negative int,
     anything else (a string such as "../../x") is refused before it becomes part of a path."""
     if type(tid) is not int or tid < 0:
@@ -66,9 +67,15 @@ def _valid_info(path: Path) -> dict:
     for tid, entry in info.items():
         entry = entry if isinstance(entry, dict) else {}
         shape, dtype = entry.get("shape"), entry.get("dtype")
-        if (type(tid) is not int or not isinstance(dtype, torch.dtype) or not isinstance(shape, (tuple, list))
-                or not all(type(n) is int and n >= 0 for n in shape)):
-            raise FormatError(f"{path}: entry {tid!r} is not {{dtype, shape}} of a tensor: the file is corrupt; re-create it")
+        if (
+            type(tid) is not int
+            or not isinstance(dtype, torch.dtype)
+            or not isinstance(shape, (tuple, list))
+            or not all(type(n) is int and n >= 0 for n in shape)
+        ):
+            raise FormatError(
+                f"{path}: entry {tid!r} is not {{dtype, shape}} of a tensor: the file is corrupt; re-create it"
+            )
     return info
 
 
@@ -144,10 +151,8 @@ class _ReferencePickler(torch_compat.PurePickler):
         super().save_global(obj, name)
 
 
-_PICKLE_MODULE = types.ModuleType("shardkit_xser_pickle")
-_PICKLE_MODULE.Pickler = _ReferencePickler
-_PICKLE_MODULE.Unpickler = pickle.Unpickler
-_PICKLE_MODULE.load = pickle.load
+_PICKLE_MODULE = types.ModuleType("shardkit_xser_pickle")  # the pickle_module torch.save and torch.load use
+vars(_PICKLE_MODULE).update(Pickler=_ReferencePickler, Unpickler=pickle.Unpickler, load=pickle.load)
 
 
 _PICKLE_BOUND = 1024  # bytes: the data.pkl of one tensor's file, or per entry of the reference and info files
@@ -157,8 +162,16 @@ def _file_bound(nbytes: int) -> int:
     """An upper bound of the size of a torch.save file holding one tensor of nbytes."""
     from torch.serialization import _get_storage_alignment
 
-    return _zip_size_bound([("data.pkl", _PICKLE_BOUND), (".format_version", 1), (".storage_alignment", 8),
-                            ("byteorder", 8), ("data/0", nbytes)], _get_storage_alignment())
+    return _zip_size_bound(
+        [
+            ("data.pkl", _PICKLE_BOUND),
+            (".format_version", 1),
+            (".storage_alignment", 8),
+            ("byteorder", 8),
+            ("data/0", nbytes),
+        ],
+        _get_storage_alignment(),
+    )
 
 
 class XserWriter(DiscardOnFailure):
@@ -183,7 +196,7 @@ class XserWriter(DiscardOnFailure):
     def _remaining_bound(self) -> int:
         """An upper bound of the bytes this rank still needs: its unwritten tensors' files, the
         reference file and .info.pt."""
-        left = self._specs[len(self._records):]
+        left = self._specs[len(self._records) :]
         return sum(_file_bound(s.nbytes) for s in left) + 2 * _file_bound(_PICKLE_BOUND * len(self._specs))
 
     def _save(self, obj: Any, path: Path, **kwargs) -> HashingFile:
@@ -213,9 +226,17 @@ class XserWriter(DiscardOnFailure):
                 raise RuntimeError(f"{self.path}: {len(self._specs) - len(self._records)} tensors were not written")
             refs = {s.name: TensorReference(self._tids[s.name]) for s in self._specs}
             main = self._save(refs, self.path, pickle_module=_PICKLE_MODULE, pickle_protocol=2)
-            info = self._save({self._tids[s.name]: {"dtype": s.dtype, "shape": torch.Size(s.shape),
-                                                    "expert_model_parallel": s.name in self._expert}
-                               for s in self._specs}, info_path(self.path))
+            info = self._save(
+                {
+                    self._tids[s.name]: {
+                        "dtype": s.dtype,
+                        "shape": torch.Size(s.shape),
+                        "expert_model_parallel": s.name in self._expert,
+                    }
+                    for s in self._specs
+                },
+                info_path(self.path),
+            )
             records = [main.close(fsync), info.close(fsync)] + self._records
         except BaseException:
             self.abort()
