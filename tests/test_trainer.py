@@ -301,6 +301,14 @@ def test_export_destination_rules(tmp_path, hf_model, tokens, capsys):
     capsys.readouterr()
     assert main([*base[:-1], str(hf_model), "--overwrite-export"]) == 2
     assert "overlaps --model" in capsys.readouterr().err
+    # nor an alias of it: through a symlink, or through a `..` detour
+    alias = tmp_path / "alias"
+    alias.symlink_to(hf_model, target_is_directory=True)
+    detour = f"{hf_model.parent}/{tmp_path.name}-nowhere/../{hf_model.name}"
+    for other in (alias, detour):
+        assert main([*base[:-1], str(other), "--overwrite-export"]) == 2
+        assert "overlaps --model" in capsys.readouterr().err
+    assert (hf_model / "config.json").is_file()
 
 
 def test_load_keeps_the_sources_qkv_style_and_kv_replication(tmp_path, hf_model, tokens, caplog):

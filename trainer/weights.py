@@ -41,6 +41,7 @@ import torch
 from shardkit.api import export_checkpoint
 from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank
 from shardkit.formats import Checkpoint, SourceReader, hf
+from shardkit.paths import resolved
 from shardkit.placements import Segment, build_piece
 
 from .errors import TrainerError
@@ -146,13 +147,13 @@ def _inputs(cfg) -> list[tuple[str, Path]]:
     ]
     if cfg.resume and Path(cfg.resume).exists():
         named.append(("--resume", cfg.resume))
-    return [(flag, Path(path).absolute()) for flag, path in named if path]
+    return [(flag, resolved(path)) for flag, path in named if path]
 
 
 def check_export_destination(cfg) -> int | None:
     """Check --export-hf before the job starts (nothing is written). Returns the step of this run's
     own earlier export found there, or None when there is none."""
-    dst = Path(cfg.export_hf).absolute()
+    dst = resolved(cfg.export_hf)  # real paths: an alias (`..`, a symlink) of an input is that input
     for flag, src in _inputs(cfg):
         if dst == src or dst in src.parents or (flag != "--checkpoint-dir" and src in dst.parents):
             raise TrainerError(f"--export-hf {cfg.export_hf} overlaps {flag} {src}: export to another directory")
