@@ -39,7 +39,6 @@ from ..paths import (
     overlaps,
     recover_interrupted,
     remove_tree,
-    resolved,
     sibling_name,
     write_owner,
 )
@@ -91,15 +90,11 @@ def _disk_error(e: OSError, what: str, path: Path) -> ShardkitError:
 
 def source_paths(src: Checkpoint) -> list[Path]:
     """What a checkpoint is made of on disk: its folder, or only its file for a single-file source
-    (whose root is merely the folder the file sits in), plus every file it reads (resolved, so that
-    files linked from elsewhere, e.g. the Hugging Face cache's blobs, count too)."""
-    paths = [] if getattr(src, "single_file", False) else [Path(src.root)]
-    for path in src.files.values():
-        paths.append(Path(path))
-        real = resolved(path)
-        if real != Path(path).absolute():
-            paths.append(real)
-    return paths
+    (whose root is merely the folder the file sits in), plus every file it reads. `overlaps`
+    compares them as real paths, so files linked from elsewhere (the Hugging Face cache's blobs)
+    count where they really are."""
+    paths = [] if src.single_file else [Path(src.root)]
+    return paths + [Path(path) for path in src.files.values()]
 
 
 def prepare_staging(dst: Path, overwrite: bool, sources: Iterable[Path] = ()) -> Path:
