@@ -175,10 +175,27 @@ def test_cli_reshard_and_inspect(tmp_path):
     root = nxd()
     result = _run_reshard(root / "tp2_dp2_pp1_xser", tmp_path / "out", root / "config.json")
     assert result.exit_code == 0, result.output
+    assert "kept the source's qkv style gqa" in result.stderr
     result = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path / "out"), "--json"])
     info = json.loads(result.output)
     assert (info["layout"]["tp"], info["dp"], info["format"], info["step"], info["master_weights"]) == (1, 1, "xser", 3.0, False)
     assert [len(g["parameters_on_tp0_pp0"]) for g in info["param_groups"]] == [14, 5]
+
+
+def test_cli_reshard_qkv_style_is_the_sources_unless_asked(tmp_path):
+    """`ckpt reshard` takes the layout options of `shardkit reshard` (one declaration): without
+    --qkv the source's style is kept (and said), --qkv / NxD's --fuse-qkv change it."""
+    root = nxd()
+    src, cfg = root / "tp2_pp2_dp1_torch", str(root / "config.json")
+    runs = {"kept": [], "fused": ["--qkv", "fused"], "nxd-flag": ["--qkv-linear", "--fuse-qkv"]}
+    for name, extra in runs.items():
+        result = CliRunner().invoke(cli, ["ckpt", "reshard", str(src), str(tmp_path / name), "--config", cfg,
+                                          "--tp", "2", *extra])
+        assert result.exit_code == 0, result.output
+        assert ("kept the source's qkv style" in result.stderr) == (name == "kept")
+        keys = torch.load(tmp_path / name / "step_3/model/dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
+        suffix = "weight_q" if name == "kept" else "weight_qkv"
+        assert f"model.layers.0.self_attn.qkv_proj.{suffix}" in keys, sorted(keys)[:8]
 
 
 # ---- generic use: any state dict, no layout or config -------------------------------------------------

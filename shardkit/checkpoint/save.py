@@ -126,6 +126,28 @@ def new_group() -> Any:
 
 
 @dataclass
+class SaveRequest:
+    """One `Checkpointer.save` call's arguments, with the Checkpointer's defaults filled in."""
+
+    dir: Path
+    tag: str
+    model_state: Any
+    optimizer_state: Any
+    scheduler: Any
+    user_content: Any
+    layout: Layout | None
+    config: Mapping[str, Any] | str | Path | None
+    rank: Any
+    fmt: str
+    async_save: bool
+    num_kept: int | None
+    keep_every: int | None
+    step: int | None
+    param_names: Sequence[str] | Mapping[Any, Sequence[str]] | None
+    zero1: bool
+
+
+@dataclass
 class SaveJob:
     """Everything one save writes from this process, already validated (and copied when async)."""
 
@@ -432,24 +454,26 @@ class Checkpointer:
         previous async save before starting."""
         with self._lock:
             self._writer.wait()
-            job = self._job(
-                dir,
+            cfg = self.config
+            request = SaveRequest(
+                Path(dir),
                 tag,
                 model_state,
                 optimizer_state,
                 scheduler,
                 user_content,
-                layout,
-                config,
-                rank,
-                format,
-                async_save,
-                num_kept,
-                keep_every,
-                step,
-                param_names,
-                zero1,
+                layout=layout,
+                config=config,
+                rank=rank,
+                fmt=check_format(format or cfg.format),
+                async_save=cfg.async_save if async_save is None else bool(async_save),
+                num_kept=cfg.num_kept if num_kept is _UNSET else num_kept,
+                keep_every=cfg.keep_every if keep_every is _UNSET else keep_every,
+                step=step,
+                param_names=param_names,
+                zero1=bool(zero1),
             )
+            job = self._job(request)
             lock = self._lock_directory(job)
             released = False  # True once the lock's release is handed to the background thread
             try:
@@ -517,49 +541,14 @@ class Checkpointer:
         return taken[0] if taken else DirectoryLock(job.root, None)
 
     # -- building a job (caller's thread)
-    def _job(
-        self,
-        dir,
-        tag,
-        model_state,
-        optimizer_state,
-        scheduler,
-        user_content,
-        layout,
-        config,
-        rank,
-        fmt,
-        async_save,
-        num_kept,
-        keep_every,
-        step,
-        param_names,
-        zero1=False,
-    ) -> SaveJob:
-        cfg = self.config
-        fmt = check_format(fmt or cfg.format)
-        async_save = cfg.async_save if async_save is None else bool(async_save)
-        num_kept = cfg.num_kept if num_kept is _UNSET else num_kept
-        keep_every = cfg.keep_every if keep_every is _UNSET else keep_every
+    def _job(self, req: SaveRequest) -> SaveJob:
+        layout, config = req.layout, req.config
 
         def build() -> SaveJob:
-            check_retention(num_kept, keep_every)
-            tag_path(Path(dir), tag)  # a plain folder name inside dir, else a one-line error
+            check_retention(req.num_kept, req.keep_every)
+            tag_path(req.dir, req.tag)  # a plain folder name inside dir, else a one-line error
             if layout is None and config is None:
-                return self._generic_job(
-                    dir,
-                    tag,
-                    model_state,
-                    optimizer_state,
-                    scheduler,
-                    user_content,
-                    fmt,
-                    async_save,
-                    num_kept,
-                    keep_every,
-                    step,
-                    zero1,
-                )
+                return self._generic_job(req)
             if not isinstance(layout, Layout):
                 raise CheckpointError("layout= must be a shardkit.Layout (the layout the state is cut in)")
             if config is None:
@@ -571,33 +560,20 @@ class Checkpointer:
             dims = ModelDims.from_config(cfg_dict)
             layout.validate(dims)
             shapes = family.full_shapes(dims)
-            dp_size = max(1, self.comm.world // (layout.tp * layout.pp * layout.ep)) if zero1 else 1
-            states = self._states(
-                family, dims, layout, shapes, model_state, optimizer_state, rank, param_names, dp_size
-            )
-            sched, the_step = _plain_parts(tag, scheduler, user_content, step)
-            job = SaveJob(
-                Path(dir),
-                str(tag),
-                layout,
-                fmt,
-                cfg_dict,
-                family,
-                dims,
-                the_step,
-                states,
-                self.comm.rank == 0,
-                sched,
-                user_content,
-                num_kept,
-                keep_every,
-                cfg.fsync,
-                async_save,
-                self.comm.world,
-                zero1=bool(zero1),
+            dp_size = max(1, self.comm.world // (layout.tp * layout.pp * layout.ep)) if req.zero1 else 1
+            states = self._states(family, dims, layout, shapes, req, dp_size)
+            job = self._save_job(
+                req,
+                layout=layout,
+                fmt=req.fmt,
+                config=cfg_dict,
+                family=family,
+                dims=dims,
+                ranks=states,
+                leader=self.comm.rank == 0,
                 dp_size=dp_size,
             )
-            if async_save:
+            if req.async_save:
                 self._snapshot(job)
             else:
                 for s in job.ranks:
@@ -615,77 +591,71 @@ class Checkpointer:
             built.append(build())
             return [(*st.rank.key, st.rank.dp) for st in built[0].ranks if st.write_model]
 
-        answers = agree(self.comm, f"saving checkpoint {tag}", claims)
+        answers = agree(self.comm, f"saving checkpoint {req.tag}", claims)
         if layout is not None:
             _check_claims(layout, answers, self.comm.world)
         return built[0]
 
-    def _generic_job(
-        self,
-        dir,
-        tag,
-        model_state,
-        optimizer_state,
-        scheduler,
-        user_content,
-        fmt,
-        async_save,
-        num_kept,
-        keep_every,
-        step,
-        zero1,
-    ) -> SaveJob:
+    def _save_job(self, req: SaveRequest, **fields: Any) -> SaveJob:
+        """The SaveJob of `req`: what every save shares (tag, step, plain parts, retention) plus
+        `fields` (layout, format, family, ranks, ...)."""
+        sched, the_step = _plain_parts(req.tag, req.scheduler, req.user_content, req.step)
+        return SaveJob(
+            root=req.dir,
+            tag=str(req.tag),
+            step=the_step,
+            scheduler=sched,
+            user_content=req.user_content,
+            num_kept=req.num_kept,
+            keep_every=req.keep_every,
+            fsync=self.config.fsync,
+            async_save=req.async_save,
+            world=self.comm.world,
+            zero1=req.zero1,
+            **fields,
+        )
+
+    def _generic_job(self, req: SaveRequest) -> SaveJob:
         """A checkpoint of any state dicts, without a model family (like NxD's own save)."""
-        if fmt not in ("torch",):
+        if req.fmt != "torch":
             raise CheckpointError(
-                f"a checkpoint without layout= and config= is saved as torch files, not {fmt}: "
+                f"a checkpoint without layout= and config= is saved as torch files, not {req.fmt}: "
                 "pass layout= and config= for other formats"
             )
         leader = self.comm.rank == 0
-        check_plain(model_state, "model_state")
+        check_plain(req.model_state, "model_state")
+        optimizer_state = req.optimizer_state
         if optimizer_state is not None:
             if isinstance(optimizer_state, torch.optim.Optimizer):
                 optimizer_state = optimizer_state.state_dict()
             check_plain(optimizer_state, "optimizer_state")
-        writes_optim = optimizer_state is not None and (zero1 or leader)
+        writes_optim = optimizer_state is not None and (req.zero1 or leader)
         generic = {
-            "model": model_state if leader else None,
+            "model": req.model_state if leader else None,
             "optimizer": optimizer_state if writes_optim else None,
-            "dp": self.comm.rank if zero1 else 0,
+            "dp": self.comm.rank if req.zero1 else 0,
         }
-        sched, the_step = _plain_parts(tag, scheduler, user_content, step)
-        job = SaveJob(
-            Path(dir),
-            str(tag),
-            None,
-            "torch",
-            None,
-            None,
-            None,
-            the_step,
-            [],
-            leader,
-            sched,
-            user_content,
-            num_kept,
-            keep_every,
-            self.config.fsync,
-            async_save,
-            self.comm.world,
-            zero1=bool(zero1),
-            dp_size=self.comm.world if zero1 else 1,
+        job = self._save_job(
+            req,
+            layout=None,
+            fmt="torch",
+            config=None,
+            family=None,
+            dims=None,
+            ranks=[],
+            leader=leader,
+            dp_size=self.comm.world if req.zero1 else 1,
             generic=generic,
         )
-        if async_save:
+        if req.async_save:
             generic["model"] = host_copy(generic["model"])
             generic["optimizer"] = host_copy(generic["optimizer"])
             job.scheduler = host_copy(job.scheduler)
             job.user_content = host_copy(job.user_content)
         return job
 
-    def _states(
-        self, family, dims, layout, shapes, model_state, optimizer_state, rank, param_names, dp_size: int = 1
-    ) -> list[RankState]:
+    def _states(self, family, dims, layout, shapes, req: SaveRequest, dp_size: int = 1) -> list[RankState]:
+        model_state, optimizer_state, param_names = req.model_state, req.optimizer_state, req.param_names
         if not isinstance(model_state, Mapping):
             raise CheckpointError(f"model_state must be a dict of this rank's pieces, got {type(model_state).__name__}")
         if is_rank_mapping(model_state):
@@ -709,7 +679,7 @@ class Checkpointer:
                 )
                 for r, k in sorted(ranks.items(), key=lambda rk: rk[0].key)
             ]
-        me = Rank.of(rank, layout)
+        me = Rank.of(req.rank, layout)
         if me.dp > 0 and dp_size == 1:
             return []  # a data-parallel replica holds dp 0's state and writes nothing (see base.py)
         if isinstance(param_names, Mapping):

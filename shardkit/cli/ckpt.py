@@ -11,14 +11,20 @@ import click
 from ..errors import ShardkitError
 from ..sizes import format_bytes
 from .options import (
-    DTYPES,
     Bar,
+    build_layout,
     common_options,
     config_option,
+    degree_option,
+    is_leader,
+    json_option,
+    kept_from_source,
+    layout_options,
     max_shard_size_option,
+    note,
+    output_options,
     print_json,
     report,
-    verify_hashes_option,
 )
 
 
@@ -119,19 +125,11 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--tag", default=None, help="The tag to export (default: the newest complete one).")
 @max_shard_size_option("Largest safetensors file")
-@click.option(
-    "--dtype",
-    type=click.Choice(DTYPES),
-    default=None,
-    help="Cast weights to this dtype (default: keep the checkpoint's).",
-)
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists and is not empty.")
-@verify_hashes_option
+@output_options("OUT")
 @config_option
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @common_options
 @click.pass_context
-def ckpt_export(ctx, directory, out, tag, max_shard_size, dtype, overwrite, verify_hashes, config, as_json):
+def ckpt_export(ctx, directory, out, tag, max_shard_size, write, as_json, config):
     """Merge the model of a training checkpoint (DIR/<tag>) into a Hugging Face model directory OUT.
 
     OUT also gets config.json, generation_config.json and tokenizer files, from the tag or from DIR.
@@ -141,83 +139,38 @@ def ckpt_export(ctx, directory, out, tag, max_shard_size, dtype, overwrite, veri
     started = time.perf_counter()
     with Bar(ctx, "export") as bar:
         result = export_checkpoint(
-            directory,
-            out,
-            tag,
-            max_shard_size=max_shard_size,
-            dtype=dtype,
-            overwrite=overwrite,
-            config=config,
-            progress=bar,
-            verify_hashes=verify_hashes,
+            directory, out, tag, max_shard_size=max_shard_size, config=config, progress=bar, **write
         )
     report(ctx, result, started, as_json, "exported to")
+
+
+tag_config_option = click.option(
+    "--config",
+    "config",
+    default=None,
+    type=click.Path(exists=True, path_type=Path),
+    help="The model's Hugging Face config.json (needed when the tag has no config.json; NxD's carry none).",
+)
+param_order_option = click.option(
+    "--param-order",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="A JSON list of parameter names per param group, for checkpoints whose optimizer index "
+    "order cannot be recovered from the model files.",
+)
 
 
 @ckpt_group.command(name="reshard")
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option(
-    "--config",
-    "config",
-    required=True,
-    type=click.Path(exists=True, path_type=Path),
-    help="The model's Hugging Face config.json (NxD checkpoints carry none).",
-)
-@click.option(
-    "--tp",
-    "--tp-size",
-    "tp",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Tensor-parallel degree of the new layout.",
-)
-@click.option(
-    "--pp",
-    "--pp-size",
-    "pp",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Pipeline stages of the new layout.",
-)
-@click.option(
-    "--dp",
-    "--dp-size",
-    "dp",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Data-parallel degree of the new layout (the number of ZeRO-1 optimizer shards).",
-)
+@tag_config_option
+@layout_options(expert=False)
+@degree_option("dp", "Data-parallel degree of the new layout (the number of ZeRO-1 optimizer shards).")
 @click.option(
     "--zero1/--no-zero1",
     default=True,
     show_default=True,
     help="One optimizer shard per dp rank (NxD's ZeRO-1), or one unsharded optimizer file per (tp, pp).",
-)
-@click.option(
-    "--kv-multiplier",
-    "--kv-size-multiplier",
-    "kv_multiplier",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="K/V head replicas of the new layout (NxD's kv_size_multiplier).",
-)
-@click.option(
-    "--kv-replication",
-    type=click.Choice(["interleaved", "blocked"]),
-    default=None,
-    help="Order of K/V replicas: interleaved (Trn1) or blocked (Trn2). Default interleaved.",
-)
-@click.option(
-    "--qkv",
-    type=click.Choice(["gqa", "fused", "coalesced", "separate"]),
-    default="gqa",
-    show_default=True,
-    help="How q/k/v are stored in the new model files (NxD's GQA layer by default).",
 )
 @click.option(
     "--format",
@@ -234,28 +187,26 @@ def ckpt_export(ctx, directory, out, tag, max_shard_size, dtype, overwrite, veri
     show_default=True,
     help="Carry fp32 master weights (sharded_master_weights) over, resharded, or leave them out.",
 )
-@click.option(
-    "--param-order",
-    type=click.Path(exists=True, path_type=Path),
-    default=None,
-    help="A JSON list of parameter names per param group, for checkpoints whose optimizer index "
-    "order cannot be recovered from the model files.",
-)
+@param_order_option
 @common_options
-def ckpt_reshard(
-    src, dst, config, tp, pp, dp, zero1, kv_multiplier, kv_replication, qkv, fmt, tag, master_weights, param_order
-):
+@click.pass_context
+def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master_weights, param_order):
     """Move a whole training state SRC (model, ZeRO-1 optimizer shards, master weights, scheduler,
     user content) to another layout, written as the checkpoint directory DST in NxD's format.
+    Without --qkv (and --kv-replication / --hw) the source's qkv style (and replica order) is kept.
 
     \b
     Example (tp8 pp4 dp16 -> tp32 pp2 dp8):
       shardkit ckpt reshard ./ckpts ./ckpts-tp32 --config ./llama/config.json --tp 32 --pp 2 --dp 8
     """
-    from ..api import reshard_training_checkpoint
-    from ..layout import make_layout
+    from ..api import inspect_training_checkpoint, reshard_training_checkpoint
+    from ..layout import Layout
 
-    layout = make_layout(tp=tp, pp=pp, kv_multiplier=kv_multiplier, kv_replication=kv_replication, qkv=qkv)
+    source = Layout.from_dict(inspect_training_checkpoint(src, tag, config, param_order)["layout"])
+    layout = build_layout(layout_opts, inherit=source)
+    kept = kept_from_source(layout_opts, source, layout)
+    if kept and is_leader():
+        note(ctx, kept)
     out = reshard_training_checkpoint(
         src,
         dst,
@@ -274,20 +225,9 @@ def ckpt_reshard(
 @ckpt_group.command(name="inspect")
 @click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
 @click.option("--tag", default=None, help="The tag (default: the newest complete one, or DIR itself).")
-@click.option(
-    "--config",
-    "config",
-    default=None,
-    type=click.Path(exists=True, path_type=Path),
-    help="The model's Hugging Face config.json (needed when the tag has no config.json).",
-)
-@click.option(
-    "--param-order",
-    type=click.Path(exists=True, path_type=Path),
-    default=None,
-    help="A JSON list of parameter names per param group (when it cannot be recovered).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@tag_config_option
+@param_order_option
+@json_option()
 @common_options
 def ckpt_inspect(directory, tag, config, param_order, as_json):
     """Layout (tp, pp, dp, ZeRO-1), param groups, step, master weights and optimizer bytes of a tag."""

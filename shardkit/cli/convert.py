@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -17,8 +18,8 @@ from .options import (
     command_line,
     common_options,
     config_option,
-    hints,
     is_leader,
+    kept_from_source,
     layout_options,
     max_shard_size_option,
     note,
@@ -27,6 +28,12 @@ from .options import (
     revision_option,
     source_options,
 )
+
+
+def format_option(help: str) -> Callable:
+    return click.option(
+        "--format", "fmt", type=click.Choice(format_names()), default="torch", show_default=True, help=help
+    )
 
 
 @click.command()
@@ -39,37 +46,15 @@ from .options import (
     show_default=True,
     help="Write shards of the given layout (default), or a Hugging Face directory (same as merge).",
 )
-@layout_options
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(format_names()),
-    default="torch",
-    show_default=True,
-    help="Shard files: torch (NxD's .pt), xser (torch-xla's, tensors in <file>.tensors/), or safetensors.",
-)
-@output_options
+@layout_options()
+@format_option("Shard files: torch (NxD's .pt), xser (torch-xla's, tensors in <file>.tensors/), or safetensors.")
+@output_options()
 @config_option
 @max_shard_size_option("With --to-hf: largest safetensors file")
 @revision_option
 @common_options
 @click.pass_context
-def convert(
-    ctx,
-    src,
-    dst,
-    to_sharded,
-    fmt,
-    dtype,
-    workers,
-    overwrite,
-    verify_hashes,
-    as_json,
-    config,
-    max_shard_size,
-    revision,
-    **layout_opts,
-):
+def convert(ctx, src, dst, to_sharded, fmt, write, as_json, config, max_shard_size, revision, layout_opts):
     """Convert SRC (a Hugging Face model directory, or one torch state-dict file) into shards.
 
     \b
@@ -89,31 +74,12 @@ def convert(
     src = hub_source(ctx, src, revision)
     with Bar(ctx, "convert") as bar:
         if to_sharded:
+            layout = build_layout(layout_opts)
             result = api_convert(
-                src,
-                dst,
-                build_layout(layout_opts),
-                format=fmt,
-                dtype=dtype,
-                workers=workers,
-                overwrite=overwrite,
-                config=config,
-                progress=bar,
-                command=command_line(),
-                verify_hashes=verify_hashes,
+                src, dst, layout, format=fmt, config=config, progress=bar, command=command_line(), **write
             )
         else:
-            result = api_merge(
-                src,
-                dst,
-                dtype=dtype,
-                workers=workers,
-                overwrite=overwrite,
-                config=config,
-                max_shard_size=max_shard_size,
-                progress=bar,
-                verify_hashes=verify_hashes,
-            )
+            result = api_merge(src, dst, config=config, max_shard_size=max_shard_size, progress=bar, **write)
     report(ctx, result, started, as_json, "wrote")
 
 
@@ -122,7 +88,7 @@ def convert(
 @click.argument("dst", type=click.Path(path_type=Path))
 @max_shard_size_option("Largest safetensors file; larger models get model-0000i-of-0000n files + index")
 @source_options
-@output_options
+@output_options()
 @revision_option
 @click.option(
     "--push-to",
@@ -135,24 +101,7 @@ def convert(
 @click.option("--create", is_flag=True, help="With --push-to: create the repo when it does not exist.")
 @common_options
 @click.pass_context
-def merge(
-    ctx,
-    src,
-    dst,
-    max_shard_size,
-    config,
-    kv_replication,
-    hw,
-    dtype,
-    workers,
-    overwrite,
-    verify_hashes,
-    as_json,
-    revision,
-    push_to,
-    private,
-    create,
-):
+def merge(ctx, src, dst, max_shard_size, config, source_hints, write, as_json, revision, push_to, private, create):
     """Merge shards in SRC into a Hugging Face model directory DST.
 
     \b
@@ -172,16 +121,7 @@ def merge(
         hub_check(push_to, private, create)
     with Bar(ctx, "merge") as bar:
         result = api_merge(
-            src,
-            dst,
-            max_shard_size=max_shard_size,
-            dtype=dtype,
-            workers=workers,
-            overwrite=overwrite,
-            config=config,
-            hints=hints(kv_replication, hw),
-            progress=bar,
-            verify_hashes=verify_hashes,
+            src, dst, max_shard_size=max_shard_size, config=config, hints=source_hints, progress=bar, **write
         )
     if not push_to:
         report(ctx, result, started, as_json, "merged into")
@@ -194,61 +134,28 @@ def merge(
             create=create,
             origin=src,
             config=config,
-            hints=hints(kv_replication, hw),
+            hints=source_hints,
         )
         merge_and_push_report(ctx, result, started, as_json, pushed)
-
-
-def kept_from_source(layout_opts: dict, source, target) -> str | None:
-    """The line saying which layout choices reshard kept from the source (None: nothing kept)."""
-    kept = []
-    if not any(layout_opts.get(k) for k in ("qkv", "qkv_linear", "fuse_qkv", "coalesce_qkv")):
-        kept.append(f"qkv style {target.qkv}")
-    if target.kv_multiplier > 1 and not (layout_opts.get("kv_replication") or layout_opts.get("hw")):
-        kept.append(f"kv replication {target.kv_replication}")
-    if not kept:
-        return None
-    return f"kept the source's {' and '.join(kept)} ({source.describe()}); give --qkv / --kv-replication to change"
 
 
 @click.command()
 @click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
 @click.argument("dst", type=click.Path(path_type=Path))
-@layout_options
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(format_names()),
-    default="torch",
-    show_default=True,
-    help="Format of the new shards.",
-)
+@layout_options()
+@format_option("Format of the new shards.")
 @click.option(
     "--source-kv-replication",
     type=click.Choice(REPLICATION_CHOICES),
     default=None,
     help="Replica order of NxD source shards (inferred from the data when omitted).",
 )
-@output_options
+@output_options()
 @config_option
 @revision_option
 @common_options
 @click.pass_context
-def reshard(
-    ctx,
-    src,
-    dst,
-    fmt,
-    source_kv_replication,
-    dtype,
-    workers,
-    overwrite,
-    verify_hashes,
-    as_json,
-    config,
-    revision,
-    **layout_opts,
-):
+def reshard(ctx, src, dst, fmt, source_kv_replication, write, as_json, config, revision, layout_opts):
     """Turn shards of one layout (SRC) into another layout (DST) directly.
 
     Each new piece is assembled from exactly the source slices it needs; the full model is never
@@ -261,24 +168,12 @@ def reshard(
     started = time.perf_counter()
     hub_quiet(ctx)
     source = open_source(src, config, {"kv_replication": source_kv_replication}, revision)
-    given = dict(layout_opts)
     layout = build_layout(layout_opts, inherit=source.layout)
-    kept = kept_from_source(given, source.layout, layout)
+    kept = kept_from_source(layout_opts, source.layout, layout)
     if kept and is_leader():
         note(ctx, kept)
     with Bar(ctx, "reshard") as bar:
-        result = api_reshard(
-            source,
-            dst,
-            layout,
-            format=fmt,
-            dtype=dtype,
-            workers=workers,
-            overwrite=overwrite,
-            progress=bar,
-            command=command_line(),
-            verify_hashes=verify_hashes,
-        )
+        result = api_reshard(source, dst, layout, format=fmt, progress=bar, command=command_line(), **write)
     report(ctx, result, started, as_json, "wrote")
 
 

@@ -8,11 +8,11 @@ import click
 
 from ..sizes import format_bytes
 from .options import (
-    DTYPES,
     Bar,
     command_line,
     common_options,
-    hints,
+    dtype_option,
+    json_option,
     max_shard_size_option,
     print_json,
     quiet,
@@ -91,12 +91,7 @@ def merge_and_push_report(ctx: click.Context, result, started: float, as_json: b
     "--create-pr", is_flag=True, help="Open a pull request against the default branch instead of committing to it."
 )
 @max_shard_size_option("When SRC is merged first: largest safetensors file")
-@click.option(
-    "--dtype",
-    type=click.Choice(DTYPES),
-    default=None,
-    help="When SRC is merged first: cast weights to this dtype (default: keep the source's).",
-)
+@dtype_option("When SRC is merged first: cast weights to this dtype (default: keep the source's).")
 @click.option(
     "--workers",
     type=click.IntRange(min=1),
@@ -112,7 +107,7 @@ def merge_and_push_report(ctx: click.Context, result, started: float, as_json: b
     "room for the whole model.",
 )
 @source_options
-@click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
+@json_option("what was pushed")
 @common_options
 @click.pass_context
 def push_cmd(
@@ -129,8 +124,7 @@ def push_cmd(
     workers,
     tmp_dir,
     config,
-    kv_replication,
-    hw,
+    source_hints,
     as_json,
 ):
     """Upload SRC to the Hugging Face Hub model repo REPO_ID (namespace/name).
@@ -161,7 +155,7 @@ def push_cmd(
         workers=workers,
         tmp_dir=tmp_dir,
         config=config,
-        hints=hints(kv_replication, hw),
+        hints=source_hints,
     )
     if as_json:
         print_json(pushed)

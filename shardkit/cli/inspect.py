@@ -8,7 +8,7 @@ import click
 
 from ..sizes import format_bytes
 from .hub import hub_quiet
-from .options import Bar, common_options, hints, print_json, source_options
+from .options import Bar, common_options, print_json, source_options
 
 
 @click.command(name="inspect")
@@ -25,7 +25,7 @@ from .options import Bar, common_options, hints, print_json, source_options
 @click.option("--revision", default=None, help="When PATH is a Hub repo id: the branch, tag or commit to download.")
 @common_options
 @click.pass_context
-def inspect_cmd(ctx, path, config, kv_replication, hw, check_data, show_tensors, as_json, revision):
+def inspect_cmd(ctx, path, config, source_hints, check_data, show_tensors, as_json, revision):
     """Explain a checkpoint directory: format, model, layout, stages, size and problems.
 
     PATH may also be a Hub repo id (its weights, config and tokenizer files are fetched).
@@ -35,9 +35,7 @@ def inspect_cmd(ctx, path, config, kv_replication, hw, check_data, show_tensors,
 
     hub_quiet(ctx)
     with Bar(ctx, "check-data") as bar:
-        found = api_inspect(
-            path, config, hints(kv_replication, hw), check_data, revision, progress=bar if check_data else None
-        )
+        found = api_inspect(path, config, source_hints, check_data, revision, progress=bar if check_data else None)
     if as_json:
         print_json(found)
     else:

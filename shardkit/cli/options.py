@@ -7,12 +7,13 @@ them through `common_options`, and they all write into the root context's settin
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,56 @@ QKV_CHOICES = ["separate", "gqa", "fused", "coalesced"]
 REPLICATION_CHOICES = ["interleaved", "blocked"]
 HW_CHOICES = ["trn1", "trn2"]
 SIZE_HELP = "5GB = 5 x 10**9, 5GiB = 5G = 5 x 2**30, 500MB, or bytes"
+
+
+def stacked(*options: Callable) -> Callable:
+    """One decorator applying click options in the order listed (shown in that order in --help)."""
+
+    def apply(func: Callable) -> Callable:
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return apply
+
+
+def collected(names: Sequence[str], into: str, build: Callable[..., Any] = dict) -> Callable:
+    """A decorator that hands the command the click parameters `names` as ONE keyword `into`,
+    `build(**values)` (a dict by default), so a group of options travels as one record."""
+
+    def wrap(func: Callable) -> Callable:
+        @functools.wraps(func)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            kwargs[into] = build(**{name: kwargs.pop(name) for name in names})
+            return func(*args, **kwargs)
+
+        return command
+
+    return wrap
+
+
+def degree_option(name: str, help: str, *, nxd: str | None = None, default: int | None = 1) -> Callable:
+    """A parallel degree --NAME (and NxD's spelling, --NAME-size unless `nxd` names another): a
+    whole number >= 1."""
+    return click.option(
+        f"--{name}",
+        nxd or f"--{name}-size",
+        name.replace("-", "_"),
+        type=click.IntRange(min=1),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
+
+
+def dtype_option(help: str = "Cast weights to this dtype (default: keep the source's).", default: str | None = None):
+    return click.option(
+        "--dtype", type=click.Choice(DTYPES), default=default, show_default=default is not None, help=help
+    )
+
+
+def json_option(what: str = "the result") -> Callable:
+    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON on stdout.")
 
 
 # ---- settings shared by every command ----------------------------------------------------------
@@ -59,47 +110,24 @@ def _set_flag(name: str) -> Callable[[click.Context, click.Parameter, Any], None
     return callback
 
 
-def common_options(func: Callable) -> Callable:
-    """-q/--quiet, -v/--verbose, --debug and --progress/--no-progress, anywhere on the line."""
-    options = [
-        click.option(
-            "--debug",
-            is_flag=True,
-            default=False,
-            expose_value=False,
-            callback=_set_flag("debug"),
-            help="Show full tracebacks on errors.",
-        ),
-        click.option(
-            "-q",
-            "--quiet",
-            is_flag=True,
-            default=False,
-            expose_value=False,
-            callback=_set_flag("quiet"),
-            help="No progress bars or notes; errors only.",
-        ),
-        click.option(
-            "-v",
-            "--verbose",
-            is_flag=True,
-            default=False,
-            expose_value=False,
-            callback=_set_flag("verbose"),
-            help="Log what shardkit does (INFO level).",
-        ),
-        click.option(
-            "--progress/--no-progress",
-            default=None,
-            expose_value=False,
-            callback=_set_flag("progress"),
-            help="Show progress bars on stderr even when it is not a terminal, or never (default: "
-            "only on a terminal, and never with -q).",
-        ),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+def _global_flag(name: str, *decls: str, help: str) -> Callable:
+    return click.option(*decls, is_flag=True, default=False, expose_value=False, callback=_set_flag(name), help=help)
+
+
+# -q/--quiet, -v/--verbose, --debug and --progress/--no-progress, anywhere on the line.
+common_options = stacked(
+    _global_flag("debug", "--debug", help="Show full tracebacks on errors."),
+    _global_flag("quiet", "-q", "--quiet", help="No progress bars or notes; errors only."),
+    _global_flag("verbose", "-v", "--verbose", help="Log what shardkit does (INFO level)."),
+    click.option(
+        "--progress/--no-progress",
+        default=None,
+        expose_value=False,
+        callback=_set_flag("progress"),
+        help="Show progress bars on stderr even when it is not a terminal, or never (default: "
+        "only on a terminal, and never with -q).",
+    ),
+)
 
 
 def quiet(ctx: click.Context) -> bool:
@@ -158,47 +186,26 @@ def max_shard_size_option(help_text: str) -> Callable:
 # ---- layouts -----------------------------------------------------------------------------------
 
 
-def layout_options(func: Callable) -> Callable:
-    """--tp/--pp/--ep/--kv-multiplier/--kv-replication/--hw/--qkv (+ NxD's spellings)."""
+TP_HELP = "Tensor-parallel degree: heads, MLP columns and vocabulary are split over this many ranks."
+PP_HELP = "Pipeline stages: decoder layers split evenly, the remainder to the last stages."
+KV_MULTIPLIER_HELP = (
+    "Replicate K/V heads this many times so that kv heads x multiplier is a multiple of tp (NxD's kv_size_multiplier)."
+)
+
+
+def layout_options(expert: bool = True) -> Callable:
+    """--tp/--pp[/--ep]/--kv-multiplier/--kv-replication/--hw/--qkv (+ NxD's spellings), handed to
+    the command as `layout_opts` for `build_layout`. `expert=False` leaves --ep out."""
+    ep = degree_option(
+        "ep",
+        "Expert-parallel degree (mixture-of-experts models): experts split over this many ranks; "
+        "file names then carry ep_rank (NxD v3).",
+    )
     options = [
-        click.option(
-            "--tp",
-            "--tp-size",
-            "tp",
-            type=click.IntRange(min=1),
-            default=1,
-            show_default=True,
-            help="Tensor-parallel degree: heads, MLP columns and vocabulary are split over this many ranks.",
-        ),
-        click.option(
-            "--pp",
-            "--pp-size",
-            "pp",
-            type=click.IntRange(min=1),
-            default=1,
-            show_default=True,
-            help="Pipeline stages: decoder layers split evenly, the remainder to the last stages.",
-        ),
-        click.option(
-            "--ep",
-            "--ep-size",
-            "ep",
-            type=click.IntRange(min=1),
-            default=1,
-            show_default=True,
-            help="Expert-parallel degree (mixture-of-experts models): experts split over this many ranks; "
-            "file names then carry ep_rank (NxD v3).",
-        ),
-        click.option(
-            "--kv-multiplier",
-            "--kv-size-multiplier",
-            "kv_multiplier",
-            type=click.IntRange(min=1),
-            default=1,
-            show_default=True,
-            help="Replicate K/V heads this many times so that kv heads x multiplier is a multiple of tp "
-            "(NxD's kv_size_multiplier).",
-        ),
+        degree_option("tp", TP_HELP),
+        degree_option("pp", PP_HELP),
+        *([ep] if expert else []),
+        degree_option("kv-multiplier", KV_MULTIPLIER_HELP, nxd="--kv-size-multiplier"),
         click.option(
             "--kv-replication",
             type=click.Choice(REPLICATION_CHOICES),
@@ -224,9 +231,9 @@ def layout_options(func: Callable) -> Callable:
         click.option("--fuse-qkv", is_flag=True, help="NxD spelling of --qkv fused (with --qkv-linear)."),
         click.option("--coalesce-qkv", is_flag=True, help="NxD spelling of --qkv coalesced."),
     ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+    names = ["tp", "pp", *(["ep"] if expert else []), "kv_multiplier", "kv_replication", "hw", "qkv"]
+    names += ["qkv_linear", "fuse_qkv", "coalesce_qkv"]
+    return stacked(*options, collected(names, "layout_opts"))
 
 
 def qkv_style(qkv: str | None, qkv_linear: bool, fuse_qkv: bool, coalesce_qkv: bool) -> str | None:
@@ -240,22 +247,33 @@ def qkv_style(qkv: str | None, qkv_linear: bool, fuse_qkv: bool, coalesce_qkv: b
     return qkv or (aliases[0] if aliases else None)
 
 
-def build_layout(o: dict, inherit=None):
+def build_layout(o: Mapping[str, Any], inherit=None):
     """The Layout the layout options ask for. Unset qkv style and replication come from `inherit`
     (the source's layout) when given, else the defaults (separate, interleaved)."""
     from ..layout import make_layout
 
-    qkv = qkv_style(o.pop("qkv"), o.pop("qkv_linear"), o.pop("fuse_qkv"), o.pop("coalesce_qkv"))
     return make_layout(
-        tp=o.pop("tp"),
-        pp=o.pop("pp"),
-        ep=o.pop("ep"),
-        kv_multiplier=o.pop("kv_multiplier"),
-        kv_replication=o.pop("kv_replication"),
-        hw=o.pop("hw"),
-        qkv=qkv,
+        tp=o["tp"],
+        pp=o["pp"],
+        ep=o.get("ep", 1),
+        kv_multiplier=o["kv_multiplier"],
+        kv_replication=o["kv_replication"],
+        hw=o["hw"],
+        qkv=qkv_style(o["qkv"], o["qkv_linear"], o["fuse_qkv"], o["coalesce_qkv"]),
         inherit=inherit,
     )
+
+
+def kept_from_source(layout_opts: Mapping[str, Any], source, target) -> str | None:
+    """The line saying which layout choices reshard kept from the source (None: nothing kept)."""
+    kept = []
+    if not any(layout_opts.get(k) for k in ("qkv", "qkv_linear", "fuse_qkv", "coalesce_qkv")):
+        kept.append(f"qkv style {target.qkv}")
+    if target.kv_multiplier > 1 and not (layout_opts.get("kv_replication") or layout_opts.get("hw")):
+        kept.append(f"kv replication {target.kv_replication}")
+    if not kept:
+        return None
+    return f"kept the source's {' and '.join(kept)} ({source.describe()}); give --qkv / --kv-replication to change"
 
 
 def hints(kv_replication: str | None, hw: str | None) -> dict:
@@ -290,10 +308,8 @@ revision_option = click.option(
 )
 
 
-def source_options(func: Callable) -> Callable:
-    for option in reversed([config_option, *source_replication]):
-        func = option(func)
-    return func
+# --config, and --kv-replication/--hw handed to the command as `source_hints` (see `hints`)
+source_options = stacked(config_option, *source_replication, collected(["kv_replication", "hw"], "source_hints", hints))
 
 
 class WorkerCount(click.ParamType):
@@ -318,33 +334,6 @@ class WorkerCount(click.ParamType):
 WORKERS = WorkerCount()
 
 
-def output_options(func: Callable) -> Callable:
-    options = [
-        click.option(
-            "--dtype",
-            type=click.Choice(DTYPES),
-            default=None,
-            help="Cast weights to this dtype (default: keep the source's).",
-        ),
-        click.option(
-            "--workers",
-            type=WORKERS,
-            default="auto",
-            show_default=True,
-            help="Output files built in parallel (threads), or auto: one per CPU core, at most 4, fewer when "
-            "the largest tensors would not fit 256 MiB across workers "
-            "(the sha256 of the output runs beside each worker in a helper thread). Memory grows "
-            "by about one tensor with each worker.",
-        ),
-        click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),
-        verify_hashes_option,
-        click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
 verify_hashes_option = click.option(
     "--verify-hashes/--no-verify-hashes",
     default=True,
@@ -352,6 +341,29 @@ verify_hashes_option = click.option(
     help="Check every source file listed in the source's shardkit.json against its sha256 before the output "
     "is committed (a flipped bit is refused, never copied).",
 )
+workers_option = click.option(
+    "--workers",
+    type=WORKERS,
+    default="auto",
+    show_default=True,
+    help="Output files built in parallel (threads), or auto: one per CPU core, at most 4, fewer when "
+    "the largest tensors would not fit 256 MiB across workers "
+    "(the sha256 of the output runs beside each worker in a helper thread). Memory grows "
+    "by about one tensor with each worker.",
+)
+
+
+def output_options(destination: str = "DST") -> Callable:
+    """--dtype/--workers/--overwrite/--verify-hashes, handed to the command as one `write` dict
+    (the engine's WriteOptions), and --json (`as_json`)."""
+    return stacked(
+        dtype_option(),
+        workers_option,
+        click.option("--overwrite", is_flag=True, help=f"Replace {destination} if it exists and is not empty."),
+        verify_hashes_option,
+        json_option(),
+        collected(["dtype", "workers", "overwrite", "verify_hashes"], "write"),
+    )
 
 
 # ---- progress and reports ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ import click
 
 from ..errors import ShardkitError
 from ..sizes import format_bytes
-from .options import DTYPES, SIZE_HELP, Size, common_options, print_json
+from .options import SIZE_HELP, Size, common_options, degree_option, dtype_option, json_option, print_json
 
 NOTE = "activations are not estimated: the reserve must cover them"
 
@@ -228,51 +228,29 @@ def plan_one(ctx, config, o: dict) -> None:
     type=click.Path(exists=True, dir_okay=True, path_type=Path),
     help="The model's Hugging Face config.json (or its folder). No weights are read.",
 )
-@click.option(
-    "--tp",
-    "--tp-size",
-    "tp",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Tensor-parallel degree (default 1). With --suggest: consider only this tp.",
-)
-@click.option(
-    "--pp",
-    "--pp-size",
-    "pp",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Pipeline stages (default 1). With --suggest: consider only this pp.",
-)
-@click.option(
-    "--kv-multiplier",
-    "--kv-size-multiplier",
-    "kv_multiplier",
-    type=click.IntRange(min=1),
-    default=None,
-    help="K/V head replicas, NxD's kv_size_multiplier (default 1). Each replica is real memory. "
+@degree_option("tp", "Tensor-parallel degree (default 1). With --suggest: consider only this tp.", default=None)
+@degree_option("pp", "Pipeline stages (default 1). With --suggest: consider only this pp.", default=None)
+@degree_option(
+    "kv-multiplier",
+    "K/V head replicas, NxD's kv_size_multiplier (default 1). Each replica is real memory. "
     "With --suggest: only this multiplier (default: the smallest valid one for each tp).",
+    nxd="--kv-size-multiplier",
+    default=None,
 )
-@click.option(
-    "--dtype",
-    type=click.Choice(DTYPES),
-    default="bf16",
-    show_default=True,
-    help="Training dtype of the weights; gradients are counted in the same dtype. Adam keeps an fp32 "
+@dtype_option(
+    "Training dtype of the weights; gradients are counted in the same dtype. Adam keeps an fp32 "
     "master copy + exp_avg + exp_avg_sq (12 B/parameter) for bf16/fp16, exp_avg + exp_avg_sq "
     "(8 B/parameter) for fp32.",
+    default="bf16",
 )
 @click.option(
     "--zero1", is_flag=True, help="ZeRO-1: the optimizer state (only) is sharded over the data-parallel ranks (--dp)."
 )
-@click.option(
-    "--dp",
-    "--dp-size",
+@degree_option(
     "dp",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Data-parallel degree: divides the optimizer state with --zero1 (default 1, or "
+    "Data-parallel degree: divides the optimizer state with --zero1 (default 1, or "
     "world size / (tp x pp) with --world-size).",
+    default=None,
 )
 @click.option(
     "--world-size",
@@ -320,7 +298,7 @@ def plan_one(ctx, config, o: dict) -> None:
     show_default=True,
     help="With --suggest: print at most this many layouts (0: all of them).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the plan (or the suggestions) as JSON on stdout.")
+@json_option("the plan (or the suggestions)")
 @common_options
 @click.pass_context
 def plan_cmd(ctx, config, **o):
