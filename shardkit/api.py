@@ -15,7 +15,7 @@ from typing import Any
 from typing_extensions import Unpack
 
 from .checkpoint import resolve_tag
-from .checkpoint.reshard import model_checkpoint
+from .checkpoint.reshard import TrainingReshardOptions, model_checkpoint
 from .engine import (
     ProgressCallback,
     Result,
@@ -169,35 +169,19 @@ def reshard_training_checkpoint(
     dst: str | Path,
     layout: Layout,
     *,
-    dp: int = 1,
-    zero1: bool = True,
-    config: ConfigArg = None,
-    tag: str | None = None,
-    format: str | None = None,
-    master_weights: str = "keep",
-    hints: Mapping | None = None,
     param_order: str | Path | list[list[str]] | None = None,
+    **options: Unpack[TrainingReshardOptions],
 ) -> Path:
     """Write the training checkpoint `src` (NxD's or shardkit's: model, ZeRO-1 optimizer shards,
     master weights, scheduler, user content) for `layout` and `dp` data-parallel ranks as a new
-    checkpoint root `dst`, in NxD's format (see shardkit.checkpoint.reshard)."""
+    checkpoint root `dst`, in NxD's format (see shardkit.checkpoint.reshard). `param_order`: a
+    JSON file (or list) of parameter names per param group, when the optimizer's order cannot be
+    recovered from the model files."""
     from .checkpoint.reshard import reshard_training
     from .checkpoint.zero1 import read_param_order
 
     order = read_param_order(param_order) if isinstance(param_order, (str, Path)) else param_order
-    return reshard_training(
-        src,
-        dst,
-        layout,
-        dp=dp,
-        zero1=zero1,
-        config=config,
-        tag=tag,
-        format=format,
-        master_weights=master_weights,
-        hints=hints,
-        param_order=order,
-    )
+    return reshard_training(src, dst, layout, param_order=order, **options)
 
 
 def inspect_training_checkpoint(

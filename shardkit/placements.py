@@ -410,6 +410,11 @@ class HeadGroups:
         return pieces
 
 
+# NxD's expert layers' stacked weights (ExpertFusedColumn/RowParallelLinear), per layer
+EXPERT_GATE_UP = "mlp.expert_mlps.mlp_op.gate_up_proj.weight"
+EXPERT_DOWN = "mlp.expert_mlps.mlp_op.down_proj.weight"
+
+
 @dataclass(frozen=True)
 class Experts:
     """Mixture-of-experts MLP as NxD's expert layers hold it: per-expert HF matrices stacked on a
@@ -421,8 +426,8 @@ class Experts:
     gate: str
     up: str
     down: str
-    gate_up_out: str
-    down_out: str
+    gate_up_out: str = EXPERT_GATE_UP
+    down_out: str = EXPERT_DOWN
     inter: Size = "intermediate_size"  # one expert's intermediate size
     expert: ClassVar[bool] = True
 
@@ -467,8 +472,8 @@ class FlatExperts:
     gate: str
     up: str
     down: str
-    gate_up_out: str
-    down_out: str
+    gate_up_out: str = EXPERT_GATE_UP
+    down_out: str = EXPERT_DOWN
     inter: Size = "intermediate_size"
     expert: ClassVar[bool] = True
 

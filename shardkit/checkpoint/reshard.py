@@ -19,9 +19,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
+from typing_extensions import Unpack
 
 from ..distributed import Job, current_job
 from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
@@ -63,12 +64,11 @@ class Source:
         return self.model.format == "xser"
 
 
-def open_training_tag(
-    tag_dir: Path,
-    config: Any = None,
-    hints: Mapping[str, Any] | None = None,
-    param_order: list[list[str]] | None = None,
-) -> Source:
+Hints = Mapping[str, Any] | None  # layout facts the files cannot tell (kv_replication)
+ParamOrder = list[list[str]] | None  # parameter names per optimizer param group
+
+
+def open_training_tag(tag_dir: Path, config: Any = None, hints: Hints = None, param_order: ParamOrder = None) -> Source:
     """Open a tag (NxD's or shardkit's) and check its optimizer files against its model files."""
     tag_dir = Path(tag_dir)
     if config is None and not (tag_dir / CONFIG).is_file():
@@ -82,10 +82,7 @@ def open_training_tag(
 
 
 def model_checkpoint(
-    tag_dir: Path,
-    config: Any = None,
-    hints: Mapping[str, Any] | None = None,
-    param_order: list[list[str]] | None = None,
+    tag_dir: Path, config: Any = None, hints: Hints = None, param_order: ParamOrder = None
 ) -> Checkpoint:
     """A tag's model as the engine reads it (merge, export): its model files, or, when they hold no
     tensor data (NxD's avoid_saving_lower_precision_weights), its fp32 master weights in the
@@ -197,25 +194,41 @@ def _staging(dst: Path) -> Path:
     return staging
 
 
+class TrainingReshardOptions(TypedDict, total=False):
+    """How `reshard_training` reads its source and writes the new training checkpoint."""
+
+    dp: int
+    """Data-parallel ranks of the new layout: the number of ZeRO-1 optimizer shards (default 1)."""
+    zero1: bool
+    """One optimizer file per dp rank (default True), or one unsharded file per (tp, pp)."""
+    config: Any
+    """The model's Hugging Face config (dict or config.json) when the tag carries none."""
+    tag: str | None
+    """The tag to reshard (default: the newest complete one)."""
+    format: str | None
+    """torch or xser (default: the source's)."""
+    master_weights: str
+    """keep (default: fp32 master weights resharded too) or drop."""
+    hints: Mapping[str, Any] | None
+    """Layout facts the source's files cannot tell (kv_replication)."""
+
+
 def reshard_training(
     src_dir: str | Path,
     dst: str | Path,
     layout: Layout,
     *,
-    dp: int = 1,
-    zero1: bool = True,
-    config: Any = None,
-    tag: str | None = None,
-    format: str | None = None,
-    master_weights: str = "keep",
-    hints: Mapping[str, Any] | None = None,
     param_order: list[list[str]] | None = None,
     job: Job | None = None,
+    **options: Unpack[TrainingReshardOptions],
 ) -> Path:
     """Write checkpoint `src_dir` (its newest complete tag, or `tag`) as a training checkpoint root
     `dst` (`dst/<tag>/...`) for `layout` and `dp` data-parallel ranks, in NxD's format. Returns
     the tag folder written."""
     job = job or current_job()
+    dp, zero1, config = options.get("dp", 1), options.get("zero1", True), options.get("config")
+    tag, format, hints = options.get("tag"), options.get("format"), options.get("hints")
+    master_weights = options.get("master_weights", "keep")
     src_dir, dst = Path(src_dir), Path(dst)
     if master_weights not in ("keep", "drop"):
         raise CheckpointError(f"--master-weights must be keep or drop, not {master_weights!r}")

@@ -30,9 +30,10 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
+from typing_extensions import Unpack
 
 from ..distributed import Job
 from ..errors import LayoutError
@@ -125,9 +126,35 @@ def new_group() -> Any:
 # ---- one save ------------------------------------------------------------------------------------
 
 
+class SaveOptions(TypedDict, total=False):
+    """The keyword options of `Checkpointer.save` and `save_checkpoint`."""
+
+    layout: Layout | None
+    """The layout the state is cut in; with `config`, the checkpoint can be resharded on load."""
+    config: Mapping[str, Any] | str | Path | None
+    """The model's Hugging Face config (dict or config.json path)."""
+    rank: Any
+    """This process's rank: (tp, pp), (ep, tp, pp) or a Rank (default: from torch.distributed)."""
+    format: str | None
+    """torch, xser or safetensors (default: the Checkpointer's)."""
+    async_save: bool | None
+    """Write in the background after copying to host memory (default: the Checkpointer's)."""
+    num_kept: int | None
+    """Retention after `done`: keep the newest N complete tags (None: all; default: the Checkpointer's)."""
+    keep_every: int | None
+    """Retention: also keep the tags whose step is a multiple of K."""
+    step: int | None
+    """The training step (default: read from the tag's name or user content)."""
+    param_names: Sequence[str] | Mapping[Any, Sequence[str]] | None
+    """The piece name of each torch.optim parameter index, when `optimizer_state` is a state_dict."""
+    zero1: bool
+    """Every dp rank writes its own ZeRO-1 optimizer shard (default False)."""
+
+
 @dataclass
 class SaveRequest:
-    """One `Checkpointer.save` call's arguments, with the Checkpointer's defaults filled in."""
+    """One `Checkpointer.save` call: its state, its options, and the options the Checkpointer's
+    defaults decide, resolved."""
 
     dir: Path
     tag: str
@@ -135,16 +162,15 @@ class SaveRequest:
     optimizer_state: Any
     scheduler: Any
     user_content: Any
-    layout: Layout | None
-    config: Mapping[str, Any] | str | Path | None
-    rank: Any
+    options: SaveOptions
     fmt: str
     async_save: bool
     num_kept: int | None
     keep_every: int | None
-    step: int | None
-    param_names: Sequence[str] | Mapping[Any, Sequence[str]] | None
-    zero1: bool
+
+    @property
+    def zero1(self) -> bool:
+        return bool(self.options.get("zero1", False))
 
 
 @dataclass
@@ -421,17 +447,7 @@ class Checkpointer:
         optimizer_state: Any = None,
         scheduler: Any = None,
         user_content: Any = None,
-        *,
-        layout: Layout | None = None,
-        config: Mapping[str, Any] | str | Path | None = None,
-        rank: Any = None,
-        format: str | None = None,
-        async_save: bool | None = None,
-        num_kept: int | None = _UNSET,
-        keep_every: int | None = _UNSET,
-        step: int | None = None,
-        param_names: Sequence[str] | Mapping[Any, Sequence[str]] | None = None,
-        zero1: bool = False,
+        **options: Unpack[SaveOptions],
     ) -> None:
         """Save this rank's state as checkpoint `<dir>/<tag>` in NxD's tree and format.
 
@@ -455,6 +471,7 @@ class Checkpointer:
         with self._lock:
             self._writer.wait()
             cfg = self.config
+            async_save = options.get("async_save")
             request = SaveRequest(
                 Path(dir),
                 tag,
@@ -462,16 +479,11 @@ class Checkpointer:
                 optimizer_state,
                 scheduler,
                 user_content,
-                layout=layout,
-                config=config,
-                rank=rank,
-                fmt=check_format(format or cfg.format),
+                options,
+                fmt=check_format(options.get("format") or cfg.format),
                 async_save=cfg.async_save if async_save is None else bool(async_save),
-                num_kept=cfg.num_kept if num_kept is _UNSET else num_kept,
-                keep_every=cfg.keep_every if keep_every is _UNSET else keep_every,
-                step=step,
-                param_names=param_names,
-                zero1=bool(zero1),
+                num_kept=options["num_kept"] if "num_kept" in options else cfg.num_kept,
+                keep_every=options["keep_every"] if "keep_every" in options else cfg.keep_every,
             )
             job = self._job(request)
             lock = self._lock_directory(job)
@@ -542,7 +554,7 @@ class Checkpointer:
 
     # -- building a job (caller's thread)
     def _job(self, req: SaveRequest) -> SaveJob:
-        layout, config = req.layout, req.config
+        layout, config = req.options.get("layout"), req.options.get("config")
 
         def build() -> SaveJob:
             check_retention(req.num_kept, req.keep_every)
@@ -599,7 +611,7 @@ class Checkpointer:
     def _save_job(self, req: SaveRequest, **fields: Any) -> SaveJob:
         """The SaveJob of `req`: what every save shares (tag, step, plain parts, retention) plus
         `fields` (layout, format, family, ranks, ...)."""
-        sched, the_step = _plain_parts(req.tag, req.scheduler, req.user_content, req.step)
+        sched, the_step = _plain_parts(req.tag, req.scheduler, req.user_content, req.options.get("step"))
         return SaveJob(
             root=req.dir,
             tag=str(req.tag),
@@ -655,7 +667,7 @@ class Checkpointer:
         return job
 
     def _states(self, family, dims, layout, shapes, req: SaveRequest, dp_size: int = 1) -> list[RankState]:
-        model_state, optimizer_state, param_names = req.model_state, req.optimizer_state, req.param_names
+        model_state, optimizer_state, param_names = req.model_state, req.optimizer_state, req.options.get("param_names")
         if not isinstance(model_state, Mapping):
             raise CheckpointError(f"model_state must be a dict of this rank's pieces, got {type(model_state).__name__}")
         if is_rank_mapping(model_state):
@@ -679,7 +691,7 @@ class Checkpointer:
                 )
                 for r, k in sorted(ranks.items(), key=lambda rk: rk[0].key)
             ]
-        me = Rank.of(req.rank, layout)
+        me = Rank.of(req.options.get("rank"), layout)
         if me.dp > 0 and dp_size == 1:
             return []  # a data-parallel replica holds dp 0's state and writes nothing (see base.py)
         if isinstance(param_names, Mapping):
@@ -792,11 +804,10 @@ def save_checkpoint(
     optimizer_state: Any = None,
     scheduler: Any = None,
     user_content: Any = None,
-    **options: Any,
+    **options: Unpack[SaveOptions],
 ) -> None:
     """Save checkpoint `<dir>/<tag>` with the process's default Checkpointer: the arguments and
-    keyword options of `Checkpointer.save` (layout=, config=, rank=, format=, async_save=,
-    num_kept=, keep_every=, step=, param_names=, zero1=)."""
+    keyword options (SaveOptions) of `Checkpointer.save`."""
     default_checkpointer().save(dir, tag, model_state, optimizer_state, scheduler, user_content, **options)
 
 

@@ -20,6 +20,7 @@ from .options import (
     result_dict,
     show_progress,
     source_options,
+    workers_option,
 )
 
 
@@ -92,13 +93,7 @@ def merge_and_push_report(ctx: click.Context, result, started: float, as_json: b
 )
 @max_shard_size_option("When SRC is merged first: largest safetensors file")
 @dtype_option("When SRC is merged first: cast weights to this dtype (default: keep the source's).")
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="When SRC is merged first: output files built in parallel (threads).",
-)
+@workers_option("When SRC is merged first: ")
 @click.option(
     "--tmp-dir",
     type=click.Path(file_okay=False, path_type=Path),

@@ -186,6 +186,14 @@ def max_shard_size_option(help_text: str) -> Callable:
 # ---- layouts -----------------------------------------------------------------------------------
 
 
+def replication_options(replication_help: str, hw_help: str) -> list[Callable]:
+    """--kv-replication interleaved|blocked and its hardware alias --hw trn1|trn2."""
+    return [
+        click.option("--kv-replication", type=click.Choice(REPLICATION_CHOICES), default=None, help=replication_help),
+        click.option("--hw", type=click.Choice(HW_CHOICES), default=None, help=hw_help),
+    ]
+
+
 TP_HELP = "Tensor-parallel degree: heads, MLP columns and vocabulary are split over this many ranks."
 PP_HELP = "Pipeline stages: decoder layers split evenly, the remainder to the last stages."
 KV_MULTIPLIER_HELP = (
@@ -206,18 +214,10 @@ def layout_options(expert: bool = True) -> Callable:
         degree_option("pp", PP_HELP),
         *([ep] if expert else []),
         degree_option("kv-multiplier", KV_MULTIPLIER_HELP, nxd="--kv-size-multiplier"),
-        click.option(
-            "--kv-replication",
-            type=click.Choice(REPLICATION_CHOICES),
-            default=None,
-            help="Order of K/V replicas: interleaved (Trn1, tensor.repeat) or blocked (Trn2, "
+        *replication_options(
+            "Order of K/V replicas: interleaved (Trn1, tensor.repeat) or blocked (Trn2, "
             "repeat_interleave). Default: interleaved (reshard: the source's).",
-        ),
-        click.option(
-            "--hw",
-            type=click.Choice(HW_CHOICES),
-            default=None,
-            help="Alias for the replication order: trn1 = interleaved, trn2 = blocked.",
+            "Alias for the replication order: trn1 = interleaved, trn2 = blocked.",
         ),
         click.option(
             "--qkv",
@@ -289,20 +289,10 @@ config_option = click.option(
     default=None,
     help="The model's Hugging Face config.json (or its folder). Needed for NxD shards saved without one.",
 )
-source_replication = [
-    click.option(
-        "--kv-replication",
-        type=click.Choice(REPLICATION_CHOICES),
-        default=None,
-        help="Replica order of NxD source shards with kv-multiplier > 1 (inferred from the data when omitted).",
-    ),
-    click.option(
-        "--hw",
-        type=click.Choice(HW_CHOICES),
-        default=None,
-        help="Alias: trn1 = interleaved, trn2 = blocked (for the source shards).",
-    ),
-]
+source_replication = replication_options(
+    "Replica order of NxD source shards with kv-multiplier > 1 (inferred from the data when omitted).",
+    "Alias: trn1 = interleaved, trn2 = blocked (for the source shards).",
+)
 revision_option = click.option(
     "--revision", default=None, help="When SRC is a Hub repo id: the branch, tag or commit to download."
 )
@@ -341,16 +331,19 @@ verify_hashes_option = click.option(
     help="Check every source file listed in the source's shardkit.json against its sha256 before the output "
     "is committed (a flipped bit is refused, never copied).",
 )
-workers_option = click.option(
-    "--workers",
-    type=WORKERS,
-    default="auto",
-    show_default=True,
-    help="Output files built in parallel (threads), or auto: one per CPU core, at most 4, fewer when "
-    "the largest tensors would not fit 256 MiB across workers "
-    "(the sha256 of the output runs beside each worker in a helper thread). Memory grows "
-    "by about one tensor with each worker.",
-)
+
+
+def workers_option(when: str = "") -> Callable:
+    """--workers N|auto (`when`: a prefix such as "When SRC is merged first: ")."""
+    return click.option(
+        "--workers",
+        type=WORKERS,
+        default="auto",
+        show_default=True,
+        help=f"{when}Output files built in parallel (threads), or auto: one per CPU core, at most 4, fewer "
+        "when the largest tensors would not fit 256 MiB across workers (the sha256 of the output runs "
+        "beside each worker in a helper thread). Memory grows by about one tensor with each worker.",
+    )
 
 
 def output_options(destination: str = "DST") -> Callable:
@@ -358,7 +351,7 @@ def output_options(destination: str = "DST") -> Callable:
     (the engine's WriteOptions), and --json (`as_json`)."""
     return stacked(
         dtype_option(),
-        workers_option,
+        workers_option(),
         click.option("--overwrite", is_flag=True, help=f"Replace {destination} if it exists and is not empty."),
         verify_hashes_option,
         json_option(),

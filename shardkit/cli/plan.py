@@ -218,6 +218,10 @@ def plan_one(ctx, config, o: dict) -> None:
     ctx.exit(1 if report.fits is False else 0)
 
 
+def optional_count(flag: str, help: str):
+    return click.option(flag, type=click.IntRange(min=1), default=None, help=help)
+
+
 # ---- the command -------------------------------------------------------------------------------
 
 
@@ -252,11 +256,8 @@ def plan_one(ctx, config, o: dict) -> None:
     "world size / (tp x pp) with --world-size).",
     default=None,
 )
-@click.option(
-    "--world-size",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Devices in total: only layouts with tp x pp x dp = this (dp is derived when not given).",
+@optional_count(
+    "--world-size", "Devices in total: only layouts with tp x pp x dp = this (dp is derived when not given)."
 )
 @click.option(
     "--device-memory",
@@ -280,12 +281,7 @@ def plan_one(ctx, config, o: dict) -> None:
     help="List the valid (tp, pp, kv-multiplier) layouts that fit --device-memory: smallest tp "
     "first, then smallest pp; layouts whose extra stages save no memory are left out.",
 )
-@click.option(
-    "--max-pp",
-    type=click.IntRange(min=1),
-    default=None,
-    help="With --suggest: try pp up to this (default: the number of layers).",
-)
+@optional_count("--max-pp", "With --suggest: try pp up to this (default: the number of layers).")
 @click.option(
     "--all-kv-multipliers",
     is_flag=True,

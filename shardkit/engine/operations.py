@@ -108,29 +108,6 @@ def _planned_bytes(outputs: Sequence[OutputFile], itemsize: int) -> int:
     return sum(p.numel() * itemsize for o in outputs for p in o.pieces)
 
 
-def _produce(
-    ckpt: Checkpoint,
-    outputs: Sequence[OutputFile],
-    dst: Path,
-    fmt: str,
-    dtype: torch.dtype | None,
-    workers: int | str,
-    overwrite: bool,
-    progress: ProgressCallback | None,
-    finish,
-    verify_hashes: bool,
-) -> list[FileRecord]:
-    """staging.produce, with rank 0's progress covering every rank's bytes under torchrun
-    (StagingProgress)."""
-    job = current_job()
-    if progress is None or job.world == 1:
-        return produce(ckpt, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes)
-    if not job.leader:
-        return produce(ckpt, outputs, dst, fmt, dtype, workers, overwrite, None, finish, verify_hashes)
-    with StagingProgress(progress, dst, _planned_bytes(outputs, (dtype or ckpt.dtype()).itemsize)):
-        return produce(ckpt, outputs, dst, fmt, dtype, workers, overwrite, None, finish, verify_hashes)
-
-
 # ---- the public operations ---------------------------------------------------------------------
 
 
@@ -154,18 +131,22 @@ class WriteOptions(TypedDict, total=False):
 def _write(
     ckpt: Checkpoint, outputs: Sequence[OutputFile], dst: str | Path, fmt: str, finish, options: WriteOptions
 ) -> list[FileRecord]:
-    return _produce(
-        ckpt,
-        outputs,
-        Path(dst),
-        fmt,
-        parse_dtype(options.get("dtype")),
-        options.get("workers", "auto"),
-        options.get("overwrite", False),
-        options.get("progress"),
-        finish,
-        options.get("verify_hashes", True),
-    )
+    """staging.produce with `options`; under torchrun rank 0's progress covers every rank's bytes
+    (StagingProgress)."""
+    dtype = parse_dtype(options.get("dtype"))
+    progress, job = options.get("progress"), current_job()
+
+    def run(progress: ProgressCallback | None) -> list[FileRecord]:
+        workers, overwrite = options.get("workers", "auto"), options.get("overwrite", False)
+        verify = options.get("verify_hashes", True)
+        return produce(ckpt, outputs, Path(dst), fmt, dtype, workers, overwrite, progress, finish, verify)
+
+    if progress is None or job.world == 1:
+        return run(progress)
+    if not job.leader:
+        return run(None)
+    with StagingProgress(progress, Path(dst), _planned_bytes(outputs, (dtype or ckpt.dtype()).itemsize)):
+        return run(None)
 
 
 @dataclass

@@ -18,6 +18,7 @@ replicated.
 
 from ..placements import FlatExperts, HeadGroups, Replicated, Split
 from .base import Family, register
+from .llama import router
 
 H, V = "hidden_size", "vocab_size"
 EXPERTS = "ffn.experts.mlp."
@@ -37,14 +38,8 @@ FAMILY = register(
                 qkv_bias=lambda dims: False,
                 o_bias=lambda dims: False,
             ),
-            Replicated("ffn.router.layer.weight", ("num_experts", H), out="mlp.router.linear_router.weight"),
-            FlatExperts(
-                gate=EXPERTS + "w1",
-                up=EXPERTS + "v1",
-                down=EXPERTS + "w2",
-                gate_up_out="mlp.expert_mlps.mlp_op.gate_up_proj.weight",
-                down_out="mlp.expert_mlps.mlp_op.down_proj.weight",
-            ),
+            router("ffn.router.layer.weight"),
+            FlatExperts(gate=EXPERTS + "w1", up=EXPERTS + "v1", down=EXPERTS + "w2"),
             Replicated("norm_attn_norm.norm_1.weight", (H,), out="input_layernorm.weight"),
             Replicated("norm_attn_norm.norm_2.weight", (H,), out="post_attention_layernorm.weight"),
         ),

@@ -9,20 +9,10 @@ not weights: nothing here changes for them.
 """
 
 from ..placements import HeadGroups
-from .base import Family, register
-from .llama import EMBEDDING, GATED_MLP, HEAD, norms
+from .llama import GATED_MLP, llama_like, norms
 
 GEMMA_NORMS = norms(
     "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
 )
 
-FAMILY = register(
-    Family(
-        name="gemma2",
-        model_types=("gemma2",),
-        first=EMBEDDING,
-        layer=(HeadGroups(scope="self_attn."), *GATED_MLP, *GEMMA_NORMS),
-        final=HEAD,
-        ignored=("*.rotary_emb.inv_freq",),
-    )
-)
+FAMILY = llama_like("gemma2", HeadGroups(scope="self_attn."), *GATED_MLP, *GEMMA_NORMS)

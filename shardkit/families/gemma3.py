@@ -4,18 +4,10 @@ larger ones when saved as Gemma3ForCausalLM): Gemma 2's table plus Qwen3-style p
 (vision tower + language model) are not supported."""
 
 from ..placements import HeadGroups
-from .base import Family, register
 from .gemma2 import GEMMA_NORMS
-from .llama import EMBEDDING, GATED_MLP, HEAD
+from .llama import GATED_MLP, llama_like
 from .qwen3 import QK_NORMS
 
-FAMILY = register(
-    Family(
-        name="gemma3",
-        model_types=("gemma3_text",),
-        first=EMBEDDING,
-        layer=(HeadGroups(scope="self_attn."), *QK_NORMS, *GATED_MLP, *GEMMA_NORMS),
-        final=HEAD,
-        ignored=("*.rotary_emb.inv_freq",),
-    )
+FAMILY = llama_like(
+    "gemma3", HeadGroups(scope="self_attn."), *QK_NORMS, *GATED_MLP, *GEMMA_NORMS, model_type="gemma3_text"
 )

@@ -7,8 +7,10 @@ values when the config ties them (Llama 3.2 1B/3B). Rope scaling (Llama 3.1) cha
 The building blocks below are shared by the other decoder families that keep Llama's names.
 """
 
+from typing import Any
+
 from ..layout import ModelDims
-from ..placements import Fused, HeadGroups, Replicated, Split
+from ..placements import Fused, HeadGroups, Placement, Replicated, Split
 from .base import Family, register
 
 H, V, I = "hidden_size", "vocab_size", "intermediate_size"
@@ -34,13 +36,25 @@ GATED_MLP = (
     Replicated("mlp.down_proj.bias", (H,), when=_mlp_bias),
 )
 
-FAMILY = register(
-    Family(
-        name="llama",
-        model_types=("llama",),
+
+def llama_like(name: str, *layer: Placement, model_type: str | None = None, **fields: Any) -> Family:
+    """Register a decoder family that keeps Llama's names around its layers (embedding, final
+    norm, head) with `layer` as each decoder layer's table (`fields`: Family's other fields)."""
+    family = Family(
+        name=name,
+        model_types=(model_type or name,),
         first=EMBEDDING,
-        layer=(HeadGroups(scope="self_attn."), *GATED_MLP, *NORMS),
+        layer=layer,
         final=HEAD,
         ignored=("*.rotary_emb.inv_freq",),
+        **fields,
     )
-)
+    return register(family)
+
+
+def router(name: str) -> Replicated:
+    """A mixture-of-experts router (E, hidden), replicated under NxD's router name."""
+    return Replicated(name, ("num_experts", H), out="mlp.router.linear_router.weight")
+
+
+FAMILY = llama_like("llama", HeadGroups(scope="self_attn."), *GATED_MLP, *NORMS)

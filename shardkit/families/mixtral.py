@@ -9,33 +9,16 @@ experts stacked: `mlp.expert_mlps.mlp_op.gate_up_proj.weight` (E/ep, hidden, 2*I
 weights. The expert axis is split over ep (v3 file names); the rest lives on ep rank 0.
 """
 
-from ..placements import Experts, HeadGroups, Replicated
-from .base import Family, register
-from .llama import EMBEDDING, HEAD, NORMS
+from ..placements import Experts, HeadGroups
+from .llama import NORMS, llama_like, router
 
 EXPERT = "block_sparse_moe.experts.{e}."
 
 
-FAMILY = register(
-    Family(
-        name="mixtral",
-        model_types=("mixtral",),
-        first=EMBEDDING,
-        layer=(
-            HeadGroups(scope="self_attn."),
-            Replicated(
-                "block_sparse_moe.gate.weight", ("num_experts", "hidden_size"), out="mlp.router.linear_router.weight"
-            ),
-            Experts(
-                gate=EXPERT + "w1.weight",
-                up=EXPERT + "w3.weight",
-                down=EXPERT + "w2.weight",
-                gate_up_out="mlp.expert_mlps.mlp_op.gate_up_proj.weight",
-                down_out="mlp.expert_mlps.mlp_op.down_proj.weight",
-            ),
-            *NORMS,
-        ),
-        final=HEAD,
-        ignored=("*.rotary_emb.inv_freq",),
-    )
+FAMILY = llama_like(
+    "mixtral",
+    HeadGroups(scope="self_attn."),
+    router("block_sparse_moe.gate.weight"),
+    Experts(gate=EXPERT + "w1.weight", up=EXPERT + "w3.weight", down=EXPERT + "w2.weight"),
+    *NORMS,
 )

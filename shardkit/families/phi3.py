@@ -8,23 +8,14 @@ Face tensor, and merge writes the tensors back fused. Every qkv style applies.
 """
 
 from ..placements import Block, Fused, HeadGroups, Split
-from .base import Family, register
-from .llama import EMBEDDING, HEAD, NORMS
+from .llama import NORMS, llama_like
 
 GATE_UP = "mlp.gate_up_proj.weight"
 
-FAMILY = register(
-    Family(
-        name="phi3",
-        model_types=("phi3",),
-        first=EMBEDDING,
-        layer=(
-            HeadGroups(scope="self_attn.", fused="qkv_proj", qkv_bias=lambda dims: False, o_bias=lambda dims: False),
-            Fused(GATE_UP, (Block(GATE_UP, 0, 2), Block(GATE_UP, 1, 2)), 0, ("intermediate_size", "hidden_size")),
-            Split("mlp.down_proj.weight", 1, ("hidden_size", "intermediate_size")),
-            *NORMS,
-        ),
-        final=HEAD,
-        ignored=("*.rotary_emb.inv_freq",),
-    )
+FAMILY = llama_like(
+    "phi3",
+    HeadGroups(scope="self_attn.", fused="qkv_proj", qkv_bias=lambda dims: False, o_bias=lambda dims: False),
+    Fused(GATE_UP, (Block(GATE_UP, 0, 2), Block(GATE_UP, 1, 2)), 0, ("intermediate_size", "hidden_size")),
+    Split("mlp.down_proj.weight", 1, ("hidden_size", "intermediate_size")),
+    *NORMS,
 )

@@ -4,20 +4,11 @@ The biases follow their weights' rows, so kv replication and q head reordering a
 exactly as to the weights (HeadGroups cuts weights and biases from the same head list)."""
 
 from ..placements import HeadGroups
-from .base import Family, register
-from .llama import EMBEDDING, GATED_MLP, HEAD, NORMS
+from .llama import GATED_MLP, NORMS, llama_like
 
-FAMILY = register(
-    Family(
-        name="qwen2",
-        model_types=("qwen2",),
-        first=EMBEDDING,
-        layer=(
-            HeadGroups(scope="self_attn.", qkv_bias=lambda dims: True, o_bias=lambda dims: False),
-            *GATED_MLP,
-            *NORMS,
-        ),
-        final=HEAD,
-        ignored=("*.rotary_emb.inv_freq",),
-    )
+FAMILY = llama_like(
+    "qwen2",
+    HeadGroups(scope="self_attn.", qkv_bias=lambda dims: True, o_bias=lambda dims: False),
+    *GATED_MLP,
+    *NORMS,
 )

@@ -5,18 +5,8 @@ The q/k norms act on every head alike (one weight of head_dim, shared by all hea
 rank holds them whole, whatever heads it has: replicated, kept under their Hugging Face names."""
 
 from ..placements import HeadGroups, Replicated
-from .base import Family, register
-from .llama import EMBEDDING, GATED_MLP, HEAD, NORMS
+from .llama import GATED_MLP, NORMS, llama_like
 
 QK_NORMS = (Replicated("self_attn.q_norm.weight", ("head_dim",)), Replicated("self_attn.k_norm.weight", ("head_dim",)))
 
-FAMILY = register(
-    Family(
-        name="qwen3",
-        model_types=("qwen3",),
-        first=EMBEDDING,
-        layer=(HeadGroups(scope="self_attn."), *QK_NORMS, *GATED_MLP, *NORMS),
-        final=HEAD,
-        ignored=("*.rotary_emb.inv_freq",),
-    )
-)
+FAMILY = llama_like("qwen3", HeadGroups(scope="self_attn."), *QK_NORMS, *GATED_MLP, *NORMS)

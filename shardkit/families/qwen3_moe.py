@@ -9,9 +9,8 @@ Configs whose layers are not all MoE (`mlp_only_layers`, `decoder_sparse_step` >
 one layer table describes every layer."""
 
 from ..layout import ModelDims
-from ..placements import Experts, HeadGroups, Replicated
-from .base import Family, register
-from .llama import EMBEDDING, HEAD, NORMS
+from ..placements import Experts, HeadGroups
+from .llama import NORMS, llama_like, router
 from .qwen3 import QK_NORMS
 
 EXPERT = "mlp.experts.{e}."
@@ -28,27 +27,17 @@ def _every_layer_moe(dims: ModelDims) -> str | None:
     return None
 
 
-FAMILY = register(
-    Family(
-        name="qwen3_moe",
-        model_types=("qwen3_moe",),
-        first=EMBEDDING,
-        layer=(
-            HeadGroups(scope="self_attn."),
-            *QK_NORMS,
-            Replicated("mlp.gate.weight", ("num_experts", "hidden_size"), out="mlp.router.linear_router.weight"),
-            Experts(
-                gate=EXPERT + "gate_proj.weight",
-                up=EXPERT + "up_proj.weight",
-                down=EXPERT + "down_proj.weight",
-                gate_up_out="mlp.expert_mlps.mlp_op.gate_up_proj.weight",
-                down_out="mlp.expert_mlps.mlp_op.down_proj.weight",
-                inter="expert_intermediate_size",
-            ),
-            *NORMS,
-        ),
-        final=HEAD,
-        ignored=("*.rotary_emb.inv_freq",),
-        check=_every_layer_moe,
-    )
+FAMILY = llama_like(
+    "qwen3_moe",
+    HeadGroups(scope="self_attn."),
+    *QK_NORMS,
+    router("mlp.gate.weight"),
+    Experts(
+        gate=EXPERT + "gate_proj.weight",
+        up=EXPERT + "up_proj.weight",
+        down=EXPERT + "down_proj.weight",
+        inter="expert_intermediate_size",
+    ),
+    *NORMS,
+    check=_every_layer_moe,
 )

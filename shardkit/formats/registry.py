@@ -33,8 +33,9 @@ class Format:
     summary: str
     reader: Callable[[Path], TensorFile]
     writer: WriterFactory
-    detect: Callable[[Path], bool]
-    """True when the rank file at this path (with this format's suffix) is of this format."""
+    detect: Callable[[Path], bool] = lambda path: True
+    """True when the rank file at this path (with this format's suffix) is of this format
+    (default: every file with the suffix)."""
     chunked_writes: bool = False
     """The writer takes a tensor as consecutive blocks of rows (`write_chunks`), never whole."""
     companions: Callable[[Path], list[Path]] = lambda path: []
@@ -49,6 +50,11 @@ def _xser_companions(path: Path) -> list[Path]:
     folder = tensors_dir(path)
     tensors = sorted(folder.iterdir()) if folder.is_dir() else []
     return [p for p in (info_path(path),) if p.is_file()] + tensors
+
+
+def _plain(writer: Callable[[Path, Path, Sequence[TensorSpec]], TensorFileWriter]) -> WriterFactory:
+    """The factory of a writer that keeps no list of expert tensors."""
+    return lambda path, root, specs, expert: writer(path, root, specs)
 
 
 FORMATS: dict[str, Format] = {
@@ -66,22 +72,15 @@ FORMATS: dict[str, Format] = {
             companions=_xser_companions,
         ),
         Format(
-            "torch",
-            ".pt",
-            "NxD torch",
-            "torch.save state dicts, NxD's own rank files",
-            reader=TorchFile,
-            writer=lambda path, root, specs, expert: TorchWriter(path, root, specs),
-            detect=lambda path: True,
+            "torch", ".pt", "NxD torch", "torch.save state dicts, NxD's own rank files", TorchFile, _plain(TorchWriter)
         ),
         Format(
             "safetensors",
             ".safetensors",
             "safetensors",
             "safetensors files: no pickle, fast to read",
-            reader=SafetensorsFile,
-            writer=lambda path, root, specs, expert: SafetensorsWriter(path, root, specs),
-            detect=lambda path: True,
+            SafetensorsFile,
+            _plain(SafetensorsWriter),
             chunked_writes=True,
         ),
     )

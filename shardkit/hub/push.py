@@ -169,7 +169,7 @@ def push(
     hints: Mapping | None = None,
     max_shard_size: int | str = "5GB",
     dtype: str | None = None,
-    workers: int = 1,
+    workers: int | str = "auto",
     origin: Any = None,
     command: str | None = None,
     base_model: str | None = None,
