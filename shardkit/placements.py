@@ -340,7 +340,7 @@ class HeadGroups:
     qkv_bias: Callable[[ModelDims], bool] = lambda dims: dims.attention_bias
     o_bias: Callable[[ModelDims], bool] = lambda dims: dims.attention_bias
     fused: str | None = None
-    out_scope: str | None = None  # the scope in rank files, when NxD renames it (DBRX: self_attn.)
+    out_scope: str | None = None  # the scope in rank files, when NxD renames it
     o_out: str | None = None  # o's name in rank files, when NxD renames it (DBRX: o_proj)
 
     def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:

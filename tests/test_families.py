@@ -221,6 +221,14 @@ class Spec:
     attn_cap: float | None = None
     final_cap: float | None = None
     extra: dict = field(default_factory=dict)
+    # rank-file names: NxD's Llama names, or the family's own (DBRX keeps Hugging Face's tree)
+    embed: str = "model.embed_tokens.weight"
+    layer_prefix: str = "model.layers.{i}."
+    attn_scope: str = "self_attn."
+    mlp_scope: str = "mlp."
+    norm_1: str = "input_layernorm.weight"
+    norm_2: str = "post_attention_layernorm.weight"
+    final_norm: str = "model.norm.weight"
 
     @classmethod
     def of(cls, config: dict) -> "Spec":
@@ -231,7 +239,10 @@ class Spec:
                     head_dim=config["d_model"] // config["n_heads"], vocab=config["vocab_size"],
                     layers=config["n_layers"], eps=1e-5, layer_norm=True, clip=attn.get("clip_qkv"),
                     experts=ffn["moe_num_experts"], top_k=ffn["moe_top_k"], moe_inter=ffn["ffn_hidden_size"],
-                    norm_p=ffn.get("moe_normalize_expert_weights"))
+                    norm_p=ffn.get("moe_normalize_expert_weights"), embed="transformer.wte.weight",
+                    layer_prefix="transformer.blocks.{i}.", attn_scope="norm_attn_norm.attn.", mlp_scope="ffn.",
+                    norm_1="norm_attn_norm.norm_1.weight", norm_2="norm_attn_norm.norm_2.weight",
+                    final_norm="transformer.norm_f.weight")
             s.scale = s.head_dim ** -0.5
             return s
         s = cls(config)
@@ -310,7 +321,7 @@ def local_qkv(sd, attn, s: Spec, layout: Layout):
 
 
 def attention_partial(sd, layer, h, cos, sin, s: Spec, layout: Layout):
-    attn = f"model.layers.{layer}.self_attn."
+    attn = s.layer_prefix.format(i=layer) + s.attn_scope
     wq, wk, wv = local_qkv(sd, attn, s, layout)
     B, S, _ = h.shape
     d = s.head_dim
@@ -333,7 +344,7 @@ def attention_partial(sd, layer, h, cos, sin, s: Spec, layout: Layout):
 
 
 def dense_mlp_partial(sd, layer, h, s: Spec, layout: Layout):
-    p = f"model.layers.{layer}.mlp."
+    p = s.layer_prefix.format(i=layer) + s.mlp_scope
     local = s.inter // layout.tp
     w = sd[p + "gate_up_proj.weight"]
     assert w.shape == (2 * local, s.hidden)
@@ -344,7 +355,7 @@ def dense_mlp_partial(sd, layer, h, s: Spec, layout: Layout):
 def moe_mlp(ranks, stage, layer, h, s: Spec, layout: Layout):
     """Router from ep rank 0 (replicated over tp); each (ep, tp) rank runs its local experts on its
     tp slice; the partial outputs are summed over tp and ep."""
-    p = f"model.layers.{layer}.mlp."
+    p = s.layer_prefix.format(i=layer) + s.mlp_scope
     router = ranks[(0, 0, stage)][p + "router.linear_router.weight"]
     probs = torch.softmax(F.linear(h, router), dim=-1, dtype=torch.float)
     top, idx = torch.topk(probs, s.top_k, dim=-1)
@@ -378,13 +389,13 @@ def sharded_logits(ranks, s: Spec, layout: Layout, ids, rope) -> torch.Tensor:
             for r, sd in enumerate(sds):
                 local = ids - r * per
                 inside = (local >= 0) & (local < per)
-                h = h + sd["model.embed_tokens.weight"][local.clamp(0, per - 1)] * inside[..., None]
+                h = h + sd[s.embed][local.clamp(0, per - 1)] * inside[..., None]
             if s.gemma:
                 h = h * torch.tensor(s.hidden ** 0.5, dtype=h.dtype)
         for layer in layers:
-            pre = f"model.layers.{layer}."
+            pre = s.layer_prefix.format(i=layer)
             cos, sin = rope(layer)
-            x = norm(s, h, sds[0][pre + "input_layernorm.weight"])
+            x = norm(s, h, sds[0][pre + s.norm_1])
             attn = sum(attention_partial(sd, layer, x, cos, sin, s, layout) for sd in sds)  # all-reduce
             if s.gemma:
                 attn = norm(s, attn, sds[0][pre + "post_attention_layernorm.weight"])
@@ -392,7 +403,7 @@ def sharded_logits(ranks, s: Spec, layout: Layout, ids, rope) -> torch.Tensor:
                 x = norm(s, h1, sds[0][pre + "pre_feedforward_layernorm.weight"])
             else:
                 h1 = h + attn
-                x = norm(s, h1, sds[0][pre + "post_attention_layernorm.weight"])
+                x = norm(s, h1, sds[0][pre + s.norm_2])
             if s.experts:
                 mlp = moe_mlp(ranks, stage, layer, x, s, layout)
             else:
@@ -401,7 +412,7 @@ def sharded_logits(ranks, s: Spec, layout: Layout, ids, rope) -> torch.Tensor:
                 mlp = norm(s, mlp, sds[0][pre + "post_feedforward_layernorm.weight"])
             h = h1 + mlp
         if stage == layout.pp - 1:
-            x = norm(s, h, sds[0]["model.norm.weight"])
+            x = norm(s, h, sds[0][s.final_norm])
             logits = torch.cat([x @ sd["lm_head.weight"].T for sd in sds], dim=-1)
             if s.final_cap:
                 logits = torch.tanh(logits / s.final_cap) * s.final_cap
@@ -789,8 +800,9 @@ def test_tied_by_default_model_types():
 
 
 def test_dbrx_names_follow_nxd_and_experts_are_segments_of_the_flat_tensors(shards):
-    """Rank files use NxD's Llama-style names; expert e's gate/up are rows [e*I, (e+1)*I) of the
-    flat w1/v1, transposed, and its down is those rows of w2 as stored."""
+    """Rank files keep Hugging Face's tree with NxD's layer names (as NxD's DBRX model and example
+    converter have them); expert e's gate/up are rows [e*I, (e+1)*I) of the flat w1/v1,
+    transposed, and its down is those rows of w2 as stored."""
     from safetensors.torch import load_file
 
     case = next(c for c in CASES if c.fixture == "dbrx-tiny")
@@ -802,11 +814,12 @@ def test_dbrx_names_follow_nxd_and_experts_are_segments_of_the_flat_tensors(shar
     per_ep, local = E // layout.ep, I // tp
     for (ep, t, stage), sd in ranks.items():
         for name in sd:
-            assert name.startswith(("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")), name
+            assert name.startswith(("transformer.blocks.", "transformer.wte.", "transformer.norm_f.", "lm_head.")), name
+            assert ".Wqkv." not in name and ".out_proj." not in name and ".experts.mlp." not in name, name
         for layer in stage_layers(3, layout.pp)[stage]:
             src = f"transformer.blocks.{layer}.ffn.experts.mlp."
-            gu = sd[f"model.layers.{layer}.mlp.expert_mlps.mlp_op.gate_up_proj.weight"]
-            dn = sd[f"model.layers.{layer}.mlp.expert_mlps.mlp_op.down_proj.weight"]
+            gu = sd[f"transformer.blocks.{layer}.ffn.expert_mlps.mlp_op.gate_up_proj.weight"]
+            dn = sd[f"transformer.blocks.{layer}.ffn.expert_mlps.mlp_op.down_proj.weight"]
             for j in range(per_ep):
                 e = ep * per_ep + j
                 rows = slice(e * I + t * local, e * I + (t + 1) * local)
