@@ -159,7 +159,7 @@ def max_shard_size_option(help_text: str) -> Callable:
 
 
 def layout_options(func: Callable) -> Callable:
-    """--tp/--pp/--ep/--kv-multiplier/--kv-replication/--hw/--qkv (+ NxD's spellings)."""
+    """--tp/--pp/--vpp/--ep/--kv-multiplier/--kv-replication/--hw/--qkv (+ NxD's spellings)."""
     options = [
         click.option(
             "--tp",
@@ -178,6 +178,16 @@ def layout_options(func: Callable) -> Callable:
             default=1,
             show_default=True,
             help="Pipeline stages: decoder layers split evenly, the remainder to the last stages.",
+        ),
+        click.option(
+            "--vpp",
+            "--virtual-pipeline-size",
+            "vpp",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Virtual pipeline stages per pp rank (NxD's virtual_pipeline_size): layers cut into pp x vpp "
+            "chunks, chunk c on pp rank c % pp.",
         ),
         click.option(
             "--ep",
@@ -249,6 +259,7 @@ def build_layout(o: dict, inherit=None):
     return make_layout(
         tp=o.pop("tp"),
         pp=o.pop("pp"),
+        vpp=o.pop("vpp"),
         ep=o.pop("ep"),
         kv_multiplier=o.pop("kv_multiplier"),
         kv_replication=o.pop("kv_replication"),
