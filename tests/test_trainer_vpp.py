@@ -156,3 +156,191 @@ def test_api_convert_round_trip_with_a_remainder(tmp_path):
     merge(tmp_path / "s", tmp_path / "m")
     original, merged = hf_tensors(hf), hf_tensors(tmp_path / "m")
     assert all(torch.equal(original[k], merged[k]) for k in original)
+
+
+# ---- 2. the trainer ---------------------------------------------------------------------------------
+
+REL = 1e-5
+# 5 steps of 4 sequences of 32 tokens (4 micro-batches: two rounds of pp 2), lr high enough that the
+# weights move visibly every step
+COMMON = ["--seq-len", "32", "--micro-batch", "1", "--global-batch", "4", "--steps", "5", "--lr", "1e-2",
+          "--warmup", "2", "--dtype", "fp32", "--no-progress", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("trainer-vpp")
+
+
+@pytest.fixture(scope="module")
+def hf_model(work) -> Path:
+    return make_tiny_model(CONFIG, work / "hf", seed=3)
+
+
+@pytest.fixture(scope="module")
+def tokens(work) -> Path:
+    from trainer_helpers import corpus_tokens
+
+    return corpus_tokens(work / "corpus.bin")
+
+
+def run_args(model: Path, data: Path, metrics: Path, *extra: str) -> list[str]:
+    return ["--model", str(model), "--data", str(data), "--metrics", str(metrics), *COMMON, *extra]
+
+
+@pytest.fixture(scope="module")
+def serial(work, hf_model, tokens):
+    """The reference: pp1 in this process; its losses and its exported final weights."""
+    from trainer_helpers import losses, run_inprocess
+
+    metrics = work / "pp1.jsonl"
+    summary = run_inprocess(run_args(hf_model, tokens, metrics, "--export-hf", str(work / "pp1-export")))
+    assert summary.steps == 5
+    found = losses(metrics)
+    assert abs(found[-1] - found[0]) > 0.1, "the weights barely moved: the comparison would be weak"
+    return found, hf_tensors(work / "pp1-export")
+
+
+def assert_same_weights(export: Path, reference: dict[str, torch.Tensor]) -> None:
+    ours = hf_tensors(export)
+    assert ours.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.allclose(ours[name], tensor, rtol=REL, atol=1e-6), name
+
+
+@pytest.fixture(scope="module")
+def vpp_run(work, hf_model, tokens):
+    """pp2 vpp2 (interleaved 1F1B) for 5 steps, checkpointing at steps 3 and 5, exporting at the end."""
+    from trainer_helpers import check_ok, losses, steps, torchrun
+
+    metrics, ckpt = work / "pp2vpp2.jsonl", work / "ckpt-pp2vpp2"
+    check_ok(torchrun(2, run_args(hf_model, tokens, metrics, "--pp", "2", "--vpp", "2", "--checkpoint-dir",
+                                  str(ckpt), "--checkpoint-every", "3", "--export-hf", str(work / "vpp-export"))))
+    start = json.loads(metrics.read_text().splitlines()[0])
+    assert start["schedule"] == "ScheduleInterleaved1F1B" and start["layout"]["vpp"] == 2
+    assert len(steps(metrics)) == 5
+    return losses(metrics), ckpt
+
+
+def test_vpp2_at_pp2_equals_pp1(work, vpp_run, serial):
+    """Losses of every step and the final weights (--export-hf, merged from the vpp layout) equal pp1's."""
+    from trainer_helpers import rel_diff
+
+    expected, reference = serial
+    assert rel_diff(vpp_run[0], expected) < REL, (vpp_run[0], expected)
+    assert_same_weights(work / "vpp-export", reference)
+
+
+def test_vpp_checkpoint_rank_files_hold_global_layer_names(vpp_run):
+    tag = vpp_run[1] / "step_3"
+    assert json.loads((tag / "shardkit.json").read_text())["layout"]["vpp"] == 2
+    first, last = (tag / "model" / f"dp_rank_00_tp_rank_00_pp_rank_{pp:02d}.pt" for pp in (0, 1))
+    assert layers_in(first) == [0, 2] and layers_in(last) == [1, 3]
+    assert "model.embed_tokens.weight" in safe_load(first) and "lm_head.weight" in safe_load(last)
+
+
+def test_vpp_run_resumes_at_another_layout(work, hf_model, tokens, vpp_run):
+    """The pp2 vpp2 checkpoint of step 3 resumed at pp1 tp2 reproduces steps 4-5 of the vpp run."""
+    from trainer_helpers import check_ok, rel_diff, steps, torchrun
+
+    metrics = work / "resume-tp2.jsonl"
+    check_ok(torchrun(2, run_args(hf_model, tokens, metrics, "--tp", "2", "--qkv", "gqa",
+                                  "--resume", str(vpp_run[1] / "step_3"))))
+    records = steps(metrics)
+    assert [r["step"] for r in records] == [4, 5]
+    assert rel_diff([r["loss"] for r in records], vpp_run[0][3:]) < REL
+
+
+def test_vpp_checkpoint_merges_and_reshards_to_plain_pp(work, hf_model, tokens, vpp_run):
+    """The vpp checkpoint of step 3 merges to a Hugging Face model (the same weights as the merge of
+    its plain-pp reshard), and `ckpt reshard` moves the whole training state to plain
+    pp2 (layers 0-1 | 2-3), which resumes at pp2 vpp2 (looped BFS) reproducing steps 4-5."""
+    from trainer_helpers import check_ok, rel_diff, steps, torchrun
+
+    tag = vpp_run[1] / "step_3"
+    plain = work / "ckpt-plain-pp2"
+    done = run_cli("ckpt", "reshard", vpp_run[1], plain, "--config", hf_model / "config.json", "--pp", "2",
+                   "--tag", "step_3", "--qkv", "separate", "--no-zero1")
+    assert done.exit_code == 0, done.output
+    plain_tag = plain / "step_3"
+    assert "vpp" not in json.loads((plain_tag / "shardkit.json").read_text())["layout"]
+    assert layers_in(plain_tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt") == [0, 1]
+    assert layers_in(plain_tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_01.pt") == [2, 3]
+    assert run_cli("merge", tag, work / "merged-vpp").exit_code == 0
+    assert run_cli("merge", plain_tag, work / "merged-plain").exit_code == 0
+    merged_vpp, merged_plain = hf_tensors(work / "merged-vpp"), hf_tensors(work / "merged-plain")
+    assert merged_vpp.keys() == hf_tensors(hf_model).keys() == merged_plain.keys()
+    assert all(torch.equal(merged_vpp[k], merged_plain[k]) for k in merged_vpp)
+    metrics = work / "resume-vpp.jsonl"
+    check_ok(torchrun(2, run_args(hf_model, tokens, metrics, "--pp", "2", "--vpp", "2", "--pp-schedule",
+                                  "looped-bfs", "--resume", str(plain_tag))))
+    records = steps(metrics)
+    assert [r["step"] for r in records] == [4, 5]
+    assert rel_diff([r["loss"] for r in records], vpp_run[0][3:]) < REL
+
+
+SCHEDULES = {
+    # name: (processes, options)
+    "1f1b": (2, ["--pp", "2", "--pp-schedule", "1f1b"]),
+    "gpipe": (2, ["--pp", "2", "--pp-schedule", "gpipe"]),
+    "interleaved-zb": (2, ["--pp", "2", "--vpp", "2", "--pp-schedule", "interleaved-zb"]),
+    "looped-bfs": (2, ["--pp", "2", "--vpp", "2", "--pp-schedule", "looped-bfs"]),
+    "interleaved-tp2-sp": (4, ["--tp", "2", "--pp", "2", "--vpp", "2", "--pp-schedule", "interleaved", "--qkv",
+                               "fused", "--sequence-parallel", "--activation-checkpointing"]),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_each_schedule_equals_pp1(name, work, hf_model, tokens, serial):
+    from trainer_helpers import check_ok, losses, rel_diff, torchrun
+
+    nproc, extra = SCHEDULES[name]
+    metrics = work / f"schedule-{name}.jsonl"
+    check_ok(torchrun(nproc, run_args(hf_model, tokens, metrics, *extra)))
+    assert rel_diff(losses(metrics), serial[0]) < REL, (name, losses(metrics), serial[0])
+
+
+def test_bad_vpp_input_is_one_line(work, hf_model, tokens, capsys):
+    """Local checks (no process group): what is wrong and how to fix it, in one line."""
+    from trainer.__main__ import main
+    from trainer.config import parse_args
+    from trainer.errors import TrainerError
+    from trainer.loop import plan_run
+    from trainer.pipeline import resolve_schedule
+
+    base = ["--model", str(hf_model), "--data", str(tokens), *COMMON]
+    cases = {
+        "needs --pp > 1": (["--vpp", "2"], 1),
+        "not supported: ZBV needs a V-shaped stage placement": (["--pp", "2", "--vpp", "2", "--pp-schedule", "zbv"], 2),
+        "runs one stage per pp rank, not --vpp 2": (["--pp", "2", "--vpp", "2", "--pp-schedule", "1f1b"], 2),
+        "split into 2 equal rounds": (["--pp", "2", "--vpp", "2", "--global-batch", "5"], 2),
+        "needs at least pp 2 micro-batches": (["--pp", "2", "--pp-schedule", "1f1b", "--global-batch", "1"], 2),
+        "cannot fill pp 2 x vpp 4 = 8 pipeline chunks": (["--pp", "2", "--vpp", "4"], 2),
+    }
+    for fragment, (extra, world) in cases.items():
+        with pytest.raises(Exception, match=fragment) as caught:
+            plan_run(parse_args([*base, *extra]), world=world)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(TrainerError, match="10 layers do not divide into pp 2 x vpp 2"):
+        resolve_schedule("auto", 2, 2, 4, 10)
+    assert resolve_schedule("auto", 2, 2, 4, 8) == "interleaved"
+    assert resolve_schedule("auto", 2, 1, 1, 8) == "gpipe" and resolve_schedule("auto", 2, 1, 4, 8) == "1f1b"
+    out = work / "bad-single"
+    assert main([*base, "--vpp", "2", "--checkpoint-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trainer: error:") and "--vpp 2 needs --pp > 1" in err[0]
+    assert not out.exists()
+
+
+def test_zbv_refused_on_every_rank(work, hf_model, tokens):
+    """Under torchrun: rank 0 prints the one line, every rank exits 2, nothing is written."""
+    from trainer_helpers import torchrun, worker_exit_codes
+
+    out = work / "bad-zbv"
+    done = torchrun(2, run_args(hf_model, tokens, out / "m.jsonl", "--pp", "2", "--vpp", "2", "--pp-schedule", "zbv",
+                                "--checkpoint-dir", str(out / "ckpt")), timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert worker_exit_codes(done.stderr) == {0: 2, 1: 2}, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("trainer: error:")]
+    assert len(lines) == 1 and "V-shaped" in lines[0], done.stderr
+    assert not out.exists()
