@@ -165,6 +165,7 @@ REL = 1e-5
 # weights move visibly every step
 COMMON = ["--seq-len", "32", "--micro-batch", "1", "--global-batch", "4", "--steps", "5", "--lr", "1e-2",
           "--warmup", "2", "--dtype", "fp32", "--no-progress", "--threads", "1"]
+EVAL = ["--eval-every", "2", "--eval-steps", "1"]  # forward-only passes of the schedule, after steps 2, 4, 5
 
 
 @pytest.fixture(scope="module")
@@ -188,17 +189,23 @@ def run_args(model: Path, data: Path, metrics: Path, *extra: str) -> list[str]:
     return ["--model", str(model), "--data", str(data), "--metrics", str(metrics), *COMMON, *extra]
 
 
+def eval_losses(metrics: Path) -> list[float]:
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r["eval_loss"] for r in records if r.get("event") == "eval"]
+
+
 @pytest.fixture(scope="module")
 def serial(work, hf_model, tokens):
     """The reference: pp1 in this process; its losses and its exported final weights."""
     from trainer_helpers import losses, run_inprocess
 
     metrics = work / "pp1.jsonl"
-    summary = run_inprocess(run_args(hf_model, tokens, metrics, "--export-hf", str(work / "pp1-export")))
+    summary = run_inprocess(run_args(hf_model, tokens, metrics, *EVAL, "--eval-data", str(tokens), "--export-hf", str(work / "pp1-export")))
     assert summary.steps == 5
     found = losses(metrics)
     assert abs(found[-1] - found[0]) > 0.1, "the weights barely moved: the comparison would be weak"
-    return found, hf_tensors(work / "pp1-export")
+    assert len(eval_losses(metrics)) == 3
+    return found, hf_tensors(work / "pp1-export"), eval_losses(metrics)
 
 
 def assert_same_weights(export: Path, reference: dict[str, torch.Tensor]) -> None:
@@ -214,20 +221,23 @@ def vpp_run(work, hf_model, tokens):
     from trainer_helpers import check_ok, losses, steps, torchrun
 
     metrics, ckpt = work / "pp2vpp2.jsonl", work / "ckpt-pp2vpp2"
-    check_ok(torchrun(2, run_args(hf_model, tokens, metrics, "--pp", "2", "--vpp", "2", "--checkpoint-dir",
-                                  str(ckpt), "--checkpoint-every", "3", "--export-hf", str(work / "vpp-export"))))
+    check_ok(torchrun(2, run_args(hf_model, tokens, metrics, *EVAL, "--eval-data", str(tokens), "--pp", "2",
+                                  "--vpp", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3",
+                                  "--export-hf", str(work / "vpp-export"))))
     start = json.loads(metrics.read_text().splitlines()[0])
     assert start["schedule"] == "ScheduleInterleaved1F1B" and start["layout"]["vpp"] == 2
     assert len(steps(metrics)) == 5
-    return losses(metrics), ckpt
+    return losses(metrics), ckpt, eval_losses(metrics)
 
 
 def test_vpp2_at_pp2_equals_pp1(work, vpp_run, serial):
-    """Losses of every step and the final weights (--export-hf, merged from the vpp layout) equal pp1's."""
+    """Losses of every step, the evaluations (the schedule's forward-only pass) and the final
+    weights (--export-hf, merged from the vpp layout) equal pp1's."""
     from trainer_helpers import rel_diff
 
-    expected, reference = serial
+    expected, reference, evaluated = serial
     assert rel_diff(vpp_run[0], expected) < REL, (vpp_run[0], expected)
+    assert rel_diff(vpp_run[2], evaluated) < REL, (vpp_run[2], evaluated)
     assert_same_weights(work / "vpp-export", reference)
 
 
@@ -290,7 +300,8 @@ SCHEDULES = {
 }
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if SCHEDULES[n][0] > 2 else n
+                                  for n in SCHEDULES])
 def test_each_schedule_equals_pp1(name, work, hf_model, tokens, serial):
     from trainer_helpers import check_ok, losses, rel_diff, torchrun
 
