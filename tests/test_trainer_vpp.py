@@ -6,8 +6,9 @@
    --pp 2 --vpp 2 then merge gives the Hugging Face model back exactly; the rank files hold their
    chunks' layers under the global names; reshard vpp2 -> vpp1 equals a direct convert, file for
    file; NxD shards without a manifest have their vpp read from the layers they hold;
-2. the trainer: pp2 vpp2 equals pp1 (losses and final weights to 1e-5) with the interleaved
-   schedule, and so does every other schedule torch provides; a vpp checkpoint holds the expected
+2. the trainer: pp2 vpp2 equals pp1 (losses, evaluations and final weights to 1e-5) with the
+   interleaved schedule, and so does every other schedule torch provides (also with dp2 ZeRO-1
+   and with tp2 sequence parallelism); a vpp checkpoint holds the expected
    global layer names and resumes at another layout; bad vpp input is one line, exit 2.
 """
 
@@ -295,6 +296,7 @@ SCHEDULES = {
     "gpipe": (2, ["--pp", "2", "--pp-schedule", "gpipe"]),
     "interleaved-zb": (2, ["--pp", "2", "--vpp", "2", "--pp-schedule", "interleaved-zb"]),
     "looped-bfs": (2, ["--pp", "2", "--vpp", "2", "--pp-schedule", "looped-bfs"]),
+    "interleaved-dp2-zero1": (4, ["--pp", "2", "--vpp", "2", "--dp", "2", "--zero1"]),  # 2 micro-batches: 1 round
     "interleaved-tp2-sp": (4, ["--tp", "2", "--pp", "2", "--vpp", "2", "--pp-schedule", "interleaved", "--qkv",
                                "fused", "--sequence-parallel", "--activation-checkpointing"]),
 }
@@ -335,6 +337,7 @@ def test_bad_vpp_input_is_one_line(work, hf_model, tokens, capsys):
     with pytest.raises(TrainerError, match="10 layers do not divide into pp 2 x vpp 2"):
         resolve_schedule("auto", 2, 2, 4, 10)
     assert resolve_schedule("auto", 2, 2, 4, 8) == "interleaved"
+    assert resolve_schedule("interleaved", 2, 2, 3, 8) == "interleaved"  # one round of 3 (torch 2.13's rule)
     assert resolve_schedule("auto", 2, 1, 1, 8) == "gpipe" and resolve_schedule("auto", 2, 1, 4, 8) == "1f1b"
     out = work / "bad-single"
     assert main([*base, "--vpp", "2", "--checkpoint-dir", str(out)]) == 2
