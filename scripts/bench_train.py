@@ -7,9 +7,14 @@
    same order, so its losses are printed beside the trainer's too (they agree to ~1e-6).
 2. step time of tp2 and pp2 (2 local processes, gloo) against tp1 (1 process), with the share of
    the step that is not computation (collectives, pipeline waits and bubbles).
+3. interleaved virtual stages: pp2 vpp2 (ScheduleInterleaved1F1B) against pp2 (Schedule1F1B) at
+   the same micro-batches (--vpp-micro-batch), step time and the pipeline's idle share measured
+   the same way for both (1 - compute / step time, averaged over the ranks). A model whose layer
+   count pp x vpp does not divide runs with its layers rounded down to a multiple of 4.
 
     python scripts/bench_train.py                          # tiny fixture + tinyllama-mini, fp32
     python scripts/bench_train.py --models tinyllama-mini --steps 30 --seq-len 256
+    python scripts/bench_train.py --vpp-only               # only 3.
 
 Each measurement is the median step time over the steps after the first `--skip`, best of
 `--repeats` runs (trainer and plain loop alternate, so background load hits both alike). Every process
@@ -127,14 +132,17 @@ def comm_share(records: list[dict], skip: int) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def build_model(config: str, out: Path) -> Path:
-    """A model with transformers' own initialisation (the trainer starts from it like any user)."""
+def build_model(config: str, out: Path, layers: int | None = None) -> Path:
+    """A model with transformers' own initialisation (the trainer starts from it like any user);
+    `layers` overrides the config's layer count."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from shardkit.testing import fixture_config
 
     cfg = fixture_config(config)
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
     model_type = cfg.pop("model_type")
     cfg.pop("architectures", None)
     torch.manual_seed(0)
@@ -184,6 +192,46 @@ def bench_model(args, config: str, work: Path) -> dict:
     result["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], plain["losses"]))
     (work / f"{config}-result.json").write_text(_json.dumps(result, indent=2))
     return result
+
+
+VPP_RUNS = (("pp2", "pp2 (1F1B)", []), ("pp2-vpp2", "pp2 vpp2 (interleaved 1F1B)", ["--vpp", "2"]))
+
+
+def bench_vpp(args, config: str, work: Path) -> dict:
+    """pp2 against pp2 vpp2 on the same model, data and micro-batches (best of --repeats, alternating)."""
+    from shardkit.testing import fixture_config
+
+    cfg = fixture_config(config)
+    layers = cfg["num_hidden_layers"] // 4 * 4
+    model = build_model(config, work / f"{config}-vpp-hf", layers=layers)
+    data = build_data(work / f"{config}-tokens.bin", cfg["vocab_size"])
+    micro = args.vpp_micro_batch
+    vpp_args = argparse.Namespace(**{**vars(args), "micro_batch": micro})
+    best: dict[str, tuple[float, list[dict]]] = {}
+    for _ in range(args.repeats):
+        for name, _, extra in VPP_RUNS:
+            records = run_trainer(vpp_args, model, data, work, name, 2, ["--pp", "2", *extra])
+            t = median_step(records, args.skip)
+            if name not in best or t < best[name][0]:
+                best[name] = (t, records)
+    runs = {name: {"step_time": t, "idle_share": comm_share(records, args.skip),
+                   "losses": [r["loss"] for r in records]} for name, (t, records) in best.items()}
+    return {"config": config, "layers": layers, "micro_batches": args.global_batch // micro, "runs": runs}
+
+
+def report_vpp(results: list[dict], args) -> str:
+    lines = [f"interleaved stages: seq {args.seq_len}, micro-batch {args.vpp_micro_batch}, global batch "
+             f"{args.global_batch}, 2 processes", "",
+             "| model | layers | micro-batches | schedule | step time | vs pp2 | idle share (bubble + transfers) |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for r in results:
+        base = r["runs"]["pp2"]["step_time"]
+        for name, label, _ in VPP_RUNS:
+            run = r["runs"][name]
+            lines.append(f"| {r['config']} | {r['layers']} | {r['micro_batches']} | {label} | "
+                         f"{run['step_time'] * 1000:.1f} ms | {run['step_time'] / base:.2f}x | "
+                         f"{run['idle_share'] * 100:.0f}% |")
+    return "\n".join(lines)
 
 
 def _count_params(model_dir: Path) -> int:
@@ -244,17 +292,22 @@ def main(argv=None) -> int:
                         help="intra-op threads of each process (1 avoids oversubscription on a shared machine)")
     parser.add_argument("--no-parallel", dest="parallel", action="store_false",
                         help="only the trainer-vs-plain-loop comparison (skip tp2 and pp2)")
+    parser.add_argument("--vpp-micro-batch", type=int, default=2,
+                        help="micro-batch of the pp2 vs pp2 vpp2 comparison (more micro-batches: less bubble)")
+    parser.add_argument("--no-vpp", dest="vpp", action="store_false", help="skip the pp2 vs pp2 vpp2 comparison")
+    parser.add_argument("--vpp-only", action="store_true", help="only the pp2 vs pp2 vpp2 comparison")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.child_plain:
         plain_loop(args)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        results = [bench_model(args, config, Path(tmp)) for config in args.models]
-    text = report(results, args)
-    print(text)
+        results = [] if args.vpp_only else [bench_model(args, config, Path(tmp)) for config in args.models]
+        vpp_results = [bench_vpp(args, config, Path(tmp)) for config in args.models] if args.vpp or args.vpp_only else []
+    texts = ([report(results, args)] if results else []) + ([report_vpp(vpp_results, args)] if vpp_results else [])
+    print("\n\n".join(texts))
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        Path(args.out).write_text(json.dumps({"layouts": results, "vpp": vpp_results}, indent=2))
     return 0
 
 

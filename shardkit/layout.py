@@ -1,8 +1,9 @@
 """The layout value: how one model is cut over tensor (tp), pipeline (pp) and expert (ep) ranks.
 
 A Layout is a small frozen value. Everything that depends on the parallel layout and not on a
-particular tensor lives here: validation against a model's dimensions, the pipeline stage rule,
-and which attention heads each tp rank holds under kv replication. How individual tensors are
+particular tensor lives here: validation against a model's dimensions, the pipeline stage rule
+(with virtual stages: which layers each (pp rank, chunk) holds), and which attention heads each
+tp rank holds under kv replication. How individual tensors are
 cut is in placements.py; which tensor gets which placement is in families/.
 """
 
@@ -232,9 +233,10 @@ class Layout:
     kv_multiplier: int = 1
     kv_replication: str = "interleaved"
     qkv: str = "separate"
+    vpp: int = 1  # virtual pipeline stages (chunks) per pp rank, NxD's virtual_pipeline_size
 
     def __post_init__(self) -> None:
-        for field in ("tp", "pp", "ep", "kv_multiplier"):
+        for field in ("tp", "pp", "ep", "kv_multiplier", "vpp"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{field} must be a positive whole number, got {value!r}")
@@ -247,17 +249,21 @@ class Layout:
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as a dict; vpp only when it is not 1 (so plain layouts read as before)."""
+        data = dataclasses.asdict(self)
+        if self.vpp == 1:
+            del data["vpp"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Layout:
-        if data.get("vpp", 1) != 1:  # written by versions that reserved the field; never other than 1
-            raise LayoutError(f"virtual pipeline stages (vpp {data['vpp']!r}) are not supported: re-create the shards")
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in fields})
 
     def describe(self) -> str:
         parts = [f"tp {self.tp}", f"pp {self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"vpp {self.vpp}")
         if self.ep > 1:
             parts.append(f"ep {self.ep}")
         if self.kv_multiplier > 1:
@@ -297,6 +303,11 @@ class Layout:
             raise LayoutError(
                 f"{dims.num_layers} layers cannot fill {self.pp} pipeline stages: use pp <= {dims.num_layers}"
             )
+        if dims.num_layers < self.chunks:
+            raise LayoutError(
+                f"{dims.num_layers} layers cannot fill pp {self.pp} x vpp {self.vpp} = {self.chunks} pipeline "
+                f"chunks: use pp x vpp <= {dims.num_layers}"
+            )
         if self.ep > 1 and (dims.num_experts == 0 or dims.num_experts % self.ep):
             raise LayoutError(
                 f"ep {self.ep} needs a mixture-of-experts model whose expert count divides by it "
@@ -311,15 +322,35 @@ class Layout:
                 for pp in range(self.pp):
                     yield ep, tp, pp
 
-    def stage_layers(self, num_layers: int) -> list[range]:
-        """Decoder layers of each pipeline stage: even split, the remainder to the LAST stages."""
-        base, extra = divmod(num_layers, self.pp)
-        stages, start = [], 0
-        for stage in range(self.pp):
-            count = base + (1 if stage >= self.pp - extra else 0)
-            stages.append(range(start, start + count))
+    @property
+    def chunks(self) -> int:
+        """Pipeline chunks of consecutive layers over the whole model: pp x vpp."""
+        return self.pp * self.vpp
+
+    def chunk_layers(self, num_layers: int) -> list[range]:
+        """Decoder layers of each of the pp x vpp chunks in model order: an even split, the
+        remainder to the LAST chunks (NxD's partition rule). With vpp 1 a chunk is a stage."""
+        base, extra = divmod(num_layers, self.chunks)
+        chunks, start = [], 0
+        for chunk in range(self.chunks):
+            count = base + (1 if chunk >= self.chunks - extra else 0)
+            chunks.append(range(start, start + count))
             start += count
-        return stages
+        return chunks
+
+    def chunk_rank(self, chunk: int) -> int:
+        """The pp rank that runs `chunk`: chunks go round-robin over the pp ranks (NxD's rule)."""
+        return chunk % self.pp
+
+    def rank_chunks(self, pp_rank: int) -> list[int]:
+        """The chunks pp_rank runs, in model order: pp_rank, pp_rank + pp, ..."""
+        return list(range(pp_rank, self.chunks, self.pp))
+
+    def stage_layers(self, num_layers: int) -> list[list[int]]:
+        """Decoder layers each pp rank holds (its rank file's layers), in model order: the layers
+        of its chunks (one run of consecutive layers per chunk; a single run when vpp is 1)."""
+        chunks = self.chunk_layers(num_layers)
+        return [[i for c in self.rank_chunks(r) for i in chunks[c]] for r in range(self.pp)]
 
     # ---- attention heads under kv replication ----------------------------------------------
     def kv_entries(self, dims: ModelDims, tp_rank: int) -> list[tuple[int, int]]:
@@ -366,6 +397,7 @@ def make_layout(
     hw: str | None = None,
     qkv: str | None = None,
     inherit: Layout | None = None,
+    vpp: int = 1,
 ) -> Layout:
     """A Layout from CLI-style options (`hw` trn1/trn2 is an alias for the replication).
 
@@ -386,4 +418,5 @@ def make_layout(
         kv_multiplier=kv_multiplier,
         kv_replication=kv_replication or base.kv_replication,
         qkv=qkv or base.qkv,
+        vpp=vpp,
     )

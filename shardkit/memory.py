@@ -273,7 +273,7 @@ def _report(
         stages.append(
             StagePlan(
                 stage=s,
-                layers=(layers.start, layers.stop - 1),
+                layers=(layers[0], layers[-1]),
                 params=params,
                 tp_rank=list(per_rank).index(params),
                 param_bytes=params * weight,
@@ -394,7 +394,7 @@ class _RankTable:
         for s, layers in enumerate(layout.stage_layers(num_layers)):
             row = []
             for r, prefix in enumerate(self.layer_prefix):
-                n = prefix[layers.stop] - prefix[layers.start]
+                n = sum(prefix[i + 1] - prefix[i] for i in layers)
                 if layout.pp == 1:
                     n += self.single[r]
                 else:

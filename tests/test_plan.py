@@ -367,10 +367,11 @@ def test_cli_help_says_activations_are_not_estimated():
     assert result.exit_code == 0 and "NOT estimated" in result.output and "--suggest" in result.output
 
 
-def test_layout_has_no_virtual_stages_and_refuses_manifests_that_claim_some():
-    """vpp was a reserved field that had to be 1: it is gone from Layout; old manifests with
-    "vpp": 1 still load, and one claiming virtual stages is refused rather than misread."""
+def test_layout_vpp_round_trips_and_plain_manifests_are_unchanged():
+    """vpp 1 is left out of the manifest (plain layouts read and write as before, old manifests
+    with "vpp": 1 still load); a layout with virtual stages keeps them; nonsense is refused."""
     assert "vpp" not in Layout().to_dict()
     assert Layout.from_dict({"tp": 2, "pp": 1, "vpp": 1}) == Layout(tp=2)
-    with pytest.raises(LayoutError, match="virtual pipeline stages"):
-        Layout.from_dict({"tp": 2, "pp": 2, "vpp": 2})
+    assert Layout.from_dict(Layout(tp=2, pp=2, vpp=2).to_dict()) == Layout(tp=2, pp=2, vpp=2)
+    with pytest.raises(LayoutError, match="vpp must be a positive whole number"):
+        Layout.from_dict({"tp": 2, "pp": 2, "vpp": 0})

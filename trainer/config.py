@@ -50,6 +50,19 @@ class TrainConfig:
     # ---- parallel layout -----------------------------------------------------------------------
     tp: int = _opt(1, "Tensor-parallel degree.", "--tp-size")
     pp: int = _opt(1, "Pipeline-parallel stages (1F1B schedule over micro-batches).", "--pp-size")
+    vpp: int = _opt(
+        1,
+        "Virtual pipeline stages per pp rank (NxD's virtual_pipeline_size): layers cut into "
+        "pp x vpp chunks, chunk c on pp rank c % pp, run by the interleaved 1F1B schedule.",
+        "--virtual-pipeline-size",
+    )
+    pp_schedule: str = _opt(
+        "auto",
+        "Pipeline schedule (torch.distributed.pipelining): auto = 1f1b (gpipe with fewer "
+        "micro-batches than stages), interleaved with --vpp > 1; interleaved-zb = interleaved "
+        "zero bubble; zbv is refused (it needs a V-shaped stage placement).",
+        choices=("auto", "1f1b", "gpipe", "interleaved", "interleaved-zb", "looped-bfs", "zbv"),
+    )
     dp: int = _opt(0, "Data-parallel degree (default: world size / (tp x pp)).", "--dp-size")
     kv_multiplier: int = _opt(
         1, "Replicate K/V heads this many times (NxD's kv_size_multiplier).", "--kv-size-multiplier"

@@ -52,7 +52,7 @@ from .parallel import (
     shutdown,
     world_from_env,
 )
-from .pipeline import Pipeline, run_micro_batches
+from .pipeline import Pipeline, resolve_schedule, run_micro_batches
 from .weights import check_export_destination, export_hf, export_run, init_rank_pieces, read_rank_pieces
 
 log = logging.getLogger("trainer")
@@ -82,7 +82,7 @@ class Plan:
 
 
 def _positive(cfg: TrainConfig) -> None:
-    for name in ("tp", "pp", "kv_multiplier", "micro_batch", "global_batch", "seq_len", "steps", "log_every"):
+    for name in ("tp", "pp", "vpp", "kv_multiplier", "micro_batch", "global_batch", "seq_len", "steps", "log_every"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
             raise TrainerError(f"--{name.replace('_', '-')} must be a positive whole number, got {value!r}")
@@ -133,6 +133,7 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
         raise TrainerError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file: give a directory")
     spec = ModelSpec.from_config(model_config, layout)
     spec.check_sequence(cfg.seq_len)
+    resolve_schedule(cfg.pp_schedule, cfg.pp, cfg.vpp, cfg.global_batch // (cfg.micro_batch * dp), spec.dims.num_layers)
     tokens = TokenFile(cfg.data)
     if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
         raise DataError(
@@ -308,6 +309,7 @@ def run_layout(cfg: TrainConfig, source: Checkpoint | None) -> Layout:
     return make_layout(
         tp=cfg.tp,
         pp=cfg.pp,
+        vpp=cfg.vpp,
         kv_multiplier=cfg.kv_multiplier,
         kv_replication=cfg.kv_replication or (held.kv_replication if held else "interleaved"),
         qkv=cfg.qkv or (held.qkv if held else "separate"),
@@ -554,6 +556,9 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
             spec.dims.vocab_size // par.tp,
             plan.dtype,
             cfg.sequence_parallel,
+            cfg.pp_schedule,
+            spec.layout,
+            spec.dims.num_layers,
         )
     return Run(model, optimizer, schedule, batches, loss_fn, pipeline, start_step)
 
@@ -573,12 +578,13 @@ def _announce(plan: Plan, par: Parallel, run: Run) -> None:
         if on
     ]
     log.info(
-        "%d process%s: tp %d x pp %d x dp %d (%s, %s); %s %.2fM parameters in %s; %d micro-batch%s of "
+        "%d process%s: tp %d x pp %d%s x dp %d (%s, %s); %s %.2fM parameters in %s; %d micro-batch%s of "
         "%d x %d tokens per step%s%s",
         par.world,
         "es" if par.world > 1 else "",
         par.tp,
         par.pp,
+        f" (vpp {spec.layout.vpp})" if spec.layout.vpp > 1 else "",
         par.dp,
         par.backend,
         par.device,

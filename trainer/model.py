@@ -16,7 +16,7 @@ the Hugging Face model's. Activations are sequence-first, `[seq, batch, hidden]`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -352,24 +352,29 @@ class StageModel(nn.Module):
         for p in self.parameters():
             p.requires_grad_(True)
 
-    def seq_len_of(self, x: torch.Tensor) -> int:
-        if self.first:
+    def seq_len_of(self, x: torch.Tensor, first: bool | None = None) -> int:
+        if self.first if first is None else first:
             return x.shape[1]
         return x.shape[0] * (self.ctx.group.size if self.ctx.sequence_parallel else 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seq = self.seq_len_of(x)
-        if self.first:
+        return self.run_layers(x, self.model.layers.values(), self.first, self.last)
+
+    def run_layers(self, x: torch.Tensor, layers: Iterable[nn.Module], first: bool, last: bool) -> torch.Tensor:
+        """Run `layers` of this rank (all of them, or one virtual-pipeline chunk's): from token ids
+        through the embedding when `first`, to local logits through the final norm and head when `last`."""
+        seq = self.seq_len_of(x, first)
+        if first:
             h = self.model.embed_tokens(x.t())
         else:
             h = x
         cos, sin = self.rotary(seq, h.dtype)
-        for layer in self.model.layers.values():
+        for layer in layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, cos, sin)
-        if not self.last:
+        if not last:
             return h
         return self.lm_head(self.model.norm(h))
 

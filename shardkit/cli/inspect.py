@@ -71,10 +71,13 @@ def describe(r: dict, show_tensors: bool) -> str:
         kv = f", kv heads x{lay['kv_multiplier']} ({lay['kv_replication']})" if lay["kv_multiplier"] > 1 else ""
         lines.append(
             f"  layout:  tp {lay['tp']}, pp {lay['pp']}"
+            + (f", vpp {lay['vpp']}" if lay.get("vpp", 1) > 1 else "")
             + (f", ep {lay['ep']}" if lay["ep"] > 1 else "")
             + f", qkv {lay['qkv']}{kv} -- {r['layout_from']}"
         )
-        stages = ", ".join(f"{s['stage']}: {s['layers'][0]}-{s['layers'][1]}" for s in r["stages"])
+        stages = ", ".join(
+            f"{s['stage']}: " + " + ".join(f"{a}-{b}" for a, b in s.get("chunks") or [s["layers"]]) for s in r["stages"]
+        )
         lines.append(f"  stages:  layers per stage {stages}")
     lines.append(f"  files:   {r['files']} ({format_bytes(r['bytes'])}), dtype {r['dtype']}")
     if show_tensors:

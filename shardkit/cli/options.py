@@ -196,13 +196,17 @@ def replication_options(replication_help: str, hw_help: str) -> list[Callable]:
 
 TP_HELP = "Tensor-parallel degree: heads, MLP columns and vocabulary are split over this many ranks."
 PP_HELP = "Pipeline stages: decoder layers split evenly, the remainder to the last stages."
+VPP_HELP = (
+    "Virtual pipeline stages per pp rank (NxD's virtual_pipeline_size): layers cut into pp x vpp chunks, "
+    "chunk c on pp rank c % pp."
+)
 KV_MULTIPLIER_HELP = (
     "Replicate K/V heads this many times so that kv heads x multiplier is a multiple of tp (NxD's kv_size_multiplier)."
 )
 
 
 def layout_options(expert: bool = True) -> Callable:
-    """--tp/--pp[/--ep]/--kv-multiplier/--kv-replication/--hw/--qkv (+ NxD's spellings), handed to
+    """--tp/--pp/--vpp[/--ep]/--kv-multiplier/--kv-replication/--hw/--qkv (+ NxD's spellings), handed to
     the command as `layout_opts` for `build_layout`. `expert=False` leaves --ep out."""
     ep = degree_option(
         "ep",
@@ -212,6 +216,7 @@ def layout_options(expert: bool = True) -> Callable:
     options = [
         degree_option("tp", TP_HELP),
         degree_option("pp", PP_HELP),
+        degree_option("vpp", VPP_HELP, nxd="--virtual-pipeline-size"),
         *([ep] if expert else []),
         degree_option("kv-multiplier", KV_MULTIPLIER_HELP, nxd="--kv-size-multiplier"),
         *replication_options(
@@ -231,7 +236,7 @@ def layout_options(expert: bool = True) -> Callable:
         click.option("--fuse-qkv", is_flag=True, help="NxD spelling of --qkv fused (with --qkv-linear)."),
         click.option("--coalesce-qkv", is_flag=True, help="NxD spelling of --qkv coalesced."),
     ]
-    names = ["tp", "pp", *(["ep"] if expert else []), "kv_multiplier", "kv_replication", "hw", "qkv"]
+    names = ["tp", "pp", "vpp", *(["ep"] if expert else []), "kv_multiplier", "kv_replication", "hw", "qkv"]
     names += ["qkv_linear", "fuse_qkv", "coalesce_qkv"]
     return stacked(*options, collected(names, "layout_opts"))
 
@@ -255,6 +260,7 @@ def build_layout(o: Mapping[str, Any], inherit=None):
     return make_layout(
         tp=o["tp"],
         pp=o["pp"],
+        vpp=o["vpp"],
         ep=o.get("ep", 1),
         kv_multiplier=o["kv_multiplier"],
         kv_replication=o["kv_replication"],

@@ -18,6 +18,7 @@ import torch
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, SourceReader
 from ..formats.manifest import MANIFEST, file_sha256
+from ..layout import Layout
 from ..paths import UnsafePathError, inside, regular_file
 from ..placements import Segment, SegmentIndex
 
@@ -62,10 +63,7 @@ def inspect_checkpoint(
         "dtype": str(ckpt.dtype()).replace("torch.", "") if not problems else None,
         "files": len(ckpt.files),
         "bytes": ckpt.total_bytes(),
-        "stages": [
-            {"stage": s, "layers": [r.start, r.stop - 1] if len(r) else []}
-            for s, r in enumerate(ckpt.layout.stage_layers(dims.num_layers))
-        ],
+        "stages": _stages(ckpt.layout, dims.num_layers),
         "tensors": {n: list(s) for n, s in ckpt.full_shapes.items()},
         "problems": problems,
     }
@@ -382,3 +380,15 @@ def _compare_tensor(
     if exact and not equal and worst == 0:
         note = "same values, different bits (signed zeros)"
     return TensorDiff(name, worst, equal if exact else worst <= atol, note)
+
+
+def _stages(layout: Layout, num_layers: int) -> list[dict[str, Any]]:
+    """Each pp rank's first and last layer; with virtual stages also each of its chunks' runs."""
+    chunks = layout.chunk_layers(num_layers)
+    out: list[dict[str, Any]] = []
+    for stage, layers in enumerate(layout.stage_layers(num_layers)):
+        entry: dict[str, Any] = {"stage": stage, "layers": [layers[0], layers[-1]] if layers else []}
+        if layout.vpp > 1:
+            entry["chunks"] = [[chunks[c][0], chunks[c][-1]] for c in layout.rank_chunks(stage) if len(chunks[c])]
+        out.append(entry)
+    return out

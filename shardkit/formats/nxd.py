@@ -179,9 +179,25 @@ def infer_layout(
                     "the config does not match the shards (pass the right --config)"
                 )
             m = max(1, per_rank * tp // dims.num_kv_heads)
+    vpp = hints.get("vpp") or (_layer_runs(keys, family) if pp > 1 else 1)
     try:
         return Layout(
-            tp=tp, pp=pp, ep=ep, kv_multiplier=m, qkv=qkv, kv_replication=hints.get("kv_replication") or "interleaved"
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            kv_multiplier=m,
+            qkv=qkv,
+            kv_replication=hints.get("kv_replication") or "interleaved",
+            vpp=vpp,
         )
     except LayoutError as e:
         raise FormatError(f"cannot infer the layout of the shards: {e}") from None
+
+
+def _layer_runs(keys: set[str], family: Family) -> int:
+    """Runs of consecutive layers in pp rank 0's file: its virtual stages (chunks). NxD gives a pp
+    rank the chunks rank, rank + pp, ... of consecutive layers, so each chunk is one run."""
+    head, tail = (family.out_layer_prefix or family.layer_prefix).split("{i}")
+    pattern = re.compile("^" + re.escape(head) + r"(\d+)" + re.escape(tail))
+    layers = sorted({int(match.group(1)) for k in keys if (match := pattern.match(k))})
+    return 1 + sum(1 for a, b in zip(layers, layers[1:]) if b != a + 1)
