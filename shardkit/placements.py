@@ -340,7 +340,6 @@ class HeadGroups:
     qkv_bias: Callable[[ModelDims], bool] = lambda dims: dims.attention_bias
     o_bias: Callable[[ModelDims], bool] = lambda dims: dims.attention_bias
     fused: str | None = None
-    out_scope: str | None = None  # the scope in rank files, when NxD renames it
     o_out: str | None = None  # o's name in rank files, when NxD renames it (DBRX: o_proj)
 
     def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
@@ -372,8 +371,7 @@ class HeadGroups:
 
     def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
         d = dims.head_dim
-        out = prefix + (self.out_scope or self.scope)
-        prefix = prefix + self.scope
+        out = prefix = prefix + self.scope
         q_rows, kv_rows = dims.num_heads * d, dims.num_kv_heads * d
 
         def head_segments(which: str, kind: str, heads: Iterable[int]) -> list[Segment]:

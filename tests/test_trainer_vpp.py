@@ -282,6 +282,14 @@ def test_vpp_checkpoint_merges_and_reshards_to_plain_pp(work, hf_model, tokens, 
     merged_vpp, merged_plain = hf_tensors(work / "merged-vpp"), hf_tensors(work / "merged-plain")
     assert merged_vpp.keys() == hf_tensors(hf_model).keys() == merged_plain.keys()
     assert all(torch.equal(merged_vpp[k], merged_plain[k]) for k in merged_vpp)
+    back = work / "ckpt-back-vpp2"  # and back: `ckpt reshard --vpp` (the layout options of reshard)
+    done = run_cli("ckpt", "reshard", plain, back, "--pp", "2", "--vpp", "2", "--no-zero1")
+    assert done.exit_code == 0, done.output
+    assert layers_in(back / "step_3" / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt") == [0, 2]
+    assert layers_in(back / "step_3" / "model" / "dp_rank_00_tp_rank_00_pp_rank_01.pt") == [1, 3]
+    assert run_cli("merge", back / "step_3", work / "merged-back").exit_code == 0
+    merged_back = hf_tensors(work / "merged-back")
+    assert all(torch.equal(merged_back[k], merged_vpp[k]) for k in merged_vpp)
     metrics = work / "resume-vpp.jsonl"
     check_ok(torchrun(2, run_args(hf_model, tokens, metrics, "--pp", "2", "--vpp", "2", "--pp-schedule",
                                   "looped-bfs", "--resume", str(plain_tag))))

@@ -9,7 +9,6 @@ once and `full_shapes` is derived from it.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import re
 from collections.abc import Callable, Mapping
@@ -40,7 +39,6 @@ class Family:
     qkv_styles: tuple[str, ...] = QKV_STYLES
     qkv_reason: str = ""
     check: Callable[[ModelDims], str | None] | None = None
-    out_layer_prefix: str | None = None  # the layer prefix in rank files, when NxD renames it
 
     def full_shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
         """Every full tensor the config implies, in checkpoint order, with its shape (as the
@@ -124,12 +122,7 @@ class Family:
         if pp_rank == 0:
             pieces += emit(self.first, "")
         for i in layout.stage_layers(dims.num_layers)[pp_rank]:
-            prefix = self.layer_prefix.format(i=i)
-            layer = emit(self.layer, prefix)
-            if self.out_layer_prefix is not None:
-                out = self.out_layer_prefix.format(i=i)
-                layer = [dataclasses.replace(p, name=out + p.name[len(prefix) :]) for p in layer]
-            pieces += layer
+            pieces += emit(self.layer, self.layer_prefix.format(i=i))
         if pp_rank == layout.pp - 1:
             pieces += emit(self.final, "")
         return pieces
@@ -182,7 +175,6 @@ def _layer_patterns() -> tuple[re.Pattern, ...]:
             [
                 LAYER_PREFIX,
                 *(f.layer_prefix for f in REGISTRY.values()),
-                *(f.out_layer_prefix for f in REGISTRY.values() if f.out_layer_prefix),
             ]
         )
         patterns = []

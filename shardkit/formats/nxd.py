@@ -137,7 +137,7 @@ def infer_layout(
         family = family_for({"model_type": dims.model_type})
     tp, pp, ep = rank_files.tp, rank_files.pp, rank_files.ep
     keys = set(first_file.keys())
-    layer = (family.out_layer_prefix or family.layer_prefix).format(i=0)  # pp rank 0 holds layer 0
+    layer = family.layer_prefix.format(i=0)  # pp rank 0 holds layer 0
     if not any(k.startswith(layer) for k in keys):
         raise FormatError(
             f"{first_file.path} holds no {family.name} layers ({layer}*): is this a sharded {family.name} model directory?"
@@ -157,7 +157,7 @@ def infer_layout(
         qkv = qkv or family.qkv_styles[0]
         m = m or 1
     else:
-        scope = layer + (attention.out_scope or attention.scope)
+        scope = layer + attention.scope
         kv_rows = None
         for style, suffix in QKV_KEYS:
             if scope + suffix in keys:
@@ -197,7 +197,7 @@ def infer_layout(
 def _layer_runs(keys: set[str], family: Family) -> int:
     """Runs of consecutive layers in pp rank 0's file: its virtual stages (chunks). NxD gives a pp
     rank the chunks rank, rank + pp, ... of consecutive layers, so each chunk is one run."""
-    head, tail = (family.out_layer_prefix or family.layer_prefix).split("{i}")
+    head, tail = family.layer_prefix.split("{i}")
     pattern = re.compile("^" + re.escape(head) + r"(\d+)" + re.escape(tail))
     layers = sorted({int(match.group(1)) for k in keys if (match := pattern.match(k))})
     return 1 + sum(1 for a, b in zip(layers, layers[1:]) if b != a + 1)
