@@ -30,15 +30,19 @@ class Family:
     with `qkv_reason`); `check` refuses configs the table cannot express, with the reason."""
 
     name: str
-    model_types: tuple[str, ...]
     first: tuple[Placement, ...]
     layer: tuple[Placement, ...]
     final: tuple[Placement, ...]
+    model_types: tuple[str, ...] = ()  # the config model_type values it reads (default: its name)
     ignored: tuple[str, ...] = field(default_factory=tuple)
     layer_prefix: str = LAYER_PREFIX
     qkv_styles: tuple[str, ...] = QKV_STYLES
     qkv_reason: str = ""
     check: Callable[[ModelDims], str | None] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model_types:
+            object.__setattr__(self, "model_types", (self.name,))
 
     def full_shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
         """Every full tensor the config implies, in checkpoint order, with its shape (as the

@@ -38,7 +38,6 @@ def _row(name: str, rows, cols) -> tuple[Split, Replicated]:
 FAMILY = register(
     Family(
         name="bert",
-        model_types=("bert",),
         first=(
             Replicated(WORDS, (V, H)),
             Replicated("bert.embeddings.position_embeddings.weight", ("max_position_embeddings", H)),

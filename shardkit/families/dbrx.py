@@ -27,7 +27,6 @@ EXPERTS = "ffn.experts.mlp."
 FAMILY = register(
     Family(
         name="dbrx",
-        model_types=("dbrx",),
         first=(Split("transformer.wte.weight", 0, (V, H)),),
         layer=(
             HeadGroups(

@@ -27,7 +27,6 @@ def _qkv_rows(dims) -> int:
 FAMILY = register(
     Family(
         name="gpt_neox",
-        model_types=("gpt_neox",),
         first=(Split("gpt_neox.embed_in.weight", 0, (V, H)),),
         layer=(
             *norms("input_layernorm", "post_attention_layernorm", bias=True),
