@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
 from shardkit.testing import make_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _restore_logger_levels():
+    """The trainer's main(), run in-process by some tests, quiets the shardkit and torch loggers
+    for its run; give every test the levels it started with."""
+    names = ("shardkit", "torch.distributed", "torch.distributed.pipelining", "trainer")
+    levels = {n: logging.getLogger(n).level for n in names}
+    yield
+    for n, level in levels.items():
+        logging.getLogger(n).setLevel(level)
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT.parent / "shared" / "golden"
