@@ -32,12 +32,11 @@ from shardkit.placements import QKV_NAMES, HeadGroups, Piece, Replicated
 from .errors import TrainerError
 from .layers import ColumnParallelLinear, ParamHolder, RMSNorm, RowParallelLinear, TPContext, VocabParallelEmbedding
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral")  # mixtral: MoE layers from trainer/moe.py
 # why the trainer's blocks cannot express a family (shardkit converts, merges and reshards them all)
 UNSUPPORTED_BECAUSE = {
-    "mixtral": "mixture-of-experts layers",
-    "qwen3_moe": "mixture-of-experts layers",
-    "dbrx": "mixture-of-experts layers",
+    "qwen3_moe": "its attention's per-head q/k norms; its MoE layers would be Mixtral's",
+    "dbrx": "its attention (clipped fused qkv, LayerNorm) and flat expert layout",
     "qwen3": "per-head q/k norms",
     "gemma3": "per-head q/k norms and Gemma's norms",
     "gemma2": "Gemma's (1 + w) norms, extra feed-forward norms, embedding scaling and soft-capping",
@@ -68,7 +67,7 @@ class ModelSpec:
         if family.name not in SUPPORTED:
             why = UNSUPPORTED_BECAUSE.get(family.name)
             raise TrainerError(
-                f"the trainer supports dense decoder families ({', '.join(SUPPORTED)}), not {family.name}"
+                f"the trainer supports the decoder families ({', '.join(SUPPORTED)}), not {family.name}"
                 + (f" ({why})" if why else "")
                 + ": convert/merge/reshard still work for it with shardkit"
             )

@@ -222,11 +222,16 @@ class Optimizer:
         zero1: bool = False,
         sequence_parallel: bool = False,
         sources: Mapping[str, torch.Tensor] | None = None,
+        experts: frozenset[str] | set[str] = frozenset(),
+        tp_partial: frozenset[str] | set[str] = frozenset(),
     ):
         self.par = par
         self.clip_grad = clip_grad
         self.zero1 = zero1 and par.dp > 1
         self.sequence_parallel = sequence_parallel and par.tp > 1
+        # MoE (trainer/moe.py): expert gradients are reduced over the expert-data-parallel group, not
+        # dp, and sit after the dense ones in the flat buffer; a router's gradient is a partial sum over tp
+        self.experts, self.tp_partial = set(experts), set(tp_partial)
         self.slots = self._make_slots(model, spec.replicated_names(par.pp_rank))
         self.by_name = {n: s for s in self.slots for n in s.names}
         self.owned = self._assign_rows()
@@ -242,10 +247,15 @@ class Optimizer:
         numel = sum(p.numel() for p in dict(model.named_parameters()).values())
         self.flat = torch.zeros(numel, dtype=torch.float32, device=self.par.device)
         offset = 0
-        for name, p in model.named_parameters(remove_duplicate=False):
+        named = list(model.named_parameters(remove_duplicate=False))
+        named.sort(key=lambda np: np[0] in self.experts)  # stable: the experts last
+        self.dense_numel = numel
+        for name, p in named:
             if id(p) in by_param:
                 by_param[id(p)].names.append(name)
                 continue
+            if name in self.experts and offset < self.dense_numel:
+                self.dense_numel = offset
             view = self.flat[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
             by_param[id(p)] = slot = Slot([name], p, view, name in replicated, p.dim() >= 2)
@@ -363,9 +373,18 @@ class Optimizer:
 
     def sync_gradients(self) -> None:
         par = self.par
-        par.dp_group.all_reduce(self.flat)
-        if self.sequence_parallel:
-            reps = [s.grad for s in self.slots if s.replicated]
+        if self.experts and par.edp_group is not par.dp_group:
+            par.dp_group.all_reduce(self.flat[: self.dense_numel])
+            assert par.edp_group is not None  # init_parallel makes it
+            par.edp_group.all_reduce(self.flat[self.dense_numel :])
+        else:
+            par.dp_group.all_reduce(self.flat)
+        if self.sequence_parallel or (self.tp_partial and par.tp > 1):
+            reps = [
+                s.grad
+                for s in self.slots
+                if (s.replicated and self.sequence_parallel) or (par.tp > 1 and s.names[0] in self.tp_partial)
+            ]
             if reps:
                 flat = _flatten_dense_tensors(reps)
                 par.tp_group.all_reduce(flat)
@@ -391,9 +410,15 @@ class Optimizer:
                 continue
             (whole if slot.norm_mask is None else partial).append(slot)
         sq = torch.zeros((), dtype=torch.float64, device=self.flat.device)
+        experts = [s for s in whole if s.names[0] in self.experts]
+        whole = [s for s in whole if s.names[0] not in self.experts]
         if whole:
             norms = torch._foreach_norm([s.grad for s in whole])
             sq += torch.stack(norms).double().pow(2).sum()
+        if experts:  # each ep rank holds other experts: their squares add up over the ep group
+            expert_sq = torch.stack(torch._foreach_norm([s.grad for s in experts])).double().pow(2).sum()
+            assert self.par.ep_group is not None  # init_parallel makes it
+            sq += self.par.ep_group.all_reduce(expert_sq)
         for slot in partial:
             assert slot.norm_mask is not None  # `partial` holds the slots with a mask
             sq += (slot.grad.double().pow(2) * slot.norm_mask).sum()

@@ -60,6 +60,7 @@ class Pipeline:
         vocab_local: int,
         dtype: torch.dtype,
         sequence_parallel: bool,
+        carry: torch.Tensor | None = None,
     ):
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
@@ -67,6 +68,8 @@ class Pipeline:
         seq_local = seq_len // par.tp if sequence_parallel and par.tp > 1 else seq_len
         # hidden states carry gradients across stage boundaries: their metadata says so
         hidden_meta = torch.empty(seq_local, micro_batch, hidden, dtype=dtype, device=meta, requires_grad=True)
+        inputs: torch.Tensor | tuple[torch.Tensor, ...]
+        outputs: torch.Tensor | tuple[torch.Tensor, ...]
         if par.is_first_stage:
             inputs = torch.empty(micro_batch, seq_len, dtype=torch.long, device=meta)
         else:
@@ -75,6 +78,9 @@ class Pipeline:
             outputs = torch.empty(seq_len, micro_batch, vocab_local, dtype=dtype, device=meta, requires_grad=True)
         else:
             outputs = hidden_meta
+        if carry is not None:  # a tensor every stage passes on beside its output (MoE statistics)
+            inputs = inputs if par.is_first_stage else (inputs, carry)
+            outputs = (outputs, carry)
         stage_cls = _timed_stage_class()
         self.stage = stage_cls(
             model, par.pp_rank, par.pp, par.device, input_args=inputs, output_args=outputs, group=par.pp_group.pg
