@@ -131,9 +131,9 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
         model_config = resume.config
     if cfg.checkpoint_dir and Path(cfg.checkpoint_dir).exists() and not Path(cfg.checkpoint_dir).is_dir():
         raise TrainerError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file: give a directory")
+    moe.check_plan(cfg, model_config, dp)
     spec = ModelSpec.from_config(model_config, layout)
     spec.check_sequence(cfg.seq_len)
-    moe.check_plan(cfg, spec, dp)
     tokens = TokenFile(cfg.data)
     if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
         raise DataError(

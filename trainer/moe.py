@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.layout import ModelDims
 from shardkit.placements import Piece
 
 from .errors import TrainerError
@@ -72,17 +73,20 @@ def is_moe(spec: ModelSpec) -> bool:
     return spec.dims.num_experts > 0
 
 
-def check_plan(cfg: Any, spec: ModelSpec, dp: int) -> None:
-    """The MoE options against the model and the layout (bad input: one line, before the job starts)."""
+def check_plan(cfg: Any, config: Mapping[str, Any], dp: int) -> None:
+    """The MoE options against the model's config and the run's dp degree (bad input: one line,
+    before the job starts)."""
     if cfg.capacity_factor < 0:
         raise TrainerError(f"--capacity-factor must be 0 (no drop) or positive, got {cfg.capacity_factor}")
-    if not is_moe(spec):
+    experts = ModelDims.from_config(config).num_experts
+    if not experts:
         if cfg.ep > 1:
-            raise TrainerError(f"--ep {cfg.ep}: {spec.family.name} is a dense model (no experts to split): drop --ep")
+            raise TrainerError(
+                f"--ep {cfg.ep}: {config.get('model_type', 'this')} is a dense model (no experts to split): drop --ep"
+            )
         if cfg.capacity_factor:
             raise TrainerError("--capacity-factor applies to mixture-of-experts models only: drop it")
         return
-    experts = spec.dims.num_experts
     if experts % cfg.ep:
         raise TrainerError(
             f"--ep {cfg.ep} does not divide the model's {experts} experts: use an ep that divides {experts}"
