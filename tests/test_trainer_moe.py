@@ -277,8 +277,8 @@ def test_tiny_mixtral_learns_and_exports(work):
     data = corpus_tokens(work / "corpus256.bin")
     metrics, export = work / "learn.jsonl", work / "learn-export"
     check_ok(torchrun(2, ["--model", str(start), "--data", str(data), "--metrics", str(metrics), "--ep", "2",
-                          "--seq-len", "128", "--micro-batch", "8", "--global-batch", "16", "--steps", "120",
-                          "--lr", "1e-2", "--warmup", "12", "--dtype", "fp32", "--no-progress", "--threads", "1",
+                          "--seq-len", "128", "--micro-batch", "8", "--global-batch", "16", "--steps", "200",
+                          "--lr", "1e-2", "--warmup", "20", "--dtype", "fp32", "--no-progress", "--threads", "1",
                           "--export-hf", str(export)], timeout=900))
     text = np.frombuffer(CORPUS.read_bytes(), dtype=np.uint8)
     entropy = unigram_entropy(text)
