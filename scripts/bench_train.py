@@ -7,6 +7,9 @@
    same order, so its losses are printed beside the trainer's too (they agree to ~1e-6).
 2. step time of tp2 and pp2 (2 local processes, gloo) against tp1 (1 process), with the share of
    the step that is not computation (collectives, pipeline waits and bubbles).
+3. `--moe`: a small Mixtral (8 experts, top-2) at ep2 against ep1, both with dp2 (2 processes; ep1:
+   every rank holds every expert; ep2: 4 each, tokens exchanged with all-to-all), and at 1 process,
+   with the share of the step spent in the token dispatch collectives (the all-to-alls).
 
     python scripts/bench_train.py                          # tiny fixture + tinyllama-mini, fp32
     python scripts/bench_train.py --models tinyllama-mini --steps 30 --seq-len 256
@@ -186,6 +189,58 @@ def bench_model(args, config: str, work: Path) -> dict:
     return result
 
 
+MOE_CONFIG = {  # mixtral-tiny, wider: 8 experts of 512, hidden 256, 4 layers, byte vocabulary
+    "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+    "intermediate_size": 512, "num_local_experts": 8, "num_hidden_layers": 4, "vocab_size": 256,
+    "max_position_embeddings": 512,
+}
+
+
+def bench_moe(args, work: Path) -> dict:
+    """ep2 vs ep1 (dp2 both) and one process: step time, non-compute and dispatch shares."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardkit.testing import fixture_config
+
+    cfg = fixture_config("mixtral-tiny") | MOE_CONFIG
+    model_type = cfg.pop("model_type")
+    cfg.pop("architectures", None)
+    torch.manual_seed(0)
+    model = work / "moe-hf"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg)).save_pretrained(model)
+    data = build_data(work / "moe-tokens.bin", 256)
+    best: dict[str, tuple[float, list[dict]]] = {}
+    for _ in range(args.repeats):
+        for name, nproc, extra in (("ep1-1proc", 1, []), ("ep1-dp2", 2, ["--dp", "2"]),
+                                   ("ep2-dp2", 2, ["--dp", "2", "--ep", "2"])):
+            records = run_trainer(args, model, data, work, f"moe-{name}", nproc, extra)
+            t = median_step(records, args.skip)
+            if name not in best or t < best[name][0]:
+                best[name] = (t, records)
+    runs = {}
+    for name, (t, records) in best.items():
+        timed = records[args.skip:] or records
+        runs[name] = {"step_time": t, "tokens_per_s": args.global_batch * args.seq_len / t,
+                      "comm_share": comm_share(records, args.skip),
+                      "dispatch_share": statistics.median(r["dispatch_time"] / r["step_time"] for r in timed),
+                      "losses": [r["loss"] for r in records]}
+    return {"config": "mixtral (8 experts, top-2)", "params": _count_params(model), "runs": runs}
+
+
+def report_moe(result: dict) -> str:
+    runs = result["runs"]
+    base = runs["ep1-dp2"]["step_time"]
+    lines = [f"MoE: {result['config']}, {result['params'] / 1e6:.2f}M parameters", "",
+             "| layout | processes | step time | vs ep1 dp2 | non-compute share | all-to-all share |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, label, n in (("ep1-1proc", "ep1", 1), ("ep1-dp2", "ep1 dp2", 2), ("ep2-dp2", "ep2 dp2", 2)):
+        run = runs[name]
+        lines.append(f"| {label} | {n} | {run['step_time'] * 1000:.1f} ms | {run['step_time'] / base:.2f}x | "
+                     f"{run['comm_share'] * 100:.0f}% | {run['dispatch_share'] * 100:.1f}% |")
+    return "\n".join(lines)
+
+
 def _count_params(model_dir: Path) -> int:
     from safetensors import safe_open
 
@@ -244,17 +299,22 @@ def main(argv=None) -> int:
                         help="intra-op threads of each process (1 avoids oversubscription on a shared machine)")
     parser.add_argument("--no-parallel", dest="parallel", action="store_false",
                         help="only the trainer-vs-plain-loop comparison (skip tp2 and pp2)")
+    parser.add_argument("--moe", action="store_true", help="also benchmark a Mixtral at ep2 vs ep1 (dp2)")
+    parser.add_argument("--moe-only", action="store_true", help="only the MoE benchmark")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.child_plain:
         plain_loop(args)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        results = [bench_model(args, config, Path(tmp)) for config in args.models]
-    text = report(results, args)
+        results = [] if args.moe_only else [bench_model(args, config, Path(tmp)) for config in args.models]
+        moe = bench_moe(args, Path(tmp)) if args.moe or args.moe_only else None
+    text = report(results, args) if results else ""
+    if moe is not None:
+        text += ("\n\n" if text else "") + report_moe(moe)
     print(text)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        Path(args.out).write_text(json.dumps({"dense": results, "moe": moe} if moe else results, indent=2))
     return 0
 
 

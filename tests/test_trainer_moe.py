@@ -9,7 +9,8 @@ a load-balancing coefficient large enough that its gradient visibly moves the we
    the uninterrupted run;
 4. capacity factor: which assignments are kept (unit), drops counted in the metrics and the same
    at ep1 and ep2; a capacity that cannot overflow equals the no-drop run;
-5. bad input (--ep on a dense model, ep not dividing the experts or dp, Qwen3-MoE): one line, exit 2;
+5. Qwen3-MoE: ep1 is transformers' Qwen3MoeForCausalLM + AdamW, ep2 tp2 equals it;
+   bad input (--ep on a dense model, ep not dividing the experts or dp): one line, exit 2;
 6. (slow) a tiny Mixtral learns the bundled text; its export loads and generates with transformers.
 """
 
@@ -31,6 +32,7 @@ CONFIG = "mixtral-tiny"  # hidden 64, 16 q / 4 kv heads, 4 experts (intermediate
 AUX_COEF = 0.5
 VOCAB = 64
 REL = 1e-5
+EVAL = ["--eval-every", "2"]  # --eval-data: the training tokens' first batch (held-out data in real runs)
 COMMON = ["--seq-len", "32", "--micro-batch", "1", "--global-batch", "4", "--steps", "5", "--lr", "1e-2",
           "--warmup", "2", "--dtype", "fp32", "--no-progress", "--threads", "1"]
 
@@ -63,14 +65,25 @@ def curves(metrics: Path) -> tuple[list[float], list[float]]:
 def serial(work, hf_model, tokens):
     """ep1 tp1 pp1 in this process: its (LM losses, aux losses) and its export."""
     metrics = work / "ep1.jsonl"
-    run_inprocess(run_args(hf_model, tokens, metrics, "--export-hf", str(work / "ep1-export")))
+    summary = run_inprocess(run_args(hf_model, tokens, metrics, *EVAL, "--eval-data", str(tokens), "--eval-steps", "1",
+                                     "--export-hf", str(work / "ep1-export")))
+    assert summary.eval_loss is not None
     return curves(metrics), work / "ep1-export"
+
+
+def eval_losses(metrics: Path) -> list[float]:
+    import json
+
+    records = (json.loads(line) for line in metrics.read_text().splitlines())
+    return [r["eval_loss"] for r in records if r.get("event") == "eval"]
 
 
 # ---- 1. the serial run is transformers + AdamW ----------------------------------------------------------
 
 
-def test_ep1_equals_transformers_mixtral_and_adamw(hf_model, tokens, serial):
+def reference_curves(hf_model: Path, tokens: Path) -> tuple[list[float], list[float]]:
+    """transformers' model (output_router_logits=True; loss = LM + router_aux_loss_coef x aux) +
+    torch AdamW on COMMON's batches: the (LM losses, aux losses) per step."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
@@ -99,10 +112,15 @@ def test_ep1_equals_transformers_mixtral_and_adamw(hf_model, tokens, serial):
         opt.zero_grad()
         lm_losses.append(lm_total)
         aux_losses.append(aux_total)
+    assert abs(lm_losses[-1] - lm_losses[0]) > 0.1, "the weights barely moved: the comparison would be weak"
+    return lm_losses, aux_losses
+
+
+def test_ep1_equals_transformers_mixtral_and_adamw(hf_model, tokens, serial):
+    lm_losses, aux_losses = reference_curves(hf_model, tokens)
     (ours_lm, ours_aux), _ = serial
     assert rel_diff(ours_lm, lm_losses) < REL, (ours_lm, lm_losses)
     assert rel_diff(ours_aux, aux_losses) < REL, (ours_aux, aux_losses)
-    assert abs(lm_losses[-1] - lm_losses[0]) > 0.1, "the weights barely moved: the comparison would be weak"
 
 
 def test_the_aux_loss_gradient_matters(work, hf_model, tokens, serial):
@@ -135,6 +153,8 @@ def test_parallel_equals_serial(name, work, hf_model, tokens, serial):
             convert(hf_model, model, Layout(tp=2, ep=4))
     if name == "ep2-tp2":
         extra = [*extra, "--export-hf", str(work / "ep2-tp2-export")]
+    if name == "ep2-pp2":  # evaluation through the pipeline's forward-only schedule
+        extra = [*extra, *EVAL, "--eval-data", str(tokens), "--eval-steps", "1"]
     metrics = work / f"{name}.jsonl"
     check_ok(torchrun(nproc, run_args(model, tokens, metrics, *extra)))
     (lm, aux), ((ref_lm, ref_aux), ref_export) = curves(metrics), serial
@@ -144,6 +164,9 @@ def test_parallel_equals_serial(name, work, hf_model, tokens, serial):
     records = steps(metrics)
     assert all(r["moe_dropped"] == 0.0 for r in records)
     assert all(r["dispatch_time"] > 0.0 for r in records)  # tokens really went through the all-to-all
+    if name == "ep2-pp2":
+        evaluated, ref_eval = eval_losses(metrics), eval_losses(work / "ep1.jsonl")
+        assert len(evaluated) == 3 and rel_diff(evaluated, ref_eval) < REL, (evaluated, ref_eval)
     if name == "ep2-tp2":
         from safetensors.torch import load_file
 
@@ -219,6 +242,23 @@ def test_capacity_factor_drops_count_and_agree_across_layouts(work, hf_model, to
     assert rel_diff(curves(tight[0])[0], ref_lm) > 1e-4  # the drops changed the computation
 
 
+def test_qwen3_moe_equals_transformers_and_ep2_tp2(work, tokens):
+    """Qwen3-MoE (q/k norms per head, norm_topk_prob, moe_intermediate_size): ep1 is transformers'
+    Qwen3MoeForCausalLM + AdamW; ep2 tp2 equals ep1."""
+    cfg = fixture_config("qwen3-moe-tiny") | {"router_aux_loss_coef": AUX_COEF}
+    model = make_tiny_model(cfg, work / "qwen3-moe-hf", seed=3)
+    serial_metrics, parallel_metrics = work / "qwen3-moe-ep1.jsonl", work / "qwen3-moe-ep2tp2.jsonl"
+    run_inprocess(run_args(model, tokens, serial_metrics))
+    lm, aux = curves(serial_metrics)
+    ref_lm, ref_aux = reference_curves(model, tokens)
+    assert rel_diff(lm, ref_lm) < REL, (lm, ref_lm)
+    assert rel_diff(aux, ref_aux) < REL, (aux, ref_aux)
+    check_ok(torchrun(4, run_args(model, tokens, parallel_metrics, "--ep", "2", "--tp", "2")))
+    par_lm, par_aux = curves(parallel_metrics)
+    assert rel_diff(par_lm, lm) < REL, (par_lm, lm)
+    assert rel_diff(par_aux, aux) < REL, (par_aux, aux)
+
+
 # ---- 5. bad input ---------------------------------------------------------------------------------------------
 
 
@@ -233,7 +273,6 @@ def test_bad_input(tmp_path, work, hf_model, tokens, capsys):
         (hf_model, ["--ep", "3"], "does not divide the model's 4 experts"),
         (hf_model, ["--ep", "2"], "does not divide the data-parallel degree 1"),
         (hf_model, ["--capacity-factor", "-1"], "--capacity-factor must be"),
-        (qwen3_moe, [], "qwen3_moe"),
     ]
     for model, extra, fragment in cases:
         code = main(["--model", str(model), "--data", str(tokens), "--checkpoint-dir", str(tmp_path / "c"),
@@ -242,6 +281,16 @@ def test_bad_input(tmp_path, work, hf_model, tokens, capsys):
         assert code == 2 and len(err) == 1 and err[0].startswith("trainer: error:"), (extra, err)
         assert fragment in err[0], err[0]
     assert not (tmp_path / "c").exists()
+    from trainer.config import parse_args
+    from trainer.errors import TrainerError
+    from trainer.loop import plan_run
+
+    for model, extra, fragment in (
+        (qwen3_moe, ["--tp", "2", "--sequence-parallel"], "--sequence-parallel is not supported"),
+        (hf_model, ["--ep", "2", "--zero1"], "--zero1 with --ep > 1 is not supported"),
+    ):
+        with pytest.raises(TrainerError, match=fragment):
+            plan_run(parse_args(["--model", str(model), "--data", str(tokens), "--seq-len", "32", *extra]), world=4)
 
 
 def test_bad_ep_every_rank_exits_2(work, hf_model, tokens):

@@ -529,7 +529,7 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
         sequence_parallel=cfg.sequence_parallel,
         sources=tensors,
         experts=moe.expert_names(model) if is_moe else frozenset(),
-        tp_partial=moe.router_names(model) if is_moe else frozenset(),
+        tp_partial=moe.tp_partial_names(model) if is_moe else frozenset(),
     )
     del tensors
     schedule = RunSchedule(cfg)

@@ -32,10 +32,9 @@ from shardkit.placements import QKV_NAMES, HeadGroups, Piece, Replicated
 from .errors import TrainerError
 from .layers import ColumnParallelLinear, ParamHolder, RMSNorm, RowParallelLinear, TPContext, VocabParallelEmbedding
 
-SUPPORTED = ("llama", "mistral", "qwen2", "mixtral")  # mixtral: MoE layers from trainer/moe.py
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")  # MoE layers: trainer/moe.py
 # why the trainer's blocks cannot express a family (shardkit converts, merges and reshards them all)
 UNSUPPORTED_BECAUSE = {
-    "qwen3_moe": "its attention's per-head q/k norms; its MoE layers would be Mixtral's",
     "dbrx": "its attention (clipped fused qkv, LayerNorm) and flat expert layout",
     "qwen3": "per-head q/k norms",
     "gemma3": "per-head q/k norms and Gemma's norms",

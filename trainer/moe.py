@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers with expert parallelism (Mixtral), in NxD's expert layout.
+"""Mixture-of-experts layers with expert parallelism (Mixtral, Qwen3-MoE), in NxD's expert layout.
 
 Parameters. A MoE layer holds NxD's pieces: the router `mlp.router.linear_router.weight` (E, hidden),
 replicated, and the experts stacked, `mlp.expert_mlps.mlp_op.gate_up_proj.weight` (E/ep, hidden,
@@ -52,8 +52,8 @@ from shardkit.layout import ModelDims
 from shardkit.placements import Piece
 
 from .errors import TrainerError
-from .layers import ParamHolder, TPContext, copy_to_tp
-from .model import ACTIVATIONS, ModelSpec, StageModel
+from .layers import ParamHolder, RMSNorm, TPContext, copy_to_tp
+from .model import ACTIVATIONS, Attention, ModelSpec, StageModel, apply_rotary
 from .parallel import COMM, Clock, Group, Parallel
 
 log = logging.getLogger("trainer")
@@ -61,7 +61,7 @@ log = logging.getLogger("trainer")
 ROUTER = "mlp.router.linear_router.weight"
 GATE_UP = "mlp.expert_mlps.mlp_op.gate_up_proj.weight"
 DOWN = "mlp.expert_mlps.mlp_op.down_proj.weight"
-MOE_FAMILIES = ("mixtral",)
+QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 DISPATCH = Clock()
 """Time in the token dispatch collectives (the all-to-alls and their counts), also counted in COMM."""
 
@@ -127,8 +127,10 @@ def expert_names(model: nn.Module) -> set[str]:
     return {n for n, _ in model.named_parameters() if _expert_piece(n)}
 
 
-def router_names(model: nn.Module) -> set[str]:
-    return {n for n, _ in model.named_parameters() if n.endswith(ROUTER)}
+def tp_partial_names(model: nn.Module) -> set[str]:
+    """Replicated parameters whose gradient each tp rank computes only a part of: the routers
+    (module docstring) and Qwen3-MoE's q/k norms (each tp rank normalises its own heads)."""
+    return {n for n, _ in model.named_parameters() if n.endswith((ROUTER, *QK_NORMS))}
 
 
 # ---- token exchange --------------------------------------------------------------------------------------
@@ -265,6 +267,31 @@ class MoEBlock(nn.Module):
         return self.ctx.row_output(out.view(shape))
 
 
+class QKNormAttention(Attention):
+    """Qwen3's attention: an RMSNorm over head_dim (one weight for every head) on each q and k
+    head after the projection, before RoPE, as transformers' Qwen3-MoE does."""
+
+    def __init__(self, spec: ModelSpec, ctx: TPContext, dtype):
+        meta = torch.device("meta")
+        super().__init__(spec, ctx, dtype, meta)
+        self.q_norm = RMSNorm(self.head_dim, spec.eps, dtype, meta)
+        self.k_norm = RMSNorm(self.head_dim, spec.eps, dtype, meta)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x)
+        seq, batch = q.shape[0], q.shape[1]
+        q = self.q_norm(q.view(seq, batch, -1, self.head_dim))
+        k = self.k_norm(k.view(seq, batch, -1, self.head_dim))
+        v = v.view(seq, batch, -1, self.head_dim)
+        q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.n_q != self.n_kv
+        )
+        out = out.permute(2, 0, 1, 3).reshape(seq, batch, self.n_q * self.head_dim)
+        return self.o_proj(out)
+
+
 class MoEStageModel(StageModel):
     """A StageModel whose layers' MLPs are MoE layers. Its forward takes and returns, beside the
     hidden states (or logits), the [2, E] load-balancing statistics carried through the pipeline."""
@@ -281,8 +308,11 @@ class MoEStageModel(StageModel):
         super().__init__(spec, ctx, par.pp_rank, dtype, par.device, activation_checkpointing)
         self.moe_stats = MoEStats()
         assert par.ep_group is not None  # init_parallel makes it
+        qk_norms = spec.family.name == "qwen3_moe"
         for layer in self.model.layers.values():
             layer.mlp = MoEBlock(spec, ctx, par.ep_group, capacity_factor, self.moe_stats, dtype)
+            if qk_norms:
+                layer.self_attn = QKNormAttention(spec, ctx, dtype)
         self.dropped = 0  # assignments dropped / routed by this stage's layers since the last take
         self.routed = 0
 
