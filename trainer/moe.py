@@ -18,7 +18,8 @@ computed there, and sent back with a second; the token's output is the weighted 
 choices. With tp > 1 every tp rank computes with its slice of the intermediate axis, so the layer's
 output, the router's gradient and the input's gradient are partial sums over tp: the output is
 all-reduced (g), the input gradient all-reduced (f) and the router gradient all-reduced by the
-optimizer.
+optimizer. With sequence parallelism the layer all-gathers the sequence first (its backward
+reduce-scatters) and reduce-scatters its output, so every tp rank routes the same whole sequence.
 
 Capacity (`--capacity-factor F`, 0 = no drop): in each micro-batch each expert takes at most
 C = ceil(F x tokens x top-k / experts) of one rank's assignments, the rank's own tokens only (so
@@ -52,7 +53,7 @@ from shardkit.layout import ModelDims
 from shardkit.placements import Piece
 
 from .errors import TrainerError
-from .layers import ParamHolder, RMSNorm, TPContext, copy_to_tp
+from .layers import ParamHolder, RMSNorm, TPContext, _gather_seq, _reduce_scatter_seq, copy_to_tp
 from .model import ACTIVATIONS, Attention, ModelSpec, StageModel, apply_rotary
 from .parallel import COMM, Clock, Group, Parallel
 
@@ -98,8 +99,6 @@ def check_plan(cfg: Any, config: Mapping[str, Any], dp: int) -> None:
         )
     if cfg.ep > 1 and cfg.zero1:
         raise TrainerError("--zero1 with --ep > 1 is not supported yet: drop --zero1 or use --ep 1")
-    if cfg.sequence_parallel and cfg.tp > 1:
-        raise TrainerError("--sequence-parallel is not supported for mixture-of-experts models yet: drop it")
 
 
 def _expert_piece(name: str) -> bool:
@@ -155,6 +154,20 @@ class _Exchange(torch.autograd.Function):
     def backward(ctx, grad):
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
         return _all_to_all(out, grad, ctx.send, ctx.recv, ctx.group), None, None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """Sequence parallel: the whole sequence from every tp rank's chunk; the gradient of the
+    whole (a partial sum on each tp rank) is reduce-scattered back to the chunks."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad.contiguous(), ctx.group), None
 
 
 # ---- the layer ----------------------------------------------------------------------------------------
@@ -241,8 +254,11 @@ class MoEBlock(nn.Module):
         return _Exchange.apply(back, recv, send, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ctx.sequence_parallel:  # route the whole sequence; the output is reduce-scattered
+            x = _GatherFromSP.apply(x, self.ctx.group)
+        else:
+            x = copy_to_tp(x, self.ctx.group)
         shape = x.shape
-        x = copy_to_tp(x, self.ctx.group)
         flat = x.reshape(-1, shape[-1])
         tokens = flat.shape[0]
         logits = F.linear(flat, self.get_parameter("router.linear_router.weight"))
