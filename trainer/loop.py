@@ -336,6 +336,8 @@ TB_SCALARS = {
     "memory_mb": "memory/peak_mb",
     "eval_loss": "eval/loss",
     "eval_ppl": "eval/perplexity",
+    "aux_loss": "train/aux_loss",  # MoE: the load-balancing loss and the dropped fraction
+    "moe_dropped": "train/moe_dropped",
 }
 
 
@@ -404,6 +406,10 @@ class Reporter:
                         "step": f"{record['step_time'] * 1000:.0f}ms",
                     }
                 )
+                if "aux_loss" in record:  # MoE
+                    self.postfix["aux"] = f"{record['aux_loss']:.4f}"
+                if record.get("moe_dropped"):
+                    self.postfix["drop"] = f"{record['moe_dropped']:.1%}"
                 self.bar.set_postfix(ordered_dict=self.postfix, refresh=False)
             self.bar.update(1)
 
