@@ -139,6 +139,7 @@ def test_the_aux_loss_gradient_matters(work, hf_model, tokens, serial):
 PARALLEL_CASES = {
     "ep2": (2, ["--ep", "2"]),
     "ep2-dp4": (4, ["--ep", "2", "--dp", "4"]),  # two expert-data-parallel replicas of each expert
+    "ep2-dp4-zero1": (4, ["--ep", "2", "--dp", "4", "--zero1"]),  # state cut over them; resumed at ep1 below
     "ep2-tp2": (4, ["--ep", "2", "--tp", "2", "--qkv", "fused"]),
     "ep2-pp2": (4, ["--ep", "2", "--pp", "2"]),
     "ep2-tp2-sp": (4, ["--ep", "2", "--tp", "2", "--sequence-parallel", "--qkv", "gqa"]),
@@ -156,6 +157,8 @@ def test_parallel_equals_serial(name, work, hf_model, tokens, serial):
             convert(hf_model, model, Layout(tp=2, ep=4))
     if name == "ep2-tp2":
         extra = [*extra, "--export-hf", str(work / "ep2-tp2-export")]
+    if name == "ep2-dp4-zero1":
+        extra = [*extra, "--checkpoint-dir", str(work / "ckpt-zero1"), "--checkpoint-every", "3"]
     if name == "ep2-pp2":  # evaluation through the pipeline's forward-only schedule
         extra = [*extra, *EVAL, "--eval-data", str(tokens), "--eval-steps", "1"]
     metrics = work / f"{name}.jsonl"
@@ -168,6 +171,14 @@ def test_parallel_equals_serial(name, work, hf_model, tokens, serial):
     assert all(r["moe_dropped"] == 0.0 for r in records)
     if "--ep" in extra:  # tokens really went through the all-to-all
         assert all(r["dispatch_time"] > 0.0 for r in records)
+    if name == "ep2-dp4-zero1":  # each (edp, ep) rank wrote its own ZeRO-1 shards; resumed at ep1 in one process
+        optim = sorted(p.name for p in (work / "ckpt-zero1" / "step_3" / "optim").iterdir())
+        assert optim == [f"dp_rank_{d:02d}_ep_rank_{e:02d}_tp_rank_00_pp_rank_00.pt" for d in (0, 1) for e in (0, 1)]
+        resumed = work / "ep2-dp4-zero1-resumed.jsonl"
+        run_inprocess(run_args(model, tokens, resumed, "--resume", str(work / "ckpt-zero1" / "step_3")))
+        assert [r["step"] for r in steps(resumed)] == [4, 5]
+        assert rel_diff(curves(resumed)[0], ref_lm[3:]) < REL, (curves(resumed)[0], ref_lm)
+        assert rel_diff(curves(resumed)[1], ref_aux[3:]) < REL
     if name == "ep2-pp2":
         evaluated, ref_eval = eval_losses(metrics), eval_losses(work / "ep1.jsonl")
         assert len(evaluated) == 3 and rel_diff(evaluated, ref_eval) < REL, (evaluated, ref_eval)
@@ -288,9 +299,9 @@ def test_bad_input(tmp_path, work, hf_model, tokens, capsys):
     from trainer.errors import TrainerError
     from trainer.loop import plan_run
 
-    with pytest.raises(TrainerError, match="--zero1 with --ep > 1 is not supported"):
+    with pytest.raises(TrainerError, match="--ep 2 does not divide the data-parallel degree 1"):
         plan_run(parse_args(["--model", str(hf_model), "--data", str(tokens), "--seq-len", "32", "--ep", "2",
-                             "--zero1"]), world=4)
+                             "--tp", "2", "--pp", "2"]), world=4)
 
 
 def test_bad_ep_every_rank_exits_2(work, hf_model, tokens):

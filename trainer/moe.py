@@ -9,7 +9,8 @@ rank's pieces (`stage_pieces`) are its parameters.
 Groups. ep ranks are carved out of the data-parallel ranks (ep divides dp): dp rank d is ep rank
 d % ep of expert-data-parallel (edp) rank d // ep. The ep ranks of one (tp, pp) coordinate exchange
 tokens; the dp / ep ranks holding the same experts (the edp group) reduce the experts' gradients,
-while dense weights are reduced over all of dp (`optim.Optimizer`).
+while dense weights are reduced over all of dp (`optim.Optimizer`). ZeRO-1 cuts every parameter's
+optimizer state over the edp group: each ep rank's rank file then holds its own ZeRO-1 shards.
 
 Routing (transformers' Mixtral): logits = x W_router^T, p = softmax(logits in fp32), the top-k of p,
 renormalised to sum 1 (Qwen3-MoE: only with `norm_topk_prob`). Each (token, choice) assignment is
@@ -97,8 +98,6 @@ def check_plan(cfg: Any, config: Mapping[str, Any], dp: int) -> None:
             f"--ep {cfg.ep} does not divide the data-parallel degree {dp}: ep groups are carved out of the dp "
             f"ranks, launch dp a multiple of {cfg.ep} (tp x pp x dp processes)"
         )
-    if cfg.ep > 1 and cfg.zero1:
-        raise TrainerError("--zero1 with --ep > 1 is not supported yet: drop --zero1 or use --ep 1")
 
 
 def _expert_piece(name: str) -> bool:
