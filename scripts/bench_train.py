@@ -11,6 +11,9 @@
    the same micro-batches (--vpp-micro-batch), step time and the pipeline's idle share measured
    the same way for both (1 - compute / step time, averaged over the ranks). A model whose layer
    count pp x vpp does not divide runs with its layers rounded down to a multiple of 4.
+4. `--moe`: a small Mixtral (8 experts, top-2) at ep2 against ep1, both with dp2 (2 processes; ep1:
+   every rank holds every expert; ep2: 4 each, tokens exchanged with all-to-all), and at 1 process,
+   with the share of the step spent in the token dispatch collectives (the all-to-alls).
 
     python scripts/bench_train.py                          # tiny fixture + tinyllama-mini, fp32
     python scripts/bench_train.py --models tinyllama-mini --steps 30 --seq-len 256
@@ -234,6 +237,58 @@ def report_vpp(results: list[dict], args) -> str:
     return "\n".join(lines)
 
 
+MOE_CONFIG = {  # mixtral-tiny, wider: 8 experts of 512, hidden 256, 4 layers, byte vocabulary
+    "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+    "intermediate_size": 512, "num_local_experts": 8, "num_hidden_layers": 4, "vocab_size": 256,
+    "max_position_embeddings": 512,
+}
+
+
+def bench_moe(args, work: Path) -> dict:
+    """ep2 vs ep1 (dp2 both) and one process: step time, non-compute and dispatch shares."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardkit.testing import fixture_config
+
+    cfg = fixture_config("mixtral-tiny") | MOE_CONFIG
+    model_type = cfg.pop("model_type")
+    cfg.pop("architectures", None)
+    torch.manual_seed(0)
+    model = work / "moe-hf"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg)).save_pretrained(model)
+    data = build_data(work / "moe-tokens.bin", 256)
+    best: dict[str, tuple[float, list[dict]]] = {}
+    for _ in range(args.repeats):
+        for name, nproc, extra in (("ep1-1proc", 1, []), ("ep1-dp2", 2, ["--dp", "2"]),
+                                   ("ep2-dp2", 2, ["--dp", "2", "--ep", "2"])):
+            records = run_trainer(args, model, data, work, f"moe-{name}", nproc, extra)
+            t = median_step(records, args.skip)
+            if name not in best or t < best[name][0]:
+                best[name] = (t, records)
+    runs = {}
+    for name, (t, records) in best.items():
+        timed = records[args.skip:] or records
+        runs[name] = {"step_time": t, "tokens_per_s": args.global_batch * args.seq_len / t,
+                      "comm_share": comm_share(records, args.skip),
+                      "dispatch_share": statistics.median(r["dispatch_time"] / r["step_time"] for r in timed),
+                      "losses": [r["loss"] for r in records]}
+    return {"config": "mixtral (8 experts, top-2)", "params": _count_params(model), "runs": runs}
+
+
+def report_moe(result: dict) -> str:
+    runs = result["runs"]
+    base = runs["ep1-dp2"]["step_time"]
+    lines = [f"MoE: {result['config']}, {result['params'] / 1e6:.2f}M parameters", "",
+             "| layout | processes | step time | vs ep1 dp2 | non-compute share | all-to-all share |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, label, n in (("ep1-1proc", "ep1", 1), ("ep1-dp2", "ep1 dp2", 2), ("ep2-dp2", "ep2 dp2", 2)):
+        run = runs[name]
+        lines.append(f"| {label} | {n} | {run['step_time'] * 1000:.1f} ms | {run['step_time'] / base:.2f}x | "
+                     f"{run['comm_share'] * 100:.0f}% | {run['dispatch_share'] * 100:.1f}% |")
+    return "\n".join(lines)
+
+
 def _count_params(model_dir: Path) -> int:
     from safetensors import safe_open
 
@@ -296,18 +351,25 @@ def main(argv=None) -> int:
                         help="micro-batch of the pp2 vs pp2 vpp2 comparison (more micro-batches: less bubble)")
     parser.add_argument("--no-vpp", dest="vpp", action="store_false", help="skip the pp2 vs pp2 vpp2 comparison")
     parser.add_argument("--vpp-only", action="store_true", help="only the pp2 vs pp2 vpp2 comparison")
+    parser.add_argument("--moe", action="store_true", help="also benchmark a Mixtral at ep2 vs ep1 (dp2)")
+    parser.add_argument("--moe-only", action="store_true", help="only the MoE benchmark")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.child_plain:
         plain_loop(args)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        results = [] if args.vpp_only else [bench_model(args, config, Path(tmp)) for config in args.models]
-        vpp_results = [bench_vpp(args, config, Path(tmp)) for config in args.models] if args.vpp or args.vpp_only else []
-    texts = ([report(results, args)] if results else []) + ([report_vpp(vpp_results, args)] if vpp_results else [])
+        only = args.vpp_only or args.moe_only
+        results = [] if only else [bench_model(args, config, Path(tmp)) for config in args.models]
+        run_vpp = args.vpp_only or (args.vpp and not args.moe_only)
+        vpp_results = [bench_vpp(args, config, Path(tmp)) for config in args.models] if run_vpp else []
+        moe = bench_moe(args, Path(tmp)) if args.moe_only or (args.moe and not args.vpp_only) else None
+    texts = [report(results, args)] if results else []
+    texts += [report_vpp(vpp_results, args)] if vpp_results else []
+    texts += [report_moe(moe)] if moe is not None else []
     print("\n\n".join(texts))
     if args.out:
-        Path(args.out).write_text(json.dumps({"layouts": results, "vpp": vpp_results}, indent=2))
+        Path(args.out).write_text(json.dumps({"layouts": results, "vpp": vpp_results, "moe": moe}, indent=2))
     return 0
 
 

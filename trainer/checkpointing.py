@@ -43,6 +43,7 @@ from shardkit.formats import load_config
 from shardkit.layout import ModelDims
 
 from .errors import TrainerError
+from .moe import file_state
 
 log = logging.getLogger("trainer")
 
@@ -125,10 +126,21 @@ class Restored:
 
 def load(point: ResumePoint, spec, par) -> Restored:
     """This rank's part of the checkpoint, in the run's layout (call on every rank)."""
-    rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=0, dp=par.dp_rank)
-    loaded = load_checkpoint(point.directory, point.tag, target_layout=spec.layout, rank=rank, config=spec.config)
-    if loaded is None:  # resolved before; it vanished since
-        raise TrainerError(f"checkpoint {point.path} disappeared before it could be loaded")
+
+    def read(ep: int):
+        rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=ep, dp=par.edp_rank)
+        loaded = load_checkpoint(point.directory, point.tag, target_layout=spec.layout, rank=rank, config=spec.config)
+        if loaded is None:  # resolved before; it vanished since
+            raise TrainerError(f"checkpoint {point.path} disappeared before it could be loaded")
+        return loaded
+
+    loaded = read(par.ep_rank)
+    if par.ep_rank:  # an ep rank's file holds its experts; the dense pieces are ep rank 0's
+        dense = read(0)
+        loaded.model = {**dense.model, **loaded.model}
+        if dense.optimizer is not None and loaded.optimizer is not None:
+            loaded.optimizer.state = {**dense.optimizer.state, **loaded.optimizer.state}
+            loaded.optimizer.groups = {**dense.optimizer.groups, **loaded.optimizer.groups}
     content = loaded.user_content if isinstance(loaded.user_content, Mapping) else {}
     step = int(content.get("step", loaded.step or 0))
     optimizer = dict(loaded.optimizer.state) if loaded.optimizer is not None else {}
@@ -182,10 +194,10 @@ class Saver:
         tag = f"step_{step}"
         zero1 = optimizer.zero1
         states = None
-        if zero1 or self.par.dp_rank == 0:
+        if zero1 or self.par.edp_rank == 0:
             param_groups, groups = optimizer.save_param_groups(schedule.at(step))
-            states = OptimizerState(optimizer.state_dict(), param_groups, groups)
-        model_state = {k: v.detach() for k, v in model.state_dict().items()}
+            states = OptimizerState(file_state(optimizer.state_dict(), self.par.ep_rank), param_groups, groups)
+        model_state = file_state({k: v.detach() for k, v in model.state_dict().items()}, self.par.ep_rank)
         user_content = {
             "step": step,
             "data": batches.state().to_dict(),
@@ -196,7 +208,7 @@ class Saver:
                 "dtype": self.plan.cfg.dtype,
             },
         }
-        rank = Rank(tp=self.par.tp_rank, pp=self.par.pp_rank, ep=0, dp=self.par.dp_rank)
+        rank = Rank(tp=self.par.tp_rank, pp=self.par.pp_rank, ep=self.par.ep_rank, dp=self.par.edp_rank)
         self.checkpointer.save(
             self.root,
             tag,

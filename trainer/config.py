@@ -64,6 +64,17 @@ class TrainConfig:
         choices=("auto", "1f1b", "gpipe", "interleaved", "interleaved-zb", "looped-bfs", "zbv"),
     )
     dp: int = _opt(0, "Data-parallel degree (default: world size / (tp x pp)).", "--dp-size")
+    ep: int = _opt(
+        1,
+        "Expert-parallel degree (mixture-of-experts models): experts split over ep ranks carved out of the "
+        "data-parallel ranks (ep divides dp and the expert count).",
+        "--ep-size",
+    )
+    capacity_factor: float = _opt(
+        0.0,
+        "MoE expert capacity: per micro-batch each expert takes at most ceil(F x tokens x top-k / experts) "
+        "of a rank's assignments, first choices first, the rest dropped (0: no drop).",
+    )
     kv_multiplier: int = _opt(
         1, "Replicate K/V heads this many times (NxD's kv_size_multiplier).", "--kv-size-multiplier"
     )

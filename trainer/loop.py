@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -33,7 +33,7 @@ from shardkit.layout import make_layout
 if TYPE_CHECKING:
     from shardkit.layout import Layout
 
-from . import checkpointing
+from . import checkpointing, moe
 from .config import TrainConfig
 from .data import Batches, TokenFile
 from .errors import DataError, TrainerError
@@ -82,7 +82,18 @@ class Plan:
 
 
 def _positive(cfg: TrainConfig) -> None:
-    for name in ("tp", "pp", "vpp", "kv_multiplier", "micro_batch", "global_batch", "seq_len", "steps", "log_every"):
+    for name in (
+        "tp",
+        "pp",
+        "vpp",
+        "ep",
+        "kv_multiplier",
+        "micro_batch",
+        "global_batch",
+        "seq_len",
+        "steps",
+        "log_every",
+    ):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
             raise TrainerError(f"--{name.replace('_', '-')} must be a positive whole number, got {value!r}")
@@ -131,6 +142,7 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
         model_config = resume.config
     if cfg.checkpoint_dir and Path(cfg.checkpoint_dir).exists() and not Path(cfg.checkpoint_dir).is_dir():
         raise TrainerError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file: give a directory")
+    moe.check_plan(cfg, model_config, dp)
     spec = ModelSpec.from_config(model_config, layout)
     spec.check_sequence(cfg.seq_len)
     resolve_schedule(cfg.pp_schedule, cfg.pp, cfg.vpp, cfg.global_batch // (cfg.micro_batch * dp), spec.dims.num_layers)
@@ -310,6 +322,7 @@ def run_layout(cfg: TrainConfig, source: Checkpoint | None) -> Layout:
         tp=cfg.tp,
         pp=cfg.pp,
         vpp=cfg.vpp,
+        ep=cfg.ep,
         kv_multiplier=cfg.kv_multiplier,
         kv_replication=cfg.kv_replication or (held.kv_replication if held else "interleaved"),
         qkv=cfg.qkv or (held.qkv if held else "separate"),
@@ -336,6 +349,8 @@ TB_SCALARS = {
     "memory_mb": "memory/peak_mb",
     "eval_loss": "eval/loss",
     "eval_ppl": "eval/perplexity",
+    "aux_loss": "train/aux_loss",  # MoE: the load-balancing loss and the dropped fraction
+    "moe_dropped": "train/moe_dropped",
 }
 
 
@@ -404,6 +419,10 @@ class Reporter:
                         "step": f"{record['step_time'] * 1000:.0f}ms",
                     }
                 )
+                if "aux_loss" in record:  # MoE
+                    self.postfix["aux"] = f"{record['aux_loss']:.4f}"
+                if record.get("moe_dropped"):
+                    self.postfix["drop"] = f"{record['moe_dropped']:.1%}"
                 self.bar.set_postfix(ordered_dict=self.postfix, refresh=False)
             self.bar.update(1)
 
@@ -456,7 +475,7 @@ def train(cfg: TrainConfig) -> Summary:
         assert device is not None and plan is not None  # agree() raised if choosing either failed
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        par = init_parallel(cfg.tp, cfg.pp, plan.dp, device, cfg.timeout)
+        par = init_parallel(cfg.tp, cfg.pp, plan.dp, device, cfg.timeout, cfg.ep)
         return _run(plan, par)
     finally:
         shutdown()
@@ -473,6 +492,7 @@ class Run:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     pipeline: Pipeline | None
     start_step: int
+    moe_loss: moe.MoELoss | None = None
 
 
 def _run(plan: Plan, par: Parallel) -> Summary:
@@ -489,8 +509,10 @@ def _initial_tensors(plan: Plan, par: Parallel) -> tuple[dict[str, torch.Tensor]
     source, resume = plan.source, plan.resume
     if resume is None:
         if source is None:  # --model-config: random weights, the same in every layout
-            return par.all_ok(lambda: init_rank_pieces(plan.spec, plan.cfg.seed, par.tp_rank, par.pp_rank)), None
-        return par.all_ok(lambda: read_rank_pieces(source, plan.spec, par.tp_rank, par.pp_rank)), None
+            return par.all_ok(
+                lambda: init_rank_pieces(plan.spec, plan.cfg.seed, par.tp_rank, par.pp_rank, par.ep_rank)
+            ), None
+        return par.all_ok(lambda: read_rank_pieces(source, plan.spec, par.tp_rank, par.pp_rank, par.ep_rank)), None
     restored = par.all_ok(lambda: checkpointing.load(resume, plan.spec, par))
     tensors = restored.tensors
     if plan.dtype == torch.float32:  # the fp32 masters of a bf16 run are the exact weights
@@ -505,7 +527,12 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
     cfg, spec = plan.cfg, plan.spec
     tensors, restored = _initial_tensors(plan, par)
     ctx = TPContext(par.tp_group, cfg.sequence_parallel)
-    model = StageModel(spec, ctx, par.pp_rank, plan.dtype, par.device, cfg.activation_checkpointing)
+    is_moe = moe.is_moe(spec)
+    model: StageModel
+    if is_moe:
+        model = moe.MoEStageModel(spec, ctx, par, plan.dtype, cfg.activation_checkpointing, cfg.capacity_factor)
+    else:
+        model = StageModel(spec, ctx, par.pp_rank, plan.dtype, par.device, cfg.activation_checkpointing)
     model.load_pieces({k: v.to(par.device) for k, v in tensors.items()})
     model.train()
     optimizer = Optimizer(
@@ -520,6 +547,8 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
         zero1=cfg.zero1,
         sequence_parallel=cfg.sequence_parallel,
         sources=tensors,
+        experts=moe.expert_names(model) if is_moe else frozenset(),
+        tp_partial=moe.tp_partial_names(model) if is_moe else frozenset(),
     )
     del tensors
     schedule = RunSchedule(cfg)
@@ -540,9 +569,11 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
         log.info("resumed from %s at step %d (%s)", plan.resume.path, start_step, spec.layout.describe())
     scale, tp_group = 1.0 / (plan.micro_batches * plan.dp), par.tp_group
 
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets.t(), tp_group).mean() * scale
 
+    moe_loss = moe.MoELoss(lm_loss, spec, scale, par.tp) if is_moe else None
+    loss_fn: Callable = moe_loss or lm_loss
     pipeline = None
     if par.pp > 1:
         pipeline = Pipeline(
@@ -559,8 +590,9 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
             cfg.pp_schedule,
             spec.layout,
             spec.dims.num_layers,
+            carry=moe.carry_meta(spec) if is_moe else None,
         )
-    return Run(model, optimizer, schedule, batches, loss_fn, pipeline, start_step)
+    return Run(model, optimizer, schedule, batches, loss_fn, pipeline, start_step, moe_loss)
 
 
 def _announce(plan: Plan, par: Parallel, run: Run) -> None:
@@ -574,6 +606,8 @@ def _announce(plan: Plan, par: Parallel, run: Run) -> None:
             ("ZeRO-1", run.optimizer.zero1),
             ("sequence parallel", run.optimizer.sequence_parallel),
             ("activation checkpointing", cfg.activation_checkpointing),
+            (f"ep {par.ep}", par.ep > 1),
+            (f"capacity factor {cfg.capacity_factor:g}", cfg.capacity_factor > 0),
         )
         if on
     ]
@@ -716,9 +750,16 @@ def _one_step(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
     lr = run.schedule.at(step)
     norm = run.optimizer.step(lr)
     run.schedule.last_step = step + 1
+    moe_values: list[float] = []
+    if run.moe_loss is not None:  # the language-model loss, the load-balancing loss, drops
+        loss_sum, aux_sum = run.moe_loss.take()
+        dropped, routed = cast(moe.MoEStageModel, run.model).take_drops()
+        tp0 = par.tp_rank == 0
+        moe_values = [aux_sum if (par.is_last_stage and tp0) else 0.0, dropped if tp0 else 0, routed if tp0 else 0]
+        moe_values.append(moe.DISPATCH.take())
     mine = loss_sum if (par.is_last_stage and par.tp_rank == 0) else 0.0
     compute, comm = COMPUTE.take(), COMM.take()
-    loss, compute_sum, comm_sum = par.sum_over_world([mine, compute, comm])
+    loss, compute_sum, comm_sum, *moe_sums = par.sum_over_world([mine, compute, comm, *moe_values])
     step_time = time.perf_counter() - t0
     compute_mean, comm_mean = compute_sum / par.world, comm_sum / par.world
     tokens_per_step = cfg.global_batch * cfg.seq_len
@@ -736,6 +777,7 @@ def _one_step(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
         "collective_time": comm_mean,
         "comm_share": max(0.0, 1.0 - compute_mean / step_time),
         "memory_mb": peak_memory_mb(par.device),
+        **(moe.step_record(moe_sums, par.world) if moe_sums else {}),
     }
 
 

@@ -32,12 +32,10 @@ from shardkit.placements import QKV_NAMES, HeadGroups, Piece, Replicated
 from .errors import TrainerError
 from .layers import ColumnParallelLinear, ParamHolder, RMSNorm, RowParallelLinear, TPContext, VocabParallelEmbedding
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")  # MoE layers: trainer/moe.py
 # why the trainer's blocks cannot express a family (shardkit converts, merges and reshards them all)
 UNSUPPORTED_BECAUSE = {
-    "mixtral": "mixture-of-experts layers",
-    "qwen3_moe": "mixture-of-experts layers",
-    "dbrx": "mixture-of-experts layers",
+    "dbrx": "its attention (clipped fused qkv, LayerNorm) and flat expert layout",
     "qwen3": "per-head q/k norms",
     "gemma3": "per-head q/k norms and Gemma's norms",
     "gemma2": "Gemma's (1 + w) norms, extra feed-forward norms, embedding scaling and soft-capping",
@@ -68,7 +66,7 @@ class ModelSpec:
         if family.name not in SUPPORTED:
             why = UNSUPPORTED_BECAUSE.get(family.name)
             raise TrainerError(
-                f"the trainer supports dense decoder families ({', '.join(SUPPORTED)}), not {family.name}"
+                f"the trainer supports the decoder families ({', '.join(SUPPORTED)}), not {family.name}"
                 + (f" ({why})" if why else "")
                 + ": convert/merge/reshard still work for it with shardkit"
             )
@@ -359,6 +357,11 @@ class StageModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.run_layers(x, self.model.layers.values(), self.first, self.last)
+
+    def run_chunk(self, x: torch.Tensor, layers: Iterable[nn.Module], first: bool, last: bool, *carried: torch.Tensor):
+        """A pipeline stage's forward over `layers` (a MoE model also takes and returns the statistics
+        carried beside the hidden states)."""
+        return self.run_layers(x, layers, first, last)
 
     def run_layers(self, x: torch.Tensor, layers: Iterable[nn.Module], first: bool, last: bool) -> torch.Tensor:
         """Run `layers` of this rank (all of them, or one virtual-pipeline chunk's): from token ids

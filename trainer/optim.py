@@ -20,7 +20,8 @@ into it through a post-accumulate hook). After the last micro-batch's backward:
 Update. `torch.optim.AdamW` runs on fp32 masters: the parameter itself in fp32 runs, an fp32 copy
 for bf16 parameters (copied back to bf16 after the step). With ZeRO-1 the optimizer state is cut
 exactly as NxD's ZeRO-1 optimizer cuts it (torch-xla's ZeroRedundancyOptimizer): every tp-local
-parameter's dim 0 is padded to a multiple of dp and chunked, dp rank d keeps the fp32 master and
+parameter's dim 0 is padded to a multiple of dp (with --ep: of dp / ep, the expert-data-parallel
+group) and chunked, dp rank d keeps the fp32 master and
 Adam moments of chunk d (`shardkit.checkpoint.zero1.dp_shard`) and updates those rows only (AdamW
 is elementwise, so this is the unsharded update); then the dp ranks all-gather the updated rows.
 
@@ -222,11 +223,20 @@ class Optimizer:
         zero1: bool = False,
         sequence_parallel: bool = False,
         sources: Mapping[str, torch.Tensor] | None = None,
+        experts: frozenset[str] | set[str] = frozenset(),
+        tp_partial: frozenset[str] | set[str] = frozenset(),
     ):
         self.par = par
         self.clip_grad = clip_grad
-        self.zero1 = zero1 and par.dp > 1
+        # ZeRO-1 cuts over the expert-data-parallel group: dp itself without --ep; with ep > 1 the dp
+        # ranks of one ep group hold the same rows of every parameter (the experts differ anyway)
+        self.zero_group = par.edp_group or par.dp_group
+        self.zero_size, self.zero_rank = par.dp // par.ep, par.edp_rank
+        self.zero1 = zero1 and self.zero_size > 1
         self.sequence_parallel = sequence_parallel and par.tp > 1
+        # MoE (trainer/moe.py): expert gradients are reduced over the expert-data-parallel group, not
+        # dp, and sit after the dense ones in the flat buffer; a router's gradient is a partial sum over tp
+        self.experts, self.tp_partial = set(experts), set(tp_partial)
         self.slots = self._make_slots(model, spec.replicated_names(par.pp_rank))
         self.by_name = {n: s for s in self.slots for n in s.names}
         self.owned = self._assign_rows()
@@ -242,10 +252,15 @@ class Optimizer:
         numel = sum(p.numel() for p in dict(model.named_parameters()).values())
         self.flat = torch.zeros(numel, dtype=torch.float32, device=self.par.device)
         offset = 0
-        for name, p in model.named_parameters(remove_duplicate=False):
+        named = list(model.named_parameters(remove_duplicate=False))
+        named.sort(key=lambda np: np[0] in self.experts)  # stable: the experts last
+        self.dense_numel = numel
+        for name, p in named:
             if id(p) in by_param:
                 by_param[id(p)].names.append(name)
                 continue
+            if name in self.experts and offset < self.dense_numel:
+                self.dense_numel = offset
             view = self.flat[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
             by_param[id(p)] = slot = Slot([name], p, view, name in replicated, p.dim() >= 2)
@@ -260,14 +275,14 @@ class Optimizer:
         n0 = slot.param.shape[0] if slot.param.dim() else 1
         if not self._sharded(slot):
             return 0, n0
-        r = shard_rows(n0, self.par.dp)
+        r = shard_rows(n0, self.zero_size)
         return min(n0, d * r), min(n0, (d + 1) * r)
 
     def _assign_rows(self) -> list[Slot]:
         """Which rows of each parameter this dp rank updates (NxD's ZeRO-1 cut; without ZeRO-1
         all of them). Returns the slots of which it holds at least one row."""
         for slot in self.slots:
-            slot.rows = self._rows_of(slot, self.par.dp_rank)
+            slot.rows = self._rows_of(slot, self.zero_rank)
         return [s for s in self.slots if s.rows[1] > s.rows[0]]
 
     def _plumb_gradients(self, sources: Mapping[str, torch.Tensor] | None) -> None:
@@ -363,9 +378,18 @@ class Optimizer:
 
     def sync_gradients(self) -> None:
         par = self.par
-        par.dp_group.all_reduce(self.flat)
-        if self.sequence_parallel:
-            reps = [s.grad for s in self.slots if s.replicated]
+        if self.experts and par.edp_group is not par.dp_group:
+            par.dp_group.all_reduce(self.flat[: self.dense_numel])
+            assert par.edp_group is not None  # init_parallel makes it
+            par.edp_group.all_reduce(self.flat[self.dense_numel :])
+        else:
+            par.dp_group.all_reduce(self.flat)
+        if self.sequence_parallel or (self.tp_partial and par.tp > 1):
+            reps = [
+                s.grad
+                for s in self.slots
+                if (s.replicated and self.sequence_parallel) or (par.tp > 1 and s.names[0] in self.tp_partial)
+            ]
             if reps:
                 flat = _flatten_dense_tensors(reps)
                 par.tp_group.all_reduce(flat)
@@ -391,9 +415,15 @@ class Optimizer:
                 continue
             (whole if slot.norm_mask is None else partial).append(slot)
         sq = torch.zeros((), dtype=torch.float64, device=self.flat.device)
+        experts = [s for s in whole if s.names[0] in self.experts]
+        whole = [s for s in whole if s.names[0] not in self.experts]
         if whole:
             norms = torch._foreach_norm([s.grad for s in whole])
             sq += torch.stack(norms).double().pow(2).sum()
+        if experts:  # each ep rank holds other experts: their squares add up over the ep group
+            expert_sq = torch.stack(torch._foreach_norm([s.grad for s in experts])).double().pow(2).sum()
+            assert self.par.ep_group is not None  # init_parallel makes it
+            sq += self.par.ep_group.all_reduce(expert_sq)
         for slot in partial:
             assert slot.norm_mask is not None  # `partial` holds the slots with a mask
             sq += (slot.grad.double().pow(2) * slot.norm_mask).sum()
@@ -430,7 +460,7 @@ class Optimizer:
     def _padded_rows(self, slot: Slot, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a parameter-shaped tensor as NxD's ZeRO-1 shard (zero-padded rows)."""
         a, b = slot.rows
-        r = shard_rows(t.shape[0], self.par.dp)
+        r = shard_rows(t.shape[0], self.zero_size)
         out = torch.zeros((r, *t.shape[1:]), dtype=t.dtype, device=t.device)
         out[: b - a].copy_(t[a:b])
         return out
@@ -439,22 +469,21 @@ class Optimizer:
         """ZeRO-1: every dp rank's updated rows to every dp rank (one all-gather per dtype)."""
         import torch.distributed as dist
 
-        par = self.par
         by_dtype: dict[torch.dtype, list[Slot]] = {}
         for slot in self.slots:
             if self._sharded(slot):
                 by_dtype.setdefault(slot.param.dtype, []).append(slot)
         for slots in by_dtype.values():
             send = torch.cat([self._padded_rows(s, s.param.data).reshape(-1) for s in slots])
-            outs = [torch.empty_like(send) for _ in range(par.dp)]
+            outs = [torch.empty_like(send) for _ in range(self.zero_size)]
             with COMM.timed():
-                dist.all_gather(outs, send, group=par.dp_group.pg)
+                dist.all_gather(outs, send, group=self.zero_group.pg)
             for d, out in enumerate(outs):
-                if d == par.dp_rank:
+                if d == self.zero_rank:
                     continue
                 offset = 0
                 for s in slots:
-                    rows = shard_rows(s.param.shape[0], par.dp)
+                    rows = shard_rows(s.param.shape[0], self.zero_size)
                     size = rows * math.prod(s.param.shape[1:])
                     a, b = self._rows_of(s, d)
                     s.param.data[a:b].copy_(out[offset : offset + size].view(rows, *s.param.shape[1:])[: b - a])
@@ -475,7 +504,7 @@ class Optimizer:
             if not state and not self._sharded(slot):
                 continue
             if self._sharded(slot):
-                shard = (shard_rows(slot.param.shape[0], self.par.dp), *slot.param.shape[1:])
+                shard = (shard_rows(slot.param.shape[0], self.zero_size), *slot.param.shape[1:])
                 if state:
                     entry = {m: self._pad_local(state[m], shard) for m in MOMENTS}
                     entry["step"] = state["step"]

@@ -144,6 +144,9 @@ class Parallel:
     dp_group: Group
     mp_group: Group  # tp x pp: one model replica
     extra: dict[frozenset, Group] = field(default_factory=dict)
+    ep: int = 1  # expert parallel: ep groups are carved out of the dp ranks (trainer/moe.py)
+    ep_group: Group | None = None  # dp ranks exchanging tokens: edp * ep .. edp * ep + ep - 1
+    edp_group: Group | None = None  # expert data parallel: the dp ranks holding the same experts
 
     @property
     def tp_rank(self) -> int:
@@ -156,6 +159,14 @@ class Parallel:
     @property
     def dp_rank(self) -> int:
         return self.rank // (self.tp * self.pp)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_rank // self.ep
 
     @property
     def is_first_stage(self) -> bool:
@@ -325,14 +336,16 @@ def join(device: torch.device | None, timeout_s: float) -> Job:
     return Job(rank, world)
 
 
-def init_parallel(tp: int, pp: int, dp: int, device: torch.device, timeout_s: float) -> Parallel:
-    """Join (or create) the job's process group and build the tp/pp/dp groups."""
+def init_parallel(tp: int, pp: int, dp: int, device: torch.device, timeout_s: float, ep: int = 1) -> Parallel:
+    """Join (or create) the job's process group and build the tp/pp/dp groups (and, with ep > 1, the
+    expert-parallel and expert-data-parallel groups inside dp)."""
     backend = _backend(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     job = join(device, timeout_s)
     rank, world = job.rank, job.world
     solo = _solo(rank)
-    par = Parallel(tp, pp, dp, rank, world, device, backend, timeout, solo, solo, solo, solo)
+    par = Parallel(tp, pp, dp, rank, world, device, backend, timeout, solo, solo, solo, solo, ep=ep)
+    par.ep_group, par.edp_group = solo, solo
     if world == 1:
         return par
 
@@ -346,6 +359,18 @@ def init_parallel(tp: int, pp: int, dp: int, device: torch.device, timeout_s: fl
     for attr, sets in (("tp_group", tp_sets), ("pp_group", pp_sets), ("dp_group", dp_sets), ("mp_group", mp_sets)):
         mine = next(frozenset(s) for s in sets if rank in s)
         setattr(par, attr, par._make_groups(sets)[mine])
+    par.edp_group = par.dp_group
+    if ep > 1:  # dp rank d is ep rank d % ep of expert-data-parallel rank d // ep
+        groups = dp // ep
+        ep_sets = [
+            [index(e * ep + j, p, t) for j in range(ep)] for e in range(groups) for p in range(pp) for t in range(tp)
+        ]
+        edp_sets = [
+            [index(e * ep + j, p, t) for e in range(groups)] for j in range(ep) for p in range(pp) for t in range(tp)
+        ]
+        for attr, sets in (("ep_group", ep_sets), ("edp_group", edp_sets)):
+            mine = next(frozenset(s) for s in sets if rank in s)
+            setattr(par, attr, par._make_groups(sets)[mine])
     log.debug("%s of %d (%s backend, device %s)", par.describe(), world, backend, device)
     return par
 

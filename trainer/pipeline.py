@@ -128,8 +128,8 @@ class StageChunk(nn.Module):
         if last:
             self.norm, self.lm_head = model.model.norm, model.lm_head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._model[0].run_layers(x, self.layers, self.first, self.last)
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor):
+        return self._model[0].run_chunk(x, self.layers, self.first, self.last, *carried)
 
 
 class Pipeline:
@@ -151,6 +151,7 @@ class Pipeline:
         schedule: str = "auto",
         layout: Layout | None = None,
         num_layers: int = 0,
+        carry: torch.Tensor | None = None,
     ):
         import torch.distributed.pipelining as pipelining
 
@@ -166,14 +167,13 @@ class Pipeline:
 
         def stage(module: nn.Module, index: int, count: int):
             first, last = index == 0, index == count - 1
+            inputs: tuple[torch.Tensor, ...] = (ids_meta if first else hidden_meta,)
+            outputs: tuple[torch.Tensor, ...] = (logits_meta if last else hidden_meta,)
+            if carry is not None:  # a tensor every stage passes on beside its output (MoE statistics)
+                inputs += () if first else (carry,)
+                outputs += (carry,)
             return stage_cls(
-                module,
-                index,
-                count,
-                par.device,
-                input_args=ids_meta if first else hidden_meta,
-                output_args=logits_meta if last else hidden_meta,
-                group=par.pp_group.pg,
+                module, index, count, par.device, input_args=inputs, output_args=outputs, group=par.pp_group.pg
             )
 
         if name in SINGLE_STAGE:

@@ -46,6 +46,7 @@ from shardkit.placements import Segment, build_piece
 
 from .errors import TrainerError
 from .model import ModelSpec
+from .moe import file_state, stage_pieces
 from .parallel import Parallel
 
 log = logging.getLogger("trainer")
@@ -53,11 +54,13 @@ EXPORT_TAG = "export"
 EXPORT_MARKER = "trainer-export.json"
 
 
-def read_rank_pieces(ckpt: Checkpoint, spec: ModelSpec, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
-    """This rank's pieces for the run's layout, read from any checkpoint."""
+def read_rank_pieces(
+    ckpt: Checkpoint, spec: ModelSpec, tp_rank: int, pp_rank: int, ep_rank: int = 0
+) -> dict[str, torch.Tensor]:
+    """This rank's pieces for the run's layout (with ep, its own experts), read from any checkpoint."""
     reader = SourceReader(ckpt)
     try:
-        return {p.name: reader.read_piece(p) for p in spec.rank_pieces(tp_rank, pp_rank)}
+        return {p.name: reader.read_piece(p) for p in stage_pieces(spec, tp_rank, pp_rank, ep_rank)}
     finally:
         reader.close()
 
@@ -111,11 +114,13 @@ class InitialWeights:
         )
 
 
-def init_rank_pieces(spec: ModelSpec, seed: int, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+def init_rank_pieces(
+    spec: ModelSpec, seed: int, tp_rank: int, pp_rank: int, ep_rank: int = 0
+) -> dict[str, torch.Tensor]:
     """This rank's pieces of the random init of `--model-config` (the same full weights for every
     layout; module doc)."""
     weights = InitialWeights(spec, seed)
-    return {p.name: build_piece(p, weights.segment) for p in spec.rank_pieces(tp_rank, pp_rank)}
+    return {p.name: build_piece(p, weights.segment) for p in stage_pieces(spec, tp_rank, pp_rank, ep_rank)}
 
 
 def export_run(cfg) -> dict[str, Any]:
@@ -196,8 +201,8 @@ def export_hf(
             hf.copy_side_files(Path(source_dir), staging / EXPORT_TAG)
 
     try:
-        state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
-        rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=0, dp=par.dp_rank)
+        state = file_state({k: v.detach().to(dtype) for k, v in model.state_dict().items()}, par.ep_rank)
+        rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=par.ep_rank, dp=par.edp_rank)
         checkpointer.save(staging, EXPORT_TAG, state, layout=spec.layout, config=spec.config, rank=rank)
         par.all_ok(copy_side_files)
         export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype, overwrite=True)

@@ -373,7 +373,7 @@ def inspect_training(
                     optim_bytes += f.stat().st_size
     groups = []
     if zero is not None:
-        order = zero.orders[(0, 0)]
+        order = zero.orders[(0, 0, 0)]
         for g, hyper in enumerate(zero.hyper):
             groups.append(
                 {

@@ -315,12 +315,12 @@ class Zero1Tag:
     param_order: list[list[str]] | None = None
     dp: int = 1
     use_xser: bool = False
-    files: dict[tuple[int, int, int], Path] = field(default_factory=dict)  # (dp, tp, pp) -> path
-    orders: dict[tuple[int, int], StageOrder] = field(default_factory=dict)  # (tp, pp) -> order
+    files: dict[tuple[int, int, int, int], Path] = field(default_factory=dict)  # (dp, ep, tp, pp) -> path
+    orders: dict[tuple[int, int, int], StageOrder] = field(default_factory=dict)  # (ep, tp, pp) -> order
     step: float | None = None
     master: bool = False
     hyper: list[dict[str, Any]] = field(default_factory=list)
-    _objects: dict[tuple[int, int, int], Any] = field(default_factory=dict)
+    _objects: dict[tuple[int, int, int, int], Any] = field(default_factory=dict)
 
     @classmethod
     def open(cls, tag_dir: Path, model: Checkpoint, param_order: list[list[str]] | None = None) -> Zero1Tag | None:
@@ -339,10 +339,9 @@ class Zero1Tag:
     def _scan(self, folder: Path) -> None:
         for entry in folder.iterdir():
             m = _OPTIM_RE.match(entry.name)
-            if m:
-                if m.group(2) is not None and int(m.group(2)) != 0:
-                    raise OptimFileError(f"{self._rel(entry)}: expert-parallel optimizer files are not supported")
-                self.files[(int(m.group(1)), int(m.group(3)), int(m.group(4)))] = entry
+            if m:  # an expert-parallel rank's file holds its experts' state (`ep_rank_EE_`)
+                ep = int(m.group(2)) if m.group(2) is not None else 0
+                self.files[(int(m.group(1)), ep, int(m.group(3)), int(m.group(4)))] = entry
         if not self.files:
             raise OptimFileError(
                 f"{self.tag_dir.name}/{OPTIM_DIR} holds no optimizer files "
@@ -350,23 +349,23 @@ class Zero1Tag:
             )
         self.dp = max(k[0] for k in self.files) + 1
         layout = self.model.layout
-        for pp in range(layout.pp):
-            for tp in range(layout.tp):
-                for d in range(self.dp):
-                    if (d, tp, pp) not in self.files:
-                        raise OptimFileError(
-                            f"{self.tag_dir.name}/{optim_name(d, tp, pp)} is missing (dp {self.dp}: every "
-                            f"(dp, tp, pp) rank has its ZeRO-1 shard): copy it back or load another tag"
-                        )
-        extra = [k for k in self.files if k[1] >= layout.tp or k[2] >= layout.pp]
+        for ep, tp, pp in layout.ranks():
+            for d in range(self.dp):
+                if (d, ep, tp, pp) not in self.files:
+                    name = optim_name(d, tp, pp, ep if layout.ep > 1 else None)
+                    raise OptimFileError(
+                        f"{self.tag_dir.name}/{name} is missing (dp {self.dp}: every "
+                        f"(dp, tp, pp) rank has its ZeRO-1 shard): copy it back or load another tag"
+                    )
+        extra = [k for k in self.files if k[1] >= layout.ep or k[2] >= layout.tp or k[3] >= layout.pp]
         if extra:
             raise OptimFileError(
                 f"{self._rel(self.files[extra[0]])} has no model file of its (tp, pp) rank "
                 f"({layout.describe()}): the checkpoint is damaged"
             )
 
-    def object(self, d: int, tp: int, pp: int) -> dict[str, Any]:
-        key = (d, tp, pp)
+    def object(self, d: int, ep: int, tp: int, pp: int) -> dict[str, Any]:
+        key = (d, ep, tp, pp)
         if key not in self._objects:
             path = self.files[key]
             obj = load_object(path, self.use_xser)
@@ -385,16 +384,15 @@ class Zero1Tag:
 
     def _check(self) -> None:
         layout = self.model.layout
-        for pp in range(layout.pp):
-            for tp in range(layout.tp):
-                order = self._order(tp, pp)
-                self.orders[(tp, pp)] = order
-                for d in range(self.dp):
-                    self._check_file(d, tp, pp, order)
-                    self._objects.pop((d, tp, pp), None)  # checked; reopened (mapped) when read
+        for ep, tp, pp in layout.ranks():
+            order = self._order(ep, tp, pp)
+            self.orders[(ep, tp, pp)] = order
+            for d in range(self.dp):
+                self._check_file(d, ep, tp, pp, order)
+                self._objects.pop((d, ep, tp, pp), None)  # checked; reopened (mapped) when read
 
-    def _model_keys(self, tp: int, pp: int) -> tuple[str, list[tuple[str, tuple[int, ...]]]]:
-        key = next(k for k, r in self.model.ranks.items() if r == (0, tp, pp))
+    def _model_keys(self, ep: int, tp: int, pp: int) -> tuple[str, list[tuple[str, tuple[int, ...]]]]:
+        key = next(k for k, r in self.model.ranks.items() if r == (ep, tp, pp))
         reader = self.model.open(key)
         expected = {p.name: p.shape for p in self.model.holdings[key]}
         try:
@@ -410,10 +408,10 @@ class Zero1Tag:
         finally:
             reader.close()
 
-    def _order(self, tp: int, pp: int) -> StageOrder:
-        path = self.files[(0, tp, pp)]
-        obj = self.object(0, tp, pp)
-        key, named = self._model_keys(tp, pp)
+    def _order(self, ep: int, tp: int, pp: int) -> StageOrder:
+        path = self.files[(0, ep, tp, pp)]
+        obj = self.object(0, ep, tp, pp)
+        key, named = self._model_keys(ep, tp, pp)
         shapes = dict(named)
         sizes = [len(g.get("params", [])) for g in obj["param_groups"]]
         info = obj["shape_info"]
@@ -478,15 +476,15 @@ class Zero1Tag:
                 return f"shape_info[{idx}] is {have} but {names[pos]} is {want} in the model file"
         return None
 
-    def _check_file(self, d: int, tp: int, pp: int, order: StageOrder) -> None:
-        path = self.files[(d, tp, pp)]
+    def _check_file(self, d: int, ep: int, tp: int, pp: int, order: StageOrder) -> None:
+        path = self.files[(d, ep, tp, pp)]
         where = self._rel(path)
-        obj = self.object(d, tp, pp)
-        ref = self.object(0, tp, pp) if d else obj
+        obj = self.object(d, ep, tp, pp)
+        ref = self.object(0, ep, tp, pp) if d else obj
         if [g.get("params") for g in obj["param_groups"]] != [g.get("params") for g in ref["param_groups"]]:
             raise OptimFileError(f"{where}: its param_groups differ from dp rank 0's: the file is from another run")
         has_master = "sharded_master_weights" in obj
-        if (d, tp, pp) == (0, 0, 0):
+        if (d, ep, tp, pp) == (0, 0, 0, 0):
             self.master = has_master
         elif has_master != self.master:
             raise OptimFileError(
@@ -535,7 +533,7 @@ class Zero1Tag:
         out: dict[str, int] = {}
         for key, pieces in self.model.holdings.items():
             ep, tp, pp = self.model.ranks[key]
-            order = self.orders[(tp, pp)]
+            order = self.orders[(ep, tp, pp)]
             gmap = dict(zip(order.names, order.groups))
             for p in pieces:
                 for s in p.segments:
@@ -552,9 +550,9 @@ class Zero1Tag:
         holdings, files, ranks = {}, {}, {}
         for key, pieces in self.model.holdings.items():
             ep, tp, pp = self.model.ranks[key]
-            vkey = f"{OPTIM_DIR}/tp_rank_{tp:02d}_pp_rank_{pp:02d}"
+            vkey = f"{OPTIM_DIR}/{f'ep_rank_{ep:02d}_' if ep else ''}tp_rank_{tp:02d}_pp_rank_{pp:02d}"
             holdings[vkey] = [prefixed(p, m + SEP) for m in moments for p in pieces]
-            files[vkey] = self.files[(0, tp, pp)]
+            files[vkey] = self.files[(0, ep, tp, pp)]
             ranks[vkey] = (ep, tp, pp)
         view = _MergedCheckpoint(
             self.tag_dir,
@@ -573,8 +571,8 @@ class Zero1Tag:
         view.zero1 = self
         return view
 
-    def merged_reader(self, tp: int, pp: int) -> MergedOptimFile:
-        return MergedOptimFile(self, tp, pp)
+    def merged_reader(self, ep: int, tp: int, pp: int) -> MergedOptimFile:
+        return MergedOptimFile(self, ep, tp, pp)
 
 
 def prefixed(piece: Piece, prefix: str) -> Piece:
@@ -590,23 +588,24 @@ class _MergedCheckpoint(Checkpoint):
 
     def open(self, key: str) -> MergedOptimFile:
         ep, tp, pp = self.ranks[key]
-        return self.zero1.merged_reader(tp, pp)
+        return self.zero1.merged_reader(ep, tp, pp)
 
 
 class MergedOptimFile:
-    """A (tp, pp) rank's optimizer state, dp-merged, as a TensorFile of `"<moment>::<name>"`."""
+    """An (ep, tp, pp) rank's optimizer state, dp-merged, as a TensorFile of `"<moment>::<name>"`."""
 
-    def __init__(self, tag: Zero1Tag, tp: int, pp: int):
-        self.tag, self.tp, self.pp = tag, tp, pp
-        self.order = tag.orders[(tp, pp)]
+    def __init__(self, tag: Zero1Tag, ep: int, tp: int, pp: int):
+        self.tag, self.ep, self.tp, self.pp = tag, ep, tp, pp
+        self.order = tag.orders[(ep, tp, pp)]
         self.index = {n: i for i, n in enumerate(self.order.names)}
-        self.path = tag.files[(0, tp, pp)]
+        self.path = tag.files[(0, ep, tp, pp)]
         self._objs: list[Any] | None = None
 
     def _objects(self) -> list[Any]:
         if self._objs is None:
             self._objs = [
-                load_object(self.tag.files[(d, self.tp, self.pp)], self.tag.use_xser) for d in range(self.tag.dp)
+                load_object(self.tag.files[(d, self.ep, self.tp, self.pp)], self.tag.use_xser)
+                for d in range(self.tag.dp)
             ]
         return self._objs
 
@@ -654,7 +653,7 @@ class _MasterWeightsCheckpoint(Checkpoint):
 
     def open(self, key: str) -> _MasterWeightsFile:
         ep, tp, pp = self.ranks[key]
-        return _MasterWeightsFile(self.zero1.merged_reader(tp, pp), self.weights_dtype)
+        return _MasterWeightsFile(self.zero1.merged_reader(ep, tp, pp), self.weights_dtype)
 
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.zero1.files.values())
@@ -697,7 +696,7 @@ def master_weights_view(model: Checkpoint, zero: Zero1Tag) -> Checkpoint:
             f"{model.root}: the model files hold no tensor data and the optimizer files no master "
             "weights (sharded_master_weights): the checkpoint holds no weights"
         )
-    files = {key: zero.files[(0, tp, pp)] for key, (ep, tp, pp) in model.ranks.items()}
+    files = {key: zero.files[(0, ep, tp, pp)] for key, (ep, tp, pp) in model.ranks.items()}
     view = _MasterWeightsCheckpoint(
         model.root,
         "sharded",

@@ -1,0 +1,407 @@
+"""Mixture-of-experts layers with expert parallelism (Mixtral, Qwen3-MoE), in NxD's expert layout.
+
+Parameters. A MoE layer holds NxD's pieces: the router `mlp.router.linear_router.weight` (E, hidden),
+replicated, and the experts stacked, `mlp.expert_mlps.mlp_op.gate_up_proj.weight` (E/ep, hidden,
+2*I/tp) = [gate_r | up_r] and `down_proj.weight` (E/ep, I/tp, hidden), both (in, out). The expert
+axis is split over ep, the intermediate axis over tp, exactly as `shardkit` shards them, so the
+rank's pieces (`stage_pieces`) are its parameters.
+
+Groups. ep ranks are carved out of the data-parallel ranks (ep divides dp): dp rank d is ep rank
+d % ep of expert-data-parallel (edp) rank d // ep. The ep ranks of one (tp, pp) coordinate exchange
+tokens; the dp / ep ranks holding the same experts (the edp group) reduce the experts' gradients,
+while dense weights are reduced over all of dp (`optim.Optimizer`). ZeRO-1 cuts every parameter's
+optimizer state over the edp group: each ep rank's rank file then holds its own ZeRO-1 shards.
+
+Routing (transformers' Mixtral): logits = x W_router^T, p = softmax(logits in fp32), the top-k of p,
+renormalised to sum 1 (Qwen3-MoE: only with `norm_topk_prob`). Each (token, choice) assignment is
+sent to its expert's ep rank with one all-to-all (`dist.all_to_all_single`, which gloo supports),
+computed there, and sent back with a second; the token's output is the weighted sum of its
+choices. With tp > 1 every tp rank computes with its slice of the intermediate axis, so the layer's
+output, the router's gradient and the input's gradient are partial sums over tp: the output is
+all-reduced (g), the input gradient all-reduced (f) and the router gradient all-reduced by the
+optimizer. With sequence parallelism the layer all-gathers the sequence first (its backward
+reduce-scatters) and reduce-scatters its output, so every tp rank routes the same whole sequence.
+
+Capacity (`--capacity-factor F`, 0 = no drop): in each micro-batch each expert takes at most
+C = ceil(F x tokens x top-k / experts) of one rank's assignments, the rank's own tokens only (so
+the drops do not depend on ep or tp). Assignments are served in a fixed order, every token's first
+choice before any second choice, and within a choice by token position (sequence-major, as the
+activations are laid out); the rest are dropped (that choice adds nothing; the kept weights are
+not renormalised). Drops are counted in the metrics (`moe_dropped`, the fraction of assignments).
+
+Load-balancing loss: transformers' `load_balancing_loss_func` over one micro-batch (what one
+forward of transformers' model sees), all layers together: E x sum_e (c_e / N) (P_e / N), with
+c_e the top-k assignments to expert e, P_e the summed router probabilities and N = layers x
+tokens. c is not differentiable and the loss is linear in P, so every stage adds its layers' (P,
+c) to a [2, E] tensor carried through the pipeline with the hidden states; the last stage computes
+the loss from the totals and its gradient flows back to each layer's router. It is added to the
+language-model loss times `router_aux_loss_coef` (the config's), as transformers does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardkit.layout import ModelDims
+from shardkit.placements import Piece
+
+from .errors import TrainerError
+from .layers import ParamHolder, RMSNorm, TPContext, _gather_seq, _reduce_scatter_seq, copy_to_tp
+from .model import ACTIVATIONS, Attention, ModelSpec, StageModel, apply_rotary
+from .parallel import COMM, Clock, Group, Parallel
+
+log = logging.getLogger("trainer")
+
+ROUTER = "mlp.router.linear_router.weight"
+GATE_UP = "mlp.expert_mlps.mlp_op.gate_up_proj.weight"
+DOWN = "mlp.expert_mlps.mlp_op.down_proj.weight"
+QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+DISPATCH = Clock()
+"""Time in the token dispatch collectives (the all-to-alls and their counts), also counted in COMM."""
+
+
+# ---- checks and pieces ---------------------------------------------------------------------------------
+
+
+def is_moe(spec: ModelSpec) -> bool:
+    return spec.dims.num_experts > 0
+
+
+def check_plan(cfg: Any, config: Mapping[str, Any], dp: int) -> None:
+    """The MoE options against the model's config and the run's dp degree (bad input: one line,
+    before the job starts)."""
+    if cfg.capacity_factor < 0:
+        raise TrainerError(f"--capacity-factor must be 0 (no drop) or positive, got {cfg.capacity_factor}")
+    experts = ModelDims.from_config(config).num_experts
+    if not experts:
+        if cfg.ep > 1:
+            raise TrainerError(
+                f"--ep {cfg.ep}: {config.get('model_type', 'this')} is a dense model (no experts to split): drop --ep"
+            )
+        if cfg.capacity_factor:
+            raise TrainerError("--capacity-factor applies to mixture-of-experts models only: drop it")
+        return
+    if experts % cfg.ep:
+        raise TrainerError(
+            f"--ep {cfg.ep} does not divide the model's {experts} experts: use an ep that divides {experts}"
+        )
+    if dp % cfg.ep:
+        raise TrainerError(
+            f"--ep {cfg.ep} does not divide the data-parallel degree {dp}: ep groups are carved out of the dp "
+            f"ranks, launch dp a multiple of {cfg.ep} (tp x pp x dp processes)"
+        )
+
+
+def _expert_piece(name: str) -> bool:
+    return name.endswith((GATE_UP, DOWN))
+
+
+def stage_pieces(spec: ModelSpec, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> list[Piece]:
+    """The pieces a (tp, pp, ep) rank computes with: ep rank 0's file pieces with the experts of
+    `ep_rank` (the other ep ranks' files hold only their experts; the dense pieces are ep rank 0's)."""
+    dense = spec.rank_pieces(tp_rank, pp_rank)
+    if ep_rank == 0:
+        return dense
+    layout, dims = spec.layout, spec.dims
+    mine = {p.name: p for p in spec.family.rank_pieces(layout, dims, tp_rank, pp_rank, spec.full_shapes, ep_rank)}
+    return [mine.get(p.name, p) if _expert_piece(p.name) else p for p in dense]
+
+
+def file_state(state: Mapping[str, Any], ep_rank: int) -> dict[str, Any]:
+    """The part of a rank's state that its rank file holds: everything on ep rank 0, the experts
+    elsewhere (NxD saves the rest once)."""
+    return {k: v for k, v in state.items() if ep_rank == 0 or _expert_piece(k)}
+
+
+def expert_names(model: nn.Module) -> set[str]:
+    return {n for n, _ in model.named_parameters() if _expert_piece(n)}
+
+
+def tp_partial_names(model: nn.Module) -> set[str]:
+    """Replicated parameters whose gradient each tp rank computes only a part of: the routers
+    (module docstring) and Qwen3-MoE's q/k norms (each tp rank normalises its own heads)."""
+    return {n for n, _ in model.named_parameters() if n.endswith((ROUTER, *QK_NORMS))}
+
+
+# ---- token exchange --------------------------------------------------------------------------------------
+
+
+def _all_to_all(out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group):
+    with COMM.timed(), DISPATCH.timed():
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group.pg)
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """Rows of `x` (grouped by destination, `send` rows each) to the ep ranks; the gradient goes
+    back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group: Group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x.new_empty((sum(recv), *x.shape[1:])), x, recv, send, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        return _all_to_all(out, grad, ctx.send, ctx.recv, ctx.group), None, None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """Sequence parallel: the whole sequence from every tp rank's chunk; the gradient of the
+    whole (a partial sum on each tp rank) is reduce-scattered back to the chunks."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad.contiguous(), ctx.group), None
+
+
+# ---- the layer ----------------------------------------------------------------------------------------
+
+
+class MoEStats:
+    """What the MoE layers of one forward report to their stage: per layer (the [2, E] tensor of
+    summed router probabilities and assignment counts, dropped assignments, assignments)."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[torch.Tensor, int, int]] = []
+
+
+class MoEBlock(nn.Module):
+    """One decoder layer's MoE MLP on this rank (see the module docstring)."""
+
+    def __init__(
+        self, spec: ModelSpec, ctx: TPContext, ep_group: Group, capacity_factor: float, stats: MoEStats, dtype
+    ):
+        super().__init__()
+        dims, layout = spec.dims, spec.layout
+        meta = torch.device("meta")
+        self.ctx, self.ep_group, self.stats = ctx, ep_group, stats
+        self.experts = dims.num_experts
+        self.local = dims.num_experts // layout.ep
+        self.inter_local = dims.expert_intermediate_size // layout.tp
+        self.top_k = int(spec.config.get("num_experts_per_tok", 2))
+        self.norm_topk = bool(spec.config.get("norm_topk_prob", True))
+        self.capacity_factor = capacity_factor
+        self.act = ACTIVATIONS[str(spec.config.get("hidden_act", "silu"))]
+        H = dims.hidden_size
+        self.router = nn.Module()
+        self.router.linear_router = ParamHolder({"weight": (self.experts, H)}, dtype, meta)
+        self.expert_mlps = nn.Module()
+        self.expert_mlps.mlp_op = nn.Module()
+        self.expert_mlps.mlp_op.gate_up_proj = ParamHolder(
+            {"weight": (self.local, H, 2 * self.inter_local)}, dtype, meta
+        )
+        self.expert_mlps.mlp_op.down_proj = ParamHolder({"weight": (self.local, self.inter_local, H)}, dtype, meta)
+
+    def capacity(self, tokens: int) -> int:
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.experts)
+
+    def _kept(self, expert: torch.Tensor, tokens: int) -> torch.Tensor | None:
+        """Which assignments (token-major, `expert[t * k + s]`) fit their expert's capacity: first
+        choices before second ones, then by token position; None without a capacity factor."""
+        if not self.capacity_factor:
+            return None
+        k = self.top_k
+        choice = torch.arange(k, device=expert.device).repeat(tokens)
+        token = torch.arange(tokens, device=expert.device).repeat_interleave(k)
+        order = torch.argsort(choice * tokens + token)
+        onehot = F.one_hot(expert[order], self.experts)
+        position = (onehot.cumsum(0) * onehot).sum(1) - 1
+        kept = torch.empty_like(expert, dtype=torch.bool)
+        kept[order] = position < self.capacity(tokens)
+        return kept
+
+    def _experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows of `x` grouped by local expert (`counts` rows each) through their experts."""
+        gate_up = self.get_parameter("expert_mlps.mlp_op.gate_up_proj.weight")
+        down = self.get_parameter("expert_mlps.mlp_op.down_proj.weight")
+        outs = []
+        for e, rows in enumerate(x.split(counts)):
+            gate, up = rows.matmul(gate_up[e]).split(self.inter_local, dim=-1)
+            outs.append((self.act(gate) * up).matmul(down[e]))
+        return torch.cat(outs) if outs else x.new_zeros((0, x.shape[-1]))
+
+    def _dispatch(self, x: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+        """Rows of `x` grouped by (global) expert to the ep ranks holding the experts, through
+        them, and back, in the same order."""
+        group, local = self.ep_group, self.local
+        if group.size == 1:
+            return self._experts(x, per_expert.tolist())
+        send_counts = per_expert.view(group.size, local)
+        recv_counts = torch.empty_like(send_counts)
+        _all_to_all(recv_counts, send_counts, [1] * group.size, [1] * group.size, group)
+        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        received = _Exchange.apply(x, send, recv, group)  # by source rank, then expert
+        expert = torch.arange(local, device=x.device).repeat(group.size).repeat_interleave(recv_counts.reshape(-1))
+        order = torch.argsort(expert, stable=True)
+        computed = self._experts(received[order], recv_counts.sum(0).tolist())
+        back = torch.empty_like(computed).index_copy(0, order, computed)  # received order again
+        return _Exchange.apply(back, recv, send, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ctx.sequence_parallel:  # route the whole sequence; the output is reduce-scattered
+            x = _GatherFromSP.apply(x, self.ctx.group)
+        else:
+            x = copy_to_tp(x, self.ctx.group)
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        tokens = flat.shape[0]
+        logits = F.linear(flat, self.get_parameter("router.linear_router.weight"))
+        probs = torch.softmax(logits.float(), dim=-1)
+        top_p, top_e = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        expert = top_e.reshape(-1)
+        counts = torch.bincount(expert, minlength=self.experts).to(torch.float32)
+        stats = torch.stack([probs.sum(0), counts])
+        weight = top_p.reshape(-1)
+        token = torch.arange(tokens, device=x.device).repeat_interleave(self.top_k)
+        kept = self._kept(expert, tokens)
+        if kept is not None:
+            expert, token, weight = expert[kept], token[kept], weight[kept]
+        order = torch.argsort(expert, stable=True)
+        expert, token, weight = expert[order], token[order], weight[order]
+        per_expert = torch.bincount(expert, minlength=self.experts)
+        outputs = self._dispatch(flat[token], per_expert)
+        out = torch.zeros_like(flat).index_add(0, token, (outputs * weight.unsqueeze(-1)).to(flat.dtype))
+        self.stats.layers.append((stats, tokens * self.top_k - expert.numel(), tokens * self.top_k))
+        return self.ctx.row_output(out.view(shape))
+
+
+class QKNormAttention(Attention):
+    """Qwen3's attention: an RMSNorm over head_dim (one weight for every head) on each q and k
+    head after the projection, before RoPE, as transformers' Qwen3-MoE does."""
+
+    def __init__(self, spec: ModelSpec, ctx: TPContext, dtype):
+        meta = torch.device("meta")
+        super().__init__(spec, ctx, dtype, meta)
+        self.q_norm = RMSNorm(self.head_dim, spec.eps, dtype, meta)
+        self.k_norm = RMSNorm(self.head_dim, spec.eps, dtype, meta)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x)
+        seq, batch = q.shape[0], q.shape[1]
+        q = self.q_norm(q.view(seq, batch, -1, self.head_dim))
+        k = self.k_norm(k.view(seq, batch, -1, self.head_dim))
+        v = v.view(seq, batch, -1, self.head_dim)
+        q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.n_q != self.n_kv
+        )
+        out = out.permute(2, 0, 1, 3).reshape(seq, batch, self.n_q * self.head_dim)
+        return self.o_proj(out)
+
+
+class MoEStageModel(StageModel):
+    """A StageModel whose layers' MLPs are MoE layers. Its forward takes and returns, beside the
+    hidden states (or logits), the [2, E] load-balancing statistics carried through the pipeline."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        ctx: TPContext,
+        par: Parallel,
+        dtype: torch.dtype,
+        activation_checkpointing: bool = False,
+        capacity_factor: float = 0.0,
+    ):
+        super().__init__(spec, ctx, par.pp_rank, dtype, par.device, activation_checkpointing)
+        self.moe_stats = MoEStats()
+        assert par.ep_group is not None  # init_parallel makes it
+        qk_norms = spec.family.name == "qwen3_moe"
+        for layer in self.model.layers.values():
+            layer.mlp = MoEBlock(spec, ctx, par.ep_group, capacity_factor, self.moe_stats, dtype)
+            if qk_norms:
+                layer.self_attn = QKNormAttention(spec, ctx, dtype)
+        self.dropped = 0  # assignments dropped / routed by this stage's layers since the last take
+        self.routed = 0
+
+    def forward(self, x: torch.Tensor, carried: torch.Tensor | None = None):
+        return self.run_chunk(
+            x, self.model.layers.values(), self.first, self.last, *([] if carried is None else [carried])
+        )
+
+    def run_chunk(self, x: torch.Tensor, layers: Iterable[nn.Module], first: bool, last: bool, *carried: torch.Tensor):
+        """`layers` (all of the rank's, or one virtual chunk's) and the load-balancing statistics:
+        this chunk's sums plus the ones carried in from the stages before."""
+        self.moe_stats.layers.clear()
+        out = self.run_layers(x, layers, first, last)
+        stats = list(self.moe_stats.layers)  # read before any recomputation appends more
+        total = torch.stack([s for s, _, _ in stats]).sum(0)
+        if carried:
+            total = total + carried[0]
+        if torch.is_grad_enabled():
+            self.dropped += sum(d for _, d, _ in stats)
+            self.routed += sum(r for _, _, r in stats)
+        return out, total
+
+    def take_drops(self) -> tuple[int, int]:
+        counts = (self.dropped, self.routed)
+        self.dropped = self.routed = 0
+        return counts
+
+
+def load_balancing_loss(carried: torch.Tensor, num_layers: int, tokens: int) -> torch.Tensor:
+    """transformers' load_balancing_loss_func from the carried totals (module docstring)."""
+    probs, counts = carried[0], carried[1].detach()
+    rows = float(num_layers * tokens)
+    return (counts / rows * (probs / rows)).sum() * carried.shape[-1]
+
+
+class MoELoss:
+    """Wraps the language-model loss: adds router_aux_loss_coef x the load-balancing loss (divided
+    by tp: every tp rank adds it and the router gradient is summed over tp) in training, and keeps
+    the step's language-model and load-balancing sums for the metrics. Under no_grad (evaluation)
+    it returns the language-model loss alone."""
+
+    def __init__(self, base: Callable, spec: ModelSpec, scale: float, tp: int):
+        self.base, self.scale, self.tp = base, scale, tp
+        self.coef = float(spec.config.get("router_aux_loss_coef", 0.001))
+        self.layers = spec.dims.num_layers
+        self.lm_sum = self.aux_sum = 0.0
+
+    def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
+        logits, carried = output
+        lm = self.base(logits, targets)
+        if not torch.is_grad_enabled():
+            return lm
+        aux = load_balancing_loss(carried, self.layers, targets.numel())
+        self.lm_sum += float(lm.detach())
+        self.aux_sum += float(aux.detach()) * self.scale
+        return lm + aux * (self.coef * self.scale / self.tp)
+
+    def take(self) -> tuple[float, float]:
+        sums = (self.lm_sum, self.aux_sum)
+        self.lm_sum = self.aux_sum = 0.0
+        return sums
+
+
+def carry_meta(spec: ModelSpec) -> torch.Tensor:
+    """The carried statistics' metadata for the pipeline stages."""
+    return torch.empty(2, spec.dims.num_experts, dtype=torch.float32, device="meta", requires_grad=True)
+
+
+def step_record(sums: list[float], world: int) -> dict[str, float]:
+    """The step's MoE metrics from the world's sums of (load-balancing loss, dropped assignments,
+    assignments, dispatch seconds)."""
+    aux, dropped, routed, dispatch = sums
+    return {
+        "aux_loss": aux,
+        "moe_dropped": dropped / routed if routed else 0.0,
+        "dispatch_time": dispatch / world,
+    }
