@@ -192,6 +192,19 @@ def test_parallel_equals_serial(name, work, hf_model, tokens, serial):
             assert torch.allclose(ours[k], ref[k], rtol=1e-4, atol=1e-5), k
 
 
+def test_interleaved_chunks_carry_the_moe_statistics(work, tokens):
+    """pp2 vpp2 (4 chunks of one layer, ScheduleInterleaved1F1B) with ep2: the load-balancing
+    statistics travel through every chunk boundary beside the hidden states; equals one process."""
+    model = make_tiny_model(fixture_config(CONFIG) | {"router_aux_loss_coef": AUX_COEF, "num_hidden_layers": 4},
+                            work / "hf-4-layers", seed=3)
+    one, chunked = work / "4-layers-ep1.jsonl", work / "4-layers-pp2-vpp2-ep2.jsonl"
+    run_inprocess(run_args(model, tokens, one))
+    check_ok(torchrun(4, run_args(model, tokens, chunked, "--pp", "2", "--vpp", "2", "--ep", "2")))
+    (lm, aux), (ref_lm, ref_aux) = curves(chunked), curves(one)
+    assert len(lm) == 5 and rel_diff(lm, ref_lm) < REL, (lm, ref_lm)
+    assert rel_diff(aux, ref_aux) < REL, (aux, ref_aux)
+
+
 # ---- 3. resume on another layout --------------------------------------------------------------------------
 
 SIX = ["--steps", "6"]
