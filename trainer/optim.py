@@ -7,7 +7,8 @@ into it through a post-accumulate hook). After the last micro-batch's backward:
 1. data parallel: one all-reduce (sum) of the flat buffer over dp (the loss is already scaled by
    1 / (micro-batches x dp), so the sum is the global-batch mean);
 2. sequence parallel: the Replicated pieces (norms, row-parallel biases) saw 1/tp of the sequence
-   each: their gradients are all-reduced over tp;
+   each: their gradients are all-reduced over tp; so are LoRA's replicated adapter halves
+   (`tp_partial`), whose gradients are partial on every tp rank (trainer/lora.py);
 3. replicas: a slice of a full tensor held by more than one piece (K/V heads under kv_multiplier
    > 1, an lm_head tied to the embedding on another stage) is ONE weight; each copy's gradient is
    only its own share, so the copies' gradients are summed over the ranks that hold them (NxD's kv
@@ -222,11 +223,14 @@ class Optimizer:
         zero1: bool = False,
         sequence_parallel: bool = False,
         sources: Mapping[str, torch.Tensor] | None = None,
+        tp_partial: bool = False,
     ):
         self.par = par
         self.clip_grad = clip_grad
         self.zero1 = zero1 and par.dp > 1
         self.sequence_parallel = sequence_parallel and par.tp > 1
+        # LoRA: the replicated adapter halves get partial gradients on each tp rank (trainer/lora.py)
+        self.tp_partial = tp_partial and par.tp > 1
         self.slots = self._make_slots(model, spec.replicated_names(par.pp_rank))
         self.by_name = {n: s for s in self.slots for n in s.names}
         self.owned = self._assign_rows()
@@ -364,7 +368,7 @@ class Optimizer:
     def sync_gradients(self) -> None:
         par = self.par
         par.dp_group.all_reduce(self.flat)
-        if self.sequence_parallel:
+        if self.sequence_parallel or self.tp_partial:
             reps = [s.grad for s in self.slots if s.replicated]
             if reps:
                 flat = _flatten_dense_tensors(reps)

@@ -128,6 +128,8 @@ def export_run(cfg) -> dict[str, Any]:
     run = {"model": where(cfg.model), "data": where(cfg.data), "checkpoint_dir": where(cfg.checkpoint_dir)}
     if getattr(cfg, "model_config", None):
         run["model_config"] = where(cfg.model_config)
+    if getattr(cfg, "lora_rank", 0):  # a LoRA run exports adapters or the merged model: not the same output
+        run["lora"] = "adapters" if cfg.export_lora else "merged"
     return run
 
 
@@ -181,11 +183,13 @@ def export_hf(
     dtype: torch.dtype,
     run: dict[str, Any],
     step: int,
+    tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the merged Hugging Face model of the current weights (of `step`) to `dst`, replacing
     it (all ranks call this): the rank files are saved as a model-only checkpoint tag in a staging
     folder, which `export_checkpoint` merges (divided among the job's processes); rank 0 then
-    marks it as `run`'s export."""
+    marks it as `run`'s export. `tensors`: the rank's pieces to write instead of the model's own
+    (LoRA's merged weights)."""
     dst = Path(dst).absolute()
     staging = dst.parent / f".{dst.name}.trainer-export-{os.getpid()}"
     staging = Path(par.broadcast_object(str(staging) if par.leader else None))
@@ -196,7 +200,8 @@ def export_hf(
             hf.copy_side_files(Path(source_dir), staging / EXPORT_TAG)
 
     try:
-        state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+        pieces = tensors if tensors is not None else model.state_dict()
+        state = {k: v.detach().to(dtype) for k, v in pieces.items()}
         rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=0, dp=par.dp_rank)
         checkpointer.save(staging, EXPORT_TAG, state, layout=spec.layout, config=spec.config, rank=rank)
         par.all_ok(copy_side_files)
