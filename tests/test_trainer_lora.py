@@ -1,8 +1,8 @@
 """LoRA fine-tuning in the slim trainer (trainer/lora.py): acceptance tests of issue 13 item 3.
 
 1. parallel equals serial: the same adapters from the same seed in every layout; the per-step
-   losses and the final adapters of tp2pp2 (fused qkv) and tp4 (kv-multiplier 2, sequence
-   parallel) equal tp1's to 1e-5 (real gloo jobs under torchrun, fp32);
+   losses and the final adapters of tp2pp2 (fused qkv, activation checkpointing) and tp4
+   (kv-multiplier 2, sequence parallel) equal tp1's to 1e-5 (real gloo jobs under torchrun, fp32);
 2. tp1 equals `peft.get_peft_model` on the transformers model trained by torch AdamW (adapters to 1e-5);
 3. a run resumed on another layout (a tp2 x dp2 ZeRO-1 checkpoint resumed at tp1) equals the
    uninterrupted run; checkpoints hold only the adapters;
@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_helpers import check_ok, corpus_tokens, losses, rel_diff, run_inprocess, steps, torchrun
+from trainer_helpers import (check_ok, corpus_tokens, losses, rel_diff, run_inprocess, steps, torchrun,
+                             worker_exit_codes)
 
 from shardkit.testing import make_tiny_model
 
@@ -87,7 +88,7 @@ def serial(work, hf_model, tokens):
 # ---- 1. parallel equals serial -------------------------------------------------------------------------
 
 PARALLEL_CASES = {
-    "tp2pp2-fused": (4, ["--tp", "2", "--pp", "2", "--qkv", "fused"]),
+    "tp2pp2-fused": (4, ["--tp", "2", "--pp", "2", "--qkv", "fused", "--activation-checkpointing"]),
     "tp4-kvmult2-sp": (4, ["--tp", "4", "--kv-multiplier", "2", "--qkv", "gqa", "--sequence-parallel"]),
 }
 
@@ -257,6 +258,17 @@ def test_lora_bad_input_one_line_exit_2(tmp_path, work, hf_model, tokens, serial
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds full weights, not LoRA adapters" in err[0], err
     assert not (tmp_path / "c").exists() and not (tmp_path / "e").exists()
+
+
+def test_lora_bad_input_every_rank_exits_2(tmp_path, hf_model, tokens):
+    done = torchrun(2, ["--model", str(hf_model), "--data", str(tokens), "--seq-len", "32", "--global-batch", "4",
+                        "--tp", "2", "--lora-rank", "4", "--lora-targets", "q,qkv", "--checkpoint-dir",
+                        str(tmp_path / "c")], timeout=120)
+    assert done.returncode == 1  # torchrun's own code when its workers fail
+    assert worker_exit_codes(done.stderr) == {0: 2, 1: 2}, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("trainer: error:")]
+    assert len(lines) == 1 and "unknown target 'qkv'" in lines[0], done.stderr
+    assert "/trainer/" not in done.stderr and not (tmp_path / "c").exists()
 
 
 # ---- the placements (no processes) ------------------------------------------------------------------------------
