@@ -408,8 +408,11 @@ class Lora:
             layer = cast(DecoderLayer, model.model.layers[str(i)])
             attn, mlp = layer.self_attn, layer.mlp
             attn.lora = column([f"{prefix}self_attn.{m}.{p}" for m, p in attn.weight_refs])
-            mlp.gate_up_proj.lora = column([f"{prefix}mlp.gate_up_proj.weight"])
-            for row, module in ((attn.o_proj, "self_attn.o_proj"), (mlp.down_proj, "mlp.down_proj")):
+            rows = [(attn.o_proj, "self_attn.o_proj")]
+            if hasattr(mlp, "gate_up_proj"):  # a dense MLP (lora_family refuses gate/up/down targets otherwise)
+                mlp.gate_up_proj.lora = column([f"{prefix}mlp.gate_up_proj.weight"])
+                rows.append((mlp.down_proj, "mlp.down_proj"))
+            for row, module in rows:
                 a = adapter(prefix + module)
                 row.lora = RowLora(a) if a is not None else None
         return adapters
