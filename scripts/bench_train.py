@@ -9,7 +9,9 @@
    the step that is not computation (collectives, pipeline waits and bubbles).
 3. LoRA (`--lora-rank 8` on q,k,v,o,gate,up,down) against full fine-tuning at tp1pp1: tokens/s,
    trained parameters and the optimizer state (the bytes of the final checkpoint's optimizer
-   file: Adam moments, plus fp32 masters in bf16 runs), and the peak resident memory.
+   file: Adam moments, plus fp32 masters in bf16 runs), the peak resident memory, and the CPU
+   seconds of each whole run (wall-clock tokens/s swing when other jobs share the cores; CPU time
+   does not).
 
     python scripts/bench_train.py                          # tiny fixture + tinyllama-mini, fp32
     python scripts/bench_train.py --models tinyllama-mini --steps 30 --seq-len 256
@@ -83,10 +85,21 @@ def _env(threads: int) -> dict:
     return env
 
 
-def _run(cmd: list[str], env: dict) -> None:
+def _cpu_of_children() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _run(cmd: list[str], env: dict) -> float:
+    """Run `cmd`; returns the CPU seconds its processes used (unlike wall time, not inflated when
+    other jobs share the cores)."""
+    before = _cpu_of_children()
     done = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         raise SystemExit(f"bench_train: a run failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
+    return _cpu_of_children() - before
 
 
 def _steps(metrics: Path) -> list[dict]:
@@ -112,8 +125,11 @@ def run_trainer(args, model: Path, data: Path, work: Path, name: str, nproc: int
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "trainer", *common]
-    _run(cmd, _env(threads))
-    return _steps(metrics)
+    cpu = _run(cmd, _env(threads))
+    records = _steps(metrics)
+    for r in records:
+        r["run_cpu_s"] = cpu  # the whole run's CPU seconds (start-up and the final checkpoint included)
+    return records
 
 
 def run_plain(args, model: Path, data: Path, work: Path) -> list[dict]:
@@ -190,7 +206,8 @@ def bench_model(args, config: str, work: Path) -> dict:
         result["runs"][name] = {"step_time": t, "tokens_per_s": tokens_per_step / t,
                                 "comm_share": comm_share(records, args.skip),
                                 "losses": [r["loss"] for r in records],
-                                "memory_mb": max(r.get("memory_mb", 0.0) for r in records)}
+                                "memory_mb": max(r.get("memory_mb", 0.0) for r in records),
+                                "run_cpu_s": records[0].get("run_cpu_s")}
     for name, ckpt in (("trainer", "ckpt-full"), ("lora", "ckpt-lora")):
         if name in result["runs"]:
             result["runs"][name]["optimizer_bytes"] = optimizer_bytes(work / ckpt)
@@ -257,8 +274,8 @@ def report(results: list[dict], args) -> str:
             lines.append(f"| {r['config']} | {label} | {n} | {run['step_time'] * 1000:.1f} ms | "
                          f"{run['step_time'] / base:.2f}x | {run['comm_share'] * 100:.0f}% |")
     if any("lora" in r["runs"] for r in results):
-        lines += ["", "| model | tp1pp1 | trained params | tok/s | vs full | optimizer state | peak RSS |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += ["", "| model | tp1pp1 | trained params | tok/s | vs full | CPU s per run | vs full | "
+                  "optimizer state | peak RSS |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in results:
             if "lora" not in r["runs"]:
                 continue
@@ -267,7 +284,8 @@ def report(results: list[dict], args) -> str:
                                          ("lora", f"LoRA r{LORA_RANK} {LORA_TARGETS}", r["lora_params"])):
                 run = r["runs"][name]
                 lines.append(f"| {r['config']} | {label} | {trained / 1e6:.3f}M | {run['tokens_per_s']:,.0f} | "
-                             f"{run['tokens_per_s'] / full['tokens_per_s']:.2f}x | "
+                             f"{run['tokens_per_s'] / full['tokens_per_s']:.2f}x | {run['run_cpu_s']:.1f} | "
+                             f"{run['run_cpu_s'] / full['run_cpu_s']:.2f}x | "
                              f"{run['optimizer_bytes'] / 2**20:.2f} MiB | {run['memory_mb']:.0f} MB |")
     return "\n".join(lines)
 

@@ -163,21 +163,11 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
     )
     if metrics is not None and metrics.exists() and metrics.is_dir():
         raise TrainerError(f"--metrics {metrics} is a directory: give a file path")
-    return Plan(
-        cfg,
-        world,
-        dp,
-        spec,
-        source,
-        tokens,
-        DTYPES[cfg.dtype],
-        resume,
-        metrics,
-        exported_step,
-        eval_tokens,
-        eval_steps,
-        lora.make_lora(lora_settings, spec),
+    plan = Plan(
+        cfg, world, dp, spec, source, tokens, DTYPES[cfg.dtype], resume, metrics, exported_step, eval_tokens, eval_steps
     )
+    plan.lora = lora.make_lora(lora_settings, spec)
+    return plan
 
 
 def plan_eval(cfg: TrainConfig, spec: ModelSpec) -> tuple[TokenFile | None, int]:
