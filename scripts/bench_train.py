@@ -7,17 +7,22 @@
    same order, so its losses are printed beside the trainer's too (they agree to ~1e-6).
 2. step time of tp2 and pp2 (2 local processes, gloo) against tp1 (1 process), with the share of
    the step that is not computation (collectives, pipeline waits and bubbles).
-3. interleaved virtual stages: pp2 vpp2 (ScheduleInterleaved1F1B) against pp2 (Schedule1F1B) at
+3. LoRA (`--lora-rank 8` on q,k,v,o,gate,up,down) against full fine-tuning at tp1pp1: tokens/s,
+   trained parameters and the optimizer state (the bytes of the final checkpoint's optimizer
+   file: Adam moments, plus fp32 masters in bf16 runs), the peak resident memory, and the CPU
+   seconds of each whole run (wall-clock tokens/s swing when other jobs share the cores; CPU time
+   does not).
+4. interleaved virtual stages: pp2 vpp2 (ScheduleInterleaved1F1B) against pp2 (Schedule1F1B) at
    the same micro-batches (--vpp-micro-batch), step time and the pipeline's idle share measured
    the same way for both (1 - compute / step time, averaged over the ranks). A model whose layer
    count pp x vpp does not divide runs with its layers rounded down to a multiple of 4.
-4. `--moe`: a small Mixtral (8 experts, top-2) at ep2 against ep1, both with dp2 (2 processes; ep1:
+5. `--moe`: a small Mixtral (8 experts, top-2) at ep2 against ep1, both with dp2 (2 processes; ep1:
    every rank holds every expert; ep2: 4 each, tokens exchanged with all-to-all), and at 1 process,
    with the share of the step spent in the token dispatch collectives (the all-to-alls).
 
     python scripts/bench_train.py                          # tiny fixture + tinyllama-mini, fp32
     python scripts/bench_train.py --models tinyllama-mini --steps 30 --seq-len 256
-    python scripts/bench_train.py --vpp-only               # only 3.
+    python scripts/bench_train.py --vpp-only               # only 4.
 
 Each measurement is the median step time over the steps after the first `--skip`, best of
 `--repeats` runs (trainer and plain loop alternate, so background load hits both alike). Every process
@@ -88,14 +93,31 @@ def _env(threads: int) -> dict:
     return env
 
 
-def _run(cmd: list[str], env: dict) -> None:
+def _cpu_of_children() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _run(cmd: list[str], env: dict) -> float:
+    """Run `cmd`; returns the CPU seconds its processes used (unlike wall time, not inflated when
+    other jobs share the cores)."""
+    before = _cpu_of_children()
     done = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         raise SystemExit(f"bench_train: a run failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
+    return _cpu_of_children() - before
 
 
 def _steps(metrics: Path) -> list[dict]:
     return [r for r in (json.loads(line) for line in metrics.read_text().splitlines()) if r.get("event") == "step"]
+
+
+def optimizer_bytes(ckpt: Path) -> int:
+    """The optimizer state of a run: the bytes of its last checkpoint's optimizer files."""
+    tags = sorted((p for p in ckpt.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    return sum(f.stat().st_size for f in (tags[-1] / "optim").iterdir())
 
 
 def run_trainer(args, model: Path, data: Path, work: Path, name: str, nproc: int, extra: list[str]) -> list[dict]:
@@ -111,8 +133,11 @@ def run_trainer(args, model: Path, data: Path, work: Path, name: str, nproc: int
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "trainer", *common]
-    _run(cmd, _env(threads))
-    return _steps(metrics)
+    cpu = _run(cmd, _env(threads))
+    records = _steps(metrics)
+    for r in records:
+        r["run_cpu_s"] = cpu  # the whole run's CPU seconds (start-up and the final checkpoint included)
+    return records
 
 
 def run_plain(args, model: Path, data: Path, work: Path) -> list[dict]:
@@ -181,7 +206,9 @@ def bench_model(args, config: str, work: Path) -> dict:
 
     for _ in range(args.repeats):
         keep("plain", run_plain(args, model, data, work))
-        keep("trainer", run_trainer(args, model, data, work, "tp1", 1, []))
+        keep("trainer", run_trainer(args, model, data, work, "tp1", 1, ["--checkpoint-dir", str(work / "ckpt-full")]))
+        if args.lora:
+            keep("lora", run_trainer(args, model, data, work, "lora", 1, [*LORA, "--checkpoint-dir", str(work / "ckpt-lora")]))
     for _ in range(args.repeats if args.parallel else 0):
         keep("tp2", run_trainer(args, model, data, work, "tp2", 2, ["--tp", "2"]))
         keep("pp2", run_trainer(args, model, data, work, "pp2", 2, ["--pp", "2"]))
@@ -189,12 +216,38 @@ def bench_model(args, config: str, work: Path) -> dict:
     for name, (t, records) in best.items():
         result["runs"][name] = {"step_time": t, "tokens_per_s": tokens_per_step / t,
                                 "comm_share": comm_share(records, args.skip),
-                                "losses": [r["loss"] for r in records]}
+                                "losses": [r["loss"] for r in records],
+                                "memory_mb": max(r.get("memory_mb", 0.0) for r in records),
+                                "run_cpu_s": records[0].get("run_cpu_s")}
+    for name, ckpt in (("trainer", "ckpt-full"), ("lora", "ckpt-lora")):
+        if name in result["runs"]:
+            result["runs"][name]["optimizer_bytes"] = optimizer_bytes(work / ckpt)
+    if "lora" in result["runs"]:
+        result["lora_params"] = _lora_params(model)
     plain, ours = result["runs"]["plain"], result["runs"]["trainer"]
     result["ratio"] = ours["tokens_per_s"] / plain["tokens_per_s"]
     result["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], plain["losses"]))
     (work / f"{config}-result.json").write_text(_json.dumps(result, indent=2))
     return result
+
+
+LORA_RANK, LORA_TARGETS = 8, "q,k,v,o,gate,up,down"
+LORA = ["--lora-rank", str(LORA_RANK), "--lora-alpha", "16", "--lora-targets", LORA_TARGETS]
+
+
+def _lora_params(model_dir: Path) -> int:
+    """Parameters of the LORA adapters on this model (r x (in + out) per adapted weight)."""
+    import math
+
+    from shardkit.formats import load_config
+    from shardkit.layout import make_layout
+    from trainer.lora import LoraSettings, make_lora, parse_targets
+    from trainer.model import ModelSpec
+
+    spec = ModelSpec.from_config(load_config(model_dir), make_layout())
+    lora = make_lora(LoraSettings(LORA_RANK, 16.0, parse_targets(LORA_TARGETS)), spec)
+    assert lora is not None
+    return sum(math.prod(s) for s in lora.spec.full_shapes.values())
 
 
 VPP_RUNS = (("pp2", "pp2 (1F1B)", []), ("pp2-vpp2", "pp2 vpp2 (interleaved 1F1B)", ["--vpp", "2"]))
@@ -323,6 +376,20 @@ def report(results: list[dict], args) -> str:
             run = r["runs"][name]
             lines.append(f"| {r['config']} | {label} | {n} | {run['step_time'] * 1000:.1f} ms | "
                          f"{run['step_time'] / base:.2f}x | {run['comm_share'] * 100:.0f}% |")
+    if any("lora" in r["runs"] for r in results):
+        lines += ["", "| model | tp1pp1 | trained params | tok/s | vs full | CPU s per run | vs full | "
+                  "optimizer state | peak RSS |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in results:
+            if "lora" not in r["runs"]:
+                continue
+            full = r["runs"]["trainer"]
+            for name, label, trained in (("trainer", "full fine-tuning", r["params"]),
+                                         ("lora", f"LoRA r{LORA_RANK} {LORA_TARGETS}", r["lora_params"])):
+                run = r["runs"][name]
+                lines.append(f"| {r['config']} | {label} | {trained / 1e6:.3f}M | {run['tokens_per_s']:,.0f} | "
+                             f"{run['tokens_per_s'] / full['tokens_per_s']:.2f}x | {run['run_cpu_s']:.1f} | "
+                             f"{run['run_cpu_s'] / full['run_cpu_s']:.2f}x | "
+                             f"{run['optimizer_bytes'] / 2**20:.2f} MiB | {run['memory_mb']:.0f} MB |")
     return "\n".join(lines)
 
 
@@ -353,6 +420,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vpp-only", action="store_true", help="only the pp2 vs pp2 vpp2 comparison")
     parser.add_argument("--moe", action="store_true", help="also benchmark a Mixtral at ep2 vs ep1 (dp2)")
     parser.add_argument("--moe-only", action="store_true", help="only the MoE benchmark")
+    parser.add_argument("--no-lora", dest="lora", action="store_false", help="skip the LoRA run")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.child_plain:

@@ -42,6 +42,7 @@ from shardkit.checkpoint.tree import CHECKPOINT_MARKER, DONE_MARKER
 from shardkit.formats import load_config
 from shardkit.layout import ModelDims
 
+from . import lora
 from .errors import TrainerError
 from .moe import file_state
 
@@ -93,6 +94,7 @@ def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | No
         return None
     tag_dir = directory / name
     if not (tag_dir / "config.json").is_file():
+        lora.check_checkpoint(cfg, None, tag_dir)
         if model_config is None:  # an NxD checkpoint carries no config: the model's comes from --model
             raise TrainerError(
                 f"checkpoint {tag_dir} has no config.json (an NxD checkpoint): pass --model with the "
@@ -100,8 +102,9 @@ def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | No
             )
         return ResumePoint(directory, name, dict(model_config))
     saved = load_config(tag_dir / "config.json")
-    if model_config is not None:
-        a, b = ModelDims.from_config(saved), ModelDims.from_config(model_config)
+    lora.check_checkpoint(cfg, saved, tag_dir)
+    if model_config is not None:  # (an adapter checkpoint's config wraps its model's)
+        a, b = ModelDims.from_config(lora.base_config(saved)), ModelDims.from_config(model_config)
         if a != b:
             field_name = next(f for f in a.__dataclass_fields__ if getattr(a, f) != getattr(b, f))
             raise TrainerError(
@@ -175,9 +178,10 @@ def apply(restored: Restored, optimizer, schedule, batches) -> int:
 class Saver:
     """Saves the run's checkpoints (create on every rank at the same point: it makes a group)."""
 
-    def __init__(self, plan, par):
+    def __init__(self, plan, par, spec=None):
         cfg = plan.cfg
         self.plan, self.par = plan, par
+        self.spec = spec or plan.spec  # what the saved pieces are cut from (LoRA: the adapters' spec)
         self.root = Path(cfg.checkpoint_dir)
         self.checkpointer = Checkpointer(
             CheckpointerConfig(
@@ -202,7 +206,7 @@ class Saver:
             "step": step,
             "data": batches.state().to_dict(),
             "trainer": {
-                "layout": self.plan.spec.layout.to_dict(),
+                "layout": self.spec.layout.to_dict(),
                 "dp": self.par.dp,
                 "zero1": bool(self.plan.cfg.zero1),
                 "dtype": self.plan.cfg.dtype,
@@ -216,8 +220,8 @@ class Saver:
             states,
             schedule.state_dict(),
             user_content,
-            layout=self.plan.spec.layout,
-            config=self.plan.spec.config,
+            layout=self.spec.layout,
+            config=self.spec.config,
             rank=rank,
             step=step,
             zero1=zero1,

@@ -93,6 +93,12 @@ class TrainConfig:
     zero1: bool = _opt(False, "Shard optimizer state (and fp32 master weights) over data-parallel ranks (ZeRO-1).")
     sequence_parallel: bool = _opt(False, "Sequence parallelism: norms and residuals on 1/tp of the sequence.")
     activation_checkpointing: bool = _opt(False, "Recompute each decoder layer in backward (saves activation memory).")
+    # ---- LoRA (trainer/lora.py) ----------------------------------------------------------------
+    lora_rank: int = _opt(
+        0, "LoRA: train rank-r adapters on the --lora-targets, the model frozen (0: train every weight)."
+    )
+    lora_alpha: float = _opt(8.0, "LoRA scaling numerator: adapters add (alpha / rank) * B A, as peft.")
+    lora_targets: str = _opt("q,v", "LoRA: the adapted linear layers, some of q,k,v,o,gate,up,down.", metavar="LIST")
     # ---- batch and schedule --------------------------------------------------------------------
     micro_batch: int = _opt(1, "Sequences per micro-batch per data-parallel rank.")
     global_batch: int = _opt(8, "Sequences per optimizer step over all data-parallel ranks.")
@@ -141,6 +147,9 @@ class TrainConfig:
         "this run's own earlier export (same --model, --data and --checkpoint-dir), which is "
         "replaced, or kept when it already holds the final step.",
         metavar="DIR",
+    )
+    export_lora: bool = _opt(
+        False, "With --lora-rank: --export-hf writes the PEFT adapter directory, not the merged model."
     )
     overwrite_export: bool = _opt(False, "Let --export-hf replace a non-empty DIR that is not this run's export.")
     metrics: str = _opt(

@@ -23,6 +23,8 @@ vocab-parallel cross entropy that never gathers the logits. With tp = 1 every op
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -163,6 +165,8 @@ class ParamHolder(nn.Module):
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T (+ b_r): W split over tp by output rows; the output stays split."""
 
+    lora: Any = None  # trainer.lora.ColumnLora: adapters on this layer (held outside the module's state)
+
     def __init__(self, in_features: int, out_local: int, bias: bool, ctx: TPContext, dtype, device=None):
         super().__init__()
         self.ctx = ctx
@@ -170,12 +174,14 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.column_linear(x, [self.weight], [self.bias])[0]
+        return (self.lora or self.ctx).column_linear(x, [self.weight], [self.bias])[0]
 
 
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T (+ b): W split over tp by input columns; the input arrives split;
     the partial outputs are all-reduced (or reduce-scattered); the bias is added once, after."""
+
+    lora: Any = None  # trainer.lora.RowLora: an adapter on this layer (held outside the module's state)
 
     def __init__(self, in_local: int, out_features: int, bias: bool, ctx: TPContext, dtype, device=None):
         super().__init__()
@@ -184,7 +190,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.row_output(F.linear(x, self.weight))
+        partial = F.linear(x, self.weight) if self.lora is None else self.lora.partial(x, self.weight)
+        out = self.ctx.row_output(partial)
         return out + self.bias if self.bias is not None else out
 
 

@@ -33,7 +33,7 @@ from shardkit.layout import make_layout
 if TYPE_CHECKING:
     from shardkit.layout import Layout
 
-from . import checkpointing, moe
+from . import checkpointing, lora, moe
 from .config import TrainConfig
 from .data import Batches, TokenFile
 from .errors import DataError, TrainerError
@@ -53,7 +53,14 @@ from .parallel import (
     world_from_env,
 )
 from .pipeline import Pipeline, resolve_schedule, run_micro_batches
-from .weights import check_export_destination, export_hf, export_run, init_rank_pieces, read_rank_pieces
+from .weights import (
+    EXPORT_MARKER,
+    check_export_destination,
+    export_hf,
+    export_run,
+    init_rank_pieces,
+    read_rank_pieces,
+)
 
 log = logging.getLogger("trainer")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -75,6 +82,7 @@ class Plan:
     exported_step: int | None = None  # the step of this run's earlier export in --export-hf
     eval_tokens: TokenFile | None = None
     eval_steps: int = 0  # batches per evaluation
+    lora: lora.Lora | None = None  # --lora-rank: the adapters (only they train)
 
     @property
     def micro_batches(self) -> int:
@@ -130,6 +138,7 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
         raise TrainerError(f"--sequence-parallel needs --seq-len divisible by tp {cfg.tp} (got {cfg.seq_len})")
     if cfg.tensorboard:
         check_tensorboard(cfg.tensorboard)
+    lora_settings = lora.check_options(cfg)
     source = open_checkpoint(cfg.model) if cfg.model else None
     model_config = load_config(Path(cfg.model_config)) if cfg.model_config else None
     if model_config is None and source is not None:
@@ -167,9 +176,11 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
     )
     if metrics is not None and metrics.exists() and metrics.is_dir():
         raise TrainerError(f"--metrics {metrics} is a directory: give a file path")
-    return Plan(
+    plan = Plan(
         cfg, world, dp, spec, source, tokens, DTYPES[cfg.dtype], resume, metrics, exported_step, eval_tokens, eval_steps
     )
+    plan.lora = lora.make_lora(lora_settings, spec)
+    return plan
 
 
 def plan_eval(cfg: TrainConfig, spec: ModelSpec) -> tuple[TokenFile | None, int]:
@@ -493,6 +504,7 @@ class Run:
     pipeline: Pipeline | None
     start_step: int
     moe_loss: moe.MoELoss | None = None
+    adapters: torch.nn.Module | None = None  # --lora-rank: the adapters (what the optimizer trains)
 
 
 def _run(plan: Plan, par: Parallel) -> Summary:
@@ -507,6 +519,15 @@ def _run(plan: Plan, par: Parallel) -> Summary:
 def _initial_tensors(plan: Plan, par: Parallel) -> tuple[dict[str, torch.Tensor], checkpointing.Restored | None]:
     """This rank's pieces (and the restored checkpoint when resuming), read on every rank."""
     source, resume = plan.source, plan.resume
+    if plan.lora is not None:  # the frozen model from --model; the adapters (resumed) from the checkpoint
+        assert source is not None  # lora.check_options requires --model
+        tensors = par.all_ok(lambda: read_rank_pieces(source, plan.spec, par.tp_rank, par.pp_rank))
+        if resume is None:
+            return tensors, None
+        adapters = plan.lora.spec
+        restored = par.all_ok(lambda: checkpointing.load(resume, adapters, par))
+        _exact_weights(restored, restored.tensors, plan.dtype)
+        return tensors, restored
     if resume is None:
         if source is None:  # --model-config: random weights, the same in every layout
             return par.all_ok(
@@ -514,12 +535,16 @@ def _initial_tensors(plan: Plan, par: Parallel) -> tuple[dict[str, torch.Tensor]
             ), None
         return par.all_ok(lambda: read_rank_pieces(source, plan.spec, par.tp_rank, par.pp_rank, par.ep_rank)), None
     restored = par.all_ok(lambda: checkpointing.load(resume, plan.spec, par))
-    tensors = restored.tensors
-    if plan.dtype == torch.float32:  # the fp32 masters of a bf16 run are the exact weights
+    _exact_weights(restored, restored.tensors, plan.dtype)
+    return restored.tensors, restored
+
+
+def _exact_weights(restored: checkpointing.Restored, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """In an fp32 run, the fp32 masters of a bf16 run's checkpoint are the exact weights."""
+    if dtype == torch.float32:
         for name, entry in restored.optimizer.items():
             if "master" in entry and name in tensors:
                 tensors[name] = entry["master"]
-    return tensors, restored
 
 
 def _set_up(plan: Plan, par: Parallel) -> Run:
@@ -535,9 +560,21 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
         model = StageModel(spec, ctx, par.pp_rank, plan.dtype, par.device, cfg.activation_checkpointing)
     model.load_pieces({k: v.to(par.device) for k, v in tensors.items()})
     model.train()
+    trained: torch.nn.Module = model
+    trained_spec, adapters = spec, None
+    if plan.lora is not None:
+        tensors = restored.tensors if restored is not None else plan.lora.initial(cfg.seed, par.tp_rank, par.pp_rank)
+        trained = adapters = plan.lora.attach(model, tensors, par, plan.dtype)
+        trained_spec = plan.lora.spec
+    experts: frozenset[str] | set[str] = frozenset()
+    tp_partial: frozenset[str] | set[str] = frozenset()
+    if plan.lora is not None:  # the adapters' replicated halves get partial gradients per tp rank
+        tp_partial = plan.lora.spec.replicated_names(par.pp_rank)
+    elif is_moe:
+        experts, tp_partial = moe.expert_names(model), moe.tp_partial_names(model)
     optimizer = Optimizer(
-        model,
-        spec,
+        trained,
+        trained_spec,
         par,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
@@ -547,8 +584,8 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
         zero1=cfg.zero1,
         sequence_parallel=cfg.sequence_parallel,
         sources=tensors,
-        experts=moe.expert_names(model) if is_moe else frozenset(),
-        tp_partial=moe.tp_partial_names(model) if is_moe else frozenset(),
+        experts=experts,
+        tp_partial=tp_partial,
     )
     del tensors
     schedule = RunSchedule(cfg)
@@ -592,7 +629,7 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
             spec.dims.num_layers,
             carry=moe.carry_meta(spec) if is_moe else None,
         )
-    return Run(model, optimizer, schedule, batches, loss_fn, pipeline, start_step, moe_loss)
+    return Run(model, optimizer, schedule, batches, loss_fn, pipeline, start_step, moe_loss, adapters)
 
 
 def _announce(plan: Plan, par: Parallel, run: Run) -> None:
@@ -611,6 +648,9 @@ def _announce(plan: Plan, par: Parallel, run: Run) -> None:
         )
         if on
     ]
+    if plan.lora is not None:
+        trained = sum(math.prod(s) for s in plan.lora.spec.full_shapes.values())
+        extras.append(f"LoRA {plan.lora.settings.describe()} ({trained / 1e6:.3f}M trained)")
     log.info(
         "%d process%s: tp %d x pp %d%s x dp %d (%s, %s); %s %.2fM parameters in %s; %d micro-batch%s of "
         "%d x %d tokens per step%s%s",
@@ -637,7 +677,7 @@ def _announce(plan: Plan, par: Parallel, run: Run) -> None:
 def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
     """The optimizer steps from run.start_step to --steps, with metrics and checkpoints."""
     cfg = plan.cfg
-    saver = checkpointing.Saver(plan, par) if cfg.checkpoint_dir else None
+    saver = checkpointing.Saver(plan, par, plan.lora.spec if plan.lora else None) if cfg.checkpoint_dir else None
     reporter = Reporter(plan, par, run.start_step)
     summary = Summary(first_step=run.start_step, layout=plan.spec.layout.describe())
     if par.leader:
@@ -666,7 +706,9 @@ def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
                 eval_seconds += evaluated["eval_time"]
                 reporter.evaluation(evaluated)
             if saver is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
-                summary.checkpoints.append(saver.save(step + 1, run.model, run.optimizer, run.schedule, run.batches))
+                summary.checkpoints.append(
+                    saver.save(step + 1, run.adapters or run.model, run.optimizer, run.schedule, run.batches)
+                )
         if saver is not None:
             saver.finish()
     finally:
@@ -792,7 +834,17 @@ def _export(plan: Plan, par: Parallel, run: Run, summary: Summary) -> str:
     if cfg.model_config:  # its tokenizer and generation config, when beside it
         config = Path(cfg.model_config)
         source_dir = str(config if config.is_dir() else config.parent)
-    return str(export_hf(run.model, plan.spec, par, cfg.export_hf, source_dir, plan.dtype, export_run(cfg), step))
+    merged = None
+    if plan.lora is not None:
+        assert isinstance(run.adapters, lora.AdapterSet)  # _set_up attaches them for a LoRA plan
+        if cfg.export_lora:
+            marker = (EXPORT_MARKER, {"run": export_run(cfg), "step": step})
+            base = str(Path(cfg.model).absolute()) if cfg.model else None
+            return str(lora.export_peft(plan.lora, run.adapters, par, cfg.export_hf, base, plan.dtype, marker))
+        merged = plan.lora.merged(run.model, run.adapters, par.tp_rank, par.pp_rank)
+    return str(
+        export_hf(run.model, plan.spec, par, cfg.export_hf, source_dir, plan.dtype, export_run(cfg), step, merged)
+    )
 
 
 __all__ = ["train", "plan_run", "Plan", "Summary", "ShardkitError"]

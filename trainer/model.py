@@ -191,6 +191,8 @@ def _module_param(name: str) -> tuple[str, str]:
 class Attention(nn.Module):
     """Local q heads and kv entries of one tp rank; q/k/v parameters named per the qkv style."""
 
+    lora: Any = None  # trainer.lora.ColumnLora: adapters on q/k/v (held outside the module's state)
+
     def __init__(self, spec: ModelSpec, ctx: TPContext, dtype, device=None):
         super().__init__()
         dims, layout = spec.dims, spec.layout
@@ -232,7 +234,7 @@ class Attention(nn.Module):
         biases: list[torch.Tensor | None] = (
             [self._param(r) for r in self.bias_refs] if self.bias_refs else [None] * len(weights)
         )
-        outs = self.ctx.column_linear(x, weights, biases)
+        outs: tuple[torch.Tensor, ...] = (self.lora or self.ctx).column_linear(x, weights, biases)
         if len(outs) == 3:
             return outs
         return tuple(outs[0].split(list(self.rows), dim=-1))

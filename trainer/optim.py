@@ -7,7 +7,8 @@ into it through a post-accumulate hook). After the last micro-batch's backward:
 1. data parallel: one all-reduce (sum) of the flat buffer over dp (the loss is already scaled by
    1 / (micro-batches x dp), so the sum is the global-batch mean);
 2. sequence parallel: the Replicated pieces (norms, row-parallel biases) saw 1/tp of the sequence
-   each: their gradients are all-reduced over tp;
+   each: their gradients are all-reduced over tp; so are LoRA's replicated adapter halves
+   (`tp_partial`), whose gradients are partial on every tp rank (trainer/lora.py);
 3. replicas: a slice of a full tensor held by more than one piece (K/V heads under kv_multiplier
    > 1, an lm_head tied to the embedding on another stage) is ONE weight; each copy's gradient is
    only its own share, so the copies' gradients are summed over the ranks that hold them (NxD's kv
@@ -235,7 +236,8 @@ class Optimizer:
         self.zero1 = zero1 and self.zero_size > 1
         self.sequence_parallel = sequence_parallel and par.tp > 1
         # MoE (trainer/moe.py): expert gradients are reduced over the expert-data-parallel group, not
-        # dp, and sit after the dense ones in the flat buffer; a router's gradient is a partial sum over tp
+        # dp, and sit after the dense ones in the flat buffer. `tp_partial`: parameters whose gradient
+        # is a partial sum over tp (a MoE router; LoRA's replicated adapter halves, trainer/lora.py)
         self.experts, self.tp_partial = set(experts), set(tp_partial)
         self.slots = self._make_slots(model, spec.replicated_names(par.pp_rank))
         self.by_name = {n: s for s in self.slots for n in s.names}

@@ -133,6 +133,8 @@ def export_run(cfg) -> dict[str, Any]:
     run = {"model": where(cfg.model), "data": where(cfg.data), "checkpoint_dir": where(cfg.checkpoint_dir)}
     if getattr(cfg, "model_config", None):
         run["model_config"] = where(cfg.model_config)
+    if getattr(cfg, "lora_rank", 0):  # a LoRA run exports adapters or the merged model: not the same output
+        run["lora"] = "adapters" if cfg.export_lora else "merged"
     return run
 
 
@@ -186,11 +188,13 @@ def export_hf(
     dtype: torch.dtype,
     run: dict[str, Any],
     step: int,
+    tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the merged Hugging Face model of the current weights (of `step`) to `dst`, replacing
     it (all ranks call this): the rank files are saved as a model-only checkpoint tag in a staging
     folder, which `export_checkpoint` merges (divided among the job's processes); rank 0 then
-    marks it as `run`'s export."""
+    marks it as `run`'s export. `tensors`: the rank's pieces to write instead of the model's own
+    (LoRA's merged weights)."""
     dst = Path(dst).absolute()
     staging = dst.parent / f".{dst.name}.trainer-export-{os.getpid()}"
     staging = Path(par.broadcast_object(str(staging) if par.leader else None))
@@ -201,7 +205,8 @@ def export_hf(
             hf.copy_side_files(Path(source_dir), staging / EXPORT_TAG)
 
     try:
-        state = file_state({k: v.detach().to(dtype) for k, v in model.state_dict().items()}, par.ep_rank)
+        pieces = tensors if tensors is not None else model.state_dict()
+        state = file_state({k: v.detach().to(dtype) for k, v in pieces.items()}, par.ep_rank)
         rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=par.ep_rank, dp=par.edp_rank)
         checkpointer.save(staging, EXPORT_TAG, state, layout=spec.layout, config=spec.config, rank=rank)
         par.all_ok(copy_side_files)

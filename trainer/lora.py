@@ -1,0 +1,537 @@
+"""LoRA fine-tuning on the tensor-parallel layers (`--lora-rank r --lora-alpha a --lora-targets ...`).
+
+A targeted linear layer y = x W^T becomes y = x W^T + (alpha / r) * (x A^T) B^T with A (r, in) and
+B (out, r), as peft computes it; W is frozen and only A and B train. Under tensor parallelism the
+adapters are cut like the base weight they sit on, and the cut is shardkit's own:
+
+- column-parallel bases (q, k, v, gate, up): B is split on its output rows exactly as W's rows are
+  (the same head segments for q/k/v, kv-multiplier replicas included, whatever the qkv style; the
+  gate or up rows of NxD's fused gate_up), and A is replicated;
+- row-parallel bases (o, down): A is split on its input columns as W's columns are, B replicated.
+
+The adapters form a model family of their own (`lora_family`): for every adapted weight a
+placement whose pieces are the base placement's segments of that weight, re-pointed at the adapter
+tensor. So the layout algebra places, saves, reshards and gathers adapters like any weights: a
+checkpoint holds only the adapters (shardkit's Checkpointer with the adapter family's config), a
+resume on another layout reshards them, and the optimizer's replica sync finds the kv replicas of
+B_k / B_v.
+
+Gradients of the replicated halves are partial on each tp rank: a column layer's A gets
+s B_r^T dy_r x^T from tp rank r (only its rows of B and of the output gradient), a row layer's B
+gets s dy (x_r A_r^T)^T (only its share of the rank-r projection), so both are summed over tp
+(`Optimizer(tp_partial=...)`: their names). The split halves' gradients are whole on their rank.
+
+Initial values are drawn as peft draws them (A kaiming-uniform with a = sqrt(5), B zero), each full
+A from a generator seeded by (--seed, name) alone and then sliced, so every layout starts from the
+same adapters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank
+from shardkit.families import Family, known_families, register
+from shardkit.formats import SourceReader, open_checkpoint
+from shardkit.layout import ModelDims
+from shardkit.placements import Piece, Placement, Replicated, Segment, build_piece, make_piece, whole
+
+from .errors import TrainerError
+from .layers import TPContext
+from .model import DecoderLayer, ModelSpec, StageModel
+from .parallel import Parallel
+
+log = logging.getLogger("trainer")
+
+# --lora-targets name -> the module inside a decoder layer (peft's target_modules are the last part)
+TARGETS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+LORA_KEY = "trainer_lora"  # the adapter config's section in a checkpoint's config.json
+PEFT_PREFIX = "base_model.model."
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The adapters of a run: rank, alpha and the targeted modules (in TARGETS order)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+
+    @property
+    def scale(self) -> float:
+        """peft's scaling: lora_alpha / r."""
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+
+    def describe(self) -> str:
+        return f"rank {self.rank}, alpha {self.alpha:g}, targets {','.join(self.targets)}"
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """`q,k,v,o,gate,up,down` (peft's `q_proj`, ... too) -> the targets in TARGETS order."""
+    names = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not names:
+        raise TrainerError(f"--lora-targets is empty: name some of {','.join(TARGETS)}")
+    chosen = set()
+    for name in names:
+        short = name.removesuffix("_proj")
+        if short not in TARGETS:
+            raise TrainerError(f"--lora-targets: unknown target {name!r}; known: {','.join(TARGETS)}")
+        chosen.add(short)
+    return tuple(t for t in TARGETS if t in chosen)
+
+
+def check_options(cfg: Any) -> LoraSettings | None:
+    """The run's LoRA settings from its options (None without --lora-rank), or a TrainerError."""
+    if cfg.lora_rank < 0:
+        raise TrainerError(
+            f"--lora-rank must be a positive whole number (the adapters' rank), got {cfg.lora_rank}; "
+            "leave it out (0) to train every weight"
+        )
+    if cfg.lora_rank == 0:
+        if cfg.export_lora:
+            raise TrainerError("--export-lora writes LoRA adapters: it needs --lora-rank")
+        return None
+    if cfg.model_config:
+        raise TrainerError(
+            "--lora-rank fine-tunes an existing model: give --model (adapters on --model-config's random "
+            "weights would never be trained with them)"
+        )
+    if not cfg.model:
+        raise TrainerError(
+            "--lora-rank needs --model: LoRA checkpoints hold only the adapters, the frozen weights come from --model"
+        )
+    if not cfg.lora_alpha > 0:
+        raise TrainerError(f"--lora-alpha must be positive (scaling = alpha / rank), got {cfg.lora_alpha}")
+    if cfg.export_lora and not cfg.export_hf:
+        raise TrainerError("--export-lora says what --export-hf writes: give --export-hf DIR")
+    return LoraSettings(cfg.lora_rank, float(cfg.lora_alpha), parse_targets(cfg.lora_targets))
+
+
+def saved_settings(config: Mapping[str, Any] | None) -> LoraSettings | None:
+    """The LoRA settings a checkpoint's config records (None: a checkpoint of full weights)."""
+    section = (config or {}).get(LORA_KEY)
+    if not isinstance(section, Mapping):
+        return None
+    return LoraSettings(int(section["rank"]), float(section["alpha"]), tuple(section["targets"]))
+
+
+def base_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The base model's config inside an adapter checkpoint's config (the config itself otherwise)."""
+    section = config.get(LORA_KEY)
+    if not isinstance(section, Mapping):
+        return dict(config)
+    out = {k: v for k, v in config.items() if k != LORA_KEY}
+    out["model_type"] = section["base_model_type"]
+    return out
+
+
+def check_checkpoint(cfg: Any, saved: Mapping[str, Any] | None, where: Path) -> None:
+    """Refuse (bad input) resuming adapters without --lora-rank, full weights with it, or adapters
+    of other settings (their shapes or meaning differ)."""
+    have = saved_settings(saved)
+    want = check_options(cfg)
+    if have is None and want is None:
+        return
+    if want is None:
+        assert have is not None
+        raise TrainerError(
+            f"checkpoint {where} holds LoRA adapters ({have.describe()}): resume it with --lora-rank {have.rank} "
+            f"--lora-alpha {have.alpha:g} --lora-targets {','.join(have.targets)}"
+        )
+    if have is None:
+        raise TrainerError(
+            f"checkpoint {where} holds full weights, not LoRA adapters: resume it without --lora-rank, or "
+            "start the LoRA run from --model with another --checkpoint-dir"
+        )
+    if have != want:
+        raise TrainerError(
+            f"checkpoint {where} holds LoRA adapters of {have.describe()}, this run asks for {want.describe()}: "
+            "pass the checkpoint's settings"
+        )
+
+
+# ---- the adapters as a model family -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdapterSplit:
+    """An adapter matrix split over tp like its base weight: the segments of `source` in the base
+    placement's pieces, re-pointed at the adapter tensor `name` (B of a column-parallel weight,
+    dim 0; A of a row-parallel one, dim 1)."""
+
+    expert: ClassVar[bool] = False
+    base: Placement
+    source: str  # the base weight, inside a layer ("self_attn.q_proj.weight")
+    name: str  # the adapter tensor ("self_attn.q_proj.lora_B.weight")
+    dim: int
+    rank: int
+
+    def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
+        out, inn = self.base.shapes(dims)[self.source]
+        return {self.name: (out, self.rank) if self.dim == 0 else (self.rank, inn)}
+
+    def sources(self, dims: ModelDims) -> list[str]:
+        return [self.name]
+
+    def split_dims(self, dims: ModelDims) -> dict[str, int]:
+        return {self.name: self.dim}
+
+    def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
+        base_shapes = {prefix + n: s for n, s in self.base.shapes(dims).items()}
+        segments = [
+            Segment(prefix + self.name, s.dim, s.start, s.stop)
+            for piece in self.base.pieces(prefix, layout, dims, tp_rank, base_shapes)
+            for s in piece.segments
+            if s.source == prefix + self.source
+        ]
+        return [make_piece(prefix + self.name, segments, full_shapes)]
+
+
+def _in_features(base: Placement, source: str):
+    return lambda dims: base.shapes(dims)[source][1]
+
+
+def _out_features(base: Placement, source: str):
+    return lambda dims: base.shapes(dims)[source][0]
+
+
+def model_type_of(base: Family, settings: LoraSettings) -> str:
+    return f"{LORA_KEY}_{base.name}_r{settings.rank}_{'_'.join(settings.targets)}"
+
+
+def lora_family(base: Family, dims: ModelDims, settings: LoraSettings) -> Family:
+    """The adapters of `settings` on `base`'s layers as a registered family (A then B per target)."""
+    model_type = model_type_of(base, settings)
+    known = known_families().get(model_type)
+    if known is not None:
+        return known
+    rules: list[Placement] = []
+    for target in settings.targets:
+        module = TARGETS[target]
+        source = module + ".weight"
+        owner = next((r for r in base.layer if source in r.sources(dims)), None)
+        if owner is None:
+            raise TrainerError(f"--lora-targets {target}: the {base.name} family has no {source}")
+        a, b = module + ".lora_A.weight", module + ".lora_B.weight"
+        if owner.split_dims(dims)[source] == 0:  # column-parallel: B split like W's rows, A replicated
+            rules += [
+                Replicated(a, (settings.rank, _in_features(owner, source))),
+                AdapterSplit(owner, source, b, 0, settings.rank),
+            ]
+        else:  # row-parallel: A split like W's columns, B replicated
+            rules += [
+                AdapterSplit(owner, source, a, 1, settings.rank),
+                Replicated(b, (_out_features(owner, source), settings.rank)),
+            ]
+    return register(Family(name=LORA_KEY, model_types=(model_type,), first=(), layer=tuple(rules), final=()))
+
+
+def adapter_spec(spec: ModelSpec, settings: LoraSettings) -> ModelSpec:
+    """The adapters as a ModelSpec (their family, the base dims, the run's layout): its config is
+    what adapter checkpoints record."""
+    family = lora_family(spec.family, spec.dims, settings)
+    config = dict(spec.config)
+    config["model_type"] = family.model_types[0]
+    config["tie_word_embeddings"] = spec.dims.tie_word_embeddings
+    config[LORA_KEY] = {**settings.to_dict(), "base_model_type": spec.dims.model_type}
+    return ModelSpec(config, family, ModelDims.from_config(config), spec.layout)
+
+
+# ---- the adapters in the model --------------------------------------------------------------------------
+
+
+class AdapterSet(nn.Module):
+    """This rank's adapter pieces as parameters named exactly like the pieces
+    (`model.layers.3.self_attn.q_proj.lora_B.weight`): `state_dict()` is the adapter rank file."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        for name, tensor in tensors.items():
+            *path, leaf = name.split(".")
+            module: nn.Module = self
+            for part in path:
+                child = module._modules.get(part)
+                if child is None:
+                    child = nn.Module()
+                    module.add_module(part, child)
+                module = child
+            module.register_parameter(leaf, nn.Parameter(tensor.to(device=device, dtype=dtype).contiguous()))
+
+
+@dataclass
+class Adapter:
+    """One adapted weight's A and B on this rank (views of AdapterSet parameters) and its scaling."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+
+    def delta(self, lowrank: torch.Tensor) -> torch.Tensor:
+        return F.linear(lowrank, self.B) * self.scale
+
+
+class ColumnLora:
+    """Column-parallel matmuls sharing one input, with adapters on runs of their output rows.
+
+    `runs[i]` lists weight i's local output rows in order as (rows, adapter or None): q/k/v held
+    fused are three runs of one weight, NxD's gate_up two. The A matrices join the base weights in
+    ONE `column_linear` (so the input's gradient is reduced once, and with sequence parallelism
+    gathered once); each adapted run then adds scale * B (A x)."""
+
+    def __init__(self, ctx: TPContext, runs: list[list[tuple[int, Adapter | None]]]):
+        self.ctx = ctx
+        self.runs = runs
+        self.adapters = [a for weight in runs for _, a in weight if a is not None]
+
+    def column_linear(
+        self, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+    ) -> tuple[torch.Tensor, ...]:
+        extra = len(self.adapters)
+        outs = self.ctx.column_linear(x, [*weights, *(a.A for a in self.adapters)], [*biases, *([None] * extra)])
+        lowrank = {id(a): u for a, u in zip(self.adapters, outs[len(weights) :])}
+        result = []
+        for out, runs in zip(outs[: len(weights)], self.runs):
+            if all(a is None for _, a in runs):
+                result.append(out)
+                continue
+            parts = [
+                a.delta(lowrank[id(a)]) if a is not None else out.new_zeros((*out.shape[:-1], rows)) for rows, a in runs
+            ]
+            result.append(out + (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)))
+        return tuple(result)
+
+
+class RowLora:
+    """A row-parallel matmul with an adapter: x_r W_r^T + scale * (x_r A_r^T) B^T, a partial sum
+    like the base product (reduced over tp after it, with the base)."""
+
+    def __init__(self, adapter: Adapter):
+        self.adapter = adapter
+
+    def partial(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight) + self.adapter.delta(F.linear(x, self.adapter.A))
+
+
+def _runs(piece: Piece) -> list[tuple[str, int]]:
+    """A column-parallel piece's local rows as runs of one source each: [(source, rows), ...]."""
+    runs: list[tuple[str, int]] = []
+    for seg in piece.segments:
+        if runs and runs[-1][0] == seg.source:
+            runs[-1] = (seg.source, runs[-1][1] + seg.length)
+        else:
+            runs.append((seg.source, seg.length))
+    if len({s for s, _ in runs}) != len(runs):
+        raise TrainerError(f"{piece.name}: the rows of one weight are not contiguous; LoRA cannot adapt it")
+    return runs
+
+
+@dataclass
+class Lora:
+    """A run's LoRA: its settings and the adapters' spec (family, config, layout)."""
+
+    settings: LoraSettings
+    spec: ModelSpec  # the adapters'
+    base: ModelSpec  # the model's
+
+    def initial(self, seed: int, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+        """This rank's initial adapter pieces (fp32): peft's init of the full tensors, drawn from
+        (seed, name) alone and sliced, so that every layout starts from the same adapters."""
+        shapes = self.spec.full_shapes
+        full: dict[str, torch.Tensor] = {}
+
+        def fetch(seg: Segment) -> torch.Tensor:
+            if seg.source not in full:
+                full[seg.source] = initial_tensor(seg.source, shapes[seg.source], seed)
+            return full[seg.source].narrow(seg.dim, seg.start, seg.length)
+
+        return {p.name: build_piece(p, fetch) for p in self.spec.rank_pieces(tp_rank, pp_rank)}
+
+    def attach(
+        self, model: StageModel, tensors: Mapping[str, torch.Tensor], par: Parallel, dtype: torch.dtype
+    ) -> AdapterSet:
+        """Freeze `model`, build the adapters from `tensors` and hook them into its layers."""
+        for p in model.parameters():
+            p.requires_grad_(False)
+        adapters = AdapterSet(tensors, dtype, par.device)
+        base_pieces = {p.name: p for p in self.base.rank_pieces(par.tp_rank, par.pp_rank)}
+        scale = self.settings.scale
+        targeted = {TARGETS[t] for t in self.settings.targets}
+
+        def adapter(module: str) -> Adapter | None:
+            if module.split(".", 3)[-1] not in targeted:
+                return None
+            A = adapters.get_parameter(module + ".lora_A.weight")
+            B = adapters.get_parameter(module + ".lora_B.weight")
+            return Adapter(A, B, scale)
+
+        def column(piece_names: list[str]) -> ColumnLora | None:
+            runs: list[list[tuple[int, Adapter | None]]] = []
+            for name in piece_names:
+                weight_runs = []
+                for source, rows in _runs(base_pieces[name]):
+                    a = adapter(source.removesuffix(".weight"))
+                    if a is not None and a.B.shape[0] != rows:
+                        raise TrainerError(f"{source}: lora_B holds {a.B.shape[0]} rows, the base piece {rows}")
+                    weight_runs.append((rows, a))
+                runs.append(weight_runs)
+            lora = ColumnLora(model.ctx, runs)
+            return lora if lora.adapters else None
+
+        for i in model.layer_ids:
+            prefix = f"model.layers.{i}."
+            layer = cast(DecoderLayer, model.model.layers[str(i)])
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.lora = column([f"{prefix}self_attn.{m}.{p}" for m, p in attn.weight_refs])
+            rows = [(attn.o_proj, "self_attn.o_proj")]
+            if hasattr(mlp, "gate_up_proj"):  # a dense MLP (lora_family refuses gate/up/down targets otherwise)
+                mlp.gate_up_proj.lora = column([f"{prefix}mlp.gate_up_proj.weight"])
+                rows.append((mlp.down_proj, "mlp.down_proj"))
+            for row, module in rows:
+                a = adapter(prefix + module)
+                row.lora = RowLora(a) if a is not None else None
+        return adapters
+
+    def merged(self, model: StageModel, adapters: AdapterSet, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+        """The rank's base pieces with scale * B A added (fp32), for the merged export."""
+        state = {k: v.detach().float() for k, v in model.state_dict().items()}
+        scale = self.settings.scale
+        targeted = {TARGETS[t] for t in self.settings.targets}
+        for piece in self.base.rank_pieces(tp_rank, pp_rank):
+            offset = 0
+            b_rows: dict[str, int] = {}  # per source: rows of its B piece used so far (same order as here)
+            for seg in piece.segments:
+                module = seg.source.removesuffix(".weight")
+                if seg.source.endswith(".weight") and module.split(".", 3)[-1] in targeted:
+                    A = adapters.get_parameter(module + ".lora_A.weight").detach().float()
+                    B = adapters.get_parameter(module + ".lora_B.weight").detach().float()
+                    W = state[piece.name]
+                    if seg.dim == 0:  # column-parallel: these rows of W get B's matching rows times A
+                        first = b_rows.get(module, 0)
+                        W[offset : offset + seg.length] += scale * B[first : first + seg.length] @ A
+                        b_rows[module] = first + seg.length
+                    else:  # row-parallel: these columns of W get B times A's matching columns
+                        W[:, offset : offset + seg.length] += scale * B @ A[:, offset : offset + seg.length]
+                offset += seg.length
+        return state
+
+
+def _seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/lora/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def initial_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """peft's init of one full adapter tensor: A kaiming-uniform (a = sqrt(5)), B zero."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    if ".lora_A." in name:
+        gen = torch.Generator().manual_seed(_seed(seed, name))
+        nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=gen)
+    return out
+
+
+def make_lora(settings: LoraSettings | None, spec: ModelSpec) -> Lora | None:
+    return Lora(settings, adapter_spec(spec, settings), spec) if settings is not None else None
+
+
+# ---- PEFT export ----------------------------------------------------------------------------------------
+
+
+def peft_config(settings: LoraSettings, base_model: str | None) -> dict[str, Any]:
+    """adapter_config.json as peft reads it (LoraConfig fields)."""
+    alpha: float | int = int(settings.alpha) if float(settings.alpha).is_integer() else settings.alpha
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": settings.rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(TARGETS[t].split(".")[-1] for t in settings.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+
+
+def export_peft(
+    lora: Lora,
+    adapters: AdapterSet,
+    par: Parallel,
+    dst: str | Path,
+    base_model: str | None,
+    dtype: torch.dtype,
+    marker: tuple[str, dict[str, Any]],
+) -> Path:
+    """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, peft's names)
+    to `dst`, replacing it (all ranks call this): the adapter pieces are saved as a checkpoint tag
+    in a staging folder, from which rank 0 reads the full tensors (shardkit gathers them)."""
+    from safetensors.torch import save_file
+
+    dst = Path(dst).absolute()
+    staging = dst.parent / f".{dst.name}.trainer-lora-{os.getpid()}"
+    staging = Path(par.broadcast_object(str(staging) if par.leader else None))
+    checkpointer = Checkpointer(CheckpointerConfig(format="torch", fsync=False))
+
+    def write() -> None:
+        if not par.leader:
+            return
+        ckpt = open_checkpoint(staging / "adapters")
+        shapes, dims = ckpt.full_shapes, ckpt.family.split_dims(ckpt.dims)
+        reader = SourceReader(ckpt)
+        try:
+            full = {
+                PEFT_PREFIX + n: reader.read_piece(make_piece(n, [whole(n, shapes, dims[n])], shapes)).contiguous()
+                for n in shapes
+            }
+        finally:
+            reader.close()
+        out = staging / "out"
+        out.mkdir()
+        save_file(full, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+        (out / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora.settings, base_model), indent=2) + "\n")
+        (out / marker[0]).write_text(json.dumps(marker[1], indent=2) + "\n")
+        if dst.exists():
+            shutil.rmtree(dst)
+        out.rename(dst)
+
+    try:
+        state = {k: v.detach().to(dtype) for k, v in adapters.state_dict().items()}
+        rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=0, dp=par.dp_rank)
+        checkpointer.save(staging, "adapters", state, layout=lora.spec.layout, config=lora.spec.config, rank=rank)
+        par.all_ok(write)
+    finally:
+        checkpointer.close()
+        par.barrier()
+        if par.leader:
+            shutil.rmtree(staging, ignore_errors=True)
+    return dst
