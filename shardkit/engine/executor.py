@@ -121,14 +121,14 @@ def execute(
                     raise _Cancelled()
                 blocks = reader.row_blocks(piece) if chunked is not None else None
                 if chunked is not None and blocks is not None:
-                    chunked.write_chunks(piece.name, blocks)
+                    chunked.write_chunks(piece.name, blocks, owned=True)
                 else:
                     tensor = reader.read_piece(piece)
                     if tensor.dtype != spec.dtype:
                         tensor = tensor.to(spec.dtype)
                     if tuple(tensor.shape) != piece.shape:
                         raise FormatError(f"{piece.name}: read shape {tuple(tensor.shape)}, expected {piece.shape}")
-                    writer.write(piece.name, tensor)
+                    writer.write(piece.name, tensor, owned=True)  # read for this file alone: never changed
                     del tensor
                 if progress:
                     report(spec.nbytes)
