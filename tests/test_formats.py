@@ -799,6 +799,31 @@ def test_positional_reads_of_column_blocks_in_row_chunks(chunk, tmp_path, monkey
         os.close(fd)
 
 
+def test_advise_names_the_bytes_a_slice_spans(tmp_path, monkeypatch):
+    """The read-ahead hint of a slice covers exactly the bytes read_stored reads for it."""
+    import shardkit.formats.base as base
+
+    stored = base.StoredTensor(torch.float32, (7, 5, 6), file_offset=8, storage_offset=4)
+    hints, reads = [], []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: hints.append((offset, length)))
+    path = tmp_path / "raw.bin"
+    path.write_bytes(bytes(8 + 4 * (4 + 7 * 5 * 6)))
+    real_pread = base.pread_exact
+    monkeypatch.setattr(base, "pread_exact", lambda fd, view, offset, what: (reads.append((offset, len(view))), real_pread(fd, view, offset, what))[1])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for dim, start, stop in [(0, 2, 5), (1, 1, 4), (2, 3, 6), (0, None, None)]:
+            hints.clear(), reads.clear()
+            base.advise_stored(fd, stored, dim, start, stop)
+            base.read_stored(fd, stored, dim, start, stop, "raw.bin")
+            assert hints == reads, (dim, start, stop)
+        hints.clear()
+        base.advise_stored(fd, stored, 1, 2, 2)  # empty: nothing to read, no hint
+        assert hints == []
+    finally:
+        os.close(fd)
+
+
 def test_owned_writes_are_hashed_in_file_order(tmp_path, monkeypatch):
     """Blocks written with write_owned are hashed behind the writes (by the helper thread or the
     writer), small writes between them follow them: the digest is the file's whatever the order

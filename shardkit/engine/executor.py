@@ -116,9 +116,11 @@ def execute(
         chunked = cast(ChunkedWriter, writer) if file_format.chunked_writes else None
         reader = SourceReader(src, index=index, hashes=hashes)
         try:
-            for piece, spec in zip(out.pieces, specs):
+            for i, (piece, spec) in enumerate(zip(out.pieces, specs)):
                 if cancel.is_set():
                     raise _Cancelled()
+                if i + 1 < len(out.pieces):  # a cold disk reads the next piece while this one is written
+                    reader.advise(out.pieces[i + 1])
                 blocks = reader.row_blocks(piece) if chunked is not None else None
                 if chunked is not None and blocks is not None:
                     chunked.write_chunks(piece.name, blocks, owned=True)

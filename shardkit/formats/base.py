@@ -645,6 +645,27 @@ def _read_span(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int 
     return base.as_strided(out_shape, stride)
 
 
+def advise_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int | None) -> None:
+    """Ask the kernel to start reading the bytes a slice spans (POSIX_FADV_WILLNEED), so that on a
+    cold cache the disk works while the caller is still busy with the slice before; a no-op where
+    the bytes are cached or the hint is not supported."""
+    shape, stride, item = list(t.shape), list(t.strides()), t.dtype.itemsize
+    if not shape:
+        return
+    start = 0 if start is None else start
+    stop = shape[dim] if stop is None else stop
+    sub = shape.copy()
+    sub[dim] = stop - start
+    if 0 in sub:
+        return
+    extent = 1 + sum((n - 1) * st for n, st in zip(sub, stride))
+    first = t.file_offset + (t.storage_offset + start * stride[dim]) * item
+    try:
+        os.posix_fadvise(fd, first, extent * item, os.POSIX_FADV_WILLNEED)
+    except (AttributeError, OSError):
+        pass
+
+
 def read_rows_into(fd: int, t: StoredTensor, start: int, stop: int, out: torch.Tensor, what: str) -> bool:
     """Read rows [start, stop) of a row-major stored tensor straight into `out` (a contiguous
     tensor of the same dtype and row shape). False when the stored layout does not allow it."""

@@ -30,6 +30,7 @@ from .base import (
     HashingFile,
     StoredTensor,
     TensorSpec,
+    advise_stored,
     check_specs,
     read_rows_into,
     read_stored,
@@ -257,6 +258,10 @@ class SafetensorsFile(DescriptorReader):
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
         return read_rows_into(self._open_fd, self._tensors[name], start, stop, out, str(self.path))
+
+    def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
+        """Start reading a slice's bytes in the background (see `advise_stored`)."""
+        advise_stored(self._open_fd, self._tensors[name], dim, start, stop)
 
     def close(self) -> None:
         self._close_fd()

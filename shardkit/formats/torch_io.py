@@ -33,6 +33,7 @@ from .base import (
     HashingFile,
     StoredTensor,
     TensorSpec,
+    advise_stored,
     check_specs,
     compact,
     narrow,
@@ -273,6 +274,12 @@ class TorchFile(DescriptorReader):
         return isinstance(value, StoredTensor) and read_rows_into(
             self._open_fd, value, start, stop, out, str(self.path)
         )
+
+    def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
+        """Start reading a slice's bytes in the background (see `advise_stored`)."""
+        value = self._sd[name]
+        if isinstance(value, StoredTensor):
+            advise_stored(self._open_fd, value, dim, start, stop)
 
     def close(self) -> None:
         self._close_fd()
