@@ -175,7 +175,7 @@ per CPU second for 2-64 MiB writes against 3.5-4.5 GB/s for 256 KiB-1 MiB writes
 PARALLEL_HASH_MIN = 1 << 20
 """Blocks at least this large are hashed by the helper thread while they are written."""
 
-HASH_BEHIND = 64 << 20
+HASH_BEHIND = 32 << 20
 """At most this many bytes of owned blocks (`HashingFile.write_owned`) wait to be hashed per file
 after their write returned: bounds the memory their owners keep alive (a single larger block is
 hashed before its write returns)."""
