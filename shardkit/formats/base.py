@@ -185,11 +185,13 @@ class _HashJob:
     """One block to hash: done by the helper thread or, when the helper has not begun it by the
     time the block is written, by the writing thread itself (`finish`). The blocks of one file
     are chained (`prev`): a block is hashed only once the one before it is, so the digest sees
-    the bytes in file order whichever thread runs which block."""
+    the bytes in file order whichever thread runs which block. `prefix`: small writes that came
+    between the block before and this one (copied), hashed first."""
 
-    __slots__ = ("hash", "view", "owner", "prev", "size", "taken", "done")
+    __slots__ = ("hash", "prefix", "view", "owner", "prev", "size", "taken", "done")
 
     hash: Any  # a hashlib object
+    prefix: bytes | None
     view: memoryview | None  # None once hashed
     owner: object  # keeps the bytes of `view` alive (None: the caller waits until they are hashed)
     prev: _HashJob | None  # the file's block before this one, until it is hashed
@@ -197,8 +199,15 @@ class _HashJob:
     taken: bool
     done: threading.Event
 
-    def __init__(self, digest: Any, view: memoryview, owner: object = None, prev: _HashJob | None = None):
-        self.hash, self.view, self.owner, self.prev = digest, view, owner, prev
+    def __init__(
+        self,
+        digest: Any,
+        view: memoryview,
+        owner: object = None,
+        prev: _HashJob | None = None,
+        prefix: bytes | None = None,
+    ):
+        self.hash, self.view, self.owner, self.prev, self.prefix = digest, view, owner, prev, prefix
         self.size, self.taken, self.done = len(view), False, threading.Event()
 
     def take(self) -> bool:
@@ -213,9 +222,11 @@ class _HashJob:
             prev = self.prev
             if prev is not None:
                 prev.wait()
+            if self.prefix:
+                self.hash.update(self.prefix)
             self.hash.update(self.view)
         finally:
-            self.view = self.owner = self.prev = None
+            self.view = self.owner = self.prev = self.prefix = None
             self.done.set()
 
     def wait(self) -> None:
@@ -290,6 +301,7 @@ class HashingFile:
         self._fh: io.BufferedWriter | None = None
         self._behind: collections.deque[_HashJob] = collections.deque()  # written, not yet hashed
         self._behind_bytes = 0
+        self._tail = bytearray()  # small writes after the blocks behind: hashed with the next block
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if expected_size is not None:
             try:  # the file this one replaces frees its blocks (unless linked elsewhere too)
@@ -338,11 +350,14 @@ class HashingFile:
     def _write(self, view: memoryview, owner: object) -> int:
         behind = self._behind
         job = None
+        tailed = False
         if len(view) >= PARALLEL_HASH_MIN:
-            job = _HASHER.submit(_HashJob(self._hash, view, owner, behind[-1] if behind else None))
-        elif behind:  # blocks before it are still being hashed: it follows them, as a copy
-            owner = True
-            job = _HASHER.submit(_HashJob(self._hash, memoryview(bytes(view)), owner, behind[-1]))
+            prefix = bytes(self._tail) if self._tail else None
+            self._tail.clear()
+            job = _HASHER.submit(_HashJob(self._hash, view, owner, behind[-1] if behind else None, prefix))
+        elif behind:  # blocks before it are still being hashed: a copy follows them (see _settle)
+            self._tail += view
+            tailed = True
         try:
             if len(view) <= WRITE_BLOCK:
                 written = self._file.write(view)
@@ -357,7 +372,8 @@ class HashingFile:
             self._settle(job, -1)
             raise
         if job is None:
-            self._hash.update(view)
+            if not tailed:
+                self._hash.update(view)
         else:
             self._settle(job, HASH_BEHIND if owner is not None else -1)
         self.size += len(view)
@@ -374,6 +390,9 @@ class HashingFile:
             oldest = behind.popleft()
             self._behind_bytes -= oldest.size
             oldest.finish()
+        if limit < 0 and self._tail:  # every block is hashed: the small writes after them follow
+            self._hash.update(self._tail)
+            self._tail.clear()
 
     def flush(self) -> None:
         try:
