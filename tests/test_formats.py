@@ -780,6 +780,7 @@ def test_positional_reads_of_column_blocks_in_row_chunks(chunk, tmp_path, monkey
     import shardkit.formats.base as base
 
     monkeypatch.setattr(base, "STRIDED_READ_CHUNK", chunk)
+    monkeypatch.setattr(base, "MAP_WINDOW", chunk)  # 64: a mapping per row, at unaligned offsets
     torch.manual_seed(0)
     full = torch.randn(7, 5, 6)
     path = tmp_path / "raw.bin"
@@ -790,8 +791,77 @@ def test_positional_reads_of_column_blocks_in_row_chunks(chunk, tmp_path, monkey
         for dim, start, stop in [(1, 1, 4), (2, 0, 3), (2, 5, 6), (0, 2, 5), (1, 0, 5)]:
             got = base.read_stored(fd, stored, dim, start, stop, "raw.bin")
             assert torch.equal(got, full.narrow(dim, start, stop - start)), (dim, start, stop)
+        # a tensor said to reach past the end of the file: a FormatError, never a fault (SIGBUS)
+        past_end = base.StoredTensor(torch.float32, (8, 5, 6), file_offset=8, storage_offset=4)
+        with pytest.raises(FormatError, match="truncated"):
+            base.read_stored(fd, past_end, 2, 1, 3, "raw.bin")
     finally:
         os.close(fd)
+
+
+def test_advise_names_the_bytes_a_slice_spans(tmp_path, monkeypatch):
+    """The read-ahead hint of a slice covers exactly the bytes read_stored reads for it."""
+    import shardkit.formats.base as base
+
+    stored = base.StoredTensor(torch.float32, (7, 5, 6), file_offset=8, storage_offset=4)
+    hints, reads = [], []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: hints.append((offset, length)))
+    path = tmp_path / "raw.bin"
+    path.write_bytes(bytes(8 + 4 * (4 + 7 * 5 * 6)))
+    real_pread = base.pread_exact
+    monkeypatch.setattr(base, "pread_exact", lambda fd, view, offset, what: (reads.append((offset, len(view))), real_pread(fd, view, offset, what))[1])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for dim, start, stop in [(0, 2, 5), (1, 1, 4), (2, 3, 6), (0, None, None)]:
+            hints.clear(), reads.clear()
+            base.advise_stored(fd, stored, dim, start, stop)
+            base.read_stored(fd, stored, dim, start, stop, "raw.bin")
+            assert hints == reads, (dim, start, stop)
+        hints.clear()
+        base.advise_stored(fd, stored, 1, 2, 2)  # empty: nothing to read, no hint
+        assert hints == []
+    finally:
+        os.close(fd)
+
+
+def test_owned_writes_are_hashed_in_file_order(tmp_path, monkeypatch):
+    """Blocks written with write_owned are hashed behind the writes (by the helper thread or the
+    writer), small writes between them follow them: the digest is the file's whatever the order
+    the threads ran in, also when the window of unhashed bytes forces waits."""
+    import shardkit.formats.base as base
+
+    monkeypatch.setattr(base, "HASH_BEHIND", 3 << 20)
+    gen = torch.Generator().manual_seed(0)
+    blocks = []
+    for i in range(12):
+        size = (1 << 20) + 4096 * i if i % 3 else 100 + i  # large (behind) and small (copied) blocks
+        blocks.append(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
+    out = base.HashingFile(tmp_path / "f.bin", tmp_path)
+    for i, block in enumerate(blocks):
+        view = base.tensor_bytes(block)
+        out.write_owned(view, view) if i % 2 else out.write(view)
+    del blocks[:6]  # the caller lets go: the pending blocks keep their own bytes alive
+    record = out.close()
+    raw = (tmp_path / "f.bin").read_bytes()
+    assert record.size == len(raw) and record.sha256 == hashlib.sha256(raw).hexdigest()
+
+
+def test_torch_writer_owned_tensors_write_and_hash_the_same_bytes(tmp_path):
+    """write(owned=True) (the engine's path: the record's bytes hashed behind the write) gives the
+    bytes and sha256 of torch.save, for records large enough to go to the helper thread."""
+    gen = torch.Generator().manual_seed(1)
+    tensors = {f"w{i}": torch.randn(700 + 100 * i, 512, generator=gen).to(torch.bfloat16) for i in range(5)}
+    tensors["small"] = torch.randn(3, generator=gen)
+    expected = io.BytesIO()
+    torch.save({n: t.clone() for n, t in tensors.items()}, expected)
+    path = tmp_path / "rank.pt"
+    writer = TorchWriter(path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+    for name in list(tensors):
+        writer.write(name, tensors.pop(name), owned=True)  # the writer holds the only reference
+    (record,) = writer.close()
+    raw = path.read_bytes()
+    assert raw == expected.getvalue()
+    assert record.sha256 == hashlib.sha256(raw).hexdigest()
 
 
 # ---- 5. manifest checksums ---------------------------------------------------------------------

@@ -11,6 +11,7 @@ their sizes and sha256 (hashed while writing, never by reading back).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import math
@@ -85,11 +86,35 @@ class TensorFile(Protocol):
     def close(self) -> None: ...
 
 
+class DescriptorReader:
+    """The open file descriptor a lazy reader reads positionally through (`_fd`, None once closed)."""
+
+    path: Path
+    _fd: int | None = None
+
+    @property
+    def _open_fd(self) -> int:
+        """The file's descriptor; ValueError once the reader is closed."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the reader is closed")
+        return self._fd
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
 class TensorFileWriter(Protocol):
     """Writes one rank file; `write` is called once per spec, in spec order. Formats whose
     registry entry says `chunked_writes` also take a tensor as row blocks (`write_chunks`)."""
 
-    def write(self, name: str, tensor: torch.Tensor) -> None: ...
+    def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
+        """Write the next tensor. `owned`: the caller hands the tensor over and never changes it
+        afterwards, so its bytes may still be hashed after this returns (the writer keeps it alive
+        until then); otherwise they are hashed before this returns."""
+        ...
+
     def close(self, fsync: bool = False) -> list[FileRecord]: ...
 
     def abort(self) -> None:
@@ -101,19 +126,30 @@ class ChunkedWriter(TensorFileWriter, Protocol):
     """A writer of a format whose registry entry says `chunked_writes`: it also takes a tensor as
     consecutive blocks of rows, without the tensor ever being assembled."""
 
-    def write_chunks(self, name: str, chunks: Iterable[torch.Tensor]) -> None: ...
+    def write_chunks(self, name: str, chunks: Iterable[torch.Tensor], owned: bool = False) -> None: ...
 
 
 class DiscardOnFailure:
-    """What every streaming writer does with failure: leaving a `with` block on an exception
-    aborts the file, and a writer abandoned unfinished is aborted when it is collected (never
-    finished by a destructor, as torch's zip writer would)."""
+    """What every streaming writer does with failure: any failure inside its own steps
+    (`_discarding`) or leaving a `with` block on an exception aborts the file, and a writer
+    abandoned unfinished is aborted when it is collected (never finished by a destructor, as
+    torch's zip writer would)."""
 
     def abort(self) -> None:
         raise NotImplementedError
 
     def _unfinished(self) -> bool:
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _discarding(self) -> Iterator[None]:
+        """Run a step of the writer; any failure in it (Ctrl-C included) aborts the file first,
+        then propagates."""
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
 
     def __enter__(self):
         return self
@@ -139,20 +175,40 @@ per CPU second for 2-64 MiB writes against 3.5-4.5 GB/s for 256 KiB-1 MiB writes
 PARALLEL_HASH_MIN = 1 << 20
 """Blocks at least this large are hashed by the helper thread while they are written."""
 
+HASH_BEHIND = 32 << 20
+"""At most this many bytes of owned blocks (`HashingFile.write_owned`) wait to be hashed per file
+after their write returned: bounds the memory their owners keep alive (a single larger block is
+hashed before its write returns)."""
+
 
 class _HashJob:
     """One block to hash: done by the helper thread or, when the helper has not begun it by the
-    time the block is written, by the writing thread itself (`finish`)."""
+    time the block is written, by the writing thread itself (`finish`). The blocks of one file
+    are chained (`prev`): a block is hashed only once the one before it is, so the digest sees
+    the bytes in file order whichever thread runs which block. `prefix`: small writes that came
+    between the block before and this one (copied), hashed first."""
 
-    __slots__ = ("hash", "view", "taken", "done")
+    __slots__ = ("hash", "prefix", "view", "owner", "prev", "size", "taken", "done")
 
     hash: Any  # a hashlib object
+    prefix: bytes | None
     view: memoryview | None  # None once hashed
+    owner: object  # keeps the bytes of `view` alive (None: the caller waits until they are hashed)
+    prev: _HashJob | None  # the file's block before this one, until it is hashed
+    size: int
     taken: bool
     done: threading.Event
 
-    def __init__(self, digest: Any, view: memoryview):
-        self.hash, self.view, self.taken, self.done = digest, view, False, threading.Event()
+    def __init__(
+        self,
+        digest: Any,
+        view: memoryview,
+        owner: object = None,
+        prev: _HashJob | None = None,
+        prefix: bytes | None = None,
+    ):
+        self.hash, self.view, self.owner, self.prev, self.prefix = digest, view, owner, prev, prefix
+        self.size, self.taken, self.done = len(view), False, threading.Event()
 
     def take(self) -> bool:
         with _HASH_LOCK:
@@ -163,10 +219,22 @@ class _HashJob:
 
     def run(self) -> None:
         try:
+            prev = self.prev
+            if prev is not None:
+                prev.wait()
+            if self.prefix:
+                self.hash.update(self.prefix)
             self.hash.update(self.view)
         finally:
-            self.view = None
+            self.view = self.owner = self.prev = self.prefix = None
             self.done.set()
+
+    def wait(self) -> None:
+        try:
+            self.done.wait()
+        except BaseException:  # Ctrl-C: the helper still reads the caller's bytes, never leave before it is done
+            self.done.wait()
+            raise
 
     def finish(self) -> None:
         """Hash the block now unless the helper has begun it; then wait until it is hashed (the
@@ -174,11 +242,7 @@ class _HashJob:
         if self.take():
             self.run()
             return
-        try:
-            self.done.wait()
-        except BaseException:  # Ctrl-C: the helper still reads the caller's bytes, never leave before it is done
-            self.done.wait()
-            raise
+        self.wait()
 
 
 _HASH_LOCK = threading.Lock()
@@ -188,15 +252,16 @@ class _Hasher:
     """A daemon thread that hashes the blocks being written (sha256 releases the GIL), so the
     hash of a block is computed while the kernel copies it into the file: on a warm page cache
     the two are the largest CPU costs of writing. The writing thread takes a block back when the
-    helper is busy (with another worker's block), so hashing never waits for the helper."""
+    helper is busy (with another worker's block), so hashing never waits for the helper. Blocks
+    whose owner keeps them alive (`HashingFile.write_owned`) are hashed after their write returns,
+    so the writer reads and writes the next block meanwhile."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[_HashJob] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._pid: int | None = None
 
-    def submit(self, digest: Any, view: memoryview) -> _HashJob:
-        job = _HashJob(digest, view)
+    def submit(self, job: _HashJob) -> _HashJob:
         if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
             with _HASH_LOCK:  # (re)started lazily, also in a forked child
                 if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
@@ -234,6 +299,9 @@ class HashingFile:
         self.root = Path(root)
         self.expected_size = expected_size
         self._fh: io.BufferedWriter | None = None
+        self._behind: collections.deque[_HashJob] = collections.deque()  # written, not yet hashed
+        self._behind_bytes = 0
+        self._tail = bytearray()  # small writes after the blocks behind: hashed with the next block
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if expected_size is not None:
             try:  # the file this one replaces frees its blocks (unless linked elsewhere too)
@@ -270,8 +338,26 @@ class HashingFile:
         return error
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        job = _HASHER.submit(self._hash, view) if len(view) >= PARALLEL_HASH_MIN else None
+        """Write `data`; its bytes are hashed before this returns (the caller may reuse them)."""
+        return self._write(memoryview(data).cast("B"), None)
+
+    def write_owned(self, data: Any, owner: object) -> int:
+        """Write `data`, whose bytes `owner` keeps alive and nobody changes any more: a large block
+        may still be hashed (by the helper thread) after this returns, while the caller reads and
+        writes the next one. At most HASH_BEHIND bytes per file wait so; `close` waits for all."""
+        return self._write(memoryview(data).cast("B"), owner)
+
+    def _write(self, view: memoryview, owner: object) -> int:
+        behind = self._behind
+        job = None
+        tailed = False
+        if len(view) >= PARALLEL_HASH_MIN:
+            prefix = bytes(self._tail) if self._tail else None
+            self._tail.clear()
+            job = _HASHER.submit(_HashJob(self._hash, view, owner, behind[-1] if behind else None, prefix))
+        elif behind:  # blocks before it are still being hashed: a copy follows them (see _settle)
+            self._tail += view
+            tailed = True
         try:
             if len(view) <= WRITE_BLOCK:
                 written = self._file.write(view)
@@ -280,19 +366,33 @@ class HashingFile:
                 for start in range(0, len(view), WRITE_BLOCK):
                     written += self._file.write(view[start : start + WRITE_BLOCK])
         except OSError as e:
-            if job is not None:
-                job.finish()  # never return while the helper may still read `data`
+            self._settle(job, -1)  # never return while the helper may still read `data`
             raise self._failed(e, len(view)) from None
         except BaseException:
-            if job is not None:
-                job.finish()
+            self._settle(job, -1)
             raise
         if job is None:
-            self._hash.update(view)
+            if not tailed:
+                self._hash.update(view)
         else:
-            job.finish()
+            self._settle(job, HASH_BEHIND if owner is not None else -1)
         self.size += len(view)
         return written
+
+    def _settle(self, job: _HashJob | None, limit: int) -> None:
+        """Queue `job` behind the file's earlier blocks, then hash (or wait for) the oldest blocks
+        until at most `limit` bytes are left unhashed (-1: all of them)."""
+        behind = self._behind
+        if job is not None:
+            behind.append(job)
+            self._behind_bytes += job.size
+        while behind and self._behind_bytes > limit:
+            oldest = behind.popleft()
+            self._behind_bytes -= oldest.size
+            oldest.finish()
+        if limit < 0 and self._tail:  # every block is hashed: the small writes after them follow
+            self._hash.update(self._tail)
+            self._tail.clear()
 
     def flush(self) -> None:
         try:
@@ -301,6 +401,7 @@ class HashingFile:
             raise self._failed(e) from None
 
     def close(self, fsync: bool = False) -> FileRecord:
+        self._settle(None, -1)
         try:
             fh = self._file
             fh.flush()
@@ -315,6 +416,7 @@ class HashingFile:
         """Close and delete the file, if the path still names the file this object created (a
         retry may have written a new one there since). Never raises an OSError."""
         fh, self._fh = self._fh, None
+        self._behind.clear()  # blocks still queued keep their owners alive until the helper drops them
         if fh is None:
             return
         try:
@@ -489,17 +591,54 @@ def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int
     extent = 1 + sum((n - 1) * st for n, st in zip(out_shape, stride))
     row_major = stride == list(StoredTensor(t.dtype, t.shape, 0).strides())
     if dim > 0 and row_major and shape[0] > 1 and extent * item > STRIDED_READ_CHUNK:
-        # A column block of a large row-major tensor spans (nearly) all of its bytes: read it in
-        # blocks of rows, so that the transient buffer stays small whatever the tensor's size.
+        # A column block of a large row-major tensor spans (nearly) all of its bytes, of which it
+        # needs only a part (1/8 for tp 8): copied out of a mapping of the file, so that only the
+        # bytes of the block are copied (reading the span copied all of it, once per rank).
         out = empty_tensor(out_shape, t.dtype)
-        rows = max(1, STRIDED_READ_CHUNK // (stride[0] * item))
-        for r0 in range(0, shape[0], rows):
-            r1 = min(shape[0], r0 + rows)
-            block = StoredTensor(t.dtype, (r1 - r0, *shape[1:]), t.file_offset, t.storage_offset + r0 * stride[0])
-            out[r0:r1].copy_(_read_span(fd, block, dim, start, stop, what))
+        _copy_columns(fd, t, dim, start, out, what)
         return out
     view = _read_span(fd, t, dim, start, stop, what)
     return view if view.is_contiguous() else _copy(view)
+
+
+MAP_WINDOW = 32 << 20
+"""At most this many bytes of a file are mapped at once by `_copy_columns`."""
+
+
+def _copy_columns(fd: int, t: StoredTensor, dim: int, start: int, out: torch.Tensor, what: str) -> None:
+    """Fill `out` (contiguous) with the block of a row-major stored tensor that starts at `start`
+    along `dim` > 0, copying just its bytes out of a private read-only mapping of the file, a window
+    of rows at a time (mapped pages count as resident while mapped: at most MAP_WINDOW bytes)."""
+    import mmap
+
+    import numpy
+
+    shape, stride, item = list(t.shape), list(t.strides()), t.dtype.itemsize
+    out_shape = list(out.shape)
+    target = out.view(torch.uint8).numpy().reshape(*out_shape, item)
+    file_size = os.fstat(fd).st_size
+    rows = max(1, MAP_WINDOW // (stride[0] * item))
+    for r0 in range(0, shape[0], rows):
+        r1 = min(shape[0], r0 + rows)
+        sub_shape = [r1 - r0, *out_shape[1:]]
+        first = t.file_offset + (t.storage_offset + r0 * stride[0] + start * stride[dim]) * item
+        end = first + (1 + sum((n - 1) * st for n, st in zip(sub_shape, stride))) * item
+        if end > file_size:  # a mapping past the end of the file would fault (SIGBUS) when touched
+            raise FormatError(f"{what} is truncated: re-create it")
+        base = first - first % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(fd, end - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ, offset=base)
+        try:
+            data = numpy.frombuffer(mapping, dtype=numpy.uint8, offset=first - base)
+            block = numpy.lib.stride_tricks.as_strided(
+                data, shape=(*sub_shape, item), strides=(*(s * item for s in stride), 1), writeable=False
+            )
+            numpy.copyto(target[r0:r1], block)
+            del data, block  # the buffer exports end before the mapping is closed
+        finally:
+            try:
+                mapping.close()
+            except BufferError:  # still exported after a failure: unmapped when collected
+                pass
 
 
 def _copy(view: torch.Tensor) -> torch.Tensor:
@@ -523,6 +662,27 @@ def _read_span(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int 
     if extent == math.prod(out_shape) and stride == list(StoredTensor(t.dtype, tuple(out_shape), 0).strides()):
         return base.reshape(out_shape)  # a contiguous run of rows: no copy
     return base.as_strided(out_shape, stride)
+
+
+def advise_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int | None) -> None:
+    """Ask the kernel to start reading the bytes a slice spans (POSIX_FADV_WILLNEED), so that on a
+    cold cache the disk works while the caller is still busy with the slice before; a no-op where
+    the bytes are cached or the hint is not supported."""
+    shape, stride, item = list(t.shape), list(t.strides()), t.dtype.itemsize
+    if not shape:
+        return
+    start = 0 if start is None else start
+    stop = shape[dim] if stop is None else stop
+    sub = shape.copy()
+    sub[dim] = stop - start
+    if 0 in sub:
+        return
+    extent = 1 + sum((n - 1) * st for n, st in zip(sub, stride))
+    first = t.file_offset + (t.storage_offset + start * stride[dim]) * item
+    try:
+        os.posix_fadvise(fd, first, extent * item, os.POSIX_FADV_WILLNEED)
+    except (AttributeError, OSError):
+        pass
 
 
 def read_rows_into(fd: int, t: StoredTensor, start: int, stop: int, out: torch.Tensor, what: str) -> bool:

@@ -200,6 +200,21 @@ class SourceReader:
             row += stop - start
         return out
 
+    def advise(self, piece: Piece) -> None:
+        """Hint the kernel to start reading the bytes `piece` will need (readers that can: the
+        safetensors and torch ones), so that a cold disk reads them while the piece before is
+        being written."""
+        for seg in piece.segments:
+            for r in self.index.locate(seg):
+                file = self._file(_key(r.holder))
+                advise = getattr(file, "advise", None)
+                if advise is None:
+                    continue
+                if r.slab is None and not r.transposed:
+                    advise(r.piece_name, r.dim, r.start, r.stop)
+                else:
+                    advise(r.piece_name)
+
     def row_blocks(self, piece: Piece) -> Iterator[torch.Tensor] | None:
         """A piece as consecutive blocks of rows, when its bytes are simply its reads one after
         another (one slab, concatenated along dim 0): streamed without assembling the piece."""

@@ -24,11 +24,13 @@ import torch
 
 from ..errors import FormatError
 from .base import (
+    DescriptorReader,
     DiscardOnFailure,
     FileRecord,
     HashingFile,
     StoredTensor,
     TensorSpec,
+    advise_stored,
     check_specs,
     read_rows_into,
     read_stored,
@@ -212,7 +214,7 @@ def _check_entries(header: dict, data_size: int) -> None:
         raise _HeaderError(f"{data_size - end} bytes follow the last tensor")
 
 
-class SafetensorsFile:
+class SafetensorsFile(DescriptorReader):
     """Lazy reader: the header once, then positional reads of exactly the bytes a slice spans.
 
     (safetensors' own `safe_open` memory-maps the file, and the tensors it returns keep that
@@ -241,13 +243,6 @@ class SafetensorsFile:
             raise
         self._fd = fd
 
-    @property
-    def _open_fd(self) -> int:
-        """The file's descriptor; ValueError once the reader is closed."""
-        if self._fd is None:
-            raise ValueError(f"{self.path}: the reader is closed")
-        return self._fd
-
     def keys(self) -> list[str]:
         return list(self._tensors)
 
@@ -264,10 +259,12 @@ class SafetensorsFile:
         """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
         return read_rows_into(self._open_fd, self._tensors[name], start, stop, out, str(self.path))
 
+    def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
+        """Start reading a slice's bytes in the background (see `advise_stored`)."""
+        advise_stored(self._open_fd, self._tensors[name], dim, start, stop)
+
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._close_fd()
 
 
 class SafetensorsWriter(DiscardOnFailure):
@@ -294,41 +291,38 @@ class SafetensorsWriter(DiscardOnFailure):
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self._file = HashingFile(path, root, expected_size=8 + len(raw) + offset)
-        try:
+        with self._discarding():
             self._file.write(struct.pack("<Q", len(raw)))
             self._file.write(raw)
-        except BaseException:
-            self.abort()
-            raise
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        try:
+    def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
+        with self._discarding():
             spec = self._expect(name)
             if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
                 raise RuntimeError(f"expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
-            self._open_file.write(tensor_bytes(tensor))
+            self._put(tensor_bytes(tensor), owned)
             self._next += 1
-        except BaseException:
-            self.abort()
-            raise
 
-    def write_chunks(self, name: str, chunks: Iterable[torch.Tensor]) -> None:
+    def write_chunks(self, name: str, chunks: Iterable[torch.Tensor], owned: bool = False) -> None:
         """Write a tensor as consecutive row blocks (each a tensor), without assembling it."""
-        try:
+        with self._discarding():
             spec = self._expect(name)
             written = 0
             for chunk in chunks:
                 if chunk.dtype != spec.dtype:
                     chunk = chunk.to(spec.dtype)
                 data = tensor_bytes(chunk)
-                self._open_file.write(data)
+                self._put(data, owned)
                 written += len(data)
             if written != spec.nbytes:
                 raise RuntimeError(f"{name}: wrote {written} bytes, expected {spec.nbytes}")
             self._next += 1
-        except BaseException:
-            self.abort()
-            raise
+
+    def _put(self, data: memoryview, owned: bool) -> None:
+        if owned:  # the view keeps its tensor alive until hashed
+            self._open_file.write_owned(data, data)
+        else:
+            self._open_file.write(data)
 
     @property
     def _open_file(self) -> HashingFile:
@@ -344,15 +338,11 @@ class SafetensorsWriter(DiscardOnFailure):
         return spec
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
-        try:
-            if self._file is None:
-                raise RuntimeError("the safetensors writer is closed or was aborted")
+        with self._discarding():
+            file = self._open_file
             if self._next != len(self._specs):
-                raise RuntimeError(f"{self._file.path}: {len(self._specs) - self._next} tensors were not written")
-            record = self._file.close(fsync)
-        except BaseException:
-            self.abort()
-            raise
+                raise RuntimeError(f"{file.path}: {len(self._specs) - self._next} tensors were not written")
+            record = file.close(fsync)
         self._file = None
         return [record]
 

@@ -26,11 +26,14 @@ from .. import torch_compat
 from ..errors import FormatError, ShardkitError
 from ..paths import regular_file
 from .base import (
+    PARALLEL_HASH_MIN,
+    DescriptorReader,
     DiscardOnFailure,
     FileRecord,
     HashingFile,
     StoredTensor,
     TensorSpec,
+    advise_stored,
     check_specs,
     compact,
     narrow,
@@ -226,7 +229,7 @@ def _read_metadata_uncached(path: Path) -> Any:
         ) from None
 
 
-class TorchFile:
+class TorchFile(DescriptorReader):
     """Lazy reader of a torch.save state dict: metadata once, then positional reads of exactly
     the bytes a slice spans (no memory mapping, so nothing read stays resident)."""
 
@@ -250,13 +253,6 @@ class TorchFile:
             if not isinstance(value, (torch.Tensor, StoredTensor)):
                 raise FormatError(f"{self.path}: entry {name} is a {type(value).__name__}, not a tensor")
 
-    @property
-    def _open_fd(self) -> int:
-        """The file's descriptor; ValueError once the reader is closed."""
-        if self._fd is None:
-            raise ValueError(f"{self.path}: the reader is closed")
-        return self._fd
-
     def keys(self) -> list[str]:
         return list(self._sd)
 
@@ -279,10 +275,14 @@ class TorchFile:
             self._open_fd, value, start, stop, out, str(self.path)
         )
 
+    def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
+        """Start reading a slice's bytes in the background (see `advise_stored`)."""
+        value = self._sd[name]
+        if isinstance(value, StoredTensor):
+            advise_stored(self._open_fd, value, dim, start, stop)
+
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._close_fd()
         self._sd = {}
 
 
@@ -333,18 +333,26 @@ class _ZipSink:
     never lets an exception out. An exception thrown into torch's C++ writer leaves it mid-record,
     and its destructor then finishes the archive anyway and throws inside a destructor: the process
     aborts (`terminate called ... c10::Error`). So the first failure (a full disk, Ctrl-C) is kept
-    in `error`, later writes are dropped, and the owner raises `error` once torch returns."""
+    in `error`, later writes are dropped, and the owner raises `error` once torch returns.
 
-    __slots__ = ("out", "error")
+    While `owner` is set (a storage being written as a record, handed over by its caller), torch's
+    view of that storage's bytes is written with `write_owned`: hashed behind the writes."""
+
+    __slots__ = ("out", "error", "owner")
 
     def __init__(self, out: HashingFile):
         self.out: HashingFile | None = out
         self.error: BaseException | None = None
+        self.owner: torch.UntypedStorage | None = None
 
     def write(self, data) -> None:
         try:
             if self.out is not None:
-                self.out.write(data)
+                owner = self.owner
+                if owner is not None and len(data) >= PARALLEL_HASH_MIN and _inside(data, owner):
+                    self.out.write_owned(data, owner)
+                else:  # torch's own headers (from its temporary buffers) and unowned records
+                    self.out.write(data)
         except BaseException as e:  # noqa: B036 - re-raised by the owner, outside torch's C++ frames
             self.error, self.out = e, None
 
@@ -358,6 +366,15 @@ class _ZipSink:
     def discard(self) -> None:
         """From now on drop everything torch writes (its end of file, when it is destroyed)."""
         self.out = None
+
+
+def _inside(data: memoryview, storage: torch.UntypedStorage) -> bool:
+    """Whether the bytes of `data` lie inside `storage`'s memory (then the storage keeps them alive)."""
+    import numpy
+
+    address = numpy.frombuffer(data, dtype=numpy.uint8).__array_interface__["data"][0]
+    start = storage.data_ptr()
+    return start <= address and address + len(data) <= start + storage.nbytes()
 
 
 _KEPT: list = []
@@ -420,16 +437,13 @@ class TorchWriter(DiscardOnFailure):
         records += [(f"data/{i}", s.nbytes) for i, s in enumerate(self._specs)]
         self._out = HashingFile(self.path, self.root, expected_size=_zip_size_bound(records, alignment))
         self._sink = _ZipSink(self._out)
-        try:
+        with self._discarding():
             self._zip, _ = torch_compat.file_writer(self._sink)
             # the records torch.save writes before the storages, in its order
             self._record("data.pkl", data_pkl, len(data_pkl))
             self._record(".format_version", "1", 1)
             self._record(".storage_alignment", str(alignment), len(str(alignment)))
             self._record("byteorder", sys.byteorder, len(sys.byteorder))
-        except BaseException:
-            self.abort()
-            raise
 
     def _record(self, name: str, data, size: int) -> None:
         """One record through torch's writer; the sink's failure raised here, outside torch."""
@@ -444,8 +458,8 @@ class TorchWriter(DiscardOnFailure):
         if self._sink.error is not None:
             raise self._sink.error
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        try:
+    def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
+        with self._discarding():
             if self._zip is None:
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
             spec = self._specs[self._next] if self._next < len(self._specs) else None
@@ -457,14 +471,15 @@ class TorchWriter(DiscardOnFailure):
             ):
                 raise RuntimeError(f"{self.path}: expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
             storage = compact(tensor.detach()).untyped_storage()
-            self._record(f"data/{self._next}", storage, spec.nbytes)
+            self._sink.owner = storage if owned else None
+            try:
+                self._record(f"data/{self._next}", storage, spec.nbytes)
+            finally:
+                self._sink.owner = None
             self._next += 1
-        except BaseException:
-            self.abort()
-            raise
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
-        try:
+        with self._discarding():
             if self._zip is None:
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
             if self._next != len(self._specs):
@@ -478,10 +493,8 @@ class TorchWriter(DiscardOnFailure):
             if self._sink.error is not None:
                 raise self._sink.error
             self._zip = None  # finished: its destructor writes nothing more
-            return [self._out.close(fsync)]
-        except BaseException:
-            self.abort()
-            raise
+            record = self._out.close(fsync)
+        return [record]
 
     def abort(self) -> None:
         """Give up this file: delete it and release torch's writer without finishing the archive.

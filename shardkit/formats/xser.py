@@ -208,18 +208,16 @@ class XserWriter(DiscardOnFailure):
             raise no_space_error(self.path.parent, self._remaining_bound()) from None
         return out
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        try:
+    def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
+        """Each tensor is a file of its own, hashed before this returns (`owned` changes nothing)."""
+        with self._discarding():
             if not self._open:
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
             out = self._save(compact(tensor), tensor_path(self.path, self._tids[name]))
             self._records.append(out.close())
-        except BaseException:
-            self.abort()
-            raise
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
-        try:
+        with self._discarding():
             if not self._open:
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
             if len(self._records) != len(self._specs):
@@ -238,9 +236,6 @@ class XserWriter(DiscardOnFailure):
                 info_path(self.path),
             )
             records = [main.close(fsync), info.close(fsync)] + self._records
-        except BaseException:
-            self.abort()
-            raise
         self._open = False
         return records
 
