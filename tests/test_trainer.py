@@ -759,3 +759,18 @@ def test_master_weights_survive_reshard_and_carry_a_model_without_data(zero1_bf1
     export_checkpoint(again.parent, tmp_path / "hf")
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert torch.equal(hf["model.embed_tokens.weight"], src.model["model.embed_tokens.weight"])
+
+
+def test_help_explains_every_option(capsys):
+    """`python -m trainer --help` prints (argparse formats each help text: a stray '%' breaks it)
+    and names every TrainConfig field."""
+    import dataclasses
+
+    from trainer.config import TrainConfig, parse_args
+
+    with pytest.raises(SystemExit) as done:
+        parse_args(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    missing = [f.name for f in dataclasses.fields(TrainConfig) if f"--{f.name.replace('_', '-')}" not in out]
+    assert not missing, missing

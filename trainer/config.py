@@ -19,6 +19,12 @@ def _opt(default: Any, doc: str, *aliases: str, choices: Sequence[str] | None = 
     return field(default=default, metadata={"doc": doc, "aliases": aliases, "choices": choices, "metavar": metavar})
 
 
+VPP_DOC = (
+    "Virtual pipeline stages per pp rank (NxD's virtual_pipeline_size): layers cut into pp x vpp chunks, "
+    "chunk c on pp rank (c mod pp), run by the interleaved 1F1B schedule."
+)
+
+
 @dataclass
 class TrainConfig:
     # ---- what to train on ----------------------------------------------------------------------
@@ -50,12 +56,7 @@ class TrainConfig:
     # ---- parallel layout -----------------------------------------------------------------------
     tp: int = _opt(1, "Tensor-parallel degree.", "--tp-size")
     pp: int = _opt(1, "Pipeline-parallel stages (1F1B schedule over micro-batches).", "--pp-size")
-    vpp: int = _opt(
-        1,
-        "Virtual pipeline stages per pp rank (NxD's virtual_pipeline_size): layers cut into "
-        "pp x vpp chunks, chunk c on pp rank c % pp, run by the interleaved 1F1B schedule.",
-        "--virtual-pipeline-size",
-    )
+    vpp: int = _opt(1, VPP_DOC, "--virtual-pipeline-size")
     pp_schedule: str = _opt(
         "auto",
         "Pipeline schedule (torch.distributed.pipelining): auto = 1f1b (gpipe with fewer "

@@ -162,32 +162,30 @@ class ParamHolder(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dtype, device=device)))
 
 
-class ColumnParallelLinear(nn.Module):
-    """y_r = x W_r^T (+ b_r): W split over tp by output rows; the output stays split."""
+class _TPLinear(nn.Module):
+    """A linear layer's weight (out, in) and optional bias (out,) as this tp rank holds them."""
 
-    lora: Any = None  # trainer.lora.ColumnLora: adapters on this layer (held outside the module's state)
+    lora: Any = None  # trainer.lora.ColumnLora / RowLora: adapters on this layer (outside the module's state)
 
-    def __init__(self, in_features: int, out_local: int, bias: bool, ctx: TPContext, dtype, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: TPContext, dtype, device=None):
         super().__init__()
         self.ctx = ctx
-        self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype, device=device)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+
+
+class ColumnParallelLinear(_TPLinear):
+    """y_r = x W_r^T (+ b_r): W split over tp by output rows (`out_features` is this rank's
+    share); the output stays split."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.lora or self.ctx).column_linear(x, [self.weight], [self.bias])[0]
 
 
-class RowParallelLinear(nn.Module):
-    """y = sum_r x_r W_r^T (+ b): W split over tp by input columns; the input arrives split;
-    the partial outputs are all-reduced (or reduce-scattered); the bias is added once, after."""
-
-    lora: Any = None  # trainer.lora.RowLora: an adapter on this layer (held outside the module's state)
-
-    def __init__(self, in_local: int, out_features: int, bias: bool, ctx: TPContext, dtype, device=None):
-        super().__init__()
-        self.ctx = ctx
-        self.weight = nn.Parameter(torch.empty(out_features, in_local, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+class RowParallelLinear(_TPLinear):
+    """y = sum_r x_r W_r^T (+ b): W split over tp by input columns (`in_features` is this rank's
+    share); the input arrives split; the partial outputs are all-reduced (or reduce-scattered);
+    the bias is added once, after."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight) if self.lora is None else self.lora.partial(x, self.weight)

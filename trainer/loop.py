@@ -589,16 +589,7 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
     )
     del tensors
     schedule = RunSchedule(cfg)
-    batches = Batches(
-        plan.tokens,
-        cfg.seq_len,
-        cfg.global_batch,
-        cfg.micro_batch,
-        plan.dp,
-        par.dp_rank,
-        cfg.seed,
-        spec.dims.vocab_size,
-    )
+    batches = _batches(plan, par, plan.tokens)
     start_step = 0
     if restored is not None:
         assert plan.resume is not None  # _initial_tensors restores a checkpoint only when resuming
@@ -719,14 +710,11 @@ def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
     return summary
 
 
-def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
-    """Loss and perplexity on the first `plan.eval_steps` batches of --eval-data (forward only,
-    the same batches every time and in every layout); returns the metrics record."""
+def _batches(plan: Plan, par: Parallel, tokens: TokenFile, shuffle: bool = True) -> Batches:
+    """This dp rank's share of each step's global batch of `tokens` (shuffled by --seed, or in order)."""
     cfg = plan.cfg
-    t0 = time.perf_counter()
-    assert plan.eval_tokens is not None  # plan_eval gives eval_steps > 0 only with --eval-data's tokens
-    batches = Batches(
-        plan.eval_tokens,
+    return Batches(
+        tokens,
         cfg.seq_len,
         cfg.global_batch,
         cfg.micro_batch,
@@ -734,8 +722,17 @@ def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
         par.dp_rank,
         cfg.seed,
         plan.spec.dims.vocab_size,
-        shuffle=False,
+        shuffle=shuffle,
     )
+
+
+def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
+    """Loss and perplexity on the first `plan.eval_steps` batches of --eval-data (forward only,
+    the same batches every time and in every layout); returns the metrics record."""
+    cfg = plan.cfg
+    t0 = time.perf_counter()
+    assert plan.eval_tokens is not None  # plan_eval gives eval_steps > 0 only with --eval-data's tokens
+    batches = _batches(plan, par, plan.eval_tokens, shuffle=False)
     total = 0.0
     run.model.eval()
     try:
@@ -744,7 +741,7 @@ def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
                 inputs, targets = batches.step_batch()
                 inputs, targets = inputs.to(par.device), targets.to(par.device)
                 if run.pipeline is not None:
-                    total += _pipeline_forward(run.pipeline, par, inputs, targets)
+                    total += run.pipeline.forward_only(inputs, targets)
                 else:
                     total += sum(
                         float(run.loss_fn(run.model(ids), tgt))
@@ -762,19 +759,6 @@ def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
         "eval_tokens": plan.eval_steps * cfg.global_batch * cfg.seq_len,
         "eval_time": time.perf_counter() - t0,
     }
-
-
-def _pipeline_forward(pipeline: Pipeline, par: Parallel, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-    """pp > 1, forward only: the schedule's `eval` over the step's micro-batches; the sum of the
-    (scaled) micro-batch losses on the last stage, 0 elsewhere."""
-    losses: list[torch.Tensor] = []
-    if par.is_first_stage:
-        pipeline.schedule.eval(inputs, return_outputs=False)
-    elif par.is_last_stage:
-        pipeline.schedule.eval(target=targets, losses=losses, return_outputs=False)
-    else:
-        pipeline.schedule.eval(return_outputs=False)
-    return float(sum(loss.detach().float() for loss in losses)) if losses else 0.0
 
 
 def _one_step(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:

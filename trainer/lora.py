@@ -32,7 +32,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank
+from shardkit.checkpoint import Rank
 from shardkit.families import Family, known_families, register
 from shardkit.formats import SourceReader, open_checkpoint
 from shardkit.layout import ModelDims
@@ -53,6 +52,7 @@ from .errors import TrainerError
 from .layers import TPContext
 from .model import DecoderLayer, ModelSpec, StageModel
 from .parallel import Parallel
+from .weights import staged_tag
 
 log = logging.getLogger("trainer")
 
@@ -498,11 +498,8 @@ def export_peft(
     from safetensors.torch import save_file
 
     dst = Path(dst).absolute()
-    staging = dst.parent / f".{dst.name}.trainer-lora-{os.getpid()}"
-    staging = Path(par.broadcast_object(str(staging) if par.leader else None))
-    checkpointer = Checkpointer(CheckpointerConfig(format="torch", fsync=False))
 
-    def write() -> None:
+    def write(staging: Path) -> None:
         if not par.leader:
             return
         ckpt = open_checkpoint(staging / "adapters")
@@ -524,14 +521,9 @@ def export_peft(
             shutil.rmtree(dst)
         out.rename(dst)
 
-    try:
+    with staged_tag(par, dst, "lora") as (staging, checkpointer):
         state = {k: v.detach().to(dtype) for k, v in adapters.state_dict().items()}
         rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=0, dp=par.dp_rank)
         checkpointer.save(staging, "adapters", state, layout=lora.spec.layout, config=lora.spec.config, rank=rank)
-        par.all_ok(write)
-    finally:
-        checkpointer.close()
-        par.barrier()
-        if par.leader:
-            shutil.rmtree(staging, ignore_errors=True)
+        par.all_ok(lambda: write(staging))
     return dst

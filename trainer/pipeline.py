@@ -133,8 +133,8 @@ class StageChunk(nn.Module):
 
 
 class Pipeline:
-    """One step = `step(inputs, targets)`: the schedule over this rank's micro-batches; returns
-    the sum of the (scaled) micro-batch losses on the last stage, 0 elsewhere."""
+    """One step = `step(inputs, targets)` (or `forward_only`): the schedule over this rank's
+    micro-batches; returns the sum of the (scaled) micro-batch losses on the last stage, 0 elsewhere."""
 
     def __init__(
         self,
@@ -197,14 +197,22 @@ class Pipeline:
         self.par = par
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward and backward over the step's micro-batches (gradients accumulated)."""
+        return self._run(self.schedule.step, inputs, targets)
+
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The schedule's forward-only `eval` over the step's micro-batches (evaluation)."""
+        return self._run(self.schedule.eval, inputs, targets)
+
+    def _run(self, run: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         par = self.par
         losses: list[torch.Tensor] = []
         if par.is_first_stage:
-            self.schedule.step(inputs, return_outputs=False)
+            run(inputs, return_outputs=False)
         elif par.is_last_stage:
-            self.schedule.step(target=targets, losses=losses, return_outputs=False)
+            run(target=targets, losses=losses, return_outputs=False)
         else:
-            self.schedule.step(return_outputs=False)
+            run(return_outputs=False)
         return float(sum(loss.detach().float() for loss in losses)) if losses else 0.0
 
 

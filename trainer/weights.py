@@ -28,11 +28,13 @@ every tensor depend on all the tensors drawn before it (so a rank could not draw
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +181,23 @@ def check_export_destination(cfg) -> int | None:
     )
 
 
+@contextlib.contextmanager
+def staged_tag(par: Parallel, dst: Path, what: str) -> Iterator[tuple[Path, Checkpointer]]:
+    """A staging folder beside `dst` (one path for every rank) and a throwaway Checkpointer to save a
+    tag into it, for an export; the Checkpointer is closed and, once every rank is done, rank 0
+    removes the folder."""
+    staging = dst.parent / f".{dst.name}.trainer-{what}-{os.getpid()}"
+    staging = Path(par.broadcast_object(str(staging) if par.leader else None))
+    checkpointer = Checkpointer(CheckpointerConfig(format="torch", fsync=False))
+    try:
+        yield staging, checkpointer
+    finally:
+        checkpointer.close()
+        par.barrier()
+        if par.leader:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
 def export_hf(
     model: torch.nn.Module,
     spec: ModelSpec,
@@ -196,15 +215,12 @@ def export_hf(
     marks it as `run`'s export. `tensors`: the rank's pieces to write instead of the model's own
     (LoRA's merged weights)."""
     dst = Path(dst).absolute()
-    staging = dst.parent / f".{dst.name}.trainer-export-{os.getpid()}"
-    staging = Path(par.broadcast_object(str(staging) if par.leader else None))
-    checkpointer = Checkpointer(CheckpointerConfig(format="torch", fsync=False))  # a throwaway tag
+    with staged_tag(par, dst, "export") as (staging, checkpointer):
 
-    def copy_side_files() -> None:
-        if par.leader and source_dir is not None and Path(source_dir).is_dir():
-            hf.copy_side_files(Path(source_dir), staging / EXPORT_TAG)
+        def copy_side_files() -> None:
+            if par.leader and source_dir is not None and Path(source_dir).is_dir():
+                hf.copy_side_files(Path(source_dir), staging / EXPORT_TAG)
 
-    try:
         pieces = tensors if tensors is not None else model.state_dict()
         state = file_state({k: v.detach().to(dtype) for k, v in pieces.items()}, par.ep_rank)
         rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=par.ep_rank, dp=par.edp_rank)
@@ -213,9 +229,4 @@ def export_hf(
         export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype, overwrite=True)
         if par.leader:
             (dst / EXPORT_MARKER).write_text(json.dumps({"run": run, "step": step}, indent=2) + "\n")
-    finally:
-        checkpointer.close()
-        par.barrier()
-        if par.leader:
-            shutil.rmtree(staging, ignore_errors=True)
     return dst

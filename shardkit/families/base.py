@@ -19,6 +19,7 @@ from ..layout import FULL, QKV_STYLES, Layout, ModelDims
 from ..placements import QKV_NAMES, HeadGroups, Piece, Placement, Segment, Split
 
 LAYER_PREFIX = "model.layers.{i}."
+Shapes = Mapping[str, tuple[int, ...]]  # full tensor name -> shape
 
 
 @dataclass(frozen=True)
@@ -103,13 +104,7 @@ class Family:
         self.check_layout(layout, dims)
 
     def rank_pieces(
-        self,
-        layout: Layout,
-        dims: ModelDims,
-        tp_rank: int,
-        pp_rank: int,
-        full_shapes: Mapping[str, tuple[int, ...]],
-        ep_rank: int = 0,
+        self, layout: Layout, dims: ModelDims, tp_rank: int, pp_rank: int, full_shapes: Shapes, ep_rank: int = 0
     ) -> list[Piece]:
         """The pieces of one rank file, in NxD's order. Expert-parallel ranks other than 0 hold
         only their experts (the rest is identical on every ep rank and saved once, as NxD does)."""

@@ -23,19 +23,8 @@ from pathlib import Path
 import torch
 
 from ..errors import FormatError
-from .base import (
-    DescriptorReader,
-    DiscardOnFailure,
-    FileRecord,
-    HashingFile,
-    StoredTensor,
-    TensorSpec,
-    advise_stored,
-    check_specs,
-    read_rows_into,
-    read_stored,
-    tensor_bytes,
-)
+from . import base
+from .base import HashingFile, StoredTensor, TensorSpec, advise_stored, tensor_bytes
 from .torch_io import regular
 
 _DTYPE_TO_ST = {
@@ -214,7 +203,7 @@ def _check_entries(header: dict, data_size: int) -> None:
         raise _HeaderError(f"{data_size - end} bytes follow the last tensor")
 
 
-class SafetensorsFile(DescriptorReader):
+class SafetensorsFile(base.DescriptorReader):
     """Lazy reader: the header once, then positional reads of exactly the bytes a slice spans.
 
     (safetensors' own `safe_open` memory-maps the file, and the tensors it returns keep that
@@ -253,11 +242,11 @@ class SafetensorsFile(DescriptorReader):
         return self._tensors[name].dtype
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        return read_stored(self._open_fd, self._tensors[name], dim, start, stop, str(self.path))
+        return base.read_stored(self._open_fd, self._tensors[name], dim, start, stop, str(self.path))
 
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
-        return read_rows_into(self._open_fd, self._tensors[name], start, stop, out, str(self.path))
+        return base.read_rows_into(self._open_fd, self._tensors[name], start, stop, out, str(self.path))
 
     def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
         """Start reading a slice's bytes in the background (see `advise_stored`)."""
@@ -267,7 +256,7 @@ class SafetensorsFile(DescriptorReader):
         self._close_fd()
 
 
-class SafetensorsWriter(DiscardOnFailure):
+class SafetensorsWriter(base.DiscardOnFailure):
     """Streams one safetensors file: header from the specs, then each tensor as it comes.
 
     Its size is known from the specs, so a disk without room for it is refused before writing.
@@ -275,7 +264,7 @@ class SafetensorsWriter(DiscardOnFailure):
     `close`, when it is collected."""
 
     def __init__(self, path: Path, root: Path, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None):
-        check_specs(specs)
+        base.check_specs(specs)
         self._specs = list(specs)
         self._next = 0
         self._file: HashingFile | None = None
@@ -337,7 +326,7 @@ class SafetensorsWriter(DiscardOnFailure):
             raise RuntimeError(f"{file.path}: expected {spec.name if spec else 'no more tensors'}, got {name}")
         return spec
 
-    def close(self, fsync: bool = False) -> list[FileRecord]:
+    def close(self, fsync: bool = False) -> list[base.FileRecord]:
         with self._discarding():
             file = self._open_file
             if self._next != len(self._specs):
