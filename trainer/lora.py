@@ -32,7 +32,6 @@ import hashlib
 import json
 import logging
 import math
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardkit.checkpoint import Rank
+from shardkit.engine.staging import commit_staging
 from shardkit.families import Family, known_families, register
 from shardkit.formats import SourceReader, open_checkpoint
 from shardkit.layout import ModelDims
@@ -517,9 +517,7 @@ def export_peft(
         save_file(full, str(out / ADAPTER_FILE), metadata={"format": "pt"})
         (out / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora.settings, base_model), indent=2) + "\n")
         (out / marker[0]).write_text(json.dumps(marker[1], indent=2) + "\n")
-        if dst.exists():
-            shutil.rmtree(dst)
-        out.rename(dst)
+        commit_staging(out, dst)  # replaced by renames; never deleted through a symlink
 
     with staged_tag(par, dst, "lora") as (staging, checkpointer):
         state = {k: v.detach().to(dtype) for k, v in adapters.state_dict().items()}
