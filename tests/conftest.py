@@ -25,6 +25,28 @@ ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT.parent / "shared" / "golden"
 
 
+def stage_layers(num_layers: int, pp: int) -> list[list[int]]:
+    """An independent reference of FORMATS.md's rule (not the library's): layers split evenly over
+    the pp stages, the remainder going to the LAST stages."""
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for stage in range(pp):
+        count = base + (1 if stage >= pp - extra else 0)
+        out.append(list(range(start, start + count)))
+        start += count
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Thousands of tiny matmuls: one intra-op thread beats contended thread pools on 2 cores. A
+    module asks for it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def golden_or_skip() -> Path:
     """The golden reference folder (../shared/golden), or skip the test saying why."""
     if not GOLDEN.is_dir():

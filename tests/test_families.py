@@ -14,7 +14,6 @@ For every family, from a tiny random model made with transformers' own class:
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
+from conftest import stage_layers
 from shardkit import Layout, convert, inspect, merge, reshard, verify
 from shardkit.cli import cli
 from shardkit.errors import ConfigMismatchError, LayoutError
@@ -59,12 +59,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -277,14 +272,6 @@ def load_ranks(shard_dir: Path, layout: Layout) -> dict[tuple[int, int, int], di
             for e in range(layout.ep) for t in range(layout.tp) for p in range(layout.pp)}
 
 
-def stage_layers(n: int, pp: int) -> list[list[int]]:
-    base, extra = divmod(n, pp)
-    out, start = [], 0
-    for stage in range(pp):
-        count = base + (1 if stage >= pp - extra else 0)
-        out.append(list(range(start, start + count)))
-        start += count
-    return out
 
 
 def rms(x, w, eps, gemma: bool):

@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import stage_layers
 from shardkit import Layout, convert, merge
 
 ATOL_LAYER = 1e-5
@@ -75,15 +76,6 @@ def read_dims(hf_dir: Path) -> Dims:
     return Dims(json.loads((Path(hf_dir) / "config.json").read_text()))
 
 
-def stage_layers(num_layers: int, pp: int) -> list[list[int]]:
-    """FORMATS.md: layers split evenly over stages, the remainder going to the LAST stages."""
-    base, extra = divmod(num_layers, pp)
-    out, start = [], 0
-    for stage in range(pp):
-        count = base + (1 if stage >= pp - extra else 0)
-        out.append(list(range(start, start + count)))
-        start += count
-    return out
 
 
 # ---- reading rank files ------------------------------------------------------------------------
@@ -280,13 +272,7 @@ def hf_layer_io(model, layer: int, seed: int = 1234):
     return x, cos, sin, mask, out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Thousands of tiny matmuls: one intra-op thread is much faster than contended thread pools."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

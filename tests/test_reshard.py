@@ -34,6 +34,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import shardkit
+from conftest import stage_layers
 from shardkit import Layout, LayoutError, ShardkitError, convert, merge, open_checkpoint, reshard
 from shardkit.formats import Checkpoint
 
@@ -292,13 +293,7 @@ def work(tiny_model, tmp_path_factory) -> Work:
     return Work(tiny_model, tmp_path_factory)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster than contended thread pools on 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -424,15 +419,6 @@ QKV_WEIGHTS = {
 }
 
 
-def _stage_layers(num_layers: int, pp: int) -> list[list[int]]:
-    """FORMATS.md: layers split evenly over stages, the remainder going to the LAST stages."""
-    base, extra = divmod(num_layers, pp)
-    out, start = [], 0
-    for stage in range(pp):
-        count = base + (1 if stage >= pp - extra else 0)
-        out.append(list(range(start, start + count)))
-        start += count
-    return out
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -492,7 +478,7 @@ def test_sharded_attention_on_resharded_ranks_matches_hf(case_id, work):
     cfg = json.loads((hf_dir / "config.json").read_text())
     root = work.resharded(case)
     stage = layout.pp - 1
-    layer = _stage_layers(cfg["num_hidden_layers"], layout.pp)[stage][-1]
+    layer = stage_layers(cfg["num_hidden_layers"], layout.pp)[stage][-1]
     rank_sds = [_load_rank_for_trainer(root, t, stage) for t in range(layout.tp)]
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32).eval()
@@ -528,8 +514,8 @@ def test_reshard_reads_only_needed_source_files_and_bytes(work, tmp_path, monkey
     case = Case("read-count", "llama-gqa64", L(8, 2, qkv="gqa"), "torch", L(4, 4, qkv="gqa"), "torch")
     src = work.source(case)
     source_key = lambda t, p: f"model/dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt"  # noqa: E731
-    src_stages = _stage_layers(5, 2)
-    dst_stages = _stage_layers(5, 4)
+    src_stages = stage_layers(5, 2)
+    dst_stages = stage_layers(5, 4)
 
     current = {"out": None}
     opens: dict = defaultdict(Counter)  # output (None before the first) -> source key -> opens

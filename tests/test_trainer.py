@@ -20,37 +20,32 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from trainer_helpers import (CORPUS, check_ok, corpus_tokens, losses, rel_diff, run_inprocess, steps, torchrun,
-                             worker_exit_codes)
+from trainer_helpers import (
+    COMMON,
+    CORPUS,
+    adamw_reference,
+    check_ok,
+    corpus_tokens,
+    losses,
+    rel_diff,
+    run_args,
+    run_inprocess,
+    steps,
+    tiny_run_fixtures,
+    torchrun,
+    worker_exit_codes,
+)
 
 from shardkit import Layout, convert
 from shardkit.testing import make_tiny_model
 
 CONFIG = "llama-trainer-tiny"  # 8 q heads, 2 kv heads, head_dim 4, hidden 32, 4 layers, vocab 256
 REL = 1e-5
-# 5 steps of 4 sequences of 32 tokens, lr high enough that the weights move visibly every step
-COMMON = ["--seq-len", "32", "--micro-batch", "1", "--global-batch", "4", "--steps", "5", "--lr", "1e-2",
-          "--warmup", "2", "--dtype", "fp32", "--no-progress", "--threads", "1"]
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("trainer")
+work, hf_model, tokens = tiny_run_fixtures("trainer", CONFIG)
 
 
-@pytest.fixture(scope="module")
-def hf_model(work) -> Path:
-    return make_tiny_model(CONFIG, work / "hf", seed=3)
-
-
-@pytest.fixture(scope="module")
-def tokens(work) -> Path:
-    return corpus_tokens(work / "corpus.bin")
-
-
-def run_args(model: Path, data: Path, metrics: Path, *extra: str) -> list[str]:
-    return ["--model", str(model), "--data", str(data), "--metrics", str(metrics), *COMMON, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -103,31 +98,11 @@ def test_parallel_equals_serial(name, work, hf_model, tokens, serial):
 
 def test_serial_equals_transformers_and_adamw(work, hf_model, tokens, serial):
     """tp1pp1 is the Hugging Face model trained by torch.optim.AdamW, step for step."""
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
-
-    from trainer.data import Batches, TokenFile
-    from trainer.optim import LRSchedule
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    schedule = LRSchedule(1e-2, 2, 5, "cosine", 0.1)
-    batches = Batches(TokenFile(tokens), 32, 4, 1, 1, 0, 1234)
-    got = []
-    for step in range(5):
-        inputs, targets = batches.step_batch()
-        total = 0.0
-        for x, y in zip(inputs.split(1), targets.split(1)):
-            loss = F.cross_entropy(model(input_ids=x).logits.float().view(-1, 256), y.reshape(-1)) / 4
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for group in opt.param_groups:
-            group["lr"] = schedule.at(step)
-        opt.step()
-        opt.zero_grad()
-        got.append(total)
+    got = adamw_reference(model, list(model.parameters()), tokens)
     assert rel_diff(serial[0], got) < REL, (serial[0], got)
 
 

@@ -18,30 +18,25 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from trainer_helpers import ROOT, check_ok, corpus_tokens, losses, rel_diff, run_inprocess, steps, torchrun
+from trainer_helpers import (
+    COMMON,
+    ROOT,
+    check_ok,
+    losses,
+    rel_diff,
+    run_inprocess,
+    steps,
+    tiny_run_fixtures,
+    torchrun,
+)
 
 from shardkit.testing import fixture_config, make_tiny_model
 
 CONFIG = "llama-trainer-tiny"  # 8 q heads, 2 kv heads, head_dim 4, hidden 32, 4 layers, vocab 256
 REL = 1e-5
-COMMON = ["--seq-len", "32", "--micro-batch", "1", "--global-batch", "4", "--steps", "5", "--lr", "1e-2",
-          "--warmup", "2", "--dtype", "fp32", "--no-progress", "--threads", "1"]
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("features")
-
-
-@pytest.fixture(scope="module")
-def hf_model(work) -> Path:
-    return make_tiny_model(CONFIG, work / "hf", seed=3)
-
-
-@pytest.fixture(scope="module")
-def tokens(work) -> Path:
-    return corpus_tokens(work / "corpus.bin")
+work, hf_model, tokens = tiny_run_fixtures("features", CONFIG)
 
 
 # ---- 5. sequence parallelism: only the local chunk is kept for backward ---------------------------------

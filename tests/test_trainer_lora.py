@@ -17,13 +17,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_helpers import COMMON as BASE_COMMON
+from trainer_helpers import (
+    adamw_reference,
+    check_ok,
+    losses,
+    rel_diff,
+    run_inprocess,
+    steps,
+    tiny_run_fixtures,
+    torchrun,
+    worker_exit_codes,
+)
+from trainer_helpers import run_args as base_run_args
 
-from trainer_helpers import (check_ok, corpus_tokens, losses, rel_diff, run_inprocess, steps, torchrun,
-                             worker_exit_codes)
-
-from shardkit.testing import make_tiny_model
-
-CONFIG = "llama-trainer-tiny"  # 8 q heads, 2 kv heads, head_dim 4, hidden 32, 4 layers, vocab 256
 REL = 1e-5
 ATOL = 1e-5
 RANK, ALPHA = 4, 8.0
@@ -34,29 +41,16 @@ PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # 1e-5 apart between layouts (whose sums round differently) while the median differs by 4e-9.
 # eps 1e-6 (typical adapter gradients here are ~1e-2) damps that without changing real updates.
 EPS = 1e-6
-COMMON = ["--seq-len", "32", "--micro-batch", "1", "--global-batch", "4", "--steps", "5", "--lr", "1e-2",
-          "--warmup", "2", "--dtype", "fp32", "--no-progress", "--threads", "1", "--eps", str(EPS),
-          "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lora-targets", TARGETS]
+COMMON = [*BASE_COMMON, "--eps", str(EPS), "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA),
+          "--lora-targets", TARGETS]
 SIX = ["--steps", "6"]
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("trainer-lora")
-
-
-@pytest.fixture(scope="module")
-def hf_model(work) -> Path:
-    return make_tiny_model(CONFIG, work / "hf", seed=3)
-
-
-@pytest.fixture(scope="module")
-def tokens(work) -> Path:
-    return corpus_tokens(work / "corpus.bin")
+work, hf_model, tokens = tiny_run_fixtures("trainer-lora")
 
 
 def run_args(model: Path, data: Path, metrics: Path, *extra: str) -> list[str]:
-    return ["--model", str(model), "--data", str(data), "--metrics", str(metrics), *COMMON, *extra]
+    return base_run_args(model, data, metrics, *extra, common=COMMON)
 
 
 def adapters(export: Path) -> dict[str, torch.Tensor]:
@@ -111,16 +105,13 @@ def test_lora_parallel_equals_serial(name, work, hf_model, tokens, serial):
 def test_lora_serial_equals_peft_and_adamw(hf_model, tokens, serial):
     """tp1 is peft's LoRA model on the transformers model, trained by torch AdamW from the same
     initial adapters on the same data, step for step."""
-    import torch.nn.functional as F
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from shardkit.layout import make_layout
     from shardkit.formats import load_config
-    from trainer.data import Batches, TokenFile
+    from shardkit.layout import make_layout
     from trainer.lora import LoraSettings, make_lora, parse_targets
     from trainer.model import ModelSpec
-    from trainer.optim import LRSchedule
 
     base = AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=int(ALPHA), lora_dropout=0.0,
@@ -134,23 +125,7 @@ def test_lora_serial_equals_peft_and_adamw(hf_model, tokens, serial):
             p.data.copy_(initial[name.removeprefix("base_model.model.").replace(".default", "")])
             trained.append(p)
     assert len(trained) == len(initial)
-    opt = torch.optim.AdamW(trained, lr=1e-2, betas=(0.9, 0.95), eps=EPS, weight_decay=0.0)
-    schedule = LRSchedule(1e-2, 2, 5, "cosine", 0.1)
-    batches = Batches(TokenFile(tokens), 32, 4, 1, 1, 0, 1234)
-    got = []
-    for step in range(5):
-        inputs, targets = batches.step_batch()
-        total = 0.0
-        for x, y in zip(inputs.split(1), targets.split(1)):
-            loss = F.cross_entropy(model(input_ids=x).logits.float().view(-1, 256), y.reshape(-1)) / 4
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
-        for group in opt.param_groups:
-            group["lr"] = schedule.at(step)
-        opt.step()
-        opt.zero_grad()
-        got.append(total)
+    got = adamw_reference(model, trained, tokens, EPS)
     expected, expected_adapters = serial
     assert rel_diff(expected, got) < REL, (expected, got)
     ours = {n.replace(".default", ""): p.detach() for n, p in model.named_parameters() if p.requires_grad}

@@ -22,6 +22,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from trainer_helpers import COMMON, run_args, tiny_run_fixtures
 
 from shardkit import Layout, convert
 from shardkit.cli import cli
@@ -162,32 +163,12 @@ def test_api_convert_round_trip_with_a_remainder(tmp_path):
 # ---- 2. the trainer ---------------------------------------------------------------------------------
 
 REL = 1e-5
-# 5 steps of 4 sequences of 32 tokens (4 micro-batches: two rounds of pp 2), lr high enough that the
-# weights move visibly every step
-COMMON = ["--seq-len", "32", "--micro-batch", "1", "--global-batch", "4", "--steps", "5", "--lr", "1e-2",
-          "--warmup", "2", "--dtype", "fp32", "--no-progress", "--threads", "1"]
 EVAL = ["--eval-every", "2", "--eval-steps", "1"]  # forward-only passes of the schedule, after steps 2, 4, 5
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("trainer-vpp")
+work, hf_model, tokens = tiny_run_fixtures("trainer-vpp", CONFIG)
 
 
-@pytest.fixture(scope="module")
-def hf_model(work) -> Path:
-    return make_tiny_model(CONFIG, work / "hf", seed=3)
-
-
-@pytest.fixture(scope="module")
-def tokens(work) -> Path:
-    from trainer_helpers import corpus_tokens
-
-    return corpus_tokens(work / "corpus.bin")
-
-
-def run_args(model: Path, data: Path, metrics: Path, *extra: str) -> list[str]:
-    return ["--model", str(model), "--data", str(data), "--metrics", str(metrics), *COMMON, *extra]
 
 
 def eval_losses(metrics: Path) -> list[float]:

@@ -15,6 +15,69 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "fixtures" / "tiny-corpus.txt"
 TORCHRUN_TIMEOUT = 240
+TINY_CONFIG = "llama-trainer-tiny"  # 8 q heads, 2 kv heads, head_dim 4, hidden 32, 4 layers, vocab 256
+# 5 steps of 4 sequences of 32 tokens, lr high enough that the weights move visibly every step
+COMMON = ["--seq-len", "32", "--micro-batch", "1", "--global-batch", "4", "--steps", "5", "--lr", "1e-2",
+          "--warmup", "2", "--dtype", "fp32", "--no-progress", "--threads", "1"]
+
+
+def run_args(model: Path, data: Path, metrics: Path, *extra: str, common: list[str] = COMMON) -> list[str]:
+    """Trainer arguments: `model`, `data`, metrics to `metrics`, the `common` settings, then `extra`
+    (a later option wins)."""
+    return ["--model", str(model), "--data", str(data), "--metrics", str(metrics), *common, *extra]
+
+
+def adamw_reference(model, params: list, tokens: Path, eps: float = 1e-8) -> list[float]:
+    """COMMON's run as a plain loop: `model` (a transformers causal LM, vocab 256) trained by
+    torch.optim.AdamW on `params` over the trainer's own batches, schedule and clipping; the loss
+    of each step."""
+    import torch
+    import torch.nn.functional as F
+
+    from trainer.data import Batches, TokenFile
+    from trainer.optim import LRSchedule
+
+    opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=eps, weight_decay=0.0)
+    schedule = LRSchedule(1e-2, 2, 5, "cosine", 0.1)
+    batches = Batches(TokenFile(tokens), 32, 4, 1, 1, 0, 1234)
+    got = []
+    for step in range(5):
+        inputs, targets = batches.step_batch()
+        total = 0.0
+        for x, y in zip(inputs.split(1), targets.split(1)):
+            loss = F.cross_entropy(model(input_ids=x).logits.float().view(-1, 256), y.reshape(-1)) / 4
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for group in opt.param_groups:
+            group["lr"] = schedule.at(step)
+        opt.step()
+        opt.zero_grad()
+        got.append(total)
+    return got
+
+
+def tiny_run_fixtures(name: str, config: str = TINY_CONFIG):
+    """A test module's module-scoped fixtures: `work` (a temporary folder), `hf_model` (the tiny
+    model of `config`, seed 3) and `tokens` (the bundled text as byte tokens). Use as
+    `work, hf_model, tokens = tiny_run_fixtures("name")`."""
+    import pytest
+
+    from shardkit.testing import make_tiny_model
+
+    @pytest.fixture(scope="module")
+    def work(tmp_path_factory) -> Path:
+        return tmp_path_factory.mktemp(name)
+
+    @pytest.fixture(scope="module")
+    def hf_model(work) -> Path:
+        return make_tiny_model(config, work / "hf", seed=3)
+
+    @pytest.fixture(scope="module")
+    def tokens(work) -> Path:
+        return corpus_tokens(work / "corpus.bin")
+
+    return work, hf_model, tokens
 
 
 def corpus_tokens(out: Path, vocab: int = 256) -> Path:
