@@ -18,17 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import (
-    COMMON,
-    ROOT,
-    check_ok,
-    losses,
-    rel_diff,
-    run_inprocess,
-    steps,
-    tiny_run_fixtures,
-    torchrun,
-)
+
+from trainer_helpers import (COMMON, ROOT, check_ok, losses, rel_diff, run_inprocess, steps, tiny_run_fixtures,
+                             torchrun)
 
 from shardkit.testing import fixture_config, make_tiny_model
 

@@ -17,18 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from trainer_helpers import COMMON as BASE_COMMON
-from trainer_helpers import (
-    adamw_reference,
-    check_ok,
-    losses,
-    rel_diff,
-    run_inprocess,
-    steps,
-    tiny_run_fixtures,
-    torchrun,
-    worker_exit_codes,
-)
+from trainer_helpers import (adamw_reference, check_ok, losses, rel_diff, run_inprocess, steps, tiny_run_fixtures,
+                             torchrun, worker_exit_codes)
 from trainer_helpers import run_args as base_run_args
 
 REL = 1e-5
