@@ -26,6 +26,7 @@ from ..formats import MANIFEST, Checkpoint, get_format, hf
 from ..formats.base import FileRecord, parse_dtype
 from ..formats.manifest import manifest
 from ..layout import FULL, Layout
+from ..paths import STAGING_TAG, sibling_name
 from .executor import ProgressCallback
 from .outputs import OutputFile, plan_full, plan_sharded
 from .staging import produce
@@ -71,8 +72,7 @@ class StagingProgress:
     it got, and the bar stops at the planned total until the end, where it reports the total."""
 
     def __init__(self, progress: ProgressCallback, dst: Path, total: int, interval: float = 0.5):
-        dst = Path(dst).absolute()
-        self.staging = dst.parent / f".{dst.name}.shardkit-tmp-{os.getpid()}"
+        self.staging = sibling_name(Path(dst).expanduser().absolute(), STAGING_TAG)  # as prepare_staging names it
         self.progress, self.total, self.interval = progress, total, interval
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="shardkit-progress", daemon=True)
