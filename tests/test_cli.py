@@ -231,7 +231,7 @@ def test_inspect_reports_layout_and_problems(sharded, tmp_path):
     checked = run("inspect", broken, "--check-data", "--json")
     assert checked.exit_code == 1
     problems = json.loads(checked.output)["problems"]
-    assert any("model/dp_rank_00_tp_rank_03_pp_rank_01.pt does not match its sha256" in p for p in problems)
+    assert any("model/dp_rank_00_tp_rank_03_pp_rank_01.pt does not match its size and digests" in p for p in problems)
     assert any("copies of model.norm.weight" in p for p in problems)
 
 

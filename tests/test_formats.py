@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file
 
 from conftest import golden_or_skip
@@ -844,6 +845,7 @@ def test_owned_writes_are_hashed_in_file_order(tmp_path, monkeypatch):
     record = out.close()
     raw = (tmp_path / "f.bin").read_bytes()
     assert record.size == len(raw) and record.sha256 == hashlib.sha256(raw).hexdigest()
+    assert record.xxh3_128 == xxhash.xxh3_128_hexdigest(raw)
 
 
 def test_torch_writer_owned_tensors_write_and_hash_the_same_bytes(tmp_path):
@@ -861,14 +863,14 @@ def test_torch_writer_owned_tensors_write_and_hash_the_same_bytes(tmp_path):
     (record,) = writer.close()
     raw = path.read_bytes()
     assert raw == expected.getvalue()
-    assert record.sha256 == hashlib.sha256(raw).hexdigest()
+    assert record.sha256 == hashlib.sha256(raw).hexdigest() and record.xxh3_128 == xxhash.xxh3_128_hexdigest(raw)
 
 
 # ---- 5. manifest checksums ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fmt", ["torch", "xser", "safetensors"])
-def test_manifest_sizes_and_sha256_match_disk(fmt, tiny_model, tmp_path):
+def test_manifest_sizes_and_digests_match_disk(fmt, tiny_model, tmp_path):
     out = convert_to(tiny_model(MODEL), tmp_path / fmt, fmt)
     manifest = json.loads((out / "shardkit.json").read_text())
     assert manifest["format"] == fmt
@@ -880,6 +882,7 @@ def test_manifest_sizes_and_sha256_match_disk(fmt, tiny_model, tmp_path):
         data = path.read_bytes()
         assert entry["size"] == len(data), entry["path"]
         assert entry["sha256"] == hashlib.sha256(data).hexdigest(), entry["path"]
+        assert entry["xxh3_128"] == xxhash.xxh3_128_hexdigest(data), entry["path"]
     model_files = {f"model/{p}" for p in files_under(out / "model")}
     assert model_files <= set(listed), f"not in the manifest: {sorted(model_files - set(listed))[:5]}"
     assert {p for p in listed if p.startswith("model/")} == model_files

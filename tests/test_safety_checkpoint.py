@@ -5,7 +5,7 @@ directory must never cost a checkpoint.
 2. Two writers on one directory: a per-directory flock; the second writer gets a one-line error
    naming the holder; it works again once the holder is gone (also when it was killed).
 3. Damaged manifests: listed as damaged, skipped (never crash list/prune/resume); the newest
-   loadable tag is resumed, also when the newest tag fails its sha256 check.
+   loadable tag is resumed, also when the newest tag fails its digest check.
 4. Names used as paths: tags and manifest file names stay inside their folders.
 """
 
@@ -318,15 +318,15 @@ def test_a_damaged_manifest_is_listed_skipped_and_never_blocks_resuming(ckpt, ca
 def test_latest_falls_back_when_the_newest_tag_fails_its_hash_check(ckpt, caplog):
     path = ckpt / "step_2" / MODEL_FILE
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # same size: only the sha256 check sees it
+    data[len(data) // 2] ^= 0xFF  # same size: only the digest check sees it
     path.write_bytes(bytes(data))
     for tag in ("latest_if_exists", None):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="shardkit"):
             loaded = load_checkpoint(ckpt, tag)
         assert loaded.tag == "step_1" and loaded.step == 1
-        assert "skipping checkpoint" in caplog.text and "step_2" in caplog.text and "sha256" in caplog.text
-    with pytest.raises(FormatError, match="sha256"):
+        assert "skipping checkpoint" in caplog.text and "step_2" in caplog.text and "xxh3_128" in caplog.text
+    with pytest.raises(FormatError, match="xxh3_128"):
         load_checkpoint(ckpt, "step_2")  # a tag asked for by name never falls back
 
     # every tag fails: an error, never None ("train from scratch") over existing checkpoints

@@ -26,7 +26,7 @@ import shardkit.api as api
 from shardkit.cli import cli
 from shardkit.errors import ShardkitError
 from shardkit.formats import open_checkpoint
-from shardkit.formats.manifest import file_sha256
+from shardkit.formats.manifest import file_entry, file_record
 from shardkit.layout import Layout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -232,12 +232,54 @@ def a_rank_file(root: Path) -> Path:
 
 def test_flipped_byte_is_refused_by_merge_and_reshard(src_copy, tmp_path):
     flip_last_byte(a_rank_file(src_copy))
-    one_line_error(run("merge", src_copy, tmp_path / "hf"), "sha256", a_rank_file(src_copy).name)
-    one_line_error(run("reshard", src_copy, tmp_path / "tp2", "--tp", "2"), "sha256")
+    one_line_error(run("merge", src_copy, tmp_path / "hf"), "xxh3_128", a_rank_file(src_copy).name)
+    one_line_error(run("reshard", src_copy, tmp_path / "tp2", "--tp", "2"), "xxh3_128")
+    one_line_error(run("merge", src_copy, tmp_path / "hf", "--verify-sha256"), "sha256", a_rank_file(src_copy).name)
+    with pytest.raises(ShardkitError, match="sha256"):
+        api.merge(src_copy, tmp_path / "hf", verify_hashes="sha256")
     assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []
     # the check can be skipped on purpose, in the library and on the command line
     api.merge(src_copy, tmp_path / "hf", verify_hashes=False)
     assert run("merge", src_copy, tmp_path / "hf2", "--no-verify-hashes").exit_code == 0
+
+
+def _edit_entry(root: Path, path: Path, **changes) -> None:
+    manifest = json.loads((root / "shardkit.json").read_text())
+    entry = next(e for e in manifest["files"] if e["path"] == path.relative_to(root).as_posix())
+    for key, value in changes.items():
+        if value is None:
+            del entry[key]
+        else:
+            entry[key] = value
+    (root / "shardkit.json").write_text(json.dumps(manifest))
+
+
+def test_each_check_reads_its_own_digest(src_copy, tmp_path):
+    """The default check compares the fast xxh3-128, --verify-sha256 the sha256: a manifest whose
+    other digest is wrong passes each (so each really compares the one it names)."""
+    target = a_rank_file(src_copy)
+    _edit_entry(src_copy, target, sha256="0" * 64)
+    assert run("merge", src_copy, tmp_path / "fast").exit_code == 0
+    one_line_error(run("merge", src_copy, tmp_path / "strong", "--verify-sha256"), "sha256", target.name)
+    _edit_entry(src_copy, target, sha256=file_record(target, src_copy).sha256, xxh3_128="0" * 32)
+    one_line_error(run("merge", src_copy, tmp_path / "fast2"), "xxh3_128", target.name)
+    assert run("merge", src_copy, tmp_path / "strong2", "--verify-sha256").exit_code == 0
+    # inspect --check-data compares both digests
+    report = api.inspect(src_copy, check_data=True)
+    assert report["checked"]["hash_mismatches"] == 1 and any(target.name in p for p in report["problems"])
+
+
+def test_a_manifest_without_the_fast_digest_is_checked_by_sha256(src_copy, tmp_path):
+    """Manifests written before xxh3-128 existed list only sha256: the default check uses it."""
+    target = a_rank_file(src_copy)
+    manifest = json.loads((src_copy / "shardkit.json").read_text())
+    for entry in manifest["files"]:
+        entry.pop("xxh3_128")
+    (src_copy / "shardkit.json").write_text(json.dumps(manifest))
+    assert run("merge", src_copy, tmp_path / "ok").exit_code == 0
+    flip_last_byte(target)
+    one_line_error(run("merge", src_copy, tmp_path / "hf"), "sha256", target.name)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_flipped_byte_is_refused_by_ckpt_export(shards, tmp_path):
@@ -245,8 +287,8 @@ def test_flipped_byte_is_refused_by_ckpt_export(shards, tmp_path):
     shutil.copytree(shards, tag)
     (tag / "done").write_text("1")
     flip_last_byte(a_rank_file(tag))
-    one_line_error(run("ckpt", "export", tmp_path / "ckpt", tmp_path / "hf", "--tag", "step_5"), "sha256")
-    with pytest.raises(ShardkitError, match="sha256"):
+    one_line_error(run("ckpt", "export", tmp_path / "ckpt", tmp_path / "hf", "--tag", "step_5"), "xxh3_128")
+    with pytest.raises(ShardkitError, match="xxh3_128"):
         api.export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", "step_5")
     assert run("ckpt", "export", tmp_path / "ckpt", tmp_path / "hf", "--tag", "step_5", "--no-verify-hashes").exit_code == 0
 
@@ -256,11 +298,13 @@ def test_each_source_file_is_hashed_once_per_operation(shards, tmp_path, monkeyp
 
     hashed = []
 
-    def counting(path):
-        hashed.append(Path(path).name)
-        return file_sha256(path)
+    real = reader.file_matches
 
-    monkeypatch.setattr(reader, "file_sha256", counting)
+    def counting(path, entry, check):
+        hashed.append(Path(path).name)
+        return real(path, entry, check)
+
+    monkeypatch.setattr(reader, "file_matches", counting)
     api.merge(shards, tmp_path / "hf", workers=3)
     files = json.loads((shards / "shardkit.json").read_text())["files"]
     assert sorted(hashed) == sorted(Path(f["path"]).name for f in files)
@@ -278,7 +322,7 @@ def test_a_piece_whose_dtype_differs_from_its_siblings_is_refused(src_copy, tmp_
     manifest = json.loads((src_copy / "shardkit.json").read_text())  # a consistent manifest: hashes pass
     for entry in manifest["files"]:
         if entry["path"] == path.relative_to(src_copy).as_posix():
-            entry["size"], entry["sha256"] = path.stat().st_size, file_sha256(path)
+            entry.update(file_entry(file_record(path, src_copy)))
     (src_copy / "shardkit.json").write_text(json.dumps(manifest))
     line = one_line_error(run("merge", src_copy, tmp_path / "hf"), path.name, name, "int64", "float32")
     assert "down_proj" in line and not (tmp_path / "hf").exists()

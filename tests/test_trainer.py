@@ -37,6 +37,7 @@ from trainer_helpers import (
 )
 
 from shardkit import Layout, convert
+from shardkit.formats.manifest import file_entry, file_record
 from shardkit.testing import make_tiny_model
 
 CONFIG = "llama-trainer-tiny"  # 8 q heads, 2 kv heads, head_dim 4, hidden 32, 4 layers, vocab 256
@@ -683,14 +684,12 @@ def test_zero1_checkpoint_each_dp_rank_writes_its_nxd_shard(zero1_bf16):
 def _strip_model_data(tag: Path) -> None:
     """Model files without tensor data (NxD's avoid_saving_lower_precision_weights), the manifest
     updated to match: the weights live only in the optimizer files' master weights."""
-    import hashlib
-
     manifest = json.loads((tag / "shardkit.json").read_text())
     for f in (tag / "model").iterdir():
         names = torch.load(f, weights_only=True)
         torch.save({k: torch.empty(0, dtype=v.dtype) for k, v in names.items()}, str(f))
         entry = next(e for e in manifest["files"] if e["path"] == f"model/{f.name}")
-        entry["size"], entry["sha256"] = f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest()
+        entry.update(file_entry(file_record(f, tag)))
     (tag / "shardkit.json").write_text(json.dumps(manifest))
 
 

@@ -10,20 +10,19 @@ full tensors.
 
 Before any tensor is read, the tag is checked: complete (`done`), every listed file present with
 its size, the config equal to the caller's, the files this rank reads holding the expected names
-and shapes and (with `verify`) their sha256 equal to the manifest's. A failure raises a
+and shapes and (with `verify`) their digests equal to the manifest's. A failure raises a
 ShardkitError and returns nothing: no rank state is ever loaded half-way.
 
 "The latest checkpoint" (tag None or "latest_if_exists") is the newest complete tag that loads:
 damaged tags (malformed manifest) are skipped, and a tag that fails its checks (missing,
 truncated or corrupt files) is skipped for the next older one, with a warning naming the tag and
 why. In a torch.distributed job only failures every rank sees alike (the manifest, the listed
-files and their sizes) are skipped that way; a failure of one rank's own files (sha256) raises,
+files and their sizes) are skipped that way; a failure of one rank's own files (digests) raises,
 since ranks resuming from different steps would be worse than stopping.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 
 from ..errors import ConfigMismatchError, FormatError
 from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
+from ..formats.digest import FAST, expected_digest, file_matches
 from ..formats.torch_io import safe_load
 from ..layout import Layout, ModelDims
 from ..paths import UnsafePathError, inside
@@ -173,21 +173,18 @@ def _check_files(ckpt: Checkpoint, keys: set[str]) -> None:
 
 
 def _verify_hashes(tag_dir: Path, manifest: Mapping[str, Any], keys: set[str]) -> None:
-    """sha256 of every file (and xser tensor file) behind `keys` against the manifest."""
+    """Every file (and xser tensor file) behind `keys` against the manifest's fast digest (sha256
+    where the manifest predates it)."""
     entries = manifest.get("files", [])
     for key in sorted(keys):
         mine = [e for e in entries if e["path"] == key or e["path"].startswith(key + ".")]
         if not mine:
             raise FormatError(f"the manifest of {tag_dir} does not list {key}: the checkpoint is damaged")
         for entry in mine:
-            digest = hashlib.sha256()
-            with open(_listed_path(tag_dir, entry["path"]), "rb") as fh:
-                for block in iter(lambda: fh.read(8 << 20), b""):
-                    digest.update(block)
-            if digest.hexdigest() != entry["sha256"]:
+            if not file_matches(_listed_path(tag_dir, entry["path"]), entry, FAST):
                 raise FormatError(
-                    f"{tag_dir.name}/{entry['path']} does not match its sha256 in the manifest: the "
-                    "file is corrupt; load an older tag (tag=...)"
+                    f"{tag_dir.name}/{entry['path']} does not match its size and {expected_digest(entry, FAST)[0]} "
+                    "in the manifest: the file is corrupt; load an older tag (tag=...)"
                 )
 
 
@@ -351,10 +348,11 @@ def load_checkpoint(
     works: pieces are resharded on the fly, moments with their parameters. `rank`: (tp, pp),
     (ep, tp, pp) or Rank of the target layout (default: from torch.distributed). `config`: the
     model config the trainer uses; it must match the checkpoint's (and is needed for NxD tags
-    without config.json). `verify`: check the sha256 of every file this rank reads against the
-    manifest (reads those files once more). `param_order`: names per param group, when the
-    ZeRO-1 index order of NxD's optimizer files cannot be recovered. Returns a LoadedCheckpoint
-    (for a checkpoint saved without layout/config: the state dicts exactly as saved).
+    without config.json). `verify`: check every file this rank reads against the digest in the
+    manifest (xxh3-128, sha256 for older manifests; reads those files once more). `param_order`:
+    names per param group, when the ZeRO-1 index order of NxD's optimizer files cannot be
+    recovered. Returns a LoadedCheckpoint (for a checkpoint saved without layout/config: the state
+    dicts exactly as saved).
 
     NxD's optimizer files (ZeRO-1, any dp) are read by meaning: `loaded.optimizer.state[piece]` is
     `{"exp_avg", "exp_avg_sq", "step"[, "master"]}` with this rank's tp-local (dp-unsharded)

@@ -26,8 +26,7 @@ from typing_extensions import Unpack
 
 from ..distributed import Job, current_job
 from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
-from ..formats.base import FileRecord
-from ..formats.manifest import MANIFEST, file_sha256, manifest
+from ..formats.manifest import MANIFEST, file_record, manifest
 from ..layout import Layout
 from ..placements import Piece
 from .base import CheckpointError
@@ -288,10 +287,7 @@ def reshard_training(
                     written.append(str(out_tag / plain))
             (out_tag / CONFIG).write_text(json.dumps(src.model.config, indent=2) + "\n")
             written.append(str(out_tag / CONFIG))
-            records = [
-                FileRecord(Path(f).relative_to(out_tag).as_posix(), Path(f).stat().st_size, file_sha256(Path(f)))
-                for f in written
-            ]
+            records = [file_record(Path(f), out_tag) for f in written]
             data = manifest(
                 fmt="xser" if use_xser else "torch",
                 family=src.model.family.name,

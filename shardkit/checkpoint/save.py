@@ -40,7 +40,7 @@ from ..errors import LayoutError
 from ..families import Family, family_for
 from ..formats import MANIFEST, load_config
 from ..formats.base import FileRecord, HashingFile, TensorSpec
-from ..formats.manifest import file_sha256
+from ..formats.manifest import file_record
 from ..formats.manifest import manifest as build_manifest
 from ..formats.safetensors_io import SafetensorsWriter
 from ..formats.torch_io import TorchWriter, torch_save
@@ -276,14 +276,14 @@ def prepare_tag(job: SaveJob) -> None:
 
 
 def _written(tag_dir: Path, paths: list[Path], fsync: bool) -> list[FileRecord]:
-    """Records (size, sha256) of files just written; durable with fsync (files and folders)."""
+    """Records (size, digests) of files just written; durable with fsync (files and folders)."""
     records = []
     folders = set()
     for path in paths:
         if fsync:
             fsync_path(path)
         folders.add(path.parent)
-        records.append(FileRecord(path.relative_to(tag_dir).as_posix(), path.stat().st_size, file_sha256(path)))
+        records.append(file_record(path, tag_dir))
     if fsync:
         for folder in sorted(folders, key=lambda f: -len(f.parts)):
             fsync_path(folder)

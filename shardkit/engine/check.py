@@ -17,7 +17,8 @@ import torch
 
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, SourceReader
-from ..formats.manifest import MANIFEST, file_sha256
+from ..formats.digest import FAST_DIGEST, file_digests
+from ..formats.manifest import MANIFEST
 from ..layout import Layout
 from ..paths import UnsafePathError, inside, regular_file
 from ..placements import Segment, SegmentIndex
@@ -109,8 +110,8 @@ class _Progress:
             self.callback(self.done, self.total)
 
 
-def _manifest_entries(ckpt: Checkpoint) -> tuple[list[tuple[str, Path, int, str]], list[str]]:
-    """The manifest's file entries as (name, path inside the folder, size, sha256), and a problem
+def _manifest_entries(ckpt: Checkpoint) -> tuple[list[tuple[str, Path, int, dict]], list[str]]:
+    """The manifest's file entries as (name, path inside the folder, size, entry), and a problem
     line for every entry that is malformed, names a path outside the folder, or is missing."""
     if ckpt.manifest is None:
         return [], []
@@ -144,18 +145,25 @@ def _manifest_entries(ckpt: Checkpoint) -> tuple[list[tuple[str, Path, int, str]
         except ShardkitError as e:
             problems.append(str(e))
             continue
-        entries.append((name, path, entry["size"], entry["sha256"]))
+        entries.append((name, path, entry["size"], entry))
     return entries, problems
 
 
 def _check_manifest_hashes(entries, tick: _Progress) -> tuple[list[str], int, int]:
-    """Re-hash every listed file: (problems, files checked, files that differ from the manifest)."""
+    """Re-hash every listed file, sha256 and (where listed) the fast digest both: (problems, files
+    checked, files that differ from the manifest)."""
     problems, hashed, mismatched = [], 0, 0
-    for name, path, size, sha256 in entries:
+    for name, path, size, entry in entries:
         hashed += 1
-        if path.stat().st_size != size or file_sha256(path) != sha256:
+        same = path.stat().st_size == size
+        if same:
+            sha256, fast = file_digests(path)
+            same = sha256 == entry["sha256"] and entry.get(FAST_DIGEST, fast) == fast
+        if not same:
             mismatched += 1
-            problems.append(f"{name} does not match its sha256 in the manifest: the file changed or is corrupt")
+            problems.append(
+                f"{name} does not match its size and digests in the manifest: the file changed or is corrupt"
+            )
         tick(size)
     return problems, hashed, mismatched
 

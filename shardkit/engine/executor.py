@@ -22,6 +22,7 @@ import torch
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
 from ..formats.base import ChunkedWriter, FileRecord, TensorSpec, reused_buffers
+from ..formats.digest import NONE, CheckMode, check_mode
 from ..formats.reader import HashCheck
 from .outputs import OutputFile
 
@@ -37,26 +38,28 @@ def execute(
     dtype: torch.dtype | None = None,
     workers: int | str = "auto",
     progress: ProgressCallback | None = None,
-    verify_hashes: bool = True,
+    verify_hashes: bool | CheckMode = True,
 ) -> list[FileRecord]:
     """Write every output file from `src`; returns the records of the files written.
 
-    With `verify_hashes`, each source file the manifest lists is checked against its sha256 (once
-    per file), in a background thread while the files are written, and before this returns: a
-    mismatch raises FormatError and nothing is committed."""
+    With `verify_hashes` (True/"fast": the manifest's xxh3-128 where listed, else its sha256;
+    "sha256": sha256 only), each source file the manifest lists is checked (once per file), in a
+    background thread while the files are written, and before this returns: a mismatch raises
+    FormatError and nothing is committed."""
+    check = check_mode(verify_hashes)
     file_format = get_format(fmt)
     auto = workers is None or workers == "auto"
     workers = resolve_workers(workers, len(outputs))
     index = src.index()
     source_dtypes = check_dtypes(src)
     hashes = None
-    if verify_hashes:  # only the files this process reads (under torchrun, its share of the outputs)
+    if check != NONE:  # only the files this process reads (under torchrun, its share of the outputs)
         # in the order the outputs first read them: on a cold cache the check's sequential reads
         # then bring in the files (with read-ahead) just before the workers' reads of them
         needed = dict.fromkeys(
             r.holder for out in outputs for p in out.pieces for seg in p.segments for r in index.locate(seg)
         )
-        hashes = HashCheck(src).start([key for key in needed if key in src.files])
+        hashes = HashCheck(src, check).start([key for key in needed if key in src.files])
     # read-ahead hints, unless the hash check already reads the sources in sequence (then the
     # hints' scattered reads only compete with it for the disk: measured slower on a cold cache)
     advise = hashes is None or not hashes.expected

@@ -24,6 +24,7 @@ from ..checkpoint.tree import CHECKPOINT_MARKER
 from ..distributed import current_job
 from ..formats import MANIFEST, Checkpoint, get_format, hf
 from ..formats.base import FileRecord, parse_dtype
+from ..formats.digest import CheckMode
 from ..formats.manifest import manifest
 from ..layout import FULL, Layout
 from ..paths import STAGING_TAG, sibling_name
@@ -123,9 +124,10 @@ class WriteOptions(TypedDict, total=False):
     """Replace a destination that exists and is not empty (default False)."""
     progress: ProgressCallback | None
     """Called as progress(bytes_done, bytes_total) while output is written."""
-    verify_hashes: bool
-    """Check each source file against the sha256 its manifest lists before the output is
-    committed (default True)."""
+    verify_hashes: bool | CheckMode
+    """Check each source file against the digest its manifest lists before the output is
+    committed: True or "fast" (the default) checks the fast xxh3-128 where the manifest has it and
+    sha256 otherwise, "sha256" checks sha256 only, False or "none" skips the check."""
 
 
 def _write(

@@ -31,6 +31,7 @@ from ..distributed import current_job
 from ..errors import DestinationExistsError, ShardkitError
 from ..formats import Checkpoint
 from ..formats.base import FileRecord
+from ..formats.digest import CheckMode
 from ..paths import (
     OLD_TAG,
     OWNER_FILE,
@@ -189,13 +190,13 @@ def produce(
     overwrite: bool,
     progress: ProgressCallback | None,
     finish: Callable[[Path, list[FileRecord]], None],
-    verify_hashes: bool = True,
+    verify_hashes: bool | CheckMode = True,
 ) -> list[FileRecord]:
     """Write `outputs` into a staging folder, let `finish` add its files, and rename to `dst`.
 
     In a torch.distributed job every rank writes its share of the files (see distributed.py).
     With `verify_hashes`, every source file listed in the source's manifest is checked against
-    its sha256 as it is first opened."""
+    its digest before the output is committed (see `execute`)."""
     with terminate_as_interrupt():
         return _produce(src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes)
 

@@ -6,14 +6,13 @@ than write wrong bytes.
 
 A backend reads one file lazily (`TensorFile`: names, shapes, dtypes, and slices on demand) and
 writes one file as tensors arrive (`TensorFileWriter`), reporting the files it produced with
-their sizes and sha256 (hashed while writing, never by reading back).
+their sizes and digests (hashed while writing, never by reading back).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import math
 import os
 import queue
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from ..errors import FormatError
+from .digest import Digests
 
 if TYPE_CHECKING:
     import io
@@ -61,11 +61,13 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A file written: path relative to the output directory, size, sha256."""
+    """A file written: path relative to the output directory, size, sha256 and the fast digest
+    (xxh3-128; None where a file was recorded without it)."""
 
     path: str
     size: int
     sha256: str
+    xxh3_128: str | None = None
 
 
 class TensorFile(Protocol):
@@ -190,7 +192,7 @@ class _HashJob:
 
     __slots__ = ("hash", "prefix", "view", "owner", "prev", "size", "taken", "done")
 
-    hash: Any  # a hashlib object
+    hash: Digests
     prefix: bytes | None
     view: memoryview | None  # None once hashed
     owner: object  # keeps the bytes of `view` alive (None: the caller waits until they are hashed)
@@ -201,7 +203,7 @@ class _HashJob:
 
     def __init__(
         self,
-        digest: Any,
+        digest: Digests,
         view: memoryview,
         owner: object = None,
         prev: _HashJob | None = None,
@@ -249,7 +251,7 @@ _HASH_LOCK = threading.Lock()
 
 
 class _Hasher:
-    """A daemon thread that hashes the blocks being written (sha256 releases the GIL), so the
+    """A daemon thread that hashes the blocks being written (the digests release the GIL), so the
     hash of a block is computed while the kernel copies it into the file: on a warm page cache
     the two are the largest CPU costs of writing. The writing thread takes a block back when the
     helper is busy (with another worker's block), so hashing never waits for the helper. Blocks
@@ -317,7 +319,7 @@ class HashingFile:
         self._fh = open(self.path, "xb")
         st = os.fstat(self._fh.fileno())
         self._identity = (st.st_dev, st.st_ino)
-        self._hash = hashlib.sha256()
+        self._hash = Digests()
         self.size = 0
 
     @property
@@ -410,7 +412,7 @@ class HashingFile:
             fh.close()
         except OSError as e:
             raise self._failed(e) from None
-        return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, self._hash.hexdigest())
+        return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, *self._hash.hexdigests())
 
     def abort(self) -> None:
         """Close and delete the file, if the path still names the file this object created (a

@@ -1,11 +1,9 @@
 """`shardkit.json`, the manifest shardkit writes beside every sharded directory and training
 checkpoint tag: what the files are (layout, family, format, dtype, full tensor shapes) and every
-file's size and sha256, so that readers can trust nothing they cannot check."""
+file's size, sha256 and xxh3-128 (see `digest`), so that readers can trust nothing they cannot check."""
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,11 +11,9 @@ from typing import Any
 from ..layout import Layout
 from ..version import __version__
 from .base import FileRecord
+from .digest import FAST_DIGEST, file_digests
 
 MANIFEST = "shardkit.json"
-
-HASH_BLOCK = 1 << 20
-"""Bytes read at once when a file is re-hashed."""
 
 
 def manifest(
@@ -43,21 +39,20 @@ def manifest(
         "source": source,
         "command": command,
         "tensors": {n: list(s) for n, s in tensors.items()},
-        "files": [{"path": r.path, "size": r.size, "sha256": r.sha256} for r in sorted(records, key=lambda r: r.path)],
+        "files": [file_entry(r) for r in sorted(records, key=lambda r: r.path)],
         **sections,
     }
 
 
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file, read in large blocks into one reused buffer (no allocation, and no
-    fresh pages to fault in, per block), with sequential read-ahead."""
-    digest = hashlib.sha256()
-    view = memoryview(bytearray(HASH_BLOCK))
-    with open(path, "rb", buffering=0) as fh:
-        try:
-            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except (AttributeError, OSError):  # not on every platform or file system
-            pass
-        while n := fh.readinto(view):
-            digest.update(view[:n])
-    return digest.hexdigest()
+def file_entry(record: FileRecord) -> dict[str, Any]:
+    """A manifest's entry for one file (the fast digest only when the record has it)."""
+    entry: dict[str, Any] = {"path": record.path, "size": record.size, "sha256": record.sha256}
+    if record.xxh3_128 is not None:
+        entry[FAST_DIGEST] = record.xxh3_128
+    return entry
+
+
+def file_record(path: Path, root: Path) -> FileRecord:
+    """The record of a file already written (read once for both digests)."""
+    sha256, fast = file_digests(path)
+    return FileRecord(path.relative_to(root).as_posix(), path.stat().st_size, sha256, fast)

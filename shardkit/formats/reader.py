@@ -17,7 +17,8 @@ import torch
 from ..errors import FormatError
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
 from .base import TensorFile, empty_tensor
-from .manifest import MANIFEST, file_sha256
+from .digest import FAST, CheckMode, expected_digest, file_matches
+from .manifest import MANIFEST
 from .registry import format_of_file
 
 if TYPE_CHECKING:
@@ -25,9 +26,9 @@ if TYPE_CHECKING:
 
 
 class HashCheck:
-    """Checks source files against the sha256 their manifest lists, each file once per operation
-    (thread-safe; shared by the readers of one operation). Files the manifest does not list are
-    not checked.
+    """Checks source files against the digest their manifest lists (`check`: the fast xxh3-128 where
+    listed, else sha256; or sha256 only), each file once per operation (thread-safe; shared by the
+    readers of one operation). Files the manifest does not list are not checked.
 
     `check(key)` hashes a file in the calling thread (when it is not hashed yet) before it is used.
     `start()` instead hashes every listed file in a background thread while the operation reads,
@@ -35,13 +36,15 @@ class HashCheck:
     the output is committed (it waits and raises the first mismatch), so that corrupt data never
     reaches the destination, at a fraction of the cost of hashing in the reading thread."""
 
-    def __init__(self, ckpt: Checkpoint):
+    def __init__(self, ckpt: Checkpoint, check: CheckMode = FAST):
         self.root = Path(ckpt.root)
         self.ckpt = ckpt
-        self.expected: dict[str, tuple[int | None, str]] = {}
+        self.mode = check
+        self.expected: dict[str, dict] = {}
         for entry in (ckpt.manifest or {}).get("files", []) or []:
             try:
-                self.expected[str(entry["path"])] = (entry.get("size"), str(entry["sha256"]))
+                expected_digest(entry, check)  # the digest is there
+                self.expected[str(entry["path"])] = entry
             except (KeyError, TypeError, AttributeError):
                 raise FormatError(f"{self.root / MANIFEST} has a malformed files entry: re-create the shards") from None
         self._checked: set[str] = set()
@@ -112,16 +115,16 @@ class HashCheck:
                     continue
                 if rel not in self.expected:
                     continue
-                size, digest = self.expected[rel]
+                entry = self.expected[rel]
                 try:
-                    actual_size = Path(file).stat().st_size
-                    same = (size is None or actual_size == size) and file_sha256(Path(file)) == digest
+                    same = file_matches(Path(file), entry, self.mode)
                 except OSError as e:
                     raise FormatError(f"cannot read {file}: {e.strerror or e}") from None
                 if not same:
+                    algorithm = expected_digest(entry, self.mode)[0]
                     raise FormatError(
-                        f"{rel} in {self.root} does not match the sha256 in its {MANIFEST}: the file is corrupt or was "
-                        "changed; restore it or re-create the shards (--no-verify-hashes skips this check)"
+                        f"{rel} in {self.root} does not match the size and {algorithm} in its {MANIFEST}: the file is "
+                        "corrupt or was changed; restore it or re-create the shards (--no-verify-hashes skips this check)"
                     )
             self._checked.add(key)
 
