@@ -500,9 +500,25 @@ def print_report(b: Bench, runs: list[dict], profiles: dict, rows: list[list], t
         ["operation", "workers", "GB", "seconds", "GB/s", "vs cp", "peak RSS MB", "RSS % ckpt", "base MB",
          "anon MB", "file MB", "CPU s"], rows))
     print()
+    print_thread_cpu(b, runs)
     print_targets(b, runs, targets)
     print_verify(b, runs)
     print_profiles(b, profiles)
+
+
+def print_thread_cpu(b: Bench, runs: list[dict]) -> None:
+    """Where each operation's CPU went, by thread (the median run): the main thread reads, copies
+    and writes; the hash helper computes the output's digests; the hash check the sources'."""
+    lines = []
+    for run in runs:
+        for key in ("convert", "merge"):
+            line = bc.thread_cpu_line(run["ops"][key])
+            if line:
+                lines.append(f"  workers {run['workers']}  {key:8s} {line}")
+    if lines:
+        print("CPU by thread (median run):")
+        print("\n".join(lines))
+        print()
 
 
 def main(argv=None) -> int:
