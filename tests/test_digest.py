@@ -1,0 +1,88 @@
+"""The digests shardkit records and checks (shardkit/formats/digest.py): the same values as hashlib
+and xxhash over the file's bytes whichever way the file is read, and the check's choice of digest."""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+
+import pytest
+import xxhash
+
+from shardkit.formats import digest
+from shardkit.formats.digest import check_mode, expected_digest, file_digests, file_matches
+
+
+def expected(data: bytes) -> tuple[str, str]:
+    return hashlib.sha256(data).hexdigest(), xxhash.xxh3_128_hexdigest(data)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 3 * 65536, 3 * 65536 + 17])
+def test_digests_across_window_boundaries(tmp_path, monkeypatch, size):
+    monkeypatch.setattr(digest, "HASH_WINDOW", 65536)  # many windows, one partial at the end
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    assert file_digests(tmp_path / "f") == expected(data)
+
+
+def test_a_file_that_cannot_be_mapped_is_read_instead(tmp_path, monkeypatch):
+    data = os.urandom(300_000)
+    (tmp_path / "f").write_bytes(data)
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")  # what a file system without mmap says
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    assert file_digests(tmp_path / "f") == expected(data)
+
+
+def test_a_file_that_shrinks_while_hashed_is_an_error_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setattr(digest, "HASH_WINDOW", 65536)
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(4 * 65536))
+    real = xxhash.xxh3_128
+    shrunk = []
+
+    class Shrinking:  # truncates the file after the first window is hashed
+        def __init__(self):
+            self.inner = real()
+
+        def update(self, data):
+            self.inner.update(data)
+            if not shrunk:
+                shrunk.append(True)
+                os.truncate(path, 65536)
+
+        def hexdigest(self):
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(digest.xxhash, "xxh3_128", Shrinking)
+    with pytest.raises(OSError, match="shrank"):
+        file_digests(path)
+
+
+def test_the_check_compares_the_digest_it_names(tmp_path):
+    data = os.urandom(1000)
+    (tmp_path / "f").write_bytes(data)
+    sha, fast = expected(data)
+    entry = {"path": "f", "size": 1000, "sha256": sha, "xxh3_128": fast}
+    assert file_matches(tmp_path / "f", entry, "fast") and file_matches(tmp_path / "f", entry, "sha256")
+    assert not file_matches(tmp_path / "f", {**entry, "xxh3_128": "0" * 32}, "fast")
+    assert file_matches(tmp_path / "f", {**entry, "xxh3_128": "0" * 32}, "sha256")
+    assert not file_matches(tmp_path / "f", {**entry, "sha256": "0" * 64}, "sha256")
+    assert not file_matches(tmp_path / "f", {**entry, "size": 999}, "fast")
+    older = {"path": "f", "size": 1000, "sha256": sha}  # a manifest from before the fast digest
+    assert expected_digest(older, "fast") == ("sha256", sha)
+    assert not file_matches(tmp_path / "f", {**older, "sha256": "0" * 64}, "fast")
+
+
+@pytest.mark.parametrize("value,mode", [(True, "fast"), ("fast", "fast"), ("sha256", "sha256"), (False, "none"),
+                                        (None, "none"), ("none", "none")])
+def test_check_modes(value, mode):
+    assert check_mode(value) == mode
+
+
+def test_an_unknown_check_mode_is_refused():
+    with pytest.raises(ValueError, match="verify_hashes"):
+        check_mode("md5")
