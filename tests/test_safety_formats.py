@@ -181,6 +181,67 @@ def test_torch_writer_ctrl_c_is_a_clean_keyboard_interrupt(tmp_path):
     assert "interrupted" in proc.stdout and "left False" in proc.stdout, proc.stdout
 
 
+@pytest.mark.parametrize("how", ["enospc", "sigint"])
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_a_failure_behind_the_writes_is_clean(fmt, how, tmp_path):
+    """Owned tensors of several MiB are written by the write-behind thread: a full disk there
+    becomes the caller's one-line NoSpaceError at its next write or close, Ctrl-C while blocks are
+    queued a KeyboardInterrupt; no abort, no partial file, no thread left writing."""
+    limit = 5 * (3 << 20) // 2  # inside the third tensor
+    proc = run_child(FAILING_OPEN.replace("LIMIT", str(limit)).replace("HOW", f'"{how}"') + f"""
+    import threading
+    from shardkit.formats.torch_io import TorchWriter
+    from shardkit.formats.safetensors_io import SafetensorsWriter
+    BIG = [TensorSpec(f"w{{i}}", (3 << 18,), torch.float32) for i in range(6)]  # 3 MiB each
+    def run():
+        cls = TorchWriter if "{fmt}" == "torch" else SafetensorsWriter
+        w = cls(tmp / "out" / "x.bin", tmp / "out", BIG)
+        for s in BIG:
+            w.write(s.name, torch.full(s.shape, 1.5), owned=True)
+        w.close()
+    try:
+        run()
+        print("finished")
+    except KeyboardInterrupt:
+        print("interrupted")
+    except Exception as e:
+        print(type(e).__name__, "|", e)
+    gc.collect()
+    print("left", os.path.exists(tmp / "out" / "x.bin"))
+    print("writers", sum(t.name == "shardkit-write-behind" and t.is_alive() for t in threading.enumerate()))
+    """, tmp_path)
+    clean_exit(proc)
+    expected = "interrupted" if how == "sigint" else "NoSpaceError | no space left on"
+    assert expected in proc.stdout and "left False" in proc.stdout and "writers 0" in proc.stdout, proc.stdout
+
+
+def test_owned_blocks_written_behind_keep_the_file_order(tmp_path):
+    """Large owned tensors (written by the write-behind thread) between small unowned ones and
+    torch's headers: the same bytes as torch.save, and a record whose digests are those bytes'."""
+    import hashlib
+    import io
+
+    import xxhash
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = {}
+    for i in range(8):
+        tensors[f"big{i}"] = torch.randn((3 << 18) + 1000 * i, generator=gen)  # 3 MiB and up
+        tensors[f"small{i}"] = torch.randn(7 + i, generator=gen)
+    expected = io.BytesIO()
+    torch.save({n: t.clone() for n, t in tensors.items()}, expected)
+    writer = TorchWriter(tmp_path / "x.pt", tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+    for name in list(tensors):
+        tensor = tensors.pop(name)
+        writer.write(name, tensor, owned=name.startswith("big"))
+        del tensor  # the writer holds the only reference of an owned tensor
+    (record,) = writer.close()
+    raw = (tmp_path / "x.pt").read_bytes()
+    assert raw == expected.getvalue()
+    assert (record.size, record.sha256, record.xxh3_128) == (len(raw), hashlib.sha256(raw).hexdigest(),
+                                                             xxhash.xxh3_128_hexdigest(raw))
+
+
 def test_exception_thrown_through_torch_does_not_abort_later(tmp_path):
     """An exception that escapes into torch's C++ writer (e.g. Ctrl-C before the sink's guard)
     leaves it mid-record: it must never be destroyed (its destructor would std::terminate)."""

@@ -286,6 +286,71 @@ class _Hasher:
 
 _HASHER = _Hasher()
 
+WRITE_BEHIND = 32 << 20
+"""At most this many bytes of owned blocks per file wait for their write (`HashingFile.write_owned`)."""
+
+
+class _WriteBehind:
+    """A thread that writes one file's owned blocks (and the small writes queued after them) in
+    order, while the caller reads and prepares the next block: the kernel's copy into the page
+    cache is then off the caller's thread, as the digests are. The first write error is kept and
+    raised to the caller at its next write, flush or close; later blocks are dropped."""
+
+    def __init__(self, fh: io.BufferedWriter) -> None:
+        self._fh = fh
+        self._jobs: queue.SimpleQueue[tuple[memoryview, object] | None] = queue.SimpleQueue()
+        self._pending = 0
+        self._changed = threading.Condition()
+        self._cancelled = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="shardkit-write-behind", daemon=True)
+        self._thread.start()
+
+    def put(self, view: memoryview, owner: object) -> None:
+        """Queue `view` (kept alive by `owner`); waits while WRITE_BEHIND bytes are queued."""
+        with self._changed:
+            while self._pending and self._pending + len(view) > WRITE_BEHIND and self.error is None:
+                self._changed.wait()
+            self._pending += len(view)
+        self._jobs.put((view, owner))
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def drain(self) -> BaseException | None:
+        """Wait until every queued block is written; the first error, if any."""
+        with self._changed:
+            while self._pending:
+                self._changed.wait()
+        return self.error
+
+    def stop(self, cancel: bool = False) -> None:
+        """End the thread once the queue is written (`cancel`: dropped) and wait for it."""
+        self._cancelled = cancel
+        self._jobs.put(None)
+        while self._thread.is_alive():
+            try:
+                self._thread.join()
+            except BaseException:  # Ctrl-C: the thread still writes the caller's bytes; never leave before it ends
+                continue
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            view, owner = job
+            size = len(view)
+            try:
+                if self.error is None and not self._cancelled:
+                    for start in range(0, size, WRITE_BLOCK):
+                        self._fh.write(view[start : start + WRITE_BLOCK])
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+                self.error = e
+            finally:
+                del view, owner, job  # the owner's memory may go now
+            with self._changed:
+                self._pending -= size
+                self._changed.notify_all()
+
 
 class HashingFile:
     """A binary file that hashes what is written to it (for manifests, without reading back).
@@ -304,6 +369,7 @@ class HashingFile:
         self._behind: collections.deque[_HashJob] = collections.deque()  # written, not yet hashed
         self._behind_bytes = 0
         self._tail = bytearray()  # small writes after the blocks behind: hashed with the next block
+        self._writer: _WriteBehind | None = None  # started by the first large owned block
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if expected_size is not None:
             try:  # the file this one replaces frees its blocks (unless linked elsewhere too)
@@ -361,12 +427,7 @@ class HashingFile:
             self._tail += view
             tailed = True
         try:
-            if len(view) <= WRITE_BLOCK:
-                written = self._file.write(view)
-            else:
-                written = 0
-                for start in range(0, len(view), WRITE_BLOCK):
-                    written += self._file.write(view[start : start + WRITE_BLOCK])
+            self._put(view, owner)
         except OSError as e:
             self._settle(job, -1)  # never return while the helper may still read `data`
             raise self._failed(e, len(view)) from None
@@ -379,7 +440,39 @@ class HashingFile:
         else:
             self._settle(job, HASH_BEHIND if owner is not None else -1)
         self.size += len(view)
-        return written
+        return len(view)
+
+    def _put(self, view: memoryview, owner: object) -> None:
+        """Write `view`: a large owned block by the write-behind thread; anything else in this
+        thread, or (a copy) behind the blocks still queued, so the file keeps its order."""
+        writer = self._writer
+        if writer is not None and writer.error is not None:
+            raise writer.error
+        if owner is not None and len(view) >= PARALLEL_HASH_MIN:
+            if writer is None:
+                writer = self._writer = _WriteBehind(self._file)
+            writer.put(view, owner)
+        elif writer is not None and writer.pending:
+            if len(view) >= PARALLEL_HASH_MIN:  # the caller may reuse its bytes: wait, then write here
+                self._drain()
+                self._write_now(view)
+            else:
+                writer.put(memoryview(bytes(view)), None)
+        else:
+            self._write_now(view)
+
+    def _write_now(self, view: memoryview) -> None:
+        fh = self._file
+        if len(view) <= WRITE_BLOCK:
+            fh.write(view)
+        else:
+            for start in range(0, len(view), WRITE_BLOCK):
+                fh.write(view[start : start + WRITE_BLOCK])
+
+    def _drain(self) -> None:
+        """Wait for the queued writes; raise the first one's error."""
+        if self._writer is not None and (error := self._writer.drain()) is not None:
+            raise error
 
     def _settle(self, job: _HashJob | None, limit: int) -> None:
         """Queue `job` behind the file's earlier blocks, then hash (or wait for) the oldest blocks
@@ -398,6 +491,7 @@ class HashingFile:
 
     def flush(self) -> None:
         try:
+            self._drain()
             self._file.flush()
         except OSError as e:
             raise self._failed(e) from None
@@ -406,6 +500,10 @@ class HashingFile:
         self._settle(None, -1)
         try:
             fh = self._file
+            self._drain()
+            if self._writer is not None:
+                self._writer.stop()
+                self._writer = None
             fh.flush()
             if fsync:
                 os.fsync(fh.fileno())
@@ -419,6 +517,9 @@ class HashingFile:
         retry may have written a new one there since). Never raises an OSError."""
         fh, self._fh = self._fh, None
         self._behind.clear()  # blocks still queued keep their owners alive until the helper drops them
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.stop(cancel=True)  # the queued blocks are dropped; the file is deleted below
         if fh is None:
             return
         try:
