@@ -307,12 +307,15 @@ class _WriteBehind:
         self._thread.start()
 
     def put(self, view: memoryview, owner: object) -> None:
-        """Queue `view` (kept alive by `owner`); waits while WRITE_BEHIND bytes are queued."""
+        """Queue `view` (kept alive by `owner`), then wait until at most WRITE_BEHIND bytes are
+        queued: the caller's memory grows by at most that much (a larger block is written before
+        this returns, while its digests are computed)."""
         with self._changed:
-            while self._pending and self._pending + len(view) > WRITE_BEHIND and self.error is None:
-                self._changed.wait()
             self._pending += len(view)
         self._jobs.put((view, owner))
+        with self._changed:
+            while self._pending > WRITE_BEHIND and self.error is None:
+                self._changed.wait()
 
     @property
     def pending(self) -> int:
@@ -340,9 +343,10 @@ class _WriteBehind:
             view, owner = job
             size = len(view)
             try:
-                if self.error is None and not self._cancelled:
-                    for start in range(0, size, WRITE_BLOCK):
-                        self._fh.write(view[start : start + WRITE_BLOCK])
+                for start in range(0, size, WRITE_BLOCK):
+                    if self.error is not None or self._cancelled:
+                        break
+                    self._fh.write(view[start : start + WRITE_BLOCK])
             except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
                 self.error = e
             finally:
