@@ -67,6 +67,8 @@ class Prefetcher:
         self._needed = 0  # the most spans a worker has asked for
         self._finished = False  # the thread stopped (all read, stopped, or failed)
         self._stop = False
+        self.position = 0  # bytes read ahead so far
+        self.paused = False  # the thread waits for the workers (the window is full)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -107,7 +109,6 @@ class Prefetcher:
         null = None
         buffer = None
         fds: dict[Path, int] = {}
-        position = 0
         try:
             try:
                 sink = null = os.open(os.devnull, os.O_WRONLY)
@@ -120,8 +121,10 @@ class Prefetcher:
                 done = 0
                 while done < length:
                     with self._cond:
-                        while not self._stop and not self._allowed(position):
+                        while not self._stop and not self._allowed(self.position):
+                            self.paused = True
                             self._cond.wait()
+                        self.paused = False
                         if self._stop:
                             return
                     size = min(READ_CHUNK, length - done)
@@ -138,7 +141,8 @@ class Prefetcher:
                     if got <= 0:  # the file is shorter than its header says: the worker reports it
                         return
                     done += got
-                    position += got
+                    with self._cond:
+                        self.position += got
                 with self._cond:
                     self._done = i + 1
                     self._cond.notify_all()
