@@ -73,8 +73,8 @@ def test_waits_end_when_the_read_ahead_fails(tmp_path):
 
 def test_convert_reads_ahead_each_source_byte_once_and_in_order(tiny_model, tmp_path, monkeypatch):
     """convert plans every byte of the sources' tensors exactly once (rows of row-split tensors
-    as blocks, column-split tensors whole), the output is that of a convert without read-ahead,
-    and merge reads its shards ahead the same way."""
+    as blocks, column-split tensors whole), the output is that of a convert without read-ahead;
+    merge reads its shards ahead the same way when no hash check reads them in sequence."""
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     plans: list[list[tuple[Path, int, int]]] = []
     real = executor.Prefetcher
@@ -87,7 +87,9 @@ def test_convert_reads_ahead_each_source_byte_once_and_in_order(tiny_model, tmp_
     monkeypatch.setattr(executor, "Prefetcher", Recording)
     layout = Layout(tp=2, pp=2)
     convert(src, tmp_path / "ahead", layout, format="torch", workers=1)
-    merge(tmp_path / "ahead", tmp_path / "merged", workers=1)
+    merge(tmp_path / "ahead", tmp_path / "checked", workers=1)
+    assert len(plans) == 1  # the hash check of the shards reads them in sequence: no second stream
+    merge(tmp_path / "ahead", tmp_path / "merged", workers=1, verify_hashes=False)
     assert len(plans) == 2
     convert_plan, merge_plan = plans
     for plan in plans:
