@@ -24,7 +24,9 @@ from ..formats import Checkpoint, SourceReader, get_format
 from ..formats.base import ChunkedWriter, FileRecord, TensorSpec, reused_buffers
 from ..formats.digest import NONE, CheckMode, check_mode
 from ..formats.reader import HashCheck
+from ..placements import SegmentIndex
 from .outputs import OutputFile
+from .prefetch import Prefetcher
 
 ProgressCallback = Callable[[int, int], None]
 """Called as progress(bytes_done_now, bytes_total) while output is written."""
@@ -51,7 +53,8 @@ def execute(
     auto = workers is None or workers == "auto"
     workers = resolve_workers(workers, len(outputs))
     index = src.index()
-    source_dtypes = check_dtypes(src)
+    spans: dict[tuple[str, str], Span] = {}
+    source_dtypes = check_dtypes(src, spans)
     hashes = None
     if check != NONE:  # only the files this process reads (under torchrun, its share of the outputs)
         # in the order the outputs first read them: on a cold cache the check's sequential reads
@@ -60,9 +63,13 @@ def execute(
             r.holder for out in outputs for p in out.pieces for seg in p.segments for r in index.locate(seg)
         )
         hashes = HashCheck(src, check).start([key for key in needed if key in src.files])
-    # read-ahead hints, unless the hash check already reads the sources in sequence (then the
-    # hints' scattered reads only compete with it for the disk: measured slower on a cold cache)
-    advise = hashes is None or not hashes.expected
+    # read-ahead (see prefetch.py), unless the hash check already reads the sources in sequence:
+    # two read streams then only compete for the disk (measured no faster on a cold cache, merge);
+    # without a plan (formats that do not say where their bytes are): read-ahead hints, under the
+    # same condition (the hints' scattered reads measured slower beside the hash check)
+    sequential_check = hashes is not None and bool(hashes.expected)
+    read_ahead, needs = (None, {}) if sequential_check else plan_read_ahead(outputs, index, spans)
+    advise = read_ahead is None and not sequential_check
     dtypes: dict[str, torch.dtype] = {}
     for out in outputs:
         for piece in out.pieces:
@@ -121,10 +128,13 @@ def execute(
         # the registry says this format's writer takes row blocks (write_chunks)
         chunked = cast(ChunkedWriter, writer) if file_format.chunked_writes else None
         reader = SourceReader(src, index=index, hashes=hashes)
+        waits = needs.get(id(out))
         try:
             for i, (piece, spec) in enumerate(zip(out.pieces, specs)):
                 if cancel.is_set():
                     raise _Cancelled()
+                if read_ahead is not None and waits is not None:  # read only what is already cached
+                    read_ahead.wait(waits[i])
                 if advise and i + 1 < len(out.pieces):  # a cold disk reads the next piece while this one is written
                     reader.advise(out.pieces[i + 1])
                 blocks = reader.row_blocks(piece) if chunked is not None else None
@@ -151,6 +161,8 @@ def execute(
     records: list[FileRecord] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the work is copies; torch's intra-op threads only contend
+    if read_ahead is not None:
+        read_ahead.start()
     try:
         _write_all(build, outputs, workers, records, cancel, drain)
         if hashes is not None:
@@ -165,8 +177,57 @@ def execute(
             raise mismatch from None
         raise
     finally:
+        if read_ahead is not None:
+            read_ahead.stop()
         torch.set_num_threads(threads)
     return records
+
+
+Span = tuple[Path, int, int, int]
+"""Where a source piece's bytes are: (path, byte offset, byte count, rows: see `byte_span`)."""
+
+
+def plan_read_ahead(
+    outputs: Sequence[OutputFile], index: SegmentIndex, spans: dict[tuple[str, str], Span]
+) -> tuple[Prefetcher | None, dict[int, list[int]]]:
+    """A read-ahead of the source bytes in the order the outputs first read them, and for each
+    output (by id) and piece the number of the plan's spans that must be cached before the piece
+    is read. A block of rows is planned alone (the first output of a stage then waits only for
+    its own rows of a row-split tensor, not for the other ranks' rows too); any other read plans
+    the whole source piece (a block of columns spans nearly all of its bytes). None when no
+    source piece says where its bytes are."""
+    order: dict[tuple, int] = {}
+    plan: list[tuple[Path, int, int]] = []
+    needs: dict[int, list[int]] = {}
+    for out in outputs:
+        counts = needs[id(out)] = []
+        for piece in out.pieces:
+            count = 0
+            for seg in piece.segments:
+                for r in index.locate(seg):
+                    if not isinstance(r.holder, str) or (r.holder, r.piece_name) not in spans:
+                        continue
+                    whole: tuple = (r.holder, r.piece_name)
+                    path, offset, length, rows = spans[whole]
+                    position = order.get(whole)
+                    if position is None:
+                        key, start, stop = whole, 0, rows
+                        if r.dim == 0 and r.slab is None and not r.transposed and rows > 1:
+                            start = 0 if r.start is None else r.start
+                            stop = rows if r.stop is None else r.stop
+                            if (start, stop) != (0, rows):
+                                key = (*whole, start, stop)
+                        position = order.get(key)
+                        if position is None:
+                            row_bytes = length // rows if rows > 1 else length
+                            size = (stop - start) * row_bytes if rows > 1 else length
+                            position = order[key] = len(plan)
+                            plan.append((path, offset + start * row_bytes, size))
+                    count = max(count, position + 1)
+            counts.append(count)
+    if not plan:
+        return None, {}
+    return Prefetcher(plan), needs
 
 
 AUTO_MAX_WORKERS = 4
@@ -252,17 +313,24 @@ def _write_all(build, outputs, workers: int, records: list[FileRecord], cancel: 
     pool.shutdown(wait=True)
 
 
-def check_dtypes(src: Checkpoint) -> dict[str, torch.dtype]:
+def check_dtypes(src: Checkpoint, spans: dict[tuple[str, str], Span] | None = None) -> dict[str, torch.dtype]:
     """The dtype of every full tensor, read from the files' headers (each file opened once); all
-    pieces of one full tensor must share it, else FormatError naming the odd file and tensor."""
+    pieces of one full tensor must share it, else FormatError naming the odd file and tensor.
+    `spans`, when given, receives where each piece's bytes are ((file key, piece name) -> Span),
+    for the readers that can say it."""
     seen: dict[str, list[tuple[torch.dtype, str, str]]] = {}
     for key, pieces in src.holdings.items():
         if not pieces:
             continue
         file = src.open(key)
         try:
+            span_of = getattr(file, "span", None) if spans is not None else None
             for piece in pieces:
                 found = file.dtype(piece.name)
+                if span_of is not None and spans is not None:
+                    span = span_of(piece.name)
+                    if span is not None and span[1] > 0:
+                        spans[(key, piece.name)] = (file.path, *span)
                 for seg in piece.segments:
                     seen.setdefault(seg.source, []).append((found, key, piece.name))
         finally:

@@ -771,23 +771,44 @@ def _read_span(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int 
     return base.as_strided(out_shape, stride)
 
 
-def advise_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int | None) -> None:
-    """Ask the kernel to start reading the bytes a slice spans (POSIX_FADV_WILLNEED), so that on a
-    cold cache the disk works while the caller is still busy with the slice before; a no-op where
-    the bytes are cached or the hint is not supported."""
+def stored_span(
+    t: StoredTensor, dim: int = 0, start: int | None = None, stop: int | None = None
+) -> tuple[int, int] | None:
+    """(byte offset, byte count) of the file bytes a slice of a stored tensor spans (the whole
+    tensor by default); None when the slice is empty."""
     shape, stride, item = list(t.shape), list(t.strides()), t.dtype.itemsize
     if not shape:
-        return
+        return t.file_offset + t.storage_offset * item, item
     start = 0 if start is None else start
     stop = shape[dim] if stop is None else stop
     sub = shape.copy()
     sub[dim] = stop - start
     if 0 in sub:
-        return
+        return None
     extent = 1 + sum((n - 1) * st for n, st in zip(sub, stride))
-    first = t.file_offset + (t.storage_offset + start * stride[dim]) * item
+    return t.file_offset + (t.storage_offset + start * stride[dim]) * item, extent * item
+
+
+def byte_span(t: StoredTensor) -> tuple[int, int, int]:
+    """Where a stored tensor's bytes are, for read-ahead: (byte offset, byte count, rows), where
+    `rows` is the number of equal consecutive blocks the bytes split into along dim 0 (the size of
+    dim 0 when the tensor is stored row-major without gaps, else 1)."""
+    offset, length = stored_span(t) or (t.file_offset, 0)
+    contiguous = t.shape and list(t.strides()) == list(StoredTensor(t.dtype, t.shape, 0).strides())
+    return offset, length, t.shape[0] if contiguous and t.shape[0] > 0 else 1
+
+
+def advise_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int | None) -> None:
+    """Ask the kernel to start reading the bytes a slice spans (POSIX_FADV_WILLNEED), so that on a
+    cold cache the disk works while the caller is still busy with the slice before; a no-op where
+    the bytes are cached or the hint is not supported."""
+    if not t.shape:
+        return
+    span = stored_span(t, dim, start, stop)
+    if span is None:
+        return
     try:
-        os.posix_fadvise(fd, first, extent * item, os.POSIX_FADV_WILLNEED)
+        os.posix_fadvise(fd, span[0], span[1], os.POSIX_FADV_WILLNEED)
     except (AttributeError, OSError):
         pass
 

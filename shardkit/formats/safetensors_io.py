@@ -24,7 +24,7 @@ import torch
 
 from ..errors import FormatError
 from . import base
-from .base import HashingFile, StoredTensor, TensorSpec, advise_stored, tensor_bytes
+from .base import HashingFile, StoredTensor, TensorSpec, advise_stored, byte_span, tensor_bytes
 from .torch_io import regular
 
 _DTYPE_TO_ST = {
@@ -251,6 +251,10 @@ class SafetensorsFile(base.DescriptorReader):
     def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
         """Start reading a slice's bytes in the background (see `advise_stored`)."""
         advise_stored(self._open_fd, self._tensors[name], dim, start, stop)
+
+    def span(self, name: str) -> tuple[int, int, int] | None:
+        """Where a tensor's bytes are in the file, for read-ahead (see `byte_span`)."""
+        return byte_span(self._tensors[name])
 
     def close(self) -> None:
         self._close_fd()

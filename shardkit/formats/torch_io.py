@@ -34,6 +34,7 @@ from .base import (
     StoredTensor,
     TensorSpec,
     advise_stored,
+    byte_span,
     check_specs,
     compact,
     narrow,
@@ -280,6 +281,12 @@ class TorchFile(DescriptorReader):
         value = self._sd[name]
         if isinstance(value, StoredTensor):
             advise_stored(self._open_fd, value, dim, start, stop)
+
+    def span(self, name: str) -> tuple[int, int, int] | None:
+        """Where a tensor's bytes are in the file, for read-ahead (see `byte_span`); None when
+        the file was loaded whole (legacy format)."""
+        value = self._sd[name]
+        return byte_span(value) if isinstance(value, StoredTensor) and self._fd is not None else None
 
     def close(self) -> None:
         self._close_fd()
