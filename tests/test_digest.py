@@ -86,3 +86,36 @@ def test_check_modes(value, mode):
 def test_an_unknown_check_mode_is_refused():
     with pytest.raises(ValueError, match="verify_hashes"):
         check_mode("md5")
+
+
+def test_only_outputs_a_manifest_lists_are_hashed(tiny_model, tmp_path):
+    """convert's records carry both digests (its manifest lists them); merge writes a Hugging Face
+    folder, which has no manifest, so its files are not hashed: same bytes, digests None."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from shardkit import Layout, convert, merge
+
+    src = tiny_model("llama-mha")
+    converted = convert(src, tmp_path / "tp2", Layout(tp=2))
+    listed = {e["path"]: e for e in json.loads((tmp_path / "tp2" / "shardkit.json").read_text())["files"]}
+    for record in converted.files:
+        data = (tmp_path / "tp2" / record.path).read_bytes()
+        assert (record.sha256, record.xxh3_128) == expected(data)
+        assert (listed[record.path]["sha256"], listed[record.path]["xxh3_128"]) == expected(data)
+    merged = merge(tmp_path / "tp2", tmp_path / "hf")
+    assert merged.files and all(r.sha256 is None and r.xxh3_128 is None for r in merged.files)
+    for record in merged.files:
+        assert (tmp_path / "hf" / record.path).stat().st_size == record.size
+    original = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}
+    again = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert original.keys() == again.keys() and all(original[k].equal(again[k]) for k in original)
+
+
+def test_a_record_without_digests_cannot_enter_a_manifest():
+    from shardkit.formats.base import FileRecord
+    from shardkit.formats.manifest import file_entry
+
+    with pytest.raises(ValueError, match="without digests"):
+        file_entry(FileRecord("model/x.pt", 10, None))

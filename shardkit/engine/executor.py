@@ -41,8 +41,10 @@ def execute(
     workers: int | str = "auto",
     progress: ProgressCallback | None = None,
     verify_hashes: bool | CheckMode = True,
+    digests: bool = True,
 ) -> list[FileRecord]:
-    """Write every output file from `src`; returns the records of the files written.
+    """Write every output file from `src`; returns the records of the files written (with their
+    sha256 and xxh3-128, unless `digests` is False: for outputs no manifest lists).
 
     With `verify_hashes` (True/"fast": the manifest's xxh3-128 where listed, else its sha256;
     "sha256": sha256 only), each source file the manifest lists is checked (once per file), in a
@@ -124,7 +126,7 @@ def execute(
 
     def build_file(out: OutputFile) -> list[FileRecord]:
         specs = [TensorSpec(p.name, p.shape, dtypes[p.segments[0].source]) for p in out.pieces]
-        writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel)
+        writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel, digests)
         # the registry says this format's writer takes row blocks (write_chunks)
         chunked = cast(ChunkedWriter, writer) if file_format.chunked_writes else None
         reader = SourceReader(src, index=index, hashes=hashes)

@@ -131,17 +131,23 @@ class WriteOptions(TypedDict, total=False):
 
 
 def _write(
-    ckpt: Checkpoint, outputs: Sequence[OutputFile], dst: str | Path, fmt: str, finish, options: WriteOptions
+    ckpt: Checkpoint,
+    outputs: Sequence[OutputFile],
+    dst: str | Path,
+    fmt: str,
+    finish,
+    options: WriteOptions,
+    digests: bool = True,
 ) -> list[FileRecord]:
     """staging.produce with `options`; under torchrun rank 0's progress covers every rank's bytes
-    (StagingProgress)."""
+    (StagingProgress). `digests`: hash the outputs (for the manifest that lists them)."""
     dtype = parse_dtype(options.get("dtype"))
     progress, job = options.get("progress"), current_job()
 
     def run(progress: ProgressCallback | None) -> list[FileRecord]:
         workers, overwrite = options.get("workers", "auto"), options.get("overwrite", False)
         verify = options.get("verify_hashes", True)
-        return produce(ckpt, outputs, Path(dst), fmt, dtype, workers, overwrite, progress, finish, verify)
+        return produce(ckpt, outputs, Path(dst), fmt, dtype, workers, overwrite, progress, finish, verify, digests)
 
     if progress is None or job.world == 1:
         return run(progress)
@@ -221,6 +227,8 @@ def merge_checkpoint(
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
 
-    records = _write(ckpt, outputs, dst, "safetensors", finish, options)
+    # a Hugging Face folder has no manifest: its files' digests would be computed for nobody (they
+    # cost about as much CPU as the rest of a merge)
+    records = _write(ckpt, outputs, dst, "safetensors", finish, options, digests=False)
     log.info("merged %s into %s (%d files)", ckpt.root, dst, len(records))
     return Result(Path(dst), records, FULL, "safetensors")

@@ -191,17 +191,21 @@ def produce(
     progress: ProgressCallback | None,
     finish: Callable[[Path, list[FileRecord]], None],
     verify_hashes: bool | CheckMode = True,
+    digests: bool = True,
 ) -> list[FileRecord]:
-    """Write `outputs` into a staging folder, let `finish` add its files, and rename to `dst`.
+    """Write `outputs` into a staging folder, let `finish` add its files, and rename to `dst`
+    (`digests`: see `execute`).
 
     In a torch.distributed job every rank writes its share of the files (see distributed.py).
     With `verify_hashes`, every source file listed in the source's manifest is checked against
     its digest before the output is committed (see `execute`)."""
     with terminate_as_interrupt():
-        return _produce(src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes)
+        return _produce(src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes, digests)
 
 
-def _produce(src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes) -> list[FileRecord]:
+def _produce(
+    src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes, digests
+) -> list[FileRecord]:
     job = current_job()
     if job.leader:
         try:
@@ -222,6 +226,7 @@ def _produce(src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish
                 workers,
                 progress if job.leader else None,
                 verify_hashes,
+                digests,
             )
         )
         records = sorted((r for part in job.gather(mine) for r in part), key=lambda r: r.path)

@@ -62,11 +62,12 @@ class TensorSpec:
 @dataclass(frozen=True)
 class FileRecord:
     """A file written: path relative to the output directory, size, sha256 and the fast digest
-    (xxh3-128; None where a file was recorded without it)."""
+    (xxh3-128). Both are None for files written without digests (outputs no manifest lists, such
+    as a merged Hugging Face folder's); xxh3-128 alone is None in records of older manifests."""
 
     path: str
     size: int
-    sha256: str
+    sha256: str | None
     xxh3_128: str | None = None
 
 
@@ -361,9 +362,11 @@ class HashingFile:
 
     `expected_size` (when the caller knows the file's size in advance) is checked against the free
     space first, so a full disk is refused before anything is written. A full disk (ENOSPC, or an
-    exhausted quota) while writing becomes a one-line NoSpaceError. `abort()` discards the file."""
+    exhausted quota) while writing becomes a one-line NoSpaceError. `abort()` discards the file.
+    With `digests=False` nothing is hashed (for files no manifest will list): the record's
+    digests are None."""
 
-    def __init__(self, path: Path, root: Path, expected_size: int | None = None):
+    def __init__(self, path: Path, root: Path, expected_size: int | None = None, digests: bool = True):
         from ..paths import ensure_free_space
 
         self.path = Path(path)
@@ -389,7 +392,7 @@ class HashingFile:
         self._fh = open(self.path, "xb")
         st = os.fstat(self._fh.fileno())
         self._identity = (st.st_dev, st.st_ino)
-        self._hash = Digests()
+        self._hash = Digests() if digests else None
         self.size = 0
 
     @property
@@ -420,6 +423,13 @@ class HashingFile:
         return self._write(memoryview(data).cast("B"), owner)
 
     def _write(self, view: memoryview, owner: object) -> int:
+        if self._hash is None:
+            try:
+                self._put(view, owner)
+            except OSError as e:
+                raise self._failed(e, len(view)) from None
+            self.size += len(view)
+            return len(view)
         behind = self._behind
         job = None
         tailed = False
@@ -489,7 +499,9 @@ class HashingFile:
             oldest = behind.popleft()
             self._behind_bytes -= oldest.size
             oldest.finish()
-        if limit < 0 and self._tail:  # every block is hashed: the small writes after them follow
+        if (
+            limit < 0 and self._tail and self._hash is not None
+        ):  # every block is hashed: the small writes after them follow
             self._hash.update(self._tail)
             self._tail.clear()
 
@@ -514,7 +526,8 @@ class HashingFile:
             fh.close()
         except OSError as e:
             raise self._failed(e) from None
-        return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, *self._hash.hexdigests())
+        digests = self._hash.hexdigests() if self._hash is not None else (None, None)
+        return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, *digests)
 
     def abort(self) -> None:
         """Close and delete the file, if the path still names the file this object created (a

@@ -46,6 +46,8 @@ def manifest(
 
 def file_entry(record: FileRecord) -> dict[str, Any]:
     """A manifest's entry for one file (the fast digest only when the record has it)."""
+    if record.sha256 is None:
+        raise ValueError(f"{record.path} was written without digests: it cannot be listed in a manifest")
     entry: dict[str, Any] = {"path": record.path, "size": record.size, "sha256": record.sha256}
     if record.xxh3_128 is not None:
         entry[FAST_DIGEST] = record.xxh3_128

@@ -18,8 +18,9 @@ from .safetensors_io import SafetensorsFile, SafetensorsWriter
 from .torch_io import TorchFile, TorchWriter
 from .xser import XserFile, XserWriter, info_path, tensors_dir
 
-WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str]], TensorFileWriter]
-"""writer(path, root, specs, expert_names): a writer of one rank file under `root`."""
+WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str], bool], TensorFileWriter]
+"""writer(path, root, specs, expert_names, digests): a writer of one rank file under `root`
+(`digests` False: its records carry no sha256/xxh3-128, for files no manifest lists)."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,9 @@ def _xser_companions(path: Path) -> list[Path]:
     return [p for p in (info_path(path),) if p.is_file()] + tensors
 
 
-def _plain(writer: Callable[[Path, Path, Sequence[TensorSpec]], TensorFileWriter]) -> WriterFactory:
+def _plain(writer: Callable[..., TensorFileWriter]) -> WriterFactory:
     """The factory of a writer that keeps no list of expert tensors."""
-    return lambda path, root, specs, expert: writer(path, root, specs)
+    return lambda path, root, specs, expert, digests: writer(path, root, specs, digests=digests)
 
 
 FORMATS: dict[str, Format] = {
@@ -67,7 +68,7 @@ FORMATS: dict[str, Format] = {
             "NxD xser",
             "torch-xla's xser: each tensor in its own file under <file>.tensors/",
             reader=XserFile,
-            writer=lambda path, root, specs, expert: XserWriter(path, root, specs, list(expert)),
+            writer=lambda path, root, specs, expert, digests: XserWriter(path, root, specs, list(expert), digests),
             detect=lambda path: tensors_dir(path).is_dir(),
             companions=_xser_companions,
         ),

@@ -267,7 +267,14 @@ class SafetensorsWriter(base.DiscardOnFailure):
     Any failure aborts the writer and deletes the partial file; so does a writer dropped without
     `close`, when it is collected."""
 
-    def __init__(self, path: Path, root: Path, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        path: Path,
+        root: Path,
+        specs: Sequence[TensorSpec],
+        metadata: dict[str, str] | None = None,
+        digests: bool = True,
+    ):
         base.check_specs(specs)
         self._specs = list(specs)
         self._next = 0
@@ -283,7 +290,7 @@ class SafetensorsWriter(base.DiscardOnFailure):
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self._file = HashingFile(path, root, expected_size=8 + len(raw) + offset)
+        self._file = HashingFile(path, root, expected_size=8 + len(raw) + offset, digests=digests)
         with self._discarding():
             self._file.write(struct.pack("<Q", len(raw)))
             self._file.write(raw)

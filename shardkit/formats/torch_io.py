@@ -431,7 +431,7 @@ class TorchWriter(DiscardOnFailure):
     without `close` (an exception elsewhere) aborts the same way when it is collected; `abort()`
     or `with TorchWriter(...) as w:` do it at once."""
 
-    def __init__(self, path: Path, root: Path, specs: Sequence[TensorSpec]):
+    def __init__(self, path: Path, root: Path, specs: Sequence[TensorSpec], digests: bool = True):
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
         self._specs = list(specs)
@@ -442,7 +442,9 @@ class TorchWriter(DiscardOnFailure):
         alignment = torch_compat.zip_options()[1]
         records = [("data.pkl", len(data_pkl)), (".format_version", 1), (".storage_alignment", 8), ("byteorder", 8)]
         records += [(f"data/{i}", s.nbytes) for i, s in enumerate(self._specs)]
-        self._out = HashingFile(self.path, self.root, expected_size=_zip_size_bound(records, alignment))
+        self._out = HashingFile(
+            self.path, self.root, expected_size=_zip_size_bound(records, alignment), digests=digests
+        )
         self._sink = _ZipSink(self._out)
         with self._discarding():
             self._zip, _ = torch_compat.file_writer(self._sink)

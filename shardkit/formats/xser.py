@@ -180,9 +180,17 @@ class XserWriter(DiscardOnFailure):
     Any failure aborts the writer: the files it wrote are deleted (see TorchWriter); so does a
     writer dropped without `close`, when it is collected."""
 
-    def __init__(self, path: Path, root: Path, specs: Sequence[TensorSpec], expert_parallel: Sequence[str] = ()):
+    def __init__(
+        self,
+        path: Path,
+        root: Path,
+        specs: Sequence[TensorSpec],
+        expert_parallel: Sequence[str] = (),
+        digests: bool = True,
+    ):
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
+        self._digests = digests
         self._specs = list(specs)
         self._tids = {s.name: i for i, s in enumerate(self._specs)}
         self._expert = set(expert_parallel)
@@ -200,7 +208,7 @@ class XserWriter(DiscardOnFailure):
         return sum(_file_bound(s.nbytes) for s in left) + 2 * _file_bound(_PICKLE_BOUND * len(self._specs))
 
     def _save(self, obj: Any, path: Path, **kwargs) -> HashingFile:
-        out = HashingFile(path, self.root)
+        out = HashingFile(path, self.root, digests=self._digests)
         self._files.append(out)
         try:
             torch_save(obj, out, **kwargs)
