@@ -71,6 +71,24 @@ def test_waits_end_when_the_read_ahead_fails(tmp_path):
     assert done.is_set()
 
 
+def test_a_source_swapped_for_a_fifo_ends_the_read_ahead_without_blocking(tmp_path):
+    """The read-ahead opens sources again by name: a FIFO put there meanwhile (by a second process)
+    is refused at once instead of blocking the open, and so the operation, for ever."""
+    fifo = tmp_path / "swapped.bin"
+    os.mkfifo(fifo)
+    ahead = Prefetcher([(fifo, 0, MiB)], window=MiB).start()
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (ahead.wait(1), done.set()), daemon=True)
+    waiter.start()
+    waiter.join(30)
+    stopper = threading.Thread(target=ahead.stop, daemon=True)
+    stopper.start()
+    stopper.join(30)
+    if stopper.is_alive():  # release a blocked open so the test process can end
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert done.is_set() and not stopper.is_alive()
+
+
 def test_convert_reads_ahead_each_source_byte_once_and_in_order(tiny_model, tmp_path, monkeypatch):
     """convert plans every byte of the sources' tensors exactly once (rows of row-split tensors
     as blocks, column-split tensors whole), the output is that of a convert without read-ahead;
