@@ -211,21 +211,16 @@ def plan_read_ahead(
                         continue
                     whole: tuple = (r.holder, r.piece_name)
                     path, offset, length, rows = spans[whole]
-                    position = order.get(whole)
-                    if position is None:
-                        key, start, stop = whole, 0, rows
-                        if r.dim == 0 and r.slab is None and not r.transposed and rows > 1:
-                            start = 0 if r.start is None else r.start
-                            stop = rows if r.stop is None else r.stop
-                            if (start, stop) != (0, rows):
-                                key = (*whole, start, stop)
-                        position = order.get(key)
-                        if position is None:
-                            row_bytes = length // rows if rows > 1 else length
-                            size = (stop - start) * row_bytes if rows > 1 else length
-                            position = order[key] = len(plan)
-                            plan.append((path, offset + start * row_bytes, size))
-                    count = max(count, position + 1)
+                    start, stop = 0, rows
+                    if r.dim == 0 and r.slab is None and not r.transposed and rows > 1:  # a block of rows
+                        start, stop = r.start or 0, rows if r.stop is None else r.stop
+                    # a piece planned whole already covers any of its row blocks
+                    key = whole if whole in order or (start, stop) == (0, rows) else (*whole, start, stop)
+                    if key not in order:
+                        order[key] = len(plan)
+                        row_bytes = length // rows  # rows: see byte_span (1: the piece is planned whole)
+                        plan.append((path, offset + start * row_bytes, (stop - start) * row_bytes))
+                    count = max(count, order[key] + 1)
             counts.append(count)
     if not plan:
         return None, {}

@@ -499,9 +499,8 @@ class HashingFile:
             oldest = behind.popleft()
             self._behind_bytes -= oldest.size
             oldest.finish()
-        if (
-            limit < 0 and self._tail and self._hash is not None
-        ):  # every block is hashed: the small writes after them follow
+        # every block is hashed: the small writes after them follow (only hashing files have a tail)
+        if limit < 0 and self._tail and self._hash is not None:
             self._hash.update(self._tail)
             self._tail.clear()
 
