@@ -100,6 +100,24 @@ def regular_file(path: str | Path, what: str = "file") -> Path:
     return path
 
 
+def open_regular(path: str | Path, what: str = "file") -> int:
+    """A descriptor for reading `path`, refused (one-line ShardkitError) unless it is a regular
+    file. Opened without blocking, then checked on the descriptor itself: a FIFO or device in its
+    place (also one swapped in after an earlier check) is refused, never waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ShardkitError(f"cannot open {what} {path}: {e.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ShardkitError(f"{what} {path} is not a regular file (a FIFO, device or socket): refusing to read it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def member(root: str | Path, name: str, what: str = "name") -> Path:
     """`root / name` for a file a folder's own index names (an HF index's weight_map): like
     `inside`, the name must be relative, without `..`, and its folders must stay inside `root`;

@@ -119,3 +119,14 @@ def test_a_record_without_digests_cannot_enter_a_manifest():
 
     with pytest.raises(ValueError, match="without digests"):
         file_entry(FileRecord("model/x.pt", 10, None))
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    """A FIFO where a listed file should be (e.g. swapped in by a second process after the
+    manifest's entries were checked) is refused at once: a plain open would block for ever."""
+    from shardkit.errors import ShardkitError
+
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(ShardkitError, match="not a regular file"):
+        file_digests(fifo)

@@ -23,23 +23,9 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..paths import open_regular
+
 logger = logging.getLogger(__name__)
-
-
-def _open_regular(path: Path) -> int:
-    """A descriptor of `path` for reading, refused unless it is a regular file. The path is opened
-    again by name, after the readers checked it: had a second process swapped a FIFO in meanwhile,
-    a plain open would block the read-ahead, and the operation waiting for it, for ever."""
-    import stat
-
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is no longer a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 READ_CHUNK = 8 << 20
@@ -134,7 +120,9 @@ class Prefetcher:
             for i, (path, offset, length) in enumerate(self.spans):
                 fd = fds.get(path)
                 if fd is None:
-                    fd = fds[path] = _open_regular(path)
+                    # opened again by name, after the readers checked it: a FIFO swapped in since
+                    # would block a plain open, and the operation waiting for it, for ever
+                    fd = fds[path] = open_regular(path, "source file")
                 done = 0
                 while done < length:
                     with self._cond:

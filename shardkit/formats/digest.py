@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import xxhash
 
+from ..paths import open_regular
+
 FAST_DIGEST = "xxh3_128"
 """The manifest key of the fast digest (hex)."""
 
@@ -76,7 +78,7 @@ def _read_through(path: Path, digest: Any) -> None:
     read in blocks where the file system cannot map it."""
     import mmap
 
-    with open(path, "rb", buffering=0) as fh:
+    with os.fdopen(open_regular(path, "file to hash"), "rb", buffering=0) as fh:
         fd = fh.fileno()
         size = os.fstat(fd).st_size
         for offset in range(0, size, HASH_WINDOW):

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
-from ..errors import FormatError
+from ..errors import FormatError, ShardkitError
+from ..paths import open_regular
 from . import base
 from .base import HashingFile, StoredTensor, TensorSpec, advise_stored, byte_span, tensor_bytes
 from .torch_io import regular
@@ -75,18 +75,10 @@ def _open(path: Path) -> tuple[int, int]:
     of a weight file is refused, never waited on."""
     path = regular(Path(path), "safetensors file")
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise FormatError(f"cannot open {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{path} is not a regular file (a FIFO, device or socket): refusing to read it")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st.st_size
+        fd = open_regular(path, "safetensors file")
+    except ShardkitError as e:
+        raise FormatError(str(e)) from None
+    return fd, os.fstat(fd).st_size
 
 
 def _pread(fd: int, n: int, offset: int) -> bytes:
