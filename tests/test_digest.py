@@ -130,3 +130,68 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ShardkitError, match="not a regular file"):
         file_digests(fifo)
+
+
+def _checked_file(tmp_path, data: bytes):
+    from shardkit.formats.reader import _FileCheck
+
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    entry = {"path": "f", "size": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
+    return path, _FileCheck(path, "f", entry, "fast")
+
+
+def _read(path, offset: int, count: int) -> tuple[int, memoryview]:
+    fd = os.open(path, os.O_RDONLY)
+    return fd, memoryview(os.pread(fd, count, offset))
+
+
+def test_the_check_on_read_hashes_reads_in_order_and_fills_small_gaps(tmp_path, monkeypatch):
+    """Reads that continue the digest feed it; a small jump is filled by reading the bytes
+    between; reads behind it change nothing; finish() hashes the tail: the digest of the file."""
+    from shardkit.formats import reader
+
+    monkeypatch.setattr(reader, "SMALL_GAP", 1000)
+    data = os.urandom(10_000)
+    path, check = _checked_file(tmp_path, data)
+    for offset, count in [(100, 400), (800, 200), (0, 50), (1000, 3000), (3500, 1000)]:
+        fd, view = _read(path, offset, count)
+        try:
+            assert check.feed(fd, offset, view)
+        finally:
+            os.close(fd)
+    assert check.upto == 4500
+    assert check.finish()
+
+
+@pytest.mark.parametrize("where", ["fed", "gap", "skipped", "tail"])
+def test_the_check_on_read_sees_a_change_anywhere(tmp_path, monkeypatch, where):
+    """A changed byte is caught whether it came in through a read, a filled gap, the part left
+    after a jump too long to fill (the file is then hashed by reading it), or the tail."""
+    from shardkit.formats import reader
+
+    monkeypatch.setattr(reader, "SMALL_GAP", 1000)
+    data = os.urandom(10_000)
+    path, check = _checked_file(tmp_path, data)
+    changed = bytearray(data)
+    changed[{"fed": 10, "gap": 300, "skipped": 3000, "tail": 9999}[where]] ^= 1
+    path.write_bytes(bytes(changed))
+    fd, view = _read(path, 0, 200)
+    try:
+        assert check.feed(fd, 0, view)
+        fd2, view2 = _read(path, 500, 100)  # a gap of 300 bytes: filled
+        assert check.feed(fd2, 500, view2)
+        os.close(fd2)
+        fd3, view3 = _read(path, 5000, 100)  # 4400 bytes ahead: not filled, the file is handed on
+        assert not check.feed(fd3, 5000, view3)
+        os.close(fd3)
+    finally:
+        os.close(fd)
+    assert not check.finish()
+
+
+def test_the_check_on_read_sees_a_file_that_grew(tmp_path):
+    data = os.urandom(5000)
+    path, check = _checked_file(tmp_path, data)
+    path.write_bytes(data + b"x")
+    assert not check.finish()

@@ -293,21 +293,25 @@ def test_flipped_byte_is_refused_by_ckpt_export(shards, tmp_path):
     assert run("ckpt", "export", tmp_path / "ckpt", tmp_path / "hf", "--tag", "step_5", "--no-verify-hashes").exit_code == 0
 
 
-def test_each_source_file_is_hashed_once_per_operation(shards, tmp_path, monkeypatch):
+def test_each_source_file_is_hashed_once_and_from_the_reads_themselves(shards, tmp_path, monkeypatch):
+    """Merge reads the shards in order: the check hashes the bytes it reads (no second read of
+    them), finishing each listed file exactly once with only what no read reached."""
     from shardkit.formats import reader
 
-    hashed = []
+    finished: dict[str, tuple[int, int]] = {}
+    real = reader.feed_file
 
-    real = reader.file_matches
+    def counting(path, digest, start=0):
+        assert Path(path).name not in finished, f"{path} hashed twice"
+        size = real(path, digest, start)
+        finished[Path(path).name] = (start, size)
+        return size
 
-    def counting(path, entry, check):
-        hashed.append(Path(path).name)
-        return real(path, entry, check)
-
-    monkeypatch.setattr(reader, "file_matches", counting)
+    monkeypatch.setattr(reader, "feed_file", counting)
     api.merge(shards, tmp_path / "hf", workers=3)
     files = json.loads((shards / "shardkit.json").read_text())["files"]
-    assert sorted(hashed) == sorted(Path(f["path"]).name for f in files)
+    assert sorted(finished) == sorted(Path(f["path"]).name for f in files)
+    assert all(start == size for start, size in finished.values()), finished  # nothing read twice
 
 
 # ---- 4. mixed dtypes ------------------------------------------------------------------------------------

@@ -47,8 +47,8 @@ def execute(
     sha256 and xxh3-128, unless `digests` is False: for outputs no manifest lists).
 
     With `verify_hashes` (True/"fast": the manifest's xxh3-128 where listed, else its sha256;
-    "sha256": sha256 only), each source file the manifest lists is checked (once per file), in a
-    background thread while the files are written, and before this returns: a mismatch raises
+    "sha256": sha256 only), each source file the manifest lists is checked (once per file, from
+    the bytes the workers read: see `HashCheck`) before this returns: a mismatch raises
     FormatError and nothing is committed."""
     check = check_mode(verify_hashes)
     file_format = get_format(fmt)
@@ -59,19 +59,13 @@ def execute(
     source_dtypes = check_dtypes(src, spans)
     hashes = None
     if check != NONE:  # only the files this process reads (under torchrun, its share of the outputs)
-        # in the order the outputs first read them: on a cold cache the check's sequential reads
-        # then bring in the files (with read-ahead) just before the workers' reads of them
         needed = dict.fromkeys(
             r.holder for out in outputs for p in out.pieces for seg in p.segments for r in index.locate(seg)
         )
-        hashes = HashCheck(src, check).start([key for key in needed if key in src.files])
-    # read-ahead (see prefetch.py), unless the hash check already reads the sources in sequence:
-    # two read streams then only compete for the disk (measured no faster on a cold cache, merge);
-    # without a plan (formats that do not say where their bytes are): read-ahead hints, under the
-    # same condition (the hints' scattered reads measured slower beside the hash check)
-    sequential_check = hashes is not None and bool(hashes.expected)
-    read_ahead, needs = (None, {}) if sequential_check else plan_read_ahead(outputs, index, spans)
-    advise = read_ahead is None and not sequential_check
+        checked = [key for key in needed if key in src.files]  # in the order the outputs first read them
+        hashes = HashCheck(src, check)
+    read_ahead, needs = plan_read_ahead(outputs, index, spans)  # see prefetch.py
+    advise = read_ahead is None  # formats that do not say where their bytes are: read-ahead hints
     dtypes: dict[str, torch.dtype] = {}
     for out in outputs:
         for piece in out.pieces:
@@ -166,6 +160,8 @@ def execute(
     if read_ahead is not None:
         read_ahead.start()
     try:
+        if hashes is not None:
+            hashes.start(checked)
         _write_all(build, outputs, workers, records, cancel, drain)
         if hashes is not None:
             hashes.finish()  # before anything is committed: corrupt sources never reach the destination

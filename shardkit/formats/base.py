@@ -19,7 +19,7 @@ import queue
 import stat
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -89,6 +89,14 @@ class TensorFile(Protocol):
     def close(self) -> None: ...
 
 
+ReadTap = Callable[[int, int, memoryview], None]
+"""Called as tap(fd, offset, bytes) with every byte range a reader has just read (see `tap_reads`)."""
+
+_TAPS: dict[int, ReadTap] = {}
+"""Open descriptors whose reads are passed on: fd -> tap (an entry lives as long as its reader's
+descriptor is open, so a reused descriptor number never inherits it)."""
+
+
 class DescriptorReader:
     """The open file descriptor a lazy reader reads positionally through (`_fd`, None once closed)."""
 
@@ -102,9 +110,17 @@ class DescriptorReader:
             raise ValueError(f"{self.path}: the reader is closed")
         return self._fd
 
+    def tap(self, taps: Callable[[Path], ReadTap | None]) -> None:
+        """Pass every byte range this reader reads from now on to `taps(path)` (when that is not
+        None): the hash check on read hashes the bytes the operation reads anyway."""
+        tap = taps(self.path)
+        if tap is not None and self._fd is not None:
+            _TAPS[self._fd] = tap
+
     def _close_fd(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
+            _TAPS.pop(fd, None)
             os.close(fd)
 
 
@@ -606,14 +622,17 @@ class StoredTensor:
 STRIDED_READ_CHUNK = 4 << 20  # bytes read at once for a slice along a dimension other than the first
 
 
-def pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
-    """Fill `view` with the bytes at `offset` (FormatError when the file is shorter: truncated)."""
+def pread_exact(fd: int, view: memoryview, offset: int, what: str, tapped: bool = True) -> None:
+    """Fill `view` with the bytes at `offset` (FormatError when the file is shorter: truncated),
+    and pass them to the descriptor's tap, if any (unless `tapped` is False)."""
     done, nbytes = 0, len(view)
     while done < nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
         if got <= 0:
             raise FormatError(f"{what} is truncated: re-create it")
         done += got
+    if tapped and (tap := _TAPS.get(fd)) is not None:
+        tap(fd, offset, view)
 
 
 class _Buffers(threading.local):

@@ -73,29 +73,34 @@ class Digests:
         return self.sha256.hexdigest(), self.fast.hexdigest()
 
 
-def _read_through(path: Path, digest: Any) -> None:
-    """Feed a file to `digest`, window by window out of a read-only mapping (see HASH_WINDOW), or
-    read in blocks where the file system cannot map it."""
+def feed_file(path: Path, digest: Any, start: int = 0) -> int:
+    """Feed a file's bytes from `start` to its end to `digest`, window by window out of a read-only
+    mapping (see HASH_WINDOW), or read in blocks where the file system cannot map it; returns
+    the file's size."""
     import mmap
 
     with os.fdopen(open_regular(path, "file to hash"), "rb", buffering=0) as fh:
         fd = fh.fileno()
         size = os.fstat(fd).st_size
-        for offset in range(0, size, HASH_WINDOW):
+        base = start - start % mmap.ALLOCATIONGRANULARITY  # mappings start at a page boundary
+        for offset in range(base, size, HASH_WINDOW):
             if os.fstat(fd).st_size < size:  # touching a page past the new end would raise SIGBUS
                 raise OSError(f"{path} shrank while it was being hashed")
             try:
                 window = mmap.mmap(fd, min(HASH_WINDOW, size - offset), access=mmap.ACCESS_READ, offset=offset)
             except (OSError, ValueError):
-                if offset:
+                if offset > base:
                     raise
-                return _read_into(fh, digest)  # nothing fed yet
+                fh.seek(start)
+                _read_into(fh, digest)  # nothing fed yet
+                return size
             try:
                 window.madvise(mmap.MADV_SEQUENTIAL)
                 with memoryview(window) as view:
-                    digest.update(view)
+                    digest.update(view[max(0, start - offset) :])
             finally:
                 window.close()
+        return size
 
 
 def _read_into(fh: Any, digest: Any) -> None:
@@ -113,8 +118,13 @@ def _read_into(fh: Any, digest: Any) -> None:
 def file_digests(path: Path) -> tuple[str, str]:
     """(sha256, xxh3_128) of a file, both from one read."""
     digests = Digests()
-    _read_through(path, digests)
+    feed_file(path, digests)
     return digests.hexdigests()
+
+
+def new_digest(algorithm: str) -> Any:
+    """A fresh hash object for a manifest digest name (FAST_DIGEST or "sha256")."""
+    return xxhash.xxh3_128() if algorithm == FAST_DIGEST else hashlib.sha256()
 
 
 def expected_digest(entry: Mapping[str, Any], check: CheckMode) -> tuple[str, str]:
@@ -131,6 +141,6 @@ def file_matches(path: Path, entry: Mapping[str, Any], check: CheckMode = FAST) 
     if size is not None and os.stat(path).st_size != size:
         return False
     algorithm, expected = expected_digest(entry, check)
-    digest: Any = xxhash.xxh3_128() if algorithm == FAST_DIGEST else hashlib.sha256()
-    _read_through(path, digest)
+    digest = new_digest(algorithm)
+    feed_file(path, digest)
     return bool(digest.hexdigest() == expected)

@@ -6,6 +6,8 @@ them (`SegmentIndex.locate`) and reading exactly those bytes from the files, pos
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -16,8 +18,8 @@ import torch
 
 from ..errors import FormatError
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
-from .base import TensorFile, empty_tensor
-from .digest import FAST, CheckMode, expected_digest, file_matches
+from .base import ReadTap, TensorFile, empty_tensor, pread_exact
+from .digest import FAST, FAST_DIGEST, CheckMode, expected_digest, feed_file, new_digest
 from .manifest import MANIFEST
 from .registry import format_of_file
 
@@ -25,16 +27,63 @@ if TYPE_CHECKING:
     from .checkpoint import Checkpoint
 
 
-class HashCheck:
-    """Checks source files against the digest their manifest lists (`check`: the fast xxh3-128 where
-    listed, else sha256; or sha256 only), each file once per operation (thread-safe; shared by the
-    readers of one operation). Files the manifest does not list are not checked.
+SMALL_GAP = 8 << 20
+"""A read that starts at most this many bytes past the point a file's check has reached is joined
+to it by reading the bytes between (zip headers, a kv replica the operation skips); a longer jump
+hands the file to the check's thread, which hashes the rest by reading it again."""
 
-    `check(key)` hashes a file in the calling thread (when it is not hashed yet) before it is used.
-    `start()` instead hashes every listed file in a background thread while the operation reads,
-    writes into its staging folder and uses the idle core: then `finish()` must be called before
-    the output is committed (it waits and raises the first mismatch), so that corrupt data never
-    reaches the destination, at a fraction of the cost of hashing in the reading thread."""
+
+class _FileCheck:
+    """The check of one listed file: its digest, fed the file's bytes in order up to `upto`."""
+
+    def __init__(self, path: Path, rel: str, entry: dict, mode: CheckMode):
+        self.path, self.rel, self.entry = path, rel, entry
+        self.algorithm, self.expected = expected_digest(entry, mode)
+        self.digest = new_digest(self.algorithm)
+        self.upto = 0
+        self.lock = threading.Lock()
+        self.handed = False  # the rest is hashed by reading the file: reads no longer feed it
+
+    def feed(self, fd: int, offset: int, view: memoryview) -> bool:
+        """Feed bytes just read at `offset` where they continue the digest. False when they start
+        more than SMALL_GAP past it (the file is then to be handed on)."""
+        end = offset + len(view)
+        with self.lock:
+            if self.handed or end <= self.upto:
+                return True
+            if offset > self.upto:
+                if offset - self.upto > SMALL_GAP:
+                    return False
+                gap = memoryview(bytearray(offset - self.upto))
+                pread_exact(fd, gap, self.upto, str(self.path), tapped=False)
+                self.digest.update(gap)
+                self.upto = offset
+            self.digest.update(view[self.upto - offset :])
+            self.upto = end
+            return True
+
+    def finish(self) -> bool:
+        """Hash the rest of the file (read again from `upto`); whether it has the listed size and
+        digest."""
+        with self.lock:
+            self.handed = True
+        size = feed_file(self.path, self.digest, self.upto)
+        listed = self.entry.get("size")
+        return (listed is None or size == listed) and self.digest.hexdigest() == self.expected
+
+
+class HashCheck:
+    """Checks the source files an operation reads against the digest their manifest lists
+    (`check`: the fast xxh3-128 where listed, else sha256; or sha256 only), each file once.
+    Files the manifest does not list are not checked.
+
+    The fast check hashes the bytes the operation reads anyway: readers opened through `taps` pass
+    it each byte range they read (`DescriptorReader.tap`), and a range that continues a file's
+    digest feeds it, with no second read. A file read out of order, and every file checked by
+    sha256, is handed to a background thread that hashes the rest of it by reading, while the
+    operation goes on; `finish()` hashes what no read
+    reached (headers, tails, skipped parts) and must be called before the output is committed: it
+    raises the first mismatch, so that corrupt data never reaches the destination."""
 
     def __init__(self, ckpt: Checkpoint, check: CheckMode = FAST):
         self.root = Path(ckpt.root)
@@ -47,86 +96,106 @@ class HashCheck:
                 self.expected[str(entry["path"])] = entry
             except (KeyError, TypeError, AttributeError):
                 raise FormatError(f"{self.root / MANIFEST} has a malformed files entry: re-create the shards") from None
-        self._checked: set[str] = set()
-        self._locks: dict[str, threading.Lock] = {}
+        self._files: dict[str, _FileCheck] = {}  # by resolved path, in the order the operation needs them
+        self._handed: set[str] = set()
         self._guard = threading.Lock()
+        self._queue: queue.SimpleQueue[_FileCheck | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
     def start(self, keys=None) -> HashCheck:
-        """Hash the files of `keys` (default: every file of the checkpoint) in a background thread
-        (see `finish`)."""
-        if self.expected and self._thread is None:
-            self._keys = list(self.ckpt.files if keys is None else keys)
-            self._thread = threading.Thread(target=self._run, name="shardkit-hash-check", daemon=True)
-            self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            for key in self._keys:
-                if self._stop.is_set():
-                    return
-                self._check(key)
-        except BaseException as e:  # noqa: BLE001 - reported by finish()
-            self.error = e
-
-    def finish(self) -> None:
-        """Wait for the background check and raise its error (FormatError on a mismatch)."""
-        if self._thread is not None:
-            self._thread.join()
-        if self.error is not None:
-            raise self.error
-
-    def failure(self) -> BaseException | None:
-        """After another error: the background check's verdict, when it found a mismatch (a
-        corrupt file often breaks the reader first; the mismatch is the better message)."""
-        if self._thread is not None:
-            self._thread.join()
-        return self.error
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def check(self, key: str) -> None:
-        """Check the files of `key` now, in the calling thread (unless the background check runs:
-        then `finish` is the gate)."""
-        if self._thread is None:
-            self._check(key)
-
-    def _check(self, key: str) -> None:
-        """Raise FormatError when a file of `key` (the rank file and its companions) differs from
-        the manifest."""
-        if not self.expected or key in self._checked:
-            return
-        with self._guard:
-            lock = self._locks.setdefault(key, threading.Lock())
-        with lock:
-            if key in self._checked:
-                return
+        """Check the files of `keys` (default: every file of the checkpoint), listed in the order
+        the operation first reads them."""
+        for key in self.ckpt.files if keys is None else keys:
             path = self.ckpt.files[key]
             for file in format_of_file(path, self.ckpt.format).files_of(path):
                 try:
                     rel = Path(file).relative_to(self.root).as_posix()
                 except ValueError:
                     continue
-                if rel not in self.expected:
-                    continue
-                entry = self.expected[rel]
-                try:
-                    same = file_matches(Path(file), entry, self.mode)
-                except OSError as e:
-                    raise FormatError(f"cannot read {file}: {e.strerror or e}") from None
-                if not same:
-                    algorithm = expected_digest(entry, self.mode)[0]
-                    raise FormatError(
-                        f"{rel} in {self.root} does not match the size and {algorithm} in its {MANIFEST}: the file is "
-                        "corrupt or was changed; restore it or re-create the shards (--no-verify-hashes skips this check)"
-                    )
-            self._checked.add(key)
+                if rel in self.expected:
+                    self._files.setdefault(_resolved(file), _FileCheck(Path(file), rel, self.expected[rel], self.mode))
+        if self._files and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="shardkit-hash-check", daemon=True)
+            self._thread.start()
+            for check in self._files.values():
+                if check.algorithm != FAST_DIGEST:
+                    # sha256 (~0.6 CPU-s per GB) would slow the reading worker down by half: such
+                    # files are read a second time by the thread instead, beside the workers
+                    self._hand(check)
+        return self
+
+    def taps(self, path: Path) -> ReadTap | None:
+        """The tap that feeds the reads of `path` to its check (None when it is not checked)."""
+        check = self._files.get(_resolved(path))
+        if check is None or check.rel in self._handed:
+            return None
+
+        def tap(fd: int, offset: int, view: memoryview) -> None:
+            if not check.feed(fd, offset, view):
+                self._hand(check)
+
+        return tap
+
+    def _hand(self, check: _FileCheck) -> None:
+        with self._guard:
+            if check.rel in self._handed:
+                return
+            self._handed.add(check.rel)
+        self._queue.put(check)
+
+    def _run(self) -> None:
+        while (check := self._queue.get()) is not None:
+            if self._stop.is_set() or self.error is not None:
+                continue
+            try:
+                same = check.finish()
+            except OSError as e:
+                self.error = FormatError(f"cannot read {check.path}: {e.strerror or e}")
+                continue
+            except BaseException as e:  # noqa: BLE001 - reported by finish()
+                self.error = e
+                continue
+            if not same:
+                self.error = FormatError(
+                    f"{check.rel} in {self.root} does not match the size and {check.algorithm} in its {MANIFEST}: the "
+                    "file is corrupt or was changed; restore it or re-create the shards (--no-verify-hashes skips this check)"
+                )
+
+    def _join(self) -> None:
+        """Hand every file not handed yet (its rest is hashed), and wait for the thread."""
+        if self._thread is None:
+            return
+        for check in self._files.values():
+            self._hand(check)
+        self._queue.put(None)
+        self._thread.join()
+        self._thread = None
+
+    def finish(self) -> None:
+        """Hash what no read reached, wait, and raise the first mismatch (FormatError)."""
+        self._join()
+        if self.error is not None:
+            raise self.error
+
+    def failure(self) -> BaseException | None:
+        """After another error: the check's verdict, when it finds a mismatch (a corrupt file
+        often breaks the reader first; the mismatch is the better message)."""
+        self._join()
+        return self.error
+
+    def stop(self) -> None:
+        """Give up the check (Ctrl-C): the thread ends after the file it is hashing."""
+        self._stop.set()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+
+def _resolved(path: Path | str) -> str:
+    return os.path.realpath(path)
 
 
 def _key(holder: object) -> str:
@@ -155,11 +224,12 @@ class SourceReader:
         if key in self._open:
             self._open.move_to_end(key)
         else:
-            if self.hashes is not None:
-                self.hashes.check(key)
             if len(self._open) >= self.max_open:
                 self._open.popitem(last=False)[1].close()
-            self._open[key] = self.ckpt.open(key)
+            file = self._open[key] = self.ckpt.open(key)
+            tap = getattr(file, "tap", None)
+            if self.hashes is not None and tap is not None:
+                tap(self.hashes.taps)
         return self._open[key]
 
     def _span(self, r: Read) -> tuple[int, int]:

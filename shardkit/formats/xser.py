@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pickle
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch
 from .. import torch_compat
 from ..errors import FormatError
 from ..paths import NoSpaceError, ensure_free_space, no_space_error
-from .base import DiscardOnFailure, FileRecord, HashingFile, TensorSpec, check_specs, compact, narrow
+from .base import DiscardOnFailure, FileRecord, HashingFile, ReadTap, TensorSpec, check_specs, compact, narrow
 from .torch_io import TensorReference, TorchFile, _zip_size_bound, regular, safe_load, state_dict_of, torch_save
 
 
@@ -87,6 +87,7 @@ class XserFile:
         self._sd = state_dict_of(safe_load(self.path), self.path)
         self._info = _valid_info(info_path(self.path)) if info_path(self.path).exists() else {}
         self._files: dict[int, TorchFile] = {}
+        self._taps: Callable[[Path], ReadTap | None] | None = None
         for name, value in self._sd.items():
             if isinstance(value, TensorReference):
                 file = tensor_path(self.path, value.tid)
@@ -103,7 +104,15 @@ class XserFile:
         """The reader of one referenced tensor file (metadata only until a slice is read)."""
         if tid not in self._files:
             self._files[tid] = TorchFile(tensor_path(self.path, tid), single_tensor=True)
+            if self._taps is not None:
+                self._files[tid].tap(self._taps)
         return self._files[tid]
+
+    def tap(self, taps: Callable[[Path], ReadTap | None]) -> None:
+        """Pass the byte ranges read from the tensor files to `taps(path)` (see `DescriptorReader.tap`)."""
+        self._taps = taps
+        for file in self._files.values():
+            file.tap(taps)
 
     def _tensor(self, name: str):
         value = self._sd[name]
