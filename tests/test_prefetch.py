@@ -59,6 +59,41 @@ def test_read_ahead_stays_a_window_ahead_of_the_workers(tmp_path, monkeypatch):
     assert sum(count for _, count in reads) == len(spans) * MiB
 
 
+def test_pieces_of_files_read_in_turn_are_read_ahead_in_long_runs(tmp_path, monkeypatch):
+    """A merge needs a small piece of each file in turn. The read-ahead reads each file's
+    consecutive pieces (zip headers between them included) in one run of up to EXTENT bytes,
+    instead of seeking between files for every piece; wait(n) still covers the first n pieces."""
+    monkeypatch.setattr(prefetch, "EXTENT", 4 * MiB)
+    files = [tmp_path / f"rank{r}.pt" for r in range(3)]
+    for f in files:
+        f.write_bytes(os.urandom(9 * MiB))
+    piece = MiB - 128  # a piece, then 128 bytes of the next record's header
+    spans = [(f, i * MiB, piece) for i in range(8) for f in files]
+    extents, covered = prefetch.coalesce(spans)
+    # each file in runs of 4 pieces (the EXTENT), header bytes between pieces included
+    assert extents == [(f, start * MiB, 3 * MiB + piece) for start in (0, 4) for f in files]
+    assert covered[:4] == [1, 2, 3, 3] and covered[-1] == 6
+    reads: list[tuple[str, int, int]] = []
+    real_sendfile = os.sendfile
+    names = {}
+
+    def recording_sendfile(out_fd, in_fd, offset, count):
+        reads.append((names.setdefault(os.readlink(f"/proc/self/fd/{in_fd}"), len(names)), offset, count))
+        return real_sendfile(out_fd, in_fd, offset, count)
+
+    monkeypatch.setattr(prefetch.os, "sendfile", recording_sendfile)
+    ahead = Prefetcher(spans, window=64 * MiB).start()
+    try:
+        ahead.wait(len(spans))
+        assert ahead.position == sum(length for _, _, length in extents)
+    finally:
+        ahead.stop()
+    assert [(offset, count) for _, offset, count in reads] == [(s, n) for _, s, n in extents]  # one call each
+    # a span that does not continue its file's last run, or would make it too long, starts a new one
+    assert len(prefetch.coalesce([(files[0], 0, MiB), (files[0], 3 * MiB, MiB)])[0]) == 2
+    assert len(prefetch.coalesce([(files[0], 0, 5 * MiB), (files[0], 5 * MiB, MiB)])[0]) == 2
+
+
 def test_waits_end_when_the_read_ahead_fails(tmp_path):
     """A source the read-ahead cannot open ends it: workers stop waiting (and meet the error
     themselves when they read)."""
