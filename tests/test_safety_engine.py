@@ -314,6 +314,35 @@ def test_each_source_file_is_hashed_once_and_from_the_reads_themselves(shards, t
     assert all(start == size for start, size in finished.values()), finished  # nothing read twice
 
 
+def test_after_another_failure_only_the_files_readers_opened_are_hashed(src_copy, tmp_path, monkeypatch):
+    """A merge that fails for another reason (here a full disk after the first file it reads)
+    reports the check's verdict on the files it opened, and does not read the rest of the
+    checkpoint first."""
+    from shardkit.formats import reader
+    from shardkit.paths import NoSpaceError
+
+    files = sorted((src_copy / "model").glob("*.safetensors"))
+    flip_last_byte(files[-1])  # corrupt, but never opened before the failure: not reported
+    hashed: list[str] = []
+    real_feed, real_file = reader.feed_file, reader.SourceReader._file
+    monkeypatch.setattr(reader, "feed_file", lambda path, digest, start=0: hashed.append(Path(path).name) or real_feed(path, digest, start))
+
+    def full_disk_after_one_file(self, key):
+        if len(self._open) == 1 and key not in self._open:
+            raise NoSpaceError("no space left on the destination: free some space")
+        return real_file(self, key)
+
+    monkeypatch.setattr(reader.SourceReader, "_file", full_disk_after_one_file)
+    with pytest.raises(NoSpaceError):
+        api.merge(src_copy, tmp_path / "hf", workers=1)
+    assert len(hashed) == 1 and hashed[0] != files[-1].name
+    # the same failure after opening the corrupt file: the mismatch is the better message
+    flip_last_byte(files[-1])
+    flip_last_byte(files[0])
+    with pytest.raises(ShardkitError, match="xxh3_128"):
+        api.merge(src_copy, tmp_path / "hf", workers=1)
+
+
 # ---- 4. mixed dtypes ------------------------------------------------------------------------------------
 
 
