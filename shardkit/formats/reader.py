@@ -81,9 +81,9 @@ class HashCheck:
     it each byte range they read (`DescriptorReader.tap`), and a range that continues a file's
     digest feeds it, with no second read. A file read out of order, and every file checked by
     sha256, is handed to a background thread that hashes the rest of it by reading, while the
-    operation goes on; `finish()` hashes what no read
-    reached (headers, tails, skipped parts) and must be called before the output is committed: it
-    raises the first mismatch, so that corrupt data never reaches the destination."""
+    operation goes on. `finish()` hashes what no read reached (headers, tails, skipped parts) and
+    must be called before the output is committed: it raises the first mismatch, so that corrupt
+    data never reaches the destination."""
 
     def __init__(self, ckpt: Checkpoint, check: CheckMode = FAST):
         self.root = Path(ckpt.root)
