@@ -800,6 +800,27 @@ def test_positional_reads_of_column_blocks_in_row_chunks(chunk, tmp_path, monkey
         os.close(fd)
 
 
+def test_a_whole_tensor_read_along_a_later_dim_is_one_positional_read(tmp_path, monkeypatch):
+    """A "slice" along dim 1 that spans the whole dim is the whole tensor: one contiguous read
+    (which the hash check on read can hash), not a strided copy out of a mapping."""
+    import shardkit.formats.base as base
+
+    monkeypatch.setattr(base, "STRIDED_READ_CHUNK", 64)
+    monkeypatch.setattr(base, "_copy_columns", lambda *a: pytest.fail("copied out of a mapping"))
+    full = torch.randn(7, 5, 6)
+    path = tmp_path / "raw.bin"
+    path.write_bytes(full.numpy().tobytes())
+    reads: list[tuple[int, int]] = []
+    real_pread = base.pread_exact
+    monkeypatch.setattr(base, "pread_exact", lambda fd, view, offset, what, tapped=True: (reads.append((offset, len(view))), real_pread(fd, view, offset, what))[1])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = base.read_stored(fd, base.StoredTensor(torch.float32, (7, 5, 6), 0), 1, 0, 5, "raw.bin")
+    finally:
+        os.close(fd)
+    assert torch.equal(got, full) and reads == [(0, full.numel() * 4)]
+
+
 def test_advise_names_the_bytes_a_slice_spans(tmp_path, monkeypatch):
     """The read-ahead hint of a slice covers exactly the bytes read_stored reads for it."""
     import shardkit.formats.base as base

@@ -728,7 +728,8 @@ def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int
         return torch.empty(out_shape, dtype=t.dtype)
     extent = 1 + sum((n - 1) * st for n, st in zip(out_shape, stride))
     row_major = stride == list(StoredTensor(t.dtype, t.shape, 0).strides())
-    if dim > 0 and row_major and shape[0] > 1 and extent * item > STRIDED_READ_CHUNK:
+    whole = start == 0 and stop == shape[dim]  # then one contiguous read, whatever the dim
+    if dim > 0 and row_major and not whole and shape[0] > 1 and extent * item > STRIDED_READ_CHUNK:
         # A column block of a large row-major tensor spans (nearly) all of its bytes, of which it
         # needs only a part (1/8 for tp 8): copied out of a mapping of the file, so that only the
         # bytes of the block are copied (reading the span copied all of it, once per rank).
