@@ -314,6 +314,17 @@ def test_each_source_file_is_hashed_once_and_from_the_reads_themselves(shards, t
     assert all(start == size for start, size in finished.values()), finished  # nothing read twice
 
 
+def test_a_listed_file_swapped_for_a_link_to_another_listed_file_is_refused(src_copy, tmp_path):
+    """Each file the manifest lists is compared with its own entry, even when it has become an
+    alias of another listed file (a symlink to it): its bytes are then the other file's, and the
+    merge would otherwise write the other rank's weights in its place."""
+    files = sorted((src_copy / "model").glob("*.safetensors"))
+    files[1].unlink()
+    files[1].symlink_to(files[0].name)
+    one_line_error(run("merge", src_copy, tmp_path / "hf"), "xxh3_128", files[1].name)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_after_another_failure_only_the_files_readers_opened_are_hashed(src_copy, tmp_path, monkeypatch):
     """A merge that fails for another reason (here a full disk after the first file it reads)
     reports the check's verdict on the files it opened, and does not read the rest of the

@@ -96,7 +96,8 @@ class HashCheck:
                 self.expected[str(entry["path"])] = entry
             except (KeyError, TypeError, AttributeError):
                 raise FormatError(f"{self.root / MANIFEST} has a malformed files entry: re-create the shards") from None
-        self._files: dict[str, _FileCheck] = {}  # by resolved path, in the order the operation needs them
+        # by listed path (see _named), in the order the operation needs them
+        self._files: dict[str, _FileCheck] = {}
         self._handed: set[str] = set()
         self._used: set[str] = set()  # files of the keys readers have opened (or tried to)
         self._failing = False
@@ -117,7 +118,7 @@ class HashCheck:
                 except ValueError:
                     continue
                 if rel in self.expected:
-                    self._files.setdefault(_resolved(file), _FileCheck(Path(file), rel, self.expected[rel], self.mode))
+                    self._files.setdefault(_named(file), _FileCheck(Path(file), rel, self.expected[rel], self.mode))
         if self._files and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="shardkit-hash-check", daemon=True)
             self._thread.start()
@@ -132,13 +133,13 @@ class HashCheck:
         """A reader is opening the files of `key` (after a failure, only such files are checked)."""
         path = self.ckpt.files[key]
         for file in format_of_file(path, self.ckpt.format).files_of(path):
-            check = self._files.get(_resolved(file))
+            check = self._files.get(_named(file))
             if check is not None:
                 self._used.add(check.rel)
 
     def taps(self, path: Path) -> ReadTap | None:
         """The tap that feeds the reads of `path` to its check (None when it is not checked)."""
-        check = self._files.get(_resolved(path))
+        check = self._files.get(_named(path))
         if check is None or check.rel in self._handed:
             return None
 
@@ -209,8 +210,12 @@ class HashCheck:
             self._thread = None
 
 
-def _resolved(path: Path | str) -> str:
-    return os.path.realpath(path)
+def _named(path: Path | str) -> str:
+    """The key of a file's check: its absolute path as named, links not followed. Resolving them
+    would let a listed file turned into a link to another listed file share that file's check,
+    and never be compared with its own entry. A reader path named otherwise only misses its tap:
+    the file is then hashed by reading it again, never left unchecked."""
+    return os.path.abspath(path)
 
 
 def _key(holder: object) -> str:
