@@ -90,7 +90,8 @@ class TensorFile(Protocol):
 
 
 ReadTap = Callable[[int, int, memoryview], None]
-"""Called as tap(fd, offset, bytes) with every byte range a reader has just read (see `tap_reads`)."""
+"""Called as tap(fd, offset, bytes) with every byte range a reader has just read (see
+`DescriptorReader.tap`)."""
 
 _TAPS: dict[int, ReadTap] = {}
 """Open descriptors whose reads are passed on: fd -> tap (an entry lives as long as its reader's

@@ -42,7 +42,8 @@ class _FileCheck:
         self.digest = new_digest(self.algorithm)
         self.upto = 0
         self.lock = threading.Lock()
-        self.handed = False  # the rest is hashed by reading the file: reads no longer feed it
+        self.handed = False  # queued for the check's thread, which hashes the rest: reads no longer feed it
+        self.used = False  # a reader opened (or tried to open) the file
 
     def feed(self, fd: int, offset: int, view: memoryview) -> bool:
         """Feed bytes just read at `offset` where they continue the digest. False when they start
@@ -62,11 +63,15 @@ class _FileCheck:
             self.upto = end
             return True
 
-    def finish(self) -> bool:
-        """Hash the rest of the file (read again from `upto`); whether it has the listed size and
-        digest."""
+    def hand(self) -> bool:
+        """Stop feeding the digest from reads; True the first time (the file is then to be queued)."""
         with self.lock:
-            self.handed = True
+            first, self.handed = not self.handed, True
+            return first
+
+    def finish(self) -> bool:
+        """Hash the rest of the file (read again from `upto`, once handed); whether it has the
+        listed size and digest."""
         size = feed_file(self.path, self.digest, self.upto)
         listed = self.entry.get("size")
         return (listed is None or size == listed) and self.digest.hexdigest() == self.expected
@@ -98,10 +103,8 @@ class HashCheck:
                 raise FormatError(f"{self.root / MANIFEST} has a malformed files entry: re-create the shards") from None
         # by listed path (see _named), in the order the operation needs them
         self._files: dict[str, _FileCheck] = {}
-        self._handed: set[str] = set()
-        self._used: set[str] = set()  # files of the keys readers have opened (or tried to)
+        self._of_key: dict[str, list[_FileCheck]] = {}
         self._failing = False
-        self._guard = threading.Lock()
         self._queue: queue.SimpleQueue[_FileCheck | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -118,7 +121,10 @@ class HashCheck:
                 except ValueError:
                     continue
                 if rel in self.expected:
-                    self._files.setdefault(_named(file), _FileCheck(Path(file), rel, self.expected[rel], self.mode))
+                    check = self._files.setdefault(
+                        _named(file), _FileCheck(Path(file), rel, self.expected[rel], self.mode)
+                    )
+                    self._of_key.setdefault(key, []).append(check)
         if self._files and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="shardkit-hash-check", daemon=True)
             self._thread.start()
@@ -131,16 +137,13 @@ class HashCheck:
 
     def using(self, key: str) -> None:
         """A reader is opening the files of `key` (after a failure, only such files are checked)."""
-        path = self.ckpt.files[key]
-        for file in format_of_file(path, self.ckpt.format).files_of(path):
-            check = self._files.get(_named(file))
-            if check is not None:
-                self._used.add(check.rel)
+        for check in self._of_key.get(key, ()):
+            check.used = True
 
     def taps(self, path: Path) -> ReadTap | None:
         """The tap that feeds the reads of `path` to its check (None when it is not checked)."""
         check = self._files.get(_named(path))
-        if check is None or check.rel in self._handed:
+        if check is None or check.handed:
             return None
 
         def tap(fd: int, offset: int, view: memoryview) -> None:
@@ -150,15 +153,12 @@ class HashCheck:
         return tap
 
     def _hand(self, check: _FileCheck) -> None:
-        with self._guard:
-            if check.rel in self._handed:
-                return
-            self._handed.add(check.rel)
-        self._queue.put(check)
+        if check.hand():
+            self._queue.put(check)
 
     def _run(self) -> None:
         while (check := self._queue.get()) is not None:
-            if self._stop.is_set() or self.error is not None or (self._failing and check.rel not in self._used):
+            if self._stop.is_set() or self.error is not None or (self._failing and not check.used):
                 continue
             try:
                 same = check.finish()
@@ -180,7 +180,7 @@ class HashCheck:
         if self._thread is None:
             return
         for check in self._files.values():
-            if not self._failing or check.rel in self._used:
+            if not self._failing or check.used:
                 self._hand(check)
         self._queue.put(None)
         self._thread.join()
