@@ -69,9 +69,8 @@ class Prefetcher:
     workers then read as without it and meet the error themselves."""
 
     def __init__(self, spans: Sequence[tuple[Path, int, int]], window: int | None = None):
-        self.spans = list(spans)
         self.window = window_bytes() if window is None else window
-        self.extents, self._covered = coalesce(self.spans)
+        self.extents, self._covered = coalesce(spans)
         self._ends: list[int] = []  # bytes read ahead once extent i is done (cumulative)
         total = 0
         for _, _, length in self.extents:
