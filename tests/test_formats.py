@@ -743,9 +743,15 @@ def test_safetensors_writer_streams_any_shapes_and_dtypes(tmp_path):
         assert_same_tensor(got[name], tensor.contiguous(), name)
 
 
-def test_torch_writer_streams_exactly_what_torch_save_writes(tmp_path):
+@pytest.mark.parametrize("writer", ["native", "torch"])
+def test_torch_writer_streams_exactly_what_torch_save_writes(writer, tmp_path, monkeypatch):
     """The streaming torch writer (one tensor in memory at a time) writes the very bytes of
-    torch.save(state_dict), for every dtype family, 0-d, empty, repeated shapes and views."""
+    torch.save(state_dict), for every dtype family, 0-d, empty, repeated shapes and views, with
+    shardkit's own zip writer (the default) and with torch's (used for archives of 4 GiB and more)."""
+    import shardkit.formats.torch_io as tio
+
+    if writer == "torch":
+        monkeypatch.setattr(tio, "native_writer", lambda records, bound: False)
     torch.manual_seed(0)
     tensors = {
         "a.weight": torch.randn(5, 3).to(torch.bfloat16),
@@ -763,16 +769,75 @@ def test_torch_writer_streams_exactly_what_torch_save_writes(tmp_path):
     expected = io.BytesIO()
     torch.save({n: t.contiguous().clone() for n, t in tensors.items()}, expected)
     path = tmp_path / "model" / "rank.pt"
-    writer = TorchWriter(path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+    writer_ = TorchWriter(path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+    assert (writer_._native is not None) == (writer == "native")
     for name, tensor in tensors.items():
-        writer.write(name, tensor)
-    (record,) = writer.close()
+        writer_.write(name, tensor)
+    (record,) = writer_.close()
     raw = path.read_bytes()
     assert raw == expected.getvalue()
     assert record.path == "model/rank.pt"
     assert record.size == len(raw) and record.sha256 == hashlib.sha256(raw).hexdigest()
     with pytest.raises(RuntimeError, match="expected"):
         TorchWriter(tmp_path / "x.pt", tmp_path, [TensorSpec("a", (2,), torch.float32)]).write("b", torch.zeros(2))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_own_zip_writer_matches_torch_save_on_random_state_dicts(seed, tmp_path):
+    """shardkit's zip writer against torch.save on random state dicts: 1-300 tensors (record
+    numbers of two and three digits, so every padding length), names of any length, sizes from
+    empty to a few MiB, offsets past 1 MiB; plus the on-disk record reads back through torch."""
+    from shardkit.formats import torch_zip
+
+    assert torch_zip.native_matches(), "shardkit's zip writer no longer writes this torch's bytes"
+    gen = torch.Generator().manual_seed(seed)
+    count = [1, 7, 120, 300][seed]
+    dtypes = [torch.float32, torch.bfloat16, torch.int8, torch.float16, torch.int64, torch.bool]
+    tensors = {}
+    for i in range(count):
+        name = "m." * int(torch.randint(0, 40, (1,), generator=gen)) + f"w{i}"
+        numel = int(torch.randint(0, 3 if i % 5 == 0 else 70_000, (1,), generator=gen))
+        dtype = dtypes[int(torch.randint(0, len(dtypes), (1,), generator=gen))]
+        tensors[name] = (torch.randn(numel, generator=gen) * 50).to(dtype)
+    expected = io.BytesIO()
+    torch.save(tensors, expected)
+    path = tmp_path / "rank.pt"
+    writer = TorchWriter(path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+    assert writer._native is not None
+    for name, tensor in tensors.items():
+        writer.write(name, tensor, owned=bool(len(name) % 2))
+    writer.close()
+    assert path.read_bytes() == expected.getvalue()
+    loaded = torch.load(path, weights_only=True)
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+
+
+def test_own_zip_writer_leaves_zip64_archives_and_changed_torch_to_torch(tmp_path, monkeypatch):
+    """Archives that reach 4 GiB or 65535 records need zip64 fields in every record: torch's
+    writer writes those. So does a torch whose bytes differ from shardkit's writer's (simulated
+    by one changed flag): the sample archive shows it, and the output is still torch.save's."""
+    from shardkit.formats import torch_zip
+
+    assert torch_zip.native_writer(10, (4 << 30) - 4096)
+    assert not torch_zip.native_writer(10, 4 << 30)
+    assert not torch_zip.native_writer(70_000, 1 << 20)
+    torch_zip.clear_caches()
+    monkeypatch.setattr(torch_zip, "_FLAGS", 0x0008)
+    try:
+        assert not torch_zip.native_matches()
+        tensors = {"a": torch.randn(3, 5), "b": torch.arange(7)}
+        path = tmp_path / "rank.pt"
+        writer = TorchWriter(path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+        assert writer._native is None
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+        writer.close()
+        expected = io.BytesIO()
+        torch.save(tensors, expected)
+        assert path.read_bytes() == expected.getvalue()
+    finally:
+        monkeypatch.undo()
+        torch_zip.clear_caches()
 
 
 @pytest.mark.parametrize("chunk", [64, 1 << 30])

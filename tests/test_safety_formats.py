@@ -76,6 +76,18 @@ FAILING_OPEN = """
     base.open = lambda path, mode: Failing(path, "w")
 """
 
+WRITERS = ["native", "torch"]
+"""TorchWriter's two zip writers: shardkit's own (torch_zip.ZipRecords) and torch's, which it uses
+for archives of 4 GiB and more (forced here)."""
+
+
+def choose_writer(writer: str) -> str:
+    """Child-script lines that make TorchWriter use `writer`."""
+    return f"""
+    import shardkit.formats.torch_io as _tio
+    _tio.native_writer = lambda records, bound: {writer == "native"}
+    """
+
 
 def clean_exit(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode not in (134, -6) and "terminate called" not in proc.stderr, f"the process aborted:\n{proc.stderr[-2000:]}"
@@ -136,11 +148,12 @@ def hf_dir(tiny_model, tmp_path: Path) -> Path:
 # ---- 1. writer failures never abort the process ---------------------------------------------------
 
 
+@pytest.mark.parametrize("writer", WRITERS)
 @pytest.mark.parametrize("limit", [100, 9000], ids=["in-header", "in-tensor"])
-def test_torch_writer_disk_full_is_a_clean_error(limit, tmp_path):
-    """ENOSPC from the file under torch's zip writer: a one-line NoSpaceError, no abort (exit
-    134) when the failed writer is collected, and no partial file left."""
-    proc = run_child(FAILING_OPEN.replace("LIMIT", str(limit)).replace("HOW", '"enospc"') + """
+def test_torch_writer_disk_full_is_a_clean_error(limit, writer, tmp_path):
+    """ENOSPC from the file under the zip writer: a one-line NoSpaceError, no abort (exit 134)
+    when the failed writer is collected, and no partial file left."""
+    proc = run_child(FAILING_OPEN.replace("LIMIT", str(limit)).replace("HOW", '"enospc"') + choose_writer(writer) + """
     from shardkit.formats.torch_io import TorchWriter
     def run():
         w = TorchWriter(tmp / "out" / "x.pt", tmp / "out", SPECS)
@@ -159,10 +172,11 @@ def test_torch_writer_disk_full_is_a_clean_error(limit, tmp_path):
     assert "left False" in proc.stdout
 
 
-def test_torch_writer_ctrl_c_is_a_clean_keyboard_interrupt(tmp_path):
-    """SIGINT arriving while torch's writer is pushing a record: KeyboardInterrupt reaches the
+@pytest.mark.parametrize("writer", WRITERS)
+def test_torch_writer_ctrl_c_is_a_clean_keyboard_interrupt(writer, tmp_path):
+    """SIGINT arriving while the zip writer is pushing a record: KeyboardInterrupt reaches the
     caller, the process does not abort, the partial file is deleted."""
-    proc = run_child(FAILING_OPEN.replace("LIMIT", "9000").replace("HOW", '"sigint"') + """
+    proc = run_child(FAILING_OPEN.replace("LIMIT", "9000").replace("HOW", '"sigint"') + choose_writer(writer) + """
     from shardkit.formats.torch_io import TorchWriter
     def run():
         w = TorchWriter(tmp / "out" / "x.pt", tmp / "out", SPECS)
@@ -182,19 +196,20 @@ def test_torch_writer_ctrl_c_is_a_clean_keyboard_interrupt(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["enospc", "sigint"])
-@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+@pytest.mark.parametrize("fmt", ["torch", "torch-own-writer", "safetensors"])
 def test_a_failure_behind_the_writes_is_clean(fmt, how, tmp_path):
     """Owned tensors of several MiB are written by the write-behind thread: a full disk there
     becomes the caller's one-line NoSpaceError at its next write or close, Ctrl-C while blocks are
     queued a KeyboardInterrupt; no abort, no partial file, no thread left writing."""
     limit = 5 * (3 << 20) // 2  # inside the third tensor
-    proc = run_child(FAILING_OPEN.replace("LIMIT", str(limit)).replace("HOW", f'"{how}"') + f"""
+    writer = choose_writer("torch" if fmt == "torch-own-writer" else "native")
+    proc = run_child(FAILING_OPEN.replace("LIMIT", str(limit)).replace("HOW", f'"{how}"') + writer + f"""
     import threading
     from shardkit.formats.torch_io import TorchWriter
     from shardkit.formats.safetensors_io import SafetensorsWriter
     BIG = [TensorSpec(f"w{{i}}", (3 << 18,), torch.float32) for i in range(6)]  # 3 MiB each
     def run():
-        cls = TorchWriter if "{fmt}" == "torch" else SafetensorsWriter
+        cls = SafetensorsWriter if "{fmt}" == "safetensors" else TorchWriter
         w = cls(tmp / "out" / "x.bin", tmp / "out", BIG)
         for s in BIG:
             w.write(s.name, torch.full(s.shape, 1.5), owned=True)
@@ -215,10 +230,15 @@ def test_a_failure_behind_the_writes_is_clean(fmt, how, tmp_path):
     assert expected in proc.stdout and "left False" in proc.stdout and "writers 0" in proc.stdout, proc.stdout
 
 
-def test_owned_blocks_written_behind_keep_the_file_order(tmp_path):
+@pytest.mark.parametrize("writer", WRITERS)
+def test_owned_blocks_written_behind_keep_the_file_order(writer, tmp_path, monkeypatch):
     """Large owned tensors (written by the write-behind thread) between small unowned ones and
-    torch's headers: the same bytes as torch.save, and a record whose digests are those bytes'."""
+    the zip headers: the same bytes as torch.save, and a record whose digests are those bytes'."""
     import hashlib
+
+    import shardkit.formats.torch_io as tio
+
+    monkeypatch.setattr(tio, "native_writer", lambda records, bound: writer == "native")
     import io
 
     import xxhash
@@ -253,6 +273,7 @@ def test_exception_thrown_through_torch_does_not_abort_later(tmp_path):
     from shardkit.formats.base import TensorSpec
     tmp = Path(sys.argv[1])
     SPECS = [TensorSpec(f"t{i}", (1000,), torch.float32) for i in range(5)]
+    tio.native_writer = lambda records, bound: False  # torch's zip writer
     def run():
         w = tio.TorchWriter(tmp / "out" / "x.pt", tmp / "out", SPECS)
         w.write("t0", torch.ones(1000))
@@ -271,10 +292,11 @@ def test_exception_thrown_through_torch_does_not_abort_later(tmp_path):
     assert "interrupted" in proc.stdout and "left False" in proc.stdout, proc.stdout
 
 
-def test_abandoned_torch_writer_is_discarded_when_collected(tmp_path):
-    """A writer dropped mid-way (an exception elsewhere) and collected later: exit 0, and torch's
+@pytest.mark.parametrize("writer", WRITERS)
+def test_abandoned_torch_writer_is_discarded_when_collected(writer, tmp_path):
+    """A writer dropped mid-way (an exception elsewhere) and collected later: exit 0, and the
     end of archive is not written (no half checkpoint that looks finished): the file is gone."""
-    proc = run_child("""
+    proc = run_child(choose_writer(writer) + """
     import gc, os, sys
     from pathlib import Path
     import torch

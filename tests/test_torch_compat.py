@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from shardkit import ShardkitError, torch_compat
+from shardkit.formats import torch_zip
 from shardkit.formats.base import TensorSpec
 from shardkit.formats.torch_io import TorchWriter, load_metadata, state_dict_pickle
 from shardkit.formats.xser import _PICKLE_MODULE
@@ -42,8 +43,10 @@ def assert_clear(excinfo, name: str) -> None:
 @pytest.fixture(autouse=True)
 def fresh_checks():
     torch_compat.clear_caches()
+    torch_zip.clear_caches()
     yield
     torch_compat.clear_caches()
+    torch_zip.clear_caches()
 
 
 def tensors():

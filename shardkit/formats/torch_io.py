@@ -40,7 +40,9 @@ from .base import (
     narrow,
     read_rows_into,
     read_stored,
+    tensor_bytes,
 )
+from .torch_zip import ZipRecords, native_writer
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 
@@ -424,7 +426,9 @@ def torch_save(obj: Any, out: HashingFile, **kwargs) -> None:
 class TorchWriter(DiscardOnFailure):
     """Streams one rank file in torch.save's format, a tensor at a time (each tensor with its own
     storage, as NxD writes them): the file is byte for byte what `torch.save(state_dict)` writes,
-    but only the tensor being written is in memory. `write` is called in spec order.
+    but only the tensor being written is in memory. `write` is called in spec order. The archive is
+    written by `torch_zip.ZipRecords` (the same bytes, a faster CRC32), or by torch's own zip
+    writer where that cannot promise torch's bytes (see `torch_zip`).
 
     Any failure (a full disk, Ctrl-C, a wrong tensor) aborts the writer: the partial file is
     deleted and torch's zip writer is released without finishing the archive. A writer dropped
@@ -437,25 +441,31 @@ class TorchWriter(DiscardOnFailure):
         self._specs = list(specs)
         self._next = 0
         self._zip = None
+        self._native: ZipRecords | None = None
         self._broken = False
         data_pkl = state_dict_pickle(self._specs)
         alignment = torch_compat.zip_options()[1]
         records = [("data.pkl", len(data_pkl)), (".format_version", 1), (".storage_alignment", 8), ("byteorder", 8)]
         records += [(f"data/{i}", s.nbytes) for i, s in enumerate(self._specs)]
-        self._out = HashingFile(
-            self.path, self.root, expected_size=_zip_size_bound(records, alignment), digests=digests
-        )
+        bound = _zip_size_bound(records, alignment)
+        self._out = HashingFile(self.path, self.root, expected_size=bound, digests=digests)
         self._sink = _ZipSink(self._out)
         with self._discarding():
-            self._zip, _ = torch_compat.file_writer(self._sink)
+            if native_writer(len(records), bound):
+                self._native = ZipRecords(self._out, alignment)
+            else:
+                self._zip, _ = torch_compat.file_writer(self._sink)
             # the records torch.save writes before the storages, in its order
             self._record("data.pkl", data_pkl, len(data_pkl))
-            self._record(".format_version", "1", 1)
-            self._record(".storage_alignment", str(alignment), len(str(alignment)))
-            self._record("byteorder", sys.byteorder, len(sys.byteorder))
+            self._record(".format_version", b"1", 1)
+            self._record(".storage_alignment", str(alignment).encode(), len(str(alignment)))
+            self._record("byteorder", sys.byteorder.encode(), len(sys.byteorder))
 
     def _record(self, name: str, data, size: int) -> None:
-        """One record through torch's writer; the sink's failure raised here, outside torch."""
+        """One record; through torch's writer, the sink's failure is raised here, outside torch."""
+        if self._native is not None:
+            self._native.add(name, data)
+            return
         zip_writer = self._zip
         if zip_writer is None:
             raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
@@ -469,7 +479,7 @@ class TorchWriter(DiscardOnFailure):
 
     def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
         with self._discarding():
-            if self._zip is None:
+            if not self._unfinished():
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
             spec = self._specs[self._next] if self._next < len(self._specs) else None
             if (
@@ -479,29 +489,37 @@ class TorchWriter(DiscardOnFailure):
                 or tensor.dtype != spec.dtype
             ):
                 raise RuntimeError(f"{self.path}: expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
-            storage = compact(tensor.detach()).untyped_storage()
-            self._sink.owner = storage if owned else None
-            try:
-                self._record(f"data/{self._next}", storage, spec.nbytes)
-            finally:
-                self._sink.owner = None
+            tensor = compact(tensor.detach())
+            if self._native is not None:
+                self._native.add(f"data/{self._next}", tensor_bytes(tensor), tensor if owned else None)
+            else:
+                storage = tensor.untyped_storage()
+                self._sink.owner = storage if owned else None
+                try:
+                    self._record(f"data/{self._next}", storage, spec.nbytes)
+                finally:
+                    self._sink.owner = None
             self._next += 1
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
         with self._discarding():
-            if self._zip is None:
+            if not self._unfinished():
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
             if self._next != len(self._specs):
                 missing = [s.name for s in self._specs[self._next :]]
                 raise RuntimeError(f"{self.path}: tensors not written: {missing[:3]}")
-            try:
-                self._zip.write_end_of_file()
-            except BaseException:
-                self._broken = True
-                raise
-            if self._sink.error is not None:
-                raise self._sink.error
-            self._zip = None  # finished: its destructor writes nothing more
+            if self._native is not None:
+                self._native.finish()
+                self._native = None
+            elif self._zip is not None:
+                try:
+                    self._zip.write_end_of_file()
+                except BaseException:
+                    self._broken = True
+                    raise
+                if self._sink.error is not None:
+                    raise self._sink.error
+                self._zip = None  # finished: its destructor writes nothing more
             record = self._out.close(fsync)
         return [record]
 
@@ -511,6 +529,7 @@ class TorchWriter(DiscardOnFailure):
         sink = getattr(self, "_sink", None)
         if sink is not None:
             sink.discard()
+        self._native = None
         zip_writer, self._zip = getattr(self, "_zip", None), None
         if zip_writer is not None:
             if getattr(self, "_broken", False):
@@ -521,4 +540,4 @@ class TorchWriter(DiscardOnFailure):
             out.abort()
 
     def _unfinished(self) -> bool:
-        return bool(getattr(self, "_zip", None) is not None)
+        return getattr(self, "_zip", None) is not None or getattr(self, "_native", None) is not None
