@@ -57,21 +57,28 @@ PRELOAD = ("torch", "shardkit")
 # ---- what the children run (imported lazily: the parent never imports torch) ---------------------
 
 
-def run_convert(src: str, dst: str, tp: int, pp: int, qkv: str, kv_multiplier: int, fmt: str, workers: int) -> dict:
+def direct_io_options(direct_io: str) -> dict:
+    """The library's direct_io option for --direct-io; none for "auto" (the default, and all older
+    code knows)."""
+    return {} if direct_io == "auto" else {"direct_io": direct_io == "on"}
+
+
+def run_convert(src: str, dst: str, tp: int, pp: int, qkv: str, kv_multiplier: int, fmt: str, workers: int,
+                direct_io: str = "auto") -> dict:
     import shardkit
     from shardkit import Layout, convert
 
     layout = Layout(tp=tp, pp=pp, qkv=qkv, kv_multiplier=kv_multiplier)
-    result = convert(src, dst, layout, format=fmt, workers=workers, overwrite=True)
+    result = convert(src, dst, layout, format=fmt, workers=workers, overwrite=True, **direct_io_options(direct_io))
     return {"files": len(result.files), "bytes": result.bytes, "shardkit": shardkit.__file__,
             "torch_threads": __import__("torch").get_num_threads()}
 
 
-def run_merge(src: str, dst: str, workers: int) -> dict:
+def run_merge(src: str, dst: str, workers: int, direct_io: str = "auto") -> dict:
     import shardkit
     from shardkit import merge
 
-    result = merge(src, dst, workers=workers, overwrite=True)
+    result = merge(src, dst, workers=workers, overwrite=True, **direct_io_options(direct_io))
     return {"files": len(result.files), "bytes": result.bytes, "shardkit": shardkit.__file__,
             "torch_threads": __import__("torch").get_num_threads()}
 
@@ -174,6 +181,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--format", default="torch", choices=("torch", "xser", "safetensors"), help="shard format")
     p.add_argument("--workers", default="1", help="worker counts, comma-separated (each is run): e.g. 1,2")
     p.add_argument("--repeat", type=int, default=1, help="repeats per worker count")
+    p.add_argument("--direct-io", default="auto", choices=("auto", "on", "off"),
+                   help="shardkit's --direct-io for convert and merge (default auto: O_DIRECT past the dirty limit)")
     p.add_argument("--stat", default="median", choices=("median", "best"), help="how repeats are combined (seconds)")
     p.add_argument("--workdir", default=str(bc.DEFAULT_WORKDIR),
                    help=f"where the synthetic checkpoint is cached and outputs go (default {bc.DEFAULT_WORKDIR})")
@@ -248,7 +257,7 @@ class Bench:
     def convert_kwargs(self, dst: Path, workers: int, src: Path | None = None) -> dict:
         a = self.args
         return {"src": str(src or self.src), "dst": str(dst), "tp": a.tp, "pp": a.pp, "qkv": a.qkv,
-                "kv_multiplier": self.kv_mult, "fmt": a.format, "workers": workers}
+                "kv_multiplier": self.kv_mult, "fmt": a.format, "workers": workers, "direct_io": a.direct_io}
 
 
 # ---- the steps of main ---------------------------------------------------------------------------------
@@ -329,7 +338,7 @@ def run_repeat(b: Bench, w: int, tag: str, shards: Path, merged: Path, samples: 
     samples["convert"].append(m)
     samples["cp_shards"].append(timed_cp(b, "cp -r shards", shards, tag))
     samples["merge"].append(timed_op(b, "merge", "bench_convert:run_merge",
-                                     {"src": str(shards), "dst": str(merged), "workers": w}, merged, tag))
+                                     {"src": str(shards), "dst": str(merged), "workers": w, "direct_io": b.args.direct_io}, merged, tag))
 
 
 def run_workers(b: Bench, w: int) -> dict:
@@ -363,7 +372,7 @@ def run_profiles(b: Bench) -> dict:
     profiles = {
         "convert": profile_op("convert", "bench_convert:run_convert", b.convert_kwargs(shards, w), b.logdir, shards,
                               b.env, b.args.drop_caches),
-        "merge": profile_op("merge", "bench_convert:run_merge", {"src": str(shards), "dst": str(merged), "workers": w},
+        "merge": profile_op("merge", "bench_convert:run_merge", {"src": str(shards), "dst": str(merged), "workers": w, "direct_io": b.args.direct_io},
                             b.logdir, merged, b.env, b.args.drop_caches),
     }
     bc.remove(shards)

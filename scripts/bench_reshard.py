@@ -38,11 +38,13 @@ SPEEDUP_TARGET = 2.0
 RSS_TARGET = 0.25
 
 
-def run_reshard(src: str, dst: str, tp: int, pp: int, qkv: str, kv_multiplier: int, workers: int) -> dict:
+def run_reshard(src: str, dst: str, tp: int, pp: int, qkv: str, kv_multiplier: int, workers: int,
+                direct_io: str = "auto") -> dict:
     import shardkit
+    from bench_convert import direct_io_options
 
     result = shardkit.reshard(src, dst, shardkit.Layout(tp=tp, pp=pp, kv_multiplier=kv_multiplier, qkv=qkv),
-                              workers=workers, overwrite=True)
+                              workers=workers, overwrite=True, **direct_io_options(direct_io))
     return {"files": len(result.files), "bytes": result.bytes, "shardkit": str(Path(shardkit.__file__).parent)}
 
 
@@ -55,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qkv", default="gqa", help="qkv style of both layouts")
     p.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated")
     p.add_argument("--repeat", type=int, default=1, help="repeats per worker count (median taken)")
+    p.add_argument("--direct-io", default="auto", choices=("auto", "on", "off"),
+                   help="shardkit's --direct-io for every step (default auto: O_DIRECT past the dirty limit)")
     p.add_argument("--workdir", default=str(bc.DEFAULT_WORKDIR), help="cache and scratch folder")
     p.add_argument("--drop-caches", action="store_true",
                    help="drop the page cache before every timed step, cp included (needs root; exits 2 otherwise)")
@@ -82,10 +86,12 @@ def prepare_source(args, workdir: Path, name: str, config: dict, source: Path, s
 
 def measured_ops(args, source: Path, rundir: Path, ttp: int, tpp: int, tkv: int, workers: int):
     """(key, child target, kwargs) of the direct reshard and of the two steps of merge-then-convert."""
-    target = {"tp": ttp, "pp": tpp, "qkv": args.qkv, "kv_multiplier": tkv, "workers": workers}
+    target = {"tp": ttp, "pp": tpp, "qkv": args.qkv, "kv_multiplier": tkv, "workers": workers,
+              "direct_io": args.direct_io}
     return (
         ("direct", "bench_reshard:run_reshard", {"src": str(source), "dst": str(rundir / "direct"), **target}),
-        ("merge", "bench_convert:run_merge", {"src": str(source), "dst": str(rundir / "merged"), "workers": workers}),
+        ("merge", "bench_convert:run_merge", {"src": str(source), "dst": str(rundir / "merged"), "workers": workers,
+                                              "direct_io": args.direct_io}),
         ("convert", "bench_convert:run_convert", {"src": str(rundir / "merged"), "dst": str(rundir / "two-step"),
                                                   **target, "fmt": "torch"}),
     )

@@ -230,6 +230,36 @@ def test_a_failure_behind_the_writes_is_clean(fmt, how, tmp_path):
     assert expected in proc.stdout and "left False" in proc.stdout and "writers 0" in proc.stdout, proc.stdout
 
 
+def test_abort_takes_its_blocks_back_from_the_hash_helper(tmp_path):
+    """Aborting a file drops the blocks still queued for the hash helper on the aborting thread:
+    none is left for the helper to free later, which at interpreter exit aborted the process
+    (the helper is stopped inside torch's tensor deallocator)."""
+    import weakref
+
+    from shardkit.formats.digest import Digests
+
+    class Block:
+        def __init__(self) -> None:
+            self.data = bytearray(2 << 20)
+
+    gate = base._HashJob(Digests(), memoryview(b""))
+    assert gate.take()  # nobody runs the gate: the helper stalls on the job that follows it
+    base._HASHER.submit(base._HashJob(Digests(), memoryview(b""), prev=gate))
+    try:
+        out = base.HashingFile(tmp_path / "x.bin", tmp_path)
+        blocks = [Block() for _ in range(3)]
+        for block in blocks:
+            out.write_owned(memoryview(block.data), block)
+        refs = [weakref.ref(block) for block in blocks]
+        del blocks, block
+        out.abort()
+        assert [r() for r in refs] == [None] * 3, "the hash helper still holds blocks of an aborted file"
+        assert not (tmp_path / "x.bin").exists()
+    finally:
+        gate.done.set()
+        base._HASHER.drain()
+
+
 @pytest.mark.parametrize("writer", WRITERS)
 def test_owned_blocks_written_behind_keep_the_file_order(writer, tmp_path, monkeypatch):
     """Large owned tensors (written by the write-behind thread) between small unowned ones and

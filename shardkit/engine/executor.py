@@ -21,7 +21,7 @@ import torch
 
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
-from ..formats.base import ChunkedWriter, FileRecord, TensorSpec, reused_buffers
+from ..formats.base import ChunkedWriter, FileRecord, TensorSpec, direct_io_pays, reused_buffers
 from ..formats.digest import NONE, CheckMode, check_mode
 from ..formats.reader import HashCheck
 from ..placements import SegmentIndex
@@ -42,9 +42,13 @@ def execute(
     progress: ProgressCallback | None = None,
     verify_hashes: bool | CheckMode = True,
     digests: bool = True,
+    direct_io: bool | str = "auto",
 ) -> list[FileRecord]:
     """Write every output file from `src`; returns the records of the files written (with their
     sha256 and xxh3-128, unless `digests` is False: for outputs no manifest lists).
+
+    `direct_io`: write around the page cache (True), through it (False), or "auto": around it
+    when this host's processes write more than the kernel's dirty limit (`base.direct_io_pays`).
 
     With `verify_hashes` (True/"fast": the manifest's xxh3-128 where listed, else its sha256;
     "sha256": sha256 only), each source file the manifest lists is checked (once per file, from
@@ -75,6 +79,10 @@ def execute(
                     raise FormatError(f"no file holds {source}")
                 dtypes[source] = dtype or source_dtypes[source]
     total = sum(p.numel() * dtypes[p.segments[0].source].itemsize for o in outputs for p in o.pieces)
+    if direct_io not in (True, False, "auto"):
+        raise ValueError(f"direct_io must be True, False or 'auto', not {direct_io!r}")
+    # the page cache is the host's: under torchrun, this host's ranks write about as much each
+    direct = direct_io_pays(total * ranks_here()) if direct_io == "auto" else bool(direct_io)
     if auto and workers > 1:
         largest = max(
             (
@@ -120,7 +128,7 @@ def execute(
 
     def build_file(out: OutputFile) -> list[FileRecord]:
         specs = [TensorSpec(p.name, p.shape, dtypes[p.segments[0].source]) for p in out.pieces]
-        writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel, digests)
+        writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel, digests, direct)
         # the registry says this format's writer takes row blocks (write_chunks)
         chunked = cast(ChunkedWriter, writer) if file_format.chunked_writes else None
         reader = SourceReader(src, index=index, hashes=hashes)
@@ -230,19 +238,23 @@ AUTO_MAX_WORKERS = 4
 def auto_workers() -> int:
     """The worker count `auto` means: one per CPU core this process may use (shared with the other
     ranks of a torchrun job on this host), at most AUTO_MAX_WORKERS. A worker keeps about one core
-    busy (reading, the kernel's copies into the page cache, torch's CRC32), and the sha256 of what
-    it writes runs beside it in a helper thread, so more workers than cores only contend; on cold
-    or networked storage the second and later workers mostly overlap waiting for reads. Memory
-    grows with each worker by about one output tensor (bounded by the pieces of one file)."""
+    busy (reading, the kernel's copies), and the sha256 of what it writes runs beside it in a
+    helper thread, so more workers than cores only contend; on cold or networked storage the
+    second and later workers mostly overlap waiting for reads. Memory grows with each worker by
+    about one output tensor (bounded by the pieces of one file)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
+    return max(1, min(AUTO_MAX_WORKERS, cores // ranks_here()))
+
+
+def ranks_here() -> int:
+    """The processes of this torchrun job on this host (1 outside torchrun)."""
     try:
-        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
-        ranks_here = 1
-    return max(1, min(AUTO_MAX_WORKERS, cores // ranks_here))
+        return 1
 
 
 AUTO_MEMORY = 256 << 20

@@ -124,6 +124,9 @@ class WriteOptions(TypedDict, total=False):
     """Replace a destination that exists and is not empty (default False)."""
     progress: ProgressCallback | None
     """Called as progress(bytes_done, bytes_total) while output is written."""
+    direct_io: bool | str
+    """Write the output around the page cache (O_DIRECT): True, False, or "auto" (the default):
+    when the output is larger than the kernel's dirty limit (see `base.direct_io_pays`)."""
     verify_hashes: bool | CheckMode
     """Check each source file against the digest its manifest lists before the output is
     committed: True or "fast" (the default) checks the fast xxh3-128 where the manifest has it and
@@ -147,7 +150,10 @@ def _write(
     def run(progress: ProgressCallback | None) -> list[FileRecord]:
         workers, overwrite = options.get("workers", "auto"), options.get("overwrite", False)
         verify = options.get("verify_hashes", True)
-        return produce(ckpt, outputs, Path(dst), fmt, dtype, workers, overwrite, progress, finish, verify, digests)
+        direct = options.get("direct_io", "auto")
+        return produce(
+            ckpt, outputs, Path(dst), fmt, dtype, workers, overwrite, progress, finish, verify, digests, direct
+        )
 
     if progress is None or job.world == 1:
         return run(progress)

@@ -192,19 +192,22 @@ def produce(
     finish: Callable[[Path, list[FileRecord]], None],
     verify_hashes: bool | CheckMode = True,
     digests: bool = True,
+    direct_io: bool | str = "auto",
 ) -> list[FileRecord]:
     """Write `outputs` into a staging folder, let `finish` add its files, and rename to `dst`
-    (`digests`: see `execute`).
+    (`digests`, `direct_io`: see `execute`).
 
     In a torch.distributed job every rank writes its share of the files (see distributed.py).
     With `verify_hashes`, every source file listed in the source's manifest is checked against
     its digest before the output is committed (see `execute`)."""
     with terminate_as_interrupt():
-        return _produce(src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes, digests)
+        return _produce(
+            src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes, digests, direct_io
+        )
 
 
 def _produce(
-    src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes, digests
+    src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes, digests, direct_io
 ) -> list[FileRecord]:
     job = current_job()
     if job.leader:
@@ -227,6 +230,7 @@ def _produce(
                 progress if job.leader else None,
                 verify_hashes,
                 digests,
+                direct_io,
             )
         )
         records = sorted((r for part in job.gather(mine) for r in part), key=lambda r: r.path)

@@ -11,9 +11,13 @@ their sizes and digests (hashed while writing, never by reading back).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
+import errno
+import fcntl
 import math
+import mmap
 import os
 import queue
 import stat
@@ -264,6 +268,15 @@ class _HashJob:
             return
         self.wait()
 
+    def cancel(self) -> None:
+        """Drop the block unhashed unless the helper has begun it, else wait until it is done: either
+        way the helper holds none of the caller's bytes afterwards."""
+        if self.take():
+            self.view = self.owner = self.prev = self.prefix = None
+            self.done.set()
+            return
+        self.wait()
+
 
 _HASH_LOCK = threading.Lock()
 
@@ -301,8 +314,19 @@ class _Hasher:
             if job.take():
                 job.run()
 
+    def drain(self, timeout: float = 60.0) -> None:
+        """Wait until every block queued so far is hashed or dropped."""
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            return
+        marker = self.submit(_HashJob(Digests(), memoryview(b"")))
+        marker.done.wait(timeout)
+
 
 _HASHER = _Hasher()
+# The helper drops the last reference to blocks it hashed; that must not happen while the
+# interpreter shuts down (a daemon thread is then stopped as it retakes the GIL, and inside torch's
+# tensor deallocator that stop aborts the process), so the queue is drained before.
+atexit.register(_HASHER.drain)
 
 WRITE_BEHIND = 32 << 20
 """At most this many bytes of owned blocks per file wait for their write (`HashingFile.write_owned`)."""
@@ -314,7 +338,7 @@ class _WriteBehind:
     cache is then off the caller's thread, as the digests are. The first write error is kept and
     raised to the caller at its next write, flush or close; later blocks are dropped."""
 
-    def __init__(self, fh: io.BufferedWriter) -> None:
+    def __init__(self, fh: io.BufferedWriter | DirectFile) -> None:
         self._fh = fh
         self._jobs: queue.SimpleQueue[tuple[memoryview, object] | None] = queue.SimpleQueue()
         self._pending = 0
@@ -374,6 +398,151 @@ class _WriteBehind:
                 self._changed.notify_all()
 
 
+DIRECT_BLOCK = 4096
+"""O_DIRECT writes start at, and last, a multiple of this (the largest logical block size in use)."""
+
+DIRECT_CHUNK = 8 << 20
+"""A file written around the page cache is gathered in an aligned buffer of this size, written whole."""
+
+
+class DirectFile:
+    """A new file written around the page cache (O_DIRECT): bytes are gathered in one page-aligned
+    buffer and written DIRECT_CHUNK at a time straight from it to the device; the tail (less than
+    DIRECT_BLOCK) goes through the page cache at `flush`/`close`, and so does everything after a
+    `flush` that left the file unaligned. Where the file system refuses O_DIRECT (tmpfs, some FUSE),
+    at open or at the first write, every write goes through the page cache instead.
+
+    Why: copying into the page cache costs 0.25-2.5 CPU-s per GB here (fresh page-cache memory is
+    costly on a VM), and past the kernel's dirty limit the writer waits for the disk anyway;
+    from an aligned buffer the cost is one copy into it (~0.1 CPU-s per GB) and the device's
+    time. The same interface as the BufferedWriter HashingFile otherwise writes through: write,
+    flush, fileno, close; one thread writes at a time."""
+
+    def __init__(self, path: Path):
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        self.direct = False
+        self._buffer: mmap.mmap | None = None
+        self._fill = 0
+        self._offset = 0  # where the buffer's first byte goes
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) | os.O_DIRECT)
+            self.direct = True
+            self._buffer = mmap.mmap(-1, DIRECT_CHUNK)  # page-aligned, as O_DIRECT needs
+        except OSError:  # no O_DIRECT on this file system: through the page cache
+            pass
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n, pos = len(view), 0
+        buffer = self._buffer
+        while pos < n:
+            if buffer is None:  # through the page cache
+                written = os.pwrite(self._fd, view[pos:], self._offset)
+                if written <= 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                pos += written
+                self._offset += written
+                continue
+            k = min(n - pos, DIRECT_CHUNK - self._fill)
+            buffer[self._fill : self._fill + k] = view[pos : pos + k]
+            self._fill += k
+            pos += k
+            if self._fill == DIRECT_CHUNK:
+                self._write_out(DIRECT_CHUNK)
+        return n
+
+    def _write_out(self, nbytes: int) -> None:
+        """Write the buffer's first `nbytes` at the offset (whole blocks while direct); keep the
+        rest at the buffer's start."""
+        buffer = self._buffer
+        assert buffer is not None
+        with memoryview(buffer) as view:
+            done = 0
+            while done < nbytes:
+                try:
+                    written = os.pwrite(self._fd, view[done:nbytes], self._offset + done)
+                except OSError as e:
+                    if e.errno != errno.EINVAL or not self.direct:
+                        raise
+                    self._through_cache()  # accepted at open, refused at write: through the page cache
+                    continue
+                if written <= 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                done += written
+                if self.direct and written % DIRECT_BLOCK:
+                    self._through_cache()  # a short write left the offset unaligned
+            rest = self._fill - nbytes
+            if rest:
+                view[:rest] = view[nbytes : self._fill]
+        self._fill = rest
+        self._offset += nbytes
+
+    def _through_cache(self) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self.direct = False
+
+    def flush(self) -> None:
+        """Write everything gathered (a tail shorter than a block through the page cache, after
+        which the file is written through the page cache)."""
+        if self._buffer is None:
+            return
+        if self.direct and self._fill >= DIRECT_BLOCK:
+            self._write_out(self._fill - self._fill % DIRECT_BLOCK)
+        if self._fill:
+            if self.direct:
+                self._through_cache()
+            self._write_out(self._fill)
+        if not self.direct:  # from now on straight through the page cache
+            self._buffer.close()
+            self._buffer = None
+
+    def close(self) -> None:
+        """Write what is gathered and close."""
+        if self._fd < 0:
+            return
+        try:
+            self.flush()
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Close without writing what is gathered (the file is being deleted)."""
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            try:
+                buffer.close()
+            except BufferError:  # a slice of it lives on in a traceback: unmapped when that goes
+                pass
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+def direct_io_pays(nbytes: int) -> bool:
+    """Whether writing `nbytes` around the page cache is the better choice ("auto"): when they are
+    more than the kernel lets wait in the page cache before it makes writers wait for the disk
+    (vm.dirty_bytes, else vm.dirty_ratio percent of the available memory). Below that, buffered
+    writes return as soon as the bytes are copied and the disk catches up later."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        limit = int(Path("/proc/sys/vm/dirty_bytes").read_text())
+        if not limit:
+            ratio = int(Path("/proc/sys/vm/dirty_ratio").read_text())
+            available = next(
+                int(line.split()[1]) * 1024
+                for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemAvailable:")
+            )
+            limit = available * ratio // 100
+    except (OSError, ValueError, StopIteration):
+        return False
+    return nbytes > limit
+
+
 class HashingFile:
     """A binary file that hashes what is written to it (for manifests, without reading back).
 
@@ -381,15 +550,17 @@ class HashingFile:
     space first, so a full disk is refused before anything is written. A full disk (ENOSPC, or an
     exhausted quota) while writing becomes a one-line NoSpaceError. `abort()` discards the file.
     With `digests=False` nothing is hashed (for files no manifest will list): the record's
-    digests are None."""
+    digests are None. With `direct`, the bytes are written around the page cache (`DirectFile`)."""
 
-    def __init__(self, path: Path, root: Path, expected_size: int | None = None, digests: bool = True):
+    def __init__(
+        self, path: Path, root: Path, expected_size: int | None = None, digests: bool = True, direct: bool = False
+    ):
         from ..paths import ensure_free_space
 
         self.path = Path(path)
         self.root = Path(root)
         self.expected_size = expected_size
-        self._fh: io.BufferedWriter | None = None
+        self._fh: io.BufferedWriter | DirectFile | None = None
         self._behind: collections.deque[_HashJob] = collections.deque()  # written, not yet hashed
         self._behind_bytes = 0
         self._tail = bytearray()  # small writes after the blocks behind: hashed with the next block
@@ -406,14 +577,14 @@ class HashingFile:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-        self._fh = open(self.path, "xb")
+        self._fh = DirectFile(self.path) if direct else open(self.path, "xb")
         st = os.fstat(self._fh.fileno())
         self._identity = (st.st_dev, st.st_ino)
         self._hash = Digests() if digests else None
         self.size = 0
 
     @property
-    def _file(self) -> io.BufferedWriter:
+    def _file(self) -> io.BufferedWriter | DirectFile:
         """The open file; ValueError once closed or aborted (as a closed file object raises)."""
         if self._fh is None:
             raise ValueError(f"{self.path}: the file is closed or was aborted")
@@ -549,14 +720,19 @@ class HashingFile:
         """Close and delete the file, if the path still names the file this object created (a
         retry may have written a new one there since). Never raises an OSError."""
         fh, self._fh = self._fh, None
-        self._behind.clear()  # blocks still queued keep their owners alive until the helper drops them
+        while self._behind:  # the helper must not be left holding (and later freeing) the caller's blocks
+            self._behind.popleft().cancel()
+        self._behind_bytes = 0
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.stop(cancel=True)  # the queued blocks are dropped; the file is deleted below
         if fh is None:
             return
         try:
-            fh.close()  # a failing flush of the last buffered bytes still closes the descriptor
+            if isinstance(fh, DirectFile):
+                fh.abandon()
+            else:
+                fh.close()  # a failing flush of the last buffered bytes still closes the descriptor
         except (OSError, ValueError):
             pass
         try:

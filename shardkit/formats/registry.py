@@ -18,9 +18,10 @@ from .safetensors_io import SafetensorsFile, SafetensorsWriter
 from .torch_io import TorchFile, TorchWriter
 from .xser import XserFile, XserWriter, info_path, tensors_dir
 
-WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str], bool], TensorFileWriter]
-"""writer(path, root, specs, expert_names, digests): a writer of one rank file under `root`
-(`digests` False: its records carry no sha256/xxh3-128, for files no manifest lists)."""
+WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str], bool, bool], TensorFileWriter]
+"""writer(path, root, specs, expert_names, digests, direct): a writer of one rank file under `root`
+(`digests` False: its records carry no sha256/xxh3-128, for files no manifest lists; `direct`:
+written around the page cache, see `base.DirectFile`)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def _xser_companions(path: Path) -> list[Path]:
 
 def _plain(writer: Callable[..., TensorFileWriter]) -> WriterFactory:
     """The factory of a writer that keeps no list of expert tensors."""
-    return lambda path, root, specs, expert, digests: writer(path, root, specs, digests=digests)
+    return lambda path, root, specs, expert, digests, direct: writer(path, root, specs, digests=digests, direct=direct)
 
 
 FORMATS: dict[str, Format] = {
@@ -68,7 +69,9 @@ FORMATS: dict[str, Format] = {
             "NxD xser",
             "torch-xla's xser: each tensor in its own file under <file>.tensors/",
             reader=XserFile,
-            writer=lambda path, root, specs, expert, digests: XserWriter(path, root, specs, list(expert), digests),
+            writer=lambda path, root, specs, expert, digests, direct: XserWriter(
+                path, root, specs, list(expert), digests, direct
+            ),
             detect=lambda path: tensors_dir(path).is_dir(),
             companions=_xser_companions,
         ),

@@ -266,6 +266,7 @@ class SafetensorsWriter(base.DiscardOnFailure):
         specs: Sequence[TensorSpec],
         metadata: dict[str, str] | None = None,
         digests: bool = True,
+        direct: bool = False,
     ):
         base.check_specs(specs)
         self._specs = list(specs)
@@ -282,7 +283,7 @@ class SafetensorsWriter(base.DiscardOnFailure):
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self._file = HashingFile(path, root, expected_size=8 + len(raw) + offset, digests=digests)
+        self._file = HashingFile(path, root, expected_size=8 + len(raw) + offset, digests=digests, direct=direct)
         with self._discarding():
             self._file.write(struct.pack("<Q", len(raw)))
             self._file.write(raw)

@@ -435,7 +435,7 @@ class TorchWriter(DiscardOnFailure):
     without `close` (an exception elsewhere) aborts the same way when it is collected; `abort()`
     or `with TorchWriter(...) as w:` do it at once."""
 
-    def __init__(self, path: Path, root: Path, specs: Sequence[TensorSpec], digests: bool = True):
+    def __init__(self, path: Path, root: Path, specs: Sequence[TensorSpec], digests: bool = True, direct: bool = False):
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
         self._specs = list(specs)
@@ -448,7 +448,7 @@ class TorchWriter(DiscardOnFailure):
         records = [("data.pkl", len(data_pkl)), (".format_version", 1), (".storage_alignment", 8), ("byteorder", 8)]
         records += [(f"data/{i}", s.nbytes) for i, s in enumerate(self._specs)]
         bound = _zip_size_bound(records, alignment)
-        self._out = HashingFile(self.path, self.root, expected_size=bound, digests=digests)
+        self._out = HashingFile(self.path, self.root, expected_size=bound, digests=digests, direct=direct)
         self._sink = _ZipSink(self._out)
         with self._discarding():
             if native_writer(len(records), bound):

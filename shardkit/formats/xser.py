@@ -196,10 +196,12 @@ class XserWriter(DiscardOnFailure):
         specs: Sequence[TensorSpec],
         expert_parallel: Sequence[str] = (),
         digests: bool = True,
+        direct: bool = False,
     ):
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
         self._digests = digests
+        self._direct = direct
         self._specs = list(specs)
         self._tids = {s.name: i for i, s in enumerate(self._specs)}
         self._expert = set(expert_parallel)
@@ -217,7 +219,7 @@ class XserWriter(DiscardOnFailure):
         return sum(_file_bound(s.nbytes) for s in left) + 2 * _file_bound(_PICKLE_BOUND * len(self._specs))
 
     def _save(self, obj: Any, path: Path, **kwargs) -> HashingFile:
-        out = HashingFile(path, self.root, digests=self._digests)
+        out = HashingFile(path, self.root, digests=self._digests, direct=self._direct)
         self._files.append(out)
         try:
             torch_save(obj, out, **kwargs)
