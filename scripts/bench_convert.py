@@ -57,14 +57,14 @@ PRELOAD = ("torch", "shardkit")
 # ---- what the children run (imported lazily: the parent never imports torch) ---------------------
 
 
-def direct_io_options(direct_io: str) -> dict:
-    """The library's direct_io option for --direct-io; none for "auto" (the default, and all older
-    code knows)."""
-    return {} if direct_io == "auto" else {"direct_io": direct_io == "on"}
+def direct_io_options(direct_io: str | None) -> dict:
+    """The library's direct_io option for --direct-io; none when not given (the library's default,
+    and all that older code knows)."""
+    return {} if direct_io is None else {"direct_io": {"on": True, "off": False, "auto": "auto"}[direct_io]}
 
 
 def run_convert(src: str, dst: str, tp: int, pp: int, qkv: str, kv_multiplier: int, fmt: str, workers: int,
-                direct_io: str = "auto") -> dict:
+                direct_io: str | None = None) -> dict:
     import shardkit
     from shardkit import Layout, convert
 
@@ -74,7 +74,7 @@ def run_convert(src: str, dst: str, tp: int, pp: int, qkv: str, kv_multiplier: i
             "torch_threads": __import__("torch").get_num_threads()}
 
 
-def run_merge(src: str, dst: str, workers: int, direct_io: str = "auto") -> dict:
+def run_merge(src: str, dst: str, workers: int, direct_io: str | None = None) -> dict:
     import shardkit
     from shardkit import merge
 
@@ -181,8 +181,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--format", default="torch", choices=("torch", "xser", "safetensors"), help="shard format")
     p.add_argument("--workers", default="1", help="worker counts, comma-separated (each is run): e.g. 1,2")
     p.add_argument("--repeat", type=int, default=1, help="repeats per worker count")
-    p.add_argument("--direct-io", default="auto", choices=("auto", "on", "off"),
-                   help="shardkit's --direct-io for convert and merge (default auto: O_DIRECT past the dirty limit)")
+    p.add_argument("--direct-io", choices=("auto", "on", "off"),
+                   help="shardkit's --direct-io for convert and merge (default: shardkit's default)")
     p.add_argument("--stat", default="median", choices=("median", "best"), help="how repeats are combined (seconds)")
     p.add_argument("--workdir", default=str(bc.DEFAULT_WORKDIR),
                    help=f"where the synthetic checkpoint is cached and outputs go (default {bc.DEFAULT_WORKDIR})")

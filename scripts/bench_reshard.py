@@ -39,7 +39,7 @@ RSS_TARGET = 0.25
 
 
 def run_reshard(src: str, dst: str, tp: int, pp: int, qkv: str, kv_multiplier: int, workers: int,
-                direct_io: str = "auto") -> dict:
+                direct_io: str | None = None) -> dict:
     import shardkit
     from bench_convert import direct_io_options
 
@@ -57,8 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qkv", default="gqa", help="qkv style of both layouts")
     p.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated")
     p.add_argument("--repeat", type=int, default=1, help="repeats per worker count (median taken)")
-    p.add_argument("--direct-io", default="auto", choices=("auto", "on", "off"),
-                   help="shardkit's --direct-io for every step (default auto: O_DIRECT past the dirty limit)")
+    p.add_argument("--direct-io", choices=("auto", "on", "off"),
+                   help="shardkit's --direct-io for every step (default: shardkit's default)")
     p.add_argument("--workdir", default=str(bc.DEFAULT_WORKDIR), help="cache and scratch folder")
     p.add_argument("--drop-caches", action="store_true",
                    help="drop the page cache before every timed step, cp included (needs root; exits 2 otherwise)")

@@ -178,7 +178,7 @@ def test_convert_reshard_and_merge_write_the_same_bytes_around_the_page_cache(
         same_output(tmp_path / f"{name}-cached", tmp_path / f"{name}-direct")
 
 
-def test_cli_direct_io_option(tiny_model, tmp_path, small_chunks, direct_writes):
+def test_cli_direct_io_option(tiny_model, tmp_path, small_chunks, direct_writes, monkeypatch):
     runner = CliRunner()
     assert "--direct-io [auto|on|off]" in runner.invoke(cli, ["convert", "--help"]).output
     src = str(tiny_model(MODEL))
@@ -188,5 +188,11 @@ def test_cli_direct_io_option(tiny_model, tmp_path, small_chunks, direct_writes)
     direct_writes.clear()
     result = runner.invoke(cli, ["convert", src, str(tmp_path / "off"), "--to-sharded", "--tp", "2", "--direct-io", "off"])
     assert result.exit_code == 0 and not direct_writes
+    # auto goes around the page cache past the dirty limit only; the default is off, past it too
+    monkeypatch.setattr("shardkit.engine.executor.direct_io_pays", lambda nbytes: True)
+    result = runner.invoke(cli, ["convert", src, str(tmp_path / "default"), "--to-sharded", "--tp", "2"])
+    assert result.exit_code == 0 and not direct_writes
+    result = runner.invoke(cli, ["convert", src, str(tmp_path / "auto"), "--to-sharded", "--tp", "2", "--direct-io", "auto"])
+    assert result.exit_code == 0 and direct_writes.count(True) >= 10
     bad = runner.invoke(cli, ["convert", src, str(tmp_path / "x"), "--to-sharded", "--direct-io", "sometimes"])
     assert bad.exit_code == 2 and "sometimes" in bad.output

@@ -369,14 +369,16 @@ def direct_io_option() -> Callable:
     return click.option(
         "--direct-io",
         type=click.Choice(["auto", "on", "off"]),
-        default="auto",
+        default="off",
         show_default=True,
         callback=lambda ctx, param, value: {"on": True, "off": False}.get(value, "auto"),
-        help="Write the output around the page cache (O_DIRECT), from an aligned buffer straight to the "
-        "device. auto: when the output is larger than the page cache lets wait for the disk (the kernel's "
-        "dirty limit; then writers wait for the disk anyway, and copying into the cache costs up to 2.5 "
-        "CPU-s per GB). off: always through the page cache (fastest for outputs that fit in memory and "
-        "are read again soon). File systems without O_DIRECT are written through the page cache.",
+        help="on: write the output around the page cache (O_DIRECT), from an aligned buffer straight to "
+        "the device: it saves the copy into the cache (up to 2.5 CPU-s per GB on a VM), and the output "
+        "is on the device when the command ends; try it on fast storage where shardkit is CPU-bound "
+        "(measured on a 7B checkpoint on a VM disk: convert 6-12% faster, merge 30% slower). auto: on "
+        "when the output is larger than the kernel's dirty limit (then writers wait for the disk "
+        "anyway). off: through the page cache, as cp does. File systems without O_DIRECT are always "
+        "written through the page cache.",
     )
 
 

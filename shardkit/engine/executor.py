@@ -42,13 +42,14 @@ def execute(
     progress: ProgressCallback | None = None,
     verify_hashes: bool | CheckMode = True,
     digests: bool = True,
-    direct_io: bool | str = "auto",
+    direct_io: bool | str = False,
 ) -> list[FileRecord]:
     """Write every output file from `src`; returns the records of the files written (with their
     sha256 and xxh3-128, unless `digests` is False: for outputs no manifest lists).
 
-    `direct_io`: write around the page cache (True), through it (False), or "auto": around it
-    when this host's processes write more than the kernel's dirty limit (`base.direct_io_pays`).
+    `direct_io`: write around the page cache (True), through it (False, the default), or "auto":
+    around it when this host's processes write more than the kernel's dirty limit
+    (`base.direct_io_pays`).
 
     With `verify_hashes` (True/"fast": the manifest's xxh3-128 where listed, else its sha256;
     "sha256": sha256 only), each source file the manifest lists is checked (once per file, from

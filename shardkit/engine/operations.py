@@ -125,8 +125,11 @@ class WriteOptions(TypedDict, total=False):
     progress: ProgressCallback | None
     """Called as progress(bytes_done, bytes_total) while output is written."""
     direct_io: bool | str
-    """Write the output around the page cache (O_DIRECT): True, False, or "auto" (the default):
-    when the output is larger than the kernel's dirty limit (see `base.direct_io_pays`)."""
+    """Write the output around the page cache (O_DIRECT): True, False (the default), or "auto":
+    when the output is larger than the kernel's dirty limit (see `base.direct_io_pays`). It saves
+    the kernel's copy into the page cache (about 2 CPU-s per GB on a VM) and leaves the output on
+    the device when the call returns; whether it is faster depends on the storage (measured on a
+    7B checkpoint here: convert 6-12% faster, merge 30% slower)."""
     verify_hashes: bool | CheckMode
     """Check each source file against the digest its manifest lists before the output is
     committed: True or "fast" (the default) checks the fast xxh3-128 where the manifest has it and
@@ -150,7 +153,7 @@ def _write(
     def run(progress: ProgressCallback | None) -> list[FileRecord]:
         workers, overwrite = options.get("workers", "auto"), options.get("overwrite", False)
         verify = options.get("verify_hashes", True)
-        direct = options.get("direct_io", "auto")
+        direct = options.get("direct_io", False)
         return produce(
             ckpt, outputs, Path(dst), fmt, dtype, workers, overwrite, progress, finish, verify, digests, direct
         )

@@ -192,7 +192,7 @@ def produce(
     finish: Callable[[Path, list[FileRecord]], None],
     verify_hashes: bool | CheckMode = True,
     digests: bool = True,
-    direct_io: bool | str = "auto",
+    direct_io: bool | str = False,
 ) -> list[FileRecord]:
     """Write `outputs` into a staging folder, let `finish` add its files, and rename to `dst`
     (`digests`, `direct_io`: see `execute`).
