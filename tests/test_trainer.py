@@ -2,8 +2,10 @@
 
 1. parallel equals serial: from the same weights and data, the per-step losses of tp1pp1, tp2pp1,
    tp1pp2, tp2pp2, dp2 (with and without ZeRO-1) and tp4 with kv-multiplier 2 (8 q heads, 2 kv
-   heads) agree to 1e-5 relative over 5 steps (real gloo jobs under torchrun, fp32); tp1pp1 also
-   equals transformers' model + torch AdamW; exports of tp1pp1 and tp2pp2 hold the same weights;
+   heads) agree to 1e-5 relative over 5 steps (real gloo jobs, fp32, their ranks forked by
+   trainer_helpers.run_ranks; the README's command and the failure cases run under torchrun);
+   tp1pp1 also equals transformers' model + torch AdamW; exports of tp1pp1 and tp2pp2 hold the
+   same weights;
 3. a tiny model learns the bundled text (loss well below the unigram entropy) and its
    --export-hf output loads with transformers and generates;
 4. bad input: one line on rank 0, every rank exits with code 2 (torchrun itself exits 1), nothing
@@ -30,6 +32,7 @@ from trainer_helpers import (
     rel_diff,
     run_args,
     run_inprocess,
+    run_ranks,
     steps,
     tiny_run_fixtures,
     torchrun,
@@ -82,7 +85,7 @@ def test_parallel_equals_serial(name, work, hf_model, tokens, serial):
             convert(hf_model, model, Layout(tp=4, kv_multiplier=2, qkv="gqa"))
         extra = [*extra, "--export-hf", str(work / "tp2pp2-export")]
     metrics = work / f"{name}.jsonl"
-    check_ok(torchrun(nproc, run_args(model, tokens, metrics, *extra)))
+    check_ok(run_ranks(nproc, run_args(model, tokens, metrics, *extra)))
     got, (expected, _) = losses(metrics), serial
     assert len(got) == 5
     assert rel_diff(got, expected) < REL, f"{name}: {got} vs tp1pp1 {expected}"
@@ -407,7 +410,7 @@ SIX = ["--steps", "6"]  # after COMMON's 5: the later option wins
 def uninterrupted(work, hf_model, tokens):
     """6 steps at tp2pp2 without a break, checkpointing at step 3 (and 6)."""
     ckpt, metrics = work / "ckpt-tp2pp2", work / "six-tp2pp2.jsonl"
-    check_ok(torchrun(4, run_args(hf_model, tokens, metrics, *SIX, "--tp", "2", "--pp", "2",
+    check_ok(run_ranks(4, run_args(hf_model, tokens, metrics, *SIX, "--tp", "2", "--pp", "2",
                                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3")))
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_3", "step_6"]
     return losses(metrics), ckpt
@@ -422,7 +425,7 @@ def test_resume_on_another_layout(target, work, hf_model, tokens, uninterrupted)
     metrics = work / f"resume-{target}.jsonl"
     args = run_args(hf_model, tokens, metrics, *SIX, "--resume", str(ckpt / "step_3"))
     if target == "tp4pp1":
-        check_ok(torchrun(4, [*args, "--tp", "4", "--kv-multiplier", "2", "--kv-replication", "blocked", "--qkv",
+        check_ok(run_ranks(4, [*args, "--tp", "4", "--kv-multiplier", "2", "--kv-replication", "blocked", "--qkv",
                               "fused", "--sequence-parallel", "--activation-checkpointing"]))
     else:
         summary = run_inprocess(args)
@@ -440,7 +443,7 @@ def test_resume_checkpoint_of_another_model(work, tokens, uninterrupted):
     cfg = fixture_config(CONFIG) | {"hidden_size": 64, "intermediate_size": 128}
     other = make_tiny_model(cfg, work / "other-hf")
     out = work / "bad-other-model"
-    done = torchrun(2, ["--model", str(other), "--data", str(tokens), *COMMON, "--tp", "2",
+    done = run_ranks(2, ["--model", str(other), "--data", str(tokens), *COMMON, "--tp", "2",
                         "--resume", str(uninterrupted[1] / "step_3"), "--metrics", str(out / "m.jsonl")], timeout=120)
     assert done.returncode != 0
     lines = _error_lines(done.stderr)
@@ -455,9 +458,9 @@ def test_zero1_async_retention_and_latest_if_exists(work, hf_model, tokens):
     ckpt = work / "ckpt-zero1"
     flags = ["--dp", "2", "--zero1", "--decay", "constant", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
              "--num-kept", "1", "--async-save", "--resume", "latest_if_exists"]
-    check_ok(torchrun(2, run_args(hf_model, tokens, work / "z-first.jsonl", "--steps", "4", *flags)))
+    check_ok(run_ranks(2, run_args(hf_model, tokens, work / "z-first.jsonl", "--steps", "4", *flags)))
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_4"]
-    check_ok(torchrun(2, run_args(hf_model, tokens, work / "z-second.jsonl", *SIX, *flags)))
+    check_ok(run_ranks(2, run_args(hf_model, tokens, work / "z-second.jsonl", *SIX, *flags)))
     run_inprocess(run_args(hf_model, tokens, work / "z-ref.jsonl", *SIX, "--decay", "constant"))
     first, second, ref = (losses(work / f"z-{n}.jsonl") for n in ("first", "second", "ref"))
     assert [r["step"] for r in steps(work / "z-second.jsonl")] == [5, 6]
@@ -609,7 +612,7 @@ def test_resume_from_nxd_checkpoint_first_step_is_adamw(case, tmp_path):
     if nproc == 1:
         run_inprocess(args)
     else:
-        check_ok(torchrun(nproc, args))
+        check_ok(run_ranks(nproc, args))
     record, = steps(tmp_path / "m.jsonl")
     assert record["step"] == 4
 
@@ -632,7 +635,7 @@ def test_resume_from_nxd_checkpoint_first_step_is_adamw(case, tmp_path):
 def zero1_bf16(work, hf_model, tokens) -> Path:
     """tp2 dp2 ZeRO-1 in bf16 (fp32 master weights, weight decay 0.1) for 2 steps: tag step_2."""
     ckpt = work / "ckpt-zero1-bf16"
-    check_ok(torchrun(4, run_args(hf_model, tokens, work / "zb.jsonl", "--steps", "2", "--dtype", "bf16",
+    check_ok(run_ranks(4, run_args(hf_model, tokens, work / "zb.jsonl", "--steps", "2", "--dtype", "bf16",
                                   "--tp", "2", "--dp", "2", "--zero1", "--qkv", "gqa", "--weight-decay", "0.1",
                                   "--checkpoint-dir", str(ckpt))))
     return ckpt / "step_2"

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_helpers import (COMMON, ROOT, check_ok, losses, rel_diff, run_inprocess, steps, tiny_run_fixtures,
-                             torchrun)
+from trainer_helpers import (COMMON, ROOT, check_ok, losses, rel_diff, run_inprocess, run_ranks, steps,
+                             tiny_run_fixtures)
 
 from shardkit.testing import fixture_config, make_tiny_model
 
@@ -176,7 +176,7 @@ def test_evaluation_is_the_same_in_every_layout(layout, work, hf_model, split_to
     train, held_out = split_tokens
     metrics, tb = work / f"eval-{layout}.jsonl", work / f"tb-{layout}"
     extra = ["--tp", "2", "--progress", "--tensorboard", str(tb)] if layout == "tp2pp1" else ["--pp", "2"]
-    done = torchrun(2, ["--model", str(hf_model), "--data", str(train), "--eval-data", str(held_out), *COMMON, *EVAL,
+    done = run_ranks(2, ["--model", str(hf_model), "--data", str(train), "--eval-data", str(held_out), *COMMON, *EVAL,
                         "--metrics", str(metrics), *extra])
     check_ok(done)
     _, serial_metrics, _ = serial_eval
@@ -338,7 +338,7 @@ def test_pretrain_from_config_in_any_layout(work, tokens):
     config = _init_config(work)
     base = ["--model-config", str(config), "--data", str(tokens), *COMMON]
     run_inprocess([*base, "--metrics", str(work / "init-tp1pp1.jsonl"), "--export-hf", str(work / "init-export")])
-    check_ok(torchrun(4, [*base, "--metrics", str(work / "init-tp2pp2.jsonl"), "--tp", "2", "--pp", "2"]))
+    check_ok(run_ranks(4, [*base, "--metrics", str(work / "init-tp2pp2.jsonl"), "--tp", "2", "--pp", "2"]))
     serial, parallel = losses(work / "init-tp1pp1.jsonl"), losses(work / "init-tp2pp2.jsonl")
     assert rel_diff(parallel, serial) < REL, (parallel, serial)
     assert serial[0] == pytest.approx(math.log(256), rel=0.02)  # small random weights: a uniform guess

@@ -2,7 +2,7 @@
 
 1. parallel equals serial: the same adapters from the same seed in every layout; the per-step
    losses and the final adapters of tp2pp2 (fused qkv, activation checkpointing) and tp4
-   (kv-multiplier 2, sequence parallel) equal tp1's to 1e-5 (real gloo jobs under torchrun, fp32);
+   (kv-multiplier 2, sequence parallel) equal tp1's to 1e-5 (real gloo jobs, fp32);
 2. tp1 equals `peft.get_peft_model` on the transformers model trained by torch AdamW (adapters to 1e-5);
 3. a run resumed on another layout (a tp2 x dp2 ZeRO-1 checkpoint resumed at tp1) equals the
    uninterrupted run; checkpoints hold only the adapters;
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from trainer_helpers import COMMON as BASE_COMMON
-from trainer_helpers import (adamw_reference, check_ok, losses, rel_diff, run_inprocess, steps, tiny_run_fixtures,
-                             torchrun, worker_exit_codes)
+from trainer_helpers import (adamw_reference, check_ok, losses, rel_diff, run_inprocess, run_ranks, steps,
+                             tiny_run_fixtures, torchrun, worker_exit_codes)
 from trainer_helpers import run_args as base_run_args
 
 REL = 1e-5
@@ -83,7 +83,7 @@ PARALLEL_CASES = {
 def test_lora_parallel_equals_serial(name, work, hf_model, tokens, serial):
     nproc, extra = PARALLEL_CASES[name]
     metrics, export = work / f"{name}.jsonl", work / f"{name}-peft"
-    check_ok(torchrun(nproc, run_args(hf_model, tokens, metrics, *extra, "--export-hf", str(export),
+    check_ok(run_ranks(nproc, run_args(hf_model, tokens, metrics, *extra, "--export-hf", str(export),
                                       "--export-lora")))
     expected, expected_adapters = serial
     got = losses(metrics)
@@ -131,7 +131,7 @@ def test_lora_serial_equals_peft_and_adamw(hf_model, tokens, serial):
 def uninterrupted(work, hf_model, tokens):
     """6 steps at tp2 x dp2 with ZeRO-1 without a break, checkpointing at steps 3 and 6."""
     ckpt, metrics, export = work / "ckpt-tp2dp2", work / "six-tp2dp2.jsonl", work / "six-tp2dp2-peft"
-    check_ok(torchrun(4, run_args(hf_model, tokens, metrics, *SIX, "--tp", "2", "--dp", "2", "--zero1",
+    check_ok(run_ranks(4, run_args(hf_model, tokens, metrics, *SIX, "--tp", "2", "--dp", "2", "--zero1",
                                   "--qkv", "coalesced", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3",
                                   "--export-hf", str(export), "--export-lora")))
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_3", "step_6"]

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer_helpers import CORPUS, check_ok, corpus_tokens, rel_diff, run_inprocess, steps, torchrun
+from trainer_helpers import CORPUS, check_ok, corpus_tokens, rel_diff, run_inprocess, run_ranks, steps, torchrun
 
 from shardkit import Layout, convert
 from shardkit.testing import fixture_config, make_tiny_model
@@ -162,7 +162,7 @@ def test_parallel_equals_serial(name, work, hf_model, tokens, serial):
     if name == "ep2-pp2":  # evaluation through the pipeline's forward-only schedule
         extra = [*extra, *EVAL, "--eval-data", str(tokens), "--eval-steps", "1"]
     metrics = work / f"{name}.jsonl"
-    check_ok(torchrun(nproc, run_args(model, tokens, metrics, *extra)))
+    check_ok(run_ranks(nproc, run_args(model, tokens, metrics, *extra)))
     (lm, aux), ((ref_lm, ref_aux), ref_export) = curves(metrics), serial
     assert len(lm) == 5
     assert rel_diff(lm, ref_lm) < REL, f"{name}: {lm} vs ep1 {ref_lm}"
@@ -199,7 +199,7 @@ def test_interleaved_chunks_carry_the_moe_statistics(work, tokens):
                             work / "hf-4-layers", seed=3)
     one, chunked = work / "4-layers-ep1.jsonl", work / "4-layers-pp2-vpp2-ep2.jsonl"
     run_inprocess(run_args(model, tokens, one))
-    check_ok(torchrun(4, run_args(model, tokens, chunked, "--pp", "2", "--vpp", "2", "--ep", "2")))
+    check_ok(run_ranks(4, run_args(model, tokens, chunked, "--pp", "2", "--vpp", "2", "--ep", "2")))
     (lm, aux), (ref_lm, ref_aux) = curves(chunked), curves(one)
     assert len(lm) == 5 and rel_diff(lm, ref_lm) < REL, (lm, ref_lm)
     assert rel_diff(aux, ref_aux) < REL, (aux, ref_aux)
@@ -217,7 +217,7 @@ def test_resume_ep2_checkpoint_at_ep1_tp2(work, hf_model, tokens):
     from shardkit.checkpoint import load_checkpoint
 
     ckpt, metrics = work / "ckpt-ep2", work / "six-ep2.jsonl"
-    check_ok(torchrun(2, run_args(hf_model, tokens, metrics, *SIX, "--ep", "2", "--checkpoint-dir", str(ckpt),
+    check_ok(run_ranks(2, run_args(hf_model, tokens, metrics, *SIX, "--ep", "2", "--checkpoint-dir", str(ckpt),
                                   "--checkpoint-every", "3")))
     expected = curves(metrics)
     saved = load_checkpoint(ckpt, "step_3", rank=(1, 0, 0))  # ep rank 1's file: its two experts only
@@ -226,7 +226,7 @@ def test_resume_ep2_checkpoint_at_ep1_tp2(work, hf_model, tokens):
                                                            "expert_mlps.mlp_op.down_proj.weight"}
     assert saved.model["model.layers.0.mlp.expert_mlps.mlp_op.gate_up_proj.weight"].shape == (2, 64, 64)
     resumed = work / "resume-ep1tp2.jsonl"
-    check_ok(torchrun(2, run_args(hf_model, tokens, resumed, *SIX, "--tp", "2", "--sequence-parallel",
+    check_ok(run_ranks(2, run_args(hf_model, tokens, resumed, *SIX, "--tp", "2", "--sequence-parallel",
                                   "--activation-checkpointing", "--resume", str(ckpt / "step_3"))))
     records = steps(resumed)
     assert [r["step"] for r in records] == [4, 5, 6]
@@ -261,7 +261,7 @@ def test_capacity_factor_drops_count_and_agree_across_layouts(work, hf_model, to
     assert all(r["moe_dropped"] == 0.0 for r in steps(ample))
     tight = [work / "cf-tight-ep1.jsonl", work / "cf-tight-ep2.jsonl"]
     run_inprocess(run_args(hf_model, tokens, tight[0], "--capacity-factor", "0.5"))
-    check_ok(torchrun(2, run_args(hf_model, tokens, tight[1], "--capacity-factor", "0.5", "--ep", "2")))
+    check_ok(run_ranks(2, run_args(hf_model, tokens, tight[1], "--capacity-factor", "0.5", "--ep", "2")))
     one, two = steps(tight[0]), steps(tight[1])
     # capacity 8 of each expert's 64 assignments per micro-batch: at least half of them drop
     assert all(0.5 <= r["moe_dropped"] < 1.0 for r in one)
@@ -281,7 +281,7 @@ def test_qwen3_moe_equals_transformers_and_ep2_tp2(work, tokens):
     ref_lm, ref_aux = reference_curves(model, tokens)
     assert rel_diff(lm, ref_lm) < REL, (lm, ref_lm)
     assert rel_diff(aux, ref_aux) < REL, (aux, ref_aux)
-    check_ok(torchrun(4, run_args(model, tokens, parallel_metrics, "--ep", "2", "--tp", "2")))
+    check_ok(run_ranks(4, run_args(model, tokens, parallel_metrics, "--ep", "2", "--tp", "2")))
     par_lm, par_aux = curves(parallel_metrics)
     assert rel_diff(par_lm, lm) < REL, (par_lm, lm)
     assert rel_diff(par_aux, aux) < REL, (par_aux, aux)
@@ -349,7 +349,7 @@ def test_tiny_mixtral_learns_and_exports(work):
     AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg)).save_pretrained(start)
     data = corpus_tokens(work / "corpus256.bin")
     metrics, export = work / "learn.jsonl", work / "learn-export"
-    check_ok(torchrun(2, ["--model", str(start), "--data", str(data), "--metrics", str(metrics), "--ep", "2",
+    check_ok(run_ranks(2, ["--model", str(start), "--data", str(data), "--metrics", str(metrics), "--ep", "2",
                           "--seq-len", "128", "--micro-batch", "8", "--global-batch", "16", "--steps", "200",
                           "--lr", "1e-2", "--warmup", "20", "--dtype", "fp32", "--no-progress", "--threads", "1",
                           "--export-hf", str(export)], timeout=900))

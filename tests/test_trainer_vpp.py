@@ -200,10 +200,10 @@ def assert_same_weights(export: Path, reference: dict[str, torch.Tensor]) -> Non
 @pytest.fixture(scope="module")
 def vpp_run(work, hf_model, tokens):
     """pp2 vpp2 (interleaved 1F1B) for 5 steps, checkpointing at steps 3 and 5, exporting at the end."""
-    from trainer_helpers import check_ok, losses, steps, torchrun
+    from trainer_helpers import check_ok, losses, run_ranks, steps
 
     metrics, ckpt = work / "pp2vpp2.jsonl", work / "ckpt-pp2vpp2"
-    check_ok(torchrun(2, run_args(hf_model, tokens, metrics, *EVAL, "--eval-data", str(tokens), "--pp", "2",
+    check_ok(run_ranks(2, run_args(hf_model, tokens, metrics, *EVAL, "--eval-data", str(tokens), "--pp", "2",
                                   "--vpp", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3",
                                   "--export-hf", str(work / "vpp-export"))))
     start = json.loads(metrics.read_text().splitlines()[0])
@@ -233,10 +233,10 @@ def test_vpp_checkpoint_rank_files_hold_global_layer_names(vpp_run):
 
 def test_vpp_run_resumes_at_another_layout(work, hf_model, tokens, vpp_run):
     """The pp2 vpp2 checkpoint of step 3 resumed at pp1 tp2 reproduces steps 4-5 of the vpp run."""
-    from trainer_helpers import check_ok, rel_diff, steps, torchrun
+    from trainer_helpers import check_ok, rel_diff, run_ranks, steps
 
     metrics = work / "resume-tp2.jsonl"
-    check_ok(torchrun(2, run_args(hf_model, tokens, metrics, "--tp", "2", "--qkv", "gqa",
+    check_ok(run_ranks(2, run_args(hf_model, tokens, metrics, "--tp", "2", "--qkv", "gqa",
                                   "--resume", str(vpp_run[1] / "step_3"))))
     records = steps(metrics)
     assert [r["step"] for r in records] == [4, 5]
@@ -247,7 +247,7 @@ def test_vpp_checkpoint_merges_and_reshards_to_plain_pp(work, hf_model, tokens, 
     """The vpp checkpoint of step 3 merges to a Hugging Face model (the same weights as the merge of
     its plain-pp reshard), and `ckpt reshard` moves the whole training state to plain
     pp2 (layers 0-1 | 2-3), which resumes at pp2 vpp2 (looped BFS) reproducing steps 4-5."""
-    from trainer_helpers import check_ok, rel_diff, steps, torchrun
+    from trainer_helpers import check_ok, rel_diff, run_ranks, steps
 
     tag = vpp_run[1] / "step_3"
     plain = work / "ckpt-plain-pp2"
@@ -272,7 +272,7 @@ def test_vpp_checkpoint_merges_and_reshards_to_plain_pp(work, hf_model, tokens, 
     merged_back = hf_tensors(work / "merged-back")
     assert all(torch.equal(merged_back[k], merged_vpp[k]) for k in merged_vpp)
     metrics = work / "resume-vpp.jsonl"
-    check_ok(torchrun(2, run_args(hf_model, tokens, metrics, "--pp", "2", "--vpp", "2", "--pp-schedule",
+    check_ok(run_ranks(2, run_args(hf_model, tokens, metrics, "--pp", "2", "--vpp", "2", "--pp-schedule",
                                   "looped-bfs", "--resume", str(plain_tag))))
     records = steps(metrics)
     assert [r["step"] for r in records] == [4, 5]
@@ -294,11 +294,11 @@ SCHEDULES = {
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if SCHEDULES[n][0] > 2 else n
                                   for n in SCHEDULES])
 def test_each_schedule_equals_pp1(name, work, hf_model, tokens, serial):
-    from trainer_helpers import check_ok, losses, rel_diff, torchrun
+    from trainer_helpers import check_ok, losses, rel_diff, run_ranks
 
     nproc, extra = SCHEDULES[name]
     metrics = work / f"schedule-{name}.jsonl"
-    check_ok(torchrun(nproc, run_args(hf_model, tokens, metrics, *extra)))
+    check_ok(run_ranks(nproc, run_args(hf_model, tokens, metrics, *extra)))
     assert rel_diff(losses(metrics), serial[0]) < REL, (name, losses(metrics), serial[0])
 
 
