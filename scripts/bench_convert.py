@@ -63,13 +63,20 @@ def direct_io_options(direct_io: str | None) -> dict:
     return {} if direct_io is None else {"direct_io": {"on": True, "off": False, "auto": "auto"}[direct_io]}
 
 
+def sha256_option(sha256: bool) -> dict:
+    """The library's sha256 option when asked for (shardkit before it had the option records sha256
+    always, and takes no such argument)."""
+    return {"sha256": True} if sha256 else {}
+
+
 def run_convert(src: str, dst: str, tp: int, pp: int, qkv: str, kv_multiplier: int, fmt: str, workers: int,
-                direct_io: str | None = None) -> dict:
+                direct_io: str | None = None, sha256: bool = False) -> dict:
     import shardkit
     from shardkit import Layout, convert
 
     layout = Layout(tp=tp, pp=pp, qkv=qkv, kv_multiplier=kv_multiplier)
-    result = convert(src, dst, layout, format=fmt, workers=workers, overwrite=True, **direct_io_options(direct_io))
+    result = convert(src, dst, layout, format=fmt, workers=workers, overwrite=True, **direct_io_options(direct_io),
+                     **sha256_option(sha256))
     return {"files": len(result.files), "bytes": result.bytes, "shardkit": shardkit.__file__,
             "torch_threads": __import__("torch").get_num_threads()}
 
@@ -181,6 +188,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--format", default="torch", choices=("torch", "xser", "safetensors"), help="shard format")
     p.add_argument("--workers", default="1", help="worker counts, comma-separated (each is run): e.g. 1,2")
     p.add_argument("--repeat", type=int, default=1, help="repeats per worker count")
+    p.add_argument("--sha256", action="store_true",
+                   help="convert records each shard's sha256 as well as xxh3-128 (shardkit's --sha256)")
     p.add_argument("--direct-io", choices=("auto", "on", "off"),
                    help="shardkit's --direct-io for convert and merge (default: shardkit's default)")
     p.add_argument("--stat", default="median", choices=("median", "best"), help="how repeats are combined (seconds)")
@@ -257,7 +266,8 @@ class Bench:
     def convert_kwargs(self, dst: Path, workers: int, src: Path | None = None) -> dict:
         a = self.args
         return {"src": str(src or self.src), "dst": str(dst), "tp": a.tp, "pp": a.pp, "qkv": a.qkv,
-                "kv_multiplier": self.kv_mult, "fmt": a.format, "workers": workers, "direct_io": a.direct_io}
+                "kv_multiplier": self.kv_mult, "fmt": a.format, "workers": workers, "direct_io": a.direct_io,
+                "sha256": a.sha256}
 
 
 # ---- the steps of main ---------------------------------------------------------------------------------

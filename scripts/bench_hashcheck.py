@@ -65,12 +65,12 @@ def main(argv=None) -> int:
     logdir = workdir / "logs"
     hf, _ = bc.synthetic_source(workdir, logdir, name, config, "bfloat16")
     shards = workdir / "run" / "hashcheck-src"
-    if not _has_fast_digests(shards):  # absent, or written by a shardkit without xxh3-128
+    if not _has_both_digests(shards):  # absent, or written by a shardkit without xxh3-128 or without --sha256
         bc.remove(shards)
         bc.progress("setup: converting to tp 8 pp 2 (untimed)")
         bc.run_python("setup", "bench_convert:run_convert", {"src": str(hf), "dst": str(shards), "tp": 8, "pp": 2,
                       "qkv": "gqa", "kv_multiplier": smallest_kv_multiplier(config, 8), "fmt": "torch",
-                      "workers": 2}, logdir, preload=PRELOAD)
+                      "workers": 2, "sha256": True}, logdir, preload=PRELOAD)
     env = dict(os.environ, BENCH_KV=str(smallest_kv_multiplier(config, 4)))
     dst = workdir / "run" / "hashcheck-out"
     start = os.getloadavg()
@@ -107,14 +107,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def _has_fast_digests(shards: Path) -> bool:
+def _has_both_digests(shards: Path) -> bool:
     import json
 
     try:
         files = json.loads((shards / "shardkit.json").read_text())["files"]
     except (OSError, ValueError, KeyError):
         return False
-    return bool(files) and all("xxh3_128" in entry for entry in files)
+    return bool(files) and all("xxh3_128" in entry and "sha256" in entry for entry in files)
 
 
 if __name__ == "__main__":

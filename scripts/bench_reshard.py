@@ -39,12 +39,12 @@ RSS_TARGET = 0.25
 
 
 def run_reshard(src: str, dst: str, tp: int, pp: int, qkv: str, kv_multiplier: int, workers: int,
-                direct_io: str | None = None) -> dict:
+                direct_io: str | None = None, sha256: bool = False) -> dict:
     import shardkit
-    from bench_convert import direct_io_options
+    from bench_convert import direct_io_options, sha256_option
 
     result = shardkit.reshard(src, dst, shardkit.Layout(tp=tp, pp=pp, kv_multiplier=kv_multiplier, qkv=qkv),
-                              workers=workers, overwrite=True, **direct_io_options(direct_io))
+                              workers=workers, overwrite=True, **direct_io_options(direct_io), **sha256_option(sha256))
     return {"files": len(result.files), "bytes": result.bytes, "shardkit": str(Path(shardkit.__file__).parent)}
 
 
@@ -62,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workdir", default=str(bc.DEFAULT_WORKDIR), help="cache and scratch folder")
     p.add_argument("--drop-caches", action="store_true",
                    help="drop the page cache before every timed step, cp included (needs root; exits 2 otherwise)")
+    p.add_argument("--sha256", action="store_true",
+                   help="reshard and convert record each shard's sha256 as well as xxh3-128 (shardkit's --sha256)")
+    p.add_argument("--direct-only", action="store_true",
+                   help="time the direct reshard and cp only, not merge-then-convert (no speed-up column)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p.parse_args(argv)
 
@@ -87,7 +91,7 @@ def prepare_source(args, workdir: Path, name: str, config: dict, source: Path, s
 def measured_ops(args, source: Path, rundir: Path, ttp: int, tpp: int, tkv: int, workers: int):
     """(key, child target, kwargs) of the direct reshard and of the two steps of merge-then-convert."""
     target = {"tp": ttp, "pp": tpp, "qkv": args.qkv, "kv_multiplier": tkv, "workers": workers,
-              "direct_io": args.direct_io}
+              "direct_io": args.direct_io, "sha256": args.sha256}
     return (
         ("direct", "bench_reshard:run_reshard", {"src": str(source), "dst": str(rundir / "direct"), **target}),
         ("merge", "bench_convert:run_merge", {"src": str(source), "dst": str(rundir / "merged"), "workers": workers,
@@ -102,31 +106,43 @@ def run_repeat(args, source: Path, rundir: Path, logdir: Path, ttp: int, tpp: in
     """One repeat: cp baseline, direct reshard, merge, convert; returns whether both ways agree."""
     bc.settle(args.drop_caches)
     samples["cp"].append(bc.cp_baseline("cp -r shards", source, rundir / "cp", logdir))
-    for key, target, kwargs in measured_ops(args, source, rundir, ttp, tpp, tkv, workers):
+    ops = measured_ops(args, source, rundir, ttp, tpp, tkv, workers)
+    for key, target, kwargs in ops[:1] if args.direct_only else ops:
         bc.settle(args.drop_caches)
         m = bc.run_python(f"{key} w{workers}", target, kwargs, logdir, preload=PRELOAD)
         samples[key].append(m)
         bc.progress(f"workers {workers}: {key} {m.seconds:.2f} s, peak RSS {m.peak_rss / bc.MB:.0f} MB")
-    ok = bc.run_python("compare", "bench_reshard:same_shards", {"a": str(rundir / "direct"),
-                       "b": str(rundir / "two-step")}, logdir, preload=PRELOAD).result
+    ok = args.direct_only or bc.run_python("compare", "bench_reshard:same_shards", {"a": str(rundir / "direct"),
+                                           "b": str(rundir / "two-step")}, logdir, preload=PRELOAD).result
     for d in ("direct", "merged", "two-step"):
         bc.remove(rundir / d)
     return ok
 
 
 def summarize(workers: int, c: dict[str, bc.Measurement], ok: bool, size: int) -> tuple[tuple, dict]:
-    """The table row and the JSON record of one worker count."""
-    two_step = c["merge"].seconds + c["convert"].seconds
+    """The table row and the JSON record of one worker count (no two-step figures with --direct-only)."""
+    two_step = c["merge"].seconds + c["convert"].seconds if "merge" in c else float("nan")
     speedup = two_step / c["direct"].seconds
     rss = max(c["direct"].peak_rss, 1) / size
     vs_cp = c["cp"].seconds / c["direct"].seconds  # the same bytes in and out: a ratio of throughputs
     row = (workers, f"{c['cp'].seconds:.2f}", f"{c['direct'].seconds:.2f}", f"{vs_cp:.2f}x", f"{two_step:.2f}",
            f"{speedup:.2f}x", f"{c['direct'].peak_rss / bc.MB:.0f}", f"{100 * rss:.1f}%",
-           f"{max(c['merge'].peak_rss, c['convert'].peak_rss) / bc.MB:.0f}", "equal" if ok else "DIFFER")
+           f"{max(c['merge'].peak_rss, c['convert'].peak_rss) / bc.MB:.0f}" if "merge" in c else "-",
+           ("not compared" if "merge" not in c else "equal") if ok else "DIFFER")
     record = {"workers": workers, "cp_s": c["cp"].seconds, "direct_s": c["direct"].seconds,
-              "merge_s": c["merge"].seconds, "convert_s": c["convert"].seconds, "speedup": speedup, "vs_cp": vs_cp,
-              "direct_peak_rss": c["direct"].peak_rss, "same_result": ok}
+              "merge_s": c["merge"].seconds if "merge" in c else None,
+              "convert_s": c["convert"].seconds if "convert" in c else None, "speedup": speedup, "vs_cp": vs_cp,
+              "direct_peak_rss": c["direct"].peak_rss, "same_result": ok,
+              "direct_cpu_by_thread": c["direct"].cpu_by_thread}
     return row, record
+
+
+def cpu_line(by_thread: dict | None) -> str:
+    """"MainThread 1.20 s (sys 0.40), ..." by CPU, or "not measured"."""
+    if not by_thread:
+        return "not measured"
+    items = sorted(by_thread.items(), key=lambda kv: -sum(kv[1]))
+    return ", ".join(f"{name} {u + s:.2f} s (sys {s:.2f})" for name, (u, s) in items)
 
 
 def print_report(args, name: str, size: int, layouts, rows: list, report: dict) -> None:
@@ -136,7 +152,9 @@ def print_report(args, name: str, size: int, layouts, rows: list, report: dict) 
     print(bc.format_table(("workers", "cp -r s", "reshard s", "vs cp", "merge+convert s", "speed-up", "reshard RSS MB",
                            "RSS % ckpt", "2-step RSS MB", "result"), rows))
     for r in report["runs"]:
-        print(f"  workers {r['workers']}: speed-up >= {SPEEDUP_TARGET}x  {'PASS' if r['speedup'] >= SPEEDUP_TARGET else 'FAIL'};"
+        print(f"  workers {r['workers']}: reshard CPU by thread (median run): "
+              f"{cpu_line(r['direct_cpu_by_thread'])}")
+        print(f"  workers {r['workers']}: speed-up >= {SPEEDUP_TARGET}x  {'PASS' if r['speedup'] >= SPEEDUP_TARGET else 'FAIL' if r['merge_s'] else '-'};"
               f"  throughput >= {CP_TARGET}x cp  {'PASS' if r['vs_cp'] >= CP_TARGET else 'FAIL'};"
               f"  RSS < 25%  {'PASS' if r['direct_peak_rss'] / size < RSS_TARGET else 'FAIL'}")
 
@@ -154,7 +172,8 @@ def main(argv=None) -> int:
     tkv = smallest_kv_multiplier(config, ttp)
     rows, report = [], {"checkpoint_bytes": size, "runs": []}
     for workers in bc.parse_int_list(args.workers):
-        samples: dict[str, list] = {"cp": [], "direct": [], "merge": [], "convert": []}
+        samples: dict[str, list] = {"cp": [], "direct": []} if args.direct_only else \
+            {"cp": [], "direct": [], "merge": [], "convert": []}
         oks = [run_repeat(args, source, rundir, logdir, ttp, tpp, tkv, workers, samples) for _ in range(args.repeat)]
         row, record = summarize(workers, {k: bc.combine(v) for k, v in samples.items()}, oks[-1], size)
         rows.append(row)

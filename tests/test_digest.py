@@ -11,7 +11,7 @@ import pytest
 import xxhash
 
 from shardkit.formats import digest
-from shardkit.formats.digest import check_mode, expected_digest, file_digests, file_matches
+from shardkit.formats.digest import NoSha256Error, check_mode, expected_digest, file_digests, file_matches
 
 
 def expected(data: bytes) -> tuple[str, str]:
@@ -23,7 +23,8 @@ def test_digests_across_window_boundaries(tmp_path, monkeypatch, size):
     monkeypatch.setattr(digest, "HASH_WINDOW", 65536)  # many windows, one partial at the end
     data = os.urandom(size)
     (tmp_path / "f").write_bytes(data)
-    assert file_digests(tmp_path / "f") == expected(data)
+    assert file_digests(tmp_path / "f", sha256=True) == expected(data)
+    assert file_digests(tmp_path / "f") == (None, expected(data)[1])
 
 
 def test_a_file_that_cannot_be_mapped_is_read_instead(tmp_path, monkeypatch):
@@ -34,7 +35,7 @@ def test_a_file_that_cannot_be_mapped_is_read_instead(tmp_path, monkeypatch):
         raise OSError(19, "No such device")  # what a file system without mmap says
 
     monkeypatch.setattr(mmap, "mmap", refuse)
-    assert file_digests(tmp_path / "f") == expected(data)
+    assert file_digests(tmp_path / "f", sha256=True) == expected(data)
 
 
 def test_a_file_that_shrinks_while_hashed_is_an_error_not_a_crash(tmp_path, monkeypatch):
@@ -75,6 +76,10 @@ def test_the_check_compares_the_digest_it_names(tmp_path):
     older = {"path": "f", "size": 1000, "sha256": sha}  # a manifest from before the fast digest
     assert expected_digest(older, "fast") == ("sha256", sha)
     assert not file_matches(tmp_path / "f", {**older, "sha256": "0" * 64}, "fast")
+    newer = {"path": "f", "size": 1000, "xxh3_128": fast}  # written without --sha256 (the default)
+    assert file_matches(tmp_path / "f", newer, "fast")
+    with pytest.raises(NoSha256Error, match="lists no sha256 for f .*--sha256"):
+        file_matches(tmp_path / "f", newer, "sha256")
 
 
 @pytest.mark.parametrize("value,mode", [(True, "fast"), ("fast", "fast"), ("sha256", "sha256"), (False, "none"),
@@ -89,8 +94,9 @@ def test_an_unknown_check_mode_is_refused():
 
 
 def test_only_outputs_a_manifest_lists_are_hashed(tiny_model, tmp_path):
-    """convert's records carry both digests (its manifest lists them); merge writes a Hugging Face
-    folder, which has no manifest, so its files are not hashed: same bytes, digests None."""
+    """convert's records carry xxh3-128 (its manifest lists it), and sha256 too with sha256=True;
+    merge writes a Hugging Face folder, which has no manifest, so its files are not hashed: same
+    bytes, digests None."""
     import json
 
     from safetensors.torch import load_file
@@ -98,13 +104,16 @@ def test_only_outputs_a_manifest_lists_are_hashed(tiny_model, tmp_path):
     from shardkit import Layout, convert, merge
 
     src = tiny_model("llama-mha")
-    converted = convert(src, tmp_path / "tp2", Layout(tp=2))
-    listed = {e["path"]: e for e in json.loads((tmp_path / "tp2" / "shardkit.json").read_text())["files"]}
-    for record in converted.files:
-        data = (tmp_path / "tp2" / record.path).read_bytes()
-        assert (record.sha256, record.xxh3_128) == expected(data)
-        assert (listed[record.path]["sha256"], listed[record.path]["xxh3_128"]) == expected(data)
-    merged = merge(tmp_path / "tp2", tmp_path / "hf")
+    for sha256 in (False, True):
+        out = tmp_path / f"tp2-{sha256}"
+        converted = convert(src, out, Layout(tp=2), sha256=sha256)
+        listed = {e["path"]: e for e in json.loads((out / "shardkit.json").read_text())["files"]}
+        for record in converted.files:
+            sha, fast = expected((out / record.path).read_bytes())
+            assert (record.sha256, record.xxh3_128) == (sha if sha256 else None, fast)
+            assert listed[record.path]["xxh3_128"] == fast
+            assert listed[record.path].get("sha256") == (sha if sha256 else None)
+    merged = merge(tmp_path / "tp2-True", tmp_path / "hf", sha256=True)
     assert merged.files and all(r.sha256 is None and r.xxh3_128 is None for r in merged.files)
     for record in merged.files:
         assert (tmp_path / "hf" / record.path).stat().st_size == record.size

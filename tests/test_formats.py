@@ -729,7 +729,7 @@ def test_safetensors_writer_streams_any_shapes_and_dtypes(tmp_path):
     }
     specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
     path = tmp_path / "out" / "file.safetensors"
-    writer = SafetensorsWriter(path, tmp_path, specs)
+    writer = SafetensorsWriter(path, tmp_path, specs, digests="sha256")
     for name, tensor in tensors.items():
         writer.write(name, tensor)
     (record,) = writer.close()
@@ -769,7 +769,8 @@ def test_torch_writer_streams_exactly_what_torch_save_writes(writer, tmp_path, m
     expected = io.BytesIO()
     torch.save({n: t.contiguous().clone() for n, t in tensors.items()}, expected)
     path = tmp_path / "model" / "rank.pt"
-    writer_ = TorchWriter(path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+    writer_ = TorchWriter(path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
+                          digests="sha256")
     assert (writer_._native is not None) == (writer == "native")
     for name, tensor in tensors.items():
         writer_.write(name, tensor)
@@ -923,7 +924,7 @@ def test_owned_writes_are_hashed_in_file_order(tmp_path, monkeypatch):
     for i in range(12):
         size = (1 << 20) + 4096 * i if i % 3 else 100 + i  # large (behind) and small (copied) blocks
         blocks.append(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
-    out = base.HashingFile(tmp_path / "f.bin", tmp_path)
+    out = base.HashingFile(tmp_path / "f.bin", tmp_path, digests="sha256")
     for i, block in enumerate(blocks):
         view = base.tensor_bytes(block)
         out.write_owned(view, view) if i % 2 else out.write(view)
@@ -943,7 +944,8 @@ def test_torch_writer_owned_tensors_write_and_hash_the_same_bytes(tmp_path):
     expected = io.BytesIO()
     torch.save({n: t.clone() for n, t in tensors.items()}, expected)
     path = tmp_path / "rank.pt"
-    writer = TorchWriter(path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+    writer = TorchWriter(path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
+                         digests="sha256")
     for name in list(tensors):
         writer.write(name, tensors.pop(name), owned=True)  # the writer holds the only reference
     (record,) = writer.close()
@@ -967,7 +969,7 @@ def test_manifest_sizes_and_digests_match_disk(fmt, tiny_model, tmp_path):
         assert path.is_file(), f"{entry['path']} is listed but missing"
         data = path.read_bytes()
         assert entry["size"] == len(data), entry["path"]
-        assert entry["sha256"] == hashlib.sha256(data).hexdigest(), entry["path"]
+        assert "sha256" not in entry, "sha256 is recorded only with --sha256"
         assert entry["xxh3_128"] == xxhash.xxh3_128_hexdigest(data), entry["path"]
     model_files = {f"model/{p}" for p in files_under(out / "model")}
     assert model_files <= set(listed), f"not in the manifest: {sorted(model_files - set(listed))[:5]}"

@@ -210,7 +210,7 @@ def no_full_model():
 
 def assert_same_shards(got: Path, want: Path, layout: Layout, fmt: str, dtype: torch.dtype, where: str) -> None:
     """`got` is exactly `want`: same files, same keys per rank file (in order), equal tensors of
-    `dtype`, same config and manifest (layout, format, file sizes and sha256)."""
+    `dtype`, same config and manifest (layout, format, file sizes and digests)."""
     names = rank_file_names(got)
     assert names == expected_rank_files(layout, fmt), f"{where}: rank files {sorted(names)[:4]}..."
     assert all_files(got) == all_files(want), f"{where}: files differ: {sorted(all_files(got) ^ all_files(want))[:6]}"
@@ -232,7 +232,7 @@ def assert_same_shards(got: Path, want: Path, layout: Layout, fmt: str, dtype: t
     assert gm["layout"] == wm["layout"] == layout.to_dict(), where
     assert gm["format"] == wm["format"] == fmt, where
     assert (gm["family"], gm["dtype"], gm["tensors"]) == (wm["family"], wm["dtype"], wm["tensors"]), where
-    assert gm["files"] == wm["files"], f"{where}: files differ in bytes (size or sha256) from convert(merge(SRC))"
+    assert gm["files"] == wm["files"], f"{where}: files differ in bytes (size or digest) from convert(merge(SRC))"
 
 
 class Work:

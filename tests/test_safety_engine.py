@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import xxhash
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
@@ -68,7 +69,7 @@ def dead_pid() -> int:
 def shards(tiny_model, tmp_path_factory):
     """safetensors shards (tp 4, pp 1, manifest with sha256) of llama-mha, built once."""
     out = tmp_path_factory.mktemp("safety") / "tp4"
-    api.convert(tiny_model("llama-mha"), out, Layout(tp=4), format="safetensors")
+    api.convert(tiny_model("llama-mha"), out, Layout(tp=4), format="safetensors", sha256=True)
     return out
 
 
@@ -261,7 +262,7 @@ def test_each_check_reads_its_own_digest(src_copy, tmp_path):
     _edit_entry(src_copy, target, sha256="0" * 64)
     assert run("merge", src_copy, tmp_path / "fast").exit_code == 0
     one_line_error(run("merge", src_copy, tmp_path / "strong", "--verify-sha256"), "sha256", target.name)
-    _edit_entry(src_copy, target, sha256=file_record(target, src_copy).sha256, xxh3_128="0" * 32)
+    _edit_entry(src_copy, target, sha256=file_record(target, src_copy, sha256=True).sha256, xxh3_128="0" * 32)
     one_line_error(run("merge", src_copy, tmp_path / "fast2"), "xxh3_128", target.name)
     assert run("merge", src_copy, tmp_path / "strong2", "--verify-sha256").exit_code == 0
     # inspect --check-data compares both digests
@@ -280,6 +281,23 @@ def test_a_manifest_without_the_fast_digest_is_checked_by_sha256(src_copy, tmp_p
     flip_last_byte(target)
     one_line_error(run("merge", src_copy, tmp_path / "hf"), "sha256", target.name)
     assert not (tmp_path / "hf").exists()
+
+
+def test_sha256_is_recorded_on_request_and_its_check_needs_it(src_copy, tmp_path):
+    """Without --sha256 a manifest lists xxh3-128 only: the default check passes, --verify-sha256
+    is one line saying how to get a sha256 (exit 2, nothing written); with --sha256 it is listed."""
+    plain, strong = tmp_path / "plain", tmp_path / "strong"
+    assert run("reshard", src_copy, plain, "--tp", "2").exit_code == 0
+    entries = json.loads((plain / "shardkit.json").read_text())["files"]
+    assert entries and all("sha256" not in e and len(e["xxh3_128"]) == 32 for e in entries)
+    assert run("merge", plain, tmp_path / "hf").exit_code == 0
+    one_line_error(run("merge", plain, tmp_path / "hf2", "--verify-sha256"), "lists no sha256", "--sha256")
+    assert not (tmp_path / "hf2").exists() and leftovers(tmp_path) == []
+    assert run("reshard", src_copy, strong, "--tp", "2", "--sha256").exit_code == 0
+    for entry in json.loads((strong / "shardkit.json").read_text())["files"]:
+        data = (strong / entry["path"]).read_bytes()
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["xxh3_128"] == xxhash.xxh3_128_hexdigest(data)
+    assert run("merge", strong, tmp_path / "hf3", "--verify-sha256").exit_code == 0
 
 
 def test_flipped_byte_is_refused_by_ckpt_export(shards, tmp_path):

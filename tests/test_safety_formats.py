@@ -280,7 +280,8 @@ def test_owned_blocks_written_behind_keep_the_file_order(writer, tmp_path, monke
         tensors[f"small{i}"] = torch.randn(7 + i, generator=gen)
     expected = io.BytesIO()
     torch.save({n: t.clone() for n, t in tensors.items()}, expected)
-    writer = TorchWriter(tmp_path / "x.pt", tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+    writer = TorchWriter(tmp_path / "x.pt", tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
+                         digests="sha256")
     for name in list(tensors):
         tensor = tensors.pop(name)
         writer.write(name, tensor, owned=name.startswith("big"))

@@ -290,7 +290,7 @@ def test_manifest_paths_outside_the_folder_are_problems_not_opens(shards, tmp_pa
     root = hostile(out, tmp_path / "hostile", lambda files: files + [{"path": name, "size": 1, "sha256": "0" * 64}])
     hashed = []
     real = check.file_digests
-    monkeypatch.setattr(check, "file_digests", lambda p: hashed.append(Path(p)) or real(p))
+    monkeypatch.setattr(check, "file_digests", lambda p, **kw: hashed.append(Path(p)) or real(p, **kw))
     report = shardkit.inspect(root, check_data=True)
     bad = [p for p in report["problems"] if name in p]
     assert len(bad) == 1 and words in bad[0] and "\n" not in bad[0]

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..errors import ShardkitError
 from ..formats import MANIFEST, nxd
+from ..formats.digest import has_digest
 from ..layout import Layout
 from ..paths import UnsafePathError, inside, is_link, remove_tree
 from .base import (
@@ -171,9 +172,9 @@ def manifest_problem(data: Any) -> str | None:
             isinstance(entry, dict)
             and isinstance(entry.get("path"), str)
             and _whole_number(entry.get("size"))
-            and isinstance(entry.get("sha256"), str)
+            and has_digest(entry)
         ):
-            return f"{MANIFEST} lists a file entry {str(entry)[:80]!r} without a path, size and sha256"
+            return f"{MANIFEST} lists a file entry {str(entry)[:80]!r} without a path, size and digest"
     info = data.get("checkpoint")
     if info is None:
         return None

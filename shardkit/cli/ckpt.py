@@ -125,7 +125,7 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--tag", default=None, help="The tag to export (default: the newest complete one).")
 @max_shard_size_option("Largest safetensors file")
-@output_options("OUT")
+@output_options("OUT", manifest=False)
 @config_option
 @common_options
 @click.pass_context

@@ -79,6 +79,8 @@ def convert(ctx, src, dst, to_sharded, fmt, write, as_json, config, max_shard_si
                 src, dst, layout, format=fmt, config=config, progress=bar, command=command_line(), **write
             )
         else:
+            if write.pop("sha256"):
+                raise ShardkitError("--sha256 only applies to shards: a Hugging Face folder (--to-hf) has no manifest")
             result = api_merge(src, dst, config=config, max_shard_size=max_shard_size, progress=bar, **write)
     report(ctx, result, started, as_json, "wrote")
 
@@ -88,7 +90,7 @@ def convert(ctx, src, dst, to_sharded, fmt, write, as_json, config, max_shard_si
 @click.argument("dst", type=click.Path(path_type=Path))
 @max_shard_size_option("Largest safetensors file; larger models get model-0000i-of-0000n files + index")
 @source_options
-@output_options()
+@output_options(manifest=False)
 @revision_option
 @click.option(
     "--push-to",

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, SourceReader
-from ..formats.digest import FAST_DIGEST, file_digests
+from ..formats.digest import FAST_DIGEST, file_digests, has_digest
 from ..formats.manifest import MANIFEST
 from ..layout import Layout
 from ..paths import UnsafePathError, inside, regular_file
@@ -125,10 +125,10 @@ def _manifest_entries(ckpt: Checkpoint) -> tuple[list[tuple[str, Path, int, dict
             and isinstance(entry.get("path"), str)
             and isinstance(entry.get("size"), int)
             and not isinstance(entry.get("size"), bool)
-            and isinstance(entry.get("sha256"), str)
+            and has_digest(entry)
         ):
             problems.append(
-                f"{MANIFEST}: files[{i}] is not {{path: str, size: int, sha256: str}}: it cannot be checked"
+                f"{MANIFEST}: files[{i}] is not {{path: str, size: int, xxh3_128 or sha256: str}}: it cannot be checked"
             )
             continue
         name = entry["path"]
@@ -150,15 +150,15 @@ def _manifest_entries(ckpt: Checkpoint) -> tuple[list[tuple[str, Path, int, dict
 
 
 def _check_manifest_hashes(entries, tick: _Progress) -> tuple[list[str], int, int]:
-    """Re-hash every listed file, sha256 and (where listed) the fast digest both: (problems, files
-    checked, files that differ from the manifest)."""
+    """Re-hash every listed file against every digest its entry lists (xxh3-128, sha256), in one
+    read: (problems, files checked, files that differ from the manifest)."""
     problems, hashed, mismatched = [], 0, 0
     for name, path, size, entry in entries:
         hashed += 1
         same = path.stat().st_size == size
         if same:
-            sha256, fast = file_digests(path)
-            same = sha256 == entry["sha256"] and entry.get(FAST_DIGEST, fast) == fast
+            sha256, fast = file_digests(path, sha256=isinstance(entry.get("sha256"), str))
+            same = entry.get("sha256", sha256) == sha256 and entry.get(FAST_DIGEST, fast) == fast
         if not same:
             mismatched += 1
             problems.append(

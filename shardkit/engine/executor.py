@@ -22,7 +22,7 @@ import torch
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
 from ..formats.base import ChunkedWriter, FileRecord, TensorSpec, direct_io_pays, reused_buffers
-from ..formats.digest import NONE, CheckMode, check_mode
+from ..formats.digest import NONE, CheckMode, Recording, check_mode
 from ..formats.reader import HashCheck
 from ..placements import SegmentIndex
 from .outputs import OutputFile
@@ -41,11 +41,12 @@ def execute(
     workers: int | str = "auto",
     progress: ProgressCallback | None = None,
     verify_hashes: bool | CheckMode = True,
-    digests: bool = True,
+    digests: Recording = True,
     direct_io: bool | str = False,
 ) -> list[FileRecord]:
     """Write every output file from `src`; returns the records of the files written (with their
-    sha256 and xxh3-128, unless `digests` is False: for outputs no manifest lists).
+    xxh3-128, and sha256 too when `digests` is "sha256"; none when it is False: for outputs no
+    manifest lists).
 
     `direct_io`: write around the page cache (True), through it (False, the default), or "auto":
     around it when this host's processes write more than the kernel's dirty limit

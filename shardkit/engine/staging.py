@@ -31,7 +31,7 @@ from ..distributed import current_job
 from ..errors import DestinationExistsError, ShardkitError
 from ..formats import Checkpoint
 from ..formats.base import FileRecord
-from ..formats.digest import CheckMode
+from ..formats.digest import CheckMode, Recording
 from ..paths import (
     OLD_TAG,
     OWNER_FILE,
@@ -191,7 +191,7 @@ def produce(
     progress: ProgressCallback | None,
     finish: Callable[[Path, list[FileRecord]], None],
     verify_hashes: bool | CheckMode = True,
-    digests: bool = True,
+    digests: Recording = True,
     direct_io: bool | str = False,
 ) -> list[FileRecord]:
     """Write `outputs` into a staging folder, let `finish` add its files, and rename to `dst`

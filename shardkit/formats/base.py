@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from ..errors import FormatError
-from .digest import Digests
+from .digest import Digests, Recording
 
 if TYPE_CHECKING:
     import io
@@ -67,7 +67,8 @@ class TensorSpec:
 class FileRecord:
     """A file written: path relative to the output directory, size, sha256 and the fast digest
     (xxh3-128). Both are None for files written without digests (outputs no manifest lists, such
-    as a merged Hugging Face folder's); xxh3-128 alone is None in records of older manifests."""
+    as a merged Hugging Face folder's); sha256 alone is None unless asked for (see `digest`), and
+    xxh3-128 alone in records of older manifests."""
 
     path: str
     size: int
@@ -549,11 +550,16 @@ class HashingFile:
     `expected_size` (when the caller knows the file's size in advance) is checked against the free
     space first, so a full disk is refused before anything is written. A full disk (ENOSPC, or an
     exhausted quota) while writing becomes a one-line NoSpaceError. `abort()` discards the file.
-    With `digests=False` nothing is hashed (for files no manifest will list): the record's
-    digests are None. With `direct`, the bytes are written around the page cache (`DirectFile`)."""
+    `digests` (a `digest.Recording`): True hashes xxh3-128, "sha256" sha256 too, False nothing (for
+    files no manifest will list: the record's digests are None). With `direct`, the bytes are written around the page cache (`DirectFile`)."""
 
     def __init__(
-        self, path: Path, root: Path, expected_size: int | None = None, digests: bool = True, direct: bool = False
+        self,
+        path: Path,
+        root: Path,
+        expected_size: int | None = None,
+        digests: Recording = True,
+        direct: bool = False,
     ):
         from ..paths import ensure_free_space
 
@@ -580,7 +586,7 @@ class HashingFile:
         self._fh = DirectFile(self.path) if direct else open(self.path, "xb")
         st = os.fstat(self._fh.fileno())
         self._identity = (st.st_dev, st.st_ino)
-        self._hash = Digests() if digests else None
+        self._hash = Digests(sha256=digests == "sha256") if digests else None
         self.size = 0
 
     @property

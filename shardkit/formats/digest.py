@@ -1,16 +1,19 @@
-"""The two digests shardkit records for every file it writes, and how a file is checked on read.
+"""The digests shardkit records for every file it writes, and how a file is checked on read.
 
-- `sha256`: cryptographic, what `sha256sum` prints and what the Hub's LFS ids are. Computing it
-  costs about 0.56 CPU-s per GB on this class of machine, as much as everything else a convert does.
-- `xxh3_128` (the xxhash library's XXH3, 128 bits): not cryptographic, about 20 GB/s. Any
-  accidental change (a flipped bit, a torn or truncated write, a file swapped for another) goes
-  unnoticed with probability 2^-128, which is all a check on read can promise anyway: the manifest
-  lives beside the files it lists, so whoever can rewrite a file on purpose can rewrite the
-  manifest too.
+- `xxh3_128` (the xxhash library's XXH3, 128 bits): not cryptographic, about 11-20 GB/s per core.
+  Any accidental change (a flipped bit, a torn or truncated write, a file swapped for another)
+  goes unnoticed with probability 2^-128, which is all a check on read can promise anyway: the
+  manifest lives beside the files it lists, so whoever can rewrite a file on purpose can rewrite
+  the manifest too. Always recorded.
+- `sha256`: cryptographic, what `sha256sum` prints and what the Hub's LFS ids are. About 1.5 GB/s
+  per core even with the CPU's SHA instructions (0.7 CPU-s per GB, as much as everything else a
+  reshard does), so it is recorded only on request (`--sha256`, `sha256=True`): for manifests
+  whose own hash is pinned somewhere the files' writer cannot reach, where the files' digests must
+  resist a deliberate collision. Hub uploads compute their own sha256 and do not need it.
 
-Writers compute both while writing. Readers check the fast digest by default (`FAST`) and fall
-back to sha256 for manifests written before it existed; `STRONG` checks sha256 only, for when the
-manifest is trusted separately from the files (e.g. its sha256 pinned elsewhere).
+Writers compute what they record while writing (`Recording`). Readers check the fast digest by
+default (`FAST`) and fall back to sha256 for manifests written before the fast digest existed;
+`STRONG` checks sha256 only, and refuses, saying how to fix it, a manifest that lists none.
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ from typing import Any, Literal
 
 import xxhash
 
+from ..errors import FormatError
 from ..paths import open_regular
 
 FAST_DIGEST = "xxh3_128"
 """The manifest key of the fast digest (hex)."""
+
+Recording = bool | Literal["sha256"]
+"""What a writer hashes for its record: False nothing (files no manifest lists), True the fast
+digest, "sha256" the fast digest and sha256."""
 
 CheckMode = Literal["fast", "sha256", "none"]
 FAST: CheckMode = "fast"
@@ -56,21 +64,23 @@ def check_mode(value: bool | str | None) -> CheckMode:
 
 
 class Digests:
-    """sha256 and xxh3-128 of the same bytes, fed together (both release the GIL on large blocks)."""
+    """xxh3-128 and (with `sha256`) sha256 of the same bytes, fed together (both release the GIL
+    on large blocks)."""
 
     __slots__ = ("sha256", "fast")
 
-    def __init__(self) -> None:
-        self.sha256 = hashlib.sha256()
+    def __init__(self, sha256: bool = False) -> None:
+        self.sha256 = hashlib.sha256() if sha256 else None
         self.fast = xxhash.xxh3_128()
 
     def update(self, data: Any) -> None:
-        self.sha256.update(data)
+        if self.sha256 is not None:
+            self.sha256.update(data)
         self.fast.update(data)
 
-    def hexdigests(self) -> tuple[str, str]:
-        """(sha256, xxh3_128) as hex."""
-        return self.sha256.hexdigest(), self.fast.hexdigest()
+    def hexdigests(self) -> tuple[str | None, str]:
+        """(sha256 or None when not computed, xxh3_128) as hex."""
+        return (self.sha256.hexdigest() if self.sha256 is not None else None), self.fast.hexdigest()
 
 
 def feed_file(path: Path, digest: Any, start: int = 0) -> int:
@@ -115,9 +125,9 @@ def _read_into(fh: Any, digest: Any) -> None:
         digest.update(view[:n])
 
 
-def file_digests(path: Path) -> tuple[str, str]:
-    """(sha256, xxh3_128) of a file, both from one read."""
-    digests = Digests()
+def file_digests(path: Path, sha256: bool = False) -> tuple[str | None, str]:
+    """(sha256 when asked for else None, xxh3_128) of a file, from one read."""
+    digests = Digests(sha256)
     feed_file(path, digests)
     return digests.hexdigests()
 
@@ -127,11 +137,25 @@ def new_digest(algorithm: str) -> Any:
     return xxhash.xxh3_128() if algorithm == FAST_DIGEST else hashlib.sha256()
 
 
+class NoSha256Error(FormatError):
+    """A sha256 check of a manifest entry that lists no sha256."""
+
+
+def has_digest(entry: Mapping[str, Any]) -> bool:
+    """Whether a manifest file entry lists a digest a reader can check (xxh3-128 or sha256)."""
+    return isinstance(entry.get(FAST_DIGEST), str) or isinstance(entry.get("sha256"), str)
+
+
 def expected_digest(entry: Mapping[str, Any], check: CheckMode) -> tuple[str, str]:
     """(algorithm, hex digest) a manifest file entry is checked against: the fast digest when the
-    entry has one and `check` is fast, else its sha256."""
+    entry has one and `check` is fast, else its sha256 (NoSha256Error when it lists none)."""
     if check == FAST and isinstance(entry.get(FAST_DIGEST), str):
         return FAST_DIGEST, entry[FAST_DIGEST]
+    if not isinstance(entry.get("sha256"), str):
+        raise NoSha256Error(
+            f"the manifest lists no sha256 for {entry.get('path')} (it was written without --sha256): check "
+            "with the default xxh3-128 (--verify-hashes), or re-create the files with --sha256"
+        )
     return "sha256", entry["sha256"]
 
 

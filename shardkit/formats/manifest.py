@@ -45,16 +45,18 @@ def manifest(
 
 
 def file_entry(record: FileRecord) -> dict[str, Any]:
-    """A manifest's entry for one file (the fast digest only when the record has it)."""
-    if record.sha256 is None:
+    """A manifest's entry for one file: path, size and the digests the record has."""
+    if record.sha256 is None and record.xxh3_128 is None:
         raise ValueError(f"{record.path} was written without digests: it cannot be listed in a manifest")
-    entry: dict[str, Any] = {"path": record.path, "size": record.size, "sha256": record.sha256}
+    entry: dict[str, Any] = {"path": record.path, "size": record.size}
+    if record.sha256 is not None:
+        entry["sha256"] = record.sha256
     if record.xxh3_128 is not None:
         entry[FAST_DIGEST] = record.xxh3_128
     return entry
 
 
-def file_record(path: Path, root: Path) -> FileRecord:
-    """The record of a file already written (read once for both digests)."""
-    sha256, fast = file_digests(path)
-    return FileRecord(path.relative_to(root).as_posix(), path.stat().st_size, sha256, fast)
+def file_record(path: Path, root: Path, sha256: bool = False) -> FileRecord:
+    """The record of a file already written (one read: xxh3-128, and sha256 when asked for)."""
+    digest, fast = file_digests(path, sha256)
+    return FileRecord(path.relative_to(root).as_posix(), path.stat().st_size, digest, fast)

@@ -19,7 +19,7 @@ import torch
 from ..errors import FormatError
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
 from .base import ReadTap, TensorFile, empty_tensor, pread_exact
-from .digest import FAST, FAST_DIGEST, CheckMode, expected_digest, feed_file, new_digest
+from .digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
 from .manifest import MANIFEST
 from .registry import format_of_file
 
@@ -99,6 +99,8 @@ class HashCheck:
             try:
                 expected_digest(entry, check)  # the digest is there
                 self.expected[str(entry["path"])] = entry
+            except NoSha256Error as e:
+                raise NoSha256Error(f"{self.root}: {e}") from None
             except (KeyError, TypeError, AttributeError):
                 raise FormatError(f"{self.root / MANIFEST} has a malformed files entry: re-create the shards") from None
         # by listed path (see _named), in the order the operation needs them

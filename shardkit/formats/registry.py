@@ -14,13 +14,14 @@ from pathlib import Path
 
 from ..errors import ShardkitError
 from .base import TensorFile, TensorFileWriter, TensorSpec
+from .digest import Recording
 from .safetensors_io import SafetensorsFile, SafetensorsWriter
 from .torch_io import TorchFile, TorchWriter
 from .xser import XserFile, XserWriter, info_path, tensors_dir
 
-WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str], bool, bool], TensorFileWriter]
+WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str], Recording, bool], TensorFileWriter]
 """writer(path, root, specs, expert_names, digests, direct): a writer of one rank file under `root`
-(`digests` False: its records carry no sha256/xxh3-128, for files no manifest lists; `direct`:
+(`digests`: what its records carry, see `digest.Recording`; `direct`:
 written around the page cache, see `base.DirectFile`)."""
 
 

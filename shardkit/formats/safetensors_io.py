@@ -25,6 +25,7 @@ from ..errors import FormatError, ShardkitError
 from ..paths import open_regular
 from . import base
 from .base import HashingFile, StoredTensor, TensorSpec, advise_stored, byte_span, tensor_bytes
+from .digest import Recording
 from .torch_io import regular
 
 _DTYPE_TO_ST = {
@@ -265,7 +266,7 @@ class SafetensorsWriter(base.DiscardOnFailure):
         root: Path,
         specs: Sequence[TensorSpec],
         metadata: dict[str, str] | None = None,
-        digests: bool = True,
+        digests: Recording = True,
         direct: bool = False,
     ):
         base.check_specs(specs)

@@ -42,6 +42,7 @@ from .base import (
     read_stored,
     tensor_bytes,
 )
+from .digest import Recording
 from .torch_zip import ZipRecords, native_writer
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
@@ -435,7 +436,9 @@ class TorchWriter(DiscardOnFailure):
     without `close` (an exception elsewhere) aborts the same way when it is collected; `abort()`
     or `with TorchWriter(...) as w:` do it at once."""
 
-    def __init__(self, path: Path, root: Path, specs: Sequence[TensorSpec], digests: bool = True, direct: bool = False):
+    def __init__(
+        self, path: Path, root: Path, specs: Sequence[TensorSpec], digests: Recording = True, direct: bool = False
+    ):
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
         self._specs = list(specs)

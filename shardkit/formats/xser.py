@@ -20,6 +20,7 @@ from .. import torch_compat
 from ..errors import FormatError
 from ..paths import NoSpaceError, ensure_free_space, no_space_error
 from .base import DiscardOnFailure, FileRecord, HashingFile, ReadTap, TensorSpec, check_specs, compact, narrow
+from .digest import Recording
 from .torch_io import TensorReference, TorchFile, _zip_size_bound, regular, safe_load, state_dict_of, torch_save
 
 
@@ -195,7 +196,7 @@ class XserWriter(DiscardOnFailure):
         root: Path,
         specs: Sequence[TensorSpec],
         expert_parallel: Sequence[str] = (),
-        digests: bool = True,
+        digests: Recording = True,
         direct: bool = False,
     ):
         check_specs(specs)
