@@ -696,11 +696,13 @@ class _ThreadCPU:
         return {k: [round(u, 2), round(v, 2)] for k, (u, v) in out.items() if u + v >= 0.01}
 
 
-def thread_cpu_line(m: Measurement) -> str:
-    """"MainThread 2.63 s (sys 1.26), shardkit-hash-writes 1.40 s (sys 0.00), ..." by CPU, or ""."""
-    if not m.cpu_by_thread:
+def thread_cpu_line(m: Measurement | dict[str, list[float]] | None) -> str:
+    """"MainThread 2.63 s (sys 1.26), shardkit-hash-writes 1.40 s (sys 0.00), ..." by CPU, or "" (of a
+    Measurement, or of its cpu_by_thread)."""
+    by_thread = m.cpu_by_thread if isinstance(m, Measurement) else m
+    if not by_thread:
         return ""
-    items = sorted(m.cpu_by_thread.items(), key=lambda kv: -sum(kv[1]))
+    items = sorted(by_thread.items(), key=lambda kv: -sum(kv[1]))
     return ", ".join(f"{name} {u + s:.2f} s (sys {s:.2f})" for name, (u, s) in items)
 
 

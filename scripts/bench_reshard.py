@@ -137,14 +137,6 @@ def summarize(workers: int, c: dict[str, bc.Measurement], ok: bool, size: int) -
     return row, record
 
 
-def cpu_line(by_thread: dict | None) -> str:
-    """"MainThread 1.20 s (sys 0.40), ..." by CPU, or "not measured"."""
-    if not by_thread:
-        return "not measured"
-    items = sorted(by_thread.items(), key=lambda kv: -sum(kv[1]))
-    return ", ".join(f"{name} {u + s:.2f} s (sys {s:.2f})" for name, (u, s) in items)
-
-
 def print_report(args, name: str, size: int, layouts, rows: list, report: dict) -> None:
     (stp, spp), (ttp, tpp) = layouts
     print(f"\n{name} ({size / bc.GB:.2f} GB {args.dtype}): tp {stp} pp {spp} -> tp {ttp} pp {tpp}, qkv {args.qkv}")
@@ -153,7 +145,7 @@ def print_report(args, name: str, size: int, layouts, rows: list, report: dict) 
                            "RSS % ckpt", "2-step RSS MB", "result"), rows))
     for r in report["runs"]:
         print(f"  workers {r['workers']}: reshard CPU by thread (median run): "
-              f"{cpu_line(r['direct_cpu_by_thread'])}")
+              f"{bc.thread_cpu_line(r['direct_cpu_by_thread']) or 'not measured'}")
         print(f"  workers {r['workers']}: speed-up >= {SPEEDUP_TARGET}x  {'PASS' if r['speedup'] >= SPEEDUP_TARGET else 'FAIL' if r['merge_s'] else '-'};"
               f"  throughput >= {CP_TARGET}x cp  {'PASS' if r['vs_cp'] >= CP_TARGET else 'FAIL'};"
               f"  RSS < 25%  {'PASS' if r['direct_peak_rss'] / size < RSS_TARGET else 'FAIL'}")
