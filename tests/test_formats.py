@@ -400,6 +400,46 @@ def test_xser_output_is_the_reference_form(tiny_model, torch_shards, tmp_path):
             assert isinstance(info[tid]["shape"], torch.Size)
 
 
+@pytest.mark.parametrize("writer", ["native", "torch"])
+def test_xser_tensor_files_are_torch_save_of_the_bare_tensor(writer, monkeypatch, tmp_path):
+    """Each tensor file XserWriter streams is byte for byte torch.save(tensor) (what torch-xla's
+    xser.save writes for it, into a file object), whichever zip writer writes it and whether the
+    tensor is handed over (owned: written and hashed behind); its record's digests are the file's."""
+    from shardkit.formats import torch_io, torch_zip
+    from shardkit.formats.xser import XserWriter, tensor_path
+
+    if writer == "torch":
+        monkeypatch.setattr(torch_io, "native_writer", lambda records, bound: False)
+    gen = torch.Generator().manual_seed(7)
+    tensors = {
+        "big.bf16": torch.randn(1500, 700, generator=gen).to(torch.bfloat16),  # large enough to go behind
+        "w.fp32": torch.randn(33, 17, generator=gen),
+        "strided": torch.randn(12, 8, generator=gen).t(),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "ids.i64": torch.arange(9),
+        "mask": torch.tensor([True, False]),
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        tensors["f8"] = torch.randn(5, 3, generator=gen).to(torch.float8_e4m3fn)
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    path = tmp_path / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    out = XserWriter(path, tmp_path, specs, digests="sha256")
+    for i, (name, tensor) in enumerate(tensors.items()):
+        out.write(name, tensor.clone(), owned=bool(i % 2))
+    records = {r.path: r for r in out.close()}
+    assert torch_zip.native_matches() or writer == "torch"
+    for tid, (name, tensor) in enumerate(tensors.items()):
+        want = io.BytesIO()
+        torch.save(tensor.contiguous().clone(), want)
+        file = tensor_path(path, tid)
+        raw = file.read_bytes()
+        assert raw == want.getvalue(), name
+        record = records[file.relative_to(tmp_path).as_posix()]
+        assert (record.size, record.sha256, record.xxh3_128) == (
+            len(raw), hashlib.sha256(raw).hexdigest(), xxhash.xxh3_128_hexdigest(raw)), name
+
+
 def test_xser_output_matches_real_torch_xla_golden(tmp_path):
     """Same layout as the golden files written by real torch-xla: same file names, same tids per
     key (in the same order), same .info.pt contents, equal tensors, same pickle globals."""

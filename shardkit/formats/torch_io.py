@@ -327,15 +327,24 @@ class _StubPickler(pickle.Pickler):
         return ("storage", torch_compat.storage_type(obj.dtype), obj.key, "cpu", obj.numel)
 
 
+def _stub(key: int, spec: TensorSpec) -> _TensorStub:
+    return _TensorStub(_StorageStub(str(key), spec.dtype, spec.nbytes // spec.dtype.itemsize), tuple(spec.shape))
+
+
+def _stub_pickle(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _StubPickler(buf, protocol=2).dump(obj)  # torch.save's default protocol
+    return buf.getvalue()
+
+
 def state_dict_pickle(specs: Sequence[TensorSpec]) -> bytes:
     """The data.pkl torch.save writes for {name: compact tensor} in spec order, from shapes alone."""
-    stubs = {}
-    for key, spec in enumerate(specs):
-        numel = spec.nbytes // spec.dtype.itemsize
-        stubs[spec.name] = _TensorStub(_StorageStub(str(key), spec.dtype, numel), tuple(spec.shape))
-    buf = io.BytesIO()
-    _StubPickler(buf, protocol=2).dump(stubs)  # torch.save's default protocol
-    return buf.getvalue()
+    return _stub_pickle({spec.name: _stub(key, spec) for key, spec in enumerate(specs)})
+
+
+def tensor_pickle(spec: TensorSpec) -> bytes:
+    """The data.pkl torch.save writes for one compact tensor (an xser tensor file), from its shape."""
+    return _stub_pickle(_stub(0, spec))
 
 
 class _ZipSink:
@@ -437,7 +446,13 @@ class TorchWriter(DiscardOnFailure):
     or `with TorchWriter(...) as w:` do it at once."""
 
     def __init__(
-        self, path: Path, root: Path, specs: Sequence[TensorSpec], digests: Recording = True, direct: bool = False
+        self,
+        path: Path,
+        root: Path,
+        specs: Sequence[TensorSpec],
+        digests: Recording = True,
+        direct: bool = False,
+        data_pkl: bytes | None = None,
     ):
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
@@ -446,7 +461,8 @@ class TorchWriter(DiscardOnFailure):
         self._zip = None
         self._native: ZipRecords | None = None
         self._broken = False
-        data_pkl = state_dict_pickle(self._specs)
+        if data_pkl is None:  # a state dict of the specs; `tensor_pickle` for a file of one bare tensor
+            data_pkl = state_dict_pickle(self._specs)
         alignment = torch_compat.zip_options()[1]
         records = [("data.pkl", len(data_pkl)), (".format_version", 1), (".storage_alignment", 8), ("byteorder", 8)]
         records += [(f"data/{i}", s.nbytes) for i, s in enumerate(self._specs)]

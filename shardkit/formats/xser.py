@@ -21,7 +21,17 @@ from ..errors import FormatError
 from ..paths import NoSpaceError, ensure_free_space, no_space_error
 from .base import DiscardOnFailure, FileRecord, HashingFile, ReadTap, TensorSpec, check_specs, compact, narrow
 from .digest import Recording
-from .torch_io import TensorReference, TorchFile, _zip_size_bound, regular, safe_load, state_dict_of, torch_save
+from .torch_io import (
+    TensorReference,
+    TorchFile,
+    TorchWriter,
+    _zip_size_bound,
+    regular,
+    safe_load,
+    state_dict_of,
+    tensor_pickle,
+    torch_save,
+)
 
 
 def tensors_dir(path: Path) -> Path:
@@ -207,7 +217,7 @@ class XserWriter(DiscardOnFailure):
         self._tids = {s.name: i for i, s in enumerate(self._specs)}
         self._expert = set(expert_parallel)
         self._records: list[FileRecord] = []
-        self._files: list[HashingFile] = []  # every file this writer created, to delete on abort
+        self._files: list[HashingFile | TorchWriter] = []  # every file this writer created, to delete on abort
         self._fsync = False
         self._open = True
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -229,12 +239,25 @@ class XserWriter(DiscardOnFailure):
         return out
 
     def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
-        """Each tensor is a file of its own, hashed before this returns (`owned` changes nothing)."""
+        """Each tensor is a file of its own: torch.save's bytes of the bare tensor, written by a
+        TorchWriter (shardkit's zip writer, with zlib-ng's CRC32) and closed, digests done, before
+        this returns."""
         with self._discarding():
             if not self._open:
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
-            out = self._save(compact(tensor), tensor_path(self.path, self._tids[name]))
-            self._records.append(out.close())
+            tid = self._tids.get(name)
+            if tid is None:
+                raise RuntimeError(f"{self.path}: {name} is not one of this rank's tensors")
+            spec = self._specs[tid]
+            try:
+                writer = TorchWriter(
+                    tensor_path(self.path, tid), self.root, [spec], self._digests, self._direct, tensor_pickle(spec)
+                )
+                self._files.append(writer)
+                writer.write(name, tensor, owned)
+                self._records.extend(writer.close())
+            except NoSpaceError:
+                raise no_space_error(self.path.parent, self._remaining_bound()) from None
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
         with self._discarding():
