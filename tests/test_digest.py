@@ -80,6 +80,8 @@ def test_the_check_compares_the_digest_it_names(tmp_path):
     assert file_matches(tmp_path / "f", newer, "fast")
     with pytest.raises(NoSha256Error, match="lists no sha256 for f .*--sha256"):
         file_matches(tmp_path / "f", newer, "sha256")
+    with pytest.raises(KeyError):  # neither digest: malformed, and callers say so
+        expected_digest({"path": "f", "size": 1000}, "sha256")
 
 
 @pytest.mark.parametrize("value,mode", [(True, "fast"), ("fast", "fast"), ("sha256", "sha256"), (False, "none"),

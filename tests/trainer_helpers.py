@@ -195,7 +195,7 @@ def run_ranks(nproc: int, args: list[str], timeout: float = TORCHRUN_TIMEOUT, en
     ctx = _rank_context()
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
-                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK="0")
+                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1")
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         procs = []
         for rank in range(nproc):

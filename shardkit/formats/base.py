@@ -551,7 +551,8 @@ class HashingFile:
     space first, so a full disk is refused before anything is written. A full disk (ENOSPC, or an
     exhausted quota) while writing becomes a one-line NoSpaceError. `abort()` discards the file.
     `digests` (a `digest.Recording`): True hashes xxh3-128, "sha256" sha256 too, False nothing (for
-    files no manifest will list: the record's digests are None). With `direct`, the bytes are written around the page cache (`DirectFile`)."""
+    files no manifest will list: the record's digests are None). With `direct`, the bytes are
+    written around the page cache (`DirectFile`)."""
 
     def __init__(
         self,

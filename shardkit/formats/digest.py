@@ -148,10 +148,11 @@ def has_digest(entry: Mapping[str, Any]) -> bool:
 
 def expected_digest(entry: Mapping[str, Any], check: CheckMode) -> tuple[str, str]:
     """(algorithm, hex digest) a manifest file entry is checked against: the fast digest when the
-    entry has one and `check` is fast, else its sha256 (NoSha256Error when it lists none)."""
+    entry has one and `check` is fast, else its sha256 (NoSha256Error when it lists only the fast
+    digest; KeyError when it lists neither, a malformed entry)."""
     if check == FAST and isinstance(entry.get(FAST_DIGEST), str):
         return FAST_DIGEST, entry[FAST_DIGEST]
-    if not isinstance(entry.get("sha256"), str):
+    if not isinstance(entry.get("sha256"), str) and isinstance(entry.get(FAST_DIGEST), str):
         raise NoSha256Error(
             f"the manifest lists no sha256 for {entry.get('path')} (it was written without --sha256): check "
             "with the default xxh3-128 (--verify-hashes), or re-create the files with --sha256"
