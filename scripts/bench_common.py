@@ -11,8 +11,9 @@ What is here:
 * **Measured child processes.** Every measured operation runs in a fresh process so that its
   peak RSS is its own:
     - Python operations run through this file's child runner (`python bench_common.py --child
-      SPEC.json`): it imports the target (and `preload` modules) first, then times only the call
-      with `time.perf_counter`, and reports the process's own peak RSS from `VmHWM` in
+      SPEC.json`): it imports the target (and `preload` modules) first, tells the parent it is
+      ready and waits while the parent settles the page cache (`settle`: right before the step,
+      as for cp), then times only the call with `time.perf_counter`, and reports the process's own peak RSS from `VmHWM` in
       `/proc/self/status` (the high-water mark of the process's own address space; it includes
       the interpreter and the imported libraries, whose RSS is reported separately as `base`).
       A sampler thread also records the peak anonymous and file-backed (mmapped) RSS every 10 ms.
@@ -24,7 +25,7 @@ What is here:
   not isolate one child. Without `/usr/bin/time` we fall back to `wait4` and flag the value as an
   upper bound (the parent stays light: it never imports torch).
 * **Baselines and output.** `cp_baseline` (`cp -r --reflink=never`), `dir_bytes`, page-cache
-  handling (`settle` before every timed step: sync, or with --drop-caches `sync; echo 3 >
+  handling (`settle` right before every timed step: sync, or with --drop-caches `sync; echo 3 >
   /proc/sys/vm/drop_caches`, which `require_drop_caches` checks up front and refuses with exit 2
   when it is not possible), statistics over repeats, table, load-average and JSON printing, and a
   torch-free comparison of two Hugging Face safetensors directories.
@@ -44,7 +45,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 SCRIPTS_DIR = Path(__file__).resolve().parent
 GB = 10**9
@@ -363,15 +364,51 @@ def require_drop_caches() -> None:
         _refuse_drop_caches(why)
 
 
-def settle(drop: bool) -> None:
-    """Before every timed step (cp baselines included), untimed: sync, and with `drop` also drop the
-    page cache (`sync; echo 3 > /proc/sys/vm/drop_caches`); exits 2 if that stops working."""
+SETTLE_WAIT = 0.0
+"""Seconds to wait after settling, before a timed step starts (the scripts' --settle-wait)."""
+
+
+def add_settle_wait(parser: Any) -> None:
+    """The --settle-wait option of the benchmark scripts (see `settle`)."""
+    parser.add_argument("--settle-wait", type=float, default=0.0, metavar="SECONDS",
+                        help="wait this long after settling, before every timed step, cp included (default 0: start "
+                             "right away). On a VM that hands free memory back to its host, 5 s measures every step "
+                             "in the state where fresh memory costs a host fault")
+
+
+def use_settle_wait(args: Any) -> None:
+    """Apply --settle-wait (exit 2 when negative)."""
+    global SETTLE_WAIT
+    if args.settle_wait < 0:
+        print("--settle-wait must be 0 or more seconds", file=sys.stderr)
+        raise SystemExit(2)
+    SETTLE_WAIT = args.settle_wait
+
+
+def settle(drop: bool, *remove_first: str | Path) -> None:
+    """Right before every timed step (cp baselines included), untimed: remove `remove_first` (the
+    step's earlier output), sync, and with `drop` also drop the page cache (`sync; echo 3 >
+    /proc/sys/vm/drop_caches`; exits 2 if that stops working); then wait SETTLE_WAIT seconds.
+
+    Why right before, for cp and shardkit alike: on a VM whose balloon driver reports free memory
+    to the host (virtio-balloon free page reporting), memory freed by the drop or the removal is
+    handed back to the host within about two seconds, and the first touch of a page handed back
+    costs a host fault (measured here: a cold `cp -r` of 2.2 GB took 1.1 s right after the drop
+    and 3.5-3.8 s five seconds later). A step that starts right after settling writes into memory
+    the host still backs; SETTLE_WAIT > 0 measures every step in the other state. With a warm
+    cache the same holds for a step's earlier output: so every step, cp included, keeps its output
+    until it runs again and removes it here (from the second repeat on, each starts with about
+    what it will write freshly freed)."""
+    for path in remove_first:
+        remove(path)
     if not drop:
         sync_disks()
-        return
-    ok, why = drop_caches()
-    if not ok:
-        _refuse_drop_caches(why)
+    else:
+        ok, why = drop_caches()
+        if not ok:
+            _refuse_drop_caches(why)
+    if SETTLE_WAIT > 0:
+        time.sleep(SETTLE_WAIT)
 
 
 # ---- which shardkit is measured ----------------------------------------------------------------
@@ -488,12 +525,15 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 def run_python(op: str, target: str, kwargs: dict[str, Any], logdir: str | Path, *, preload: Iterable[str] = (),
                sys_path: Iterable[str | Path] = (), profile: str | Path | None = None,
-               env: dict[str, str] | None = None) -> Measurement:
+               env: dict[str, str] | None = None, before: Callable[[], None] | None = None) -> Measurement:
     """Run `target` ("module:function") with JSON `kwargs` in a fresh Python process and measure it.
 
-    The child imports `preload` and the target's module before the clock starts; the function's
-    return value (JSON-serialisable) comes back as `Measurement.result`. With `profile`, the call
-    runs under cProfile and the stats are dumped to that path (timings are then inflated)."""
+    The child imports `preload` and the target's module, says it is ready, and waits; the parent
+    then calls `before` (e.g. `settle`) and lets the call start, so that the step begins right
+    after its preparation, as a cp baseline does, and not a second or two of imports later. The
+    function's return value (JSON-serialisable) comes back as `Measurement.result`. With
+    `profile`, the call runs under cProfile and the stats are dumped to that path (timings are
+    then inflated)."""
     logdir = Path(logdir)
     logdir.mkdir(parents=True, exist_ok=True)
     tag = f"{op.replace(' ', '_').replace('/', '_')}-{os.getpid()}-{time.time_ns()}"
@@ -508,11 +548,28 @@ def run_python(op: str, target: str, kwargs: dict[str, Any], logdir: str | Path,
         "result": str(result_path),
         "profile": str(profile) if profile else None,
     }
+    ready_read, ready_write = os.pipe()
+    spec["ready_fd"] = ready_write
     spec_path.write_text(json.dumps(spec))
     cmd = [sys.executable, "-B", str(Path(__file__).resolve()), "--child", str(spec_path)]  # -B: no __pycache__ in scripts/
     t0 = time.perf_counter()
     with open(log_path, "wb") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                pass_fds=(ready_write,))
+        os.close(ready_write)
+        try:
+            with os.fdopen(ready_read, "rb") as ready:
+                if ready.read(1) == b"r":  # else the child ended before it was ready: its exit code says why
+                    if before is not None:
+                        before()
+                    assert proc.stdin is not None
+                    proc.stdin.write(b"g")
+                    proc.stdin.close()
+            proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
     wall = time.perf_counter() - t0
     if proc.returncode != 0 or not result_path.is_file():
         raise ChildError(f"{op} failed (exit {proc.returncode}); log {log_path}:\n{_tail(log_path)}")
@@ -566,11 +623,13 @@ def run_command(op: str, cmd: Sequence[str], logdir: str | Path) -> Measurement:
     return Measurement(op=op, seconds=wall, process_seconds=wall, peak_rss=peak, cpu_seconds=cpu, rss_method=method)
 
 
-def cp_baseline(op: str, src: str | Path, dst: str | Path, logdir: str | Path, *, keep: bool = False) -> Measurement:
-    """`cp -r src dst` (no reflinks, so bytes are really copied); bytes_written = size of the copy.
-    The copy is removed afterwards unless `keep`."""
-    remove(dst)
+def cp_baseline(op: str, src: str | Path, dst: str | Path, logdir: str | Path, *, keep: bool = False,
+                drop: bool = False) -> Measurement:
+    """`cp -r src dst` (no reflinks, so bytes are really copied), started right after `settle(drop,
+    dst)` as every timed step is; bytes_written = size of the copy. The copy is removed afterwards
+    unless `keep`."""
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    settle(drop, dst)
     m = run_command(op, ["cp", "-r", "--reflink=never", str(src), str(dst)], logdir)
     m.bytes_written = dir_bytes(dst)
     if not keep:
@@ -606,6 +665,11 @@ def _child_main(spec_path: str) -> None:
     module, _, func_name = spec["target"].partition(":")
     func = getattr(importlib.import_module(module), func_name)
     gc.collect()
+    if spec.get("ready_fd") is not None:  # ready: the parent settles the page cache, then says go
+        os.write(spec["ready_fd"], b"r")
+        os.close(spec["ready_fd"])
+        if sys.stdin.buffer.read(1) != b"g":
+            raise SystemExit("the benchmark parent went away before the step started")
     base = _status_kb()
     peaks = {"RssAnon": base.get("RssAnon", 0), "RssFile": base.get("RssFile", 0)}
     stop = threading.Event()

@@ -198,6 +198,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the shard and merged outputs (the source is always cached)")
     p.add_argument("--drop-caches", action="store_true",
                    help="drop the page cache before every timed step, cp included (needs root; exits 2 otherwise)")
+    bc.add_settle_wait(p)
     p.add_argument("--verify", default="sample", choices=("sample", "full", "none"),
                    help="compare merged vs source bytes for a sample of tensors (default) or all")
     p.add_argument("--profile", action="store_true",
@@ -220,9 +221,8 @@ def profile_op(label: str, target: str, kwargs: dict, logdir: Path, dst: Path, e
     import pstats
 
     stats_path = logdir / f"{label}.pstats"
-    bc.remove(dst)
-    bc.settle(drop_caches)
-    m = bc.run_python(f"{label} (cProfile)", target, kwargs, logdir, preload=PRELOAD, profile=stats_path, env=env)
+    m = bc.run_python(f"{label} (cProfile)", target, kwargs, logdir, preload=PRELOAD, profile=stats_path, env=env,
+                      before=lambda: bc.settle(drop_caches, dst))
     out = io.StringIO()
     st = pstats.Stats(str(stats_path), stream=out)
     st.sort_stats("tottime").print_stats(15)
@@ -284,11 +284,12 @@ def setup(args: argparse.Namespace) -> Bench:
 
 def choose_page_cache(b: Bench) -> None:
     """Warm by default; with --drop-caches, dropped before every step, or exit 2 when that is not possible."""
+    bc.use_settle_wait(b.args)
     if b.args.drop_caches:
         bc.require_drop_caches()
-        b.cache_note = "dropped (sync + drop_caches) before every step"
+        b.cache_note = "dropped (sync + drop_caches) right before every step"
     else:
-        b.cache_note = "warm: every op follows a cp of its own input; sync (untimed) before every step"
+        b.cache_note = "warm: every op follows a cp of its own input; sync (untimed) right before every step"
 
 
 def choose_code(b: Bench) -> None:
@@ -322,18 +323,16 @@ def build_fixture(b: Bench) -> None:
 
 
 def timed_cp(b: Bench, label: str, src: Path, tag: str) -> bc.Measurement:
-    """The baseline: `cp -r` of an op's input, after the same settling as the op."""
-    bc.settle(b.args.drop_caches)
-    m = bc.cp_baseline(label, src, b.copy_dst, b.logdir)
+    """The baseline: `cp -r` of an op's input, started right after the same settling as the op."""
+    m = bc.cp_baseline(label, src, b.copy_dst, b.logdir, keep=True, drop=b.args.drop_caches)  # removed by the next settle
     bc.progress(f"[{tag}] {label}: {m.seconds:.2f} s")
     return m
 
 
 def timed_op(b: Bench, op: str, target: str, kwargs: dict, dst: Path, tag: str) -> bc.Measurement:
     """A shardkit operation in a fresh child, into an emptied `dst`; bytes_written = what it wrote."""
-    bc.remove(dst)
-    bc.settle(b.args.drop_caches)
-    m = bc.run_python(op, target, kwargs, b.logdir, preload=PRELOAD, env=b.env)
+    m = bc.run_python(op, target, kwargs, b.logdir, preload=PRELOAD, env=b.env,
+                      before=lambda: bc.settle(b.args.drop_caches, dst))
     m.bytes_written = bc.dir_bytes(dst)
     bc.progress(f"[{tag}] {op}: {m.seconds:.2f} s, peak RSS {m.peak_rss / bc.MB:.0f} MB")
     return m

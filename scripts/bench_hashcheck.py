@@ -57,9 +57,11 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default="merge,reshard")
     p.add_argument("--workdir", default=str(bc.DEFAULT_WORKDIR))
     p.add_argument("--drop-caches", action="store_true")
+    bc.add_settle_wait(p)
     args = p.parse_args(argv)
     if args.drop_caches:
         bc.require_drop_caches()
+    bc.use_settle_wait(args)
     name, config = bc.load_shape(args.shape)
     workdir = Path(args.workdir).absolute()
     logdir = workdir / "logs"
@@ -78,11 +80,10 @@ def main(argv=None) -> int:
     for i in range(args.repeat):
         for op in args.ops.split(","):
             for verify in MODES:
-                bc.remove(dst)
-                bc.settle(args.drop_caches)
                 m = bc.run_python(f"{op} verify={verify}", "bench_hashcheck:run_op",
                                   {"op": op, "src": str(shards), "dst": str(dst), "verify": verify,
-                                   "workers": args.workers}, logdir, preload=PRELOAD, env=env)
+                                   "workers": args.workers}, logdir, preload=PRELOAD, env=env,
+                                  before=lambda: bc.settle(args.drop_caches, dst))
                 seen.setdefault((op, verify), []).append(m)
                 bc.progress(f"[{i + 1}/{args.repeat}] {op} verify={verify}: {m.seconds:.2f} s, CPU {m.cpu_seconds:.2f} s")
     bc.remove(dst)

@@ -62,6 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workdir", default=str(bc.DEFAULT_WORKDIR), help="cache and scratch folder")
     p.add_argument("--drop-caches", action="store_true",
                    help="drop the page cache before every timed step, cp included (needs root; exits 2 otherwise)")
+    bc.add_settle_wait(p)
     p.add_argument("--sha256", action="store_true",
                    help="reshard and convert record each shard's sha256 as well as xxh3-128 (shardkit's --sha256)")
     p.add_argument("--direct-only", action="store_true",
@@ -104,19 +105,21 @@ def measured_ops(args, source: Path, rundir: Path, ttp: int, tpp: int, tkv: int,
 def run_repeat(args, source: Path, rundir: Path, logdir: Path, ttp: int, tpp: int, tkv: int, workers: int,
                samples: dict[str, list]) -> bool:
     """One repeat: cp baseline, direct reshard, merge, convert; returns whether both ways agree."""
-    bc.settle(args.drop_caches)
-    samples["cp"].append(bc.cp_baseline("cp -r shards", source, rundir / "cp", logdir))
+    # every step's output stays until that step runs again (see bench_common.settle), cp's too
+    samples["cp"].append(bc.cp_baseline("cp -r shards", source, rundir / "cp", logdir, keep=True,
+                                        drop=args.drop_caches))
     ops = measured_ops(args, source, rundir, ttp, tpp, tkv, workers)
     for key, target, kwargs in ops[:1] if args.direct_only else ops:
-        bc.settle(args.drop_caches)
-        m = bc.run_python(f"{key} w{workers}", target, kwargs, logdir, preload=PRELOAD)
+        m = bc.run_python(f"{key} w{workers}", target, kwargs, logdir, preload=PRELOAD,
+                          before=lambda dst=kwargs["dst"]: bc.settle(args.drop_caches, dst))
         samples[key].append(m)
         bc.progress(f"workers {workers}: {key} {m.seconds:.2f} s, peak RSS {m.peak_rss / bc.MB:.0f} MB")
-    ok = args.direct_only or bc.run_python("compare", "bench_reshard:same_shards", {"a": str(rundir / "direct"),
-                                           "b": str(rundir / "two-step")}, logdir, preload=PRELOAD).result
-    for d in ("direct", "merged", "two-step"):
-        bc.remove(rundir / d)
-    return ok
+    return args.direct_only or bc.run_python("compare", "bench_reshard:same_shards", {"a": str(rundir / "direct"),
+                                             "b": str(rundir / "two-step")}, logdir, preload=PRELOAD).result
+
+
+OUTPUTS = ("cp", "direct", "merged", "two-step")
+"""The folders under the run folder that the timed steps write."""
 
 
 def summarize(workers: int, c: dict[str, bc.Measurement], ok: bool, size: int) -> tuple[tuple, dict]:
@@ -155,6 +158,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.drop_caches:
         bc.require_drop_caches()
+    bc.use_settle_wait(args)
     name, config = bc.load_shape(args.shape)
     (stp, spp), (ttp, tpp) = layouts = parse_layouts(args)
     workdir = Path(args.workdir).absolute()
@@ -166,7 +170,11 @@ def main(argv=None) -> int:
     for workers in bc.parse_int_list(args.workers):
         samples: dict[str, list] = {"cp": [], "direct": []} if args.direct_only else \
             {"cp": [], "direct": [], "merge": [], "convert": []}
-        oks = [run_repeat(args, source, rundir, logdir, ttp, tpp, tkv, workers, samples) for _ in range(args.repeat)]
+        try:
+            oks = [run_repeat(args, source, rundir, logdir, ttp, tpp, tkv, workers, samples) for _ in range(args.repeat)]
+        finally:
+            for d in OUTPUTS:
+                bc.remove(rundir / d)
         row, record = summarize(workers, {k: bc.combine(v) for k, v in samples.items()}, oks[-1], size)
         rows.append(row)
         report["runs"].append(record)

@@ -57,6 +57,77 @@ def test_settle_syncs_or_drops(monkeypatch):
     assert e.value.code == 2
 
 
+def test_settle_removes_the_steps_old_output_first_and_waits(monkeypatch, tmp_path):
+    calls = []
+    old = tmp_path / "old-output"
+    (old / "sub").mkdir(parents=True)
+    monkeypatch.setattr(bc, "sync_disks", lambda: calls.append(("sync", old.exists())))
+    monkeypatch.setattr(bc.time, "sleep", lambda s: calls.append(("sleep", s)))
+    monkeypatch.setattr(bc, "SETTLE_WAIT", 2.5)
+    bc.settle(False, old, tmp_path / "absent")
+    assert calls == [("sync", False), ("sleep", 2.5)]
+
+
+def test_settle_wait_option(capsys):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bc.add_settle_wait(p)
+    try:
+        bc.use_settle_wait(p.parse_args(["--settle-wait", "1.5"]))
+        assert bc.SETTLE_WAIT == 1.5
+        with pytest.raises(SystemExit) as e:
+            bc.use_settle_wait(p.parse_args(["--settle-wait", "-1"]))
+        assert e.value.code == 2 and "--settle-wait" in capsys.readouterr().err
+    finally:
+        bc.SETTLE_WAIT = 0.0
+
+
+def _slow_import_module(tmp_path: Path) -> Path:
+    """A module whose import takes a while and leaves a mark, and whose function reports whether
+    the parent's preparation (`before`) had run when it was called."""
+    (tmp_path / "slow_import_probe.py").write_text(
+        "import time\nfrom pathlib import Path\n"
+        f"HERE = Path({str(tmp_path)!r})\n"
+        "time.sleep(0.3)\n"
+        "(HERE / 'imported').write_text('yes')\n"
+        "def probe():\n"
+        "    return {'settled': (HERE / 'settled').exists()}\n"
+    )
+    return tmp_path
+
+
+def test_run_python_prepares_the_step_after_the_childs_imports_and_before_its_call(tmp_path):
+    """The page cache is settled right before the timed call, as for cp, not before the child's
+    imports (on a VM that hands free memory back to its host, the imports' delay changed the result)."""
+    here = _slow_import_module(tmp_path)
+    seen = []
+
+    def before():
+        seen.append((here / "imported").exists())
+        (here / "settled").write_text("yes")
+
+    m = bc.run_python("probe", "slow_import_probe:probe", {}, tmp_path / "logs", sys_path=[here], before=before)
+    assert seen == [True]  # the child had imported everything
+    assert m.result == {"settled": True}  # and the call came after the preparation
+
+
+def test_run_python_kills_the_child_when_the_preparation_fails(tmp_path):
+    here = _slow_import_module(tmp_path)
+
+    def before():
+        raise SystemExit(2)  # as settle does when the page cache cannot be dropped
+
+    with pytest.raises(SystemExit):
+        bc.run_python("probe", "slow_import_probe:probe", {}, tmp_path / "logs", sys_path=[here], before=before)
+    assert not (here / "settled").exists()
+
+
+def test_run_python_reports_a_child_that_fails_before_it_is_ready(tmp_path):
+    with pytest.raises(bc.ChildError, match="failed"):
+        bc.run_python("probe", "no_such_module_anywhere:probe", {}, tmp_path / "logs", before=pytest.fail)
+
+
 def test_cp_baseline_measures_and_removes_the_copy(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
