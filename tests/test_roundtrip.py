@@ -200,6 +200,36 @@ def test_dtype_cast_roundtrip(tiny_model, tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_merge_streams_row_parallel_weights_in_blocks_of_rows(tiny_model, tmp_path, monkeypatch):
+    """A weight the shards split along dim 1 (o_proj, down_proj) is merged in blocks of rows read
+    from every tp piece, never assembled whole (a merged 7B MLP weight would be 86 MiB of fresh
+    memory); the merged bytes are the source's, with uneven last blocks too."""
+    from shardkit.formats import reader
+
+    src = tiny_model("llama-gqa64")  # fp32, hidden 128, intermediate 64: o_proj rows 512 B, down_proj 256 B
+    shards = tmp_path / "shards"
+    convert(src, shards, Layout(tp=8, pp=2, qkv="gqa"))
+    monkeypatch.setattr(reader, "COLUMN_BLOCK_BYTES", 1500)  # 2 rows of o_proj, 5 of down_proj (25 + a last of 3)
+    blocks: dict[str, list[tuple[int, ...]]] = {}
+    stream = reader.SourceReader._column_blocks
+
+    def recorded(self, piece, reads):
+        for block in stream(self, piece, reads):
+            blocks.setdefault(piece.name, []).append(tuple(block.shape))
+            yield block
+
+    monkeypatch.setattr(reader.SourceReader, "_column_blocks", recorded)
+    out = tmp_path / "merged"
+    merge(shards, out)
+    assert_same_tensors(load_hf(out), load_hf(src), "merged in row blocks")
+    row_parallel = {k for k in load_hf(src) if k.endswith(("o_proj.weight", "down_proj.weight"))}
+    assert set(blocks) == row_parallel
+    for name, shapes in blocks.items():
+        rows = 2 if "o_proj" in name else 5
+        assert [s[0] for s in shapes] == [rows] * (128 // rows) + ([128 % rows] if 128 % rows else []), name
+        assert max(s[0] * s[1] * 4 for s in shapes) <= 1500
+
+
 def test_merge_split_by_max_shard_size(tiny_model, tmp_path):
     """A small max_shard_size gives several files and an index transformers loads."""
     src = tiny_model("llama-gqa64")
