@@ -329,10 +329,12 @@ class SourceReader:
             return (self.read(r) for r in reads)
         if piece.cat_dim != 1 or len(piece.shape) != 2 or any(seg.dim != 1 for seg in piece.slabs[0]):
             return None
-        for r in reads:  # plain reads of columns from pieces that hold every row
+        for r in reads:  # plain reads of whole pieces that hold every row (merge, or a lower tp)
             if r.slab is not None or r.transposed or r.dim != 1:
                 return None
-            if self._file(_key(r.holder)).shape(r.piece_name)[0] != piece.shape[0]:
+            shape = self._file(_key(r.holder)).shape(r.piece_name)
+            # a part of a piece's columns is better copied out on its own (`_copy_columns`) than read as whole rows
+            if len(shape) != 2 or shape[0] != piece.shape[0] or self._span(r) != (0, shape[1]):
                 return None
         return self._column_blocks(piece, reads)
 
