@@ -13,8 +13,8 @@ What is here:
     - Python operations run through this file's child runner (`python bench_common.py --child
       SPEC.json`): it imports the target (and `preload` modules) first, tells the parent it is
       ready and waits while the parent settles the page cache (`settle`: right before the step,
-      as for cp), then times only the call with `time.perf_counter`, and reports the process's own peak RSS from `VmHWM` in
-      `/proc/self/status` (the high-water mark of the process's own address space; it includes
+      as for cp), then times only the call with `time.perf_counter`, and reports the process's
+      own peak RSS from `VmHWM` in `/proc/self/status` (the high-water mark of the process's own address space; it includes
       the interpreter and the imported libraries, whose RSS is reported separately as `base`).
       A sampler thread also records the peak anonymous and file-backed (mmapped) RSS every 10 ms.
     - External commands (`cp -r`) run under GNU `/usr/bin/time -f %M`, which reports the
@@ -553,18 +553,19 @@ def run_python(op: str, target: str, kwargs: dict[str, Any], logdir: str | Path,
     spec_path.write_text(json.dumps(spec))
     cmd = [sys.executable, "-B", str(Path(__file__).resolve()), "--child", str(spec_path)]  # -B: no __pycache__ in scripts/
     t0 = time.perf_counter()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                pass_fds=(ready_write,))
-        os.close(ready_write)
+    with open(log_path, "wb") as log, os.fdopen(ready_read, "rb") as ready:
         try:
-            with os.fdopen(ready_read, "rb") as ready:
-                if ready.read(1) == b"r":  # else the child ended before it was ready: its exit code says why
-                    if before is not None:
-                        before()
-                    assert proc.stdin is not None
-                    proc.stdin.write(b"g")
-                    proc.stdin.close()
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    pass_fds=(ready_write,))
+        finally:
+            os.close(ready_write)  # the child's copy is its own: EOF here once it exits
+        try:
+            if ready.read(1) == b"r":  # else the child ended before it was ready: its exit code says why
+                if before is not None:
+                    before()
+                assert proc.stdin is not None
+                proc.stdin.write(b"g")
+                proc.stdin.close()
             proc.wait()
         except BaseException:
             proc.kill()

@@ -267,10 +267,10 @@ memory stays near what one worker needs (under 512 MiB with Python and torch on 
 
 def _held_bytes(piece, itemsize: int, chunked: bool) -> int:
     """The bytes a worker holds for one piece: all of it, unless the format streams it in blocks
-    of rows (`SourceReader.row_blocks`: then about one read; counted as at most 64 MiB)."""
+    of rows (then about one read; counted as at most 64 MiB). A piece joined along dim 1 counts
+    whole: `SourceReader.row_blocks` streams it only when its reads take whole source pieces."""
     nbytes = piece.numel() * itemsize
-    streamed = piece.cat_dim == 0 or (piece.cat_dim == 1 and len(piece.shape) == 2)
-    if chunked and not piece.stacked and not piece.transposed and streamed:
+    if chunked and not piece.stacked and not piece.transposed and piece.cat_dim == 0:
         return min(nbytes, 64 << 20)
     return nbytes
 

@@ -343,6 +343,9 @@ class SourceReader:
         dtype = self.dtype_of(piece.slabs[0][0].source)
         step = max(1, COLUMN_BLOCK_BYTES // max(1, cols * dtype.itemsize))
         spans = [(r, *self._span(r)) for r in reads]
+        held = sum(stop - start for _, start, stop in spans)
+        if held != cols:
+            raise FormatError(f"{piece.name}: the sources hold {held} columns, expected {cols}")
         for first in range(0, rows, step):
             last = min(rows, first + step)
             block = empty_tensor((last - first, cols), dtype)
@@ -350,10 +353,8 @@ class SourceReader:
             for r, start, stop in spans:
                 part = self._file(_key(r.holder)).read(r.piece_name, 0, first, last)
                 block[:, col : col + stop - start].copy_(part[:, start:stop])
-                del part
+                del part  # its pooled buffer is free again before the next read
                 col += stop - start
-            if col != cols:
-                raise FormatError(f"{piece.name}: the sources hold {col} columns, expected {cols}")
             yield block
             del block
 
