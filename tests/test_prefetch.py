@@ -3,6 +3,8 @@ never wait on a read-ahead that failed."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import threading
 import time
@@ -15,6 +17,8 @@ from safetensors.torch import load_file
 from shardkit import Layout, convert, merge
 from shardkit.engine import executor, prefetch
 from shardkit.engine.prefetch import Prefetcher
+from shardkit.errors import FormatError
+from shardkit.formats import base
 
 MiB = 1 << 20
 
@@ -134,9 +138,9 @@ def test_convert_reads_ahead_each_source_byte_once_and_in_order(tiny_model, tmp_
     real = executor.Prefetcher
 
     class Recording(real):  # type: ignore[misc, valid-type]
-        def __init__(self, spans, window=None):
+        def __init__(self, spans, window=None, once=None):
             plans.append(list(spans))
-            super().__init__(spans, window)
+            super().__init__(spans, window, once)
 
     monkeypatch.setattr(executor, "Prefetcher", Recording)
     layout = Layout(tp=2, pp=2)
@@ -159,9 +163,271 @@ def test_convert_reads_ahead_each_source_byte_once_and_in_order(tiny_model, tmp_
     # row blocks are planned apart: more spans than source tensors
     assert len(convert_plan) > sum(len(load_file(f)) for f in src.glob("*.safetensors"))
 
-    monkeypatch.setattr(executor, "plan_read_ahead", lambda outputs, index, spans: (None, {}))
+    monkeypatch.setattr(executor, "plan_read_ahead", lambda outputs, index, spans: (None, None))
     convert(src, tmp_path / "plain", layout, format="torch", workers=1)
     shards = sorted((tmp_path / "plain").rglob("*.pt"))
     assert shards
     for shard in shards:
         assert shard.read_bytes() == (tmp_path / "ahead" / shard.relative_to(tmp_path / "plain")).read_bytes()
+
+
+# ---- bytes read once, read around the page cache into the read-ahead's buffers -------------------
+
+
+def _direct_or_skip(path: Path) -> None:
+    opened = prefetch._open_direct(path)
+    if opened is None:
+        pytest.skip(f"the file system of {path} refuses O_DIRECT: the read-ahead reads it through the page cache")
+    os.close(opened[0])
+
+
+@pytest.fixture
+def cold(monkeypatch):
+    """Every extent counts as not cached (the test cannot drop the machine's page cache), and
+    buffers are small, so that spans cross them."""
+    monkeypatch.setattr(prefetch, "cached_fraction", lambda fd, offset, length: 0.0)
+    monkeypatch.setattr(prefetch, "DIRECT_CHUNK", 64 << 10)
+    monkeypatch.setattr(prefetch, "DIRECT_EXTENT", 256 << 10)
+
+
+def _serve(ahead: Prefetcher, fd: int, offset: int, length: int) -> tuple[bytes, bool]:
+    """Read like a worker's `pread_exact`: from the read-ahead's buffers where it serves the file."""
+    view = memoryview(bytearray(length))
+    source = ahead.source_for(os.fstat(fd))
+    served = source is not None and source(fd, view, offset, "test file")
+    if not served:
+        base.read_exact(fd, view, offset, "test file")
+    return bytes(view), served
+
+
+def test_cold_bytes_read_once_are_served_from_buffers_each_once_then_freed(tmp_path, cold, monkeypatch):
+    """Spans read once are read around the page cache into buffers and served from there (the
+    file changed afterwards proves it: served bytes are the old ones); each planned byte is handed
+    out once (a second read reads the file); every buffer is free again once its planned bytes are
+    copied out; a span read twice goes through the page cache and is never served."""
+    monkeypatch.setattr(prefetch, "DIRECT_BUDGET", 4 << 20)
+    path = tmp_path / "src.bin"
+    data = os.urandom(3 * MiB)
+    path.write_bytes(data)
+    _direct_or_skip(path)
+    # unaligned spans, in no file order; the last one is read twice
+    spans = [(path, 1000 + i * 300_000, 250_000) for i in (3, 0, 5, 1, 2)] + [(path, 2 * MiB + 7, 5000)]
+    once = [True] * 5 + [False]
+    ahead = Prefetcher(spans, window=64 * MiB, once=once).start()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        ahead.wait(len(spans))
+        assert ahead.direct_bytes == 5 * 250_000
+        changed = bytes(b ^ 0xFF for b in data)
+        with open(path, "r+b") as fh:  # later bytes on disk: served bytes come from the buffers
+            fh.write(changed)
+        for _, offset, length in spans[:5]:
+            half = length // 2  # in two reads, as a worker's blocks of rows do
+            first, served = _serve(ahead, fd, offset, half)
+            second, served_too = _serve(ahead, fd, offset + half, length - half)
+            assert served and served_too
+            assert first + second == data[offset : offset + length]
+            again, _ = _serve(ahead, fd, offset, length)
+            assert again == changed[offset : offset + length]  # handed out once: now read from the file
+        # a read that starts before a span and ends after it: the span from the buffer, the rest from the file
+        _, offset, length = spans[4]
+        assert _serve(ahead, fd, offset - 10, 20)[0] == changed[offset - 10 : offset + 10]
+        _, offset, length = spans[5]
+        got, served = _serve(ahead, fd, offset, length)
+        assert not served and got == changed[offset : offset + length]
+        assert not ahead._held and len(ahead._free) == prefetch.DIRECT_BUDGET // prefetch.DIRECT_CHUNK
+    finally:
+        os.close(fd)
+        ahead.stop()
+
+
+def test_a_read_across_spans_takes_each_from_its_buffer(tmp_path, cold, monkeypatch):
+    """One read covering several planned spans and the bytes between them (zip headers) gets every
+    byte right, and frees the buffers."""
+    monkeypatch.setattr(prefetch, "DIRECT_BUDGET", 4 << 20)
+    path = tmp_path / "src.bin"
+    data = os.urandom(2 * MiB)
+    path.write_bytes(data)
+    _direct_or_skip(path)
+    spans = [(path, 5000 + i * 100_000, 90_000) for i in range(8)]  # 10_000 bytes between spans
+    ahead = Prefetcher(spans, window=64 * MiB, once=[True] * 8).start()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        ahead.wait(len(spans))
+        got, served = _serve(ahead, fd, 0, MiB)
+        assert served and got == data[:MiB]
+        assert not ahead._held
+    finally:
+        os.close(fd)
+        ahead.stop()
+
+
+def test_full_buffers_and_a_waiting_worker_send_the_rest_through_the_page_cache(tmp_path, cold, monkeypatch):
+    """When a worker waits for more bytes than the buffers hold (it copies out nothing until all
+    are read ahead, like a merged row-parallel weight), the read-ahead reads the rest through the
+    page cache instead of waiting for buffers that would never be freed: no deadlock, right bytes."""
+    monkeypatch.setattr(prefetch, "DIRECT_BUDGET", 4 * (64 << 10))
+    path = tmp_path / "src.bin"
+    data = os.urandom(4 * MiB)
+    path.write_bytes(data)
+    _direct_or_skip(path)
+    spans = [(path, i * 500_000, 400_000) for i in range(8)]
+    ahead = Prefetcher(spans, window=64 * MiB, once=[True] * 8).start()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        waiter = threading.Thread(target=ahead.wait, args=(len(spans),), daemon=True)
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive(), "the worker waited for ever"
+        assert 0 < ahead.direct_bytes < 8 * 400_000
+        for _, offset, length in spans:
+            assert _serve(ahead, fd, offset, length)[0] == data[offset : offset + length]
+    finally:
+        os.close(fd)
+        ahead.stop()
+
+
+def test_a_file_swapped_in_at_the_path_is_never_served_the_old_files_bytes(tmp_path, cold):
+    """Buffers belong to the file the read-ahead opened: a reader of another file now at the same
+    path (renamed over it) reads its own file."""
+    path = tmp_path / "src.bin"
+    data = os.urandom(MiB)
+    path.write_bytes(data)
+    _direct_or_skip(path)
+    ahead = Prefetcher([(path, 0, MiB)], window=64 * MiB, once=[True]).start()
+    try:
+        ahead.wait(1)
+        assert ahead.direct_bytes == MiB
+        other = tmp_path / "other.bin"
+        other.write_bytes(bytes(MiB))
+        os.replace(other, path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert _serve(ahead, fd, 0, MiB) == (bytes(MiB), False)
+        finally:
+            os.close(fd)
+    finally:
+        ahead.stop()
+
+
+def test_a_file_shorter_than_planned_is_reported_truncated(tmp_path, cold):
+    """Planned bytes past the end of the file are not served: the reader's own read finds the file
+    short and says so (one line, FormatError)."""
+    path = tmp_path / "src.bin"
+    path.write_bytes(os.urandom(300_000))
+    _direct_or_skip(path)
+    ahead = Prefetcher([(path, 0, 200_000), (path, 200_000, 200_000)], window=64 * MiB, once=[True, True]).start()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        ahead.wait(2)
+        view = memoryview(bytearray(200_000))
+        source = ahead.source_for(os.fstat(fd))
+        assert source is not None
+        with pytest.raises(FormatError, match="test file is truncated"):
+            source(fd, view, 200_000, "test file")
+    finally:
+        os.close(fd)
+        ahead.stop()
+
+
+def test_o_direct_refused_at_read_falls_back_to_the_page_cache(tmp_path, cold, monkeypatch):
+    """A file system that accepts O_DIRECT at open but refuses the reads (EINVAL) is read through
+    the page cache: nothing is served, nothing fails."""
+    path = tmp_path / "src.bin"
+    data = os.urandom(MiB)
+    path.write_bytes(data)
+    _direct_or_skip(path)
+    real_preadv = os.preadv
+
+    def refusing(fd, buffers, offset, *flags):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(prefetch.os, "preadv", refusing)
+    ahead = Prefetcher([(path, 0, MiB // 2), (path, MiB // 2, MiB // 2)], window=64 * MiB, once=[True, True]).start()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        ahead.wait(2)
+        assert ahead.direct_bytes == 0 and ahead.position == MiB
+        assert _serve(ahead, fd, 0, MiB) == (data, False)
+    finally:
+        os.close(fd)
+        ahead.stop()
+
+
+def test_cached_fraction_tells_cached_from_dropped_pages(tmp_path, monkeypatch):
+    """cachestat (or mincore on a mapping where cachestat is missing) says how much of a range is
+    in the page cache: all of a file just written, none once its pages are dropped."""
+    path = tmp_path / "src.bin"
+    with open(path, "wb") as fh:
+        fh.write(os.urandom(2 * MiB))
+        fh.flush()
+        os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for how in ("cachestat", "mincore"):
+            monkeypatch.setattr(prefetch, "_how", how)
+            os.pread(fd, 2 * MiB, 0)
+            assert prefetch.cached_fraction(fd, 100, MiB) == 1.0, how
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            assert prefetch.cached_fraction(fd, 100, MiB) < 0.5, how
+    finally:
+        os.close(fd)
+
+
+def test_only_spans_read_once_and_overlapped_by_none_are_read_into_buffers():
+    """A span read by two reads, or overlapping another (a piece planned whole after blocks of its
+    rows), goes through the page cache; disjoint spans read once may use the buffers."""
+    a, b = Path("a"), Path("b")
+    plan = [(a, 0, 100), (a, 100, 100), (a, 150, 300), (b, 0, 100), (b, 100, 50)]
+    assert executor._read_once(plan, [1, 1, 1, 1, 2]) == [True, False, False, True, False]
+
+
+def test_a_cold_merge_through_the_buffers_writes_the_same_bytes(tiny_model, tmp_path, cold, monkeypatch):
+    """A merge whose shards are read around the page cache (buffers of 16 KiB, so that pieces span
+    several, and too few for some tensors, so that some bytes go through the page cache) writes
+    the bytes of a merge without read-ahead, with the hash check on; a shard with a flipped bit is
+    still refused (the check hashes the bytes served from the buffers)."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    convert(src, tmp_path / "shards", Layout(tp=4, pp=2), format="torch", workers=1)
+    _direct_or_skip(next((tmp_path / "shards").rglob("*.pt")))
+    monkeypatch.setattr(prefetch, "DIRECT_CHUNK", 16 << 10)
+    monkeypatch.setattr(prefetch, "DIRECT_BUDGET", 6 * (16 << 10))
+    made: list[Prefetcher] = []
+    real = executor.Prefetcher
+
+    class Recording(real):  # type: ignore[misc, valid-type]
+        def __init__(self, spans, window=None, once=None):
+            super().__init__(spans, window, once)
+            made.append(self)
+
+        def stop(self):
+            self.left = sum(len(chunks) for chunks in self._held.values())
+            super().stop()
+
+    monkeypatch.setattr(executor, "Prefetcher", Recording)
+    merge(tmp_path / "shards", tmp_path / "direct", workers=2)
+    assert made and made[0].direct_bytes > 0
+    assert made[0].left == 0  # every byte read ahead into a buffer was served from it
+    assert made[0].direct_bytes < made[0].position  # some through the page cache
+    monkeypatch.setattr(executor, "plan_read_ahead", lambda outputs, index, spans: (None, None))
+    merge(tmp_path / "shards", tmp_path / "plain", workers=1)
+    files = sorted(p.relative_to(tmp_path / "plain") for p in (tmp_path / "plain").rglob("*") if p.is_file())
+    assert files
+    for name in files:
+        assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
+
+    monkeypatch.setattr(executor, "plan_read_ahead", real_plan)
+    shard = max((tmp_path / "shards").rglob("*.pt"), key=lambda p: p.stat().st_size)
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    shard.write_bytes(raw)
+    made.clear()
+    with pytest.raises(FormatError, match="does not match"):
+        merge(tmp_path / "shards", tmp_path / "corrupt", workers=1)
+    assert made and made[0].direct_bytes > 0
+    assert not (tmp_path / "corrupt").exists()
+
+
+real_plan = executor.plan_read_ahead

@@ -24,7 +24,7 @@ from ..formats import Checkpoint, SourceReader, get_format
 from ..formats.base import ChunkedWriter, FileRecord, TensorSpec, direct_io_pays, reused_buffers
 from ..formats.digest import NONE, CheckMode, Recording, check_mode
 from ..formats.reader import HashCheck
-from ..placements import SegmentIndex
+from ..placements import Read, SegmentIndex
 from .outputs import OutputFile
 from .prefetch import Prefetcher
 
@@ -70,8 +70,9 @@ def execute(
         )
         checked = [key for key in needed if key in src.files]  # in the order the outputs first read them
         hashes = HashCheck(src, check)
-    read_ahead, needs = plan_read_ahead(outputs, index, spans)  # see prefetch.py
+    read_ahead, ready = plan_read_ahead(outputs, index, spans)  # see prefetch.py
     advise = read_ahead is None  # formats that do not say where their bytes are: read-ahead hints
+    sources = read_ahead.source_for if read_ahead is not None else None
     dtypes: dict[str, torch.dtype] = {}
     for out in outputs:
         for piece in out.pieces:
@@ -133,14 +134,12 @@ def execute(
         writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel, digests, direct)
         # the registry says this format's writer takes row blocks (write_chunks)
         chunked = cast(ChunkedWriter, writer) if file_format.chunked_writes else None
-        reader = SourceReader(src, index=index, hashes=hashes)
-        waits = needs.get(id(out))
+        # a read waits until the read-ahead has its bytes (never reads a cold disk by itself)
+        reader = SourceReader(src, index=index, hashes=hashes, sources=sources, ready=ready)
         try:
             for i, (piece, spec) in enumerate(zip(out.pieces, specs)):
                 if cancel.is_set():
                     raise _Cancelled()
-                if read_ahead is not None and waits is not None:  # read only what is already cached
-                    read_ahead.wait(waits[i])
                 if advise and i + 1 < len(out.pieces):  # a cold disk reads the next piece while this one is written
                     reader.advise(out.pieces[i + 1])
                 blocks = reader.row_blocks(piece) if chunked is not None else None
@@ -197,40 +196,78 @@ Span = tuple[Path, int, int, int]
 
 def plan_read_ahead(
     outputs: Sequence[OutputFile], index: SegmentIndex, spans: dict[tuple[str, str], Span]
-) -> tuple[Prefetcher | None, dict[int, list[int]]]:
-    """A read-ahead of the source bytes in the order the outputs first read them, and for each
-    output (by id) and piece the number of the plan's spans that must be cached before the piece
-    is read. A block of rows is planned alone (the first output of a stage then waits only for
-    its own rows of a row-split tensor, not for the other ranks' rows too); any other read plans
-    the whole source piece (a block of columns spans nearly all of its bytes). None when no
-    source piece says where its bytes are."""
+) -> tuple[Prefetcher | None, Callable[[Read], None] | None]:
+    """A read-ahead of the source bytes in the order the outputs first read them, and what a
+    worker calls before each read: it waits until the read's span has been read ahead. A block of
+    rows is planned alone (the first output of a stage then waits only for its own rows of a
+    row-split tensor, not for the other ranks' rows too); any other read plans the whole source
+    piece (a block of columns spans nearly all of its bytes). (None, None) when no source piece
+    says where its bytes are."""
     order: dict[tuple, int] = {}
     plan: list[tuple[Path, int, int]] = []
-    needs: dict[int, list[int]] = {}
+    uses: list[int] = []  # reads of each planned span
     for out in outputs:
-        counts = needs[id(out)] = []
         for piece in out.pieces:
-            count = 0
             for seg in piece.segments:
                 for r in index.locate(seg):
-                    if not isinstance(r.holder, str) or (r.holder, r.piece_name) not in spans:
+                    keys = _span_keys(r, spans)
+                    if keys is None:
                         continue
-                    whole: tuple = (r.holder, r.piece_name)
-                    path, offset, length, rows = spans[whole]
-                    start, stop = 0, rows
-                    if r.dim == 0 and r.slab is None and not r.transposed and rows > 1:  # a block of rows
-                        start, stop = r.start or 0, rows if r.stop is None else r.stop
-                    # a piece planned whole already covers any of its row blocks
-                    key = whole if whole in order or (start, stop) == (0, rows) else (*whole, start, stop)
+                    whole, block = keys
+                    key = whole if whole in order else block  # a piece planned whole covers its row blocks
                     if key not in order:
                         order[key] = len(plan)
+                        path, offset, length, rows = spans[whole]
                         row_bytes = length // rows  # rows: see byte_span (1: the piece is planned whole)
+                        start, stop = (block[2], block[3]) if len(block) == 4 else (0, rows)
                         plan.append((path, offset + start * row_bytes, (stop - start) * row_bytes))
-                    count = max(count, order[key] + 1)
-            counts.append(count)
+                        uses.append(0)
+                    uses[order[key]] += 1
     if not plan:
-        return None, {}
-    return Prefetcher(plan), needs
+        return None, None
+    ahead = Prefetcher(plan, once=_read_once(plan, uses))
+
+    def ready(r: Read) -> None:
+        keys = _span_keys(r, spans)
+        if keys is not None:
+            found = order.get(keys[1], order.get(keys[0]))
+            if found is not None:
+                ahead.wait(found + 1)
+
+    return ahead, ready
+
+
+def _span_keys(r: Read, spans: dict[tuple[str, str], Span]) -> tuple[tuple, tuple] | None:
+    """The keys a read has in the read-ahead's plan: its source piece's, and its block of rows'
+    (the same when it reads all rows); None when the piece does not say where its bytes are."""
+    if not isinstance(r.holder, str) or (r.holder, r.piece_name) not in spans:
+        return None
+    whole: tuple = (r.holder, r.piece_name)
+    rows = spans[whole][3]
+    start, stop = 0, rows
+    if r.dim == 0 and r.slab is None and not r.transposed and rows > 1:  # a block of rows
+        start, stop = r.start or 0, rows if r.stop is None else r.stop
+    return whole, whole if (start, stop) == (0, rows) else (*whole, start, stop)
+
+
+def _read_once(plan: Sequence[tuple[Path, int, int]], uses: Sequence[int]) -> list[bool]:
+    """For each planned span: is it read by one read only and overlapped by no other span (a piece
+    planned whole after blocks of its rows were)? Such bytes may be read ahead into buffers that
+    are freed once copied out (see prefetch.py)."""
+    once = [n == 1 for n in uses]
+    by_file: dict[Path, list[int]] = {}
+    for i, (path, _, _) in enumerate(plan):
+        by_file.setdefault(path, []).append(i)
+    for spans in by_file.values():
+        spans.sort(key=lambda i: plan[i][1])
+        reach, last = -1, -1  # the furthest end so far, and the span that reaches it
+        for i in spans:
+            _, offset, length = plan[i]
+            if offset < reach:
+                once[i] = once[last] = False
+            if offset + length > reach:
+                reach, last = offset + length, i
+    return once
 
 
 AUTO_MAX_WORKERS = 4

@@ -102,6 +102,14 @@ _TAPS: dict[int, ReadTap] = {}
 """Open descriptors whose reads are passed on: fd -> tap (an entry lives as long as its reader's
 descriptor is open, so a reused descriptor number never inherits it)."""
 
+ReadSource = Callable[[int, memoryview, int, str], bool]
+"""Called as source(fd, view, offset, what) by `pread_exact` before it reads: True when it has
+filled `view` with the bytes at `offset` of fd's file (from memory it holds, reading the rest
+through fd), False when it holds none of them (see `DescriptorReader.read_from`)."""
+
+_SOURCES: dict[int, ReadSource] = {}
+"""Open descriptors whose reads may be served from memory: fd -> source (kept like `_TAPS`)."""
+
 
 class DescriptorReader:
     """The open file descriptor a lazy reader reads positionally through (`_fd`, None once closed)."""
@@ -123,10 +131,21 @@ class DescriptorReader:
         if tap is not None and self._fd is not None:
             _TAPS[self._fd] = tap
 
+    def read_from(self, sources: Callable[[os.stat_result], ReadSource | None]) -> None:
+        """Let `sources(stat of this reader's descriptor)` serve this reader's reads from now on
+        (when that is not None): the read-ahead's buffers of a cold file. The source is chosen by
+        the identity of the file this reader has open, so bytes read ahead from another file put
+        at the same path since are never served as this one's."""
+        if self._fd is not None:
+            source = sources(os.fstat(self._fd))
+            if source is not None:
+                _SOURCES[self._fd] = source
+
     def _close_fd(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
             _TAPS.pop(fd, None)
+            _SOURCES.pop(fd, None)
             os.close(fd)
 
 
@@ -812,15 +831,24 @@ STRIDED_READ_CHUNK = 4 << 20  # bytes read at once for a slice along a dimension
 
 def pread_exact(fd: int, view: memoryview, offset: int, what: str, tapped: bool = True) -> None:
     """Fill `view` with the bytes at `offset` (FormatError when the file is shorter: truncated),
-    and pass them to the descriptor's tap, if any (unless `tapped` is False)."""
+    from the descriptor's source where it has them (see `read_from`), and pass them to its tap,
+    if any. `tapped` False (bytes outside the operation's plan, read for the hash check): read
+    from the file itself, tapped by nobody."""
+    source = _SOURCES.get(fd) if tapped else None
+    if source is None or not source(fd, view, offset, what):
+        read_exact(fd, view, offset, what)
+    if tapped and (tap := _TAPS.get(fd)) is not None:
+        tap(fd, offset, view)
+
+
+def read_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
+    """Fill `view` with the file's bytes at `offset` (FormatError when the file is shorter)."""
     done, nbytes = 0, len(view)
     while done < nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
         if got <= 0:
             raise FormatError(f"{what} is truncated: re-create it")
         done += got
-    if tapped and (tap := _TAPS.get(fd)) is not None:
-        tap(fd, offset, view)
 
 
 class _Buffers(threading.local):

@@ -10,7 +10,7 @@ import os
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +18,7 @@ import torch
 
 from ..errors import FormatError
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
-from .base import ReadTap, TensorFile, empty_tensor, pread_exact
+from .base import ReadSource, ReadTap, TensorFile, empty_tensor, pread_exact
 from .digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
 from .manifest import MANIFEST
 from .registry import format_of_file
@@ -236,10 +236,18 @@ class SourceReader:
     (bytes are read positionally, nothing is mapped), so files stay open, up to `max_open`."""
 
     def __init__(
-        self, ckpt: Checkpoint, max_open: int = 256, index: SegmentIndex | None = None, hashes: HashCheck | None = None
+        self,
+        ckpt: Checkpoint,
+        max_open: int = 256,
+        index: SegmentIndex | None = None,
+        hashes: HashCheck | None = None,
+        sources: Callable[[os.stat_result], ReadSource | None] | None = None,
+        ready: Callable[[Read], None] | None = None,
     ):
         self.ckpt = ckpt
         self.hashes = hashes
+        self.sources = sources  # what may serve reads of a file from memory (the read-ahead's buffers)
+        self.ready = ready  # called before each read (waits for the read-ahead)
         self.index = index or ckpt.index()
         self.max_open = max_open
         self._open: OrderedDict[str, TensorFile] = OrderedDict()
@@ -258,6 +266,9 @@ class SourceReader:
             tap = getattr(file, "tap", None)
             if self.hashes is not None and tap is not None:
                 tap(self.hashes.taps)
+            read_from = getattr(file, "read_from", None)
+            if self.sources is not None and read_from is not None:
+                read_from(self.sources)
         return self._open[key]
 
     def _span(self, r: Read) -> tuple[int, int]:
@@ -271,6 +282,8 @@ class SourceReader:
 
     def read(self, r: Read) -> torch.Tensor:
         """One read: a slice of a source piece, in the full tensor's orientation."""
+        if self.ready is not None:
+            self.ready(r)
         file = self._file(_key(r.holder))
         if r.slab is None and not r.transposed:
             tensor = file.read(r.piece_name, r.dim, r.start, r.stop)
@@ -295,6 +308,8 @@ class SourceReader:
         for r in reads:
             start, stop = self._span(r)
             block = out.narrow(0, row, stop - start)
+            if self.ready is not None:
+                self.ready(r)
             file = self._file(_key(r.holder))
             if r.slab is not None or not file.read_into(r.piece_name, start, stop, block):
                 block.copy_(self.read(r))
@@ -346,6 +361,9 @@ class SourceReader:
         held = sum(stop - start for _, start, stop in spans)
         if held != cols:
             raise FormatError(f"{piece.name}: the sources hold {held} columns, expected {cols}")
+        if self.ready is not None:  # every block reads rows of every piece
+            for r in reads:
+                self.ready(r)
         for first in range(0, rows, step):
             last = min(rows, first + step)
             block = empty_tensor((last - first, cols), dtype)
