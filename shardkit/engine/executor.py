@@ -26,7 +26,7 @@ from ..formats.digest import NONE, CheckMode, Recording, check_mode
 from ..formats.reader import HashCheck
 from ..placements import Read, SegmentIndex
 from .outputs import OutputFile
-from .prefetch import Prefetcher
+from .prefetch import Prefetcher, reads_around_pay
 
 ProgressCallback = Callable[[int, int], None]
 """Called as progress(bytes_done_now, bytes_total) while output is written."""
@@ -70,9 +70,6 @@ def execute(
         )
         checked = [key for key in needed if key in src.files]  # in the order the outputs first read them
         hashes = HashCheck(src, check)
-    read_ahead, ready = plan_read_ahead(outputs, index, spans)  # see prefetch.py
-    advise = read_ahead is None  # formats that do not say where their bytes are: read-ahead hints
-    sources = read_ahead.source_for if read_ahead is not None else None
     dtypes: dict[str, torch.dtype] = {}
     for out in outputs:
         for piece in out.pieces:
@@ -82,6 +79,9 @@ def execute(
                     raise FormatError(f"no file holds {source}")
                 dtypes[source] = dtype or source_dtypes[source]
     total = sum(p.numel() * dtypes[p.segments[0].source].itemsize for o in outputs for p in o.pieces)
+    read_ahead, ready = plan_read_ahead(outputs, index, spans, total)  # see prefetch.py
+    advise = read_ahead is None  # formats that do not say where their bytes are: read-ahead hints
+    sources = read_ahead.source_for if read_ahead is not None else None
     if direct_io not in (True, False, "auto"):
         raise ValueError(f"direct_io must be True, False or 'auto', not {direct_io!r}")
     # the page cache is the host's: under torchrun, this host's ranks write about as much each
@@ -195,14 +195,16 @@ Span = tuple[Path, int, int, int]
 
 
 def plan_read_ahead(
-    outputs: Sequence[OutputFile], index: SegmentIndex, spans: dict[tuple[str, str], Span]
+    outputs: Sequence[OutputFile], index: SegmentIndex, spans: dict[tuple[str, str], Span], written: int = 0
 ) -> tuple[Prefetcher | None, Callable[[Read], None] | None]:
     """A read-ahead of the source bytes in the order the outputs first read them, and what a
     worker calls before each read: it waits until the read's span has been read ahead. A block of
     rows is planned alone (the first output of a stage then waits only for its own rows of a
     row-split tensor, not for the other ranks' rows too); any other read plans the whole source
-    piece (a block of columns spans nearly all of its bytes). (None, None) when no source piece
-    says where its bytes are."""
+    piece (a block of columns spans nearly all of its bytes). Cold bytes read once are read
+    around the page cache when the bytes read and `written` would not fit in the free memory
+    (`prefetch.reads_around_pay`; under torchrun, this host's ranks read and write about as
+    much each). (None, None) when no source piece says where its bytes are."""
     order: dict[tuple, int] = {}
     plan: list[tuple[Path, int, int]] = []
     uses: list[int] = []  # reads of each planned span
@@ -225,7 +227,8 @@ def plan_read_ahead(
                     uses[order[key]] += 1
     if not plan:
         return None, None
-    ahead = Prefetcher(plan, once=_read_once(plan, uses))
+    around = reads_around_pay((sum(length for _, _, length in plan) + written) * ranks_here())
+    ahead = Prefetcher(plan, once=_read_once(plan, uses) if around else None)
 
     def ready(r: Read) -> None:
         keys = _span_keys(r, spans)

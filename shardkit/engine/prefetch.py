@@ -11,15 +11,16 @@ disk and the disk never waits for the CPU.
 Two ways, chosen per run of bytes (an extent):
 
 - Bytes the operation reads once (`once`: a merge's shards, the rows of a row-split tensor), when
-  they are not in the page cache (`cached_fraction`), are read around it (O_DIRECT) into buffers
-  the read-ahead owns, and workers' reads of them are served from those buffers
-  (`DescriptorReader.read_from`); a buffer is reused once every planned byte in it has been
-  copied out. On a VM the page cache is the expensive part of a cold read: 13.5 GB read through
-  it cost 18-22 CPU-s in the kernel here, read around it 0.6 CPU-s (and 9.6 s instead of 19-28 s),
-  and none of the source takes page-cache memory that the output's writes then have to reclaim.
-  The buffers are memory of the process: at most DIRECT_BUDGET. When they are all full and a
-  worker waits for bytes not yet read, the rest goes through the page cache instead (never a
-  deadlock, only the slower way).
+  they are not in the page cache (`cached_fraction`) and the operation would not fit in the free
+  memory (`reads_around_pay`), are read around it (O_DIRECT) into buffers the read-ahead owns,
+  and workers' reads of them are served from those buffers (`DescriptorReader.read_from`); a
+  buffer is reused once every planned byte in it has been copied out. Once the page cache has to
+  evict to take new pages, it is the expensive part of a cold read on a VM: 13.5 GB read through
+  it cost 18-22 CPU-s in the kernel here, read around it 0.6 CPU-s, and none of the source then
+  takes page-cache memory that the output's writes have to reclaim. The buffers are memory of the
+  process: at most DIRECT_BUDGET. When they are all full and a worker waits for bytes not yet
+  read, the rest goes through the page cache instead (never a deadlock, only the slower way).
+  Small extents are read several at once, each by its own thread (DIRECT_BATCH).
 - Everything else (bytes read more than once, cached or mostly cached bytes, file systems that
   refuse O_DIRECT) goes from the file to /dev/null with `sendfile`: the kernel fills the page
   cache and copies nothing to user memory; where that is not possible they are read into one
@@ -42,6 +43,7 @@ import mmap
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..formats.base import ReadSource, read_exact
@@ -84,6 +86,14 @@ DIRECT_READ = 32
 """Buffers filled per O_DIRECT system call at most (one vectored read; 1 MiB reads ran at the
 disk's full 1.4 GB/s here)."""
 
+DIRECT_BATCH = 8
+"""Up to this many consecutive small extents are read around the page cache at once, each by its
+own thread: one 1 MiB read at a time reached 0.9 GB/s during a merge (the disk is busy with the
+output's writes too), where reads through the page cache go in large batches of requests."""
+
+DIRECT_BATCH_BYTES = 8 << 20
+"""...and up to about this many bytes."""
+
 ALIGN = 4096
 """O_DIRECT reads start at a multiple of this (the largest logical block size in use)."""
 
@@ -91,18 +101,40 @@ COLD = 0.5
 """An extent with less than this fraction of its bytes in the page cache is read around it."""
 
 
-def window_bytes() -> int:
-    """WINDOW, or a quarter of the memory the kernel reports available when that is smaller (the
-    read-ahead must not evict what the workers are about to read), at least 4 chunks."""
+def meminfo(field: str) -> int | None:
+    """A /proc/meminfo field in bytes (MemAvailable, MemFree), None where there is none."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    return max(4 * READ_CHUNK, min(WINDOW, available // 4))
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return WINDOW
+    return None
+
+
+def window_bytes() -> int:
+    """WINDOW, or a quarter of the memory the kernel reports available when that is smaller (the
+    read-ahead must not evict what the workers are about to read), at least 4 chunks."""
+    available = meminfo("MemAvailable")
+    return WINDOW if available is None else max(4 * READ_CHUNK, min(WINDOW, available // 4))
+
+
+def reads_around_pay(nbytes: int) -> bool:
+    """Whether an operation that brings `nbytes` into the page cache (the sources it reads and the
+    output it writes) should read its cold bytes around it: when they are more than the free
+    memory, so the kernel would have to evict pages to cache them. Below that, reads through the
+    page cache are the faster way (this project's VM disk gave 2.3-2.8 GB/s read ahead in 8 MiB
+    calls, 1.1-1.4 GB/s read around it at any queue depth), the CPU they cost is small, and the
+    bytes stay cached for the next command; above it, the eviction makes every cached byte cost
+    3-4 CPU-s per GB here (a cold 7B merge: 43-57 CPU-s and 29-36 s through the page cache, 17-18
+    CPU-s and 17-19 s around it)."""
+    free = meminfo("MemFree")
+    return hasattr(os, "O_DIRECT") and free is not None and nbytes > free
+
+
+Opened = tuple[int, tuple[int, int]]
+"""An O_DIRECT descriptor of a source file, and the file's identity (st_dev, st_ino)."""
 
 
 class _Chunk:
@@ -278,31 +310,64 @@ class Prefetcher:
         null = None
         buffer = None
         fds: dict[Path, int] = {}
-        direct_fds: dict[Path, tuple[int, tuple[int, int]] | None] = {}
+        direct_fds: dict[Path, Opened | None] = {}
+        readers: ThreadPoolExecutor | None = None  # O_DIRECT reads of a batch of extents at once
+
+        def cold(j: int) -> Opened | None:
+            """The O_DIRECT descriptor to read extent j with, when its bytes are read once, are
+            not in the page cache, and the file takes O_DIRECT; else None."""
+            path, offset, length = self.extents[j]
+            fd = fds.get(path)
+            if fd is None:
+                # opened again by name, after the readers checked it: a FIFO swapped in since
+                # would block a plain open, and the operation waiting for it, for ever
+                fd = fds[path] = open_regular(path, "source file")
+            if self._members[j] is None or cached_fraction(fd, offset, length) >= COLD:
+                return None
+            if path not in direct_fds:
+                direct_fds[path] = _open_direct(path)
+            opened = direct_fds[path]
+            if opened is not None and not _direct_works(opened[0]):  # a read refused it
+                os.close(opened[0])
+                opened = direct_fds[path] = None
+            return opened
+
         try:
             try:
                 sink = null = os.open(os.devnull, os.O_WRONLY)
             except OSError:
                 pass
-            for i, (path, offset, length) in enumerate(self.extents):
-                fd = fds.get(path)
-                if fd is None:
-                    # opened again by name, after the readers checked it: a FIFO swapped in since
-                    # would block a plain open, and the operation waiting for it, for ever
-                    fd = fds[path] = open_regular(path, "source file")
+            i = 0
+            while i < len(self.extents):
+                path, offset, length = self.extents[i]
+                opened = cold(i)
                 done = 0
-                members = self._members[i]
-                if members is not None and cached_fraction(fd, offset, length) < COLD:
-                    if path not in direct_fds:
-                        direct_fds[path] = _open_direct(path)
-                    opened = direct_fds[path]
+                if opened is not None:
+                    batch = [(i, opened)]
+                    size = length
+                    while (
+                        len(batch) < DIRECT_BATCH and size < DIRECT_BATCH_BYTES and i + len(batch) < len(self.extents)
+                    ):
+                        j = i + len(batch)
+                        if self.extents[j][2] > DIRECT_EXTENT or (following := cold(j)) is None:
+                            break
+                        batch.append((j, following))
+                        size += self.extents[j][2]
+                    if len(batch) > 1:
+                        if readers is None:
+                            readers = ThreadPoolExecutor(DIRECT_BATCH, thread_name_prefix="shardkit-read-ahead-io")
+                        count = self._read_batch(batch, readers)
+                        if count < 0:
+                            return
+                        if count:
+                            i += count
+                            continue
+                        opened = cold(i)  # unless a read of the batch refused O_DIRECT
                     if opened is not None:
-                        done = self._read_direct(i, opened, offset, length, members)
+                        done = self._read_direct(i, opened, offset, length)
                         if done < 0:
                             return
-                        if done < length and not self._direct_works(opened[0]):
-                            os.close(opened[0])
-                            direct_fds[path] = None
+                fd = fds[path]
                 while done < length:
                     with self._cond:
                         if not self._pause(lambda: True):
@@ -326,12 +391,15 @@ class Prefetcher:
                 with self._cond:
                     self._done = i + 1
                     self._cond.notify_all()
+                i += 1
         except Exception as e:  # noqa: BLE001 - the workers read anyway and report real errors
             logger.debug("read-ahead stopped: %s", e)
         finally:
             with self._cond:
                 self._finished = True
                 self._cond.notify_all()
+            if readers is not None:
+                readers.shutdown(wait=True)
             for fd in fds.values():
                 os.close(fd)
             for opened in direct_fds.values():
@@ -340,72 +408,132 @@ class Prefetcher:
             if null is not None:
                 os.close(null)
 
-    def _direct_works(self, fd: int) -> bool:
-        """Whether fd still has O_DIRECT set (`_read_direct` clears it where reads refuse it)."""
-        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+    def _take(self, i: int, slots: int) -> bool:
+        """Wait (under the lock) until the window lets the thread read extent i and `slots`
+        buffers are free, or a worker waits for extent i (then there may be fewer): a worker
+        waiting while every buffer is full would wait for ever. False when being stopped."""
+        if not self._pause(lambda: self._pool is None or len(self._free) >= slots or self._needed > i):
+            return False
+        if self._pool is None:
+            self._pool = mmap.mmap(-1, DIRECT_BUDGET)  # page-aligned, as O_DIRECT needs
+            self._free = list(range(DIRECT_BUDGET // DIRECT_CHUNK))[::-1]
+        return True
 
-    def _read_direct(
-        self, i: int, opened: tuple[int, tuple[int, int]], offset: int, length: int, members: list[tuple[int, int]]
-    ) -> int:
-        """Read extent i around the page cache into free buffers; the bytes of it done (the rest
-        goes through the page cache: the buffers were all full while a worker waited for this
-        extent, or O_DIRECT was refused), or -1 when the read-ahead is being stopped. Each buffer
-        is registered with the planned bytes it holds; one holding none is freed at once."""
+    def _read_batch(self, batch: list[tuple[int, Opened]], readers: ThreadPoolExecutor) -> int:
+        """Read consecutive small extents around the page cache at once, each by its own thread
+        (one read at a time leaves a disk busy with the output's writes half idle); the number
+        of extents done, from the first (0: the buffers did not hold the first one: read it
+        alone), or -1 when the read-ahead is being stopped."""
+        jobs = []  # (extent, descriptor, file identity, first byte, bytes, buffers)
+        for i, (fd, key) in batch:
+            _, offset, length = self.extents[i]
+            first = offset - offset % ALIGN
+            size = -(-(offset + length - first) // ALIGN) * ALIGN
+            jobs.append((i, fd, key, first, size, -(-size // DIRECT_CHUNK)))
+        with self._cond:
+            if not self._take(batch[0][0], jobs[0][5]):
+                return -1
+            taken = []
+            position = self.position
+            for i, fd, key, first, size, count in jobs:
+                if count > len(self._free) or taken and not self._allowed(position):
+                    break
+                taken.append((i, fd, key, first, size, [self._free.pop() for _ in range(count)]))
+                position += self.extents[i][2]
+            pool = self._pool
+        assert pool is not None
+        results = list(readers.map(lambda job: _read_around(pool, job[1], job[3], job[5], job[4]), taken))
+        done, refused = 0, False
+        with self._cond:
+            for (i, _, key, first, _, slots), got in zip(taken, results):
+                refused = refused or got is None
+                if refused or got is None:  # this one and those after it go through the page cache
+                    self._free += slots
+                    continue
+                _, offset, length = self.extents[i]
+                self._register(key, first, got, slots, self._members[i] or [], offset, offset + length)
+                self._done = i + 1
+                done += 1
+            self._cond.notify_all()
+        return done
+
+    def _read_direct(self, i: int, opened: Opened, offset: int, length: int) -> int:
+        """Read extent i around the page cache into free buffers, DIRECT_READ at a time; the bytes
+        of it done (the rest goes through the page cache: the buffers were all full while a
+        worker waited for this extent, or O_DIRECT was refused), or -1 when the read-ahead is
+        being stopped."""
         fd, key = opened
         end = offset + length
         position = offset - offset % ALIGN
         while position < end:
             with self._cond:
-                # a worker waiting for this extent while every buffer is full would wait for ever
-                if not self._pause(lambda: bool(self._free) or self._pool is None or self._needed > i):
+                if not self._take(i, 1):
                     return -1
-                if self._pool is None:
-                    self._pool = mmap.mmap(-1, DIRECT_BUDGET)  # page-aligned, as O_DIRECT needs
-                    self._free = list(range(DIRECT_BUDGET // DIRECT_CHUNK))[::-1]
                 if not self._free:
                     return max(0, position - offset)
                 wanted = min(DIRECT_READ, len(self._free), -(-(end - position) // DIRECT_CHUNK))
                 slots = [self._free.pop() for _ in range(wanted)]
                 pool = self._pool
+            assert pool is not None
             size = min(wanted * DIRECT_CHUNK, -(-(end - position) // ALIGN) * ALIGN)
-            with memoryview(pool) as buffers:
-                views = [
-                    buffers[s * DIRECT_CHUNK : s * DIRECT_CHUNK + min(DIRECT_CHUNK, size - k * DIRECT_CHUNK)]
-                    for k, s in enumerate(slots)
-                ]
-                try:
-                    got = os.preadv(fd, views, position)
-                except OSError as e:
-                    got = -1
-                    if e.errno != errno.EINVAL:
-                        raise
-                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                finally:
-                    for v in views:
-                        v.release()
+            got = _read_around(pool, fd, position, slots, size)
             with self._cond:
-                if got < 0:  # refused at read: through the page cache from here
+                if got is None:  # refused at read: through the page cache from here
                     self._free += slots
                     return max(0, position - offset)
-                for k, slot in enumerate(slots):
-                    start = position + k * DIRECT_CHUNK
-                    stop = min(start + DIRECT_CHUNK, position + got)
-                    planned = [[max(s, start), min(e, stop)] for s, e in members if max(s, start) < min(e, stop)]
-                    if planned:
-                        self._held.setdefault(key, []).append(_Chunk(key, start, stop, slot, planned))
-                    else:
-                        self._free.append(slot)
-                moved = min(end, position + got) - max(offset, position)
-                self.position += max(0, moved)
-                self.direct_bytes += max(0, moved)
+                self._register(key, position, got, slots, self._members[i] or [], offset, end)
                 self._cond.notify_all()
             if got < size:  # the end of the file: shorter than planned, the workers report it
                 return length
             position += got
         return length
 
+    def _register(
+        self, key: tuple[int, int], position: int, got: int, slots: list[int], members, offset: int, end: int
+    ) -> None:
+        """Hold the buffers just filled with `got` bytes from `position` (under the lock), each with
+        the planned bytes in it; one holding none is freed at once. Counts the extent's bytes
+        [offset, end) among them as read ahead."""
+        for k, slot in enumerate(slots):
+            start = position + k * DIRECT_CHUNK
+            stop = min(start + DIRECT_CHUNK, position + got)
+            planned = [[max(s, start), min(e, stop)] for s, e in members if max(s, start) < min(e, stop)]
+            if planned:
+                self._held.setdefault(key, []).append(_Chunk(key, start, stop, slot, planned))
+            else:
+                self._free.append(slot)
+        moved = max(0, min(end, position + got) - max(offset, position))
+        self.position += moved
+        self.direct_bytes += moved
 
-def _open_direct(path: Path) -> tuple[int, tuple[int, int]] | None:
+
+def _read_around(pool: mmap.mmap, fd: int, position: int, slots: list[int], size: int) -> int | None:
+    """Read `size` bytes at `position` of an O_DIRECT descriptor into the buffers `slots` of
+    `pool`, in one call; the bytes read (fewer at the end of the file), or None when the file
+    system refuses the read (EINVAL: O_DIRECT is then cleared on fd)."""
+    with memoryview(pool) as buffers:
+        views = [
+            buffers[s * DIRECT_CHUNK : s * DIRECT_CHUNK + min(DIRECT_CHUNK, size - k * DIRECT_CHUNK)]
+            for k, s in enumerate(slots)
+        ]
+        try:
+            return os.preadv(fd, views, position)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            return None
+        finally:
+            for view in views:
+                view.release()
+
+
+def _direct_works(fd: int) -> bool:
+    """Whether fd still has O_DIRECT set (`_read_around` clears it where reads refuse it)."""
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def _open_direct(path: Path) -> Opened | None:
     """A descriptor reading `path` around the page cache, with the file's identity (st_dev,
     st_ino); None where the file system refuses O_DIRECT (tmpfs, some FUSE)."""
     fd = open_regular(path, "source file")
@@ -477,12 +605,13 @@ def cached_fraction(fd: int, offset: int, length: int) -> float:
     global _libc, _how
     if length <= 0:
         return 1.0
-    if _how is None:
+    if _libc is None and _how != "":
         try:
             _libc = ctypes.CDLL(None, use_errno=True)
-            _how = "cachestat"
         except OSError:
             _how = ""
+    if _how is None:
+        _how = "cachestat"
     libc = _libc
     first = offset - offset % _PAGE
     pages = -(-(offset + length - first) // _PAGE)
