@@ -415,8 +415,27 @@ def test_cached_fraction_tells_cached_from_dropped_pages(tmp_path, monkeypatch):
         os.close(fd)
 
 
+@pytest.fixture
+def recorded(monkeypatch) -> list[Prefetcher]:
+    """The read-aheads operations make, in order; each notes the buffers still held when stopped."""
+    made: list[Prefetcher] = []
+    real = executor.Prefetcher
+
+    class Recording(real):  # type: ignore[misc, valid-type]
+        def __init__(self, spans, window=None, once=None):
+            super().__init__(spans, window, once)
+            made.append(self)
+
+        def stop(self):
+            self.left = sum(len(chunks) for chunks in self._held.values())
+            super().stop()
+
+    monkeypatch.setattr(executor, "Prefetcher", Recording)
+    return made
+
+
 def test_reads_go_around_the_page_cache_only_when_the_operation_would_not_fit_in_free_memory(
-    tiny_model, tmp_path, monkeypatch
+    tiny_model, tmp_path, monkeypatch, recorded
 ):
     """Below the free memory, the page cache holds what an operation reads and writes without
     evicting anything, and reads through it are faster; above it, cold bytes read once go around
@@ -430,15 +449,7 @@ def test_reads_go_around_the_page_cache_only_when_the_operation_would_not_fit_in
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
     shard_bytes = sum(p.stat().st_size for p in (tmp_path / "shards").rglob("*.pt"))
-    made: list[Prefetcher] = []
-    real = executor.Prefetcher
-
-    class Recording(real):  # type: ignore[misc, valid-type]
-        def __init__(self, spans, window=None, once=None):
-            super().__init__(spans, window, once)
-            made.append(self)
-
-    monkeypatch.setattr(executor, "Prefetcher", Recording)
+    made = recorded
     for fits, name in ((True, "fits"), (False, "does-not-fit")):
         # tensors read (a little less than the shards) + the merged output (about as much)
         free["MemFree"] = 3 * shard_bytes if fits else shard_bytes
@@ -454,7 +465,7 @@ def test_only_spans_read_once_and_overlapped_by_none_are_read_into_buffers():
     assert executor._read_once(plan, [1, 1, 1, 1, 2]) == [True, False, False, True, False]
 
 
-def test_a_cold_merge_through_the_buffers_writes_the_same_bytes(tiny_model, tmp_path, cold, monkeypatch):
+def test_a_cold_merge_through_the_buffers_writes_the_same_bytes(tiny_model, tmp_path, cold, monkeypatch, recorded):
     """A merge whose shards are read around the page cache (buffers of 16 KiB, so that pieces span
     several, and too few for some tensors, so that some bytes go through the page cache) writes
     the bytes of a merge without read-ahead, with the hash check on; a shard with a flipped bit is
@@ -464,19 +475,7 @@ def test_a_cold_merge_through_the_buffers_writes_the_same_bytes(tiny_model, tmp_
     _direct_or_skip(next((tmp_path / "shards").rglob("*.pt")))
     monkeypatch.setattr(prefetch, "DIRECT_CHUNK", 16 << 10)
     monkeypatch.setattr(prefetch, "DIRECT_BUDGET", 6 * (16 << 10))
-    made: list[Prefetcher] = []
-    real = executor.Prefetcher
-
-    class Recording(real):  # type: ignore[misc, valid-type]
-        def __init__(self, spans, window=None, once=None):
-            super().__init__(spans, window, once)
-            made.append(self)
-
-        def stop(self):
-            self.left = sum(len(chunks) for chunks in self._held.values())
-            super().stop()
-
-    monkeypatch.setattr(executor, "Prefetcher", Recording)
+    made = recorded
     merge(tmp_path / "shards", tmp_path / "direct", workers=2)
     assert made and made[0].direct_bytes > 0
     assert made[0].left == 0  # every byte read ahead into a buffer was served from it

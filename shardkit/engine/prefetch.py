@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..formats.base import ReadSource, read_exact
+from ..formats.base import ReadSource, read_exact, unmap
 from ..paths import open_regular
 
 logger = logging.getLogger(__name__)
@@ -217,10 +217,7 @@ class Prefetcher:
             self._free.clear()
             pool, self._pool = self._pool, None
         if pool is not None:
-            try:
-                pool.close()
-            except BufferError:  # a view of it lives on in a traceback: unmapped when that goes
-                pass
+            unmap(pool)
 
     def source_for(self, st: os.stat_result) -> ReadSource | None:
         """What serves the reads of the file `st` describes from the read-ahead's buffers (for
@@ -433,7 +430,7 @@ class Prefetcher:
         with self._cond:
             if not self._take(batch[0][0], jobs[0][5]):
                 return -1
-            taken = []
+            taken: list[tuple[int, int, tuple[int, int], int, int, list[int]]] = []
             position = self.position
             for i, fd, key, first, size, count in jobs:
                 if count > len(self._free) or taken and not self._allowed(position):

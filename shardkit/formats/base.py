@@ -536,13 +536,19 @@ class DirectFile:
         """Close without writing what is gathered (the file is being deleted)."""
         buffer, self._buffer = self._buffer, None
         if buffer is not None:
-            try:
-                buffer.close()
-            except BufferError:  # a slice of it lives on in a traceback: unmapped when that goes
-                pass
+            unmap(buffer)
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
+
+
+def unmap(buffer: mmap.mmap) -> None:
+    """Close an anonymous mapping; where a view of it still lives (in a traceback), it is unmapped
+    when that goes."""
+    try:
+        buffer.close()
+    except BufferError:
+        pass
 
 
 def direct_io_pays(nbytes: int) -> bool:
