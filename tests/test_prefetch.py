@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardkit import Layout, convert, merge
+from shardkit import Layout, convert, merge, reshard
 from shardkit.engine import executor, prefetch
 from shardkit.engine.prefetch import Prefetcher
 from shardkit.errors import FormatError
@@ -497,6 +497,44 @@ def test_a_cold_merge_through_the_buffers_writes_the_same_bytes(tiny_model, tmp_
         merge(tmp_path / "shards", tmp_path / "corrupt", workers=1)
     assert made and made[0].direct_bytes > 0
     assert not (tmp_path / "corrupt").exists()
+
+
+@pytest.mark.parametrize("operation", ["convert", "reshard"])
+def test_convert_and_reshard_through_the_buffers_write_the_same_bytes(
+    tiny_model, tmp_path, cold, monkeypatch, recorded, operation
+):
+    """Convert (row blocks of the Hugging Face tensors read once) and reshard (tp 4 pp 2 -> tp 2
+    pp 3) read around the page cache write the tensor files of the same operation without
+    read-ahead, byte for byte, and serve every byte they read into the buffers."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    if operation == "convert":
+        source = src
+
+        def run(dst):
+            convert(source, dst, Layout(tp=4, pp=2), format="torch", workers=1)
+
+    else:
+        source = tmp_path / "shards"
+        convert(src, source, Layout(tp=4, pp=2), format="torch", workers=1)
+
+        def run(dst):
+            reshard(source, dst, Layout(tp=2, pp=3), workers=2)
+
+    _direct_or_skip(next(p for p in source.rglob("*") if p.suffix in (".pt", ".safetensors")))
+    monkeypatch.setattr(prefetch, "DIRECT_CHUNK", 16 << 10)
+    monkeypatch.setattr(prefetch, "DIRECT_BUDGET", 8 * (16 << 10))
+    run(tmp_path / "direct")
+    assert recorded and recorded[-1].direct_bytes > 0 and recorded[-1].left == 0
+    monkeypatch.setattr(executor, "plan_read_ahead", lambda outputs, index, spans, written=0: (None, None))
+    run(tmp_path / "plain")
+    tensors = sorted(
+        p.relative_to(tmp_path / "plain")
+        for p in (tmp_path / "plain").rglob("*")
+        if p.suffix in (".pt", ".safetensors")
+    )
+    assert tensors
+    for name in tensors:
+        assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
 
 
 real_plan = executor.plan_read_ahead
