@@ -441,7 +441,7 @@ def test_reads_go_around_the_page_cache_only_when_the_operation_would_not_fit_in
     evicting anything, and reads through it are faster; above it, cold bytes read once go around
     it. The bytes counted are the sources planned plus the output."""
     free = {"MemFree": 10 << 30}
-    monkeypatch.setattr(prefetch, "meminfo", lambda field: free.get(field))
+    monkeypatch.setattr(base, "meminfo", lambda field: free.get(field))
     assert prefetch.reads_around_pay(11 << 30) and not prefetch.reads_around_pay(9 << 30)
     free.clear()  # no /proc/meminfo: never
     assert not prefetch.reads_around_pay(1 << 50)

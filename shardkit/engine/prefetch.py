@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -46,7 +45,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..formats.base import ReadSource, read_exact, unmap
+from ..formats import base
+from ..formats.base import ReadSource, is_direct, read_exact, set_direct, unmap
 from ..paths import open_regular
 
 logger = logging.getLogger(__name__)
@@ -101,22 +101,10 @@ COLD = 0.5
 """An extent with less than this fraction of its bytes in the page cache is read around it."""
 
 
-def meminfo(field: str) -> int | None:
-    """A /proc/meminfo field in bytes (MemAvailable, MemFree), None where there is none."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def window_bytes() -> int:
     """WINDOW, or a quarter of the memory the kernel reports available when that is smaller (the
     read-ahead must not evict what the workers are about to read), at least 4 chunks."""
-    available = meminfo("MemAvailable")
+    available = base.meminfo("MemAvailable")
     return WINDOW if available is None else max(4 * READ_CHUNK, min(WINDOW, available // 4))
 
 
@@ -129,7 +117,7 @@ def reads_around_pay(nbytes: int) -> bool:
     bytes stay cached for the next command; above it, the eviction makes every cached byte cost
     3-4 CPU-s per GB here (a cold 7B merge: 43-57 CPU-s and 29-36 s through the page cache, 17-18
     CPU-s and 17-19 s around it)."""
-    free = meminfo("MemFree")
+    free = base.meminfo("MemFree")
     return hasattr(os, "O_DIRECT") and free is not None and nbytes > free
 
 
@@ -324,7 +312,7 @@ class Prefetcher:
             if path not in direct_fds:
                 direct_fds[path] = _open_direct(path)
             opened = direct_fds[path]
-            if opened is not None and not _direct_works(opened[0]):  # a read refused it
+            if opened is not None and not is_direct(opened[0]):  # a read refused it
                 os.close(opened[0])
                 opened = direct_fds[path] = None
             return opened
@@ -439,7 +427,12 @@ class Prefetcher:
                 position += self.extents[i][2]
             pool = self._pool
         assert pool is not None
-        results = list(readers.map(lambda job: _read_around(pool, job[1], job[3], job[5], job[4]), taken))
+
+        def read(job: tuple[int, int, tuple[int, int], int, int, list[int]]) -> int | None:
+            _, fd, _, first, size, slots = job
+            return _read_around(pool, fd, first, slots, size)
+
+        results = list(readers.map(read, taken))
         done, refused = 0, False
         with self._cond:
             for (i, _, key, first, _, slots), got in zip(taken, results):
@@ -518,16 +511,11 @@ def _read_around(pool: mmap.mmap, fd: int, position: int, slots: list[int], size
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            set_direct(fd, False)
             return None
         finally:
             for view in views:
                 view.release()
-
-
-def _direct_works(fd: int) -> bool:
-    """Whether fd still has O_DIRECT set (`_read_around` clears it where reads refuse it)."""
-    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
 def _open_direct(path: Path) -> Opened | None:
@@ -535,7 +523,7 @@ def _open_direct(path: Path) -> Opened | None:
     st_ino); None where the file system refuses O_DIRECT (tmpfs, some FUSE)."""
     fd = open_regular(path, "source file")
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        set_direct(fd, True)
         st = os.fstat(fd)
     except (OSError, AttributeError):
         os.close(fd)

@@ -449,7 +449,7 @@ class DirectFile:
         self._fill = 0
         self._offset = 0  # where the buffer's first byte goes
         try:
-            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) | os.O_DIRECT)
+            set_direct(self._fd, True)
             self.direct = True
             self._buffer = mmap.mmap(-1, DIRECT_CHUNK)  # page-aligned, as O_DIRECT needs
         except OSError:  # no O_DIRECT on this file system: through the page cache
@@ -505,7 +505,7 @@ class DirectFile:
         self._offset += nbytes
 
     def _through_cache(self) -> None:
-        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        set_direct(self._fd, False)
         self.direct = False
 
     def flush(self) -> None:
@@ -562,15 +562,36 @@ def direct_io_pays(nbytes: int) -> bool:
         limit = int(Path("/proc/sys/vm/dirty_bytes").read_text())
         if not limit:
             ratio = int(Path("/proc/sys/vm/dirty_ratio").read_text())
-            available = next(
-                int(line.split()[1]) * 1024
-                for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemAvailable:")
-            )
+            available = meminfo("MemAvailable")
+            if available is None:
+                return False
             limit = available * ratio // 100
-    except (OSError, ValueError, StopIteration):
+    except (OSError, ValueError):
         return False
     return nbytes > limit
+
+
+def meminfo(field: str) -> int | None:
+    """A /proc/meminfo field in bytes (MemAvailable, MemFree), None where there is none."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def set_direct(fd: int, on: bool) -> None:
+    """Set or clear O_DIRECT on an open descriptor (OSError where the file system refuses it)."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+
+
+def is_direct(fd: int) -> bool:
+    """Whether O_DIRECT is set on fd."""
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
 class HashingFile:
