@@ -450,11 +450,38 @@ def test_reads_go_around_the_page_cache_only_when_the_operation_would_not_fit_in
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
     shard_bytes = sum(p.stat().st_size for p in (tmp_path / "shards").rglob("*.pt"))
     made = recorded
+    monkeypatch.setattr(prefetch, "cached_fraction", lambda fd, offset, length: 0.0)  # the shards are cold
     for fits, name in ((True, "fits"), (False, "does-not-fit")):
         # tensors read (a little less than the shards) + the merged output (about as much)
         free["MemFree"] = 3 * shard_bytes if fits else shard_bytes
         merge(tmp_path / "shards", tmp_path / name, workers=1)
         assert made.pop()._direct is not fits, name
+
+
+def test_warm_bytes_are_never_read_around_the_page_cache(tiny_model, tmp_path, monkeypatch, recorded):
+    """When an operation would not fit in the free memory, only the bytes not already cached as
+    it starts are planned around the page cache; a merge of cached shards then copies them file
+    to file, and serves no reader from the buffers."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
+    _direct_or_skip(next((tmp_path / "shards").rglob("*.pt")))
+    monkeypatch.setattr(prefetch, "reads_around_pay", lambda nbytes: True)
+    monkeypatch.setattr(executor, "reads_around_pay", lambda nbytes: True)
+    cached = {"fraction": 1.0}
+    monkeypatch.setattr(prefetch, "cached_fraction", lambda fd, offset, length: cached["fraction"])
+    copies = []
+    real = base.HashingFile.copy_ranges
+    monkeypatch.setattr(base.HashingFile, "copy_ranges", lambda self, *a, **k: copies.append(1) or real(self, *a, **k))
+    merge(tmp_path / "shards", tmp_path / "warm", workers=1)
+    ahead = recorded.pop()
+    assert not ahead._direct and ahead.source_for(os.stat(next((tmp_path / "shards").rglob("*.pt")))) is None
+    assert copies  # the dim-0 pieces went file to file
+    cached["fraction"] = 0.0
+    copies.clear()
+    merge(tmp_path / "shards", tmp_path / "cold", workers=1)
+    assert recorded.pop()._direct and not copies  # every shard served from the buffers
+    for name in ("warm", "cold"):
+        assert (tmp_path / name / "model.safetensors").read_bytes() == (tmp_path / "warm" / "model.safetensors").read_bytes()
 
 
 def test_only_spans_read_once_and_overlapped_by_none_are_read_into_buffers():

@@ -551,8 +551,17 @@ def test_reshard_reads_only_needed_source_files_and_bytes(work, tmp_path, monkey
             read_bytes[current["out"]] += out.numel() * out.element_size()
         return done
 
+    orig_range = TorchFile.byte_range
+
+    def counting_range(self, name, dim=0, start=None, stop=None):  # bytes the kernel copies
+        found = orig_range(self, name, dim, start, stop)
+        if found is not None and Path(self.path).resolve().is_relative_to(Path(src).resolve()):
+            read_bytes[current["out"]] += found.length
+        return found
+
     monkeypatch.setattr(Checkpoint, "open", counting_open)
     monkeypatch.setattr(TorchFile, "read_into", counting_read_into)
+    monkeypatch.setattr(TorchFile, "byte_range", counting_range)
     monkeypatch.setitem(registry.FORMATS, "torch", dataclasses.replace(torch_format, writer=tracking_writer))
     monkeypatch.setattr(engine, "_config_for_output", tracking_finish)
     monkeypatch.setattr(TorchFile, "read", counting_read)

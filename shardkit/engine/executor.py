@@ -21,7 +21,7 @@ import torch
 
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
-from ..formats.base import ChunkedWriter, FileRecord, TensorSpec, direct_io_pays, reused_buffers
+from ..formats.base import ChunkedWriter, CopyingWriter, FileRecord, TensorSpec, direct_io_pays, reused_buffers
 from ..formats.digest import NONE, CheckMode, Recording, check_mode
 from ..formats.reader import HashCheck
 from ..placements import Read, SegmentIndex
@@ -134,6 +134,7 @@ def execute(
         writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel, digests, direct)
         # the registry says this format's writer takes row blocks (write_chunks)
         chunked = cast(ChunkedWriter, writer) if file_format.chunked_writes else None
+        copying = cast(CopyingWriter, writer) if getattr(writer, "copies", False) else None
         # a read waits until the read-ahead has its bytes (never reads a cold disk by itself)
         reader = SourceReader(src, index=index, hashes=hashes, sources=sources, ready=ready)
         try:
@@ -142,8 +143,15 @@ def execute(
                     raise _Cancelled()
                 if advise and i + 1 < len(out.pieces):  # a cold disk reads the next piece while this one is written
                     reader.advise(out.pieces[i + 1])
-                blocks = reader.row_blocks(piece) if chunked is not None else None
-                if chunked is not None and blocks is not None:
+                # bytes that move unchanged are copied by the kernel (see HashingFile.copy_ranges)
+                copied = (
+                    copying is not None and spec.nbytes > 0 and spec.dtype == source_dtypes[piece.segments[0].source]
+                )
+                ranges = reader.byte_ranges(piece) if copied else None
+                blocks = reader.row_blocks(piece) if chunked is not None and ranges is None else None
+                if copying is not None and ranges is not None:
+                    copying.write_copy(piece.name, ranges)
+                elif chunked is not None and blocks is not None:
                     chunked.write_chunks(piece.name, blocks, owned=True)
                 else:
                     tensor = reader.read_piece(piece)

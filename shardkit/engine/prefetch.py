@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..errors import ShardkitError
 from ..formats import base
 from ..formats.base import ReadSource, is_direct, read_exact, set_direct, unmap
 from ..paths import open_regular
@@ -166,6 +167,9 @@ class Prefetcher:
         self.direct_bytes = 0  # bytes read around the page cache so far
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._cold_files: set[tuple[int, int]] = set()  # identities of the files with extents read around
+        if any(members is not None for members in self._members):
+            self._members, self._cold_files = _only_cold(self.extents, self._members)
         self._direct = any(members is not None for members in self._members)
         self._pool: mmap.mmap | None = None  # DIRECT_BUDGET bytes of page-aligned buffers
         self._free: list[int] = []  # buffer slots not holding bytes
@@ -210,9 +214,9 @@ class Prefetcher:
     def source_for(self, st: os.stat_result) -> ReadSource | None:
         """What serves the reads of the file `st` describes from the read-ahead's buffers (for
         `DescriptorReader.read_from`); None when nothing is read around the page cache."""
-        if not self._direct:
-            return None
         key = (st.st_dev, st.st_ino)
+        if not self._direct or key not in self._cold_files:
+            return None
 
         def serve(fd: int, view: memoryview, offset: int, what: str) -> bool:
             return self._serve(key, fd, view, offset, what)
@@ -567,6 +571,40 @@ def _coalesce(
             spans_of.append((offset, offset + length))
         covered.append(max(j + 1, covered[-1] if covered else 0))
     return [(path, start, end - start) for path, start, end in extents], covered, members
+
+
+def _only_cold(
+    extents: Sequence[tuple[Path, int, int]], members: list[list[tuple[int, int]] | None]
+) -> tuple[list[list[tuple[int, int]] | None], set[tuple[int, int]]]:
+    """Of the extents read once, those whose bytes are mostly not in the page cache as the
+    operation starts: only they may be read around it (the thread checks again as it reaches
+    each). The rest stay where they are: a worker copies warm bytes by the kernel, file to file
+    (`HashingFile.copy_ranges`), which bytes served from the buffers cannot be. Also the
+    identities of the files that keep such extents (only their readers are served from the
+    buffers). A file that cannot be opened keeps none (its readers meet the error)."""
+    kept = list(members)
+    cold: set[tuple[int, int]] = set()
+    fds: dict[Path, int | None] = {}
+    try:
+        for j, (path, offset, length) in enumerate(extents):
+            if kept[j] is None:
+                continue
+            if path not in fds:
+                try:
+                    fds[path] = open_regular(path, "source file")
+                except ShardkitError:
+                    fds[path] = None
+            fd = fds[path]
+            if fd is None or cached_fraction(fd, offset, length) >= COLD:
+                kept[j] = None
+                continue
+            st = os.fstat(fd)
+            cold.add((st.st_dev, st.st_ino))
+    finally:
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+    return kept, cold
 
 
 class _CachestatRange(ctypes.Structure):

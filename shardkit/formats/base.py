@@ -173,6 +173,18 @@ class ChunkedWriter(TensorFileWriter, Protocol):
     def write_chunks(self, name: str, chunks: Iterable[torch.Tensor], owned: bool = False) -> None: ...
 
 
+class CopyingWriter(TensorFileWriter, Protocol):
+    """A writer that also takes a tensor as byte ranges of source files, copied by the kernel
+    (`HashingFile.copy_ranges`), when `copies` says it can (formats that store a tensor's bytes as
+    they are, in one run)."""
+
+    copies: bool
+
+    def write_copy(self, name: str, ranges: Iterable[FileRange]) -> None:
+        """Write the next tensor, whose bytes are `ranges`' bytes one after another."""
+        ...
+
+
 class DiscardOnFailure:
     """What every streaming writer does with failure: any failure inside its own steps
     (`_discarding`) or leaving a `with` block on an exception aborts the file, and a writer
@@ -242,7 +254,7 @@ class _HashJob:
     prefix: bytes | None
     view: memoryview | None  # None once hashed
     owner: object  # keeps the bytes of `view` alive (None: the caller waits until they are hashed)
-    prev: _HashJob | None  # the file's block before this one, until it is hashed
+    prev: _HashJob | _CopyJob | None  # the file's block before this one, until it is hashed
     size: int
     taken: bool
     done: threading.Event
@@ -252,7 +264,7 @@ class _HashJob:
         digest: Digests,
         view: memoryview,
         owner: object = None,
-        prev: _HashJob | None = None,
+        prev: _HashJob | _CopyJob | None = None,
         prefix: bytes | None = None,
     ):
         self.hash, self.view, self.owner, self.prev, self.prefix = digest, view, owner, prev, prefix
@@ -362,9 +374,9 @@ class _WriteBehind:
     cache is then off the caller's thread, as the digests are. The first write error is kept and
     raised to the caller at its next write, flush or close; later blocks are dropped."""
 
-    def __init__(self, fh: io.BufferedWriter | DirectFile) -> None:
+    def __init__(self, fh: io.BufferedRandom | DirectFile) -> None:
         self._fh = fh
-        self._jobs: queue.SimpleQueue[tuple[memoryview, object] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[memoryview | _CopyJob, object] | None] = queue.SimpleQueue()
         self._pending = 0
         self._changed = threading.Condition()
         self._cancelled = False
@@ -372,12 +384,18 @@ class _WriteBehind:
         self._thread = threading.Thread(target=self._run, name="shardkit-write-behind", daemon=True)
         self._thread.start()
 
-    def put(self, view: memoryview, owner: object) -> None:
+    def put(self, view: memoryview | _CopyJob, owner: object) -> None:
         """Queue `view` (kept alive by `owner`), then wait until at most WRITE_BEHIND bytes are
         queued: the caller's memory grows by at most that much (a larger block is written before
-        this returns, while its digests are computed)."""
+        this returns, while its digests are computed). A `_CopyJob` is queued the same way, with
+        `owner` the bytes it appends (it holds none of the caller's memory, only descriptors)."""
+        size = len(view) if isinstance(view, memoryview) else cast(int, owner)
+        if self.error is not None:
+            raise self.error
         with self._changed:
-            self._pending += len(view)
+            self._pending += size
+        if isinstance(view, _CopyJob):
+            view.queued = True
         self._jobs.put((view, owner))
         with self._changed:
             while self._pending > WRITE_BEHIND and self.error is None:
@@ -407,12 +425,15 @@ class _WriteBehind:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             view, owner = job
-            size = len(view)
+            size = len(view) if isinstance(view, memoryview) else cast(int, owner)
             try:
-                for start in range(0, size, WRITE_BLOCK):
-                    if self.error is not None or self._cancelled:
-                        break
-                    self._fh.write(view[start : start + WRITE_BLOCK])
+                if isinstance(view, _CopyJob):
+                    view.run(self._fh, skip=self.error is not None or self._cancelled)
+                else:
+                    for start in range(0, size, WRITE_BLOCK):
+                        if self.error is not None or self._cancelled:
+                            break
+                        self._fh.write(view[start : start + WRITE_BLOCK])
             except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
                 self.error = e
             finally:
@@ -420,6 +441,124 @@ class _WriteBehind:
             with self._changed:
                 self._pending -= size
                 self._changed.notify_all()
+
+
+class _CopyJob:
+    """Source byte ranges appended to a file at `position` by the kernel's copy, run by the file's
+    write-behind thread (see `HashingFile.copy_ranges`). In the file's chain of blocks to hash
+    it stands like a `_HashJob`: it hashes its bytes (read back) once the block before it is
+    hashed (`prev`), after `prefix` (small writes queued between). Each range comes with its
+    source's tap; the job owns the ranges' descriptors and closes them when done or dropped."""
+
+    size = 0  # holds none of the caller's memory: not counted against HASH_BEHIND
+
+    def __init__(
+        self,
+        ranges: list[tuple[FileRange, ReadTap | None]],
+        position: int,
+        path: Path,
+        digest: Digests | None,
+        prev: _HashJob | _CopyJob | None,
+        prefix: bytes | None,
+        seen: Callable[[memoryview], None] | None,
+        after: Callable[[], bytes] | None,
+        after_size: int,
+    ):
+        self.ranges, self.position, self.path, self.digest = ranges, position, path, digest
+        self.prev: _HashJob | _CopyJob | None = prev
+        self.prefix, self.seen, self.after, self.after_size = prefix, seen, after, after_size
+        self.cancelled = False
+        self.queued = False  # in the write-behind thread's queue
+        self.done = threading.Event()
+
+    def run(self, fh: io.BufferedRandom | DirectFile | None, skip: bool = False) -> None:
+        """Copy, read back and hash (in the write-behind thread); `skip`: drop the job."""
+        try:
+            if not (skip or self.cancelled or fh is None):
+                self._copy(cast("io.BufferedRandom", fh))
+        finally:
+            for source, _ in self.ranges:
+                os.close(source.fd)
+            self.ranges, self.prev, self.seen, self.after = [], None, None, None
+            self.done.set()
+
+    def _copy(self, fh: io.BufferedRandom) -> None:
+        fh.flush()
+        out = fh.fileno()
+        os.lseek(out, self.position, os.SEEK_SET)
+        view = _COPY_BUFFER.view
+        readback = any(tap is not None for _, tap in self.ranges) or self.digest is not None or self.seen is not None
+        by_kernel = True
+        done = 0
+        for source, tap in self.ranges:
+            for start in range(0, source.length, COPY_BLOCK):
+                if self.cancelled:  # the file is being given up: stop between blocks
+                    return
+                n = min(COPY_BLOCK, source.length - start)
+                block = view[:n]
+                moved = 0
+                while by_kernel and moved < n:
+                    got = kernel_copy(source.fd, source.offset + start + moved, out, n - moved)
+                    if got is None:  # not between these files: read and write from here on
+                        by_kernel = False
+                    elif got == 0:
+                        raise FormatError(f"{source.what} is truncated: re-create it")
+                    else:
+                        moved += got
+                if moved < n:  # the block's rest (all of it where the kernel does not copy)
+                    read_exact(source.fd, block, source.offset + start, source.what)
+                    for first in range(moved, n, WRITE_BLOCK):
+                        _write_all(out, block[first : min(n, first + WRITE_BLOCK)])
+                elif readback:
+                    read_exact(out, block, self.position + done, str(self.path))
+                if readback:
+                    self._hash(block)
+                    if self.seen is not None:
+                        self.seen(block)
+                    if tap is not None:
+                        tap(source.fd, source.offset + start, block)
+                done += n
+        fh.seek(self.position + done)  # the buffered file learns where the kernel left it
+        if self.after is not None:
+            data = self.after()
+            if len(data) != self.after_size:
+                raise RuntimeError(f"{self.path}: {len(data)} bytes after a copy, expected {self.after_size}")
+            fh.write(data)
+            self._hash(memoryview(data))
+
+    def _hash(self, data: memoryview) -> None:
+        if self.digest is None:
+            return
+        if self.prev is not None:  # the file's bytes before these are hashed first
+            self.prev.wait()
+            self.prev = None
+        if self.prefix:
+            self.digest.update(self.prefix)
+            self.prefix = None
+        self.digest.update(data)
+
+    def wait(self) -> None:
+        try:
+            self.done.wait()
+        except BaseException:  # Ctrl-C: the job may still feed the caller's digest; never leave before it ends
+            self.done.wait()
+            raise
+
+    def finish(self) -> None:
+        self.wait()
+
+    def cancel(self) -> None:
+        """Drop the job unless it has begun; either way return once it is done with the file
+        (a job never queued is dropped here)."""
+        self.cancelled = True
+        if not self.queued:
+            self.run(None, skip=True)
+        self.wait()
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 DIRECT_BLOCK = 4096
@@ -439,7 +578,7 @@ class DirectFile:
     Why: copying into the page cache costs 0.25-2.5 CPU-s per GB here (fresh page-cache memory is
     costly on a VM), and past the kernel's dirty limit the writer waits for the disk anyway;
     from an aligned buffer the cost is one copy into it (~0.1 CPU-s per GB) and the device's
-    time. The same interface as the BufferedWriter HashingFile otherwise writes through: write,
+    time. The same interface as the buffered file HashingFile otherwise writes through: write,
     flush, fileno, close; one thread writes at a time."""
 
     def __init__(self, path: Path):
@@ -617,8 +756,8 @@ class HashingFile:
         self.path = Path(path)
         self.root = Path(root)
         self.expected_size = expected_size
-        self._fh: io.BufferedWriter | DirectFile | None = None
-        self._behind: collections.deque[_HashJob] = collections.deque()  # written, not yet hashed
+        self._fh: io.BufferedRandom | DirectFile | None = None
+        self._behind: collections.deque[_HashJob | _CopyJob] = collections.deque()  # written, not yet hashed
         self._behind_bytes = 0
         self._tail = bytearray()  # small writes after the blocks behind: hashed with the next block
         self._writer: _WriteBehind | None = None  # started by the first large owned block
@@ -634,14 +773,16 @@ class HashingFile:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-        self._fh = DirectFile(self.path) if direct else open(self.path, "xb")
+        self._fh = (
+            DirectFile(self.path) if direct else open(self.path, "xb+")
+        )  # read too: copied ranges are read back (copy_ranges)
         st = os.fstat(self._fh.fileno())
         self._identity = (st.st_dev, st.st_ino)
         self._hash = Digests(sha256=digests == "sha256") if digests else None
         self.size = 0
 
     @property
-    def _file(self) -> io.BufferedWriter | DirectFile:
+    def _file(self) -> io.BufferedRandom | DirectFile:
         """The open file; ValueError once closed or aborted (as a closed file object raises)."""
         if self._fh is None:
             raise ValueError(f"{self.path}: the file is closed or was aborted")
@@ -733,14 +874,14 @@ class HashingFile:
         if self._writer is not None and (error := self._writer.drain()) is not None:
             raise error
 
-    def _settle(self, job: _HashJob | None, limit: int) -> None:
+    def _settle(self, job: _HashJob | _CopyJob | None, limit: int) -> None:
         """Queue `job` behind the file's earlier blocks, then hash (or wait for) the oldest blocks
         until at most `limit` bytes are left unhashed (-1: all of them)."""
         behind = self._behind
         if job is not None:
             behind.append(job)
             self._behind_bytes += job.size
-        while behind and self._behind_bytes > limit:
+        while behind and (self._behind_bytes > limit or behind[0].done.is_set()):
             oldest = behind.popleft()
             self._behind_bytes -= oldest.size
             oldest.finish()
@@ -748,6 +889,83 @@ class HashingFile:
         if limit < 0 and self._tail and self._hash is not None:
             self._hash.update(self._tail)
             self._tail.clear()
+
+    def copy_ranges(
+        self,
+        ranges: Iterable[FileRange],
+        seen: Callable[[memoryview], None] | None = None,
+        after: Callable[[], bytes] | None = None,
+        after_size: int = 0,
+    ) -> int:
+        """Append the bytes of source `ranges`, one after another, copied by the kernel
+        (`kernel_copy`): one copy from page cache to page cache, where writing them from this
+        process's memory is a second copy, and on a VM the dearer one. The file's write-behind
+        thread copies them while the caller prepares what comes next, and reads each block back
+        while it is still in the CPU's cache, for what needs the bytes: the file's digests,
+        `seen` (a CRC32, called in that thread), and the source's check on read (its tap, as if
+        the source had been read). So the digests describe the bytes this file holds, whatever
+        happens to the source meanwhile. Then `after()` (`after_size` bytes, computed once the
+        bytes are copied: a zip record's data descriptor) is written. Around the page cache
+        (`DirectFile`), the bytes are read and written here instead. The ranges are taken in this
+        thread (each waits for the read-ahead), and each source is kept open until it is copied.
+        Returns the bytes of `ranges`."""
+        sources = list(ranges)
+        total = sum(source.length for source in sources)
+        fh = self._file
+        if isinstance(fh, DirectFile):
+            view = _COPY_BUFFER.view
+            for source in sources:
+                tap = _TAPS.get(source.fd)
+                for start in range(0, source.length, COPY_BLOCK):
+                    block = view[: min(COPY_BLOCK, source.length - start)]
+                    read_exact(source.fd, block, source.offset + start, source.what)
+                    self.write(block)
+                    if seen is not None:
+                        seen(block)
+                    if tap is not None:
+                        tap(source.fd, source.offset + start, block)
+            if after is not None:
+                self._write_after(after, after_size)
+            return total
+        writer = self._writer
+        if writer is None:
+            writer = self._writer = _WriteBehind(fh)
+        held: list[tuple[FileRange, ReadTap | None]] = []
+        try:  # the reader may close its descriptor before the copy runs: the job keeps its own
+            for source in sources:
+                held.append(
+                    (FileRange(os.dup(source.fd), source.offset, source.length, source.what), _TAPS.get(source.fd))
+                )
+        except BaseException:
+            for source, _ in held:
+                os.close(source.fd)
+            raise
+        behind = self._behind
+        prefix = None
+        if self._hash is not None and self._tail:
+            prefix = bytes(self._tail)
+            self._tail.clear()
+        job = _CopyJob(
+            held, self.size, self.path, self._hash, behind[-1] if behind else None, prefix, seen, after, after_size
+        )
+        if self._hash is not None:
+            self._settle(job, HASH_BEHIND)  # later blocks are hashed after it
+        try:
+            writer.put(job, total + after_size)
+        except OSError as e:
+            job.cancel()
+            raise self._failed(e, total) from None
+        except BaseException:
+            job.cancel()
+            raise
+        self.size += total + after_size
+        return total
+
+    def _write_after(self, after: Callable[[], bytes], size: int) -> None:
+        data = after()
+        if len(data) != size:
+            raise RuntimeError(f"{self.path}: {len(data)} bytes after a copy, expected {size}")
+        self.write(data)
 
     def flush(self) -> None:
         try:
@@ -876,6 +1094,75 @@ def read_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
         if got <= 0:
             raise FormatError(f"{what} is truncated: re-create it")
         done += got
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """Bytes of an open source file that go into an output unchanged: `length` bytes at `offset` of
+    descriptor `fd` (`what` names the file in errors). Written by the kernel's copy
+    (`HashingFile.copy_ranges`), not through this process's memory."""
+
+    fd: int
+    offset: int
+    length: int
+    what: str
+
+
+def stored_range(
+    fd: int, t: StoredTensor, dim: int, start: int | None, stop: int | None, what: str
+) -> FileRange | None:
+    """The file bytes of a slice of a stored tensor, when they are the slice's bytes in order (the
+    whole of a row-major tensor, or a block of its rows) and no read-ahead buffer serves them
+    (`DescriptorReader.read_from`): the kernel can then copy the slice. None otherwise."""
+    if fd in _SOURCES or not t.shape:
+        return None
+    shape = list(t.shape)
+    start = 0 if start is None else start
+    stop = shape[dim] if stop is None else stop
+    sub = shape.copy()
+    sub[dim] = stop - start
+    if 0 in sub or list(t.strides()) != list(StoredTensor(t.dtype, tuple(sub), 0).strides()):
+        return None
+    span = stored_span(t, dim, start, stop)
+    if span is None or span[1] != math.prod(sub) * t.dtype.itemsize:
+        return None
+    return FileRange(fd, span[0], span[1], what)
+
+
+COPY_BLOCK = 1 << 20
+"""Copied ranges (`HashingFile.copy_ranges`) move, and are read back for their digests, in blocks
+of this size: a block read back right after the kernel wrote it is still in the CPU's cache."""
+
+_NO_KERNEL_COPY = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF)
+"""What copy_file_range and sendfile fail with where they cannot copy between these two files."""
+
+
+def kernel_copy(src: int, offset: int, out: int, count: int) -> int | None:
+    """Copy up to `count` bytes at `offset` of descriptor `src` to descriptor `out` at its
+    position, inside the kernel: copy_file_range (a server-side copy or a reflink where the file
+    system offers one), else sendfile. The bytes copied (0: `src` ends at `offset`); None when
+    neither call can copy between these files (the caller then reads and writes)."""
+    try:
+        return os.copy_file_range(src, out, count, offset)
+    except OSError as e:
+        if e.errno not in _NO_KERNEL_COPY:
+            raise
+    try:
+        return os.sendfile(out, src, offset, count)
+    except OSError as e:
+        if e.errno not in _NO_KERNEL_COPY:
+            raise
+    return None
+
+
+class _CopyBuffer(threading.local):
+    """This thread's buffer for reading copied blocks back (`HashingFile.copy_ranges`)."""
+
+    def __init__(self) -> None:
+        self.view = memoryview(bytearray(COPY_BLOCK))
+
+
+_COPY_BUFFER = _CopyBuffer()
 
 
 class _Buffers(threading.local):

@@ -12,13 +12,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from ..errors import FormatError
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
-from .base import ReadSource, ReadTap, TensorFile, empty_tensor, pread_exact
+from .base import FileRange, ReadSource, ReadTap, TensorFile, empty_tensor, pread_exact
 from .digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
 from .manifest import MANIFEST
 from .registry import format_of_file
@@ -315,6 +315,40 @@ class SourceReader:
                 block.copy_(self.read(r))
             row += stop - start
         return out
+
+    def byte_ranges(self, piece: Piece) -> Iterator[FileRange] | None:
+        """A piece as the source byte ranges it is made of, in order, when its bytes are exactly
+        those ranges one after another: every read is a whole row-major stored tensor or a block
+        of its rows, concatenated along dim 0. The kernel can then copy it
+        (`HashingFile.copy_ranges`). None otherwise: a block of columns, stacked or transposed
+        pieces, a format that does not say where its bytes are, bytes the read-ahead holds in its
+        own buffers. Each range is given once the read-ahead has its bytes."""
+        if piece.stacked or piece.transposed or (len(piece.slabs[0]) > 1 and piece.cat_dim != 0):
+            return None
+        reads: list[Read] = []
+        for seg in piece.slabs[0]:
+            located = self.index.locate(seg)
+            if len(located) > 1 and seg.dim != 0:
+                return None
+            reads += located
+        if len({r.holder for r in reads}) > self.max_open:  # every file stays open until copied
+            return None
+        ranges = [self._byte_range(r) for r in reads]
+        if any(found is None for found in ranges):
+            return None
+        return self._when_ready(reads, cast(list[FileRange], ranges))
+
+    def _when_ready(self, reads: list[Read], ranges: list[FileRange]) -> Iterator[FileRange]:
+        for r, found in zip(reads, ranges):
+            if self.ready is not None:
+                self.ready(r)
+            yield found
+
+    def _byte_range(self, r: Read) -> FileRange | None:
+        if r.slab is not None or r.transposed:
+            return None
+        byte_range = getattr(self._file(_key(r.holder)), "byte_range", None)
+        return None if byte_range is None else byte_range(r.piece_name, r.dim, r.start, r.stop)
 
     def advise(self, piece: Piece) -> None:
         """Hint the kernel to start reading the bytes `piece` will need (readers that can: the

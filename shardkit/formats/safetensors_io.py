@@ -245,6 +245,12 @@ class SafetensorsFile(base.DescriptorReader):
         """Start reading a slice's bytes in the background (see `advise_stored`)."""
         advise_stored(self._open_fd, self._tensors[name], dim, start, stop)
 
+    def byte_range(
+        self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None
+    ) -> base.FileRange | None:
+        """The file bytes of a slice, when the kernel can copy them as they are (`stored_range`)."""
+        return base.stored_range(self._open_fd, self._tensors[name], dim, start, stop, str(self.path))
+
     def span(self, name: str) -> tuple[int, int, int] | None:
         """Where a tensor's bytes are in the file, for read-ahead (see `byte_span`)."""
         return byte_span(self._tensors[name])
@@ -310,6 +316,19 @@ class SafetensorsWriter(base.DiscardOnFailure):
                 written += len(data)
             if written != spec.nbytes:
                 raise RuntimeError(f"{name}: wrote {written} bytes, expected {spec.nbytes}")
+            self._next += 1
+
+    copies = True
+    """`write_copy` may be used: a tensor's bytes are stored as they are, in one run."""
+
+    def write_copy(self, name: str, ranges: Iterable[base.FileRange]) -> None:
+        """Write the next tensor as source byte ranges, copied by the kernel (see
+        `HashingFile.copy_ranges`)."""
+        with self._discarding():
+            spec = self._expect(name)
+            copied = self._open_file.copy_ranges(ranges)
+            if copied != spec.nbytes:
+                raise RuntimeError(f"{name}: copied {copied} bytes, expected {spec.nbytes}")
             self._next += 1
 
     def _put(self, data: memoryview, owned: bool) -> None:

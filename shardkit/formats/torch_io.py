@@ -16,7 +16,7 @@ import sys
 import threading
 import zipfile
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from .base import (
     PARALLEL_HASH_MIN,
     DescriptorReader,
     DiscardOnFailure,
+    FileRange,
     FileRecord,
     HashingFile,
     StoredTensor,
@@ -40,6 +41,7 @@ from .base import (
     narrow,
     read_rows_into,
     read_stored,
+    stored_range,
     tensor_bytes,
 )
 from .digest import Recording
@@ -285,6 +287,15 @@ class TorchFile(DescriptorReader):
         if isinstance(value, StoredTensor):
             advise_stored(self._open_fd, value, dim, start, stop)
 
+    def byte_range(
+        self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None
+    ) -> FileRange | None:
+        """The file bytes of a slice, when the kernel can copy them as they are (`stored_range`)."""
+        value = self._sd[name]
+        if not isinstance(value, StoredTensor) or self._fd is None:
+            return None
+        return stored_range(self._fd, value, dim, start, stop, str(self.path))
+
     def span(self, name: str) -> tuple[int, int, int] | None:
         """Where a tensor's bytes are in the file, for read-ahead (see `byte_span`); None when
         the file was loaded whole (legacy format)."""
@@ -518,6 +529,22 @@ class TorchWriter(DiscardOnFailure):
                     self._record(f"data/{self._next}", storage, spec.nbytes)
                 finally:
                     self._sink.owner = None
+            self._next += 1
+
+    @property
+    def copies(self) -> bool:
+        """Whether `write_copy` may be used: shardkit writes the archive itself (`torch_zip`)."""
+        return self._native is not None
+
+    def write_copy(self, name: str, ranges: Iterable[FileRange]) -> None:
+        """Write the next tensor (of more than zero bytes) as source byte ranges, copied by the
+        kernel (see `HashingFile.copy_ranges`)."""
+        with self._discarding():
+            native = self._native
+            spec = self._specs[self._next] if self._next < len(self._specs) else None
+            if native is None or spec is None or spec.name != name or not spec.nbytes:
+                raise RuntimeError(f"{self.path}: cannot copy {name} here (expected {spec})")
+            native.add_copied(f"data/{self._next}", ranges, spec.nbytes)
             self._next += 1
 
     def close(self, fsync: bool = False) -> list[FileRecord]:

@@ -30,7 +30,8 @@ import functools
 import io
 import struct
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 try:  # SIMD CRC32 (~24 GB/s against the standard zlib's ~3)
@@ -39,6 +40,7 @@ except ImportError:  # pragma: no cover - a platform without zlib-ng's wheels: s
     from zlib import crc32
 
 from .. import torch_compat
+from .base import FileRange
 
 ARCHIVE = "archive/"
 """The folder torch's writer puts every record in when it writes to a stream."""
@@ -63,6 +65,17 @@ def _hash_combine(seed: int, value: int) -> int:
     return seed ^ ((value + 0x9E3779B9 + ((seed << 6) & _MASK64) + (seed >> 2)) & _MASK64)
 
 
+@dataclass
+class _Entry:
+    """A record written: full name, CRC32 (a copied record's is filled in as it is copied), size,
+    offset of its local header."""
+
+    name: bytes
+    crc: int
+    size: int
+    offset: int
+
+
 class ZipRecords:
     """Writes the records of one torch.save archive into `out` (a `HashingFile`, or anything with
     `write(data)`, `write_owned(data, owner)` and a `size`), then `finish()` adds torch's own
@@ -71,47 +84,94 @@ class ZipRecords:
     def __init__(self, out: Any, alignment: int):
         self.out = out
         self.alignment = alignment
-        self._entries: list[tuple[bytes, int, int, int]] = []  # (name, crc32, size, offset)
-        self._combined_crc = 0
+        self._entries: list[_Entry] = []
 
     def add(self, name: str, data: Any, owner: object = None) -> None:
         """One stored record: header, `data` (a buffer; with `owner`, handed to `write_owned`, so
         it may be written and hashed behind), data descriptor."""
         view = memoryview(data).cast("B")
-        full = (ARCHIVE + name).encode()
-        offset = self.out.size
-        start = offset + _LOCAL.size + len(full) + 4  # where the data would start without padding
-        padding = -start % self.alignment
         size = len(view)
-        flags = _FLAGS if size else _EMPTY_FLAGS
-        header = _LOCAL.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), padding + 4)
-        self.out.write(header + full + b"FB" + struct.pack("<H", padding) + b"Z" * padding)
+        full, offset = self._header(name, size)
         checksum = crc32(view) if size else 0
         if size:
             if owner is not None:
                 self.out.write_owned(view, owner)
             else:
                 self.out.write(view)
+        self._end(full, checksum, size, offset)
+
+    def add_copied(self, name: str, ranges: Iterable[FileRange], size: int) -> None:
+        """One stored record whose data is `ranges` of source files, one after another, `size` (> 0)
+        bytes in all, copied by the kernel (`out.copy_ranges`, a `HashingFile`); the CRC32 is
+        computed from the bytes read back as they are copied, and the data descriptor written
+        once it is known (`finish` waits for all)."""
+        full, offset = self._header(name, size)
+        entry = _Entry(full, 0, size, offset)
+
+        def seen(block: memoryview) -> None:
+            entry.crc = crc32(block, entry.crc)
+
+        def descriptor() -> bytes:
+            return _DESCRIPTOR.pack(0x08074B50, entry.crc, size, size)
+
+        copied = self.out.copy_ranges(ranges, seen, descriptor, _DESCRIPTOR.size)
+        if copied != size:
+            raise RuntimeError(f"{name}: copied {copied} bytes, expected {size}")
+        self._entries.append(entry)
+
+    def _header(self, name: str, size: int) -> tuple[bytes, int]:
+        """Write a record's local header; its full name and offset."""
+        full = (ARCHIVE + name).encode()
+        offset = self.out.size
+        start = offset + _LOCAL.size + len(full) + 4  # where the data would start without padding
+        padding = -start % self.alignment
+        flags = _FLAGS if size else _EMPTY_FLAGS
+        header = _LOCAL.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), padding + 4)
+        self.out.write(header + full + b"FB" + struct.pack("<H", padding) + b"Z" * padding)
+        return full, offset
+
+    def _end(self, full: bytes, checksum: int, size: int, offset: int) -> None:
+        """After a record's data: its data descriptor; the record joins the directory."""
+        if size:
             self.out.write(_DESCRIPTOR.pack(0x08074B50, checksum, size, size))
-        self._entries.append((full, checksum, size, offset))
-        if size:  # torch leaves empty records out of the chain
-            self._combined_crc = _hash_combine(self._combined_crc, checksum)
+        self._entries.append(_Entry(full, checksum, size, offset))
 
     def finish(self) -> None:
         """torch's trailing records, the serialization id, then the central directory."""
-        names = tuple(entry[0].decode()[len(ARCHIVE) :] for entry in self._entries)
+        self.out.flush()  # copied records are written and their CRC32s known
+        names = tuple(entry.name.decode()[len(ARCHIVE) :] for entry in self._entries)
         trailer, id_name, name_hash = torch_trailer(names)
         for name, content in trailer:
             self.add(name, content)
-        self.add(id_name, f"{name_hash}{self._combined_crc:020d}".encode())
+        combined = 0
+        for entry in self._entries:
+            if entry.size:  # torch leaves empty records out of the chain
+                combined = _hash_combine(combined, entry.crc)
+        self.add(id_name, f"{name_hash}{combined:020d}".encode())
         start = self.out.size
         directory = bytearray()
-        for full, checksum, size, offset in self._entries:
-            flags = _FLAGS if size else _EMPTY_FLAGS
+        for entry in self._entries:
+            flags = _FLAGS if entry.size else _EMPTY_FLAGS
             directory += _CENTRAL.pack(
-                0x02014B50, 0, 0, flags, 0, 0, 0, checksum, size, size, len(full), 0, 0, 0, 0, 0, offset
+                0x02014B50,
+                0,
+                0,
+                flags,
+                0,
+                0,
+                0,
+                entry.crc,
+                entry.size,
+                entry.size,
+                len(entry.name),
+                0,
+                0,
+                0,
+                0,
+                0,
+                entry.offset,
             )
-            directory += full
+            directory += entry.name
         count, length = len(self._entries), len(directory)
         end64 = start + length
         directory += _ZIP64_END.pack(0x06064B50, _ZIP64_END.size - 12, 0x031E, 45, 0, 0, count, count, length, start)

@@ -19,7 +19,17 @@ import torch
 from .. import torch_compat
 from ..errors import FormatError
 from ..paths import NoSpaceError, ensure_free_space, no_space_error
-from .base import DiscardOnFailure, FileRecord, HashingFile, ReadTap, TensorSpec, check_specs, compact, narrow
+from .base import (
+    DiscardOnFailure,
+    FileRange,
+    FileRecord,
+    HashingFile,
+    ReadTap,
+    TensorSpec,
+    check_specs,
+    compact,
+    narrow,
+)
 from .digest import Recording
 from .torch_io import (
     TensorReference,
@@ -152,6 +162,13 @@ class XserFile:
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         tensor = self._tensor(name)
         return not isinstance(tensor, torch.Tensor) and tensor.read_into(TorchFile.SINGLE, start, stop, out)
+
+    def byte_range(
+        self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None
+    ) -> FileRange | None:
+        """The bytes of a slice in its tensor file, when the kernel can copy them as they are."""
+        tensor = self._tensor(name)
+        return None if isinstance(tensor, torch.Tensor) else tensor.byte_range(TorchFile.SINGLE, dim, start, stop)
 
     def close(self) -> None:
         for reader in self._files.values():

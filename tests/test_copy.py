@@ -1,0 +1,243 @@
+"""Bytes that move unchanged are copied by the kernel, file to file (`HashingFile.copy_ranges`):
+the output is byte for byte what writing them from memory gives, the digests and CRC32s describe
+the bytes the file holds, the source's check on read still sees every byte, and failures leave
+nothing behind."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import zipfile
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardkit import Layout, convert, merge
+from shardkit.errors import FormatError, ShardkitError
+from shardkit.formats import base
+from shardkit.formats.base import FileRange, HashingFile
+from shardkit.formats.digest import file_digests
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def kernel_copies(monkeypatch) -> list[int]:
+    """The byte counts the kernel was asked to copy, in order."""
+    asked: list[int] = []
+    real = base.kernel_copy
+
+    def counting(src: int, offset: int, out: int, count: int) -> int | None:
+        asked.append(count)
+        return real(src, offset, out, count)
+
+    monkeypatch.setattr(base, "kernel_copy", counting)
+    return asked
+
+
+def _files(root) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_convert_and_merge_copy_row_blocks_by_the_kernel_and_write_the_same_bytes(
+    tiny_model, tmp_path, monkeypatch, kernel_copies
+):
+    """Convert (row blocks of the HF tensors into torch shards) and merge (each shard's rows of
+    a dim-0 tensor into the HF file) copy every such piece by the kernel; the files are those of
+    the same operations written from memory, the manifest's digests are the files' own, torch
+    loads the shards with their CRC32s checked, and no descriptor is left open."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    layout = Layout(tp=2, pp=2)
+    before = _open_fds()
+    convert(src, tmp_path / "copied", layout, format="torch", workers=1)
+    merge(tmp_path / "copied", tmp_path / "merged-copied", workers=1)
+    copied = sum(kernel_copies)
+    assert _open_fds() == before
+
+    q = load_file(src / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    assert copied >= 2 * 2 * q.numel() * q.element_size()  # q's halves, at least, in both operations
+    kernel_copies.clear()
+    from shardkit.formats import safetensors_io, torch_io  # writers that take no copies: every tensor from memory
+
+    monkeypatch.setattr(safetensors_io.SafetensorsWriter, "copies", False)
+    monkeypatch.setattr(torch_io.TorchWriter, "copies", property(lambda self: False))
+    convert(src, tmp_path / "written", layout, format="torch", workers=1)
+    merge(tmp_path / "written", tmp_path / "merged-written", workers=1)
+    assert not kernel_copies
+
+    for a, b in (("copied", "written"), ("merged-copied", "merged-written")):
+        assert _files(tmp_path / a) == _files(tmp_path / b), (a, b)
+    import json
+
+    manifest = json.loads((tmp_path / "copied" / "shardkit.json").read_text())
+    for entry in manifest["files"]:
+        _, fast = file_digests(tmp_path / "copied" / entry["path"])
+        assert fast == entry["xxh3_128"], entry["path"]
+    for shard in (tmp_path / "copied").rglob("*.pt"):
+        with zipfile.ZipFile(shard) as archive:
+            assert archive.testzip() is None  # every record's CRC32 matches its bytes
+        torch.load(shard, weights_only=True)
+
+
+def test_digests_and_crc_of_copied_bytes_follow_file_order(tmp_path):
+    """Small writes, large blocks hashed by the helper thread and copied ranges, interleaved: the
+    file's xxh3-128 and sha256 are those of its bytes, and `seen` gets the copied bytes in order."""
+    source = tmp_path / "source.bin"
+    data = os.urandom(5 << 20)
+    source.write_bytes(data)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        out = HashingFile(tmp_path / "out.bin", tmp_path, digests="sha256")
+        seen: list[bytes] = []
+        big = torch.frombuffer(bytearray(os.urandom(3 << 20)), dtype=torch.uint8)
+        out.write(b"header")
+        out.write_owned(base.tensor_bytes(big), big)
+        ranges = [FileRange(fd, 7, (2 << 20) + 3, "source"), FileRange(fd, 3 << 20, 1 << 20, "source")]
+        assert out.copy_ranges(ranges, lambda b: seen.append(bytes(b)), lambda: b"after", 5) == (3 << 20) + 3
+        out.write(b"tail")
+        out.write_owned(base.tensor_bytes(big), big)
+        record = out.close()
+    finally:
+        os.close(fd)
+    copied = data[7 : 7 + (2 << 20) + 3] + data[3 << 20 : 4 << 20]
+    expected = b"header" + bytes(big.numpy()) + copied + b"after" + b"tail" + bytes(big.numpy())
+    assert (tmp_path / "out.bin").read_bytes() == expected
+    assert b"".join(seen) == copied
+    assert (record.sha256, record.xxh3_128) == file_digests(tmp_path / "out.bin", sha256=True)
+    assert record.size == len(expected)
+
+
+@pytest.mark.parametrize("how", ["unsupported", "partly"])
+def test_where_the_kernel_cannot_copy_the_bytes_are_read_and_written(tmp_path, monkeypatch, how):
+    """copy_file_range and sendfile refused (another file system), from the start or after part
+    of a block: the rest is read and written, with the same bytes and digests."""
+    source = tmp_path / "source.bin"
+    data = os.urandom(3 << 20)
+    source.write_bytes(data)
+    real = base.kernel_copy
+    calls = {"n": 0}
+
+    def refusing(src: int, offset: int, out: int, count: int) -> int | None:
+        calls["n"] += 1
+        if how == "partly" and calls["n"] == 1:
+            return real(src, offset, out, 1000)
+        return None
+
+    monkeypatch.setattr(base, "kernel_copy", refusing)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        out = HashingFile(tmp_path / "out.bin", tmp_path)
+        out.write(b"x")
+        out.copy_ranges([FileRange(fd, 5, len(data) - 5, "source")])
+        record = out.close()
+    finally:
+        os.close(fd)
+    assert (tmp_path / "out.bin").read_bytes() == b"x" + data[5:]
+    assert record.xxh3_128 == file_digests(tmp_path / "out.bin")[1]
+
+
+def test_kernel_copy_falls_back_to_sendfile(tmp_path, monkeypatch):
+    """copy_file_range refused between two files (EXDEV): sendfile copies instead."""
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"0123456789")
+
+    def exdev(*args, **kwargs):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", exdev)
+    src = os.open(source, os.O_RDONLY)
+    out = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert base.kernel_copy(src, 2, out, 5) == 5
+    finally:
+        os.close(src)
+        os.close(out)
+    assert (tmp_path / "out.bin").read_bytes() == b"23456"
+
+
+def test_a_full_disk_during_a_copy_is_a_one_line_error_and_leaves_nothing(tiny_model, tmp_path, monkeypatch):
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    calls = {"n": 0}
+    real = base.kernel_copy
+
+    def filling(src_fd: int, offset: int, out: int, count: int) -> int | None:
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src_fd, offset, out, count)
+
+    monkeypatch.setattr(base, "kernel_copy", filling)
+    before = _open_fds()
+    with pytest.raises(ShardkitError, match="space") as info:
+        convert(src, tmp_path / "out", Layout(tp=2), format="torch", workers=1)
+    assert "\n" not in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == []
+    assert _open_fds() == before
+
+
+def test_a_source_that_shrinks_during_a_copy_is_refused(tiny_model, tmp_path, monkeypatch):
+    """The kernel finds the source shorter than its header said (0 bytes copied): FormatError
+    naming the file, nothing written."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    monkeypatch.setattr(base, "kernel_copy", lambda src_fd, offset, out, count: 0)
+    with pytest.raises(FormatError, match="truncated"):
+        convert(src, tmp_path / "out", Layout(tp=2), format="torch", workers=1)
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_flipped_bit_in_copied_bytes_is_refused_by_the_check_on_read(tiny_model, tmp_path):
+    """The bytes copied by the kernel are read back for the source's check: a shard whose q_proj
+    (a piece merge copies) has a flipped bit is refused, and nothing is written."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
+    shard = sorted((tmp_path / "shards").rglob("*.pt"))[1]
+    with zipfile.ZipFile(shard) as archive:
+        names = [i for i in archive.infolist() if i.filename.split("/")[-2:-1] == ["data"]]
+        info = max(names, key=lambda i: i.file_size)  # the largest record: an MLP row block
+        start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    raw = bytearray(shard.read_bytes())
+    raw[start + info.file_size // 2] ^= 0x10
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="does not match"):
+        merge(tmp_path / "shards", tmp_path / "merged", workers=1)
+    assert not (tmp_path / "merged").exists()
+
+
+def test_giving_up_a_file_stops_its_copy_between_blocks_and_closes_the_sources(tmp_path, monkeypatch):
+    """abort() while the write-behind thread copies: the copy stops after the block under way,
+    the file is deleted, and the descriptors the job held are closed."""
+    source = tmp_path / "source.bin"
+    source.write_bytes(os.urandom(8 * base.COPY_BLOCK))
+    gate, started = threading.Event(), threading.Event()
+    real = base.kernel_copy
+    calls = {"n": 0}
+
+    def slow(src: int, offset: int, out: int, count: int) -> int | None:
+        calls["n"] += 1
+        started.set()
+        gate.wait(10)
+        return real(src, offset, out, count)
+
+    monkeypatch.setattr(base, "kernel_copy", slow)
+    fd = os.open(source, os.O_RDONLY)
+    before = _open_fds()
+    try:
+        out = HashingFile(tmp_path / "out.bin", tmp_path)
+        out.copy_ranges([FileRange(fd, 0, 8 * base.COPY_BLOCK, "source")])
+        assert started.wait(10)
+        stopper = threading.Thread(target=out.abort)
+        stopper.start()
+        time.sleep(0.1)
+        gate.set()
+        stopper.join(10)
+        assert not stopper.is_alive()
+    finally:
+        os.close(fd)
+    assert calls["n"] == 1
+    assert not (tmp_path / "out.bin").exists()
+    assert _open_fds() == before - 1
