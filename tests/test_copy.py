@@ -241,3 +241,59 @@ def test_giving_up_a_file_stops_its_copy_between_blocks_and_closes_the_sources(t
     assert calls["n"] == 1
     assert not (tmp_path / "out.bin").exists()
     assert _open_fds() == before - 1
+
+
+def test_one_worker_closes_each_file_while_it_writes_the_next(tiny_model, tmp_path, monkeypatch):
+    """With one worker, a file's close (its queued copies and writes, then the zip directory)
+    runs in a helper thread while the next file's tensors are written: each close here waits
+    until the next file is opened, which a one-after-another loop would never do."""
+    from shardkit.formats import torch_io
+
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    opened: list[threading.Event] = []
+    overlapped: list[bool] = []
+    real_init, real_close = torch_io.TorchWriter.__init__, torch_io.TorchWriter.close
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        if opened:
+            opened[-1].set()
+        opened.append(threading.Event())
+        self.next_opened = opened[-1]
+
+    def close(self, fsync=False):
+        last = self.path.name.endswith("pp_rank_01.pt") and "tp_rank_01" in self.path.name
+        overlapped.append(last or self.next_opened.wait(10))
+        return real_close(self, fsync)
+
+    monkeypatch.setattr(torch_io.TorchWriter, "__init__", init)
+    monkeypatch.setattr(torch_io.TorchWriter, "close", close)
+    convert(src, tmp_path / "out", Layout(tp=2, pp=2), format="torch", workers=1)
+    assert len(overlapped) == 4 and all(overlapped)
+    monkeypatch.undo()
+    convert(src, tmp_path / "plain", Layout(tp=2, pp=2), format="torch", workers=1)
+    assert _files(tmp_path / "out") == _files(tmp_path / "plain")
+
+
+def test_a_failure_closing_a_file_stops_the_next_and_leaves_nothing(tiny_model, tmp_path, monkeypatch):
+    """The first file's close fails while the second is being written: the error is raised, the
+    second file is given up, no writer thread is left running and nothing is left behind."""
+    from shardkit.formats import torch_zip
+
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    real_finish = torch_zip.ZipRecords.finish
+    finishes = {"n": 0}
+
+    def failing_finish(self):
+        finishes["n"] += 1
+        if finishes["n"] == 1:  # writing the first file's zip directory
+            raise OSError(errno.EIO, "Input/output error")
+        return real_finish(self)
+
+    monkeypatch.setattr(torch_zip.ZipRecords, "finish", failing_finish)
+    with pytest.raises(ShardkitError, match="Input/output error"):
+        convert(src, tmp_path / "out", Layout(tp=2, pp=2), format="torch", workers=1)
+    assert finishes["n"] == 1
+    assert sorted(os.listdir(tmp_path)) == []
+    left = [t.name for t in threading.enumerate() if t.name == "shardkit-write-behind" or t.name.startswith("shardkit-close")]
+    assert not left

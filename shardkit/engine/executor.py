@@ -21,7 +21,15 @@ import torch
 
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
-from ..formats.base import ChunkedWriter, CopyingWriter, FileRecord, TensorSpec, direct_io_pays, reused_buffers
+from ..formats.base import (
+    ChunkedWriter,
+    CopyingWriter,
+    FileRecord,
+    TensorFileWriter,
+    TensorSpec,
+    direct_io_pays,
+    reused_buffers,
+)
 from ..formats.digest import NONE, CheckMode, Recording, check_mode
 from ..formats.reader import HashCheck
 from ..placements import Read, SegmentIndex
@@ -125,11 +133,11 @@ def execute(
             done += moved
             progress(done, total)
 
-    def build(out: OutputFile) -> list[FileRecord]:
+    def build(out: OutputFile) -> TensorFileWriter:
         with reused_buffers():  # every tensor read is written and dropped before the next read
             return build_file(out)
 
-    def build_file(out: OutputFile) -> list[FileRecord]:
+    def build_file(out: OutputFile) -> TensorFileWriter:
         specs = [TensorSpec(p.name, p.shape, dtypes[p.segments[0].source]) for p in out.pieces]
         writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel, digests, direct)
         # the registry says this format's writer takes row blocks (write_chunks)
@@ -168,7 +176,7 @@ def execute(
             raise
         finally:
             reader.close()
-        return writer.close()
+        return writer
 
     caller = threading.current_thread()
     records: list[FileRecord] = []
@@ -342,16 +350,16 @@ class _Cancelled(Exception):
 
 
 def _write_all(build, outputs, workers: int, records: list[FileRecord], cancel: threading.Event, drain) -> None:
-    """Every output file, by `workers` threads, in order. The calling thread waits, and calls the
-    progress callback (`drain`); on an error or Ctrl-C the files not started are cancelled and the
-    running ones stop before their next tensor (not finished first)."""
+    """Every output file, by `workers` threads, in order (`build` writes a file's tensors and
+    returns its writer, to be closed). The calling thread waits, and calls the progress callback
+    (`drain`); on an error or Ctrl-C the files not started are cancelled and the running ones stop
+    before their next tensor (not finished first)."""
     if workers <= 1:
-        for out in outputs:
-            records += build(out)
+        _write_one_by_one(build, outputs, records)
         return
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardkit-worker")
     try:
-        futures = [pool.submit(build, out) for out in outputs]
+        futures = [pool.submit(lambda out: build(out).close(), out) for out in outputs]
         for future in futures:
             while True:
                 drain()
@@ -367,6 +375,38 @@ def _write_all(build, outputs, workers: int, records: list[FileRecord], cancel: 
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+
+
+def _write_one_by_one(build, outputs, records: list[FileRecord]) -> None:
+    """One worker: each file's tensors in this thread, and its close (the rest of its queued writes
+    and copies, then the zip directory) in a helper thread while the next file's tensors are
+    read: the file's write-behind thread is then busy while this one is, as with two workers.
+    At most two files are in flight (memory: two files' queued blocks); a failure waits for the
+    file being closed (it writes into the staging folder) before it is raised."""
+    closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-close")
+    closing = None
+    try:
+        for out in outputs:
+            writer = build(out)
+            try:
+                if closing is not None:
+                    records += closing.result()
+                    closing = None
+            except BaseException:
+                writer.abort()
+                raise
+            closing = closer.submit(writer.close)
+        if closing is not None:
+            records += closing.result()
+            closing = None
+    finally:
+        if closing is not None:
+            while not closing.done():  # Ctrl-C: never leave while the file is still being written
+                try:
+                    closing.exception()
+                except BaseException:  # noqa: BLE001 - a second Ctrl-C: keep waiting
+                    continue
+        closer.shutdown(wait=True)
 
 
 def check_dtypes(src: Checkpoint, spans: dict[tuple[str, str], Span] | None = None) -> dict[str, torch.dtype]:
