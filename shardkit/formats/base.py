@@ -6,7 +6,8 @@ than write wrong bytes.
 
 A backend reads one file lazily (`TensorFile`: names, shapes, dtypes, and slices on demand) and
 writes one file as tensors arrive (`TensorFileWriter`), reporting the files it produced with
-their sizes and digests (hashed while writing, never by reading back).
+their sizes and digests: hashed while writing, except for bytes the kernel copies file to file
+(`HashingFile.copy_ranges`), which are read back a block at a time as they are copied.
 """
 
 from __future__ import annotations
