@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardkit import Layout, convert, merge
+from shardkit import Layout, convert, merge, reshard
 from shardkit.errors import FormatError, ShardkitError
 from shardkit.formats import base
 from shardkit.formats.base import FileRange, HashingFile
@@ -47,27 +47,32 @@ def _files(root) -> dict[str, bytes]:
 def test_convert_and_merge_copy_row_blocks_by_the_kernel_and_write_the_same_bytes(
     tiny_model, tmp_path, monkeypatch, kernel_copies
 ):
-    """Convert (row blocks of the HF tensors into torch shards) and merge (each shard's rows of
-    a dim-0 tensor into the HF file) copy every such piece by the kernel; the files are those of
-    the same operations written from memory, the manifest's digests are the files' own, torch
-    loads the shards with their CRC32s checked, and no descriptor is left open."""
+    """Convert (row blocks of the HF tensors into torch shards) and an unchecked merge (each
+    shard's rows of a dim-0 tensor into the HF file) copy every such piece by the kernel; the
+    files are those of the same operations written from memory, the manifest's digests are the
+    files' own, torch loads the shards with their CRC32s checked, and no descriptor is left open.
+    A checked merge (an output without digests: only the check would read the copies back)
+    reads and writes instead."""
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     layout = Layout(tp=2, pp=2)
+    q = load_file(src / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
     before = _open_fds()
     convert(src, tmp_path / "copied", layout, format="torch", workers=1)
-    merge(tmp_path / "copied", tmp_path / "merged-copied", workers=1)
-    copied = sum(kernel_copies)
+    assert sum(kernel_copies) >= q.numel() * q.element_size()  # q's halves, at least
+    kernel_copies.clear()
+    merge(tmp_path / "copied", tmp_path / "merged-checked", workers=1)
+    assert not kernel_copies
+    merge(tmp_path / "copied", tmp_path / "merged-copied", workers=1, verify_hashes=False)
+    assert sum(kernel_copies) >= q.numel() * q.element_size()
     assert _open_fds() == before
-
-    q = load_file(src / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
-    assert copied >= 2 * 2 * q.numel() * q.element_size()  # q's halves, at least, in both operations
+    assert _files(tmp_path / "merged-checked") == _files(tmp_path / "merged-copied")
     kernel_copies.clear()
     from shardkit.formats import safetensors_io, torch_io  # writers that take no copies: every tensor from memory
 
     monkeypatch.setattr(safetensors_io.SafetensorsWriter, "copies", False)
     monkeypatch.setattr(torch_io.TorchWriter, "copies", property(lambda self: False))
     convert(src, tmp_path / "written", layout, format="torch", workers=1)
-    merge(tmp_path / "written", tmp_path / "merged-written", workers=1)
+    merge(tmp_path / "written", tmp_path / "merged-written", workers=1, verify_hashes=False)
     assert not kernel_copies
 
     for a, b in (("copied", "written"), ("merged-copied", "merged-written")):
@@ -190,9 +195,9 @@ def test_a_source_that_shrinks_during_a_copy_is_refused(tiny_model, tmp_path, mo
     assert sorted(os.listdir(tmp_path)) == []
 
 
-def test_a_flipped_bit_in_copied_bytes_is_refused_by_the_check_on_read(tiny_model, tmp_path):
-    """The bytes copied by the kernel are read back for the source's check: a shard whose q_proj
-    (a piece merge copies) has a flipped bit is refused, and nothing is written."""
+def test_a_flipped_bit_in_copied_bytes_is_refused_by_the_check_on_read(tiny_model, tmp_path, kernel_copies):
+    """The bytes copied by the kernel are read back for the source's check: a shard whose MLP
+    rows (a piece reshard copies) have a flipped bit is refused, and nothing is written."""
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
     shard = sorted((tmp_path / "shards").rglob("*.pt"))[1]
@@ -204,8 +209,9 @@ def test_a_flipped_bit_in_copied_bytes_is_refused_by_the_check_on_read(tiny_mode
     raw[start + info.file_size // 2] ^= 0x10
     shard.write_bytes(bytes(raw))
     with pytest.raises(FormatError, match="does not match"):
-        merge(tmp_path / "shards", tmp_path / "merged", workers=1)
-    assert not (tmp_path / "merged").exists()
+        reshard(tmp_path / "shards", tmp_path / "tp1", Layout(tp=1), format="torch", workers=1)
+    assert kernel_copies
+    assert not (tmp_path / "tp1").exists()
 
 
 def test_giving_up_a_file_stops_its_copy_between_blocks_and_closes_the_sources(tmp_path, monkeypatch):
@@ -295,5 +301,37 @@ def test_a_failure_closing_a_file_stops_the_next_and_leaves_nothing(tiny_model, 
         convert(src, tmp_path / "out", Layout(tp=2, pp=2), format="torch", workers=1)
     assert finishes["n"] == 1
     assert sorted(os.listdir(tmp_path)) == []
-    left = [t.name for t in threading.enumerate() if t.name == "shardkit-write-behind" or t.name.startswith("shardkit-close")]
+    left = [
+        t.name
+        for t in threading.enumerate()
+        if t.name == "shardkit-write-behind" or t.name.startswith("shardkit-close")
+    ]
     assert not left
+
+
+def test_the_check_on_read_hashes_the_copied_bytes_without_reading_them_again(
+    tiny_model, tmp_path, monkeypatch, kernel_copies
+):
+    """Reshard (torch output, with digests) copies the shards' row blocks by the kernel; the check
+    of the shards against their manifest is fed from the bytes read back, so no listed file is
+    read a second time for it."""
+    from shardkit.formats import reader
+
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
+    finished: dict[str, tuple[int, int]] = {}
+    real = reader.feed_file
+
+    def counting(path, digest, start=0):
+        size = real(path, digest, start)
+        finished[os.path.basename(path)] = (start, size)
+        return size
+
+    monkeypatch.setattr(reader, "feed_file", counting)
+    kernel_copies.clear()
+    reshard(tmp_path / "shards", tmp_path / "tp1", Layout(tp=1), format="torch", workers=1)
+    assert kernel_copies
+    shards = sorted(p.name for p in (tmp_path / "shards").rglob("*.pt"))
+    assert sorted(finished) == shards
+    # only the zip directory at the end (no tensor's bytes) is read for the check
+    assert all(size - start < 16 << 10 for start, size in finished.values()), finished
