@@ -165,6 +165,26 @@ def test_kernel_copy_falls_back_to_sendfile(tmp_path, monkeypatch):
     assert (tmp_path / "out.bin").read_bytes() == b"23456"
 
 
+def test_without_copy_file_range_or_a_file_to_file_sendfile_nothing_is_copied_by_the_kernel(tmp_path, monkeypatch):
+    """Where os has no copy_file_range and sendfile sends to sockets only (macOS), kernel_copy
+    says so (None), and the caller reads and writes."""
+    monkeypatch.delattr(os, "copy_file_range", raising=False)
+
+    def sockets_only(*args, **kwargs):
+        raise OSError(errno.ENOTSOCK, "Socket operation on non-socket")
+
+    monkeypatch.setattr(os, "sendfile", sockets_only)
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"0123456789")
+    src = os.open(source, os.O_RDONLY)
+    out = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert base.kernel_copy(src, 2, out, 5) is None
+    finally:
+        os.close(src)
+        os.close(out)
+
+
 def test_a_full_disk_during_a_copy_is_a_one_line_error_and_leaves_nothing(tiny_model, tmp_path, monkeypatch):
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     calls = {"n": 0}

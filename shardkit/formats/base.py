@@ -1134,8 +1134,17 @@ COPY_BLOCK = 1 << 20
 """Copied ranges (`HashingFile.copy_ranges`) move, and are read back for their digests, in blocks
 of this size: a block read back right after the kernel wrote it is still in the CPU's cache."""
 
-_NO_KERNEL_COPY = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF)
-"""What copy_file_range and sendfile fail with where they cannot copy between these two files."""
+_NO_KERNEL_COPY = (
+    errno.EXDEV,
+    errno.EINVAL,
+    errno.ENOSYS,
+    errno.EOPNOTSUPP,
+    errno.ENOTSUP,
+    errno.EBADF,
+    errno.ENOTSOCK,
+)
+"""What copy_file_range and sendfile fail with where they cannot copy between these two files
+(ENOTSOCK: a sendfile that sends to sockets only, as on macOS)."""
 
 
 def kernel_copy(src: int, offset: int, out: int, count: int) -> int | None:
@@ -1143,11 +1152,13 @@ def kernel_copy(src: int, offset: int, out: int, count: int) -> int | None:
     position, inside the kernel: copy_file_range (a server-side copy or a reflink where the file
     system offers one), else sendfile. The bytes copied (0: `src` ends at `offset`); None when
     neither call can copy between these files (the caller then reads and writes)."""
-    try:
-        return os.copy_file_range(src, out, count, offset)
-    except OSError as e:
-        if e.errno not in _NO_KERNEL_COPY:
-            raise
+    copy_file_range = getattr(os, "copy_file_range", None)  # Linux only
+    if copy_file_range is not None:
+        try:
+            return copy_file_range(src, out, count, offset)
+        except OSError as e:
+            if e.errno not in _NO_KERNEL_COPY:
+                raise
     try:
         return os.sendfile(out, src, offset, count)
     except OSError as e:
