@@ -355,3 +355,20 @@ def test_the_check_on_read_hashes_the_copied_bytes_without_reading_them_again(
     assert sorted(finished) == shards
     # only the zip directory at the end (no tensor's bytes) is read for the check
     assert all(size - start < 16 << 10 for start, size in finished.values()), finished
+
+
+def test_a_merge_of_shards_no_manifest_lists_copies_in_the_kernel(tiny_model, tmp_path, kernel_copies):
+    """Shards without shardkit's manifest (as NxD writes them) have nothing to check: merge then
+    copies their rows by the kernel, with the bytes of a merge of the same shards with it."""
+    import shutil
+
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    convert(src, tmp_path / "listed", Layout(tp=2), format="torch", workers=1)
+    shutil.copytree(tmp_path / "listed", tmp_path / "bare")
+    (tmp_path / "bare" / "shardkit.json").unlink()
+    kernel_copies.clear()
+    merge(tmp_path / "listed", tmp_path / "from-listed", workers=1)
+    assert not kernel_copies  # checked: read in the worker, written behind it
+    merge(tmp_path / "bare", tmp_path / "from-bare", workers=1)
+    assert kernel_copies
+    assert _files(tmp_path / "from-bare") == _files(tmp_path / "from-listed")

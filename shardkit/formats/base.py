@@ -521,9 +521,7 @@ class _CopyJob:
                 done += n
         fh.seek(self.position + done)  # the buffered file learns where the kernel left it
         if self.after is not None:
-            data = self.after()
-            if len(data) != self.after_size:
-                raise RuntimeError(f"{self.path}: {len(data)} bytes after a copy, expected {self.after_size}")
+            data = _after_bytes(self.after, self.after_size, self.path)
             fh.write(data)
             self._hash(memoryview(data))
 
@@ -555,6 +553,14 @@ class _CopyJob:
         if not self.queued:
             self.run(None, skip=True)
         self.wait()
+
+
+def _after_bytes(after: Callable[[], bytes], size: int, path: Path) -> bytes:
+    """What `after()` gives to write behind a copy, of the `size` promised."""
+    data = after()
+    if len(data) != size:
+        raise RuntimeError(f"{path}: {len(data)} bytes after a copy, expected {size}")
+    return data
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -735,7 +741,8 @@ def is_direct(fd: int) -> bool:
 
 
 class HashingFile:
-    """A binary file that hashes what is written to it (for manifests, without reading back).
+    """A binary file that hashes what is written to it (for manifests): blocks as they are written,
+    bytes copied by the kernel (`copy_ranges`) as they are read back.
 
     `expected_size` (when the caller knows the file's size in advance) is checked against the free
     space first, so a full disk is refused before anything is written. A full disk (ENOSPC, or an
@@ -926,7 +933,7 @@ class HashingFile:
                     if tap is not None:
                         tap(source.fd, source.offset + start, block)
             if after is not None:
-                self._write_after(after, after_size)
+                self.write(_after_bytes(after, after_size, self.path))
             return total
         writer = self._writer
         if writer is None:
@@ -961,12 +968,6 @@ class HashingFile:
             raise
         self.size += total + after_size
         return total
-
-    def _write_after(self, after: Callable[[], bytes], size: int) -> None:
-        data = after()
-        if len(data) != size:
-            raise RuntimeError(f"{self.path}: {len(data)} bytes after a copy, expected {size}")
-        self.write(data)
 
     def flush(self) -> None:
         try:
@@ -1123,11 +1124,9 @@ def stored_range(
     sub = shape.copy()
     sub[dim] = stop - start
     if 0 in sub or list(t.strides()) != list(StoredTensor(t.dtype, tuple(sub), 0).strides()):
-        return None
-    span = stored_span(t, dim, start, stop)
-    if span is None or span[1] != math.prod(sub) * t.dtype.itemsize:
-        return None
-    return FileRange(fd, span[0], span[1], what)
+        return None  # (row-major strides of the slice's own shape: its bytes are one run, in order)
+    offset, length = cast(tuple[int, int], stored_span(t, dim, start, stop))
+    return FileRange(fd, offset, length, what)
 
 
 COPY_BLOCK = 1 << 20
