@@ -717,6 +717,48 @@ def direct_io_pays(nbytes: int) -> bool:
     return nbytes > limit
 
 
+_FALLOCATE: Any = None
+FALLOC_FL_KEEP_SIZE = 1
+_NOT_RESERVED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.EBADF, errno.ENODEV)
+"""What fallocate fails with where a file system or descriptor offers no reservation (never ENOSPC)."""
+
+
+def preallocate(fd: int, nbytes: int) -> bool:
+    """Reserve `nbytes` of disk blocks for the new file open on `fd` before it is written, keeping its
+    size (Linux fallocate with FALLOC_FL_KEEP_SIZE); the bytes written later then fill blocks that
+    exist, and a full disk is refused before anything is written (OSError ENOSPC/EDQUOT). False
+    where the platform or the file system offers no reservation (nothing is written then: glibc's
+    posix_fallocate would fall back to writing zeros). Why: on ext4, writes into reserved blocks
+    skip the delayed allocation's per-page bookkeeping; measured here, 2.2 GB written in 256 KiB
+    blocks took 0.32-0.33 CPU-s reserved against 0.46-0.52 not, and copied by copy_file_range
+    0.17 against 0.23. Blocks reserved past what is written are freed by truncating the file to
+    its size (`HashingFile.close`)."""
+    global _FALLOCATE
+    if not sys.platform.startswith("linux") or nbytes <= 0:
+        return False
+    if _FALLOCATE is None:
+        import ctypes
+
+        function: Any = False
+        try:
+            function = ctypes.CDLL(None, use_errno=True).fallocate
+            function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            function.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            function = False
+        _FALLOCATE = function
+    if _FALLOCATE is False:
+        return False
+    import ctypes
+
+    if _FALLOCATE(fd, FALLOC_FL_KEEP_SIZE, 0, nbytes) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NOT_RESERVED:
+        return False
+    raise OSError(code, os.strerror(code))
+
+
 def meminfo(field: str) -> int | None:
     """A /proc/meminfo field in bytes (MemAvailable, MemFree), None where there is none."""
     try:
@@ -788,6 +830,13 @@ class HashingFile:
         self._identity = (st.st_dev, st.st_ino)
         self._hash = Digests(sha256=digests == "sha256") if digests else None
         self.size = 0
+        self._reserved = 0
+        if expected_size:
+            try:
+                self._reserved = expected_size if preallocate(self._fh.fileno(), expected_size) else 0
+            except OSError as e:
+                self.abort()
+                raise self._failed(e) from None
 
     @property
     def _file(self) -> io.BufferedRandom | DirectFile:
@@ -985,6 +1034,8 @@ class HashingFile:
                 self._writer.stop()
                 self._writer = None
             fh.flush()
+            if self._reserved:  # blocks reserved past the end (`expected_size` is a bound) are freed
+                os.ftruncate(fh.fileno(), os.fstat(fh.fileno()).st_size)
             if fsync:
                 os.fsync(fh.fileno())
             fh.close()
