@@ -24,6 +24,7 @@ from .engine import (
     WriteOptions,
     inspect_checkpoint,
     merge_checkpoint,
+    no_full_collections,
     reshard_checkpoint,
     verify_checkpoints,
 )
@@ -63,6 +64,7 @@ def open_source(
     return open_checkpoint(resolve_source(src, revision=revision), config, hints)
 
 
+@no_full_collections()
 def reshard(
     src: str | Path | Checkpoint,
     dst: str | Path,
@@ -90,6 +92,7 @@ def convert(src: str | Path, dst: str | Path, layout: Layout, **options: Any) ->
     return reshard(src, dst, layout, **options)
 
 
+@no_full_collections()
 def merge(
     src: str | Path | Checkpoint,
     dst: str | Path,
@@ -121,6 +124,7 @@ def inspect(
     return inspect_checkpoint(open_source(path, config, hints, revision), check_data, progress=progress)
 
 
+@no_full_collections()
 def verify(
     a: str | Path,
     b: str | Path,
@@ -143,6 +147,7 @@ def verify(
     return verify_checkpoints(ca, cb, atol=atol, on_tensor=on_tensor, names=(str(a), str(b)), progress=progress)
 
 
+@no_full_collections()
 def export_checkpoint(
     dir: str | Path,
     out: str | Path,
@@ -164,6 +169,7 @@ def export_checkpoint(
     return merge(model, out, max_shard_size=max_shard_size, **options)
 
 
+@no_full_collections()
 def reshard_training_checkpoint(
     src: str | Path,
     dst: str | Path,

@@ -3,7 +3,7 @@ operations built on them (reshard, merge, inspect, verify) over opened checkpoin
 imports the Hub or the CLI: those sit above it (`api.py` resolves sources, then calls here)."""
 
 from .check import TensorDiff, VerifyReport, inspect_checkpoint, verify_checkpoints
-from .executor import ProgressCallback
+from .executor import ProgressCallback, no_full_collections
 from .operations import Result, WriteOptions, merge_checkpoint, reshard_checkpoint
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "VerifyReport",
     "inspect_checkpoint",
     "merge_checkpoint",
+    "no_full_collections",
     "reshard_checkpoint",
     "verify_checkpoints",
     "WriteOptions",

@@ -7,11 +7,13 @@ the model size. Workers are threads over output files (copies and I/O release th
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import queue
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
@@ -40,6 +42,35 @@ ProgressCallback = Callable[[int, int], None]
 """Called as progress(bytes_done_now, bytes_total) while output is written."""
 
 
+_GC_LOCK = threading.Lock()
+_GC_HOLDERS = 0
+_GC_SAVED: tuple[int, ...] = ()
+FULL_COLLECTIONS_OFF = 1 << 30
+"""The third garbage-collection threshold while `no_full_collections` holds."""
+
+
+@contextlib.contextmanager
+def no_full_collections() -> Iterator[None]:
+    """Until the block ends (in any thread), the interpreter collects only its young generations:
+    the oldest one holds every object of torch and its imports (200,000+), and one full collection
+    in the middle of a TinyLlama merge took 0.08 s of its 0.84 s. Young objects are still
+    collected, and the thresholds are restored when the last such block ends. Also a decorator."""
+    global _GC_HOLDERS, _GC_SAVED
+    with _GC_LOCK:
+        if _GC_HOLDERS == 0:
+            _GC_SAVED = gc.get_threshold()
+            gc.set_threshold(_GC_SAVED[0], _GC_SAVED[1] if len(_GC_SAVED) > 1 else 10, FULL_COLLECTIONS_OFF)
+        _GC_HOLDERS += 1
+    try:
+        yield
+    finally:
+        with _GC_LOCK:
+            _GC_HOLDERS -= 1
+            if _GC_HOLDERS == 0:
+                gc.set_threshold(*_GC_SAVED)
+
+
+@no_full_collections()
 def execute(
     src: Checkpoint,
     outputs: Sequence[OutputFile],
