@@ -100,6 +100,11 @@ def storage_type(dtype: torch.dtype) -> type:
     return _storage_types()[dtype]
 
 
+def storage_types() -> dict[torch.dtype, type]:
+    """Every dtype with a legacy typed storage class, and that class."""
+    return dict(_storage_types())
+
+
 @functools.cache
 def _storage_types() -> dict:
     fn = _lookup("torch.storage", "_dtype_to_storage_type_map")
