@@ -33,11 +33,12 @@ def _reserves(tmp_path) -> bool:
         probe.unlink()
 
 
-def test_blocks_are_reserved_before_the_first_write_and_the_rest_freed_at_close(tmp_path):
+@pytest.mark.parametrize("direct", [False, True], ids=["page-cache", "direct-io"])
+def test_blocks_are_reserved_before_the_first_write_and_the_rest_freed_at_close(tmp_path, direct):
     if not _reserves(tmp_path):
         pytest.skip("this file system offers no fallocate reservation")
     path = tmp_path / "out.bin"
-    out = HashingFile(path, tmp_path, expected_size=8 * MiB)
+    out = HashingFile(path, tmp_path, expected_size=8 * MiB, direct=direct)
     assert os.stat(path).st_size == 0  # the size is kept: only blocks are reserved
     assert _allocated(path) >= 8 * MiB
     data = os.urandom(MiB + 123)
