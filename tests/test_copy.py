@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from shardkit import Layout, convert, merge, reshard
 from shardkit.errors import FormatError, ShardkitError
+from shardkit.engine import executor
 from shardkit.formats import base
 from shardkit.formats.base import FileRange, HashingFile
 from shardkit.formats.digest import file_digests
@@ -51,8 +52,8 @@ def test_convert_and_merge_copy_row_blocks_by_the_kernel_and_write_the_same_byte
     shard's rows of a dim-0 tensor into the HF file) copy every such piece by the kernel; the
     files are those of the same operations written from memory, the manifest's digests are the
     files' own, torch loads the shards with their CRC32s checked, and no descriptor is left open.
-    A checked merge (an output without digests: only the check would read the copies back)
-    reads and writes instead."""
+    A checked merge of cold shards (an output without digests: only the check would read the
+    copies back) reads and writes instead."""
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     layout = Layout(tp=2, pp=2)
     q = load_file(src / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
@@ -60,7 +61,9 @@ def test_convert_and_merge_copy_row_blocks_by_the_kernel_and_write_the_same_byte
     convert(src, tmp_path / "copied", layout, format="torch", workers=1)
     assert sum(kernel_copies) >= q.numel() * q.element_size()  # q's halves, at least
     kernel_copies.clear()
-    merge(tmp_path / "copied", tmp_path / "merged-checked", workers=1)
+    with monkeypatch.context() as cold:
+        cold.setattr(executor, "cached_share", lambda extents: 0.0)
+        merge(tmp_path / "copied", tmp_path / "merged-checked", workers=1)
     assert not kernel_copies
     merge(tmp_path / "copied", tmp_path / "merged-copied", workers=1, verify_hashes=False)
     assert sum(kernel_copies) >= q.numel() * q.element_size()
@@ -357,10 +360,13 @@ def test_the_check_on_read_hashes_the_copied_bytes_without_reading_them_again(
     assert all(size - start < 16 << 10 for start, size in finished.values()), finished
 
 
-def test_a_merge_of_shards_no_manifest_lists_copies_in_the_kernel(tiny_model, tmp_path, kernel_copies):
+def test_a_merge_of_shards_no_manifest_lists_copies_in_the_kernel(tiny_model, tmp_path, kernel_copies, monkeypatch):
     """Shards without shardkit's manifest (as NxD writes them) have nothing to check: merge then
-    copies their rows by the kernel, with the bytes of a merge of the same shards with it."""
+    copies their rows by the kernel, cold or not, with the bytes of a merge of the same shards
+    with it."""
     import shutil
+
+    monkeypatch.setattr(executor, "cached_share", lambda extents: 0.0)  # cold shards
 
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "listed", Layout(tp=2), format="torch", workers=1)
@@ -372,3 +378,54 @@ def test_a_merge_of_shards_no_manifest_lists_copies_in_the_kernel(tiny_model, tm
     merge(tmp_path / "bare", tmp_path / "from-bare", workers=1)
     assert kernel_copies
     assert _files(tmp_path / "from-bare") == _files(tmp_path / "from-listed")
+
+
+def _evict(root) -> float:
+    """Drop a folder's files from the page cache (written back first); the share of their bytes
+    still cached afterwards."""
+    from shardkit.engine.prefetch import cached_share
+
+    os.sync()
+    extents = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        extents.append((path, 0, path.stat().st_size))
+    return cached_share(extents)
+
+
+def test_a_checked_merge_copies_shards_in_the_page_cache_and_reads_cold_ones(tiny_model, tmp_path, kernel_copies):
+    """Whether a checked merge copies in the kernel follows where its shards are as it starts:
+    in the page cache (just written), copied and read back for the check; evicted, read by the
+    worker and written behind it. The same bytes either way, and a flipped bit is refused either
+    way."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
+    kernel_copies.clear()
+    merge(tmp_path / "shards", tmp_path / "warm", workers=1)
+    assert kernel_copies
+    if _evict(tmp_path / "shards") >= executor.WARM_SOURCES:
+        pytest.skip("the page cache here keeps files that fadvise(DONTNEED) should drop")
+    kernel_copies.clear()
+    merge(tmp_path / "shards", tmp_path / "cold", workers=1)
+    assert not kernel_copies
+    assert _files(tmp_path / "warm") == _files(tmp_path / "cold")
+
+    shard = sorted((tmp_path / "shards").rglob("*.pt"))[0]
+    with zipfile.ZipFile(shard) as archive:
+        info = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 4096)
+    data = bytearray(shard.read_bytes())
+    offset = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + info.file_size // 2
+    for state in ("warm", "cold"):
+        flipped = bytearray(data)
+        flipped[offset] ^= 0x10
+        shard.write_bytes(bytes(flipped))
+        if state == "cold":
+            _evict(tmp_path / "shards")
+        with pytest.raises(FormatError):
+            merge(tmp_path / "shards", tmp_path / f"bad-{state}", workers=1)
+        assert not (tmp_path / f"bad-{state}").exists()
+        shard.write_bytes(bytes(data))

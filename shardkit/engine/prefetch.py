@@ -607,6 +607,29 @@ def _only_cold(
     return kept, cold
 
 
+def cached_share(extents: Sequence[tuple[Path, int, int]]) -> float:
+    """The fraction of the bytes of `extents` ((path, offset, length)) in the page cache now
+    (`cached_fraction`, by bytes; 1.0 for no bytes). A file that cannot be opened counts as cached
+    (its readers meet the error)."""
+    total = cached = 0.0
+    fds: dict[Path, int | None] = {}
+    try:
+        for path, offset, length in extents:
+            if path not in fds:
+                try:
+                    fds[path] = open_regular(path, "source file")
+                except ShardkitError:
+                    fds[path] = None
+            fd = fds[path]
+            total += length
+            cached += length if fd is None else length * cached_fraction(fd, offset, length)
+    finally:
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+    return cached / total if total else 1.0
+
+
 class _CachestatRange(ctypes.Structure):
     _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
 
