@@ -397,47 +397,21 @@ def _evict(root) -> float:
     return cached_share(extents)
 
 
-def test_a_checked_merge_copies_shards_in_the_page_cache_and_reads_cold_ones(
-    tiny_model, tmp_path, kernel_copies, monkeypatch
-):
+def test_a_checked_merge_copies_shards_in_the_page_cache_and_reads_cold_ones(tiny_model, tmp_path, kernel_copies):
     """Whether a checked merge copies in the kernel follows where its shards are as it starts:
-    in the page cache (just written), copied, never read back, and hashed for the check by its
-    thread reading each shard again from the start; evicted, read by the worker and written
-    behind it, the check fed from those reads. The same bytes either way, and a flipped bit is
-    refused either way."""
-    from shardkit.formats import reader
-
+    in the page cache (just written), copied and read back for the check; evicted, read by the
+    worker and written behind it. The same bytes either way, and a flipped bit is refused either
+    way."""
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
-    shards = sorted(p.name for p in (tmp_path / "shards").rglob("*.pt"))
-    hashed_from: dict[str, int] = {}
-    real = reader.feed_file
-
-    def recording(path, digest, start=0):
-        hashed_from[os.path.basename(path)] = start
-        return real(path, digest, start)
-
-    monkeypatch.setattr(reader, "feed_file", recording)
-    read_back: list[int] = []
-    real_read = base.read_exact
-
-    def counting(fd, view, offset, what):
-        if what.endswith(".safetensors"):  # a block of the output read back
-            read_back.append(len(view))
-        return real_read(fd, view, offset, what)
-
-    monkeypatch.setattr(base, "read_exact", counting)
     kernel_copies.clear()
     merge(tmp_path / "shards", tmp_path / "warm", workers=1)
-    assert kernel_copies and not read_back
-    assert sorted(hashed_from) == shards and set(hashed_from.values()) == {0}
+    assert kernel_copies
     if _evict(tmp_path / "shards") >= executor.WARM_SOURCES:
         pytest.skip("the page cache here keeps files that fadvise(DONTNEED) should drop")
     kernel_copies.clear()
-    hashed_from.clear()
     merge(tmp_path / "shards", tmp_path / "cold", workers=1)
     assert not kernel_copies
-    assert sorted(hashed_from) == shards and min(hashed_from.values()) > 0  # fed by the worker's reads
     assert _files(tmp_path / "warm") == _files(tmp_path / "cold")
 
     shard = sorted((tmp_path / "shards").rglob("*.pt"))[0]

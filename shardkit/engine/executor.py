@@ -214,22 +214,20 @@ def execute(
         return writer
 
     # Bytes copied by the kernel are read back for whatever needs them. When only the check of the
-    # sources would (an output without digests, as merge's, from sources a manifest lists), cold
+    # sources does (an output without digests, as merge's, from sources a manifest lists), cold
     # sources are better read by the worker and written behind it, which splits the two copies
     # between two threads while the read-ahead fills the page cache (cold TinyLlama merge: 1.32-1.52
-    # s reading, 1.71-1.75 s copying and reading back). Sources already in the page cache are
-    # copied without reading back, and the check's thread hashes them by reading them again on
-    # the other core, as it does sha256 files: written from the process's memory, the copy into
-    # the page cache costs 1-2x the kernel's own from one minute to the next on a VM (warm merge:
-    # 0.75-4.21 s reading, 0.90-1.19 s copying and reading back, alternating).
-    unread_copies = (
-        not digests
-        and hashes is not None
-        and bool(hashes.expected)
-        and read_ahead is not None
-        and cached_share(read_ahead.extents) >= WARM_SOURCES
+    # s reading, 1.71-1.75 s copying); sources already in the page cache are better copied: a
+    # write from the process's memory into the page cache costs 1-2x what the kernel's own copy
+    # does, from one minute to the next on a VM (warm merge: 0.75-4.21 s reading, 0.90-1.19 s
+    # copying, alternating).
+    kernel_copies = (
+        bool(digests)
+        or hashes is None
+        or not hashes.expected
+        or read_ahead is None
+        or cached_share(read_ahead.extents) >= WARM_SOURCES
     )
-    kernel_copies = bool(digests) or hashes is None or not hashes.expected or unread_copies
     caller = threading.current_thread()
     records: list[FileRecord] = []
     threads = torch.get_num_threads()
@@ -238,7 +236,7 @@ def execute(
         read_ahead.start()
     try:
         if hashes is not None:
-            hashes.start(checked, reread=unread_copies)
+            hashes.start(checked)
         _write_all(build, outputs, workers, records, cancel, drain)
         if hashes is not None:
             hashes.finish()  # before anything is committed: corrupt sources never reach the destination

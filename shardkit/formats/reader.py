@@ -116,11 +116,9 @@ class HashCheck:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
-    def start(self, keys=None, reread: bool = False) -> HashCheck:
+    def start(self, keys=None) -> HashCheck:
         """Check the files of `keys` (default: every file of the checkpoint), listed in the order
-        the operation first reads them. `reread`: every file is hashed by the thread reading it
-        again, beside the workers, not fed from their reads (for an operation whose workers copy
-        the files' bytes in the kernel and would otherwise read them back only for the check)."""
+        the operation first reads them."""
         for key in self.ckpt.files if keys is None else keys:
             path = self.ckpt.files[key]
             for file in format_of_file(path, self.ckpt.format).files_of(path):
@@ -137,7 +135,7 @@ class HashCheck:
             self._thread = threading.Thread(target=self._run, name="shardkit-hash-check", daemon=True)
             self._thread.start()
             for check in self._files.values():
-                if reread or check.algorithm != FAST_DIGEST:
+                if check.algorithm != FAST_DIGEST:
                     # sha256 (~0.6 CPU-s per GB) would slow the reading worker down by half: such
                     # files are read a second time by the thread instead, beside the workers
                     self._hand(check)
