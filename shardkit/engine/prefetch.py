@@ -35,13 +35,14 @@ the process (SIGBUS); the served bytes are the bytes hashed (the tap sees them).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -584,26 +585,16 @@ def _only_cold(
     buffers). A file that cannot be opened keeps none (its readers meet the error)."""
     kept = list(members)
     cold: set[tuple[int, int]] = set()
-    fds: dict[Path, int | None] = {}
-    try:
+    with _opened_once() as descriptor:
         for j, (path, offset, length) in enumerate(extents):
             if kept[j] is None:
                 continue
-            if path not in fds:
-                try:
-                    fds[path] = open_regular(path, "source file")
-                except ShardkitError:
-                    fds[path] = None
-            fd = fds[path]
+            fd = descriptor(path)
             if fd is None or cached_fraction(fd, offset, length) >= COLD:
                 kept[j] = None
                 continue
             st = os.fstat(fd)
             cold.add((st.st_dev, st.st_ino))
-    finally:
-        for fd in fds.values():
-            if fd is not None:
-                os.close(fd)
     return kept, cold
 
 
@@ -612,22 +603,34 @@ def cached_share(extents: Sequence[tuple[Path, int, int]]) -> float:
     (`cached_fraction`, by bytes; 1.0 for no bytes). A file that cannot be opened counts as cached
     (its readers meet the error)."""
     total = cached = 0.0
-    fds: dict[Path, int | None] = {}
-    try:
+    with _opened_once() as descriptor:
         for path, offset, length in extents:
-            if path not in fds:
-                try:
-                    fds[path] = open_regular(path, "source file")
-                except ShardkitError:
-                    fds[path] = None
-            fd = fds[path]
+            fd = descriptor(path)
             total += length
             cached += length if fd is None else length * cached_fraction(fd, offset, length)
+    return cached / total if total else 1.0
+
+
+@contextlib.contextmanager
+def _opened_once() -> Iterator[Callable[[Path], int | None]]:
+    """descriptor(path): the file opened once, on first use (None when it cannot be opened: its
+    readers meet the error); every one closed when the block ends."""
+    fds: dict[Path, int | None] = {}
+
+    def descriptor(path: Path) -> int | None:
+        if path not in fds:
+            try:
+                fds[path] = open_regular(path, "source file")
+            except ShardkitError:
+                fds[path] = None
+        return fds[path]
+
+    try:
+        yield descriptor
     finally:
         for fd in fds.values():
             if fd is not None:
                 os.close(fd)
-    return cached / total if total else 1.0
 
 
 class _CachestatRange(ctypes.Structure):
