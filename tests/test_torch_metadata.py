@@ -160,3 +160,36 @@ def test_payloads_never_run(tmp_path):
     with pytest.raises(FormatError, match="refusing"):
         torch_io.read_metadata(path)
     assert not marker.exists()
+
+
+_MARK = object()
+
+
+class _Moved:
+    """Pickles as a tensor rebuilt from record 0, then (BUILD) its fields changed: its file offset
+    to 0 (the archive's first header) and its shape past its record."""
+
+    def __reduce__(self):
+        hooks = __import__("collections").OrderedDict()
+        return (torch._utils._rebuild_tensor_v2, (_MARK, 0, (4,), (1,), False, hooks), {"file_offset": 0, "shape": (1 << 20,)})
+
+
+def test_fields_changed_after_a_tensor_is_built_are_never_trusted(tmp_path, monkeypatch):
+    """A pickle may change an object after building it (BUILD): the plain reader checks the
+    tensors it returns, not only the arguments they were built from."""
+    path = tmp_path / "moved.pt"
+    torch.save({"w": torch.ones(4)}, path)
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=2)
+    pickler.persistent_id = lambda obj: ("storage", torch.FloatStorage, "0", "cpu", 4) if obj is _MARK else None
+    pickler.dump({"w": _Moved()})
+    _with_pickle(path, buffer.getvalue())
+    try:
+        meta = torch_io.read_metadata(path)
+    except FormatError as e:
+        assert "\n" not in str(e)
+        return
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("data/0"))
+    w = meta["w"]
+    assert w.file_offset > info.header_offset and w.shape == (4,)  # the record's own bytes, as built
