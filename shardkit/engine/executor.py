@@ -63,7 +63,7 @@ def no_full_collections() -> Iterator[None]:
     with _GC_LOCK:
         if _GC_HOLDERS == 0:
             _GC_SAVED = gc.get_threshold()
-            gc.set_threshold(_GC_SAVED[0], _GC_SAVED[1] if len(_GC_SAVED) > 1 else 10, FULL_COLLECTIONS_OFF)
+            gc.set_threshold(*_GC_SAVED[:2], FULL_COLLECTIONS_OFF)
         _GC_HOLDERS += 1
     try:
         yield
