@@ -1034,8 +1034,9 @@ class HashingFile:
                 self._writer.stop()
                 self._writer = None
             fh.flush()
-            if self._reserved:  # blocks reserved past the end (`expected_size` is a bound) are freed
-                os.ftruncate(fh.fileno(), os.fstat(fh.fileno()).st_size)
+            size = os.fstat(fh.fileno()).st_size if self._reserved else 0
+            if self._reserved > size:  # blocks reserved past the end (`expected_size` is a bound) are freed
+                os.ftruncate(fh.fileno(), size)
             if fsync:
                 os.fsync(fh.fileno())
             fh.close()
