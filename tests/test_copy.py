@@ -219,8 +219,9 @@ def test_a_source_that_shrinks_during_a_copy_is_refused(tiny_model, tmp_path, mo
 
 
 def test_a_flipped_bit_in_copied_bytes_is_refused_by_the_check_on_read(tiny_model, tmp_path, kernel_copies):
-    """The bytes copied by the kernel are read back for the source's check: a shard whose MLP
-    rows (a piece reshard copies) have a flipped bit is refused, and nothing is written."""
+    """The bytes the kernel copies are read by the worker for the source's check as it queues
+    the copy: a shard whose MLP rows (a piece reshard copies) have a flipped bit is refused, and
+    nothing is written."""
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
     shard = sorted((tmp_path / "shards").rglob("*.pt"))[1]
@@ -336,8 +337,8 @@ def test_the_check_on_read_hashes_the_copied_bytes_without_reading_them_again(
     tiny_model, tmp_path, monkeypatch, kernel_copies
 ):
     """Reshard (torch output, with digests) copies the shards' row blocks by the kernel; the check
-    of the shards against their manifest is fed from the bytes read back, so no listed file is
-    read a second time for it."""
+    of the shards against their manifest is fed from the worker's reads of the ranges it queues
+    for copying, in file order, so no listed file is read a second time for it."""
     from shardkit.formats import reader
 
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
@@ -429,3 +430,104 @@ def test_a_checked_merge_copies_shards_in_the_page_cache_and_reads_cold_ones(tin
             merge(tmp_path / "shards", tmp_path / f"bad-{state}", workers=1)
         assert not (tmp_path / f"bad-{state}").exists()
         shard.write_bytes(bytes(data))
+
+
+def test_a_shard_read_by_two_output_files_is_checked_without_reading_it_whole_again(
+    tiny_model, tmp_path, monkeypatch, kernel_copies
+):
+    """At tp 8 -> 4 with kv heads regrouped (kv-multiplier 2 -> 1), a shard's attention goes to
+    one output file and its embedding and MLP rows to a later one. The first file's reads jump
+    over bytes only the later one reads: they are dropped and read again once the later file's
+    reads bring the shard's check there, instead of the shard being hashed whole a second time.
+    The output is a direct convert's, and a flipped bit in a dropped read is refused."""
+    from shardkit.formats import reader
+
+    # the tensors of tinyllama-mini are 64x smaller than TinyLlama-1.1B's: so are the gaps here
+    monkeypatch.setattr(reader, "FILL_GAP", reader.FILL_GAP // 64)
+    monkeypatch.setattr(reader, "SMALL_GAP", reader.SMALL_GAP // 64)
+    src = tiny_model("tinyllama-mini", dtype=torch.bfloat16)
+    source = Layout(tp=8, pp=2, kv_multiplier=2, qkv="gqa")
+    target = Layout(tp=4, pp=4, kv_multiplier=1, qkv="gqa")
+    convert(src, tmp_path / "tp8", source, format="torch", workers=1)
+    convert(src, tmp_path / "direct", target, format="torch", workers=1)
+    finished: dict[str, tuple[int, int]] = {}
+    dropped: list[tuple[str, int]] = []
+    real_feed, real_later = reader.feed_file, reader._FileCheck._later_than_soon
+
+    def counting(path, digest, start=0):
+        size = real_feed(path, digest, start)
+        finished[os.path.basename(path)] = (start, size)
+        return size
+
+    def later(check, offset):
+        found = real_later(check, offset)
+        if found:
+            dropped.append((check.rel, offset))
+        return found
+
+    monkeypatch.setattr(reader, "feed_file", counting)
+    monkeypatch.setattr(reader._FileCheck, "_later_than_soon", later)
+    reshard(tmp_path / "tp8", tmp_path / "tp4", target, format="torch", workers=1)
+    assert kernel_copies and dropped
+    assert len(finished) == 16
+    # only the zip directories at the ends (no tensor's bytes) are read by the check's thread
+    assert all(size - start < 16 << 10 for start, size in finished.values()), finished
+    direct, resharded = _files(tmp_path / "direct"), _files(tmp_path / "tp4")
+    assert {k: v for k, v in resharded.items() if k != "shardkit.json"} == {
+        k: v for k, v in direct.items() if k != "shardkit.json"
+    }
+
+    rel, offset = dropped[0]
+    shard = tmp_path / "tp8" / rel
+    raw = bytearray(shard.read_bytes())
+    raw[offset + 1] ^= 0x10
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="does not match"):
+        reshard(tmp_path / "tp8", tmp_path / "bad", target, format="torch", workers=1)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_checked_merge_reads_no_copy_back(tiny_model, tmp_path, kernel_copies, monkeypatch):
+    """A merge's output has no digests and no CRC32s, so the only reader of its shards' bytes is
+    the check on read, fed by the worker as it queues each copy: the write-behind thread copies
+    in the kernel and reads nothing back (the busier thread does the least)."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
+    read_from: list[str] = []
+    real = base.read_exact
+
+    def recording(fd, view, offset, what):
+        read_from.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd, view, offset, what)
+
+    monkeypatch.setattr(base, "read_exact", recording)
+    kernel_copies.clear()
+    merge(tmp_path / "shards", tmp_path / "merged", workers=1)
+    assert kernel_copies
+    assert read_from and all("/shards/" in path for path in read_from), sorted(set(read_from))
+
+
+def test_a_source_written_to_while_it_is_read_is_refused(tiny_model, tmp_path, monkeypatch):
+    """The check hashes a range as the worker queues its copy, a moment before the kernel moves
+    it: a shard written to in between (here: a byte rewritten with its own value, after the first
+    range was hashed) is refused before anything is committed, whatever its bytes now are."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
+    shard = sorted((tmp_path / "shards").rglob("*.pt"))[0]
+    real = base._feed_taps
+    calls = []
+
+    def feeding_then_writing(sources):
+        real(sources)
+        calls.append(1)
+        if len(calls) == 2:
+            with open(shard, "r+b") as fh:
+                byte = fh.read(1)
+                fh.seek(0)
+                time.sleep(0.01)  # a later mtime, even on coarse clocks
+                fh.write(byte)
+
+    monkeypatch.setattr(base, "_feed_taps", feeding_then_writing)
+    with pytest.raises(FormatError, match="was written to while shardkit read it"):
+        merge(tmp_path / "shards", tmp_path / "merged", workers=1)
+    assert not (tmp_path / "merged").exists()

@@ -206,3 +206,55 @@ def test_the_check_on_read_sees_a_file_that_grew(tmp_path):
     path, check = _checked_file(tmp_path, data)
     path.write_bytes(data + b"x")
     assert not check.finish()
+
+
+def test_a_read_past_bytes_a_later_output_reads_is_dropped_and_read_again_later(tmp_path, monkeypatch):
+    """A read that jumps over more bytes that only a later output file reads (a later place in
+    the plan) than the reads under way have left to feed is not fed: the digest waits, and reads
+    the dropped bytes again once the later reads have brought it there. A gap the reads under way
+    outweigh is read at once. The digest is the file's either way, and a changed byte in a dropped
+    range is still caught."""
+    from shardkit.formats import reader
+
+    monkeypatch.setattr(reader, "FILL_GAP", 0)
+    data = os.urandom(10_000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    entry = {"path": "f", "size": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
+    reached = [1]
+    # place 0: [3000, 4000) read now; place 1: [0, 3000) and [4000, 10000) read later
+    planned = [(0, 3000, 1), (3000, 4000, 0), (4000, 10_000, 1)]
+
+    def feed(check, offset, count):
+        fd, view = _read(path, offset, count)
+        try:
+            assert check.feed(fd, offset, view)
+        finally:
+            os.close(fd)
+
+    check = reader._FileCheck(path, "f", entry, "fast", planned, lambda: reached[0])
+    feed(check, 3000, 1000)  # 3000 later bytes before it, 1000 under way: dropped
+    assert check.upto == 0
+    reached[0] = 2
+    feed(check, 0, 3000)
+    assert check.upto == 3000
+    feed(check, 4000, 6000)  # the dropped range is read again on the way
+    assert check.upto == 10_000
+    assert check.finish()
+
+    reached[0] = 1
+    check = reader._FileCheck(path, "f", entry, "fast", [(0, 500, 1), (500, 4000, 0)], lambda: reached[0])
+    feed(check, 500, 3500)  # 500 later bytes, 3500 under way: the gap is read now
+    assert check.upto == 4000
+    assert check.finish()
+
+    changed = bytearray(data)
+    changed[3500] ^= 1  # inside the dropped read
+    path.write_bytes(bytes(changed))
+    reached[0] = 1
+    check = reader._FileCheck(path, "f", entry, "fast", planned, lambda: reached[0])
+    feed(check, 3000, 1000)
+    reached[0] = 2
+    feed(check, 0, 3000)
+    feed(check, 4000, 6000)
+    assert not check.finish()

@@ -236,7 +236,10 @@ def execute(
         read_ahead.start()
     try:
         if hashes is not None:
-            hashes.start(checked)
+            if read_ahead is not None:
+                hashes.start(checked, read_ahead.spans, read_ahead.requested)
+            else:
+                hashes.start(checked)
         _write_all(build, outputs, workers, records, cancel, drain)
         if hashes is not None:
             hashes.finish()  # before anything is committed: corrupt sources never reach the destination

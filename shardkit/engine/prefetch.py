@@ -152,6 +152,8 @@ class Prefetcher:
     def __init__(
         self, spans: Sequence[tuple[Path, int, int]], window: int | None = None, once: Sequence[bool] | None = None
     ):
+        self.spans = spans  # as planned (the hash check knows by them which reads come later)
+        self._requested = 0  # the most spans a worker has asked for
         self.window = window_bytes() if window is None else window
         self.extents, self._covered, self._members = _coalesce(spans, once)
         self._ends: list[int] = []  # bytes read ahead once extent i is done (cumulative)
@@ -188,6 +190,7 @@ class Prefetcher:
         """Return once the first `count` spans are read ahead (or the read-ahead ended)."""
         if count <= 0:
             return
+        self._requested = max(self._requested, count)
         count = self._covered[min(count, len(self._covered)) - 1]  # in extents
         with self._cond:
             if count > self._needed:
@@ -195,6 +198,10 @@ class Prefetcher:
                 self._cond.notify_all()
             while self._done < count and not self._finished:
                 self._cond.wait()
+
+    def requested(self) -> int:
+        """How many of the planned spans the workers have asked for so far (their reads are under way)."""
+        return self._requested
 
     def stop(self) -> None:
         """End the read-ahead (it stops after its current chunk), wait for the thread, and free

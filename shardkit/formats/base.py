@@ -488,10 +488,11 @@ class _CopyJob:
         out = fh.fileno()
         os.lseek(out, self.position, os.SEEK_SET)
         view = _COPY_BUFFER.view
-        readback = any(tap is not None for _, tap in self.ranges) or self.digest is not None or self.seen is not None
+        needed = self.digest is not None or self.seen is not None  # the bytes are read back for these
         by_kernel = True
         done = 0
         for source, tap in self.ranges:
+            wants = getattr(tap, "wants", None)
             for start in range(0, source.length, COPY_BLOCK):
                 if self.cancelled:  # the file is being given up: stop between blocks
                     return
@@ -506,18 +507,20 @@ class _CopyJob:
                         raise FormatError(f"{source.what} is truncated: re-create it")
                     else:
                         moved += got
+                # the source's check may have these bytes already (hashed ahead by a worker)
+                tapped = tap is not None and (wants is None or wants(source.offset + start, n))
                 if moved < n:  # the block's rest (all of it where the kernel does not copy)
                     read_exact(source.fd, block, source.offset + start, source.what)
                     for first in range(moved, n, WRITE_BLOCK):
                         _write_all(out, block[first : min(n, first + WRITE_BLOCK)])
-                elif readback:
+                elif needed or tapped:
                     read_exact(out, block, self.position + done, str(self.path))
-                if readback:
+                if needed or tapped or moved < n:
                     self._hash(block)
                     if self.seen is not None:
                         self.seen(block)
-                    if tap is not None:
-                        tap(source.fd, source.offset + start, block)
+                    if tapped:
+                        cast(ReadTap, tap)(source.fd, source.offset + start, block)
                 done += n
         fh.seek(self.position + done)  # the buffered file learns where the kernel left it
         if self.after is not None:
@@ -553,6 +556,23 @@ class _CopyJob:
         if not self.queued:
             self.run(None, skip=True)
         self.wait()
+
+
+def _feed_taps(sources: Sequence[FileRange]) -> None:
+    """Read the bytes of `sources` that their checks still want and pass them to their taps."""
+    view = _COPY_BUFFER.view
+    for source in sources:
+        tap = _TAPS.get(source.fd)
+        if tap is None:
+            continue
+        wants = getattr(tap, "wants", None)
+        for start in range(0, source.length, COPY_BLOCK):
+            n = min(COPY_BLOCK, source.length - start)
+            if wants is not None and not wants(source.offset + start, n):
+                continue
+            block = view[:n]
+            read_exact(source.fd, block, source.offset + start, source.what)
+            tap(source.fd, source.offset + start, block)
 
 
 def _after_bytes(after: Callable[[], bytes], size: int, path: Path) -> bytes:
@@ -987,6 +1007,10 @@ class HashingFile:
         writer = self._writer
         if writer is None:
             writer = self._writer = _WriteBehind(fh)
+        # The sources' checks are fed here, in the worker, which has time to spare while the
+        # write-behind thread (the busier one) copies; the copy then reads back only what the
+        # file itself needs (its digests, a zip record's CRC32): nothing for a merge.
+        _feed_taps(sources)
         held: list[tuple[FileRange, ReadTap | None]] = []
         try:  # the reader may close its descriptor before the copy runs: the job keeps its own
             for source in sources:

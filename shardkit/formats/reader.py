@@ -6,11 +6,12 @@ them (`SegmentIndex.locate`) and reading exactly those bytes from the files, pos
 
 from __future__ import annotations
 
+import bisect
 import os
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -34,13 +35,35 @@ about this many bytes (not assembled whole: a merged 7B MLP weight is 86 MiB of 
 SMALL_GAP = 8 << 20
 """A read that starts at most this many bytes past the point a file's check has reached is joined
 to it by reading the bytes between (zip headers, a kv replica the operation skips); a longer jump
-hands the file to the check's thread, which hashes the rest by reading it again."""
+hands the file to the check's thread, which hashes the rest by reading it again (unless the read
+is dropped: see `_FileCheck`)."""
+
+FILL_GAP = 128 << 10
+"""A gap up to this size is always joined by reading it."""
 
 
 class _FileCheck:
-    """The check of one listed file: its digest, fed the file's bytes in order up to `upto`."""
+    """The check of one listed file: its digest, fed the file's bytes in order up to `upto`.
 
-    def __init__(self, path: Path, rel: str, entry: dict, mode: CheckMode):
+    `planned` lists the byte ranges of the file the operation reads, as (start, end, place) with
+    `place` the order in which the operation first reads them; `requested()` is how many places
+    the workers have reached. One source file may feed several output files (at tp 8 -> 4 with
+    kv heads regrouped, a file's attention goes to one output and its MLP to a later one), so a
+    read may jump over bytes that only a later output file reads. Reading the gap would then read
+    those bytes twice, and handing the file on would read all the rest again; when the gap holds
+    more such bytes than the reads under way have still to feed past it, the read is dropped
+    instead: its bytes are read again once the digest reaches them (when the later reads have
+    come), which costs only those bytes."""
+
+    def __init__(
+        self,
+        path: Path,
+        rel: str,
+        entry: dict,
+        mode: CheckMode,
+        planned: list[tuple[int, int, int]] | None = None,
+        requested: Callable[[], int] | None = None,
+    ):
         self.path, self.rel, self.entry = path, rel, entry
         self.algorithm, self.expected = expected_digest(entry, mode)
         self.digest = new_digest(self.algorithm)
@@ -48,15 +71,24 @@ class _FileCheck:
         self.lock = threading.Lock()
         self.handed = False  # queued for the check's thread, which hashes the rest: reads no longer feed it
         self.used = False  # a reader opened (or tried to open) the file
+        self.planned = planned or []
+        self._starts = [start for start, _, _ in self.planned]
+        self.requested = requested or (lambda: 0)
+        self.stamp: tuple[int, ...] | None = None  # the file as first read (see `finish`)
 
     def feed(self, fd: int, offset: int, view: memoryview) -> bool:
-        """Feed bytes just read at `offset` where they continue the digest. False when they start
-        more than SMALL_GAP past it (the file is then to be handed on)."""
+        """Feed bytes just read at `offset` where they continue the digest, after reading the gap
+        before them where there is one (see the class: a read may be dropped). False when the gap
+        is longer than SMALL_GAP (the file is then to be handed on)."""
         end = offset + len(view)
         with self.lock:
+            if self.stamp is None:
+                self.stamp = _stamp(os.fstat(fd))
             if self.handed or end <= self.upto:
                 return True
             if offset > self.upto:
+                if offset - self.upto > FILL_GAP and self._later_than_soon(offset):
+                    return True  # dropped: read again once the digest reaches it
                 if offset - self.upto > SMALL_GAP:
                     return False
                 gap = memoryview(bytearray(offset - self.upto))
@@ -66,6 +98,28 @@ class _FileCheck:
             self.digest.update(view[self.upto - offset :])
             self.upto = end
             return True
+
+    def _later_than_soon(self, target: int) -> bool:
+        """Whether [upto, target) holds more bytes that only reads not yet under way will feed than
+        the reads under way have left to feed from `target` on."""
+        reached = self.requested()
+        later = 0
+        j = max(0, bisect.bisect_right(self._starts, self.upto) - 1)
+        while j < len(self.planned) and self.planned[j][0] < target:
+            first, last, place = self.planned[j]
+            if last > self.upto and place >= reached:
+                later += min(last, target) - max(first, self.upto)
+            j += 1
+        if not later:
+            return False
+        soon = 0
+        j = max(0, bisect.bisect_right(self._starts, target) - 1)
+        while j < len(self.planned) and soon <= later:
+            first, last, place = self.planned[j]
+            if last > target and place < reached:
+                soon += last - max(first, target)
+            j += 1
+        return later > soon
 
     def hand(self) -> bool:
         """Stop feeding the digest from reads; True the first time (the file is then to be queued)."""
@@ -78,7 +132,21 @@ class _FileCheck:
         listed size and digest."""
         size = feed_file(self.path, self.digest, self.upto)
         listed = self.entry.get("size")
+        if self.stamp is not None:
+            # The reads fed the digest as the operation made them, but a copy by the kernel moves
+            # the bytes a moment after the worker read them, and a dropped read is hashed when read
+            # again: a file written to meanwhile could pass with bytes other than those used.
+            now = _stamp(os.stat(self.path))
+            if now[:2] == self.stamp[:2] and now != self.stamp:
+                raise FormatError(
+                    f"{self.path} was written to while shardkit read it: run again when nothing else writes to it"
+                )
         return (listed is None or size == listed) and self.digest.hexdigest() == self.expected
+
+
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    """A file's identity and what changes when it is written: device, inode, size, mtime, ctime."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class HashCheck:
@@ -116,9 +184,16 @@ class HashCheck:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
-    def start(self, keys=None) -> HashCheck:
+    def start(
+        self, keys=None, planned: Sequence[tuple[Path, int, int]] = (), requested: Callable[[], int] | None = None
+    ) -> HashCheck:
         """Check the files of `keys` (default: every file of the checkpoint), listed in the order
-        the operation first reads them."""
+        the operation first reads them. `planned`: (path, offset, length) of the bytes the
+        operation reads, in the order it first reads them, where it knows them, and `requested()`
+        how many of those the workers have reached (see `_FileCheck`)."""
+        spans: dict[str, list[tuple[int, int, int]]] = {}
+        for place, (path, offset, length) in enumerate(planned):
+            spans.setdefault(_named(path), []).append((offset, offset + length, place))
         for key in self.ckpt.files if keys is None else keys:
             path = self.ckpt.files[key]
             for file in format_of_file(path, self.ckpt.format).files_of(path):
@@ -127,9 +202,13 @@ class HashCheck:
                 except ValueError:
                     continue
                 if rel in self.expected:
-                    check = self._files.setdefault(
-                        _named(file), _FileCheck(Path(file), rel, self.expected[rel], self.mode)
-                    )
+                    name = _named(file)
+                    if name not in self._files:
+                        ranges = _merged(spans.get(name, []))
+                        self._files[name] = _FileCheck(
+                            Path(file), rel, self.expected[rel], self.mode, ranges, requested
+                        )
+                    check = self._files[name]
                     self._of_key.setdefault(key, []).append(check)
         if self._files and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="shardkit-hash-check", daemon=True)
@@ -151,12 +230,7 @@ class HashCheck:
         check = self._files.get(_named(path))
         if check is None or check.handed:
             return None
-
-        def tap(fd: int, offset: int, view: memoryview) -> None:
-            if not check.feed(fd, offset, view):
-                self._hand(check)
-
-        return tap
+        return _Tap(self, check)
 
     def _hand(self, check: _FileCheck) -> None:
         if check.hand():
@@ -214,6 +288,35 @@ class HashCheck:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+
+
+def _merged(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(start, end, place) byte ranges sorted, overlapping ones joined (at the earlier place)."""
+    out: list[tuple[int, int, int]] = []
+    for start, end, place in sorted(spans):
+        if out and start < out[-1][1]:
+            first, last, earlier = out[-1]
+            out[-1] = (first, max(last, end), min(earlier, place))
+        else:
+            out.append((start, end, place))
+    return out
+
+
+class _Tap:
+    """Feeds the reads of one file to its check; `wants(offset, length)` says whether bytes are
+    still to be fed (not when the check has hashed past them, or the file was handed on): a copy
+    by the kernel then need not read them back."""
+
+    def __init__(self, hashes: HashCheck, check: _FileCheck):
+        self.hashes, self.check = hashes, check
+
+    def __call__(self, fd: int, offset: int, view: memoryview) -> None:
+        if not self.check.feed(fd, offset, view):
+            self.hashes._hand(self.check)
+
+    def wants(self, offset: int, length: int) -> bool:
+        check = self.check
+        return not check.handed and offset + length > check.upto
 
 
 def _named(path: Path | str) -> str:
