@@ -487,10 +487,13 @@ def test_a_shard_read_by_two_output_files_is_checked_without_reading_it_whole_ag
     assert not (tmp_path / "bad").exists()
 
 
-def test_a_checked_merge_reads_no_copy_back(tiny_model, tmp_path, kernel_copies, monkeypatch):
-    """A merge's output has no digests and no CRC32s, so the only reader of its shards' bytes is
-    the check on read, fed by the worker as it queues each copy: the write-behind thread copies
-    in the kernel and reads nothing back (the busier thread does the least)."""
+def test_copies_from_checked_sources_are_not_read_back(tiny_model, tmp_path, kernel_copies, monkeypatch):
+    """When every source of a copy is checked, the worker reads its ranges once, as it queues the
+    copy, for the check, the output file's digests and the zip record's CRC32: the write-behind
+    thread copies in the kernel and reads nothing back (the busier thread does the least). Merge
+    and reshard alike; the reshard's manifest lists the digests of the bytes its files hold."""
+    import json
+
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
     read_from: list[str] = []
@@ -501,33 +504,44 @@ def test_a_checked_merge_reads_no_copy_back(tiny_model, tmp_path, kernel_copies,
         return real(fd, view, offset, what)
 
     monkeypatch.setattr(base, "read_exact", recording)
-    kernel_copies.clear()
     merge(tmp_path / "shards", tmp_path / "merged", workers=1)
+    reshard(tmp_path / "shards", tmp_path / "tp1", Layout(tp=1), format="torch", workers=1)
     assert kernel_copies
     assert read_from and all("/shards/" in path for path in read_from), sorted(set(read_from))
+    monkeypatch.setattr(base, "read_exact", real)
+    for entry in json.loads((tmp_path / "tp1" / "shardkit.json").read_text())["files"]:
+        assert file_digests(tmp_path / "tp1" / entry["path"])[1] == entry["xxh3_128"]
+    for name in sorted(p.name for p in (tmp_path / "tp1").rglob("*.pt")):  # the CRC32s
+        with zipfile.ZipFile(next((tmp_path / "tp1").rglob(name))) as archive:
+            assert archive.testzip() is None
 
 
 def test_a_source_written_to_while_it_is_read_is_refused(tiny_model, tmp_path, monkeypatch):
     """The check hashes a range as the worker queues its copy, a moment before the kernel moves
     it: a shard written to in between (here: a byte rewritten with its own value, after the first
-    range was hashed) is refused before anything is committed, whatever its bytes now are."""
+    ranges were hashed) is refused before anything is committed, whatever its bytes now are."""
+    from shardkit.formats import reader
+
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
     shard = sorted((tmp_path / "shards").rglob("*.pt"))[0]
-    real = base._feed_taps
+    real = reader._FileCheck.feed
     calls = []
 
-    def feeding_then_writing(sources):
-        real(sources)
+    def feeding_then_writing(check, fd, offset, view):
+        fed = real(check, fd, offset, view)
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 3:
             with open(shard, "r+b") as fh:
                 byte = fh.read(1)
                 fh.seek(0)
                 time.sleep(0.01)  # a later mtime, even on coarse clocks
                 fh.write(byte)
+        return fed
 
-    monkeypatch.setattr(base, "_feed_taps", feeding_then_writing)
-    with pytest.raises(FormatError, match="was written to while shardkit read it"):
-        merge(tmp_path / "shards", tmp_path / "merged", workers=1)
-    assert not (tmp_path / "merged").exists()
+    monkeypatch.setattr(reader._FileCheck, "feed", feeding_then_writing)
+    for operation in (merge, lambda src, dst, **kw: reshard(src, dst, Layout(tp=1), format="torch", **kw)):
+        calls.clear()
+        with pytest.raises(FormatError, match="was written to while shardkit read it"):
+            operation(tmp_path / "shards", tmp_path / "out", workers=1)
+        assert not (tmp_path / "out").exists()

@@ -17,6 +17,7 @@ import collections
 import contextlib
 import errno
 import fcntl
+import functools
 import math
 import mmap
 import os
@@ -977,15 +978,19 @@ class HashingFile:
         """Append the bytes of source `ranges`, one after another, copied by the kernel
         (`kernel_copy`): one copy from page cache to page cache, where writing them from this
         process's memory is a second copy, and on a VM the dearer one. The file's write-behind
-        thread copies them while the caller prepares what comes next, and reads each block back
-        while it is still in the CPU's cache, for what needs the bytes: the file's digests,
-        `seen` (a CRC32, called in that thread), and the source's check on read (its tap, as if
-        the source had been read). So the digests describe the bytes this file holds, whatever
-        happens to the source meanwhile. Then `after()` (`after_size` bytes, computed once the
-        bytes are copied: a zip record's data descriptor) is written. Around the page cache
-        (`DirectFile`), the bytes are read and written here instead. The ranges are taken in this
-        thread (each waits for the read-ahead), and each source is kept open until it is copied.
-        Returns the bytes of `ranges`."""
+        thread copies them while the caller prepares what comes next. What needs the bytes (the
+        file's digests, `seen`: a CRC32, and the sources' checks on read) gets them one of two
+        ways. When every source is checked, the caller reads them here, once, for all three
+        (`_read_copied`): the worker waits for the write-behind thread most of the time, and the
+        copy then reads nothing back; a source written to between that read and the copy is
+        refused by its check. Otherwise the sources' checks are fed here (`_feed_taps`), and the
+        write-behind thread reads each copied block back while it is still in the CPU's cache for
+        the digests and `seen`, so that these describe the bytes the file holds, whatever happens
+        to the source meanwhile. Then `after()` (`after_size` bytes, computed once the bytes are
+        seen: a zip record's data descriptor) is written. Around the page cache (`DirectFile`),
+        the bytes are read and written here instead. The ranges are taken in this thread (each
+        waits for the read-ahead), and each source is kept open until it is copied. Returns the
+        bytes of `ranges`."""
         sources = list(ranges)
         total = sum(source.length for source in sources)
         fh = self._file
@@ -1007,10 +1012,17 @@ class HashingFile:
         writer = self._writer
         if writer is None:
             writer = self._writer = _WriteBehind(fh)
-        # The sources' checks are fed here, in the worker, which has time to spare while the
-        # write-behind thread (the busier one) copies; the copy then reads back only what the
-        # file itself needs (its digests, a zip record's CRC32): nothing for a merge.
-        _feed_taps(sources)
+        # The worker has time to spare while the write-behind thread (the busier one) copies:
+        # the sources' checks are fed here, and when every source is checked (a worker that reads
+        # them all anyway), the file's digest and `seen` too, so that the copy reads nothing back.
+        inline = all(_TAPS.get(source.fd) is not None for source in sources) and (
+            self._hash is None or self._hash.sha256 is None  # sha256 would slow the worker: hashed behind
+        )
+        if inline:
+            data = self._read_copied(sources, seen, after, after_size)
+            seen, after = None, (functools.partial(bytes, data) if data is not None else None)
+        else:
+            _feed_taps(sources)
         held: list[tuple[FileRange, ReadTap | None]] = []
         try:  # the reader may close its descriptor before the copy runs: the job keeps its own
             for source in sources:
@@ -1023,13 +1035,14 @@ class HashingFile:
             raise
         behind = self._behind
         prefix = None
-        if self._hash is not None and self._tail:
+        if self._hash is not None and self._tail and not inline:
             prefix = bytes(self._tail)
             self._tail.clear()
+        digest = None if inline else self._hash
         job = _CopyJob(
-            held, self.size, self.path, self._hash, behind[-1] if behind else None, prefix, seen, after, after_size
+            held, self.size, self.path, digest, behind[-1] if behind else None, prefix, seen, after, after_size
         )
-        if self._hash is not None:
+        if digest is not None:
             self._settle(job, HASH_BEHIND)  # later blocks are hashed after it
         try:
             writer.put(job, total + after_size)
@@ -1041,6 +1054,40 @@ class HashingFile:
             raise
         self.size += total + after_size
         return total
+
+    def _read_copied(
+        self,
+        sources: Sequence[FileRange],
+        seen: Callable[[memoryview], None] | None,
+        after: Callable[[], bytes] | None,
+        after_size: int,
+    ) -> bytes | None:
+        """Read the bytes of `sources` in this thread, for their checks (every source is checked),
+        the file's digest (after the blocks before them) and `seen`; then `after()`, hashed too.
+        The copy of the same bytes by the kernel then reads nothing back. A source written to
+        between this read and the copy is refused by its check (its stamp)."""
+        if self._hash is not None:
+            self._settle(None, -1)  # the file's bytes before these are hashed first
+        view = _COPY_BUFFER.view
+        for source in sources:
+            tap = _TAPS[source.fd]
+            wants = getattr(tap, "wants", None)
+            for start in range(0, source.length, COPY_BLOCK):
+                n = min(COPY_BLOCK, source.length - start)
+                block = view[:n]
+                read_exact(source.fd, block, source.offset + start, source.what)
+                if self._hash is not None:
+                    self._hash.update(block)
+                if seen is not None:
+                    seen(block)
+                if wants is None or wants(source.offset + start, n):
+                    tap(source.fd, source.offset + start, block)
+        if after is None:
+            return None
+        data = _after_bytes(after, after_size, self.path)
+        if self._hash is not None:
+            self._hash.update(data)
+        return data
 
     def flush(self) -> None:
         try:

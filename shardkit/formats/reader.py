@@ -132,16 +132,21 @@ class _FileCheck:
         listed size and digest."""
         size = feed_file(self.path, self.digest, self.upto)
         listed = self.entry.get("size")
-        if self.stamp is not None:
-            # The reads fed the digest as the operation made them, but a copy by the kernel moves
-            # the bytes a moment after the worker read them, and a dropped read is hashed when read
-            # again: a file written to meanwhile could pass with bytes other than those used.
-            now = _stamp(os.stat(self.path))
-            if now[:2] == self.stamp[:2] and now != self.stamp:
-                raise FormatError(
-                    f"{self.path} was written to while shardkit read it: run again when nothing else writes to it"
-                )
         return (listed is None or size == listed) and self.digest.hexdigest() == self.expected
+
+    def unchanged(self) -> None:
+        """Raise FormatError when the file was written to since it was first read. The reads fed
+        the digest as the operation made them, but a copy by the kernel moves the bytes a moment
+        after the worker read them, a dropped read is hashed when read again, and a file handed
+        on is read again: a file written to meanwhile could pass with bytes other than those
+        used. (A file renamed over it is another file: the one read is unchanged.)"""
+        if self.stamp is None:
+            return
+        now = _stamp(os.stat(self.path))
+        if now[:2] == self.stamp[:2] and now != self.stamp:
+            raise FormatError(
+                f"{self.path} was written to while shardkit read it: run again when nothing else writes to it"
+            )
 
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
@@ -267,8 +272,14 @@ class HashCheck:
         self._thread = None
 
     def finish(self) -> None:
-        """Hash what no read reached, wait, and raise the first mismatch (FormatError)."""
+        """Hash what no read reached, wait, and raise the first mismatch (FormatError), or a file
+        written to while it was read (once every read and copy of the operation is done)."""
         self._join()
+        for check in self._files.values():
+            try:
+                check.unchanged()
+            except OSError as e:
+                raise FormatError(f"cannot read {check.path}: {e.strerror or e}") from None
         if self.error is not None:
             raise self.error
 
