@@ -156,3 +156,10 @@ def test_scripts_parse_their_options(script):
     assert "usage:" in out.stdout
     if script in ("bench_ab.py", "bench_convert.py", "bench_reshard.py"):
         assert "--drop-caches" in out.stdout
+
+
+def test_bench_ab_refuses_an_unknown_step(capsys):
+    import bench_ab
+
+    assert bench_ab.main(["--ops", "merge,resahrd"]) == 2
+    assert "unknown --ops resahrd" in capsys.readouterr().err
