@@ -542,6 +542,6 @@ def test_a_source_written_to_while_it_is_read_is_refused(tiny_model, tmp_path, m
     monkeypatch.setattr(reader._FileCheck, "feed", feeding_then_writing)
     for operation in (merge, lambda src, dst, **kw: reshard(src, dst, Layout(tp=1), format="torch", **kw)):
         calls.clear()
-        with pytest.raises(FormatError, match="was written to while shardkit read it"):
+        with pytest.raises(FormatError, match="changed while shardkit read it"):
             operation(tmp_path / "shards", tmp_path / "out", workers=1)
         assert not (tmp_path / "out").exists()

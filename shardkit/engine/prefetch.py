@@ -190,9 +190,10 @@ class Prefetcher:
         """Return once the first `count` spans are read ahead (or the read-ahead ended)."""
         if count <= 0:
             return
-        self._requested = max(self._requested, count)
+        spans = count
         count = self._covered[min(count, len(self._covered)) - 1]  # in extents
         with self._cond:
+            self._requested = max(self._requested, spans)
             if count > self._needed:
                 self._needed = count
                 self._cond.notify_all()

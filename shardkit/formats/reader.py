@@ -74,7 +74,7 @@ class _FileCheck:
         self.planned = planned or []
         self._starts = [start for start, _, _ in self.planned]
         self.requested = requested or (lambda: 0)
-        self.stamp: tuple[int, ...] | None = None  # the file as first read (see `finish`)
+        self.stamp: tuple[int, ...] | None = None  # the file as first read (see `unchanged`)
 
     def feed(self, fd: int, offset: int, view: memoryview) -> bool:
         """Feed bytes just read at `offset` where they continue the digest, after reading the gap
@@ -145,7 +145,8 @@ class _FileCheck:
         now = _stamp(os.stat(self.path))
         if now[:2] == self.stamp[:2] and now != self.stamp:
             raise FormatError(
-                f"{self.path} was written to while shardkit read it: run again when nothing else writes to it"
+                f"{self.path} changed while shardkit read it (its size, mtime or ctime moved: written to, or its "
+                "links or mode changed): run again when nothing else touches the source"
             )
 
 
