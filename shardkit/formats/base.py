@@ -449,14 +449,15 @@ class _CopyJob:
     """Source byte ranges appended to a file at `position` by the kernel's copy, run by the file's
     write-behind thread (see `HashingFile.copy_ranges`). In the file's chain of blocks to hash
     it stands like a `_HashJob`: it hashes its bytes (read back) once the block before it is
-    hashed (`prev`), after `prefix` (small writes queued between). Each range comes with its
-    source's tap; the job owns the ranges' descriptors and closes them when done or dropped."""
+    hashed (`prev`), after `prefix` (small writes queued between). The sources' checks are fed
+    before the job is queued (`HashingFile.copy_ranges`); the job owns the ranges' descriptors and
+    closes them when done or dropped."""
 
     size = 0  # holds none of the caller's memory: not counted against HASH_BEHIND
 
     def __init__(
         self,
-        ranges: list[tuple[FileRange, ReadTap | None]],
+        ranges: list[FileRange],
         position: int,
         path: Path,
         digest: Digests | None,
@@ -479,7 +480,7 @@ class _CopyJob:
             if not (skip or self.cancelled or fh is None):
                 self._copy(cast("io.BufferedRandom", fh))
         finally:
-            for source, _ in self.ranges:
+            for source in self.ranges:
                 os.close(source.fd)
             self.ranges, self.prev, self.seen, self.after = [], None, None, None
             self.done.set()
@@ -489,11 +490,10 @@ class _CopyJob:
         out = fh.fileno()
         os.lseek(out, self.position, os.SEEK_SET)
         view = _COPY_BUFFER.view
-        needed = self.digest is not None or self.seen is not None  # the bytes are read back for these
+        readback = self.digest is not None or self.seen is not None
         by_kernel = True
         done = 0
-        for source, tap in self.ranges:
-            wants = getattr(tap, "wants", None)
+        for source in self.ranges:
             for start in range(0, source.length, COPY_BLOCK):
                 if self.cancelled:  # the file is being given up: stop between blocks
                     return
@@ -508,20 +508,16 @@ class _CopyJob:
                         raise FormatError(f"{source.what} is truncated: re-create it")
                     else:
                         moved += got
-                # the source's check may have these bytes already (hashed ahead by a worker)
-                tapped = tap is not None and (wants is None or wants(source.offset + start, n))
                 if moved < n:  # the block's rest (all of it where the kernel does not copy)
                     read_exact(source.fd, block, source.offset + start, source.what)
                     for first in range(moved, n, WRITE_BLOCK):
                         _write_all(out, block[first : min(n, first + WRITE_BLOCK)])
-                elif needed or tapped:
+                elif readback:
                     read_exact(out, block, self.position + done, str(self.path))
-                if needed or tapped or moved < n:
+                if readback:
                     self._hash(block)
                     if self.seen is not None:
                         self.seen(block)
-                    if tapped:
-                        cast(ReadTap, tap)(source.fd, source.offset + start, block)
                 done += n
         fh.seek(self.position + done)  # the buffered file learns where the kernel left it
         if self.after is not None:
@@ -559,21 +555,26 @@ class _CopyJob:
         self.wait()
 
 
-def _feed_taps(sources: Sequence[FileRange]) -> None:
-    """Read the bytes of `sources` that their checks still want and pass them to their taps."""
+def _feed_taps(sources: Sequence[FileRange], every: Callable[[memoryview], None] | None = None) -> None:
+    """Read the bytes of `sources` that their checks still want, a block at a time, and pass them
+    to their taps; with `every`, read every byte and pass each block to it too."""
     view = _COPY_BUFFER.view
     for source in sources:
         tap = _TAPS.get(source.fd)
-        if tap is None:
+        if tap is None and every is None:
             continue
         wants = getattr(tap, "wants", None)
         for start in range(0, source.length, COPY_BLOCK):
             n = min(COPY_BLOCK, source.length - start)
-            if wants is not None and not wants(source.offset + start, n):
+            wanted = tap is not None and (wants is None or wants(source.offset + start, n))
+            if not wanted and every is None:
                 continue
             block = view[:n]
             read_exact(source.fd, block, source.offset + start, source.what)
-            tap(source.fd, source.offset + start, block)
+            if every is not None:
+                every(block)
+            if wanted:
+                cast(ReadTap, tap)(source.fd, source.offset + start, block)
 
 
 def _after_bytes(after: Callable[[], bytes], size: int, path: Path) -> bytes:
@@ -1023,14 +1024,12 @@ class HashingFile:
             seen, after = None, (functools.partial(bytes, data) if data is not None else None)
         else:
             _feed_taps(sources)
-        held: list[tuple[FileRange, ReadTap | None]] = []
+        held: list[FileRange] = []
         try:  # the reader may close its descriptor before the copy runs: the job keeps its own
             for source in sources:
-                held.append(
-                    (FileRange(os.dup(source.fd), source.offset, source.length, source.what), _TAPS.get(source.fd))
-                )
+                held.append(FileRange(os.dup(source.fd), source.offset, source.length, source.what))
         except BaseException:
-            for source, _ in held:
+            for source in held:
                 os.close(source.fd)
             raise
         behind = self._behind
@@ -1066,22 +1065,17 @@ class HashingFile:
         the file's digest (after the blocks before them) and `seen`; then `after()`, hashed too.
         The copy of the same bytes by the kernel then reads nothing back. A source written to
         between this read and the copy is refused by its check (its stamp)."""
-        if self._hash is not None:
+        digest = self._hash
+        if digest is not None:
             self._settle(None, -1)  # the file's bytes before these are hashed first
-        view = _COPY_BUFFER.view
-        for source in sources:
-            tap = _TAPS[source.fd]
-            wants = getattr(tap, "wants", None)
-            for start in range(0, source.length, COPY_BLOCK):
-                n = min(COPY_BLOCK, source.length - start)
-                block = view[:n]
-                read_exact(source.fd, block, source.offset + start, source.what)
-                if self._hash is not None:
-                    self._hash.update(block)
-                if seen is not None:
-                    seen(block)
-                if wants is None or wants(source.offset + start, n):
-                    tap(source.fd, source.offset + start, block)
+
+        def every(block: memoryview) -> None:
+            if digest is not None:
+                digest.update(block)
+            if seen is not None:
+                seen(block)
+
+        _feed_taps(sources, every)
         if after is None:
             return None
         data = _after_bytes(after, after_size, self.path)

@@ -316,8 +316,8 @@ def _merged(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
 
 class _Tap:
     """Feeds the reads of one file to its check; `wants(offset, length)` says whether bytes are
-    still to be fed (not when the check has hashed past them, or the file was handed on): a copy
-    by the kernel then need not read them back."""
+    still to be fed (not when the check has hashed past them, or the file was handed on): the
+    worker then need not read the bytes of a copy for it (`base._feed_taps`)."""
 
     def __init__(self, hashes: HashCheck, check: _FileCheck):
         self.hashes, self.check = hashes, check
