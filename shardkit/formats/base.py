@@ -175,6 +175,54 @@ class ChunkedWriter(TensorFileWriter, Protocol):
     def write_chunks(self, name: str, chunks: Iterable[torch.Tensor], owned: bool = False) -> None: ...
 
 
+class RowBlocks:
+    """A matrix being written as blocks of rows (`RowStreamingWriter.begin_rows`) by `writer`:
+    each block is checked against `spec` and its bytes handed to `put(bytes, owner)`; `done()`
+    runs after the last. A failure gives the whole file up (the writer's `_discarding`)."""
+
+    def __init__(
+        self,
+        writer: DiscardOnFailure,
+        spec: TensorSpec,
+        put: Callable[[memoryview, torch.Tensor], None],
+        done: Callable[[], None],
+    ):
+        self._writer, self._spec, self._put, self._done = writer, spec, put, done
+        self.written = 0
+        writer._rows = self  # until `end`: the writer takes no other tensor (see `check_no_rows`)
+
+    def add(self, rows: torch.Tensor) -> None:
+        """The next rows (handed over: never changed afterwards)."""
+        spec = self._spec
+        with self._writer._discarding():
+            if rows.dtype != spec.dtype or rows.dim() != 2 or rows.shape[1] != spec.shape[1]:
+                raise RuntimeError(f"{spec.name}: rows {tuple(rows.shape)} {rows.dtype} do not fit {spec}")
+            rows = compact(rows.detach())
+            data = tensor_bytes(rows)
+            if self.written + len(data) > spec.nbytes:
+                raise RuntimeError(f"{spec.name}: more rows than its {spec.shape[0]}")
+            self._put(data, rows)
+            self.written += len(data)
+
+    def end(self) -> None:
+        """After the last rows (RuntimeError when rows are missing)."""
+        with self._writer._discarding():
+            if self.written != self._spec.nbytes:
+                raise RuntimeError(f"{self._spec.name}: {self.written} of its {self._spec.nbytes} bytes written")
+            self._writer._rows = None
+            self._done()
+
+
+class RowStreamingWriter(TensorFileWriter, Protocol):
+    """A writer that also takes a matrix as blocks of rows handed over one at a time, with other
+    files written in between (`begin_rows`), when `streams_rows` says it can."""
+
+    @property
+    def streams_rows(self) -> bool: ...
+
+    def begin_rows(self, name: str) -> RowBlocks: ...
+
+
 class CopyingWriter(TensorFileWriter, Protocol):
     """A writer that also takes a tensor as byte ranges of source files, copied by the kernel
     (`HashingFile.copy_ranges`), when `copies` says it can (formats that store a tensor's bytes as
@@ -193,11 +241,18 @@ class DiscardOnFailure:
     abandoned unfinished is aborted when it is collected (never finished by a destructor, as
     torch's zip writer would)."""
 
+    _rows: RowBlocks | None = None  # a matrix being written in blocks of rows (`RowBlocks`)
+
     def abort(self) -> None:
         raise NotImplementedError
 
     def _unfinished(self) -> bool:
         raise NotImplementedError
+
+    def check_no_rows(self) -> None:
+        """Refuse another tensor while a matrix's blocks of rows are still coming."""
+        if self._rows is not None:
+            raise RuntimeError(f"the rows of {self._rows._spec.name} are not all written yet")
 
     @contextlib.contextmanager
     def _discarding(self) -> Iterator[None]:
@@ -369,6 +424,21 @@ atexit.register(_HASHER.drain)
 WRITE_BEHIND = 32 << 20
 """At most this many bytes of owned blocks per file wait for their write (`HashingFile.write_owned`)."""
 
+WRITE_BEHIND_ALL = 64 << 20
+"""At most this many bytes of owned blocks wait for their write in all files together (a larger
+block is written before its write returns): the files of a group built together (see
+`engine.executor.lockstep_groups`) each have a queue, and their write-behind threads run at once.
+Every queued block is written by its own file's thread, whatever the caller does, so a caller
+waiting for the others' blocks always gets to go on."""
+
+
+class _Queued:
+    """The bytes of owned blocks queued in all files (see WRITE_BEHIND_ALL), and the condition
+    every write-behind thread notifies as it writes."""
+
+    total = 0
+    changed = threading.Condition()
+
 
 class _WriteBehind:
     """A thread that writes one file's owned blocks (and the small writes queued after them) in
@@ -380,7 +450,7 @@ class _WriteBehind:
         self._fh = fh
         self._jobs: queue.SimpleQueue[tuple[memoryview | _CopyJob, object] | None] = queue.SimpleQueue()
         self._pending = 0
-        self._changed = threading.Condition()
+        self._changed = _Queued.changed
         self._cancelled = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="shardkit-write-behind", daemon=True)
@@ -396,11 +466,13 @@ class _WriteBehind:
             raise self.error
         with self._changed:
             self._pending += size
+            if isinstance(view, memoryview):
+                _Queued.total += size
         if isinstance(view, _CopyJob):
             view.queued = True
         self._jobs.put((view, owner))
         with self._changed:
-            while self._pending > WRITE_BEHIND and self.error is None:
+            while (self._pending > WRITE_BEHIND or _Queued.total > WRITE_BEHIND_ALL) and self.error is None:
                 self._changed.wait()
 
     @property
@@ -428,6 +500,7 @@ class _WriteBehind:
         while (job := self._jobs.get()) is not None:
             view, owner = job
             size = len(view) if isinstance(view, memoryview) else cast(int, owner)
+            block = isinstance(view, memoryview)
             try:
                 if isinstance(view, _CopyJob):
                     view.run(self._fh, skip=self.error is not None or self._cancelled)
@@ -442,6 +515,8 @@ class _WriteBehind:
                 del view, owner, job  # the owner's memory may go now
             with self._changed:
                 self._pending -= size
+                if block:
+                    _Queued.total -= size
                 self._changed.notify_all()
 
 
@@ -1390,7 +1465,8 @@ def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int
     if dim > 0 and row_major and not whole and shape[0] > 1 and extent * item > STRIDED_READ_CHUNK:
         # A column block of a large row-major tensor spans (nearly) all of its bytes, of which it
         # needs only a part (1/8 for tp 8): copied out of a mapping of the file, so that only the
-        # bytes of the block are copied (reading the span copied all of it, once per rank).
+        # bytes of the block are copied (reading the span copied all of it, once per rank). The
+        # files built together cut their blocks from rows read once instead (`read_block`).
         out = empty_tensor(out_shape, t.dtype)
         _copy_columns(fd, t, dim, start, out, what)
         return out
@@ -1436,6 +1512,84 @@ def _copy_columns(fd: int, t: StoredTensor, dim: int, start: int, out: torch.Ten
                 mapping.close()
             except BufferError:  # still exported after a failure: unmapped when collected
                 pass
+
+
+SHARED_WINDOW = 32 << 20
+"""About this many bytes of rows are read at once for the blocks of columns the files of a group
+cut from them, and at most this many are kept (`read_block`, `shared_column_reads`): a block that
+joins the columns of several source pieces takes a window of each, of this size together."""
+
+
+class _SharedRows(threading.local):
+    """This thread's windows of rows kept for blocks of columns (see `shared_column_reads`)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.windows: collections.OrderedDict[tuple[int, int, int, int], bytearray] = collections.OrderedDict()
+
+
+_SHARED = _SharedRows()
+
+
+@contextlib.contextmanager
+def shared_column_reads() -> Iterator[None]:
+    """In this thread, until the block ends, the rows `read_block` reads are kept (the last
+    SHARED_WINDOW bytes of them) for the next blocks of columns of the same rows: the files of
+    one pipeline stage built together (`engine.executor.lockstep_groups`) each cut their columns
+    of a row-parallel weight from the same window of rows in turn, so its bytes are read once for
+    all of them, where a mapping per file touches every page of the tensor once per rank. Freed
+    when the outermost block ends."""
+    _SHARED.depth += 1
+    try:
+        yield
+    finally:
+        _SHARED.depth -= 1
+        if _SHARED.depth == 0:
+            _SHARED.windows.clear()
+
+
+def window_rows(row_bytes: int) -> int:
+    """Rows of a window of a matrix whose rows take `row_bytes` (see SHARED_WINDOW)."""
+    return max(1, SHARED_WINDOW // max(1, row_bytes))
+
+
+def read_block(
+    fd: int, t: StoredTensor, first: int, last: int, start: int, stop: int, out: torch.Tensor, what: str
+) -> bool:
+    """Fill `out` (last - first rows, stop - start columns; each row contiguous) with that block
+    of a 2-D row-major stored tensor, from its rows [first, last) read whole (one positional read,
+    which the check on read sees): inside `shared_column_reads` they are kept for the next
+    blocks of the same rows. False when the tensor is not a row-major matrix."""
+    import numpy
+
+    if len(t.shape) != 2 or list(t.strides()) != [t.shape[1], 1] or not 0 <= first < last <= t.shape[0]:
+        return False
+    item = t.dtype.itemsize
+    row = t.shape[1] * item
+    offset, length = t.file_offset + (t.storage_offset + first * t.shape[1]) * item, (last - first) * row
+    if _SHARED.depth:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, offset, length)
+        windows = _SHARED.windows
+        buffer = windows.get(key)
+        if buffer is None:
+            spare = None
+            while windows and sum(len(b) for b in windows.values()) + length > SHARED_WINDOW:
+                spare = windows.popitem(last=False)[1]  # the oldest goes before a new one is made
+            buffer = spare if spare is not None and len(spare) >= length else bytearray(length)
+            del spare
+            pread_exact(fd, memoryview(buffer)[:length], offset, what)
+            windows[key] = buffer
+        else:
+            windows.move_to_end(key)
+        data = numpy.frombuffer(buffer, dtype=numpy.uint8, count=length)
+    else:
+        data = empty_bytes(length).numpy()
+        pread_exact(fd, array_view(data), offset, what)
+    rows = data.reshape(last - first, t.shape[1], item)
+    target = out.view(torch.uint8).unflatten(1, (stop - start, item)).numpy()
+    numpy.copyto(target, rows[:, start:stop])
+    return True
 
 
 def _copy(view: torch.Tensor) -> torch.Tensor:

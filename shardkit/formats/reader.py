@@ -19,7 +19,7 @@ import torch
 
 from ..errors import FormatError
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
-from .base import FileRange, ReadSource, ReadTap, TensorFile, empty_tensor, pread_exact
+from .base import FileRange, ReadSource, ReadTap, TensorFile, empty_tensor, pread_exact, window_rows
 from .digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
 from .manifest import MANIFEST
 from .registry import format_of_file
@@ -501,6 +501,56 @@ class SourceReader:
             if len(shape) != 2 or shape[0] != piece.shape[0] or self._span(r) != (0, shape[1]):
                 return None
         return self._column_blocks(piece, reads)
+
+    def column_windows(self, piece: Piece) -> list[tuple[int, int]] | None:
+        """The windows of rows (`base.window_rows`) in which a matrix joined along dim 1 from
+        blocks of columns of row-major source matrices (a tp rank's part of a row-parallel
+        weight) can be read (`read_column_rows`), when the files holding them can cut blocks from rows
+        (`read_block`): the files of a group built together then read each window once for all
+        of them (`base.shared_column_reads`). None otherwise."""
+        reads = self._column_reads(piece)
+        if reads is None:
+            return None
+        item = self.dtype_of(piece.slabs[0][0].source).itemsize
+        sources = {(r.holder, r.piece_name) for r in reads}  # a window of each, SHARED_WINDOW together
+        row_bytes = sum(self._file(_key(holder)).shape(name)[1] for holder, name in sources) * item
+        rows, step = piece.shape[0], window_rows(row_bytes)
+        return [(first, min(rows, first + step)) for first in range(0, rows, step)]
+
+    def _column_reads(self, piece: Piece) -> list[Read] | None:
+        if piece.stacked or piece.transposed or len(piece.shape) != 2 or piece.cat_dim != 1:
+            return None
+        if any(seg.dim != 1 for seg in piece.slabs[0]):
+            return None
+        reads = [r for seg in piece.slabs[0] for r in self.index.locate(seg)]
+        for r in reads:
+            file = self._file(_key(r.holder))
+            shape = file.shape(r.piece_name)
+            if r.slab is not None or r.transposed or r.dim != 1 or getattr(file, "read_block", None) is None:
+                return None
+            if len(shape) != 2 or shape[0] != piece.shape[0] or r.start is None or r.stop is None:
+                return None
+        return reads
+
+    def read_column_rows(self, piece: Piece, first: int, last: int) -> torch.Tensor:
+        """Rows [first, last) of a piece `column_windows` accepts, cut from its sources' rows."""
+        reads = self._column_reads(piece)
+        if reads is None:
+            raise ValueError(f"{piece.name} is not a block of columns of source matrices")
+        out = empty_tensor((last - first, piece.shape[1]), self.dtype_of(piece.slabs[0][0].source))
+        col = 0
+        for r in reads:
+            start, stop = cast(int, r.start), cast(int, r.stop)
+            if self.ready is not None:
+                self.ready(r)
+            file = self._file(_key(r.holder))
+            block = out[:, col : col + stop - start]
+            if not file.read_block(r.piece_name, first, last, start, stop, block):  # type: ignore[attr-defined]
+                block.copy_(self.read(r)[first:last])
+            col += stop - start
+        if col != piece.shape[1]:
+            raise FormatError(f"{piece.name}: the sources hold {col} columns, expected {piece.shape[1]}")
+        return out
 
     def _column_blocks(self, piece: Piece, reads: list[Read]) -> Iterator[torch.Tensor]:
         rows, cols = piece.shape

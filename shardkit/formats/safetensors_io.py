@@ -241,6 +241,10 @@ class SafetensorsFile(base.DescriptorReader):
         """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
         return base.read_rows_into(self._open_fd, self._tensors[name], start, stop, out, str(self.path))
 
+    def read_block(self, name: str, first: int, last: int, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Rows [first, last), columns [start, stop) of a matrix into `out` (see `base.read_block`)."""
+        return base.read_block(self._open_fd, self._tensors[name], first, last, start, stop, out, str(self.path))
+
     def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
         """Start reading a slice's bytes in the background (see `advise_stored`)."""
         advise_stored(self._open_fd, self._tensors[name], dim, start, stop)
@@ -321,6 +325,25 @@ class SafetensorsWriter(base.DiscardOnFailure):
     copies = True
     """`write_copy` may be used: a tensor's bytes are stored as they are, in one run."""
 
+    streams_rows = True
+    """`begin_rows` may be used (the same reason)."""
+
+    def begin_rows(self, name: str) -> base.RowBlocks:
+        """Write the next tensor (a matrix) as blocks of rows handed over one at a time, with other
+        files written in between (see `base.RowStreamingWriter`)."""
+        with self._discarding():
+            spec = self._expect(name)
+            if len(spec.shape) != 2:
+                raise RuntimeError(f"{name}: only a matrix is written in blocks of rows, not {spec}")
+
+        def put(data: memoryview, owner: torch.Tensor) -> None:
+            self._open_file.write_owned(data, owner)
+
+        def done() -> None:
+            self._next += 1
+
+        return base.RowBlocks(self, spec, put, done)
+
     def write_copy(self, name: str, ranges: Iterable[base.FileRange]) -> None:
         """Write the next tensor as source byte ranges, copied by the kernel (see
         `HashingFile.copy_ranges`)."""
@@ -345,6 +368,7 @@ class SafetensorsWriter(base.DiscardOnFailure):
 
     def _expect(self, name: str) -> TensorSpec:
         file = self._open_file
+        self.check_no_rows()
         spec = self._specs[self._next] if self._next < len(self._specs) else None
         if spec is None or name != spec.name:
             raise RuntimeError(f"{file.path}: expected {spec.name if spec else 'no more tensors'}, got {name}")

@@ -33,6 +33,7 @@ from .base import (
     FileRange,
     FileRecord,
     HashingFile,
+    RowBlocks,
     StoredTensor,
     TensorSpec,
     advise_stored,
@@ -40,6 +41,7 @@ from .base import (
     check_specs,
     compact,
     narrow,
+    read_block,
     read_rows_into,
     read_stored,
     stored_range,
@@ -414,6 +416,13 @@ class TorchFile(DescriptorReader):
             self._open_fd, value, start, stop, out, str(self.path)
         )
 
+    def read_block(self, name: str, first: int, last: int, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Rows [first, last), columns [start, stop) of a matrix into `out` (see `read_block`)."""
+        value = self._sd[name]
+        return isinstance(value, StoredTensor) and read_block(
+            self._open_fd, value, first, last, start, stop, out, str(self.path)
+        )
+
     def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
         """Start reading a slice's bytes in the background (see `advise_stored`)."""
         value = self._sd[name]
@@ -644,6 +653,7 @@ class TorchWriter(DiscardOnFailure):
         with self._discarding():
             if not self._unfinished():
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
+            self.check_no_rows()
             spec = self._specs[self._next] if self._next < len(self._specs) else None
             if (
                 spec is None
@@ -674,11 +684,35 @@ class TorchWriter(DiscardOnFailure):
         kernel (see `HashingFile.copy_ranges`)."""
         with self._discarding():
             native = self._native
+            self.check_no_rows()
             spec = self._specs[self._next] if self._next < len(self._specs) else None
             if native is None or spec is None or spec.name != name or not spec.nbytes:
                 raise RuntimeError(f"{self.path}: cannot copy {name} here (expected {spec})")
             native.add_copied(f"data/{self._next}", ranges, spec.nbytes)
             self._next += 1
+
+    @property
+    def streams_rows(self) -> bool:
+        """Whether `begin_rows` may be used: shardkit writes the archive itself (`torch_zip`)."""
+        return self._native is not None
+
+    def begin_rows(self, name: str) -> RowBlocks:
+        """Write the next tensor (a matrix, more than zero bytes) as blocks of its rows, each
+        handed over as it comes (`add`), then `end()`: other files may be written in between
+        (the files of a group built together, see `engine.executor.lockstep_groups`)."""
+        with self._discarding():
+            native = self._native
+            self.check_no_rows()
+            spec = self._specs[self._next] if self._next < len(self._specs) else None
+            if native is None or spec is None or spec.name != name or not spec.nbytes or len(spec.shape) != 2:
+                raise RuntimeError(f"{self.path}: cannot stream {name} here (expected {spec})")
+            entry = native.begin(f"data/{self._next}", spec.nbytes)
+
+            def done() -> None:
+                native.end(entry)
+                self._next += 1
+
+            return RowBlocks(self, spec, lambda data, owner: native.append(entry, data, owner), done)
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
         with self._discarding():

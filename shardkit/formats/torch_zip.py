@@ -74,6 +74,7 @@ class _Entry:
     crc: int
     size: int
     offset: int
+    written: int = 0  # of a record still being written (`begin`, `append`)
 
 
 class ZipRecords:
@@ -90,15 +91,34 @@ class ZipRecords:
         """One stored record: header, `data` (a buffer; with `owner`, handed to `write_owned`, so
         it may be written and hashed behind), data descriptor."""
         view = memoryview(data).cast("B")
-        size = len(view)
+        entry = self.begin(name, len(view))
+        self.append(entry, view, owner)
+        self.end(entry)
+
+    def begin(self, name: str, size: int) -> _Entry:
+        """Start a stored record of `size` bytes: its header. Its data follows in `append`s (no
+        other record in between), then `end`."""
         full, offset = self._header(name, size)
-        checksum = crc32(view) if size else 0
-        if size:
+        return _Entry(full, 0, size, offset)
+
+    def append(self, entry: _Entry, data: Any, owner: object = None) -> None:
+        """The next bytes of the record `begin` started (`owner`: as in `add`)."""
+        view = memoryview(data).cast("B")
+        if entry.written + len(view) > entry.size:
+            raise RuntimeError(f"{entry.name.decode()}: more than its {entry.size} bytes")
+        if len(view):
+            entry.crc = crc32(view, entry.crc)
             if owner is not None:
                 self.out.write_owned(view, owner)
             else:
                 self.out.write(view)
-        self._end(full, checksum, size, offset)
+        entry.written += len(view)
+
+    def end(self, entry: _Entry) -> None:
+        """After all of a record's bytes: its data descriptor; the record joins the directory."""
+        if entry.written != entry.size:
+            raise RuntimeError(f"{entry.name.decode()}: {entry.written} of its {entry.size} bytes written")
+        self._end(entry.name, entry.crc, entry.size, entry.offset)
 
     def add_copied(self, name: str, ranges: Iterable[FileRange], size: int) -> None:
         """One stored record whose data is `ranges` of source files, one after another, `size` (> 0)

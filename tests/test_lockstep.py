@@ -1,0 +1,273 @@
+"""The tp files of one pipeline stage are built together, a piece of each in turn, when they cut
+blocks of columns out of their sources (`executor.lockstep_groups`): each such source tensor is
+then read once for all of them (`base.shared_column_reads`). The files are byte for byte those
+built one after another, the check on read still refuses a flipped bit, a failure in one file
+leaves none behind, and the files' write-behind queues together stay under WRITE_BEHIND_ALL."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardkit import Layout, convert, merge, reshard
+from shardkit.errors import ShardkitError
+from shardkit.engine import executor
+from shardkit.engine.outputs import plan_full, plan_sharded
+from shardkit.formats import base, open_checkpoint
+from shardkit.formats.base import HashingFile
+from shardkit.formats.safetensors_io import SafetensorsFile
+
+
+def _files(root) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def column_reads(monkeypatch) -> dict[str, list]:
+    """Every tensor counts as large (its blocks of columns take the strided path, as o_proj's do in
+    a real model); records the whole-tensor reads of the shared path and the per-block mappings."""
+    monkeypatch.setattr(base, "STRIDED_READ_CHUNK", 0)
+    monkeypatch.setattr(base, "SHARED_WINDOW", 1024)  # windows of 4 rows of o_proj, 8 of down_proj
+    seen: dict[str, list] = {"whole": [], "mapped": []}
+    real_pread, real_map = base.pread_exact, base._copy_columns
+
+    def pread(fd, view, offset, what, tapped=True):
+        seen["whole"].append((what, offset, len(view)))
+        return real_pread(fd, view, offset, what, tapped)
+
+    def mapped(fd, t, dim, start, out, what):
+        seen["mapped"].append((what, t.file_offset, start))
+        return real_map(fd, t, dim, start, out, what)
+
+    monkeypatch.setattr(base, "pread_exact", pread)
+    monkeypatch.setattr(base, "_copy_columns", mapped)
+    return seen
+
+
+def _plan(src, layout):
+    ckpt = open_checkpoint(src)
+    return ckpt, ckpt.family, ckpt.dims, plan_sharded(ckpt.family, ckpt.dims, layout, "torch")
+
+
+def test_the_tp_files_of_a_stage_that_cut_columns_are_grouped(tiny_model, tmp_path, monkeypatch):
+    """A convert groups the tp files of each stage (in the order of their first file, at most
+    LOCKSTEP_MAX together); a reshard whose output pieces are whole source pieces and a merge
+    leave every file alone; `in_order` takes a piece of each file of a group in turn."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    ckpt, family, dims, outputs = _plan(src, Layout(tp=4, pp=2))
+    groups = executor.lockstep_groups(outputs, ckpt.index())
+    assert [[o.rank for o in g] for g in groups] == [
+        [(0, tp, 0) for tp in range(4)],
+        [(0, tp, 1) for tp in range(4)],
+    ]
+    pieces = list(executor.in_order(groups))
+    first = groups[0]
+    assert pieces[: 2 * len(first)] == [o.pieces[0] for o in first] + [o.pieces[1] for o in first]
+    assert len(pieces) == sum(len(o.pieces) for o in outputs)
+
+    monkeypatch.setattr(executor, "LOCKSTEP_MAX", 3)
+    assert [len(g) for g in executor.lockstep_groups(outputs, ckpt.index())] == [3, 3, 1, 1]
+    monkeypatch.undo()
+
+    convert(src, tmp_path / "tp4", Layout(tp=4, pp=2), format="torch", workers=1)
+    shards = open_checkpoint(tmp_path / "tp4")
+    to_tp2 = plan_sharded(family, dims, Layout(tp=2, pp=2), "torch")  # o_proj: two whole tp4 pieces
+    assert all(len(g) == 1 for g in executor.lockstep_groups(to_tp2, shards.index()))
+    full, _ = plan_full(family, dims, 2, "5GB")
+    assert all(len(g) == 1 for g in executor.lockstep_groups(full, shards.index()))
+    to_tp8 = plan_sharded(family, dims, Layout(tp=8, pp=2), "torch")  # halves of tp4's columns
+    assert [len(g) for g in executor.lockstep_groups(to_tp8, shards.index())] == [8, 8]
+
+
+@pytest.mark.parametrize("workers,fmt", [(1, "torch"), (2, "torch"), (1, "safetensors")])
+def test_a_stage_reads_each_column_split_tensor_once_and_writes_the_same_bytes(
+    tiny_model, tmp_path, monkeypatch, column_reads, workers, fmt
+):
+    """Built together, the tp files of a stage read each window of rows of o_proj and down_proj
+    once and cut their columns from it (no mapping per block); the shards are byte for byte those
+    built one file after another (each mapping its blocks), and merge back to the source."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    layout = Layout(tp=4, pp=2)
+    convert(src, tmp_path / "together", layout, format=fmt, workers=workers)
+    assert not column_reads["mapped"]
+    hf = SafetensorsFile(src / "model.safetensors")
+    column_split = [n for n in hf.keys() if n.endswith(("o_proj.weight", "down_proj.weight"))]
+    hf.close()
+    assert len(column_split) == 10
+    spans = [span[:2] for span in map(SafetensorsFile(src / "model.safetensors").span, column_split)]
+    windows = [
+        (offset, length)
+        for _, offset, length in column_reads["whole"]
+        if any(a <= offset < a + n for a, n in spans)
+    ]
+    assert len(set(windows)) == len(windows)  # no window of rows read twice
+    assert sum(length for _, length in windows) == sum(n for _, n in spans)  # every row read, once
+    assert len(windows) == 5 * (128 // 4) + 5 * (128 // 8)  # in windows of SHARED_WINDOW bytes
+
+    monkeypatch.setattr(executor, "LOCKSTEP_MAX", 1)
+    column_reads["whole"].clear()
+    convert(src, tmp_path / "apart", layout, format=fmt, workers=workers)
+    assert len(column_reads["mapped"]) == 4 * len(column_split)  # every rank maps its own block
+    assert _files(tmp_path / "together") == _files(tmp_path / "apart")
+
+    merge(tmp_path / "together", tmp_path / "merged", workers=1)
+    assert load_file(tmp_path / "merged" / "model.safetensors").keys() == load_file(src / "model.safetensors").keys()
+    for name, tensor in load_file(src / "model.safetensors").items():
+        assert torch.equal(load_file(tmp_path / "merged" / "model.safetensors")[name], tensor), name
+
+
+def test_a_reshard_that_halves_columns_checks_the_shared_reads(tiny_model, tmp_path, column_reads):
+    """tp 2 -> tp 4 cuts each shard's o_proj/down_proj columns in two: the stage's files are built
+    together from one read of each, checked against the manifest; the result is a direct
+    convert's, and a flipped bit in such a tensor is refused with nothing written."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    convert(src, tmp_path / "tp2", Layout(tp=2, pp=2), format="torch", workers=1)
+    convert(src, tmp_path / "direct", Layout(tp=4, pp=2), format="torch", workers=1)
+    column_reads["mapped"].clear()
+    reshard(tmp_path / "tp2", tmp_path / "tp4", Layout(tp=4, pp=2), workers=1)
+    assert not column_reads["mapped"]
+    out, direct = _files(tmp_path / "tp4"), _files(tmp_path / "direct")
+    assert {k: v for k, v in out.items() if k.endswith(".pt")} == {k: v for k, v in direct.items() if k.endswith(".pt")}
+
+    # a flipped bit in the last bytes of a shard's down_proj (read whole once, cut for two files)
+    shard = tmp_path / "tp2" / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    import zipfile
+
+    with zipfile.ZipFile(shard) as z:
+        names = [i for i in z.infolist() if i.filename.startswith("archive/data/")]
+        largest = max(names, key=lambda i: i.file_size)
+        data_offset = largest.header_offset + 30 + len(largest.filename.encode()) + len(largest.extra)
+    data = bytearray(shard.read_bytes())
+    data[data_offset + largest.file_size - 1] ^= 0x10
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ShardkitError, match="(?i)hash|digest|changed|corrupt"):
+        reshard(tmp_path / "tp2", tmp_path / "bad", Layout(tp=4, pp=2), workers=1)
+    assert not (tmp_path / "bad").exists()
+    assert [p.name for p in tmp_path.iterdir() if "shardkit-tmp" in p.name] == []
+
+
+def test_a_failure_in_one_file_of_a_group_leaves_no_file_behind(tiny_model, tmp_path, monkeypatch, column_reads):
+    """The third file of a stage fails at its fifth piece: every file of the group is given up
+    (the two before it had written as many pieces), no descriptor stays open, nothing is left."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    from shardkit.formats import torch_io
+
+    real_write, real_copy = torch_io.TorchWriter.write, torch_io.TorchWriter.write_copy
+    calls: dict[str, int] = {}
+    aborted: list[str] = []
+    real_abort = torch_io.TorchWriter.abort
+
+    def fail_at_fifth(self) -> None:
+        calls[self.path.name] = calls.get(self.path.name, 0) + 1
+        if "tp_rank_02_pp_rank_00" in self.path.name and calls[self.path.name] == 5:
+            raise OSError(28, "No space left on device")
+
+    def write(self, name, tensor, owned=False):
+        fail_at_fifth(self)
+        return real_write(self, name, tensor, owned)
+
+    def write_copy(self, name, ranges):
+        fail_at_fifth(self)
+        return real_copy(self, name, ranges)
+
+    def abort(self):
+        aborted.append(self.path.name)
+        return real_abort(self)
+
+    monkeypatch.setattr(torch_io.TorchWriter, "write", write)
+    monkeypatch.setattr(torch_io.TorchWriter, "write_copy", write_copy)
+    monkeypatch.setattr(torch_io.TorchWriter, "abort", abort)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ShardkitError):
+        convert(src, tmp_path / "out", Layout(tp=4, pp=2), format="torch", workers=1)
+    assert calls["dp_rank_00_tp_rank_00_pp_rank_00.pt"] == calls["dp_rank_00_tp_rank_01_pp_rank_00.pt"] == 5
+    assert "dp_rank_00_tp_rank_03_pp_rank_00.pt" in calls  # the group's files were all open at once
+    assert {f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_00.pt" for tp in range(4)} <= set(aborted)
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+class _SlowFile:
+    """A file whose writes take a while, and that records how many bytes wait in all queues."""
+
+    def __init__(self, fh, peaks: list[int]):
+        self._fh, self._peaks = fh, peaks
+
+    def write(self, data):
+        self._peaks.append(base._Queued.total)
+        time.sleep(0.002)
+        return self._fh.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+
+def test_the_write_behind_queues_of_all_files_together_stay_bounded(tmp_path, monkeypatch):
+    """Owned blocks written round-robin into eight files whose disk is slow: the bytes queued in
+    all of them stay under WRITE_BEHIND_ALL (plus the block being queued), though each file alone
+    may queue WRITE_BEHIND, and every file holds its bytes in order."""
+    monkeypatch.setattr(base, "WRITE_BEHIND_ALL", 3 << 20)
+    monkeypatch.setattr(base, "WRITE_BLOCK", 256 << 10)
+    block = 1 << 20
+    peaks: list[int] = []
+    files = [HashingFile(tmp_path / f"f{i}", tmp_path) for i in range(8)]
+    for f in files:
+        f._fh = _SlowFile(f._fh, peaks)
+    expected = {i: bytearray() for i in range(8)}
+    for round_ in range(4):
+        for i, f in enumerate(files):
+            data = torch.full((block,), round_ * 8 + i, dtype=torch.uint8)
+            f.write_owned(data.numpy(), data)
+            expected[i] += bytes(data.numpy())
+    records = [f.close() for f in files]
+    assert max(peaks) <= (3 << 20) + block
+    assert max(peaks) >= 2 << 20  # the queues did fill: the bound was tested
+    for i, record in enumerate(records):
+        assert (tmp_path / f"f{i}").read_bytes() == bytes(expected[i])
+        assert record.size == 4 * block
+    assert threading.active_count() < 20
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_a_matrix_written_in_blocks_of_rows_is_checked_and_gives_the_file_up_when_wrong(tmp_path, fmt):
+    """`begin_rows`: blocks that add up to the matrix give the bytes `write` gives; a block of the
+    wrong width, more rows than the matrix, another tensor while its rows are open or an `end`
+    before its last rows discard the file."""
+    from shardkit.formats import get_format
+    from shardkit.formats.base import TensorSpec
+
+    writer_of = get_format(fmt).writer
+    matrix = torch.arange(6 * 4, dtype=torch.bfloat16).reshape(6, 4)
+    specs = [TensorSpec("m", (6, 4), torch.bfloat16), TensorSpec("v", (3,), torch.float32)]
+
+    def write(path, blocks, finish=True):
+        w = writer_of(path, tmp_path, specs, [], True, False)
+        rows = w.begin_rows("m")
+        for block in blocks:
+            rows.add(block)
+        if finish:
+            rows.end()
+            w.write("v", torch.ones(3))
+            return w.close()
+        return w
+
+    write(tmp_path / f"whole.{fmt}", [matrix])
+    write(tmp_path / f"blocks.{fmt}", [matrix[:1].clone(), matrix[1:5].clone(), matrix[5:].clone()])
+    assert (tmp_path / f"whole.{fmt}").read_bytes() == (tmp_path / f"blocks.{fmt}").read_bytes()
+    for bad in ([matrix[:, :3].clone()], [matrix, matrix[:1].clone()]):
+        with pytest.raises(RuntimeError, match="do not fit|more rows"):
+            write(tmp_path / f"bad.{fmt}", bad)
+        assert not (tmp_path / f"bad.{fmt}").exists()
+    w = write(tmp_path / f"open.{fmt}", [matrix[:5].clone()], finish=False)
+    with pytest.raises(RuntimeError, match="rows of m"):  # no other tensor while m's rows are open
+        w.write("v", torch.ones(3))
+    assert not (tmp_path / f"open.{fmt}").exists()
+    w = write(tmp_path / f"short.{fmt}", [matrix[:5].clone()], finish=False)
+    with pytest.raises(RuntimeError, match="of its"):
+        w._rows.end()
+    assert not (tmp_path / f"short.{fmt}").exists()
