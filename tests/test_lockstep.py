@@ -33,6 +33,7 @@ def column_reads(monkeypatch) -> dict[str, list]:
     a real model); records the whole-tensor reads of the shared path and the per-block mappings."""
     monkeypatch.setattr(base, "STRIDED_READ_CHUNK", 0)
     monkeypatch.setattr(base, "SHARED_WINDOW", 1024)  # windows of 4 rows of o_proj, 8 of down_proj
+    monkeypatch.setattr(base, "BEHIND_MIN", 64)  # (each file's block of a window at least this)
     seen: dict[str, list] = {"whole": [], "mapped": []}
     real_pread, real_map = base.pread_exact, base._copy_columns
 
@@ -271,3 +272,45 @@ def test_a_matrix_written_in_blocks_of_rows_is_checked_and_gives_the_file_up_whe
     with pytest.raises(RuntimeError, match="of its"):
         w._rows.end()
     assert not (tmp_path / f"short.{fmt}").exists()
+
+
+def test_owned_blocks_are_hashed_by_their_files_write_behind_thread_in_file_order(tmp_path, monkeypatch):
+    """Owned blocks queued behind slow kernel copies in several files are hashed by the files'
+    write-behind threads as they write them, never by the shared hash helper (which hashed them
+    before and stalled on one file's copies while every other file's blocks waited in memory);
+    each file's digests are those of its bytes, small writes in between included."""
+    from shardkit.formats.base import FileRange
+    from shardkit.formats.digest import file_digests
+
+    helper: list[int] = []
+    real_submit = base._HASHER.submit
+    monkeypatch.setattr(base._HASHER, "submit", lambda job: (helper.append(job.size), real_submit(job))[1])
+    real_copy = base.kernel_copy
+
+    def slow_copy(src, offset, out, count):
+        time.sleep(0.003)
+        return real_copy(src, offset, out, count)
+
+    monkeypatch.setattr(base, "kernel_copy", slow_copy)
+    source = tmp_path / "source.bin"
+    source.write_bytes(os.urandom(3 << 20))
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        files = [HashingFile(tmp_path / f"out{i}", tmp_path) for i in range(4)]
+        for step in range(3):
+            for f in files:
+                f.copy_ranges([FileRange(fd, step << 20, 1 << 20, "source.bin")])
+                f.write(b"header %d" % step)  # a small write behind the copy
+                block = torch.full((300 << 10,), step, dtype=torch.uint8)
+                f.write_owned(block.numpy(), block)
+        records = [f.close() for f in files]
+    finally:
+        os.close(fd)
+    assert helper == []
+    for i, record in enumerate(records):
+        assert record.xxh3_128 == file_digests(tmp_path / f"out{i}")[1]
+    # a 7B down_proj's window of rows at tp 32: each file's block of it is written behind, and
+    # the window is no larger than SHARED_WINDOW or that needs
+    rows = base.window_rows(11008 * 2, 344 * 2)
+    assert rows * 344 * 2 >= base.BEHIND_MIN
+    assert rows * 11008 * 2 <= base.SHARED_WINDOW or (rows - 1) * 344 * 2 < base.BEHIND_MIN

@@ -223,7 +223,8 @@ def test_a_failure_behind_the_writes_is_clean(fmt, how, tmp_path):
         print(type(e).__name__, "|", e)
     gc.collect()
     print("left", os.path.exists(tmp / "out" / "x.bin"))
-    print("writers", sum(t.name == "shardkit-write-behind" and t.is_alive() for t in threading.enumerate()))
+    from shardkit.formats.base import queued_writes
+    print("writers", queued_writes())
     """, tmp_path)
     clean_exit(proc)
     expected = "interrupted" if how == "sigint" else "NoSpaceError | no space left on"

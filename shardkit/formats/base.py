@@ -290,7 +290,16 @@ same total: 0.54-0.61 (256 KiB) and 0.69-0.71 (1 MiB). A cold merge of TinyLlama
 output file) went from 2.9 s to 1.6 s. Below 256 KiB the per-call cost shows (128 KiB: 0.66-0.76)."""
 
 PARALLEL_HASH_MIN = 1 << 20
-"""Blocks at least this large are hashed by the helper thread while they are written."""
+"""Blocks at least this large are hashed beside the caller: by the write-behind thread after it
+writes them (owned blocks), or by the helper thread while the caller writes them."""
+
+BEHIND_MIN = 256 << 10
+"""Owned blocks at least this large are written and hashed by a write-behind thread; smaller ones
+are written (or queued, copied) by the caller."""
+
+TAIL_MAX = 1 << 20
+"""At most this many bytes of small writes wait (copied) for the blocks before them to be hashed;
+beyond it the caller waits for those blocks and hashes the small writes."""
 
 HASH_BEHIND = 32 << 20
 """At most this many bytes of owned blocks (`HashingFile.write_owned`) wait to be hashed per file
@@ -379,8 +388,9 @@ class _Hasher:
     hash of a block is computed while the kernel copies it into the file: on a warm page cache
     the two are the largest CPU costs of writing. The writing thread takes a block back when the
     helper is busy (with another worker's block), so hashing never waits for the helper. Blocks
-    whose owner keeps them alive (`HashingFile.write_owned`) are hashed after their write returns,
-    so the writer reads and writes the next block meanwhile."""
+    written by the caller's own thread are hashed here while it writes them; blocks whose owner keeps
+    them alive (`HashingFile.write_owned`) are hashed by the file's write-behind thread as it
+    writes them, so the caller reads and writes the next block meanwhile."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[_HashJob] = queue.SimpleQueue()
@@ -424,7 +434,7 @@ atexit.register(_HASHER.drain)
 WRITE_BEHIND = 32 << 20
 """At most this many bytes of owned blocks per file wait for their write (`HashingFile.write_owned`)."""
 
-WRITE_BEHIND_ALL = 64 << 20
+WRITE_BEHIND_ALL = 32 << 20
 """At most this many bytes of owned blocks wait for their write in all files together (a larger
 block is written before its write returns): the files of a group built together (see
 `engine.executor.lockstep_groups`) each have a queue, and their write-behind threads run at once.
@@ -437,40 +447,88 @@ class _Queued:
     every write-behind thread notifies as it writes."""
 
     total = 0
+    jobs = 0  # blocks and copies queued or being written, in all files
     changed = threading.Condition()
 
 
+def queued_writes() -> int:
+    """Blocks and copies of any file still queued for, or being written by, a write-behind
+    thread (0 once every file is closed or given up)."""
+    return _Queued.jobs
+
+
+WRITE_THREADS = max(2, min(8, os.cpu_count() or 2))
+"""Threads that run the write-behind queues of all files (each file's queue in one of them)."""
+
+
+class _Writers:
+    """The write-behind threads: each file is given one of them (in turn, `assign`) for all its
+    writes, so its blocks are written in order; many files share a thread. A thread per file cost
+    a thread start per file, a 1 MiB read-back buffer per thread and a wake-up per block (the tp
+    files of a stage built together: 32 files, 64 threads while one group closes)."""
+
+    def __init__(self) -> None:
+        self._queues: list[queue.SimpleQueue] = []
+        self._pid: int | None = None
+        self._turn = 0
+        self._lock = threading.Lock()
+
+    def assign(self) -> queue.SimpleQueue:
+        """The queue of the thread the next file writes through (started lazily, also in a forked
+        child)."""
+        with self._lock:
+            if self._pid != os.getpid():
+                self._queues, self._pid = [], os.getpid()
+                for _ in range(WRITE_THREADS):
+                    jobs: queue.SimpleQueue = queue.SimpleQueue()
+                    threading.Thread(target=self._run, args=(jobs,), name="shardkit-write-behind", daemon=True).start()
+                    self._queues.append(jobs)
+            self._turn = (self._turn + 1) % len(self._queues)
+            return self._queues[self._turn]
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue) -> None:
+        while True:
+            behind, job = jobs.get()
+            behind._run_one(job)
+            del behind, job  # the owner's memory may go now
+
+
+_WRITERS = _Writers()
+
+
 class _WriteBehind:
-    """A thread that writes one file's owned blocks (and the small writes queued after them) in
-    order, while the caller reads and prepares the next block: the kernel's copy into the page
-    cache is then off the caller's thread, as the digests are. The first write error is kept and
-    raised to the caller at its next write, flush or close; later blocks are dropped."""
+    """One file's queue of owned blocks (and the small writes and copies queued after them),
+    written in order by a write-behind thread (`_Writers`) while the caller reads and prepares the
+    next block: the kernel's copy into the page cache is then off the caller's thread, as the
+    digests are. The first write error is kept and raised to the caller at its next write, flush
+    or close; later blocks are dropped."""
 
     def __init__(self, fh: io.BufferedRandom | DirectFile) -> None:
         self._fh = fh
-        self._jobs: queue.SimpleQueue[tuple[memoryview | _CopyJob, object] | None] = queue.SimpleQueue()
+        self._jobs = _WRITERS.assign()
         self._pending = 0
         self._changed = _Queued.changed
         self._cancelled = False
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="shardkit-write-behind", daemon=True)
-        self._thread.start()
 
-    def put(self, view: memoryview | _CopyJob, owner: object) -> None:
-        """Queue `view` (kept alive by `owner`), then wait until at most WRITE_BEHIND bytes are
-        queued: the caller's memory grows by at most that much (a larger block is written before
-        this returns, while its digests are computed). A `_CopyJob` is queued the same way, with
-        `owner` the bytes it appends (it holds none of the caller's memory, only descriptors)."""
+    def put(self, view: memoryview | _CopyJob, owner: object, job: _HashJob | None = None) -> None:
+        """Queue `view` (kept alive by `owner`; `job`: its hash, run once it is written), then
+        wait until at most WRITE_BEHIND bytes are queued for this file and WRITE_BEHIND_ALL for all:
+        the caller's memory grows by at most that much (a larger block is written before this
+        returns, while its digests are computed). A `_CopyJob` is queued the same way, with `owner`
+        the bytes it appends (it holds none of the caller's memory, only descriptors)."""
         size = len(view) if isinstance(view, memoryview) else cast(int, owner)
         if self.error is not None:
             raise self.error
         with self._changed:
             self._pending += size
+            _Queued.jobs += 1
             if isinstance(view, memoryview):
                 _Queued.total += size
         if isinstance(view, _CopyJob):
             view.queued = True
-        self._jobs.put((view, owner))
+        self._jobs.put((self, (view, owner, job)))
         with self._changed:
             while (self._pending > WRITE_BEHIND or _Queued.total > WRITE_BEHIND_ALL) and self.error is None:
                 self._changed.wait()
@@ -487,37 +545,44 @@ class _WriteBehind:
         return self.error
 
     def stop(self, cancel: bool = False) -> None:
-        """End the thread once the queue is written (`cancel`: dropped) and wait for it."""
-        self._cancelled = cancel
-        self._jobs.put(None)
-        while self._thread.is_alive():
+        """Return once the queue is written (`cancel`: dropped)."""
+        if cancel:
+            self._cancelled = True
+        while True:
             try:
-                self._thread.join()
+                self.drain()
+                return
             except BaseException:  # Ctrl-C: the thread still writes the caller's bytes; never leave before it ends
                 continue
 
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            view, owner = job
-            size = len(view) if isinstance(view, memoryview) else cast(int, owner)
-            block = isinstance(view, memoryview)
-            try:
-                if isinstance(view, _CopyJob):
-                    view.run(self._fh, skip=self.error is not None or self._cancelled)
-                else:
-                    for start in range(0, size, WRITE_BLOCK):
-                        if self.error is not None or self._cancelled:
-                            break
-                        self._fh.write(view[start : start + WRITE_BLOCK])
-            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
-                self.error = e
-            finally:
-                del view, owner, job  # the owner's memory may go now
-            with self._changed:
-                self._pending -= size
-                if block:
-                    _Queued.total -= size
-                self._changed.notify_all()
+    def _run_one(self, job: tuple[memoryview | _CopyJob, object, _HashJob | None]) -> None:
+        """Write one queued block (in a write-behind thread)."""
+        view, owner, hashing = job
+        size = len(view) if isinstance(view, memoryview) else cast(int, owner)
+        block = isinstance(view, memoryview)
+        try:
+            if isinstance(view, _CopyJob):
+                view.run(self._fh, skip=self.error is not None or self._cancelled)
+            else:
+                for start in range(0, size, WRITE_BLOCK):
+                    if self.error is not None or self._cancelled:
+                        break
+                    self._fh.write(view[start : start + WRITE_BLOCK])
+                # hashed here, in file order (the blocks before it were queued before it), while
+                # its bytes are still in the CPU's cache; a helper thread that hashed it would
+                # wait there for this file's copies, while every other file's blocks wait too
+                if hashing is not None and self.error is None and not self._cancelled and hashing.take():
+                    hashing.run()
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            self.error = e
+        finally:
+            del view, owner, job, hashing  # the owner's memory may go now
+        with self._changed:
+            self._pending -= size
+            _Queued.jobs -= 1
+            if block:
+                _Queued.total -= size
+            self._changed.notify_all()
 
 
 class _CopyJob:
@@ -958,8 +1023,9 @@ class HashingFile:
 
     def write_owned(self, data: Any, owner: object) -> int:
         """Write `data`, whose bytes `owner` keeps alive and nobody changes any more: a large block
-        may still be hashed (by the helper thread) after this returns, while the caller reads and
-        writes the next one. At most HASH_BEHIND bytes per file wait so; `close` waits for all."""
+        may still be hashed after this returns (by the file's write-behind thread, as it writes
+        it), while the caller reads and writes the next one. At most HASH_BEHIND bytes per file
+        wait so; `close` waits for all."""
         return self._write(memoryview(data).cast("B"), owner)
 
     def _write(self, view: memoryview, owner: object) -> int:
@@ -973,15 +1039,18 @@ class HashingFile:
         behind = self._behind
         job = None
         tailed = False
-        if len(view) >= PARALLEL_HASH_MIN:
+        if len(view) >= PARALLEL_HASH_MIN or (owner is not None and len(view) >= BEHIND_MIN):
             prefix = bytes(self._tail) if self._tail else None
             self._tail.clear()
-            job = _HASHER.submit(_HashJob(self._hash, view, owner, behind[-1] if behind else None, prefix))
+            job = _HashJob(self._hash, view, owner, behind[-1] if behind else None, prefix)
+            if owner is None:  # written here: the helper hashes it meanwhile
+                _HASHER.submit(job)
+            # else written behind (`_put`), and hashed by the write-behind thread right after
         elif behind:  # blocks before it are still being hashed: a copy follows them (see _settle)
             self._tail += view
             tailed = True
         try:
-            self._put(view, owner)
+            self._put(view, owner, job)
         except OSError as e:
             self._settle(job, -1)  # never return while the helper may still read `data`
             raise self._failed(e, len(view)) from None
@@ -991,21 +1060,24 @@ class HashingFile:
         if job is None:
             if not tailed:
                 self._hash.update(view)
+            elif len(self._tail) > TAIL_MAX:  # the blocks before take long (copies): bound the copy
+                self._settle(None, -1)
         else:
             self._settle(job, HASH_BEHIND if owner is not None else -1)
         self.size += len(view)
         return len(view)
 
-    def _put(self, view: memoryview, owner: object) -> None:
-        """Write `view`: a large owned block by the write-behind thread; anything else in this
-        thread, or (a copy) behind the blocks still queued, so the file keeps its order."""
+    def _put(self, view: memoryview, owner: object, job: _HashJob | None = None) -> None:
+        """Write `view`: a large owned block by the write-behind thread (which then hashes it,
+        `job`, unless the caller has by then); anything else in this thread, or (a copy) behind
+        the blocks still queued, so the file keeps its order."""
         writer = self._writer
         if writer is not None and writer.error is not None:
             raise writer.error
-        if owner is not None and len(view) >= PARALLEL_HASH_MIN:
+        if owner is not None and len(view) >= BEHIND_MIN:
             if writer is None:
                 writer = self._writer = _WriteBehind(self._file)
-            writer.put(view, owner)
+            writer.put(view, owner, job)
         elif writer is not None and writer.pending:
             if len(view) >= PARALLEL_HASH_MIN:  # the caller may reuse its bytes: wait, then write here
                 self._drain()
@@ -1514,7 +1586,7 @@ def _copy_columns(fd: int, t: StoredTensor, dim: int, start: int, out: torch.Ten
                 pass
 
 
-SHARED_WINDOW = 32 << 20
+SHARED_WINDOW = 8 << 20
 """About this many bytes of rows are read at once for the blocks of columns the files of a group
 cut from them, and at most this many are kept (`read_block`, `shared_column_reads`): a block that
 joins the columns of several source pieces takes a window of each, of this size together."""
@@ -1548,9 +1620,13 @@ def shared_column_reads() -> Iterator[None]:
             _SHARED.windows.clear()
 
 
-def window_rows(row_bytes: int) -> int:
-    """Rows of a window of a matrix whose rows take `row_bytes` (see SHARED_WINDOW)."""
-    return max(1, SHARED_WINDOW // max(1, row_bytes))
+def window_rows(row_bytes: int, block_row_bytes: int) -> int:
+    """Rows of a window of rows that take `row_bytes` (the source rows a block of columns is cut
+    from; see SHARED_WINDOW), of which one file takes `block_row_bytes`: at least enough for that
+    file's block to be BEHIND_MIN (then written and hashed behind the worker, not copied into the
+    file's small writes)."""
+    least = -(-BEHIND_MIN // max(1, block_row_bytes))
+    return max(1, SHARED_WINDOW // max(1, row_bytes), least)
 
 
 def read_block(

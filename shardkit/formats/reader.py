@@ -19,7 +19,15 @@ import torch
 
 from ..errors import FormatError
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
-from .base import FileRange, ReadSource, ReadTap, TensorFile, empty_tensor, pread_exact, window_rows
+from .base import (
+    FileRange,
+    ReadSource,
+    ReadTap,
+    TensorFile,
+    empty_tensor,
+    pread_exact,
+    window_rows,
+)
 from .digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
 from .manifest import MANIFEST
 from .registry import format_of_file
@@ -514,7 +522,7 @@ class SourceReader:
         item = self.dtype_of(piece.slabs[0][0].source).itemsize
         sources = {(r.holder, r.piece_name) for r in reads}  # a window of each, SHARED_WINDOW together
         row_bytes = sum(self._file(_key(holder)).shape(name)[1] for holder, name in sources) * item
-        rows, step = piece.shape[0], window_rows(row_bytes)
+        rows, step = piece.shape[0], window_rows(row_bytes, piece.shape[1] * item)
         return [(first, min(rows, first + step)) for first in range(0, rows, step)]
 
     def _column_reads(self, piece: Piece) -> list[Read] | None:
