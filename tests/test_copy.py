@@ -6,6 +6,7 @@ nothing behind."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import threading
 import time
@@ -542,3 +543,64 @@ def test_a_source_written_to_while_it_is_read_is_refused(tiny_model, tmp_path, m
         with pytest.raises(FormatError, match="changed while shardkit read it"):
             operation(tmp_path / "shards", tmp_path / "out", workers=1)
         assert not (tmp_path / "out").exists()
+
+
+def test_a_hugging_face_file_written_to_while_convert_reads_it_is_refused(tiny_model, tmp_path, monkeypatch):
+    """Convert hashes the ranges it has the kernel copy from the worker's own read of them (no
+    manifest checks a Hugging Face folder): a source written to in between (a byte rewritten
+    with its own value, after the first copies were queued) is refused before anything is
+    committed. Untouched, the shards' digests and CRC32s are those of the files written, and the
+    write-behind threads read nothing back."""
+    import shutil
+
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    hf = tmp_path / "hf"
+    shutil.copytree(src, hf)
+    read_back: list[int] = []
+    real_read = base.read_exact
+
+    def reading(fd, view, offset, what):
+        if threading.current_thread().name == "shardkit-write-behind":
+            read_back.append(len(view))
+        return real_read(fd, view, offset, what)
+
+    monkeypatch.setattr(base, "read_exact", reading)
+    convert(hf, tmp_path / "shards", Layout(tp=2, pp=2), format="torch", workers=1)
+    assert read_back == []
+    monkeypatch.undo()
+    for entry in json.loads((tmp_path / "shards" / "shardkit.json").read_text())["files"]:
+        assert file_digests(tmp_path / "shards" / entry["path"])[1] == entry["xxh3_128"]
+    for shard in (tmp_path / "shards").rglob("*.pt"):
+        with zipfile.ZipFile(shard) as archive:
+            assert archive.testzip() is None
+
+    real = base.HashingFile._read_copied
+    calls = []
+
+    def reading_then_writing(self, *args):
+        data = real(self, *args)
+        calls.append(1)
+        if len(calls) == 3:
+            with open(hf / "model.safetensors", "r+b") as fh:
+                byte = fh.read(1)
+                fh.seek(0)
+                time.sleep(0.01)  # a later mtime, even on coarse clocks
+                fh.write(byte)
+        return data
+
+    monkeypatch.setattr(base.HashingFile, "_read_copied", reading_then_writing)
+    with pytest.raises(FormatError, match="changed while shardkit read it"):
+        convert(hf, tmp_path / "out", Layout(tp=2, pp=2), format="torch", workers=1)
+    assert calls and not (tmp_path / "out").exists()
+
+
+def test_copies_nobody_needs_the_bytes_of_are_not_read(tiny_model, tmp_path, monkeypatch, kernel_copies):
+    """An unchecked merge (its Hugging Face output has no digests, safetensors no CRC32): the
+    kernel copies the shards' rows and neither the worker nor a write-behind thread reads them."""
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    convert(src, tmp_path / "shards", Layout(tp=2, pp=2), format="torch", workers=1)
+    monkeypatch.setattr(base.HashingFile, "_read_copied", lambda *a: pytest.fail("copied bytes read"))
+    monkeypatch.setattr(base._CopyJob, "_hash", lambda *a: pytest.fail("copied bytes read back"))
+    kernel_copies.clear()
+    merge(tmp_path / "shards", tmp_path / "merged", workers=1, verify_hashes=False)
+    assert kernel_copies

@@ -38,7 +38,7 @@ from ..formats.base import (
     shared_column_reads,
 )
 from ..formats.digest import NONE, CheckMode, Recording, check_mode
-from ..formats.reader import HashCheck
+from ..formats.reader import HashCheck, SourceStamps
 from ..placements import Piece, Read, SegmentIndex
 from .outputs import OutputFile
 from .prefetch import Prefetcher, cached_share, reads_around_pay
@@ -179,7 +179,7 @@ def execute(
         together = len(group) > 1
         shared = shared_column_reads() if together else contextlib.nullcontext()
         with reused_buffers(), shared:  # every tensor read is written and dropped before the next read
-            reader = SourceReader(src, index=index, hashes=hashes, sources=sources, ready=ready)
+            reader = SourceReader(src, index=index, hashes=hashes, sources=sources, ready=ready, stamps=stamps)
             steps: list[Generator[None, None, TensorFileWriter]] = []
             writers: dict[int, TensorFileWriter] = {}
             try:
@@ -277,6 +277,7 @@ def execute(
         or cached_share(read_ahead.extents) >= WARM_SOURCES
     )
     caller = threading.current_thread()
+    stamps = SourceStamps()  # the sources as first opened (see base.HashingFile.copy_ranges)
     records: list[FileRecord] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the work is copies; torch's intra-op threads only contend
@@ -289,6 +290,7 @@ def execute(
             else:
                 hashes.start(checked)
         _write_all(build, groups, workers, records, cancel, drain)
+        stamps.verify()  # every copy is done: a source written to meanwhile is refused before commit
         if hashes is not None:
             hashes.finish()  # before anything is committed: corrupt sources never reach the destination
     except KeyboardInterrupt:

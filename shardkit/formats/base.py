@@ -112,6 +112,12 @@ through fd), False when it holds none of them (see `DescriptorReader.read_from`)
 _SOURCES: dict[int, ReadSource] = {}
 """Open descriptors whose reads may be served from memory: fd -> source (kept like `_TAPS`)."""
 
+_WATCHED: set[int] = set()
+"""Open descriptors of sources no check reads but whose file is compared, once the operation's
+copies are done, with what it was when opened (`DescriptorReader.watch`, `reader.SourceStamps`):
+as for a checked source, the bytes of a kernel copy may then be hashed from the worker's own read
+of them, a moment before the kernel copies them (kept like `_TAPS`)."""
+
 
 class DescriptorReader:
     """The open file descriptor a lazy reader reads positionally through (`_fd`, None once closed)."""
@@ -143,11 +149,20 @@ class DescriptorReader:
             if source is not None:
                 _SOURCES[self._fd] = source
 
+    def watch(self) -> os.stat_result | None:
+        """Mark this reader's file as compared with its stat as opened (returned) once the
+        operation's copies are done (see `_WATCHED`); None once closed."""
+        if self._fd is None:
+            return None
+        _WATCHED.add(self._fd)
+        return os.fstat(self._fd)
+
     def _close_fd(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
             _TAPS.pop(fd, None)
             _SOURCES.pop(fd, None)
+            _WATCHED.discard(fd)
             os.close(fd)
 
 
@@ -1128,10 +1143,10 @@ class HashingFile:
         process's memory is a second copy, and on a VM the dearer one. The file's write-behind
         thread copies them while the caller prepares what comes next. What needs the bytes (the
         file's digests, `seen`: a CRC32, and the sources' checks on read) gets them one of two
-        ways. When every source is checked, the caller reads them here, once, for all three
-        (`_read_copied`): the worker waits for the write-behind thread most of the time, and the
-        copy then reads nothing back; a source written to between that read and the copy is
-        refused by its check. Otherwise the sources' checks are fed here (`_feed_taps`), and the
+        ways. When every source is checked or watched (`_WATCHED`), the caller reads them here,
+        once, for all three (`_read_copied`): the worker waits for the write-behind threads most of
+        the time, and the copy then reads nothing back; a source written to between that read and
+        the copy is refused by its check or its stamp. Otherwise the sources' checks are fed here (`_feed_taps`), and the
         write-behind thread reads each copied block back while it is still in the CPU's cache for
         the digests and `seen`, so that these describe the bytes the file holds, whatever happens
         to the source meanwhile. Then `after()` (`after_size` bytes, computed once the bytes are
@@ -1160,11 +1175,14 @@ class HashingFile:
         writer = self._writer
         if writer is None:
             writer = self._writer = _WriteBehind(fh)
-        # The worker has time to spare while the write-behind thread (the busier one) copies:
-        # the sources' checks are fed here, and when every source is checked (a worker that reads
-        # them all anyway), the file's digest and `seen` too, so that the copy reads nothing back.
-        inline = all(_TAPS.get(source.fd) is not None for source in sources) and (
-            self._hash is None or self._hash.sha256 is None  # sha256 would slow the worker: hashed behind
+        # The worker has time to spare while the write-behind threads (the busier ones) copy:
+        # the sources' checks are fed here, and when every source is checked or watched, the
+        # file's digest and `seen` too, so that the copy reads nothing back.
+        needed = self._hash is not None or seen is not None  # else only the checks want the bytes
+        inline = (
+            needed
+            and all(source.fd in _TAPS or source.fd in _WATCHED for source in sources)
+            and (self._hash is None or self._hash.sha256 is None)  # sha256 would slow the worker: hashed behind
         )
         if inline:
             data = self._read_copied(sources, seen, after, after_size)
@@ -1208,7 +1226,8 @@ class HashingFile:
         after: Callable[[], bytes] | None,
         after_size: int,
     ) -> bytes | None:
-        """Read the bytes of `sources` in this thread, for their checks (every source is checked),
+        """Read the bytes of `sources` in this thread, for their checks (every source is checked
+        or watched),
         the file's digest (after the blocks before them) and `seen`; then `after()`, hashed too.
         The copy of the same bytes by the kernel then reads nothing back. A source written to
         between this read and the copy is refused by its check (its stamp)."""

@@ -152,15 +152,49 @@ class _FileCheck:
             return
         now = _stamp(os.stat(self.path))
         if now[:2] == self.stamp[:2] and now != self.stamp:
-            raise FormatError(
-                f"{self.path} changed while shardkit read it (its size, mtime or ctime moved: written to, or its "
-                "links or mode changed): run again when nothing else touches the source"
-            )
+            raise _changed(self.path)
 
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
     """A file's identity and what changes when it is written: device, inode, size, mtime, ctime."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _changed(path: Path | str) -> FormatError:
+    return FormatError(
+        f"{path} changed while shardkit read it (its size, mtime or ctime moved: written to, or its "
+        "links or mode changed): run again when nothing else touches the source"
+    )
+
+
+class SourceStamps:
+    """The source files an operation reads, each as it was when a reader first opened it
+    (`DescriptorReader.watch`): `verify`, once every copy is done and before anything is
+    committed, refuses a file written to meanwhile, also where no manifest's check covers it (a
+    Hugging Face folder; a checked file is refused by its check as well, `_FileCheck.unchanged`).
+    The bytes of their kernel copies are then hashed from the worker's own read of them, a moment
+    before the kernel copies them (`base.HashingFile.copy_ranges`)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, ...]] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, path: Path, st: os.stat_result) -> None:
+        with self._lock:
+            self._seen.setdefault(_named(path), _stamp(st))
+
+    def verify(self) -> None:
+        """FormatError when a watched file changed (a file renamed over it is another file: the
+        one read is unchanged)."""
+        with self._lock:
+            seen = list(self._seen.items())
+        for path, stamp in seen:
+            try:
+                now = _stamp(os.stat(path))
+            except OSError:
+                continue  # gone: the one read was not changed through its name
+            if now[:2] == stamp[:2] and now != stamp:
+                raise _changed(path)
 
 
 class HashCheck:
@@ -366,9 +400,11 @@ class SourceReader:
         hashes: HashCheck | None = None,
         sources: Callable[[os.stat_result], ReadSource | None] | None = None,
         ready: Callable[[Read], None] | None = None,
+        stamps: SourceStamps | None = None,
     ):
         self.ckpt = ckpt
         self.hashes = hashes
+        self.stamps = stamps  # the files no check reads, compared once the operation's copies are done
         self.sources = sources  # what may serve reads of a file from memory (the read-ahead's buffers)
         self.ready = ready  # called before each read (waits for the read-ahead)
         self.index = index or ckpt.index()
@@ -389,6 +425,11 @@ class SourceReader:
             tap = getattr(file, "tap", None)
             if self.hashes is not None and tap is not None:
                 tap(self.hashes.taps)
+            watch = getattr(file, "watch", None)
+            if self.stamps is not None and watch is not None:
+                st = watch()
+                if st is not None:
+                    self.stamps.watch(file.path, st)
             read_from = getattr(file, "read_from", None)
             if self.sources is not None and read_from is not None:
                 read_from(self.sources)
