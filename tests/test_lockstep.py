@@ -314,3 +314,42 @@ def test_owned_blocks_are_hashed_by_their_files_write_behind_thread_in_file_orde
     rows = base.window_rows(11008 * 2, 344 * 2)
     assert rows * 344 * 2 >= base.BEHIND_MIN
     assert rows * 11008 * 2 <= base.SHARED_WINDOW or (rows - 1) * 344 * 2 < base.BEHIND_MIN
+
+
+def test_a_forked_child_writes_through_its_own_write_behind_threads(tmp_path, monkeypatch):
+    """A child forked while the parent's blocks wait to be written starts its own write-behind
+    threads and counts only its own queued bytes (the parent's threads and queues are not in it):
+    its writes end, where a count inherited from the parent would make it wait for ever."""
+    import signal
+
+    monkeypatch.setattr(base, "WRITE_BLOCK", 256 << 10)
+    parent = HashingFile(tmp_path / "parent", tmp_path)
+    parent._fh = _SlowFile(parent._fh, [])
+    for i in range(3):
+        block = torch.full((1 << 20,), i, dtype=torch.uint8)
+        parent.write_owned(block.numpy(), block)
+    assert base.queued_writes() > 0  # the parent's blocks are still queued as it forks
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 once its own file is written and closed
+        try:
+            base.WRITE_BEHIND_ALL = 1 << 20
+            child = HashingFile(tmp_path / "child", tmp_path)
+            data = bytearray(b"\7" * (2 << 20))  # (no torch in a forked child: its thread pool is the parent's)
+            child.write_owned(memoryview(data), data)
+            record = child.close()
+            os._exit(0 if record.size == 2 << 20 else 1)
+        except BaseException:
+            os._exit(1)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's write never ended")
+    assert os.waitstatus_to_exitcode(status) == 0
+    parent.close()
+    assert (tmp_path / "child").stat().st_size == 2 << 20

@@ -492,8 +492,10 @@ class _Writers:
         """The queue of the thread the next file writes through (started lazily, also in a forked
         child)."""
         with self._lock:
-            if self._pid != os.getpid():
+            if self._pid != os.getpid():  # (in a forked child: the parent's queues and counts are not its own)
                 self._queues, self._pid = [], os.getpid()
+                if _Queued.jobs:
+                    _Queued.total, _Queued.jobs, _Queued.changed = 0, 0, threading.Condition()
                 for _ in range(WRITE_THREADS):
                     jobs: queue.SimpleQueue = queue.SimpleQueue()
                     threading.Thread(target=self._run, args=(jobs,), name="shardkit-write-behind", daemon=True).start()
