@@ -404,7 +404,7 @@ class SourceReader:
     ):
         self.ckpt = ckpt
         self.hashes = hashes
-        self.stamps = stamps  # the files no check reads, compared once the operation's copies are done
+        self.stamps = stamps  # every file as first opened, compared once the operation's copies are done
         self.sources = sources  # what may serve reads of a file from memory (the read-ahead's buffers)
         self.ready = ready  # called before each read (waits for the read-ahead)
         self.index = index or ckpt.index()
