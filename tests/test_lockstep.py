@@ -353,3 +353,30 @@ def test_a_forked_child_writes_through_its_own_write_behind_threads(tmp_path, mo
     assert os.waitstatus_to_exitcode(status) == 0
     parent.close()
     assert (tmp_path / "child").stat().st_size == 2 << 20
+
+
+def test_no_block_outlives_its_files_close_in_a_write_behind_thread(tmp_path, monkeypatch):
+    """Once `close` returns, no write-behind thread holds a block of the file any more (it is
+    dropped before the block counts as written): those threads are daemons, and one that freed a
+    tensor while the interpreter shut down would be stopped inside torch's deallocator."""
+    import weakref
+
+    real = base._WriteBehind._written
+
+    def slow_to_go_on(self, size, block):
+        real(self, size, block)
+        time.sleep(0.05)  # the caller's close returns now: anything the thread still holds is seen
+
+    monkeypatch.setattr(base._WriteBehind, "_written", slow_to_go_on)
+
+    class Block:
+        def __init__(self) -> None:
+            self.data = bytearray(2 << 20)
+
+    out = HashingFile(tmp_path / "x.bin", tmp_path)
+    block = Block()
+    ref = weakref.ref(block)
+    out.write_owned(memoryview(block.data), block)
+    del block
+    out.close()
+    assert ref() is None, "a write-behind thread still holds a block of a closed file"

@@ -507,8 +507,12 @@ class _Writers:
     def _run(jobs: queue.SimpleQueue) -> None:
         while True:
             behind, job = jobs.get()
-            behind._run_one(job)
-            del behind, job  # the owner's memory may go now
+            done = behind._run_one(job)
+            # the owner's memory goes before the caller learns the block is written: a caller that
+            # then ends the interpreter never leaves a tensor for this daemon thread to free
+            del job
+            behind._written(*done)
+            del behind
 
 
 _WRITERS = _Writers()
@@ -572,8 +576,9 @@ class _WriteBehind:
             except BaseException:  # Ctrl-C: the thread still writes the caller's bytes; never leave before it ends
                 continue
 
-    def _run_one(self, job: tuple[memoryview | _CopyJob, object, _HashJob | None]) -> None:
-        """Write one queued block (in a write-behind thread)."""
+    def _run_one(self, job: tuple[memoryview | _CopyJob, object, _HashJob | None]) -> tuple[int, bool]:
+        """Write one queued block (in a write-behind thread); its size and whether it was a block
+        of the caller's memory, for `_written` once nothing here holds it."""
         view, owner, hashing = job
         size = len(view) if isinstance(view, memoryview) else cast(int, owner)
         block = isinstance(view, memoryview)
@@ -594,6 +599,9 @@ class _WriteBehind:
             self.error = e
         finally:
             del view, owner, job, hashing  # the owner's memory may go now
+        return size, block
+
+    def _written(self, size: int, block: bool) -> None:
         with self._changed:
             self._pending -= size
             _Queued.jobs -= 1
