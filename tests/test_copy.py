@@ -514,6 +514,15 @@ def test_copies_from_checked_sources_are_not_read_back(tiny_model, tmp_path, ker
             assert archive.testzip() is None
 
 
+def _rewrite_first_byte(path) -> None:
+    """Write a file's first byte over with its own value: its bytes stay, its mtime moves."""
+    with open(path, "r+b") as fh:
+        byte = fh.read(1)
+        fh.seek(0)
+        time.sleep(0.01)  # a later mtime, even on coarse clocks
+        fh.write(byte)
+
+
 def test_a_source_written_to_while_it_is_read_is_refused(tiny_model, tmp_path, monkeypatch):
     """The check hashes a range as the worker queues its copy, a moment before the kernel moves
     it: a shard written to in between (here: a byte rewritten with its own value, after the first
@@ -530,11 +539,7 @@ def test_a_source_written_to_while_it_is_read_is_refused(tiny_model, tmp_path, m
         fed = real(check, fd, offset, view)
         calls.append(1)
         if len(calls) == 3:
-            with open(shard, "r+b") as fh:
-                byte = fh.read(1)
-                fh.seek(0)
-                time.sleep(0.01)  # a later mtime, even on coarse clocks
-                fh.write(byte)
+            _rewrite_first_byte(shard)
         return fed
 
     monkeypatch.setattr(reader._FileCheck, "feed", feeding_then_writing)
@@ -581,11 +586,7 @@ def test_a_hugging_face_file_written_to_while_convert_reads_it_is_refused(tiny_m
         data = real(self, *args)
         calls.append(1)
         if len(calls) == 3:
-            with open(hf / "model.safetensors", "r+b") as fh:
-                byte = fh.read(1)
-                fh.seek(0)
-                time.sleep(0.01)  # a later mtime, even on coarse clocks
-                fh.write(byte)
+            _rewrite_first_byte(hf / "model.safetensors")
         return data
 
     monkeypatch.setattr(base.HashingFile, "_read_copied", reading_then_writing)

@@ -310,8 +310,8 @@ def execute(
 
 
 LOCKSTEP_MAX = 32
-"""At most this many files are built together (`lockstep_groups`): each has its file open and, while
-it writes, its own write-behind thread."""
+"""At most this many files are built together (`lockstep_groups`): each is open, and has its own
+queue of blocks to write, until the group is closed."""
 
 
 def lockstep_groups(outputs: Sequence[OutputFile], index: SegmentIndex) -> list[list[OutputFile]]:
@@ -325,15 +325,15 @@ def lockstep_groups(outputs: Sequence[OutputFile], index: SegmentIndex) -> list[
     groups: list[list[OutputFile]] = []
     open_group: dict[tuple[str, ...], list[OutputFile]] = {}
     for out in outputs:
+        if not _reads_columns(out, index):
+            groups.append([out])
+            continue
         names = tuple(p.name for p in out.pieces)
         group = open_group.get(names)
-        if group is None or len(group) >= LOCKSTEP_MAX or not _reads_columns(out, index):
-            group = [out]
+        if group is None or len(group) >= LOCKSTEP_MAX:
+            group = open_group[names] = []
             groups.append(group)
-            if _reads_columns(out, index):
-                open_group[names] = group
-        else:
-            group.append(out)
+        group.append(out)
     return groups
 
 

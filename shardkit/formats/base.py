@@ -113,10 +113,10 @@ _SOURCES: dict[int, ReadSource] = {}
 """Open descriptors whose reads may be served from memory: fd -> source (kept like `_TAPS`)."""
 
 _WATCHED: set[int] = set()
-"""Open descriptors of sources no check reads but whose file is compared, once the operation's
-copies are done, with what it was when opened (`DescriptorReader.watch`, `reader.SourceStamps`):
-as for a checked source, the bytes of a kernel copy may then be hashed from the worker's own read
-of them, a moment before the kernel copies them (kept like `_TAPS`)."""
+"""Open descriptors of sources whose file is compared, once the operation's copies are done, with
+what it was when opened (`DescriptorReader.watch`, `reader.SourceStamps`): the bytes of a kernel
+copy may then be hashed from the worker's own read of them, a moment before the kernel copies
+them (kept like `_TAPS`)."""
 
 
 class DescriptorReader:
@@ -494,8 +494,7 @@ class _Writers:
         with self._lock:
             if self._pid != os.getpid():  # (in a forked child: the parent's queues and counts are not its own)
                 self._queues, self._pid = [], os.getpid()
-                if _Queued.jobs:
-                    _Queued.total, _Queued.jobs, _Queued.changed = 0, 0, threading.Condition()
+                _Queued.total, _Queued.jobs, _Queued.changed = 0, 0, threading.Condition()
                 for _ in range(WRITE_THREADS):
                     jobs: queue.SimpleQueue = queue.SimpleQueue()
                     threading.Thread(target=self._run, args=(jobs,), name="shardkit-write-behind", daemon=True).start()
@@ -1236,11 +1235,10 @@ class HashingFile:
         after: Callable[[], bytes] | None,
         after_size: int,
     ) -> bytes | None:
-        """Read the bytes of `sources` in this thread, for their checks (every source is checked
-        or watched),
+        """Read the bytes of `sources` in this thread (each checked or watched), for their checks,
         the file's digest (after the blocks before them) and `seen`; then `after()`, hashed too.
         The copy of the same bytes by the kernel then reads nothing back. A source written to
-        between this read and the copy is refused by its check (its stamp)."""
+        between this read and the copy is refused by its check or its stamp."""
         digest = self._hash
         if digest is not None:
             self._settle(None, -1)  # the file's bytes before these are hashed first
@@ -1488,6 +1486,19 @@ never holds more than the reads of one or two tensors would anyway."""
 
 
 @contextlib.contextmanager
+def _thread_scope(state: Any, release: Callable[[], None]) -> Iterator[None]:
+    """A block that may nest in one thread (`state.depth` counts them); `release()` once the
+    outermost one ends."""
+    state.depth += 1
+    try:
+        yield
+    finally:
+        state.depth -= 1
+        if state.depth == 0:
+            release()
+
+
+@contextlib.contextmanager
 def reused_buffers() -> Iterator[None]:
     """In this thread, until the block ends, reads take their memory from a few buffers kept for
     reuse instead of fresh memory: fresh memory costs a page fault and the zeroing of every page
@@ -1496,13 +1507,8 @@ def reused_buffers() -> Iterator[None]:
     references `torch.frombuffer` tensors hold), so a tensor kept by its caller is never
     overwritten: the pool then simply allocates. At most POOLED_BUFFERS buffers are kept per
     thread; they are released when the outermost block ends."""
-    _BUFFERS.depth += 1
-    try:
+    with _thread_scope(_BUFFERS, _BUFFERS.pool.clear):
         yield
-    finally:
-        _BUFFERS.depth -= 1
-        if _BUFFERS.depth == 0:
-            _BUFFERS.pool = []
 
 
 def empty_bytes(nbytes: int) -> torch.Tensor:
@@ -1640,13 +1646,8 @@ def shared_column_reads() -> Iterator[None]:
     of a row-parallel weight from the same window of rows in turn, so its bytes are read once for
     all of them, where a mapping per file touches every page of the tensor once per rank. Freed
     when the outermost block ends."""
-    _SHARED.depth += 1
-    try:
+    with _thread_scope(_SHARED, _SHARED.windows.clear):
         yield
-    finally:
-        _SHARED.depth -= 1
-        if _SHARED.depth == 0:
-            _SHARED.windows.clear()
 
 
 def window_rows(row_bytes: int, block_row_bytes: int) -> int:
@@ -1667,7 +1668,13 @@ def read_block(
     blocks of the same rows. False when the tensor is not a row-major matrix."""
     import numpy
 
-    if len(t.shape) != 2 or list(t.strides()) != [t.shape[1], 1] or not 0 <= first < last <= t.shape[0]:
+    if (
+        len(t.shape) != 2
+        or list(t.strides()) != [t.shape[1], 1]
+        or not 0 <= first < last <= t.shape[0]
+        or not 0 <= start < stop <= t.shape[1]
+        or tuple(out.shape) != (last - first, stop - start)
+    ):
         return False
     item = t.dtype.itemsize
     row = t.shape[1] * item

@@ -148,11 +148,8 @@ class _FileCheck:
         after the worker read them, a dropped read is hashed when read again, and a file handed
         on is read again: a file written to meanwhile could pass with bytes other than those
         used. (A file renamed over it is another file: the one read is unchanged.)"""
-        if self.stamp is None:
-            return
-        now = _stamp(os.stat(self.path))
-        if now[:2] == self.stamp[:2] and now != self.stamp:
-            raise _changed(self.path)
+        if self.stamp is not None:
+            _refuse_if_changed(self.path, self.stamp)
 
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
@@ -160,11 +157,15 @@ def _stamp(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _changed(path: Path | str) -> FormatError:
-    return FormatError(
-        f"{path} changed while shardkit read it (its size, mtime or ctime moved: written to, or its "
-        "links or mode changed): run again when nothing else touches the source"
-    )
+def _refuse_if_changed(path: Path | str, stamp: tuple[int, ...]) -> None:
+    """FormatError when the file at `path` is the one stamped (`_stamp`) and was written to since
+    (a file renamed over it is another file: the one read is unchanged)."""
+    now = _stamp(os.stat(path))
+    if now[:2] == stamp[:2] and now != stamp:
+        raise FormatError(
+            f"{path} changed while shardkit read it (its size, mtime or ctime moved: written to, or its "
+            "links or mode changed): run again when nothing else touches the source"
+        )
 
 
 class SourceStamps:
@@ -184,17 +185,14 @@ class SourceStamps:
             self._seen.setdefault(_named(path), _stamp(st))
 
     def verify(self) -> None:
-        """FormatError when a watched file changed (a file renamed over it is another file: the
-        one read is unchanged)."""
+        """FormatError when a watched file changed (see `_refuse_if_changed`)."""
         with self._lock:
             seen = list(self._seen.items())
         for path, stamp in seen:
             try:
-                now = _stamp(os.stat(path))
+                _refuse_if_changed(path, stamp)
             except OSError:
                 continue  # gone: the one read was not changed through its name
-            if now[:2] == stamp[:2] and now != stamp:
-                raise _changed(path)
 
 
 class HashCheck:
@@ -592,6 +590,8 @@ class SourceReader:
             start, stop = cast(int, r.start), cast(int, r.stop)
             if self.ready is not None:
                 self.ready(r)
+            if col + stop - start > piece.shape[1]:
+                raise FormatError(f"{piece.name}: the sources hold more than its {piece.shape[1]} columns")
             file = self._file(_key(r.holder))
             block = out[:, col : col + stop - start]
             if not file.read_block(r.piece_name, first, last, start, stop, block):  # type: ignore[attr-defined]
