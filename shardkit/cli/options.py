@@ -359,9 +359,10 @@ def workers_option(when: str = "") -> Callable:
         type=WORKERS,
         default="auto",
         show_default=True,
-        help=f"{when}Output files built in parallel (threads), or auto: one per CPU core, at most 4, fewer "
-        "when the largest tensors would not fit 256 MiB across workers (the digests of the output run "
-        "beside each worker in a helper thread). Memory grows by about one tensor with each worker.",
+        help=f"{when}Output files built in parallel (threads), or auto: one per two CPU cores (each worker's "
+        "writes and copies keep a second core busy in write-behind threads), at least 1 and at most 4, "
+        "fewer when the largest tensors would not fit 256 MiB across workers. Memory grows by about one "
+        "tensor with each worker.",
     )
 
 

@@ -451,19 +451,25 @@ def _read_once(plan: Sequence[tuple[Path, int, int]], uses: Sequence[int]) -> li
 AUTO_MAX_WORKERS = 4
 """The most workers `--workers auto` picks."""
 
+CORES_PER_WORKER = 2
+"""Cores `--workers auto` counts for each worker. A worker keeps about one core busy (its reads,
+the joins of split tensors, the digests of its kernel copies), and the write-behind threads it
+hands its writes to keep most of a second one busy (the kernel's copies into the page cache): one
+warm TinyLlama worker used 1.5-1.7 CPU-s per second of wall time. A second worker on this
+project's 2-core VM made reshard 11% and convert 5% slower, warm (the same cold)."""
+
 
 def auto_workers() -> int:
-    """The worker count `auto` means: one per CPU core this process may use (shared with the other
-    ranks of a torchrun job on this host), at most AUTO_MAX_WORKERS. A worker keeps about one core
-    busy (reading, the kernel's copies), and the sha256 of what it writes runs beside it in a
-    helper thread, so more workers than cores only contend; on cold or networked storage the
-    second and later workers mostly overlap waiting for reads. Memory grows with each worker by
-    about one output tensor (bounded by the pieces of one file)."""
+    """The worker count `auto` means: one per CORES_PER_WORKER cores this process may use (shared
+    with the other ranks of a torchrun job on this host), at least 1 and at most AUTO_MAX_WORKERS.
+    More only contend for the cores; the read-ahead thread already keeps a cold disk busy while the
+    workers copy. Memory grows with each worker by about one output tensor (bounded by the pieces
+    of one file)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, min(AUTO_MAX_WORKERS, cores // ranks_here()))
+    return max(1, min(AUTO_MAX_WORKERS, cores // (CORES_PER_WORKER * ranks_here())))
 
 
 def ranks_here() -> int:

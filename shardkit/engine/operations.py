@@ -118,8 +118,9 @@ class WriteOptions(TypedDict, total=False):
     dtype: str | torch.dtype | None
     """Cast weights to this dtype (bf16, fp16, fp32; default: keep the source's)."""
     workers: int | str
-    """Output files built in parallel (threads); "auto" (the default): one per CPU core, at most 4,
-    and fewer when the largest tensors of that many workers would not fit in 256 MiB together."""
+    """Output files built in parallel (threads); "auto" (the default): one per two CPU cores, at
+    least 1 and at most 4, and fewer when the largest tensors of that many workers would not fit in
+    256 MiB together."""
     overwrite: bool
     """Replace a destination that exists and is not empty (default False)."""
     progress: ProgressCallback | None
