@@ -39,10 +39,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="a Llama-style config.json instead of --shape")
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=workers_arg, default=1, help="a worker count, or auto (shardkit's default)")
     p.add_argument("--drop-caches", action="store_true", help="drop the page cache before every step (needs root)")
     p.add_argument("--workdir", default="/tmp/shardkit-bench", help="where the synthetic checkpoint is cached")
     return p.parse_args(argv)
+
+
+def workers_arg(value: str) -> int | str:
+    """--workers: a positive integer, or auto."""
+    if value == "auto":
+        return value
+    count = int(value)
+    if count < 1:
+        raise argparse.ArgumentTypeError("workers must be a positive integer or auto")
+    return count
 
 
 def main(argv=None) -> int:

@@ -158,6 +158,16 @@ def test_scripts_parse_their_options(script):
         assert "--drop-caches" in out.stdout
 
 
+def test_bench_ab_takes_a_worker_count_or_auto(capsys):
+    import bench_ab
+
+    assert bench_ab.parse_args(["--workers", "auto"]).workers == "auto"
+    assert bench_ab.parse_args(["--workers", "2"]).workers == 2
+    with pytest.raises(SystemExit):
+        bench_ab.parse_args(["--workers", "0"])
+    assert "workers must be a positive integer or auto" in capsys.readouterr().err
+
+
 def test_bench_ab_refuses_an_unknown_step(capsys):
     import bench_ab
 
