@@ -59,6 +59,9 @@ FAILING_OPEN = """
     from shardkit.formats.base import TensorSpec
     tmp = Path(sys.argv[1])
     SPECS = [TensorSpec(f"t{i}", (1000,), torch.float32) for i in range(5)]
+    # Ctrl-C raises KeyboardInterrupt here even when the tests run with SIGINT ignored (a shell's
+    # background job), which the child would inherit
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     class Failing(io.FileIO):
         written = 0

@@ -455,8 +455,10 @@ CORES_PER_WORKER = 2
 """Cores `--workers auto` counts for each worker. A worker keeps about one core busy (its reads,
 the joins of split tensors, the digests of its kernel copies), and the write-behind threads it
 hands its writes to keep most of a second one busy (the kernel's copies into the page cache): one
-warm TinyLlama worker used 1.5-1.7 CPU-s per second of wall time. A second worker on this
-project's 2-core VM made reshard 11% and convert 5% slower, warm (the same cold)."""
+warm TinyLlama worker used 1.5-1.7 CPU-s per second of wall time. On this project's 2-core VM a
+second worker only contended: a warm reshard took 0.59-0.62 s with two against 0.53-0.57 s with
+one (CPU 1.01-1.04 against 0.86-0.92 s, fresh processes alternating), convert was no faster, and
+cold runs took the same time."""
 
 
 def auto_workers() -> int:
