@@ -605,3 +605,102 @@ def test_copies_nobody_needs_the_bytes_of_are_not_read(tiny_model, tmp_path, mon
     kernel_copies.clear()
     merge(tmp_path / "shards", tmp_path / "merged", workers=1, verify_hashes=False)
     assert kernel_copies
+
+
+def test_xser_tensor_files_are_copied_streamed_and_closed_behind(tiny_model, tmp_path, monkeypatch, kernel_copies):
+    """An xser convert copies row blocks by the kernel into their tensor files and streams the
+    blocks of columns of o_proj/down_proj, as torch shards do; the files are byte for byte those of
+    a writer that takes neither, every tensor file's CRC32s and manifest digest hold, and a writer
+    keeps at most CLOSING_BEHIND tensor files closing behind the one it writes."""
+    from shardkit.formats import xser
+
+    src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
+    layout = Layout(tp=2, pp=2)
+    open_at_once: list[int] = []
+    real_file = xser.XserWriter._tensor_file
+
+    def tensor_file(self, name):
+        open_at_once.append(len(self._closing) + 1)  # those closing behind, and this one
+        return real_file(self, name)
+
+    monkeypatch.setattr(xser.XserWriter, "_tensor_file", tensor_file)
+    before = _open_fds()
+    convert(src, tmp_path / "copied", layout, format="xser", workers=1)
+    assert _open_fds() == before
+    q = load_file(src / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    assert sum(kernel_copies) >= q.numel() * q.element_size()
+    assert max(open_at_once) == xser.CLOSING_BEHIND + 1
+
+    kernel_copies.clear()
+    monkeypatch.setattr(xser.XserWriter, "copies", property(lambda self: False))
+    monkeypatch.setattr(xser.XserWriter, "streams_rows", property(lambda self: False))
+    convert(src, tmp_path / "written", layout, format="xser", workers=1)
+    assert not kernel_copies
+    assert _files(tmp_path / "copied") == _files(tmp_path / "written")
+
+    manifest = json.loads((tmp_path / "copied" / "shardkit.json").read_text())
+    assert len(manifest["files"]) > 4 * 3  # every rank's reference file, .info.pt and tensor files
+    for entry in manifest["files"]:
+        _, fast = file_digests(tmp_path / "copied" / entry["path"])
+        assert fast == entry["xxh3_128"], entry["path"]
+    for tensor_file_path in (tmp_path / "copied").rglob("tensor_*.pt"):
+        with zipfile.ZipFile(tensor_file_path) as archive:
+            assert archive.testzip() is None
+    merge(tmp_path / "copied", tmp_path / "merged", workers=1)
+    for name, tensor in load_file(src / "model.safetensors").items():
+        assert torch.equal(load_file(tmp_path / "merged" / "model.safetensors")[name], tensor), name
+
+
+def test_xser_writer_rows_and_copies_match_write_and_misuse_discards_everything(tmp_path):
+    """XserWriter's `begin_rows` and `write_copy` give the tensor file `write` gives; another tensor
+    while a matrix's rows are open, or a close before they end, gives the whole rank file up (its
+    tensor files included, closing or closed)."""
+    from shardkit.formats.base import TensorSpec
+    from shardkit.formats.xser import XserFile, XserWriter
+
+    matrix = torch.arange(6 * 4, dtype=torch.bfloat16).reshape(6, 4)
+    vector = torch.arange(3, dtype=torch.float32)
+    specs = [TensorSpec("v0", (3,), torch.float32), TensorSpec("m", (6, 4), torch.bfloat16)]
+    specs += [TensorSpec(f"v{i}", (3,), torch.float32) for i in range(1, 4)]
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"\0" * 100 + matrix.view(torch.uint8).numpy().tobytes())
+
+    def write(name: str, how: str):
+        out = tmp_path / name
+        w = XserWriter(out / "r.pt", out, specs)
+        w.write("v0", vector)
+        if how == "write":
+            w.write("m", matrix)
+        elif how == "rows":
+            rows = w.begin_rows("m")
+            for block in (matrix[:1].clone(), matrix[1:5].clone(), matrix[5:].clone()):
+                rows.add(block)
+            rows.end()
+        else:
+            fd = os.open(source, os.O_RDONLY)
+            try:
+                w.write_copy("m", [FileRange(fd, 100, 20, "source"), FileRange(fd, 120, 28, "source")])
+            finally:
+                os.close(fd)
+        for spec in specs[2:]:
+            w.write(spec.name, vector)
+        return w.close()
+
+    records = write("write", "write")
+    assert len(records) == 2 + len(specs)
+    write("rows", "rows")
+    write("copy", "copy")
+    assert _files(tmp_path / "write") == _files(tmp_path / "rows") == _files(tmp_path / "copy")
+    reader = XserFile(tmp_path / "copy" / "r.pt")
+    assert torch.equal(reader.read("m"), matrix) and torch.equal(reader.read("v3"), vector)
+    reader.close()
+
+    for misuse in ("another tensor", "close"):
+        out = tmp_path / misuse
+        w = XserWriter(out / "r.pt", out, specs)
+        w.write("v0", vector)
+        rows = w.begin_rows("m")
+        rows.add(matrix[:2].clone())
+        with pytest.raises(RuntimeError, match="rows of m"):
+            w.write("v1", vector) if misuse == "another tensor" else w.close()
+        assert not [p for p in out.rglob("*") if p.is_file()], misuse

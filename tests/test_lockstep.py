@@ -85,7 +85,7 @@ def test_the_tp_files_of_a_stage_that_cut_columns_are_grouped(tiny_model, tmp_pa
     assert [len(g) for g in executor.lockstep_groups(to_tp8, shards.index())] == [8, 8]
 
 
-@pytest.mark.parametrize("workers,fmt", [(1, "torch"), (2, "torch"), (1, "safetensors")])
+@pytest.mark.parametrize("workers,fmt", [(1, "torch"), (2, "torch"), (1, "safetensors"), (1, "xser")])
 def test_a_stage_reads_each_column_split_tensor_once_and_writes_the_same_bytes(
     tiny_model, tmp_path, monkeypatch, column_reads, workers, fmt
 ):

@@ -586,6 +586,22 @@ def torch_save(obj: Any, out: HashingFile, **kwargs) -> None:
         raise sink.error
 
 
+def _archive_size(specs: Sequence[TensorSpec], pickle_bytes: int) -> tuple[int, int]:
+    """(records, an upper bound of the bytes) of the archive torch.save writes for `specs` with a
+    data.pkl of `pickle_bytes`."""
+    records = [("data.pkl", pickle_bytes), (".format_version", 1), (".storage_alignment", 8), ("byteorder", 8)]
+    records += [(f"data/{i}", s.nbytes) for i, s in enumerate(specs)]
+    return len(records), _zip_size_bound(records, torch_compat.zip_options()[1])
+
+
+def written_natively(specs: Sequence[TensorSpec], data_pkl: bytes | None = None) -> bool:
+    """Whether a TorchWriter of `specs` (and `data_pkl`, as TorchWriter takes it) writes the
+    archive itself (`torch_zip.ZipRecords`): then it can copy (`write_copy`) and stream rows
+    (`begin_rows`)."""
+    pickle_bytes = len(state_dict_pickle(list(specs)) if data_pkl is None else data_pkl)
+    return native_writer(*_archive_size(specs, pickle_bytes))
+
+
 class TorchWriter(DiscardOnFailure):
     """Streams one rank file in torch.save's format, a tensor at a time (each tensor with its own
     storage, as NxD writes them): the file is byte for byte what `torch.save(state_dict)` writes,
@@ -617,13 +633,11 @@ class TorchWriter(DiscardOnFailure):
         if data_pkl is None:  # a state dict of the specs; `tensor_pickle` for a file of one bare tensor
             data_pkl = state_dict_pickle(self._specs)
         alignment = torch_compat.zip_options()[1]
-        records = [("data.pkl", len(data_pkl)), (".format_version", 1), (".storage_alignment", 8), ("byteorder", 8)]
-        records += [(f"data/{i}", s.nbytes) for i, s in enumerate(self._specs)]
-        bound = _zip_size_bound(records, alignment)
+        count, bound = _archive_size(self._specs, len(data_pkl))
         self._out = HashingFile(self.path, self.root, expected_size=bound, digests=digests, direct=direct)
         self._sink = _ZipSink(self._out)
         with self._discarding():
-            if native_writer(len(records), bound):
+            if native_writer(count, bound):
                 self._native = ZipRecords(self._out, alignment)
             else:
                 self._zip, _ = torch_compat.file_writer(self._sink)
