@@ -642,6 +642,47 @@ def test_xser_tensor_ids_that_are_not_naturals_are_refused(tid, tmp_path):
     assert "invalid id" in one_line(info.value) and str(path) in str(info.value)
 
 
+def test_an_xser_rank_file_is_parsed_once_until_it_changes(tmp_path, monkeypatch):
+    """The readers of one operation open an xser rank file several times: its reference and info
+    files are parsed and checked once. A file written to or replaced since is parsed again, and a
+    tensor file removed since is a FormatError when its tensor is read."""
+    path = tmp_path / "r.pt"
+    with XserWriter(path, tmp_path, SPECS[:2]) as writer:
+        writer.write("t0", torch.ones(1000))
+        writer.write("t1", torch.zeros(1000))
+        writer.close()
+    loads: list[Path] = []
+    real = xser.safe_load
+    monkeypatch.setattr(xser, "safe_load", lambda p, *a, **k: loads.append(Path(p)) or real(p, *a, **k))
+    for _ in range(3):
+        XserFile(path).close()
+    assert loads == [path, xser.info_path(path)]
+
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))  # written to: parsed again
+    XserFile(path).close()
+    assert loads[2:] == [path]
+
+    other = tmp_path / "other" / "r.pt"  # the same size and mtime, other names: renamed over it
+    with XserWriter(other, tmp_path / "other", [TensorSpec(n, s.shape, s.dtype) for n, s in zip(("u0", "u1"), SPECS)]) as w:
+        w.write("u0", torch.ones(1000))
+        w.write("u1", torch.zeros(1000))
+        w.close()
+    st = os.stat(path)
+    os.replace(other, path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size
+    reader = XserFile(path)
+    assert reader.keys() == ["u0", "u1"]
+    reader.close()
+
+    xser.tensor_path(path, 1).unlink()  # gone since the last parse
+    reader = XserFile(path)
+    with pytest.raises(FormatError, match="tensor_1.pt"):
+        reader.read("u1")
+    reader.close()
+
+
 def test_xser_info_file_with_garbage_shapes_is_refused(tmp_path):
     path = tmp_path / "r.pt"
     writer = XserWriter(path, tmp_path, SPECS[:1])

@@ -17,7 +17,7 @@ import sys
 import threading
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -335,22 +335,29 @@ _METADATA_CACHE: OrderedDict[tuple, Any] = OrderedDict()
 _METADATA_LOCK = threading.Lock()
 
 
-def read_metadata(path: Path) -> Any:
-    """load_metadata with shardkit's errors (unsafe pickle refused, truncation reported).
-
-    Cached per (path, size, mtime), so the many readers of one operation parse a file once."""
+def parsed_once(path: Path, kind: str, parse: Callable[[Path], Any]) -> Any:
+    """`parse(path)`, cached per kind of parse and file as it is now (path, inode, size, mtime,
+    ctime): the many readers of one operation open a file's metadata many times and parse it
+    once, and a file written to or replaced meanwhile is parsed again. Callers never change what
+    it returns."""
     stat = os.stat(path)
-    key = (str(Path(path).absolute()), stat.st_size, stat.st_mtime_ns)
+    key = (kind, str(Path(path).absolute()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
     with _METADATA_LOCK:
         if key in _METADATA_CACHE:
             _METADATA_CACHE.move_to_end(key)
             return _METADATA_CACHE[key]
-    meta = _read_metadata_uncached(path)
+    value = parse(path)
     with _METADATA_LOCK:
-        _METADATA_CACHE[key] = meta
+        _METADATA_CACHE[key] = value
         while len(_METADATA_CACHE) > 4096:
             _METADATA_CACHE.popitem(last=False)
-    return meta
+    return value
+
+
+def read_metadata(path: Path) -> Any:
+    """load_metadata with shardkit's errors (unsafe pickle refused, truncation reported), parsed
+    once per file (`parsed_once`)."""
+    return parsed_once(path, "torch", _read_metadata_uncached)
 
 
 def _read_metadata_uncached(path: Path) -> Any:

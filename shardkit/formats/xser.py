@@ -39,6 +39,7 @@ from .torch_io import (
     TorchFile,
     TorchWriter,
     _zip_size_bound,
+    parsed_once,
     regular,
     safe_load,
     state_dict_of,
@@ -104,23 +105,32 @@ def _valid_info(path: Path) -> dict:
     return info
 
 
+def _valid_references(path: Path) -> dict[str, Any]:
+    """An xser rank file's state dict (name -> tensor or TensorReference), once every referenced
+    tensor file is there and a regular file."""
+    sd = state_dict_of(safe_load(path), path)
+    for name, value in sd.items():
+        if isinstance(value, TensorReference):
+            file = tensor_path(path, value.tid)
+            if not file.exists():
+                raise FormatError(f"{path}: tensor file of {name} ({file.name}) is missing")
+            regular(file, f"tensor file of {name}")
+        elif not isinstance(value, torch.Tensor):
+            raise FormatError(f"{path}: entry {name} is a {type(value).__name__}, not a tensor")
+    return sd
+
+
 class XserFile:
     """Lazy reader of one xser rank file: each referenced tensor is mapped only when read."""
 
     def __init__(self, path: Path):
         self.path = regular(Path(path), "xser file")
-        self._sd = state_dict_of(safe_load(self.path), self.path)
-        self._info = _valid_info(info_path(self.path)) if info_path(self.path).exists() else {}
+        # parsed and checked once per operation: its readers open each rank file several times
+        self._sd = parsed_once(self.path, "xser", _valid_references)
+        info = info_path(self.path)
+        self._info = parsed_once(info, "xser-info", _valid_info) if info.exists() else {}
         self._files: dict[int, TorchFile] = {}
         self._taps: Callable[[Path], ReadTap | None] | None = None
-        for name, value in self._sd.items():
-            if isinstance(value, TensorReference):
-                file = tensor_path(self.path, value.tid)
-                if not file.exists():
-                    raise FormatError(f"{self.path}: tensor file of {name} ({file.name}) is missing")
-                regular(file, f"tensor file of {name}")
-            elif not isinstance(value, torch.Tensor):
-                raise FormatError(f"{self.path}: entry {name} is a {type(value).__name__}, not a tensor")
 
     def keys(self) -> list[str]:
         return list(self._sd)
