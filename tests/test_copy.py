@@ -652,9 +652,9 @@ def test_xser_tensor_files_are_copied_streamed_and_closed_behind(tiny_model, tmp
 
 
 def test_xser_writer_rows_and_copies_match_write_and_misuse_discards_everything(tmp_path):
-    """XserWriter's `begin_rows` and `write_copy` give the tensor file `write` gives; another tensor
-    while a matrix's rows are open, or a close before they end, gives the whole rank file up (its
-    tensor files included, closing or closed)."""
+    """XserWriter's `begin_rows` and `write_copy` give the tensor file `write` gives; a tensor
+    written twice, another tensor while a matrix's rows are open, or a close before they end gives
+    the whole rank file up (its tensor files included, closing or closed)."""
     from shardkit.formats.base import TensorSpec
     from shardkit.formats.xser import XserFile, XserWriter
 
@@ -694,6 +694,13 @@ def test_xser_writer_rows_and_copies_match_write_and_misuse_discards_everything(
     reader = XserFile(tmp_path / "copy" / "r.pt")
     assert torch.equal(reader.read("m"), matrix) and torch.equal(reader.read("v3"), vector)
     reader.close()
+
+    out = tmp_path / "twice"
+    w = XserWriter(out / "r.pt", out, specs)
+    w.write("v0", vector)
+    with pytest.raises(RuntimeError, match="v0 was written already"):
+        w.write("v0", vector)
+    assert not [p for p in out.rglob("*") if p.is_file()]
 
     for misuse in ("another tensor", "close"):
         out = tmp_path / misuse

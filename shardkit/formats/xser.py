@@ -261,6 +261,7 @@ class XserWriter(DiscardOnFailure):
         self._records: list[FileRecord] = []
         self._files: list[HashingFile | TorchWriter] = []  # every file this writer created, to delete on abort
         self._closing: deque[TorchWriter] = deque()  # tensor files written, not closed yet
+        self._started: set[int] = set()  # tensors whose file was begun
         self._written = 0  # tensors written (their files may still be closing)
         self._fsync = False
         self._open = True
@@ -327,7 +328,7 @@ class XserWriter(DiscardOnFailure):
                 rows.end()
                 self._written_file(writer)
 
-        return RowBlocks(self, writer._specs[0], add, done)
+        return RowBlocks(self, self._specs[self._tids[name]], add, done)
 
     def _tensor_file(self, name: str) -> TorchWriter:
         """A new file for tensor `name`, not yet written."""
@@ -337,6 +338,9 @@ class XserWriter(DiscardOnFailure):
         tid = self._tids.get(name)
         if tid is None:
             raise RuntimeError(f"{self.path}: {name} is not one of this rank's tensors")
+        if tid in self._started:
+            raise RuntimeError(f"{self.path}: {name} was written already")
+        self._started.add(tid)
         spec = self._specs[tid]
         writer = TorchWriter(
             tensor_path(self.path, tid), self.root, [spec], self._digests, self._direct, self._pickles[tid]
