@@ -336,12 +336,12 @@ _METADATA_LOCK = threading.Lock()
 
 
 def parsed_once(path: Path, kind: str, parse: Callable[[Path], Any]) -> Any:
-    """`parse(path)`, cached per kind of parse and file as it is now (path, inode, size, mtime,
-    ctime): the many readers of one operation open a file's metadata many times and parse it
+    """`parse(path)`, cached per kind of parse and file as it is now (path, device, inode, size,
+    mtime, ctime): the many readers of one operation open a file's metadata many times and parse it
     once, and a file written to or replaced meanwhile is parsed again. Callers never change what
     it returns."""
     stat = os.stat(path)
-    key = (kind, str(Path(path).absolute()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    key = (kind, str(Path(path).absolute()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
     with _METADATA_LOCK:
         if key in _METADATA_CACHE:
             _METADATA_CACHE.move_to_end(key)

@@ -280,10 +280,8 @@ class XserWriter(DiscardOnFailure):
     def _save(self, obj: Any, path: Path, **kwargs) -> HashingFile:
         out = HashingFile(path, self.root, digests=self._digests, direct=self._direct)
         self._files.append(out)
-        try:
+        with self._space():
             torch_save(obj, out, **kwargs)
-        except NoSpaceError:
-            raise no_space_error(self.path.parent, self._remaining_bound()) from None
         return out
 
     @property
