@@ -34,6 +34,9 @@ log = logging.getLogger("trainer")
 T = TypeVar("T")
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}
+# torch >= 2.10 names them *_single; 2.9 (the floor) has only the older names
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # ---- timing of communication -------------------------------------------------------------------
@@ -108,11 +111,11 @@ class Group:
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every member's `tensor` along dim 0 into `output`."""
-        return self._along_dim0(dist.all_gather_single, output, tensor)
+        return self._along_dim0(_ALL_GATHER, output, tensor)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         """Sum every member's `tensor`, each member keeping its chunk (along dim 0) in `output`."""
-        return self._along_dim0(dist.reduce_scatter_single, output, tensor)
+        return self._along_dim0(_REDUCE_SCATTER, output, tensor)
 
     def _along_dim0(self, collective, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         if self.size == 1:

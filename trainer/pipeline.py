@@ -28,6 +28,7 @@ With pp = 1 no pipeline machinery is used: `run_micro_batches` is a plain accumu
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -109,6 +110,15 @@ def _timed_stage_class():
         def backward_weight_one_chunk(self, *args, **kwargs):
             with COMPUTE.timed():
                 return super().backward_weight_one_chunk(*args, **kwargs)
+
+        def _get_init_p2p_neighbors_ops(self):
+            # torch 2.9 greets its neighbours with an int64 stage index into a float32 buffer, and
+            # gloo refuses the size mismatch (later torch sends float32, as here)
+            ops = super()._get_init_p2p_neighbors_ops()
+            for op in ops:
+                if op.tensor.dtype != torch.float32:
+                    op.tensor = op.tensor.to(torch.float32)
+            return ops
 
     return TimedStage
 
@@ -195,6 +205,9 @@ class Pipeline:
             self.schedule = schedule_cls(self.stages, n_micro, loss_fn=loss_fn, scale_grads=False)
         self.schedule_name = schedule_cls.__name__
         self.par = par
+        # torch >= 2.10 can skip merging the last stage's outputs; 2.9 would pass the flag to the model
+        takes_flag = "return_outputs" in inspect.signature(self.schedule.step).parameters
+        self._quiet: dict[str, bool] = {"return_outputs": False} if takes_flag else {}
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward and backward over the step's micro-batches (gradients accumulated)."""
@@ -208,11 +221,11 @@ class Pipeline:
         par = self.par
         losses: list[torch.Tensor] = []
         if par.is_first_stage:
-            run(inputs, return_outputs=False)
+            run(inputs, **self._quiet)
         elif par.is_last_stage:
-            run(target=targets, losses=losses, return_outputs=False)
+            run(target=targets, losses=losses, **self._quiet)
         else:
-            run(return_outputs=False)
+            run(**self._quiet)
         return float(sum(loss.detach().float() for loss in losses)) if losses else 0.0
 
 
