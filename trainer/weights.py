@@ -188,7 +188,7 @@ def staged_tag(par: Parallel, dst: Path, what: str) -> Iterator[tuple[Path, Chec
     removes the folder."""
     staging = dst.parent / f".{dst.name}.trainer-{what}-{os.getpid()}"
     staging = Path(par.broadcast_object(str(staging) if par.leader else None))
-    checkpointer = Checkpointer(CheckpointerConfig(format="torch", fsync=False))
+    checkpointer = par.comm.checkpointer(CheckpointerConfig(format="torch", fsync=False))
     try:
         yield staging, checkpointer
     finally:
@@ -226,7 +226,8 @@ def export_hf(
         rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=par.ep_rank, dp=par.edp_rank)
         checkpointer.save(staging, EXPORT_TAG, state, layout=spec.layout, config=spec.config, rank=rank)
         par.all_ok(copy_side_files)
-        export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype, overwrite=True)
+        if par.leader or not par.comm.shares_process:  # shardkit divides the merge among processes
+            export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype, overwrite=True)
         if par.leader:
             (dst / EXPORT_MARKER).write_text(json.dumps({"run": run, "step": step}, indent=2) + "\n")
     return dst
