@@ -30,8 +30,9 @@ from .engine import (
 )
 from .formats import Checkpoint, open_checkpoint
 from .hub import resolve_source
+from .io.transaction import recover_interrupted
 from .layout import Layout, make_layout
-from .paths import inside, recover_interrupted
+from .paths import inside
 
 __all__ = [
     "Result",

@@ -471,7 +471,7 @@ def test_read_only_destination_is_one_line(tiny_model, tmp_path, monkeypatch):
         return real_mkdir(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "mkdir", read_only)
-    one_line_error(run("convert", tiny_model("llama-mha"), tmp_path / "out", "--tp", "2"), "Read-only", "write to")
+    one_line_error(run("convert", tiny_model("llama-mha"), tmp_path / "out", "--tp", "2"), "Read-only", "writable disk")
 
 
 def test_full_disk_at_rename_is_one_line_and_leaves_nothing(tiny_model, tmp_path, monkeypatch):
@@ -483,7 +483,7 @@ def test_full_disk_at_rename_is_one_line_and_leaves_nothing(tiny_model, tmp_path
         return real_rename(a, b, *args, **kwargs)
 
     monkeypatch.setattr(os, "rename", full)
-    one_line_error(run("convert", tiny_model("llama-mha"), tmp_path / "out", "--tp", "2"), "No space", "free")
+    one_line_error(run("convert", tiny_model("llama-mha"), tmp_path / "out", "--tp", "2"), "no space left", "free")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
@@ -499,5 +499,5 @@ def test_full_disk_during_a_replace_keeps_the_old_destination(shards, tmp_path, 
         return real_rename(a, b, *args, **kwargs)
 
     monkeypatch.setattr(os, "rename", full)
-    one_line_error(run("reshard", shards, out, "--tp", "1", "--overwrite"), "No space")
+    one_line_error(run("reshard", shards, out, "--tp", "1", "--overwrite"), "no space left")
     assert tree_digest(out) == before and leftovers(tmp_path) == []

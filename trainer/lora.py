@@ -42,9 +42,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardkit.checkpoint import Rank
-from shardkit.engine.staging import commit_staging
+from shardkit.distributed import Job
 from shardkit.families import Family, known_families, register
 from shardkit.formats import SourceReader, open_checkpoint
+from shardkit.formats.base import TensorSpec
+from shardkit.formats.safetensors_io import SafetensorsWriter
+from shardkit.io.transaction import commit_all, staged_output
 from shardkit.layout import ModelDims
 from shardkit.placements import Piece, Placement, Replicated, Segment, build_piece, make_piece, whole
 
@@ -495,8 +498,6 @@ def export_peft(
     """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, peft's names)
     to `dst`, replacing it (all ranks call this): the adapter pieces are saved as a checkpoint tag
     in a staging folder, from which rank 0 reads the full tensors (shardkit gathers them)."""
-    from safetensors.torch import save_file
-
     dst = Path(dst).absolute()
 
     def write(staging: Path) -> None:
@@ -512,12 +513,16 @@ def export_peft(
             }
         finally:
             reader.close()
-        out = staging / "out"
-        out.mkdir()
-        save_file(full, str(out / ADAPTER_FILE), metadata={"format": "pt"})
-        (out / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora.settings, base_model), indent=2) + "\n")
-        (out / marker[0]).write_text(json.dumps(marker[1], indent=2) + "\n")
-        commit_staging(out, dst)  # replaced by renames; never deleted through a symlink
+        alone = Job()  # rank 0 alone writes the adapter folder
+        with staged_output(dst, sources=[staging], overwrite=True, what="exporting LoRA adapters", job=alone) as out:
+            specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in full.items()]
+            writer = SafetensorsWriter(out.path / ADAPTER_FILE, out.path, specs, digests=False)
+            for name, tensor in full.items():
+                writer.write(name, tensor)
+            writer.close()
+            (out.path / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora.settings, base_model), indent=2) + "\n")
+            (out.path / marker[0]).write_text(json.dumps(marker[1], indent=2) + "\n")
+            commit_all(out, alone)
 
     with staged_tag(par, dst, "lora") as (staging, checkpointer):
         state = {k: v.detach().to(dtype) for k, v in adapters.state_dict().items()}

@@ -188,9 +188,17 @@ param_order_option = click.option(
     help="Carry fp32 master weights (sharded_master_weights) over, resharded, or leave them out.",
 )
 @param_order_option
+@click.option(
+    "--no-verify-hashes",
+    "verify_hashes",
+    flag_value=False,
+    default=True,
+    help="Skip checking the source tag's files against the digests its shardkit.json lists (by default "
+    "every listed file is checked, and a mismatch aborts before anything is written).",
+)
 @common_options
 @click.pass_context
-def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master_weights, param_order):
+def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master_weights, param_order, verify_hashes):
     """Move a whole training state SRC (model, ZeRO-1 optimizer shards, master weights, scheduler,
     user content) to another layout, written as the checkpoint directory DST in NxD's format.
     Without --qkv (and --kv-replication / --hw) the source's qkv style (and replica order) is kept.
@@ -218,6 +226,7 @@ def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master
         format=fmt,
         master_weights=master_weights,
         param_order=param_order,
+        verify_hashes=verify_hashes,
     )
     click.echo(f"wrote {out}")
 

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +26,9 @@ from ..formats import MANIFEST, Checkpoint, get_format, hf
 from ..formats.base import FileRecord, parse_dtype
 from ..formats.digest import CheckMode, Recording
 from ..formats.manifest import manifest
+from ..io.transaction import STAGING_TAG, sibling_name
 from ..layout import FULL, Layout
-from ..paths import STAGING_TAG, sibling_name
+from ..paths import inside
 from .executor import ProgressCallback
 from .outputs import OutputFile, plan_full, plan_sharded
 from .staging import produce
@@ -66,14 +67,14 @@ def _copy_side_files(src: Checkpoint, dst: Path) -> None:
 
 class StagingProgress:
     """Progress of the whole torchrun job, as rank 0 sees it: every rank writes its files into
-    the one staging folder (staging.prepare_staging: `.<dst>.shardkit-tmp-<rank 0's pid>` beside
+    the one staging folder (io.transaction.staged_output: `.<dst>.shardkit-tmp-<rank 0's pid>` beside
     dst), so rank 0 polls the size of that folder against the planned bytes of all outputs.
 
     What rank 0 shows is bytes on disk: file headers count, a file being written counts as far as
     it got, and the bar stops at the planned total until the end, where it reports the total."""
 
     def __init__(self, progress: ProgressCallback, dst: Path, total: int, interval: float = 0.5):
-        self.staging = sibling_name(Path(dst).expanduser().absolute(), STAGING_TAG)  # as prepare_staging names it
+        self.staging = sibling_name(Path(dst).expanduser().absolute(), STAGING_TAG)  # as the staged output names it
         self.progress, self.total, self.interval = progress, total, interval
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="shardkit-progress", daemon=True)
@@ -135,6 +136,9 @@ class WriteOptions(TypedDict, total=False):
     """Also record each output file's sha256 in the manifest (default False: xxh3-128 only, which
     catches any accidental change; sha256 costs about 0.7 CPU-s per GB and is for manifests whose
     own hash is pinned elsewhere, see `formats.digest`). Outputs without a manifest ignore it."""
+    extra_files: Mapping[str, str]
+    """Small text files (name -> content) added to the output before it is committed (a marker
+    saying which run wrote it, say); names are plain file names inside the output."""
     verify_hashes: bool | CheckMode
     """Check each source file against the digest its manifest lists before the output is
     committed: True or "fast" (the default) checks the fast xxh3-128 where the manifest has it and
@@ -243,6 +247,8 @@ def merge_checkpoint(
             _write_json(stage / "model.safetensors.index.json", index)
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
+        for name, text in (options.get("extra_files") or {}).items():
+            inside(stage, name, "extra output file").write_text(text)
 
     # a Hugging Face folder has no manifest: its files' digests would be computed for nobody (they
     # cost about as much CPU as the rest of a merge)

@@ -19,9 +19,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.tree import CHECKPOINT_MARKER
 from ..engine import merge_checkpoint
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, is_plain_hf_dir, open_checkpoint
+from ..formats.hf import SIDE_FILES
 from .card import model_card, weight_stats
 from .errors import (
     HubAuthError,
@@ -272,9 +274,26 @@ def _check_source(src: Path, revision: str | None, create_pr: bool) -> bool:
             "push merges in one process: run `shardkit merge` under torchrun, then push the merged "
             "directory (or use `shardkit merge --push-to` there)"
         )
-    if not merged:
-        _check_links(src)
+    # shards carry side files (tokenizer, generation config) into the merged folder: a link of
+    # theirs leading outside would publish what it points at, as a plain folder's would
+    _check_links(src)
+    if merged and (src / CHECKPOINT_MARKER).is_file():  # a training checkpoint tag: side files may sit beside it
+        _check_side_links(src.parent)
     return merged
+
+
+def _check_side_links(folder: Path) -> None:
+    """Refuse side files (tokenizer, generation config) in `folder` that are links leading outside it."""
+    real = os.path.realpath(folder)
+    for name in SIDE_FILES:
+        path = folder / name
+        if os.path.islink(path):
+            target = os.path.realpath(path)
+            if not target.startswith(real.rstrip(os.sep) + os.sep):
+                raise ShardkitError(
+                    f"{path} is a symlink to {target}, outside {folder}: refusing to publish it; "
+                    "replace the link with a copy of the file or remove it"
+                )
 
 
 def _merge_into(src: Path, folder: Path, config, hints, **options: Any) -> Checkpoint:
