@@ -29,6 +29,7 @@ import os
 import re
 import signal
 import socket
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -413,6 +414,34 @@ def scratch_folder(near: str | Path, job: Job | None = None) -> Iterator[Path]:
                     remove_tree(made)
                 except (OSError, ShardkitError) as e:
                     log.warning("could not remove the scratch folder %s (%s): delete it yourself", made, e)
+
+
+@dataclass
+class TemporaryFolder:
+    """A run's own temporary folder (`temporary_folder`); `keep` spares it at the end."""
+
+    path: Path
+    keep: bool = False
+
+
+@contextlib.contextmanager
+def temporary_folder(parent: str | Path | None = None, prefix: str = "shardkit-") -> Iterator[TemporaryFolder]:
+    """A new folder under `parent` (default: the system's temporary folder) for one run's work,
+    removed at the end (also on failure, Ctrl-C and SIGTERM) unless its `keep` is set; removed
+    through `delete.remove_tree`, so links placed in it are unlinked, never followed."""
+    folder = TemporaryFolder(Path(tempfile.mkdtemp(prefix=prefix, dir=parent)))
+    with terminate_as_interrupt():
+        try:
+            write_owner(folder.path)
+            yield folder
+        finally:
+            if not folder.keep:
+                try:
+                    remove_tree(folder.path)
+                except (OSError, ShardkitError) as e:
+                    log.warning("could not remove the temporary folder %s (%s): delete it yourself", folder.path, e)
+            else:
+                (folder.path / OWNER_FILE).unlink(missing_ok=True)
 
 
 # ---- a marked folder (complete once its marker is written last) -------------------------------------
