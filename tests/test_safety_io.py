@@ -404,3 +404,36 @@ def test_push_of_shards_whose_tokenizer_links_to_a_secret_is_refused_before_any_
 
     monkeypatch.setattr(hub_push, "check_repo", no_hub)
     one_line_error(run("push", folder, "me/model"), "symlink", "outside")
+
+
+# ---- 9. the trainer's data ---------------------------------------------------------------------------------
+
+
+def test_negative_token_ids_are_one_line(tiny_model, tmp_path, capsys):
+    import numpy as np
+
+    from trainer.__main__ import main
+
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.array([5, 7, -3, 9] * 200, dtype=np.int64))
+    model = tiny_model("llama-trainer-tiny")
+    capsys.readouterr()  # building the model printed its own progress
+    args = ["--model", str(model), "--data", str(data), "--seq-len", "16",
+            "--global-batch", "2", "--steps", "1", "--checkpoint-dir", str(tmp_path / "c")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "negative token id" in err[0], err
+
+
+def test_the_token_file_writer_never_writes_through_a_link(tmp_path):
+    from trainer.data import write_tokens
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "tokens.bin").symlink_to(victim)
+    with pytest.raises(ShardkitError, match="symlink"):
+        write_tokens(tmp_path / "tokens.bin", [1, 2, 3], 256)
+    (tmp_path / "tokens.bin.tmp").symlink_to(victim)  # the old writer's temporary name: never opened now
+    (tmp_path / "tokens.bin").unlink()
+    write_tokens(tmp_path / "tokens.bin", [1, 2, 3], 256)
+    assert victim.read_text() == "precious\n" and stray(tmp_path) == []

@@ -444,6 +444,37 @@ def temporary_folder(parent: str | Path | None = None, prefix: str = "shardkit-"
                 (folder.path / OWNER_FILE).unlink(missing_ok=True)
 
 
+def write_file(path: str | Path, chunks: Iterable[bytes], *, what: str = "file") -> None:
+    """A single output file: written as `.NAME.shardkit-tmp-PID` beside it (created new, never
+    through a link) and renamed over `path` at the end, so a failure leaves the old file (or
+    nothing); a `path` that is a symlink or a folder is refused. OSErrors become one line."""
+    path = Path(path).expanduser().absolute()
+    if is_link(path):
+        raise DestinationExistsError(
+            f"{shown(path)} is a symlink: shardkit never writes through a link; give the real path"
+        )
+    if path.is_dir():
+        raise DestinationExistsError(f"{shown(path)} is a folder: give a file name for the {what}")
+    tmp = sibling_name(path, STAGING_TAG)
+    try:
+        with terminate_as_interrupt():
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                try:
+                    for chunk in chunks:
+                        view = memoryview(chunk).cast("B")
+                        while view:
+                            view = view[os.write(fd, view) :]
+                finally:
+                    os.close(fd)
+                os.rename(tmp, path)
+            except BaseException:
+                remove_file(tmp)
+                raise
+    except OSError as e:
+        raise disk_error(e, f"write the {what}", path) from None
+
+
 # ---- a marked folder (complete once its marker is written last) -------------------------------------
 
 
