@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("families", ("shardkit.families",)),
     ("placements", ("shardkit.placements",)),
     ("layout", ("shardkit.layout",)),
+    ("io", ("shardkit.io",)),
     ("foundation", ("shardkit.distributed", "shardkit.paths", "shardkit.sizes", "shardkit.errors",
                     "shardkit.version", "shardkit.testing", "shardkit.torch_compat")),
 ]

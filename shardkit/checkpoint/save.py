@@ -39,12 +39,14 @@ from ..distributed import Job
 from ..errors import LayoutError
 from ..families import Family, family_for
 from ..formats import MANIFEST, load_config
-from ..formats.base import FileRecord, HashingFile, TensorSpec
+from ..formats.base import TensorSpec
 from ..formats.manifest import file_record
 from ..formats.manifest import manifest as build_manifest
 from ..formats.safetensors_io import SafetensorsWriter
 from ..formats.torch_io import TorchWriter, torch_save
 from ..formats.xser import XserWriter, tensors_dir
+from ..io.digest import FileRecord
+from ..io.hashing import HashingFile
 from ..layout import Layout, ModelDims
 from ..paths import is_link
 from .async_save import BackgroundWriter, HostStaging, host_copy

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import ShardkitError
 from ..formats import MANIFEST, nxd
-from ..formats.digest import has_digest
+from ..io.digest import has_digest
 from ..layout import Layout
 from ..paths import UnsafePathError, inside, is_link, remove_tree
 from .base import (

@@ -30,8 +30,7 @@ import torch
 from ..distributed import current_job
 from ..errors import DestinationExistsError, ShardkitError
 from ..formats import Checkpoint
-from ..formats.base import FileRecord
-from ..formats.digest import CheckMode, Recording
+from ..io.digest import CheckMode, FileRecord, Recording
 from ..paths import (
     OLD_TAG,
     OWNER_FILE,

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ShardkitError
+from ..io.digest import Recording
 from .base import TensorFile, TensorFileWriter, TensorSpec
-from .digest import Recording
 from .safetensors_io import SafetensorsFile, SafetensorsWriter
 from .torch_io import TorchFile, TorchWriter
 from .xser import XserFile, XserWriter, info_path, tensors_dir
 
 WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str], Recording, bool], TensorFileWriter]
 """writer(path, root, specs, expert_names, digests, direct): a writer of one rank file under `root`
-(`digests`: what its records carry, see `digest.Recording`; `direct`:
-written around the page cache, see `base.DirectFile`)."""
+(`digests`: what its records carry, see `io.digest.Recording`; `direct`:
+written around the page cache, see `io.direct.DirectFile`)."""
 
 
 @dataclass(frozen=True)
