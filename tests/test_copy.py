@@ -80,8 +80,8 @@ def test_convert_and_merge_copy_row_blocks_by_the_kernel_and_write_the_same_byte
     kernel_copies.clear()
     from shardkit.formats import safetensors_io, torch_io  # writers that take no copies: every tensor from memory
 
-    monkeypatch.setattr(safetensors_io.SafetensorsWriter, "copies", False)
-    monkeypatch.setattr(torch_io.TorchWriter, "copies", property(lambda self: False))
+    monkeypatch.setattr(safetensors_io.SafetensorsWriter, "can_copy", lambda self: False)
+    monkeypatch.setattr(torch_io.TorchWriter, "can_copy", lambda self: False)
     convert(src, tmp_path / "written", layout, format="torch", workers=1)
     merge(tmp_path / "written", tmp_path / "merged-written", workers=1, verify_hashes=False)
     assert not kernel_copies
@@ -642,8 +642,8 @@ def test_xser_tensor_files_are_copied_streamed_and_closed_behind(tiny_model, tmp
     assert max(open_at_once) == xser.CLOSING_BEHIND + 1
 
     kernel_copies.clear()
-    monkeypatch.setattr(xser.XserWriter, "copies", property(lambda self: False))
-    monkeypatch.setattr(xser.XserWriter, "streams_rows", property(lambda self: False))
+    monkeypatch.setattr(xser.XserWriter, "can_copy", lambda self: False)
+    monkeypatch.setattr(xser.XserWriter, "can_stream_rows", lambda self: False)
     convert(src, tmp_path / "written", layout, format="xser", workers=1)
     assert not kernel_copies
     assert _files(tmp_path / "copied") == _files(tmp_path / "written")

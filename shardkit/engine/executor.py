@@ -19,13 +19,12 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from typing import cast
 
 import torch
 
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
-from ..formats.base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFileWriter, TensorSpec
+from ..formats.base import TensorFileWriter, TensorSpec
 from ..formats.reader import HashCheck, SourceStamps
 from ..io.buffers import reused_buffers
 from ..io.digest import NONE, CheckMode, FileRecord, Recording, check_mode
@@ -128,7 +127,7 @@ def execute(
     if auto and workers > 1:
         largest = max(
             (
-                _held_bytes(p, dtypes[p.segments[0].source].itemsize, file_format.chunked_writes)
+                _held_bytes(p, dtypes[p.segments[0].source].itemsize, file_format.abilities.chunked_writes)
                 for o in outputs
                 for p in o.pieces
             ),
@@ -203,11 +202,11 @@ def execute(
         aborts."""
         specs = [TensorSpec(p.name, p.shape, dtypes[p.segments[0].source]) for p in out.pieces]
         writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel, digests, direct)
-        # the registry says this format's writer takes row blocks (write_chunks)
-        chunked = cast(ChunkedWriter, writer) if file_format.chunked_writes else None
-        copying = cast(CopyingWriter, writer) if kernel_copies and getattr(writer, "copies", False) else None
+        # what the writer takes besides whole tensors, as the format's registry entry declares it
+        chunked = file_format.chunked(writer)
+        copying = file_format.copying(writer) if kernel_copies else None
         # built together, blocks of columns are cut from windows of rows read once for the group
-        streaming = cast(RowStreamingWriter, writer) if together and getattr(writer, "streams_rows", False) else None
+        streaming = file_format.streaming(writer) if together else None
         try:
             yield
             for i, (piece, spec) in enumerate(zip(out.pieces, specs)):

@@ -71,8 +71,10 @@ class TensorFile(Protocol):
 
 
 class TensorFileWriter(Protocol):
-    """Writes one rank file; `write` is called once per spec, in spec order. Formats whose
-    registry entry says `chunked_writes` also take a tensor as row blocks (`write_chunks`)."""
+    """Writes one rank file; `write` is called once per spec, in spec order. What else a writer
+    takes is declared once, in its format's registry entry (`registry.Abilities`), and the writer
+    then follows that ability's protocol too: `ChunkedWriter`, `RowStreamingWriter`,
+    `CopyingWriter`."""
 
     def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
         """Write the next tensor. `owned`: the caller hands the tensor over and never changes it
@@ -88,8 +90,8 @@ class TensorFileWriter(Protocol):
 
 
 class ChunkedWriter(TensorFileWriter, Protocol):
-    """A writer of a format whose registry entry says `chunked_writes`: it also takes a tensor as
-    consecutive blocks of rows, without the tensor ever being assembled."""
+    """A writer of a format whose registry entry declares `chunked_writes`: it also takes a tensor
+    as consecutive blocks of rows, without the tensor ever being assembled."""
 
     def write_chunks(self, name: str, chunks: Iterable[torch.Tensor], owned: bool = False) -> None: ...
 
@@ -133,21 +135,27 @@ class RowBlocks:
 
 
 class RowStreamingWriter(TensorFileWriter, Protocol):
-    """A writer that also takes a matrix as blocks of rows handed over one at a time, with other
-    files written in between (`begin_rows`), when `streams_rows` says it can."""
+    """A writer of a format whose registry entry declares `row_streaming`: it also takes a matrix
+    as blocks of rows handed over one at a time, with other files written in between
+    (`begin_rows`), where its file allows it (`can_stream_rows`)."""
 
-    @property
-    def streams_rows(self) -> bool: ...
+    def can_stream_rows(self) -> bool:
+        """Whether this file takes `begin_rows` (a TorchWriter does not where torch's own zip
+        writer writes its archive: see `torch_zip`)."""
+        ...
 
     def begin_rows(self, name: str) -> RowBlocks: ...
 
 
 class CopyingWriter(TensorFileWriter, Protocol):
-    """A writer that also takes a tensor as byte ranges of source files, copied by the kernel
-    (`io.hashing.HashingFile.copy_ranges`), when `copies` says it can (formats that store a
-    tensor's bytes as they are, in one run)."""
+    """A writer of a format whose registry entry declares `kernel_copies`: it also takes a tensor
+    as byte ranges of source files, copied by the kernel (`io.hashing.HashingFile.copy_ranges`),
+    where its file allows it (`can_copy`)."""
 
-    copies: bool
+    def can_copy(self) -> bool:
+        """Whether this file takes `write_copy` (a TorchWriter does not where torch's own zip
+        writer writes its archive: archives of 4 GiB or more, see `torch_zip`)."""
+        ...
 
     def write_copy(self, name: str, ranges: Iterable[FileRange]) -> None:
         """Write the next tensor, whose bytes are `ranges`' bytes one after another."""

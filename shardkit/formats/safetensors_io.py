@@ -325,11 +325,13 @@ class SafetensorsWriter(DiscardOnFailure):
                 raise RuntimeError(f"{name}: wrote {written} bytes, expected {spec.nbytes}")
             self._next += 1
 
-    copies = True
-    """`write_copy` may be used: a tensor's bytes are stored as they are, in one run."""
+    def can_copy(self) -> bool:
+        """`write_copy` may always be used: a tensor's bytes are stored as they are, in one run."""
+        return True
 
-    streams_rows = True
-    """`begin_rows` may be used (the same reason)."""
+    def can_stream_rows(self) -> bool:
+        """`begin_rows` may always be used (the same reason)."""
+        return True
 
     def begin_rows(self, name: str) -> RowBlocks:
         """Write the next tensor (a matrix) as blocks of rows handed over one at a time, with other

@@ -679,8 +679,7 @@ class TorchWriter(DiscardOnFailure):
                     self._sink.owner = None
             self._next += 1
 
-    @property
-    def copies(self) -> bool:
+    def can_copy(self) -> bool:
         """Whether `write_copy` may be used: shardkit writes the archive itself (`torch_zip`)."""
         return self._native is not None
 
@@ -696,8 +695,7 @@ class TorchWriter(DiscardOnFailure):
             native.add_copied(f"data/{self._next}", ranges, spec.nbytes)
             self._next += 1
 
-    @property
-    def streams_rows(self) -> bool:
+    def can_stream_rows(self) -> bool:
         """Whether `begin_rows` may be used: shardkit writes the archive itself (`torch_zip`)."""
         return self._native is not None
 

@@ -276,14 +276,12 @@ class XserWriter(DiscardOnFailure):
             torch_save(obj, out, **kwargs)
         return out
 
-    @property
-    def copies(self) -> bool:
+    def can_copy(self) -> bool:
         """Whether `write_copy` may be used (every tensor's file is written by shardkit's zip writer)."""
         return self._native
 
-    @property
-    def streams_rows(self) -> bool:
-        """Whether `begin_rows` may be used (as `copies`)."""
+    def can_stream_rows(self) -> bool:
+        """Whether `begin_rows` may be used (as `can_copy`)."""
         return self._native
 
     def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
