@@ -14,9 +14,9 @@ import torch
 from shardkit.checkpoint import Rank, load_checkpoint, save_checkpoint
 from shardkit.checkpoint import save as ckpt_save
 from shardkit.families import family_for
-from shardkit.formats import base as formats_base
 from shardkit.io import delete as io_delete
 from shardkit.io import transaction as io_transaction
+from shardkit.io.hashing import HashingFile
 from shardkit.layout import Layout, ModelDims
 from shardkit.placements import shard
 from shardkit.testing import fixture_config
@@ -68,14 +68,14 @@ def _log(path: str, line: str) -> None:
 def _install_slow_hooks(log_path: str, rng: random.Random) -> None:
     """Small sleeps inside tensor writes, around markers and inside deletions, so that random
     kills land in every phase; each phase is logged so the test can say where a kill landed."""
-    hashing_write = formats_base.HashingFile.write
+    hashing_write = HashingFile.write
 
     def slow_write(self, data):
         if rng.random() < 0.1:
             time.sleep(0.001)
         return hashing_write(self, data)
 
-    formats_base.HashingFile.write = slow_write
+    HashingFile.write = slow_write
 
     write_marker = io_transaction.write_marker
 

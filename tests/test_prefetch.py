@@ -18,7 +18,8 @@ from shardkit import Layout, convert, merge, reshard
 from shardkit.engine import executor, prefetch
 from shardkit.engine.prefetch import Prefetcher
 from shardkit.errors import FormatError
-from shardkit.formats import base
+from shardkit.io.hashing import HashingFile
+from shardkit.io.taps import read_exact
 
 MiB = 1 << 20
 
@@ -197,7 +198,7 @@ def _serve(ahead: Prefetcher, fd: int, offset: int, length: int) -> tuple[bytes,
     source = ahead.source_for(os.fstat(fd))
     served = source is not None and source(fd, view, offset, "test file")
     if not served:
-        base.read_exact(fd, view, offset, "test file")
+        read_exact(fd, view, offset, "test file")
     return bytes(view), served
 
 
@@ -441,7 +442,7 @@ def test_reads_go_around_the_page_cache_only_when_the_operation_would_not_fit_in
     evicting anything, and reads through it are faster; above it, cold bytes read once go around
     it. The bytes counted are the sources planned plus the output."""
     free = {"MemFree": 10 << 30}
-    monkeypatch.setattr(base, "meminfo", lambda field: free.get(field))
+    monkeypatch.setattr(prefetch, "meminfo", lambda field: free.get(field))
     assert prefetch.reads_around_pay(11 << 30) and not prefetch.reads_around_pay(9 << 30)
     free.clear()  # no /proc/meminfo: never
     assert not prefetch.reads_around_pay(1 << 50)
@@ -470,8 +471,8 @@ def test_warm_bytes_are_never_read_around_the_page_cache(tiny_model, tmp_path, m
     cached = {"fraction": 1.0}
     monkeypatch.setattr(prefetch, "cached_fraction", lambda fd, offset, length: cached["fraction"])
     copies = []
-    real = base.HashingFile.copy_ranges
-    monkeypatch.setattr(base.HashingFile, "copy_ranges", lambda self, *a, **k: copies.append(1) or real(self, *a, **k))
+    real = HashingFile.copy_ranges
+    monkeypatch.setattr(HashingFile, "copy_ranges", lambda self, *a, **k: copies.append(1) or real(self, *a, **k))
     merge(tmp_path / "shards", tmp_path / "warm", workers=1, verify_hashes=False)  # unchecked: copied
     ahead = recorded.pop()
     assert not ahead._direct and ahead.source_for(os.stat(next((tmp_path / "shards").rglob("*.pt")))) is None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import FormatError
 from ..formats import MANIFEST
-from ..formats.digest import FAST, expected_digest, file_matches
+from ..io.digest import FAST, expected_digest, file_matches
 from ..paths import UnsafePathError, inside
 from .tree import read_manifest
 

@@ -32,8 +32,8 @@ import torch
 
 from ..errors import ConfigMismatchError, FormatError
 from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
-from ..formats.digest import FAST, expected_digest, file_matches
 from ..formats.torch_io import safe_load
+from ..io.digest import FAST, expected_digest, file_matches
 from ..layout import Layout, ModelDims
 from ..paths import UnsafePathError, inside
 from ..placements import Piece, Read

@@ -39,14 +39,16 @@ from ..distributed import Job
 from ..errors import LayoutError, ShardkitError
 from ..families import Family, family_for
 from ..formats import MANIFEST, load_config
-from ..formats.base import FileRecord, HashingFile, TensorSpec
+from ..formats.base import TensorSpec
 from ..formats.manifest import file_record
 from ..formats.manifest import manifest as build_manifest
 from ..formats.safetensors_io import SafetensorsWriter
 from ..formats.torch_io import TorchWriter, torch_save
 from ..formats.xser import XserWriter, tensors_dir
 from ..io.delete import is_link
+from ..io.digest import FileRecord
 from ..io.durable import fsync_path, write_text
+from ..io.hashing import HashingFile
 from ..io.oserror import disk_error, translated
 from ..io.transaction import terminate_as_interrupt
 from ..layout import Layout, ModelDims

@@ -23,8 +23,8 @@ from typing import Any
 
 from ..errors import ShardkitError
 from ..formats import MANIFEST, nxd
-from ..formats.digest import has_digest
 from ..io.delete import is_link, refuse_mounts
+from ..io.digest import has_digest
 from ..io.lock import FolderLock, lock_folder
 from ..io.small import SmallFileError, read_json
 from ..io.transaction import MarkedFolder, dead_owner

@@ -17,8 +17,8 @@ import torch
 
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, SourceReader
-from ..formats.digest import FAST_DIGEST, file_digests, has_digest
 from ..formats.manifest import MANIFEST
+from ..io.digest import FAST_DIGEST, file_digests, has_digest
 from ..layout import Layout
 from ..paths import UnsafePathError, inside, regular_file
 from ..placements import Segment, SegmentIndex

@@ -19,26 +19,17 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from typing import cast
 
 import torch
 
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
-from ..formats.base import (
-    SHARED_WINDOW,
-    ChunkedWriter,
-    CopyingWriter,
-    FileRecord,
-    RowStreamingWriter,
-    TensorFileWriter,
-    TensorSpec,
-    direct_io_pays,
-    reused_buffers,
-    shared_column_reads,
-)
-from ..formats.digest import NONE, CheckMode, Recording, check_mode
+from ..formats.base import TensorFileWriter, TensorSpec
 from ..formats.reader import HashCheck, SourceStamps
+from ..io.buffers import reused_buffers
+from ..io.digest import NONE, CheckMode, FileRecord, Recording, check_mode
+from ..io.direct import direct_io_pays
+from ..io.strided import SHARED_WINDOW, shared_column_reads
 from ..placements import Piece, Read, SegmentIndex
 from .outputs import OutputFile
 from .prefetch import Prefetcher, cached_share, reads_around_pay
@@ -98,7 +89,7 @@ def execute(
 
     `direct_io`: write around the page cache (True), through it (False, the default), or "auto":
     around it when this host's processes write more than the kernel's dirty limit
-    (`base.direct_io_pays`).
+    (`io.direct.direct_io_pays`).
 
     With `verify_hashes` (True/"fast": the manifest's xxh3-128 where listed, else its sha256;
     "sha256": sha256 only), each source file the manifest lists is checked (once per file, from
@@ -136,7 +127,7 @@ def execute(
     if auto and workers > 1:
         largest = max(
             (
-                _held_bytes(p, dtypes[p.segments[0].source].itemsize, file_format.chunked_writes)
+                _held_bytes(p, dtypes[p.segments[0].source].itemsize, file_format.abilities.chunked_writes)
                 for o in outputs
                 for p in o.pieces
             ),
@@ -211,11 +202,11 @@ def execute(
         aborts."""
         specs = [TensorSpec(p.name, p.shape, dtypes[p.segments[0].source]) for p in out.pieces]
         writer = file_format.writer(out_root / out.path, out_root, specs, out.expert_parallel, digests, direct)
-        # the registry says this format's writer takes row blocks (write_chunks)
-        chunked = cast(ChunkedWriter, writer) if file_format.chunked_writes else None
-        copying = cast(CopyingWriter, writer) if kernel_copies and getattr(writer, "copies", False) else None
+        # what the writer takes besides whole tensors, as the format's registry entry declares it
+        chunked = file_format.chunked(writer)
+        copying = file_format.copying(writer) if kernel_copies else None
         # built together, blocks of columns are cut from windows of rows read once for the group
-        streaming = cast(RowStreamingWriter, writer) if together and getattr(writer, "streams_rows", False) else None
+        streaming = file_format.streaming(writer) if together else None
         try:
             yield
             for i, (piece, spec) in enumerate(zip(out.pieces, specs)):
@@ -277,7 +268,7 @@ def execute(
         or cached_share(read_ahead.extents) >= WARM_SOURCES
     )
     caller = threading.current_thread()
-    stamps = SourceStamps()  # the sources as first opened (see base.HashingFile.copy_ranges)
+    stamps = SourceStamps()  # the sources as first opened (see io.hashing.HashingFile.copy_ranges)
     records: list[FileRecord] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the work is copies; torch's intra-op threads only contend
@@ -319,7 +310,7 @@ def lockstep_groups(outputs: Sequence[OutputFile], index: SegmentIndex) -> list[
     file in turn (`in_order`). Files that hold the same tensors in the same order (the tp ranks of
     one pipeline stage) and read blocks of columns of their sources (row-parallel weights cut
     from full tensors: a convert) go together, at most LOCKSTEP_MAX: each source tensor is then
-    read once for all of them (`base.shared_column_reads`), where built one after another each
+    read once for all of them (`io.strided.shared_column_reads`), where built one after another each
     would touch all of its bytes for its 1/tp of them (TinyLlama tp 8: 0.32 CPU-s of 0.41 in the
     worker). Any other file is a group of its own. Groups keep the order of their first file."""
     groups: list[list[OutputFile]] = []
@@ -562,7 +553,7 @@ def _write_one_by_one(build, groups, records: list[FileRecord]) -> None:
     their queued writes and copies, then the zip directories) in a helper thread while the next
     group's tensors are read: the files' write-behind threads are then busy while this one is, as
     with two workers. At most two groups are in flight (memory: their files' queued blocks, at
-    most `base.WRITE_BEHIND_ALL` in all); a failure waits for the files being closed (they are
+    most `io.hashing.WRITE_BEHIND_ALL` in all); a failure waits for the files being closed (they are
     written into the staging folder) before it is raised."""
     closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-close")
     closing = None

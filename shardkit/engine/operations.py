@@ -23,9 +23,9 @@ from typing_extensions import TypedDict, Unpack
 from ..checkpoint.tree import CHECKPOINT_MARKER
 from ..distributed import current_job
 from ..formats import MANIFEST, Checkpoint, get_format, hf
-from ..formats.base import FileRecord, parse_dtype
-from ..formats.digest import CheckMode, Recording
+from ..formats.base import parse_dtype
 from ..formats.manifest import manifest
+from ..io.digest import CheckMode, FileRecord, Recording
 from ..io.transaction import STAGING_TAG, sibling_name
 from ..layout import FULL, Layout
 from ..paths import inside
@@ -128,14 +128,14 @@ class WriteOptions(TypedDict, total=False):
     """Called as progress(bytes_done, bytes_total) while output is written."""
     direct_io: bool | str
     """Write the output around the page cache (O_DIRECT): True, False (the default), or "auto":
-    when the output is larger than the kernel's dirty limit (see `base.direct_io_pays`). It saves
+    when the output is larger than the kernel's dirty limit (see `io.direct.direct_io_pays`). It saves
     the kernel's copy into the page cache (about 2 CPU-s per GB on a VM) and leaves the output on
     the device when the call returns; whether it is faster depends on the storage (measured on a
     7B checkpoint here: convert 6-12% faster, merge 30% slower)."""
     sha256: bool
     """Also record each output file's sha256 in the manifest (default False: xxh3-128 only, which
     catches any accidental change; sha256 costs about 0.7 CPU-s per GB and is for manifests whose
-    own hash is pinned elsewhere, see `formats.digest`). Outputs without a manifest ignore it."""
+    own hash is pinned elsewhere, see `io.digest`). Outputs without a manifest ignore it."""
     extra_files: Mapping[str, str]
     """Small text files (name -> content) added to the output before it is committed (a marker
     saying which run wrote it, say); names are plain file names inside the output."""

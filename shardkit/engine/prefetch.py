@@ -47,8 +47,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ShardkitError
-from ..formats import base
-from ..formats.base import ReadSource, is_direct, read_exact, set_direct, unmap
+from ..io.direct import is_direct, meminfo, set_direct, unmap
+from ..io.taps import ReadSource, read_exact
 from ..paths import open_regular
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ COLD = 0.5
 def window_bytes() -> int:
     """WINDOW, or a quarter of the memory the kernel reports available when that is smaller (the
     read-ahead must not evict what the workers are about to read), at least 4 chunks."""
-    available = base.meminfo("MemAvailable")
+    available = meminfo("MemAvailable")
     return WINDOW if available is None else max(4 * READ_CHUNK, min(WINDOW, available // 4))
 
 
@@ -119,7 +119,7 @@ def reads_around_pay(nbytes: int) -> bool:
     bytes stay cached for the next command; above it, the eviction makes every cached byte cost
     3-4 CPU-s per GB here (a cold 7B merge: 43-57 CPU-s and 29-36 s through the page cache, 17-18
     CPU-s and 17-19 s around it)."""
-    free = base.meminfo("MemFree")
+    free = meminfo("MemFree")
     return hasattr(os, "O_DIRECT") and free is not None and nbytes > free
 
 

@@ -14,8 +14,7 @@ import torch
 
 from ..distributed import current_job
 from ..formats import Checkpoint
-from ..formats.base import FileRecord
-from ..formats.digest import CheckMode, Recording
+from ..io.digest import CheckMode, FileRecord, Recording
 from ..io.transaction import commit_all, staged_output
 from .executor import ProgressCallback, execute
 from .outputs import OutputFile

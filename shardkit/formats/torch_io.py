@@ -25,29 +25,13 @@ import torch
 
 from .. import torch_compat
 from ..errors import FormatError, ShardkitError
+from ..io.copy import FileRange
+from ..io.digest import FileRecord, Recording
+from ..io.hashing import PARALLEL_HASH_MIN, HashingFile
+from ..io.strided import StoredTensor, advise_stored, byte_span, read_block, read_rows_into, read_stored, stored_range
+from ..io.taps import DescriptorReader
 from ..paths import regular_file
-from .base import (
-    PARALLEL_HASH_MIN,
-    DescriptorReader,
-    DiscardOnFailure,
-    FileRange,
-    FileRecord,
-    HashingFile,
-    RowBlocks,
-    StoredTensor,
-    TensorSpec,
-    advise_stored,
-    byte_span,
-    check_specs,
-    compact,
-    narrow,
-    read_block,
-    read_rows_into,
-    read_stored,
-    stored_range,
-    tensor_bytes,
-)
-from .digest import Recording
+from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, compact, narrow, tensor_bytes
 from .torch_zip import ZipRecords, native_writer
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
@@ -695,8 +679,7 @@ class TorchWriter(DiscardOnFailure):
                     self._sink.owner = None
             self._next += 1
 
-    @property
-    def copies(self) -> bool:
+    def can_copy(self) -> bool:
         """Whether `write_copy` may be used: shardkit writes the archive itself (`torch_zip`)."""
         return self._native is not None
 
@@ -712,8 +695,7 @@ class TorchWriter(DiscardOnFailure):
             native.add_copied(f"data/{self._next}", ranges, spec.nbytes)
             self._next += 1
 
-    @property
-    def streams_rows(self) -> bool:
+    def can_stream_rows(self) -> bool:
         """Whether `begin_rows` may be used: shardkit writes the archive itself (`torch_zip`)."""
         return self._native is not None
 

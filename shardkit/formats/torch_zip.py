@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - a platform without zlib-ng's wheels: s
     from zlib import crc32
 
 from .. import torch_compat
-from .base import FileRange
+from ..io.copy import FileRange
 
 ARCHIVE = "archive/"
 """The folder torch's writer puts every record in when it writes to a stream."""

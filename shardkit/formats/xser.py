@@ -20,20 +20,12 @@ import torch
 
 from .. import torch_compat
 from ..errors import FormatError
+from ..io.copy import FileRange
+from ..io.digest import FileRecord, Recording
+from ..io.hashing import HashingFile
+from ..io.taps import ReadTap
 from ..paths import NoSpaceError, ensure_free_space, no_space_error
-from .base import (
-    DiscardOnFailure,
-    FileRange,
-    FileRecord,
-    HashingFile,
-    ReadTap,
-    RowBlocks,
-    TensorSpec,
-    check_specs,
-    compact,
-    narrow,
-)
-from .digest import Recording
+from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, compact, narrow
 from .torch_io import (
     TensorReference,
     TorchFile,
@@ -284,14 +276,12 @@ class XserWriter(DiscardOnFailure):
             torch_save(obj, out, **kwargs)
         return out
 
-    @property
-    def copies(self) -> bool:
+    def can_copy(self) -> bool:
         """Whether `write_copy` may be used (every tensor's file is written by shardkit's zip writer)."""
         return self._native
 
-    @property
-    def streams_rows(self) -> bool:
-        """Whether `begin_rows` may be used (as `copies`)."""
+    def can_stream_rows(self) -> bool:
+        """Whether `begin_rows` may be used (as `can_copy`)."""
         return self._native
 
     def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:

@@ -11,7 +11,7 @@
   whose own hash is pinned somewhere the files' writer cannot reach, where the files' digests must
   resist a deliberate collision. Hub uploads compute their own sha256 and do not need it.
 
-Writers compute what they record while writing (`Recording`). Readers check the fast digest by
+Writers compute what they record while writing (`Recording`) and report it as a `FileRecord`. Readers check the fast digest by
 default (`FAST`) and fall back to sha256 for manifests written before the fast digest existed;
 `STRONG` checks sha256 only, and refuses, saying how to fix it, a manifest that lists none.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +36,20 @@ FAST_DIGEST = "xxh3_128"
 Recording = bool | Literal["sha256"]
 """What a writer hashes for its record: False nothing (files no manifest lists), True the fast
 digest, "sha256" the fast digest and sha256."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A file written: path relative to the output directory, size, sha256 and the fast digest
+    (xxh3-128). Both are None for files written without digests (outputs no manifest lists, such
+    as a merged Hugging Face folder's); sha256 alone is None unless asked for (see above), and
+    xxh3-128 alone in records of older manifests."""
+
+    path: str
+    size: int
+    sha256: str | None
+    xxh3_128: str | None = None
+
 
 CheckMode = Literal["fast", "sha256", "none"]
 FAST: CheckMode = "fast"
