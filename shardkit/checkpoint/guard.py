@@ -67,6 +67,9 @@ class TagCheck:
             except UnsafePathError as e:
                 self.error = e
                 return
+            except FileNotFoundError:
+                self.error = self._changed(entry["path"], "was removed")
+                return
             except OSError as e:
                 self.error = FormatError(f"cannot read {self.tag_dir.name}/{entry['path']}: {e.strerror or e}")
                 return
@@ -86,7 +89,10 @@ class TagCheck:
             if before == after:
                 continue
             what = "was removed" if after is None else "appeared" if before is None else "was written to"
-            raise FormatError(
-                f"{self.tag_dir} changed while shardkit read it ({rel} {what}: pruned, rewritten or saved "
-                "over by another process?): nothing was written; run again when nothing else touches it"
-            )
+            raise self._changed(rel, what)
+
+    def _changed(self, rel: str, what: str) -> FormatError:
+        return FormatError(
+            f"{self.tag_dir} changed while shardkit read it ({rel} {what}: pruned, rewritten or saved "
+            "over by another process?): nothing was written; run again when nothing else touches it"
+        )
