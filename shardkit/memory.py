@@ -1,12 +1,12 @@
 """Memory plans: what one rank of a parallel layout holds for training, computed without weights.
 
 Everything comes from the layout algebra: a rank's parameter count is the sum of `Piece.numel()`
-over the pieces `Family.rank_pieces(layout, dims, tp_rank, pp_rank, full_shapes)` would give it. Replicated tensors (norms)
-therefore count on every rank that holds them and kv heads count once per replica
-(kv-multiplier): that is memory the devices really spend. The one exception: a piece made of
-exactly the same slices as another piece of the same rank is the same parameter (an lm_head tied
-to the embedding when both sit on one stage) and counts once; on different stages it is a copy
-and counts on both.
+over the pieces `Family.rank_pieces(layout, dims, tp_rank, pp_rank, full_shapes)` gives it.
+Replicated tensors (norms) therefore count on every rank that holds them and kv heads count once
+per replica (kv-multiplier): that is memory the devices really spend. The one exception: a piece
+made of exactly the same slices as another piece of the same rank is the same parameter (an
+lm_head tied to the embedding when both sit on one stage) and counts once; on different stages
+it is a copy and counts on both.
 
 Bytes per parameter, per rank:
 
@@ -76,16 +76,22 @@ def optimizer_bytes_per_param(dtype: str) -> int:
     return 8 if _dtype(dtype) == "fp32" else 12
 
 
-@lru_cache(maxsize=32)
 def _dtype(dtype: str) -> str:
-    try:
-        torch_dtype = parse_dtype(str(dtype).lower())
-    except FormatError:
-        torch_dtype = None
-    name = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(torch_dtype))
+    name = _dtype_name(str(dtype).lower())
     if name is None:
         raise ShardkitError(f"dtype {dtype!r} is unknown: use one of {', '.join(DTYPES)}")
     return name
+
+
+@lru_cache(maxsize=32)
+def _dtype_name(dtype: str) -> str | None:
+    """bf16, fp16 or fp32 for a dtype's name, None when it is none of them (cached: a --suggest
+    asks once per layout it keeps)."""
+    try:
+        torch_dtype = parse_dtype(dtype)
+    except FormatError:
+        return None
+    return {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(torch_dtype))
 
 
 # ---- sizes ------------------------------------------------------------------------------------
