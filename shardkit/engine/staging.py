@@ -16,6 +16,7 @@ Safety rules (users' checkpoints cost weeks of training):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -25,12 +26,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..distributed import current_job
 from ..errors import DestinationExistsError, ShardkitError
 from ..formats import Checkpoint
-from ..io.digest import CheckMode, FileRecord, Recording
+from ..io.digest import FileRecord
 from ..paths import (
     OLD_TAG,
     OWNER_FILE,
@@ -42,7 +41,8 @@ from ..paths import (
     sibling_name,
     write_owner,
 )
-from .executor import ProgressCallback, execute
+from .executor import execute
+from .options import WriteOptions
 from .outputs import OutputFile
 
 log = logging.getLogger(__name__)
@@ -183,55 +183,38 @@ def produce(
     src: Checkpoint,
     outputs: Sequence[OutputFile],
     dst: Path,
-    fmt: str,
-    dtype: torch.dtype | None,
-    workers: int | str,
-    overwrite: bool,
-    progress: ProgressCallback | None,
     finish: Callable[[Path, list[FileRecord]], None],
-    verify_hashes: bool | CheckMode = True,
-    digests: Recording = True,
-    direct_io: bool | str = False,
+    options: WriteOptions,
 ) -> list[FileRecord]:
-    """Write `outputs` into a staging folder, let `finish` add its files, and rename to `dst`
-    (`digests`, `direct_io`: see `execute`).
+    """Write `outputs` into a staging folder as `options` say (see `execute`), let `finish` add
+    its files, and rename to `dst`.
 
     In a torch.distributed job every rank writes its share of the files (see distributed.py).
-    With `verify_hashes`, every source file listed in the source's manifest is checked against
-    its digest before the output is committed (see `execute`)."""
+    With `options.verify_hashes`, every source file listed in the source's manifest is checked
+    against its digest before the output is committed (see `execute`)."""
     with terminate_as_interrupt():
-        return _produce(
-            src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes, digests, direct_io
-        )
+        return _produce(src, outputs, dst, finish, options)
 
 
 def _produce(
-    src, outputs, dst, fmt, dtype, workers, overwrite, progress, finish, verify_hashes, digests, direct_io
+    src: Checkpoint,
+    outputs: Sequence[OutputFile],
+    dst: Path,
+    finish: Callable[[Path, list[FileRecord]], None],
+    options: WriteOptions,
 ) -> list[FileRecord]:
     job = current_job()
     if job.leader:
         try:
-            prepared: Any = prepare_staging(dst, overwrite, source_paths(src))
+            prepared: Any = prepare_staging(dst, options.overwrite, source_paths(src))
         except ShardkitError as e:
             prepared = e
     staging = job.broadcast(prepared if job.leader else None)
     if isinstance(staging, BaseException):
         raise staging
     try:
-        mine = job.run_all_or_none(
-            lambda: execute(
-                src,
-                job.share(list(outputs)),
-                staging,
-                fmt,
-                dtype,
-                workers,
-                progress if job.leader else None,
-                verify_hashes,
-                digests,
-                direct_io,
-            )
-        )
+        mine_options = options if job.leader else dataclasses.replace(options, progress=None)
+        mine = job.run_all_or_none(lambda: execute(src, job.share(list(outputs)), staging, mine_options))
         records = sorted((r for part in job.gather(mine) for r in part), key=lambda r: r.path)
 
         def finish_and_rename() -> None:
