@@ -21,7 +21,7 @@ from .engine import (
     Result,
     TensorDiff,
     VerifyReport,
-    WriteOptions,
+    WriteArgs,
     inspect_checkpoint,
     merge_checkpoint,
     no_full_collections,
@@ -76,11 +76,11 @@ def reshard(
     hints: Mapping | None = None,
     revision: str | None = None,
     command: str | None = None,
-    **options: Unpack[WriteOptions],
+    **options: Unpack[WriteArgs],
 ) -> Result:
     """Write `src` (any checkpoint: a path or a Hub repo id) as shards of `layout` in `format`,
     reading only the slices each shard needs. `options`: dtype, workers, overwrite, progress,
-    verify_hashes (see `engine.WriteOptions`); `config`/`hints` describe NxD shards that lack
+    verify_hashes, direct_io, sha256 (see `engine.WriteArgs`); `config`/`hints` describe NxD shards that lack
     them; `revision` picks a Hub repo's branch, tag or commit."""
     return reshard_checkpoint(
         open_source(src, config, hints, revision), dst, layout, format=format, command=command, **options
@@ -102,7 +102,7 @@ def merge(
     config: ConfigArg = None,
     hints: Mapping | None = None,
     revision: str | None = None,
-    **options: Unpack[WriteOptions],
+    **options: Unpack[WriteArgs],
 ) -> Result:
     """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
     index + config), in files of at most `max_shard_size`. `options` as for `reshard`."""
@@ -157,7 +157,7 @@ def export_checkpoint(
     max_shard_size: int | str = "5GB",
     config: ConfigArg = None,
     hints: Mapping[str, Any] | None = None,
-    **options: Unpack[WriteOptions],
+    **options: Unpack[WriteArgs],
 ) -> Result:
     """Merge a training checkpoint's model (the newest complete tag, or `tag`) into a Hugging Face
     model directory `out` (safetensors + index + config.json); `options` as for `merge`."""

@@ -47,6 +47,7 @@ from shardkit.families import Family, known_families, register
 from shardkit.formats import SourceReader, open_checkpoint
 from shardkit.formats.base import TensorSpec
 from shardkit.formats.safetensors_io import SafetensorsWriter
+from shardkit.io.digest import Recording
 from shardkit.io.transaction import commit_all, staged_output
 from shardkit.layout import ModelDims
 from shardkit.placements import Piece, Placement, Replicated, Segment, build_piece, make_piece, whole
@@ -516,7 +517,7 @@ def export_peft(
         alone = Job()  # rank 0 alone writes the adapter folder
         with staged_output(dst, sources=[staging], overwrite=True, what="exporting LoRA adapters", job=alone) as out:
             specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in full.items()]
-            writer = SafetensorsWriter(out.path / ADAPTER_FILE, out.path, specs, digests=False)
+            writer = SafetensorsWriter(out.path / ADAPTER_FILE, out.path, specs, digests=Recording.NONE)
             for name, tensor in full.items():
                 writer.write(name, tensor)
             writer.close()

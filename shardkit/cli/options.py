@@ -396,7 +396,7 @@ sha256_option = click.option(
 
 def output_options(destination: str = "DST", manifest: bool = True) -> Callable:
     """--dtype/--workers/--overwrite/--verify-hashes/--direct-io (and --sha256 for outputs with a
-    manifest), handed to the command as one `write` dict (the engine's WriteOptions), and --json
+    manifest), handed to the command as one `write` dict (the engine's WriteArgs), and --json
     (`as_json`)."""
     names = ["dtype", "workers", "overwrite", "verify_hashes", "direct_io"] + (["sha256"] if manifest else [])
     return stacked(

@@ -552,6 +552,13 @@ def coalesce(spans: Sequence[tuple[Path, int, int]]) -> tuple[list[tuple[Path, i
     return extents, covered
 
 
+def extents_of(
+    spans: Sequence[tuple[Path, int, int]], once: Sequence[bool] | None = None
+) -> list[tuple[Path, int, int]]:
+    """The extents a `Prefetcher` of `spans` (and `once`) reads, without making one."""
+    return _coalesce(spans, once)[0]
+
+
 def _coalesce(
     spans: Sequence[tuple[Path, int, int]], once: Sequence[bool] | None
 ) -> tuple[list[tuple[Path, int, int]], list[int], list[list[tuple[int, int]] | None]]:

@@ -610,7 +610,7 @@ class TorchWriter(DiscardOnFailure):
         path: Path,
         root: Path,
         specs: Sequence[TensorSpec],
-        digests: Recording = True,
+        digests: Recording = Recording.FAST,
         direct: bool = False,
         data_pkl: bytes | None = None,
     ):
@@ -702,7 +702,7 @@ class TorchWriter(DiscardOnFailure):
     def begin_rows(self, name: str) -> RowBlocks:
         """Write the next tensor (a matrix, more than zero bytes) as blocks of its rows, each
         handed over as it comes (`add`), then `end()`: other files may be written in between
-        (the files of a group built together, see `engine.executor.lockstep_groups`)."""
+        (the files of a group built together, see `engine.planning.lockstep_groups`)."""
         with self._discarding():
             native = self._native
             self.check_no_rows()

@@ -240,7 +240,7 @@ class XserWriter(DiscardOnFailure):
         root: Path,
         specs: Sequence[TensorSpec],
         expert_parallel: Sequence[str] = (),
-        digests: Recording = True,
+        digests: Recording = Recording.FAST,
         direct: bool = False,
     ):
         check_specs(specs)

@@ -18,12 +18,13 @@ default (`FAST`) and fall back to sha256 for manifests written before the fast d
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import xxhash
 
@@ -33,9 +34,20 @@ from ..paths import open_regular
 FAST_DIGEST = "xxh3_128"
 """The manifest key of the fast digest (hex)."""
 
-Recording = bool | Literal["sha256"]
-"""What a writer hashes for its record: False nothing (files no manifest lists), True the fast
-digest, "sha256" the fast digest and sha256."""
+
+class Recording(str, enum.Enum):
+    """What a writer hashes for its records. Its values are the spellings they replace ("sha256"
+    compares equal to SHA256), and NONE alone is false."""
+
+    NONE = "none"
+    """Nothing: files no manifest lists (their records' digests are None)."""
+    FAST = "fast"
+    """The fast digest (xxh3-128)."""
+    SHA256 = "sha256"
+    """The fast digest and sha256."""
+
+    def __bool__(self) -> bool:
+        return self is not Recording.NONE
 
 
 @dataclass(frozen=True)
@@ -51,10 +63,21 @@ class FileRecord:
     xxh3_128: str | None = None
 
 
-CheckMode = Literal["fast", "sha256", "none"]
-FAST: CheckMode = "fast"
-STRONG: CheckMode = "sha256"
-NONE: CheckMode = "none"
+class CheckMode(str, enum.Enum):
+    """How a reader checks files against their manifest (its values are the `verify_hashes`
+    spellings, and compare equal to them)."""
+
+    FAST = "fast"
+    """The fast digest where the manifest lists it, else sha256."""
+    SHA256 = "sha256"
+    """sha256 only (refused, saying how to fix it, where the manifest lists none)."""
+    NONE = "none"
+    """No check."""
+
+
+FAST = CheckMode.FAST
+STRONG = CheckMode.SHA256
+NONE = CheckMode.NONE
 
 HASH_WINDOW = 16 << 20
 """A file is hashed through a read-only mapping of this many bytes at a time. Measured on 2.2 GB
@@ -66,9 +89,11 @@ HASH_BLOCK = 1 << 20
 """Bytes read at once where a file cannot be mapped."""
 
 
-def check_mode(value: bool | str | None) -> CheckMode:
+def check_mode(value: bool | str | CheckMode | None) -> CheckMode:
     """The check a `verify_hashes` argument asks for: True or "fast" -> fast, "sha256" -> sha256,
     False/None/"none" -> none."""
+    if isinstance(value, CheckMode):
+        return value
     if value is True or value == FAST:
         return FAST
     if value is False or value is None or value == NONE:

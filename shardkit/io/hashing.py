@@ -189,7 +189,7 @@ WRITE_BEHIND = 32 << 20
 WRITE_BEHIND_ALL = 32 << 20
 """At most this many bytes of owned blocks wait for their write in all files together (a larger
 block is written before its write returns): the files of a group built together (see
-`engine.executor.lockstep_groups`) each have a queue, and their write-behind threads run at once.
+`engine.planning.lockstep_groups`) each have a queue, and their write-behind threads run at once.
 Every queued block is written by its own file's thread, whatever the caller does, so a caller
 waiting for the others' blocks always gets to go on."""
 
@@ -476,7 +476,7 @@ class HashingFile:
     `expected_size` (when the caller knows the file's size in advance) is checked against the free
     space first, so a full disk is refused before anything is written. A full disk (ENOSPC, or an
     exhausted quota) while writing becomes a one-line NoSpaceError. `abort()` discards the file.
-    `digests` (a `digest.Recording`): True hashes xxh3-128, "sha256" sha256 too, False nothing (for
+    `digests` (a `digest.Recording`): FAST hashes xxh3-128, SHA256 sha256 too, NONE nothing (for
     files no manifest will list: the record's digests are None). With `direct`, the bytes are
     written around the page cache (`DirectFile`)."""
 
@@ -485,7 +485,7 @@ class HashingFile:
         path: Path,
         root: Path,
         expected_size: int | None = None,
-        digests: Recording = True,
+        digests: Recording = Recording.FAST,
         direct: bool = False,
     ):
         from ..paths import ensure_free_space
@@ -515,7 +515,7 @@ class HashingFile:
         )  # read too: copied ranges are read back (copy_ranges)
         st = os.fstat(self._fh.fileno())
         self._identity = (st.st_dev, st.st_ino)
-        self._hash = Digests(sha256=digests == "sha256") if digests else None
+        self._hash = Digests(sha256=digests == Recording.SHA256) if digests else None
         self.size = 0
         self._reserved = 0
         if expected_size:
