@@ -12,10 +12,8 @@ import functools
 import io
 import os
 import pickle
-import struct
 import sys
 import threading
-import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -48,7 +46,7 @@ from .base import (
     tensor_bytes,
 )
 from .digest import Recording
-from .torch_zip import ZipRecords, native_writer
+from .torch_zip import ZipRecords, native_writer, read_archive
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 
@@ -98,9 +96,11 @@ def regular(path: Path, what: str = "file") -> Path:
 
 
 def safe_load(path: Path, mmap: bool = True) -> Any:
-    """torch.load with weights_only=True; TensorReference allowed; clear errors for bad files."""
+    """torch.load with weights_only=True; TensorReference allowed; clear errors for bad files. A zip
+    archive's directory is validated first (`torch_zip.read_archive`), as for `load_metadata`."""
     path = regular(Path(path))
     try:
+        read_archive(path)
         with _reference_allowed():
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -109,13 +109,24 @@ def safe_load(path: Path, mmap: bool = True) -> Any:
                     return torch.load(path, map_location="cpu", weights_only=True)
                 raise
     except pickle.UnpicklingError as e:
-        reason = str(e).splitlines()[0] if "GLOBAL" not in str(e) else _refused_global(str(e))
-        raise FormatError(
-            f"refusing to load {path}: it holds Python objects other than tensors ({reason}); "
-            "shardkit never runs arbitrary pickle: re-save it as a plain state dict"
-        ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
-        raise FormatError(f"{path} is truncated or corrupt ({str(e).splitlines()[0][:120]}): re-create it") from None
+        raise _refused(path, e) from None
+    except ShardkitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever torch raises for a bad file, said on one line
+        raise _corrupt(path, e) from None
+
+
+def _refused(path: Path, e: Exception) -> FormatError:
+    reason = _refused_global(str(e)) if "GLOBAL" in str(e) else (str(e).splitlines() or [""])[0][:160]
+    return FormatError(
+        f"refusing to load {path}: it holds Python objects other than tensors ({reason}); "
+        "shardkit never runs arbitrary pickle: re-save it as a plain state dict"
+    )
+
+
+def _corrupt(path: Path, e: Exception) -> FormatError:
+    reason = str(e).splitlines()[0][:120] if str(e).strip() else type(e).__name__
+    return FormatError(f"{path} is truncated or corrupt ({reason}): re-create it")
 
 
 def _refused_global(message: str) -> str:
@@ -134,39 +145,16 @@ def state_dict_of(obj: Any, path: Path) -> dict[str, Any]:
     return obj
 
 
-def _zip_record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]]]:
-    """The archive's folder prefix and, per record name, (data offset in the file, size).
-
-    torch.save writes records uncompressed (ZIP_STORED) and aligned; a record's data starts after
-    its local header, whose extra field (torch's alignment padding) may differ from the central one.
-    """
-    records: dict[str, tuple[int, int]] = {}
-    with zipfile.ZipFile(path) as archive, open(path, "rb") as fh:
-        infos = archive.infolist()
-        pickles = [i.filename for i in infos if i.filename.endswith("data.pkl")]
-        if not pickles:
-            raise FormatError(f"{path} is not a torch.save file (no data.pkl): re-create it")
-        prefix = pickles[0][: -len("data.pkl")]
-        fd = fh.fileno()
-        if hasattr(os, "posix_fadvise"):  # a cold file's headers (one per tensor) are read in parallel
-            for info in infos:
-                os.posix_fadvise(fd, info.header_offset + 26, 4, os.POSIX_FADV_WILLNEED)
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise FormatError(f"{path}: record {info.filename} is compressed; torch files never are")
-            name_len, extra_len = struct.unpack("<HH", os.pread(fd, 4, info.header_offset + 26))
-            records[info.filename] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
-    return prefix, records
-
-
 def load_metadata(path: Path) -> Any:
     """Unpickle a torch.save file with torch's weights-only unpickler, but with storages on the
     meta device: shapes, strides and dtypes without reading any tensor data. Every tensor is
-    returned as a StoredTensor saying where its bytes are. Non-zip (legacy) files return None."""
+    returned as a StoredTensor saying where its bytes are. Non-zip (legacy) files return None.
+    The archive's directory is validated first (`torch_zip.read_archive`)."""
     path = Path(path)
-    if not zipfile.is_zipfile(path):
+    archive = read_archive(path)
+    if archive is None:
         return None
-    prefix, records = _zip_record_offsets(path)
+    prefix, records, raw = archive.prefix, archive.records, archive.pickle
     keys: dict[int, str] = {}
 
     def persistent_load(saved):
@@ -178,8 +166,6 @@ def load_metadata(path: Path) -> Any:
         keys[storage._cdata] = str(key)
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
-    with zipfile.ZipFile(path) as archive:
-        raw = archive.read(prefix + "data.pkl")
     plain = _plain_metadata(raw, path, prefix, records)
     if plain is not None:
         return plain
@@ -363,18 +349,12 @@ def read_metadata(path: Path) -> Any:
 def _read_metadata_uncached(path: Path) -> Any:
     try:
         return load_metadata(path)
-    except FormatError:
+    except ShardkitError:
         raise
     except pickle.UnpicklingError as e:
-        reason = _refused_global(str(e)) if "GLOBAL" in str(e) else str(e).splitlines()[0]
-        raise FormatError(
-            f"refusing to load {path}: it holds Python objects other than tensors ({reason}); "
-            "shardkit never runs arbitrary pickle: re-save it as a plain state dict"
-        ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, KeyError, TypeError, struct.error) as e:
-        raise FormatError(
-            f"{path} is truncated or corrupt ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}): re-create it"
-        ) from None
+        raise _refused(path, e) from None
+    except Exception as e:  # noqa: BLE001 - whatever torch's unpickler raises for a bad pickle, on one line
+        raise _corrupt(path, e) from None
 
 
 class TorchFile(DescriptorReader):
