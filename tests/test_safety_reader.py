@@ -1,5 +1,5 @@
 """One safe reader for torch files: attacks on the metadata reader (`torch_pickle`, `torch_io`) and
-on the zip archive around it (`torch_zip.read_archive`).
+on the zip archive around it (`torch_zip.read_archive`), and an xser info file that lies.
 
 Every crafted file is either refused with one line or read exactly as
 `torch.load(path, weights_only=True, map_location="cpu")` reads it (shardkit always maps to the
@@ -25,7 +25,7 @@ from click.testing import CliRunner
 
 from shardkit.cli import cli
 from shardkit.errors import FormatError
-from shardkit.formats import torch_io
+from shardkit.formats import torch_io, xser
 from shardkit.formats.base import StoredTensor, read_stored
 
 # ---- a pickle assembler (protocol 2, the opcodes torch.save writes) ---------------------------------
@@ -525,3 +525,38 @@ def test_cli_refuses_a_shard_folder_holding_a_crafted_file(attack, command, shar
         assert not (tmp_path / "out").exists()
     else:
         clean_failure(run("inspect", folder, "--check-data"), VICTIM.split("/")[-1])
+
+
+# ---- 5. an xser info file that lies ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def xser_shards(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reader-xser") / "tp2"
+    result = run("convert", tiny_model("llama-gqa64"), out, "--tp", "2", "--format", "xser")
+    assert result.exit_code == 0, result.output
+    (out / "shardkit.json").unlink()
+    return out
+
+
+@pytest.mark.parametrize("lie", ["dtype", "shape"])
+@pytest.mark.parametrize("tensor", ["model.embed_tokens.weight", "model.norm.weight"])
+def test_an_info_file_that_disagrees_with_its_tensor_file_is_a_one_line_error(lie, tensor, xser_shards, tmp_path):
+    """Every reader plans with the info file's shapes and dtypes; the tensor file holds another.
+    dtype: every rank's info file says float16 (the pieces agree, and with the config); shape:
+    rank 0's tensor file lost a row. model.norm.weight is replicated: `inspect --check-data`
+    compares its copies, so it reads it too."""
+    folder = tmp_path / "shards"
+    shutil.copytree(xser_shards, folder)
+    for rank in sorted((folder / "model").glob("dp_rank_00_tp_rank_*_pp_rank_00.pt")):
+        tid = xser.safe_load(rank)[tensor].tid
+        if lie == "dtype":
+            table = torch.load(xser.info_path(rank), weights_only=True)
+            table[tid]["dtype"] = torch.float16
+            torch.save(table, xser.info_path(rank))
+        elif "tp_rank_00" in rank.name:
+            file = xser.tensor_path(rank, tid)
+            torch.save(torch.load(file, weights_only=True)[:-1].clone(), file)
+    clean_failure(run("merge", folder, tmp_path / "out"), "info.pt")
+    if tensor == "model.norm.weight":
+        clean_failure(run("inspect", folder, "--check-data"), "info.pt")
