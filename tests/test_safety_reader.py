@@ -182,7 +182,9 @@ def shardkit_reads(path: Path):
     """What shardkit reads from `path`: its metadata with every tensor's bytes read by shardkit's
     own reader (`read_stored`), or REFUSED (a one-line FormatError)."""
     try:
-        meta = torch_io.read_metadata(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's unpickler warns of protocol 4 as torch.load does
+            meta = torch_io.read_metadata(path)
     except FormatError as e:
         one_line(e)
         return REFUSED
