@@ -184,11 +184,11 @@ class _Load:
         """REDUCE: only OrderedDict() and the tensor reducers, with the arguments torch.save gives."""
         if type(args) is not tuple:
             raise NotPlain("a call with unexpected arguments")
-        if func is OrderedDict and not args:
-            return OrderedDict()
         if func is REBUILD_V2 and len(args) in (6, 7):
             storage, offset, size, stride, requires_grad, _, *metadata = args
             return self.tensor(storage, offset, size, stride, requires_grad, metadata, None)
+        if func is OrderedDict and not args:
+            return OrderedDict()
         if func is REBUILD_V3 and len(args) in (7, 8):
             storage, offset, size, stride, requires_grad, _, dtype, *metadata = args
             return self.tensor(storage, offset, size, stride, requires_grad, metadata, dtype)
@@ -250,7 +250,7 @@ def _run(raw: bytes, load: _Load) -> Any:
     while True:
         op = raw[pos]
         pos += 1
-        # the opcodes in order of how often torch.save's pickles use them
+        # the opcodes a state dict's pickle is made of, in order of how often torch.save uses them
         if op == _LONG_BINPUT:
             memo[_U4.unpack_from(raw, pos)[0]] = stack[-1]
             pos += 4
@@ -299,58 +299,61 @@ def _run(raw: bytes, load: _Load) -> Any:
             stack[-1] = (stack[-1],)
         elif op == _TUPLE3:
             stack[-3:] = [(stack[-3], stack[-2], stack[-1])]
-        elif op == _NEWTRUE:
-            stack.append(True)
-        elif op == _NONE:
-            stack.append(None)
         elif op == _GLOBAL:
             pos = _global(raw, pos, stack, globals_)
-        elif op == _BINFLOAT:
-            stack.append(_F8.unpack_from(raw, pos)[0])
-            pos += 8
-        elif op == _EMPTY_DICT:
-            stack.append({})
-        elif op == _EMPTY_LIST:
-            stack.append([])
-        elif op == _SETITEM:
-            value, key = stack.pop(), stack.pop()
-            _mapping(stack[-1])[key] = value
         elif op == _SETITEMS:
             items, stack = stack, metastack.pop()
             target = _mapping(stack[-1])
             for i in range(0, len(items), 2):
                 target[items[i]] = items[i + 1]
-        elif op == _APPEND:
-            item = stack.pop()
-            _list(stack[-1]).append(item)
-        elif op == _APPENDS:
-            items, stack = stack, metastack.pop()
-            _list(stack[-1]).extend(items)
-        elif op == _BUILD:
-            state = stack.pop()
-            if type(stack[-1]) is not OrderedDict:  # torch's BUILD of a tensor or parameter changes it
-                raise NotPlain("a BUILD of something other than an OrderedDict")
-            stack[-1].__dict__.update(state)  # as torch: attributes (a state dict's _metadata)
-        elif op == _SHORT_BINSTRING:
-            n = raw[pos]
-            if pos + 1 + n > len(raw):
-                raise NotPlain("a string past the end")
-            stack.append(raw[pos + 1 : pos + 1 + n].decode("utf-8", "strict"))  # torch.load's encoding
-            pos += 1 + n
-        elif op == _LONG1:
-            n = raw[pos]
-            if pos + 1 + n > len(raw):
-                raise NotPlain("a number past the end")
-            stack.append(decode_long(raw[pos + 1 : pos + 1 + n]))
-            pos += 1 + n
-        elif op == _PROTO:
-            if raw[pos] != 2:  # torch reads other protocols with a warning: its unpickler does
-                raise NotPlain("a pickle protocol other than 2")
-            pos += 1
         elif op == _STOP:
             return stack.pop()
         else:
-            raise NotPlain(f"opcode {op:#04x}")
+            pos, stack = _rare(op, raw, pos, stack, metastack)
+
+
+def _rare(op: int, raw: bytes, pos: int, stack: list[Any], metastack: list[list[Any]]) -> tuple[int, list[Any]]:
+    """The other opcodes torch's weights-only unpickler reads, as it reads them: the position
+    after the opcode and the stack (a new one after a MARK's items are taken)."""
+    if op == _EMPTY_DICT:
+        stack.append({})
+    elif op == _NONE:
+        stack.append(None)
+    elif op == _NEWTRUE:
+        stack.append(True)
+    elif op == _BINFLOAT:
+        stack.append(_F8.unpack_from(raw, pos)[0])
+        pos += 8
+    elif op == _EMPTY_LIST:
+        stack.append([])
+    elif op == _SETITEM:
+        value, key = stack.pop(), stack.pop()
+        _mapping(stack[-1])[key] = value
+    elif op == _APPEND:
+        item = stack.pop()
+        _list(stack[-1]).append(item)
+    elif op == _APPENDS:
+        items, stack = stack, metastack.pop()
+        _list(stack[-1]).extend(items)
+    elif op == _BUILD:
+        state = stack.pop()
+        if type(stack[-1]) is not OrderedDict:  # torch's BUILD of a tensor or parameter changes it
+            raise NotPlain("a BUILD of something other than an OrderedDict")
+        stack[-1].__dict__.update(state)  # as torch: attributes (a state dict's _metadata)
+    elif op == _SHORT_BINSTRING or op == _LONG1:
+        n = raw[pos]
+        if pos + 1 + n > len(raw):
+            raise NotPlain("a string or number past the end")
+        data = raw[pos + 1 : pos + 1 + n]  # a string decoded as torch.load's encoding, utf-8
+        stack.append(data.decode("utf-8", "strict") if op == _SHORT_BINSTRING else decode_long(data))
+        pos += 1 + n
+    elif op == _PROTO:
+        if raw[pos] != 2:  # torch reads other protocols with a warning: its unpickler does
+            raise NotPlain("a pickle protocol other than 2")
+        pos += 1
+    else:
+        raise NotPlain(f"opcode {op:#04x}")
+    return pos, stack
 
 
 def _global(raw: bytes, pos: int, stack: list[Any], globals_: Mapping[str, Any]) -> int:
