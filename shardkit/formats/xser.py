@@ -128,12 +128,35 @@ class XserFile:
         return list(self._sd)
 
     def _file(self, tid: int) -> TorchFile:
-        """The reader of one referenced tensor file (metadata only until a slice is read)."""
+        """The reader of one referenced tensor file (metadata only until a slice is read), once it
+        holds what the info file says of it."""
         if tid not in self._files:
-            self._files[tid] = TorchFile(tensor_path(self.path, tid), single_tensor=True)
+            reader = TorchFile(tensor_path(self.path, tid), single_tensor=True)
+            try:
+                self._check_info(tid, reader)
+            except FormatError:
+                reader.close()
+                raise
+            self._files[tid] = reader
             if self._taps is not None:
-                self._files[tid].tap(self._taps)
+                reader.tap(self._taps)
         return self._files[tid]
+
+    def _check_info(self, tid: int, reader: TorchFile) -> None:
+        """A tensor file must hold the dtype and shape its entry in the info file gives: `shape` and
+        `dtype` answer from the info file (without opening the tensor files), and every reader of
+        the checkpoint planned its reads and outputs with them."""
+        entry = self._info.get(tid)
+        if entry is None:
+            return
+        dtype, shape = reader.dtype(TorchFile.SINGLE), reader.shape(TorchFile.SINGLE)
+        if entry["dtype"] != dtype or tuple(entry["shape"]) != shape:
+            said = f"{str(entry['dtype']).replace('torch.', '')} {tuple(entry['shape'])}"
+            held = f"{str(dtype).replace('torch.', '')} {shape}"
+            raise FormatError(
+                f"{reader.path} holds a {held} tensor but {info_path(self.path).name} says {said}: "
+                "the files are corrupt or mixed from different checkpoints; re-create them"
+            )
 
     def tap(self, taps: Callable[[Path], ReadTap | None]) -> None:
         """Pass the byte ranges read from the tensor files to `taps(path)` (see `DescriptorReader.tap`)."""
