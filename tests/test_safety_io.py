@@ -437,3 +437,26 @@ def test_the_token_file_writer_never_writes_through_a_link(tmp_path):
     (tmp_path / "tokens.bin").unlink()
     write_tokens(tmp_path / "tokens.bin", [1, 2, 3], 256)
     assert victim.read_text() == "precious\n" and stray(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_user_content_that_is_a_fifo_or_a_device_is_one_line_and_never_hangs(ckpt, kind):
+    path = ckpt / "step_2" / "user_content.pt"
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    code = (
+        "import sys\n"
+        "from shardkit.checkpoint import load_checkpoint\n"
+        "from shardkit.errors import ShardkitError\n"
+        "try:\n"
+        f"    load_checkpoint({str(ckpt)!r}, 'step_2', verify=False)\n"
+        "except ShardkitError as e:\n"
+        "    print(e); sys.exit(2)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "not a regular file" in done.stdout and len(done.stdout.strip().splitlines()) == 1

@@ -28,6 +28,7 @@ from ..errors import FormatError, ShardkitError
 from ..io.copy import FileRange
 from ..io.digest import FileRecord, Recording
 from ..io.hashing import PARALLEL_HASH_MIN, HashingFile
+from ..io.small import check_small
 from ..io.strided import StoredTensor, advise_stored, byte_span, read_block, read_rows_into, read_stored, stored_range
 from ..io.taps import DescriptorReader
 from ..paths import regular_file
@@ -101,6 +102,12 @@ def safe_load(path: Path, mmap: bool = True) -> Any:
         raise
     except Exception as e:  # noqa: BLE001 - whatever torch raises for a bad file, said on one line
         raise _corrupt(path, e) from None
+
+
+def load_small(path: Path, what: str) -> Any:
+    """A small torch file read whole (scheduler, user content, xser info): `safe_load`, once the
+    bounded reader's rules hold (a regular file, not too large: `io.small.check_small`)."""
+    return safe_load(check_small(path, what), mmap=False)
 
 
 def _refused(path: Path, e: Exception) -> FormatError:

@@ -31,6 +31,7 @@ from .torch_io import (
     TorchFile,
     TorchWriter,
     _zip_size_bound,
+    load_small,
     parsed_once,
     regular,
     safe_load,
@@ -79,7 +80,7 @@ def load(path: Path) -> Any:
 def _valid_info(path: Path) -> dict:
     """The `.info.pt` beside an xser file (`tid -> {dtype, shape, ...}`), checked: entries that
     would be used as shapes and dtypes must be exactly that."""
-    info = safe_load(regular(path, "xser info file"), mmap=False)
+    info = load_small(path, "xser info file")
     if not isinstance(info, dict):
         raise FormatError(f"{path} is not an xser info file (expected tid -> {{dtype, shape}}): re-create it")
     for tid, entry in info.items():
