@@ -477,3 +477,26 @@ def test_user_content_that_is_a_fifo_or_a_device_is_one_line_and_never_hangs(ckp
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "not a regular file" in done.stdout and len(done.stdout.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_full_disk_under_the_trainers_checkpoints_is_one_line_and_leaves_no_tag(tiny_model, tmp_path, capsys,
+                                                                                   async_save):
+    import numpy as np
+
+    from trainer.__main__ import main
+
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.arange(4000, dtype=np.int64) % 200)
+    model = tiny_model("llama-trainer-tiny")
+    capsys.readouterr()
+    with tiny_disk(tmp_path / "disk", "256k") as disk:
+        args = ["--model", str(model), "--data", str(data), "--seq-len", "16", "--global-batch", "2",
+                "--steps", "3", "--checkpoint-dir", str(disk / "ckpt"), "--checkpoint-every", "1",
+                *(["--async-save"] if async_save else [])]
+        assert main(args) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trainer")]
+        assert len(err) == 1 and "no space left" in err[0].lower() and "enforce fail" not in err[0], err
+        root = disk / "ckpt"
+        left = [p.name for p in root.iterdir() if p.is_dir()] if root.exists() else []
+        assert left == [], left  # no half-written tag (the metrics file is the run's own)
