@@ -21,14 +21,17 @@ from typing import Any
 
 import torch
 
+from ..distributed import Job, current_job
 from ..errors import ConfigMismatchError
 from ..families.lora import TARGETS, LoraSettings, adapted_weights, base_config, saved_settings
 from ..formats import Checkpoint, SourceReader
 from ..formats.base import FileRecord, TensorFile, TensorSpec
 from ..formats.safetensors_io import SafetensorsWriter
 from ..io.durable import write_text
+from ..io.transaction import commit_all, staged_output
 from ..layout import ModelDims
 from ..placements import Piece, make_piece, whole
+from .guard import TagCheck
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -95,6 +98,39 @@ def write_peft(
     text = json.dumps(peft_config(settings, base_model), indent=2) + "\n"
     write_text(folder / ADAPTER_CONFIG, text, fsync=False)
     return [*records, FileRecord(ADAPTER_CONFIG, len(text.encode()), None)]
+
+
+def export_peft(
+    adapters: Checkpoint,
+    dst: str | Path,
+    base_model: str | None,
+    *,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    verify_hashes: bool = True,
+    job: Job | None = None,
+) -> list[FileRecord]:
+    """The PEFT adapter folder of the adapter checkpoint tag `adapters` as the new folder `dst`
+    (written by the job's leader through a staged output; the tag is checked against its manifest
+    and for changes before the commit)."""
+    job = job or current_job()
+    tag_dir = adapters.root
+    records: list[FileRecord] = []
+    with staged_output(dst, sources=[tag_dir], overwrite=overwrite, what="ckpt export", job=job) as out:
+
+        def write() -> None:
+            if job.leader:
+                check = TagCheck(tag_dir, verify_hashes)
+                try:
+                    records.extend(write_peft(adapters, out.path, base_model, dtype))
+                except BaseException:
+                    check.stop()
+                    raise
+                check.verify()
+
+        job.run_all_or_none(write)
+        commit_all(out, job)
+    return records
 
 
 # ---- the base model with the adapters merged in -----------------------------------------------------

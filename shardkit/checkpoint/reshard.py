@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ import torch
 from typing_extensions import Unpack
 
 from ..distributed import Job, current_job
+from ..families.lora import base_config, saved_settings
 from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
 from ..formats.manifest import MANIFEST, file_record, manifest
 from ..io.durable import write_bytes, write_marker, write_text
@@ -397,4 +399,18 @@ def inspect_training(
         "model_has_data": src.has_data,
         "param_groups": groups,
         "optimizer_bytes": optim_bytes,
+        "lora": _lora_info(src.model),
+    }
+
+
+def _lora_info(model: Checkpoint) -> dict[str, Any] | None:
+    """What an adapter checkpoint's adapters are and what they were trained on (None: full weights)."""
+    settings = saved_settings(model.config)
+    if settings is None:
+        return None
+    return {
+        **settings.to_dict(),
+        "base_model": settings.base_model,
+        "base_model_type": base_config(model.config).get("model_type"),
+        "trained_parameters": sum(math.prod(s) for s in model.full_shapes.values()),
     }

@@ -124,22 +124,47 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
 @click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--tag", default=None, help="The tag to export (default: the newest complete one).")
+@click.option(
+    "--merged",
+    is_flag=True,
+    help="For a LoRA adapter checkpoint: write the Hugging Face model of its base with the adapters merged "
+    "in (W + alpha/r B A), not the PEFT adapter folder.",
+)
+@click.option(
+    "--base",
+    default=None,
+    metavar="MODEL",
+    help="For a LoRA adapter checkpoint: the model the adapters were trained on (a model folder of any "
+    "layout, or a Hub repo id); default: the one the checkpoint records. With --merged it supplies the "
+    "frozen weights; without, adapter_config.json names it as the base.",
+)
 @max_shard_size_option("Largest safetensors file")
 @output_options("OUT", manifest=False)
 @config_option
 @common_options
 @click.pass_context
-def ckpt_export(ctx, directory, out, tag, max_shard_size, write, as_json, config):
+def ckpt_export(ctx, directory, out, tag, merged, base, max_shard_size, write, as_json, config):
     """Merge the model of a training checkpoint (DIR/<tag>) into a Hugging Face model directory OUT.
 
     OUT also gets config.json, generation_config.json and tokenizer files, from the tag or from DIR.
+    A LoRA adapter checkpoint (the trainer's --lora-rank) becomes a PEFT adapter folder
+    (adapter_config.json + adapter_model.safetensors, for peft's PeftModel.from_pretrained), or
+    with --merged the merged model.
     """
     from ..api import export_checkpoint
 
     started = time.perf_counter()
     with Bar(ctx, "export") as bar:
         result = export_checkpoint(
-            directory, out, tag, max_shard_size=max_shard_size, config=config, progress=bar, **write
+            directory,
+            out,
+            tag,
+            max_shard_size=max_shard_size,
+            config=config,
+            merged=merged,
+            base=base,
+            progress=bar,
+            **write,
         )
     report(ctx, result, started, as_json, "exported to")
 
@@ -251,9 +276,24 @@ def ckpt_inspect(directory, tag, config, param_order, as_json):
         f"{info['format']}, step {info['step']}, master weights {'yes' if info['master_weights'] else 'no'}, "
         f"optimizer {format_bytes(info['optimizer_bytes'])}"
     )
+    if info.get("lora"):
+        click.echo(f"  {lora_line(info['lora'])}")
     for g, group in enumerate(info["param_groups"]):
         hyper = ", ".join(f"{k}={v}" for k, v in group["hyper"].items())
         click.echo(f"  group {g}: {len(group['parameters_on_tp0_pp0'])} parameters on tp0 pp0; {hyper}")
+
+
+def lora_line(lora: dict) -> str:
+    """An adapter checkpoint's adapters in one line: rank, alpha, targets and the base model."""
+    base = (
+        f"{lora['base_model_type']} model {lora['base_model']}"
+        if lora.get("base_model")
+        else (f"a {lora['base_model_type']} model (not recorded where: give ckpt export --base)")
+    )
+    return (
+        f"LoRA adapters: rank {lora['rank']}, alpha {lora['alpha']:g}, targets {','.join(lora['targets'])} "
+        f"({lora['trained_parameters'] / 1e6:.3f}M parameters), trained on the {base}"
+    )
 
 
 COMMANDS = [ckpt_group]
