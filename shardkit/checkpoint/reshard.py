@@ -26,7 +26,7 @@ from typing_extensions import Unpack
 
 from ..distributed import Job, current_job
 from ..families.lora import base_config, saved_settings
-from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
+from ..formats import Checkpoint, SourceReader, load_config, nxd, open_checkpoint
 from ..formats.manifest import MANIFEST, file_record, manifest
 from ..io.durable import write_bytes, write_marker, write_text
 from ..io.small import PICKLE_LIMIT, read_small
@@ -161,20 +161,22 @@ def write_rank(
     out_tag: Path,
     readers: RankReaders,
     layout: Layout,
-    tp: int,
-    pp: int,
+    rank: tuple[int, int, int],
     dp: int,
     use_xser: bool,
     master: bool,
     dtype: torch.dtype,
 ) -> list[Path]:
-    """One target (tp, pp) rank: its model file and its dp optimizer files (NxD's format)."""
+    """One target (ep, tp, pp) rank: its model file and its dp optimizer files (NxD's format; v3
+    names with ep_rank when ep > 1, ep ranks > 0 holding only their experts)."""
     src = readers.src
-    pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes)
+    ep, tp, pp = rank
+    pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes, ep)
+    expert = {p.name for p in pieces if p.expert}  # xser's expert_model_parallel flags, as save writes them
     written: list[Path] = []
     weights = readers.weights(pieces, dtype)
-    model_path = out_tag / MODEL_DIR / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
-    written += save_object(model_path, weights, use_xser)
+    model_path = out_tag / nxd.rank_file_name(ep, tp, pp, layout, "torch")
+    written += save_object(model_path, weights, use_xser, expert)
     del weights
     if src.zero1 is not None:
         moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
@@ -183,7 +185,8 @@ def write_rank(
         groups = [readers.group(p) for p in pieces]
         for d in range(dp):
             obj = build_optim(names, groups, src.zero1.hyper, state, dp, d, master)
-            written += save_object(out_tag / optim_name(d, tp, pp), obj, use_xser)
+            name = optim_name(d, tp, pp, ep if layout.ep > 1 else None)
+            written += save_object(out_tag / name, obj, use_xser, bool(expert))
     return written
 
 
@@ -290,13 +293,13 @@ def _begin_tag(out_tag: Path) -> None:
 
 
 def _write_mine(job: Job, plan: _Plan, out_tag: Path) -> list[str]:
-    """This process's share of the target (tp, pp) ranks (their model and optimizer files)."""
-    units = [(tp, pp) for pp in range(plan.layout.pp) for tp in range(plan.layout.tp)]
+    """This process's share of the target (ep, tp, pp) ranks (their model and optimizer files)."""
+    units = sorted(plan.layout.ranks(), key=lambda r: (r[2], r[1], r[0]))  # pp, tp, ep: stage by stage
     readers = RankReaders(plan.src)
     try:
         files: list[Path] = []
-        for tp, pp in job.share(units):
-            files += write_rank(out_tag, readers, plan.layout, tp, pp, plan.dp, plan.use_xser, plan.master, plan.dtype)
+        for rank in job.share(units):
+            files += write_rank(out_tag, readers, plan.layout, rank, plan.dp, plan.use_xser, plan.master, plan.dtype)
         return [str(f) for f in files]
     finally:
         readers.close()

@@ -189,8 +189,12 @@ param_order_option = click.option(
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @tag_config_option
-@layout_options(expert=False)
-@degree_option("dp", "Data-parallel degree of the new layout (the number of ZeRO-1 optimizer shards).")
+@layout_options()
+@degree_option(
+    "dp",
+    "Data-parallel degree of the new layout (the number of ZeRO-1 optimizer shards); with --ep > 1, per "
+    "expert-parallel rank (the expert-data-parallel degree: the trainer's --dp / --ep).",
+)
 @click.option(
     "--zero1/--no-zero1",
     default=True,
@@ -226,7 +230,8 @@ param_order_option = click.option(
 def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master_weights, param_order, verify_hashes):
     """Move a whole training state SRC (model, ZeRO-1 optimizer shards, master weights, scheduler,
     user content) to another layout, written as the checkpoint directory DST in NxD's format.
-    Without --qkv (and --kv-replication / --hw) the source's qkv style (and replica order) is kept.
+    Without --ep, --qkv (and --kv-replication / --hw) the source's expert parallelism, qkv style
+    (and replica order) are kept, and a line says so.
 
     \b
     Example (tp8 pp4 dp16 -> tp32 pp2 dp8):

@@ -205,19 +205,20 @@ KV_MULTIPLIER_HELP = (
 )
 
 
-def layout_options(expert: bool = True) -> Callable:
-    """--tp/--pp/--vpp[/--ep]/--kv-multiplier/--kv-replication/--hw/--qkv (+ NxD's spellings), handed to
-    the command as `layout_opts` for `build_layout`. `expert=False` leaves --ep out."""
+def layout_options() -> Callable:
+    """--tp/--pp/--vpp/--ep/--kv-multiplier/--kv-replication/--hw/--qkv (+ NxD's spellings), handed to
+    the command as `layout_opts` for `build_layout`."""
     ep = degree_option(
         "ep",
         "Expert-parallel degree (mixture-of-experts models): experts split over this many ranks; "
-        "file names then carry ep_rank (NxD v3).",
+        "file names then carry ep_rank (NxD v3). Default: 1 (reshard: the source's).",
+        default=None,
     )
     options = [
         degree_option("tp", TP_HELP),
         degree_option("pp", PP_HELP),
         degree_option("vpp", VPP_HELP, nxd="--virtual-pipeline-size"),
-        *([ep] if expert else []),
+        ep,
         degree_option("kv-multiplier", KV_MULTIPLIER_HELP, nxd="--kv-size-multiplier"),
         *replication_options(
             "Order of K/V replicas: interleaved (Trn1, tensor.repeat) or blocked (Trn2, "
@@ -236,7 +237,7 @@ def layout_options(expert: bool = True) -> Callable:
         click.option("--fuse-qkv", is_flag=True, help="NxD spelling of --qkv fused (with --qkv-linear)."),
         click.option("--coalesce-qkv", is_flag=True, help="NxD spelling of --qkv coalesced."),
     ]
-    names = ["tp", "pp", "vpp", *(["ep"] if expert else []), "kv_multiplier", "kv_replication", "hw", "qkv"]
+    names = ["tp", "pp", "vpp", "ep", "kv_multiplier", "kv_replication", "hw", "qkv"]
     names += ["qkv_linear", "fuse_qkv", "coalesce_qkv"]
     return stacked(*options, collected(names, "layout_opts"))
 
@@ -253,15 +254,15 @@ def qkv_style(qkv: str | None, qkv_linear: bool, fuse_qkv: bool, coalesce_qkv: b
 
 
 def build_layout(o: Mapping[str, Any], inherit=None):
-    """The Layout the layout options ask for. Unset qkv style and replication come from `inherit`
-    (the source's layout) when given, else the defaults (separate, interleaved)."""
+    """The Layout the layout options ask for. Unset ep, qkv style and replication come from
+    `inherit` (the source's layout) when given, else the defaults (1, separate, interleaved)."""
     from ..layout import make_layout
 
     return make_layout(
         tp=o["tp"],
         pp=o["pp"],
         vpp=o["vpp"],
-        ep=o.get("ep", 1),
+        ep=o.get("ep") or (inherit.ep if inherit is not None else 1),
         kv_multiplier=o["kv_multiplier"],
         kv_replication=o["kv_replication"],
         hw=o["hw"],
@@ -273,13 +274,17 @@ def build_layout(o: Mapping[str, Any], inherit=None):
 def kept_from_source(layout_opts: Mapping[str, Any], source, target) -> str | None:
     """The line saying which layout choices reshard kept from the source (None: nothing kept)."""
     kept = []
+    kept_ep = source.ep > 1 and not layout_opts.get("ep")
+    if kept_ep:
+        kept.append(f"ep {target.ep}")
     if not any(layout_opts.get(k) for k in ("qkv", "qkv_linear", "fuse_qkv", "coalesce_qkv")):
         kept.append(f"qkv style {target.qkv}")
     if target.kv_multiplier > 1 and not (layout_opts.get("kv_replication") or layout_opts.get("hw")):
         kept.append(f"kv replication {target.kv_replication}")
     if not kept:
         return None
-    return f"kept the source's {' and '.join(kept)} ({source.describe()}); give --qkv / --kv-replication to change"
+    flags = ["--ep", "--qkv", "--kv-replication"] if kept_ep else ["--qkv", "--kv-replication"]
+    return f"kept the source's {' and '.join(kept)} ({source.describe()}); give {' / '.join(flags)} to change"
 
 
 def hints(kv_replication: str | None, hw: str | None) -> dict:
