@@ -14,10 +14,12 @@ from typing import Any
 
 from typing_extensions import Unpack
 
-from .checkpoint import resolve_tag
+from .checkpoint import list_checkpoints
 from .checkpoint.guard import TagCheck
+from .checkpoint.load import tag_to_read
 from .checkpoint.lora import export_peft, merged_view, settings_of
 from .checkpoint.reshard import TrainingReshardOptions, model_checkpoint
+from .checkpoint.tree import is_checkpoint_root
 from .engine import (
     ProgressCallback,
     Result,
@@ -30,7 +32,7 @@ from .engine import (
     reshard_checkpoint,
     verify_checkpoints,
 )
-from .errors import ShardkitError
+from .errors import FormatError, ShardkitError
 from .formats import Checkpoint, open_checkpoint
 from .formats.base import parse_dtype
 from .hub import resolve_source
@@ -66,6 +68,13 @@ def open_source(
         return src
     if not os.path.lexists(src):
         recover_interrupted(Path(src), log)  # a run killed while replacing it left it beside, renamed
+    elif is_checkpoint_root(src):
+        tags = [i.tag for i in list_checkpoints(src, details=False) if i.loadable]
+        example = f" ({Path(src) / tags[-1]})" if tags else ""
+        raise FormatError(
+            f"{src} is a training checkpoint directory, not a model: `shardkit ckpt export {src} OUT` merges its "
+            f"newest complete tag (--tag picks another), or give one tag folder{example}"
+        )
     return open_checkpoint(resolve_source(src, revision=revision), config, hints)
 
 
@@ -171,10 +180,7 @@ def export_checkpoint(
     A LoRA adapter checkpoint (the trainer's `--lora-rank`) becomes a PEFT adapter folder, or with
     `merged` the Hugging Face model of its base with the adapters merged in: `base` (a model
     directory of any layout, or a Hub repo id) or else the base model the checkpoint records."""
-    root = Path(dir)
-    name = resolve_tag(root, tag)
-    if name is None:
-        raise AssertionError("resolve_tag returns a tag or raises when none is asked for by name")
+    root, name = tag_to_read(dir, tag, "shardkit merge DIR OUT")
     # the tag's model files, or its fp32 master weights when the model files hold no data
     model = model_checkpoint(inside(root, name, "checkpoint tag"), config, hints)
     settings = settings_of(model)

@@ -510,7 +510,7 @@ def test_cli(saved, model, tmp_path):
     out = runner.invoke(cli, ["ckpt", "export", str(root), str(tmp_path / "hf2"), "--tag", "step_300"])
     assert out.exit_code == 2 and "no done marker" in out.output and not (tmp_path / "hf2").exists()
     out = runner.invoke(cli, ["ckpt", "export", str(tmp_path / "empty"), str(tmp_path / "hf3")])
-    assert out.exit_code == 2 and "no complete checkpoint" in out.output
+    assert out.exit_code == 2 and "does not exist" in out.output and "--checkpoint-dir" in out.output
 
 
 # ---- crash safety under SIGKILL (acceptance 1) ------------------------------------------------------------

@@ -35,7 +35,7 @@ from ..layout import Layout
 from ..placements import Piece
 from .base import CheckpointError
 from .guard import TagCheck
-from .load import resolve_tag
+from .load import tag_to_read
 from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT
 from .zero1 import (
     MASTER,
@@ -236,9 +236,7 @@ def _plan(src_dir: Path, layout: Layout, param_order: ParamOrder, options: Train
     if not isinstance(dp, int) or dp < 1:
         raise CheckpointError(f"--dp must be a whole number >= 1, got {dp!r}")
     cfg = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
-    name = resolve_tag(src_dir, options.get("tag"))
-    if name is None:
-        raise CheckpointError(f"{src_dir} holds no complete checkpoint")
+    src_dir, name = tag_to_read(src_dir, options.get("tag"), "shardkit reshard DIR DST")
     src = open_training_tag(src_dir / name, cfg, options.get("hints"), param_order)
     layout.validate(src.model.dims)
     fmt = options.get("format") or src.model.format
@@ -365,12 +363,7 @@ def inspect_training(
     """What a training checkpoint tag holds: layout incl. dp and ZeRO-1, param groups and their
     hyper-parameters, step, master weights, optimizer bytes. `src_dir` is a checkpoint directory
     (its newest complete tag, or `tag`) or a tag folder."""
-    src_dir = Path(src_dir)
-    if tag is None and (src_dir / CHECKPOINT_MARKER).is_file():
-        src_dir, tag = src_dir.parent, src_dir.name
-    name = resolve_tag(src_dir, tag)
-    if name is None:
-        raise CheckpointError(f"{src_dir} holds no complete checkpoint")
+    src_dir, name = tag_to_read(src_dir, tag, "shardkit inspect DIR")
     src = open_training_tag(src_dir / name, config, None, param_order)
     zero = src.zero1
     optim_bytes = 0

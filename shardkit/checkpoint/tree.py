@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from ..errors import ShardkitError
-from ..formats import MANIFEST, nxd
+from ..formats import MANIFEST, hf, nxd
 from ..formats.digest import has_digest
 from ..io.delete import is_link, refuse_mounts
 from ..io.lock import FolderLock, lock_folder
@@ -289,6 +289,33 @@ def _is_tag(path: Path) -> bool:
         and not path.name.startswith(".")
         and ((path / CHECKPOINT_MARKER).is_file() or (path / DONE_MARKER).is_file())
     )
+
+
+def is_tag(path: str | Path) -> bool:
+    """A checkpoint tag folder: it has a `checkpoint` or `done` marker."""
+    return _is_tag(Path(path))
+
+
+def is_checkpoint_root(path: str | Path) -> bool:
+    """A checkpoint directory (the trainer's --checkpoint-dir): tags below it, and no model of its own."""
+    path = Path(path)
+    if not path.is_dir() or _is_tag(path) or (path / MANIFEST).is_file() or (path / MODEL_DIR).is_dir():
+        return False
+    return any(_is_tag(p) for p in path.iterdir())
+
+
+def model_folder_kind(path: str | Path) -> str | None:
+    """What model folder `path` is ("shardkit shards", ...), or None when it is none."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return "shardkit shards"
+    try:
+        if nxd.find_rank_files(path) is not None:
+            return "NxD shards"
+        weights = hf.weight_files(path, strict=False)
+    except (ShardkitError, OSError):
+        return None
+    return "a Hugging Face model" if weights or (path / CONFIG).is_file() else None
 
 
 def list_checkpoints(directory: str | Path, details: bool = True) -> list[CheckpointInfo]:

@@ -46,6 +46,7 @@ def ckpt_group() -> None:
 def ckpt_list(directory, as_json):
     """List the tags of DIR, oldest first: complete or not, step, layout, format, size."""
     from ..checkpoint import list_checkpoints
+    from ..checkpoint.tree import model_folder_kind
 
     if not directory.is_dir():
         raise ShardkitError(f"{directory} does not exist: give the checkpoint directory (the parent of the tags)")
@@ -55,7 +56,9 @@ def ckpt_list(directory, as_json):
         print_json({"directory": str(directory), "latest": newest, "checkpoints": [i.to_dict() for i in infos]})
         return
     if not infos:
-        click.echo(f"no checkpoints in {directory}")
+        kind = model_folder_kind(directory)
+        hint = f" (it is a model folder, {kind}: see `shardkit inspect {directory}`)" if kind else ""
+        click.echo(f"no checkpoints in {directory}{hint}")
         return
     rows = [("tag", "state", "step", "layout", "format", "size", "saved")]
     for i in infos:
@@ -238,9 +241,11 @@ def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master
       shardkit ckpt reshard ./ckpts ./ckpts-tp32 --config ./llama/config.json --tp 32 --pp 2 --dp 8
     """
     from ..api import inspect_training_checkpoint, reshard_training_checkpoint
+    from ..checkpoint.load import tag_to_read
     from ..layout import Layout
 
-    source = Layout.from_dict(inspect_training_checkpoint(src, tag, config, param_order)["layout"])
+    src_dir, name = tag_to_read(src, tag, "shardkit reshard DIR DST")
+    source = Layout.from_dict(inspect_training_checkpoint(src_dir, name, config, param_order)["layout"])
     layout = build_layout(layout_opts, inherit=source)
     kept = kept_from_source(layout_opts, source, layout)
     if kept and is_leader():

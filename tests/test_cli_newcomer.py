@@ -1,0 +1,85 @@
+"""A newcomer's day with the command line: what a new user met, each now answered in one line
+that names the next step, or printed as people write it.
+
+1. the wrong kind of folder: a checkpoint root given to `merge` (or `reshard`, `inspect`) names
+   `ckpt export` and a tag folder; weights without config.json name `--config`; a model folder
+   given to `ckpt export` / `ckpt reshard` / `ckpt inspect` names `merge` / `reshard` / `inspect`;
+   no message speaks Python (`tag='latest_if_exists'`);
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from test_cli_conventions import one_line_error
+from test_safety_io import ckpt_of_two
+
+from shardkit.cli import cli
+
+
+def run(*args: object):
+    return CliRunner().invoke(cli, ["-q", *map(str, args)], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory) -> Path:
+    """A checkpoint directory with tags step_1 and step_2."""
+    return ckpt_of_two(tmp_path_factory.mktemp("newcomer"))
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("newcomer-shards") / "tp2"
+    assert run("convert", tiny_model("llama-gqa64"), out, "--tp", "2").exit_code == 0
+    return out
+
+
+# ---- 1. the wrong kind of folder -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["merge", "{src}", "{out}"], ["reshard", "{src}", "{out}", "--tp", "1"],
+                                     ["inspect", "{src}"], ["verify", "{src}", "{src}"]])
+def test_a_checkpoint_root_names_ckpt_export_and_a_tag(command, ckpt_root, tmp_path):
+    args = [a.format(src=ckpt_root, out=tmp_path / "out") for a in command]
+    line = one_line_error(run(*args), "training checkpoint directory", f"shardkit ckpt export {ckpt_root} OUT",
+                          "--tag", str(ckpt_root / "step_2"))
+    assert "not a model directory" not in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_weights_without_config_name_config(tiny_model, tmp_path):
+    src = tmp_path / "weights-only"
+    src.mkdir()
+    shutil.copy(tiny_model("llama-gqa64") / "model.safetensors", src)
+    one_line_error(run("merge", src, tmp_path / "out"), "model.safetensors", "no config.json", "--config")
+    one_line_error(run("convert", src, tmp_path / "out", "--tp", "2"), "--config")
+    assert run("merge", src, tmp_path / "out", "--config", tiny_model("llama-gqa64")).exit_code == 0
+
+
+@pytest.mark.parametrize("command,names", [(["ckpt", "export", "{src}", "{out}"], "shardkit merge {src} OUT"),
+                                           (["ckpt", "reshard", "{src}", "{out}", "--tp", "1"],
+                                            "shardkit reshard {src} DST"),
+                                           (["ckpt", "inspect", "{src}"], "shardkit inspect {src}")])
+def test_a_model_folder_given_to_ckpt_names_the_model_command(command, names, shards, tiny_model, tmp_path):
+    for src, kind in ((shards, "shardkit shards"), (tiny_model("llama-gqa64"), "a Hugging Face model")):
+        args = [a.format(src=src, out=tmp_path / "out") for a in command]
+        line = one_line_error(run(*args), "is a model folder", kind, names.format(src=src))
+        assert "latest_if_exists" not in line and "tag=" not in line
+    assert not (tmp_path / "out").exists()
+    assert "it is a model folder" in run("ckpt", "list", shards).output
+
+
+def test_an_empty_checkpoint_directory_speaks_no_python(tmp_path):
+    (tmp_path / "empty").mkdir()
+    line = one_line_error(run("ckpt", "export", tmp_path / "empty", tmp_path / "out"), "no checkpoint tags",
+                          "--checkpoint-dir")
+    assert "tag=" not in line
+
+
+def test_a_tag_folder_is_read_as_that_tag(ckpt_root, tmp_path):
+    assert run("ckpt", "export", ckpt_root / "step_1", tmp_path / "out").exit_code == 0
+    assert run("ckpt", "reshard", ckpt_root / "step_1", tmp_path / "re", "--tp", "1").exit_code == 0
+    assert (tmp_path / "re" / "step_1" / "done").is_file()
