@@ -5,11 +5,16 @@ that names the next step, or printed as people write it.
    `ckpt export` and a tag folder; weights without config.json name `--config`; a model folder
    given to `ckpt export` / `ckpt reshard` / `ckpt inspect` names `merge` / `reshard` / `inspect`;
    no message speaks Python (`tag='latest_if_exists'`);
+2. Ctrl-C in the first second (while click or torch are being imported) is one line and exit 130,
+   never a traceback: the package faces import nothing heavy, the console script's `main` catches it;
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +88,50 @@ def test_a_tag_folder_is_read_as_that_tag(ckpt_root, tmp_path):
     assert run("ckpt", "export", ckpt_root / "step_1", tmp_path / "out").exit_code == 0
     assert run("ckpt", "reshard", ckpt_root / "step_1", tmp_path / "re", "--tp", "1").exit_code == 0
     assert (tmp_path / "re" / "step_1" / "done").is_file()
+
+
+# ---- 2. Ctrl-C while the command starts ----------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+# A child that presses Ctrl-C (SIGINT to itself) at the moment module TARGET starts being imported,
+# then runs the command as the console script does (or as `python -m shardkit`).
+EARLY_INTERRUPT = r"""
+import os, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a test run may start with SIGINT ignored
+how, target = sys.argv.pop(1), sys.argv.pop(1)
+
+
+class PressCtrlC:
+    def find_spec(self, name, path=None, target_module=None):
+        if name == target:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+
+sys.meta_path.insert(0, PressCtrlC())
+sys.argv[0] = "shardkit"
+if how == "script":
+    from shardkit.cli import main  # the console script's two lines
+    sys.exit(main())
+runpy.run_module("shardkit", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+@pytest.mark.parametrize("target", ["click", "torch"])
+def test_ctrl_c_while_the_command_starts_is_one_line(how, target, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", EARLY_INTERRUPT, how, target, "inspect", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 130 and len(lines) == 1 and lines[0].startswith("shardkit: interrupted"), (
+        done.returncode, done.stderr)
+
+
+def test_importing_the_command_line_imports_no_torch():
+    code = "import sys, shardkit, shardkit.cli; print(sorted(m for m in ('torch', 'click') if m in sys.modules))"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.strip() == "[]", done.stderr
