@@ -7,6 +7,7 @@ that names the next step, or printed as people write it.
    no message speaks Python (`tag='latest_if_exists'`);
 2. Ctrl-C in the first second (while click or torch are being imported) is one line and exit 130,
    never a traceback: the package faces import nothing heavy, the console script's `main` catches it;
+3. the trainer refuses a --seq-len longer than the model's positions, in one line, before anything starts;
 """
 
 from __future__ import annotations
@@ -135,3 +136,23 @@ def test_importing_the_command_line_imports_no_torch():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.strip() == "[]", done.stderr
+
+
+# ---- 3. the trainer and the model's positions ------------------------------------------------------------
+
+
+def test_trainer_refuses_a_seq_len_beyond_the_models_positions(tiny_model, tmp_path, capsys):
+    from shardkit.testing import fixture_config, make_tiny_model
+    from trainer.__main__ import main
+
+    model = make_tiny_model(fixture_config("mixtral-tiny"), tmp_path / "mixtral")  # 64 positions
+    capsys.readouterr()
+    base = ["--model", str(model), "--data", str(tmp_path / "tokens.bin"), "--global-batch", "4", "--no-progress",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    assert main([*base, "--seq-len", "512"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trainer: error: --seq-len 512"), err
+    assert "64 positions" in err[0] and "--seq-len 64 or less" in err[0]
+    assert not (tmp_path / "ckpt").exists()
+    assert main([*base, "--seq-len", "64"]) == 2  # within the positions: the next problem is the missing data
+    assert "tokens.bin" in capsys.readouterr().err
