@@ -8,6 +8,8 @@ that names the next step, or printed as people write it.
 2. Ctrl-C in the first second (while click or torch are being imported) is one line and exit 130,
    never a traceback: the package faces import nothing heavy, the console script's `main` catches it;
 3. the trainer refuses a --seq-len longer than the model's positions, in one line, before anything starts;
+4. a trainer failure under torchrun ends with its one line: every failed rank writes it into
+   torch.distributed.elastic's error file, which torchrun's report (printed last) shows;
 """
 
 from __future__ import annotations
@@ -156,3 +158,22 @@ def test_trainer_refuses_a_seq_len_beyond_the_models_positions(tiny_model, tmp_p
     assert not (tmp_path / "ckpt").exists()
     assert main([*base, "--seq-len", "64"]) == 2  # within the positions: the next problem is the missing data
     assert "tokens.bin" in capsys.readouterr().err
+
+
+# ---- 4. a failure under torchrun ends with the trainer's line ----------------------------------------------
+
+
+def test_a_failure_under_torchrun_ends_with_the_trainers_line(tiny_model, tmp_path):
+    from trainer_helpers import corpus_tokens, torchrun, worker_exit_codes
+
+    tokens = corpus_tokens(tmp_path / "tokens.bin")
+    model = tiny_model("llama-gqa64")
+    done = torchrun(2, ["--model", str(model), "--data", str(tokens), "--seq-len", "32", "--global-batch", "4",
+                        "--tp", "2", "--lora-rank", "4", "--lora-targets", "q,qkv", "--checkpoint-dir",
+                        str(tmp_path / "c")], timeout=120)
+    assert done.returncode == 1 and worker_exit_codes(done.stderr) == {0: 2, 1: 2}, done.stderr
+    line = "trainer: error: --lora-targets: unknown target 'qkv'; known: q,k,v,o,gate,up,down"
+    text = [t.strip() for t in done.stderr.splitlines() if t.strip() and set(t.strip()) != {"="}]
+    assert text[-1] == f"traceback : {line}", done.stderr[-2000:]
+    assert "To enable traceback" not in done.stderr
+    assert [t for t in done.stderr.splitlines() if t.startswith("trainer: error:")] == [line]
