@@ -10,6 +10,8 @@ that names the next step, or printed as people write it.
 3. the trainer refuses a --seq-len longer than the model's positions, in one line, before anything starts;
 4. a trainer failure under torchrun ends with its one line: every failed rank writes it into
    torch.distributed.elastic's error file, which torchrun's report (printed last) shows;
+5. numbers as people write them (`step 3`, `lr=3e-05`), `ckpt list` shows the whole layout (vpp,
+   dp and ZeRO-1), and a convert to xser counts its files as `inspect` does.
 """
 
 from __future__ import annotations
@@ -177,3 +179,60 @@ def test_a_failure_under_torchrun_ends_with_the_trainers_line(tiny_model, tmp_pa
     assert text[-1] == f"traceback : {line}", done.stderr[-2000:]
     assert "To enable traceback" not in done.stderr
     assert [t for t in done.stderr.splitlines() if t.startswith("trainer: error:")] == [line]
+
+
+# ---- 5. numbers, the whole layout, file counts -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A checkpoint directory of 3 steps of the trainer's tiny Llama, lr 3e-4 decayed to 3e-4 x 0.1."""
+    from shardkit.testing import make_tiny_model
+    from trainer_helpers import COMMON, corpus_tokens, run_inprocess
+
+    work = tmp_path_factory.mktemp("newcomer-trained")
+    model = make_tiny_model("llama-trainer-tiny", work / "hf", seed=3)
+    run_inprocess(["--model", str(model), "--data", str(corpus_tokens(work / "tokens.bin")), *COMMON, "--steps", "3",
+                   "--lr", "3e-4", "--min-lr-ratio", "0.1", "--checkpoint-dir", str(work / "ckpt")])
+    return work / "ckpt"
+
+
+def test_ckpt_inspect_prints_numbers_as_people_write_them(trained):
+    import json
+
+    info = json.loads(run("ckpt", "inspect", trained, "--json").output)
+    assert info["step"] == 3 and isinstance(info["step"], int)
+    assert info["param_groups"][0]["hyper"]["lr"] == 3e-4 * 0.1 != 3e-5  # the float the optimizer holds
+    text = run("ckpt", "inspect", trained).output
+    assert "step 3," in text and "lr=3e-05," in text and "initial_lr=0.0003," in text and "betas=[0.9, 0.95]" in text
+    assert "2.9999999999999997e-05" not in text and "step 3.0" not in text
+
+
+def test_ckpt_list_shows_the_whole_layout(trained, tmp_path):
+    out = tmp_path / "vpp"
+    assert run("ckpt", "reshard", trained, out, "--pp", "2", "--vpp", "2", "--dp", "2").exit_code == 0
+    row = next(line for line in run("ckpt", "list", out).output.splitlines() if line.startswith("step_3"))
+    assert "tp1 pp2 vpp2 dp2 ZeRO-1" in row, row
+    row = next(line for line in run("ckpt", "list", trained).output.splitlines() if line.startswith("step_3"))
+    assert "tp1 pp1 dp1" in row and "ZeRO-1" not in row, row
+    (out / "step_3" / "shardkit.json").unlink()  # an NxD tag: the layout from its file names
+    row = next(line for line in run("ckpt", "list", out).output.splitlines() if line.startswith("step_3"))
+    assert "tp1 pp2 dp2 ZeRO-1" in row, row
+
+
+def test_a_convert_to_xser_counts_files_as_inspect_does(tiny_model, tmp_path):
+    import json
+
+    out = tmp_path / "xser"
+    wrote = CliRunner().invoke(cli, ["convert", str(tiny_model("llama-gqa64")), str(out), "--tp", "2", "--pp", "2",
+                                     "--format", "xser"], catch_exceptions=False)
+    assert wrote.exit_code == 0, wrote.stderr
+    shown = run("inspect", out).output
+    said = wrote.output.split(": ", 1)[1].split(", ")[0]  # "4 rank files (+N tensor and info files beside them)"
+    assert said.startswith("4 rank files (+") and f"files:   {said}," in shown, (wrote.output, shown)
+    beside = sum(1 for p in (out / "model").rglob("*") if p.is_file()) - 4
+    assert f"(+{beside} tensor and info files beside them)" in said
+    report = json.loads(run("convert", tiny_model("llama-gqa64"), tmp_path / "x2", "--tp", "2", "--pp", "2",
+                            "--format", "xser", "--json").output)
+    inspected = json.loads(run("inspect", tmp_path / "x2", "--json").output)
+    assert (report["files"], report["files_beside"]) == (inspected["files"], inspected["files_beside"]) == (4, beside)

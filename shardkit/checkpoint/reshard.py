@@ -390,13 +390,18 @@ def inspect_training(
         "describe": src.model.layout.describe(),
         "dp": zero.dp if zero else None,
         "zero1": bool(zero and zero.dp > 1),
-        "step": zero.step if zero else _step(src, name),
+        "step": _whole(zero.step) if zero else _step(src, name),
         "master_weights": bool(zero and zero.master),
         "model_has_data": src.has_data,
         "param_groups": groups,
         "optimizer_bytes": optim_bytes,
         "lora": _lora_info(src.model),
     }
+
+
+def _whole(step: float | None) -> float | int | None:
+    """A step as people write it: 20, not 20.0 (optimizer files keep it as a float)."""
+    return int(step) if isinstance(step, float) and step.is_integer() else step
 
 
 def _lora_info(model: Checkpoint) -> dict[str, Any] | None:

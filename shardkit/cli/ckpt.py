@@ -281,16 +281,31 @@ def ckpt_inspect(directory, tag, config, param_order, as_json):
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return
+    if info["dp"] is None:
+        optimizer = "no optimizer files"
+    else:
+        per_ep = " per ep rank" if info["layout"].get("ep", 1) > 1 else ""
+        optimizer = f"dp {info['dp']}{per_ep}{' (ZeRO-1)' if info['zero1'] else ''}"
     click.echo(
-        f"{info['path']}: {info['describe']}, dp {info['dp']}{' (ZeRO-1)' if info['zero1'] else ''}, "
-        f"{info['format']}, step {info['step']}, master weights {'yes' if info['master_weights'] else 'no'}, "
-        f"optimizer {format_bytes(info['optimizer_bytes'])}"
+        f"{info['path']}: {info['describe']}, {optimizer}, {info['format']}, step {number(info['step'])}, "
+        f"master weights {'yes' if info['master_weights'] else 'no'}, optimizer {format_bytes(info['optimizer_bytes'])}"
     )
     if info.get("lora"):
         click.echo(f"  {lora_line(info['lora'])}")
     for g, group in enumerate(info["param_groups"]):
-        hyper = ", ".join(f"{k}={v}" for k, v in group["hyper"].items())
+        hyper = ", ".join(f"{k}={number(v)}" for k, v in group["hyper"].items())
         click.echo(f"  group {g}: {len(group['parameters_on_tp0_pp0'])} parameters on tp0 pp0; {hyper}")
+
+
+def number(value: object) -> str:
+    """A number as people write it: 3e-05 for 2.9999999999999997e-05, 20 for 20.0 (ten significant
+    digits hide the float's last bit; lists and tuples item by item)."""
+    if isinstance(value, float):
+        return f"{value:.10g}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(number(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    return str(value)
 
 
 def lora_line(lora: dict) -> str:

@@ -468,14 +468,25 @@ def is_leader() -> bool:
 
 
 def result_dict(result, started: float) -> dict[str, Any]:
+    """A written output as JSON: `files` counts what `inspect` counts (rank files, or every file of
+    an output without rank files), `files_beside` the files that belong to the rank files."""
     return {
         "path": str(result.path),
         "format": result.format,
         "layout": result.layout.to_dict(),
-        "files": len(result.files),
+        "files": result.rank_files or len(result.files),
+        "files_beside": result.files_beside,
         "bytes": result.bytes,
         "seconds": round(time.perf_counter() - started, 3),
     }
+
+
+def files_text(files: int, beside: int = 0, rank_files: bool = False) -> str:
+    """`8 rank files (+224 tensor and info files beside them)`, `1 file`: the one wording of file
+    counts that writing commands and inspect share."""
+    kind = "rank file" if rank_files else "file"
+    text = f"{files} {kind}{'' if files == 1 else 's'}"
+    return text + (f" (+{beside} tensor and info files beside them)" if beside else "")
 
 
 def report(ctx: click.Context, result, started: float, as_json: bool, verb: str) -> None:
@@ -485,7 +496,8 @@ def report(ctx: click.Context, result, started: float, as_json: bool, verb: str)
     if as_json:
         print_json(data)
     elif not quiet(ctx):
-        click.echo(f"{verb} {result.path}: {data['files']} files, {format_bytes(result.bytes)} in {data['seconds']} s")
+        files = files_text(data["files"], data["files_beside"], bool(result.rank_files))
+        click.echo(f"{verb} {result.path}: {files}, {format_bytes(result.bytes)} in {data['seconds']} s")
 
 
 def print_json(data: Any) -> None:
