@@ -119,7 +119,13 @@ def merge(
 ) -> Result:
     """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
     index + config), in files of at most `max_shard_size`. `options` as for `reshard`."""
-    return merge_checkpoint(open_source(src, config, hints, revision), dst, max_shard_size=max_shard_size, **options)
+    ckpt = open_source(src, config, hints, revision)
+    if settings_of(ckpt) is not None:
+        raise FormatError(
+            f"{ckpt.root} holds LoRA adapters, not a model: `shardkit ckpt export {ckpt.root} OUT` writes their "
+            "PEFT adapter folder, and with --merged the model they were trained on with them merged in"
+        )
+    return merge_checkpoint(ckpt, dst, max_shard_size=max_shard_size, **options)
 
 
 def inspect(

@@ -5,7 +5,8 @@
    peft loads onto the base model; `--merged` writes the merged model, equal to the trainer's merged
    export, from the base the checkpoint records or `--base` (any layout);
 3. `ckpt reshard` moves adapters and their Adam state to another layout; exported again: equal;
-4. wrong requests (--merged on full weights, a base that is gone or another model): one line, exit 2.
+4. wrong requests (--merged on full weights, a base that is gone or another model, `merge` of an
+   adapter checkpoint): one line, exit 2.
 """
 
 from __future__ import annotations
@@ -132,4 +133,5 @@ def test_wrong_requests_are_one_line(trained, hf_model, tokens, work, tmp_path):
     other = make_tiny_model(fixture_config("llama-trainer-tiny") | {"intermediate_size": 96}, tmp_path / "other")
     one_line_error(run("ckpt", "export", ckpt, tmp_path / "c", "--merged", "--base", other),
                    "not the model the adapters were trained on", "--base")
-    assert not any((tmp_path / n).exists() for n in "abc")
+    one_line_error(run("merge", ckpt / "step_3", tmp_path / "d"), "holds LoRA adapters", "ckpt export", "--merged")
+    assert not any((tmp_path / n).exists() for n in "abcd")
