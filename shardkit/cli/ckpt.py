@@ -147,7 +147,8 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
 @common_options
 @click.pass_context
 def ckpt_export(ctx, directory, out, tag, merged, base, max_shard_size, write, as_json, config):
-    """Merge the model of a training checkpoint (DIR/<tag>) into a Hugging Face model directory OUT.
+    """Merge the model of a training checkpoint (DIR/<tag>, or a tag folder DIR) into a Hugging Face
+    model directory OUT.
 
     OUT also gets config.json, generation_config.json and tokenizer files, from the tag or from DIR.
     A LoRA adapter checkpoint (the trainer's --lora-rank) becomes a PEFT adapter folder
