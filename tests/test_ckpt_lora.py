@@ -12,7 +12,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,7 @@ from trainer_helpers import COMMON, run_inprocess, tiny_run_fixtures
 from shardkit.cli import cli
 from shardkit.testing import fixture_config, make_tiny_model
 
+ROOT = Path(__file__).resolve().parent.parent
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q,k,v,o,gate,up,down", "--steps", "3"]
 
 work, hf_model, tokens = tiny_run_fixtures("ckpt-lora")
@@ -80,6 +84,11 @@ def test_list_and_inspect_show_the_adapters(trained, hf_model):
     assert f"trained on the llama model {hf_model.absolute()}" in text
     info = json.loads(ok(run("ckpt", "inspect", ckpt, "--json")))
     assert info["lora"]["rank"] == 4 and info["lora"]["base_model"] == str(hf_model.absolute())
+    # as a user runs it: a fresh process, where no trainer has registered anything
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-m", "shardkit", "ckpt", "inspect", str(ckpt)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "LoRA adapters: rank 4" in done.stdout, done.stderr
 
 
 def test_export_writes_the_peft_folder_the_trainer_writes(trained, hf_model, tmp_path):
