@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from ..errors import ConfigMismatchError, UnsupportedModelError
 from ..layout import Layout, ModelDims
 from ..placements import Piece, Placement, Replicated, Segment, make_piece
-from .base import REGISTRY, Family, register
+from .base import REGISTRY, Family, Shapes, register
 
 # the targets' short names -> the module inside a decoder layer (peft's target_modules: the last part)
 TARGETS = {
@@ -137,13 +137,7 @@ class AdapterSplit:
         return {self.name: self.dim}
 
     def pieces(
-        self,
-        prefix: str,
-        layout: Layout,
-        dims: ModelDims,
-        tp_rank: int,
-        full_shapes: Mapping[str, tuple[int, ...]],
-        ep_rank: int = 0,
+        self, prefix: str, layout: Layout, dims: ModelDims, tp_rank: int, full_shapes: Shapes, ep_rank: int = 0
     ) -> list[Piece]:
         base_shapes = {prefix + n: s for n, s in self.base.shapes(dims).items()}
         segments = [
