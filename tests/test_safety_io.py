@@ -500,3 +500,18 @@ def test_a_full_disk_under_the_trainers_checkpoints_is_one_line_and_leaves_no_ta
         root = disk / "ckpt"
         left = [p.name for p in root.iterdir() if p.is_dir()] if root.exists() else []
         assert left == [], left  # no half-written tag (the metrics file is the run's own)
+
+
+@pytest.mark.parametrize("name", ["user_content.pt", "shardkit.json", "config.json"])
+def test_an_unreadable_file_of_a_tag_is_one_line(ckpt, tmp_path, monkeypatch, name):
+    real = os.open
+
+    def denied(path, *args, **kwargs):
+        if str(path).endswith(f"step_2/{name}"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
+    line = one_line_error(run("ckpt", "reshard", ckpt, tmp_path / "out", "--tag", "step_2", "--tp", "1"))
+    assert "Permission denied" in line or "damaged" in line, line
+    assert not (tmp_path / "out").exists()
