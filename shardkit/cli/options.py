@@ -342,14 +342,14 @@ verify_hashes_option = stacked(
         flag_value="fast",
         default=True,
         help="[default] Check every source file listed in the source's shardkit.json before the output is "
-        "committed (a flipped bit is refused, never copied): against its xxh3-128 (about 20 GB/s; any "
-        "accidental change is caught), or its sha256 where the manifest predates xxh3-128.",
+        "committed (a flipped bit is refused, never copied): against its xxh3-128 (fast: a few percent of the "
+        "command's time; any accidental change is caught), or its sha256 where the manifest predates xxh3-128.",
     ),
     click.option(
         "--verify-sha256",
         "verify_hashes",
         flag_value="sha256",
-        help="Check the sources against their sha256 instead (about 1.5 GB/s per core; the manifest lists it "
+        help="Check the sources against their sha256 instead (many times slower; the manifest lists it "
         "when the shards were written with --sha256): for when the manifest is trusted apart from the files, "
         "e.g. its own hash is pinned elsewhere.",
     ),
@@ -380,9 +380,9 @@ def direct_io_option() -> Callable:
         show_default=True,
         callback=lambda ctx, param, value: {"on": True, "off": False}.get(value, "auto"),
         help="on: write the output around the page cache (O_DIRECT), from an aligned buffer straight to "
-        "the device: it saves the copy into the cache (up to 2.5 CPU-s per GB on a VM), and the output "
+        "the device: it saves the kernel's copy into the cache (dear on a VM), and the output "
         "is on the device when the command ends; try it on fast storage where shardkit is CPU-bound "
-        "(measured on a 7B checkpoint on a VM disk: convert 6-12% faster, merge 30% slower). auto: on "
+        "(it can be slower elsewhere: docs/BENCHMARKS.md). auto: on "
         "when the output is larger than the kernel's dirty limit (then writers wait for the disk "
         "anyway). off: through the page cache, as cp does. File systems without O_DIRECT are always "
         "written through the page cache.",
@@ -393,7 +393,7 @@ sha256_option = click.option(
     "--sha256",
     is_flag=True,
     help="Also record each output file's sha256 in shardkit.json (xxh3-128 is always recorded and catches "
-    "any accidental change). sha256 costs about 0.7 CPU-s per GB; ask for it when the manifest's own hash "
+    "any accidental change). sha256 is many times slower to compute; ask for it when the manifest's own hash "
     "is pinned where the files' writer cannot reach, so that --verify-sha256 can check the files against "
     "a deliberate collision. Not with --to-hf: a Hugging Face folder has no manifest.",
 )
