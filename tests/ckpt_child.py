@@ -13,9 +13,10 @@ import torch
 
 from shardkit.checkpoint import Rank, load_checkpoint, save_checkpoint
 from shardkit.checkpoint import save as ckpt_save
-from shardkit.checkpoint import tree as ckpt_tree
 from shardkit.families import family_for
-from shardkit.formats import base as formats_base
+from shardkit.io import delete as io_delete
+from shardkit.io import transaction as io_transaction
+from shardkit.io.hashing import HashingFile
 from shardkit.layout import Layout, ModelDims
 from shardkit.placements import shard
 from shardkit.testing import fixture_config
@@ -67,16 +68,16 @@ def _log(path: str, line: str) -> None:
 def _install_slow_hooks(log_path: str, rng: random.Random) -> None:
     """Small sleeps inside tensor writes, around markers and inside deletions, so that random
     kills land in every phase; each phase is logged so the test can say where a kill landed."""
-    hashing_write = formats_base.HashingFile.write
+    hashing_write = HashingFile.write
 
     def slow_write(self, data):
         if rng.random() < 0.1:
             time.sleep(0.001)
         return hashing_write(self, data)
 
-    formats_base.HashingFile.write = slow_write
+    HashingFile.write = slow_write
 
-    write_marker = ckpt_tree.write_marker
+    write_marker = io_transaction.write_marker
 
     def slow_marker(tag_dir, name, fsync=True):
         _log(log_path, f"phase marker-{name} {Path(tag_dir).name}")
@@ -84,7 +85,7 @@ def _install_slow_hooks(log_path: str, rng: random.Random) -> None:
         write_marker(tag_dir, name, fsync)
         time.sleep(0.02)
 
-    ckpt_save.write_marker = slow_marker
+    io_transaction.write_marker = slow_marker
 
     write_tensor_file = ckpt_save.write_tensor_file
 
@@ -94,14 +95,14 @@ def _install_slow_hooks(log_path: str, rng: random.Random) -> None:
 
     ckpt_save.write_tensor_file = logged_write
 
-    remove_file = ckpt_tree._remove_file
+    unlink_entry = io_delete._unlink_entry
 
-    def slow_remove(path):
+    def slow_remove(dir_fd, name, path):
         _log(log_path, f"phase delete {Path(path).parent.name}")
         time.sleep(0.002)
-        remove_file(path)
+        unlink_entry(dir_fd, name, path)
 
-    ckpt_tree._remove_file = slow_remove
+    io_delete._unlink_entry = slow_remove
 
 
 def train_until_killed(root: str, log_path: str, fmt: str, async_save: bool, seed: int, max_saves: int = 10_000,

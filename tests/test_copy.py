@@ -18,10 +18,17 @@ from safetensors.torch import load_file
 
 from shardkit import Layout, convert, merge, reshard
 from shardkit.errors import FormatError, ShardkitError
-from shardkit.engine import executor
-from shardkit.formats import base
-from shardkit.formats.base import FileRange, HashingFile
-from shardkit.formats.digest import file_digests
+from shardkit.engine import planning
+from shardkit.formats.base import tensor_bytes
+from shardkit.io import copy as io_copy
+from shardkit.io import hashing, taps
+from shardkit.io.copy import FileRange
+from shardkit.io.digest import file_digests
+from shardkit.io.hashing import HashingFile
+
+READ_EXACT_CALLERS = (taps, hashing)
+"""The modules whose code reads through `read_exact` (positional reads and the checks' taps;
+the copies, their read-back and the reads of a file written around the page cache)."""
 
 
 def _open_fds() -> int:
@@ -32,13 +39,13 @@ def _open_fds() -> int:
 def kernel_copies(monkeypatch) -> list[int]:
     """The byte counts the kernel was asked to copy, in order."""
     asked: list[int] = []
-    real = base.kernel_copy
+    real = hashing.kernel_copy
 
     def counting(src: int, offset: int, out: int, count: int) -> int | None:
         asked.append(count)
         return real(src, offset, out, count)
 
-    monkeypatch.setattr(base, "kernel_copy", counting)
+    monkeypatch.setattr(hashing, "kernel_copy", counting)
     return asked
 
 
@@ -63,7 +70,7 @@ def test_convert_and_merge_copy_row_blocks_by_the_kernel_and_write_the_same_byte
     assert sum(kernel_copies) >= q.numel() * q.element_size()  # q's halves, at least
     kernel_copies.clear()
     with monkeypatch.context() as cold:
-        cold.setattr(executor, "cached_share", lambda extents: 0.0)
+        cold.setattr(planning, "cached_share", lambda extents: 0.0)
         merge(tmp_path / "copied", tmp_path / "merged-checked", workers=1)
     assert not kernel_copies
     merge(tmp_path / "copied", tmp_path / "merged-copied", workers=1, verify_hashes=False)
@@ -73,8 +80,8 @@ def test_convert_and_merge_copy_row_blocks_by_the_kernel_and_write_the_same_byte
     kernel_copies.clear()
     from shardkit.formats import safetensors_io, torch_io  # writers that take no copies: every tensor from memory
 
-    monkeypatch.setattr(safetensors_io.SafetensorsWriter, "copies", False)
-    monkeypatch.setattr(torch_io.TorchWriter, "copies", property(lambda self: False))
+    monkeypatch.setattr(safetensors_io.SafetensorsWriter, "can_copy", lambda self: False)
+    monkeypatch.setattr(torch_io.TorchWriter, "can_copy", lambda self: False)
     convert(src, tmp_path / "written", layout, format="torch", workers=1)
     merge(tmp_path / "written", tmp_path / "merged-written", workers=1, verify_hashes=False)
     assert not kernel_copies
@@ -105,11 +112,11 @@ def test_digests_and_crc_of_copied_bytes_follow_file_order(tmp_path):
         seen: list[bytes] = []
         big = torch.frombuffer(bytearray(os.urandom(3 << 20)), dtype=torch.uint8)
         out.write(b"header")
-        out.write_owned(base.tensor_bytes(big), big)
+        out.write_owned(tensor_bytes(big), big)
         ranges = [FileRange(fd, 7, (2 << 20) + 3, "source"), FileRange(fd, 3 << 20, 1 << 20, "source")]
         assert out.copy_ranges(ranges, lambda b: seen.append(bytes(b)), lambda: b"after", 5) == (3 << 20) + 3
         out.write(b"tail")
-        out.write_owned(base.tensor_bytes(big), big)
+        out.write_owned(tensor_bytes(big), big)
         record = out.close()
     finally:
         os.close(fd)
@@ -128,7 +135,7 @@ def test_where_the_kernel_cannot_copy_the_bytes_are_read_and_written(tmp_path, m
     source = tmp_path / "source.bin"
     data = os.urandom(3 << 20)
     source.write_bytes(data)
-    real = base.kernel_copy
+    real = hashing.kernel_copy
     calls = {"n": 0}
 
     def refusing(src: int, offset: int, out: int, count: int) -> int | None:
@@ -137,7 +144,7 @@ def test_where_the_kernel_cannot_copy_the_bytes_are_read_and_written(tmp_path, m
             return real(src, offset, out, 1000)
         return None
 
-    monkeypatch.setattr(base, "kernel_copy", refusing)
+    monkeypatch.setattr(hashing, "kernel_copy", refusing)
     fd = os.open(source, os.O_RDONLY)
     try:
         out = HashingFile(tmp_path / "out.bin", tmp_path)
@@ -162,7 +169,7 @@ def test_kernel_copy_falls_back_to_sendfile(tmp_path, monkeypatch):
     src = os.open(source, os.O_RDONLY)
     out = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        assert base.kernel_copy(src, 2, out, 5) == 5
+        assert io_copy.kernel_copy(src, 2, out, 5) == 5
     finally:
         os.close(src)
         os.close(out)
@@ -183,7 +190,7 @@ def test_without_copy_file_range_or_a_file_to_file_sendfile_nothing_is_copied_by
     src = os.open(source, os.O_RDONLY)
     out = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        assert base.kernel_copy(src, 2, out, 5) is None
+        assert io_copy.kernel_copy(src, 2, out, 5) is None
     finally:
         os.close(src)
         os.close(out)
@@ -192,7 +199,7 @@ def test_without_copy_file_range_or_a_file_to_file_sendfile_nothing_is_copied_by
 def test_a_full_disk_during_a_copy_is_a_one_line_error_and_leaves_nothing(tiny_model, tmp_path, monkeypatch):
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     calls = {"n": 0}
-    real = base.kernel_copy
+    real = hashing.kernel_copy
 
     def filling(src_fd: int, offset: int, out: int, count: int) -> int | None:
         calls["n"] += 1
@@ -200,7 +207,7 @@ def test_a_full_disk_during_a_copy_is_a_one_line_error_and_leaves_nothing(tiny_m
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(src_fd, offset, out, count)
 
-    monkeypatch.setattr(base, "kernel_copy", filling)
+    monkeypatch.setattr(hashing, "kernel_copy", filling)
     before = _open_fds()
     with pytest.raises(ShardkitError, match="space") as info:
         convert(src, tmp_path / "out", Layout(tp=2), format="torch", workers=1)
@@ -213,7 +220,7 @@ def test_a_source_that_shrinks_during_a_copy_is_refused(tiny_model, tmp_path, mo
     """The kernel finds the source shorter than its header said (0 bytes copied): FormatError
     naming the file, nothing written."""
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
-    monkeypatch.setattr(base, "kernel_copy", lambda src_fd, offset, out, count: 0)
+    monkeypatch.setattr(hashing, "kernel_copy", lambda src_fd, offset, out, count: 0)
     with pytest.raises(FormatError, match="truncated"):
         convert(src, tmp_path / "out", Layout(tp=2), format="torch", workers=1)
     assert sorted(os.listdir(tmp_path)) == []
@@ -243,9 +250,9 @@ def test_giving_up_a_file_stops_its_copy_between_blocks_and_closes_the_sources(t
     """abort() while the write-behind thread copies: the copy stops after the block under way,
     the file is deleted, and the descriptors the job held are closed."""
     source = tmp_path / "source.bin"
-    source.write_bytes(os.urandom(8 * base.COPY_BLOCK))
+    source.write_bytes(os.urandom(8 * io_copy.COPY_BLOCK))
     gate, started = threading.Event(), threading.Event()
-    real = base.kernel_copy
+    real = hashing.kernel_copy
     calls = {"n": 0}
 
     def slow(src: int, offset: int, out: int, count: int) -> int | None:
@@ -254,12 +261,12 @@ def test_giving_up_a_file_stops_its_copy_between_blocks_and_closes_the_sources(t
         gate.wait(10)
         return real(src, offset, out, count)
 
-    monkeypatch.setattr(base, "kernel_copy", slow)
+    monkeypatch.setattr(hashing, "kernel_copy", slow)
     fd = os.open(source, os.O_RDONLY)
     before = _open_fds()
     try:
         out = HashingFile(tmp_path / "out.bin", tmp_path)
-        out.copy_ranges([FileRange(fd, 0, 8 * base.COPY_BLOCK, "source")])
+        out.copy_ranges([FileRange(fd, 0, 8 * io_copy.COPY_BLOCK, "source")])
         assert started.wait(10)
         stopper = threading.Thread(target=out.abort)
         stopper.start()
@@ -328,7 +335,7 @@ def test_a_failure_closing_a_file_stops_the_next_and_leaves_nothing(tiny_model, 
     assert finishes["n"] == 1
     assert sorted(os.listdir(tmp_path)) == []
     assert not [t.name for t in threading.enumerate() if t.name.startswith("shardkit-close")]
-    assert base.queued_writes() == 0
+    assert hashing.queued_writes() == 0
 
 
 def test_the_check_on_read_hashes_the_copied_bytes_without_reading_them_again(
@@ -365,7 +372,7 @@ def test_a_merge_of_shards_no_manifest_lists_copies_in_the_kernel(tiny_model, tm
     with it."""
     import shutil
 
-    monkeypatch.setattr(executor, "cached_share", lambda extents: 0.0)  # cold shards
+    monkeypatch.setattr(planning, "cached_share", lambda extents: 0.0)  # cold shards
 
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "listed", Layout(tp=2), format="torch", workers=1)
@@ -406,7 +413,7 @@ def test_a_checked_merge_copies_shards_in_the_page_cache_and_reads_cold_ones(tin
     kernel_copies.clear()
     merge(tmp_path / "shards", tmp_path / "warm", workers=1)
     assert kernel_copies
-    if _evict(tmp_path / "shards") >= executor.WARM_SOURCES:
+    if _evict(tmp_path / "shards") >= planning.WARM_SOURCES:
         pytest.skip("the page cache here keeps files that fadvise(DONTNEED) should drop")
     kernel_copies.clear()
     merge(tmp_path / "shards", tmp_path / "cold", workers=1)
@@ -495,18 +502,20 @@ def test_copies_from_checked_sources_are_not_read_back(tiny_model, tmp_path, ker
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
     read_from: list[str] = []
-    real = base.read_exact
+    real = taps.read_exact
 
     def recording(fd, view, offset, what):
         read_from.append(os.readlink(f"/proc/self/fd/{fd}"))
         return real(fd, view, offset, what)
 
-    monkeypatch.setattr(base, "read_exact", recording)
+    for module in READ_EXACT_CALLERS:
+        monkeypatch.setattr(module, "read_exact", recording)
     merge(tmp_path / "shards", tmp_path / "merged", workers=1)
     reshard(tmp_path / "shards", tmp_path / "tp1", Layout(tp=1), format="torch", workers=1)
     assert kernel_copies
     assert read_from and all("/shards/" in path for path in read_from), sorted(set(read_from))
-    monkeypatch.setattr(base, "read_exact", real)
+    for module in READ_EXACT_CALLERS:
+        monkeypatch.setattr(module, "read_exact", real)
     for entry in json.loads((tmp_path / "tp1" / "shardkit.json").read_text())["files"]:
         assert file_digests(tmp_path / "tp1" / entry["path"])[1] == entry["xxh3_128"]
     for name in sorted(p.name for p in (tmp_path / "tp1").rglob("*.pt")):  # the CRC32s
@@ -562,14 +571,15 @@ def test_a_hugging_face_file_written_to_while_convert_reads_it_is_refused(tiny_m
     hf = tmp_path / "hf"
     shutil.copytree(src, hf)
     read_back: list[int] = []
-    real_read = base.read_exact
+    real_read = taps.read_exact
 
     def reading(fd, view, offset, what):
         if threading.current_thread().name == "shardkit-write-behind":
             read_back.append(len(view))
         return real_read(fd, view, offset, what)
 
-    monkeypatch.setattr(base, "read_exact", reading)
+    for module in READ_EXACT_CALLERS:
+        monkeypatch.setattr(module, "read_exact", reading)
     convert(hf, tmp_path / "shards", Layout(tp=2, pp=2), format="torch", workers=1)
     assert read_back == []
     monkeypatch.undo()
@@ -579,7 +589,7 @@ def test_a_hugging_face_file_written_to_while_convert_reads_it_is_refused(tiny_m
         with zipfile.ZipFile(shard) as archive:
             assert archive.testzip() is None
 
-    real = base.HashingFile._read_copied
+    real = hashing.HashingFile._read_copied
     calls = []
 
     def reading_then_writing(self, *args):
@@ -589,7 +599,7 @@ def test_a_hugging_face_file_written_to_while_convert_reads_it_is_refused(tiny_m
             _rewrite_first_byte(hf / "model.safetensors")
         return data
 
-    monkeypatch.setattr(base.HashingFile, "_read_copied", reading_then_writing)
+    monkeypatch.setattr(hashing.HashingFile, "_read_copied", reading_then_writing)
     with pytest.raises(FormatError, match="changed while shardkit read it"):
         convert(hf, tmp_path / "out", Layout(tp=2, pp=2), format="torch", workers=1)
     assert calls and not (tmp_path / "out").exists()
@@ -600,8 +610,8 @@ def test_copies_nobody_needs_the_bytes_of_are_not_read(tiny_model, tmp_path, mon
     kernel copies the shards' rows and neither the worker nor a write-behind thread reads them."""
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "shards", Layout(tp=2, pp=2), format="torch", workers=1)
-    monkeypatch.setattr(base.HashingFile, "_read_copied", lambda *a: pytest.fail("copied bytes read"))
-    monkeypatch.setattr(base._CopyJob, "_hash", lambda *a: pytest.fail("copied bytes read back"))
+    monkeypatch.setattr(hashing.HashingFile, "_read_copied", lambda *a: pytest.fail("copied bytes read"))
+    monkeypatch.setattr(hashing._CopyJob, "_hash", lambda *a: pytest.fail("copied bytes read back"))
     kernel_copies.clear()
     merge(tmp_path / "shards", tmp_path / "merged", workers=1, verify_hashes=False)
     assert kernel_copies
@@ -632,8 +642,8 @@ def test_xser_tensor_files_are_copied_streamed_and_closed_behind(tiny_model, tmp
     assert max(open_at_once) == xser.CLOSING_BEHIND + 1
 
     kernel_copies.clear()
-    monkeypatch.setattr(xser.XserWriter, "copies", property(lambda self: False))
-    monkeypatch.setattr(xser.XserWriter, "streams_rows", property(lambda self: False))
+    monkeypatch.setattr(xser.XserWriter, "can_copy", lambda self: False)
+    monkeypatch.setattr(xser.XserWriter, "can_stream_rows", lambda self: False)
     convert(src, tmp_path / "written", layout, format="xser", workers=1)
     assert not kernel_copies
     assert _files(tmp_path / "copied") == _files(tmp_path / "written")

@@ -1,4 +1,4 @@
-"""Writing around the page cache (O_DIRECT, `base.DirectFile`): the same bytes as buffered writes
+"""Writing around the page cache (O_DIRECT, `io.direct.DirectFile`): the same bytes as buffered writes
 whatever the write sizes, flushes in the middle, file systems that refuse O_DIRECT at open or at
 the first write, a full disk and Ctrl-C mid-file (one-line error, no file left), the "auto"
 choice, and convert/merge/reshard with --direct-io on writing exactly what they write without it."""
@@ -18,8 +18,9 @@ from click.testing import CliRunner
 
 from shardkit import Layout, convert, merge, reshard
 from shardkit.cli import cli
-from shardkit.formats import base
-from shardkit.formats.base import DirectFile, HashingFile
+from shardkit.io import direct as io_direct
+from shardkit.io.direct import DirectFile
+from shardkit.io.hashing import HashingFile
 from shardkit.paths import NoSpaceError
 
 MODEL = "llama-gqa64"
@@ -28,7 +29,7 @@ SMALL_CHUNK = 64 << 10  # so that the tiny models' files span many direct writes
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(base, "DIRECT_CHUNK", SMALL_CHUNK)
+    monkeypatch.setattr(io_direct, "DIRECT_CHUNK", SMALL_CHUNK)
 
 
 @pytest.fixture
@@ -85,7 +86,7 @@ def test_a_file_system_without_o_direct_is_written_through_the_page_cache(tmp_pa
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_fcntl(fd, cmd, arg)
 
-    monkeypatch.setattr(base.fcntl, "fcntl", no_direct)
+    monkeypatch.setattr(io_direct.fcntl, "fcntl", no_direct)
     out = DirectFile(tmp_path / "a.bin")
     assert not out.direct
     for piece in pieces:
@@ -101,8 +102,8 @@ def test_a_file_system_without_o_direct_is_written_through_the_page_cache(tmp_pa
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(base, "DIRECT_CHUNK", SMALL_CHUNK)
-    monkeypatch.setattr(base.os, "pwrite", refuse_direct)
+    monkeypatch.setattr(io_direct, "DIRECT_CHUNK", SMALL_CHUNK)
+    monkeypatch.setattr(io_direct.os, "pwrite", refuse_direct)
     out = DirectFile(tmp_path / "b.bin")
     for piece in pieces:
         out.write(piece)
@@ -127,7 +128,7 @@ def test_a_full_disk_or_ctrl_c_mid_file_leaves_nothing(failure, tmp_path, monkey
         written += n
         return n
 
-    monkeypatch.setattr(base.os, "pwrite", failing)
+    monkeypatch.setattr(io_direct.os, "pwrite", failing)
     out = HashingFile(tmp_path / "out" / "x.bin", tmp_path / "out", direct=True)
     expected = NoSpaceError if failure == "enospc" else KeyboardInterrupt
     with pytest.raises(expected) as excinfo:
@@ -141,8 +142,8 @@ def test_a_full_disk_or_ctrl_c_mid_file_leaves_nothing(failure, tmp_path, monkey
 
 
 def test_auto_goes_around_the_page_cache_only_past_the_dirty_limit():
-    assert not base.direct_io_pays(1 << 20)
-    assert base.direct_io_pays(1 << 50)
+    assert not io_direct.direct_io_pays(1 << 20)
+    assert io_direct.direct_io_pays(1 << 50)
 
 
 def sorted_files(root: Path) -> dict[str, bytes]:
@@ -189,7 +190,7 @@ def test_cli_direct_io_option(tiny_model, tmp_path, small_chunks, direct_writes,
     result = runner.invoke(cli, ["convert", src, str(tmp_path / "off"), "--to-sharded", "--tp", "2", "--direct-io", "off"])
     assert result.exit_code == 0 and not direct_writes
     # auto goes around the page cache past the dirty limit only; the default is off, past it too
-    monkeypatch.setattr("shardkit.engine.executor.direct_io_pays", lambda nbytes: True)
+    monkeypatch.setattr("shardkit.engine.planning.direct_io_pays", lambda nbytes: True)
     result = runner.invoke(cli, ["convert", src, str(tmp_path / "default"), "--to-sharded", "--tp", "2"])
     assert result.exit_code == 0 and not direct_writes
     result = runner.invoke(cli, ["convert", src, str(tmp_path / "auto"), "--to-sharded", "--tp", "2", "--direct-io", "auto"])

@@ -884,24 +884,24 @@ def test_own_zip_writer_leaves_zip64_archives_and_changed_torch_to_torch(tmp_pat
 @pytest.mark.parametrize("chunk", [64, 1 << 30])
 def test_positional_reads_of_column_blocks_in_row_chunks(chunk, tmp_path, monkeypatch):
     """Slices along dims > 0 are read in bounded blocks of rows: same result as slicing in memory."""
-    import shardkit.formats.base as base
+    import shardkit.io.strided as strided
 
-    monkeypatch.setattr(base, "STRIDED_READ_CHUNK", chunk)
-    monkeypatch.setattr(base, "MAP_WINDOW", chunk)  # 64: a mapping per row, at unaligned offsets
+    monkeypatch.setattr(strided, "STRIDED_READ_CHUNK", chunk)
+    monkeypatch.setattr(strided, "MAP_WINDOW", chunk)  # 64: a mapping per row, at unaligned offsets
     torch.manual_seed(0)
     full = torch.randn(7, 5, 6)
     path = tmp_path / "raw.bin"
     path.write_bytes(b"\0" * 24 + full.numpy().tobytes())
-    stored = base.StoredTensor(torch.float32, (7, 5, 6), file_offset=8, storage_offset=4)
+    stored = strided.StoredTensor(torch.float32, (7, 5, 6), file_offset=8, storage_offset=4)
     fd = os.open(path, os.O_RDONLY)
     try:
         for dim, start, stop in [(1, 1, 4), (2, 0, 3), (2, 5, 6), (0, 2, 5), (1, 0, 5)]:
-            got = base.read_stored(fd, stored, dim, start, stop, "raw.bin")
+            got = strided.read_stored(fd, stored, dim, start, stop, "raw.bin")
             assert torch.equal(got, full.narrow(dim, start, stop - start)), (dim, start, stop)
         # a tensor said to reach past the end of the file: a FormatError, never a fault (SIGBUS)
-        past_end = base.StoredTensor(torch.float32, (8, 5, 6), file_offset=8, storage_offset=4)
+        past_end = strided.StoredTensor(torch.float32, (8, 5, 6), file_offset=8, storage_offset=4)
         with pytest.raises(FormatError, match="truncated"):
-            base.read_stored(fd, past_end, 2, 1, 3, "raw.bin")
+            strided.read_stored(fd, past_end, 2, 1, 3, "raw.bin")
     finally:
         os.close(fd)
 
@@ -909,19 +909,19 @@ def test_positional_reads_of_column_blocks_in_row_chunks(chunk, tmp_path, monkey
 def test_a_whole_tensor_read_along_a_later_dim_is_one_positional_read(tmp_path, monkeypatch):
     """A "slice" along dim 1 that spans the whole dim is the whole tensor: one contiguous read
     (which the hash check on read can hash), not a strided copy out of a mapping."""
-    import shardkit.formats.base as base
+    import shardkit.io.strided as strided
 
-    monkeypatch.setattr(base, "STRIDED_READ_CHUNK", 64)
-    monkeypatch.setattr(base, "_copy_columns", lambda *a: pytest.fail("copied out of a mapping"))
+    monkeypatch.setattr(strided, "STRIDED_READ_CHUNK", 64)
+    monkeypatch.setattr(strided, "_copy_columns", lambda *a: pytest.fail("copied out of a mapping"))
     full = torch.randn(7, 5, 6)
     path = tmp_path / "raw.bin"
     path.write_bytes(full.numpy().tobytes())
     reads: list[tuple[int, int]] = []
-    real_pread = base.pread_exact
-    monkeypatch.setattr(base, "pread_exact", lambda fd, view, offset, what, tapped=True: (reads.append((offset, len(view))), real_pread(fd, view, offset, what))[1])
+    real_pread = strided.pread_exact
+    monkeypatch.setattr(strided, "pread_exact", lambda fd, view, offset, what, tapped=True: (reads.append((offset, len(view))), real_pread(fd, view, offset, what))[1])
     fd = os.open(path, os.O_RDONLY)
     try:
-        got = base.read_stored(fd, base.StoredTensor(torch.float32, (7, 5, 6), 0), 1, 0, 5, "raw.bin")
+        got = strided.read_stored(fd, strided.StoredTensor(torch.float32, (7, 5, 6), 0), 1, 0, 5, "raw.bin")
     finally:
         os.close(fd)
     assert torch.equal(got, full) and reads == [(0, full.numel() * 4)]
@@ -929,24 +929,24 @@ def test_a_whole_tensor_read_along_a_later_dim_is_one_positional_read(tmp_path, 
 
 def test_advise_names_the_bytes_a_slice_spans(tmp_path, monkeypatch):
     """The read-ahead hint of a slice covers exactly the bytes read_stored reads for it."""
-    import shardkit.formats.base as base
+    import shardkit.io.strided as strided
 
-    stored = base.StoredTensor(torch.float32, (7, 5, 6), file_offset=8, storage_offset=4)
+    stored = strided.StoredTensor(torch.float32, (7, 5, 6), file_offset=8, storage_offset=4)
     hints, reads = [], []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: hints.append((offset, length)))
     path = tmp_path / "raw.bin"
     path.write_bytes(bytes(8 + 4 * (4 + 7 * 5 * 6)))
-    real_pread = base.pread_exact
-    monkeypatch.setattr(base, "pread_exact", lambda fd, view, offset, what: (reads.append((offset, len(view))), real_pread(fd, view, offset, what))[1])
+    real_pread = strided.pread_exact
+    monkeypatch.setattr(strided, "pread_exact", lambda fd, view, offset, what: (reads.append((offset, len(view))), real_pread(fd, view, offset, what))[1])
     fd = os.open(path, os.O_RDONLY)
     try:
         for dim, start, stop in [(0, 2, 5), (1, 1, 4), (2, 3, 6), (0, None, None)]:
             hints.clear(), reads.clear()
-            base.advise_stored(fd, stored, dim, start, stop)
-            base.read_stored(fd, stored, dim, start, stop, "raw.bin")
+            strided.advise_stored(fd, stored, dim, start, stop)
+            strided.read_stored(fd, stored, dim, start, stop, "raw.bin")
             assert hints == reads, (dim, start, stop)
         hints.clear()
-        base.advise_stored(fd, stored, 1, 2, 2)  # empty: nothing to read, no hint
+        strided.advise_stored(fd, stored, 1, 2, 2)  # empty: nothing to read, no hint
         assert hints == []
     finally:
         os.close(fd)
@@ -956,17 +956,18 @@ def test_owned_writes_are_hashed_in_file_order(tmp_path, monkeypatch):
     """Blocks written with write_owned are hashed behind the writes (by the helper thread or the
     writer), small writes between them follow them: the digest is the file's whatever the order
     the threads ran in, also when the window of unhashed bytes forces waits."""
-    import shardkit.formats.base as base
+    import shardkit.io.hashing as hashing
+    from shardkit.formats.base import tensor_bytes
 
-    monkeypatch.setattr(base, "HASH_BEHIND", 3 << 20)
+    monkeypatch.setattr(hashing, "HASH_BEHIND", 3 << 20)
     gen = torch.Generator().manual_seed(0)
     blocks = []
     for i in range(12):
         size = (1 << 20) + 4096 * i if i % 3 else 100 + i  # large (behind) and small (copied) blocks
         blocks.append(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
-    out = base.HashingFile(tmp_path / "f.bin", tmp_path, digests="sha256")
+    out = hashing.HashingFile(tmp_path / "f.bin", tmp_path, digests="sha256")
     for i, block in enumerate(blocks):
-        view = base.tensor_bytes(block)
+        view = tensor_bytes(block)
         out.write_owned(view, view) if i % 2 else out.write(view)
     del blocks[:6]  # the caller lets go: the pending blocks keep their own bytes alive
     record = out.close()

@@ -178,7 +178,7 @@ def test_save_object_hashed_writes_the_bytes_torch_save_writes(tmp_path):
     import zipfile
 
     from shardkit.checkpoint.save import save_object_hashed
-    from shardkit.formats.base import HashingFile
+    from shardkit.io.hashing import HashingFile
 
     for name, obj in (("scheduler.pt", SCHEDULER_STATE), ("user_content.pt", {"step": 3, "note": "x" * 100})):
         before = HashingFile(tmp_path / "before" / name, tmp_path / "before")  # what save_object_hashed wrote before
@@ -195,7 +195,7 @@ def test_save_object_hashed_on_a_full_disk_is_no_space_error(tmp_path, monkeypat
     import builtins
     import errno
 
-    import shardkit.formats.base as base
+    import shardkit.io.hashing as hashing
     from shardkit.checkpoint.save import save_object_hashed
     from shardkit.paths import NoSpaceError
 
@@ -214,7 +214,7 @@ def test_save_object_hashed_on_a_full_disk_is_no_space_error(tmp_path, monkeypat
         def __getattr__(self, name):
             return getattr(self.fh, name)
 
-    monkeypatch.setattr(base, "open", lambda path, mode: FullDisk(builtins.open(path, mode)), raising=False)
+    monkeypatch.setattr(hashing, "open", lambda path, mode: FullDisk(builtins.open(path, mode)), raising=False)
     with pytest.raises(NoSpaceError) as excinfo:
         save_object_hashed(tmp_path, "scheduler.pt", SCHEDULER_STATE, fsync=False)
     message = str(excinfo.value)

@@ -1,6 +1,6 @@
 """The tp files of one pipeline stage are built together, a piece of each in turn, when they cut
-blocks of columns out of their sources (`executor.lockstep_groups`): each such source tensor is
-then read once for all of them (`base.shared_column_reads`). The files are byte for byte those
+blocks of columns out of their sources (`planning.lockstep_groups`): each such source tensor is
+then read once for all of them (`io.strided.shared_column_reads`). The files are byte for byte those
 built one after another, the check on read still refuses a flipped bit, a failure in one file
 leaves none behind, and the files' write-behind queues together stay under WRITE_BEHIND_ALL."""
 
@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 
 from shardkit import Layout, convert, merge, reshard
 from shardkit.errors import ShardkitError
-from shardkit.engine import executor
+from shardkit.engine import planning
 from shardkit.engine.outputs import plan_full, plan_sharded
-from shardkit.formats import base, open_checkpoint
-from shardkit.formats.base import HashingFile
+from shardkit.formats import open_checkpoint
+from shardkit.io import hashing, strided
+from shardkit.io.hashing import HashingFile
 from shardkit.formats.safetensors_io import SafetensorsFile
 
 
@@ -31,11 +32,12 @@ def _files(root) -> dict[str, bytes]:
 def column_reads(monkeypatch) -> dict[str, list]:
     """Every tensor counts as large (its blocks of columns take the strided path, as o_proj's do in
     a real model); records the whole-tensor reads of the shared path and the per-block mappings."""
-    monkeypatch.setattr(base, "STRIDED_READ_CHUNK", 0)
-    monkeypatch.setattr(base, "SHARED_WINDOW", 1024)  # windows of 4 rows of o_proj, 8 of down_proj
-    monkeypatch.setattr(base, "BEHIND_MIN", 64)  # (each file's block of a window at least this)
+    monkeypatch.setattr(strided, "STRIDED_READ_CHUNK", 0)
+    monkeypatch.setattr(strided, "SHARED_WINDOW", 1024)  # windows of 4 rows of o_proj, 8 of down_proj
+    monkeypatch.setattr(strided, "BEHIND_MIN", 64)  # (each file's block of a window at least this)
+    monkeypatch.setattr(hashing, "BEHIND_MIN", 64)  # (and such a block written behind)
     seen: dict[str, list] = {"whole": [], "mapped": []}
-    real_pread, real_map = base.pread_exact, base._copy_columns
+    real_pread, real_map = strided.pread_exact, strided._copy_columns
 
     def pread(fd, view, offset, what, tapped=True):
         seen["whole"].append((what, offset, len(view)))
@@ -45,8 +47,8 @@ def column_reads(monkeypatch) -> dict[str, list]:
         seen["mapped"].append((what, t.file_offset, start))
         return real_map(fd, t, dim, start, out, what)
 
-    monkeypatch.setattr(base, "pread_exact", pread)
-    monkeypatch.setattr(base, "_copy_columns", mapped)
+    monkeypatch.setattr(strided, "pread_exact", pread)
+    monkeypatch.setattr(strided, "_copy_columns", mapped)
     return seen
 
 
@@ -61,28 +63,28 @@ def test_the_tp_files_of_a_stage_that_cut_columns_are_grouped(tiny_model, tmp_pa
     leave every file alone; `in_order` takes a piece of each file of a group in turn."""
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     ckpt, family, dims, outputs = _plan(src, Layout(tp=4, pp=2))
-    groups = executor.lockstep_groups(outputs, ckpt.index())
+    groups = planning.lockstep_groups(outputs, ckpt.index())
     assert [[o.rank for o in g] for g in groups] == [
         [(0, tp, 0) for tp in range(4)],
         [(0, tp, 1) for tp in range(4)],
     ]
-    pieces = list(executor.in_order(groups))
+    pieces = list(planning.in_order(groups))
     first = groups[0]
     assert pieces[: 2 * len(first)] == [o.pieces[0] for o in first] + [o.pieces[1] for o in first]
     assert len(pieces) == sum(len(o.pieces) for o in outputs)
 
-    monkeypatch.setattr(executor, "LOCKSTEP_MAX", 3)
-    assert [len(g) for g in executor.lockstep_groups(outputs, ckpt.index())] == [3, 3, 1, 1]
+    monkeypatch.setattr(planning, "LOCKSTEP_MAX", 3)
+    assert [len(g) for g in planning.lockstep_groups(outputs, ckpt.index())] == [3, 3, 1, 1]
     monkeypatch.undo()
 
     convert(src, tmp_path / "tp4", Layout(tp=4, pp=2), format="torch", workers=1)
     shards = open_checkpoint(tmp_path / "tp4")
     to_tp2 = plan_sharded(family, dims, Layout(tp=2, pp=2), "torch")  # o_proj: two whole tp4 pieces
-    assert all(len(g) == 1 for g in executor.lockstep_groups(to_tp2, shards.index()))
+    assert all(len(g) == 1 for g in planning.lockstep_groups(to_tp2, shards.index()))
     full, _ = plan_full(family, dims, 2, "5GB")
-    assert all(len(g) == 1 for g in executor.lockstep_groups(full, shards.index()))
+    assert all(len(g) == 1 for g in planning.lockstep_groups(full, shards.index()))
     to_tp8 = plan_sharded(family, dims, Layout(tp=8, pp=2), "torch")  # halves of tp4's columns
-    assert [len(g) for g in executor.lockstep_groups(to_tp8, shards.index())] == [8, 8]
+    assert [len(g) for g in planning.lockstep_groups(to_tp8, shards.index())] == [8, 8]
 
 
 @pytest.mark.parametrize("workers,fmt", [(1, "torch"), (2, "torch"), (1, "safetensors"), (1, "xser")])
@@ -110,7 +112,7 @@ def test_a_stage_reads_each_column_split_tensor_once_and_writes_the_same_bytes(
     assert sum(length for _, length in windows) == sum(n for _, n in spans)  # every row read, once
     assert len(windows) == 5 * (128 // 4) + 5 * (128 // 8)  # in windows of SHARED_WINDOW bytes
 
-    monkeypatch.setattr(executor, "LOCKSTEP_MAX", 1)
+    monkeypatch.setattr(planning, "LOCKSTEP_MAX", 1)
     column_reads["whole"].clear()
     convert(src, tmp_path / "apart", layout, format=fmt, workers=workers)
     assert len(column_reads["mapped"]) == 4 * len(column_split)  # every rank maps its own block
@@ -200,7 +202,7 @@ class _SlowFile:
         self._fh, self._peaks = fh, peaks
 
     def write(self, data):
-        self._peaks.append(base._Queued.total)
+        self._peaks.append(hashing._Queued.total)
         time.sleep(0.002)
         return self._fh.write(data)
 
@@ -212,8 +214,8 @@ def test_the_write_behind_queues_of_all_files_together_stay_bounded(tmp_path, mo
     """Owned blocks written round-robin into eight files whose disk is slow: the bytes queued in
     all of them stay under WRITE_BEHIND_ALL (plus the block being queued), though each file alone
     may queue WRITE_BEHIND, and every file holds its bytes in order."""
-    monkeypatch.setattr(base, "WRITE_BEHIND_ALL", 3 << 20)
-    monkeypatch.setattr(base, "WRITE_BLOCK", 256 << 10)
+    monkeypatch.setattr(hashing, "WRITE_BEHIND_ALL", 3 << 20)
+    monkeypatch.setattr(hashing, "WRITE_BLOCK", 256 << 10)
     block = 1 << 20
     peaks: list[int] = []
     files = [HashingFile(tmp_path / f"f{i}", tmp_path) for i in range(8)]
@@ -279,19 +281,19 @@ def test_owned_blocks_are_hashed_by_their_files_write_behind_thread_in_file_orde
     write-behind threads as they write them, never by the shared hash helper (which hashed them
     before and stalled on one file's copies while every other file's blocks waited in memory);
     each file's digests are those of its bytes, small writes in between included."""
-    from shardkit.formats.base import FileRange
-    from shardkit.formats.digest import file_digests
+    from shardkit.io.copy import FileRange
+    from shardkit.io.digest import file_digests
 
     helper: list[int] = []
-    real_submit = base._HASHER.submit
-    monkeypatch.setattr(base._HASHER, "submit", lambda job: (helper.append(job.size), real_submit(job))[1])
-    real_copy = base.kernel_copy
+    real_submit = hashing._HASHER.submit
+    monkeypatch.setattr(hashing._HASHER, "submit", lambda job: (helper.append(job.size), real_submit(job))[1])
+    real_copy = hashing.kernel_copy
 
     def slow_copy(src, offset, out, count):
         time.sleep(0.003)
         return real_copy(src, offset, out, count)
 
-    monkeypatch.setattr(base, "kernel_copy", slow_copy)
+    monkeypatch.setattr(hashing, "kernel_copy", slow_copy)
     source = tmp_path / "source.bin"
     source.write_bytes(os.urandom(3 << 20))
     fd = os.open(source, os.O_RDONLY)
@@ -311,9 +313,9 @@ def test_owned_blocks_are_hashed_by_their_files_write_behind_thread_in_file_orde
         assert record.xxh3_128 == file_digests(tmp_path / f"out{i}")[1]
     # a 7B down_proj's window of rows at tp 32: each file's block of it is written behind, and
     # the window is no larger than SHARED_WINDOW or that needs
-    rows = base.window_rows(11008 * 2, 344 * 2)
-    assert rows * 344 * 2 >= base.BEHIND_MIN
-    assert rows * 11008 * 2 <= base.SHARED_WINDOW or (rows - 1) * 344 * 2 < base.BEHIND_MIN
+    rows = strided.window_rows(11008 * 2, 344 * 2)
+    assert rows * 344 * 2 >= hashing.BEHIND_MIN
+    assert rows * 11008 * 2 <= strided.SHARED_WINDOW or (rows - 1) * 344 * 2 < hashing.BEHIND_MIN
 
 
 def test_a_forked_child_writes_through_its_own_write_behind_threads(tmp_path, monkeypatch):
@@ -322,17 +324,17 @@ def test_a_forked_child_writes_through_its_own_write_behind_threads(tmp_path, mo
     its writes end, where a count inherited from the parent would make it wait for ever."""
     import signal
 
-    monkeypatch.setattr(base, "WRITE_BLOCK", 256 << 10)
+    monkeypatch.setattr(hashing, "WRITE_BLOCK", 256 << 10)
     parent = HashingFile(tmp_path / "parent", tmp_path)
     parent._fh = _SlowFile(parent._fh, [])
     for i in range(3):
         block = torch.full((1 << 20,), i, dtype=torch.uint8)
         parent.write_owned(block.numpy(), block)
-    assert base.queued_writes() > 0  # the parent's blocks are still queued as it forks
+    assert hashing.queued_writes() > 0  # the parent's blocks are still queued as it forks
     pid = os.fork()
     if pid == 0:  # the child: exit 0 once its own file is written and closed
         try:
-            base.WRITE_BEHIND_ALL = 1 << 20
+            hashing.WRITE_BEHIND_ALL = 1 << 20
             child = HashingFile(tmp_path / "child", tmp_path)
             data = bytearray(b"\7" * (2 << 20))  # (no torch in a forked child: its thread pool is the parent's)
             child.write_owned(memoryview(data), data)
@@ -361,13 +363,13 @@ def test_no_block_outlives_its_files_close_in_a_write_behind_thread(tmp_path, mo
     tensor while the interpreter shut down would be stopped inside torch's deallocator."""
     import weakref
 
-    real = base._WriteBehind._written
+    real = hashing._WriteBehind._written
 
     def slow_to_go_on(self, size, block):
         real(self, size, block)
         time.sleep(0.05)  # the caller's close returns now: anything the thread still holds is seen
 
-    monkeypatch.setattr(base._WriteBehind, "_written", slow_to_go_on)
+    monkeypatch.setattr(hashing._WriteBehind, "_written", slow_to_go_on)
 
     class Block:
         def __init__(self) -> None:

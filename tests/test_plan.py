@@ -1,20 +1,39 @@
 """`shardkit plan`: per-rank training memory from config.json alone, checked against numbers
 computed by hand from the Llama-2 7B/13B/70B dimensions; fit decisions; --suggest (smallest tp
-first, every suggestion valid); impossible layouts say why (exit 2); --json parses."""
+first, every suggestion valid); impossible layouts say why (exit 2); --json parses. Pricing by
+blocks gives the bytes pricing every piece gives, on every fixture; its work (pieces cut, memory
+held) does not grow with the layer count, and a search too large is refused at once."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
+import tracemalloc
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
 
+from shardkit import memory
 from shardkit.cli import cli
 from shardkit.errors import LayoutError, ShardkitError
+from shardkit.families import family_for
 from shardkit.layout import Layout, ModelDims
-from shardkit.memory import parse_reserve, plan_memory, suggest_layouts
+from shardkit.memory import (
+    DEFAULT_RESERVE,
+    PlanReport,
+    StagePlan,
+    optimizer_bytes_per_param,
+    parse_reserve,
+    plan_memory,
+    rank_params,
+    suggest_layouts,
+    weight_bytes_per_param,
+)
+from shardkit.placements import Experts, FlatExperts, Fused, HeadGroups, Replicated, Segment, Split, make_piece
 from shardkit.sizes import parse_size
 from shardkit.testing import FIXTURES
 
@@ -375,3 +394,283 @@ def test_layout_vpp_round_trips_and_plain_manifests_are_unchanged():
     assert Layout.from_dict(Layout(tp=2, pp=2, vpp=2).to_dict()) == Layout(tp=2, pp=2, vpp=2)
     with pytest.raises(LayoutError, match="vpp must be a positive whole number"):
         Layout.from_dict({"tp": 2, "pp": 2, "vpp": 0})
+
+
+# ---- pricing by blocks: every piece's bytes, and work that does not grow with the layer count ----
+#
+# plan prices a stage as first block + layers x one layer + final block. The reference below is
+# the pricing it replaced: rank_params of rank_pieces for every tp rank of every stage of the full
+# model, every layer of it.
+
+PLACEMENTS = (Replicated, Split, Fused, HeadGroups, Experts, FlatExperts)
+
+
+def exact_report(config, layout: Layout, *, dtype="bf16", zero1=False, dp=1, device_memory=None,
+                 reserve=DEFAULT_RESERVE, family=None) -> PlanReport:
+    """The plan of `layout` priced piece by piece (every rank, every stage, every layer)."""
+    data = config if isinstance(config, dict) else json.loads(Path(config).read_text())
+    family, dims = family or family_for(data), ModelDims.from_config(data)
+    shapes = family.full_shapes(dims)
+    weight, optim = weight_bytes_per_param(dtype), optimizer_bytes_per_param(dtype)
+    stages, held = [], 0
+    for s, layers in enumerate(layout.stage_layers(dims.num_layers)):
+        per_rank = [rank_params(family.rank_pieces(layout, dims, r, s, shapes)) for r in range(layout.tp)]
+        held += sum(per_rank)
+        n = max(per_rank)
+        stages.append(StagePlan(s, (layers[0], layers[-1]), n, per_rank.index(n), n * weight, n * weight,
+                                (math.ceil(n / dp) if zero1 else n) * optim))
+    memory = None if device_memory is None else parse_size(device_memory)
+    return PlanReport(family.name, dims.model_type, sum(math.prod(v) for v in shapes.values()), held, layout,
+                      dtype, zero1, dp, tuple(stages), memory,
+                      None if memory is None else parse_reserve(reserve, memory))
+
+
+def assert_same_plan(report: PlanReport, exact: PlanReport) -> None:
+    assert report.to_dict() == exact.to_dict()
+    assert list(report.stages) == list(exact.stages) and report.peak == exact.peak
+
+
+@pytest.fixture
+def stage_layers_once(monkeypatch):
+    """rank_pieces works out every stage's layers at every call: remember them, so that the
+    reference can price a model of thousands of layers (rank_pieces only reads the lists)."""
+    monkeypatch.setattr(Layout, "stage_layers", functools.lru_cache(maxsize=None)(Layout.stage_layers))
+
+
+def fixture_layouts(path: Path) -> list[Layout]:
+    """Layouts of a fixture, as many as its reference pricing affords: each valid tp (smallest and
+    largest kv-multiplier), pp 1, 2, 3 and one stage per layer, every qkv style the family takes,
+    blocked replicas and virtual stages."""
+    data = json.loads(path.read_text())
+    family, dims = family_for(data), ModelDims.from_config(data)
+    out = []
+    for tp in [t for t in range(1, dims.num_heads + 1) if dims.num_heads % t == 0]:
+        valid = []
+        for m in range(1, dims.num_heads // dims.num_kv_heads + 1):
+            try:
+                family.validate(Layout(tp=tp, kv_multiplier=m), dims)
+                valid.append(m)
+            except LayoutError:
+                pass
+        for m in sorted({valid[0], valid[-1]}) if valid else []:
+            for pp in sorted({1, 2, 3, dims.num_layers} & set(range(1, dims.num_layers + 1))):
+                # the reference prices tp x layers x pieces (and experts): as many as it affords
+                if tp * dims.num_layers * (1 + dims.num_experts) <= 512 or (tp, m) == (1, valid[0]):
+                    out.append(Layout(tp=tp, pp=pp, kv_multiplier=m))
+    last = out[-1]  # the largest tp and kv-multiplier afforded
+    out += [dataclasses.replace(last, qkv=q) for q in family.qkv_styles if q != last.qkv]
+    out.append(dataclasses.replace(last, kv_replication="blocked"))
+    if dims.num_layers >= 4:
+        out.append(dataclasses.replace(last, pp=2, vpp=2))
+    return out
+
+
+LAYOUTS_OF_THE_TESTS = [  # the layouts tests/ price by hand (this file, test_families, test_inference)
+    ("llama-2-7b", Layout()), ("llama-2-7b", Layout(tp=8)), ("llama-2-7b", Layout(tp=4, pp=3)),
+    ("llama-2-13b", Layout(tp=8, pp=2)), ("llama-2-13b", Layout(tp=4, pp=4)), ("llama-2-13b", Layout(tp=2, pp=7)),
+    ("llama-2-70b", Layout(tp=32, pp=4, kv_multiplier=4)), ("llama-2-70b", Layout(tp=8, pp=8)),
+    ("llama-2-70b", Layout(tp=16, pp=6, kv_multiplier=2)), ("llama-2-70b", Layout(tp=64, pp=80, kv_multiplier=8)),
+    ("llama-2-70b", Layout(pp=64)), ("llama-kv8-tied", Layout(tp=2)), ("llama-kv8-tied", Layout(tp=2, pp=2)),
+    ("llama-kv8-tied", Layout(tp=4, pp=3)), ("llama-bias", Layout(tp=4, pp=2, kv_multiplier=2)),
+    ("llama-3.1-8b", Layout(tp=8, pp=2)), ("llama-3.2-3b", Layout(tp=4)), ("qwen3-8b", Layout(tp=8, pp=2)),
+    ("qwen3-8b", Layout(tp=16, kv_multiplier=2)), ("qwen3-30b-a3b", Layout(tp=4, pp=4)),
+    ("phi-3-mini-4k", Layout(tp=4)), ("gemma-2-9b", Layout(tp=8, pp=2)), ("gemma-2-9b", Layout(tp=8)),
+    ("gemma-3-1b", Layout(tp=4, kv_multiplier=4)), ("pythia-6.9b", Layout(tp=8, pp=2)),
+    ("bert-large-uncased", Layout(tp=2)), ("bert-large-uncased", Layout(tp=2, pp=2)),
+    ("bert-large-uncased", Layout(tp=8)), ("dbrx-base", Layout(tp=8, pp=4)),
+]
+
+
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.json")), ids=lambda p: p.stem)
+def test_block_pricing_equals_every_piece_on_every_fixture(path, stage_layers_once):
+    for layout in fixture_layouts(path):
+        assert_same_plan(plan_memory(path, layout), exact_report(path, layout))
+
+
+@pytest.mark.parametrize("name, layout", LAYOUTS_OF_THE_TESTS, ids=lambda v: getattr(v, "describe", lambda: v)())
+def test_block_pricing_equals_every_piece_on_the_tests_layouts(name, layout, stage_layers_once):
+    path = FIXTURES / f"{name}.json"
+    assert_same_plan(plan_memory(path, layout), exact_report(path, layout))
+    fp32 = dict(dtype="fp32", zero1=True, dp=3, device_memory="40GiB", reserve="2GiB")
+    assert_same_plan(plan_memory(path, layout, **fp32), exact_report(path, layout, **fp32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Lopsided:
+    """A made-up placement whose tp ranks differ: rank r holds r + 1 rows of the tensor (or
+    tp - r with `reverse`), so that ranks must be priced one by one."""
+
+    expert: ClassVar[bool] = False
+    name: str = "lopsided.weight"
+    reverse: bool = False
+
+    def shapes(self, dims):
+        return {self.name: (64, dims.hidden_size)}
+
+    def sources(self, dims):
+        return [self.name]
+
+    def split_dims(self, dims):
+        return {self.name: 0}
+
+    def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0):
+        rows = layout.tp - tp_rank if self.reverse else tp_rank + 1
+        return [make_piece(prefix + self.name, [Segment(prefix + self.name, 0, 0, rows)], full_shapes)]
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=4), Layout(tp=4, pp=2), Layout(tp=8, pp=3), Layout(tp=2, pp=2, vpp=2)],
+                         ids=Layout.describe)
+def test_block_pricing_prices_every_rank_when_ranks_differ(monkeypatch, layout):
+    """A family with a placement plan does not know to cut equal shares is priced rank by rank
+    (the first block's largest rank is rank 0, a layer's the last one)."""
+    llama = family_for({"model_type": "llama"})
+    family = dataclasses.replace(llama, first=llama.first + (Lopsided("model.lopsided.weight", reverse=True),),
+                                 layer=llama.layer + (Lopsided(),))
+    monkeypatch.setattr(memory, "family_for", lambda config: family)
+    monkeypatch.setattr(memory, "_PRICINGS", {})
+    path = FIXTURES / "llama-kv8-tied.json"  # 4 layers, lm_head tied to the embedding
+    report = plan_memory(path, layout, device_memory="1GiB")
+    assert_same_plan(report, exact_report(path, layout, device_memory="1GiB", family=family))
+    assert report.stages[-1].tp_rank == layout.tp - 1
+
+
+def with_layers(tmp_path: Path, layers: int, source: Path = L70B) -> Path:
+    config = json.loads(source.read_text())
+    config["num_hidden_layers"] = layers
+    path = tmp_path / f"{source.stem}-{layers}-layers.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def valid(family, dims, layout: Layout) -> bool:
+    try:
+        family.validate(layout, dims)
+        return True
+    except LayoutError:
+        return False
+
+
+@pytest.mark.parametrize("layers, device_memory, options", [
+    (7, "16GiB", {}), (12, "30GiB", {"all_kv_multipliers": True}), (7, "16GiB", {"world_size": 56, "zero1": True}),
+    (12, "100MiB", {"tp": 64}),
+])
+def test_suggestions_equal_pricing_every_piece_at_a_modest_layer_count(tmp_path, layers, device_memory, options):
+    """Every valid layout is priced piece by piece: those that fit are exactly the suggestions,
+    with the same bytes; when none fits, the closest is the same."""
+    path = with_layers(tmp_path, layers)
+    found = suggest_layouts(path, device_memory, **options)
+    data = json.loads(path.read_text())
+    family, dims = family_for(data), ModelDims.from_config(data)
+    expected, considered, closest = [], 0, None
+    for tp in [options["tp"]] if "tp" in options else [t for t in range(1, 65) if 64 % t == 0]:
+        multipliers = [m for m in range(1, 9) if valid(family, dims, Layout(tp=tp, kv_multiplier=m))]
+        for m in multipliers if options.get("all_kv_multipliers") else multipliers[:1]:
+            for pp in range(1, layers + 1):
+                if "world_size" in options and options["world_size"] % (tp * pp):
+                    continue
+                dp = options["world_size"] // (tp * pp) if "world_size" in options else 1
+                exact = exact_report(path, Layout(tp=tp, pp=pp, kv_multiplier=m), zero1=options.get("zero1", False),
+                                     dp=dp, device_memory=device_memory)
+                considered += 1
+                if exact.fits:
+                    expected.append(exact)
+                elif closest is None or exact.peak_bytes < closest.peak_bytes:
+                    closest = exact
+    assert found.considered == considered
+    assert [r.to_dict() for r in found.layouts] == [
+        r.to_dict() for r in sorted(expected, key=lambda r: (r.layout.tp, r.layout.pp, r.layout.kv_multiplier))]
+    assert (found.closest.to_dict() if found.closest else None) == (None if expected else closest.to_dict())
+
+
+@pytest.fixture
+def pieces_cut(monkeypatch):
+    """Counts the pieces the placements cut, the work of pricing; a run that cuts more than
+    `limit` fails at once (the pricing before blocks cut every layer's, for minutes)."""
+    count = {"pieces": 0, "limit": 10**9}
+    memory._PRICINGS.clear()  # each run prices afresh: what it costs without an earlier run's work
+    memory._stand_in.cache_clear()
+    for cls in PLACEMENTS:
+        def counted(self, *args, _real=cls.pieces, **kwargs):
+            out = _real(self, *args, **kwargs)
+            count["pieces"] += len(out)
+            assert count["pieces"] <= count["limit"], f"more than {count['limit']} pieces cut"
+            return out
+        monkeypatch.setattr(cls, "pieces", counted)
+    return count
+
+
+SEARCHES = [
+    ["--suggest", "--device-memory", "16GiB"],
+    ["--suggest", "--device-memory", "16GiB", "--all-kv-multipliers", "--json"],
+    ["--suggest", "--device-memory", "80GiB", "--max-pp", "100", "--world-size", "4096", "--zero1"],
+    ["--tp", "64", "--pp", "40", "--kv-multiplier", "8", "--device-memory", "16GiB", "--json"],
+]
+
+
+@pytest.mark.parametrize("flags", SEARCHES, ids=lambda f: " ".join(f))
+def test_plan_work_does_not_grow_with_the_layer_count(tmp_path, pieces_cut, flags):
+    cut = []
+    for layers in (80, 4096):
+        pieces_cut["pieces"], pieces_cut["limit"] = 0, 2000
+        memory._PRICINGS.clear()
+        memory._stand_in.cache_clear()
+        result = run("plan", "--config", with_layers(tmp_path, layers), *flags)
+        assert result.exit_code in (0, 1) and not result.stderr, result.stderr
+        cut.append(pieces_cut["pieces"])
+    assert cut[0] == cut[1] and 0 < cut[0] <= 2000, cut
+
+
+def test_suggest_at_4096_layers_answers_as_pricing_every_piece(tmp_path, pieces_cut, stage_layers_once):
+    """`plan --suggest` on Llama-2-70B edited to 4096 layers: a few dozen pieces cut and a few
+    MiB held (it was minutes and gigabytes), and the layouts it names are priced as piece by piece."""
+    path = with_layers(tmp_path, 4096)
+    pieces_cut["limit"] = 2000
+    tracemalloc.start()
+    try:
+        text = run("plan", "--config", path, "--suggest", "--device-memory", "16GiB")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert text.exit_code == 0, text.stderr
+    assert peak < 64 * 2**20, peak  # 18,518 layouts fit, each held without its 4096 stages
+    result = run("plan", "--config", path, "--suggest", "--device-memory", "16GiB", "--json")
+    pieces_cut["limit"] = 10**9
+    data = json.loads(result.output)
+    assert data["considered"] == 7 * 4096 and data["redundant"] > 18000
+    shown = {(d["layout"]["tp"], d["layout"]["pp"]): d for d in data["layouts"]}
+    assert list(shown)[:3] == [(2, 4096), (4, 1024), (4, 1366)]  # tp 2 fits with one layer per stage only
+    for tp, pp in [(2, 4096), (4, 1366)]:  # what the reference affords: tp x 4096 layers x pieces
+        assert shown[tp, pp] == exact_report(path, Layout(tp=tp, pp=pp), device_memory="16GiB").to_dict()
+    assert not exact_report(path, Layout(pp=4096), device_memory="16GiB").fits  # tp 1 cannot
+
+
+def test_plan_4096_layers_prints_every_stage(tmp_path, pieces_cut):
+    pieces_cut["limit"] = 2000
+    result = run("plan", "--config", with_layers(tmp_path, 4096), "--tp", "8", "--pp", "4096", "--device-memory",
+                 "16GiB")
+    assert result.exit_code == 0, result.stderr
+    rows = [line.split() for line in result.output.splitlines() if line.startswith("  ") and line.split()[0].isdigit()]
+    assert len(rows) == 4096 and rows[-1][:2] == ["4095", "4095-4095"]
+
+
+WIDE = {"num_attention_heads": 15120, "num_key_value_heads": 15120, "hidden_size": 15120 * 8,
+        "intermediate_size": 15120 * 277, "vocab_size": 15120 * 1000, "num_hidden_layers": 4096}
+
+
+@pytest.mark.parametrize("changes, flags", [
+    ({}, []),  # 80 tps x 4096 pp
+    ({"num_key_value_heads": 1}, ["--all-kv-multipliers", "--max-pp", "30"]),  # 1350 (tp, kv-multiplier) pairs
+    ({"num_hidden_layers": 63, "model_type": "mixtral", "num_local_experts": 4096}, []),  # 4096 experts, 80 tps
+])
+def test_plan_refuses_a_search_too_large_at_once(tmp_path, pieces_cut, changes, flags):
+    """Configs at the limits ModelDims accepts: a search that would take minutes is one line and
+    exit 2, before anything is priced; one tp of it answers."""
+    config = {**json.loads(L70B.read_text()), **WIDE, **changes}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    pieces_cut["limit"] = 0
+    assert_clean_failure(run("plan", "--config", path, "--suggest", "--device-memory", "16GiB", *flags),
+                         "the work plan allows", "narrow the search with --tp")
+    pieces_cut["limit"] = 10**9
+    result = run("plan", "--config", path, "--suggest", "--device-memory", "1TiB", "--tp", "840", "--max-pp", "8")
+    assert result.exit_code in (0, 1) and "activations are not estimated" in result.output, result.stderr

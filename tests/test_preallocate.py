@@ -1,5 +1,5 @@
 """A file whose size is known in advance gets its disk blocks reserved before it is written
-(`base.preallocate`): the blocks are there before the first write, blocks reserved past what was
+(`io.direct.preallocate`): the blocks are there before the first write, blocks reserved past what was
 written are freed at close, a full disk is refused before anything is written, and a file system
 without reservations is written as before."""
 
@@ -11,8 +11,9 @@ import os
 
 import pytest
 
-from shardkit.formats import base
-from shardkit.formats.base import HashingFile
+from shardkit.io import direct as io_direct
+from shardkit.io import hashing
+from shardkit.io.hashing import HashingFile
 from shardkit.paths import NoSpaceError
 
 MiB = 1 << 20
@@ -27,7 +28,7 @@ def _reserves(tmp_path) -> bool:
     probe = tmp_path / "probe"
     fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
-        return base.preallocate(fd, MiB)
+        return io_direct.preallocate(fd, MiB)
     finally:
         os.close(fd)
         probe.unlink()
@@ -53,7 +54,7 @@ def test_a_full_disk_is_refused_before_anything_is_written(tmp_path, monkeypatch
     def full(fd: int, nbytes: int) -> bool:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(base, "preallocate", full)
+    monkeypatch.setattr(hashing, "preallocate", full)
     path = tmp_path / "out.bin"
     with pytest.raises(NoSpaceError) as info:
         HashingFile(path, tmp_path, expected_size=4 * MiB)
@@ -72,14 +73,14 @@ def test_no_reservation_where_the_file_system_offers_none(tmp_path, monkeypatch,
         ctypes.set_errno(code)
         return -1
 
-    monkeypatch.setattr(base, "_FALLOCATE", refusing)
+    monkeypatch.setattr(io_direct, "_FALLOCATE", refusing)
     fd = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
-        assert base.preallocate(fd, 4 * MiB) is False
+        assert io_direct.preallocate(fd, 4 * MiB) is False
         assert os.fstat(fd).st_size == 0
     finally:
         os.close(fd)
-    assert calls == [(base.FALLOC_FL_KEEP_SIZE, 0, 4 * MiB)]
+    assert calls == [(io_direct.FALLOC_FL_KEEP_SIZE, 0, 4 * MiB)]
     path = tmp_path / "out.bin"
     out = HashingFile(path, tmp_path, expected_size=4 * MiB)
     out.write(b"abc")
@@ -92,11 +93,11 @@ def test_other_fallocate_errors_are_raised(tmp_path, monkeypatch):
         ctypes.set_errno(errno.EDQUOT)
         return -1
 
-    monkeypatch.setattr(base, "_FALLOCATE", failing)
+    monkeypatch.setattr(io_direct, "_FALLOCATE", failing)
     fd = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
         with pytest.raises(OSError) as info:
-            base.preallocate(fd, MiB)
+            io_direct.preallocate(fd, MiB)
         assert info.value.errno == errno.EDQUOT
     finally:
         os.close(fd)

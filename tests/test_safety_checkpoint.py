@@ -170,8 +170,7 @@ def test_links_inside_a_tag_are_unlinked_not_followed(ckpt, tmp_path):
     precious = precious_folder(tmp_path / "data")
     before = snapshot(precious)
     (ckpt / "step_1" / "model" / "more").symlink_to(precious, target_is_directory=True)
-    (ckpt / "step_1" / "user_content.pt").unlink()
-    (ckpt / "step_1" / "user_content.pt").symlink_to(precious / "thesis.tex")
+    (ckpt / "step_1" / "notes.tex").symlink_to(precious / "thesis.tex")  # not listed: the tag stays sound
     prune_checkpoints(ckpt, num_kept=1)
     assert snapshot(precious) == before and tags(ckpt) == [("step_2", True)]
 
@@ -239,10 +238,11 @@ def test_a_second_writer_is_refused_while_a_save_holds_the_directory(ckpt, tmp_p
     finally:
         holder.send_signal(signal.SIGKILL)  # a writer that dies: the kernel releases its flock
         holder.wait(30)
-    plan = prune_checkpoints(ckpt, num_kept=1)
-    assert plan.removed == ["step_1"] and tags(ckpt) == [("step_2", True), ("step_7", False)]
+    plan = prune_checkpoints(ckpt, num_kept=1)  # the killed writer's half-written tag goes too, saying why
+    assert plan.removed == ["step_1", "step_7"] and tags(ckpt) == [("step_2", True)]
+    assert f"process {holder.pid}" in plan.reasons["step_7"] and "no longer runs" in plan.reasons["step_7"]
     with Checkpointer() as ck:
-        save(ckpt, 7, ck, num_kept=1)  # the half-written tag is replaced
+        save(ckpt, 7, ck, num_kept=1)
     assert tags(ckpt) == [("step_7", True)]
 
 

@@ -26,7 +26,8 @@ import torch
 
 from shardkit import FormatError, open_checkpoint
 from shardkit.errors import ShardkitError
-from shardkit.formats import base, hf, nxd, xser
+from shardkit.formats import hf, nxd, torch_io, xser
+from shardkit.io import hashing
 from shardkit.formats.base import TensorSpec
 from shardkit.formats.safetensors_io import SafetensorsFile, SafetensorsWriter, read_header
 from shardkit.formats.torch_io import TensorReference, TorchWriter
@@ -55,7 +56,7 @@ FAILING_OPEN = """
     import errno, gc, io, os, signal, sys
     from pathlib import Path
     import torch
-    import shardkit.formats.base as base
+    import shardkit.io.hashing as hashing
     from shardkit.formats.base import TensorSpec
     tmp = Path(sys.argv[1])
     SPECS = [TensorSpec(f"t{i}", (1000,), torch.float32) for i in range(5)]
@@ -76,7 +77,7 @@ FAILING_OPEN = """
             Failing.written += len(b)
             return super().write(b)
 
-    base.open = lambda path, mode: Failing(path, "w")
+    hashing.open = lambda path, mode: Failing(path, "w")
 """
 
 WRITERS = ["native", "torch"]
@@ -226,7 +227,7 @@ def test_a_failure_behind_the_writes_is_clean(fmt, how, tmp_path):
         print(type(e).__name__, "|", e)
     gc.collect()
     print("left", os.path.exists(tmp / "out" / "x.bin"))
-    from shardkit.formats.base import queued_writes
+    from shardkit.io.hashing import queued_writes
     print("writers", queued_writes())
     """, tmp_path)
     clean_exit(proc)
@@ -240,17 +241,17 @@ def test_abort_takes_its_blocks_back_from_the_hash_helper(tmp_path):
     (the helper is stopped inside torch's tensor deallocator)."""
     import weakref
 
-    from shardkit.formats.digest import Digests
+    from shardkit.io.digest import Digests
 
     class Block:
         def __init__(self) -> None:
             self.data = bytearray(2 << 20)
 
-    gate = base._HashJob(Digests(), memoryview(b""))
+    gate = hashing._HashJob(Digests(), memoryview(b""))
     assert gate.take()  # nobody runs the gate: the helper stalls on the job that follows it
-    base._HASHER.submit(base._HashJob(Digests(), memoryview(b""), prev=gate))
+    hashing._HASHER.submit(hashing._HashJob(Digests(), memoryview(b""), prev=gate))
     try:
-        out = base.HashingFile(tmp_path / "x.bin", tmp_path)
+        out = hashing.HashingFile(tmp_path / "x.bin", tmp_path)
         blocks = [Block() for _ in range(3)]
         for block in blocks:
             out.write_owned(memoryview(block.data), block)
@@ -261,7 +262,7 @@ def test_abort_takes_its_blocks_back_from_the_hash_helper(tmp_path):
         assert not (tmp_path / "x.bin").exists()
     finally:
         gate.done.set()
-        base._HASHER.drain()
+        hashing._HASHER.drain()
 
 
 @pytest.mark.parametrize("writer", WRITERS)
@@ -391,7 +392,7 @@ def test_safetensors_writer_disk_full_is_a_clean_error(tmp_path, monkeypatch):
         def __getattr__(self, name):
             return getattr(self._fh, name)
 
-    monkeypatch.setattr(base, "open", Failing, raising=False)
+    monkeypatch.setattr(hashing, "open", Failing, raising=False)
     writer = SafetensorsWriter(tmp_path / "x.safetensors", tmp_path, SPECS)
     with pytest.raises(NoSpaceError) as info:
         for spec in SPECS:
@@ -653,7 +654,9 @@ def test_an_xser_rank_file_is_parsed_once_until_it_changes(tmp_path, monkeypatch
         writer.close()
     loads: list[Path] = []
     real = xser.safe_load
-    monkeypatch.setattr(xser, "safe_load", lambda p, *a, **k: loads.append(Path(p)) or real(p, *a, **k))
+    counted = lambda p, *a, **k: loads.append(Path(p)) or real(p, *a, **k)  # noqa: E731
+    monkeypatch.setattr(xser, "safe_load", counted)
+    monkeypatch.setattr(torch_io, "safe_load", counted)  # the info file, read by torch_io.load_small
     for _ in range(3):
         XserFile(path).close()
     assert loads == [path, xser.info_path(path)]

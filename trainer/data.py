@@ -38,6 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardkit.io.transaction import write_file
+from shardkit.paths import regular_file
+
 from .errors import DataError
 
 MAGIC = b"SKTOKENS"
@@ -52,11 +55,8 @@ def write_tokens(path: str | Path, tokens, vocab_size: int) -> Path:
         raise DataError(f"token ids must lie in [0, {vocab_size}); got {array.min()}..{array.max()}")
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(HEADER.pack(MAGIC, VERSION, np.dtype(dtype).itemsize, vocab_size, array.size))
-        f.write(array.astype(dtype, copy=False).tobytes())
-    tmp.replace(path)
+    header = HEADER.pack(MAGIC, VERSION, np.dtype(dtype).itemsize, vocab_size, array.size)
+    write_file(path, [header, array.astype(dtype, copy=False).tobytes()], what="token file")
     return path
 
 
@@ -79,6 +79,7 @@ class TokenFile:
             if self.tokens.ndim != 1 or self.tokens.dtype.kind not in "iu":
                 raise DataError(f"{self.path} must hold a 1-D array of integer token ids")
         else:
+            regular_file(self.path, "data file")  # a FIFO or device would hang or never end
             with open(self.path, "rb") as f:
                 raw = f.read(HEADER.size)
             if len(raw) < HEADER.size or raw[:8] != MAGIC:
@@ -180,6 +181,11 @@ class Batches:
         first = self.consumed_samples + self.dp_rank * per_rank
         rows = np.stack([self.sample(first + i) for i in range(per_rank)])
         self.consumed_samples += self.global_batch
+        if rows.size and rows.min() < 0:
+            raise DataError(
+                f"{self.file.path} holds a negative token id ({int(rows.min())}): token ids count from 0; "
+                "tokenize with scripts/prepare_data.py"
+            )
         if self.vocab_size is not None and rows.max() >= self.vocab_size:
             raise DataError(
                 f"{self.file.path} holds token id {int(rows.max())}, outside the model's vocabulary of "

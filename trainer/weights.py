@@ -32,8 +32,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +41,9 @@ import torch
 from shardkit.api import export_checkpoint
 from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank
 from shardkit.formats import Checkpoint, SourceReader, hf
-from shardkit.paths import resolved
+from shardkit.io.overlap import resolved
+from shardkit.io.small import SmallFileError, read_json
+from shardkit.io.transaction import scratch_folder
 from shardkit.placements import Segment, build_piece
 
 from .errors import TrainerError
@@ -142,8 +142,8 @@ def export_run(cfg) -> dict[str, Any]:
 
 def _marker(dst: Path) -> dict[str, Any] | None:
     try:
-        marker = json.loads((dst / EXPORT_MARKER).read_text())
-    except (OSError, ValueError):
+        marker = read_json(dst / EXPORT_MARKER, EXPORT_MARKER)
+    except SmallFileError:
         return None
     return marker if isinstance(marker, dict) else None
 
@@ -183,19 +183,16 @@ def check_export_destination(cfg) -> int | None:
 
 @contextlib.contextmanager
 def staged_tag(par: Parallel, dst: Path, what: str) -> Iterator[tuple[Path, Checkpointer]]:
-    """A staging folder beside `dst` (one path for every rank) and a throwaway Checkpointer to save a
-    tag into it, for an export; the Checkpointer is closed and, once every rank is done, rank 0
-    removes the folder."""
-    staging = dst.parent / f".{dst.name}.trainer-{what}-{os.getpid()}"
-    staging = Path(par.broadcast_object(str(staging) if par.leader else None))
+    """A scratch folder beside `dst` (one path for every rank, `io.transaction.scratch_folder`) and a
+    throwaway Checkpointer to save a tag into it, for an export (`what`); the Checkpointer is closed
+    and, once every rank is done, the folder is removed."""
     checkpointer = par.comm.checkpointer(CheckpointerConfig(format="torch", fsync=False))
-    try:
-        yield staging, checkpointer
-    finally:
-        checkpointer.close()
-        par.barrier()
-        if par.leader:
-            shutil.rmtree(staging, ignore_errors=True)
+    with scratch_folder(dst, par.job) as scratch:
+        log.debug("%s: scratch tag in %s", what, scratch)
+        try:
+            yield scratch, checkpointer
+        finally:
+            checkpointer.close()
 
 
 def export_hf(
@@ -226,8 +223,7 @@ def export_hf(
         rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=par.ep_rank, dp=par.edp_rank)
         checkpointer.save(staging, EXPORT_TAG, state, layout=spec.layout, config=spec.config, rank=rank)
         par.all_ok(copy_side_files)
+        marker = {EXPORT_MARKER: json.dumps({"run": run, "step": step}, indent=2) + "\n"}
         if par.leader or not par.comm.shares_process:  # shardkit divides the merge among processes
-            export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype, overwrite=True)
-        if par.leader:
-            (dst / EXPORT_MARKER).write_text(json.dumps({"run": run, "step": step}, indent=2) + "\n")
+            export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype, overwrite=True, extra_files=marker)
     return dst

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ShardkitError
 from .base import CheckpointWriteError
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,10 @@ class BackgroundWriter:
         def run() -> Any:
             try:
                 return task()
+            except ShardkitError as e:  # bad input or a full disk: one line (the traceback only at debug level)
+                log.error("async save of %s failed (%s); the error is raised at the next save/wait", what, e)
+                log.debug("async save of %s failed", what, exc_info=True)
+                raise
             except BaseException:
                 log.exception("async save of %s failed; the error is raised at the next save/wait", what)
                 raise

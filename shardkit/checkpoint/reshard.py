@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,13 +25,18 @@ import torch
 from typing_extensions import Unpack
 
 from ..distributed import Job, current_job
-from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
+from ..families.lora import base_config, saved_settings
+from ..formats import Checkpoint, SourceReader, load_config, nxd, open_checkpoint
 from ..formats.manifest import MANIFEST, file_record, manifest
+from ..io.durable import write_bytes, write_marker, write_text
+from ..io.small import PICKLE_LIMIT, read_small
+from ..io.transaction import commit_all, staged_output
 from ..layout import Layout
 from ..placements import Piece
 from .base import CheckpointError
-from .load import resolve_tag
-from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT, write_marker
+from .guard import TagCheck
+from .load import tag_to_read
+from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT
 from .zero1 import (
     MASTER,
     MOMENTS,
@@ -156,20 +161,22 @@ def write_rank(
     out_tag: Path,
     readers: RankReaders,
     layout: Layout,
-    tp: int,
-    pp: int,
+    rank: tuple[int, int, int],
     dp: int,
     use_xser: bool,
     master: bool,
     dtype: torch.dtype,
 ) -> list[Path]:
-    """One target (tp, pp) rank: its model file and its dp optimizer files (NxD's format)."""
+    """One target (ep, tp, pp) rank: its model file and its dp optimizer files (NxD's format; v3
+    names with ep_rank when ep > 1, ep ranks > 0 holding only their experts)."""
     src = readers.src
-    pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes)
+    ep, tp, pp = rank
+    pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes, ep)
+    expert = {p.name for p in pieces if p.expert}  # xser's expert_model_parallel flags, as save writes them
     written: list[Path] = []
     weights = readers.weights(pieces, dtype)
-    model_path = out_tag / MODEL_DIR / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
-    written += save_object(model_path, weights, use_xser)
+    model_path = out_tag / nxd.rank_file_name(ep, tp, pp, layout, "torch")
+    written += save_object(model_path, weights, use_xser, expert)
     del weights
     if src.zero1 is not None:
         moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
@@ -178,19 +185,9 @@ def write_rank(
         groups = [readers.group(p) for p in pieces]
         for d in range(dp):
             obj = build_optim(names, groups, src.zero1.hyper, state, dp, d, master)
-            written += save_object(out_tag / optim_name(d, tp, pp), obj, use_xser)
+            name = optim_name(d, tp, pp, ep if layout.ep > 1 else None)
+            written += save_object(out_tag / name, obj, use_xser, bool(expert))
     return written
-
-
-def _staging(dst: Path) -> Path:
-    if dst.exists():
-        raise CheckpointError(f"{dst} exists: give a new directory for the resharded checkpoint")
-    if not dst.parent.is_dir():
-        raise CheckpointError(f"{dst.parent} does not exist: create it first")
-    staging = dst.parent / f".{dst.name}.shardkit-tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    return staging
 
 
 class TrainingReshardOptions(TypedDict, total=False):
@@ -210,6 +207,43 @@ class TrainingReshardOptions(TypedDict, total=False):
     """keep (default: fp32 master weights resharded too) or drop."""
     hints: Mapping[str, Any] | None
     """Layout facts the source's files cannot tell (kv_replication)."""
+    verify_hashes: bool
+    """Check every file the source tag's manifest lists against its digest before the new
+    checkpoint is committed (default True)."""
+
+
+@dataclass
+class _Plan:
+    """A `reshard_training` call, checked: its source, target and how to write it."""
+
+    src: Source
+    name: str
+    layout: Layout
+    dp: int
+    zero1: bool
+    use_xser: bool
+    master: bool
+    dtype: torch.dtype
+    check: TagCheck | None = None
+
+
+def _plan(src_dir: Path, layout: Layout, param_order: ParamOrder, options: TrainingReshardOptions) -> _Plan:
+    """Open the source tag and check every option against it (every rank: nothing written yet)."""
+    dp, zero1, config = options.get("dp", 1), options.get("zero1", True), options.get("config")
+    master_weights = options.get("master_weights", "keep")
+    if master_weights not in ("keep", "drop"):
+        raise CheckpointError(f"--master-weights must be keep or drop, not {master_weights!r}")
+    if not isinstance(dp, int) or dp < 1:
+        raise CheckpointError(f"--dp must be a whole number >= 1, got {dp!r}")
+    cfg = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
+    src_dir, name = tag_to_read(src_dir, options.get("tag"), "shardkit reshard DIR DST")
+    src = open_training_tag(src_dir / name, cfg, options.get("hints"), param_order)
+    layout.validate(src.model.dims)
+    fmt = options.get("format") or src.model.format
+    if fmt not in ("torch", "xser"):
+        raise CheckpointError(f"--format {fmt} is not one NxD's trainer writes: use torch or xser")
+    master = master_weights == "keep" and src.zero1 is not None and src.zero1.master
+    return _Plan(src, name, layout, dp if zero1 else 1, bool(zero1), fmt == "xser", master, model_dtype(src))
 
 
 def reshard_training(
@@ -222,110 +256,86 @@ def reshard_training(
     **options: Unpack[TrainingReshardOptions],
 ) -> Path:
     """Write checkpoint `src_dir` (its newest complete tag, or `tag`) as a training checkpoint root
-    `dst` (`dst/<tag>/...`) for `layout` and `dp` data-parallel ranks, in NxD's format. Returns
-    the tag folder written."""
+    `dst` (`dst/<tag>/...`) for `layout` and `dp` data-parallel ranks, in NxD's format, through the
+    I/O core's staged output (nothing of it exists until it is complete; the source is checked
+    against its manifest and for changes before the commit). Returns the tag folder written."""
     job = job or current_job()
-    dp, zero1, config = options.get("dp", 1), options.get("zero1", True), options.get("config")
-    tag, format, hints = options.get("tag"), options.get("format"), options.get("hints")
-    master_weights = options.get("master_weights", "keep")
     src_dir, dst = Path(src_dir), Path(dst)
-    if master_weights not in ("keep", "drop"):
-        raise CheckpointError(f"--master-weights must be keep or drop, not {master_weights!r}")
-    if not isinstance(dp, int) or dp < 1:
-        raise CheckpointError(f"--dp must be a whole number >= 1, got {dp!r}")
-    cfg = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
-
-    def plan() -> tuple[Source, Path, str]:
-        name = resolve_tag(src_dir, tag)
-        if name is None:
-            raise CheckpointError(f"{src_dir} holds no complete checkpoint")
-        src = open_training_tag(src_dir / name, cfg, hints, param_order)
-        layout.validate(src.model.dims)
-        fmt = format or src.model.format
-        if fmt not in ("torch", "xser"):
-            raise CheckpointError(f"--format {fmt} is not one NxD's trainer writes: use torch or xser")
-        staging = _staging(dst) if job.leader else Path()
-        return src, staging, name
-
-    src, staging, name = job.run_all_or_none(plan)
-    staging = Path(job.broadcast(str(staging)))
-    use_xser = (format or src.model.format) == "xser"
-    dpn = dp if zero1 else 1
-    master = master_weights == "keep" and src.zero1 is not None and src.zero1.master
-    out_tag = staging / name
-    dtype = model_dtype(src)
+    plan = job.run_all_or_none(lambda: _plan(src_dir, layout, param_order, options))
     started = time.monotonic()
-    try:
-
-        def prepare() -> None:
-            if job.leader:
-                out_tag.mkdir()
-                write_marker(out_tag, CHECKPOINT_MARKER, fsync=False)
-                (out_tag / MODEL_DIR).mkdir()
-
-        job.run_all_or_none(prepare)
-        units = [(tp, pp) for pp in range(layout.pp) for tp in range(layout.tp)]
-
-        def write_mine() -> list[str]:
-            readers = RankReaders(src)
-            try:
-                files: list[Path] = []
-                for tp, pp in job.share(units):
-                    files += write_rank(out_tag, readers, layout, tp, pp, dpn, use_xser, master, dtype)
-                return [str(f) for f in files]
-            finally:
-                readers.close()
-
-        written = [f for part in job.gather(job.run_all_or_none(write_mine)) for f in part]
-
-        def finish() -> None:
-            if not job.leader:
-                return
-            for plain in (SCHEDULER, USER_CONTENT):
-                if (src.tag_dir / plain).is_file():
-                    shutil.copyfile(src.tag_dir / plain, out_tag / plain)
-                    written.append(str(out_tag / plain))
-            (out_tag / CONFIG).write_text(json.dumps(src.model.config, indent=2) + "\n")
-            written.append(str(out_tag / CONFIG))
-            records = [file_record(Path(f), out_tag) for f in written]
-            data = manifest(
-                fmt="xser" if use_xser else "torch",
-                family=src.model.family.name,
-                layout=layout,
-                dtype=str(dtype).replace("torch.", ""),
-                records=records,
-                tensors=src.model.full_shapes,
-                source=str(src.tag_dir),
-                command="ckpt reshard",
-                checkpoint={
-                    "tag": name,
-                    "step": _step(src, name),
-                    "dp": dpn,
-                    "zero1": bool(zero1),
-                    "master_weights": master,
-                    "nxd": True,
-                },
-            )
-            (out_tag / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
-            write_marker(out_tag, DONE_MARKER, fsync=True)
-            os.rename(staging, dst)
-
-        job.run_all_or_none(finish)
-    except BaseException:
+    with staged_output(dst, sources=[src_dir, plan.src.tag_dir], what="ckpt reshard", job=job) as out:
         if job.leader:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+            plan.check = TagCheck(plan.src.tag_dir, options.get("verify_hashes", True))
+        out_tag = out.path / plan.name
+        job.run_all_or_none(lambda: _begin_tag(out_tag) if job.leader else None)
+        written = [f for part in job.gather(job.run_all_or_none(lambda: _write_mine(job, plan, out_tag))) for f in part]
+        commit_all(out, job, lambda staging: _finish_tag(plan, out_tag, written))
+    src = plan.src
     log.info(
         "resharded %s (%s, dp %d) to %s (%s, dp %d) in %.1fs",
         src.tag_dir,
         src.model.layout.describe(),
         src.zero1.dp if src.zero1 else 1,
-        dst / name,
+        dst / plan.name,
         layout.describe(),
-        dpn,
+        plan.dp,
         time.monotonic() - started,
     )
-    return dst / name
+    return dst / plan.name
+
+
+def _begin_tag(out_tag: Path) -> None:
+    out_tag.mkdir()
+    write_marker(out_tag, CHECKPOINT_MARKER, fsync=False)
+    (out_tag / MODEL_DIR).mkdir()
+
+
+def _write_mine(job: Job, plan: _Plan, out_tag: Path) -> list[str]:
+    """This process's share of the target (ep, tp, pp) ranks (their model and optimizer files)."""
+    units = sorted(plan.layout.ranks(), key=lambda r: (r[2], r[1], r[0]))  # pp, tp, ep: stage by stage
+    readers = RankReaders(plan.src)
+    try:
+        files: list[Path] = []
+        for rank in job.share(units):
+            files += write_rank(out_tag, readers, plan.layout, rank, plan.dp, plan.use_xser, plan.master, plan.dtype)
+        return [str(f) for f in files]
+    finally:
+        readers.close()
+
+
+def _finish_tag(plan: _Plan, out_tag: Path, written: list[str]) -> None:
+    """Leader, after every rank's files: the plain files, config, manifest; the source checked
+    (unchanged, and every listed file matching its digest); `done` last."""
+    src = plan.src
+    files = [Path(f) for f in written]
+    for plain in (SCHEDULER, USER_CONTENT):
+        if os.path.lexists(src.tag_dir / plain):
+            write_bytes(out_tag / plain, read_small(src.tag_dir / plain, plain, PICKLE_LIMIT), fsync=False)
+            files.append(out_tag / plain)
+    write_text(out_tag / CONFIG, json.dumps(src.model.config, indent=2) + "\n", fsync=False)
+    files.append(out_tag / CONFIG)
+    data = manifest(
+        fmt="xser" if plan.use_xser else "torch",
+        family=src.model.family.name,
+        layout=plan.layout,
+        dtype=str(plan.dtype).replace("torch.", ""),
+        records=[file_record(f, out_tag) for f in files],
+        tensors=src.model.full_shapes,
+        source=str(src.tag_dir),
+        command="ckpt reshard",
+        checkpoint={
+            "tag": plan.name,
+            "step": _step(src, plan.name),
+            "dp": plan.dp,
+            "zero1": plan.zero1,
+            "master_weights": plan.master,
+            "nxd": True,
+        },
+    )
+    write_text(out_tag / MANIFEST, json.dumps(data, indent=2) + "\n", fsync=False)
+    if plan.check is not None:
+        plan.check.verify()
+    write_marker(out_tag, DONE_MARKER, fsync=True)
 
 
 def _step(src: Source, name: str) -> int | None:
@@ -353,12 +363,7 @@ def inspect_training(
     """What a training checkpoint tag holds: layout incl. dp and ZeRO-1, param groups and their
     hyper-parameters, step, master weights, optimizer bytes. `src_dir` is a checkpoint directory
     (its newest complete tag, or `tag`) or a tag folder."""
-    src_dir = Path(src_dir)
-    if tag is None and (src_dir / CHECKPOINT_MARKER).is_file():
-        src_dir, tag = src_dir.parent, src_dir.name
-    name = resolve_tag(src_dir, tag)
-    if name is None:
-        raise CheckpointError(f"{src_dir} holds no complete checkpoint")
+    src_dir, name = tag_to_read(src_dir, tag, "shardkit inspect DIR")
     src = open_training_tag(src_dir / name, config, None, param_order)
     zero = src.zero1
     optim_bytes = 0
@@ -385,9 +390,28 @@ def inspect_training(
         "describe": src.model.layout.describe(),
         "dp": zero.dp if zero else None,
         "zero1": bool(zero and zero.dp > 1),
-        "step": zero.step if zero else _step(src, name),
+        "step": _whole(zero.step) if zero else _step(src, name),
         "master_weights": bool(zero and zero.master),
         "model_has_data": src.has_data,
         "param_groups": groups,
         "optimizer_bytes": optim_bytes,
+        "lora": _lora_info(src.model),
+    }
+
+
+def _whole(step: float | None) -> float | int | None:
+    """A step as people write it: 20, not 20.0 (optimizer files keep it as a float)."""
+    return int(step) if isinstance(step, float) and step.is_integer() else step
+
+
+def _lora_info(model: Checkpoint) -> dict[str, Any] | None:
+    """What an adapter checkpoint's adapters are and what they were trained on (None: full weights)."""
+    settings = saved_settings(model.config)
+    if settings is None:
+        return None
+    return {
+        **settings.to_dict(),
+        "base_model": settings.base_model,
+        "base_model_type": base_config(model.config).get("model_type"),
+        "trained_parameters": sum(math.prod(s) for s in model.full_shapes.values()),
     }

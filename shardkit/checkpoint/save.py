@@ -36,17 +36,22 @@ import torch
 from typing_extensions import Unpack
 
 from ..distributed import Job
-from ..errors import LayoutError
+from ..errors import LayoutError, ShardkitError
 from ..families import Family, family_for
 from ..formats import MANIFEST, load_config
-from ..formats.base import FileRecord, HashingFile, TensorSpec
+from ..formats.base import TensorSpec
 from ..formats.manifest import file_record
 from ..formats.manifest import manifest as build_manifest
 from ..formats.safetensors_io import SafetensorsWriter
 from ..formats.torch_io import TorchWriter, torch_save
 from ..formats.xser import XserWriter, tensors_dir
+from ..io.delete import is_link
+from ..io.digest import FileRecord
+from ..io.durable import fsync_path, write_text
+from ..io.hashing import HashingFile
+from ..io.oserror import disk_error, translated
+from ..io.transaction import terminate_as_interrupt
 from ..layout import Layout, ModelDims
-from ..paths import is_link
 from .async_save import BackgroundWriter, HostStaging, host_copy
 from .base import (
     CheckpointerConfig,
@@ -69,24 +74,19 @@ from .state import (
     scheduler_state,
 )
 from .tree import (
-    CHECKPOINT_MARKER,
     CONFIG,
-    DONE_MARKER,
     MODEL_DIR,
     SCHEDULER,
     USER_CONTENT,
     DirectoryLock,
     apply_retention,
-    fsync_path,
     is_complete,
     list_checkpoints,
     lock_directory,
     plan_retention,
-    remove_tag,
+    tag_folder,
     tag_path,
     tag_step,
-    write_marker,
-    write_text,
 )
 from .zero1 import build_optim, save_object
 
@@ -105,13 +105,13 @@ def make_job(group: Any = None) -> Job:
     return Job(dist.get_rank(), dist.get_world_size(), group)
 
 
-def agree(job: Job, what: str, step: Callable[[], Any]) -> list[Any]:
+def agree(job: Job, what: str, step: Callable[[], Any], where: Path | None = None) -> list[Any]:
     """`Job.agree` with the checkpoint layer's errors: an OSError here, or any failure elsewhere,
     is a CheckpointWriteError naming what failed."""
     try:
         return job.agree(step, elsewhere=lambda m: CheckpointWriteError(f"{what} failed on another rank ({m})"))
     except OSError as e:
-        raise CheckpointWriteError(f"{what} failed: {e}") from e
+        raise CheckpointWriteError(f"{what} failed: {disk_error(e, 'write', e.filename or where)}") from None
 
 
 def new_group() -> Any:
@@ -254,25 +254,22 @@ def _save_json(tag_dir: Path, name: str, data: Any, fsync: bool) -> FileRecord:
 
 
 def prepare_tag(job: SaveJob) -> None:
-    """Rank 0: a fresh `<tag>/` with its `checkpoint` marker (an older tag of that name goes first)."""
-    job.root.mkdir(parents=True, exist_ok=True)
-    if is_link(job.tag_dir):  # never written or emptied through: the link goes, its target stays
-        log.warning(
-            "tag %s is a symlink (to %s): replacing the link with a new folder; its target is left untouched",
-            job.tag_dir,
-            Path(job.tag_dir).resolve(),
-        )
-        remove_tag(job.tag_dir, job.fsync)
-    elif job.tag_dir.exists():
-        (log.warning if is_complete(job.tag_dir) else log.info)(
-            "tag %s exists: replacing it (its done marker is removed first)", job.tag_dir
-        )
-        remove_tag(job.tag_dir, job.fsync)
-    job.tag_dir.mkdir()
-    write_marker(job.tag_dir, CHECKPOINT_MARKER, job.fsync)  # first, before anything else in the tag
-    if job.fsync:
-        fsync_path(job.root)
-    (job.tag_dir / MODEL_DIR).mkdir()
+    """Rank 0: a fresh `<tag>/` with its `checkpoint` marker (an older tag of that name goes first,
+    `done` first; a tag that is a symlink loses the link, never its target's files)."""
+    with translated("write", job.tag_dir):
+        job.root.mkdir(parents=True, exist_ok=True)
+        if is_link(job.tag_dir):
+            log.warning(
+                "tag %s is a symlink (to %s): replacing the link with a new folder; its target is left untouched",
+                job.tag_dir,
+                Path(job.tag_dir).resolve(),
+            )
+        elif job.tag_dir.exists():
+            (log.warning if is_complete(job.tag_dir) else log.info)(
+                "tag %s exists: replacing it (its done marker is removed first)", job.tag_dir
+            )
+        tag_folder(job.tag_dir, job.fsync).prepare()
+        (job.tag_dir / MODEL_DIR).mkdir()
 
 
 def _written(tag_dir: Path, paths: list[Path], fsync: bool) -> list[FileRecord]:
@@ -388,10 +385,20 @@ def manifest(job: SaveJob, results: Sequence[Mapping[str, Any]]) -> dict[str, An
 
 def finish_tag(job: SaveJob, results: Sequence[Mapping[str, Any]]) -> None:
     """Rank 0, after every rank's files are durable: the manifest, then `done`."""
-    write_text(job.tag_dir / MANIFEST, json.dumps(manifest(job, results), indent=2) + "\n", job.fsync)
-    write_marker(job.tag_dir, DONE_MARKER, job.fsync)
-    if job.fsync:
-        fsync_path(job.root)
+    with translated("write", job.tag_dir):
+        write_text(job.tag_dir / MANIFEST, json.dumps(manifest(job, results), indent=2) + "\n", job.fsync)
+        tag_folder(job.tag_dir, job.fsync).commit()
+
+
+def discard_tag(job: SaveJob) -> None:
+    """Rank 0, after a failed save: remove the incomplete tag (logged, never raised: the save's own
+    failure is the one to report). A tag left by a killed save is removed by the next retention."""
+    try:
+        tag_folder(job.tag_dir, job.fsync).remove()
+    except (OSError, ShardkitError) as e:
+        log.warning(
+            "could not remove the incomplete checkpoint %s (%s): the next save or prune retries", job.tag_dir, e
+        )
 
 
 def retain(job: SaveJob) -> None:
@@ -408,11 +415,18 @@ def retain(job: SaveJob) -> None:
 
 
 def run_save(job: SaveJob, comm: Job, retention: Callable[[SaveJob], None] | None = retain) -> None:
-    """Steps 2-5 of a save (module docstring), on every rank."""
+    """Steps 2-5 of a save (module docstring), on every rank. A failure on any rank leaves no
+    incomplete tag behind (rank 0 removes it); Ctrl-C and SIGTERM of a save in the main thread too."""
     what = f"saving checkpoint {job.tag}"
-    agree(comm, what, lambda: prepare_tag(job) if job.leader else None)
-    results = agree(comm, what, lambda: write_rank_files(job))
-    agree(comm, what, lambda: finish_tag(job, results) if job.leader else None)
+    with terminate_as_interrupt():
+        agree(comm, what, lambda: prepare_tag(job) if job.leader else None, job.tag_dir)
+        try:
+            results = agree(comm, what, lambda: write_rank_files(job), job.tag_dir)
+            agree(comm, what, lambda: finish_tag(job, results) if job.leader else None, job.tag_dir)
+        except BaseException:
+            if job.leader:
+                discard_tag(job)
+            raise
     log.info("saved checkpoint %s (%s, %s)", job.tag_dir, job.layout.describe() if job.layout else "generic", job.fmt)
     if job.leader and retention is not None:
         retention(job)

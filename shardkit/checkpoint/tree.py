@@ -14,24 +14,22 @@ Safety rules kept here:
 
 from __future__ import annotations
 
-import datetime
-import errno
-import fcntl
-import json
 import logging
 import os
 import re
-import socket
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from ..errors import ShardkitError
-from ..formats import MANIFEST, nxd
-from ..formats.digest import has_digest
+from ..formats import MANIFEST, hf, nxd
+from ..io.delete import is_link, refuse_mounts
+from ..io.digest import has_digest
+from ..io.lock import FolderLock, lock_folder
+from ..io.small import SmallFileError, read_json
+from ..io.transaction import MarkedFolder, dead_owner
 from ..layout import Layout
-from ..paths import UnsafePathError, inside, is_link, remove_tree
+from ..paths import UnsafePathError, inside
 from .base import (
     CheckpointError,
     CheckpointLockedError,
@@ -51,34 +49,6 @@ OPTIM_DIR = "optim"
 
 _STEP_RE = re.compile(r"step[=_\-]?(\d+)", re.IGNORECASE)
 _LAST_INT_RE = re.compile(r"(\d+)(?!.*\d)")
-
-
-# ---- durable writes ------------------------------------------------------------------------------
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (its entries) by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text(path: Path, text: str, fsync: bool = True) -> None:
-    """Write a small file and (with fsync) make it and its directory entry durable."""
-    with open(path, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        if fsync:
-            os.fsync(fh.fileno())
-    if fsync:
-        fsync_path(path.parent)
-
-
-def write_marker(tag_dir: Path, name: str, fsync: bool = True) -> None:
-    """NxD's marker files hold the text "1"."""
-    write_text(Path(tag_dir) / name, "1", fsync)
 
 
 def check_tag_name(tag: str, directory: str | Path | None = None) -> str:
@@ -134,20 +104,35 @@ def read_manifest(tag_dir: Path) -> dict[str, Any] | None:
 
 def check_manifest(tag_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(manifest, None) for a well-formed shardkit.json; (None, None) when there is none (an NxD
-    tag); (None, what is wrong) when it is unreadable, not JSON or malformed (a damaged tag)."""
+    tag); (None, what is wrong) when it is unreadable, not a regular file, too large, not JSON or
+    malformed (a damaged tag). Read with the bounded reader: a FIFO there never hangs a listing."""
     path = Path(tag_dir) / MANIFEST
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None, None
-    except OSError as e:
-        return None, f"{MANIFEST} cannot be read ({e.strerror or e})"
     try:
-        data = json.loads(text)
-    except (ValueError, RecursionError):
-        return None, f"{MANIFEST} is not valid JSON"
+        data = read_json(path, MANIFEST)
+    except SmallFileError as e:
+        reason = str(e).replace(f"{MANIFEST} {path} ", "", 1)
+        return None, f"{MANIFEST} {reason}"
     problem = manifest_problem(data)
     return (None, problem) if problem else (data, None)
+
+
+def files_problem(tag_dir: Path, manifest: dict[str, Any]) -> str | None:
+    """The cheap check of a tag's files against its manifest: each listed file is there, inside
+    the tag, with the listed size (None when all are). Hashes are checked where the files are read."""
+    for entry in manifest.get("files", []):
+        name = entry["path"]
+        try:
+            path = inside(tag_dir, name, f"file {name!r} listed in {MANIFEST}")
+            size = os.stat(path).st_size
+        except UnsafePathError as e:
+            return str(e)
+        except OSError:
+            return f"{name} is missing (listed in {MANIFEST})"
+        if size != entry["size"]:
+            return f"{name} has {size} bytes, {MANIFEST} says {entry['size']} (truncated or replaced)"
+    return None
 
 
 def _whole_number(value: Any) -> bool:
@@ -213,6 +198,9 @@ class CheckpointInfo:
     files: int = 0
     problem: str | None = None  # why the tag is damaged (its manifest is unreadable or malformed)
     link: bool = False  # the tag is a symlink (removing it unlinks the link, never its target)
+    abandoned: int | None = None  # incomplete, and its writer (this pid, on this host) no longer runs
+    dp: int | None = None  # optimizer files per (ep, tp, pp) rank: ZeRO-1's dp shards (None: no optimizer seen)
+    zero1: bool | None = None  # the manifest's word on ZeRO-1 (NxD tags: dp > 1)
 
     @property
     def damaged(self) -> bool:
@@ -225,15 +213,20 @@ class CheckpointInfo:
 
     @property
     def layout_text(self) -> str:
+        """The whole layout in a few words: `ep2 tp2 pp2 vpp2 kv2 gqa dp4 ZeRO-1`."""
         if not self.layout:
             return "-"
         text = f"tp{self.layout.get('tp', 1)} pp{self.layout.get('pp', 1)}"
         if self.layout.get("ep", 1) > 1:
             text = f"ep{self.layout['ep']} " + text
+        if self.layout.get("vpp", 1) > 1:
+            text += f" vpp{self.layout['vpp']}"
         if self.layout.get("kv_multiplier", 1) > 1:
             text += f" kv{self.layout['kv_multiplier']}"
         if self.layout.get("qkv") and self.layout.get("qkv") != "separate":
             text += f" {self.layout['qkv']}"
+        if self.dp is not None:
+            text += f" dp{self.dp}" + (" ZeRO-1" if self.zero1 and self.dp > 1 else "")
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -258,6 +251,8 @@ def _tree_size(path: Path) -> tuple[int, int]:
 def _info(tag_dir: Path, details: bool = True) -> CheckpointInfo:
     complete = is_complete(tag_dir)
     manifest, problem = check_manifest(tag_dir)
+    if manifest is not None and complete:
+        problem = files_problem(tag_dir, manifest)
     marker = tag_dir / CHECKPOINT_MARKER
     try:
         mtime = (marker if marker.is_file() else tag_dir).stat().st_mtime
@@ -265,9 +260,13 @@ def _info(tag_dir: Path, details: bool = True) -> CheckpointInfo:
         mtime = 0.0
     step = None
     layout = fmt = None
+    dp, zero1 = _optimizer_shards(tag_dir) if details else (None, None)
     if manifest:
-        step = (manifest.get("checkpoint") or {}).get("step")
+        section = manifest.get("checkpoint") or {}
+        step = section.get("step")
         layout, fmt = manifest.get("layout"), manifest.get("format")
+        if dp is not None and isinstance(section.get("zero1"), bool):
+            zero1 = section["zero1"]
     if step is None:
         step = tag_step(tag_dir.name)
     if layout is None and details and problem is None:
@@ -291,7 +290,26 @@ def _info(tag_dir: Path, details: bool = True) -> CheckpointInfo:
         count,
         problem,
         is_link(tag_dir),
+        None if complete else dead_owner(tag_dir),
+        dp,
+        zero1,
     )
+
+
+_OPTIM_DP = re.compile(r"^dp_rank_(\d+)_(?:ep_rank_\d+_)?tp_rank_\d+_pp_rank_\d+\.pt$")
+
+
+def _optimizer_shards(tag_dir: Path) -> tuple[int | None, bool | None]:
+    """(dp shards of the optimizer, ZeRO-1) from a tag's optim/ file names; (None, None) without."""
+    try:
+        with os.scandir(tag_dir / OPTIM_DIR) as entries:
+            ranks = [int(m.group(1)) for e in entries if (m := _OPTIM_DP.match(e.name))]
+    except OSError:
+        return None, None
+    if not ranks:
+        return None, None
+    dp = max(ranks) + 1
+    return dp, dp > 1
 
 
 def _is_tag(path: Path) -> bool:
@@ -300,6 +318,33 @@ def _is_tag(path: Path) -> bool:
         and not path.name.startswith(".")
         and ((path / CHECKPOINT_MARKER).is_file() or (path / DONE_MARKER).is_file())
     )
+
+
+def is_tag(path: str | Path) -> bool:
+    """A checkpoint tag folder: it has a `checkpoint` or `done` marker."""
+    return _is_tag(Path(path))
+
+
+def is_checkpoint_root(path: str | Path) -> bool:
+    """A checkpoint directory (the trainer's --checkpoint-dir): tags below it, and no model of its own."""
+    path = Path(path)
+    if not path.is_dir() or _is_tag(path) or (path / MANIFEST).is_file() or (path / MODEL_DIR).is_dir():
+        return False
+    return any(_is_tag(p) for p in path.iterdir())
+
+
+def model_folder_kind(path: str | Path) -> str | None:
+    """What model folder `path` is ("shardkit shards", ...), or None when it is none."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return "shardkit shards"
+    try:
+        if nxd.find_rank_files(path) is not None:
+            return "NxD shards"
+        weights = hf.weight_files(path, strict=False)
+    except (ShardkitError, OSError):
+        return None
+    return "a Hugging Face model" if weights or (path / CONFIG).is_file() else None
 
 
 def list_checkpoints(directory: str | Path, details: bool = True) -> list[CheckpointInfo]:
@@ -348,83 +393,74 @@ def plan_retention(
     infos: list[CheckpointInfo], num_kept: int | None, keep_every: int | None, protect: tuple[str, ...] = ()
 ) -> RetentionPlan:
     """Keep the newest `num_kept` complete tags and those whose step is a multiple of `keep_every`;
-    remove the other complete tags and the incomplete tags older than the newest complete one. The
-    newest complete tag and `protect`ed tags are always kept. With no complete tag, nothing goes.
-    Damaged tags (complete, but with a malformed manifest) are neither counted nor removed."""
+    remove the other complete tags, the incomplete tags older than the newest complete one, and the
+    incomplete tags whose writer (a process of this host) no longer runs. The newest complete tag
+    and `protect`ed tags are always kept. Damaged tags (a malformed manifest, or files that fail
+    its size check) are neither counted nor removed: a person decides."""
     check_retention(num_kept, keep_every)
     plan = RetentionPlan()
     complete = [i for i in infos if i.loadable]
-    if not complete:
-        plan.keep = [i.tag for i in infos]
-        for info in infos:
-            if info.complete and info.damaged:
-                plan.reasons[info.tag] = f"damaged ({info.problem}): never removed by retention"
-        return plan
-    newest = complete[-1]
-    newest_pos = infos.index(newest)
+    newest = complete[-1] if complete else None
+    newest_pos = infos.index(newest) if newest is not None else -1
     kept_recent = {i.tag for i in (complete if num_kept in (None, -1) else complete[-num_kept:])}
     for pos, info in enumerate(infos):
-        if info.complete and info.damaged:  # not counted, not removed: a person decides
-            plan.reasons[info.tag] = f"damaged ({info.problem}): never removed by retention; fix or remove it"
-        elif info.complete:
-            if info.tag in kept_recent or info is newest:
-                plan.reasons[info.tag] = "newest" if info is newest else "recent"
-            elif keep_every and info.step is not None and info.step % keep_every == 0:
-                plan.reasons[info.tag] = f"step multiple of {keep_every}"
-            elif info.tag in protect:
-                plan.reasons[info.tag] = "just saved"
-            else:
-                plan.remove.append(info.tag)
-                plan.reasons[info.tag] = f"beyond the newest {num_kept}"
-                continue
-        elif pos < newest_pos and info.tag not in protect:
+        why = _removal(info, pos, newest, newest_pos, kept_recent, num_kept, keep_every, protect)
+        if why.startswith("-"):
             plan.remove.append(info.tag)
-            plan.reasons[info.tag] = "incomplete and older than the newest complete tag (interrupted save or deletion)"
-            continue
+            why = why[1:]
         else:
-            plan.reasons[info.tag] = "incomplete, newer than the newest complete tag (a save in progress or crashed)"
-        plan.keep.append(info.tag)
+            plan.keep.append(info.tag)
+        plan.reasons[info.tag] = why
     return plan
 
 
-def _remove_file(path: Path) -> None:
-    """Unlink one file (a seam for tests that interrupt deletions)."""
-    os.unlink(path)
+def _removal(
+    info: CheckpointInfo,
+    pos: int,
+    newest: CheckpointInfo | None,
+    newest_pos: int,
+    kept_recent: set[str],
+    num_kept: int | None,
+    keep_every: int | None,
+    protect: tuple[str, ...],
+) -> str:
+    """Why retention keeps `info`, or "-" + why it removes it."""
+    if info.complete and info.damaged:
+        return f"damaged ({info.problem}): never removed by retention; fix or remove it"
+    if info.complete:
+        if info.tag in kept_recent or info is newest:
+            return "newest" if info is newest else "recent"
+        if keep_every and info.step is not None and info.step % keep_every == 0:
+            return f"step multiple of {keep_every}"
+        if info.tag in protect:
+            return "just saved"
+        return f"-beyond the newest {num_kept}"
+    if info.tag in protect:
+        return "being saved"
+    if info.abandoned is not None and not info.link:
+        return f"-incomplete, left by a save (process {info.abandoned}) that no longer runs"
+    if newest is not None and pos < newest_pos:
+        return "-incomplete and older than the newest complete tag (interrupted save or deletion)"
+    return "incomplete, newer than the newest complete tag (a save in progress or crashed)"
 
 
-def _remove_children(folder: Path, keep: str | None = None) -> None:
-    """Delete what a folder holds; links are unlinked, never descended (entries are lstat'ed)."""
-    for entry in list(os.scandir(folder)):
-        if entry.name == keep:
-            continue
-        path = Path(entry.path)
-        if entry.is_dir(follow_symlinks=False) and not is_link(path):
-            _remove_children(path)
-            os.rmdir(path)
-        else:
-            _remove_file(path)
+def tag_folder(tag_dir: Path, fsync: bool = True) -> MarkedFolder:
+    """A tag as the I/O core writes and deletes it: complete once `done` exists, recognisable by
+    its `checkpoint` marker until the very end of a deletion."""
+    return MarkedFolder(Path(tag_dir), DONE_MARKER, CHECKPOINT_MARKER, fsync)
 
 
 def clear_done(tag_dir: Path, fsync: bool = True) -> bool:
     """Remove a tag's `done` marker durably (the first step of deleting or re-saving it). Through
     a tag that is a symlink nothing is removed (the link's target is not ours)."""
-    tag_dir = Path(tag_dir)
-    if is_link(tag_dir):
-        return False
-    done = tag_dir / DONE_MARKER
-    if not done.exists() and not is_link(done):
-        return False
-    _remove_file(done)
-    if fsync:
-        fsync_path(tag_dir)
-    return True
+    return tag_folder(tag_dir, fsync).clear_marker()
 
 
 def remove_tag(tag_dir: Path, fsync: bool = True) -> None:
     """Delete a tag so that an interruption at any point leaves an incomplete tag (or nothing):
-    `done` first (durably), then every file, then the `checkpoint` marker, then the folder.
-
-    A tag that is a symlink is removed by unlinking the link: its target is never touched."""
+    `done` first (durably), then every file, then the `checkpoint` marker, then the folder. A tag
+    that is a symlink is removed by unlinking the link (its target is never touched); a tag with a
+    mount point inside is refused before anything is deleted (`io.delete`)."""
     tag_dir = Path(tag_dir)
     if is_link(tag_dir):
         log.info(
@@ -432,26 +468,9 @@ def remove_tag(tag_dir: Path, fsync: bool = True) -> None:
             tag_dir,
             os.path.realpath(tag_dir),
         )
-        os.unlink(tag_dir)
-        if fsync:
-            fsync_path(tag_dir.parent)
-        return
-    if not tag_dir.exists():
-        return
-    if not tag_dir.is_dir():
+    elif os.path.lexists(tag_dir) and not tag_dir.is_dir():
         raise CheckpointError(f"{tag_dir} is a file, not a checkpoint tag folder: move it away or pick another tag")
-    clear_done(tag_dir, fsync)
-    _remove_children(tag_dir, keep=CHECKPOINT_MARKER)
-    marker = tag_dir / CHECKPOINT_MARKER
-    if marker.exists() or is_link(marker):
-        _remove_file(marker)
-    try:
-        os.rmdir(tag_dir)
-    except OSError:  # something appeared meanwhile: removed without following any link
-        try:
-            remove_tree(tag_dir)
-        except OSError as e:
-            log.warning("could not remove %s completely (%s): it is retried at the next retention", tag_dir, e)
+    tag_folder(tag_dir, fsync).remove()
 
 
 def apply_retention(directory: Path, plan: RetentionPlan, fsync: bool = True) -> RetentionPlan:
@@ -461,7 +480,10 @@ def apply_retention(directory: Path, plan: RetentionPlan, fsync: bool = True) ->
     directory = Path(directory)
     for tag in plan.remove:
         try:
-            clear_done(tag_path(directory, tag), fsync)
+            path = tag_path(directory, tag)
+            if not is_link(path):
+                refuse_mounts(path, "remove the checkpoint")  # before its done marker goes
+            clear_done(path, fsync)
         except (OSError, ShardkitError) as e:
             plan.failed[tag] = str(e)
     for tag in plan.remove:
@@ -501,113 +523,10 @@ def prune_checkpoints(
 
 # ---- one writer per checkpoint directory -----------------------------------------------------------
 
-LOCK_FILE = ".shardkit.lock"
-"""In the checkpoint directory; holds the holder's pid, host and command while it is locked."""
+DirectoryLock = FolderLock
 
 
-class DirectoryLock:
-    """An exclusive flock on `<dir>/.shardkit.lock`. Released by `release()` (idempotent), or by
-    the kernel when the holder dies. The file itself is never deleted (deleting lock files races)."""
-
-    def __init__(self, directory: Path, fd: int | None):
-        self.directory = directory
-        self._fd = fd
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def release(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        try:
-            os.ftruncate(fd, 0)
-        except OSError:
-            pass
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)  # explicit: a forked child may share this open file
-        finally:
-            os.close(fd)
-
-    def __enter__(self) -> DirectoryLock:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-def _holder_text(fd: int) -> str:
-    try:
-        raw = os.pread(fd, 4096, 0)
-        info = json.loads(raw) if raw.strip() else {}
-    except (OSError, ValueError):
-        info = {}
-    if not isinstance(info, dict) or not info:
-        return "another process (it has not written its pid yet)"
-    text = f"pid {info.get('pid', '?')} on host {info.get('host', '?')}"
-    extra = [str(info[k]) for k in ("what",) if info.get(k)]
-    if info.get("since"):
-        extra.append(f"since {info['since']}")
-    if info.get("command"):
-        extra.append(f"command: {info['command']}")
-    text += f" ({'; '.join(extra)})" if extra else ""
-    return " ".join(text.split())  # one line, whatever the file held
-
-
-def lock_directory(directory: str | Path, what: str) -> DirectoryLock:
-    """Take the checkpoint directory's writer lock without waiting, or raise CheckpointLockedError
-    naming the holder. On a file system without flock support, warn and go on unlocked."""
-    directory = Path(directory)
-    path = directory / LOCK_FILE
-    if is_link(path):
-        raise CheckpointError(f"{path} is a symlink: remove it (shardkit's lock file is never followed)")
-    flags = os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        try:
-            fd = os.open(path, os.O_RDWR | flags, 0o644)
-        except PermissionError:  # another user's lock file: lock it read-only (no holder info)
-            fd = os.open(path, os.O_RDONLY | flags)
-    except OSError as e:
-        raise CheckpointError(
-            f"cannot open the lock file {path} ({e.strerror or e}): check that the checkpoint directory is writable"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder_text(fd)
-        os.close(fd)
-        hint = (
-            "that is this process: let its save finish first (Checkpointer.wait() or finalize_checkpoint())"
-            if holder.startswith(f"pid {os.getpid()} on host {socket.gethostname()} ")
-            else "wait for it to finish or stop it, then retry"
-        )
-        raise CheckpointLockedError(
-            f"checkpoint directory {directory} is in use by {holder}: {hint} (two writers on one directory would "
-            "mix or delete each other's files)"
-        ) from None
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            log.warning(
-                "%s: the file system does not support flock (%s): saving without the one-writer lock; "
-                "make sure no other job writes to this directory",
-                directory,
-                e.strerror,
-            )
-            return DirectoryLock(directory, None)
-        raise CheckpointError(f"cannot lock {path} ({e.strerror or e})") from None
-    command = " ".join(sys.argv)[:300] if sys.argv else ""
-    info = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "what": what,
-        "since": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": command,
-    }
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-    except OSError:
-        pass  # a read-only lock file: the lock holds, the holder is just not named
-    return DirectoryLock(directory, fd)
+def lock_directory(directory: str | Path, what: str) -> FolderLock:
+    """Take the checkpoint directory's writer lock (`<dir>/.shardkit.lock`, `io.lock`) without
+    waiting, or raise CheckpointLockedError naming the holder."""
+    return lock_folder(directory, what, error=CheckpointLockedError)

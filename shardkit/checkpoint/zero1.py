@@ -19,11 +19,13 @@ does. Only plain data is ever loaded (weights_only).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import json
+import errno
 import logging
+import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,9 @@ import torch
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, xser
 from ..formats.torch_io import TensorReference, safe_load
+from ..io.oserror import disk_error
+from ..io.small import SmallFileError, read_json
+from ..paths import ensure_free_space, free_space, no_space_error
 from ..placements import Piece
 from .tree import MODEL_DIR, OPTIM_DIR
 
@@ -170,13 +175,54 @@ def _reference_walk(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return _map_leaves(obj, leaf)
 
 
-def save_object(path: Path, obj: Any, use_xser: bool, expert: bool = False) -> list[Path]:
+def _stored_bytes(obj: Any) -> int:
+    """The bytes of the tensor storages `obj` holds (each storage once)."""
+    seen: dict[int, int] = {}
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+            return x
+        return _KEEP
+
+    _map_leaves(obj, leaf)
+    return sum(seen.values())
+
+
+def torch_save_file(obj: Any, path: Path, **kwargs: Any) -> None:
+    """torch.save(obj, path), as NxD does (the archive named after the file), with a full disk
+    refused before writing (the size is known to within the zip's overhead) and any failure of
+    torch's writer (its "enforce fail at inline_container.cc") turned into a one-line error."""
+    needed = _stored_bytes(obj) + (64 << 10)
+    ensure_free_space(path.parent, needed)
+    try:
+        torch.save(obj, str(path), **kwargs)
+    except RuntimeError as e:
+        text = str(e)
+        if "inline_container" not in text and "PytorchStreamWriter" not in text and "cannot be opened" not in text:
+            raise
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        free = free_space(path.parent)
+        if free is not None and free < needed:
+            raise no_space_error(path.parent, needed, free) from None
+        if not os.access(path.parent, os.W_OK):
+            raise disk_error(PermissionError(errno.EACCES, "Permission denied"), "write", path) from None
+        raise disk_error(
+            OSError(errno.EIO, f"torch's writer failed ({text.splitlines()[0][:120]})"), "write", path
+        ) from None
+
+
+def save_object(path: Path, obj: Any, use_xser: bool, expert: bool | Collection[str] = False) -> list[Path]:
     """torch.save `obj` to `path` exactly as NxD does (the archive is named after the file), or
-    as xser (reference file, `.info.pt`, one file per tensor). Returns the files written."""
+    as xser (reference file, `.info.pt`, one file per tensor). `expert`: xser's
+    `expert_model_parallel` flag of every tensor, or the keys of a flat dict `obj` whose tensors
+    get it. Returns the files written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not use_xser:
-        torch.save(obj, str(path))
+        torch_save_file(obj, path)
         return [path]
     tensors: list[torch.Tensor] = []
     refs = _reference_walk(obj, tensors)
@@ -185,11 +231,18 @@ def save_object(path: Path, obj: Any, use_xser: bool, expert: bool = False) -> l
     written = []
     for tid, tensor in enumerate(tensors):
         target = xser.tensor_path(path, tid)
-        torch.save(tensor, str(target))
+        torch_save_file(tensor, target)
         written.append(target)
-    torch.save(refs, str(path), pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
-    info = {tid: {"dtype": t.dtype, "shape": t.shape, "expert_model_parallel": expert} for tid, t in enumerate(tensors)}
-    torch.save(info, str(xser.info_path(path)))
+    torch_save_file(refs, path, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
+    if isinstance(expert, bool):
+        flags = [expert] * len(tensors)
+    else:  # a flat dict's tensors are referenced in its key order
+        flags = [k in expert for k, v in obj.items() if isinstance(v, torch.Tensor)]
+    info = {
+        tid: {"dtype": t.dtype, "shape": t.shape, "expert_model_parallel": flag}
+        for tid, (t, flag) in enumerate(zip(tensors, flags))
+    }
+    torch_save_file(info, xser.info_path(path))
     return [path, xser.info_path(path), *written]
 
 
@@ -298,9 +351,9 @@ class StageOrder:
 def read_param_order(path: str | Path) -> list[list[str]]:
     """A `--param-order` file: a JSON list of name lists, one per param group."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ParamOrderError(f"--param-order {path} cannot be read as JSON ({e})") from None
+        data = read_json(path, "--param-order file")
+    except SmallFileError as e:
+        raise ParamOrderError(str(e)) from None
     if not (isinstance(data, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g) for g in data)):
         raise ParamOrderError(f"--param-order {path} must be a JSON list of lists of parameter names (one per group)")
     return data

@@ -7,11 +7,14 @@ code 2; nothing is left half-written. Anything unexpected prints one line and ex
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import click
 
 from ..errors import ShardkitError
+from ..io.oserror import disk_error, shown
 from ..version import __version__
 from . import ckpt, convert, hub, inspect, plan
 from .options import common_options, configure_logging, settings
@@ -26,7 +29,16 @@ class ShardkitGroup(click.Group):
         except ShardkitError as e:
             if settings(ctx)["debug"]:
                 raise
-            click.echo(f"shardkit: error: {e}", err=True)
+            click.echo(f"shardkit: error: {shown(e, 2000)}", err=True)
+            ctx.exit(2)
+        except BrokenPipeError:  # `shardkit ... | head`: the reader left; say nothing more
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's own flush at exit stays quiet
+            ctx.exit(141)
+        except OSError as e:  # the file system refused something no command foresaw: still one line
+            if settings(ctx)["debug"]:
+                raise
+            click.echo(f"shardkit: error: {shown(disk_error(e, 'access'), 2000)}", err=True)
             ctx.exit(2)
         except KeyboardInterrupt:
             click.echo("shardkit: interrupted; nothing was left behind", err=True)
@@ -36,7 +48,7 @@ class ShardkitGroup(click.Group):
         except Exception as e:  # an unexpected failure: still one line unless --debug
             if settings(ctx)["debug"]:
                 raise
-            first = str(e).splitlines()[0] if str(e) else ""
+            first = shown(str(e).splitlines()[0], 500) if str(e) else ""
             click.echo(
                 f"shardkit: internal error: {type(e).__name__}: {first} (rerun with --debug for details)", err=True
             )

@@ -120,9 +120,8 @@ def suggest(ctx, config, o: dict) -> None:
     )
     rows = found.distinct()
     if o["as_json"]:
-        data = found.to_dict()
         shown = rows[: o["limit"]] if o["limit"] else rows
-        data["layouts"] = [r.to_dict() for r in shown]
+        data = found.to_dict(shown)
         data["more"] = len(rows) - len(shown)
         data["redundant"] = len(found.layouts) - len(rows)
         print_json(data)
@@ -279,7 +278,9 @@ def optional_count(flag: str, help: str):
     "--suggest",
     is_flag=True,
     help="List the valid (tp, pp, kv-multiplier) layouts that fit --device-memory: smallest tp "
-    "first, then smallest pp; layouts whose extra stages save no memory are left out.",
+    "first, then smallest pp; layouts whose extra stages save no memory are left out. A search "
+    "too large to answer in seconds is refused (exit 2): narrow it with --tp, --kv-multiplier, "
+    "--max-pp or --world-size.",
 )
 @optional_count("--max-pp", "With --suggest: try pp up to this (default: the number of layers).")
 @click.option(

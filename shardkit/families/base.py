@@ -48,8 +48,7 @@ class Family:
     def full_shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
         """Every full tensor the config implies, in checkpoint order, with its shape (as the
         placements declare them)."""
-        if self.check is not None and (reason := self.check(dims)):
-            raise ConfigMismatchError(f"{self.name}: {reason}")
+        self.check_dims(dims)
         out: dict[str, tuple[int, ...]] = {}
 
         def add(rules: tuple[Placement, ...], prefix: str) -> None:
@@ -64,6 +63,12 @@ class Family:
             add(self.layer, self.layer_prefix.format(i=i))
         add(self.final, "")
         return out
+
+    def check_dims(self, dims: ModelDims) -> None:
+        """Refuse (ConfigMismatchError, with the reason) a config this family's table cannot
+        express; apart from `full_shapes` so that a caller can check without sizing every layer."""
+        if self.check is not None and (reason := self.check(dims)):
+            raise ConfigMismatchError(f"{self.name}: {reason}")
 
     def split_dims(self, dims: ModelDims) -> dict[str, int]:
         """The axis along which each full tensor is cut (0 for replicated ones)."""
@@ -109,22 +114,38 @@ class Family:
         """The pieces of one rank file, in NxD's order. Expert-parallel ranks other than 0 hold
         only their experts (the rest is identical on every ep rank and saved once, as NxD does)."""
         self.check_layout(layout, dims)
-
-        def emit(rules: tuple[Placement, ...], prefix: str) -> list[Piece]:
-            out: list[Piece] = []
-            for rule in rules:
-                if ep_rank == 0 or rule.expert:
-                    out += rule.pieces(prefix, layout, dims, tp_rank, full_shapes, ep_rank)
-            return out
-
         pieces: list[Piece] = []
         if pp_rank == 0:
-            pieces += emit(self.first, "")
+            pieces += self.block_pieces("first", layout, dims, tp_rank, full_shapes, ep_rank)
         for i in layout.stage_layers(dims.num_layers)[pp_rank]:
-            pieces += emit(self.layer, self.layer_prefix.format(i=i))
+            pieces += self.block_pieces("layer", layout, dims, tp_rank, full_shapes, ep_rank, layer=i)
         if pp_rank == layout.pp - 1:
-            pieces += emit(self.final, "")
+            pieces += self.block_pieces("final", layout, dims, tp_rank, full_shapes, ep_rank)
         return pieces
+
+    def block_pieces(
+        self,
+        block: str,
+        layout: Layout,
+        dims: ModelDims,
+        tp_rank: int,
+        full_shapes: Shapes,
+        ep_rank: int = 0,
+        layer: int = 0,
+    ) -> list[Piece]:
+        """One rank's pieces of one block: "first" (stage 0's), decoder layer `layer` ("layer") or
+        "final" (the last stage's). A stage is its blocks in order (`rank_pieces`); `shardkit
+        plan` prices each block once, as every layer is cut from the same table."""
+        rules, prefix = {
+            "first": (self.first, ""),
+            "layer": (self.layer, self.layer_prefix.format(i=layer)),
+            "final": (self.final, ""),
+        }[block]
+        out: list[Piece] = []
+        for rule in rules:
+            if ep_rank == 0 or rule.expert:
+                out += rule.pieces(prefix, layout, dims, tp_rank, full_shapes, ep_rank)
+        return out
 
     def k_source(self, dims: ModelDims, layer: int) -> Segment | None:
         """The rows of the full tensor that hold all of `layer`'s k heads (k_proj, or the k rows

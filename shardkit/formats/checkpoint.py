@@ -8,7 +8,6 @@ engine needs nothing else to read any slice of any full tensor.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,8 +18,9 @@ import torch
 
 from ..errors import ConfigMismatchError, FormatError
 from ..families import Family, family_for
+from ..io.small import read_json
+from ..io.transaction import recover_interrupted
 from ..layout import FULL, Layout, ModelDims
-from ..paths import recover_interrupted
 from ..placements import Piece, Segment, SegmentIndex, make_piece
 from . import hf, nxd
 from .base import TensorFile
@@ -107,12 +107,12 @@ def load_config(path: Path | str) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise FormatError(f"config {path} does not exist")
-    try:
-        return json.loads(path.read_text())
-    except ValueError:
-        raise FormatError(f"{path} is not valid JSON") from None
+    config = read_json(path, "config")
+    if not isinstance(config, dict):
+        raise FormatError(
+            f"config {path} is a JSON {type(config).__name__}, not an object: give the model's config.json"
+        )
+    return config
 
 
 def open_checkpoint(
@@ -144,6 +144,12 @@ def open_checkpoint(
         files = hf.weight_files(root)
         return _open_full(
             root, {f.name: f for f in files}, given or load_config(root), where or str(root / "config.json")
+        )
+    weights = hf.weight_files(root, strict=False) if root.is_dir() else []
+    if weights:
+        raise FormatError(
+            f"{root} holds weights ({weights[0].name}) but no config.json: pass the model's Hugging Face config "
+            "with --config (its config.json, or the folder holding it)"
         )
     raise FormatError(
         f"{root} is not a model directory: expected a Hugging Face directory (config.json + weights), "
@@ -234,8 +240,8 @@ def _sharded_holdings(family, dims, layout, keys_by_rank) -> tuple[dict[str, lis
 
 
 def _open_shardkit(root: Path, given: dict | None, where: str | None = None) -> Checkpoint:
+    manifest = read_json(root / MANIFEST, MANIFEST)
     try:
-        manifest = json.loads((root / MANIFEST).read_text())
         layout = Layout.from_dict(manifest["layout"])
         fmt = manifest["format"]
     except (ValueError, KeyError, TypeError):

@@ -8,7 +8,6 @@ huggingface_hub's splitter, and the index when there is more than one file.
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from ..errors import FormatError
+from ..io.small import read_json
 from ..paths import member
 from .safetensors_io import read_header
 from .torch_io import regular
@@ -41,10 +41,9 @@ def weight_files(path: Path, strict: bool = True) -> list[Path]:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = path / index_name
         if index.exists():
-            regular(index, "index")
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError):
+                weight_map = read_json(index, "index")["weight_map"]
+            except (KeyError, TypeError):
                 raise FormatError(f"{index} is not a valid index (no weight_map): re-create it") from None
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise FormatError(f"{index} is not a valid index (weight_map is not names -> file names): re-create it")

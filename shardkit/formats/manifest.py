@@ -8,10 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..io.digest import FAST_DIGEST, FileRecord, file_digests
 from ..layout import Layout
 from ..version import __version__
-from .base import FileRecord
-from .digest import FAST_DIGEST, file_digests
 
 MANIFEST = "shardkit.json"
 

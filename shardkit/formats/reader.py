@@ -18,17 +18,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from ..errors import FormatError
+from ..io.buffers import empty_tensor
+from ..io.copy import FileRange
+from ..io.digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
+from ..io.strided import window_rows
+from ..io.taps import ReadSource, ReadTap, pread_exact
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
-from .base import (
-    FileRange,
-    ReadSource,
-    ReadTap,
-    TensorFile,
-    empty_tensor,
-    pread_exact,
-    window_rows,
-)
-from .digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
+from .base import TensorFile
 from .manifest import MANIFEST
 from .registry import format_of_file
 
@@ -174,7 +170,7 @@ class SourceStamps:
     committed, refuses a file written to meanwhile, also where no manifest's check covers it (a
     Hugging Face folder; a checked file is refused by its check as well, `_FileCheck.unchanged`).
     The bytes of their kernel copies are then hashed from the worker's own read of them, a moment
-    before the kernel copies them (`base.HashingFile.copy_ranges`)."""
+    before the kernel copies them (`io.hashing.HashingFile.copy_ranges`)."""
 
     def __init__(self) -> None:
         self._seen: dict[str, tuple[int, ...]] = {}
@@ -261,8 +257,8 @@ class HashCheck:
             self._thread.start()
             for check in self._files.values():
                 if check.algorithm != FAST_DIGEST:
-                    # sha256 (~0.6 CPU-s per GB) would slow the reading worker down by half: such
-                    # files are read a second time by the thread instead, beside the workers
+                    # sha256 is slow enough to halve the reading worker's speed: such files are
+                    # read a second time by the thread instead, beside the workers
                     self._hand(check)
         return self
 
@@ -357,7 +353,7 @@ def _merged(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
 class _Tap:
     """Feeds the reads of one file to its check; `wants(offset, length)` says whether bytes are
     still to be fed (not when the check has hashed past them, or the file was handed on): the
-    worker then need not read the bytes of a copy for it (`base._feed_taps`)."""
+    worker then need not read the bytes of a copy for it (`io.taps._feed_taps`)."""
 
     def __init__(self, hashes: HashCheck, check: _FileCheck):
         self.hashes, self.check = hashes, check
@@ -550,11 +546,11 @@ class SourceReader:
         return self._column_blocks(piece, reads)
 
     def column_windows(self, piece: Piece) -> list[tuple[int, int]] | None:
-        """The windows of rows (`base.window_rows`) in which a matrix joined along dim 1 from
+        """The windows of rows (`io.strided.window_rows`) in which a matrix joined along dim 1 from
         blocks of columns of row-major source matrices (a tp rank's part of a row-parallel
         weight) can be read (`read_column_rows`), when the files holding them can cut blocks from rows
         (`read_block`): the files of a group built together then read each window once for all
-        of them (`base.shared_column_reads`). None otherwise."""
+        of them (`io.strided.shared_column_reads`). None otherwise."""
         reads = self._column_reads(piece)
         if reads is None:
             return None

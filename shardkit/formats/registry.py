@@ -2,8 +2,10 @@
 naming and detection, the CLI's choices, the trainer's config, the model card) reads it.
 
 A format is a name, the suffix of its rank files, how to recognise one of its files, its reader
-and writer, and what its writer can do. Adding a format is one module with a reader and a
-writer that follow `base.TensorFile` / `base.TensorFileWriter`, plus one entry in `FORMATS`.
+and writer, and what its writer can do (`Abilities`, declared here, never probed). Adding a
+format is one module with a reader and a writer that follow `base.TensorFile` /
+`base.TensorFileWriter` (and the protocols of the abilities it declares), plus one entry in
+`FORMATS`.
 """
 
 from __future__ import annotations
@@ -11,18 +13,37 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from ..errors import ShardkitError
-from .base import TensorFile, TensorFileWriter, TensorSpec
-from .digest import Recording
+from ..io.digest import Recording
+from .base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFile, TensorFileWriter, TensorSpec
 from .safetensors_io import SafetensorsFile, SafetensorsWriter
 from .torch_io import TorchFile, TorchWriter
 from .xser import XserFile, XserWriter, info_path, tensors_dir
 
 WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str], Recording, bool], TensorFileWriter]
 """writer(path, root, specs, expert_names, digests, direct): a writer of one rank file under `root`
-(`digests`: what its records carry, see `digest.Recording`; `direct`:
-written around the page cache, see `base.DirectFile`)."""
+(`digests`: what its records carry, see `io.digest.Recording`; `direct`:
+written around the page cache, see `io.direct.DirectFile`)."""
+
+
+@dataclass(frozen=True)
+class Abilities:
+    """What a format's writer takes besides whole tensors (`write`). A writer whose format
+    declares an ability follows its protocol; where the ability also depends on the file (torch's
+    own zip writer, used for archives of 4 GiB or more, can neither copy nor stream rows), the
+    writer answers per file (`can_copy`, `can_stream_rows`)."""
+
+    kernel_copies: bool = False
+    """Takes a tensor as source byte ranges the kernel copies (`base.CopyingWriter`): formats that
+    store a tensor's bytes as they are, in one run."""
+    row_streaming: bool = False
+    """Takes a matrix as blocks of rows handed over one at a time, with other files written in
+    between (`base.RowStreamingWriter`): the files of a group built together."""
+    chunked_writes: bool = False
+    """Takes a tensor as consecutive blocks of rows from one iterable (`base.ChunkedWriter`),
+    never assembled whole."""
 
 
 @dataclass(frozen=True)
@@ -39,14 +60,34 @@ class Format:
     detect: Callable[[Path], bool] = lambda path: True
     """True when the rank file at this path (with this format's suffix) is of this format
     (default: every file with the suffix)."""
-    chunked_writes: bool = False
-    """The writer takes a tensor as consecutive blocks of rows (`write_chunks`), never whole."""
+    abilities: Abilities = Abilities()
+    """What its writer takes besides whole tensors."""
     companions: Callable[[Path], list[Path]] = lambda path: []
     """Other files and folders that belong to a rank file (xser's tensor files)."""
 
     def files_of(self, path: Path) -> list[Path]:
         """The rank file and every file that belongs to it."""
         return [path, *self.companions(path)]
+
+    def copying(self, writer: TensorFileWriter) -> CopyingWriter | None:
+        """`writer` (of this format) as a writer of kernel copies, when the format declares them and
+        its file takes them; else None."""
+        if not self.abilities.kernel_copies:
+            return None
+        copying = cast(CopyingWriter, writer)
+        return copying if copying.can_copy() else None
+
+    def streaming(self, writer: TensorFileWriter) -> RowStreamingWriter | None:
+        """`writer` (of this format) as a writer of rows handed over one block at a time, when the
+        format declares it and its file allows it; else None."""
+        if not self.abilities.row_streaming:
+            return None
+        streaming = cast(RowStreamingWriter, writer)
+        return streaming if streaming.can_stream_rows() else None
+
+    def chunked(self, writer: TensorFileWriter) -> ChunkedWriter | None:
+        """`writer` (of this format) as a writer of chunked tensors, when the format declares it."""
+        return cast(ChunkedWriter, writer) if self.abilities.chunked_writes else None
 
 
 def _xser_companions(path: Path) -> list[Path]:
@@ -74,10 +115,17 @@ FORMATS: dict[str, Format] = {
                 path, root, specs, list(expert), digests, direct
             ),
             detect=lambda path: tensors_dir(path).is_dir(),
+            abilities=Abilities(kernel_copies=True, row_streaming=True),
             companions=_xser_companions,
         ),
         Format(
-            "torch", ".pt", "NxD torch", "torch.save state dicts, NxD's own rank files", TorchFile, _plain(TorchWriter)
+            "torch",
+            ".pt",
+            "NxD torch",
+            "torch.save state dicts, NxD's own rank files",
+            TorchFile,
+            _plain(TorchWriter),
+            abilities=Abilities(kernel_copies=True, row_streaming=True),
         ),
         Format(
             "safetensors",
@@ -86,7 +134,7 @@ FORMATS: dict[str, Format] = {
             "safetensors files: no pickle, fast to read",
             SafetensorsFile,
             _plain(SafetensorsWriter),
-            chunked_writes=True,
+            abilities=Abilities(kernel_copies=True, row_streaming=True, chunked_writes=True),
         ),
     )
 }

@@ -22,10 +22,13 @@ from pathlib import Path
 import torch
 
 from ..errors import FormatError, ShardkitError
+from ..io.copy import FileRange
+from ..io.digest import FileRecord, Recording
+from ..io.hashing import HashingFile
+from ..io.strided import StoredTensor, advise_stored, byte_span, read_block, read_rows_into, read_stored, stored_range
+from ..io.taps import DescriptorReader
 from ..paths import open_regular
-from . import base
-from .base import HashingFile, StoredTensor, TensorSpec, advise_stored, byte_span, tensor_bytes
-from .digest import Recording
+from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, tensor_bytes
 from .torch_io import regular
 
 _DTYPE_TO_ST = {
@@ -196,7 +199,7 @@ def _check_entries(header: dict, data_size: int) -> None:
         raise _HeaderError(f"{data_size - end} bytes follow the last tensor")
 
 
-class SafetensorsFile(base.DescriptorReader):
+class SafetensorsFile(DescriptorReader):
     """Lazy reader: the header once, then positional reads of exactly the bytes a slice spans.
 
     (safetensors' own `safe_open` memory-maps the file, and the tensors it returns keep that
@@ -235,15 +238,15 @@ class SafetensorsFile(base.DescriptorReader):
         return self._tensors[name].dtype
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        return base.read_stored(self._open_fd, self._tensors[name], dim, start, stop, str(self.path))
+        return read_stored(self._open_fd, self._tensors[name], dim, start, stop, str(self.path))
 
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
-        return base.read_rows_into(self._open_fd, self._tensors[name], start, stop, out, str(self.path))
+        return read_rows_into(self._open_fd, self._tensors[name], start, stop, out, str(self.path))
 
     def read_block(self, name: str, first: int, last: int, start: int, stop: int, out: torch.Tensor) -> bool:
-        """Rows [first, last), columns [start, stop) of a matrix into `out` (see `base.read_block`)."""
-        return base.read_block(self._open_fd, self._tensors[name], first, last, start, stop, out, str(self.path))
+        """Rows [first, last), columns [start, stop) of a matrix into `out` (see `io.strided.read_block`)."""
+        return read_block(self._open_fd, self._tensors[name], first, last, start, stop, out, str(self.path))
 
     def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
         """Start reading a slice's bytes in the background (see `advise_stored`)."""
@@ -251,9 +254,9 @@ class SafetensorsFile(base.DescriptorReader):
 
     def byte_range(
         self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None
-    ) -> base.FileRange | None:
+    ) -> FileRange | None:
         """The file bytes of a slice, when the kernel can copy them as they are (`stored_range`)."""
-        return base.stored_range(self._open_fd, self._tensors[name], dim, start, stop, str(self.path))
+        return stored_range(self._open_fd, self._tensors[name], dim, start, stop, str(self.path))
 
     def span(self, name: str) -> tuple[int, int, int] | None:
         """Where a tensor's bytes are in the file, for read-ahead (see `byte_span`)."""
@@ -263,7 +266,7 @@ class SafetensorsFile(base.DescriptorReader):
         self._close_fd()
 
 
-class SafetensorsWriter(base.DiscardOnFailure):
+class SafetensorsWriter(DiscardOnFailure):
     """Streams one safetensors file: header from the specs, then each tensor as it comes.
 
     Its size is known from the specs, so a disk without room for it is refused before writing.
@@ -276,10 +279,10 @@ class SafetensorsWriter(base.DiscardOnFailure):
         root: Path,
         specs: Sequence[TensorSpec],
         metadata: dict[str, str] | None = None,
-        digests: Recording = True,
+        digests: Recording = Recording.FAST,
         direct: bool = False,
     ):
-        base.check_specs(specs)
+        check_specs(specs)
         self._specs = list(specs)
         self._next = 0
         self._file: HashingFile | None = None
@@ -322,13 +325,15 @@ class SafetensorsWriter(base.DiscardOnFailure):
                 raise RuntimeError(f"{name}: wrote {written} bytes, expected {spec.nbytes}")
             self._next += 1
 
-    copies = True
-    """`write_copy` may be used: a tensor's bytes are stored as they are, in one run."""
+    def can_copy(self) -> bool:
+        """`write_copy` may always be used: a tensor's bytes are stored as they are, in one run."""
+        return True
 
-    streams_rows = True
-    """`begin_rows` may be used (the same reason)."""
+    def can_stream_rows(self) -> bool:
+        """`begin_rows` may always be used (the same reason)."""
+        return True
 
-    def begin_rows(self, name: str) -> base.RowBlocks:
+    def begin_rows(self, name: str) -> RowBlocks:
         """Write the next tensor (a matrix) as blocks of rows handed over one at a time, with other
         files written in between (see `base.RowStreamingWriter`)."""
         with self._discarding():
@@ -342,9 +347,9 @@ class SafetensorsWriter(base.DiscardOnFailure):
         def done() -> None:
             self._next += 1
 
-        return base.RowBlocks(self, spec, put, done)
+        return RowBlocks(self, spec, put, done)
 
-    def write_copy(self, name: str, ranges: Iterable[base.FileRange]) -> None:
+    def write_copy(self, name: str, ranges: Iterable[FileRange]) -> None:
         """Write the next tensor as source byte ranges, copied by the kernel (see
         `HashingFile.copy_ranges`)."""
         with self._discarding():
@@ -374,7 +379,7 @@ class SafetensorsWriter(base.DiscardOnFailure):
             raise RuntimeError(f"{file.path}: expected {spec.name if spec else 'no more tensors'}, got {name}")
         return spec
 
-    def close(self, fsync: bool = False) -> list[base.FileRecord]:
+    def close(self, fsync: bool = False) -> list[FileRecord]:
         with self._discarding():
             file = self._open_file
             if self._next != len(self._specs):

@@ -3,7 +3,6 @@ command that produced it, tensor count and size."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -14,6 +13,7 @@ from ..errors import ShardkitError
 from ..formats import Checkpoint, get_format, hf, is_plain_hf_dir, open_checkpoint
 from ..formats.safetensors_io import read_header
 from ..formats.torch_io import TorchFile
+from ..io.small import SmallFileError, read_json
 from ..sizes import format_bytes
 from ..version import __version__
 from .download import looks_like_repo_id
@@ -103,8 +103,8 @@ def model_card(
     layout, manifest = _describe_origin(origin, config, hints)
     origin_path = origin.root if isinstance(origin, Checkpoint) else (Path(origin) if origin is not None else None)
     try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
+        cfg = read_json(folder / "config.json", "config")
+    except SmallFileError:
         cfg = {}
     base = base_model or _base_model(origin_path, manifest, cfg)
     architecture = ", ".join(cfg.get("architectures") or []) or cfg.get("model_type", "unknown")

@@ -10,7 +10,6 @@ config and tokenizer files. Everything huggingface_hub honours applies: the cach
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import re
 from collections.abc import Iterable, Mapping
@@ -19,6 +18,7 @@ from typing import Any
 
 from ..errors import FormatError, ShardkitError
 from ..formats import MANIFEST, hf
+from ..io.small import read_json
 from .errors import HubError, HubOfflineError, _api, _offline, _offline_message, _translate
 
 log = logging.getLogger(__name__)
@@ -134,10 +134,7 @@ def _download(
         index_path = hf_hub_download(
             repo_id, index_names[0], revision=revision, cache_dir=cache_dir, token=token, endpoint=endpoint
         )
-        try:
-            index = json.loads(Path(index_path).read_text())
-        except ValueError:
-            raise FormatError(f"{index_names[0]} is not valid JSON") from None
+        index = read_json(index_path, index_names[0])
         wanted = choose_files(listing, index)
     log.info("fetching %d files of %s: %s", len(wanted), repo_id, ", ".join(wanted))
     folder = snapshot_download(

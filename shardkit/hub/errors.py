@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from ..errors import ShardkitError
 from ..version import __version__
@@ -112,6 +113,36 @@ def _is_transient(exc: BaseException) -> bool:
     return False
 
 
+def _http_error(cause: Any, *, repo_id: str, action: str, token: str | None, has_token: bool, login: str) -> HubError:
+    """The HubError of an HTTP status the Hub answered with."""
+    status = _status(cause)
+    detail = _server_message(cause)
+    detail = f": {detail}" if detail else ""
+    if status == 401:
+        if has_token:
+            return HubAuthError(
+                _one_line(f"the Hub rejected your token (401 Unauthorized{detail}): {login} with a valid token", token)
+            )
+        return HubAuthError(_one_line(f"the Hub wants a token for {repo_id} (401 Unauthorized): {login}", token))
+    if status == 403:
+        if action in ("push", "check"):
+            return HubAuthError(
+                _one_line(
+                    f"your token cannot write to {repo_id} (403 Forbidden{detail}): use a token with write access "
+                    f"to it ({login})",
+                    token,
+                )
+            )
+        return HubAuthError(
+            _one_line(
+                f"access to {repo_id} is denied (403 Forbidden{detail}): use a token that can read it ({login})", token
+            )
+        )
+    if status is not None and status >= 500:
+        return HubError(_one_line(f"the Hub failed ({status}{detail}): try again later", token))
+    return HubError(_one_line(f"the Hub refused the request ({status}{detail})", token))
+
+
 def _translate(
     exc: BaseException,
     *,
@@ -183,35 +214,7 @@ def _translate(
             )
         )
     if isinstance(cause, HfHubHTTPError):
-        status = _status(cause)
-        detail = _server_message(cause)
-        detail = f": {detail}" if detail else ""
-        if status == 401:
-            if has_token:
-                return HubAuthError(
-                    _one_line(
-                        f"the Hub rejected your token (401 Unauthorized{detail}): {login} with a valid token", token
-                    )
-                )
-            return HubAuthError(_one_line(f"the Hub wants a token for {repo_id} (401 Unauthorized): {login}", token))
-        if status == 403:
-            if action in ("push", "check"):
-                return HubAuthError(
-                    _one_line(
-                        f"your token cannot write to {repo_id} (403 Forbidden{detail}): use a token with write access "
-                        f"to it ({login})",
-                        token,
-                    )
-                )
-            return HubAuthError(
-                _one_line(
-                    f"access to {repo_id} is denied (403 Forbidden{detail}): use a token that can read it ({login})",
-                    token,
-                )
-            )
-        if status is not None and status >= 500:
-            return HubError(_one_line(f"the Hub failed ({status}{detail}): try again later", token))
-        return HubError(_one_line(f"the Hub refused the request ({status}{detail})", token))
+        return _http_error(cause, repo_id=repo_id, action=action, token=token, has_token=has_token, login=login)
     return None
 
 

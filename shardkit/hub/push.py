@@ -12,16 +12,18 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.tree import CHECKPOINT_MARKER
 from ..engine import merge_checkpoint
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, is_plain_hf_dir, open_checkpoint
+from ..formats.hf import SIDE_FILES
+from ..io.durable import write_text
+from ..io.transaction import temporary_folder
 from .card import model_card, weight_stats
 from .errors import (
     HubAuthError,
@@ -147,10 +149,7 @@ def _link_tree(src: Path, dst: Path) -> None:
                 continue
             target = dst / rel / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.symlink(Path(root, name).absolute(), target)
-            except OSError:
-                shutil.copy2(Path(root, name), target)
+            os.symlink(Path(root, name).absolute(), target)
 
 
 def push(
@@ -189,73 +188,48 @@ def push(
     request instead; `create` creates a missing repo (`private` decides its visibility).
     Network failures are retried `retries` times, each attempt skipping what earlier ones
     uploaded; then HubUploadError says how to resume."""
-    from huggingface_hub import constants
-
     src = Path(src)
     merged = _check_source(src, revision, create_pr)
     token = token or _get_token()
     check = functools.partial(check_repo, repo_id, private=private, create=create, token=token, endpoint=endpoint)
     missing = check(dry_run=True)  # fail fast, before any merging
     api = _api(endpoint, token)
-
-    work = Path(tempfile.mkdtemp(prefix="shardkit-push-", dir=tmp_dir))
-    keep = False
-    try:
-        folder = work / "model"
+    with temporary_folder(tmp_dir, "shardkit-push-") as work:
+        folder = work.path / "model"
+        merge_options = dict(max_shard_size=max_shard_size, dtype=dtype, workers=workers, progress=progress)
         if merged:
-            origin = origin or _merge_into(
-                src,
-                folder,
-                config,
-                hints,
-                max_shard_size=max_shard_size,
-                dtype=dtype,
-                workers=workers,
-                progress=progress,
-            )
+            origin = origin or _merge_into(src, folder, config, hints, **merge_options)
         else:
             _link_tree(src, folder)
         card = not (folder / "README.md").exists()
         if card:
             command = command or f"shardkit.push({str(src)!r}, {repo_id!r})"
-            (folder / "README.md").write_text(
-                model_card(
-                    folder, repo_id, origin=origin, command=command, base_model=base_model, config=config, hints=hints
-                )
+            card_text = model_card(
+                folder, repo_id, origin=origin, command=command, base_model=base_model, config=config, hints=hints
             )
+            write_text(folder / "README.md", card_text, fsync=False)
         if missing:
             check()  # created only now that there is something to upload
-        if revision and revision != constants.DEFAULT_REVISION and not create_pr:
-            _call(
-                lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), repo_id, endpoint, revision, token
-            )
+        _ensure_branch(api, repo_id, revision, create_pr, endpoint, token)
         message = commit_message or (f"Upload {src.name} with shardkit" + (" (merged from shards)" if merged else ""))
+        upload = functools.partial(
+            _upload, api, folder, repo_id, revision=revision, message=message, create_pr=create_pr
+        )
         try:
-            info = _upload(
-                api,
-                folder,
-                repo_id,
-                revision=revision,
-                message=message,
-                create_pr=create_pr,
-                retries=retries,
-                retry_wait=retry_wait,
-                endpoint=endpoint,
-                token=token,
-            )
+            info = upload(retries=retries, retry_wait=retry_wait, endpoint=endpoint, token=token)
         except HubUploadError as e:
-            keep = merged  # a merged copy is worth keeping: the next push resumes from it
-            raise HubUploadError(
-                _one_line(
-                    f"{e} -- {_resume_hint(folder, repo_id, merged, revision, create_pr)} "
-                    "(files already uploaded are skipped)",
-                    token,
-                )
-            ) from None
+            work.keep = merged  # a merged copy is worth keeping: the next push resumes from it
+            hint = _resume_hint(folder, repo_id, merged, revision, create_pr)
+            raise HubUploadError(_one_line(f"{e} -- {hint} (files already uploaded are skipped)", token)) from None
         return _pushed(folder, src, repo_id, info, endpoint, revision, merged, card)
-    finally:
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
+
+
+def _ensure_branch(api: Any, repo_id: str, revision: str | None, create_pr: bool, endpoint, token) -> None:
+    """The branch a push commits to exists (created when missing; not for pull requests)."""
+    from huggingface_hub import constants
+
+    if revision and revision != constants.DEFAULT_REVISION and not create_pr:
+        _call(lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), repo_id, endpoint, revision, token)
 
 
 def _check_source(src: Path, revision: str | None, create_pr: bool) -> bool:
@@ -272,9 +246,26 @@ def _check_source(src: Path, revision: str | None, create_pr: bool) -> bool:
             "push merges in one process: run `shardkit merge` under torchrun, then push the merged "
             "directory (or use `shardkit merge --push-to` there)"
         )
-    if not merged:
-        _check_links(src)
+    # shards carry side files (tokenizer, generation config) into the merged folder: a link of
+    # theirs leading outside would publish what it points at, as a plain folder's would
+    _check_links(src)
+    if merged and (src / CHECKPOINT_MARKER).is_file():  # a training checkpoint tag: side files may sit beside it
+        _check_side_links(src.parent)
     return merged
+
+
+def _check_side_links(folder: Path) -> None:
+    """Refuse side files (tokenizer, generation config) in `folder` that are links leading outside it."""
+    real = os.path.realpath(folder)
+    for name in SIDE_FILES:
+        path = folder / name
+        if os.path.islink(path):
+            target = os.path.realpath(path)
+            if not target.startswith(real.rstrip(os.sep) + os.sep):
+                raise ShardkitError(
+                    f"{path} is a symlink to {target}, outside {folder}: refusing to publish it; "
+                    "replace the link with a copy of the file or remove it"
+                )
 
 
 def _merge_into(src: Path, folder: Path, config, hints, **options: Any) -> Checkpoint:
