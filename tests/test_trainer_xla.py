@@ -44,8 +44,12 @@ work, hf_model, tokens = tiny_run_fixtures("trainer-xla")
 
 
 def xla_ok(devices: int, args: list[str]) -> None:
+    """Run the trainer on `devices` XLA devices; it must succeed and have trained on XLA (every
+    step record counts the graphs compiled, which only the XLA backend does)."""
     done = run_xla(devices, args)
     assert done.returncode == 0, f"XLA run failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
+    records = steps(Path(args[args.index("--metrics") + 1]))
+    assert records and all(r.get("xla_compiles", 0) > 0 for r in records), f"not an XLA run: {records}"
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +88,26 @@ LAYOUTS = {  # name -> (devices, the run's layout options)
 }
 
 
+@pytest.fixture(scope="module")
+def xla_tp2(work, hf_model, tokens) -> Path:
+    """The tp2 run on two XLA devices, saving step 3 (xser) under work/xla-ckpt: its metrics."""
+    metrics = work / "tp2-xla.jsonl"
+    xla_ok(2, run_args(hf_model, tokens, metrics, *LAYOUTS["tp2"][1], "--checkpoint-dir", str(work / "xla-ckpt"),
+                       "--checkpoint-every", "3", "--checkpoint-format", "xser"))
+    return metrics
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_devices_equal_gloo(name, work, hf_model, tokens):
+def test_devices_equal_gloo(name, request, work, hf_model, tokens):
     """Each layout on N XLA devices (threads of one process) against the same layout as an
     N-process gloo job: the same per-step losses."""
     devices, layout = LAYOUTS[name]
     gloo, xla = work / f"{name}-gloo.jsonl", work / f"{name}-xla.jsonl"
     check_ok(run_ranks(devices, run_args(hf_model, tokens, gloo, *CPU, *layout)))
-    extra = ["--checkpoint-dir", str(work / "xla-ckpt"), "--checkpoint-every", "3", "--checkpoint-format", "xser"]
-    xla_ok(devices, run_args(hf_model, tokens, xla, *layout, *(extra if name == "tp2" else [])))
+    if name == "tp2":
+        xla = request.getfixturevalue("xla_tp2")  # the run whose checkpoint resumes on gloo below
+    else:
+        xla_ok(devices, run_args(hf_model, tokens, xla, *layout))
     assert len(losses(xla)) == 5
     assert rel_diff(losses(xla), losses(gloo)) < REL, (losses(xla), losses(gloo))
 
@@ -131,11 +146,10 @@ def serial(work, hf_model, tokens) -> list[float]:
     return losses(metrics)
 
 
-def test_xla_checkpoint_resumes_on_gloo(work, hf_model, tokens, serial):
+def test_xla_checkpoint_resumes_on_gloo(work, hf_model, tokens, serial, xla_tp2):
     """The tp2 XLA run's step-3 checkpoint (xser) resumed at tp1 on gloo: steps 4-5 of the serial run."""
     tag = work / "xla-ckpt" / "step_3"
-    if not (tag / "done").exists():
-        pytest.skip("the tp2 XLA run (test_devices_equal_gloo[tp2]) wrote no checkpoint")
+    assert (tag / "done").exists(), "the tp2 XLA run wrote no complete step-3 checkpoint"
     metrics = work / "resume-on-gloo.jsonl"
     run_inprocess(run_args(hf_model, tokens, metrics, *CPU, "--resume", str(tag)))
     assert [r["step"] for r in steps(metrics)] == [4, 5]
