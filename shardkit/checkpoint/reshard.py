@@ -24,8 +24,9 @@ import torch
 from typing_extensions import Unpack
 
 from ..distributed import Job, current_job
-from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
+from ..formats import Checkpoint, SourceReader, load_config
 from ..formats.manifest import MANIFEST, file_record, manifest
+from ..io.digest import FileRecord
 from ..io.durable import write_bytes, write_marker, write_text
 from ..io.small import PICKLE_LIMIT, read_small
 from ..io.transaction import commit_all, staged_output
@@ -34,6 +35,18 @@ from ..placements import Piece
 from .base import CheckpointError
 from .guard import TagCheck
 from .load import resolve_tag
+from .nxd_modes import (
+    AVOID_LP,
+    ZERO1_DCP,
+    bare_weights,
+    check_mode,
+    finish_optim,
+    mode_of,
+    open_model,
+    open_optimizer,
+    stage_sizes,
+    write_dcp_optim,
+)
 from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT
 from .zero1 import (
     MASTER,
@@ -60,6 +73,8 @@ class Source:
     model: Checkpoint
     zero1: Zero1Tag | None
     has_data: bool = True
+    mode: str = "default"
+    """How NxD saved it (`nxd_modes.MODES`): its default, avoid-lp or zero1-dcp."""
 
     @property
     def use_xser(self) -> bool:
@@ -78,9 +93,10 @@ def open_training_tag(tag_dir: Path, config: Any = None, hints: Hints = None, pa
             f"{tag_dir} has no config.json (NxD checkpoints carry none): pass the model's "
             "Hugging Face config with --config"
         )
-    model = open_checkpoint(tag_dir, config, hints)
-    zero = Zero1Tag.open(tag_dir, model, param_order)
-    return Source(tag_dir, model, zero, model_has_data(model))
+    model = open_model(tag_dir, config, hints)
+    zero = open_optimizer(tag_dir, model, param_order)
+    has_data = model_has_data(model)
+    return Source(tag_dir, model, zero, has_data, mode_of(tag_dir, has_data))
 
 
 def model_checkpoint(
@@ -165,20 +181,29 @@ def write_rank(
     use_xser: bool,
     master: bool,
     dtype: torch.dtype,
-) -> list[Path]:
-    """One target (tp, pp) rank: its model file and its dp optimizer files (NxD's format)."""
+    mode: str = "default",
+    stages: list[int] | None = None,
+) -> list[Path | FileRecord]:
+    """One target (tp, pp) rank: its model file and its dp optimizer files (NxD's format, saved as
+    `mode` says: `nxd_modes`); DCP data files are returned as their records."""
     src = readers.src
     pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes)
-    written: list[Path] = []
-    weights = readers.weights(pieces, dtype)
+    written: list[Path | FileRecord] = []
     model_path = out_tag / MODEL_DIR / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
-    written += save_object(model_path, weights, use_xser)
-    del weights
+    if mode == AVOID_LP:  # names, shapes and dtypes only: the weights are the master weights
+        written += save_object(model_path, bare_weights(pieces, dtype), use_xser, data=False)
+    else:
+        weights = readers.weights(pieces, dtype)
+        written += save_object(model_path, weights, use_xser)
+        del weights
     if src.zero1 is not None:
         moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
         state = readers.state(pieces, moments)
         names = [p.name for p in pieces]
         groups = [readers.group(p) for p in pieces]
+        if mode == ZERO1_DCP:
+            written += write_dcp_optim(out_tag, layout, tp, pp, dp, names, src.zero1.hyper, state, stages or [])
+            return written
         for d in range(dp):
             obj = build_optim(names, groups, src.zero1.hyper, state, dp, d, master)
             written += save_object(out_tag / optim_name(d, tp, pp), obj, use_xser)
@@ -205,6 +230,10 @@ class TrainingReshardOptions(TypedDict, total=False):
     verify_hashes: bool
     """Check every file the source tag's manifest lists against its digest before the new
     checkpoint is committed (default True)."""
+    nxd_mode: str | None
+    """How NxD would have saved it (`nxd_modes.MODES`): "default", "avoid-lp" (xser model files
+    without tensor data, the weights in the master weights) or "zero1-dcp" (the optimizer through
+    PyTorch DCP); default: the source's."""
 
 
 @dataclass
@@ -219,6 +248,7 @@ class _Plan:
     use_xser: bool
     master: bool
     dtype: torch.dtype
+    mode: str = "default"
     check: TagCheck | None = None
 
 
@@ -240,7 +270,11 @@ def _plan(src_dir: Path, layout: Layout, param_order: ParamOrder, options: Train
     if fmt not in ("torch", "xser"):
         raise CheckpointError(f"--format {fmt} is not one NxD's trainer writes: use torch or xser")
     master = master_weights == "keep" and src.zero1 is not None and src.zero1.master
-    return _Plan(src, name, layout, dp if zero1 else 1, bool(zero1), fmt == "xser", master, model_dtype(src))
+    mode = options.get("nxd_mode") or src.mode
+    groups = len(src.zero1.hyper) if src.zero1 is not None else 1
+    check_mode(mode, use_xser=fmt == "xser", master=master, zero1=bool(zero1), groups=groups, layout=layout)
+    dp = dp if zero1 else 1
+    return _Plan(src, name, layout, dp, bool(zero1), fmt == "xser", master, model_dtype(src), mode)
 
 
 def reshard_training(
@@ -287,24 +321,39 @@ def _begin_tag(out_tag: Path) -> None:
     (out_tag / MODEL_DIR).mkdir()
 
 
-def _write_mine(job: Job, plan: _Plan, out_tag: Path) -> list[str]:
+def _write_mine(job: Job, plan: _Plan, out_tag: Path) -> list[str | FileRecord]:
     """This process's share of the target (tp, pp) ranks (their model and optimizer files)."""
     units = [(tp, pp) for pp in range(plan.layout.pp) for tp in range(plan.layout.tp)]
     readers = RankReaders(plan.src)
+    stages = stage_sizes(plan.src.model, plan.layout) if plan.mode == ZERO1_DCP else None
     try:
-        files: list[Path] = []
+        files: list[Path | FileRecord] = []
         for tp, pp in job.share(units):
-            files += write_rank(out_tag, readers, plan.layout, tp, pp, plan.dp, plan.use_xser, plan.master, plan.dtype)
-        return [str(f) for f in files]
+            files += write_rank(
+                out_tag,
+                readers,
+                plan.layout,
+                tp,
+                pp,
+                plan.dp,
+                plan.use_xser,
+                plan.master,
+                plan.dtype,
+                plan.mode,
+                stages,
+            )
+        return [f if isinstance(f, FileRecord) else str(f) for f in files]
     finally:
         readers.close()
 
 
-def _finish_tag(plan: _Plan, out_tag: Path, written: list[str]) -> None:
+def _finish_tag(plan: _Plan, out_tag: Path, written: list[str | FileRecord]) -> None:
     """Leader, after every rank's files: the plain files, config, manifest; the source checked
     (unchanged, and every listed file matching its digest); `done` last."""
     src = plan.src
-    files = [Path(f) for f in written]
+    records = [f for f in written if isinstance(f, FileRecord)]
+    files = [Path(f) for f in written if isinstance(f, str)] + [out_tag / r.path for r in records]
+    files += finish_optim(out_tag, records)
     for plain in (SCHEDULER, USER_CONTENT):
         if os.path.lexists(src.tag_dir / plain):
             write_bytes(out_tag / plain, read_small(src.tag_dir / plain, plain, PICKLE_LIMIT), fsync=False)
@@ -327,6 +376,7 @@ def _finish_tag(plan: _Plan, out_tag: Path, written: list[str]) -> None:
             "zero1": plan.zero1,
             "master_weights": plan.master,
             "nxd": True,
+            "nxd_mode": plan.mode,
         },
     )
     write_text(out_tag / MANIFEST, json.dumps(data, indent=2) + "\n", fsync=False)
@@ -395,6 +445,7 @@ def inspect_training(
         "step": zero.step if zero else _step(src, name),
         "master_weights": bool(zero and zero.master),
         "model_has_data": src.has_data,
+        "nxd_mode": src.mode,
         "param_groups": groups,
         "optimizer_bytes": optim_bytes,
     }

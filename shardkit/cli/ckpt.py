@@ -189,6 +189,16 @@ param_order_option = click.option(
 )
 @param_order_option
 @click.option(
+    "--nxd-mode",
+    type=click.Choice(["default", "avoid-lp", "zero1-dcp"]),
+    default=None,
+    help="How NxD would have saved the new checkpoint (default: as the source was saved). default: model and "
+    "per-rank ZeRO-1 optimizer files; avoid-lp: save_checkpoint(avoid_saving_lower_precision_weights=True), xser model "
+    "files without tensor data, the weights kept in the master weights (needs --format xser and master weights); "
+    "zero1-dcp: use_zero1_dcp=True, the optimizer state through PyTorch DCP in optim/ (one param group, no master "
+    "weights).",
+)
+@click.option(
     "--no-verify-hashes",
     "verify_hashes",
     flag_value=False,
@@ -198,7 +208,9 @@ param_order_option = click.option(
 )
 @common_options
 @click.pass_context
-def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master_weights, param_order, verify_hashes):
+def ckpt_reshard(
+    ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master_weights, param_order, nxd_mode, verify_hashes
+):
     """Move a whole training state SRC (model, ZeRO-1 optimizer shards, master weights, scheduler,
     user content) to another layout, written as the checkpoint directory DST in NxD's format.
     Without --qkv (and --kv-replication / --hw) the source's qkv style (and replica order) is kept.
@@ -227,6 +239,7 @@ def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master
         master_weights=master_weights,
         param_order=param_order,
         verify_hashes=verify_hashes,
+        nxd_mode=nxd_mode,
     )
     click.echo(f"wrote {out}")
 
@@ -249,7 +262,7 @@ def ckpt_inspect(directory, tag, config, param_order, as_json):
     click.echo(
         f"{info['path']}: {info['describe']}, dp {info['dp']}{' (ZeRO-1)' if info['zero1'] else ''}, "
         f"{info['format']}, step {info['step']}, master weights {'yes' if info['master_weights'] else 'no'}, "
-        f"optimizer {format_bytes(info['optimizer_bytes'])}"
+        f"optimizer {format_bytes(info['optimizer_bytes'])}, saved as NxD's {info['nxd_mode']}"
     )
     for g, group in enumerate(info["param_groups"]):
         hyper = ", ".join(f"{k}={v}" for k, v in group["hyper"].items())

@@ -9,7 +9,7 @@ engine needs nothing else to read any slice of any full tensor.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -286,20 +286,31 @@ def _open_nxd(
     first = probe.open(keys_by_rank[(0, 0, 0)])
     try:
         layout = nxd.infer_layout(rank_files, first, dims, dict(hints), family)
+        bare = not getattr(first, "holds_data", True)  # saved without tensor data: nothing to compare
     finally:
         first.close()
     holdings, ranks = _sharded_holdings(family, dims, layout, keys_by_rank)
     ckpt = Checkpoint(
         root, "sharded", rank_files.format, given, family, dims, layout, files, holdings, ranks, None, rank_files.naming
     )
-    if layout.kv_multiplier > 1 and "kv_replication" not in hints:
+    if layout.kv_multiplier > 1 and "kv_replication" not in hints and not bare:
         ckpt = _decide_replication(ckpt, keys_by_rank)
     return ckpt
 
 
-def _decide_replication(ckpt: Checkpoint, keys_by_rank) -> Checkpoint:
+def decide_replication(ckpt: Checkpoint, view: Callable[[Checkpoint], Checkpoint]) -> Checkpoint:
+    """`ckpt` under the kv replication its values say, read through `view` (see below): for NxD
+    shards whose files hold no tensor data, the training checkpoint's master weights."""
+    return _decide_replication(ckpt, {rank: key for key, rank in ckpt.ranks.items()}, view)
+
+
+def _decide_replication(
+    ckpt: Checkpoint, keys_by_rank, view: Callable[[Checkpoint], Checkpoint] | None = None
+) -> Checkpoint:
     """Interleaved or blocked kv replication, decided from the data: under the right one, every
-    rank that claims to hold a given kv head holds the same values."""
+    rank that claims to hold a given kv head holds the same values. `view` gives what holds the
+    values for a candidate layout, when the files themselves do not (a training checkpoint's
+    master weights)."""
     first_layer = ckpt.layout.stage_layers(ckpt.dims.num_layers)[0][0]
     k_rows = ckpt.family.k_source(ckpt.dims, first_layer)
     if k_rows is None:
@@ -312,7 +323,8 @@ def _decide_replication(ckpt: Checkpoint, keys_by_rank) -> Checkpoint:
         layout = Layout(**{**ckpt.layout.to_dict(), "kv_replication": replication})
         holdings, _ = _sharded_holdings(ckpt.family, ckpt.dims, layout, keys_by_rank)
         candidate = Checkpoint(**{**ckpt.__dict__, "layout": layout, "holdings": holdings})
-        verdicts[replication] = (candidate, _replicas_agree(candidate, SourceReader(candidate), k_rows))
+        values = view(candidate) if view is not None else candidate
+        verdicts[replication] = (candidate, _replicas_agree(values, SourceReader(values), k_rows))
     agree = [r for r, (_, ok) in verdicts.items() if ok]
     if not agree:
         raise FormatError(

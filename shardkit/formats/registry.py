@@ -114,7 +114,8 @@ FORMATS: dict[str, Format] = {
             writer=lambda path, root, specs, expert, digests, direct: XserWriter(
                 path, root, specs, list(expert), digests, direct
             ),
-            detect=lambda path: tensors_dir(path).is_dir(),
+            # a model file NxD saved without tensor data has its .info.pt but no tensor folder
+            detect=lambda path: tensors_dir(path).is_dir() or info_path(path).is_file(),
             abilities=Abilities(kernel_copies=True, row_streaming=True),
             companions=_xser_companions,
         ),

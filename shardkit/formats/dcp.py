@@ -1,0 +1,841 @@
+"""PyTorch Distributed Checkpoint (DCP) folders, read by their metadata and written streaming.
+
+A DCP folder (`torch.distributed.checkpoint`'s `FileSystemWriter`) is a `.metadata` pickle and
+data files `__<rank>_<n>.distcp`. The metadata lists every entry of the saved state dict under its
+flattened name (`a.b.c`, with `planner_data` giving the nested path): a tensor is a global shape,
+a dtype and the chunks it was saved in (offsets and sizes in the global tensor); anything else is
+bytes. `storage_data` says where each chunk or object is: (file, byte offset, length). Each
+tensor chunk is one whole `torch.save` archive of the chunk at that offset, each object the
+`torch.save` bytes of it (see docs/FORMATS.md, "PyTorch DCP").
+
+Reading never loads a file: the metadata is unpickled with only DCP's own classes allowed, each
+chunk's archive directory is read to find its data (`torch_io.embedded_tensor`), and slices are
+read positionally from there. A DCP folder's layout is whatever sharding it holds: each chunk
+becomes a segment of its full tensor (`describe_model`), so the engine reads exactly the chunks
+each output needs; tensors whose chunks cut along another axis than the model family's split are
+read through one reader that assembles any slice from the chunks it meets (`DcpTensors`).
+
+Writing appends one archive per chunk to a rank's file (`DcpFileWriter`, shardkit's zip writer,
+the same bytes `torch.save` writes), records where it went in a small `<file>.chunks.json` beside
+it, and `finish_folder` writes `.metadata` from those records (with torch's own metadata classes)
+once every file is written, under torchrun too.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import pickle
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import torch_compat
+from ..conventions import Convention, find, get_convention, to_hf, to_native
+from ..errors import FormatError, ShardkitError
+from ..families import Family
+from ..io.copy import FileRange
+from ..io.digest import FileRecord, Recording
+from ..io.durable import write_bytes
+from ..io.hashing import HashingFile
+from ..io.small import PICKLE_LIMIT, read_small
+from ..io.strided import StoredTensor, advise_stored, byte_span, read_rows_into, read_stored, stored_range
+from ..io.taps import DescriptorReader
+from ..layout import Layout, ModelDims
+from ..paths import inside
+from ..placements import Piece, Segment, make_piece
+from .base import DiscardOnFailure, TensorSpec, check_specs, compact, tensor_bytes
+from .torch_io import embedded_tensor, parsed_once, regular, tensor_pickle, torch_save, written_natively
+from .torch_zip import ZipRecords
+
+log = logging.getLogger(__name__)
+
+METADATA = ".metadata"
+SUFFIX = ".distcp"
+COMPOSITE = METADATA
+"""The holder key of tensors read through `DcpTensors` (chunks cut along another axis)."""
+
+Path_ = tuple[str | int, ...]
+
+
+# ---- the metadata -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One saved part of a tensor: where it sits in the global tensor, and where its archive is."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+
+    @property
+    def name(self) -> str:
+        """The chunk's name in the reader of its file: `fqn@o0,o1,...`."""
+        return f"{self.fqn}@{','.join(map(str, self.offsets))}"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A tensor of the state dict: its global shape and dtype, and its chunks."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A non-tensor value of the state dict, stored as its `torch.save` bytes."""
+
+    fqn: str
+    file: str
+    offset: int
+    length: int
+
+
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    *(
+        ("torch.distributed.checkpoint.metadata", n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata`: only DCP's metadata classes, torch sizes, dtypes and layouts, and paths
+    (a checkpoint id) may be named; anything else is refused, never run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) not in _ALLOWED:
+            raise FormatError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+@dataclass
+class DcpFolder:
+    """A DCP folder's metadata, checked: tensors, objects, each entry's nested path."""
+
+    root: Path
+    tensors: dict[str, Entry]
+    objects: dict[str, Blob]
+    paths: dict[str, Path_]
+
+    def files(self) -> list[str]:
+        """The data files the metadata refers to, sorted."""
+        names = {c.file for e in self.tensors.values() for c in e.chunks} | {b.file for b in self.objects.values()}
+        return sorted(names)
+
+    def object(self, fqn: str) -> Any:
+        """A saved non-tensor value (plain data only: weights-only unpickling)."""
+        blob = self.objects[fqn]
+        if blob.length > PICKLE_LIMIT:
+            raise FormatError(f"{self.root}: {fqn} is {blob.length} bytes, more than a saved value should be")
+        path = inside(self.root, blob.file, "DCP data file")
+        fd = os.open(regular(path, "DCP data file"), os.O_RDONLY)
+        try:
+            data = os.pread(fd, blob.length, blob.offset)
+        finally:
+            os.close(fd)
+        if len(data) != blob.length:
+            raise FormatError(f"{path} is truncated (the value of {fqn} is cut short): re-create the checkpoint")
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any failure of the weights-only unpickler is a bad file
+            raise FormatError(
+                f"{path}: the value of {fqn} is corrupt or not plain data ({str(e).splitlines()[0][:120]})"
+            ) from None
+
+
+def read_folder(root: Path) -> DcpFolder:
+    """The metadata of the DCP folder `root`, parsed and checked once per file version."""
+    path = Path(root) / METADATA
+    regular(path, "DCP metadata")
+    return parsed_once(path, "dcp", _parse)
+
+
+def _parse(path: Path) -> DcpFolder:
+    root = path.parent
+    raw = read_small(path, "DCP metadata", PICKLE_LIMIT)
+    try:
+        md = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except FormatError as e:
+        raise FormatError(
+            f"refusing to load {path}: it names {e}, which DCP metadata never holds; shardkit never runs "
+            "arbitrary pickle"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - a cut or garbled pickle
+        raise FormatError(f"{path} is truncated or corrupt ({type(e).__name__}): re-create the checkpoint") from None
+    try:
+        entries, storage = dict(md.state_dict_metadata), dict(md.storage_data or {})
+        planner = dict(md.planner_data or {})
+    except (AttributeError, TypeError, ValueError):
+        raise FormatError(f"{path} is not DCP metadata: re-create the checkpoint") from None
+    where: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    for index, info in storage.items():
+        if getattr(info, "transform_descriptors", None):
+            raise FormatError(
+                f"{path}: {index.fqn} is stored transformed ({info.transform_descriptors}); shardkit reads "
+                "plain DCP files only"
+            )
+        offset = None if index.offset is None else tuple(int(v) for v in index.offset)
+        where[(index.fqn, offset)] = info
+    tensors, objects = {}, {}
+    for fqn, meta in entries.items():
+        if not isinstance(fqn, str):
+            raise FormatError(f"{path} is corrupt (an entry named {fqn!r}): re-create the checkpoint")
+        info = where.get((fqn, None))
+        if type(meta).__name__ == "BytesStorageMetadata":
+            if info is None:
+                raise FormatError(f"{path}: no data file holds {fqn}: the checkpoint is incomplete")
+            objects[fqn] = Blob(fqn, _file(root, info.relative_path), int(info.offset), int(info.length))
+            continue
+        tensors[fqn] = _entry(path, root, fqn, meta, where)
+    paths = {k: tuple(v) for k, v in planner.items() if isinstance(v, (tuple, list))}
+    return DcpFolder(root, tensors, objects, paths)
+
+
+def _file(root: Path, name: Any) -> str:
+    """A data file's name, which must be a plain file name inside the folder."""
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise FormatError(f"{root / METADATA} names a data file {name!r} outside its folder: refusing it")
+    return name
+
+
+def _entry(path: Path, root: Path, fqn: str, meta: Any, where: Mapping) -> Entry:
+    """A tensor entry with its chunks located and checked (inside the tensor, tiling it)."""
+    shape = tuple(int(v) for v in meta.size)
+    dtype = meta.properties.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise FormatError(f"{path}: {fqn} has no dtype: the metadata is corrupt")
+    chunks = []
+    for c in meta.chunks:
+        offsets, sizes = tuple(int(v) for v in c.offsets), tuple(int(v) for v in c.sizes)
+        if (
+            len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape))
+        ):
+            raise FormatError(f"{path}: a chunk of {fqn} lies outside its shape {list(shape)}: the metadata is corrupt")
+        info = where.get((fqn, offsets))
+        if info is None:
+            raise FormatError(f"{path}: no data file holds the chunk of {fqn} at {list(offsets)}: it is incomplete")
+        chunks.append(Chunk(fqn, offsets, sizes, _file(root, info.relative_path), int(info.offset), int(info.length)))
+    if sum(math.prod(c.sizes) for c in chunks) != math.prod(shape) or not _disjoint(chunks):
+        raise FormatError(f"{path}: the chunks of {fqn} do not tile its shape {list(shape)}: the metadata is corrupt")
+    return Entry(fqn, shape, dtype, tuple(chunks))
+
+
+def _disjoint(chunks: Sequence[Chunk]) -> bool:
+    if len(chunks) > 64:  # volumes add up (checked by the caller); pairs are checked for small sets only
+        return True
+    for i, a in enumerate(chunks):
+        for b in chunks[i + 1 :]:
+            if all(
+                max(oa, ob) < min(oa + sa, ob + sb) for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+            ):
+                if math.prod(a.sizes) and math.prod(b.sizes):
+                    return False
+    return True
+
+
+# ---- reading chunks --------------------------------------------------------------------------
+
+
+class ChunkFile(DescriptorReader):
+    """One data file's chunks, each located on first use (its archive's directory and pickle)."""
+
+    def __init__(self, path: Path):
+        self.path = regular(Path(path), "DCP data file")
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._stored: dict[tuple[int, int], StoredTensor] = {}
+
+    def stored(self, chunk: Chunk) -> StoredTensor:
+        key = (chunk.offset, chunk.length)
+        if key not in self._stored:
+            found = embedded_tensor(self.path, chunk.offset, chunk.length)
+            if tuple(found.shape) != chunk.sizes:
+                raise FormatError(
+                    f"{self.path}: the chunk of {chunk.fqn} at {list(chunk.offsets)} holds {list(found.shape)}, its "
+                    f"metadata says {list(chunk.sizes)}: the checkpoint is corrupt"
+                )
+            self._stored[key] = found
+        return self._stored[key]
+
+    def read_chunk(self, chunk: Chunk, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        return read_stored(self._open_fd, self.stored(chunk), dim, start, stop, str(self.path))
+
+    def close(self) -> None:
+        self._close_fd()
+
+
+def _heads(
+    read: Callable[[int, int | None, int | None], torch.Tensor],
+    rows: int,
+    dim: int,
+    start: int | None,
+    stop: int | None,
+    head_dim: int | None,
+) -> torch.Tensor:
+    """A slice of a tensor stored with each head's rotary halves interleaved, in Hugging Face's
+    row order: whole heads are read (`read(dim, start, stop)`), put back in order, then cut."""
+    if head_dim is None:
+        return read(dim, start, stop)
+    if dim != 0:
+        return to_hf(read(dim, start, stop), head_dim)
+    start, stop = start or 0, rows if stop is None else stop
+    first, last = start // head_dim * head_dim, -(-stop // head_dim) * head_dim
+    whole = to_hf(read(0, first, last), head_dim)
+    return whole if (first, last) == (start, stop) else compact(whole[start - first : stop - first])
+
+
+class DcpFile(ChunkFile):
+    """A TensorFile of one data file's chunks, named `fqn@offsets` (`Chunk.name`), each in the
+    Hugging Face row order when `head_dims` names it (a convention's permuted q/k)."""
+
+    def __init__(self, path: Path, chunks: Iterable[Chunk] | None = None, head_dims: Mapping[str, int] | None = None):
+        super().__init__(path)
+        if chunks is None:
+            folder = read_folder(self.path.parent)
+            chunks = [c for e in folder.tensors.values() for c in e.chunks if c.file == self.path.name]
+        self._chunks = {c.name: c for c in chunks}
+        self._heads = dict(head_dims or {})
+
+    def keys(self) -> list[str]:
+        return list(self._chunks)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._chunks[name].sizes
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.stored(self._chunks[name]).dtype
+
+    def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        chunk = self._chunks[name]
+        rows = chunk.sizes[0] if chunk.sizes else 1
+        return _heads(lambda d, a, b: self.read_chunk(chunk, d, a, b), rows, dim, start, stop, self._heads.get(name))
+
+    def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        if name in self._heads:
+            return False
+        return read_rows_into(self._open_fd, self.stored(self._chunks[name]), start, stop, out, str(self.path))
+
+    def byte_range(
+        self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None
+    ) -> FileRange | None:
+        if name in self._heads:
+            return None
+        return stored_range(self._open_fd, self.stored(self._chunks[name]), dim, start, stop, str(self.path))
+
+    def span(self, name: str) -> tuple[int, int, int] | None:
+        return None if name in self._heads else byte_span(self.stored(self._chunks[name]))
+
+    def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
+        advise_stored(
+            self._open_fd,
+            self.stored(self._chunks[name]),
+            dim,
+            0 if name in self._heads else start,
+            None if name in self._heads else stop,
+        )
+
+
+def read_global(
+    folder: DcpFolder,
+    files: dict[str, ChunkFile],
+    fqn: str,
+    dim: int = 0,
+    start: int | None = None,
+    stop: int | None = None,
+) -> torch.Tensor:
+    """The slice [start, stop) along `dim` of the global tensor `fqn`, assembled from the chunks it
+    meets (each read positionally, only the part the slice needs); `files` keeps the data files open."""
+    entry = folder.tensors[fqn]
+    if not entry.shape:
+        return _chunk_file(folder, files, entry.chunks[0]).read_chunk(entry.chunks[0])
+    start = 0 if start is None else start
+    stop = entry.shape[dim] if stop is None else stop
+    shape = list(entry.shape)
+    shape[dim] = stop - start
+    out = torch.empty(shape, dtype=entry.dtype)
+    for c in entry.chunks:
+        lo, hi = max(start, c.offsets[dim]), min(stop, c.offsets[dim] + c.sizes[dim])
+        if lo >= hi or not math.prod(c.sizes):
+            continue
+        part = _chunk_file(folder, files, c).read_chunk(c, dim, lo - c.offsets[dim], hi - c.offsets[dim])
+        where = [slice(o, o + s) for o, s in zip(c.offsets, c.sizes)]
+        where[dim] = slice(lo - start, hi - start)
+        out[tuple(where)] = part
+    return out
+
+
+def read_tensor(folder: DcpFolder, fqn: str) -> torch.Tensor:
+    """One whole (small) tensor of the folder, its files closed again."""
+    files: dict[str, ChunkFile] = {}
+    try:
+        return read_global(folder, files, fqn)
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def _chunk_file(folder: DcpFolder, files: dict[str, ChunkFile], chunk: Chunk) -> ChunkFile:
+    if chunk.file not in files:
+        files[chunk.file] = ChunkFile(inside(folder.root, chunk.file, "DCP data file"))
+    return files[chunk.file]
+
+
+class DcpTensors:
+    """A TensorFile of whole tensors of a DCP folder under Hugging Face names (`names`: HF name ->
+    fqn), each slice assembled from its chunks (`read_global`)."""
+
+    def __init__(self, folder: DcpFolder, names: Mapping[str, str], head_dims: Mapping[str, int] | None = None):
+        self.path = folder.root / METADATA
+        self._folder, self._names, self._heads = folder, dict(names), dict(head_dims or {})
+        self._files: dict[str, ChunkFile] = {}
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._folder.tensors[self._names[name]].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._folder.tensors[self._names[name]].dtype
+
+    def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        fqn = self._names[name]
+        rows = self.shape(name)[0] if self.shape(name) else 1
+        return _heads(
+            lambda d, a, b: read_global(self._folder, self._files, fqn, d, a, b),
+            rows,
+            dim,
+            start,
+            stop,
+            self._heads.get(name),
+        )
+
+    def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        return False
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+
+
+# ---- a model in a DCP folder -------------------------------------------------------------------
+
+
+@dataclass
+class DcpModel:
+    """What a DCP folder holds of a model, in shardkit's terms: per data file the chunks that are
+    segments of full (Hugging Face) tensors along the family's split axis, and the rest under the
+    composite key (`COMPOSITE`). `convention` names the tensors; `prefix` is the state-dict key the
+    model sits under ("" at the top, as torchtitan saves it)."""
+
+    folder: DcpFolder
+    convention: Convention
+    prefix: str
+    names: dict[str, str]  # HF name -> fqn
+    files: dict[str, Path] = field(default_factory=dict)
+    holdings: dict[str, list[Piece]] = field(default_factory=dict)
+    head_dims: dict[str, int] = field(default_factory=dict)  # piece or HF name -> head size (permuted rows)
+    chunks: dict[str, list[Chunk]] = field(default_factory=dict)
+
+    def open(self, key: str) -> Any:
+        if key == COMPOSITE:
+            names = {p.name: self.names[p.name] for p in self.holdings[key]}
+            return DcpTensors(self.folder, names, self.head_dims)
+        return DcpFile(self.files[key], self.chunks[key], self.head_dims)
+
+
+def model_names(
+    folder: DcpFolder,
+    family: Family,
+    dims: ModelDims,
+    convention: str | None = None,
+    prefixes: Sequence[str] = ("", "model."),
+) -> tuple[Convention, str, dict[str, str]]:
+    """The convention and key prefix under which `folder` holds every tensor of the model, and the
+    HF name -> fqn map; a one-line error naming what is missing otherwise."""
+    wanted = list(family.full_shapes(dims))
+    best: tuple[int, str] | None = None
+    for prefix in prefixes:
+        present = [k[len(prefix) :] for k in folder.tensors if k.startswith(prefix)]
+        if convention is not None:
+            chosen = get_convention(convention)
+            missing = [h for h in wanted if _native_or_none(chosen, h) not in set(present)]
+        else:
+            chosen, missing = find(present, wanted)
+        if not missing:
+            return chosen, prefix, {h: prefix + chosen.native(h) for h in wanted}
+        if best is None or len(missing) < best[0]:
+            best = (
+                len(missing),
+                f"{missing[0]} (as {_native_or_none(chosen, missing[0]) or '-'}, {chosen.name} names)",
+            )
+    assert best is not None
+    raise FormatError(
+        f"{folder.root} is a DCP checkpoint without {best[1]} and {best[0] - 1} more of the model's tensors: "
+        "the config does not match it, or it holds no model (pass --config, or --convention)"
+    )
+
+
+def _native_or_none(convention: Convention, hf: str) -> str | None:
+    try:
+        return convention.native(hf)
+    except ShardkitError:
+        return None
+
+
+def describe_model(root: Path, family: Family, dims: ModelDims, convention: str | None = None) -> DcpModel:
+    """The model a DCP folder holds, as pieces per data file (see `DcpModel`), its shapes checked."""
+    folder = read_folder(root)
+    chosen, prefix, names = model_names(folder, family, dims, convention)
+    shapes, split = family.full_shapes(dims), family.split_dims(dims)
+    model = DcpModel(folder, chosen, prefix, names)
+    for hf, fqn in names.items():
+        entry = folder.tensors[fqn]
+        if entry.shape != tuple(shapes[hf]):
+            raise FormatError(
+                f"{root}: {fqn} is {list(entry.shape)}, the config makes {hf} {list(shapes[hf])}: the config does "
+                "not match the checkpoint (pass the right --config)"
+            )
+        head_dim = chosen.head_dim(hf, dims)
+        dim = split[hf]
+        if all(_segment_of(c, entry.shape, dim, head_dim) for c in entry.chunks):
+            for c in entry.chunks:
+                if not math.prod(c.sizes):
+                    continue
+                start = c.offsets[dim] if entry.shape else 0
+                length = c.sizes[dim] if entry.shape else 1
+                piece = make_piece(c.name, [Segment(hf, dim, start, start + length)], shapes)
+                model.files.setdefault(c.file, inside(root, c.file, "DCP data file"))
+                model.holdings.setdefault(c.file, []).append(piece)
+                model.chunks.setdefault(c.file, []).append(c)
+                if head_dim:
+                    model.head_dims[c.name] = head_dim
+        else:
+            model.files[COMPOSITE] = root / METADATA
+            model.holdings.setdefault(COMPOSITE, []).append(
+                make_piece(hf, [Segment(hf, dim, 0, _len(entry.shape, dim))], shapes)
+            )
+            if head_dim:
+                model.head_dims[hf] = head_dim
+    return model
+
+
+def _len(shape: tuple[int, ...], dim: int) -> int:
+    return shape[dim] if shape else 1
+
+
+def _segment_of(chunk: Chunk, shape: tuple[int, ...], dim: int, head_dim: int | None) -> bool:
+    """Whether a chunk is a segment of its tensor along `dim` (whole along every other axis), of
+    whole heads when its rows are permuted per head."""
+    if not shape:
+        return True
+    if any(o != 0 or s != n for k, (o, s, n) in enumerate(zip(chunk.offsets, chunk.sizes, shape)) if k != dim):
+        return False
+    if head_dim and (dim != 0 or chunk.offsets[0] % head_dim or chunk.sizes[0] % head_dim):
+        return False
+    return True
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+
+class _At:
+    """`out` as seen from byte `base`: the zip writer's offsets count from its archive's start, as
+    torch's writer counts them (DCP appends one archive per chunk to a file)."""
+
+    def __init__(self, out: HashingFile):
+        self.out, self.base = out, out.size
+
+    @property
+    def size(self) -> int:
+        return self.out.size - self.base
+
+    def write(self, data: Any) -> int:
+        return self.out.write(data)
+
+    def write_owned(self, data: Any, owner: object) -> int:
+        return self.out.write_owned(data, owner)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _archive(out: HashingFile, tensor: torch.Tensor, owned: bool) -> None:
+    """`torch.save(tensor, out)` appended at `out`'s end, as DCP writes a chunk: shardkit's zip
+    writer when it writes torch's bytes, else torch's own writer."""
+    spec = TensorSpec("", tuple(tensor.shape), tensor.dtype)
+    data_pkl = tensor_pickle(spec)
+    if not written_natively([spec], data_pkl):
+        torch_save(tensor, out)
+        return
+    records = ZipRecords(_At(out), torch_compat.zip_options()[1])
+    records.add("data.pkl", data_pkl)
+    alignment = str(torch_compat.zip_options()[1]).encode()
+    for name, value in ((".format_version", b"1"), (".storage_alignment", alignment), ("byteorder", b"little")):
+        records.add(name, value)
+    records.add("data/0", tensor_bytes(tensor), tensor if owned else None)
+    records.finish()
+
+
+class Item(NamedTuple):
+    """Where one entry of a data file went: its flat name, nested path, byte offset and length;
+    for a tensor also the chunk's offsets and sizes, the global shape and the dtype."""
+
+    fqn: str
+    path: tuple[str | int, ...]
+    offset: int
+    length: int
+    offsets: tuple[int, ...] | None = None
+    sizes: tuple[int, ...] | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class ChunkedRecord(FileRecord):
+    """A DCP data file written: its record, and where each of its entries went (for `.metadata`)."""
+
+    items: tuple[Item, ...] = ()
+
+
+class DcpFileWriter(DiscardOnFailure):
+    """Writes one DCP data file: tensors (whole, or a chunk at `offsets` of a global `shape`) and
+    plain values, appended as DCP writes them; `close` returns a `ChunkedRecord` saying where each
+    went, from which `finish_folder` writes `.metadata`. A failure deletes the file."""
+
+    def __init__(self, path: Path, root: Path, digests: Recording = True, direct: bool = False):
+        self.path, self.root = Path(path), Path(root)
+        self._out: HashingFile | None = HashingFile(self.path, self.root, digests=digests, direct=direct)
+        self._items: list[Item] = []
+
+    def add_tensor(
+        self,
+        fqn: str,
+        tensor: torch.Tensor,
+        *,
+        offsets: Sequence[int] | None = None,
+        shape: Sequence[int] | None = None,
+        path: Sequence[str | int] | None = None,
+        owned: bool = False,
+    ) -> None:
+        """A tensor (or its chunk at `offsets` of the global `shape`) under the flat name `fqn`."""
+        with self._discarding():
+            out = self._live()
+            tensor = compact(tensor.detach())
+            start = out.size
+            _archive(out, tensor, owned)
+            at = tuple(offsets) if offsets is not None else (0,) * tensor.dim()
+            full = tuple(shape) if shape is not None else tuple(tensor.shape)
+            dtype = str(tensor.dtype).replace("torch.", "")
+            self._items.append(
+                Item(fqn, tuple(path or (fqn,)), start, out.size - start, at, tuple(tensor.shape), full, dtype)
+            )
+
+    def add_object(self, fqn: str, value: Any, *, path: Sequence[str | int] | None = None) -> None:
+        """A plain value, as DCP stores one: its `torch.save` bytes."""
+        with self._discarding():
+            out = self._live()
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            start = out.size
+            out.write(buf.getvalue())
+            self._items.append(Item(fqn, tuple(path or (fqn,)), start, out.size - start))
+
+    def _live(self) -> HashingFile:
+        if self._out is None:
+            raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
+        return self._out
+
+    def close(self, fsync: bool = False) -> list[FileRecord]:
+        with self._discarding():
+            record = self._live().close(fsync)
+            self._out = None
+        return [ChunkedRecord(record.path, record.size, record.sha256, record.xxh3_128, tuple(self._items))]
+
+    def abort(self) -> None:
+        out, self._out = getattr(self, "_out", None), None
+        if out is not None:
+            out.abort()
+
+    def _unfinished(self) -> bool:
+        return getattr(self, "_out", None) is not None
+
+
+def chunk_name(fqn: str, offsets: Sequence[int], shape: Sequence[int], head_dim: int | None) -> str:
+    """The name of a chunk piece in a planned DCP output (`plan_outputs`): what `DcpWriter` needs to
+    write it, its global shape and whether its heads are permuted, in the name itself."""
+    return f"{fqn}@{','.join(map(str, offsets))}/{','.join(map(str, shape))}~{head_dim or 0}"
+
+
+def parse_chunk_name(name: str) -> tuple[str, list[int] | None, list[int] | None, int | None]:
+    """(fqn, offsets, global shape, head size) of a `chunk_name`; a plain name is a whole tensor."""
+    if "~" not in name:
+        return name, None, None, None
+    head, _, hd = name.rpartition("~")
+    rest, _, shape = head.rpartition("/")
+    fqn, _, offsets = rest.rpartition("@")
+    numbers = lambda text: [int(v) for v in text.split(",") if v != ""]  # noqa: E731
+    return fqn, numbers(offsets), numbers(shape), int(hd) or None
+
+
+class DcpWriter(DcpFileWriter):
+    """The engine's writer of one planned DCP data file (`plan_outputs`): each spec is a chunk
+    (`chunk_name`), written in the convention's row order."""
+
+    def __init__(
+        self, path: Path, root: Path, specs: Sequence[TensorSpec], digests: Recording = True, direct: bool = False
+    ):
+        check_specs(specs)
+        super().__init__(path, root, digests, direct)
+        self._specs, self._next = list(specs), 0
+
+    def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
+        spec = self._specs[self._next] if self._next < len(self._specs) else None
+        if spec is None or spec.name != name or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            self.abort()
+            raise RuntimeError(f"{self.path}: expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        fqn, offsets, shape, head_dim = parse_chunk_name(name)
+        if head_dim:
+            tensor, owned = to_native(tensor, head_dim), True
+        self.add_tensor(fqn, tensor, offsets=offsets, shape=shape, owned=owned)
+        self._next += 1
+
+    def close(self, fsync: bool = False) -> list[FileRecord]:
+        if self._next != len(self._specs):
+            self.abort()
+            raise RuntimeError(f"{self.path}: {len(self._specs) - self._next} chunks were not written")
+        return super().close(fsync)
+
+
+def finish_folder(folder: Path, records: Iterable[FileRecord], root: Path | None = None) -> list[Path]:
+    """Write `folder/.metadata` for the data files `records` (their `ChunkedRecord` items; paths
+    relative to `root`, default `folder`) with torch's own metadata classes, as
+    `FileSystemWriter.finish` does. Returns the files written ([.metadata])."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    folder = Path(folder)
+    root = Path(root) if root is not None else folder
+    chunked = [r for r in records if isinstance(r, ChunkedRecord) and (root / r.path).parent == folder]
+    entries: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[str, tuple] = {}
+    for record in sorted(chunked, key=lambda r: _rank_order(Path(r.path).name)):
+        name = Path(record.path).name
+        for item in record.items:
+            planner[item.fqn] = tuple(item.path)
+            info = _StorageInfo(name, item.offset, item.length)
+            if item.offsets is None or item.sizes is None or item.shape is None or item.dtype is None:
+                entries[item.fqn] = BytesStorageMetadata()
+                storage[MetadataIndex(item.fqn)] = info
+                continue
+            if item.fqn not in entries:
+                props = TensorProperties(dtype=getattr(torch, item.dtype))
+                entries[item.fqn] = TensorStorageMetadata(props, torch.Size(item.shape), [])
+            chunks = entries[item.fqn].chunks
+            storage[MetadataIndex(item.fqn, item.offsets, len(chunks))] = info
+            chunks.append(ChunkStorageMetadata(torch.Size(item.offsets), torch.Size(item.sizes)))
+    seed = json.dumps(sorted(planner)).encode()
+    meta = StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid5(uuid.NAMESPACE_OID, seed.hex()[:4096])))
+    write_bytes(folder / METADATA, pickle.dumps(Metadata(entries, planner, storage, meta, "1.0.0")), fsync=False)
+    return [folder / METADATA]
+
+
+def _rank_order(name: str) -> tuple[int, ...]:
+    parts = name.split(SUFFIX)[0].strip("_").split("_")
+    return tuple(int(p) if p.isdigit() else 0 for p in parts)
+
+
+def data_file(rank: int) -> str:
+    """The data file DCP's `FileSystemWriter` gives a rank (one file per rank)."""
+    return f"__{rank}_0{SUFFIX}"
+
+
+# ---- planning a model written as DCP -------------------------------------------------------
+
+
+def plan_outputs(
+    family: Family, dims: ModelDims, layout: Layout, convention: str | None = None
+) -> list[tuple[str, list[Piece], tuple[int, int, int]]]:
+    """The data files of a model written as DCP for `layout`: one per (ep, tp, pp) rank, holding that
+    rank's segments of the full tensors as chunks (a chunk another rank already holds is left out,
+    as DCP saves replicated data once), named in `convention`'s names (default: Hugging Face's)."""
+    chosen = get_convention(convention)
+    chosen.check(family.name, dims)
+    layout.validate(dims)
+    shapes = family.full_shapes(dims)
+    covered: dict[str, list[tuple[int, int]]] = {}
+    outputs = []
+    for rank, (ep, tp, pp) in enumerate(layout.ranks()):
+        pieces: list[Piece] = []
+        for piece in family.rank_pieces(layout, dims, tp, pp, shapes, ep):
+            for seg in piece.segments:
+                if seg.source not in shapes:
+                    continue
+                for start, stop in _uncovered(covered.setdefault(seg.source, []), seg.start, seg.stop):
+                    full = shapes[seg.source]
+                    offsets = [0] * len(full)
+                    if full:
+                        offsets[seg.dim] = start
+                    name = chunk_name(chosen.native(seg.source), offsets, full, chosen.head_dim(seg.source, dims))
+                    pieces.append(make_piece(name, [Segment(seg.source, seg.dim, start, stop)], shapes))
+        outputs.append((data_file(rank), pieces, (ep, tp, pp)))
+    return outputs
+
+
+def _uncovered(covered: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """The parts of [start, stop) not in `covered` (which then covers them too)."""
+    parts, pos = [], start
+    for a, b in sorted(covered):
+        if b <= pos or a >= stop:
+            continue
+        if a > pos:
+            parts.append((pos, a))
+        pos = max(pos, b)
+    if pos < stop:
+        parts.append((pos, stop))
+    covered.extend(parts)
+    return parts
