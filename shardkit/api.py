@@ -76,14 +76,22 @@ def reshard(
     hints: Mapping | None = None,
     revision: str | None = None,
     command: str | None = None,
+    convention: str | None = None,
     **options: Unpack[WriteOptions],
 ) -> Result:
     """Write `src` (any checkpoint: a path or a Hub repo id) as shards of `layout` in `format`,
     reading only the slices each shard needs. `options`: dtype, workers, overwrite, progress,
     verify_hashes (see `engine.WriteOptions`); `config`/`hints` describe NxD shards that lack
-    them; `revision` picks a Hub repo's branch, tag or commit."""
+    them; `revision` picks a Hub repo's branch, tag or commit; `convention` names the tensors of
+    a DCP output (`hf`, the default, or `torchtitan`: see shardkit.conventions)."""
     return reshard_checkpoint(
-        open_source(src, config, hints, revision), dst, layout, format=format, command=command, **options
+        open_source(src, config, hints, revision),
+        dst,
+        layout,
+        format=format,
+        command=command,
+        convention=convention,
+        **options,
     )
 
 

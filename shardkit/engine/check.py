@@ -26,6 +26,12 @@ from ..placements import Segment, SegmentIndex
 log = logging.getLogger(__name__)
 
 
+def _layout_from(ckpt: Checkpoint) -> str:
+    if ckpt.format == "dcp":
+        return "DCP chunks (each a slice of a full tensor)"
+    return "manifest" if ckpt.manifest else ("full model" if ckpt.kind == "hf" else "inferred from files")
+
+
 def inspect_checkpoint(
     ckpt: Checkpoint, check_data: bool = False, progress: Callable[[int, int], None] | None = None
 ) -> dict[str, Any]:
@@ -46,6 +52,7 @@ def inspect_checkpoint(
         "kind": ckpt.kind,
         "format": ckpt.format,
         "naming": ckpt.naming,
+        "convention": ckpt.convention,
         "family": ckpt.family.name,
         "model": {
             "model_type": dims.model_type,
@@ -60,7 +67,7 @@ def inspect_checkpoint(
             "parameters": sum(_numel(s) for s in ckpt.full_shapes.values()),
         },
         "layout": ckpt.layout.to_dict(),
-        "layout_from": "manifest" if ckpt.manifest else ("full model" if ckpt.kind == "hf" else "inferred from files"),
+        "layout_from": _layout_from(ckpt),
         "dtype": str(ckpt.dtype()).replace("torch.", "") if not problems else None,
         "files": len(ckpt.files),
         "bytes": ckpt.total_bytes(),

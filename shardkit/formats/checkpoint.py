@@ -22,7 +22,7 @@ from ..io.small import read_json
 from ..io.transaction import recover_interrupted
 from ..layout import FULL, Layout, ModelDims
 from ..placements import Piece, Segment, SegmentIndex, make_piece
-from . import hf, nxd
+from . import dcp, hf, nxd
 from .base import TensorFile
 from .manifest import MANIFEST
 from .reader import SourceReader
@@ -48,12 +48,16 @@ class Checkpoint:
     manifest: dict[str, Any] | None = None
     naming: str = "hf"
     single_file: bool = False  # opened from one state-dict file: only that file (not root) is the source
+    convention: str = "hf"  # whose names the files use (conventions.py): a DCP folder may use torchtitan's
+    opener: Callable[[str], TensorFile] | None = None  # a format whose readers need more than a path (DCP)
 
     @property
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.family.full_shapes(self.dims)
 
     def open(self, key: str) -> TensorFile:
+        if self.opener is not None:
+            return self.opener(key)
         path = self.files[key]
         return format_of_file(path, self.format).reader(path)
 
@@ -134,6 +138,8 @@ def open_checkpoint(
         ckpt = _open_full(root.parent, {root.name: root}, cfg, where or _config_near_path(root))
         ckpt.single_file = True
         return ckpt
+    if (root / dcp.METADATA).is_file():
+        return _open_dcp(root, given, hints, where)
     manifest_path = root / MANIFEST
     if manifest_path.is_file():
         return _open_shardkit(root, given, where)
@@ -221,6 +227,39 @@ def _open_full(root: Path, files: dict[str, Path], cfg: dict[str, Any], where: s
         )
     fmt = "safetensors" if all(p.suffix == ".safetensors" for p in files.values()) else "torch"
     return Checkpoint(root, "hf", fmt, cfg, family, dims, FULL, files, holdings)
+
+
+def _open_dcp(root: Path, given: dict | None, hints: Mapping, where: str | None = None) -> Checkpoint:
+    """A PyTorch DCP folder's model: chunks as pieces of full tensors (`dcp.describe_model`), under
+    the naming convention its names follow (or `hints["convention"]`)."""
+    if given is None:
+        for candidate in (root / "config.json", root.parent / "config.json"):
+            if candidate.is_file():
+                given, where = load_config(candidate), str(candidate)
+                break
+        else:
+            raise FormatError(
+                f"{root} is a PyTorch DCP checkpoint without a config.json: pass the model's Hugging Face config with --config"
+            )
+    family, dims = _family_dims(given, where)
+    model = dcp.describe_model(root, family, dims, hints.get("convention"))
+    manifest = read_json(root / MANIFEST, MANIFEST) if (root / MANIFEST).is_file() else None
+    return Checkpoint(
+        root,
+        "sharded",
+        "dcp",
+        given,
+        family,
+        dims,
+        FULL,
+        model.files,
+        model.holdings,
+        {},
+        manifest,
+        "dcp",
+        convention=model.convention.name,
+        opener=model.open,
+    )
 
 
 def _sharded_holdings(family, dims, layout, keys_by_rank) -> tuple[dict[str, list[Piece]], dict[str, tuple]]:

@@ -30,7 +30,7 @@ import math
 import os
 import pickle
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -46,7 +46,15 @@ from ..io.digest import FileRecord, Recording
 from ..io.durable import write_bytes
 from ..io.hashing import HashingFile
 from ..io.small import PICKLE_LIMIT, read_small
-from ..io.strided import StoredTensor, advise_stored, byte_span, read_rows_into, read_stored, stored_range
+from ..io.strided import (
+    StoredTensor,
+    advise_stored,
+    byte_span,
+    read_block,
+    read_rows_into,
+    read_stored,
+    stored_range,
+)
 from ..io.taps import DescriptorReader
 from ..layout import Layout, ModelDims
 from ..paths import inside
@@ -349,6 +357,13 @@ class DcpFile(ChunkFile):
             return False
         return read_rows_into(self._open_fd, self.stored(self._chunks[name]), start, stop, out, str(self.path))
 
+    def read_block(self, name: str, first: int, last: int, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Rows [first, last), columns [start, stop) of a chunk into `out` (see `io.strided.read_block`)."""
+        if name in self._heads:
+            return False
+        chunk = self.stored(self._chunks[name])
+        return read_block(self._open_fd, chunk, first, last, start, stop, out, str(self.path))
+
     def byte_range(
         self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None
     ) -> FileRange | None:
@@ -595,21 +610,42 @@ class _At:
         self.out.flush()
 
 
-def _archive(out: HashingFile, tensor: torch.Tensor, owned: bool) -> None:
-    """`torch.save(tensor, out)` appended at `out`'s end, as DCP writes a chunk: shardkit's zip
-    writer when it writes torch's bytes, else torch's own writer."""
-    spec = TensorSpec("", tuple(tensor.shape), tensor.dtype)
+def _archive(out: HashingFile, spec: TensorSpec, blocks: Iterable[torch.Tensor], owned: bool) -> None:
+    """`torch.save(tensor, out)` appended at `out`'s end, as DCP writes a chunk, the tensor of
+    `spec` handed over as consecutive blocks of rows (one block: the whole tensor): shardkit's zip
+    writer when it writes torch's bytes, else torch's own writer (the blocks joined first)."""
     data_pkl = tensor_pickle(spec)
     if not written_natively([spec], data_pkl):
-        torch_save(tensor, out)
+        parts = [compact(b.detach()) for b in blocks]
+        torch_save(torch.cat(parts).reshape(spec.shape) if len(parts) > 1 else parts[0].reshape(spec.shape), out)
         return
     records = ZipRecords(_At(out), torch_compat.zip_options()[1])
     records.add("data.pkl", data_pkl)
     alignment = str(torch_compat.zip_options()[1]).encode()
     for name, value in ((".format_version", b"1"), (".storage_alignment", alignment), ("byteorder", b"little")):
         records.add(name, value)
-    records.add("data/0", tensor_bytes(tensor), tensor if owned else None)
+    entry = records.begin("data/0", spec.nbytes)
+    for block in blocks:
+        block = compact(block.detach())
+        if block.dtype != spec.dtype:
+            raise RuntimeError(f"{spec.name}: a block of {block.dtype}, expected {spec.dtype}")
+        records.append(entry, tensor_bytes(block), block if owned else None)
+    records.end(entry)
     records.finish()
+
+
+def _whole_heads(blocks: Iterable[torch.Tensor], head_dim: int) -> Iterator[torch.Tensor]:
+    """Blocks of rows regrouped into whole heads and put in the permuted convention's order."""
+    held: list[torch.Tensor] = []
+    rows = 0
+    for block in blocks:
+        held.append(block)
+        rows += block.shape[0]
+        if rows % head_dim == 0:
+            yield to_native(torch.cat(held) if len(held) > 1 else held[0], head_dim)
+            held, rows = [], 0
+    if held:
+        raise RuntimeError(f"blocks of {rows} rows do not end on a head of {head_dim}")
 
 
 class Item(NamedTuple):
@@ -654,16 +690,30 @@ class DcpFileWriter(DiscardOnFailure):
         owned: bool = False,
     ) -> None:
         """A tensor (or its chunk at `offsets` of the global `shape`) under the flat name `fqn`."""
+        spec = TensorSpec(fqn, tuple(tensor.shape), tensor.dtype)
+        self.add_rows(spec, [tensor], offsets=offsets, shape=shape, path=path, owned=owned)
+
+    def add_rows(
+        self,
+        spec: TensorSpec,
+        blocks: Iterable[torch.Tensor],
+        *,
+        offsets: Sequence[int] | None = None,
+        shape: Sequence[int] | None = None,
+        path: Sequence[str | int] | None = None,
+        owned: bool = False,
+    ) -> None:
+        """`add_tensor` of the tensor `spec` (named `spec.name`) handed over as consecutive blocks
+        of rows, never assembled: memory holds a block."""
         with self._discarding():
             out = self._live()
-            tensor = compact(tensor.detach())
             start = out.size
-            _archive(out, tensor, owned)
-            at = tuple(offsets) if offsets is not None else (0,) * tensor.dim()
-            full = tuple(shape) if shape is not None else tuple(tensor.shape)
-            dtype = str(tensor.dtype).replace("torch.", "")
+            _archive(out, spec, blocks, owned)
+            at = tuple(offsets) if offsets is not None else (0,) * len(spec.shape)
+            full = tuple(shape) if shape is not None else spec.shape
+            dtype = str(spec.dtype).replace("torch.", "")
             self._items.append(
-                Item(fqn, tuple(path or (fqn,)), start, out.size - start, at, tuple(tensor.shape), full, dtype)
+                Item(spec.name, tuple(path or (spec.name,)), start, out.size - start, at, spec.shape, full, dtype)
             )
 
     def add_object(self, fqn: str, value: Any, *, path: Sequence[str | int] | None = None) -> None:
@@ -725,14 +775,25 @@ class DcpWriter(DcpFileWriter):
         self._specs, self._next = list(specs), 0
 
     def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
+        """The next chunk, whole."""
         spec = self._specs[self._next] if self._next < len(self._specs) else None
-        if spec is None or spec.name != name or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+        if spec is None or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             self.abort()
             raise RuntimeError(f"{self.path}: expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        self.write_chunks(name, [tensor], owned)
+
+    def write_chunks(self, name: str, chunks: Iterable[torch.Tensor], owned: bool = False) -> None:
+        """The next chunk as consecutive blocks of its rows (the format's `chunked_writes`): memory
+        holds a block (of whole heads where the convention permutes them), never the chunk."""
+        spec = self._specs[self._next] if self._next < len(self._specs) else None
+        if spec is None or spec.name != name:
+            self.abort()
+            raise RuntimeError(f"{self.path}: expected {spec}, got {name}")
         fqn, offsets, shape, head_dim = parse_chunk_name(name)
-        if head_dim:
-            tensor, owned = to_native(tensor, head_dim), True
-        self.add_tensor(fqn, tensor, offsets=offsets, shape=shape, owned=owned)
+        blocks = _whole_heads(chunks, head_dim) if head_dim else chunks
+        self.add_rows(
+            TensorSpec(fqn, spec.shape, spec.dtype), blocks, offsets=offsets, shape=shape, owned=owned or bool(head_dim)
+        )
         self._next += 1
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
