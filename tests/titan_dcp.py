@@ -21,6 +21,7 @@ tensors, "optimizer": {name: {"step", "exp_avg", "exp_avg_sq"}}, "hyper": {...},
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -125,6 +126,11 @@ class TitanLlama(nn.Module):
         self.output = nn.Linear(h, cfg["vocab_size"], bias=False)
 
 
+def _warmup(step: int, steps: int) -> float:
+    """A linear warm-up, given to LambdaLR through functools.partial as torchtitan does."""
+    return min(1.0, (step + 1) / steps)
+
+
 HYPER = {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -136,7 +142,7 @@ def titan_state(hf: dict[str, torch.Tensor], config: dict, steps: int = 2, seed:
     model = TitanLlama(config)
     model.load_state_dict(to_titan(hf, config))
     optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_warmup, steps=10))
     for _ in range(steps):
         for p in model.parameters():
             p.grad = torch.randn_like(p)
@@ -149,7 +155,7 @@ def titan_state(hf: dict[str, torch.Tensor], config: dict, steps: int = 2, seed:
         "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "optimizer": moments,
         "hyper": {k: v for k, v in state["param_groups"][0].items() if k != "params"},
-        "lr_scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+        "lr_scheduler": scheduler.state_dict(),
         "train_state": {"step": steps, "ntokens_seen": 1234 * steps},
     }
 
@@ -180,11 +186,10 @@ def _worker(rank: int, world: int, port: int, state_path: str, config: str, out:
         set_model_state_dict(model, full["model"], options=StateDictOptions(full_state_dict=True))
         states: dict = dict(get_model_state_dict(model))
         if not model_only:
-            optimizer = torch.optim.AdamW(model.parameters(), **full["hyper"])
-            flat = {f"state.{n}.{k}": v for n, entry in full["optimizer"].items() for k, v in entry.items()}
-            flat |= {f"param_groups.{n}.{k}": v for n in full["optimizer"] for k, v in full["hyper"].items()}
-            options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
-            set_optimizer_state_dict(model, optimizer, flat, options=options)
+            optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+            torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_warmup, steps=10))  # as torchtitan builds it
+            keyed = {"state": full["optimizer"], "param_groups": [{**full["hyper"], "params": list(full["optimizer"])}]}
+            set_optimizer_state_dict(model, optimizer, keyed, options=StateDictOptions(full_state_dict=True))
             states["optimizer"] = get_optimizer_state_dict(
                 model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
             )

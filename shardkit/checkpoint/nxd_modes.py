@@ -32,13 +32,14 @@ import torch
 
 from ..formats import Checkpoint, open_checkpoint
 from ..formats.checkpoint import decide_replication
-from ..formats.dcp import (
+from ..formats.dcp import DcpTensors
+from ..formats.dcp_files import (
     METADATA,
     ChunkedRecord,
     DcpFileWriter,
     DcpFolder,
-    DcpTensors,
     data_file,
+    finish_folder,
     read_folder,
     read_tensor,
 )
@@ -332,7 +333,5 @@ def _dp_part(tensor: torch.Tensor, dp: int, d: int, name: str) -> torch.Tensor:
 
 def finish_optim(out_tag: Path, records: Sequence[FileRecord]) -> list[Path]:
     """`optim/.metadata` of a tag whose optimizer was written by `write_dcp_optim`."""
-    from ..formats.dcp import finish_folder
-
     chunked = [r for r in records if isinstance(r, ChunkedRecord)]
     return finish_folder(out_tag / OPTIM_DIR, chunked, root=out_tag) if chunked else []

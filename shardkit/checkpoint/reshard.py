@@ -23,9 +23,11 @@ from typing import Any, TypedDict
 import torch
 from typing_extensions import Unpack
 
+from ..conventions import TITAN
 from ..distributed import Job, current_job
 from ..formats import Checkpoint, SourceReader, load_config
 from ..formats.manifest import MANIFEST, file_record, manifest
+from ..formats.torch_io import safe_load
 from ..io.digest import FileRecord
 from ..io.durable import write_bytes, write_marker, write_text
 from ..io.small import PICKLE_LIMIT, read_small
@@ -33,6 +35,7 @@ from ..io.transaction import commit_all, staged_output
 from ..layout import Layout
 from ..placements import Piece
 from .base import CheckpointError
+from .dcp import TitanWrite, inspect_titan, kept_items, open_titan, titan_step_dir, write_titan
 from .guard import TagCheck
 from .load import resolve_tag
 from .nxd_modes import (
@@ -75,6 +78,8 @@ class Source:
     has_data: bool = True
     mode: str = "default"
     """How NxD saved it (`nxd_modes.MODES`): its default, avoid-lp or zero1-dcp."""
+    plain: dict[str, Any] = field(default_factory=dict)
+    """scheduler.pt and user_content.pt to write from values, not copied (a torchtitan source's)."""
 
     @property
     def use_xser(self) -> bool:
@@ -230,6 +235,8 @@ class TrainingReshardOptions(TypedDict, total=False):
     verify_hashes: bool
     """Check every file the source tag's manifest lists against its digest before the new
     checkpoint is committed (default True)."""
+    convention: str | None
+    """With format "dcp": whose names the DCP training checkpoint gets (default torchtitan's)."""
     nxd_mode: str | None
     """How NxD would have saved it (`nxd_modes.MODES`): "default", "avoid-lp" (xser model files
     without tensor data, the weights in the master weights) or "zero1-dcp" (the optimizer through
@@ -249,6 +256,7 @@ class _Plan:
     master: bool
     dtype: torch.dtype
     mode: str = "default"
+    fmt: str = "torch"
     check: TagCheck | None = None
 
 
@@ -261,20 +269,33 @@ def _plan(src_dir: Path, layout: Layout, param_order: ParamOrder, options: Train
     if not isinstance(dp, int) or dp < 1:
         raise CheckpointError(f"--dp must be a whole number >= 1, got {dp!r}")
     cfg = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
+    name, src = _open_source(src_dir, cfg, param_order, options)
+    layout.validate(src.model.dims)
+    fmt = options.get("format") or src.model.format
+    if fmt not in ("torch", "xser", "dcp"):
+        raise CheckpointError(f"--format {fmt} is not one NxD's or torchtitan's trainer writes: use torch, xser or dcp")
+    master = master_weights == "keep" and src.zero1 is not None and src.zero1.master and fmt != "dcp"
+    mode = options.get("nxd_mode") or src.mode
+    if fmt != "dcp":
+        groups = len(src.zero1.hyper) if src.zero1 is not None else 1
+        check_mode(mode, use_xser=fmt == "xser", master=master, zero1=bool(zero1), groups=groups, layout=layout)
+    dp = dp if zero1 else 1
+    return _Plan(src, name, layout, dp, bool(zero1), fmt == "xser", master, model_dtype(src), mode, fmt)
+
+
+def _open_source(
+    src_dir: Path, cfg: dict[str, Any] | None, param_order: ParamOrder, options: TrainingReshardOptions
+) -> tuple[str, Source]:
+    """The source tag: an NxD (or shardkit) tag, or a torchtitan DCP checkpoint (its step-<N>)."""
+    titan = titan_step_dir(src_dir, options.get("tag"))
+    if titan is not None:
+        opened = open_titan(titan, cfg)
+        plain = {SCHEDULER: opened.scheduler, USER_CONTENT: opened.user_content}
+        return f"step_{opened.step}", Source(titan, opened.model, opened.optimizer, True, "default", plain)
     name = resolve_tag(src_dir, options.get("tag"))
     if name is None:
         raise CheckpointError(f"{src_dir} holds no complete checkpoint")
-    src = open_training_tag(src_dir / name, cfg, options.get("hints"), param_order)
-    layout.validate(src.model.dims)
-    fmt = options.get("format") or src.model.format
-    if fmt not in ("torch", "xser"):
-        raise CheckpointError(f"--format {fmt} is not one NxD's trainer writes: use torch or xser")
-    master = master_weights == "keep" and src.zero1 is not None and src.zero1.master
-    mode = options.get("nxd_mode") or src.mode
-    groups = len(src.zero1.hyper) if src.zero1 is not None else 1
-    check_mode(mode, use_xser=fmt == "xser", master=master, zero1=bool(zero1), groups=groups, layout=layout)
-    dp = dp if zero1 else 1
-    return _Plan(src, name, layout, dp, bool(zero1), fmt == "xser", master, model_dtype(src), mode)
+    return name, open_training_tag(src_dir / name, cfg, options.get("hints"), param_order)
 
 
 def reshard_training(
@@ -293,6 +314,8 @@ def reshard_training(
     job = job or current_job()
     src_dir, dst = Path(src_dir), Path(dst)
     plan = job.run_all_or_none(lambda: _plan(src_dir, layout, param_order, options))
+    if plan.fmt == "dcp":
+        return _to_titan(src_dir, dst, plan, job, options)
     started = time.monotonic()
     with staged_output(dst, sources=[src_dir, plan.src.tag_dir], what="ckpt reshard", job=job) as out:
         if job.leader:
@@ -313,6 +336,35 @@ def reshard_training(
         time.monotonic() - started,
     )
     return dst / plan.name
+
+
+def _to_titan(src_dir: Path, dst: Path, plan: _Plan, job: Job, options: TrainingReshardOptions) -> Path:
+    """The training state as a torchtitan DCP checkpoint `dst/step-<N>` (`checkpoint.dcp`)."""
+    src = plan.src
+    step = int(_step(src, plan.name) or 0)
+    content, scheduler = _plain_value(src, USER_CONTENT), _plain_value(src, SCHEDULER)
+    weights = src.model if src.has_data or src.zero1 is None else master_weights_view(src.model, src.zero1)
+    write = TitanWrite(
+        weights,
+        src.zero1,
+        plan.layout,
+        options.get("convention") or TITAN,
+        step,
+        kept_items(content, scheduler, step),
+        plan.dtype,
+    )
+    check = TagCheck(src.tag_dir, options.get("verify_hashes", True)) if job.leader else None
+    out = write_titan(src_dir, dst, write, job, check)
+    log.info("wrote %s as a torchtitan checkpoint %s (%s names)", src.tag_dir, out, write.convention)
+    return out
+
+
+def _plain_value(src: Source, name: str) -> Any:
+    """scheduler.pt's or user_content.pt's value: given with the source, or read from the tag."""
+    if src.plain.get(name) is not None:
+        return src.plain[name]
+    path = src.tag_dir / name
+    return safe_load(path, mmap=False) if path.is_file() else None
 
 
 def _begin_tag(out_tag: Path) -> None:
@@ -355,7 +407,9 @@ def _finish_tag(plan: _Plan, out_tag: Path, written: list[str | FileRecord]) -> 
     files = [Path(f) for f in written if isinstance(f, str)] + [out_tag / r.path for r in records]
     files += finish_optim(out_tag, records)
     for plain in (SCHEDULER, USER_CONTENT):
-        if os.path.lexists(src.tag_dir / plain):
+        if src.plain.get(plain) is not None:
+            files += save_object(out_tag / plain, src.plain[plain], False)
+        elif os.path.lexists(src.tag_dir / plain):
             write_bytes(out_tag / plain, read_small(src.tag_dir / plain, plain, PICKLE_LIMIT), fsync=False)
             files.append(out_tag / plain)
     write_text(out_tag / CONFIG, json.dumps(src.model.config, indent=2) + "\n", fsync=False)
@@ -411,6 +465,9 @@ def inspect_training(
     hyper-parameters, step, master weights, optimizer bytes. `src_dir` is a checkpoint directory
     (its newest complete tag, or `tag`) or a tag folder."""
     src_dir = Path(src_dir)
+    titan = titan_step_dir(src_dir, tag)
+    if titan is not None:
+        return inspect_titan(titan, config)
     if tag is None and (src_dir / CHECKPOINT_MARKER).is_file():
         src_dir, tag = src_dir.parent, src_dir.name
     name = resolve_tag(src_dir, tag)

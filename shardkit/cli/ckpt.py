@@ -175,9 +175,18 @@ param_order_option = click.option(
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["torch", "xser"]),
+    type=click.Choice(["torch", "xser", "dcp"]),
     default=None,
-    help="File format of the new checkpoint (default: the source's).",
+    help="File format of the new checkpoint (default: the source's): torch or xser (NxD's tree), or dcp (a "
+    "torchtitan training checkpoint DST/step-<N>: PyTorch DCP holding the model, AdamW's state per parameter, "
+    "the schedule, train state and data loader state; one data file per tp x pp rank).",
+)
+@click.option(
+    "--convention",
+    type=click.Choice(["torchtitan", "torchtitan-0.3", "hf"]),
+    default=None,
+    help="With --format dcp: the tensor names (default torchtitan: torchtitan 0.1-0.2's llama3 names, q and k in "
+    "its row order; torchtitan-0.3: 0.3's names; hf: Hugging Face's).",
 )
 @click.option("--tag", default=None, help="The tag to reshard (default: the newest complete one).")
 @click.option(
@@ -209,10 +218,25 @@ param_order_option = click.option(
 @common_options
 @click.pass_context
 def ckpt_reshard(
-    ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master_weights, param_order, nxd_mode, verify_hashes
+    ctx,
+    src,
+    dst,
+    config,
+    layout_opts,
+    dp,
+    zero1,
+    fmt,
+    convention,
+    tag,
+    master_weights,
+    param_order,
+    nxd_mode,
+    verify_hashes,
 ):
     """Move a whole training state SRC (model, ZeRO-1 optimizer shards, master weights, scheduler,
-    user content) to another layout, written as the checkpoint directory DST in NxD's format.
+    user content) to another layout, written as the checkpoint directory DST in NxD's format
+    (or torchtitan's, --format dcp). SRC may also be a torchtitan checkpoint (a DCP folder
+    step-<N>, or the folder of them: the newest, or --tag).
     Without --qkv (and --kv-replication / --hw) the source's qkv style (and replica order) is kept.
 
     \b
@@ -240,6 +264,7 @@ def ckpt_reshard(
         param_order=param_order,
         verify_hashes=verify_hashes,
         nxd_mode=nxd_mode,
+        convention=convention,
     )
     click.echo(f"wrote {out}")
 
@@ -262,7 +287,12 @@ def ckpt_inspect(directory, tag, config, param_order, as_json):
     click.echo(
         f"{info['path']}: {info['describe']}, dp {info['dp']}{' (ZeRO-1)' if info['zero1'] else ''}, "
         f"{info['format']}, step {info['step']}, master weights {'yes' if info['master_weights'] else 'no'}, "
-        f"optimizer {format_bytes(info['optimizer_bytes'])}, saved as NxD's {info['nxd_mode']}"
+        f"optimizer {format_bytes(info['optimizer_bytes'])}, "
+        + (
+            f"saved as NxD's {info['nxd_mode']}"
+            if info["nxd_mode"]
+            else f"a torchtitan checkpoint ({info['convention']} names)"
+        )
     )
     for g, group in enumerate(info["param_groups"]):
         hyper = ", ".join(f"{k}={v}" for k, v in group["hyper"].items())

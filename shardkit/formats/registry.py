@@ -18,7 +18,7 @@ from typing import cast
 from ..errors import ShardkitError
 from ..io.digest import FileRecord, Recording
 from ..placements import Piece
-from . import dcp
+from . import dcp, dcp_files
 from .base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFile, TensorFileWriter, TensorSpec
 from .safetensors_io import SafetensorsFile, SafetensorsWriter
 from .torch_io import TorchFile, TorchWriter
@@ -148,15 +148,15 @@ FORMATS: dict[str, Format] = {
         ),
         Format(
             "dcp",
-            dcp.SUFFIX,
+            dcp_files.SUFFIX,
             "PyTorch DCP",
             "torch.distributed.checkpoint folders: .metadata and a data file per rank, tensors in chunks",
             dcp.DcpFile,
             lambda path, root, specs, expert, digests, direct: dcp.DcpWriter(path, root, specs, digests, direct),
-            detect=lambda path: (path.parent / dcp.METADATA).is_file(),
+            detect=lambda path: (path.parent / dcp_files.METADATA).is_file(),
             abilities=Abilities(chunked_writes=True),
             plan=dcp.plan_outputs,
-            finish=lambda folder, records: dcp.finish_folder(folder, records),
+            finish=lambda folder, records: dcp_files.finish_folder(folder, records),
         ),
     )
 }
