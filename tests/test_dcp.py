@@ -87,6 +87,10 @@ def test_merge_of_dcp_gives_the_sources_logits(tiny_model, tmp_path):
     assert torch.equal(_logits(tmp_path / "hf", ids), _logits(src, ids))
     info = CliRunner().invoke(cli, ["inspect", str(tmp_path / "dcp")])
     assert "torchtitan 0.1-0.2 Llama 3 tensor names" in info.output and "DCP chunks" in info.output
+    from shardkit.hub.card import model_card
+
+    card = model_card(tmp_path / "hf", "org/tiny", origin=tmp_path / "dcp")
+    assert "a PyTorch DCP checkpoint (torchtitan 0.1-0.2 Llama 3 tensor names, llama family)" in card
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +196,43 @@ def test_torchtitans_own_adapter_reads_shardkits_dcp(tiny_model, tmp_path):
     done = subprocess.run([os.environ["TORCHTITAN_PYTHON"], str(HERE.parent / "scripts/check_torchtitan.py"), str(src),
                            str(tmp_path / "dcp")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "torchtitan's adapter agrees" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_dcp_convert_under_torchrun_equals_one_process(tiny_model, tmp_path):
+    """`convert --format dcp` in a 2-process gloo job (torchrun): the ranks divide the data files,
+    rank 0 writes `.metadata` from every rank's records; the folder is byte for byte the
+    one-process folder."""
+    src = tiny_model(MODEL)
+    args = ["convert", str(src), str(tmp_path / "dist"), "--format", "dcp", "--convention", "torchtitan", "--tp", "2",
+            "--pp", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "shardkit", "-v", *args], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shardkit.convert(src, tmp_path / "one", Layout(tp=2, pp=2), format="dcp", convention="torchtitan")
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "dist").iterdir()) and ".metadata" in names
+    for name in names:
+        if name != "shardkit.json":  # it records the command line
+            assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "dist" / name).read_bytes(), name
+
+
+def test_large_tensors_are_saved_in_bounded_chunks(tiny_model, tmp_path, monkeypatch):
+    """A slice larger than `dcp.CHUNK_BYTES` is saved as several chunks (whole heads for q/k in
+    torchtitan's order): torch reads the same tensors, and a merge gives the source back."""
+    from shardkit.formats import dcp
+
+    monkeypatch.setattr(dcp, "CHUNK_BYTES", 64 << 10)
+    src = tiny_model(MODEL)
+    config = json.loads((src / "config.json").read_text())
+    shardkit.convert(src, tmp_path / "dcp", Layout(), format="dcp", convention="torchtitan")
+    meta = pickle.loads((tmp_path / "dcp/.metadata").read_bytes()).state_dict_metadata
+    assert len(meta["tok_embeddings.weight"].chunks) == 16  # 1024 x 256 fp32 in 64 KiB chunks
+    q = meta["layers.0.attention.wq.weight"].chunks
+    assert len(q) == 4 and all(c.offsets[0] % 8 == 0 and c.sizes[0] % 8 == 0 for c in q)
+    got, want = torch_reads(tmp_path / "dcp", tmp_path / "x.pt"), to_titan(hf_state(src), config)
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    shardkit.merge(tmp_path / "dcp", tmp_path / "hf")
+    merged, source = hf_state(tmp_path / "hf"), hf_state(src)
+    assert all(torch.equal(merged[k], v) for k, v in source.items())

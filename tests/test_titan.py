@@ -119,3 +119,15 @@ def test_resume_from_titan_via_nxd_first_step_is_adamw(titan, tmp_path):
     assert max(float((after[n] - before[n]).abs().max()) for n in after) > 1e-4
     for n in after:
         torch.testing.assert_close(got[n], after[n], rtol=0, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_a_dcp_without_optimizer_state_is_one_line_exit_2(tiny_model, tmp_path):
+    """A model-only DCP folder is no training checkpoint: `ckpt reshard` says what is missing."""
+    import shardkit
+
+    src = tiny_model(MODEL)
+    shardkit.convert(src, tmp_path / "dcp", Layout(), format="dcp", convention="torchtitan")
+    run = CliRunner().invoke(cli, ["ckpt", "reshard", str(tmp_path / "dcp"), str(tmp_path / "out"), "--format", "torch"])
+    assert run.exit_code == 2 and len(run.output.strip().splitlines()) == 1, run.output
+    assert "optimizer.state.tok_embeddings.weight.exp_avg is missing" in run.output
+    assert not (tmp_path / "out").exists()

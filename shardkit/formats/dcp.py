@@ -45,9 +45,11 @@ from .dcp_files import (
     DcpFolder,
     Entry,
     data_file,
+    from_ranges,
     read_folder,
     read_global,
 )
+from .torch_io import tensor_pickle, written_natively
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,8 @@ class DcpFile(ChunkFile):
         return self._chunks[name].sizes
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.stored(self._chunks[name]).dtype
+        chunk = self._chunks[name]
+        return chunk.dtype or self.stored(chunk).dtype
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         chunk = self._chunks[name]
@@ -364,22 +367,42 @@ class DcpWriter(DcpFileWriter):
         check_specs(specs)
         super().__init__(path, root, digests, direct)
         self._specs, self._next = list(specs), 0
+        self._native = all(written_natively([spec], tensor_pickle(spec)) for spec in self._specs)
 
-    def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
-        """The next chunk, whole."""
-        spec = self._specs[self._next] if self._next < len(self._specs) else None
-        if spec is None or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-            self.abort()
-            raise RuntimeError(f"{self.path}: expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
-        self.write_chunks(name, [tensor], owned)
-
-    def write_chunks(self, name: str, chunks: Iterable[torch.Tensor], owned: bool = False) -> None:
-        """The next chunk as consecutive blocks of its rows (the format's `chunked_writes`): memory
-        holds a block (of whole heads where the convention permutes them), never the chunk."""
+    def _expect(self, name: str) -> TensorSpec:
         spec = self._specs[self._next] if self._next < len(self._specs) else None
         if spec is None or spec.name != name:
             self.abort()
             raise RuntimeError(f"{self.path}: expected {spec}, got {name}")
+        return spec
+
+    def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
+        """The next chunk, whole."""
+        spec = self._expect(name)
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            self.abort()
+            raise RuntimeError(f"{self.path}: expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        self.write_chunks(name, [tensor], owned)
+
+    def can_copy(self) -> bool:
+        """Whether `write_copy` may be used (shardkit's zip writer writes every chunk's archive)."""
+        return self._native
+
+    def write_copy(self, name: str, ranges: Iterable[FileRange]) -> None:
+        """The next chunk, its bytes `ranges` of source files one after another: copied by the
+        kernel; read and put in the convention's row order where it permutes them."""
+        spec = self._expect(name)
+        fqn, offsets, shape, head_dim = parse_chunk_name(name)
+        if head_dim:
+            self.write_chunks(name, [from_ranges(ranges, spec)], owned=True)
+            return
+        self.add_rows(TensorSpec(fqn, spec.shape, spec.dtype), (), offsets=offsets, shape=shape, ranges=ranges)
+        self._next += 1
+
+    def write_chunks(self, name: str, chunks: Iterable[torch.Tensor], owned: bool = False) -> None:
+        """The next chunk as consecutive blocks of its rows (the format's `chunked_writes`): memory
+        holds a block (of whole heads where the convention permutes them), never the chunk."""
+        spec = self._expect(name)
         fqn, offsets, shape, head_dim = parse_chunk_name(name)
         blocks = _whole_heads(chunks, head_dim) if head_dim else chunks
         self.add_rows(
@@ -415,15 +438,29 @@ def plan_outputs(
             for seg in piece.segments:
                 if seg.source not in shapes:
                     continue
-                for start, stop in _uncovered(covered.setdefault(seg.source, []), seg.start, seg.stop):
-                    full = shapes[seg.source]
-                    offsets = [0] * len(full)
-                    if full:
-                        offsets[seg.dim] = start
-                    name = chunk_name(chosen.native(seg.source), offsets, full, chosen.head_dim(seg.source, dims))
-                    pieces.append(make_piece(name, [Segment(seg.source, seg.dim, start, stop)], shapes))
+                full, head_dim = shapes[seg.source], chosen.head_dim(seg.source, dims)
+                for part in _uncovered(covered.setdefault(seg.source, []), seg.start, seg.stop):
+                    for start, stop in _bounded(part, full, seg.dim, head_dim or 1):
+                        offsets = [0] * len(full)
+                        if full:
+                            offsets[seg.dim] = start
+                        name = chunk_name(chosen.native(seg.source), offsets, full, head_dim)
+                        pieces.append(make_piece(name, [Segment(seg.source, seg.dim, start, stop)], shapes))
         outputs.append((data_file(rank), pieces, (ep, tp, pp)))
     return outputs
+
+
+CHUNK_BYTES = 64 << 20
+"""The most bytes (at 4 per element) of one chunk in a DCP shardkit writes: a larger slice is
+saved as several chunks (DCP allows any), so that writing and reading one holds at most that."""
+
+
+def _bounded(part: tuple[int, int], shape: Sequence[int], dim: int, unit: int) -> list[tuple[int, int]]:
+    """`part` of `dim` cut into ranges of at most CHUNK_BYTES (whole `unit`s of it: heads)."""
+    start, stop = part
+    across = 4 * math.prod(n for k, n in enumerate(shape) if k != dim) if shape else 4
+    step = max(unit, CHUNK_BYTES // max(1, across) // unit * unit)
+    return [(a, min(stop, a + step)) for a in range(start, stop, step)]
 
 
 def _uncovered(covered: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:

@@ -35,12 +35,14 @@ import torch
 
 from .. import torch_compat
 from ..errors import FormatError
+from ..io.buffers import array_view
+from ..io.copy import FileRange
 from ..io.digest import FileRecord, Recording
 from ..io.durable import write_bytes
 from ..io.hashing import HashingFile
 from ..io.small import PICKLE_LIMIT, read_small
 from ..io.strided import StoredTensor, read_stored
-from ..io.taps import DescriptorReader
+from ..io.taps import DescriptorReader, pread_exact
 from ..paths import inside
 from .base import DiscardOnFailure, TensorSpec, compact, tensor_bytes
 from .torch_io import embedded_tensor, parsed_once, regular, tensor_pickle, torch_save, written_natively
@@ -64,6 +66,7 @@ class Chunk:
     file: str
     offset: int
     length: int
+    dtype: torch.dtype | None = None  # the metadata's (checked against the archive's when read)
 
     @property
     def name(self) -> str:
@@ -235,7 +238,8 @@ def _entry(path: Path, root: Path, fqn: str, meta: Any, where: Mapping) -> Entry
         info = where.get((fqn, offsets))
         if info is None:
             raise FormatError(f"{path}: no data file holds the chunk of {fqn} at {list(offsets)}: it is incomplete")
-        chunks.append(Chunk(fqn, offsets, sizes, _file(root, info.relative_path), int(info.offset), int(info.length)))
+        file = _file(root, info.relative_path)
+        chunks.append(Chunk(fqn, offsets, sizes, file, int(info.offset), int(info.length), dtype))
     if sum(math.prod(c.sizes) for c in chunks) != math.prod(shape) or not _disjoint(chunks):
         raise FormatError(f"{path}: the chunks of {fqn} do not tile its shape {list(shape)}: the metadata is corrupt")
     return Entry(fqn, shape, dtype, tuple(chunks))
@@ -266,10 +270,10 @@ class ChunkFile(DescriptorReader):
         key = (chunk.offset, chunk.length)
         if key not in self._stored:
             found = embedded_tensor(self.path, chunk.offset, chunk.length)
-            if tuple(found.shape) != chunk.sizes:
+            if tuple(found.shape) != chunk.sizes or chunk.dtype not in (None, found.dtype):
                 raise FormatError(
-                    f"{self.path}: the chunk of {chunk.fqn} at {list(chunk.offsets)} holds {list(found.shape)}, its "
-                    f"metadata says {list(chunk.sizes)}: the checkpoint is corrupt"
+                    f"{self.path}: the chunk of {chunk.fqn} at {list(chunk.offsets)} holds {list(found.shape)} "
+                    f"{found.dtype}, its metadata says {list(chunk.sizes)} {chunk.dtype}: the checkpoint is corrupt"
                 )
             self._stored[key] = found
         return self._stored[key]
@@ -346,14 +350,36 @@ class _At:
     def flush(self) -> None:
         self.out.flush()
 
+    def copy_ranges(self, ranges: Iterable[FileRange], seen: Any, after: Any, after_size: int) -> int:
+        return self.out.copy_ranges(ranges, seen, after, after_size)
 
-def _archive(out: HashingFile, spec: TensorSpec, blocks: Iterable[torch.Tensor], owned: bool) -> None:
+
+def from_ranges(ranges: Iterable[FileRange], spec: TensorSpec) -> torch.Tensor:
+    """The tensor of `spec` whose bytes are `ranges`' bytes one after another, read into memory."""
+    data = torch.empty(spec.nbytes, dtype=torch.uint8)
+    view, at = array_view(data.numpy()), 0
+    for r in ranges:
+        pread_exact(r.fd, view[at : at + r.length], r.offset, r.what)
+        at += r.length
+    if at != spec.nbytes:
+        raise RuntimeError(f"{spec.name}: {at} bytes in its ranges, expected {spec.nbytes}")
+    return data.view(spec.dtype).reshape(spec.shape)
+
+
+def _archive(
+    out: HashingFile,
+    spec: TensorSpec,
+    blocks: Iterable[torch.Tensor] = (),
+    owned: bool = False,
+    ranges: Iterable[FileRange] | None = None,
+) -> None:
     """`torch.save(tensor, out)` appended at `out`'s end, as DCP writes a chunk, the tensor of
-    `spec` handed over as consecutive blocks of rows (one block: the whole tensor): shardkit's zip
-    writer when it writes torch's bytes, else torch's own writer (the blocks joined first)."""
+    `spec` handed over as consecutive blocks of rows (one block: the whole tensor) or as source
+    byte `ranges` the kernel copies: shardkit's zip writer when it writes torch's bytes, else
+    torch's own writer (the tensor assembled first)."""
     data_pkl = tensor_pickle(spec)
     if not written_natively([spec], data_pkl):
-        parts = [compact(b.detach()) for b in blocks]
+        parts = [from_ranges(ranges, spec)] if ranges is not None else [compact(b.detach()) for b in blocks]
         torch_save(torch.cat(parts).reshape(spec.shape) if len(parts) > 1 else parts[0].reshape(spec.shape), out)
         return
     records = ZipRecords(_At(out), torch_compat.zip_options()[1])
@@ -361,6 +387,10 @@ def _archive(out: HashingFile, spec: TensorSpec, blocks: Iterable[torch.Tensor],
     alignment = str(torch_compat.zip_options()[1]).encode()
     for name, value in ((".format_version", b"1"), (".storage_alignment", alignment), ("byteorder", b"little")):
         records.add(name, value)
+    if ranges is not None:
+        records.add_copied("data/0", ranges, spec.nbytes)
+        records.finish()
+        return
     entry = records.begin("data/0", spec.nbytes)
     for block in blocks:
         block = compact(block.detach())
@@ -425,13 +455,15 @@ class DcpFileWriter(DiscardOnFailure):
         shape: Sequence[int] | None = None,
         path: Sequence[str | int] | None = None,
         owned: bool = False,
+        ranges: Iterable[FileRange] | None = None,
     ) -> None:
         """`add_tensor` of the tensor `spec` (named `spec.name`) handed over as consecutive blocks
-        of rows, never assembled: memory holds a block."""
+        of rows, never assembled: memory holds a block; or (`ranges`) as source byte ranges the
+        kernel copies."""
         with self._discarding():
             out = self._live()
             start = out.size
-            _archive(out, spec, blocks, owned)
+            _archive(out, spec, blocks, owned, ranges)
             at = tuple(offsets) if offsets is not None else (0,) * len(spec.shape)
             full = tuple(shape) if shape is not None else spec.shape
             dtype = str(spec.dtype).replace("torch.", "")

@@ -154,7 +154,7 @@ FORMATS: dict[str, Format] = {
             dcp.DcpFile,
             lambda path, root, specs, expert, digests, direct: dcp.DcpWriter(path, root, specs, digests, direct),
             detect=lambda path: (path.parent / dcp_files.METADATA).is_file(),
-            abilities=Abilities(chunked_writes=True),
+            abilities=Abilities(kernel_copies=True, chunked_writes=True),
             plan=dcp.plan_outputs,
             finish=lambda folder, records: dcp_files.finish_folder(folder, records),
         ),
