@@ -14,24 +14,30 @@ from typing import Any
 
 from typing_extensions import Unpack
 
-from .checkpoint import resolve_tag
+from .checkpoint import list_checkpoints
+from .checkpoint.guard import TagCheck
+from .checkpoint.load import tag_to_read
+from .checkpoint.lora import export_peft, merged_view, settings_of
 from .checkpoint.reshard import TrainingReshardOptions, model_checkpoint
+from .checkpoint.tree import is_checkpoint_root
 from .engine import (
     ProgressCallback,
     Result,
     TensorDiff,
     VerifyReport,
-    WriteOptions,
+    WriteArgs,
     inspect_checkpoint,
     merge_checkpoint,
     no_full_collections,
     reshard_checkpoint,
     verify_checkpoints,
 )
+from .errors import FormatError, ShardkitError
 from .formats import Checkpoint, open_checkpoint
+from .formats.base import parse_dtype
 from .hub import resolve_source
 from .io.transaction import recover_interrupted
-from .layout import Layout, make_layout
+from .layout import FULL, Layout, make_layout
 from .paths import inside
 
 __all__ = [
@@ -62,6 +68,13 @@ def open_source(
         return src
     if not os.path.lexists(src):
         recover_interrupted(Path(src), log)  # a run killed while replacing it left it beside, renamed
+    elif is_checkpoint_root(src):
+        tags = [i.tag for i in list_checkpoints(src, details=False) if i.loadable]
+        example = f" ({Path(src) / tags[-1]})" if tags else ""
+        raise FormatError(
+            f"{src} is a training checkpoint directory, not a model: `shardkit ckpt export {src} OUT` merges its "
+            f"newest complete tag (--tag picks another), or give one tag folder{example}"
+        )
     return open_checkpoint(resolve_source(src, revision=revision), config, hints)
 
 
@@ -77,11 +90,11 @@ def reshard(
     revision: str | None = None,
     command: str | None = None,
     convention: str | None = None,
-    **options: Unpack[WriteOptions],
+    **options: Unpack[WriteArgs],
 ) -> Result:
     """Write `src` (any checkpoint: a path or a Hub repo id) as shards of `layout` in `format`,
     reading only the slices each shard needs. `options`: dtype, workers, overwrite, progress,
-    verify_hashes (see `engine.WriteOptions`); `config`/`hints` describe NxD shards that lack
+    verify_hashes, direct_io, sha256 (see `engine.WriteArgs`); `config`/`hints` describe NxD shards that lack
     them; `revision` picks a Hub repo's branch, tag or commit; `convention` names the tensors of
     a DCP output (`hf`, the default, or `torchtitan`: see shardkit.conventions)."""
     return reshard_checkpoint(
@@ -110,11 +123,17 @@ def merge(
     config: ConfigArg = None,
     hints: Mapping | None = None,
     revision: str | None = None,
-    **options: Unpack[WriteOptions],
+    **options: Unpack[WriteArgs],
 ) -> Result:
     """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
     index + config), in files of at most `max_shard_size`. `options` as for `reshard`."""
-    return merge_checkpoint(open_source(src, config, hints, revision), dst, max_shard_size=max_shard_size, **options)
+    ckpt = open_source(src, config, hints, revision)
+    if settings_of(ckpt) is not None:
+        raise FormatError(
+            f"{ckpt.root} holds LoRA adapters, not a model: `shardkit ckpt export {ckpt.root} OUT` writes their "
+            "PEFT adapter folder, and with --merged the model they were trained on with them merged in"
+        )
+    return merge_checkpoint(ckpt, dst, max_shard_size=max_shard_size, **options)
 
 
 def inspect(
@@ -165,17 +184,45 @@ def export_checkpoint(
     max_shard_size: int | str = "5GB",
     config: ConfigArg = None,
     hints: Mapping[str, Any] | None = None,
-    **options: Unpack[WriteOptions],
+    merged: bool = False,
+    base: str | Path | None = None,
+    **options: Unpack[WriteArgs],
 ) -> Result:
     """Merge a training checkpoint's model (the newest complete tag, or `tag`) into a Hugging Face
-    model directory `out` (safetensors + index + config.json); `options` as for `merge`."""
-    root = Path(dir)
-    name = resolve_tag(root, tag)
-    if name is None:
-        raise AssertionError("resolve_tag returns a tag or raises when none is asked for by name")
+    model directory `out` (safetensors + index + config.json); `options` as for `merge`.
+
+    A LoRA adapter checkpoint (the trainer's `--lora-rank`) becomes a PEFT adapter folder, or with
+    `merged` the Hugging Face model of its base with the adapters merged in: `base` (a model
+    directory of any layout, or a Hub repo id) or else the base model the checkpoint records."""
+    root, name = tag_to_read(dir, tag, "shardkit merge DIR OUT")
     # the tag's model files, or its fp32 master weights when the model files hold no data
     model = model_checkpoint(inside(root, name, "checkpoint tag"), config, hints)
-    return merge(model, out, max_shard_size=max_shard_size, **options)
+    settings = settings_of(model)
+    if settings is None:
+        if merged or base is not None:
+            raise ShardkitError(
+                f"{model.root} holds full weights, not LoRA adapters: --merged and --base apply to LoRA "
+                "checkpoints only; leave them out"
+            )
+        return merge(model, out, max_shard_size=max_shard_size, **options)
+    base_model = str(base) if base is not None else settings.base_model
+    if not merged:
+        verify = options.get("verify_hashes", True) not in (False, "none")
+        dtype = parse_dtype(options.get("dtype"))
+        records = export_peft(
+            model, out, base_model, dtype=dtype, overwrite=options.get("overwrite", False), verify_hashes=verify
+        )
+        return Result(Path(out), records, FULL, "peft")
+    if base_model is None:
+        raise ShardkitError(
+            f"{model.root} does not record its base model: pass --base DIR (the model the adapters were trained on)"
+        )
+    if base is None and not os.path.lexists(base_model):
+        raise ShardkitError(
+            f"the base model {model.root} records, {base_model}, does not exist (moved or deleted?): pass --base DIR"
+        )
+    TagCheck(model.root, options.get("verify_hashes", True) not in (False, "none")).verify()
+    return merge(merged_view(open_source(base_model), model), out, max_shard_size=max_shard_size, **options)
 
 
 @no_full_collections()

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from shardkit import Layout, convert, merge, reshard
 from shardkit.errors import FormatError, ShardkitError
-from shardkit.engine import executor
+from shardkit.engine import planning
 from shardkit.formats.base import tensor_bytes
 from shardkit.io import copy as io_copy
 from shardkit.io import hashing, taps
@@ -70,7 +70,7 @@ def test_convert_and_merge_copy_row_blocks_by_the_kernel_and_write_the_same_byte
     assert sum(kernel_copies) >= q.numel() * q.element_size()  # q's halves, at least
     kernel_copies.clear()
     with monkeypatch.context() as cold:
-        cold.setattr(executor, "cached_share", lambda extents: 0.0)
+        cold.setattr(planning, "cached_share", lambda extents: 0.0)
         merge(tmp_path / "copied", tmp_path / "merged-checked", workers=1)
     assert not kernel_copies
     merge(tmp_path / "copied", tmp_path / "merged-copied", workers=1, verify_hashes=False)
@@ -372,7 +372,7 @@ def test_a_merge_of_shards_no_manifest_lists_copies_in_the_kernel(tiny_model, tm
     with it."""
     import shutil
 
-    monkeypatch.setattr(executor, "cached_share", lambda extents: 0.0)  # cold shards
+    monkeypatch.setattr(planning, "cached_share", lambda extents: 0.0)  # cold shards
 
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "listed", Layout(tp=2), format="torch", workers=1)
@@ -413,7 +413,7 @@ def test_a_checked_merge_copies_shards_in_the_page_cache_and_reads_cold_ones(tin
     kernel_copies.clear()
     merge(tmp_path / "shards", tmp_path / "warm", workers=1)
     assert kernel_copies
-    if _evict(tmp_path / "shards") >= executor.WARM_SOURCES:
+    if _evict(tmp_path / "shards") >= planning.WARM_SOURCES:
         pytest.skip("the page cache here keeps files that fadvise(DONTNEED) should drop")
     kernel_copies.clear()
     merge(tmp_path / "shards", tmp_path / "cold", workers=1)

@@ -190,7 +190,7 @@ def test_cli_direct_io_option(tiny_model, tmp_path, small_chunks, direct_writes,
     result = runner.invoke(cli, ["convert", src, str(tmp_path / "off"), "--to-sharded", "--tp", "2", "--direct-io", "off"])
     assert result.exit_code == 0 and not direct_writes
     # auto goes around the page cache past the dirty limit only; the default is off, past it too
-    monkeypatch.setattr("shardkit.engine.executor.direct_io_pays", lambda nbytes: True)
+    monkeypatch.setattr("shardkit.engine.planning.direct_io_pays", lambda nbytes: True)
     result = runner.invoke(cli, ["convert", src, str(tmp_path / "default"), "--to-sharded", "--tp", "2"])
     assert result.exit_code == 0 and not direct_writes
     result = runner.invoke(cli, ["convert", src, str(tmp_path / "auto"), "--to-sharded", "--tp", "2", "--direct-io", "auto"])

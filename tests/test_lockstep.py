@@ -1,5 +1,5 @@
 """The tp files of one pipeline stage are built together, a piece of each in turn, when they cut
-blocks of columns out of their sources (`executor.lockstep_groups`): each such source tensor is
+blocks of columns out of their sources (`planning.lockstep_groups`): each such source tensor is
 then read once for all of them (`io.strided.shared_column_reads`). The files are byte for byte those
 built one after another, the check on read still refuses a flipped bit, a failure in one file
 leaves none behind, and the files' write-behind queues together stay under WRITE_BEHIND_ALL."""
@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from shardkit import Layout, convert, merge, reshard
 from shardkit.errors import ShardkitError
-from shardkit.engine import executor
+from shardkit.engine import planning
 from shardkit.engine.outputs import plan_full, plan_sharded
 from shardkit.formats import open_checkpoint
 from shardkit.io import hashing, strided
@@ -63,28 +63,28 @@ def test_the_tp_files_of_a_stage_that_cut_columns_are_grouped(tiny_model, tmp_pa
     leave every file alone; `in_order` takes a piece of each file of a group in turn."""
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     ckpt, family, dims, outputs = _plan(src, Layout(tp=4, pp=2))
-    groups = executor.lockstep_groups(outputs, ckpt.index())
+    groups = planning.lockstep_groups(outputs, ckpt.index())
     assert [[o.rank for o in g] for g in groups] == [
         [(0, tp, 0) for tp in range(4)],
         [(0, tp, 1) for tp in range(4)],
     ]
-    pieces = list(executor.in_order(groups))
+    pieces = list(planning.in_order(groups))
     first = groups[0]
     assert pieces[: 2 * len(first)] == [o.pieces[0] for o in first] + [o.pieces[1] for o in first]
     assert len(pieces) == sum(len(o.pieces) for o in outputs)
 
-    monkeypatch.setattr(executor, "LOCKSTEP_MAX", 3)
-    assert [len(g) for g in executor.lockstep_groups(outputs, ckpt.index())] == [3, 3, 1, 1]
+    monkeypatch.setattr(planning, "LOCKSTEP_MAX", 3)
+    assert [len(g) for g in planning.lockstep_groups(outputs, ckpt.index())] == [3, 3, 1, 1]
     monkeypatch.undo()
 
     convert(src, tmp_path / "tp4", Layout(tp=4, pp=2), format="torch", workers=1)
     shards = open_checkpoint(tmp_path / "tp4")
     to_tp2 = plan_sharded(family, dims, Layout(tp=2, pp=2), "torch")  # o_proj: two whole tp4 pieces
-    assert all(len(g) == 1 for g in executor.lockstep_groups(to_tp2, shards.index()))
+    assert all(len(g) == 1 for g in planning.lockstep_groups(to_tp2, shards.index()))
     full, _ = plan_full(family, dims, 2, "5GB")
-    assert all(len(g) == 1 for g in executor.lockstep_groups(full, shards.index()))
+    assert all(len(g) == 1 for g in planning.lockstep_groups(full, shards.index()))
     to_tp8 = plan_sharded(family, dims, Layout(tp=8, pp=2), "torch")  # halves of tp4's columns
-    assert [len(g) for g in executor.lockstep_groups(to_tp8, shards.index())] == [8, 8]
+    assert [len(g) for g in planning.lockstep_groups(to_tp8, shards.index())] == [8, 8]
 
 
 @pytest.mark.parametrize("workers,fmt", [(1, "torch"), (2, "torch"), (1, "safetensors"), (1, "xser")])
@@ -112,7 +112,7 @@ def test_a_stage_reads_each_column_split_tensor_once_and_writes_the_same_bytes(
     assert sum(length for _, length in windows) == sum(n for _, n in spans)  # every row read, once
     assert len(windows) == 5 * (128 // 4) + 5 * (128 // 8)  # in windows of SHARED_WINDOW bytes
 
-    monkeypatch.setattr(executor, "LOCKSTEP_MAX", 1)
+    monkeypatch.setattr(planning, "LOCKSTEP_MAX", 1)
     column_reads["whole"].clear()
     convert(src, tmp_path / "apart", layout, format=fmt, workers=workers)
     assert len(column_reads["mapped"]) == 4 * len(column_split)  # every rank maps its own block

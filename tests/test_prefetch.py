@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardkit import Layout, convert, merge, reshard
-from shardkit.engine import executor, prefetch
+from shardkit.engine import executor, planning, prefetch
 from shardkit.engine.prefetch import Prefetcher
 from shardkit.errors import FormatError
 from shardkit.io.hashing import HashingFile
@@ -164,7 +164,7 @@ def test_convert_reads_ahead_each_source_byte_once_and_in_order(tiny_model, tmp_
     # row blocks are planned apart: more spans than source tensors
     assert len(convert_plan) > sum(len(load_file(f)) for f in src.glob("*.safetensors"))
 
-    monkeypatch.setattr(executor, "plan_read_ahead", lambda outputs, index, spans, written=0: (None, None))
+    monkeypatch.setattr(planning, "plan_read_ahead", lambda outputs, index, spans, written=0: None)
     convert(src, tmp_path / "plain", layout, format="torch", workers=1)
     shards = sorted((tmp_path / "plain").rglob("*.pt"))
     assert shards
@@ -187,7 +187,7 @@ def cold(monkeypatch):
     """Every extent counts as not cached (the test cannot drop the machine's page cache), and
     buffers are small, so that spans cross them."""
     monkeypatch.setattr(prefetch, "cached_fraction", lambda fd, offset, length: 0.0)
-    monkeypatch.setattr(executor, "reads_around_pay", lambda nbytes: True)
+    monkeypatch.setattr(planning, "reads_around_pay", lambda nbytes: True)
     monkeypatch.setattr(prefetch, "DIRECT_CHUNK", 64 << 10)
     monkeypatch.setattr(prefetch, "DIRECT_EXTENT", 256 << 10)
 
@@ -467,7 +467,7 @@ def test_warm_bytes_are_never_read_around_the_page_cache(tiny_model, tmp_path, m
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
     _direct_or_skip(next((tmp_path / "shards").rglob("*.pt")))
     monkeypatch.setattr(prefetch, "reads_around_pay", lambda nbytes: True)
-    monkeypatch.setattr(executor, "reads_around_pay", lambda nbytes: True)
+    monkeypatch.setattr(planning, "reads_around_pay", lambda nbytes: True)
     cached = {"fraction": 1.0}
     monkeypatch.setattr(prefetch, "cached_fraction", lambda fd, offset, length: cached["fraction"])
     copies = []
@@ -490,7 +490,7 @@ def test_only_spans_read_once_and_overlapped_by_none_are_read_into_buffers():
     rows), goes through the page cache; disjoint spans read once may use the buffers."""
     a, b = Path("a"), Path("b")
     plan = [(a, 0, 100), (a, 100, 100), (a, 150, 300), (b, 0, 100), (b, 100, 50)]
-    assert executor._read_once(plan, [1, 1, 1, 1, 2]) == [True, False, False, True, False]
+    assert planning._read_once(plan, [1, 1, 1, 1, 2]) == [True, False, False, True, False]
 
 
 def test_a_cold_merge_through_the_buffers_writes_the_same_bytes(tiny_model, tmp_path, cold, monkeypatch, recorded):
@@ -508,14 +508,14 @@ def test_a_cold_merge_through_the_buffers_writes_the_same_bytes(tiny_model, tmp_
     assert made and made[0].direct_bytes > 0
     assert made[0].left == 0  # every byte read ahead into a buffer was served from it
     assert made[0].direct_bytes < made[0].position  # some through the page cache
-    monkeypatch.setattr(executor, "plan_read_ahead", lambda outputs, index, spans, written=0: (None, None))
+    monkeypatch.setattr(planning, "plan_read_ahead", lambda outputs, index, spans, written=0: None)
     merge(tmp_path / "shards", tmp_path / "plain", workers=1)
     files = sorted(p.relative_to(tmp_path / "plain") for p in (tmp_path / "plain").rglob("*") if p.is_file())
     assert files
     for name in files:
         assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
 
-    monkeypatch.setattr(executor, "plan_read_ahead", real_plan)
+    monkeypatch.setattr(planning, "plan_read_ahead", real_plan)
     shard = max((tmp_path / "shards").rglob("*.pt"), key=lambda p: p.stat().st_size)
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0x10
@@ -553,7 +553,7 @@ def test_convert_and_reshard_through_the_buffers_write_the_same_bytes(
     monkeypatch.setattr(prefetch, "DIRECT_BUDGET", 8 * (16 << 10))
     run(tmp_path / "direct")
     assert recorded and recorded[-1].direct_bytes > 0 and recorded[-1].left == 0
-    monkeypatch.setattr(executor, "plan_read_ahead", lambda outputs, index, spans, written=0: (None, None))
+    monkeypatch.setattr(planning, "plan_read_ahead", lambda outputs, index, spans, written=0: None)
     run(tmp_path / "plain")
     tensors = sorted(
         p.relative_to(tmp_path / "plain")
@@ -565,4 +565,4 @@ def test_convert_and_reshard_through_the_buffers_write_the_same_bytes(
         assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
 
 
-real_plan = executor.plan_read_ahead
+real_plan = planning.plan_read_ahead

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from shardkit import Layout, convert, reshard
-from shardkit.engine import executor
+from shardkit.engine import executor, planning
 
 
 def _cores(monkeypatch, n: int) -> None:
-    monkeypatch.setattr(executor.os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
+    monkeypatch.setattr(planning.os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
 
 
 @pytest.mark.parametrize(
@@ -31,10 +31,10 @@ def _cores(monkeypatch, n: int) -> None:
 def test_auto_workers_counts_two_cores_per_worker(monkeypatch, cores, ranks, expected):
     _cores(monkeypatch, cores)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
-    assert executor.auto_workers() == expected
-    assert executor.resolve_workers("auto", files=100) == expected
-    assert executor.resolve_workers(None, files=100) == expected
-    assert executor.resolve_workers("auto", files=1) == 1  # never more than the files to write
+    assert planning.auto_workers() == expected
+    assert planning.resolve_workers("auto", files=100) == expected
+    assert planning.resolve_workers(None, files=100) == expected
+    assert planning.resolve_workers("auto", files=1) == 1  # never more than the files to write
 
 
 def test_auto_workers_without_affinity_uses_the_cpu_count(monkeypatch):
@@ -43,15 +43,15 @@ def test_auto_workers_without_affinity_uses_the_cpu_count(monkeypatch):
     def unsupported(pid):
         raise OSError("no affinity here")
 
-    monkeypatch.setattr(executor.os, "sched_getaffinity", unsupported, raising=False)
-    monkeypatch.setattr(executor.os, "cpu_count", lambda: 6)
-    assert executor.auto_workers() == 3
+    monkeypatch.setattr(planning.os, "sched_getaffinity", unsupported, raising=False)
+    monkeypatch.setattr(planning.os, "cpu_count", lambda: 6)
+    assert planning.auto_workers() == 3
 
 
 @pytest.mark.parametrize("bad", [0, -1, "two", 1.5, True, "0"])
 def test_explicit_workers_must_be_a_positive_integer(bad):
     with pytest.raises(ValueError, match="workers must be a positive integer or 'auto'"):
-        executor.resolve_workers(bad, files=4)
+        planning.resolve_workers(bad, files=4)
 
 
 @pytest.mark.parametrize(("cores", "expected"), [(2, 1), (4, 2)])

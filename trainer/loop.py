@@ -24,17 +24,17 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from shardkit.checkpoint.load import plain_file
 from shardkit.checkpoint.tree import SCHEDULER, USER_CONTENT
 from shardkit.errors import ShardkitError
 from shardkit.formats import Checkpoint, load_config, open_checkpoint
-from shardkit.formats.torch_io import safe_load
 from shardkit.layout import make_layout
 
 if TYPE_CHECKING:
     from shardkit.layout import Layout
 
 from . import checkpointing, lora, moe
-from .config import TrainConfig
+from .config import TrainConfig, check_positions
 from .data import Batches, TokenFile
 from .errors import DataError, TrainerError
 from .layers import TPContext, vocab_parallel_cross_entropy
@@ -152,6 +152,7 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
     if cfg.checkpoint_dir and Path(cfg.checkpoint_dir).exists() and not Path(cfg.checkpoint_dir).is_dir():
         raise TrainerError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file: give a directory")
     moe.check_plan(cfg, model_config, dp)
+    check_positions(cfg.seq_len, model_config)
     spec = ModelSpec.from_config(model_config, layout)
     spec.check_sequence(cfg.seq_len)
     resolve_schedule(cfg.pp_schedule, cfg.pp, cfg.vpp, cfg.global_batch // (cfg.micro_batch * dp), spec.dims.num_layers)
@@ -251,7 +252,7 @@ def saved_settings(tag_dir: Path) -> dict[str, Any]:
 
     def read(name: str) -> Any:
         try:
-            return safe_load(tag_dir / name, mmap=False) if (tag_dir / name).is_file() else None
+            return plain_file(tag_dir, name)
         except Exception:  # noqa: BLE001 - another trainer's file (NxD): nothing to compare
             return None
 

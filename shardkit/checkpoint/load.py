@@ -24,6 +24,7 @@ since ranks resuming from different steps would be worse than stopping.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -32,7 +33,7 @@ import torch
 
 from ..errors import ConfigMismatchError, FormatError
 from ..formats import Checkpoint, SourceReader, load_config
-from ..formats.torch_io import safe_load
+from ..formats.torch_io import load_small
 from ..io.digest import FAST, expected_digest, file_matches
 from ..layout import Layout, ModelDims
 from ..paths import UnsafePathError, inside
@@ -55,7 +56,9 @@ from .tree import (
     CheckpointInfo,
     check_manifest,
     is_complete,
+    is_tag,
     list_checkpoints,
+    model_folder_kind,
     tag_path,
 )
 from .zero1 import MASTER, SEP, Zero1Tag, load_object, model_has_data, optim_name, prefixed, stored_dtype
@@ -63,6 +66,13 @@ from .zero1 import MASTER, SEP, Zero1Tag, load_object, model_has_data, optim_nam
 log = logging.getLogger(__name__)
 
 LATEST_IF_EXISTS = "latest_if_exists"
+
+
+def plain_file(tag_dir: Path, name: str) -> Any:
+    """A tag's plain torch file (scheduler.pt, user_content.pt), read whole by the bounded reader;
+    None when the tag has none."""
+    path = Path(tag_dir) / name
+    return load_small(path, name) if os.path.lexists(path) else None
 
 
 def resolve_tag(directory: Path, tag: str | None) -> str | None:
@@ -81,6 +91,35 @@ def resolve_tag(directory: Path, tag: str | None) -> str | None:
             f"load another tag (`shardkit ckpt list {directory}`)"
         )
     return str(tag)
+
+
+def tag_to_read(directory: str | Path, tag: str | None, instead: str) -> tuple[Path, str]:
+    """(checkpoint directory, tag) a `ckpt` command reads: `directory`'s newest complete tag or
+    `tag`, or `directory` itself when it is a tag folder. A folder that holds no tags is refused
+    with what it is and, for a model folder, the command that reads it (`instead`, say
+    "shardkit merge DIR OUT"; "DIR" stands for the folder)."""
+    directory = Path(directory)
+    if tag is None and is_tag(directory):
+        return directory.parent, directory.name
+    if not directory.is_dir():
+        raise NoCheckpointError(
+            f"{directory} does not exist: give the checkpoint directory (the trainer's --checkpoint-dir) or a tag in it"
+        )
+    if tag is None and not any(is_tag(p) for p in directory.iterdir()):
+        kind = model_folder_kind(directory)
+        if kind is not None:
+            command = instead.replace("DIR", str(directory))
+            raise NoCheckpointError(
+                f"{directory} is a model folder ({kind}), not a training checkpoint directory: use `{command}`"
+            )
+        raise NoCheckpointError(
+            f"{directory} holds no checkpoint tags (folders with a done marker): give the trainer's --checkpoint-dir "
+            "or a tag in it"
+        )
+    name = resolve_tag(directory, tag)
+    if name is None:
+        raise AssertionError("resolve_tag returns a tag or raises when none is asked for by name")
+    return directory, name
 
 
 def _candidates(directory: Path, tag: str | None) -> list[str]:
@@ -102,8 +141,8 @@ def _candidates(directory: Path, tag: str | None) -> list[str]:
         )
     if tag is None:
         raise NoCheckpointError(
-            f"{directory} holds no complete checkpoint (no <tag>/done): train from scratch, "
-            "or pass tag='latest_if_exists' to get None instead of this error"
+            f"{directory} holds no complete checkpoint (no <tag>/done): nothing to load yet "
+            "(latest_if_exists starts fresh when there is none)"
         )
     return []
 
@@ -307,8 +346,7 @@ def _load_generic(
                     "processes as saved it"
                 )
             opt = load_object(path, False)
-    scheduler = safe_load(tag_dir / SCHEDULER, mmap=False) if (tag_dir / SCHEDULER).is_file() else None
-    user_content = safe_load(tag_dir / USER_CONTENT, mmap=False) if (tag_dir / USER_CONTENT).is_file() else None
+    scheduler, user_content = plain_file(tag_dir, SCHEDULER), plain_file(tag_dir, USER_CONTENT)
     layout = Layout()
     return LoadedCheckpoint(
         name,
@@ -441,8 +479,7 @@ def _load_tag(
     if verify and manifest is not None and zero is not None:
         _verify_hashes(tag_dir, manifest, {p.relative_to(tag_dir).as_posix() for p in zero.files.values()})
     opt = read_optimizer(zero, pieces) if optimizer and zero is not None else None
-    scheduler = safe_load(tag_dir / SCHEDULER, mmap=False) if (tag_dir / SCHEDULER).is_file() else None
-    user_content = safe_load(tag_dir / USER_CONTENT, mmap=False) if (tag_dir / USER_CONTENT).is_file() else None
+    scheduler, user_content = plain_file(tag_dir, SCHEDULER), plain_file(tag_dir, USER_CONTENT)
     step = (manifest.get("checkpoint") or {}).get("step") if manifest else None
     if step is None and isinstance(user_content, Mapping) and isinstance(user_content.get("step"), int):
         step = user_content["step"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -25,9 +26,10 @@ from typing_extensions import Unpack
 
 from ..conventions import TITAN
 from ..distributed import Job, current_job
-from ..formats import Checkpoint, SourceReader, load_config
+from ..families.lora import base_config, saved_settings
+from ..formats import Checkpoint, SourceReader, load_config, nxd
 from ..formats.manifest import MANIFEST, file_record, manifest
-from ..formats.torch_io import safe_load
+from ..formats.torch_io import load_small
 from ..io.digest import FileRecord
 from ..io.durable import write_bytes, write_marker, write_text
 from ..io.small import PICKLE_LIMIT, read_small
@@ -37,7 +39,7 @@ from ..placements import Piece
 from .base import CheckpointError
 from .dcp import TitanWrite, inspect_titan, kept_items, open_titan, titan_step_dir, write_titan
 from .guard import TagCheck
-from .load import resolve_tag
+from .load import tag_to_read
 from .nxd_modes import (
     AVOID_LP,
     ZERO1_DCP,
@@ -180,8 +182,7 @@ def write_rank(
     out_tag: Path,
     readers: RankReaders,
     layout: Layout,
-    tp: int,
-    pp: int,
+    rank: tuple[int, int, int],
     dp: int,
     use_xser: bool,
     master: bool,
@@ -189,17 +190,20 @@ def write_rank(
     mode: str = "default",
     stages: list[int] | None = None,
 ) -> list[Path | FileRecord]:
-    """One target (tp, pp) rank: its model file and its dp optimizer files (NxD's format, saved as
-    `mode` says: `nxd_modes`); DCP data files are returned as their records."""
+    """One target (ep, tp, pp) rank: its model file and its dp optimizer files (NxD's format, saved
+    as `mode` says: `nxd_modes`; v3 names with ep_rank when ep > 1, ep ranks > 0 holding only their
+    experts); DCP data files are returned as their records."""
     src = readers.src
-    pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes)
+    ep, tp, pp = rank
+    pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes, ep)
+    expert = {p.name for p in pieces if p.expert}  # xser's expert_model_parallel flags, as save writes them
     written: list[Path | FileRecord] = []
-    model_path = out_tag / MODEL_DIR / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+    model_path = out_tag / nxd.rank_file_name(ep, tp, pp, layout, "torch")
     if mode == AVOID_LP:  # names, shapes and dtypes only: the weights are the master weights
-        written += save_object(model_path, bare_weights(pieces, dtype), use_xser, data=False)
+        written += save_object(model_path, bare_weights(pieces, dtype), use_xser, expert, data=False)
     else:
         weights = readers.weights(pieces, dtype)
-        written += save_object(model_path, weights, use_xser)
+        written += save_object(model_path, weights, use_xser, expert)
         del weights
     if src.zero1 is not None:
         moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
@@ -211,7 +215,8 @@ def write_rank(
             return written
         for d in range(dp):
             obj = build_optim(names, groups, src.zero1.hyper, state, dp, d, master)
-            written += save_object(out_tag / optim_name(d, tp, pp), obj, use_xser)
+            name = optim_name(d, tp, pp, ep if layout.ep > 1 else None)
+            written += save_object(out_tag / name, obj, use_xser, bool(expert))
     return written
 
 
@@ -276,6 +281,8 @@ def _plan(src_dir: Path, layout: Layout, param_order: ParamOrder, options: Train
         raise CheckpointError(f"--format {fmt} is not one NxD's or torchtitan's trainer writes: use torch, xser or dcp")
     master = master_weights == "keep" and src.zero1 is not None and src.zero1.master and fmt != "dcp"
     mode = options.get("nxd_mode") or src.mode
+    if layout.ep > 1 and (fmt == "dcp" or mode == ZERO1_DCP):
+        raise CheckpointError("--ep > 1 is written in NxD's default or avoid-lp mode only, not through DCP")
     if fmt != "dcp":
         groups = len(src.zero1.hyper) if src.zero1 is not None else 1
         check_mode(mode, use_xser=fmt == "xser", master=master, zero1=bool(zero1), groups=groups, layout=layout)
@@ -292,9 +299,7 @@ def _open_source(
         opened = open_titan(titan, cfg)
         plain = {SCHEDULER: opened.scheduler, USER_CONTENT: opened.user_content}
         return f"step_{opened.step}", Source(titan, opened.model, opened.optimizer, True, "default", plain)
-    name = resolve_tag(src_dir, options.get("tag"))
-    if name is None:
-        raise CheckpointError(f"{src_dir} holds no complete checkpoint")
+    src_dir, name = tag_to_read(src_dir, options.get("tag"), "shardkit reshard DIR DST")
     return name, open_training_tag(src_dir / name, cfg, options.get("hints"), param_order)
 
 
@@ -364,7 +369,7 @@ def _plain_value(src: Source, name: str) -> Any:
     if src.plain.get(name) is not None:
         return src.plain[name]
     path = src.tag_dir / name
-    return safe_load(path, mmap=False) if path.is_file() else None
+    return load_small(path, name) if path.is_file() else None
 
 
 def _begin_tag(out_tag: Path) -> None:
@@ -374,25 +379,15 @@ def _begin_tag(out_tag: Path) -> None:
 
 
 def _write_mine(job: Job, plan: _Plan, out_tag: Path) -> list[str | FileRecord]:
-    """This process's share of the target (tp, pp) ranks (their model and optimizer files)."""
-    units = [(tp, pp) for pp in range(plan.layout.pp) for tp in range(plan.layout.tp)]
+    """This process's share of the target (ep, tp, pp) ranks (their model and optimizer files)."""
+    units = sorted(plan.layout.ranks(), key=lambda r: (r[2], r[1], r[0]))  # pp, tp, ep: stage by stage
     readers = RankReaders(plan.src)
     stages = stage_sizes(plan.src.model, plan.layout) if plan.mode == ZERO1_DCP else None
     try:
         files: list[Path | FileRecord] = []
-        for tp, pp in job.share(units):
+        for rank in job.share(units):
             files += write_rank(
-                out_tag,
-                readers,
-                plan.layout,
-                tp,
-                pp,
-                plan.dp,
-                plan.use_xser,
-                plan.master,
-                plan.dtype,
-                plan.mode,
-                stages,
+                out_tag, readers, plan.layout, rank, plan.dp, plan.use_xser, plan.master, plan.dtype, plan.mode, stages
             )
         return [f if isinstance(f, FileRecord) else str(f) for f in files]
     finally:
@@ -464,15 +459,10 @@ def inspect_training(
     """What a training checkpoint tag holds: layout incl. dp and ZeRO-1, param groups and their
     hyper-parameters, step, master weights, optimizer bytes. `src_dir` is a checkpoint directory
     (its newest complete tag, or `tag`) or a tag folder."""
-    src_dir = Path(src_dir)
-    titan = titan_step_dir(src_dir, tag)
+    titan = titan_step_dir(Path(src_dir), tag)
     if titan is not None:
         return inspect_titan(titan, config)
-    if tag is None and (src_dir / CHECKPOINT_MARKER).is_file():
-        src_dir, tag = src_dir.parent, src_dir.name
-    name = resolve_tag(src_dir, tag)
-    if name is None:
-        raise CheckpointError(f"{src_dir} holds no complete checkpoint")
+    src_dir, name = tag_to_read(src_dir, tag, "shardkit inspect DIR")
     src = open_training_tag(src_dir / name, config, None, param_order)
     zero = src.zero1
     optim_bytes = 0
@@ -499,10 +489,29 @@ def inspect_training(
         "describe": src.model.layout.describe(),
         "dp": zero.dp if zero else None,
         "zero1": bool(zero and zero.dp > 1),
-        "step": zero.step if zero else _step(src, name),
+        "step": _whole(zero.step) if zero else _step(src, name),
         "master_weights": bool(zero and zero.master),
         "model_has_data": src.has_data,
         "nxd_mode": src.mode,
         "param_groups": groups,
         "optimizer_bytes": optim_bytes,
+        "lora": _lora_info(src.model),
+    }
+
+
+def _whole(step: float | None) -> float | int | None:
+    """A step as people write it: 20, not 20.0 (optimizer files keep it as a float)."""
+    return int(step) if isinstance(step, float) and step.is_integer() else step
+
+
+def _lora_info(model: Checkpoint) -> dict[str, Any] | None:
+    """What an adapter checkpoint's adapters are and what they were trained on (None: full weights)."""
+    settings = saved_settings(model.config)
+    if settings is None:
+        return None
+    return {
+        **settings.to_dict(),
+        "base_model": settings.base_model,
+        "base_model_type": base_config(model.config).get("model_type"),
+        "trained_parameters": sum(math.prod(s) for s in model.full_shapes.values()),
     }

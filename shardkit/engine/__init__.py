@@ -3,8 +3,9 @@ operations built on them (reshard, merge, inspect, verify) over opened checkpoin
 imports the Hub or the CLI: those sit above it (`api.py` resolves sources, then calls here)."""
 
 from .check import TensorDiff, VerifyReport, inspect_checkpoint, verify_checkpoints
-from .executor import ProgressCallback, no_full_collections
-from .operations import Result, WriteOptions, merge_checkpoint, reshard_checkpoint
+from .executor import no_full_collections
+from .operations import Result, merge_checkpoint, reshard_checkpoint
+from .options import ProgressCallback, WriteArgs, WriteOptions
 
 __all__ = [
     "ProgressCallback",
@@ -16,5 +17,6 @@ __all__ = [
     "no_full_collections",
     "reshard_checkpoint",
     "verify_checkpoints",
+    "WriteArgs",
     "WriteOptions",
 ]

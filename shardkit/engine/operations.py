@@ -8,29 +8,30 @@ tokenizer files and the manifest before the folder is renamed into place.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from typing_extensions import TypedDict, Unpack
+from typing_extensions import Unpack
 
 from ..checkpoint.tree import CHECKPOINT_MARKER
 from ..conventions import HF
 from ..distributed import current_job
 from ..formats import MANIFEST, Checkpoint, get_format, hf
-from ..formats.base import parse_dtype
 from ..formats.manifest import file_record, manifest
-from ..io.digest import CheckMode, FileRecord, Recording
+from ..io.digest import FileRecord, Recording
+from ..io.durable import write_text
 from ..io.transaction import STAGING_TAG, sibling_name
 from ..layout import FULL, Layout
 from ..paths import inside
-from .executor import ProgressCallback
+from .options import ProgressCallback, WriteArgs, WriteOptions
 from .outputs import OutputFile, plan_full, plan_sharded
 from .staging import produce
 
@@ -114,69 +115,21 @@ def _planned_bytes(outputs: Sequence[OutputFile], itemsize: int) -> int:
 # ---- the public operations ---------------------------------------------------------------------
 
 
-class WriteOptions(TypedDict, total=False):
-    """How every writing operation (reshard, convert, merge, export) writes its output."""
-
-    dtype: str | torch.dtype | None
-    """Cast weights to this dtype (bf16, fp16, fp32; default: keep the source's)."""
-    workers: int | str
-    """Output files built in parallel (threads); "auto" (the default): one per two CPU cores, at
-    least 1 and at most 4, and fewer when the largest tensors of that many workers would not fit in
-    256 MiB together."""
-    overwrite: bool
-    """Replace a destination that exists and is not empty (default False)."""
-    progress: ProgressCallback | None
-    """Called as progress(bytes_done, bytes_total) while output is written."""
-    direct_io: bool | str
-    """Write the output around the page cache (O_DIRECT): True, False (the default), or "auto":
-    when the output is larger than the kernel's dirty limit (see `io.direct.direct_io_pays`). It saves
-    the kernel's copy into the page cache (about 2 CPU-s per GB on a VM) and leaves the output on
-    the device when the call returns; whether it is faster depends on the storage (measured on a
-    7B checkpoint here: convert 6-12% faster, merge 30% slower)."""
-    sha256: bool
-    """Also record each output file's sha256 in the manifest (default False: xxh3-128 only, which
-    catches any accidental change; sha256 costs about 0.7 CPU-s per GB and is for manifests whose
-    own hash is pinned elsewhere, see `io.digest`). Outputs without a manifest ignore it."""
-    extra_files: Mapping[str, str]
-    """Small text files (name -> content) added to the output before it is committed (a marker
-    saying which run wrote it, say); names are plain file names inside the output."""
-    verify_hashes: bool | CheckMode
-    """Check each source file against the digest its manifest lists before the output is
-    committed: True or "fast" (the default) checks the fast xxh3-128 where the manifest has it and
-    sha256 otherwise, "sha256" checks sha256 only, False or "none" skips the check."""
-
-
 def _write(
-    ckpt: Checkpoint,
-    outputs: Sequence[OutputFile],
-    dst: str | Path,
-    fmt: str,
-    finish,
-    options: WriteOptions,
-    digests: Recording = True,
+    ckpt: Checkpoint, outputs: Sequence[OutputFile], dst: str | Path, finish, options: WriteOptions
 ) -> list[FileRecord]:
     """staging.produce with `options`; under torchrun rank 0's progress covers every rank's bytes
-    (StagingProgress). `digests`: hash the outputs (for the manifest that lists them; sha256 too
-    with the `sha256` option)."""
-    dtype = parse_dtype(options.get("dtype"))
-    if digests is True and options.get("sha256"):
-        digests = "sha256"
-    progress, job = options.get("progress"), current_job()
-
-    def run(progress: ProgressCallback | None) -> list[FileRecord]:
-        workers, overwrite = options.get("workers", "auto"), options.get("overwrite", False)
-        verify = options.get("verify_hashes", True)
-        direct = options.get("direct_io", False)
-        return produce(
-            ckpt, outputs, Path(dst), fmt, dtype, workers, overwrite, progress, finish, verify, digests, direct
-        )
-
-    if progress is None or job.world == 1:
-        return run(progress)
+    (StagingProgress)."""
+    job = current_job()
+    if options.progress is None or job.world == 1:
+        return produce(ckpt, outputs, Path(dst), finish, options)
+    quiet = dataclasses.replace(options, progress=None)
     if not job.leader:
-        return run(None)
-    with StagingProgress(progress, Path(dst), _planned_bytes(outputs, (dtype or ckpt.dtype()).itemsize)):
-        return run(None)
+        return produce(ckpt, outputs, Path(dst), finish, quiet)
+    with StagingProgress(
+        options.progress, Path(dst), _planned_bytes(outputs, (options.dtype or ckpt.dtype()).itemsize)
+    ):
+        return produce(ckpt, outputs, Path(dst), finish, quiet)
 
 
 @dataclass
@@ -187,10 +140,18 @@ class Result:
     files: list[FileRecord]
     layout: Layout
     format: str
+    rank_files: int = 0
+    """How many of `files` are rank files (the others belong to them: xser's tensor and info
+    files); 0 for outputs of no layout (a Hugging Face folder)."""
 
     @property
     def bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def files_beside(self) -> int:
+        """The files that belong to the rank files (what `inspect` counts apart from them)."""
+        return len(self.files) - self.rank_files if self.rank_files else 0
 
 
 def reshard_checkpoint(
@@ -201,20 +162,22 @@ def reshard_checkpoint(
     format: str = "torch",
     command: str | None = None,
     convention: str | None = None,
-    **options: Unpack[WriteOptions],
+    **options: Unpack[WriteArgs],
 ) -> Result:
     """Write `ckpt` as shards of `layout` in `format`, reading only the slices each shard needs
     (`command`: the command line to record in the manifest; `convention`: the tensor names of a
     format that chooses them, DCP: Hugging Face's by default, or torchtitan's)."""
     fmt = get_format(format)
-    target_dtype = parse_dtype(options.get("dtype"))
+    write = WriteOptions.from_args(options, format)
+    target_dtype = write.dtype
     layout.validate(ckpt.dims)
     ckpt.check_files()
     outputs = plan_sharded(ckpt.family, ckpt.dims, layout, format, convention)
 
     def finish(stage: Path, records: list[FileRecord]) -> None:
         if fmt.finish is not None:  # DCP's .metadata, from where every data file put its chunks
-            records = records + [file_record(p, stage) for p in fmt.finish(stage, records)]
+            sha = write.digests is Recording.SHA256
+            records = records + [file_record(p, stage, sha) for p in fmt.finish(stage, records)]
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
         dtype_name = str(target_dtype or ckpt.dtype()).replace("torch.", "")
@@ -233,17 +196,20 @@ def reshard_checkpoint(
             ),
         )
 
-    records = _write(ckpt, outputs, dst, format, finish, options)
+    records = _write(ckpt, outputs, dst, finish, write)
     log.info("wrote %d files (%s) to %s", len(records), layout.describe(), dst)
-    return Result(Path(dst), records, layout, format)
+    return Result(Path(dst), records, layout, format, rank_files=len(outputs))
 
 
 def merge_checkpoint(
-    ckpt: Checkpoint, dst: str | Path, *, max_shard_size: int | str = "5GB", **options: Unpack[WriteOptions]
+    ckpt: Checkpoint, dst: str | Path, *, max_shard_size: int | str = "5GB", **options: Unpack[WriteArgs]
 ) -> Result:
     """Write `ckpt` as a Hugging Face model directory (safetensors + index + config), in files of
     at most `max_shard_size`."""
-    target_dtype = parse_dtype(options.get("dtype"))
+    # a Hugging Face folder has no manifest: its files' digests would be computed for nobody (they
+    # cost about as much CPU as the rest of a merge)
+    write = WriteOptions.from_args(options, "safetensors", manifest=False)
+    target_dtype = write.dtype
     ckpt.check_files()
     itemsize = (target_dtype or ckpt.dtype()).itemsize
     outputs, index = plan_full(ckpt.family, ckpt.dims, itemsize, max_shard_size)
@@ -254,10 +220,8 @@ def merge_checkpoint(
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
         for name, text in (options.get("extra_files") or {}).items():
-            inside(stage, name, "extra output file").write_text(text)
+            write_text(inside(stage, name, "extra output file"), text, fsync=False)
 
-    # a Hugging Face folder has no manifest: its files' digests would be computed for nobody (they
-    # cost about as much CPU as the rest of a merge)
-    records = _write(ckpt, outputs, dst, "safetensors", finish, options, digests=False)
+    records = _write(ckpt, outputs, dst, finish, write)
     log.info("merged %s into %s (%d files)", ckpt.root, dst, len(records))
     return Result(Path(dst), records, FULL, "safetensors")

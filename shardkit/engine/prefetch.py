@@ -15,9 +15,9 @@ Two ways, chosen per run of bytes (an extent):
   memory (`reads_around_pay`), are read around it (O_DIRECT) into buffers the read-ahead owns,
   and workers' reads of them are served from those buffers (`DescriptorReader.read_from`); a
   buffer is reused once every planned byte in it has been copied out. Once the page cache has to
-  evict to take new pages, it is the expensive part of a cold read on a VM: 13.5 GB read through
-  it cost 18-22 CPU-s in the kernel here, read around it 0.6 CPU-s, and none of the source then
-  takes page-cache memory that the output's writes have to reclaim. The buffers are memory of the
+  evict to take new pages, it is the expensive part of a cold read on a VM (many times the CPU of
+  a read around it), and none of the source then takes page-cache memory that the output's writes
+  have to reclaim. The buffers are memory of the
   process: at most DIRECT_BUDGET. When they are all full and a worker waits for bytes not yet
   read, the rest goes through the page cache instead (never a deadlock, only the slower way).
   Small extents are read several at once, each by its own thread (DIRECT_BATCH).
@@ -65,7 +65,7 @@ the machine has little available memory: see `window_bytes`)."""
 EXTENT = 16 << 20
 """Spans that continue each other in one file are read together, up to this many bytes: a merge
 needs a small piece of each of tp files per tensor (1 MiB at tp 32 on 7B), and reading them one
-by one makes a disk seek between every MiB (measured 2-3x slower than cp, cold)."""
+by one makes a disk seek between every MiB."""
 
 BRIDGE = 64 << 10
 """A span that starts at most this many bytes after the previous span of its file ends (the zip
@@ -85,13 +85,13 @@ DIRECT_BUDGET = 96 << 20
 row-parallel MLP weight, streamed in blocks of rows from all 32 pieces)."""
 
 DIRECT_READ = 32
-"""Buffers filled per O_DIRECT system call at most (one vectored read; 1 MiB reads ran at the
-disk's full 1.4 GB/s here)."""
+"""Buffers filled per O_DIRECT system call at most (one vectored read: large enough to keep a
+disk streaming, small enough to hand the first bytes to a waiting worker soon)."""
 
 DIRECT_BATCH = 8
 """Up to this many consecutive small extents are read around the page cache at once, each by its
-own thread: one 1 MiB read at a time reached 0.9 GB/s during a merge (the disk is busy with the
-output's writes too), where reads through the page cache go in large batches of requests."""
+own thread: one small read at a time leaves the disk idle between requests while it also takes
+the output's writes, where reads through the page cache go in large batches of requests."""
 
 DIRECT_BATCH_BYTES = 8 << 20
 """...and up to about this many bytes."""
@@ -114,11 +114,10 @@ def reads_around_pay(nbytes: int) -> bool:
     """Whether an operation that brings `nbytes` into the page cache (the sources it reads and the
     output it writes) should read its cold bytes around it: when they are more than the free
     memory, so the kernel would have to evict pages to cache them. Below that, reads through the
-    page cache are the faster way (this project's VM disk gave 2.3-2.8 GB/s read ahead in 8 MiB
-    calls, 1.1-1.4 GB/s read around it at any queue depth), the CPU they cost is small, and the
-    bytes stay cached for the next command; above it, the eviction makes every cached byte cost
-    3-4 CPU-s per GB here (a cold 7B merge: 43-57 CPU-s and 29-36 s through the page cache, 17-18
-    CPU-s and 17-19 s around it)."""
+    page cache are the faster way (the kernel's read-ahead outpaces reads around it), the CPU they
+    cost is small, and the bytes stay cached for the next command; above it, the eviction makes
+    every cached byte cost several times what reading around the cache does (docs/history/ has the
+    measurements)."""
     free = meminfo("MemFree")
     return hasattr(os, "O_DIRECT") and free is not None and nbytes > free
 
@@ -135,6 +134,34 @@ class _Chunk:
 
     def __init__(self, key: tuple[int, int], start: int, end: int, slot: int, planned: list[list[int]]):
         self.key, self.start, self.end, self.slot, self.planned, self.pins = key, start, end, slot, planned, 0
+
+
+class _CacheFill:
+    """Reads bytes into the page cache: sendfile to /dev/null while the kernel allows it (no copy
+    into this process), else reads into one reused buffer."""
+
+    def __init__(self) -> None:
+        self.buffer: memoryview | None = None
+        try:
+            self.null: int | None = os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            self.null = None
+        self.sink = self.null
+
+    def fill(self, fd: int, offset: int, size: int) -> int:
+        if self.sink is not None:
+            try:
+                return os.sendfile(self.sink, fd, offset, size)
+            except OSError:
+                self.sink = None  # not supported here: read into a buffer instead
+        if self.buffer is None:
+            self.buffer = memoryview(bytearray(READ_CHUNK))
+        return os.preadv(fd, [self.buffer[:size]], offset)
+
+    def close(self) -> None:
+        if self.null is not None:
+            os.close(self.null)
+            self.null = self.sink = None
 
 
 class Prefetcher:
@@ -303,10 +330,24 @@ class Prefetcher:
         self.paused = False
         return not self._stop
 
+    def _through_cache(self, cache: _CacheFill, fd: int, offset: int, length: int) -> bool:
+        """Bring `length` bytes at `offset` of fd into the page cache (False: stopped, or the file
+        is shorter than its header says, which the worker reading it reports)."""
+        done = 0
+        while done < length:
+            with self._cond:
+                if not self._pause(lambda: True):
+                    return False
+            got = cache.fill(fd, offset + done, min(READ_CHUNK, length - done))
+            if got <= 0:
+                return False
+            done += got
+            with self._cond:
+                self.position += got
+        return True
+
     def _run(self) -> None:
-        sink = None  # /dev/null, while sendfile works
-        null = None
-        buffer = None
+        cache = _CacheFill()
         fds: dict[Path, int] = {}
         direct_fds: dict[Path, Opened | None] = {}
         readers: ThreadPoolExecutor | None = None  # O_DIRECT reads of a batch of extents at once
@@ -331,10 +372,6 @@ class Prefetcher:
             return opened
 
         try:
-            try:
-                sink = null = os.open(os.devnull, os.O_WRONLY)
-            except OSError:
-                pass
             i = 0
             while i < len(self.extents):
                 path, offset, length = self.extents[i]
@@ -365,27 +402,8 @@ class Prefetcher:
                         done = self._read_direct(i, opened, offset, length)
                         if done < 0:
                             return
-                fd = fds[path]
-                while done < length:
-                    with self._cond:
-                        if not self._pause(lambda: True):
-                            return
-                    size = min(READ_CHUNK, length - done)
-                    got = 0
-                    if sink is not None:
-                        try:
-                            got = os.sendfile(sink, fd, offset + done, size)
-                        except OSError:
-                            sink = None  # not supported here: read into a buffer instead
-                    if sink is None:
-                        if buffer is None:
-                            buffer = memoryview(bytearray(READ_CHUNK))
-                        got = os.preadv(fd, [buffer[:size]], offset + done)
-                    if got <= 0:  # the file is shorter than its header says: the worker reports it
-                        return
-                    done += got
-                    with self._cond:
-                        self.position += got
+                if not self._through_cache(cache, fds[path], offset + done, length - done):
+                    return
                 with self._cond:
                     self._done = i + 1
                     self._cond.notify_all()
@@ -403,8 +421,7 @@ class Prefetcher:
             for opened in direct_fds.values():
                 if opened is not None:
                     os.close(opened[0])
-            if null is not None:
-                os.close(null)
+            cache.close()
 
     def _take(self, i: int, slots: int) -> bool:
         """Wait (under the lock) until the window lets the thread read extent i and `slots`
@@ -550,6 +567,13 @@ def coalesce(spans: Sequence[tuple[Path, int, int]]) -> tuple[list[tuple[Path, i
     one; and for each n, the number of extents that hold the first n spans (`covered[n - 1]`)."""
     extents, covered, _ = _coalesce(spans, None)
     return extents, covered
+
+
+def extents_of(
+    spans: Sequence[tuple[Path, int, int]], once: Sequence[bool] | None = None
+) -> list[tuple[Path, int, int]]:
+    """The extents a `Prefetcher` of `spans` (and `once`) reads, without making one."""
+    return _coalesce(spans, once)[0]
 
 
 def _coalesce(

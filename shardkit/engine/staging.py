@@ -6,17 +6,17 @@ divided among the job's processes (`distributed.Job`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
-
 from ..distributed import current_job
 from ..formats import Checkpoint
-from ..io.digest import CheckMode, FileRecord, Recording
+from ..io.digest import FileRecord
 from ..io.transaction import commit_all, staged_output
-from .executor import ProgressCallback, execute
+from .executor import execute
+from .options import WriteOptions
 from .outputs import OutputFile
 
 log = logging.getLogger(__name__)
@@ -35,38 +35,19 @@ def produce(
     src: Checkpoint,
     outputs: Sequence[OutputFile],
     dst: Path,
-    fmt: str,
-    dtype: torch.dtype | None,
-    workers: int | str,
-    overwrite: bool,
-    progress: ProgressCallback | None,
     finish: Callable[[Path, list[FileRecord]], None],
-    verify_hashes: bool | CheckMode = True,
-    digests: Recording = True,
-    direct_io: bool | str = False,
+    options: WriteOptions,
 ) -> list[FileRecord]:
-    """Write `outputs` into a staging folder, let `finish` add its files, and rename to `dst`
-    (`digests`, `direct_io`: see `execute`).
+    """Write `outputs` into a staging folder as `options` say (see `execute`), let `finish` add
+    its files, and rename to `dst`.
 
     In a torch.distributed job every rank writes its share of the files (see distributed.py).
-    With `verify_hashes`, every source file listed in the source's manifest is checked against
-    its digest before the output is committed (see `execute`)."""
+    With `options.verify_hashes`, every source file listed in the source's manifest is checked
+    against its digest before the output is committed (see `execute`)."""
     job = current_job()
-    with staged_output(dst, sources=source_paths(src), overwrite=overwrite, what="writing", job=job) as out:
-        mine = job.run_all_or_none(
-            lambda: execute(
-                src,
-                job.share(list(outputs)),
-                out.path,
-                fmt,
-                dtype,
-                workers,
-                progress if job.leader else None,
-                verify_hashes,
-                digests,
-                direct_io,
-            )
-        )
+    with staged_output(dst, sources=source_paths(src), overwrite=options.overwrite, what="writing", job=job) as out:
+        mine_options = options if job.leader else dataclasses.replace(options, progress=None)
+        mine = job.run_all_or_none(lambda: execute(src, job.share(list(outputs)), out.path, mine_options))
         records = sorted((r for part in job.gather(mine) for r in part), key=lambda r: r.path)
         commit_all(out, job, lambda staging: finish(staging, records))
         if job.world > 1:

@@ -362,7 +362,12 @@ class DcpWriter(DcpFileWriter):
     (`chunk_name`), written in the convention's row order."""
 
     def __init__(
-        self, path: Path, root: Path, specs: Sequence[TensorSpec], digests: Recording = True, direct: bool = False
+        self,
+        path: Path,
+        root: Path,
+        specs: Sequence[TensorSpec],
+        digests: Recording = Recording.FAST,
+        direct: bool = False,
     ):
         check_specs(specs)
         super().__init__(path, root, digests, direct)

@@ -427,7 +427,7 @@ class DcpFileWriter(DiscardOnFailure):
     plain values, appended as DCP writes them; `close` returns a `ChunkedRecord` saying where each
     went, from which `finish_folder` writes `.metadata`. A failure deletes the file."""
 
-    def __init__(self, path: Path, root: Path, digests: Recording = True, direct: bool = False):
+    def __init__(self, path: Path, root: Path, digests: Recording = Recording.FAST, direct: bool = False):
         self.path, self.root = Path(path), Path(root)
         self._out: HashingFile | None = HashingFile(self.path, self.root, digests=digests, direct=direct)
         self._items: list[Item] = []

@@ -279,7 +279,7 @@ class SafetensorsWriter(DiscardOnFailure):
         root: Path,
         specs: Sequence[TensorSpec],
         metadata: dict[str, str] | None = None,
-        digests: Recording = True,
+        digests: Recording = Recording.FAST,
         direct: bool = False,
     ):
         check_specs(specs)

@@ -1,13 +1,13 @@
 """The digests shardkit records for every file it writes, and how a file is checked on read.
 
-- `xxh3_128` (the xxhash library's XXH3, 128 bits): not cryptographic, about 11-20 GB/s per core.
+- `xxh3_128` (the xxhash library's XXH3, 128 bits): not cryptographic, about as fast as memory.
   Any accidental change (a flipped bit, a torn or truncated write, a file swapped for another)
   goes unnoticed with probability 2^-128, which is all a check on read can promise anyway: the
   manifest lives beside the files it lists, so whoever can rewrite a file on purpose can rewrite
   the manifest too. Always recorded.
-- `sha256`: cryptographic, what `sha256sum` prints and what the Hub's LFS ids are. About 1.5 GB/s
-  per core even with the CPU's SHA instructions (0.7 CPU-s per GB, as much as everything else a
-  reshard does), so it is recorded only on request (`--sha256`, `sha256=True`): for manifests
+- `sha256`: cryptographic, what `sha256sum` prints and what the Hub's LFS ids are. An order of
+  magnitude slower even with the CPU's SHA instructions (as much CPU as everything else a reshard
+  does), so it is recorded only on request (`--sha256`, `sha256=True`): for manifests
   whose own hash is pinned somewhere the files' writer cannot reach, where the files' digests must
   resist a deliberate collision. Hub uploads compute their own sha256 and do not need it.
 
@@ -18,12 +18,13 @@ default (`FAST`) and fall back to sha256 for manifests written before the fast d
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import xxhash
 
@@ -33,9 +34,20 @@ from ..paths import open_regular
 FAST_DIGEST = "xxh3_128"
 """The manifest key of the fast digest (hex)."""
 
-Recording = bool | Literal["sha256"]
-"""What a writer hashes for its record: False nothing (files no manifest lists), True the fast
-digest, "sha256" the fast digest and sha256."""
+
+class Recording(str, enum.Enum):
+    """What a writer hashes for its records. Its values are the spellings they replace ("sha256"
+    compares equal to SHA256), and NONE alone is false."""
+
+    NONE = "none"
+    """Nothing: files no manifest lists (their records' digests are None)."""
+    FAST = "fast"
+    """The fast digest (xxh3-128)."""
+    SHA256 = "sha256"
+    """The fast digest and sha256."""
+
+    def __bool__(self) -> bool:
+        return self is not Recording.NONE
 
 
 @dataclass(frozen=True)
@@ -51,14 +63,25 @@ class FileRecord:
     xxh3_128: str | None = None
 
 
-CheckMode = Literal["fast", "sha256", "none"]
-FAST: CheckMode = "fast"
-STRONG: CheckMode = "sha256"
-NONE: CheckMode = "none"
+class CheckMode(str, enum.Enum):
+    """How a reader checks files against their manifest (its values are the `verify_hashes`
+    spellings, and compare equal to them)."""
+
+    FAST = "fast"
+    """The fast digest where the manifest lists it, else sha256."""
+    SHA256 = "sha256"
+    """sha256 only (refused, saying how to fix it, where the manifest lists none)."""
+    NONE = "none"
+    """No check."""
+
+
+FAST = CheckMode.FAST
+STRONG = CheckMode.SHA256
+NONE = CheckMode.NONE
 
 HASH_WINDOW = 16 << 20
-"""A file is hashed through a read-only mapping of this many bytes at a time. Measured on 2.2 GB
-warm: half the CPU of reading the same bytes into a buffer (no copy out of the page cache); cold,
+"""A file is hashed through a read-only mapping of this many bytes at a time: warm, that costs
+about half the CPU of reading the same bytes into a buffer (no copy out of the page cache); cold,
 the same time. Mapped pages count as resident while mapped: 16 MiB keeps them a small part of a
 7B merge's 512 MiB memory bound."""
 
@@ -66,9 +89,11 @@ HASH_BLOCK = 1 << 20
 """Bytes read at once where a file cannot be mapped."""
 
 
-def check_mode(value: bool | str | None) -> CheckMode:
+def check_mode(value: bool | str | CheckMode | None) -> CheckMode:
     """The check a `verify_hashes` argument asks for: True or "fast" -> fast, "sha256" -> sha256,
     False/None/"none" -> none."""
+    if isinstance(value, CheckMode):
+        return value
     if value is True or value == FAST:
         return FAST
     if value is False or value is None or value == NONE:

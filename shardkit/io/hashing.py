@@ -32,14 +32,12 @@ if TYPE_CHECKING:
 
 
 WRITE_BLOCK = 256 << 10
-"""Large blocks are written in pieces of at most this size: larger writes cost several times the CPU
-in the kernel's copy into the page cache. The likely cause: the page cache sizes its folios by the
-write, and large folios come from the high-order free blocks that a VM's balloon driver hands back
-to the host (free page reporting) or that need compaction, so their first touch costs a host fault
-or a compaction. Measured on this project's VM, one new 2.2 GB file right after a cache drop: 0.5
-CPU-s in 256-512 KiB writes, 1.1-3.8 in 1 MiB writes, 3.3-3.4 in 4 MiB writes; 16 files of the
-same total: 0.54-0.61 (256 KiB) and 0.69-0.71 (1 MiB). A cold merge of TinyLlama (one 2.2 GB
-output file) went from 2.9 s to 1.6 s. Below 256 KiB the per-call cost shows (128 KiB: 0.66-0.76)."""
+"""Large blocks are written in pieces of at most this size: on a VM, writes of 1 MiB or more cost
+several times the CPU in the kernel's copy into the page cache. The likely cause: the page cache
+sizes its folios by the write, and large folios come from the high-order free blocks that a VM's
+balloon driver hands back to the host (free page reporting) or that need compaction, so their
+first touch costs a host fault or a compaction. Below 256 KiB the cost per call shows instead.
+The measurements: docs/history/THROUGHPUT.md, "Writes of 256 KiB"."""
 
 PARALLEL_HASH_MIN = 1 << 20
 """Blocks at least this large are hashed beside the caller: by the write-behind thread after it
@@ -189,7 +187,7 @@ WRITE_BEHIND = 32 << 20
 WRITE_BEHIND_ALL = 32 << 20
 """At most this many bytes of owned blocks wait for their write in all files together (a larger
 block is written before its write returns): the files of a group built together (see
-`engine.executor.lockstep_groups`) each have a queue, and their write-behind threads run at once.
+`engine.planning.lockstep_groups`) each have a queue, and their write-behind threads run at once.
 Every queued block is written by its own file's thread, whatever the caller does, so a caller
 waiting for the others' blocks always gets to go on."""
 
@@ -476,7 +474,7 @@ class HashingFile:
     `expected_size` (when the caller knows the file's size in advance) is checked against the free
     space first, so a full disk is refused before anything is written. A full disk (ENOSPC, or an
     exhausted quota) while writing becomes a one-line NoSpaceError. `abort()` discards the file.
-    `digests` (a `digest.Recording`): True hashes xxh3-128, "sha256" sha256 too, False nothing (for
+    `digests` (a `digest.Recording`): FAST hashes xxh3-128, SHA256 sha256 too, NONE nothing (for
     files no manifest will list: the record's digests are None). With `direct`, the bytes are
     written around the page cache (`DirectFile`)."""
 
@@ -485,7 +483,7 @@ class HashingFile:
         path: Path,
         root: Path,
         expected_size: int | None = None,
-        digests: Recording = True,
+        digests: Recording = Recording.FAST,
         direct: bool = False,
     ):
         from ..paths import ensure_free_space
@@ -515,7 +513,7 @@ class HashingFile:
         )  # read too: copied ranges are read back (copy_ranges)
         st = os.fstat(self._fh.fileno())
         self._identity = (st.st_dev, st.st_ino)
-        self._hash = Digests(sha256=digests == "sha256") if digests else None
+        self._hash = Digests(sha256=digests == Recording.SHA256) if digests else None
         self.size = 0
         self._reserved = 0
         if expected_size:

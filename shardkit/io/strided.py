@@ -168,7 +168,7 @@ _SHARED = _SharedRows()
 def shared_column_reads() -> Iterator[None]:
     """In this thread, until the block ends, the rows `read_block` reads are kept (the last
     SHARED_WINDOW bytes of them) for the next blocks of columns of the same rows: the files of
-    one pipeline stage built together (`engine.executor.lockstep_groups`) each cut their columns
+    one pipeline stage built together (`engine.planning.lockstep_groups`) each cut their columns
     of a row-parallel weight from the same window of rows in turn, so its bytes are read once for
     all of them, where a mapping per file touches every page of the tensor once per rank. Freed
     when the outermost block ends."""
