@@ -33,7 +33,7 @@ from .engine import (
     verify_checkpoints,
 )
 from .errors import FormatError, ShardkitError
-from .formats import Checkpoint, open_checkpoint
+from .formats import Checkpoint, open_checkpoint, optimum_neuron
 from .formats.base import parse_dtype
 from .hub import resolve_source
 from .io.transaction import recover_interrupted
@@ -68,7 +68,7 @@ def open_source(
         return src
     if not os.path.lexists(src):
         recover_interrupted(Path(src), log)  # a run killed while replacing it left it beside, renamed
-    elif is_checkpoint_root(src):
+    elif is_checkpoint_root(src) and optimum_neuron.shards_of(Path(src)) is None:  # optimum-neuron's: a model
         tags = [i.tag for i in list_checkpoints(src, details=False) if i.loadable]
         example = f" ({Path(src) / tags[-1]})" if tags else ""
         raise FormatError(

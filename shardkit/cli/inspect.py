@@ -11,6 +11,8 @@ from ..sizes import format_bytes
 from .hub import hub_quiet
 from .options import Bar, common_options, files_text, print_json, source_options
 
+OPTIMUM = "optimum-neuron"
+
 
 @click.command(name="inspect")
 @click.argument("path", type=click.Path())  # as typed: "does not exist" names it so
@@ -61,7 +63,8 @@ def describe(r: dict, show_tensors: bool) -> str:
     kind = {"hf": "a Hugging Face checkpoint (full tensors)", "sharded": "sharded weights"}[r["kind"]]
     lines = [
         f"{r['path']}: {kind}, {r['format']} format"
-        + (f" ({r['naming']} file names)" if r["kind"] == "sharded" and r["format"] != "dcp" else "")
+        + (f" ({r['naming']} file names)" if r["kind"] == "sharded" and r["format"] not in ("dcp", OPTIMUM) else "")
+        + (" (NxD rank files and names under shards/, described by its mp_metadata)" if r["format"] == OPTIMUM else "")
         + (f", {CONVENTIONS[r['convention']].label} tensor names" if r.get("convention", HF) != HF else "")
     ]
     lines.append(

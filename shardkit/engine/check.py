@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 def _layout_from(ckpt: Checkpoint) -> str:
     if ckpt.format == "dcp":
         return "DCP chunks (each a slice of a full tensor)"
+    if ckpt.format == "optimum-neuron":
+        return "optimum-neuron's mp_metadata"
     return "manifest" if ckpt.manifest else ("full model" if ckpt.kind == "hf" else "inferred from files")
 
 

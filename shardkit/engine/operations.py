@@ -175,9 +175,10 @@ def reshard_checkpoint(
     outputs = plan_sharded(ckpt.family, ckpt.dims, layout, format, convention)
 
     def finish(stage: Path, records: list[FileRecord]) -> None:
-        if fmt.finish is not None:  # DCP's .metadata, from where every data file put its chunks
+        if fmt.finish is not None:  # DCP's .metadata, optimum-neuron's metadata: once the data files are written
             sha = write.digests is Recording.SHA256
-            records = records + [file_record(p, stage, sha) for p in fmt.finish(stage, records)]
+            added = fmt.finish(stage, records, ckpt.family, ckpt.dims, layout)
+            records = records + [file_record(p, stage, sha) for p in added]
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
         dtype_name = str(target_dtype or ckpt.dtype()).replace("torch.", "")

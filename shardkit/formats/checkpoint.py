@@ -22,7 +22,7 @@ from ..io.small import read_json
 from ..io.transaction import recover_interrupted
 from ..layout import FULL, Layout, ModelDims
 from ..placements import Piece, Segment, SegmentIndex, make_piece
-from . import dcp, hf, nxd
+from . import dcp, hf, nxd, optimum_neuron
 from .base import TensorFile
 from .manifest import MANIFEST
 from .reader import SourceReader
@@ -140,6 +140,8 @@ def open_checkpoint(
         return ckpt
     if (root / dcp.METADATA).is_file():
         return _open_dcp(root, given, hints, where)
+    if optimum_neuron.shards_of(root) is not None:
+        return _open_optimum_neuron(root, given, where)
     manifest_path = root / MANIFEST
     if manifest_path.is_file():
         return _open_shardkit(root, given, where)
@@ -265,6 +267,40 @@ def _open_dcp(root: Path, given: dict | None, hints: Mapping, where: str | None 
         "dcp",
         convention=model.convention.name,
         opener=model.open,
+    )
+
+
+def _open_optimum_neuron(root: Path, given: dict | None, where: str | None = None) -> Checkpoint:
+    """An optimum-neuron checkpoint (the saved folder, or its shards/): NxD rank files under the
+    layout its metadata describes (`optimum_neuron.describe`)."""
+    shards = optimum_neuron.shards_of(root)
+    assert shards is not None
+    base = shards.parent if shards == root else root
+    if given is None:
+        candidate = base / "config.json"
+        if not candidate.is_file():
+            raise FormatError(
+                f"{base} is an optimum-neuron checkpoint without its config.json: pass the model's config with --config"
+            )
+        given, where = load_config(candidate), str(candidate)
+    family, dims = _family_dims(given, where)
+    described = optimum_neuron.describe(base, family, dims)
+    holdings, ranks = _sharded_holdings(family, dims, described.layout, described.keys_by_rank)
+    files = {key: base / key for key in holdings}
+    manifest = read_json(base / MANIFEST, MANIFEST) if (base / MANIFEST).is_file() else None
+    return Checkpoint(
+        base,
+        "sharded",
+        "optimum-neuron",
+        given,
+        family,
+        dims,
+        described.layout,
+        files,
+        holdings,
+        ranks,
+        manifest,
+        "optimum-neuron",
     )
 
 

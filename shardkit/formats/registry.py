@@ -18,7 +18,7 @@ from typing import cast
 from ..errors import ShardkitError
 from ..io.digest import FileRecord, Recording
 from ..placements import Piece
-from . import dcp, dcp_files
+from . import dcp, dcp_files, optimum_neuron
 from .base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFile, TensorFileWriter, TensorSpec
 from .safetensors_io import SafetensorsFile, SafetensorsWriter
 from .torch_io import TorchFile, TorchWriter
@@ -70,9 +70,9 @@ class Format:
     """For a format that lays out its own files instead of NxD's rank files:
     plan(family, dims, layout, convention) -> (file, pieces, rank) per data file (DCP: a file per
     rank, each holding chunks of full tensors under a naming convention's names)."""
-    finish: Callable[[Path, Sequence[FileRecord]], list[Path]] | None = None
-    """Files such a format adds once every data file is written: finish(folder, records) (DCP's
-    `.metadata`)."""
+    finish: Callable[..., list[Path]] | None = None
+    """Files such a format adds once every data file is written: finish(folder, records, family,
+    dims, layout) (DCP's `.metadata`; optimum-neuron's metadata and markers)."""
 
     def files_of(self, path: Path) -> list[Path]:
         """The rank file and every file that belongs to it."""
@@ -156,7 +156,19 @@ FORMATS: dict[str, Format] = {
             detect=lambda path: (path.parent / dcp_files.METADATA).is_file(),
             abilities=Abilities(kernel_copies=True, chunked_writes=True),
             plan=dcp.plan_outputs,
-            finish=lambda folder, records: dcp_files.finish_folder(folder, records),
+            finish=lambda folder, records, *model: dcp_files.finish_folder(folder, records),
+        ),
+        Format(
+            "optimum-neuron",
+            ".pt",
+            "optimum-neuron",
+            "optimum-neuron's training checkpoints: NxD rank files under shards/, mp_metadata_pp_rank_<P>.json beside",
+            TorchFile,
+            _plain(TorchWriter),
+            detect=optimum_neuron.is_rank_file,
+            abilities=Abilities(kernel_copies=True, row_streaming=True),
+            plan=optimum_neuron.plan_outputs,
+            finish=optimum_neuron.finish_folder,
         ),
     )
 }
