@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 OPTIMUM_NEURON_VERSION = "0.4.5"
+UNAVAILABLE = 77  # exit status when optimum-neuron's source cannot be had
 TRAINING = "optimum/neuron/models/training"
 FILES = (f"{TRAINING}/transformations_utils.py", f"{TRAINING}/checkpointing.py", f"{TRAINING}/modeling_utils.py",
          "optimum/neuron/peft/peft_model.py")
@@ -62,8 +63,12 @@ def source_dir() -> Path:
     if all((folder / f).is_file() for f in FILES):
         return folder
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
-                        "-d", tmp, f"optimum-neuron=={OPTIMUM_NEURON_VERSION}"], check=True, timeout=300)
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+                            "-d", tmp, f"optimum-neuron=={OPTIMUM_NEURON_VERSION}"], check=True, timeout=300)
+        except (subprocess.SubprocessError, OSError) as e:
+            print(f"optimum-neuron {OPTIMUM_NEURON_VERSION} could not be fetched from PyPI ({e})", file=sys.stderr)
+            raise SystemExit(UNAVAILABLE) from None
         wheel = next(Path(tmp).glob("optimum_neuron-*.whl"))
         with zipfile.ZipFile(wheel) as archive:
             for name in FILES:
