@@ -105,6 +105,10 @@ def test_shardkit_reads_optimums_checkpoint_to_the_original(case, tiny_model, tm
         assert info["layout"]["qkv"] == options[options.index("--qkv") + 1]
         assert info["layout_from"] == "optimum-neuron's mp_metadata" and not info["problems"]
     assert "optimum-neuron format" in invoke("inspect", theirs)
+    from shardkit.hub.card import model_card
+
+    card = model_card(tmp_path / "merged", "org/tiny", origin=theirs)
+    assert f"tp {tp}, pp {pp}" in card and "(optimum-neuron shards, llama family)" in card
 
 
 def test_reshard_optimums_checkpoint_to_another_layout_and_back(tiny_model, tmp_path):

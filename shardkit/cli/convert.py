@@ -50,7 +50,8 @@ convention_option = click.option(
 FORMAT_HELP = (
     "torch (NxD's .pt), xser (torch-xla's, tensors in <file>.tensors/), safetensors, or dcp (a PyTorch "
     "Distributed Checkpoint folder: .metadata and one __<rank>_0.distcp per rank, each holding that rank's slices "
-    "of the full tensors as DCP chunks; see --convention)."
+    "of the full tensors as DCP chunks; see --convention), or optimum-neuron (its training checkpoint: rank "
+    "files under shards/ with its mp_metadata; the qkv layout must be the one it builds for tp and the model)."
 )
 
 

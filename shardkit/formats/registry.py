@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import cast
 
 from ..errors import ShardkitError
-from ..io.digest import FileRecord, Recording
+from ..io.digest import Recording
 from ..placements import Piece
 from . import dcp, dcp_files, optimum_neuron
 from .base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFile, TensorFileWriter, TensorSpec
