@@ -42,6 +42,7 @@ from .guard import TagCheck
 from .load import tag_to_read
 from .nxd_modes import (
     AVOID_LP,
+    DEFAULT,
     ZERO1_DCP,
     bare_weights,
     check_mode,
@@ -281,6 +282,8 @@ def _plan(src_dir: Path, layout: Layout, param_order: ParamOrder, options: Train
         raise CheckpointError(f"--format {fmt} is not one NxD's or torchtitan's trainer writes: use torch, xser or dcp")
     master = master_weights == "keep" and src.zero1 is not None and src.zero1.master and fmt != "dcp"
     mode = options.get("nxd_mode") or src.mode
+    if options.get("nxd_mode") is None and mode == AVOID_LP and fmt != "xser":
+        mode = DEFAULT  # NxD leaves model data out only in xser: elsewhere the weights are written from the masters
     if layout.ep > 1 and (fmt == "dcp" or mode == ZERO1_DCP):
         raise CheckpointError("--ep > 1 is written in NxD's default or avoid-lp mode only, not through DCP")
     if fmt != "dcp":
