@@ -33,7 +33,7 @@ from .engine import (
     verify_checkpoints,
 )
 from .errors import FormatError, ShardkitError
-from .formats import Checkpoint, open_checkpoint
+from .formats import Checkpoint, open_checkpoint, optimum_neuron
 from .formats.base import parse_dtype
 from .hub import resolve_source
 from .io.transaction import recover_interrupted
@@ -68,7 +68,7 @@ def open_source(
         return src
     if not os.path.lexists(src):
         recover_interrupted(Path(src), log)  # a run killed while replacing it left it beside, renamed
-    elif is_checkpoint_root(src):
+    elif is_checkpoint_root(src) and optimum_neuron.shards_of(Path(src)) is None:  # optimum-neuron's: a model
         tags = [i.tag for i in list_checkpoints(src, details=False) if i.loadable]
         example = f" ({Path(src) / tags[-1]})" if tags else ""
         raise FormatError(
@@ -89,14 +89,22 @@ def reshard(
     hints: Mapping | None = None,
     revision: str | None = None,
     command: str | None = None,
+    convention: str | None = None,
     **options: Unpack[WriteArgs],
 ) -> Result:
     """Write `src` (any checkpoint: a path or a Hub repo id) as shards of `layout` in `format`,
     reading only the slices each shard needs. `options`: dtype, workers, overwrite, progress,
     verify_hashes, direct_io, sha256 (see `engine.WriteArgs`); `config`/`hints` describe NxD shards that lack
-    them; `revision` picks a Hub repo's branch, tag or commit."""
+    them; `revision` picks a Hub repo's branch, tag or commit; `convention` names the tensors of
+    a DCP output (`hf`, the default, or `torchtitan`: see shardkit.conventions)."""
     return reshard_checkpoint(
-        open_source(src, config, hints, revision), dst, layout, format=format, command=command, **options
+        open_source(src, config, hints, revision),
+        dst,
+        layout,
+        format=format,
+        command=command,
+        convention=convention,
+        **options,
     )
 
 
