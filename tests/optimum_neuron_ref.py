@@ -11,15 +11,18 @@ two modules that define the checkpoint's meaning are pure torch once NxD's few h
 - `optimum/neuron/models/training/checkpointing.py`: the consolidation of a saved checkpoint
   (`consolidate_model_parallel_checkpoints_to_unified_checkpoint`).
 
-They are taken from the published optimum-neuron wheel (`OPTIMUM_NEURON_VERSION`, fetched once with
-`pip download --no-deps` into a cache folder; or from `OPTIMUM_NEURON_SRC`, a folder holding
-`optimum/neuron/...`) and executed as they are, with stand-ins only for what lives outside them:
+They are taken from the folder OPTIMUM_NEURON_SRC names, which the `fetch` command below fills from
+the published optimum-neuron wheel (`OPTIMUM_NEURON_VERSION`, `pip download --no-deps`; .ci/run
+does it before the tests, which never touch the network) and executed as they are, with stand-ins only for what lives outside them:
 NxD's tp rank and size and its `create_local_weight` (split a full weight into chunks of
 per_partition_size / stride along the partition dim and keep chunks rank, rank + tp, ...), optimum's
 logger and PEFT probe, and the two folder-name constants of modules that import NxD (read from those
 modules' source text).
 
-Commands (each in its own process; exit 0 on success):
+Commands (each in its own process; exit 0 on success, 77 when OPTIMUM_NEURON_SRC is not there):
+
+    python tests/optimum_neuron_ref.py fetch DIR
+        optimum-neuron's modules from its wheel on PyPI into DIR (then OPTIMUM_NEURON_SRC=DIR)
 
     python tests/optimum_neuron_ref.py consolidate SAVE_DIR OUT_DIR
         optimum-neuron's consolidation of SAVE_DIR (which holds shards/) into OUT_DIR (safetensors)
@@ -54,27 +57,27 @@ FILES = (f"{TRAINING}/transformations_utils.py", f"{TRAINING}/checkpointing.py",
 
 
 def source_dir() -> Path:
-    """A folder holding optimum-neuron's modules (FILES): OPTIMUM_NEURON_SRC, or the wheel's, cached."""
+    """The folder holding optimum-neuron's modules (FILES): OPTIMUM_NEURON_SRC, as `fetch` fills it
+    (.ci/run does). Tests never fetch it themselves: without it they skip, saying how to get it."""
     given = os.environ.get("OPTIMUM_NEURON_SRC")
-    if given:
-        return Path(given)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardkit-tests"
-    folder = cache / f"optimum-neuron-{OPTIMUM_NEURON_VERSION}"
-    if all((folder / f).is_file() for f in FILES):
-        return folder
+    folder = Path(given) if given else None
+    if folder is None or not all((folder / f).is_file() for f in FILES):
+        print(f"optimum-neuron {OPTIMUM_NEURON_VERSION}'s source is not here: run `python tests/optimum_neuron_ref.py "
+              "fetch DIR` (needs PyPI) and set OPTIMUM_NEURON_SRC=DIR", file=sys.stderr)
+        raise SystemExit(UNAVAILABLE)
+    return folder
+
+
+def fetch(folder: Path) -> None:
+    """optimum-neuron's modules (FILES) from its published wheel (`pip download --no-deps`) into `folder`."""
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
-                            "-d", tmp, f"optimum-neuron=={OPTIMUM_NEURON_VERSION}"], check=True, timeout=300)
-        except (subprocess.SubprocessError, OSError) as e:
-            print(f"optimum-neuron {OPTIMUM_NEURON_VERSION} could not be fetched from PyPI ({e})", file=sys.stderr)
-            raise SystemExit(UNAVAILABLE) from None
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+                        "-d", tmp, f"optimum-neuron=={OPTIMUM_NEURON_VERSION}"], check=True, timeout=600)
         wheel = next(Path(tmp).glob("optimum_neuron-*.whl"))
         with zipfile.ZipFile(wheel) as archive:
             for name in FILES:
                 (folder / name).parent.mkdir(parents=True, exist_ok=True)
                 (folder / name).write_bytes(archive.read(name))
-    return folder
 
 
 class _NxD:
@@ -256,6 +259,8 @@ def main(argv: list[str]) -> None:
     if argv[0] == "consolidate":
         _, checkpointing = load()
         checkpointing.consolidate_model_parallel_checkpoints_to_unified_checkpoint(Path(argv[1]), Path(argv[2]))
+    elif argv[0] == "fetch":
+        fetch(Path(argv[1]))
     elif argv[0] == "save":
         tp, pp, fuse, mult = int(argv[3]), int(argv[4]), argv[5] == "1", int(argv[6])
         save(Path(argv[1]), Path(argv[2]), tp, pp, fuse, mult or None)

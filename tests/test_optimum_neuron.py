@@ -12,6 +12,7 @@ files `save` writes are torch.save state dicts as NxD writes without xser.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ CASES = {
 def ref(*args: object) -> None:
     """optimum-neuron's own code (tests/optimum_neuron_ref.py) in a process of its own."""
     done = subprocess.run([sys.executable, str(REF), *map(str, args)], capture_output=True, text=True, timeout=600)
-    if done.returncode == 77:
+    if done.returncode == 77 and not os.environ.get("OPTIMUM_NEURON_SRC"):  # CI sets it: there, a missing oracle fails
         pytest.skip(done.stderr.strip().splitlines()[-1])
     assert done.returncode == 0, done.stderr[-3000:]
 
