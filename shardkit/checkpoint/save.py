@@ -49,6 +49,7 @@ from ..io.delete import is_link
 from ..io.digest import FileRecord
 from ..io.durable import fsync_path, write_text
 from ..io.hashing import HashingFile
+from ..io.location import remote as remote_location
 from ..io.oserror import disk_error, translated
 from ..io.transaction import terminate_as_interrupt
 from ..layout import Layout, ModelDims
@@ -486,6 +487,11 @@ class Checkpointer:
             self._writer.wait()
             cfg = self.config
             async_save = options.get("async_save")
+            saver = run_save
+            if (loc := remote_location(dir, "checkpoint directory")) is not None:  # s3://: staged, then uploaded
+                from .remote import remote_saver, staging_root
+
+                dir, saver = staging_root(loc), remote_saver(loc, run_save, agree)
             request = SaveRequest(
                 Path(dir),
                 tag,
@@ -504,7 +510,7 @@ class Checkpointer:
             released = False  # True once the lock's release is handed to the background thread
             try:
                 if job.async_save:
-                    self._writer.submit_save(job.tag, lambda: _then_release(lambda: run_save(job, self.comm), lock))
+                    self._writer.submit_save(job.tag, lambda: _then_release(lambda: saver(job, self.comm), lock))
                     released = True
                 else:
 
@@ -513,7 +519,7 @@ class Checkpointer:
                         self._writer.submit_purge(lambda: _then_release(lambda: retain(j), lock))
                         released = True
 
-                    run_save(job, self.comm, retention=purge)
+                    saver(job, self.comm, retention=purge)
             finally:
                 if not released:
                     lock.release()

@@ -11,6 +11,7 @@ import click
 from ..errors import ShardkitError
 from ..sizes import format_bytes
 from .options import (
+    LOCATION,
     Bar,
     build_layout,
     common_options,
@@ -35,19 +36,21 @@ def ckpt_group() -> None:
 
     \b
     DIR is the checkpoint directory: DIR/<tag>/{checkpoint, model/, optim/, scheduler.pt,
-    user_content.pt, done}. A tag is complete when its `done` marker exists.
+    user_content.pt, done}. A tag is complete when its `done` marker exists. Every DIR, SRC, DST
+    and OUT may be s3://bucket/prefix, with NxD's keys (`<tag>/model/...`, `done` last).
     """
 
 
 @ckpt_group.command(name="list")
-@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR", type=LOCATION)
 @click.option("--json", "as_json", is_flag=True, help="Print the tags as JSON on stdout.")
 @common_options
 def ckpt_list(directory, as_json):
-    """List the tags of DIR, oldest first: complete or not, step, layout, format, size."""
+    """List the tags of DIR (a folder or s3://bucket/prefix), oldest first: complete or not, step,
+    layout, format, size."""
     from ..checkpoint import list_checkpoints
 
-    if not directory.is_dir():
+    if isinstance(directory, Path) and not directory.is_dir():
         raise ShardkitError(f"{directory} does not exist: give the checkpoint directory (the parent of the tags)")
     infos = list_checkpoints(directory)
     newest = next((i.tag for i in reversed(infos) if i.loadable), None)
@@ -85,7 +88,7 @@ def ckpt_list(directory, as_json):
 
 
 @ckpt_group.command(name="prune")
-@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR", type=LOCATION)
 @click.option("--keep", type=click.IntRange(min=1), required=True, help="Keep the newest N complete checkpoints.")
 @click.option(
     "--keep-every",
@@ -100,7 +103,8 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
     """Apply retention to DIR: keep the newest --keep complete tags (and every --keep-every-th step).
 
     Incomplete tags older than the newest complete one (interrupted saves or deletions) are
-    removed too; the newest complete tag never is. Each tag's `done` marker goes first.
+    removed too; the newest complete tag never is. Each tag's `done` marker goes first. DIR may
+    be s3://bucket/prefix.
     """
     from ..checkpoint import prune_checkpoints
 
@@ -121,8 +125,8 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
 
 
 @ckpt_group.command(name="export")
-@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR", type=LOCATION)
+@click.argument("out", type=LOCATION)
 @click.option("--tag", default=None, help="The tag to export (default: the newest complete one).")
 @max_shard_size_option("Largest safetensors file")
 @output_options("OUT", manifest=False)
@@ -133,6 +137,7 @@ def ckpt_export(ctx, directory, out, tag, max_shard_size, write, as_json, config
     """Merge the model of a training checkpoint (DIR/<tag>) into a Hugging Face model directory OUT.
 
     OUT also gets config.json, generation_config.json and tokenizer files, from the tag or from DIR.
+    DIR and OUT may be s3://bucket/prefix (only the byte ranges the merge uses are read).
     """
     from ..api import export_checkpoint
 
@@ -161,8 +166,8 @@ param_order_option = click.option(
 
 
 @ckpt_group.command(name="reshard")
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=LOCATION)
+@click.argument("dst", type=LOCATION)
 @tag_config_option
 @layout_options(expert=False)
 @degree_option("dp", "Data-parallel degree of the new layout (the number of ZeRO-1 optimizer shards).")
@@ -200,7 +205,8 @@ param_order_option = click.option(
 @click.pass_context
 def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master_weights, param_order, verify_hashes):
     """Move a whole training state SRC (model, ZeRO-1 optimizer shards, master weights, scheduler,
-    user content) to another layout, written as the checkpoint directory DST in NxD's format.
+    user content) to another layout, written as the checkpoint directory DST in NxD's format (SRC
+    and DST: folders or s3://bucket/prefix).
     Without --qkv (and --kv-replication / --hw) the source's qkv style (and replica order) is kept.
 
     \b
@@ -232,14 +238,15 @@ def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master
 
 
 @ckpt_group.command(name="inspect")
-@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR", type=LOCATION)
 @click.option("--tag", default=None, help="The tag (default: the newest complete one, or DIR itself).")
 @tag_config_option
 @param_order_option
 @json_option()
 @common_options
 def ckpt_inspect(directory, tag, config, param_order, as_json):
-    """Layout (tp, pp, dp, ZeRO-1), param groups, step, master weights and optimizer bytes of a tag."""
+    """Layout (tp, pp, dp, ZeRO-1), param groups, step, master weights and optimizer bytes of a tag
+    (DIR: a folder or s3://bucket/prefix)."""
     from ..api import inspect_training_checkpoint
 
     info = inspect_training_checkpoint(directory, tag, config, param_order)

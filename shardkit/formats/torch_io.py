@@ -25,6 +25,7 @@ import torch
 
 from .. import torch_compat
 from ..errors import FormatError, ShardkitError
+from ..io import remote
 from ..io.copy import FileRange
 from ..io.digest import FileRecord, Recording
 from ..io.hashing import PARALLEL_HASH_MIN, HashingFile
@@ -84,6 +85,7 @@ def regular(path: Path, what: str = "file") -> Path:
 def safe_load(path: Path, mmap: bool = True) -> Any:
     """torch.load with weights_only=True; TensorReference allowed; clear errors for bad files."""
     path = regular(Path(path))
+    remote.ensure_file(path)  # a mirror file of an object store: fetched whole before torch reads it
     try:
         with _reference_allowed():
             try:

@@ -1,0 +1,575 @@
+"""Reading object storage: a remote prefix as a local folder of sparse "mirror" files.
+
+Every reader of shardkit works on local files (positional reads, mappings, kernel copies, zip and
+torch.load of small files). A remote prefix is therefore opened as a temporary local folder
+holding one sparse file per object, of the object's size, into which byte ranges are fetched
+(ranged GETs, several in flight) before anything reads them:
+
+- when the mirror opens: every small object whole, and every larger file that is not a tensor
+  container (tokenizer.json);
+- when a part of it is prepared (`Mirror.prepare`): the metadata regions of its tensor containers
+  (a safetensors header; a torch zip's end records, central directory, local headers and every
+  record that is not tensor data, such as data.pkl); a legacy pickle whole;
+- the tensor spans the engine's plan lists, in order, a bounded window ahead of the read-ahead
+  (`expect`, called by `engine.prefetch.Prefetcher`);
+- anything else on demand, before the read (`before_read`: `io.taps.read_exact`, kernel copies,
+  the mappings of `io.strided`, whole-file hashing and `torch.load` through `ensure_file`).
+
+So an operation reads from the store exactly the bytes it uses, and nothing ever reads a hole.
+Fetched bytes change a mirror file's mtime and ctime: `stamp` gives the stable identity the
+"source changed while read" checks compare instead (every GET is made If-Match the object's
+listed ETag, so a replaced object is refused, never mixed). The folder is removed when the
+mirror closes (and a killed run's mirror by the next run: its owner process is gone).
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import contextlib
+import logging
+import os
+import struct
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from ..errors import FormatError, ShardkitError
+from ..paths import inside
+from . import s3
+from .delete import remove_tree
+from .location import RemoteLocation
+
+log = logging.getLogger(__name__)
+
+SMALL = 1 << 20
+"""Objects up to this size are fetched whole when the mirror opens."""
+TENSOR_SUFFIXES = (".safetensors", ".pt", ".bin", ".pth")
+PART = 8 << 20
+"""The largest single ranged GET: a larger range is fetched as several GETs in flight."""
+GETS_IN_FLIGHT = 16
+WINDOW = 512 << 20
+"""How far (bytes) the planned fetches may run ahead of the bytes readers have asked for."""
+JOIN_GAP = 64 << 10
+"""Metadata ranges closer than this are fetched in one GET."""
+TAIL = 64 << 10
+MIRROR_PREFIX = "shardkit-s3-"
+WRITING = ".shardkit-writing"
+"""A remote output's first object and the last one deleted (`io.upload`): while it exists the
+prefix is incomplete."""
+
+_MIRRORED: dict[tuple[int, int], MirrorFile] = {}
+"""Open mirror files by identity (device, inode), for the read hooks."""
+_REGISTRY_LOCK = threading.Lock()
+
+
+# ---- fetched byte ranges --------------------------------------------------------------------------
+
+
+class _Ranges:
+    """Disjoint, sorted [start, end) ranges."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, start: int, end: int) -> None:
+        i = bisect.bisect_left(self.ends, start)
+        j = bisect.bisect_right(self.starts, end)
+        if i < j:
+            start, end = min(start, self.starts[i]), max(end, self.ends[j - 1])
+        self.starts[i:j], self.ends[i:j] = [start], [end]
+
+    def missing(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of [start, end) not covered."""
+        out: list[tuple[int, int]] = []
+        i = bisect.bisect_right(self.ends, start)
+        pos = start
+        while pos < end and i < len(self.starts):
+            if self.starts[i] >= end:
+                break
+            if self.starts[i] > pos:
+                out.append((pos, self.starts[i]))
+            pos = max(pos, self.ends[i])
+            i += 1
+        if pos < end:
+            out.append((pos, end))
+        return out
+
+    def total(self) -> int:
+        return sum(e - s for s, e in zip(self.starts, self.ends))
+
+
+class MirrorFile:
+    """One object's sparse local copy, and which of its bytes are there or on their way."""
+
+    def __init__(self, mirror: Mirror, name: str, path: Path, size: int, etag: str):
+        self.mirror, self.name, self.path, self.size, self.etag = mirror, name, path, size, etag
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        os.ftruncate(self.fd, size)
+        st = os.fstat(self.fd)
+        self.identity = (st.st_dev, st.st_ino)
+        self.fetched = _Ranges()
+        self.pending: dict[tuple[int, int], Future[int]] = {}
+        self.lock = threading.Lock()
+        self.prepared = False
+
+    def _claim(self, start: int, end: int) -> tuple[list[tuple[int, int]], list[Future[int]]]:
+        """Under the lock: the parts nobody fetches yet (now claimed) and the fetches to wait for."""
+        todo: list[tuple[int, int]] = []
+        waits: list[Future[int]] = []
+        for s, e in self.fetched.missing(start, end):
+            covered = _Ranges()
+            for (ps, pe), future in self.pending.items():
+                if ps < e and pe > s:
+                    waits.append(future)
+                    covered.add(ps, pe)
+            for ms, me in covered.missing(s, e):
+                for part in range(ms, me, PART):
+                    todo.append((part, min(part + PART, me)))
+        return todo, waits
+
+    def fetch_async(self, start: int, end: int) -> list[Future[int]]:
+        """Start fetching the missing bytes of [start, end); the futures to wait for."""
+        start, end = max(0, start), min(self.size, end)
+        if start >= end:
+            return []
+        with self.lock:
+            todo, waits = self._claim(start, end)
+            for s, e in todo:
+                future = self.mirror.pool.submit(self._get, s, e)
+                self.pending[(s, e)] = future
+                waits.append(future)
+        return waits
+
+    def ensure(self, start: int, length: int) -> None:
+        """Return once bytes [start, start + length) are in the local file."""
+        for future in self.fetch_async(start, start + length):
+            future.result()
+
+    def _get(self, start: int, end: int) -> int:
+        try:
+            got = s3.get_range(self.mirror.loc, self.name, start, end - start, self.etag, self.fd, start)
+            with self.lock:
+                self.fetched.add(start, end)
+            self.mirror.count(got)
+            return got
+        finally:
+            with self.lock:
+                self.pending.pop((start, end), None)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+# ---- a mirror ----------------------------------------------------------------------------------------
+
+
+class Mirror:
+    """A remote prefix as a local folder of sparse files (see the module's docstring)."""
+
+    def __init__(self, loc: RemoteLocation, objects: Sequence[s3.ObjectInfo]):
+        self.loc = loc
+        self.base = Path(tempfile.mkdtemp(prefix=MIRROR_PREFIX))
+        self.root = self.base / (loc.name or loc.bucket)
+        self.pool = ThreadPoolExecutor(GETS_IN_FLIGHT, thread_name_prefix="shardkit-s3-get")
+        self.files: dict[str, MirrorFile] = {}
+        self.bytes_fetched = 0
+        self._count_lock = threading.Lock()
+        self._planner: _Planner | None = None
+        try:
+            (self.base / ".shardkit-owner").write_text(f"{_host()} {os.getpid()}\n")
+            self.root.mkdir()
+            for obj in objects:
+                path = inside(self.root, obj.name, f"object key under {loc}")  # never outside the mirror
+                path.parent.mkdir(parents=True, exist_ok=True)
+                mf = MirrorFile(self, obj.name, path, obj.size, obj.etag)
+                self.files[obj.name] = mf
+                with _REGISTRY_LOCK:
+                    _MIRRORED[mf.identity] = mf
+            waits = [f for mf in self.files.values() if not _lazy(mf) for f in mf.fetch_async(0, mf.size)]
+            _wait_all(waits)
+        except BaseException:
+            self.close()
+            raise
+
+    def count(self, n: int) -> None:
+        with self._count_lock:
+            self.bytes_fetched += n
+
+    def prepare(self, under: str = "") -> None:
+        """Fetch the metadata regions of every tensor container under `under` (a relative folder;
+        "" for all), so that opening them reads only fetched bytes."""
+        chosen = [
+            mf
+            for name, mf in self.files.items()
+            if not mf.prepared
+            and _lazy(mf)
+            and (not under or name == under or name.startswith(under.rstrip("/") + "/"))
+        ]
+        heads = [f for mf in chosen for f in mf.fetch_async(0, min(mf.size, TAIL))]
+        tails = [f for mf in chosen for f in mf.fetch_async(max(0, mf.size - TAIL - 22), mf.size)]
+        _wait_all(heads + tails)
+        second: list[tuple[MirrorFile, list[tuple[int, int]]]] = [(mf, _metadata_ranges(mf)) for mf in chosen]
+        _wait_all([f for mf, ranges in second for s, e in _joined(ranges) for f in mf.fetch_async(s, e)])
+        third = [(mf, _zip_record_ranges(mf)) for mf in chosen]
+        _wait_all([f for mf, ranges in third for s, e in _joined(ranges) for f in mf.fetch_async(s, e)])
+        for mf in chosen:
+            mf.prepared = True
+
+    def expect(self, extents: Sequence[tuple[Path, int, int]]) -> None:
+        """The engine's plan: fetch these (path, offset, length) ranges of this mirror's files in
+        order, at most WINDOW bytes ahead of what readers have asked for."""
+        mine = [(self._by_path(p), o, n) for p, o, n in extents]
+        planned = [(mf, o, n) for mf, o, n in mine if mf is not None]
+        if not planned:
+            return
+        if self._planner is not None:
+            self._planner.stop()
+        self._planner = _Planner(planned)
+
+    def _by_path(self, path: Path) -> MirrorFile | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        found = _MIRRORED.get((st.st_dev, st.st_ino))
+        return found if found is not None and found.mirror is self else None
+
+    def asked(self, n: int) -> None:
+        if self._planner is not None:
+            self._planner.asked(n)
+
+    def close(self) -> None:
+        if self._planner is not None:
+            self._planner.stop()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for mf in self.files.values():
+            with _REGISTRY_LOCK:
+                _MIRRORED.pop(mf.identity, None)
+            mf.close()
+        with contextlib.suppress(OSError, ShardkitError):
+            remove_tree(self.base)
+        log.debug("%s: fetched %d bytes", self.loc, self.bytes_fetched)
+
+
+class _Planner:
+    """Fetches the plan's ranges in order in a thread, a bounded window ahead of the readers."""
+
+    def __init__(self, planned: list[tuple[MirrorFile, int, int]]):
+        self.planned = planned
+        self._asked = 0
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="shardkit-s3-plan", daemon=True)
+        self._thread.start()
+
+    def asked(self, n: int) -> None:
+        with self._cond:
+            self._asked += n
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        ahead = 0
+        try:
+            for mf, offset, length in self.planned:
+                with self._cond:
+                    while not self._stop and ahead > self._asked + WINDOW:
+                        self._cond.wait(0.5)
+                    if self._stop:
+                        return
+                mf.fetch_async(offset, offset + length)
+                ahead += length
+        except Exception as e:  # noqa: BLE001 - readers fetch on demand and meet real errors themselves
+            log.debug("planned fetches stopped: %s", e)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+
+def _lazy(mf: MirrorFile) -> bool:
+    """A tensor container too large to fetch whole: only its metadata and the used spans are."""
+    return mf.size > SMALL and mf.name.endswith(TENSOR_SUFFIXES)
+
+
+def _joined(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for s, e in sorted(ranges):
+        if out and s - out[-1][1] <= JOIN_GAP:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _wait_all(futures: Iterable[Future[int]]) -> None:
+    first: BaseException | None = None
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as e:  # noqa: BLE001 - the first failure is raised once all are done
+            first = first or e
+    if first is not None:
+        raise first
+
+
+def _pread(mf: MirrorFile, offset: int, n: int) -> bytes:
+    mf.ensure(offset, n)
+    return os.pread(mf.fd, n, offset)
+
+
+def _metadata_ranges(mf: MirrorFile) -> list[tuple[int, int]]:
+    """Second step of `prepare`: a safetensors header, a zip's central directory (from its end
+    records), or the whole file (a legacy pickle)."""
+    head = os.pread(mf.fd, 8, 0)
+    if mf.name.endswith(".safetensors") and len(head) == 8:
+        (n,) = struct.unpack("<Q", head)
+        return [(8, min(mf.size, 8 + n))]
+    if head[:4] != b"PK\x03\x04":
+        return [(0, mf.size)]  # not a zip: torch.load reads it whole
+    tail_start = max(0, mf.size - TAIL - 22)
+    tail = os.pread(mf.fd, mf.size - tail_start, tail_start)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0:
+        return [(0, mf.size)]
+    cd_size, cd_offset = struct.unpack("<II", tail[at + 12 : at + 20])
+    if cd_offset == 0xFFFFFFFF or cd_size == 0xFFFFFFFF:  # zip64: its end record says where
+        loc = tail.rfind(b"PK\x06\x07", 0, at)
+        if loc < 0:
+            return [(0, mf.size)]
+        (record,) = struct.unpack("<Q", tail[loc + 8 : loc + 16])
+        raw = _pread(mf, record, 56)
+        cd_size, cd_offset = struct.unpack("<QQ", raw[40:56])
+    return [(cd_offset, min(mf.size, cd_offset + cd_size))]
+
+
+def _central_entries(mf: MirrorFile) -> list[tuple[str, int, int]]:
+    """(name, local header offset, stored size) of every record of a fetched central directory."""
+    head = os.pread(mf.fd, 4, 0)
+    if mf.name.endswith(".safetensors") or head != b"PK\x03\x04":
+        return []
+    tail_start = max(0, mf.size - TAIL - 22)
+    tail = os.pread(mf.fd, mf.size - tail_start, tail_start)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0:
+        return []
+    cd_size, cd_offset = struct.unpack("<II", tail[at + 12 : at + 20])
+    if cd_offset == 0xFFFFFFFF or cd_size == 0xFFFFFFFF:
+        loc = tail.rfind(b"PK\x06\x07", 0, at)
+        (record,) = struct.unpack("<Q", tail[loc + 8 : loc + 16])
+        cd_size, cd_offset = struct.unpack("<QQ", os.pread(mf.fd, 56, record)[40:56])
+    cd = os.pread(mf.fd, cd_size, cd_offset)
+    entries: list[tuple[str, int, int]] = []
+    pos = 0
+    while pos + 46 <= len(cd) and cd[pos : pos + 4] == b"PK\x01\x02":
+        csize, usize = struct.unpack("<II", cd[pos + 20 : pos + 28])
+        nlen, xlen, clen = struct.unpack("<HHH", cd[pos + 28 : pos + 34])
+        (offset,) = struct.unpack("<I", cd[pos + 42 : pos + 46])
+        name = cd[pos + 46 : pos + 46 + nlen].decode("utf-8", "replace")
+        extra = cd[pos + 46 + nlen : pos + 46 + nlen + xlen]
+        size = csize
+        if 0xFFFFFFFF in (csize, usize, offset):  # zip64 extra field: the 8-byte values, in order
+            values = _zip64_values(extra)
+            if usize == 0xFFFFFFFF and values:
+                usize = values.pop(0)
+            if csize == 0xFFFFFFFF and values:
+                size = values.pop(0)
+            if offset == 0xFFFFFFFF and values:
+                offset = values.pop(0)
+        entries.append((name, offset, size))
+        pos += 46 + nlen + xlen + clen
+    return entries
+
+
+def _zip64_values(extra: bytes) -> list[int]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack("<HH", extra[pos : pos + 4])
+        if tag == 1:
+            body = extra[pos + 4 : pos + 4 + size]
+            return [struct.unpack("<Q", body[i : i + 8])[0] for i in range(0, len(body) - 7, 8)]
+        pos += 4 + size
+    return []
+
+
+def _zip_record_ranges(mf: MirrorFile) -> list[tuple[int, int]]:
+    """Third step of `prepare`: every record's local header (its name and extra field, read to
+    find where the data starts) and the whole of every record that is not tensor data."""
+    entries = _central_entries(mf)
+    headers = [(offset, offset + 30) for _, offset, _ in entries]
+    _wait_all([f for s, e in _joined(headers) for f in mf.fetch_async(s, e)])
+    ranges: list[tuple[int, int]] = []
+    for name, offset, size in entries:
+        nlen, xlen = struct.unpack("<HH", os.pread(mf.fd, 4, offset + 26))
+        data = offset + 30 + nlen + xlen
+        if "/data/" in name and not name.endswith(".pkl"):
+            ranges.append((offset, data))
+        else:
+            ranges.append((offset, data + size))
+    return ranges
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+# ---- opening, and the hooks every read path calls ------------------------------------------------------
+
+_OPEN: list[Mirror] = []
+_OPEN_LOCK = threading.Lock()
+
+
+def open_mirror(loc: RemoteLocation, objects: Sequence[s3.ObjectInfo] | None = None) -> Mirror:
+    """A new mirror of `loc` (listed now unless `objects` is given); closed by `close_mirrors`,
+    at the end of a `mirrors_scope`, or at exit."""
+    _remove_stale()
+    mirror = Mirror(loc, s3.list_objects(loc) if objects is None else objects)
+    with _OPEN_LOCK:
+        _OPEN.append(mirror)
+    return mirror
+
+
+def close_mirrors(keep: int = 0) -> None:
+    """Close every mirror opened after the first `keep`."""
+    with _OPEN_LOCK:
+        closing, _OPEN[keep:] = _OPEN[keep:], []
+    for mirror in closing:
+        mirror.close()
+
+
+@contextlib.contextmanager
+def mirrors_scope() -> Iterator[None]:
+    """Mirrors opened inside the block are closed (their folders removed) when it ends."""
+    with _OPEN_LOCK:
+        keep = len(_OPEN)
+    try:
+        yield
+    finally:
+        close_mirrors(keep)
+
+
+atexit.register(close_mirrors)
+
+
+def _remove_stale() -> None:
+    """Remove the mirror folders of this host's runs that no longer run (killed mid-way)."""
+    from .transaction import pid_alive
+
+    base = Path(tempfile.gettempdir())
+    try:
+        entries = [e for e in os.listdir(base) if e.startswith(MIRROR_PREFIX)]
+    except OSError:
+        return
+    for entry in entries:
+        folder = base / entry
+        try:
+            host, pid = (folder / ".shardkit-owner").read_text().split()[:2]
+        except (OSError, ValueError):
+            continue
+        if host == _host() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError, ShardkitError):
+                remove_tree(folder)
+                log.info("removed %s, the S3 mirror of a run (process %s) that no longer runs", folder, pid)
+
+
+def active() -> bool:
+    return bool(_MIRRORED)
+
+
+def _of_fd(fd: int) -> MirrorFile | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return _MIRRORED.get((st.st_dev, st.st_ino))
+
+
+def before_read(fd: int, offset: int, length: int) -> None:
+    """Called before a read of `length` bytes at `offset` through `fd`: when fd is a mirror
+    file, those bytes are fetched first (nothing else to do for a local file)."""
+    if _MIRRORED:
+        mf = _of_fd(fd)
+        if mf is not None:
+            mf.mirror.asked(length)
+            mf.ensure(offset, length)
+
+
+def ensure_file(path: str | os.PathLike[str]) -> None:
+    """Fetch the whole of `path` when it is a mirror file (before torch.load or hashing it whole)."""
+    if _MIRRORED:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        mf = _MIRRORED.get((st.st_dev, st.st_ino))
+        if mf is not None:
+            mf.ensure(0, mf.size)
+
+
+def expect(extents: Sequence[tuple[Path, int, int]]) -> None:
+    """The engine's read plan (see `Mirror.expect`); nothing to do without mirrors."""
+    if _MIRRORED:
+        with _OPEN_LOCK:
+            mirrors = list(_OPEN)
+        for mirror in mirrors:
+            mirror.expect(extents)
+
+
+def ensure_range(path: str | os.PathLike[str], offset: int, length: int) -> None:
+    """Fetch bytes [offset, offset + length) of `path` when it is a mirror file."""
+    if _MIRRORED:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        mf = _MIRRORED.get((st.st_dev, st.st_ino))
+        if mf is not None:
+            mf.mirror.asked(length)
+            mf.ensure(offset, length)
+
+
+def is_mirrored(path: str | os.PathLike[str]) -> bool:
+    if not _MIRRORED:
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) in _MIRRORED
+
+
+def stamp(st: os.stat_result) -> tuple[int, ...]:
+    """A file's identity for the "changed while read" checks: device, inode, size, mtime and
+    ctime; for a mirror file (whose times move as bytes arrive) device, inode and size: its
+    object is pinned by ETag on every GET."""
+    if _MIRRORED and (st.st_dev, st.st_ino) in _MIRRORED:
+        return (st.st_dev, st.st_ino, st.st_size)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def open_prefix(loc: RemoteLocation, *, prepare: bool = True, whole: bool = True) -> Mirror:
+    """A mirror of `loc` to read from (see `open_mirror`); with `prepare`, every tensor
+    container's metadata is fetched. `whole` (an engine source: one output of one run): a prefix
+    still marked as being written is refused; a training checkpoint root is not (its tags say
+    for themselves whether they are complete). An empty or absent prefix is a one-line error."""
+    objects = s3.list_objects(loc)
+    if not objects:
+        s3.check_bucket(loc)
+        raise FormatError(f"{loc} holds no objects: check the bucket and prefix")
+    if whole and any(o.name == WRITING for o in objects):
+        raise FormatError(
+            f"{loc} is incomplete (an upload was interrupted, or is still running): write it again "
+            "(the next run into it removes the partial upload, saying so)"
+        )
+    mirror = open_mirror(loc, [o for o in objects if o.name != WRITING])
+    if prepare:
+        mirror.prepare()
+    return mirror
