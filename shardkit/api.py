@@ -79,7 +79,15 @@ def _destination(dst: str | Path, overwrite: bool, sources: tuple[object, ...] =
     if loc is None:
         yield dst
         return
-    remote_sources = [r for r in (remote_location(s, "SRC") for s in sources if isinstance(s, (str, Path))) if r]
+    remote_sources = [
+        r
+        for r in (
+            remote_io.location_of(s.root) if isinstance(s, Checkpoint) else remote_location(s, "SRC")
+            for s in sources
+            if isinstance(s, (str, Path, Checkpoint))
+        )
+        if r is not None
+    ]
     with remote_output(loc, overwrite=overwrite, sources=remote_sources) as local:
         yield local
 

@@ -387,3 +387,34 @@ def test_killed_checkpoint_upload_lists_incomplete_and_next_save_removes_it(buck
     finalize_checkpoint()
     assert not keys(bucket, "run2/step_200/")
     assert [i.tag for i in list_checkpoints(root)] == ["step_100", "step_300"]
+
+
+# ---- the trainer -------------------------------------------------------------------------------------
+
+
+def test_trainer_saves_to_and_resumes_from_s3(tiny_model, bucket, tmp_path, workdir, caplog):
+    import logging
+
+    from trainer.__main__ import main
+    from trainer_helpers import COMMON
+
+    hf = tiny_model("tinyllama-mini")
+    model_url = f"s3://{bucket}/base"
+    convert(hf, model_url, shardkit.make_layout(tp=2, pp=1))
+    tokens = tmp_path / "tokens.bin"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), str(ROOT / "fixtures" / "tiny-corpus.txt"),
+         "--out", str(tokens)],
+        check=True,
+    )
+    ckpt = f"s3://{bucket}/train"
+    args = ["--model", model_url, "--data", str(tokens), *COMMON, "--checkpoint-dir", ckpt,
+            "--checkpoint-every", "1", "--num-kept", "2", "--resume", "latest_if_exists"]
+    assert main([*args, "--steps", "2"]) == 0
+    assert [i.tag for i in list_checkpoints(ckpt)] == ["step_1", "step_2"]
+    assert f"train/step_2/done" in keys(bucket, "train/")
+    with caplog.at_level(logging.INFO):
+        assert main([*args, "--steps", "3", "--override-schedule"]) == 0
+    assert "resumed from" in caplog.text and "step 2" in caplog.text
+    assert [i.tag for i in list_checkpoints(ckpt)] == ["step_2", "step_3"]
+    assert not list(workdir.iterdir())

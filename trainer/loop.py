@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from shardkit.api import open_source
 from shardkit.checkpoint.tree import SCHEDULER, USER_CONTENT
 from shardkit.errors import ShardkitError
-from shardkit.formats import Checkpoint, load_config, open_checkpoint
+from shardkit.formats import Checkpoint, load_config
 from shardkit.formats.torch_io import safe_load
+from shardkit.io.location import is_url
 from shardkit.layout import make_layout
 
 if TYPE_CHECKING:
@@ -139,7 +141,7 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
     if cfg.tensorboard:
         check_tensorboard(cfg.tensorboard)
     lora_settings = lora.check_options(cfg)
-    source = open_checkpoint(cfg.model) if cfg.model else None
+    source = open_source(cfg.model) if cfg.model else None  # a path, or s3:// read through a mirror
     model_config = load_config(Path(cfg.model_config)) if cfg.model_config else None
     if model_config is None and source is not None:
         model_config = source.config
@@ -172,7 +174,11 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
     metrics = (
         Path(cfg.metrics)
         if cfg.metrics
-        else (Path(cfg.checkpoint_dir) / "metrics.jsonl" if cfg.checkpoint_dir else None)
+        else (
+            Path(cfg.checkpoint_dir) / "metrics.jsonl"
+            if cfg.checkpoint_dir and not is_url(cfg.checkpoint_dir)
+            else None
+        )
     )
     if metrics is not None and metrics.exists() and metrics.is_dir():
         raise TrainerError(f"--metrics {metrics} is a directory: give a file path")

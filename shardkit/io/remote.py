@@ -480,6 +480,44 @@ def _remove_stale() -> None:
                 log.info("removed %s, the S3 mirror of a run (process %s) that no longer runs", folder, pid)
 
 
+def location_of(path: str | os.PathLike[str]) -> RemoteLocation | None:
+    """The remote location an open mirror's local path stands for (None: not in a mirror)."""
+    here = Path(path)
+    with _OPEN_LOCK:
+        mirrors = list(_OPEN)
+    for mirror in mirrors:
+        if here == mirror.root or mirror.root in here.parents:
+            rel = here.relative_to(mirror.root).as_posix()
+            return mirror.loc if rel == "." else mirror.loc.child(rel)
+    return None
+
+
+def prepare_path(path: str | os.PathLike[str]) -> None:
+    """Fetch the metadata of every tensor container under `path` when it lies in an open mirror."""
+    here = Path(path)
+    with _OPEN_LOCK:
+        mirrors = list(_OPEN)
+    for mirror in mirrors:
+        if here == mirror.root or mirror.root in here.parents:
+            rel = here.relative_to(mirror.root).as_posix()
+            mirror.prepare("" if rel == "." else rel)
+
+
+def readable(text: str, what: str) -> Path | None:
+    """A local path to read `text` through: itself, or for s3:// a mirror of the prefix (kept until
+    exit; None when the prefix holds nothing yet)."""
+    from .location import remote as remote_location
+
+    loc = remote_location(text, what)
+    if loc is None:
+        return Path(text)
+    objects = s3.list_objects(loc)
+    if not objects:
+        s3.check_bucket(loc)
+        return None
+    return open_mirror(loc, [o for o in objects if o.name != WRITING]).root
+
+
 def active() -> bool:
     return bool(_MIRRORED)
 
