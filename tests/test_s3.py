@@ -235,7 +235,7 @@ def test_cli_convert_to_s3_and_verify(tiny_model, bucket, workdir):
 def test_reshard_reads_only_the_ranges_it_uses(tiny_model, bucket, tmp_path):
     hf = tiny_model("tinyllama-mini", torch.bfloat16)
     url = f"s3://{bucket}/tp8"
-    convert(hf, url, shardkit.make_layout(tp=8, pp=1, qkv="gqa"))
+    convert(hf, url, shardkit.make_layout(tp=8, pp=1, qkv="gqa", kv_multiplier=2))
     size = sum(o.size for o in s3.list_objects(s3_loc(url)))
     fetched: list[int] = []
     original = remote.Mirror.close
@@ -381,7 +381,7 @@ def test_killed_checkpoint_upload_lists_incomplete_and_next_save_removes_it(buck
     assert infos["step_200"].complete is False and infos["step_100"].complete
     loaded = load_checkpoint(root, "latest_if_exists", target_layout=TP2PP2, rank=(0, 0))
     assert loaded is not None and loaded.step == 100
-    res = run("ckpt", "prune", root, "--dry-run", "--json")
+    res = run("ckpt", "prune", root, "--keep", "5", "--dry-run", "--json")
     assert res.exit_code == 0 and "step_200" in json.loads(res.output)["remove"]
     _save(root, "step_300", TP2PP2, config, state, 300)
     finalize_checkpoint()
