@@ -127,6 +127,30 @@ def weights_only_unpickler(file, encoding: str) -> Any:
     return unpickler
 
 
+@functools.cache
+def weights_only_globals() -> dict[str, Any]:
+    """What torch._weights_only_unpickler allows a pickle to name by default: full name -> object
+    (torch's own `_get_allowed_globals()`); shardkit's plain reader allows a subset of it."""
+    fn = _lookup("torch._weights_only_unpickler", "_get_allowed_globals")
+    try:
+        table = dict(fn())
+    except (TypeError, ValueError):
+        raise changed("torch._weights_only_unpickler._get_allowed_globals") from None
+    if not all(isinstance(name, str) for name in table) or "torch._utils._rebuild_tensor_v2" not in table:
+        raise changed("torch._weights_only_unpickler._get_allowed_globals")
+    return table
+
+
+@functools.cache
+def pickle_renames() -> tuple[frozenset[str], frozenset[tuple[str, str]]]:
+    """The Python 2 module and (module, name) renames torch's weights-only unpickler applies to a
+    GLOBAL before looking it up (torch._utils.IMPORT_MAPPING, NAME_MAPPING): their keys."""
+    imports, names = _lookup("torch._utils", "IMPORT_MAPPING"), _lookup("torch._utils", "NAME_MAPPING")
+    if not isinstance(imports, dict) or not isinstance(names, dict):
+        raise changed("torch._utils.IMPORT_MAPPING/NAME_MAPPING")
+    return frozenset(imports), frozenset(names)
+
+
 def zip_options() -> tuple[bool, int]:
     """(crc32 on, storage alignment) as torch.save uses them (torch.serialization.get_crc32_options
     and _get_storage_alignment)."""
@@ -177,5 +201,5 @@ PurePickler = _pure_pickler()
 
 def clear_caches() -> None:
     """Forget the checked internals (for tests that swap them)."""
-    for fn in (rebuild_tensor_v2, rebuild_tensor_v3, new_dtypes, _storage_types):
+    for fn in (rebuild_tensor_v2, rebuild_tensor_v3, new_dtypes, _storage_types, weights_only_globals, pickle_renames):
         fn.cache_clear()

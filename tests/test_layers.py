@@ -157,3 +157,29 @@ def test_the_checks_catch_what_they_claim():
     modules = all_modules()
     family = imports_of("shardkit.families.llama", modules["shardkit.families.llama"], modules)
     assert "shardkit.families.base" in family and "shardkit.families" not in family
+
+
+# ---- sizes a reader can hold in mind ------------------------------------------------------------------
+
+MODULE_MAX_LINES = 900
+FUNCTION_MAX_LINES = 100
+
+
+def _sources() -> list[Path]:
+    return sorted([*PACKAGE.rglob("*.py"), *(ROOT / "trainer").rglob("*.py")])
+
+
+def test_no_module_over_900_lines():
+    big = {str(p.relative_to(ROOT)): n for p in _sources() if (n := p.read_text().count("\n")) > MODULE_MAX_LINES}
+    assert not big, f"split these modules by concern: {big}"
+
+
+def test_no_function_over_100_lines():
+    long = {}
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > FUNCTION_MAX_LINES:
+                    long[f"{path.relative_to(ROOT)}:{node.name}"] = length
+    assert not long, f"split these functions by step: {long}"

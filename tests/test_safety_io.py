@@ -12,10 +12,12 @@ import errno
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from shardkit.checkpoint import reshard as ckpt_reshard
 from shardkit.cli import cli
 from shardkit.errors import ShardkitError
 from shardkit.io.lock import lock_destination
+from shardkit.io.transaction import recover_interrupted
 from shardkit.layout import Layout
 from test_safety_checkpoint import CONFIG, LAYOUT, MODEL_FILE, pieces, precious_folder, save, snapshot, tags
 from test_safety_engine import leftovers, one_line_error, run, tree_digest
@@ -239,12 +242,12 @@ def test_ckpt_reshard_refuses_a_tag_pruned_while_it_is_read(ckpt, tmp_path, monk
 
 
 KILLED = r"""
-import sys, time
+import random, sys, time
 from shardkit.checkpoint import reshard
-real = reshard.write_rank
+real, rng = reshard.write_rank, random.Random(int(sys.argv[3]))
 def slow(*args, **kwargs):
     print("writing", flush=True)
-    time.sleep(60)
+    time.sleep(rng.uniform(0.0, 0.3))  # killed before, inside or after the rank files
     return real(*args, **kwargs)
 reshard.write_rank = slow
 from shardkit.cli import main
@@ -253,24 +256,37 @@ main()
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_a_killed_ckpt_reshard_leaves_nothing_that_a_rerun_does_not_remove(ckpt, tmp_path, sig, caplog):
+@pytest.mark.slow  # each kill starts a Python with torch
+def test_ckpt_reshard_killed_again_and_again_leaves_nothing_a_rerun_does_not_remove(ckpt, tmp_path, caplog):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    child = subprocess.Popen([sys.executable, "-c", KILLED, str(ckpt), str(out)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert child.stdout is not None and child.stdout.readline().strip() == "writing"
-    child.send_signal(sig)
-    child.wait(30)
-    assert not out.exists()
-    left = [n for n in stray(tmp_path) if "shardkit-tmp" in n]
-    assert left == ([] if sig == signal.SIGTERM else [f".out.shardkit-tmp-{child.pid}"])
-    with caplog.at_level(logging.WARNING, logger="shardkit"):
+    rng = random.Random(11)
+    killed = []
+    for round_ in range(6):
+        child = subprocess.Popen([sys.executable, "-c", KILLED, str(ckpt), str(out), str(round_)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert child.stdout is not None and child.stdout.readline().strip() == "writing"
+        time.sleep(0.0 if round_ == 0 else rng.uniform(0.0, 0.2))  # the first kill surely before the commit
+        sig = signal.SIGKILL if round_ % 2 == 0 else signal.SIGTERM
+        child.send_signal(sig)
+        child.wait(30)
+        if out.exists():  # the kill came after the commit: then the output is whole
+            assert load_checkpoint(out, "step_2").step == 2
+            break
+        left = [n for n in stray(tmp_path) if "shardkit-tmp" in n]
+        if sig == signal.SIGTERM:
+            assert left == [], left  # Ctrl-C and SIGTERM clean up themselves
+        else:
+            killed.append(child.pid)
+            assert left == [f".out.shardkit-tmp-{child.pid}"], left
+            with caplog.at_level(logging.WARNING, logger="shardkit"):
+                recover_interrupted(out)  # what the next run does first, saying so
+            assert f"left by a run (process {child.pid}) that no longer runs" in caplog.text
+    if not out.exists():
         result = run("ckpt", "reshard", ckpt, out, "--tp", "1")
-    assert result.exit_code == 0, result.output
-    if sig == signal.SIGKILL:
-        assert f"left by a run (process {child.pid}) that no longer runs" in caplog.text
+        assert result.exit_code == 0, result.output
     assert stray(tmp_path) == [] and load_checkpoint(out, "step_2").step == 2
+    assert killed, "no SIGKILL landed"
 
 
 # ---- 5. retention counts only sound tags ----------------------------------------------------------------
@@ -437,3 +453,50 @@ def test_the_token_file_writer_never_writes_through_a_link(tmp_path):
     (tmp_path / "tokens.bin").unlink()
     write_tokens(tmp_path / "tokens.bin", [1, 2, 3], 256)
     assert victim.read_text() == "precious\n" and stray(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_user_content_that_is_a_fifo_or_a_device_is_one_line_and_never_hangs(ckpt, kind):
+    (ckpt / "step_2" / "shardkit.json").unlink()  # as NxD writes tags: no manifest lists the file
+    path = ckpt / "step_2" / "user_content.pt"
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    code = (
+        "import sys\n"
+        "from shardkit.checkpoint import load_checkpoint\n"
+        "from shardkit.errors import ShardkitError\n"
+        "try:\n"
+        f"    load_checkpoint({str(ckpt)!r}, 'step_2', verify=False)\n"
+        "except ShardkitError as e:\n"
+        "    print(e); sys.exit(2)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "not a regular file" in done.stdout and len(done.stdout.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_full_disk_under_the_trainers_checkpoints_is_one_line_and_leaves_no_tag(tiny_model, tmp_path, capsys,
+                                                                                   async_save):
+    import numpy as np
+
+    from trainer.__main__ import main
+
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.arange(4000, dtype=np.int64) % 200)
+    model = tiny_model("llama-trainer-tiny")
+    capsys.readouterr()
+    with tiny_disk(tmp_path / "disk", "256k") as disk:
+        args = ["--model", str(model), "--data", str(data), "--seq-len", "16", "--global-batch", "2",
+                "--steps", "3", "--checkpoint-dir", str(disk / "ckpt"), "--checkpoint-every", "1",
+                *(["--async-save"] if async_save else [])]
+        assert main(args) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trainer")]
+        assert len(err) == 1 and "no space left" in err[0].lower() and "enforce fail" not in err[0], err
+        root = disk / "ckpt"
+        left = [p.name for p in root.iterdir() if p.is_dir()] if root.exists() else []
+        assert left == [], left  # no half-written tag (the metrics file is the run's own)

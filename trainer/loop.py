@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from shardkit.api import open_source
+from shardkit.checkpoint.load import plain_file
 from shardkit.checkpoint.tree import SCHEDULER, USER_CONTENT
 from shardkit.errors import ShardkitError
 from shardkit.formats import Checkpoint, load_config
-from shardkit.formats.torch_io import safe_load
 from shardkit.io.location import is_url
 from shardkit.layout import make_layout
 
@@ -257,7 +257,7 @@ def saved_settings(tag_dir: Path) -> dict[str, Any]:
 
     def read(name: str) -> Any:
         try:
-            return safe_load(tag_dir / name, mmap=False) if (tag_dir / name).is_file() else None
+            return plain_file(tag_dir, name)
         except Exception:  # noqa: BLE001 - another trainer's file (NxD): nothing to compare
             return None
 

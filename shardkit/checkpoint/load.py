@@ -24,6 +24,7 @@ since ranks resuming from different steps would be worse than stopping.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -32,7 +33,7 @@ import torch
 
 from ..errors import ConfigMismatchError, FormatError
 from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
-from ..formats.torch_io import safe_load
+from ..formats.torch_io import load_small
 from ..io import remote as remote_io
 from ..io.digest import FAST, expected_digest, file_matches
 from ..io.location import remote as remote_location
@@ -64,6 +65,13 @@ from .zero1 import MASTER, SEP, Zero1Tag, load_object, model_has_data, optim_nam
 log = logging.getLogger(__name__)
 
 LATEST_IF_EXISTS = "latest_if_exists"
+
+
+def plain_file(tag_dir: Path, name: str) -> Any:
+    """A tag's plain torch file (scheduler.pt, user_content.pt), read whole by the bounded reader;
+    None when the tag has none."""
+    path = Path(tag_dir) / name
+    return load_small(path, name) if os.path.lexists(path) else None
 
 
 def resolve_tag(directory: Path, tag: str | None) -> str | None:
@@ -308,8 +316,7 @@ def _load_generic(
                     "processes as saved it"
                 )
             opt = load_object(path, False)
-    scheduler = safe_load(tag_dir / SCHEDULER, mmap=False) if (tag_dir / SCHEDULER).is_file() else None
-    user_content = safe_load(tag_dir / USER_CONTENT, mmap=False) if (tag_dir / USER_CONTENT).is_file() else None
+    scheduler, user_content = plain_file(tag_dir, SCHEDULER), plain_file(tag_dir, USER_CONTENT)
     layout = Layout()
     return LoadedCheckpoint(
         name,
@@ -461,8 +468,7 @@ def _load_tag(
     if verify and manifest is not None and zero is not None:
         _verify_hashes(tag_dir, manifest, {p.relative_to(tag_dir).as_posix() for p in zero.files.values()})
     opt = read_optimizer(zero, pieces) if optimizer and zero is not None else None
-    scheduler = safe_load(tag_dir / SCHEDULER, mmap=False) if (tag_dir / SCHEDULER).is_file() else None
-    user_content = safe_load(tag_dir / USER_CONTENT, mmap=False) if (tag_dir / USER_CONTENT).is_file() else None
+    scheduler, user_content = plain_file(tag_dir, SCHEDULER), plain_file(tag_dir, USER_CONTENT)
     step = (manifest.get("checkpoint") or {}).get("step") if manifest else None
     if step is None and isinstance(user_content, Mapping) and isinstance(user_content.get("step"), int):
         step = user_content["step"]

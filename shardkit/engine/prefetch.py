@@ -138,6 +138,34 @@ class _Chunk:
         self.key, self.start, self.end, self.slot, self.planned, self.pins = key, start, end, slot, planned, 0
 
 
+class _CacheFill:
+    """Reads bytes into the page cache: sendfile to /dev/null while the kernel allows it (no copy
+    into this process), else reads into one reused buffer."""
+
+    def __init__(self) -> None:
+        self.buffer: memoryview | None = None
+        try:
+            self.null: int | None = os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            self.null = None
+        self.sink = self.null
+
+    def fill(self, fd: int, offset: int, size: int) -> int:
+        if self.sink is not None:
+            try:
+                return os.sendfile(self.sink, fd, offset, size)
+            except OSError:
+                self.sink = None  # not supported here: read into a buffer instead
+        if self.buffer is None:
+            self.buffer = memoryview(bytearray(READ_CHUNK))
+        return os.preadv(fd, [self.buffer[:size]], offset)
+
+    def close(self) -> None:
+        if self.null is not None:
+            os.close(self.null)
+            self.null = self.sink = None
+
+
 class Prefetcher:
     """Reads `spans` ((path, offset, length), in the order the workers first need them) ahead of
     the workers in a background thread. Workers call `wait(n)` before reading bytes of the first
@@ -307,10 +335,24 @@ class Prefetcher:
         self.paused = False
         return not self._stop
 
+    def _through_cache(self, cache: _CacheFill, fd: int, offset: int, length: int) -> bool:
+        """Bring `length` bytes at `offset` of fd into the page cache (False: stopped, or the file
+        is shorter than its header says, which the worker reading it reports)."""
+        done = 0
+        while done < length:
+            with self._cond:
+                if not self._pause(lambda: True):
+                    return False
+            got = cache.fill(fd, offset + done, min(READ_CHUNK, length - done))
+            if got <= 0:
+                return False
+            done += got
+            with self._cond:
+                self.position += got
+        return True
+
     def _run(self) -> None:
-        sink = None  # /dev/null, while sendfile works
-        null = None
-        buffer = None
+        cache = _CacheFill()
         fds: dict[Path, int] = {}
         direct_fds: dict[Path, Opened | None] = {}
         readers: ThreadPoolExecutor | None = None  # O_DIRECT reads of a batch of extents at once
@@ -335,10 +377,6 @@ class Prefetcher:
             return opened
 
         try:
-            try:
-                sink = null = os.open(os.devnull, os.O_WRONLY)
-            except OSError:
-                pass
             i = 0
             while i < len(self.extents):
                 path, offset, length = self.extents[i]
@@ -370,27 +408,8 @@ class Prefetcher:
                         done = self._read_direct(i, opened, offset, length)
                         if done < 0:
                             return
-                fd = fds[path]
-                while done < length:
-                    with self._cond:
-                        if not self._pause(lambda: True):
-                            return
-                    size = min(READ_CHUNK, length - done)
-                    got = 0
-                    if sink is not None:
-                        try:
-                            got = os.sendfile(sink, fd, offset + done, size)
-                        except OSError:
-                            sink = None  # not supported here: read into a buffer instead
-                    if sink is None:
-                        if buffer is None:
-                            buffer = memoryview(bytearray(READ_CHUNK))
-                        got = os.preadv(fd, [buffer[:size]], offset + done)
-                    if got <= 0:  # the file is shorter than its header says: the worker reports it
-                        return
-                    done += got
-                    with self._cond:
-                        self.position += got
+                if not self._through_cache(cache, fds[path], offset + done, length - done):
+                    return
                 with self._cond:
                     self._done = i + 1
                     self._cond.notify_all()
@@ -408,8 +427,7 @@ class Prefetcher:
             for opened in direct_fds.values():
                 if opened is not None:
                     os.close(opened[0])
-            if null is not None:
-                os.close(null)
+            cache.close()
 
     def _take(self, i: int, slots: int) -> bool:
         """Wait (under the lock) until the window lets the thread read extent i and `slots`

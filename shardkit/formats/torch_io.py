@@ -2,20 +2,20 @@
 
 Loading never runs arbitrary pickle: `torch.load(weights_only=True)`, with the one foreign class
 the formats need (torch-xla's `TensorReference`, which xser files reference) allowed under its
-real name. A file that asks for anything else is refused with a clear error.
+real name. A file that asks for anything else is refused with a clear error. A rank file's
+metadata is read without tensor data (`load_metadata`): its zip directory validated
+(`torch_zip.read_archive`), its pickle read by `torch_pickle` or, beyond a plain state dict, by
+torch's own weights-only unpickler: shardkit reads what torch.load reads, or refuses the file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import os
 import pickle
-import struct
 import sys
 import threading
-import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -29,11 +29,13 @@ from ..io import remote
 from ..io.copy import FileRange
 from ..io.digest import FileRecord, Recording
 from ..io.hashing import PARALLEL_HASH_MIN, HashingFile
+from ..io.small import check_small
 from ..io.strided import StoredTensor, advise_stored, byte_span, read_block, read_rows_into, read_stored, stored_range
 from ..io.taps import DescriptorReader
 from ..paths import regular_file
+from . import torch_pickle
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, compact, narrow, tensor_bytes
-from .torch_zip import ZipRecords, native_writer
+from .torch_zip import Archive, ZipRecords, native_writer, read_archive
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 
@@ -83,10 +85,12 @@ def regular(path: Path, what: str = "file") -> Path:
 
 
 def safe_load(path: Path, mmap: bool = True) -> Any:
-    """torch.load with weights_only=True; TensorReference allowed; clear errors for bad files."""
+    """torch.load with weights_only=True; TensorReference allowed; clear errors for bad files. A zip
+    archive's directory is validated first (`torch_zip.read_archive`), as for `load_metadata`."""
     path = regular(Path(path))
     remote.ensure_file(path)  # a mirror file of an object store: fetched whole before torch reads it
     try:
+        read_archive(path)
         with _reference_allowed():
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -95,13 +99,30 @@ def safe_load(path: Path, mmap: bool = True) -> Any:
                     return torch.load(path, map_location="cpu", weights_only=True)
                 raise
     except pickle.UnpicklingError as e:
-        reason = str(e).splitlines()[0] if "GLOBAL" not in str(e) else _refused_global(str(e))
-        raise FormatError(
-            f"refusing to load {path}: it holds Python objects other than tensors ({reason}); "
-            "shardkit never runs arbitrary pickle: re-save it as a plain state dict"
-        ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
-        raise FormatError(f"{path} is truncated or corrupt ({str(e).splitlines()[0][:120]}): re-create it") from None
+        raise _refused(path, e) from None
+    except ShardkitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever torch raises for a bad file, said on one line
+        raise _corrupt(path, e) from None
+
+
+def load_small(path: Path, what: str) -> Any:
+    """A small torch file read whole (scheduler, user content, xser info): `safe_load`, once the
+    bounded reader's rules hold (a regular file, not too large: `io.small.check_small`)."""
+    return safe_load(check_small(path, what), mmap=False)
+
+
+def _refused(path: Path, e: Exception) -> FormatError:
+    reason = _refused_global(str(e)) if "GLOBAL" in str(e) else (str(e).splitlines() or [""])[0][:160]
+    return FormatError(
+        f"refusing to load {path}: it holds Python objects other than tensors ({reason}); "
+        "shardkit never runs arbitrary pickle: re-save it as a plain state dict"
+    )
+
+
+def _corrupt(path: Path, e: Exception) -> FormatError:
+    reason = str(e).splitlines()[0][:120] if str(e).strip() else type(e).__name__
+    return FormatError(f"{path} is truncated or corrupt ({reason}): re-create it")
 
 
 def _refused_global(message: str) -> str:
@@ -120,201 +141,121 @@ def state_dict_of(obj: Any, path: Path) -> dict[str, Any]:
     return obj
 
 
-def _zip_record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]]]:
-    """The archive's folder prefix and, per record name, (data offset in the file, size).
-
-    torch.save writes records uncompressed (ZIP_STORED) and aligned; a record's data starts after
-    its local header, whose extra field (torch's alignment padding) may differ from the central one.
-    """
-    records: dict[str, tuple[int, int]] = {}
-    with zipfile.ZipFile(path) as archive, open(path, "rb") as fh:
-        infos = archive.infolist()
-        pickles = [i.filename for i in infos if i.filename.endswith("data.pkl")]
-        if not pickles:
-            raise FormatError(f"{path} is not a torch.save file (no data.pkl): re-create it")
-        prefix = pickles[0][: -len("data.pkl")]
-        fd = fh.fileno()
-        if hasattr(os, "posix_fadvise"):  # a cold file's headers (one per tensor) are read in parallel
-            for info in infos:
-                os.posix_fadvise(fd, info.header_offset + 26, 4, os.POSIX_FADV_WILLNEED)
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise FormatError(f"{path}: record {info.filename} is compressed; torch files never are")
-            name_len, extra_len = struct.unpack("<HH", os.pread(fd, 4, info.header_offset + 26))
-            records[info.filename] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
-    return prefix, records
-
-
 def load_metadata(path: Path) -> Any:
-    """Unpickle a torch.save file with torch's weights-only unpickler, but with storages on the
-    meta device: shapes, strides and dtypes without reading any tensor data. Every tensor is
-    returned as a StoredTensor saying where its bytes are. Non-zip (legacy) files return None."""
+    """The object a torch.save file holds, every tensor as a StoredTensor saying where its bytes
+    are (no tensor data read); None for a legacy (non-zip) file. The archive's directory is
+    validated first (`torch_zip.read_archive`). A plain state dict's pickle is read by
+    `torch_pickle.load_plain`; anything else by torch's weights-only unpickler with its storages on
+    the meta device (`_torch_metadata`), which accepts exactly what torch.load(weights_only=True)
+    does, or refuses it."""
     path = Path(path)
-    if not zipfile.is_zipfile(path):
+    archive = read_archive(path)
+    if archive is None:
         return None
-    prefix, records = _zip_record_offsets(path)
-    keys: dict[int, str] = {}
-
-    def persistent_load(saved):
-        _, storage_type, key, _, numel = saved
-        # dtypes without a typed storage class (float8, uint16...) are saved as UntypedStorage,
-        # numel counting bytes; the tensor's dtype then comes from _rebuild_tensor_v3
-        dtype = getattr(storage_type, "dtype", torch.uint8)
-        storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
-        keys[storage._cdata] = str(key)
-        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-
-    with zipfile.ZipFile(path) as archive:
-        raw = archive.read(prefix + "data.pkl")
-    plain = _plain_metadata(raw, path, prefix, records)
+    plain = _plain_metadata(archive.pickle, path, archive.prefix, archive.records)
     if plain is not None:
         return plain
-    with _reference_allowed():
-        unpickler = torch_compat.weights_only_unpickler(io.BytesIO(raw), encoding="utf-8")
-        unpickler.persistent_load = persistent_load
-        obj = unpickler.load()
-
-    def locate(value):
-        if isinstance(value, torch.Tensor):
-            key = keys[value.untyped_storage()._cdata]
-            offset, size = records.get(f"{prefix}data/{key}", (None, 0))
-            span = value.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(value.shape, value.stride()))
-            if offset is None or (value.numel() and span * value.element_size() > size):
-                raise FormatError(f"{path}: the data of a tensor is missing or cut short: the file is truncated")
-            return StoredTensor(value.dtype, tuple(value.shape), offset, value.storage_offset(), tuple(value.stride()))
-        if isinstance(value, dict):
-            return type(value)((k, locate(v)) for k, v in value.items())
-        if isinstance(value, (list, tuple)):
-            return type(value)(locate(v) for v in value)
-        return value
-
-    return locate(obj)
-
-
-class _NotPlain(Exception):
-    """The pickle holds more than dicts of tensors: torch's weights-only unpickler reads it."""
-
-
-class _Storage:
-    """A tensor storage of a torch file: its dtype, elements, and where its record's bytes are."""
-
-    __slots__ = ("dtype", "numel", "offset", "size")
-
-    def __init__(self, dtype: torch.dtype, numel: int, offset: int | None, size: int):
-        self.dtype, self.numel, self.offset, self.size = dtype, numel, offset, size
-
-
-class _StorageType:
-    """What a storage class (torch.BFloat16Storage...) stands for in a pickle: its dtype only.
-    Not callable: a pickle that calls it is not a plain state dict."""
-
-    __slots__ = ("dtype",)
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-
-
-def _stored(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: torch.dtype | None) -> StoredTensor:
-    """The StoredTensor a tensor reducer's arguments describe (checked once the whole pickle is
-    read: `_checked`)."""
-    if not isinstance(storage, _Storage):
-        raise _NotPlain("a tensor rebuilt from something other than a storage")
-    offset = -1 if storage.offset is None else storage.offset  # no such record: refused by `_checked`
-    return StoredTensor(dtype or storage.dtype, size, offset, storage_offset, stride)
-
-
-def _checked(value: Any, path: Path, sizes: dict[int, int]) -> Any:
-    """`value` (what `_PlainUnpickler` read), once every object in it is a container, a number,
-    a string or a StoredTensor whose fields are well-formed and whose bytes lie inside its record
-    (`sizes`: each record's data offset -> size). Checked after the whole pickle is read, not as
-    each tensor is built: a pickle may change an object's fields after building it (BUILD)."""
-    if isinstance(value, StoredTensor):
-        shape, stride, offset = value.shape, value.stride, value.storage_offset
-        if not (isinstance(value.dtype, torch.dtype) and isinstance(shape, tuple) and isinstance(stride, tuple)):
-            raise _NotPlain("a tensor with unexpected fields")
-        if len(shape) != len(stride) or not all(type(n) is int and n >= 0 for n in (offset, *shape, *stride)):
-            raise _NotPlain("a tensor with unexpected sizes")
-        span = offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
-        size = sizes.get(value.file_offset) if type(value.file_offset) is int else None
-        if size is None or (0 not in shape and span * value.dtype.itemsize > size):
-            raise FormatError(f"{path}: the data of a tensor is missing or cut short: the file is truncated")
-        return value
-    if isinstance(value, dict):
-        for item in value.values():
-            _checked(item, path, sizes)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _checked(item, path, sizes)
-    elif value is not None and not isinstance(value, (str, bytes, int, float, torch.dtype)):
-        raise _NotPlain(f"a {type(value).__name__}")
-    return value
-
-
-@functools.cache
-def _plain_globals() -> dict[tuple[str, str], Any]:
-    """The globals a plain state dict's pickle names, each mapped to an inert stand-in: containers,
-    dtypes, storage classes (as `_StorageType`) and the tensor reducers (building StoredTensors)."""
-    table: dict[tuple[str, str], Any] = {("collections", "OrderedDict"): OrderedDict}
-    for name in dir(torch):
-        if isinstance(value := getattr(torch, name, None), torch.dtype):
-            table["torch", name] = value
-    for dtype, storage in torch_compat.storage_types().items():
-        table["torch", storage.__name__] = _StorageType(dtype)
-    table["torch", "UntypedStorage"] = table["torch.storage", "UntypedStorage"] = _StorageType(torch.uint8)
-    return table
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    """Reads the pickle of a plain state dict (dicts of tensors and numbers) with Python's C
-    unpickler, about 4x faster than torch's weights-only one: every global it may name is an inert
-    stand-in (`_plain_globals`), so the pickle can call nothing else; a pickle naming anything more
-    raises `_NotPlain` and is read by torch's weights-only unpickler instead."""
-
-    def __init__(self, raw: bytes, prefix: str, records: dict[str, tuple[int, int]]):
-        super().__init__(io.BytesIO(raw), encoding="utf-8")
-        self._prefix, self._records = prefix, records
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter"):
-            return getattr(self, name)
-        found = _plain_globals().get((module, name))
-        if found is None:
-            raise _NotPlain(f"{module}.{name}")
-        return found
-
-    def persistent_load(self, saved: Any) -> _Storage:
-        if not (isinstance(saved, tuple) and len(saved) == 5 and saved[0] == "storage"):
-            raise _NotPlain("an unexpected persistent id")
-        _, kind, key, _, numel = saved
-        if not isinstance(kind, _StorageType) or type(numel) is not int or numel < 0:
-            raise _NotPlain("an unexpected storage")
-        offset, size = self._records.get(f"{self._prefix}data/{key}", (None, 0))
-        return _Storage(kind.dtype, numel, offset, size)
-
-    def _rebuild_tensor_v2(self, storage, storage_offset, size, stride, requires_grad, hooks, metadata=None):
-        return _stored(storage, storage_offset, size, stride, None)
-
-    def _rebuild_tensor_v3(self, storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
-        if not isinstance(dtype, torch.dtype):
-            raise _NotPlain("a tensor of an unexpected dtype")
-        return _stored(storage, storage_offset, size, stride, dtype)
-
-    def _rebuild_parameter(self, data, requires_grad, hooks):
-        if not isinstance(data, StoredTensor):
-            raise _NotPlain("a parameter of something other than a tensor")
-        return data
+    return _torch_metadata(archive, path)
 
 
 def _plain_metadata(raw: bytes, path: Path, prefix: str, records: dict[str, tuple[int, int]]) -> Any:
-    """A plain state dict's metadata read by `_PlainUnpickler`; None for any other pickle (or one
-    it cannot read), which torch's weights-only unpickler then reads or refuses as before."""
+    """A plain state dict's metadata read by `torch_pickle.load_plain`; None for any other pickle
+    (or one it cannot read), which torch's weights-only unpickler then reads or refuses."""
     try:
-        sizes = {offset: size for name, (offset, size) in records.items() if name.startswith(f"{prefix}data/")}
-        return _checked(_PlainUnpickler(raw, prefix, records).load(), path, sizes)
+        return torch_pickle.load_plain(raw, path, records, prefix)
     except FormatError:
         raise
     except Exception:  # noqa: BLE001 - torch's unpickler reads it, or says what is wrong with it
         return None
+
+
+def _torch_metadata(archive: Archive, path: Path) -> Any:
+    """The pickle read by torch's own weights-only unpickler, its storages made on the meta device
+    the way torch.load makes them (`persistent_load`), then every tensor located (`_located`)."""
+    storages: dict[Any, torch.storage.TypedStorage] = {}
+    located: dict[int, tuple[int, int]] = {}  # a meta storage's id -> its record's (data offset, bytes)
+
+    def persistent_load(saved: Any) -> torch.storage.TypedStorage:
+        # as torch.serialization._load's: the first storage of a key is the one every later use gets
+        if not isinstance(saved, tuple) or _ascii(saved[0]) != "storage" or len(saved) != 5:
+            raise pickle.UnpicklingError("a persistent id other than a storage")
+        _, storage_type, key, location, numel = saved
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        if key in storages:
+            return storages[key]
+        if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0:
+            raise pickle.UnpicklingError("a storage of an unexpected type or size")
+        nbytes = numel * dtype.itemsize
+        offset = torch_pickle.record_offset(path, archive.records, f"{archive.prefix}data/{key}", nbytes)
+        _ascii(location)
+        storage = torch.UntypedStorage(nbytes, device="meta")
+        located[storage._cdata] = (offset, nbytes)
+        typed = storages[key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+        return typed
+
+    with _reference_allowed():
+        unpickler = torch_compat.weights_only_unpickler(io.BytesIO(archive.pickle), encoding="utf-8")
+        unpickler.persistent_load = persistent_load
+        obj = unpickler.load()
+    return _located(obj, path, located)
+
+
+def _ascii(value: Any) -> Any:
+    """torch.serialization._maybe_decode_ascii: bytes (a Python 2 pickle's) as ASCII text."""
+    return value.decode("ascii") if isinstance(value, bytes) else value
+
+
+def _located(obj: Any, path: Path, located: dict[int, tuple[int, int]]) -> Any:
+    """`obj` with every tensor replaced by the StoredTensor of its bytes in the file. A tensor torch
+    would read as other values than its bytes (quantized, sparse, conjugate or negative bits, a
+    subclass, not made from a storage of this file) is refused. Each object is visited once (a
+    pickle may repeat one many times); a container that contains itself is refused."""
+    done: dict[int, Any] = {}
+    busy: set[int] = set()
+
+    def locate(value: Any) -> Any:
+        if id(value) in done:
+            return done[id(value)]
+        if id(value) in busy:
+            raise FormatError(f"{path}: a container contains itself: the file is corrupt; re-create it")
+        busy.add(id(value))
+        result: Any
+        if isinstance(value, torch.Tensor):
+            result = _stored(value, path, located)
+        elif isinstance(value, dict):  # item by item: a Counter built from pairs would count them
+            result = type(value)()
+            for k, v in value.items():
+                result[k] = locate(v)
+        elif isinstance(value, (list, tuple)):
+            result = type(value)(locate(v) for v in value)
+        else:
+            result = value
+        busy.discard(id(value))
+        done[id(value)] = result
+        return result
+
+    return locate(obj)
+
+
+def _stored(tensor: torch.Tensor, path: Path, located: dict[int, tuple[int, int]]) -> StoredTensor:
+    """The StoredTensor of a meta tensor torch's unpickler built on a storage of this file."""
+    plain = (
+        type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+    where = located.get(tensor.untyped_storage()._cdata) if plain and tensor.device.type == "meta" else None
+    if where is None:
+        raise FormatError(
+            f"{path}: a tensor is not a plain view of a storage of the file (a {type(tensor).__name__}, "
+            f"{tensor.layout}, conjugate or negative bits, or quantized): shardkit cannot read it as torch does"
+        )
+    offset, nbytes = where
+    shape, stride, start = tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())
+    torch_pickle.check_tensor(path, tensor.dtype, shape, stride, start, nbytes)
+    return StoredTensor(tensor.dtype, shape, offset, start, stride)
 
 
 _METADATA_CACHE: OrderedDict[tuple, Any] = OrderedDict()
@@ -349,18 +290,12 @@ def read_metadata(path: Path) -> Any:
 def _read_metadata_uncached(path: Path) -> Any:
     try:
         return load_metadata(path)
-    except FormatError:
+    except ShardkitError:
         raise
     except pickle.UnpicklingError as e:
-        reason = _refused_global(str(e)) if "GLOBAL" in str(e) else str(e).splitlines()[0]
-        raise FormatError(
-            f"refusing to load {path}: it holds Python objects other than tensors ({reason}); "
-            "shardkit never runs arbitrary pickle: re-save it as a plain state dict"
-        ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, KeyError, TypeError, struct.error) as e:
-        raise FormatError(
-            f"{path} is truncated or corrupt ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}): re-create it"
-        ) from None
+        raise _refused(path, e) from None
+    except Exception as e:  # noqa: BLE001 - whatever torch's unpickler raises for a bad pickle, on one line
+        raise _corrupt(path, e) from None
 
 
 class TorchFile(DescriptorReader):

@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import functools
 import io
+import os
+import re
 import struct
+import sys
 import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -40,6 +43,7 @@ except ImportError:  # pragma: no cover - a platform without zlib-ng's wheels: s
     from zlib import crc32
 
 from .. import torch_compat
+from ..errors import FormatError
 from ..io.copy import FileRange
 
 ARCHIVE = "archive/"
@@ -286,3 +290,269 @@ def native_matches() -> bool:
     except (torch_compat.TorchInternalsError, zipfile.BadZipFile, ValueError):
         return False
     return bytes(ours.data) == _torch_archive(_sample())
+
+
+# ---- reading: the archive's directory, validated before any record is used ------------------------
+#
+# torch reads an archive with miniz, shardkit with its own parser below. Where the two could see
+# different records (two records of one name, records sharing bytes, a local header that names
+# another record, data before the archive, a record outside the archive's folder...) the file is
+# refused: it was not written by torch.save, and whatever it holds, torch and shardkit must not
+# read different tensors from it. What torch itself refuses (no version record, an unknown version
+# or byte order) is refused too.
+
+_LOCAL_SIGNATURE = b"PK\x03\x04"  # torch's own test of whether a file is a zip archive
+_ZIP64_EXTRA = 0x0001
+_U16, _U32 = 0xFFFF, 0xFFFFFFFF
+_KNOWN_FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names: all torch (and zipfile) write
+TORCH_VERSIONS = (1, 10)
+"""The archive versions torch 2.9-2.13 read (`version` or `.data/version`; it writes 3)."""
+
+
+@dataclass(frozen=True)
+class Archive:
+    """A torch.save archive whose directory was validated (`read_archive`): its folder ("archive/"),
+    each record's data offset and size by full name, and its data.pkl."""
+
+    prefix: str
+    records: dict[str, tuple[int, int]]
+    pickle: bytes
+
+
+@dataclass
+class _Listed:
+    """A record as the central directory lists it."""
+
+    name: str
+    crc: int
+    size: int
+    header: int  # offset of its local header
+    flags: int
+    data: int = 0  # offset of its data, from its local header
+
+
+class _Refused(Exception):
+    """What is wrong with an archive; `read_archive` says it with the file's name."""
+
+
+def read_archive(path: Any) -> Archive | None:
+    """The validated directory of the torch.save archive at `path`; None when the file does not
+    start as a zip archive (torch reads it as a legacy pickle file). Anything torch could read
+    differently from shardkit is a one-line FormatError naming the file."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if os.pread(fd, 4, 0) != _LOCAL_SIGNATURE:
+            return None
+        try:
+            return _read_archive(fd, os.fstat(fd).st_size)
+        except (_Refused, struct.error, UnicodeDecodeError) as e:
+            what = str(e) if isinstance(e, _Refused) else f"an unreadable directory entry ({e})"
+            raise FormatError(f"{path} is truncated or corrupt ({what}): re-create it") from None
+    finally:
+        os.close(fd)
+
+
+def _read_archive(fd: int, size: int) -> Archive:
+    count, start, length = _directory_place(fd, size)
+    listed = _central_directory(os.pread(fd, length, start), count)
+    prefix = _folder(listed)
+    _local_headers(fd, listed, start)
+    records = {r.name: (r.data, r.size) for r in listed}
+    # The small records torch reads before the pickle (and data.pkl itself) are read whole here:
+    # their CRC-32 is checked. The tensor records' is not: the manifest's digests cover their bytes,
+    # and checking the CRC of gigabytes at every open would cost more than the reading it guards.
+    small: dict[str, bytes] = {}
+    for record in listed:
+        short = record.name[len(prefix) :]
+        if not short.startswith("data/"):
+            data = os.pread(fd, record.size, record.data)
+            if len(data) != record.size:
+                raise _Refused(f"record {record.name} cut short")
+            if crc32(data) != record.crc:
+                raise _Refused(f"record {record.name} does not match its CRC-32")
+            small[short] = data
+    _check_torch_records(small)
+    return Archive(prefix, records, small["data.pkl"])
+
+
+def _directory_place(fd: int, size: int) -> tuple[int, int, int]:
+    """(records, offset, length) of the central directory, from the end record (zip64's where
+    there is one, as miniz reads it). The directory must end where the end records begin: no data
+    before the archive, no comment, nothing after it."""
+    if size < _END.size + _LOCAL.size:
+        raise _Refused("no end-of-archive record")
+    sig, disk, cd_disk, on_disk, count, length, start, comment = _END.unpack(os.pread(fd, _END.size, size - _END.size))
+    if sig != 0x06054B50 or comment:
+        raise _Refused("no end-of-archive record at its end: cut short, or bytes after it")
+    end = size - _END.size
+    locator = os.pread(fd, _ZIP64_LOCATOR.size, end - _ZIP64_LOCATOR.size) if end >= _ZIP64_LOCATOR.size else b""
+    if locator[:4] == struct.pack("<I", 0x07064B50):
+        _, z_disk, z_offset, disks = _ZIP64_LOCATOR.unpack(locator)
+        if z_disk or disks != 1 or z_offset > end - _ZIP64_LOCATOR.size - _ZIP64_END.size:
+            raise _Refused("an invalid zip64 end-of-archive locator")
+        fields = _ZIP64_END.unpack(os.pread(fd, _ZIP64_END.size, z_offset))
+        z_sig, z_size, _, _, z_this, z_cd_disk, z_on_disk, z_count, z_length, z_start = fields
+        if z_sig != 0x06064B50 or z_offset + 12 + z_size != end - _ZIP64_LOCATOR.size:
+            raise _Refused("an invalid zip64 end-of-archive record")
+        for classic, wide, sentinel in (
+            (on_disk, z_on_disk, _U16),
+            (count, z_count, _U16),
+            (length, z_length, _U32),
+            (start, z_start, _U32),
+            (disk, z_this, _U16),
+            (cd_disk, z_cd_disk, _U16),
+        ):
+            if classic not in (wide, sentinel):
+                raise _Refused("two end-of-archive records that disagree")
+        disk, cd_disk, on_disk, count, length, start, end = (
+            z_this,
+            z_cd_disk,
+            z_on_disk,
+            z_count,
+            z_length,
+            z_start,
+            z_offset,
+        )
+    if disk or cd_disk or on_disk != count:
+        raise _Refused("a multi-part archive")
+    if start + length != end:
+        raise _Refused("a central directory that is not where its end record says")
+    return count, start, length
+
+
+def _central_directory(directory: bytes, count: int) -> list[_Listed]:
+    """The records the central directory lists, each a stored (uncompressed, unencrypted) record
+    whose name is UTF-8; sizes and offsets from zip64 fields where the entry has them."""
+    listed, pos = [], 0
+    for _ in range(count):
+        fields = _CENTRAL.unpack_from(directory, pos)
+        sig, _, _, flags, method, _, _, crc, csize, usize, nlen, xlen, clen, disk, _, _, header = fields
+        if sig != 0x02014B50:
+            raise _Refused("a corrupt central directory")
+        raw = directory[pos + _CENTRAL.size : pos + _CENTRAL.size + nlen]
+        extra = directory[pos + _CENTRAL.size + nlen : pos + _CENTRAL.size + nlen + xlen]
+        pos += _CENTRAL.size + nlen + xlen + clen
+        name = raw.decode("utf-8")
+        usize, csize, header, disk = _zip64_fields(extra, usize, csize, header, disk)
+        if method != 0 or csize != usize:
+            raise _Refused(f"record {name} is compressed; torch files never are")
+        if flags & ~_KNOWN_FLAGS or disk:
+            raise _Refused(f"record {name} is encrypted or split (flags {flags:#x})")
+        listed.append(_Listed(name, crc, usize, header, flags))
+    if pos != len(directory):
+        raise _Refused("a central directory of another number of records than its end record says")
+    return listed
+
+
+def _zip64_fields(extra: bytes, usize: int, csize: int, header: int, disk: int) -> tuple[int, int, int, int]:
+    """The fields a directory entry marks as in its zip64 extra field (all 1s), read from it in
+    the order the format (and miniz) reads them."""
+    wanted = [usize == _U32, csize == _U32, header == _U32, disk == _U16]
+    if not any(wanted):
+        return usize, csize, header, disk
+    pos = 0
+    while pos + 4 <= len(extra):
+        kind, length = struct.unpack_from("<HH", extra, pos)
+        if kind == _ZIP64_EXTRA:
+            values = list(struct.unpack_from(f"<{sum(wanted[:3])}Q{'I' if wanted[3] else ''}", extra, pos + 4))
+            fields = [usize, csize, header, disk]
+            for i, want in enumerate(wanted):
+                if want:
+                    fields[i] = values.pop(0)
+            return fields[0], fields[1], fields[2], fields[3]
+        pos += 4 + length
+    raise _Refused("a record's header lacks its zip64 fields")
+
+
+def _folder(listed: list[_Listed]) -> str:
+    """The archive's folder ("archive/"), as torch finds it: the first component of the first
+    record's name. Every record must be inside it, under a plain relative name, and no two names
+    may be equal ignoring ASCII case (miniz looks names up so)."""
+    if not listed:
+        raise _Refused("no records")
+    first = listed[0].name
+    if "/" not in first:
+        raise _Refused(f"record {first} is not inside the archive's folder")
+    prefix = first[: first.index("/") + 1]
+    seen: set[bytes] = set()
+    for record in listed:
+        name = record.name
+        parts = name.split("/")
+        if (
+            not name.startswith(prefix)
+            or any(part in ("", ".", "..") for part in parts)
+            or "\\" in name
+            or any(ord(c) < 32 for c in name)
+        ):
+            raise _Refused(f"record {name!r} is outside the archive's folder {prefix[:-1]!r} or not a plain name")
+        folded = name.encode().lower()
+        if folded in seen:
+            raise _Refused(f"two records are named {name!r}")
+        seen.add(folded)
+    if prefix + "data.pkl" not in {r.name for r in listed}:
+        raise _Refused("no data.pkl: not a torch.save file")
+    return prefix
+
+
+def _local_headers(fd: int, listed: list[_Listed], directory: int) -> None:
+    """Each record's data offset, from its local header, which must agree with the directory
+    (name, flags, method, sizes); no two records' bytes (header and data) may overlap each other
+    or the central directory."""
+    if hasattr(os, "posix_fadvise"):  # a cold file's headers (one per tensor) are read in parallel
+        for record in listed:
+            os.posix_fadvise(fd, record.header, _LOCAL.size + 256, os.POSIX_FADV_WILLNEED)
+    for record in listed:
+        name = record.name.encode()
+        raw = os.pread(fd, _LOCAL.size + len(name), record.header)
+        if len(raw) < _LOCAL.size + len(name):
+            raise _Refused(f"the header of record {record.name} cut short")
+        sig, _, flags, method, _, _, crc, csize, usize, nlen, xlen = _LOCAL.unpack_from(raw)
+        if sig != 0x04034B50 or raw[_LOCAL.size :] != name or nlen != len(name):
+            raise _Refused(f"the local header of record {record.name} names another record")
+        if _U32 in (csize, usize):  # zip64: both sizes in the header's zip64 extra field
+            extra = os.pread(fd, xlen, record.header + _LOCAL.size + nlen)
+            usize, csize, _, _ = _zip64_fields(extra, usize, csize, 0, 0)
+        descriptor = bool(flags & 0x08)  # CRC and sizes after the data: the header's may be 0
+        if (
+            flags != record.flags
+            or method != 0
+            or not _agrees(crc, record.crc, descriptor)
+            or not _agrees(csize, record.size, descriptor)
+            or not _agrees(usize, record.size, descriptor)
+        ):
+            raise _Refused(f"the local header of record {record.name} disagrees with the central directory")
+        record.data = record.header + _LOCAL.size + nlen + xlen
+    end = 0
+    for record in sorted(listed, key=lambda r: r.header):
+        if record.header < end:
+            raise _Refused(f"record {record.name} overlaps another record")
+        end = record.data + record.size
+    if end > directory:
+        raise _Refused("a record that overlaps the central directory")
+
+
+def _agrees(local: int, central: int, descriptor: bool) -> bool:
+    """Whether a local header's CRC or size agrees with the directory's: equal, or 0 when the
+    record has a data descriptor (torch's writer leaves them 0 there)."""
+    return local == central or (descriptor and local == 0)
+
+
+def _check_torch_records(small: dict[str, bytes]) -> None:
+    """What torch reads and checks before the pickle: a version it supports (`.data/version`,
+    else `version`), this machine's byte order (torch would swap the bytes of every tensor), a
+    storage alignment that is a number; no TorchScript. (A missing byte order is little endian.)"""
+    version = small.get(".data/version", small.get("version"))
+    if version is None:
+        raise _Refused("no version record")
+    lo, hi = TORCH_VERSIONS
+    if not re.fullmatch(rb"[0-9]{1,6}\n?", version) or not lo <= int(version) <= hi:
+        raise _Refused(f"version {version[:20]!r}, which torch does not read")
+    if small.get("byteorder", b"little") != sys.byteorder.encode():  # torch's default: little
+        raise _Refused(f"byte order {small.get('byteorder', b'')[:20]!r}, not this machine's")
+    if ".storage_alignment" in small:
+        try:
+            int(small[".storage_alignment"])
+        except ValueError:
+            raise _Refused("a storage alignment that is not a number") from None
+    if "constants.pkl" in small:
+        raise _Refused("a TorchScript archive, not a state dict")

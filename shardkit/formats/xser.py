@@ -31,6 +31,7 @@ from .torch_io import (
     TorchFile,
     TorchWriter,
     _zip_size_bound,
+    load_small,
     parsed_once,
     regular,
     safe_load,
@@ -79,7 +80,7 @@ def load(path: Path) -> Any:
 def _valid_info(path: Path) -> dict:
     """The `.info.pt` beside an xser file (`tid -> {dtype, shape, ...}`), checked: entries that
     would be used as shapes and dtypes must be exactly that."""
-    info = safe_load(regular(path, "xser info file"), mmap=False)
+    info = load_small(path, "xser info file")
     if not isinstance(info, dict):
         raise FormatError(f"{path} is not an xser info file (expected tid -> {{dtype, shape}}): re-create it")
     for tid, entry in info.items():
@@ -128,12 +129,35 @@ class XserFile:
         return list(self._sd)
 
     def _file(self, tid: int) -> TorchFile:
-        """The reader of one referenced tensor file (metadata only until a slice is read)."""
+        """The reader of one referenced tensor file (metadata only until a slice is read), once it
+        holds what the info file says of it."""
         if tid not in self._files:
-            self._files[tid] = TorchFile(tensor_path(self.path, tid), single_tensor=True)
+            reader = TorchFile(tensor_path(self.path, tid), single_tensor=True)
+            try:
+                self._check_info(tid, reader)
+            except FormatError:
+                reader.close()
+                raise
+            self._files[tid] = reader
             if self._taps is not None:
-                self._files[tid].tap(self._taps)
+                reader.tap(self._taps)
         return self._files[tid]
+
+    def _check_info(self, tid: int, reader: TorchFile) -> None:
+        """A tensor file must hold the dtype and shape its entry in the info file gives: `shape` and
+        `dtype` answer from the info file (without opening the tensor files), and every reader of
+        the checkpoint planned its reads and outputs with them."""
+        entry = self._info.get(tid)
+        if entry is None:
+            return
+        dtype, shape = reader.dtype(TorchFile.SINGLE), reader.shape(TorchFile.SINGLE)
+        if entry["dtype"] != dtype or tuple(entry["shape"]) != shape:
+            said = f"{str(entry['dtype']).replace('torch.', '')} {tuple(entry['shape'])}"
+            held = f"{str(dtype).replace('torch.', '')} {shape}"
+            raise FormatError(
+                f"{reader.path} holds a {held} tensor but {info_path(self.path).name} says {said}: "
+                "the files are corrupt or mixed from different checkpoints; re-create them"
+            )
 
     def tap(self, taps: Callable[[Path], ReadTap | None]) -> None:
         """Pass the byte ranges read from the tensor files to `taps(path)` (see `DescriptorReader.tap`)."""

@@ -69,6 +69,27 @@ def read_small(path: str | Path, what: str, limit: int = JSON_LIMIT) -> bytes:
         os.close(fd)
 
 
+def check_small(path: str | Path, what: str, limit: int = PICKLE_LIMIT) -> Path:
+    """`path`, once it is known to be a regular file of at most `limit` bytes (else the one-line
+    SmallFileError `read_small` gives), for readers that must open it themselves (torch.load)."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise SmallFileError(f"{what} {shown(path)} does not exist") from None
+    except OSError as e:
+        raise SmallFileError(str(disk_error(e, f"read {what}", path))) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise SmallFileError(f"{what} {shown(path)} is a folder, not a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise SmallFileError(
+            f"{what} {shown(path)} is not a regular file (a FIFO, device or socket): refusing to read it"
+        )
+    if st.st_size > limit:
+        raise SmallFileError(_too_large(path, what, st.st_size, limit))
+    return path
+
+
 def _too_large(path: Path, what: str, size: int, limit: int) -> str:
     return (
         f"{what} {shown(path)} is {format_bytes(size)} or more, larger than any {what} should be "
