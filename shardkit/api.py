@@ -33,8 +33,8 @@ from .engine import (
 from .formats import Checkpoint, open_checkpoint
 from .hub import resolve_source
 from .io import remote as remote_io
-from .io.location import RemoteLocation
 from .io.location import remote as remote_location
+from .io.remote import Need
 from .io.transaction import recover_interrupted
 from .io.upload import remote_output
 from .layout import Layout, make_layout
@@ -60,15 +60,6 @@ ConfigArg = str | Path | Mapping[str, Any] | None
 
 
 # ---- object storage (s3://): sources are read through local mirrors, outputs uploaded at the end ------
-
-
-def _remote_options(src: object, options: dict[str, Any]) -> None:
-    """A source in object storage is not re-hashed against its manifest: that would fetch every
-    byte of every file, where an operation fetches only the ranges it uses (each GET is pinned to
-    the object's ETag instead)."""
-    if remote_location(src, "SRC") is not None and options.get("verify_hashes", True) not in (False, "none"):
-        log.info("%s: the source's files are not re-hashed (only the byte ranges used are read)", src)
-        options["verify_hashes"] = "none"
 
 
 @contextlib.contextmanager
@@ -97,21 +88,28 @@ def _located(result: Result, dst: str | Path) -> Result:
     return dataclasses.replace(result, path=dst if remote_location(dst) is not None else result.path)  # type: ignore[arg-type]
 
 
-def _mirror_root(src: str | Path | RemoteLocation, whole: bool = True) -> remote_io.Mirror | None:
+def _checkpoint_root(src: str | Path) -> remote_io.Mirror | None:
+    """A mirror of a training checkpoint root in object storage (its small objects fetched; the
+    caller prepares the tag it reads), None for a local path."""
     loc = remote_location(src, "SRC")
-    return None if loc is None else remote_io.open_prefix(loc, prepare=whole, whole=whole)
+    return None if loc is None else remote_io.open_prefix(loc, need=None, output=False)
 
 
 def open_source(
-    src: str | Path | Checkpoint, config: ConfigArg = None, hints: Mapping | None = None, revision: str | None = None
+    src: str | Path | Checkpoint,
+    config: ConfigArg = None,
+    hints: Mapping | None = None,
+    revision: str | None = None,
+    need: Need = Need.METADATA,
 ) -> Checkpoint:
-    """A checkpoint to read from: `src` itself, a local path, or a Hub repo id (fetched into the
-    Hugging Face cache; `revision` picks its branch, tag or commit)."""
+    """A checkpoint to read from: `src` itself, a local path, a Hub repo id (fetched into the
+    Hugging Face cache; `revision` picks its branch, tag or commit), or s3://bucket/prefix (a
+    local mirror fetching what `need` says, then the ranges read)."""
     if isinstance(src, Checkpoint):
         return src
-    mirror = _mirror_root(src)
-    if mirror is not None:  # s3://: a local mirror whose byte ranges are fetched as they are needed
-        return open_checkpoint(mirror.root, config, hints)
+    loc = remote_location(src, "SRC")
+    if loc is not None:
+        return open_checkpoint(remote_io.open_prefix(loc, need=need).root, config, hints)
     if not os.path.lexists(src):
         recover_interrupted(Path(src), log)  # a run killed while replacing it left it beside, renamed
     return open_checkpoint(resolve_source(src, revision=revision), config, hints)
@@ -135,9 +133,8 @@ def reshard(
     verify_hashes, direct_io, sha256 (see `engine.WriteArgs`); `config`/`hints` describe NxD shards that lack
     them; `revision` picks a Hub repo's branch, tag or commit. `src` and `dst` may be
     s3://bucket/prefix."""
-    _remote_options(src, options)  # type: ignore[arg-type]
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
-        ckpt = open_source(src, config, hints, revision)
+        ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
         result = reshard_checkpoint(ckpt, out, layout, format=format, command=command, **options)
     return _located(result, dst)
 
@@ -161,9 +158,8 @@ def merge(
 ) -> Result:
     """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
     index + config), in files of at most `max_shard_size`. `options` as for `reshard`."""
-    _remote_options(src, options)  # type: ignore[arg-type]
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
-        ckpt = open_source(src, config, hints, revision)
+        ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
         result = merge_checkpoint(ckpt, out, max_shard_size=max_shard_size, **options)
     return _located(result, dst)
 
@@ -182,7 +178,7 @@ def inspect(
     copy of every slice (reads the whole checkpoint; `progress(bytes_done, bytes_total)` follows
     it), and say what was checked in the report's "checked"."""
     with remote_io.mirrors_scope():
-        ckpt = open_source(path, config, hints, revision)
+        ckpt = open_source(path, config, hints, revision, Need.EVERYTHING if check_data else Need.METADATA)
         report = inspect_checkpoint(ckpt, check_data, progress=progress)
         if remote_location(path) is not None:
             report["path"] = str(path)
@@ -209,7 +205,8 @@ def verify(
     `atol` is 0 and the dtypes agree, else within `atol` in float32. `progress(bytes_done,
     bytes_total)` counts the bytes of A's tensors."""
     with remote_io.mirrors_scope():
-        ca, cb = open_source(a, config_a, hints_a, revision_a), open_source(b, config_b, hints_b, revision_b)
+        ca = open_source(a, config_a, hints_a, revision_a, Need.EVERYTHING)
+        cb = open_source(b, config_b, hints_b, revision_b, Need.EVERYTHING)
         return verify_checkpoints(ca, cb, atol=atol, on_tensor=on_tensor, names=(str(a), str(b)), progress=progress)
 
 
@@ -227,15 +224,15 @@ def export_checkpoint(
     """Merge a training checkpoint's model (the newest complete tag, or `tag`) into a Hugging Face
     model directory `out` (safetensors + index + config.json); `options` as for `merge`. `dir`
     and `out` may be s3://bucket/prefix."""
-    _remote_options(dir, options)  # type: ignore[arg-type]
     with remote_io.mirrors_scope(), _destination(out, bool(options.get("overwrite")), (dir,)) as local_out:
-        mirror = _mirror_root(dir, whole=False)
+        mirror = _checkpoint_root(dir)
         root = mirror.root if mirror is not None else Path(dir)
         name = resolve_tag(root, tag)
         if name is None:
             raise AssertionError("resolve_tag returns a tag or raises when none is asked for by name")
-        if mirror is not None:
-            mirror.prepare(name)  # the tag's metadata; its tensors' bytes as the merge reads them
+        if mirror is not None:  # the model files whole; master weights in optim/ as the merge reads them
+            mirror.prepare(f"{name}/model", Need.EVERYTHING)
+            mirror.prepare(name, Need.METADATA)
         # the tag's model files, or its fp32 master weights when the model files hold no data
         model = model_checkpoint(inside(root, name, "checkpoint tag"), config, hints)
         result = merge(model, local_out, max_shard_size=max_shard_size, **options)
@@ -260,10 +257,9 @@ def reshard_training_checkpoint(
     from .checkpoint.zero1 import read_param_order
 
     order = read_param_order(param_order) if isinstance(param_order, (str, Path)) else param_order
-    _remote_options(src, options)  # type: ignore[arg-type]
     with remote_io.mirrors_scope(), _destination(dst, False, (src,)) as out:
-        mirror = _mirror_root(src, whole=False)
-        root = _prepared_tag_root(mirror, options.get("tag")) if mirror is not None else src
+        mirror = _checkpoint_root(src)
+        root = _prepared_tag_root(mirror, options.get("tag"), Need.EVERYTHING) if mirror is not None else src
         written = reshard_training(root, out, layout, param_order=order, **options)
     loc = remote_location(dst)
     return written if loc is None else str(loc.child(written.name))
@@ -282,18 +278,18 @@ def inspect_training_checkpoint(
 
     order = read_param_order(param_order) if isinstance(param_order, (str, Path)) else param_order
     with remote_io.mirrors_scope():
-        mirror = _mirror_root(src, whole=False)
-        root = _prepared_tag_root(mirror, tag) if mirror is not None else src
+        mirror = _checkpoint_root(src)
+        root = _prepared_tag_root(mirror, tag, Need.METADATA) if mirror is not None else src
         info = inspect_training(root, tag, config, order)
     if mirror is not None and isinstance(info.get("path"), str):
         info["path"] = info["path"].replace(str(mirror.root), str(src), 1)
     return info
 
 
-def _prepared_tag_root(mirror: remote_io.Mirror, tag: str | None) -> Path:
-    """The mirror's root, with the metadata of the tag an operation reads fetched (the named
+def _prepared_tag_root(mirror: remote_io.Mirror, tag: str | None, need: Need) -> Path:
+    """The mirror's root, with what `need` says of the tag an operation reads fetched (the named
     tag, or the newest complete one)."""
     name = resolve_tag(mirror.root, tag)
     if name is not None:
-        mirror.prepare(name)
+        mirror.prepare(name, need)
     return mirror.root

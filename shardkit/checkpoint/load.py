@@ -369,7 +369,7 @@ def load_checkpoint(
     s3://bucket/prefix: read through a local mirror, fetching the ranges read."""
     if (loc := remote_location(dir, "checkpoint directory")) is not None:
         with remote_io.mirrors_scope():
-            mirror = remote_io.open_prefix(loc, prepare=False, whole=False)
+            mirror = remote_io.open_prefix(loc, need=None, output=False)
             name = resolve_tag(mirror.root, tag)
             if name is None:
                 return None

@@ -10,7 +10,7 @@ import click
 from ..errors import ShardkitError
 from ..formats.registry import format_names
 from ..io.location import is_url
-from ..io.remote import mirrors_scope
+from ..io.remote import Need, mirrors_scope
 from .hub import hub_check, hub_push, hub_quiet, hub_source, merge_and_push_report
 from .options import (
     LOCATION,
@@ -175,13 +175,11 @@ def reshard(ctx, src, dst, fmt, source_kv_replication, write, as_json, config, r
     started = time.perf_counter()
     hub_quiet(ctx)
     with mirrors_scope():  # an s3:// source's local mirror is removed at the end
-        source = open_source(src, config, {"kv_replication": source_kv_replication}, revision)
+        source = open_source(src, config, {"kv_replication": source_kv_replication}, revision, Need.EVERYTHING)
         layout = build_layout(layout_opts, inherit=source.layout)
         kept = kept_from_source(layout_opts, source.layout, layout)
         if kept and is_leader():
             note(ctx, kept)
-        if is_url(src):
-            write["verify_hashes"] = "none"  # see api._remote_options
         with Bar(ctx, "reshard") as bar:
             result = api_reshard(source, dst, layout, format=fmt, progress=bar, command=command_line(), **write)
     report(ctx, result, started, as_json, "wrote")

@@ -3,23 +3,32 @@
 Every reader of shardkit works on local files (positional reads, mappings, kernel copies, zip and
 torch.load of small files). A remote prefix is therefore opened as a temporary local folder
 holding one sparse file per object, of the object's size, into which byte ranges are fetched
-(ranged GETs, several in flight) before anything reads them:
+(ranged GETs, `GETS_IN_FLIGHT` at once) before anything reads them:
 
 - when the mirror opens: every small object whole, and every larger file that is not a tensor
   container (tokenizer.json);
-- when a part of it is prepared (`Mirror.prepare`): the metadata regions of its tensor containers
-  (a safetensors header; a torch zip's end records, central directory, local headers and every
-  record that is not tensor data, such as data.pkl); a legacy pickle whole;
-- the tensor spans the engine's plan lists, in order, a bounded window ahead of the read-ahead
-  (`expect`, called by `engine.prefetch.Prefetcher`);
+- when a part of it is prepared (`Mirror.prepare`), as the operation needs (`Need`):
+  EVERYTHING (merge, reshard, verify, export, ckpt reshard: they read all but a few percent of the
+  source, kv replicas): every byte, in `PART` GETs; METADATA (inspect, load_checkpoint, the
+  trainer): a safetensors header, or a torch zip's head and tail, then its central directory,
+  local headers and small records (`io.containers`), in GETs joined across holes under `HOLE`;
+- the tensor spans the engine's plan lists, in order, joined as above, a bounded window ahead of
+  the read-ahead (`expect`, called by `engine.prefetch.Prefetcher`);
 - anything else on demand, before the read (`before_read`: `io.taps.read_exact`, kernel copies,
   the mappings of `io.strided`, whole-file hashing and `torch.load` through `ensure_file`).
 
-So an operation reads from the store exactly the bytes it uses, and nothing ever reads a hole.
-Fetched bytes change a mirror file's mtime and ctime: `stamp` gives the stable identity the
-"source changed while read" checks compare instead (every GET is made If-Match the object's
-listed ETag, so a replaced object is refused, never mixed). The folder is removed when the
-mirror closes (and a killed run's mirror by the next run: its owner process is gone).
+Why whole files and joined holes rather than one GET per record: a request costs a round trip
+(and, on a server such as moto, a read of the whole object), while the bytes of a hole cost
+little; Apache Arrow's read coalescing sets its hole limit the same way (time to first byte times
+bandwidth: a few MiB on S3). A torch shard of TinyLlama at tp 8 has 201 records: one GET per
+local header would be 201 round trips per file.
+
+So an operation reads from the store the bytes it uses, plus holes of at most `HOLE`, and nothing
+ever reads a hole of the mirror. Fetched bytes change a mirror file's mtime and ctime: `stamp`
+gives the stable identity the "source changed while read" checks compare instead (every GET is
+made If-Match the object's listed ETag, so a replaced object is refused, never mixed). The folder
+(in the system's temporary folder; as large as the bytes fetched) is removed when the mirror
+closes, and a killed run's mirror by the next run (its owner process is gone).
 """
 
 from __future__ import annotations
@@ -27,18 +36,19 @@ from __future__ import annotations
 import atexit
 import bisect
 import contextlib
+import enum
 import logging
 import os
-import struct
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from ..errors import FormatError, ShardkitError
 from ..paths import inside
-from . import s3
+from . import containers, s3
 from .delete import remove_tree
 from .location import RemoteLocation
 
@@ -47,18 +57,27 @@ log = logging.getLogger(__name__)
 SMALL = 1 << 20
 """Objects up to this size are fetched whole when the mirror opens."""
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".bin", ".pth")
-PART = 8 << 20
+PART = 32 << 20
 """The largest single ranged GET: a larger range is fetched as several GETs in flight."""
+HOLE = 4 << 20
+"""Wanted ranges of one object at most this far apart are fetched in one GET (the hole too)."""
 GETS_IN_FLIGHT = 16
 WINDOW = 512 << 20
 """How far (bytes) the planned fetches may run ahead of the bytes readers have asked for."""
-JOIN_GAP = 64 << 10
-"""Metadata ranges closer than this are fetched in one GET."""
-TAIL = 64 << 10
 MIRROR_PREFIX = "shardkit-s3-"
 WRITING = ".shardkit-writing"
 """A remote output's first object and the last one deleted (`io.upload`): while it exists the
 prefix is incomplete."""
+
+
+class Need(enum.Enum):
+    """What an operation reads of the tensor containers it opens (see the module's docstring)."""
+
+    METADATA = "metadata"
+    """Their metadata when opened, then the ranges planned or read."""
+    EVERYTHING = "everything"
+    """All their bytes (merge, reshard, verify, export: all but a few percent of a source)."""
+
 
 _MIRRORED: dict[tuple[int, int], MirrorFile] = {}
 """Open mirror files by identity (device, inode), for the read hooks."""
@@ -144,6 +163,14 @@ class MirrorFile:
                 waits.append(future)
         return waits
 
+    def fetch_ranges(self, ranges: Iterable[tuple[int, int]]) -> list[Future[int]]:
+        """Start fetching [start, end) ranges, joined across holes under HOLE."""
+        return [f for s, e in _joined(ranges) for f in self.fetch_async(s, e)]
+
+    def pread(self, offset: int, n: int) -> bytes:
+        """Bytes already fetched (the metadata steps read only those)."""
+        return os.pread(self.fd, max(0, min(n, self.size - offset)), offset)
+
     def ensure(self, start: int, length: int) -> None:
         """Return once bytes [start, start + length) are in the local file."""
         for future in self.fetch_async(start, start + length):
@@ -200,23 +227,19 @@ class Mirror:
         with self._count_lock:
             self.bytes_fetched += n
 
-    def prepare(self, under: str = "") -> None:
-        """Fetch the metadata regions of every tensor container under `under` (a relative folder;
-        "" for all), so that opening them reads only fetched bytes."""
+    def prepare(self, under: str = "", need: Need = Need.METADATA) -> None:
+        """Fetch what opening the tensor containers under `under` (a relative folder; "" for all)
+        reads, or with Need.EVERYTHING every byte of them (see the module's docstring)."""
+        inside_ = under.rstrip("/") + "/"
         chosen = [
             mf
             for name, mf in self.files.items()
-            if not mf.prepared
-            and _lazy(mf)
-            and (not under or name == under or name.startswith(under.rstrip("/") + "/"))
+            if _lazy(mf) and (not under or name == under or name.startswith(inside_))
         ]
-        heads = [f for mf in chosen for f in mf.fetch_async(0, min(mf.size, TAIL))]
-        tails = [f for mf in chosen for f in mf.fetch_async(max(0, mf.size - TAIL - 22), mf.size)]
-        _wait_all(heads + tails)
-        second: list[tuple[MirrorFile, list[tuple[int, int]]]] = [(mf, _metadata_ranges(mf)) for mf in chosen]
-        _wait_all([f for mf, ranges in second for s, e in _joined(ranges) for f in mf.fetch_async(s, e)])
-        third = [(mf, _zip_record_ranges(mf)) for mf in chosen]
-        _wait_all([f for mf, ranges in third for s, e in _joined(ranges) for f in mf.fetch_async(s, e)])
+        if need is Need.EVERYTHING:
+            _wait_all([f for mf in chosen for f in mf.fetch_async(0, mf.size)])
+        else:
+            _fetch_metadata([mf for mf in chosen if not mf.prepared])
         for mf in chosen:
             mf.prepared = True
 
@@ -274,6 +297,7 @@ class _Planner:
 
     def _run(self) -> None:
         ahead = 0
+        run: list[Any] = []  # [file, start, end]: planned ranges of one file joined into one fetch so far
         try:
             for mf, offset, length in self.planned:
                 with self._cond:
@@ -281,8 +305,16 @@ class _Planner:
                         self._cond.wait(0.5)
                     if self._stop:
                         return
-                mf.fetch_async(offset, offset + length)
+                end = offset + length
+                if run and run[0] is mf and run[2] - HOLE <= offset <= run[2] + HOLE and end - run[1] <= PART:
+                    run[1], run[2] = min(run[1], offset), max(run[2], end)
+                else:
+                    if run:
+                        run[0].fetch_async(run[1], run[2])
+                    run = [mf, offset, end]
                 ahead += length
+            if run:
+                run[0].fetch_async(run[1], run[2])
         except Exception as e:  # noqa: BLE001 - readers fetch on demand and meet real errors themselves
             log.debug("planned fetches stopped: %s", e)
 
@@ -301,11 +333,27 @@ def _lazy(mf: MirrorFile) -> bool:
 def _joined(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[list[int]] = []
     for s, e in sorted(ranges):
-        if out and s - out[-1][1] <= JOIN_GAP:
+        if out and s - out[-1][1] <= HOLE:
             out[-1][1] = max(out[-1][1], e)
         else:
             out.append([s, e])
     return [(s, e) for s, e in out]
+
+
+def _fetch_metadata(files: list[MirrorFile]) -> None:
+    """Need.METADATA for `files`, every step for all of them at once (`io.containers`): head and
+    tail; the safetensors header or zip central directory they point at; the zip records' local
+    headers and small records; the rest of any header longer than its window."""
+
+    def step(ranges: Callable[[MirrorFile], list[tuple[int, int]]], of: list[MirrorFile]) -> None:
+        _wait_all([f for mf in of for f in mf.fetch_ranges(ranges(mf))])
+
+    step(lambda mf: [(0, containers.HEAD), (max(0, mf.size - containers.TAIL), mf.size)], files)
+    step(lambda mf: containers.after_head_and_tail(mf.name, mf.size, mf.pread), files)
+    zips = [mf for mf in files if not mf.name.endswith(".safetensors") and containers.is_zip(mf.pread)]
+    listed = {mf.name: containers.central_records(mf.size, mf.pread) for mf in zips}
+    step(lambda mf: containers.zip_records(mf.size, listed[mf.name]), zips)
+    step(lambda mf: containers.zip_header_rests(mf.size, listed[mf.name], mf.pread), zips)
 
 
 def _wait_all(futures: Iterable[Future[int]]) -> None:
@@ -317,102 +365,6 @@ def _wait_all(futures: Iterable[Future[int]]) -> None:
             first = first or e
     if first is not None:
         raise first
-
-
-def _pread(mf: MirrorFile, offset: int, n: int) -> bytes:
-    mf.ensure(offset, n)
-    return os.pread(mf.fd, n, offset)
-
-
-def _metadata_ranges(mf: MirrorFile) -> list[tuple[int, int]]:
-    """Second step of `prepare`: a safetensors header, a zip's central directory (from its end
-    records), or the whole file (a legacy pickle)."""
-    head = os.pread(mf.fd, 8, 0)
-    if mf.name.endswith(".safetensors") and len(head) == 8:
-        (n,) = struct.unpack("<Q", head)
-        return [(8, min(mf.size, 8 + n))]
-    if head[:4] != b"PK\x03\x04":
-        return [(0, mf.size)]  # not a zip: torch.load reads it whole
-    tail_start = max(0, mf.size - TAIL - 22)
-    tail = os.pread(mf.fd, mf.size - tail_start, tail_start)
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0:
-        return [(0, mf.size)]
-    cd_size, cd_offset = struct.unpack("<II", tail[at + 12 : at + 20])
-    if cd_offset == 0xFFFFFFFF or cd_size == 0xFFFFFFFF:  # zip64: its end record says where
-        loc = tail.rfind(b"PK\x06\x07", 0, at)
-        if loc < 0:
-            return [(0, mf.size)]
-        (record,) = struct.unpack("<Q", tail[loc + 8 : loc + 16])
-        raw = _pread(mf, record, 56)
-        cd_size, cd_offset = struct.unpack("<QQ", raw[40:56])
-    return [(cd_offset, min(mf.size, cd_offset + cd_size))]
-
-
-def _central_entries(mf: MirrorFile) -> list[tuple[str, int, int]]:
-    """(name, local header offset, stored size) of every record of a fetched central directory."""
-    head = os.pread(mf.fd, 4, 0)
-    if mf.name.endswith(".safetensors") or head != b"PK\x03\x04":
-        return []
-    tail_start = max(0, mf.size - TAIL - 22)
-    tail = os.pread(mf.fd, mf.size - tail_start, tail_start)
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0:
-        return []
-    cd_size, cd_offset = struct.unpack("<II", tail[at + 12 : at + 20])
-    if cd_offset == 0xFFFFFFFF or cd_size == 0xFFFFFFFF:
-        loc = tail.rfind(b"PK\x06\x07", 0, at)
-        (record,) = struct.unpack("<Q", tail[loc + 8 : loc + 16])
-        cd_size, cd_offset = struct.unpack("<QQ", os.pread(mf.fd, 56, record)[40:56])
-    cd = os.pread(mf.fd, cd_size, cd_offset)
-    entries: list[tuple[str, int, int]] = []
-    pos = 0
-    while pos + 46 <= len(cd) and cd[pos : pos + 4] == b"PK\x01\x02":
-        csize, usize = struct.unpack("<II", cd[pos + 20 : pos + 28])
-        nlen, xlen, clen = struct.unpack("<HHH", cd[pos + 28 : pos + 34])
-        (offset,) = struct.unpack("<I", cd[pos + 42 : pos + 46])
-        name = cd[pos + 46 : pos + 46 + nlen].decode("utf-8", "replace")
-        extra = cd[pos + 46 + nlen : pos + 46 + nlen + xlen]
-        size = csize
-        if 0xFFFFFFFF in (csize, usize, offset):  # zip64 extra field: the 8-byte values, in order
-            values = _zip64_values(extra)
-            if usize == 0xFFFFFFFF and values:
-                usize = values.pop(0)
-            if csize == 0xFFFFFFFF and values:
-                size = values.pop(0)
-            if offset == 0xFFFFFFFF and values:
-                offset = values.pop(0)
-        entries.append((name, offset, size))
-        pos += 46 + nlen + xlen + clen
-    return entries
-
-
-def _zip64_values(extra: bytes) -> list[int]:
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, size = struct.unpack("<HH", extra[pos : pos + 4])
-        if tag == 1:
-            body = extra[pos + 4 : pos + 4 + size]
-            return [struct.unpack("<Q", body[i : i + 8])[0] for i in range(0, len(body) - 7, 8)]
-        pos += 4 + size
-    return []
-
-
-def _zip_record_ranges(mf: MirrorFile) -> list[tuple[int, int]]:
-    """Third step of `prepare`: every record's local header (its name and extra field, read to
-    find where the data starts) and the whole of every record that is not tensor data."""
-    entries = _central_entries(mf)
-    headers = [(offset, offset + 30) for _, offset, _ in entries]
-    _wait_all([f for s, e in _joined(headers) for f in mf.fetch_async(s, e)])
-    ranges: list[tuple[int, int]] = []
-    for name, offset, size in entries:
-        nlen, xlen = struct.unpack("<HH", os.pread(mf.fd, 4, offset + 26))
-        data = offset + 30 + nlen + xlen
-        if "/data/" in name and not name.endswith(".pkl"):
-            ranges.append((offset, data))
-        else:
-            ranges.append((offset, data + size))
-    return ranges
 
 
 def _host() -> str:
@@ -492,15 +444,15 @@ def location_of(path: str | os.PathLike[str]) -> RemoteLocation | None:
     return None
 
 
-def prepare_path(path: str | os.PathLike[str]) -> None:
-    """Fetch the metadata of every tensor container under `path` when it lies in an open mirror."""
+def prepare_path(path: str | os.PathLike[str], need: Need = Need.METADATA) -> None:
+    """`Mirror.prepare` of the part of an open mirror that `path` names (nothing for a local path)."""
     here = Path(path)
     with _OPEN_LOCK:
         mirrors = list(_OPEN)
     for mirror in mirrors:
         if here == mirror.root or mirror.root in here.parents:
             rel = here.relative_to(mirror.root).as_posix()
-            mirror.prepare("" if rel == "." else rel)
+            mirror.prepare("" if rel == "." else rel, need)
 
 
 def readable(text: str, what: str) -> Path | None:
@@ -593,21 +545,22 @@ def stamp(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def open_prefix(loc: RemoteLocation, *, prepare: bool = True, whole: bool = True) -> Mirror:
-    """A mirror of `loc` to read from (see `open_mirror`); with `prepare`, every tensor
-    container's metadata is fetched. `whole` (an engine source: one output of one run): a prefix
-    still marked as being written is refused; a training checkpoint root is not (its tags say
-    for themselves whether they are complete). An empty or absent prefix is a one-line error."""
+def open_prefix(loc: RemoteLocation, *, need: Need | None = Need.METADATA, output: bool = True) -> Mirror:
+    """A mirror of `loc` to read from (see `open_mirror`), with what `need` says of every tensor
+    container fetched (None: nothing yet; the caller prepares the part it reads). `output` (an
+    engine source: one output of one run): a prefix still marked as being written is refused; a
+    training checkpoint root is not (its tags say for themselves whether they are complete). An
+    empty or absent prefix is a one-line error."""
     objects = s3.list_objects(loc)
     if not objects:
         s3.check_bucket(loc)
         raise FormatError(f"{loc} holds no objects: check the bucket and prefix")
-    if whole and any(o.name == WRITING for o in objects):
+    if output and any(o.name == WRITING for o in objects):
         raise FormatError(
             f"{loc} is incomplete (an upload was interrupted, or is still running): write it again "
             "(the next run into it removes the partial upload, saying so)"
         )
     mirror = open_mirror(loc, [o for o in objects if o.name != WRITING])
-    if prepare:
-        mirror.prepare()
+    if need is not None:
+        mirror.prepare("", need)
     return mirror

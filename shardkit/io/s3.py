@@ -309,6 +309,20 @@ def delete_objects(loc: RemoteLocation, names: Iterable[str]) -> int:
     return len(names)
 
 
+def abort_uploads(loc: RemoteLocation) -> int:
+    """Abort the multipart uploads left open under `loc` (a killed writer's: their parts are
+    stored, and billed, until aborted, yet no listing shows them). Returns how many."""
+    prefix = f"{loc.prefix}/" if loc.prefix else ""
+    aborted = 0
+    with _translated("abort the unfinished uploads under", loc):
+        pages = client().get_paginator("list_multipart_uploads").paginate(Bucket=loc.bucket, Prefix=prefix)
+        for page in pages:
+            for upload in page.get("Uploads", []):
+                client().abort_multipart_upload(Bucket=loc.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+    return aborted
+
+
 def describe(objects: Iterable[ObjectInfo]) -> str:
     objs = list(objects)
     return f"{len(objs)} objects, {format_bytes(sum(o.size for o in objs))}"

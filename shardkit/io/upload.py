@@ -11,12 +11,17 @@ checkpoint tag's `done` marker (NxD's protocol). `remote_output` is the object-s
 2. `.shardkit-writing` (host, pid) is written first: until it is gone the prefix reads as
    incomplete (opening it as a source is refused, a checkpoint's tags lack `done`);
 3. the caller writes into a local staging folder in the system's temporary folder (nothing
-   beside the destination, nothing in the working directory);
-4. commit: every file is uploaded (multipart, several files in flight, each file's local copy
-   deleted once it is up, so the staging folder shrinks as it goes), the final objects last, then
-   the marker is deleted;
-5. on failure, Ctrl-C or SIGTERM what was uploaded is deleted again and the staging folder
-   removed; after a kill, the marker says the prefix is incomplete until the next run cleans it.
+   beside the destination, nothing in the working directory); each file its writers close goes
+   up at once (`StreamingUpload`, the folder's `io.sinks` sink: multipart, several files in
+   flight, the local copy deleted once it is up), so uploading overlaps writing and the local
+   folder holds only the files in flight (a writer that gets further ahead waits);
+4. commit: the staged output's rename waits for those uploads; then the files written last (a
+   manifest, config, tokenizer files) go up, the final objects one kind after another, and the
+   marker is deleted;
+5. on failure, Ctrl-C or SIGTERM the uploads under way are cancelled (their multipart uploads
+   aborted), what was uploaded is deleted again and the staging folder removed; after a kill,
+   the marker says the prefix is incomplete until the next run cleans it (and aborts the
+   multipart uploads the killed run left open under it).
 """
 
 from __future__ import annotations
@@ -30,10 +35,17 @@ from pathlib import Path
 
 from ..errors import DestinationExistsError, ShardkitError
 from ..sizes import format_bytes
-from . import s3
+from . import s3, sinks
 from .location import RemoteLocation
 from .remote import WRITING
-from .transaction import pid_alive, temporary_folder, terminate_as_interrupt
+from .transaction import (
+    OWNER_FILE,
+    STAGING_TAG,
+    pid_alive,
+    sibling_name,
+    temporary_folder,
+    terminate_as_interrupt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +132,7 @@ def check_destination(loc: RemoteLocation, overwrite: bool, sources: Sequence[Re
         owner = parse_owner(s3.get_bytes(loc, WRITING))
         if abandoned(owner):
             remove_objects(loc, [n for n in names if n != WRITING])
+            s3.abort_uploads(loc)
             s3.delete_objects(loc, [WRITING])
             log.warning(
                 "removed %s under %s, left incomplete by a run (process %s) that no longer runs",
@@ -138,30 +151,63 @@ def check_destination(loc: RemoteLocation, overwrite: bool, sources: Sequence[Re
     return names
 
 
+class StreamingUpload:
+    """The sink (`io.sinks`) of a remote output's local folder: each file the writers close in
+    its staging folder goes up at once (several in flight; `files_in_flight` bounds them, so a
+    writer that gets ahead waits and the local copy holds only the files in flight), and is
+    deleted locally once it is up. The final objects wait for `upload_tree` at the commit."""
+
+    def __init__(self, loc: RemoteLocation, local: Path, files_in_flight: int = 4):
+        self.loc = loc
+        self.folders = (local.absolute(), sibling_name(local.absolute(), STAGING_TAG))
+        self._uploader = s3.Uploader(files_in_flight)
+        self.sent = 0
+
+    def closed(self, path: Path) -> None:
+        for folder in self.folders:
+            if folder in path.parents:
+                rel = path.relative_to(folder).as_posix()
+                if rel != OWNER_FILE and _final_rank(rel) == 0:
+                    self._uploader.upload(path, self.loc, rel, remove=True)
+                return
+
+    def drain(self) -> None:
+        self.sent = self._uploader.wait()
+
+    def close(self, cancel: bool) -> None:
+        self._uploader.close(cancel=cancel)
+
+
 @contextlib.contextmanager
 def remote_output(
     loc: RemoteLocation, *, overwrite: bool = False, sources: Sequence[RemoteLocation] = (), what: str = "write"
 ) -> Iterator[Path]:
     """Yield a local path (not yet existing, in a temporary folder) to write the output into;
-    on a normal exit it is uploaded to `loc` as the module's docstring says."""
+    its files go up as they are closed, the rest on a normal exit, as the module's docstring says."""
     with terminate_as_interrupt():
         replaced = check_destination(loc, overwrite, sources)
         s3.put_bytes(loc, WRITING, _owner_text())
         started = True
+        streaming: StreamingUpload | None = None
         try:
             if replaced:
                 remove_objects(loc, [n for n in replaced if n != WRITING])
                 log.info("%s: removed the %d objects of the output it replaces", loc, len(replaced))
             with temporary_folder(prefix="shardkit-s3-out-") as work:
                 local = work.path / (loc.name or loc.bucket)
-                yield local
+                streaming = StreamingUpload(loc, local)
+                with sinks.registered(work.path, streaming):
+                    yield local
+                    streaming.drain()
                 if not local.exists():
                     raise ShardkitError(f"nothing was written for {loc}")
-                sent = upload_tree(local, loc)
+                sent = streaming.sent + upload_tree(local, loc)
                 log.info("%s: uploaded %s (%s)", loc, format_bytes(sent), what)
             s3.delete_objects(loc, [WRITING])
             started = False
         finally:
+            if streaming is not None:
+                streaming.close(cancel=started)
             if started:
                 _undo(loc)
 
