@@ -30,9 +30,11 @@ from .engine import (
     reshard_checkpoint,
     verify_checkpoints,
 )
+from .errors import FormatError
 from .formats import Checkpoint, open_checkpoint
 from .hub import resolve_source
 from .io import remote as remote_io
+from .io.digest import NONE, check_mode, file_matches
 from .io.location import remote as remote_location
 from .io.remote import Need
 from .io.transaction import recover_interrupted
@@ -88,6 +90,25 @@ def _located(result: Result, dst: str | Path) -> Result:
     return dataclasses.replace(result, path=dst if remote_location(dst) is not None else result.path)  # type: ignore[arg-type]
 
 
+def _check_fetched(ckpt: Checkpoint, options: dict[str, Any]) -> None:
+    """A source fetched whole from object storage is checked against its manifest here, each
+    file whole as it lies in the mirror, before anything is written (xxh3-128: 0.24 s for
+    TinyLlama's 2.2 GB); the engine then does not check on read, which would have the merge read
+    every shard in its worker instead of copying it by the kernel (2.5 s more on that merge)."""
+    if remote_io.location_of(ckpt.root) is None or not ckpt.manifest:
+        return
+    mode = check_mode(options.get("verify_hashes", True))
+    if mode == NONE:
+        return
+    for entry in ckpt.manifest.get("files", []) or []:
+        path = inside(Path(ckpt.root), str(entry.get("path", "")), "file the manifest lists")
+        remote_io.ensure_file(path)
+        if not file_matches(path, entry, mode):
+            where = remote_io.location_of(path)
+            raise FormatError(f"{where} does not match the digest its manifest lists: re-create it")
+    options["verify_hashes"] = "none"
+
+
 def _checkpoint_root(src: str | Path) -> remote_io.Mirror | None:
     """A mirror of a training checkpoint root in object storage (its small objects fetched; the
     caller prepares the tag it reads), None for a local path."""
@@ -135,6 +156,7 @@ def reshard(
     s3://bucket/prefix."""
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
         ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
+        _check_fetched(ckpt, options)  # type: ignore[arg-type]
         result = reshard_checkpoint(ckpt, out, layout, format=format, command=command, **options)
     return _located(result, dst)
 
@@ -160,6 +182,7 @@ def merge(
     index + config), in files of at most `max_shard_size`. `options` as for `reshard`."""
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
         ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
+        _check_fetched(ckpt, options)  # type: ignore[arg-type]
         result = merge_checkpoint(ckpt, out, max_shard_size=max_shard_size, **options)
     return _located(result, dst)
 

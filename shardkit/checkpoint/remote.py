@@ -8,17 +8,21 @@ exists. shardkit reads and writes exactly that:
 - listing, loading and inspecting go through a local mirror of the prefix (`io.remote`): small
   objects (markers, manifests, the scheduler) are fetched whole, tensor files only in the ranges
   read;
-- a save writes the tag into a local staging root with the usual code (every rank, `done`
-  last), then rank 0 uploads it: `<tag>/.shardkit-owner` (host, pid) first, the files (local
-  copies deleted as each is up), `done` last, then the owner object is deleted. A tag whose
-  upload was killed has no `done`: it lists as incomplete, `latest_if_exists` skips it, and the
-  next save's retention removes it (its owner is a process of this host that no longer runs),
-  saying so;
+- a save writes the tag into a local staging root on each host with the usual code (every rank,
+  `done` last), then: rank 0 writes `<tag>/.shardkit-owner` (host, pid); the first rank of each
+  host uploads the files its host's ranks wrote (local copies deleted as each is up); once every
+  host is done, rank 0 uploads `done` and deletes the owner object. A tag whose upload was
+  killed has no `done`: it lists as incomplete, `latest_if_exists` skips it, and the next save's
+  retention removes it (its owner is a process of this host that no longer runs), saying so;
 - retention and `prune` delete a tag's `done` first, then its files, its `checkpoint` marker last.
+
+An object store has no lock: two jobs saving to the same prefix at once are not told of each
+other (NxD's own S3 checkpoint storage has no lock either). Run one writer per prefix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -29,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..errors import ShardkitError
 from ..io import remote as remote_io
 from ..io import s3
 from ..io.delete import remove_tree
@@ -111,47 +116,84 @@ def prune_remote(
     return plan
 
 
-def upload_tag(tag_dir: Path, loc: RemoteLocation) -> None:
-    """Rank 0, once the tag is complete locally: upload it under `loc/<tag>` as the module's
-    docstring says, replacing a tag of that name (its `done` goes first), then remove the local copy."""
-    tag = tag_dir.name
+def _clear_host(job: Any) -> None:
+    """Before a save, on the first rank of each host: what killed uploads left in this host's
+    staging root (the leader's own tag folder is replaced by `save.prepare_tag`)."""
+    for stale in job.root.iterdir():
+        if stale.is_dir() and not (job.leader and stale.name == job.tag):
+            remove_tree(stale)
+
+
+def _begin_tag(loc: RemoteLocation, tag: str) -> None:
+    """Leader: `<tag>/.shardkit-owner` (host, pid) first, then a tag of that name is removed
+    (its `done` first): from here until `done`, the tag lists as incomplete."""
     existing = [o.name for o in s3.list_objects(loc.child(tag))]
-    owner = f"{socket.gethostname()} {os.getpid()}\n".encode()
-    s3.put_bytes(loc, f"{tag}/{OWNER_FILE}", owner)
+    s3.put_bytes(loc, f"{tag}/{OWNER_FILE}", f"{socket.gethostname()} {os.getpid()}\n".encode())
     if existing:
         remove_objects(loc.child(tag), [n for n in existing if n != OWNER_FILE])
-    local_owner = tag_dir / OWNER_FILE
-    local_owner.unlink(missing_ok=True)
-    upload_tree(tag_dir, loc.child(tag))  # `done` last
-    s3.delete_objects(loc, [f"{tag}/{OWNER_FILE}"])
-    remove_tree(tag_dir)
+
+
+def _upload_host(job: Any, loc: RemoteLocation) -> None:
+    """The first rank of each host: every file this host's ranks wrote (but `done`), each
+    deleted locally once it is up."""
+    (job.tag_dir / OWNER_FILE).unlink(missing_ok=True)
+    upload_tree(job.tag_dir, loc.child(job.tag), exclude=(DONE_MARKER,))
+    if not job.leader:
+        remove_tree(job.tag_dir)
+
+
+def _finish_tag(job: Any, loc: RemoteLocation) -> None:
+    """Leader, once every host's files are up: `done`, then the owner object goes; the local
+    tag folder is removed."""
+    upload_tree(job.tag_dir, loc.child(job.tag))  # what is left: `done`
+    s3.delete_objects(loc, [f"{job.tag}/{OWNER_FILE}"])
+    remove_tree(job.tag_dir)
 
 
 def remote_saver(loc: RemoteLocation, run_save: Callable[..., None], agree: Callable[..., Any]) -> Callable[..., None]:
-    """`save.run_save` for a checkpoint directory in object storage: the local save into the
-    staging root on every rank (retention there skipped), then rank 0 uploads the tag and applies
-    retention to the prefix."""
+    """`save.run_save` for a checkpoint directory in object storage. Every rank saves into its
+    host's staging root (`staging_root`: local disk, one per host), retention there skipped; then
+    the leader writes the tag's owner object, the first rank of each host uploads that host's
+    files, and once all are up the leader uploads `done` and applies retention to the prefix. A
+    failure anywhere fails the save on every rank: each host's staged files are removed, and the
+    leader deletes what was uploaded (a tag of that name in the store is kept if the failure came
+    before the upload began)."""
 
     def run(job: Any, comm: Any, retention: Any = None) -> None:
+        what = f"saving checkpoint {job.tag} to {loc}"
+        hosts = comm.gather(socket.gethostname())
+        first_on_host = hosts.index(hosts[comm.rank]) == comm.rank
+        agree(comm, what, lambda: _clear_host(job) if first_on_host else None, job.tag_dir)
+        begun = False  # the leader has started replacing `<tag>/` in the store
+        try:
+            run_save(job, comm, retention=None)
+            begun = True
+            agree(comm, what, lambda: _begin_tag(loc, job.tag) if job.leader else None, job.tag_dir)
+            agree(comm, what, lambda: _upload_host(job, loc) if first_on_host else None, job.tag_dir)
+            agree(comm, what, lambda: _finish_tag(job, loc) if job.leader else None, job.tag_dir)
+        except BaseException:
+            if job.leader and begun:
+                _discard_remote_tag(loc, job.tag)
+            if first_on_host:  # this host's staged files, never left filling the temporary folder
+                with contextlib.suppress(OSError, ShardkitError):
+                    remove_tree(job.tag_dir)
+            raise
         if job.leader:
-            for stale in job.root.iterdir():  # a tag a killed upload left in the staging root
-                if stale.is_dir() and stale.name != job.tag:
-                    remove_tree(stale)
-        run_save(job, comm, retention=None)
-
-        def publish() -> None:
-            if not job.leader:
-                return
-            upload_tag(job.tag_dir, loc)
             log.info("uploaded checkpoint %s to %s", job.tag, loc)
             try:
                 prune_remote(loc, job.num_kept, job.keep_every, protect=(job.tag,))
             except Exception:  # noqa: BLE001 - retention must never fail a save or training
                 log.exception("checkpoint retention in %s failed (retried at the next save)", loc)
 
-        agree(comm, f"uploading checkpoint {job.tag}", publish, job.tag_dir)
-
     return run
+
+
+def _discard_remote_tag(loc: RemoteLocation, tag: str) -> None:
+    """After a failed upload: the tag's objects (it has no `done`), logged, never raised."""
+    try:
+        remove_remote_tags(loc, [tag])
+    except Exception as e:  # noqa: BLE001 - the save's own failure is the one to report
+        log.warning("could not remove the incomplete upload %s/%s (%s): the next save removes it", loc, tag, e)
 
 
 # ---- the package's public listing functions, for a local folder or a prefix -------------------------

@@ -57,11 +57,11 @@ log = logging.getLogger(__name__)
 SMALL = 1 << 20
 """Objects up to this size are fetched whole when the mirror opens."""
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".bin", ".pth")
-PART = 32 << 20
+PART = s3.PART_SIZE
 """The largest single ranged GET: a larger range is fetched as several GETs in flight."""
 HOLE = 4 << 20
 """Wanted ranges of one object at most this far apart are fetched in one GET (the hole too)."""
-GETS_IN_FLIGHT = 16
+GETS_IN_FLIGHT = s3.CONCURRENCY
 WINDOW = 512 << 20
 """How far (bytes) the planned fetches may run ahead of the bytes readers have asked for."""
 MIRROR_PREFIX = "shardkit-s3-"
@@ -236,8 +236,9 @@ class Mirror:
             for name, mf in self.files.items()
             if _lazy(mf) and (not under or name == under or name.startswith(inside_))
         ]
-        if need is Need.EVERYTHING:
-            _wait_all([f for mf in chosen for f in mf.fetch_async(0, mf.size)])
+        if need is Need.EVERYTHING:  # part i of every file, then part i + 1: many objects at once
+            parts = max((-(-mf.size // PART) for mf in chosen), default=0)
+            _wait_all([f for i in range(parts) for mf in chosen for f in mf.fetch_async(i * PART, (i + 1) * PART)])
         else:
             _fetch_metadata([mf for mf in chosen if not mf.prepared])
         for mf in chosen:

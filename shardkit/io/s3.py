@@ -29,10 +29,12 @@ log = logging.getLogger(__name__)
 EXTRA = "pip install 'shardkit[s3]'"
 GET_CHUNK = 1 << 20
 """A ranged GET's body is read and written to the mirror in blocks of this size (bounded memory)."""
-PART_SIZE = 16 << 20
-"""Multipart upload part size (raised for files that would need more than 10,000 parts)."""
-UPLOAD_CONCURRENCY = 8
-"""Parts of one upload in flight."""
+PART_SIZE = 32 << 20
+"""A multipart upload's part (raised for files that would need more than 10,000 parts), and the
+largest ranged GET (`io.remote`): large enough that a request's round trip costs little beside
+its bytes, small enough that a file of a few hundred MB still moves as many requests at once."""
+CONCURRENCY = 16
+"""Requests in flight: the GETs of a mirror, the part uploads of an uploader."""
 
 
 class RemoteError(ShardkitError):
@@ -242,7 +244,7 @@ class Uploader:
         self._config = TransferConfig(
             multipart_threshold=PART_SIZE,
             multipart_chunksize=PART_SIZE,
-            max_concurrency=UPLOAD_CONCURRENCY,
+            max_concurrency=CONCURRENCY,
             use_threads=True,
         )
         del boto3
@@ -252,24 +254,37 @@ class Uploader:
         self.sent = 0
 
     def upload(self, path: Path, loc: RemoteLocation, name: str, remove: bool = False) -> None:
-        """Queue `path` to become `loc/name`; with `remove`, the local file is deleted once it is up."""
-        self._slots.acquire()
+        """Queue `path` to become `loc/name` (waiting while `files_in_flight` files are uploading);
+        with `remove`, the local file is deleted once it is up. A failed upload is raised here
+        already, rather than once every file is written."""
+        self._raise_failed()
         size = path.stat().st_size
         if size > self._config.multipart_chunksize * 10_000:
             self._config.multipart_chunksize = _part_size(size)
+        self._slots.acquire()
         slots, done_path = self._slots, path
 
         class _Done:
             def on_done(self, future: Any, **kwargs: Any) -> None:
-                slots.release()
-                if remove:
-                    try:
+                if remove:  # gone before its slot is free: the files on disk stay within the bound
+                    with contextlib.suppress(OSError):
                         done_path.unlink()
-                    except OSError:
-                        pass
+                slots.release()
 
-        future = self._manager.upload(str(path), loc.bucket, loc.key(name), subscribers=[_Done()])
+        try:
+            future = self._manager.upload(str(path), loc.bucket, loc.key(name), subscribers=[_Done()])
+        except BaseException:
+            slots.release()
+            raise
         self._futures.append((future, f"{loc}/{name}", size))
+
+    def _raise_failed(self) -> None:
+        for future, where, _ in self._futures:
+            if future.done():
+                try:
+                    future.result()
+                except Exception as e:  # noqa: BLE001 - said as one line
+                    raise error(e, "upload to", where) from None
 
     def wait(self) -> int:
         """Wait for every queued upload; raise the first failure as one line. Returns the bytes sent."""

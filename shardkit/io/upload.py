@@ -30,7 +30,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from ..errors import DestinationExistsError, ShardkitError
@@ -49,6 +49,9 @@ from .transaction import (
 
 log = logging.getLogger(__name__)
 
+FILES_IN_FLIGHT = 4
+"""Files of one output uploading at once; a writer closing one more waits (the local copy of an
+output holds at most these, beside the files being written)."""
 FINAL_NAMES = ("model.safetensors.index.json", "config.json", "shardkit.json", "done")
 """Objects uploaded last, in this order (by base name): whichever exists completes the output."""
 
@@ -88,11 +91,13 @@ def _final_rank(path: str) -> int:
     return FINAL_NAMES.index(base) + 1 if base in FINAL_NAMES else 0
 
 
-def upload_tree(local: Path, loc: RemoteLocation, files_in_flight: int = 4, remove: bool = True) -> int:
-    """Upload every file under `local` to `loc` (names relative to `local`): the others first,
-    several at once, then the final objects one kind after another (a tag's `done` very last).
-    Links are never followed. With `remove`, each local file is deleted once it is up. Returns
-    the bytes uploaded."""
+def upload_tree(
+    local: Path, loc: RemoteLocation, files_in_flight: int = 4, remove: bool = True, exclude: Collection[str] = ()
+) -> int:
+    """Upload every file under `local` to `loc` (names relative to `local`, but those in
+    `exclude`): the others first, several at once, then the final objects one kind after another
+    (a tag's `done` very last). Links are never followed. With `remove`, each local file is
+    deleted once it is up. Returns the bytes uploaded."""
     files: list[tuple[int, str, Path]] = []
     for here, dirs, names in os.walk(local):
         dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(here, d))]
@@ -101,7 +106,8 @@ def upload_tree(local: Path, loc: RemoteLocation, files_in_flight: int = 4, remo
             if path.is_symlink() or not path.is_file():
                 continue
             rel = path.relative_to(local).as_posix()
-            files.append((_final_rank(rel), rel, path))
+            if rel not in exclude:
+                files.append((_final_rank(rel), rel, path))
     sent = 0
     uploader = s3.Uploader(files_in_flight)
     ok = False
@@ -157,7 +163,7 @@ class StreamingUpload:
     writer that gets ahead waits and the local copy holds only the files in flight), and is
     deleted locally once it is up. The final objects wait for `upload_tree` at the commit."""
 
-    def __init__(self, loc: RemoteLocation, local: Path, files_in_flight: int = 4):
+    def __init__(self, loc: RemoteLocation, local: Path, files_in_flight: int = FILES_IN_FLIGHT):
         self.loc = loc
         self.folders = (local.absolute(), sibling_name(local.absolute(), STAGING_TAG))
         self._uploader = s3.Uploader(files_in_flight)
@@ -195,7 +201,7 @@ def remote_output(
                 log.info("%s: removed the %d objects of the output it replaces", loc, len(replaced))
             with temporary_folder(prefix="shardkit-s3-out-") as work:
                 local = work.path / (loc.name or loc.bucket)
-                streaming = StreamingUpload(loc, local)
+                streaming = StreamingUpload(loc, local, FILES_IN_FLIGHT)
                 with sinks.registered(work.path, streaming):
                     yield local
                     streaming.drain()
