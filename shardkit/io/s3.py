@@ -5,7 +5,7 @@ client is built from the standard AWS chain (environment, shared config and cred
 instance roles) and honours `AWS_ENDPOINT_URL` / `AWS_ENDPOINT_URL_S3`, so any S3-compatible
 store works. Throttling (SlowDown) and 5xx answers are retried by botocore with jittered
 exponential back-off (`SHARDKIT_S3_RETRY_MODE`: adaptive by default, or standard;
-`SHARDKIT_S3_MAX_ATTEMPTS`, 10), as NxD's own checkpoint storage does. Every failure becomes one
+`SHARDKIT_S3_MAX_ATTEMPTS`: 10 attempts in all), as NxD's own checkpoint storage does. Every failure becomes one
 line naming the location and what to do (a missing bucket, denied access, missing credentials).
 """
 
@@ -78,10 +78,15 @@ def client() -> Any:
             mode = os.environ.get("SHARDKIT_S3_RETRY_MODE", "adaptive")
             if mode not in ("adaptive", "standard", "legacy"):
                 raise ShardkitError(f"SHARDKIT_S3_RETRY_MODE={mode!r}: use adaptive or standard")
-            attempts = int(os.environ.get("SHARDKIT_S3_MAX_ATTEMPTS", "10"))
+            attempts_text = os.environ.get("SHARDKIT_S3_MAX_ATTEMPTS", "10")
+            if not attempts_text.isdigit() or int(attempts_text) < 1:
+                raise ShardkitError(
+                    f"SHARDKIT_S3_MAX_ATTEMPTS={attempts_text!r}: give a whole number of attempts, 1 or more"
+                )
+            attempts = int(attempts_text)
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
             config = Config(
-                retries={"max_attempts": attempts, "mode": mode},
+                retries={"total_max_attempts": attempts, "mode": mode},  # the first request included
                 max_pool_connections=64,
                 connect_timeout=10,
                 read_timeout=120,
@@ -302,10 +307,13 @@ class Uploader:
         return self.sent
 
     def close(self, cancel: bool = False) -> None:
+        """Wait for the uploads under way; with `cancel`, cancel them first (their multipart
+        uploads aborted). Each future is cancelled itself: `TransferManager.shutdown(cancel=True)`
+        passes its arguments to the wrong parameters (s3transfer 0.17: a TypeError)."""
         if cancel:
-            self._manager.shutdown(cancel=True, cancel_msg="shardkit stopped")
-        else:
-            self._manager.shutdown()
+            for future, _, _ in self._futures:
+                future.cancel()
+        self._manager.shutdown()
 
 
 def delete_objects(loc: RemoteLocation, names: Iterable[str]) -> int:
