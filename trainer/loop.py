@@ -29,7 +29,7 @@ from shardkit.checkpoint.load import plain_file
 from shardkit.checkpoint.tree import SCHEDULER, USER_CONTENT
 from shardkit.errors import ShardkitError
 from shardkit.formats import Checkpoint, load_config
-from shardkit.io.location import is_url
+from shardkit.io.location import as_local, is_url, parse_location
 from shardkit.layout import make_layout
 
 if TYPE_CHECKING:
@@ -91,6 +91,17 @@ class Plan:
         return self.cfg.global_batch // (self.cfg.micro_batch * self.dp)
 
 
+def _check_locations(cfg: TrainConfig) -> None:
+    """--model, --checkpoint-dir and --resume: a local path or s3://bucket/prefix; the other paths
+    local. Any other URL is refused here, in one line, before anything is read or written."""
+    for name in ("model", "checkpoint_dir", "resume"):
+        if getattr(cfg, name):
+            parse_location(getattr(cfg, name), f"--{name.replace('_', '-')}")
+    for name in ("model_config", "data", "eval_data", "export_hf", "metrics", "tensorboard"):
+        if getattr(cfg, name):
+            as_local(getattr(cfg, name), f"--{name.replace('_', '-')}")
+
+
 def _positive(cfg: TrainConfig) -> None:
     for name in (
         "tp",
@@ -118,6 +129,7 @@ def _positive(cfg: TrainConfig) -> None:
 
 def plan_run(cfg: TrainConfig, world: int) -> Plan:
     """Check everything that can be checked locally; raise a ShardkitError with what to do."""
+    _check_locations(cfg)
     if cfg.model and cfg.model_config:
         raise TrainerError(
             "--model and --model-config both say where to start: give one (--model-config starts from random weights)"
