@@ -260,3 +260,35 @@ def s3_host_worker(rank: int, world: int, port: int, url: str, tmp: str, env: di
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def save_all_ranks(root: str, tag: str, layout: Layout, config: dict, state: dict, step: int, **options) -> None:
+    """One process saves every rank of `layout` (model and ZeRO-1 optimizer state) as `root/tag`."""
+    from shardkit.checkpoint import OptimizerState
+
+    ranks = [Rank(tp=tp, pp=pp, ep=ep) for ep, tp, pp in layout.ranks()]
+    model = {(r.tp, r.pp): rank_pieces(config, layout, r, state["weight"]) for r in ranks}
+    optim = {
+        (r.tp, r.pp): OptimizerState(rank_optimizer(config, layout, r, state, step), [{"lr": 1e-3}]) for r in ranks
+    }
+    save_checkpoint(root, tag, model, optim, scheduler={"last_epoch": step}, layout=layout, config=config, **options)
+
+
+def s3_save_killed_while_uploading(root: str, tag: str, step: int) -> None:
+    """A save to object storage whose files go up as multipart uploads (parts of 5 MiB), saying
+    UPLOADING as its first part is sent (its multipart upload created): the test kills it there."""
+    import sys
+
+    from shardkit.io import s3
+
+    s3.PART_SIZE = 5 << 20
+
+    def part_sent(**kwargs) -> None:
+        print("UPLOADING", flush=True)
+        time.sleep(0.5)
+
+    s3.client().meta.events.register("before-call.s3.UploadPart", part_sent)
+    config = fixture_config("tinyllama-mini")
+    save_all_ranks(root, tag, Layout(tp=2, pp=2, qkv="gqa"), config, full_state(config, step, seed=1), step)
+    print("SAVED", flush=True)
+    sys.exit(0)

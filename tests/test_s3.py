@@ -181,6 +181,121 @@ def test_missing_bucket_and_credentials_are_one_line(s3_server, tmp_path, workdi
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+def test_api_and_trainer_refuse_other_schemes(tmp_path, workdir, capsys):
+    from shardkit.errors import ShardkitError
+    from trainer.__main__ import main as trainer_main
+
+    layout = shardkit.make_layout(tp=2)
+    calls = {
+        "convert": lambda: convert(tmp_path, "gs://b/x", layout),
+        "merge": lambda: merge("az://b/x", tmp_path / "o"),
+        "inspect": lambda: shardkit.inspect("http://h/x"),
+        "save_checkpoint": lambda: save_checkpoint("gs://b/x", "step_1", {"w": torch.zeros(2)}),
+        "load_checkpoint": lambda: load_checkpoint("gs://b/x"),
+        "list_checkpoints": lambda: list_checkpoints("gs://b/x"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ShardkitError, match="is not supported") as refused:
+            call()
+        assert "\n" not in str(refused.value), name
+    for flag in ("--model", "--checkpoint-dir", "--resume", "--data"):
+        args = {"--model": str(tmp_path), "--data": str(tmp_path / "tokens.bin"), flag: "gs://b/x"}
+        assert trainer_main([*(a for item in args.items() for a in item), "--steps", "1"]) == 2, flag
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "gs://" in err[0] and flag in err[0], (flag, err)
+    assert not list(workdir.iterdir())
+
+
+def test_denied_access_is_one_line(s3_server, bucket, tiny_model, workdir):
+    """A user the store knows, with no permission on the bucket: one line, exit 2, for a read
+    and for a write (moto checks IAM once its authentication is switched on)."""
+    import urllib.request
+
+    iam = boto3.client("iam", endpoint_url=s3_server, region_name="us-east-1")
+    iam.create_user(UserName="nobody")
+    key = iam.create_access_key(UserName="nobody")["AccessKey"]
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+
+    def auth(count: str) -> None:
+        request = urllib.request.Request(
+            f"{s3_server}/moto-api/reset-auth",
+            data=count.encode(),
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
+        urllib.request.urlopen(request, timeout=30).read()
+
+    auth("0")
+    try:
+        env = dict(os.environ, AWS_ACCESS_KEY_ID=key["AccessKeyId"], AWS_SECRET_ACCESS_KEY=key["SecretAccessKey"])
+        for args in (["ckpt", "list", f"s3://{bucket}/x"], ["convert", hf, f"s3://{bucket}/y", "--tp", "2"]):
+            out = subprocess.run(
+                [sys.executable, "-m", "shardkit", *map(str, args)],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=workdir,
+            )
+            assert out.returncode == 2, out.stderr
+            lines = out.stderr.strip().splitlines()
+            # (moto answers a signed listing of this user SignatureDoesNotMatch, a PUT AccessDenied: both 403)
+            assert len(lines) == 1 and "access denied (" in lines[0] and f"s3://{bucket}/" in lines[0], lines
+    finally:
+        auth("inf")
+    assert not keys(bucket)
+    assert not list(workdir.iterdir())
+
+
+@pytest.fixture
+def faulty(s3_server):
+    """A proxy in front of the server that fails some requests (`tests/s3_faults.py`); boto3 in
+    this process goes through it while the test runs."""
+    from s3_faults import FaultProxy
+
+    proxies: list[FaultProxy] = []
+
+    def start(**options) -> FaultProxy:
+        proxies.append(FaultProxy(s3_server, **options))
+        os.environ["AWS_ENDPOINT_URL"] = proxies[-1].url
+        s3.reset_client()
+        return proxies[-1]
+
+    yield start
+    os.environ["AWS_ENDPOINT_URL"] = s3_server
+    s3.reset_client()
+    for proxy in proxies:
+        proxy.close()
+
+
+def test_throttling_and_5xx_are_retried(tiny_model, bucket, tmp_path, faulty):
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    proxy = faulty(fail_every=4)  # a quarter of all requests: SlowDown and InternalError in turn
+    url = f"s3://{bucket}/flaky"
+    convert(hf, url, shardkit.make_layout(tp=2, pp=2, qkv="gqa"))
+    merge(url, tmp_path / "merged")
+    assert verify(hf, url).ok and verify(hf, tmp_path / "merged").ok
+    methods = {what.split()[0] for what in proxy.faulted}
+    assert proxy.faults >= 6 and {"GET", "PUT"} <= methods, proxy.faulted
+
+
+def test_retries_give_up_in_one_line(bucket, faulty, workdir):
+    proxy = faulty(fail_all=True)
+    env = dict(os.environ, SHARDKIT_S3_MAX_ATTEMPTS="3")
+    out = subprocess.run(
+        [sys.executable, "-m", "shardkit", "ckpt", "list", f"s3://{bucket}/x"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=workdir,
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert (
+        len(lines) == 1 and f"s3://{bucket}/x" in lines[0] and ("SlowDown" in lines[0] or "InternalError" in lines[0])
+    ), lines
+    assert proxy.requests == 3, proxy.faulted  # the first attempt and two retries
+
+
 def run_sub(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "shardkit", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=os.environ
@@ -354,6 +469,37 @@ def test_interrupted_upload_is_incomplete_and_cleaned_up(tiny_model, bucket, tmp
     assert not list(workdir.iterdir())
 
 
+def test_terminated_upload_removes_what_it_uploaded(tiny_model, bucket, workdir):
+    """SIGTERM while a part of a multipart upload is on its way: the uploads are cancelled (their
+    multipart uploads aborted), the objects already up deleted, the local staging folder removed."""
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    url = f"s3://{bucket}/terminated"
+    code = (
+        "import sys, time\n"
+        "from shardkit.io import s3\n"
+        "s3.PART_SIZE = 5 << 20\n"
+        "def part_sent(**kwargs):\n"
+        "    print('UPLOADING', flush=True); time.sleep(0.5)\n"
+        "s3.client().meta.events.register('before-call.s3.UploadPart', part_sent)\n"
+        f"sys.argv = ['shardkit', 'convert', {str(hf)!r}, {url!r}, '--tp', '2']\n"
+        "from shardkit.cli import main; main()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    for line in proc.stdout:
+        if "UPLOADING" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    err = proc.stderr.read()
+    assert proc.wait(60) != 0
+    assert len(err.strip().splitlines()) == 1, err
+    assert not keys(bucket, "terminated/")
+    assert not s3.client().list_multipart_uploads(Bucket=bucket, Prefix="terminated/").get("Uploads", [])
+    assert not list(workdir.iterdir())
+
+
 # ---- training checkpoints ------------------------------------------------------------------------------
 
 CONFIG = "tinyllama-mini"
@@ -361,15 +507,7 @@ TP2PP2 = Layout(tp=2, pp=2, qkv="gqa")
 
 
 def _save(root: str, tag: str, layout: Layout, config: dict, state: dict, step: int, **options) -> None:
-    ranks = [ckpt_child.Rank(tp=tp, pp=pp, ep=ep) for ep, tp, pp in layout.ranks()]
-    model = {(r.tp, r.pp): ckpt_child.rank_pieces(config, layout, r, state["weight"]) for r in ranks}
-    from shardkit.checkpoint import OptimizerState
-
-    optim = {
-        (r.tp, r.pp): OptimizerState(ckpt_child.rank_optimizer(config, layout, r, state, step), [{"lr": 1e-3}])
-        for r in ranks
-    }
-    save_checkpoint(root, tag, model, optim, scheduler={"last_epoch": step}, layout=layout, config=config, **options)
+    ckpt_child.save_all_ranks(root, tag, layout, config, state, step, **options)
 
 
 def test_checkpoint_save_list_reshard_export(bucket, tmp_path, workdir):
@@ -390,6 +528,8 @@ def test_checkpoint_save_list_reshard_export(bucket, tmp_path, workdir):
 
     res = run("ckpt", "list", root, "--json")
     assert res.exit_code == 0 and json.loads(res.output)["latest"] == "step_200"
+    res = run("ckpt", "reshard", root, f"{root}/inner", "--tp", "1", "--pp", "1")
+    assert res.exit_code == 2 and "overlaps" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     dst = f"s3://{bucket}/run1-tp1"
     res = run("ckpt", "reshard", root, dst, "--tp", "1", "--pp", "1")
     assert res.exit_code == 0, res.output
@@ -413,32 +553,94 @@ def test_checkpoint_save_list_reshard_export(bucket, tmp_path, workdir):
     no_mirrors_left()
 
 
-def test_killed_checkpoint_upload_lists_incomplete_and_next_save_removes_it(bucket, workdir):
+def test_killed_checkpoint_upload_lists_incomplete_and_next_save_removes_it(bucket, workdir, caplog):
+    import logging
+
+    from shardkit.checkpoint.remote import staging_root
+
     config = fixture_config(CONFIG)
     state = ckpt_child.full_state(config, 100, seed=1)
     root = f"s3://{bucket}/run2"
     _save(root, "step_100", TP2PP2, config, state, 100)
     finalize_checkpoint()
-    # what a save killed mid-upload leaves: its owner object (a dead process of this host), files, no done
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    s3.client().put_object(
-        Bucket=bucket, Key="run2/step_200/.shardkit-owner", Body=f"{socket.gethostname()} {dead.pid}\n".encode()
+    # a save killed while a part of a multipart upload is on its way
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import ckpt_child\n"
+        f"ckpt_child.s3_save_killed_while_uploading({root!r}, 'step_200', 200)\n"
     )
-    for key in keys(bucket, "run2/step_100/"):
-        if not key.endswith(("/done", "/.shardkit-owner")):
-            body = s3.client().get_object(Bucket=bucket, Key=key)["Body"].read()
-            s3.client().put_object(Bucket=bucket, Key=key.replace("step_100", "step_200"), Body=body)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=workdir)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "UPLOADING" in line or "SAVED" in line:
+            break
+    proc.kill()
+    proc.wait()
+    assert "SAVED" not in line
+    names = keys(bucket, "run2/step_200/")
+    assert "run2/step_200/.shardkit-owner" in names and "run2/step_200/done" not in names
+    open_uploads = s3.client().list_multipart_uploads(Bucket=bucket, Prefix="run2/").get("Uploads", [])
+    assert open_uploads, "the kill came while a multipart upload was open"
+    staged = staging_root(s3_loc(root))
+    assert (staged / "step_200").is_dir()  # the killed save's local copy
+
     infos = {i.tag: i for i in list_checkpoints(root)}
     assert infos["step_200"].complete is False and infos["step_100"].complete
     loaded = load_checkpoint(root, "latest_if_exists", target_layout=TP2PP2, rank=(0, 0))
     assert loaded is not None and loaded.step == 100
     res = run("ckpt", "prune", root, "--keep", "5", "--dry-run", "--json")
     assert res.exit_code == 0 and "step_200" in json.loads(res.output)["remove"]
-    _save(root, "step_300", TP2PP2, config, state, 300)
-    finalize_checkpoint()
+    with caplog.at_level(logging.WARNING):
+        _save(root, "step_300", TP2PP2, config, state, 300)
+        finalize_checkpoint()
+    assert "step_200" in caplog.text and "no longer runs" in caplog.text  # the next save says so
     assert not keys(bucket, "run2/step_200/")
+    assert not s3.client().list_multipart_uploads(Bucket=bucket, Prefix="run2/").get("Uploads", [])
+    assert not list(staged.iterdir()) or [p.name for p in staged.iterdir()] == [".shardkit.lock"]
     assert [i.tag for i in list_checkpoints(root)] == ["step_100", "step_300"]
+
+
+def test_failed_save_leaves_no_partial_tag(bucket, monkeypatch):
+    """A save that fails before its upload keeps the tag of that name in the store; one that fails
+    while uploading deletes what it uploaded. Neither leaves its local copy behind."""
+    from shardkit.checkpoint import save as ckpt_save
+    from shardkit.checkpoint.remote import staging_root
+    from shardkit.errors import ShardkitError
+
+    config = fixture_config(CONFIG)
+    state = ckpt_child.full_state(config, 100, seed=1)
+    root = f"s3://{bucket}/run3"
+    _save(root, "step_100", TP2PP2, config, state, 100)
+    before = keys(bucket, "run3/")
+    staged = staging_root(s3_loc(root))
+
+    def full_disk(job):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt_save, "write_rank_files", full_disk)
+        with pytest.raises(ShardkitError, match="no space left on the disk") as failed:
+            _save(root, "step_100", TP2PP2, config, state, 100)
+    assert "\n" not in str(failed.value)
+    assert keys(bucket, "run3/") == before  # the complete tag of that name is untouched
+    assert not (staged / "step_100").exists()
+
+    uploads = [0]
+    upload = s3.Uploader.upload
+
+    def failing(self, path, loc, name, remove=False):
+        uploads[0] += 1
+        if uploads[0] == 3:
+            raise s3.RemoteError(f"cannot upload to {loc}/{name}: injected")
+        return upload(self, path, loc, name, remove)
+
+    with monkeypatch.context() as m:
+        m.setattr(s3.Uploader, "upload", failing)
+        with pytest.raises(ShardkitError, match="injected"):
+            _save(root, "step_200", TP2PP2, config, state, 200)
+    assert uploads[0] == 3
+    assert keys(bucket, "run3/") == before  # what step_200 had uploaded is gone
+    assert not (staged / "step_200").exists()
+    assert [(i.tag, i.complete) for i in list_checkpoints(root)] == [("step_100", True)]
 
 
 def test_save_from_several_hosts_uploads_every_hosts_files(bucket, tmp_path):
@@ -485,13 +687,31 @@ def test_trainer_saves_to_and_resumes_from_s3(tiny_model, bucket, tmp_path, work
     convert(hf, model_url, shardkit.make_layout(tp=2, pp=1))
     tokens = tmp_path / "tokens.bin"
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), str(ROOT / "fixtures" / "tiny-corpus.txt"),
-         "--out", str(tokens)],
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "prepare_data.py"),
+            str(ROOT / "fixtures" / "tiny-corpus.txt"),
+            "--out",
+            str(tokens),
+        ],
         check=True,
     )
     ckpt = f"s3://{bucket}/train"
-    args = ["--model", model_url, "--data", str(tokens), *COMMON, "--checkpoint-dir", ckpt,
-            "--checkpoint-every", "1", "--num-kept", "2", "--resume", "latest_if_exists"]
+    args = [
+        "--model",
+        model_url,
+        "--data",
+        str(tokens),
+        *COMMON,
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        "1",
+        "--num-kept",
+        "2",
+        "--resume",
+        "latest_if_exists",
+    ]
     assert main([*args, "--steps", "2"]) == 0
     assert [i.tag for i in list_checkpoints(ckpt)] == ["step_1", "step_2"]
     assert "train/step_2/done" in keys(bucket, "train/")

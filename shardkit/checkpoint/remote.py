@@ -77,7 +77,9 @@ def list_remote(loc: RemoteLocation, details: bool = True) -> list[CheckpointInf
 
 
 def remove_remote_tags(loc: RemoteLocation, tags: list[str]) -> RetentionPlan:
-    """Delete whole tags: every `done` first, then each tag's files, its `checkpoint` marker last."""
+    """Delete whole tags: every `done` first, then each tag's files, its `checkpoint` marker last,
+    and the multipart uploads a killed save left open under the tag (stored and billed until
+    aborted, though no listing shows them)."""
     plan = RetentionPlan(remove=list(tags))
     names = [o.name for o in s3.list_objects(loc)]
     by_tag = {tag: [n for n in names if n.startswith(tag + "/")] for tag in tags}
@@ -87,6 +89,7 @@ def remove_remote_tags(loc: RemoteLocation, tags: list[str]) -> RetentionPlan:
             marker = f"{tag}/{CHECKPOINT_MARKER}"
             remove_objects(loc, [n for n in members if n != marker])
             s3.delete_objects(loc, [marker] if marker in members else [])
+            s3.abort_uploads(loc.child(tag))
             plan.removed.append(tag)
         except Exception as e:  # noqa: BLE001 - recorded; the other tags are still removed
             plan.failed[tag] = str(e)
