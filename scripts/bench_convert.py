@@ -51,7 +51,7 @@ import bench_common as bc  # noqa: E402
 
 RSS_TARGET = 0.25
 RATIO_TARGET = 0.5
-PRELOAD = ("torch", "shardkit")
+PRELOAD = ("torch", "shardkit.api")  # shardkit itself imports its names lazily
 
 
 # ---- what the children run (imported lazily: the parent never imports torch) ---------------------

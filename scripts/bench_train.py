@@ -171,6 +171,9 @@ def build_model(config: str, out: Path, layers: int | None = None) -> Path:
     cfg = fixture_config(config)
     if layers is not None:
         cfg["num_hidden_layers"] = layers
+    # positions for any --seq-len benchmarked (the trainer refuses more than the config's; rotary
+    # models compute the same values whatever this limit says)
+    cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), 4096)
     model_type = cfg.pop("model_type")
     cfg.pop("architectures", None)
     torch.manual_seed(0)

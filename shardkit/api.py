@@ -16,8 +16,12 @@ from typing import Any
 
 from typing_extensions import Unpack
 
-from .checkpoint import resolve_tag
+from .checkpoint import list_checkpoints
+from .checkpoint.guard import TagCheck
+from .checkpoint.load import tag_to_read
+from .checkpoint.lora import export_peft, merged_view, settings_of
 from .checkpoint.reshard import TrainingReshardOptions, model_checkpoint
+from .checkpoint.tree import is_checkpoint_root
 from .engine import (
     ProgressCallback,
     Result,
@@ -30,8 +34,9 @@ from .engine import (
     reshard_checkpoint,
     verify_checkpoints,
 )
-from .errors import FormatError
+from .errors import FormatError, ShardkitError
 from .formats import Checkpoint, open_checkpoint
+from .formats.base import parse_dtype
 from .hub import resolve_source
 from .io import remote as remote_io
 from .io.digest import NONE, check_mode, file_matches
@@ -39,7 +44,7 @@ from .io.location import remote as remote_location
 from .io.remote import Need
 from .io.transaction import recover_interrupted
 from .io.upload import remote_output
-from .layout import Layout, make_layout
+from .layout import FULL, Layout, make_layout
 from .paths import inside
 
 __all__ = [
@@ -130,10 +135,26 @@ def open_source(
         return src
     loc = remote_location(src, "SRC")
     if loc is not None:
-        return open_checkpoint(remote_io.open_prefix(loc, need=need).root, config, hints)
+        mirror = remote_io.open_prefix(loc, need=None)
+        _refuse_checkpoint_root(mirror.root, str(src))  # before any of its tags is fetched
+        mirror.prepare("", need)
+        return open_checkpoint(mirror.root, config, hints)
     if not os.path.lexists(src):
         recover_interrupted(Path(src), log)  # a run killed while replacing it left it beside, renamed
+    else:
+        _refuse_checkpoint_root(Path(src), str(src))
     return open_checkpoint(resolve_source(src, revision=revision), config, hints)
+
+
+def _refuse_checkpoint_root(path: Path, src: str) -> None:
+    """A training checkpoint directory given where a model is read: name `ckpt export` and a tag."""
+    if is_checkpoint_root(path):
+        tags = [i.tag for i in list_checkpoints(path, details=False) if i.loadable]
+        example = f" ({src.rstrip('/')}/{tags[-1]})" if tags else ""
+        raise FormatError(
+            f"{src} is a training checkpoint directory, not a model: `shardkit ckpt export {src} OUT` merges its "
+            f"newest complete tag (--tag picks another), or give one tag folder{example}"
+        )
 
 
 @no_full_collections()
@@ -182,6 +203,12 @@ def merge(
     index + config), in files of at most `max_shard_size`. `options` as for `reshard`."""
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
         ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
+        if settings_of(ckpt) is not None:
+            shown = remote_io.location_of(ckpt.root) or ckpt.root
+            raise FormatError(
+                f"{shown} holds LoRA adapters, not a model: `shardkit ckpt export {shown} OUT` writes their "
+                "PEFT adapter folder, and with --merged the model they were trained on with them merged in"
+            )
         _check_fetched(ckpt, options)  # type: ignore[arg-type]
         result = merge_checkpoint(ckpt, out, max_shard_size=max_shard_size, **options)
     return _located(result, dst)
@@ -242,24 +269,68 @@ def export_checkpoint(
     max_shard_size: int | str = "5GB",
     config: ConfigArg = None,
     hints: Mapping[str, Any] | None = None,
+    merged: bool = False,
+    base: str | Path | None = None,
     **options: Unpack[WriteArgs],
 ) -> Result:
     """Merge a training checkpoint's model (the newest complete tag, or `tag`) into a Hugging Face
     model directory `out` (safetensors + index + config.json); `options` as for `merge`. `dir`
-    and `out` may be s3://bucket/prefix."""
+    and `out` may be s3://bucket/prefix.
+
+    A LoRA adapter checkpoint (the trainer's `--lora-rank`) becomes a PEFT adapter folder, or with
+    `merged` the Hugging Face model of its base with the adapters merged in: `base` (a model
+    directory of any layout, or a Hub repo id) or else the base model the checkpoint records."""
     with remote_io.mirrors_scope(), _destination(out, bool(options.get("overwrite")), (dir,)) as local_out:
         mirror = _checkpoint_root(dir)
-        root = mirror.root if mirror is not None else Path(dir)
-        name = resolve_tag(root, tag)
-        if name is None:
-            raise AssertionError("resolve_tag returns a tag or raises when none is asked for by name")
+        root, name = tag_to_read(mirror.root if mirror is not None else dir, tag, "shardkit merge DIR OUT")
         if mirror is not None:  # the model files whole; master weights in optim/ as the merge reads them
             mirror.prepare(f"{name}/model", Need.EVERYTHING)
             mirror.prepare(name, Need.METADATA)
         # the tag's model files, or its fp32 master weights when the model files hold no data
         model = model_checkpoint(inside(root, name, "checkpoint tag"), config, hints)
-        result = merge(model, local_out, max_shard_size=max_shard_size, **options)
+        settings = settings_of(model)
+        if settings is None:
+            if merged or base is not None:
+                raise ShardkitError(
+                    f"{model.root} holds full weights, not LoRA adapters: --merged and --base apply to LoRA "
+                    "checkpoints only; leave them out"
+                )
+            result = merge(model, local_out, max_shard_size=max_shard_size, **options)
+        else:
+            result = _export_lora(model, local_out, settings.base_model, merged, base, max_shard_size, options)
     return _located(result, out)
+
+
+def _export_lora(
+    model: Checkpoint,
+    out: str | Path,
+    recorded: str | None,
+    merged: bool,
+    base: str | Path | None,
+    max_shard_size: int | str,
+    options: Any,
+) -> Result:
+    """`export_checkpoint` of a LoRA adapter checkpoint: its PEFT folder, or `merged` its base model
+    (`base`, else the one the checkpoint records) with the adapters merged in."""
+    base_model = str(base) if base is not None else recorded
+    if not merged:
+        verify = options.get("verify_hashes", True) not in (False, "none")
+        dtype = parse_dtype(options.get("dtype"))
+        records = export_peft(
+            model, out, base_model, dtype=dtype, overwrite=options.get("overwrite", False), verify_hashes=verify
+        )
+        return Result(Path(out), records, FULL, "peft")
+    if base_model is None:
+        raise ShardkitError(
+            f"{model.root} does not record its base model: pass --base DIR (the model the adapters were trained on)"
+        )
+    if base is None and remote_location(base_model) is None and not os.path.lexists(base_model):
+        raise ShardkitError(
+            f"the base model {model.root} records, {base_model}, does not exist (moved or deleted?): pass --base DIR"
+        )
+    TagCheck(model.root, options.get("verify_hashes", True) not in (False, "none")).verify()
+    base_ckpt = open_source(base_model, need=Need.EVERYTHING)
+    return merge(merged_view(base_ckpt, model), out, max_shard_size=max_shard_size, **options)
 
 
 @no_full_collections()
@@ -311,8 +382,12 @@ def inspect_training_checkpoint(
 
 def _prepared_tag_root(mirror: remote_io.Mirror, tag: str | None, need: Need) -> Path:
     """The mirror's root, with what `need` says of the tag an operation reads fetched (the named
-    tag, or the newest complete one)."""
-    name = resolve_tag(mirror.root, tag)
-    if name is not None:
-        mirror.prepare(name, need)
+    tag, or the newest complete one, or the root itself when it is a tag). A root without tags is
+    left as it is: the operation says what it is."""
+    try:
+        root, name = tag_to_read(mirror.root, tag, "shardkit reshard DIR DST")
+    except ShardkitError:
+        return mirror.root
+    rel = (root / name).relative_to(mirror.root).as_posix()
+    mirror.prepare("" if rel == "." else rel, need)
     return mirror.root

@@ -510,7 +510,7 @@ def test_cli(saved, model, tmp_path):
     out = runner.invoke(cli, ["ckpt", "export", str(root), str(tmp_path / "hf2"), "--tag", "step_300"])
     assert out.exit_code == 2 and "no done marker" in out.output and not (tmp_path / "hf2").exists()
     out = runner.invoke(cli, ["ckpt", "export", str(tmp_path / "empty"), str(tmp_path / "hf3")])
-    assert out.exit_code == 2 and "no complete checkpoint" in out.output
+    assert out.exit_code == 2 and "does not exist" in out.output and "--checkpoint-dir" in out.output
 
 
 # ---- crash safety under SIGKILL (acceptance 1) ------------------------------------------------------------
@@ -643,8 +643,8 @@ def test_gloo_job_resumes_in_any_layout(forkserver, tmp_path):
         p.join(180)
     assert [p.exitcode for p in procs] == [0, 0, 0, 0]
     assert [(i.tag, i.complete, i.layout_text, i.format) for i in list_checkpoints(root)] == [
-        ("step_100", True, "tp2 pp2 gqa", "torch"), ("step_200", True, "tp4 pp1", "xser"),
-        ("step_300", True, "tp1 pp1", "torch")]
+        ("step_100", True, "tp2 pp2 gqa dp1", "torch"), ("step_200", True, "tp4 pp1 dp1", "xser"),
+        ("step_300", True, "tp1 pp1 dp1", "torch")]
     assert [f for f in tree(root / "step_300") if f.startswith(("model/", "optim/"))] == [
         "model/dp_rank_00_tp_rank_00_pp_rank_00.pt", "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"]
     manifest = json.loads((root / "step_100" / "shardkit.json").read_text())

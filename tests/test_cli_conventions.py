@@ -1,9 +1,8 @@
-"""CLI conventions users expect (issue "One-way house ... CLI conventions users expect").
-
-Each test names the item it covers: 1 the cli/ package, 2 global flags after the subcommand,
-3 one size grammar, 4 missing local paths are never Hub lookups, 5 progress bars, 6 reshard
-keeps the source's qkv style, 7 inspect --check-data says what it checked, 8 single-file
-sources, ckpt export side files and plan --suggest, 9 the README. All offline.
+"""CLI conventions users expect, all offline: the cli/ package laid out by command group, global
+flags after the subcommand, one size grammar, missing local paths never taken for Hub repo ids,
+progress bars only on a terminal, reshard keeping the source's qkv style, inspect --check-data
+saying what it checked, single-file sources, ckpt export's side files, plan --suggest, and the
+README's commands writing under runs/.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ def gqa_shards(tiny_model, tmp_path_factory):
     return src, out
 
 
-# ---- 1: the cli/ package -----------------------------------------------------------------------
+# ---- the cli/ package --------------------------------------------------------------------------
 
 
 def _imports(path: Path) -> set[str]:
@@ -63,7 +62,7 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def test_item1_cli_is_a_package_laid_out_by_command_group():
+def test_cli_is_a_package_laid_out_by_command_group():
     assert callable(main) and cli.name == "cli"
     for name in ("__init__", "main", "options", "convert", "inspect", "plan", "ckpt", "hub"):
         assert (CLI_DIR / f"{name}.py").is_file(), name
@@ -74,7 +73,7 @@ def test_item1_cli_is_a_package_laid_out_by_command_group():
         assert not {".main", "shardkit.cli.main", ".", "shardkit.cli", "shardkit"} & imports, (module, imports)
 
 
-def test_item1_plan_is_split_into_short_steps():
+def test_plan_command_is_split_into_short_steps():
     tree = ast.parse((CLI_DIR / "plan.py").read_text())
     lengths = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     assert {"check_options", "suggest", "plan_one", "plan_cmd"} <= set(lengths)
@@ -84,10 +83,10 @@ def test_item1_plan_is_split_into_short_steps():
     assert body.end_lineno - body.body[0].end_lineno < 10  # the docstring, then a dispatch
 
 
-# ---- 2: global flags after the subcommand -------------------------------------------------------
+# ---- global flags after the subcommand ----------------------------------------------------------
 
 
-def test_item2_quiet_verbose_debug_after_the_subcommand(tiny_model, tmp_path, caplog):
+def test_quiet_verbose_debug_work_after_the_subcommand(tiny_model, tmp_path, caplog):
     from shardkit.errors import ShardkitError
 
     src = tiny_model("llama-gqa64")
@@ -104,18 +103,18 @@ def test_item2_quiet_verbose_debug_after_the_subcommand(tiny_model, tmp_path, ca
         assert "-q, --quiet" in invoke(*args).output
 
 
-# ---- 3: one size grammar ------------------------------------------------------------------------
+# ---- one size grammar ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("size", ["5GB", "5GiB", "5G", "500MB", "5368709120"])
-def test_item3_max_shard_size_accepts_the_size_grammar(gqa_shards, tmp_path, size):
+def test_max_shard_size_accepts_the_size_grammar(gqa_shards, tmp_path, size):
     _, shards = gqa_shards
     result = invoke("-q", "merge", shards, tmp_path / "hf", "--max-shard-size", size)
     assert result.exit_code == 0, result.stderr
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
-def test_item3_small_max_shard_size_splits_and_bad_sizes_are_one_line(gqa_shards, tmp_path):
+def test_small_max_shard_size_splits_and_bad_sizes_are_one_line(gqa_shards, tmp_path):
     _, shards = gqa_shards
     result = invoke("-q", "merge", shards, tmp_path / "hf", "--max-shard-size", "64KiB")
     assert result.exit_code == 0, result.stderr
@@ -129,11 +128,11 @@ def test_item3_small_max_shard_size_splits_and_bad_sizes_are_one_line(gqa_shards
     assert shardkit.api.merge(shards, tmp_path / "lib", max_shard_size="5GiB").path == tmp_path / "lib"
 
 
-# ---- 4: missing local paths are never Hub lookups -----------------------------------------------
+# ---- missing local paths are never Hub lookups --------------------------------------------------
 
 
 @pytest.mark.parametrize("where", ["./no-such-model", "../no-such-model", "/no-such-model", "~/no-such-model"])
-def test_item4_missing_local_path_is_not_a_hub_lookup(where, tmp_path, monkeypatch):
+def test_missing_local_path_is_not_a_hub_lookup(where, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
     def no_network(*args, **kwargs):
@@ -148,7 +147,7 @@ def test_item4_missing_local_path_is_not_a_hub_lookup(where, tmp_path, monkeypat
     assert not (tmp_path / "o").exists()
 
 
-def test_item4_org_name_offline_is_a_hub_id_with_a_clear_error(tmp_path, monkeypatch):
+def test_org_name_offline_is_a_hub_id_with_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(socket.socket, "connect", lambda *a, **k: (_ for _ in ()).throw(AssertionError("network")))
@@ -156,10 +155,10 @@ def test_item4_org_name_offline_is_a_hub_id_with_a_clear_error(tmp_path, monkeyp
     assert "does not exist" not in line and "some-org/some-model" in line
 
 
-# ---- 5: progress bars ---------------------------------------------------------------------------
+# ---- progress bars ------------------------------------------------------------------------------
 
 
-def test_item5_progress_only_on_a_terminal_or_when_forced(tiny_model, tmp_path):
+def test_progress_bars_only_on_a_terminal_or_when_forced(tiny_model, tmp_path):
     src = tiny_model("llama-gqa64")
     plain = invoke("convert", src, tmp_path / "a", "--tp", "2")
     assert plain.exit_code == 0 and "convert:" not in plain.stderr  # CliRunner's stderr is no terminal
@@ -171,7 +170,7 @@ def test_item5_progress_only_on_a_terminal_or_when_forced(tiny_model, tmp_path):
     assert off.exit_code == 0 and "convert:" not in off.stderr
 
 
-def test_item5_rank0_progress_counts_every_rank_in_the_staging_folder(tmp_path):
+def test_rank0_progress_counts_every_rank_in_the_staging_folder(tmp_path):
     import os
 
     seen = []
@@ -190,10 +189,10 @@ def test_item5_rank0_progress_counts_every_rank_in_the_staging_folder(tmp_path):
     assert seen[-1] == (1000, 1000)
 
 
-# ---- 6: reshard keeps the source's qkv style ----------------------------------------------------
+# ---- reshard keeps the source's qkv style -------------------------------------------------------
 
 
-def test_item6_reshard_keeps_qkv_style_and_replication(gqa_shards, tmp_path):
+def test_reshard_keeps_the_sources_qkv_style_and_replication(gqa_shards, tmp_path):
     _, shards = gqa_shards
     result = invoke("reshard", shards, tmp_path / "tp4", "--tp", "4", "--kv-multiplier", "2")
     assert result.exit_code == 0, result.stderr
@@ -210,7 +209,7 @@ def test_item6_reshard_keeps_qkv_style_and_replication(gqa_shards, tmp_path):
     assert layout["qkv"] == "separate" and layout["kv_replication"] == "interleaved"
 
 
-def test_item6_make_layout_inherits_only_what_is_unset(tiny_model, tmp_path):
+def test_make_layout_inherits_only_what_is_unset(tiny_model, tmp_path):
     source = Layout(tp=8, kv_multiplier=2, kv_replication="blocked", qkv="fused")
     assert make_layout(tp=2, inherit=source) == Layout(tp=2, kv_replication="blocked", qkv="fused")
     assert make_layout(tp=2, qkv="gqa", hw="trn1", inherit=source) == Layout(tp=2, qkv="gqa")
@@ -220,10 +219,10 @@ def test_item6_make_layout_inherits_only_what_is_unset(tiny_model, tmp_path):
     assert json.loads((tmp_path / "c" / "shardkit.json").read_text())["layout"]["qkv"] == "separate"
 
 
-# ---- 7: inspect --check-data says what it checked -----------------------------------------------
+# ---- inspect --check-data says what it checked --------------------------------------------------
 
 
-def test_item7_check_data_says_what_it_checked(gqa_shards, monkeypatch):
+def test_inspect_check_data_says_what_it_checked(gqa_shards, monkeypatch):
     _, shards = gqa_shards
     real = shardkit.api.inspect
     calls = {}
@@ -243,10 +242,10 @@ def test_item7_check_data_says_what_it_checked(gqa_shards, monkeypatch):
     assert data["checked"]["files_hashed"] == 128
 
 
-# ---- 8: single-file sources, ckpt export side files, plan --suggest ------------------------------
+# ---- single-file sources, ckpt export side files, plan --suggest ---------------------------------
 
 
-def test_item8_single_file_source_writes_beside_the_file(tmp_path):
+def test_single_file_source_writes_beside_the_file(tmp_path):
     from shardkit.testing import make_tiny_model
 
     hf = make_tiny_model("llama-gqa64", tmp_path / "hf")
@@ -265,7 +264,7 @@ def test_item8_single_file_source_writes_beside_the_file(tmp_path):
     assert (folder / "sd.pt").is_file()
 
 
-def test_item8_ckpt_export_copies_generation_config_from_the_checkpoint_dir(tiny_model, tmp_path):
+def test_ckpt_export_copies_generation_config_from_the_checkpoint_dir(tiny_model, tmp_path):
     src = tiny_model("llama-gqa64")
     ckpt = tmp_path / "ckpt"
     assert invoke("-q", "convert", src, ckpt / "step_1", "--tp", "2").exit_code == 0
@@ -278,7 +277,7 @@ def test_item8_ckpt_export_copies_generation_config_from_the_checkpoint_dir(tiny
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"max_new_tokens": 7}
 
 
-def test_item8_suggest_leaves_out_layouts_that_add_nothing():
+def test_plan_suggest_leaves_out_layouts_that_add_nothing():
     result = invoke("plan", "--config", ROOT / "fixtures/llama-gqa64.json", "--suggest", "--device-memory", "1GiB",
                     "--limit", "0")
     assert result.exit_code == 0, result.stderr
@@ -291,10 +290,10 @@ def test_item8_suggest_leaves_out_layouts_that_add_nothing():
     assert "left out" in result.output
 
 
-# ---- 9: the README ------------------------------------------------------------------------------
+# ---- the README ---------------------------------------------------------------------------------
 
 
-def test_item9_readme_writes_under_runs_and_installs_cpu_torch_first():
+def test_readme_writes_under_runs_and_installs_cpu_torch_first():
     readme = (ROOT / "README.md").read_text()
     assert "runs/" in (ROOT / ".gitignore").read_text().split()
     try_it = readme.split("## Try it", 1)[1].split("\n## ", 1)[0]

@@ -26,7 +26,7 @@ import torch
 
 from shardkit import FormatError, open_checkpoint
 from shardkit.errors import ShardkitError
-from shardkit.formats import hf, nxd, xser
+from shardkit.formats import hf, nxd, torch_io, xser
 from shardkit.io import hashing
 from shardkit.formats.base import TensorSpec
 from shardkit.formats.safetensors_io import SafetensorsFile, SafetensorsWriter, read_header
@@ -654,7 +654,9 @@ def test_an_xser_rank_file_is_parsed_once_until_it_changes(tmp_path, monkeypatch
         writer.close()
     loads: list[Path] = []
     real = xser.safe_load
-    monkeypatch.setattr(xser, "safe_load", lambda p, *a, **k: loads.append(Path(p)) or real(p, *a, **k))
+    counted = lambda p, *a, **k: loads.append(Path(p)) or real(p, *a, **k)  # noqa: E731
+    monkeypatch.setattr(xser, "safe_load", counted)
+    monkeypatch.setattr(torch_io, "safe_load", counted)  # the info file, read by torch_io.load_small
     for _ in range(3):
         XserFile(path).close()
     assert loads == [path, xser.info_path(path)]

@@ -207,7 +207,8 @@ def test_bad_input_single_process(tmp_path, hf_model, tokens, capsys):
     wide = write_tokens(tmp_path / "wide.bin", np.arange(5000) % 300, 512)  # another tokenizer's ids
     (tmp_path / "t.bin").write_bytes(b"not a token file at all, sorry" * 3)
     for data, fragment in ((tmp_path / "t.bin", "not a token file"), (wide, "vocabulary of 512 ids")):
-        assert main(["--model", str(hf_model), "--data", str(data), "--checkpoint-dir", str(tmp_path / "c")]) == 2
+        assert main(["--model", str(hf_model), "--data", str(data), "--seq-len", "32", "--checkpoint-dir",
+                     str(tmp_path / "c")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and fragment in err[0], err
     assert not (tmp_path / "c").exists()

@@ -152,7 +152,7 @@ def test_lora_resume_on_another_layout(work, hf_model, tokens, uninterrupted):
     assert_same_adapters(adapters(export), expected_adapters)
 
 
-def test_lora_checkpoint_holds_only_adapters(work, serial):
+def test_lora_checkpoint_holds_only_adapters(work, hf_model, serial):
     from shardkit.formats.torch_io import safe_load
 
     tag = work / "tp1-ckpt" / "step_5"
@@ -162,7 +162,7 @@ def test_lora_checkpoint_holds_only_adapters(work, serial):
     assert names == {n.removeprefix("base_model.model.") for n in serial[1]}
     config = json.loads((tag / "config.json").read_text())
     assert config["trainer_lora"] == {"rank": RANK, "alpha": ALPHA, "targets": TARGETS.split(","),
-                                      "base_model_type": "llama"}
+                                      "base_model": str(hf_model.absolute()), "base_model_type": "llama"}
 
 
 # ---- 4. exports ---------------------------------------------------------------------------------------------------

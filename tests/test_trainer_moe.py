@@ -341,7 +341,7 @@ def test_tiny_mixtral_learns_and_exports(work):
 
     from trainer.data import unigram_entropy
 
-    cfg = fixture_config(CONFIG) | {"vocab_size": 256, "num_hidden_layers": 2}
+    cfg = fixture_config(CONFIG) | {"vocab_size": 256, "num_hidden_layers": 2, "max_position_embeddings": 128}
     model_type = cfg.pop("model_type")
     cfg.pop("architectures")
     torch.manual_seed(0)

@@ -4,11 +4,13 @@ Exit codes: 0 done, 2 bad input (options, layout, world size, data, checkpoints,
 1 an unexpected failure, 130 interrupted. Under torchrun the ranks first agree on a failure, then
 rank 0 prints ONE line (`trainer: error: ...`) and EVERY rank exits with the same code; nothing is
 written on bad input. `--debug` (or TRAINER_DEBUG=1) adds the traceback of each rank that failed.
-(torchrun itself then exits 1 and lists every rank's exit code in its failure report.)
+(torchrun itself then exits 1 and lists every rank's exit code in its failure report; each rank
+writes the line into torchrun's error file, so the report shows it, last, instead of a link.)
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -44,34 +46,61 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _report(error: Exception, rank: int, code: int, debug: bool) -> None:
-    """One line on stderr (rank 0 for an error the job agreed on), plus tracebacks with --debug."""
+def _line(error: Exception, rank: int, debug: bool) -> str:
+    """The one line that reports `error` (the job's agreed failure, or this rank's own)."""
     from .errors import JobFailed, one_line
+
+    if isinstance(error, JobFailed):
+        kind = "internal error" if error.internal else "error"
+        hint = "" if debug or not error.internal else " (--debug for the traceback)"
+        return f"trainer: {kind}: {error}{hint}"
+    if isinstance(error, ShardkitError):
+        return f"trainer: error on rank {rank}: {error}" if rank else f"trainer: error: {one_line(error)}"
+    where = f" on rank {rank}" if rank else ""
+    return f"trainer: internal error{where}: {one_line(error)}" + ("" if debug else " (--debug for the traceback)")
+
+
+def _report(error: Exception, rank: int, code: int, debug: bool) -> str:
+    """One line on stderr (rank 0 for an error the job agreed on), plus tracebacks with --debug;
+    returns the line."""
+    from .errors import JobFailed
 
     own = error.__cause__ if isinstance(error, JobFailed) else error
     if debug and own is not None:
         traceback.print_exception(own, file=sys.stderr)
+    line = _line(error, rank, debug)
     if isinstance(error, JobFailed):
         if rank == 0:
-            kind = "internal error" if error.internal else "error"
-            hint = "" if debug or not error.internal else " (--debug for the traceback)"
-            print(f"trainer: {kind}: {error}{hint}", file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
+    elif isinstance(error, ShardkitError) and rank != 0:
+        # not agreed on (a whole-job error raised outside the trainer's agreement): rank 0 reports
+        # it; a rank still alive after the grace failed alone and says so itself
+        time.sleep(ERROR_GRACE_S)
+        print(line, file=sys.stderr, flush=True)
+    else:
+        print(line, file=sys.stderr, flush=True)
+    return line
+
+
+def _tell_torchrun(line: str, error: BaseException, debug: bool) -> None:
+    """Under torchrun, this rank's failure as torch.distributed.elastic's error file (what its
+    `record` decorator writes): torchrun's failure report then shows `line` as each failed rank's
+    traceback, so the report (which comes last) ends with it instead of a documentation link.
+    With --debug the traceback comes first, the line still last."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
-    if isinstance(error, ShardkitError):
-        if rank != 0:
-            # not agreed on (a whole-job error raised outside the trainer's agreement): rank 0 reports
-            # it; a rank still alive after the grace failed alone and says so itself
-            time.sleep(ERROR_GRACE_S)
-            print(f"trainer: error on rank {rank}: {error}", file=sys.stderr, flush=True)
-        else:
-            print(f"trainer: error: {one_line(error)}", file=sys.stderr, flush=True)
-        return
-    where = f" on rank {rank}" if rank else ""
-    print(
-        f"trainer: internal error{where}: {one_line(error)}" + ("" if debug else " (--debug for the traceback)"),
-        file=sys.stderr,
-        flush=True,
-    )
+    from shardkit.io.durable import write_text
+
+    from .errors import JobFailed
+
+    own = error.__cause__ if isinstance(error, JobFailed) else error
+    shown = "".join(traceback.format_exception(own)) + line if debug and own is not None else line
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": shown, "timestamp": str(int(time.time()))}}}
+    try:
+        write_text(path, json.dumps(data), fsync=False)
+    except OSError:
+        pass  # torchrun then shows its own line for this rank: the failure is reported either way
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - one line, not a wall of tracebacks from every rank
         code = exit_code(e)
         decide_exit(code)
-        _report(e, rank, code, debug)
+        _tell_torchrun(_report(e, rank, code, debug), e, debug)
         return code
     if rank == 0:
         exported = f"; exported {summary.exported}" if summary.exported else ""

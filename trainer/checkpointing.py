@@ -39,6 +39,7 @@ from shardkit.checkpoint import (
     resolve_tag,
 )
 from shardkit.checkpoint.tree import CHECKPOINT_MARKER, DONE_MARKER
+from shardkit.families.lora import base_config
 from shardkit.formats import load_config
 from shardkit.io import remote as remote_io
 from shardkit.io.location import is_url
@@ -108,7 +109,7 @@ def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | No
     saved = load_config(tag_dir / "config.json")
     lora.check_checkpoint(cfg, saved, tag_dir)
     if model_config is not None:  # (an adapter checkpoint's config wraps its model's)
-        a, b = ModelDims.from_config(lora.base_config(saved)), ModelDims.from_config(model_config)
+        a, b = ModelDims.from_config(base_config(saved)), ModelDims.from_config(model_config)
         if a != b:
             field_name = next(f for f in a.__dataclass_fields__ if getattr(a, f) != getattr(b, f))
             raise TrainerError(

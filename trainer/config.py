@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit.formats import format_names
+
+from .errors import TrainerError
 
 
 def _opt(default: Any, doc: str, *aliases: str, choices: Sequence[str] | None = None, metavar: str | None = None):
@@ -176,6 +178,18 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_positions(seq_len: int, model_config: Mapping[str, Any]) -> None:
+    """Refuse a --seq-len longer than the model's positions (`max_position_embeddings`), before
+    anything starts: the model has none past them (it never saw them; a learned table ends there),
+    and a run that trains on them anyway would only show it in its losses."""
+    limit = model_config.get("max_position_embeddings")
+    if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < seq_len:
+        raise TrainerError(
+            f"--seq-len {seq_len} is longer than the model's {limit} positions (max_position_embeddings in its "
+            f"config.json): use --seq-len {limit} or less"
+        )
 
 
 def _flag(name: str) -> str:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from shardkit.layout import Layout
 
 from . import checkpointing, lora, moe
-from .config import TrainConfig
+from .config import TrainConfig, check_positions
 from .data import Batches, TokenFile
 from .errors import DataError, TrainerError
 from .layers import TPContext, vocab_parallel_cross_entropy
@@ -166,6 +166,7 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
     if cfg.checkpoint_dir and Path(cfg.checkpoint_dir).exists() and not Path(cfg.checkpoint_dir).is_dir():
         raise TrainerError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file: give a directory")
     moe.check_plan(cfg, model_config, dp)
+    check_positions(cfg.seq_len, model_config)
     spec = ModelSpec.from_config(model_config, layout)
     spec.check_sequence(cfg.seq_len)
     resolve_schedule(cfg.pp_schedule, cfg.pp, cfg.vpp, cfg.global_batch // (cfg.micro_batch * dp), spec.dims.num_layers)

@@ -9,9 +9,9 @@ adapters are cut like the base weight they sit on, and the cut is shardkit's own
   gate or up rows of NxD's fused gate_up), and A is replicated;
 - row-parallel bases (o, down): A is split on its input columns as W's columns are, B replicated.
 
-The adapters form a model family of their own (`lora_family`): for every adapted weight a
-placement whose pieces are the base placement's segments of that weight, re-pointed at the adapter
-tensor. So the layout algebra places, saves, reshards and gathers adapters like any weights: a
+The adapters form a model family of their own (shardkit's `families/lora.py`, which every
+shardkit command uses for adapter checkpoints too): for every adapted weight a placement whose
+pieces are the base placement's segments of that weight, re-pointed at the adapter tensor. So the layout algebra places, saves, reshards and gathers adapters like any weights: a
 checkpoint holds only the adapters (shardkit's Checkpointer with the adapter family's config), a
 resume on another layout reshards them, and the optimizer's replica sync finds the kv replicas of
 B_k / B_v.
@@ -35,22 +35,27 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardkit.checkpoint import Rank
+from shardkit.checkpoint.lora import write_peft
 from shardkit.distributed import Job
-from shardkit.families import Family, known_families, register
-from shardkit.formats import SourceReader, open_checkpoint
-from shardkit.formats.base import TensorSpec
-from shardkit.formats.safetensors_io import SafetensorsWriter
-from shardkit.io.digest import Recording
+from shardkit.families.lora import (
+    TARGETS,
+    LoraSettings,
+    adapter_config,
+    lora_family,
+    saved_settings,
+)
+from shardkit.formats import open_checkpoint
+from shardkit.io.durable import write_text
 from shardkit.io.transaction import commit_all, staged_output
 from shardkit.layout import ModelDims
-from shardkit.placements import Piece, Placement, Replicated, Segment, build_piece, make_piece, whole
+from shardkit.placements import Piece, Segment, build_piece
 
 from .errors import TrainerError
 from .layers import TPContext
@@ -59,41 +64,6 @@ from .parallel import Parallel
 from .weights import staged_tag
 
 log = logging.getLogger("trainer")
-
-# --lora-targets name -> the module inside a decoder layer (peft's target_modules are the last part)
-TARGETS = {
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
-}
-LORA_KEY = "trainer_lora"  # the adapter config's section in a checkpoint's config.json
-PEFT_PREFIX = "base_model.model."
-ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """The adapters of a run: rank, alpha and the targeted modules (in TARGETS order)."""
-
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]
-
-    @property
-    def scale(self) -> float:
-        """peft's scaling: lora_alpha / r."""
-        return self.alpha / self.rank
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
-
-    def describe(self) -> str:
-        return f"rank {self.rank}, alpha {self.alpha:g}, targets {','.join(self.targets)}"
 
 
 def parse_targets(text: str) -> tuple[str, ...]:
@@ -134,25 +104,8 @@ def check_options(cfg: Any) -> LoraSettings | None:
         raise TrainerError(f"--lora-alpha must be positive (scaling = alpha / rank), got {cfg.lora_alpha}")
     if cfg.export_lora and not cfg.export_hf:
         raise TrainerError("--export-lora says what --export-hf writes: give --export-hf DIR")
-    return LoraSettings(cfg.lora_rank, float(cfg.lora_alpha), parse_targets(cfg.lora_targets))
-
-
-def saved_settings(config: Mapping[str, Any] | None) -> LoraSettings | None:
-    """The LoRA settings a checkpoint's config records (None: a checkpoint of full weights)."""
-    section = (config or {}).get(LORA_KEY)
-    if not isinstance(section, Mapping):
-        return None
-    return LoraSettings(int(section["rank"]), float(section["alpha"]), tuple(section["targets"]))
-
-
-def base_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The base model's config inside an adapter checkpoint's config (the config itself otherwise)."""
-    section = config.get(LORA_KEY)
-    if not isinstance(section, Mapping):
-        return dict(config)
-    out = {k: v for k, v in config.items() if k != LORA_KEY}
-    out["model_type"] = section["base_model_type"]
-    return out
+    base = str(Path(cfg.model).absolute())
+    return LoraSettings(cfg.lora_rank, float(cfg.lora_alpha), parse_targets(cfg.lora_targets), base)
 
 
 def check_checkpoint(cfg: Any, saved: Mapping[str, Any] | None, where: Path) -> None:
@@ -183,87 +136,11 @@ def check_checkpoint(cfg: Any, saved: Mapping[str, Any] | None, where: Path) -> 
 # ---- the adapters as a model family -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class AdapterSplit:
-    """An adapter matrix split over tp like its base weight: the segments of `source` in the base
-    placement's pieces, re-pointed at the adapter tensor `name` (B of a column-parallel weight,
-    dim 0; A of a row-parallel one, dim 1)."""
-
-    expert: ClassVar[bool] = False
-    base: Placement
-    source: str  # the base weight, inside a layer ("self_attn.q_proj.weight")
-    name: str  # the adapter tensor ("self_attn.q_proj.lora_B.weight")
-    dim: int
-    rank: int
-
-    def shapes(self, dims: ModelDims) -> dict[str, tuple[int, ...]]:
-        out, inn = self.base.shapes(dims)[self.source]
-        return {self.name: (out, self.rank) if self.dim == 0 else (self.rank, inn)}
-
-    def sources(self, dims: ModelDims) -> list[str]:
-        return [self.name]
-
-    def split_dims(self, dims: ModelDims) -> dict[str, int]:
-        return {self.name: self.dim}
-
-    def pieces(self, prefix, layout, dims, tp_rank, full_shapes, ep_rank=0) -> list[Piece]:
-        base_shapes = {prefix + n: s for n, s in self.base.shapes(dims).items()}
-        segments = [
-            Segment(prefix + self.name, s.dim, s.start, s.stop)
-            for piece in self.base.pieces(prefix, layout, dims, tp_rank, base_shapes)
-            for s in piece.segments
-            if s.source == prefix + self.source
-        ]
-        return [make_piece(prefix + self.name, segments, full_shapes)]
-
-
-def _in_features(base: Placement, source: str):
-    return lambda dims: base.shapes(dims)[source][1]
-
-
-def _out_features(base: Placement, source: str):
-    return lambda dims: base.shapes(dims)[source][0]
-
-
-def model_type_of(base: Family, settings: LoraSettings) -> str:
-    return f"{LORA_KEY}_{base.name}_r{settings.rank}_{'_'.join(settings.targets)}"
-
-
-def lora_family(base: Family, dims: ModelDims, settings: LoraSettings) -> Family:
-    """The adapters of `settings` on `base`'s layers as a registered family (A then B per target)."""
-    model_type = model_type_of(base, settings)
-    known = known_families().get(model_type)
-    if known is not None:
-        return known
-    rules: list[Placement] = []
-    for target in settings.targets:
-        module = TARGETS[target]
-        source = module + ".weight"
-        owner = next((r for r in base.layer if source in r.sources(dims)), None)
-        if owner is None:
-            raise TrainerError(f"--lora-targets {target}: the {base.name} family has no {source}")
-        a, b = module + ".lora_A.weight", module + ".lora_B.weight"
-        if owner.split_dims(dims)[source] == 0:  # column-parallel: B split like W's rows, A replicated
-            rules += [
-                Replicated(a, (settings.rank, _in_features(owner, source))),
-                AdapterSplit(owner, source, b, 0, settings.rank),
-            ]
-        else:  # row-parallel: A split like W's columns, B replicated
-            rules += [
-                AdapterSplit(owner, source, a, 1, settings.rank),
-                Replicated(b, (_out_features(owner, source), settings.rank)),
-            ]
-    return register(Family(name=LORA_KEY, model_types=(model_type,), first=(), layer=tuple(rules), final=()))
-
-
 def adapter_spec(spec: ModelSpec, settings: LoraSettings) -> ModelSpec:
-    """The adapters as a ModelSpec (their family, the base dims, the run's layout): its config is
-    what adapter checkpoints record."""
+    """The adapters as a ModelSpec (their family, shardkit's `families.lora`, the base dims, the
+    run's layout): its config is what adapter checkpoints record."""
     family = lora_family(spec.family, spec.dims, settings)
-    config = dict(spec.config)
-    config["model_type"] = family.model_types[0]
-    config["tie_word_embeddings"] = spec.dims.tie_word_embeddings
-    config[LORA_KEY] = {**settings.to_dict(), "base_model_type": spec.dims.model_type}
+    config = adapter_config(spec.config, spec.family, settings)
     return ModelSpec(config, family, ModelDims.from_config(config), spec.layout)
 
 
@@ -466,27 +343,6 @@ def make_lora(settings: LoraSettings | None, spec: ModelSpec) -> Lora | None:
 # ---- PEFT export ----------------------------------------------------------------------------------------
 
 
-def peft_config(settings: LoraSettings, base_model: str | None) -> dict[str, Any]:
-    """adapter_config.json as peft reads it (LoraConfig fields)."""
-    alpha: float | int = int(settings.alpha) if float(settings.alpha).is_integer() else settings.alpha
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": settings.rank,
-        "lora_alpha": alpha,
-        "lora_dropout": 0.0,
-        "target_modules": sorted(TARGETS[t].split(".")[-1] for t in settings.targets),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "use_rslora": False,
-        "use_dora": False,
-        "modules_to_save": None,
-    }
-
-
 def export_peft(
     lora: Lora,
     adapters: AdapterSet,
@@ -498,31 +354,17 @@ def export_peft(
 ) -> Path:
     """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, peft's names)
     to `dst`, replacing it (all ranks call this): the adapter pieces are saved as a checkpoint tag
-    in a staging folder, from which rank 0 reads the full tensors (shardkit gathers them)."""
+    in a staging folder, from which rank 0 writes the folder as `shardkit ckpt export` does
+    (shardkit's `checkpoint.lora.write_peft` gathers the full tensors)."""
     dst = Path(dst).absolute()
 
     def write(staging: Path) -> None:
         if not par.leader:
             return
-        ckpt = open_checkpoint(staging / "adapters")
-        shapes, dims = ckpt.full_shapes, ckpt.family.split_dims(ckpt.dims)
-        reader = SourceReader(ckpt)
-        try:
-            full = {
-                PEFT_PREFIX + n: reader.read_piece(make_piece(n, [whole(n, shapes, dims[n])], shapes)).contiguous()
-                for n in shapes
-            }
-        finally:
-            reader.close()
         alone = Job()  # rank 0 alone writes the adapter folder
         with staged_output(dst, sources=[staging], overwrite=True, what="exporting LoRA adapters", job=alone) as out:
-            specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in full.items()]
-            writer = SafetensorsWriter(out.path / ADAPTER_FILE, out.path, specs, digests=Recording.NONE)
-            for name, tensor in full.items():
-                writer.write(name, tensor)
-            writer.close()
-            (out.path / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora.settings, base_model), indent=2) + "\n")
-            (out.path / marker[0]).write_text(json.dumps(marker[1], indent=2) + "\n")
+            write_peft(open_checkpoint(staging / "adapters"), out.path, base_model)
+            write_text(out.path / marker[0], json.dumps(marker[1], indent=2) + "\n", fsync=False)
             commit_all(out, alone)
 
     with staged_tag(par, dst, "lora") as (staging, checkpointer):

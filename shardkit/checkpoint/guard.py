@@ -68,12 +68,22 @@ class TagCheck:
             except UnsafePathError as e:
                 self.error = e
                 return
-            except FileNotFoundError:
-                self.error = self._changed(entry["path"], "was removed")
+            except FileNotFoundError as e:  # removed since the tag was opened: a change, as verify says
+                rel = str(entry["path"])
+                self.error = self._changed(rel, "was removed") if rel in self.stamps else self._unreadable(rel, e)
                 return
             except OSError as e:
-                self.error = FormatError(f"cannot read {self.tag_dir.name}/{entry['path']}: {e.strerror or e}")
+                self.error = self._unreadable(str(entry["path"]), e)
                 return
+
+    def _unreadable(self, rel: str, e: OSError) -> FormatError:
+        return FormatError(f"cannot read {self.tag_dir.name}/{rel}: {e.strerror or e}")
+
+    def _changed(self, rel: str, what: str) -> FormatError:
+        return FormatError(
+            f"{self.tag_dir} changed while shardkit read it ({rel} {what}: pruned, rewritten or saved "
+            "over by another process?): nothing was written; run again when nothing else touches it"
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -91,9 +101,3 @@ class TagCheck:
                 continue
             what = "was removed" if after is None else "appeared" if before is None else "was written to"
             raise self._changed(rel, what)
-
-    def _changed(self, rel: str, what: str) -> FormatError:
-        return FormatError(
-            f"{self.tag_dir} changed while shardkit read it ({rel} {what}: pruned, rewritten or saved "
-            "over by another process?): nothing was written; run again when nothing else touches it"
-        )

@@ -57,7 +57,9 @@ from .tree import (
     CheckpointInfo,
     check_manifest,
     is_complete,
+    is_tag,
     list_checkpoints,
+    model_folder_kind,
     tag_path,
 )
 from .zero1 import MASTER, SEP, Zero1Tag, load_object, model_has_data, optim_name, prefixed, stored_dtype
@@ -92,6 +94,35 @@ def resolve_tag(directory: Path, tag: str | None) -> str | None:
     return str(tag)
 
 
+def tag_to_read(directory: str | Path, tag: str | None, instead: str) -> tuple[Path, str]:
+    """(checkpoint directory, tag) a `ckpt` command reads: `directory`'s newest complete tag or
+    `tag`, or `directory` itself when it is a tag folder. A folder that holds no tags is refused
+    with what it is and, for a model folder, the command that reads it (`instead`, say
+    "shardkit merge DIR OUT"; "DIR" stands for the folder)."""
+    directory = Path(directory)
+    if tag is None and is_tag(directory):
+        return directory.parent, directory.name
+    if not directory.is_dir():
+        raise NoCheckpointError(
+            f"{directory} does not exist: give the checkpoint directory (the trainer's --checkpoint-dir) or a tag in it"
+        )
+    if tag is None and not any(is_tag(p) for p in directory.iterdir()):
+        kind = model_folder_kind(directory)
+        if kind is not None:
+            command = instead.replace("DIR", str(directory))
+            raise NoCheckpointError(
+                f"{directory} is a model folder ({kind}), not a training checkpoint directory: use `{command}`"
+            )
+        raise NoCheckpointError(
+            f"{directory} holds no checkpoint tags (folders with a done marker): give the trainer's --checkpoint-dir "
+            "or a tag in it"
+        )
+    name = resolve_tag(directory, tag)
+    if name is None:
+        raise AssertionError("resolve_tag returns a tag or raises when none is asked for by name")
+    return directory, name
+
+
 def _candidates(directory: Path, tag: str | None) -> list[str]:
     """The loadable (complete, not damaged) tags, newest first; logs the damaged tags skipped.
     No candidate: NoCheckpointError (tag None), [] (latest_if_exists), or an error when complete
@@ -111,8 +142,8 @@ def _candidates(directory: Path, tag: str | None) -> list[str]:
         )
     if tag is None:
         raise NoCheckpointError(
-            f"{directory} holds no complete checkpoint (no <tag>/done): train from scratch, "
-            "or pass tag='latest_if_exists' to get None instead of this error"
+            f"{directory} holds no complete checkpoint (no <tag>/done): nothing to load yet "
+            "(latest_if_exists starts fresh when there is none)"
         )
     return []
 

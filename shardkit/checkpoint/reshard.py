@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -24,7 +25,8 @@ import torch
 from typing_extensions import Unpack
 
 from ..distributed import Job, current_job
-from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
+from ..families.lora import base_config, saved_settings
+from ..formats import Checkpoint, SourceReader, load_config, nxd, open_checkpoint
 from ..formats.manifest import MANIFEST, file_record, manifest
 from ..io.durable import write_bytes, write_marker, write_text
 from ..io.small import PICKLE_LIMIT, read_small
@@ -33,7 +35,7 @@ from ..layout import Layout
 from ..placements import Piece
 from .base import CheckpointError
 from .guard import TagCheck
-from .load import resolve_tag
+from .load import tag_to_read
 from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT
 from .zero1 import (
     MASTER,
@@ -159,20 +161,22 @@ def write_rank(
     out_tag: Path,
     readers: RankReaders,
     layout: Layout,
-    tp: int,
-    pp: int,
+    rank: tuple[int, int, int],
     dp: int,
     use_xser: bool,
     master: bool,
     dtype: torch.dtype,
 ) -> list[Path]:
-    """One target (tp, pp) rank: its model file and its dp optimizer files (NxD's format)."""
+    """One target (ep, tp, pp) rank: its model file and its dp optimizer files (NxD's format; v3
+    names with ep_rank when ep > 1, ep ranks > 0 holding only their experts)."""
     src = readers.src
-    pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes)
+    ep, tp, pp = rank
+    pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes, ep)
+    expert = {p.name for p in pieces if p.expert}  # xser's expert_model_parallel flags, as save writes them
     written: list[Path] = []
     weights = readers.weights(pieces, dtype)
-    model_path = out_tag / MODEL_DIR / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
-    written += save_object(model_path, weights, use_xser)
+    model_path = out_tag / nxd.rank_file_name(ep, tp, pp, layout, "torch")
+    written += save_object(model_path, weights, use_xser, expert)
     del weights
     if src.zero1 is not None:
         moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
@@ -181,7 +185,8 @@ def write_rank(
         groups = [readers.group(p) for p in pieces]
         for d in range(dp):
             obj = build_optim(names, groups, src.zero1.hyper, state, dp, d, master)
-            written += save_object(out_tag / optim_name(d, tp, pp), obj, use_xser)
+            name = optim_name(d, tp, pp, ep if layout.ep > 1 else None)
+            written += save_object(out_tag / name, obj, use_xser, bool(expert))
     return written
 
 
@@ -231,9 +236,7 @@ def _plan(src_dir: Path, layout: Layout, param_order: ParamOrder, options: Train
     if not isinstance(dp, int) or dp < 1:
         raise CheckpointError(f"--dp must be a whole number >= 1, got {dp!r}")
     cfg = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
-    name = resolve_tag(src_dir, options.get("tag"))
-    if name is None:
-        raise CheckpointError(f"{src_dir} holds no complete checkpoint")
+    src_dir, name = tag_to_read(src_dir, options.get("tag"), "shardkit reshard DIR DST")
     src = open_training_tag(src_dir / name, cfg, options.get("hints"), param_order)
     layout.validate(src.model.dims)
     fmt = options.get("format") or src.model.format
@@ -288,13 +291,13 @@ def _begin_tag(out_tag: Path) -> None:
 
 
 def _write_mine(job: Job, plan: _Plan, out_tag: Path) -> list[str]:
-    """This process's share of the target (tp, pp) ranks (their model and optimizer files)."""
-    units = [(tp, pp) for pp in range(plan.layout.pp) for tp in range(plan.layout.tp)]
+    """This process's share of the target (ep, tp, pp) ranks (their model and optimizer files)."""
+    units = sorted(plan.layout.ranks(), key=lambda r: (r[2], r[1], r[0]))  # pp, tp, ep: stage by stage
     readers = RankReaders(plan.src)
     try:
         files: list[Path] = []
-        for tp, pp in job.share(units):
-            files += write_rank(out_tag, readers, plan.layout, tp, pp, plan.dp, plan.use_xser, plan.master, plan.dtype)
+        for rank in job.share(units):
+            files += write_rank(out_tag, readers, plan.layout, rank, plan.dp, plan.use_xser, plan.master, plan.dtype)
         return [str(f) for f in files]
     finally:
         readers.close()
@@ -360,12 +363,7 @@ def inspect_training(
     """What a training checkpoint tag holds: layout incl. dp and ZeRO-1, param groups and their
     hyper-parameters, step, master weights, optimizer bytes. `src_dir` is a checkpoint directory
     (its newest complete tag, or `tag`) or a tag folder."""
-    src_dir = Path(src_dir)
-    if tag is None and (src_dir / CHECKPOINT_MARKER).is_file():
-        src_dir, tag = src_dir.parent, src_dir.name
-    name = resolve_tag(src_dir, tag)
-    if name is None:
-        raise CheckpointError(f"{src_dir} holds no complete checkpoint")
+    src_dir, name = tag_to_read(src_dir, tag, "shardkit inspect DIR")
     src = open_training_tag(src_dir / name, config, None, param_order)
     zero = src.zero1
     optim_bytes = 0
@@ -392,9 +390,28 @@ def inspect_training(
         "describe": src.model.layout.describe(),
         "dp": zero.dp if zero else None,
         "zero1": bool(zero and zero.dp > 1),
-        "step": zero.step if zero else _step(src, name),
+        "step": _whole(zero.step) if zero else _step(src, name),
         "master_weights": bool(zero and zero.master),
         "model_has_data": src.has_data,
         "param_groups": groups,
         "optimizer_bytes": optim_bytes,
+        "lora": _lora_info(src.model),
+    }
+
+
+def _whole(step: float | None) -> float | int | None:
+    """A step as people write it: 20, not 20.0 (optimizer files keep it as a float)."""
+    return int(step) if isinstance(step, float) and step.is_integer() else step
+
+
+def _lora_info(model: Checkpoint) -> dict[str, Any] | None:
+    """What an adapter checkpoint's adapters are and what they were trained on (None: full weights)."""
+    settings = saved_settings(model.config)
+    if settings is None:
+        return None
+    return {
+        **settings.to_dict(),
+        "base_model": settings.base_model,
+        "base_model_type": base_config(model.config).get("model_type"),
+        "trained_parameters": sum(math.prod(s) for s in model.full_shapes.values()),
     }

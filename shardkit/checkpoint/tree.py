@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from ..errors import ShardkitError
-from ..formats import MANIFEST, nxd
+from ..formats import MANIFEST, hf, nxd
 from ..io.delete import is_link, refuse_mounts
 from ..io.digest import has_digest
 from ..io.lock import FolderLock, lock_folder
@@ -199,6 +199,8 @@ class CheckpointInfo:
     problem: str | None = None  # why the tag is damaged (its manifest is unreadable or malformed)
     link: bool = False  # the tag is a symlink (removing it unlinks the link, never its target)
     abandoned: int | None = None  # incomplete, and its writer (this pid, on this host) no longer runs
+    dp: int | None = None  # optimizer files per (ep, tp, pp) rank: ZeRO-1's dp shards (None: no optimizer seen)
+    zero1: bool | None = None  # the manifest's word on ZeRO-1 (NxD tags: dp > 1)
 
     @property
     def damaged(self) -> bool:
@@ -211,15 +213,20 @@ class CheckpointInfo:
 
     @property
     def layout_text(self) -> str:
+        """The whole layout in a few words: `ep2 tp2 pp2 vpp2 kv2 gqa dp4 ZeRO-1`."""
         if not self.layout:
             return "-"
         text = f"tp{self.layout.get('tp', 1)} pp{self.layout.get('pp', 1)}"
         if self.layout.get("ep", 1) > 1:
             text = f"ep{self.layout['ep']} " + text
+        if self.layout.get("vpp", 1) > 1:
+            text += f" vpp{self.layout['vpp']}"
         if self.layout.get("kv_multiplier", 1) > 1:
             text += f" kv{self.layout['kv_multiplier']}"
         if self.layout.get("qkv") and self.layout.get("qkv") != "separate":
             text += f" {self.layout['qkv']}"
+        if self.dp is not None:
+            text += f" dp{self.dp}" + (" ZeRO-1" if self.zero1 and self.dp > 1 else "")
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -253,9 +260,13 @@ def _info(tag_dir: Path, details: bool = True) -> CheckpointInfo:
         mtime = 0.0
     step = None
     layout = fmt = None
+    dp, zero1 = _optimizer_shards(tag_dir) if details else (None, None)
     if manifest:
-        step = (manifest.get("checkpoint") or {}).get("step")
+        section = manifest.get("checkpoint") or {}
+        step = section.get("step")
         layout, fmt = manifest.get("layout"), manifest.get("format")
+        if dp is not None and isinstance(section.get("zero1"), bool):
+            zero1 = section["zero1"]
     if step is None:
         step = tag_step(tag_dir.name)
     if layout is None and details and problem is None:
@@ -280,7 +291,25 @@ def _info(tag_dir: Path, details: bool = True) -> CheckpointInfo:
         problem,
         is_link(tag_dir),
         None if complete else dead_owner(tag_dir),
+        dp,
+        zero1,
     )
+
+
+_OPTIM_DP = re.compile(r"^dp_rank_(\d+)_(?:ep_rank_\d+_)?tp_rank_\d+_pp_rank_\d+\.pt$")
+
+
+def _optimizer_shards(tag_dir: Path) -> tuple[int | None, bool | None]:
+    """(dp shards of the optimizer, ZeRO-1) from a tag's optim/ file names; (None, None) without."""
+    try:
+        with os.scandir(tag_dir / OPTIM_DIR) as entries:
+            ranks = [int(m.group(1)) for e in entries if (m := _OPTIM_DP.match(e.name))]
+    except OSError:
+        return None, None
+    if not ranks:
+        return None, None
+    dp = max(ranks) + 1
+    return dp, dp > 1
 
 
 def _is_tag(path: Path) -> bool:
@@ -289,6 +318,33 @@ def _is_tag(path: Path) -> bool:
         and not path.name.startswith(".")
         and ((path / CHECKPOINT_MARKER).is_file() or (path / DONE_MARKER).is_file())
     )
+
+
+def is_tag(path: str | Path) -> bool:
+    """A checkpoint tag folder: it has a `checkpoint` or `done` marker."""
+    return _is_tag(Path(path))
+
+
+def is_checkpoint_root(path: str | Path) -> bool:
+    """A checkpoint directory (the trainer's --checkpoint-dir): tags below it, and no model of its own."""
+    path = Path(path)
+    if not path.is_dir() or _is_tag(path) or (path / MANIFEST).is_file() or (path / MODEL_DIR).is_dir():
+        return False
+    return any(_is_tag(p) for p in path.iterdir())
+
+
+def model_folder_kind(path: str | Path) -> str | None:
+    """What model folder `path` is ("shardkit shards", ...), or None when it is none."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return "shardkit shards"
+    try:
+        if nxd.find_rank_files(path) is not None:
+            return "NxD shards"
+        weights = hf.weight_files(path, strict=False)
+    except (ShardkitError, OSError):
+        return None
+    return "a Hugging Face model" if weights or (path / CONFIG).is_file() else None
 
 
 def list_checkpoints(directory: str | Path, details: bool = True) -> list[CheckpointInfo]:

@@ -25,7 +25,7 @@ import errno
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,9 +214,11 @@ def torch_save_file(obj: Any, path: Path, **kwargs: Any) -> None:
         ) from None
 
 
-def save_object(path: Path, obj: Any, use_xser: bool, expert: bool = False) -> list[Path]:
+def save_object(path: Path, obj: Any, use_xser: bool, expert: bool | Collection[str] = False) -> list[Path]:
     """torch.save `obj` to `path` exactly as NxD does (the archive is named after the file), or
-    as xser (reference file, `.info.pt`, one file per tensor). Returns the files written."""
+    as xser (reference file, `.info.pt`, one file per tensor). `expert`: xser's
+    `expert_model_parallel` flag of every tensor, or the keys of a flat dict `obj` whose tensors
+    get it. Returns the files written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not use_xser:
@@ -232,7 +234,14 @@ def save_object(path: Path, obj: Any, use_xser: bool, expert: bool = False) -> l
         torch_save_file(tensor, target)
         written.append(target)
     torch_save_file(refs, path, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
-    info = {tid: {"dtype": t.dtype, "shape": t.shape, "expert_model_parallel": expert} for tid, t in enumerate(tensors)}
+    if isinstance(expert, bool):
+        flags = [expert] * len(tensors)
+    else:  # a flat dict's tensors are referenced in its key order
+        flags = [k in expert for k, v in obj.items() if isinstance(v, torch.Tensor)]
+    info = {
+        tid: {"dtype": t.dtype, "shape": t.shape, "expert_model_parallel": flag}
+        for tid, (t, flag) in enumerate(zip(tensors, flags))
+    }
     torch_save_file(info, xser.info_path(path))
     return [path, xser.info_path(path), *written]
 

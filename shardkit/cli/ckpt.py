@@ -49,6 +49,7 @@ def ckpt_list(directory, as_json):
     """List the tags of DIR (a folder or s3://bucket/prefix), oldest first: complete or not, step,
     layout, format, size."""
     from ..checkpoint import list_checkpoints
+    from ..checkpoint.tree import model_folder_kind
 
     if isinstance(directory, Path) and not directory.is_dir():
         raise ShardkitError(f"{directory} does not exist: give the checkpoint directory (the parent of the tags)")
@@ -58,7 +59,9 @@ def ckpt_list(directory, as_json):
         print_json({"directory": str(directory), "latest": newest, "checkpoints": [i.to_dict() for i in infos]})
         return
     if not infos:
-        click.echo(f"no checkpoints in {directory}")
+        kind = model_folder_kind(directory) if isinstance(directory, Path) else None
+        hint = f" (it is a model folder, {kind}: see `shardkit inspect {directory}`)" if kind else ""
+        click.echo(f"no checkpoints in {directory}{hint}")
         return
     rows = [("tag", "state", "step", "layout", "format", "size", "saved")]
     for i in infos:
@@ -128,23 +131,49 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
 @click.argument("directory", metavar="DIR", type=LOCATION)
 @click.argument("out", type=LOCATION)
 @click.option("--tag", default=None, help="The tag to export (default: the newest complete one).")
+@click.option(
+    "--merged",
+    is_flag=True,
+    help="For a LoRA adapter checkpoint: write the Hugging Face model of its base with the adapters merged "
+    "in (W + alpha/r B A), not the PEFT adapter folder.",
+)
+@click.option(
+    "--base",
+    default=None,
+    metavar="MODEL",
+    help="For a LoRA adapter checkpoint: the model the adapters were trained on (a model folder of any "
+    "layout, or a Hub repo id); default: the one the checkpoint records. With --merged it supplies the "
+    "frozen weights; without, adapter_config.json names it as the base.",
+)
 @max_shard_size_option("Largest safetensors file")
 @output_options("OUT", manifest=False)
 @config_option
 @common_options
 @click.pass_context
-def ckpt_export(ctx, directory, out, tag, max_shard_size, write, as_json, config):
-    """Merge the model of a training checkpoint (DIR/<tag>) into a Hugging Face model directory OUT.
+def ckpt_export(ctx, directory, out, tag, merged, base, max_shard_size, write, as_json, config):
+    """Merge the model of a training checkpoint (DIR/<tag>, or a tag folder DIR) into a Hugging Face
+    model directory OUT.
 
     OUT also gets config.json, generation_config.json and tokenizer files, from the tag or from DIR.
     DIR and OUT may be s3://bucket/prefix (only the byte ranges the merge uses are read).
+    A LoRA adapter checkpoint (the trainer's --lora-rank) becomes a PEFT adapter folder
+    (adapter_config.json + adapter_model.safetensors, for peft's PeftModel.from_pretrained), or
+    with --merged the merged model.
     """
     from ..api import export_checkpoint
 
     started = time.perf_counter()
     with Bar(ctx, "export") as bar:
         result = export_checkpoint(
-            directory, out, tag, max_shard_size=max_shard_size, config=config, progress=bar, **write
+            directory,
+            out,
+            tag,
+            max_shard_size=max_shard_size,
+            config=config,
+            merged=merged,
+            base=base,
+            progress=bar,
+            **write,
         )
     report(ctx, result, started, as_json, "exported to")
 
@@ -169,8 +198,12 @@ param_order_option = click.option(
 @click.argument("src", type=LOCATION)
 @click.argument("dst", type=LOCATION)
 @tag_config_option
-@layout_options(expert=False)
-@degree_option("dp", "Data-parallel degree of the new layout (the number of ZeRO-1 optimizer shards).")
+@layout_options()
+@degree_option(
+    "dp",
+    "Data-parallel degree of the new layout (the number of ZeRO-1 optimizer shards); with --ep > 1, per "
+    "expert-parallel rank (the expert-data-parallel degree: the trainer's --dp / --ep).",
+)
 @click.option(
     "--zero1/--no-zero1",
     default=True,
@@ -207,16 +240,20 @@ def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master
     """Move a whole training state SRC (model, ZeRO-1 optimizer shards, master weights, scheduler,
     user content) to another layout, written as the checkpoint directory DST in NxD's format (SRC
     and DST: folders or s3://bucket/prefix).
-    Without --qkv (and --kv-replication / --hw) the source's qkv style (and replica order) is kept.
+    Without --ep, --qkv (and --kv-replication / --hw) the source's expert parallelism, qkv style
+    (and replica order) are kept, and a line says so.
 
     \b
     Example (tp8 pp4 dp16 -> tp32 pp2 dp8):
       shardkit ckpt reshard ./ckpts ./ckpts-tp32 --config ./llama/config.json --tp 32 --pp 2 --dp 8
     """
     from ..api import inspect_training_checkpoint, reshard_training_checkpoint
+    from ..checkpoint.load import tag_to_read
     from ..layout import Layout
 
-    source = Layout.from_dict(inspect_training_checkpoint(src, tag, config, param_order)["layout"])
+    # (a tag in object storage is found by the API, through its mirror)
+    src_dir, name = tag_to_read(src, tag, "shardkit reshard DIR DST") if isinstance(src, Path) else (src, tag)
+    source = Layout.from_dict(inspect_training_checkpoint(src_dir, name, config, param_order)["layout"])
     layout = build_layout(layout_opts, inherit=source)
     kept = kept_from_source(layout_opts, source, layout)
     if kept and is_leader():
@@ -253,14 +290,44 @@ def ckpt_inspect(directory, tag, config, param_order, as_json):
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return
+    if info["dp"] is None:
+        optimizer = "no optimizer files"
+    else:
+        per_ep = " per ep rank" if info["layout"].get("ep", 1) > 1 else ""
+        optimizer = f"dp {info['dp']}{per_ep}{' (ZeRO-1)' if info['zero1'] else ''}"
     click.echo(
-        f"{info['path']}: {info['describe']}, dp {info['dp']}{' (ZeRO-1)' if info['zero1'] else ''}, "
-        f"{info['format']}, step {info['step']}, master weights {'yes' if info['master_weights'] else 'no'}, "
-        f"optimizer {format_bytes(info['optimizer_bytes'])}"
+        f"{info['path']}: {info['describe']}, {optimizer}, {info['format']}, step {number(info['step'])}, "
+        f"master weights {'yes' if info['master_weights'] else 'no'}, optimizer {format_bytes(info['optimizer_bytes'])}"
     )
+    if info.get("lora"):
+        click.echo(f"  {lora_line(info['lora'])}")
     for g, group in enumerate(info["param_groups"]):
-        hyper = ", ".join(f"{k}={v}" for k, v in group["hyper"].items())
+        hyper = ", ".join(f"{k}={number(v)}" for k, v in group["hyper"].items())
         click.echo(f"  group {g}: {len(group['parameters_on_tp0_pp0'])} parameters on tp0 pp0; {hyper}")
+
+
+def number(value: object) -> str:
+    """A number as people write it: 3e-05 for 2.9999999999999997e-05, 20 for 20.0 (ten significant
+    digits hide the float's last bit; lists and tuples item by item)."""
+    if isinstance(value, float):
+        return f"{value:.10g}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(number(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    return str(value)
+
+
+def lora_line(lora: dict) -> str:
+    """An adapter checkpoint's adapters in one line: rank, alpha, targets and the base model."""
+    base = (
+        f"{lora['base_model_type']} model {lora['base_model']}"
+        if lora.get("base_model")
+        else (f"a {lora['base_model_type']} model (not recorded where: give ckpt export --base)")
+    )
+    return (
+        f"LoRA adapters: rank {lora['rank']}, alpha {lora['alpha']:g}, targets {','.join(lora['targets'])} "
+        f"({lora['trained_parameters'] / 1e6:.3f}M parameters), trained on the {base}"
+    )
 
 
 COMMANDS = [ckpt_group]

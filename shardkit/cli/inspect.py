@@ -8,7 +8,7 @@ import click
 
 from ..sizes import format_bytes
 from .hub import hub_quiet
-from .options import SOURCE, Bar, common_options, print_json, source_options
+from .options import SOURCE, Bar, common_options, files_text, print_json, source_options
 
 
 @click.command(name="inspect")
@@ -80,7 +80,8 @@ def describe(r: dict, show_tensors: bool) -> str:
             f"{s['stage']}: " + " + ".join(f"{a}-{b}" for a, b in s.get("chunks") or [s["layers"]]) for s in r["stages"]
         )
         lines.append(f"  stages:  layers per stage {stages}")
-    lines.append(f"  files:   {r['files']} ({format_bytes(r['bytes'])}), dtype {r['dtype']}")
+    files = files_text(r["files"], r.get("files_beside", 0), r["kind"] == "sharded")
+    lines.append(f"  files:   {files}, {format_bytes(r['bytes'])}, dtype {r['dtype']}")
     if show_tensors:
         lines += [f"    {n} {tuple(s)}" for n, s in r["tensors"].items()]
     if r.get("checked"):

@@ -7,6 +7,8 @@ code 2; nothing is left half-written. Anything unexpected prints one line and ex
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import click
@@ -29,6 +31,10 @@ class ShardkitGroup(click.Group):
                 raise
             click.echo(f"shardkit: error: {shown(e, 2000)}", err=True)
             ctx.exit(2)
+        except BrokenPipeError:  # `shardkit ... | head`: the reader left; say nothing more
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's own flush at exit stays quiet
+            ctx.exit(141)
         except OSError as e:  # the file system refused something no command foresaw: still one line
             if settings(ctx)["debug"]:
                 raise

@@ -205,19 +205,20 @@ KV_MULTIPLIER_HELP = (
 )
 
 
-def layout_options(expert: bool = True) -> Callable:
-    """--tp/--pp/--vpp[/--ep]/--kv-multiplier/--kv-replication/--hw/--qkv (+ NxD's spellings), handed to
-    the command as `layout_opts` for `build_layout`. `expert=False` leaves --ep out."""
+def layout_options() -> Callable:
+    """--tp/--pp/--vpp/--ep/--kv-multiplier/--kv-replication/--hw/--qkv (+ NxD's spellings), handed to
+    the command as `layout_opts` for `build_layout`."""
     ep = degree_option(
         "ep",
         "Expert-parallel degree (mixture-of-experts models): experts split over this many ranks; "
-        "file names then carry ep_rank (NxD v3).",
+        "file names then carry ep_rank (NxD v3). Default: 1 (reshard: the source's).",
+        default=None,
     )
     options = [
         degree_option("tp", TP_HELP),
         degree_option("pp", PP_HELP),
         degree_option("vpp", VPP_HELP, nxd="--virtual-pipeline-size"),
-        *([ep] if expert else []),
+        ep,
         degree_option("kv-multiplier", KV_MULTIPLIER_HELP, nxd="--kv-size-multiplier"),
         *replication_options(
             "Order of K/V replicas: interleaved (Trn1, tensor.repeat) or blocked (Trn2, "
@@ -236,7 +237,7 @@ def layout_options(expert: bool = True) -> Callable:
         click.option("--fuse-qkv", is_flag=True, help="NxD spelling of --qkv fused (with --qkv-linear)."),
         click.option("--coalesce-qkv", is_flag=True, help="NxD spelling of --qkv coalesced."),
     ]
-    names = ["tp", "pp", "vpp", *(["ep"] if expert else []), "kv_multiplier", "kv_replication", "hw", "qkv"]
+    names = ["tp", "pp", "vpp", "ep", "kv_multiplier", "kv_replication", "hw", "qkv"]
     names += ["qkv_linear", "fuse_qkv", "coalesce_qkv"]
     return stacked(*options, collected(names, "layout_opts"))
 
@@ -253,15 +254,15 @@ def qkv_style(qkv: str | None, qkv_linear: bool, fuse_qkv: bool, coalesce_qkv: b
 
 
 def build_layout(o: Mapping[str, Any], inherit=None):
-    """The Layout the layout options ask for. Unset qkv style and replication come from `inherit`
-    (the source's layout) when given, else the defaults (separate, interleaved)."""
+    """The Layout the layout options ask for. Unset ep, qkv style and replication come from
+    `inherit` (the source's layout) when given, else the defaults (1, separate, interleaved)."""
     from ..layout import make_layout
 
     return make_layout(
         tp=o["tp"],
         pp=o["pp"],
         vpp=o["vpp"],
-        ep=o.get("ep", 1),
+        ep=o.get("ep") or (inherit.ep if inherit is not None else 1),
         kv_multiplier=o["kv_multiplier"],
         kv_replication=o["kv_replication"],
         hw=o["hw"],
@@ -273,13 +274,17 @@ def build_layout(o: Mapping[str, Any], inherit=None):
 def kept_from_source(layout_opts: Mapping[str, Any], source, target) -> str | None:
     """The line saying which layout choices reshard kept from the source (None: nothing kept)."""
     kept = []
+    kept_ep = source.ep > 1 and not layout_opts.get("ep")
+    if kept_ep:
+        kept.append(f"ep {target.ep}")
     if not any(layout_opts.get(k) for k in ("qkv", "qkv_linear", "fuse_qkv", "coalesce_qkv")):
         kept.append(f"qkv style {target.qkv}")
     if target.kv_multiplier > 1 and not (layout_opts.get("kv_replication") or layout_opts.get("hw")):
         kept.append(f"kv replication {target.kv_replication}")
     if not kept:
         return None
-    return f"kept the source's {' and '.join(kept)} ({source.describe()}); give --qkv / --kv-replication to change"
+    flags = ["--ep", "--qkv", "--kv-replication"] if kept_ep else ["--qkv", "--kv-replication"]
+    return f"kept the source's {' and '.join(kept)} ({source.describe()}); give {' / '.join(flags)} to change"
 
 
 def hints(kv_replication: str | None, hw: str | None) -> dict:
@@ -364,14 +369,14 @@ verify_hashes_option = stacked(
         flag_value="fast",
         default=True,
         help="[default] Check every source file listed in the source's shardkit.json before the output is "
-        "committed (a flipped bit is refused, never copied): against its xxh3-128 (about 20 GB/s; any "
-        "accidental change is caught), or its sha256 where the manifest predates xxh3-128.",
+        "committed (a flipped bit is refused, never copied): against its xxh3-128 (fast: a few percent of the "
+        "command's time; any accidental change is caught), or its sha256 where the manifest predates xxh3-128.",
     ),
     click.option(
         "--verify-sha256",
         "verify_hashes",
         flag_value="sha256",
-        help="Check the sources against their sha256 instead (about 1.5 GB/s per core; the manifest lists it "
+        help="Check the sources against their sha256 instead (many times slower; the manifest lists it "
         "when the shards were written with --sha256): for when the manifest is trusted apart from the files, "
         "e.g. its own hash is pinned elsewhere.",
     ),
@@ -402,9 +407,9 @@ def direct_io_option() -> Callable:
         show_default=True,
         callback=lambda ctx, param, value: {"on": True, "off": False}.get(value, "auto"),
         help="on: write the output around the page cache (O_DIRECT), from an aligned buffer straight to "
-        "the device: it saves the copy into the cache (up to 2.5 CPU-s per GB on a VM), and the output "
+        "the device: it saves the kernel's copy into the cache (dear on a VM), and the output "
         "is on the device when the command ends; try it on fast storage where shardkit is CPU-bound "
-        "(measured on a 7B checkpoint on a VM disk: convert 6-12% faster, merge 30% slower). auto: on "
+        "(it can be slower elsewhere: docs/BENCHMARKS.md). auto: on "
         "when the output is larger than the kernel's dirty limit (then writers wait for the disk "
         "anyway). off: through the page cache, as cp does. File systems without O_DIRECT are always "
         "written through the page cache.",
@@ -415,7 +420,7 @@ sha256_option = click.option(
     "--sha256",
     is_flag=True,
     help="Also record each output file's sha256 in shardkit.json (xxh3-128 is always recorded and catches "
-    "any accidental change). sha256 costs about 0.7 CPU-s per GB; ask for it when the manifest's own hash "
+    "any accidental change). sha256 is many times slower to compute; ask for it when the manifest's own hash "
     "is pinned where the files' writer cannot reach, so that --verify-sha256 can check the files against "
     "a deliberate collision. Not with --to-hf: a Hugging Face folder has no manifest.",
 )
@@ -490,14 +495,25 @@ def is_leader() -> bool:
 
 
 def result_dict(result, started: float) -> dict[str, Any]:
+    """A written output as JSON: `files` counts what `inspect` counts (rank files, or every file of
+    an output without rank files), `files_beside` the files that belong to the rank files."""
     return {
         "path": str(result.path),
         "format": result.format,
         "layout": result.layout.to_dict(),
-        "files": len(result.files),
+        "files": result.rank_files or len(result.files),
+        "files_beside": result.files_beside,
         "bytes": result.bytes,
         "seconds": round(time.perf_counter() - started, 3),
     }
+
+
+def files_text(files: int, beside: int = 0, rank_files: bool = False) -> str:
+    """`8 rank files (+224 tensor and info files beside them)`, `1 file`: the one wording of file
+    counts that writing commands and inspect share."""
+    kind = "rank file" if rank_files else "file"
+    text = f"{files} {kind}{'' if files == 1 else 's'}"
+    return text + (f" (+{beside} tensor and info files beside them)" if beside else "")
 
 
 def report(ctx: click.Context, result, started: float, as_json: bool, verb: str) -> None:
@@ -507,7 +523,8 @@ def report(ctx: click.Context, result, started: float, as_json: bool, verb: str)
     if as_json:
         print_json(data)
     elif not quiet(ctx):
-        click.echo(f"{verb} {result.path}: {data['files']} files, {format_bytes(result.bytes)} in {data['seconds']} s")
+        files = files_text(data["files"], data["files_beside"], bool(result.rank_files))
+        click.echo(f"{verb} {result.path}: {files}, {format_bytes(result.bytes)} in {data['seconds']} s")
 
 
 def print_json(data: Any) -> None:

@@ -18,12 +18,20 @@ import torch
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, SourceReader
 from ..formats.manifest import MANIFEST
+from ..formats.registry import format_of_file
 from ..io.digest import FAST_DIGEST, file_digests, has_digest
 from ..layout import Layout
 from ..paths import UnsafePathError, inside, regular_file
 from ..placements import Segment, SegmentIndex
 
 log = logging.getLogger(__name__)
+
+
+def _files_beside(ckpt: Checkpoint) -> int:
+    """The files that belong to the rank files (xser's tensor and info files), counted apart."""
+    if ckpt.kind != "sharded":
+        return 0
+    return sum(len(format_of_file(p, ckpt.format).files_of(p)) - 1 for p in ckpt.files.values())
 
 
 def inspect_checkpoint(
@@ -63,6 +71,7 @@ def inspect_checkpoint(
         "layout_from": "manifest" if ckpt.manifest else ("full model" if ckpt.kind == "hf" else "inferred from files"),
         "dtype": str(ckpt.dtype()).replace("torch.", "") if not problems else None,
         "files": len(ckpt.files),
+        "files_beside": _files_beside(ckpt),
         "bytes": ckpt.total_bytes(),
         "stages": _stages(ckpt.layout, dims.num_layers),
         "tensors": {n: list(s) for n, s in ckpt.full_shapes.items()},

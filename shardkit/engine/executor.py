@@ -45,8 +45,8 @@ FULL_COLLECTIONS_OFF = 1 << 30
 @contextlib.contextmanager
 def no_full_collections() -> Iterator[None]:
     """Until the block ends (in any thread), the interpreter collects only its young generations:
-    the oldest one holds every object of torch and its imports (200,000+), and one full collection
-    in the middle of a TinyLlama merge took 0.08 s of its 0.84 s. Young objects are still
+    the oldest one holds every object of torch and its imports (200,000+), so one full collection
+    in the middle of a small merge is a visible share of its time. Young objects are still
     collected, and the thresholds are restored when the last such block ends. Also a decorator."""
     global _GC_HOLDERS, _GC_SAVED
     with _GC_LOCK:

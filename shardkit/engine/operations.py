@@ -139,10 +139,18 @@ class Result:
     files: list[FileRecord]
     layout: Layout
     format: str
+    rank_files: int = 0
+    """How many of `files` are rank files (the others belong to them: xser's tensor and info
+    files); 0 for outputs of no layout (a Hugging Face folder)."""
 
     @property
     def bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def files_beside(self) -> int:
+        """The files that belong to the rank files (what `inspect` counts apart from them)."""
+        return len(self.files) - self.rank_files if self.rank_files else 0
 
 
 def reshard_checkpoint(
@@ -183,7 +191,7 @@ def reshard_checkpoint(
 
     records = _write(ckpt, outputs, dst, finish, write)
     log.info("wrote %d files (%s) to %s", len(records), layout.describe(), dst)
-    return Result(Path(dst), records, layout, format)
+    return Result(Path(dst), records, layout, format, rank_files=len(outputs))
 
 
 def merge_checkpoint(

@@ -83,13 +83,12 @@ class WriteArgs(TypedDict, total=False):
     direct_io: bool | str
     """Write the output around the page cache (O_DIRECT): True, False (the default), or "auto":
     when the output is larger than the kernel's dirty limit (see `io.direct.direct_io_pays`). It saves
-    the kernel's copy into the page cache (about 2 CPU-s per GB on a VM) and leaves the output on
-    the device when the call returns; whether it is faster depends on the storage (measured on a
-    7B checkpoint here: convert 6-12% faster, merge 30% slower)."""
+    the kernel's copy into the page cache (dear on a VM) and leaves the output on the device when
+    the call returns; whether it is faster depends on the storage, so it is off by default."""
     sha256: bool
     """Also record each output file's sha256 in the manifest (default False: xxh3-128 only, which
-    catches any accidental change; sha256 costs about 0.7 CPU-s per GB and is for manifests whose
-    own hash is pinned elsewhere, see `io.digest`). Outputs without a manifest ignore it."""
+    catches any accidental change; sha256 is many times slower and is for manifests whose own hash
+    is pinned elsewhere, see `io.digest`). Outputs without a manifest ignore it."""
     verify_hashes: bool | str | CheckMode
     """Check each source file against the digest its manifest lists before the output is
     committed: True or "fast" (the default) checks the fast xxh3-128 where the manifest has it and

@@ -198,10 +198,9 @@ def _kernel_copies(digests: Recording, hashes: HashCheck | None, read_ahead: Rea
     They are read for whatever needs them. When only the check of the sources does (an output
     without digests, as merge's, from sources a manifest lists), cold sources are better read by
     the worker and written behind it, which splits the two copies between two threads while the
-    read-ahead fills the page cache (cold TinyLlama merge: 1.32-1.52 s reading, 1.71-1.75 s
-    copying); sources already in the page cache are better copied: a write from the process's
-    memory into the page cache costs 1-2x what the kernel's own copy does, from one minute to the
-    next on a VM (warm merge: 0.75-4.21 s reading, 0.90-1.19 s copying, alternating)."""
+    read-ahead fills the page cache; sources already in the page cache are better copied: a write
+    from the process's memory into the page cache costs up to twice what the kernel's own copy
+    does on a VM."""
     return (
         bool(digests)
         or hashes is None
@@ -250,8 +249,8 @@ def lockstep_groups(outputs: Sequence[OutputFile], index: SegmentIndex) -> list[
     one pipeline stage) and read blocks of columns of their sources (row-parallel weights cut
     from full tensors: a convert) go together, at most LOCKSTEP_MAX: each source tensor is then
     read once for all of them (`io.strided.shared_column_reads`), where built one after another each
-    would touch all of its bytes for its 1/tp of them (TinyLlama tp 8: 0.32 CPU-s of 0.41 in the
-    worker). Any other file is a group of its own. Groups keep the order of their first file."""
+    would touch all of its bytes for its 1/tp of them (most of the worker's time, at tp 8 and
+    more). Any other file is a group of its own. Groups keep the order of their first file."""
     groups: list[list[OutputFile]] = []
     open_group: dict[tuple[str, ...], list[OutputFile]] = {}
     for out in outputs:
@@ -371,11 +370,8 @@ AUTO_MAX_WORKERS = 4
 CORES_PER_WORKER = 2
 """Cores `--workers auto` counts for each worker. A worker keeps about one core busy (its reads,
 the joins of split tensors, the digests of its kernel copies), and the write-behind threads it
-hands its writes to keep most of a second one busy (the kernel's copies into the page cache): one
-warm TinyLlama worker used 1.5-1.7 CPU-s per second of wall time. On this project's 2-core VM a
-second worker only contended: a warm reshard took 0.59-0.62 s with two against 0.53-0.57 s with
-one (CPU 1.01-1.04 against 0.86-0.92 s, fresh processes alternating), convert was no faster, and
-cold runs took the same time."""
+hands its writes to keep most of a second one busy (the kernel's copies into the page cache), so
+a second worker on two cores only contends for them (docs/BENCHMARKS.md)."""
 
 
 def auto_workers() -> int:

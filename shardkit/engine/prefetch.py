@@ -15,9 +15,9 @@ Two ways, chosen per run of bytes (an extent):
   memory (`reads_around_pay`), are read around it (O_DIRECT) into buffers the read-ahead owns,
   and workers' reads of them are served from those buffers (`DescriptorReader.read_from`); a
   buffer is reused once every planned byte in it has been copied out. Once the page cache has to
-  evict to take new pages, it is the expensive part of a cold read on a VM: 13.5 GB read through
-  it cost 18-22 CPU-s in the kernel here, read around it 0.6 CPU-s, and none of the source then
-  takes page-cache memory that the output's writes have to reclaim. The buffers are memory of the
+  evict to take new pages, it is the expensive part of a cold read on a VM (many times the CPU of
+  a read around it), and none of the source then takes page-cache memory that the output's writes
+  have to reclaim. The buffers are memory of the
   process: at most DIRECT_BUDGET. When they are all full and a worker waits for bytes not yet
   read, the rest goes through the page cache instead (never a deadlock, only the slower way).
   Small extents are read several at once, each by its own thread (DIRECT_BATCH).
@@ -66,7 +66,7 @@ the machine has little available memory: see `window_bytes`)."""
 EXTENT = 16 << 20
 """Spans that continue each other in one file are read together, up to this many bytes: a merge
 needs a small piece of each of tp files per tensor (1 MiB at tp 32 on 7B), and reading them one
-by one makes a disk seek between every MiB (measured 2-3x slower than cp, cold)."""
+by one makes a disk seek between every MiB."""
 
 BRIDGE = 64 << 10
 """A span that starts at most this many bytes after the previous span of its file ends (the zip
@@ -86,13 +86,13 @@ DIRECT_BUDGET = 96 << 20
 row-parallel MLP weight, streamed in blocks of rows from all 32 pieces)."""
 
 DIRECT_READ = 32
-"""Buffers filled per O_DIRECT system call at most (one vectored read; 1 MiB reads ran at the
-disk's full 1.4 GB/s here)."""
+"""Buffers filled per O_DIRECT system call at most (one vectored read: large enough to keep a
+disk streaming, small enough to hand the first bytes to a waiting worker soon)."""
 
 DIRECT_BATCH = 8
 """Up to this many consecutive small extents are read around the page cache at once, each by its
-own thread: one 1 MiB read at a time reached 0.9 GB/s during a merge (the disk is busy with the
-output's writes too), where reads through the page cache go in large batches of requests."""
+own thread: one small read at a time leaves the disk idle between requests while it also takes
+the output's writes, where reads through the page cache go in large batches of requests."""
 
 DIRECT_BATCH_BYTES = 8 << 20
 """...and up to about this many bytes."""
@@ -115,11 +115,10 @@ def reads_around_pay(nbytes: int) -> bool:
     """Whether an operation that brings `nbytes` into the page cache (the sources it reads and the
     output it writes) should read its cold bytes around it: when they are more than the free
     memory, so the kernel would have to evict pages to cache them. Below that, reads through the
-    page cache are the faster way (this project's VM disk gave 2.3-2.8 GB/s read ahead in 8 MiB
-    calls, 1.1-1.4 GB/s read around it at any queue depth), the CPU they cost is small, and the
-    bytes stay cached for the next command; above it, the eviction makes every cached byte cost
-    3-4 CPU-s per GB here (a cold 7B merge: 43-57 CPU-s and 29-36 s through the page cache, 17-18
-    CPU-s and 17-19 s around it)."""
+    page cache are the faster way (the kernel's read-ahead outpaces reads around it), the CPU they
+    cost is small, and the bytes stay cached for the next command; above it, the eviction makes
+    every cached byte cost several times what reading around the cache does (docs/history/ has the
+    measurements)."""
     free = meminfo("MemFree")
     return hasattr(os, "O_DIRECT") and free is not None and nbytes > free
 

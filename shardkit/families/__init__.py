@@ -1,6 +1,7 @@
 """Model families, one small module each, found by looking: every module in this package that
 calls `register(Family(...))` is a family. Adding a model is writing one module; nothing here
-lists them.
+lists them. `lora.py` is the exception: LoRA adapters' families are built from an adapter
+checkpoint's config (its LoRA section) when `family_for` meets one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import UnsupportedModelError
+from . import lora
 from .base import LAYER_PREFIX, REGISTRY, Family, layer_of, register
 
 __all__ = ["Family", "LAYER_PREFIX", "family_for", "known_families", "layer_of", "register"]
@@ -23,18 +25,22 @@ def known_families() -> dict[str, Family]:
     global _loaded
     if not _loaded:
         for module in pkgutil.iter_modules(__path__):
-            if module.name != "base":
+            if module.name not in ("base", "lora"):
                 importlib.import_module(f"{__name__}.{module.name}")
         _loaded = True
     return dict(REGISTRY)
 
 
 def family_for(config: Mapping[str, Any]) -> Family:
-    """The family of a Hugging Face config dict, or UnsupportedModelError naming the known ones."""
+    """The family of a Hugging Face config dict, or UnsupportedModelError naming the known ones.
+    A config with a LoRA section (an adapter checkpoint's) gets its adapters' family, built from
+    its base model's family (`lora.py`)."""
+    if lora.LORA_KEY in config:
+        return lora.adapter_family(family_for(lora.base_config(config)), config)
     registry = known_families()
     model_type = str(config.get("model_type", ""))
     if model_type not in registry:
-        known = ", ".join(sorted(registry))
+        known = ", ".join(sorted(k for k in registry if not k.startswith(lora.LORA_KEY)))
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported (known: {known}); "
             "add a family module in shardkit/families/ to support it"

@@ -145,6 +145,12 @@ def open_checkpoint(
         return _open_full(
             root, {f.name: f for f in files}, given or load_config(root), where or str(root / "config.json")
         )
+    weights = hf.weight_files(root, strict=False) if root.is_dir() else []
+    if weights:
+        raise FormatError(
+            f"{root} holds weights ({weights[0].name}) but no config.json: pass the model's Hugging Face config "
+            "with --config (its config.json, or the folder holding it)"
+        )
     raise FormatError(
         f"{root} is not a model directory: expected a Hugging Face directory (config.json + weights), "
         "shardkit shards (shardkit.json) or NxD rank files (model/dp_rank_00_tp_rank_00_pp_rank_00.pt)"

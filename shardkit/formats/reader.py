@@ -259,8 +259,8 @@ class HashCheck:
             self._thread.start()
             for check in self._files.values():
                 if check.algorithm != FAST_DIGEST:
-                    # sha256 (~0.6 CPU-s per GB) would slow the reading worker down by half: such
-                    # files are read a second time by the thread instead, beside the workers
+                    # sha256 is slow enough to halve the reading worker's speed: such files are
+                    # read a second time by the thread instead, beside the workers
                     self._hand(check)
         return self
 

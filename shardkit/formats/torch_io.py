@@ -29,6 +29,7 @@ from ..io import remote
 from ..io.copy import FileRange
 from ..io.digest import FileRecord, Recording
 from ..io.hashing import PARALLEL_HASH_MIN, HashingFile
+from ..io.oserror import disk_error
 from ..io.small import check_small
 from ..io.strided import StoredTensor, advise_stored, byte_span, read_block, read_rows_into, read_stored, stored_range
 from ..io.taps import DescriptorReader
@@ -102,6 +103,8 @@ def safe_load(path: Path, mmap: bool = True) -> Any:
         raise _refused(path, e) from None
     except ShardkitError:
         raise
+    except OSError as e:  # permissions, I/O errors: the file system's reason, not "corrupt"
+        raise FormatError(str(disk_error(e, "read", path))) from None
     except Exception as e:  # noqa: BLE001 - whatever torch raises for a bad file, said on one line
         raise _corrupt(path, e) from None
 

@@ -245,8 +245,8 @@ CLOSING_BEHIND = 2
 """Tensor files a writer leaves to finish behind it: each is closed (its last writes and copies
 waited for, its zip directory written, its digests done) only once this many newer ones are
 under way, so that the worker prepares the next tensors while the write-behind threads write.
-Closing each before the next began left the worker waiting for every file's writes (a warm
-TinyLlama convert to xser: 0.36 of its 1.2 s). Each open file holds one descriptor."""
+Closing each before the next began left the worker waiting for every file's writes, nearly a
+third of a convert to xser. Each open file holds one descriptor."""
 
 
 class XserWriter(DiscardOnFailure):

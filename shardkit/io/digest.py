@@ -1,13 +1,13 @@
 """The digests shardkit records for every file it writes, and how a file is checked on read.
 
-- `xxh3_128` (the xxhash library's XXH3, 128 bits): not cryptographic, about 11-20 GB/s per core.
+- `xxh3_128` (the xxhash library's XXH3, 128 bits): not cryptographic, about as fast as memory.
   Any accidental change (a flipped bit, a torn or truncated write, a file swapped for another)
   goes unnoticed with probability 2^-128, which is all a check on read can promise anyway: the
   manifest lives beside the files it lists, so whoever can rewrite a file on purpose can rewrite
   the manifest too. Always recorded.
-- `sha256`: cryptographic, what `sha256sum` prints and what the Hub's LFS ids are. About 1.5 GB/s
-  per core even with the CPU's SHA instructions (0.7 CPU-s per GB, as much as everything else a
-  reshard does), so it is recorded only on request (`--sha256`, `sha256=True`): for manifests
+- `sha256`: cryptographic, what `sha256sum` prints and what the Hub's LFS ids are. An order of
+  magnitude slower even with the CPU's SHA instructions (as much CPU as everything else a reshard
+  does), so it is recorded only on request (`--sha256`, `sha256=True`): for manifests
   whose own hash is pinned somewhere the files' writer cannot reach, where the files' digests must
   resist a deliberate collision. Hub uploads compute their own sha256 and do not need it.
 
@@ -81,8 +81,8 @@ STRONG = CheckMode.SHA256
 NONE = CheckMode.NONE
 
 HASH_WINDOW = 16 << 20
-"""A file is hashed through a read-only mapping of this many bytes at a time. Measured on 2.2 GB
-warm: half the CPU of reading the same bytes into a buffer (no copy out of the page cache); cold,
+"""A file is hashed through a read-only mapping of this many bytes at a time: warm, that costs
+about half the CPU of reading the same bytes into a buffer (no copy out of the page cache); cold,
 the same time. Mapped pages count as resident while mapped: 16 MiB keeps them a small part of a
 7B merge's 512 MiB memory bound."""
 

@@ -29,10 +29,9 @@ class DirectFile:
     `flush` that left the file unaligned. Where the file system refuses O_DIRECT (tmpfs, some FUSE),
     at open or at the first write, every write goes through the page cache instead.
 
-    Why: copying into the page cache costs 0.25-2.5 CPU-s per GB here (fresh page-cache memory is
-    costly on a VM), and past the kernel's dirty limit the writer waits for the disk anyway;
-    from an aligned buffer the cost is one copy into it (~0.1 CPU-s per GB) and the device's
-    time. The same interface as the buffered file HashingFile otherwise writes through: write,
+    Why: copying into fresh page-cache memory is costly on a VM, and past the kernel's dirty limit
+    the writer waits for the disk anyway; from an aligned buffer the cost is one copy into it and
+    the device's time. The same interface as the buffered file HashingFile otherwise writes through: write,
     flush, fileno, close; one thread writes at a time."""
 
     def __init__(self, path: Path):
@@ -176,9 +175,8 @@ def preallocate(fd: int, nbytes: int) -> bool:
     exist, and a full disk is refused before anything is written (OSError ENOSPC/EDQUOT). False
     where the platform or the file system offers no reservation (nothing is written then: glibc's
     posix_fallocate would fall back to writing zeros). Why: on ext4, writes into reserved blocks
-    skip the delayed allocation's per-page bookkeeping; measured here, 2.2 GB written in 256 KiB
-    blocks took 0.32-0.33 CPU-s reserved against 0.46-0.52 not, and copied by copy_file_range
-    0.17 against 0.23. Blocks reserved past what is written are freed by truncating the file to
+    skip the delayed allocation's per-page bookkeeping, a quarter to a third of the kernel's CPU for
+    writes and copies alike. Blocks reserved past what is written are freed by truncating the file to
     its size (`HashingFile.close`)."""
     global _FALLOCATE
     if not sys.platform.startswith("linux") or nbytes <= 0:

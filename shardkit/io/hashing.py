@@ -33,14 +33,12 @@ if TYPE_CHECKING:
 
 
 WRITE_BLOCK = 256 << 10
-"""Large blocks are written in pieces of at most this size: larger writes cost several times the CPU
-in the kernel's copy into the page cache. The likely cause: the page cache sizes its folios by the
-write, and large folios come from the high-order free blocks that a VM's balloon driver hands back
-to the host (free page reporting) or that need compaction, so their first touch costs a host fault
-or a compaction. Measured on this project's VM, one new 2.2 GB file right after a cache drop: 0.5
-CPU-s in 256-512 KiB writes, 1.1-3.8 in 1 MiB writes, 3.3-3.4 in 4 MiB writes; 16 files of the
-same total: 0.54-0.61 (256 KiB) and 0.69-0.71 (1 MiB). A cold merge of TinyLlama (one 2.2 GB
-output file) went from 2.9 s to 1.6 s. Below 256 KiB the per-call cost shows (128 KiB: 0.66-0.76)."""
+"""Large blocks are written in pieces of at most this size: on a VM, writes of 1 MiB or more cost
+several times the CPU in the kernel's copy into the page cache. The likely cause: the page cache
+sizes its folios by the write, and large folios come from the high-order free blocks that a VM's
+balloon driver hands back to the host (free page reporting) or that need compaction, so their
+first touch costs a host fault or a compaction. Below 256 KiB the cost per call shows instead.
+The measurements: docs/history/THROUGHPUT.md, "Writes of 256 KiB"."""
 
 PARALLEL_HASH_MIN = 1 << 20
 """Blocks at least this large are hashed beside the caller: by the write-behind thread after it
