@@ -57,6 +57,7 @@ from .parallel import (
 from .pipeline import Pipeline, resolve_schedule, run_micro_batches
 from .weights import (
     EXPORT_MARKER,
+    absolute,
     check_export_destination,
     export_hf,
     export_run,
@@ -842,7 +843,7 @@ def _export(plan: Plan, par: Parallel, run: Run, summary: Summary) -> str:
         assert isinstance(run.adapters, lora.AdapterSet)  # _set_up attaches them for a LoRA plan
         if cfg.export_lora:
             marker = (EXPORT_MARKER, {"run": export_run(cfg), "step": step})
-            base = str(Path(cfg.model).absolute()) if cfg.model else None
+            base = absolute(cfg.model) if cfg.model else None
             return str(lora.export_peft(plan.lora, run.adapters, par, cfg.export_hf, base, plan.dtype, marker))
         merged = plan.lora.merged(run.model, run.adapters, par.tp_rank, par.pp_rank)
     return str(
