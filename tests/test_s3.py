@@ -111,10 +111,24 @@ def keys(bucket: str, prefix: str = "") -> list[str]:
 
 
 def no_mirrors_left() -> None:
+    """No mirror or output staging folder left by this process or one that has ended (those of
+    other processes running now, a benchmark's, are theirs)."""
     import tempfile
 
-    left = [e for e in os.listdir(tempfile.gettempdir()) if e.startswith(("shardkit-s3-", "shardkit-s3-out-"))]
-    assert not [e for e in left if not e.startswith("shardkit-s3-save-")], left
+    from shardkit.io.transaction import pid_alive
+
+    base = Path(tempfile.gettempdir())
+    left = []
+    for entry in os.listdir(base):
+        if not entry.startswith("shardkit-s3-") or entry.startswith("shardkit-s3-save-"):
+            continue
+        try:
+            pid = int((base / entry / ".shardkit-owner").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # (being created or removed just now)
+        if pid == os.getpid() or not pid_alive(pid):
+            left.append(entry)
+    assert not left, left
 
 
 def run(*args: object):
@@ -321,6 +335,9 @@ def test_convert_merge_reshard_verify_through_s3(tiny_model, bucket, tmp_path, w
     assert verify(hf, merged).ok
     assert sorted(p.name for p in merged.parent.iterdir()) == ["merged"]  # nothing beside it
 
+    # the wrong kind of folder is named by its URL, with the command that reads it
+    res = run("ckpt", "export", url, tmp_path / "x")
+    assert res.exit_code == 2 and f"use `shardkit merge {url} OUT`" in res.stderr, res.stderr
     url2 = f"s3://{bucket}/models/tp2"
     res = run("reshard", url, url2, "--tp", "2", "--pp", "1")
     assert res.exit_code == 0, res.output
@@ -510,7 +527,7 @@ def _save(root: str, tag: str, layout: Layout, config: dict, state: dict, step: 
     ckpt_child.save_all_ranks(root, tag, layout, config, state, step, **options)
 
 
-def test_checkpoint_save_list_reshard_export(bucket, tmp_path, workdir):
+def test_checkpoint_save_list_reshard_export(bucket, tmp_path, workdir, monkeypatch):
     config = fixture_config(CONFIG)
     state = ckpt_child.full_state(config, 100, seed=1)
     root = f"s3://{bucket}/run1"
@@ -530,6 +547,10 @@ def test_checkpoint_save_list_reshard_export(bucket, tmp_path, workdir):
     assert res.exit_code == 0 and json.loads(res.output)["latest"] == "step_200"
     res = run("ckpt", "reshard", root, f"{root}/inner", "--tp", "1", "--pp", "1")
     assert res.exit_code == 2 and "overlaps" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    fetched = _fetched(monkeypatch)
+    res = run("merge", root, tmp_path / "m")  # a checkpoint root: refused before any tag is fetched
+    assert res.exit_code == 2 and f"`shardkit ckpt export {root} OUT`" in res.stderr, res.stderr
+    assert fetched[-1][0] < 100_000, fetched
     dst = f"s3://{bucket}/run1-tp1"
     res = run("ckpt", "reshard", root, dst, "--tp", "1", "--pp", "1")
     assert res.exit_code == 0, res.output

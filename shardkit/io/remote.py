@@ -400,13 +400,28 @@ def close_mirrors(keep: int = 0) -> None:
 
 @contextlib.contextmanager
 def mirrors_scope() -> Iterator[None]:
-    """Mirrors opened inside the block are closed (their folders removed) when it ends."""
+    """Mirrors opened inside the block are closed (their folders removed) when it ends; an error
+    raised inside it names the URLs its mirrors stand for, not their local folders."""
     with _OPEN_LOCK:
         keep = len(_OPEN)
     try:
         yield
+    except ShardkitError as e:
+        _name_urls(e)
+        raise
     finally:
         close_mirrors(keep)
+
+
+def _name_urls(error: ShardkitError) -> None:
+    if len(error.args) != 1 or not isinstance(error.args[0], str):
+        return
+    text = error.args[0]
+    with _OPEN_LOCK:
+        mirrors = list(_OPEN)
+    for mirror in mirrors:
+        text = text.replace(str(mirror.root), str(mirror.loc))
+    error.args = (text,)
 
 
 atexit.register(close_mirrors)
