@@ -506,6 +506,8 @@ class Checkpointer:
                 keep_every=options["keep_every"] if "keep_every" in options else cfg.keep_every,
             )
             job = self._job(request)
+            if loc is not None:  # the staged copy is not the durable one (the uploaded objects are): no fsync
+                job.fsync = False
             lock = self._lock_directory(job)
             released = False  # True once the lock's release is handed to the background thread
             try:
