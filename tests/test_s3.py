@@ -574,6 +574,27 @@ def test_checkpoint_save_list_reshard_export(bucket, tmp_path, workdir, monkeypa
     no_mirrors_left()
 
 
+def test_checkpoint_files_upload_as_they_close(bucket, monkeypatch):
+    """A save to object storage uploads each rank file as it is closed: what is left for the end
+    is the markers, the manifest and config.json."""
+    from shardkit.checkpoint import remote as ckpt_remote
+
+    swept: list[str] = []
+    upload_tree = ckpt_remote.upload_tree
+
+    def recording(local, loc, *args, **kwargs):
+        swept.extend(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+        return upload_tree(local, loc, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_remote, "upload_tree", recording)
+    config = fixture_config(CONFIG)
+    _save(f"s3://{bucket}/streamed", "step_1", TP2PP2, config, ckpt_child.full_state(config, 1, seed=1), 1)
+    names = keys(bucket, "streamed/step_1/")
+    assert len([n for n in names if "/model/" in n]) == 4 and len([n for n in names if "/optim/" in n]) == 4
+    assert "done" in swept and "shardkit.json" in swept
+    assert not [n for n in swept if n.startswith(("model/", "optim/"))], swept  # each went up as it closed
+
+
 def test_killed_checkpoint_upload_lists_incomplete_and_next_save_removes_it(bucket, workdir, caplog):
     import logging
 
@@ -621,8 +642,9 @@ def test_killed_checkpoint_upload_lists_incomplete_and_next_save_removes_it(buck
 
 
 def test_failed_save_leaves_no_partial_tag(bucket, monkeypatch):
-    """A save that fails before its upload keeps the tag of that name in the store; one that fails
-    while uploading deletes what it uploaded. Neither leaves its local copy behind."""
+    """A save that fails, while writing or while uploading, leaves no objects of its tag (a tag of
+    that name it replaces is gone, as a local save replaces it) and no local copy; the other tags
+    stay."""
     from shardkit.checkpoint import save as ckpt_save
     from shardkit.checkpoint.remote import staging_root
     from shardkit.errors import ShardkitError
@@ -642,8 +664,9 @@ def test_failed_save_leaves_no_partial_tag(bucket, monkeypatch):
         with pytest.raises(ShardkitError, match="no space left on the disk") as failed:
             _save(root, "step_100", TP2PP2, config, state, 100)
     assert "\n" not in str(failed.value)
-    assert keys(bucket, "run3/") == before  # the complete tag of that name is untouched
-    assert not (staged / "step_100").exists()
+    assert not keys(bucket, "run3/step_100/") and not (staged / "step_100").exists()
+    _save(root, "step_100", TP2PP2, config, state, 100)
+    assert keys(bucket, "run3/") == before
 
     uploads = [0]
     upload = s3.Uploader.upload

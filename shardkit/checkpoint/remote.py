@@ -8,12 +8,13 @@ exists. shardkit reads and writes exactly that:
 - listing, loading and inspecting go through a local mirror of the prefix (`io.remote`): small
   objects (markers, manifests, the scheduler) are fetched whole, tensor files only in the ranges
   read;
-- a save writes the tag into a local staging root on each host with the usual code (every rank,
-  `done` last), then: rank 0 writes `<tag>/.shardkit-owner` (host, pid); the first rank of each
-  host uploads the files its host's ranks wrote (local copies deleted as each is up); once every
-  host is done, rank 0 uploads `done` and deletes the owner object. A tag whose upload was
-  killed has no `done`: it lists as incomplete, `latest_if_exists` skips it, and the next save's
-  retention removes it (its owner is a process of this host that no longer runs), saying so;
+- a save: rank 0 writes `<tag>/.shardkit-owner` (host, pid) and removes a tag of that name;
+  every rank writes its files into a local staging root on its host with the usual code, each
+  file uploaded as soon as it is closed (local copy deleted once up); the first rank of each host
+  then uploads the rest its host wrote (markers, manifest); once every host is done, rank 0
+  uploads `done` and deletes the owner object. A tag whose upload was killed has no `done`: it
+  lists as incomplete, `latest_if_exists` skips it, and the next save's retention removes it (its
+  owner is a process of this host that no longer runs), saying so;
 - retention and `prune` delete a tag's `done` first, then its files, its `checkpoint` marker last.
 
 An object store has no lock: two jobs saving to the same prefix at once are not told of each
@@ -35,12 +36,12 @@ from typing import Any
 
 from ..errors import ShardkitError
 from ..io import remote as remote_io
-from ..io import s3
+from ..io import s3, sinks
 from ..io.delete import remove_tree
 from ..io.location import RemoteLocation
 from ..io.location import remote as remote_location
 from ..io.transaction import OWNER_FILE
-from ..io.upload import remove_objects, upload_tree
+from ..io.upload import StreamingUpload, remove_objects, upload_tree
 from .tree import (
     CHECKPOINT_MARKER,
     DONE_MARKER,
@@ -129,16 +130,18 @@ def _clear_host(job: Any) -> None:
 
 def _begin_tag(loc: RemoteLocation, tag: str) -> None:
     """Leader: `<tag>/.shardkit-owner` (host, pid) first, then a tag of that name is removed
-    (its `done` first): from here until `done`, the tag lists as incomplete."""
+    (its `done` first, as a local save replaces one), then the `checkpoint` marker: from here
+    until `done`, the tag lists as incomplete (and as its owner's, for the next save's retention)."""
     existing = [o.name for o in s3.list_objects(loc.child(tag))]
     s3.put_bytes(loc, f"{tag}/{OWNER_FILE}", f"{socket.gethostname()} {os.getpid()}\n".encode())
     if existing:
         remove_objects(loc.child(tag), [n for n in existing if n != OWNER_FILE])
+    s3.put_bytes(loc, f"{tag}/{CHECKPOINT_MARKER}", b"1")  # NxD's marker, as `save.prepare_tag` writes it
 
 
-def _upload_host(job: Any, loc: RemoteLocation) -> None:
-    """The first rank of each host: every file this host's ranks wrote (but `done`), each
-    deleted locally once it is up."""
+def _upload_rest(job: Any, loc: RemoteLocation) -> None:
+    """The first rank of each host, once every rank's streamed files are up: what its host's
+    ranks wrote that was not streamed (markers, the manifest, config.json), but `done`."""
     (job.tag_dir / OWNER_FILE).unlink(missing_ok=True)
     upload_tree(job.tag_dir, loc.child(job.tag), exclude=(DONE_MARKER,))
     if not job.leader:
@@ -154,33 +157,37 @@ def _finish_tag(job: Any, loc: RemoteLocation) -> None:
 
 
 def remote_saver(loc: RemoteLocation, run_save: Callable[..., None], agree: Callable[..., Any]) -> Callable[..., None]:
-    """`save.run_save` for a checkpoint directory in object storage. Every rank saves into its
-    host's staging root (`staging_root`: local disk, one per host), retention there skipped; then
-    the leader writes the tag's owner object, the first rank of each host uploads that host's
-    files, and once all are up the leader uploads `done` and applies retention to the prefix. A
-    failure anywhere fails the save on every rank: each host's staged files are removed, and the
-    leader deletes what was uploaded (a tag of that name in the store is kept if the failure came
-    before the upload began)."""
+    """`save.run_save` for a checkpoint directory in object storage. The leader writes the tag's
+    owner object (and removes a tag of that name); every rank saves into its host's staging root
+    (`staging_root`: local disk), retention there skipped, each file it writes uploaded as soon as
+    it is closed (`io.upload.StreamingUpload`) and deleted locally once up; then the first rank of
+    each host uploads what was not streamed, and the leader uploads `done` and applies retention to
+    the prefix. A failure anywhere fails the save on every rank: the uploads under way are
+    cancelled, each host's staged files removed, and the leader deletes what was uploaded."""
 
     def run(job: Any, comm: Any, retention: Any = None) -> None:
         what = f"saving checkpoint {job.tag} to {loc}"
         hosts = comm.gather(socket.gethostname())
         first_on_host = hosts.index(hosts[comm.rank]) == comm.rank
         agree(comm, what, lambda: _clear_host(job) if first_on_host else None, job.tag_dir)
-        begun = False  # the leader has started replacing `<tag>/` in the store
+        streaming = StreamingUpload(loc.child(job.tag), job.tag_dir)
+        ok = False
         try:
-            run_save(job, comm, retention=None)
-            begun = True
             agree(comm, what, lambda: _begin_tag(loc, job.tag) if job.leader else None, job.tag_dir)
-            agree(comm, what, lambda: _upload_host(job, loc) if first_on_host else None, job.tag_dir)
+            with sinks.registered(job.tag_dir, streaming):
+                run_save(job, comm, retention=None)
+                agree(comm, what, streaming.drain, job.tag_dir)
+            agree(comm, what, lambda: _upload_rest(job, loc) if first_on_host else None, job.tag_dir)
             agree(comm, what, lambda: _finish_tag(job, loc) if job.leader else None, job.tag_dir)
-        except BaseException:
-            if job.leader and begun:
-                _discard_remote_tag(loc, job.tag)
-            if first_on_host:  # this host's staged files, never left filling the temporary folder
-                with contextlib.suppress(OSError, ShardkitError):
-                    remove_tree(job.tag_dir)
-            raise
+            ok = True
+        finally:
+            streaming.close(cancel=not ok)
+            if not ok:
+                if job.leader:
+                    _discard_remote_tag(loc, job.tag)
+                if first_on_host:  # this host's staged files, never left filling the temporary folder
+                    with contextlib.suppress(OSError, ShardkitError):
+                        remove_tree(job.tag_dir)
         if job.leader:
             log.info("uploaded checkpoint %s to %s", job.tag, loc)
             try:

@@ -45,6 +45,7 @@ from ..formats.manifest import manifest as build_manifest
 from ..formats.safetensors_io import SafetensorsWriter
 from ..formats.torch_io import TorchWriter, torch_save
 from ..formats.xser import XserWriter, tensors_dir
+from ..io import sinks
 from ..io.delete import is_link
 from ..io.digest import FileRecord
 from ..io.durable import fsync_path, write_text
@@ -285,6 +286,8 @@ def _written(tag_dir: Path, paths: list[Path], fsync: bool) -> list[FileRecord]:
     if fsync:
         for folder in sorted(folders, key=lambda f: -len(f.parts)):
             fsync_path(folder)
+    for path in paths:  # (torch.save wrote them, not a HashingFile): a save to s3:// uploads them now
+        sinks.closed(path)
     return records
 
 

@@ -255,6 +255,7 @@ class Uploader:
         del boto3
         self._manager = TransferManager(client(), self._config)
         self._slots = threading.BoundedSemaphore(files_in_flight)
+        self._in_flight = files_in_flight
         self._futures: list[Any] = []
         self.sent = 0
 
@@ -302,6 +303,12 @@ class Uploader:
                 if first is None:
                     first = error(e, "upload to", where)
         self._futures.clear()
+        # s3transfer marks a transfer done before it runs its done callbacks: wait for those too
+        # (each frees its slot last), so that no local file is deleted after `wait` returns
+        for _ in range(self._in_flight):
+            self._slots.acquire()
+        for _ in range(self._in_flight):
+            self._slots.release()
         if first is not None:
             raise first
         return self.sent
