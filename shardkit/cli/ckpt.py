@@ -11,6 +11,7 @@ import click
 from ..errors import ShardkitError
 from ..sizes import format_bytes
 from .options import (
+    LOCATION,
     Bar,
     build_layout,
     common_options,
@@ -35,20 +36,22 @@ def ckpt_group() -> None:
 
     \b
     DIR is the checkpoint directory: DIR/<tag>/{checkpoint, model/, optim/, scheduler.pt,
-    user_content.pt, done}. A tag is complete when its `done` marker exists.
+    user_content.pt, done}. A tag is complete when its `done` marker exists. Every DIR, SRC, DST
+    and OUT may be s3://bucket/prefix, with NxD's keys (`<tag>/model/...`, `done` last).
     """
 
 
 @ckpt_group.command(name="list")
-@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR", type=LOCATION)
 @click.option("--json", "as_json", is_flag=True, help="Print the tags as JSON on stdout.")
 @common_options
 def ckpt_list(directory, as_json):
-    """List the tags of DIR, oldest first: complete or not, step, layout, format, size."""
+    """List the tags of DIR (a folder or s3://bucket/prefix), oldest first: complete or not, step,
+    layout, format, size."""
     from ..checkpoint import list_checkpoints
     from ..checkpoint.tree import model_folder_kind
 
-    if not directory.is_dir():
+    if isinstance(directory, Path) and not directory.is_dir():
         raise ShardkitError(f"{directory} does not exist: give the checkpoint directory (the parent of the tags)")
     infos = list_checkpoints(directory)
     newest = next((i.tag for i in reversed(infos) if i.loadable), None)
@@ -56,7 +59,7 @@ def ckpt_list(directory, as_json):
         print_json({"directory": str(directory), "latest": newest, "checkpoints": [i.to_dict() for i in infos]})
         return
     if not infos:
-        kind = model_folder_kind(directory)
+        kind = model_folder_kind(directory) if isinstance(directory, Path) else None
         hint = f" (it is a model folder, {kind}: see `shardkit inspect {directory}`)" if kind else ""
         click.echo(f"no checkpoints in {directory}{hint}")
         return
@@ -88,7 +91,7 @@ def ckpt_list(directory, as_json):
 
 
 @ckpt_group.command(name="prune")
-@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR", type=LOCATION)
 @click.option("--keep", type=click.IntRange(min=1), required=True, help="Keep the newest N complete checkpoints.")
 @click.option(
     "--keep-every",
@@ -103,7 +106,8 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
     """Apply retention to DIR: keep the newest --keep complete tags (and every --keep-every-th step).
 
     Incomplete tags older than the newest complete one (interrupted saves or deletions) are
-    removed too; the newest complete tag never is. Each tag's `done` marker goes first.
+    removed too; the newest complete tag never is. Each tag's `done` marker goes first. DIR may
+    be s3://bucket/prefix.
     """
     from ..checkpoint import prune_checkpoints
 
@@ -124,8 +128,8 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
 
 
 @ckpt_group.command(name="export")
-@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR", type=LOCATION)
+@click.argument("out", type=LOCATION)
 @click.option("--tag", default=None, help="The tag to export (default: the newest complete one).")
 @click.option(
     "--merged",
@@ -151,6 +155,7 @@ def ckpt_export(ctx, directory, out, tag, merged, base, max_shard_size, write, a
     model directory OUT.
 
     OUT also gets config.json, generation_config.json and tokenizer files, from the tag or from DIR.
+    DIR and OUT may be s3://bucket/prefix (only the byte ranges the merge uses are read).
     A LoRA adapter checkpoint (the trainer's --lora-rank) becomes a PEFT adapter folder
     (adapter_config.json + adapter_model.safetensors, for peft's PeftModel.from_pretrained), or
     with --merged the merged model.
@@ -190,8 +195,8 @@ param_order_option = click.option(
 
 
 @ckpt_group.command(name="reshard")
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=LOCATION)
+@click.argument("dst", type=LOCATION)
 @tag_config_option
 @layout_options()
 @degree_option(
@@ -269,7 +274,8 @@ def ckpt_reshard(
     """Move a whole training state SRC (model, ZeRO-1 optimizer shards, master weights, scheduler,
     user content) to another layout, written as the checkpoint directory DST in NxD's format
     (or torchtitan's, --format dcp). SRC may also be a torchtitan checkpoint (a DCP folder
-    step-<N>, or the folder of them: the newest, or --tag).
+    step-<N>, or the folder of them: the newest, or --tag). SRC and DST: folders or
+    s3://bucket/prefix.
     Without --ep, --qkv (and --kv-replication / --hw) the source's expert parallelism, qkv style
     (and replica order) are kept, and a line says so.
 
@@ -282,8 +288,10 @@ def ckpt_reshard(
     from ..checkpoint.load import tag_to_read
     from ..layout import Layout
 
-    titan = titan_step_dir(Path(src), tag) is not None  # a torchtitan checkpoint: no NxD tags in it
-    src_dir, name = (src, tag) if titan else tag_to_read(src, tag, "shardkit reshard DIR DST")
+    # a torchtitan checkpoint has no NxD tags; a tag in object storage is found by the API, through its mirror
+    titan = isinstance(src, Path) and titan_step_dir(src, tag) is not None
+    local = isinstance(src, Path) and not titan
+    src_dir, name = tag_to_read(src, tag, "shardkit reshard DIR DST") if local else (src, tag)
     source = Layout.from_dict(inspect_training_checkpoint(src_dir, name, config, param_order)["layout"])
     layout = build_layout(layout_opts, inherit=source)
     kept = kept_from_source(layout_opts, source, layout)
@@ -308,14 +316,15 @@ def ckpt_reshard(
 
 
 @ckpt_group.command(name="inspect")
-@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR", type=LOCATION)
 @click.option("--tag", default=None, help="The tag (default: the newest complete one, or DIR itself).")
 @tag_config_option
 @param_order_option
 @json_option()
 @common_options
 def ckpt_inspect(directory, tag, config, param_order, as_json):
-    """Layout (tp, pp, dp, ZeRO-1), param groups, step, master weights and optimizer bytes of a tag."""
+    """Layout (tp, pp, dp, ZeRO-1), param groups, step, master weights and optimizer bytes of a tag
+    (DIR: a folder or s3://bucket/prefix)."""
     from ..api import inspect_training_checkpoint
 
     info = inspect_training_checkpoint(directory, tag, config, param_order)

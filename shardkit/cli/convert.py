@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import click
 
 from ..conventions import CONVENTIONS
 from ..errors import ShardkitError
 from ..formats.registry import output_format_names
+from ..io.location import is_url
+from ..io.remote import Need, mirrors_scope
 from .hub import hub_check, hub_push, hub_quiet, hub_source, merge_and_push_report
 from .options import (
+    LOCATION,
     REPLICATION_CHOICES,
+    SOURCE,
     Bar,
     build_layout,
     command_line,
@@ -56,8 +59,8 @@ FORMAT_HELP = (
 
 
 @click.command()
-@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=SOURCE)  # as typed: "does not exist" names it so
+@click.argument("dst", type=LOCATION)
 @click.option(
     "--to-sharded/--to-hf",
     "to_sharded",
@@ -80,7 +83,8 @@ def convert(ctx, src, dst, to_sharded, fmt, convention, write, as_json, config, 
     \b
     SRC: a directory with config.json and model.safetensors / model-*.safetensors + index /
     pytorch_model*.bin, or a single .pt/.bin state dict (give --config), or a Hugging Face Hub
-    repo id (org/name, fetched into the HF cache). DST gets
+    repo id (org/name, fetched into the HF cache). SRC and DST may be s3://bucket/prefix
+    (read in the byte ranges used; uploaded, manifest last). DST gets
     model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt, config.json, tokenizer files and shardkit.json.
 
     \b
@@ -91,7 +95,7 @@ def convert(ctx, src, dst, to_sharded, fmt, convention, write, as_json, config, 
     from ..api import merge as api_merge
 
     started = time.perf_counter()
-    src = hub_source(ctx, src, revision)
+    src = src if is_url(src) else hub_source(ctx, src, revision)
     with Bar(ctx, "convert") as bar:
         if to_sharded:
             layout = build_layout(layout_opts)
@@ -114,8 +118,8 @@ def convert(ctx, src, dst, to_sharded, fmt, convention, write, as_json, config, 
 
 
 @click.command()
-@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=SOURCE)  # as typed: "does not exist" names it so
+@click.argument("dst", type=LOCATION)
 @max_shard_size_option("Largest safetensors file; larger models get model-0000i-of-0000n files + index")
 @source_options
 @output_options(manifest=False)
@@ -140,14 +144,14 @@ def merge(ctx, src, dst, max_shard_size, config, source_hints, write, as_json, r
     --config when the directory has none), a PyTorch DCP folder (.metadata; Hugging Face's or
     torchtitan's names), or a Hub repo id. DST loads with
     transformers.AutoModelForCausalLM.from_pretrained; --push-to REPO_ID then uploads it to the
-    Hub as `shardkit push` does.
+    Hub as `shardkit push` does. SRC and DST may be s3://bucket/prefix.
     """
     from ..api import merge as api_merge
 
     started = time.perf_counter()
     if (private or create) and not push_to:
         raise ShardkitError("--private and --create only apply with --push-to REPO_ID")
-    src = hub_source(ctx, src, revision)
+    src = src if is_url(src) else hub_source(ctx, src, revision)
     if push_to:
         hub_check(push_to, private, create)
     with Bar(ctx, "merge") as bar:
@@ -171,8 +175,8 @@ def merge(ctx, src, dst, max_shard_size, config, source_hints, write, as_json, r
 
 
 @click.command()
-@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=SOURCE)  # as typed: "does not exist" names it so
+@click.argument("dst", type=LOCATION)
 @layout_options()
 @format_option("Format of the new shards: " + FORMAT_HELP)
 @convention_option
@@ -191,7 +195,8 @@ def reshard(ctx, src, dst, fmt, convention, source_kv_replication, write, as_jso
     """Turn shards of one layout (SRC) into another layout (DST) directly.
 
     Each new piece is assembled from exactly the source slices it needs; the full model is never
-    written or held. SRC may be a Hub repo id (shards or a Hugging Face model). Without --qkv
+    written or held. SRC may be a Hub repo id (shards or a Hugging Face model); SRC and DST may be
+    s3://bucket/prefix. Without --qkv
     (and without --kv-replication / --hw) the source's qkv style (and replica order) is kept.
     """
     from ..api import open_source
@@ -199,15 +204,16 @@ def reshard(ctx, src, dst, fmt, convention, source_kv_replication, write, as_jso
 
     started = time.perf_counter()
     hub_quiet(ctx)
-    source = open_source(src, config, {"kv_replication": source_kv_replication}, revision)
-    layout = build_layout(layout_opts, inherit=source.layout)
-    kept = kept_from_source(layout_opts, source.layout, layout)
-    if kept and is_leader():
-        note(ctx, kept)
-    with Bar(ctx, "reshard") as bar:
-        result = api_reshard(
-            source, dst, layout, format=fmt, convention=convention, progress=bar, command=command_line(), **write
-        )
+    with mirrors_scope():  # an s3:// source's local mirror is removed at the end
+        source = open_source(src, config, {"kv_replication": source_kv_replication}, revision, Need.EVERYTHING)
+        layout = build_layout(layout_opts, inherit=source.layout)
+        kept = kept_from_source(layout_opts, source.layout, layout)
+        if kept and is_leader():
+            note(ctx, kept)
+        with Bar(ctx, "reshard") as bar:
+            result = api_reshard(
+                source, dst, layout, format=fmt, convention=convention, progress=bar, command=command_line(), **write
+            )
     report(ctx, result, started, as_json, "wrote")
 
 

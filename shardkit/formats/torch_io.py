@@ -27,6 +27,7 @@ import torch
 
 from .. import torch_compat
 from ..errors import FormatError, ShardkitError
+from ..io import remote
 from ..io.copy import FileRange
 from ..io.digest import FileRecord, Recording
 from ..io.hashing import PARALLEL_HASH_MIN, HashingFile
@@ -90,6 +91,7 @@ def safe_load(path: Path, mmap: bool = True) -> Any:
     """torch.load with weights_only=True; TensorReference allowed; clear errors for bad files. A zip
     archive's directory is validated first (`torch_zip.read_archive`), as for `load_metadata`."""
     path = regular(Path(path))
+    remote.ensure_file(path)  # a mirror file of an object store: fetched whole before torch reads it
     try:
         read_archive(path)
         with _reference_allowed():
