@@ -25,7 +25,7 @@ sys.path.insert(0, str(SCRIPTS))
 import bench_common as bc  # noqa: E402
 from bench_convert import smallest_kv_multiplier  # noqa: E402
 
-PRELOAD = ("torch", "shardkit")
+PRELOAD = ("torch", "shardkit.api")  # shardkit itself imports its names lazily
 OPS = ("convert", "merge", "reshard", "cp")
 
 

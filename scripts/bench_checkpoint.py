@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 
 BLOCKED_TARGET = 0.15
-PRELOAD = ("torch", "shardkit", "shardkit.checkpoint")
+PRELOAD = ("torch", "shardkit.api", "shardkit.checkpoint")  # shardkit itself imports its names lazily
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "shardkit-bench-checkpoint"
 
 

@@ -225,3 +225,70 @@ def _gloo_job(rank: int, world: int, root: Path, direct: Path) -> None:
         _assert_equal(back.model, original, f"rank {rank}: {tag} back at tp2pp2")
         _check(back, config, tp2pp2, state, direct, "tp2pp2", 100, f"rank {rank}: {tag} back at tp2pp2")
     dist.barrier()
+
+
+# ---- a save to object storage from two "hosts" -----------------------------------------------------
+
+
+def s3_host_worker(rank: int, world: int, port: int, url: str, tmp: str, env: dict[str, str]) -> None:
+    """One of `world` processes, each its own host (its own host name and temporary folder, as two
+    machines have): save tp2 pp1 to `url`, then load this rank's part back and compare."""
+    import socket
+    import tempfile
+
+    import torch.distributed as dist
+
+    from shardkit.checkpoint import OptimizerState, finalize_checkpoint
+
+    os.environ.update(env)  # the loopback S3 server and its credentials
+    tempfile.tempdir = tmp
+    socket.gethostname = lambda: f"host-{rank}"  # type: ignore[assignment]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        config = fixture_config("tinyllama-mini")
+        state = full_state(config, 100, seed=1)
+        layout = Layout(tp=2, pp=1, qkv="gqa")
+        me = Rank.from_global(rank, layout)
+        model = rank_pieces(config, layout, me, state["weight"])
+        optim = OptimizerState(rank_optimizer(config, layout, me, state, 100), [{"lr": 1e-3}])
+        save_checkpoint(url, "step_100", model, optim, scheduler={"last_epoch": 100}, layout=layout, config=config)
+        finalize_checkpoint()
+        loaded = load_checkpoint(url, target_layout=layout)
+        assert loaded is not None and loaded.tag == "step_100" and loaded.rank == me
+        _assert_equal(loaded.model, model, f"rank {rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def save_all_ranks(root: str, tag: str, layout: Layout, config: dict, state: dict, step: int, **options) -> None:
+    """One process saves every rank of `layout` (model and ZeRO-1 optimizer state) as `root/tag`."""
+    from shardkit.checkpoint import OptimizerState
+
+    ranks = [Rank(tp=tp, pp=pp, ep=ep) for ep, tp, pp in layout.ranks()]
+    model = {(r.tp, r.pp): rank_pieces(config, layout, r, state["weight"]) for r in ranks}
+    optim = {
+        (r.tp, r.pp): OptimizerState(rank_optimizer(config, layout, r, state, step), [{"lr": 1e-3}]) for r in ranks
+    }
+    save_checkpoint(root, tag, model, optim, scheduler={"last_epoch": step}, layout=layout, config=config, **options)
+
+
+def s3_save_killed_while_uploading(root: str, tag: str, step: int) -> None:
+    """A save to object storage whose files go up as multipart uploads (parts of 5 MiB), saying
+    UPLOADING as its first part is sent (its multipart upload created): the test kills it there."""
+    import sys
+
+    from shardkit.io import s3
+
+    s3.PART_SIZE = 5 << 20
+
+    def part_sent(**kwargs) -> None:
+        print("UPLOADING", flush=True)
+        time.sleep(0.5)
+
+    s3.client().meta.events.register("before-call.s3.UploadPart", part_sent)
+    config = fixture_config("tinyllama-mini")
+    save_all_ranks(root, tag, Layout(tp=2, pp=2, qkv="gqa"), config, full_state(config, step, seed=1), step)
+    print("SAVED", flush=True)
+    sys.exit(0)

@@ -515,3 +515,50 @@ def test_an_unreadable_file_of_a_tag_is_one_line(ckpt, tmp_path, monkeypatch, na
     line = one_line_error(run("ckpt", "reshard", ckpt, tmp_path / "out", "--tag", "step_2", "--tp", "1"))
     assert "Permission denied" in line or "damaged" in line, line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # each kill starts a trainer (a Python with torch and transformers)
+def test_the_trainer_killed_while_saving_again_and_again_always_resumes_from_a_sound_tag(tiny_model, tmp_path):
+    import numpy as np
+
+    from shardkit.checkpoint import list_checkpoints
+
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.arange(4000, dtype=np.int64) % 200)
+    model = tiny_model("llama-trainer-tiny")
+    ckpt = tmp_path / "ckpt"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+
+    def trainer(steps: int, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "trainer", "--model", str(model), "--data", str(data), "--seq-len", "16",
+                "--global-batch", "2", "--steps", str(steps), "--checkpoint-dir", str(ckpt), "--checkpoint-every",
+                "1", "--num-kept", "2", "--resume", "latest_if_exists", "--no-progress", "--threads", "1", *extra]
+
+    rng = random.Random(5)
+    kills = cut_short = 0
+    for round_ in range(6):
+        async_save = ["--async-save"] if round_ % 2 else []
+        before = {p.name for p in ckpt.iterdir()} if ckpt.exists() else set()
+        child = subprocess.Popen(trainer(10_000, *async_save), env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not (ckpt.exists() and {p.name for p in ckpt.iterdir()} - before - {"metrics.jsonl"}):
+            assert child.poll() is None, child.stderr.read() if child.stderr else ""
+            assert time.monotonic() < deadline, "the trainer wrote no checkpoint in 2 minutes"
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside a save, or between two
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        kills += 1
+        for info in list_checkpoints(ckpt):  # whatever lists as loadable loads, with its step
+            if info.loadable:
+                assert load_checkpoint(ckpt, info.tag).step == info.step
+            else:
+                cut_short += 1
+    assert kills == 6 and cut_short, "no kill landed inside a save"
+    newest = max(i.step for i in list_checkpoints(ckpt) if i.loadable)
+    done = subprocess.run(trainer(newest + 2, "--override-schedule"), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    infos = list_checkpoints(ckpt)
+    assert [i.step for i in infos] == [newest + 1, newest + 2] and all(i.loadable for i in infos), infos
+    assert [n for n in os.listdir(ckpt) if "shardkit-tmp" in n] == []  # the killed runs' leftovers are gone

@@ -40,6 +40,8 @@ from shardkit.checkpoint import (
 from shardkit.checkpoint.tree import CHECKPOINT_MARKER, DONE_MARKER
 from shardkit.families.lora import base_config
 from shardkit.formats import load_config
+from shardkit.io import remote as remote_io
+from shardkit.io.location import is_url
 from shardkit.layout import ModelDims
 
 from . import lora
@@ -70,8 +72,9 @@ def _resolve(cfg) -> tuple[Path, str | None] | None:
     if spec == LATEST_IF_EXISTS:
         if not cfg.checkpoint_dir:
             raise TrainerError("--resume latest_if_exists needs --checkpoint-dir (where to look for checkpoints)")
-        return Path(cfg.checkpoint_dir), LATEST_IF_EXISTS
-    path = Path(spec)
+        found = remote_io.readable(cfg.checkpoint_dir, "--checkpoint-dir")  # s3://: a local mirror
+        return None if found is None else (found, LATEST_IF_EXISTS)
+    path = remote_io.readable(spec, "--resume") or Path(spec)
     if not path.exists():
         raise TrainerError(
             f"--resume {path} does not exist: give a checkpoint tag directory, a checkpoint "
@@ -93,6 +96,7 @@ def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | No
         log.info("no checkpoint in %s yet: starting from %s", directory, cfg.model)
         return None
     tag_dir = directory / name
+    remote_io.prepare_path(tag_dir)  # a tag in object storage: its files' metadata fetched
     if not (tag_dir / "config.json").is_file():
         lora.check_checkpoint(cfg, None, tag_dir)
         if model_config is None:  # an NxD checkpoint carries no config: the model's comes from --model
@@ -182,7 +186,8 @@ class Saver:
         cfg = plan.cfg
         self.plan, self.par = plan, par
         self.spec = spec or plan.spec  # what the saved pieces are cut from (LoRA: the adapters' spec)
-        self.root = Path(cfg.checkpoint_dir)
+        # s3://bucket/prefix is handed to shardkit's Checkpointer as it is (saved, then uploaded)
+        self.root = cfg.checkpoint_dir if is_url(cfg.checkpoint_dir) else Path(cfg.checkpoint_dir)
         self.checkpointer = par.comm.checkpointer(
             CheckpointerConfig(
                 format=cfg.checkpoint_format,

@@ -42,7 +42,7 @@ from .optim import LRSchedule, Optimizer
 from .parallel import Parallel, agree, choose_device, device_kind, init_parallel, join, world_from_env
 from .pipeline import Pipeline, resolve_schedule, run_micro_batches
 from .plan import DTYPES, Plan, RunSchedule, check_resume_settings, plan_eval, plan_run, run_layout, saved_settings
-from .weights import EXPORT_MARKER, export_hf, export_run, init_rank_pieces, read_rank_pieces
+from .weights import EXPORT_MARKER, absolute, export_hf, export_run, init_rank_pieces, read_rank_pieces
 
 log = logging.getLogger("trainer")
 # ---- metrics and progress --------------------------------------------------------------------------
@@ -647,7 +647,7 @@ def _export(plan: Plan, par: Parallel, run: Run, summary: Summary) -> str:
         assert isinstance(run.adapters, lora.AdapterSet)  # _set_up attaches them for a LoRA plan
         if cfg.export_lora:
             marker = (EXPORT_MARKER, {"run": export_run(cfg), "step": step})
-            base = str(Path(cfg.model).absolute()) if cfg.model else None
+            base = absolute(cfg.model) if cfg.model else None
             return str(lora.export_peft(plan.lora, run.adapters, par, cfg.export_hf, base, plan.dtype, marker))
         merged = plan.lora.merged(run.model, run.adapters, par.tp_rank, par.pp_rank)
     return str(

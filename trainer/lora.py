@@ -61,7 +61,7 @@ from .errors import TrainerError
 from .layers import TPContext
 from .model import DecoderLayer, ModelSpec, StageModel
 from .parallel import Parallel
-from .weights import staged_tag
+from .weights import absolute, staged_tag
 
 log = logging.getLogger("trainer")
 
@@ -104,7 +104,7 @@ def check_options(cfg: Any) -> LoraSettings | None:
         raise TrainerError(f"--lora-alpha must be positive (scaling = alpha / rank), got {cfg.lora_alpha}")
     if cfg.export_lora and not cfg.export_hf:
         raise TrainerError("--export-lora says what --export-hf writes: give --export-hf DIR")
-    base = str(Path(cfg.model).absolute())
+    base = absolute(cfg.model)  # (an s3:// URL as it is)
     return LoraSettings(cfg.lora_rank, float(cfg.lora_alpha), parse_targets(cfg.lora_targets), base)
 
 

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardkit.api import open_source
 from shardkit.checkpoint.load import plain_file
 from shardkit.checkpoint.tree import SCHEDULER, USER_CONTENT
-from shardkit.formats import Checkpoint, load_config, open_checkpoint
+from shardkit.formats import Checkpoint, load_config
+from shardkit.io.location import as_local, is_url, parse_location
 from shardkit.layout import make_layout
 
 if TYPE_CHECKING:
@@ -57,6 +59,17 @@ class Plan:
         return self.cfg.global_batch // (self.cfg.micro_batch * self.dp)
 
 
+def _check_locations(cfg: TrainConfig) -> None:
+    """--model, --checkpoint-dir and --resume: a local path or s3://bucket/prefix; the other paths
+    local. Any other URL is refused here, in one line, before anything is read or written."""
+    for name in ("model", "checkpoint_dir", "resume"):
+        if getattr(cfg, name):
+            parse_location(getattr(cfg, name), f"--{name.replace('_', '-')}")
+    for name in ("model_config", "data", "eval_data", "export_hf", "metrics", "tensorboard"):
+        if getattr(cfg, name):
+            as_local(getattr(cfg, name), f"--{name.replace('_', '-')}")
+
+
 def _positive(cfg: TrainConfig) -> None:
     for name in (
         "tp",
@@ -84,6 +97,7 @@ def _positive(cfg: TrainConfig) -> None:
 
 def plan_run(cfg: TrainConfig, world: int) -> Plan:
     """Check everything that can be checked locally; raise a ShardkitError with what to do."""
+    _check_locations(cfg)
     if cfg.model and cfg.model_config:
         raise TrainerError(
             "--model and --model-config both say where to start: give one (--model-config starts from random weights)"
@@ -107,7 +121,7 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
     if cfg.tensorboard:
         check_tensorboard(cfg.tensorboard)
     lora_settings = lora.check_options(cfg)
-    source = open_checkpoint(cfg.model) if cfg.model else None
+    source = open_source(cfg.model) if cfg.model else None  # a path, or s3:// read through a mirror
     model_config = load_config(Path(cfg.model_config)) if cfg.model_config else None
     if model_config is None and source is not None:
         model_config = source.config
@@ -141,7 +155,11 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
     metrics = (
         Path(cfg.metrics)
         if cfg.metrics
-        else (Path(cfg.checkpoint_dir) / "metrics.jsonl" if cfg.checkpoint_dir else None)
+        else (
+            Path(cfg.checkpoint_dir) / "metrics.jsonl"
+            if cfg.checkpoint_dir and not is_url(cfg.checkpoint_dir)
+            else None
+        )
     )
     if metrics is not None and metrics.exists() and metrics.is_dir():
         raise TrainerError(f"--metrics {metrics} is a directory: give a file path")

@@ -41,6 +41,7 @@ import torch
 from shardkit.api import export_checkpoint
 from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank
 from shardkit.formats import Checkpoint, SourceReader, hf
+from shardkit.io.location import is_url
 from shardkit.io.overlap import resolved
 from shardkit.io.small import SmallFileError, read_json
 from shardkit.io.transaction import scratch_folder
@@ -125,12 +126,17 @@ def init_rank_pieces(
     return {p.name: build_piece(p, weights.segment) for p in stage_pieces(spec, tp_rank, pp_rank, ep_rank)}
 
 
+def absolute(path: str) -> str:
+    """A path option as recorded: a local path made absolute, an s3:// URL as it is."""
+    return path if is_url(path) else str(Path(path).absolute())
+
+
 def export_run(cfg) -> dict[str, Any]:
     """What identifies a run's exports: its --model (or --model-config), --data and --checkpoint-dir
     (absolute)."""
 
     def where(path: str | None) -> str | None:
-        return str(Path(path).absolute()) if path else None
+        return absolute(path) if path else None
 
     run = {"model": where(cfg.model), "data": where(cfg.data), "checkpoint_dir": where(cfg.checkpoint_dir)}
     if getattr(cfg, "model_config", None):

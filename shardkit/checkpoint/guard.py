@@ -16,11 +16,12 @@ from pathlib import Path
 
 from ..errors import FormatError
 from ..formats import MANIFEST
+from ..io import remote
 from ..io.digest import FAST, expected_digest, file_matches
 from ..paths import UnsafePathError, inside
 from .tree import read_manifest
 
-Stamp = tuple[int, int, int, int, int]
+Stamp = tuple[int, ...]
 
 
 def stamp_tree(folder: Path) -> dict[str, Stamp]:
@@ -34,7 +35,7 @@ def stamp_tree(folder: Path) -> dict[str, Stamp]:
                 st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            stamps[os.path.relpath(path, folder)] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            stamps[os.path.relpath(path, folder)] = remote.stamp(st)  # a mirror file: see io.remote.stamp
     return stamps
 
 

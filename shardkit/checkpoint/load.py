@@ -32,9 +32,11 @@ from typing import Any, cast
 import torch
 
 from ..errors import ConfigMismatchError, FormatError
-from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
+from ..formats import Checkpoint, SourceReader, load_config
 from ..formats.torch_io import load_small
+from ..io import remote as remote_io
 from ..io.digest import FAST, expected_digest, file_matches
+from ..io.location import remote as remote_location
 from ..layout import Layout, ModelDims
 from ..paths import UnsafePathError, inside
 from ..placements import Piece, Read
@@ -46,6 +48,7 @@ from .base import (
     Rank,
     distributed_rank,
 )
+from .nxd_modes import open_model, open_optimizer
 from .tree import (
     CONFIG,
     MODEL_DIR,
@@ -394,7 +397,26 @@ def load_checkpoint(
 
     NxD's optimizer files (ZeRO-1, any dp) are read by meaning: `loaded.optimizer.state[piece]` is
     `{"exp_avg", "exp_avg_sq", "step"[, "master"]}` with this rank's tp-local (dp-unsharded)
-    shapes; `zero1.dp_shard(t, dp, d)` gives dp rank d's ZeRO-1 part of it."""
+    shapes; `zero1.dp_shard(t, dp, d)` gives dp rank d's ZeRO-1 part of it. `dir` may be
+    s3://bucket/prefix: read through a local mirror, fetching the ranges read."""
+    if (loc := remote_location(dir, "checkpoint directory")) is not None:
+        with remote_io.mirrors_scope():
+            mirror = remote_io.open_prefix(loc, need=None, output=False)
+            name = resolve_tag(mirror.root, tag)
+            if name is None:
+                return None
+            mirror.prepare(name)
+            return load_checkpoint(
+                mirror.root,
+                name,
+                target_layout=target_layout,
+                rank=rank,
+                config=config,
+                hints=hints,
+                optimizer=optimizer,
+                verify=verify,
+                param_order=param_order,
+            )
     root = Path(dir)
     if tag is not None and tag != LATEST_IF_EXISTS:
         name = resolve_tag(root, tag)
@@ -461,7 +483,7 @@ def _load_tag(
     given = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
     if saved is not None and given is not None:
         _compare_configs(saved, given, tag_dir)
-    ckpt = open_checkpoint(tag_dir, saved or given, hints)
+    ckpt = open_model(tag_dir, saved or given, hints)
     target = target_layout or ckpt.layout
     target.validate(ckpt.dims)
     me = Rank.of(rank, target)
@@ -470,7 +492,7 @@ def _load_tag(
     if shared is not None:
         shared[0] = False  # from here on, each rank reads (and hashes) its own files
     has_data = model_has_data(ckpt)
-    zero = Zero1Tag.open(tag_dir, ckpt, param_order) if optimizer or not has_data else None
+    zero = open_optimizer(tag_dir, ckpt, param_order) if optimizer or not has_data else None
     if has_data:
         model = read_pieces(ckpt, pieces, me, manifest, verify, same)
     else:

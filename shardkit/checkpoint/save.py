@@ -45,10 +45,12 @@ from ..formats.manifest import manifest as build_manifest
 from ..formats.safetensors_io import SafetensorsWriter
 from ..formats.torch_io import TorchWriter, torch_save
 from ..formats.xser import XserWriter, tensors_dir
+from ..io import sinks
 from ..io.delete import is_link
 from ..io.digest import FileRecord
 from ..io.durable import fsync_path, write_text
 from ..io.hashing import HashingFile
+from ..io.location import remote as remote_location
 from ..io.oserror import disk_error, translated
 from ..io.transaction import terminate_as_interrupt
 from ..layout import Layout, ModelDims
@@ -284,6 +286,8 @@ def _written(tag_dir: Path, paths: list[Path], fsync: bool) -> list[FileRecord]:
     if fsync:
         for folder in sorted(folders, key=lambda f: -len(f.parts)):
             fsync_path(folder)
+    for path in paths:  # (torch.save wrote them, not a HashingFile): a save to s3:// uploads them now
+        sinks.closed(path)
     return records
 
 
@@ -486,6 +490,11 @@ class Checkpointer:
             self._writer.wait()
             cfg = self.config
             async_save = options.get("async_save")
+            saver = run_save
+            if (loc := remote_location(dir, "checkpoint directory")) is not None:  # s3://: staged, then uploaded
+                from .remote import remote_saver, staging_root
+
+                dir, saver = staging_root(loc), remote_saver(loc, run_save, agree)
             request = SaveRequest(
                 Path(dir),
                 tag,
@@ -500,11 +509,13 @@ class Checkpointer:
                 keep_every=options["keep_every"] if "keep_every" in options else cfg.keep_every,
             )
             job = self._job(request)
+            if loc is not None:  # the staged copy is not the durable one (the uploaded objects are): no fsync
+                job.fsync = False
             lock = self._lock_directory(job)
             released = False  # True once the lock's release is handed to the background thread
             try:
                 if job.async_save:
-                    self._writer.submit_save(job.tag, lambda: _then_release(lambda: run_save(job, self.comm), lock))
+                    self._writer.submit_save(job.tag, lambda: _then_release(lambda: saver(job, self.comm), lock))
                     released = True
                 else:
 
@@ -513,7 +524,7 @@ class Checkpointer:
                         self._writer.submit_purge(lambda: _then_release(lambda: retain(j), lock))
                         released = True
 
-                    run_save(job, self.comm, retention=purge)
+                    saver(job, self.comm, retention=purge)
             finally:
                 if not released:
                     lock.release()

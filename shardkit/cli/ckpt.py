@@ -11,6 +11,7 @@ import click
 from ..errors import ShardkitError
 from ..sizes import format_bytes
 from .options import (
+    LOCATION,
     Bar,
     build_layout,
     common_options,
@@ -35,20 +36,22 @@ def ckpt_group() -> None:
 
     \b
     DIR is the checkpoint directory: DIR/<tag>/{checkpoint, model/, optim/, scheduler.pt,
-    user_content.pt, done}. A tag is complete when its `done` marker exists.
+    user_content.pt, done}. A tag is complete when its `done` marker exists. Every DIR, SRC, DST
+    and OUT may be s3://bucket/prefix, with NxD's keys (`<tag>/model/...`, `done` last).
     """
 
 
 @ckpt_group.command(name="list")
-@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR", type=LOCATION)
 @click.option("--json", "as_json", is_flag=True, help="Print the tags as JSON on stdout.")
 @common_options
 def ckpt_list(directory, as_json):
-    """List the tags of DIR, oldest first: complete or not, step, layout, format, size."""
+    """List the tags of DIR (a folder or s3://bucket/prefix), oldest first: complete or not, step,
+    layout, format, size."""
     from ..checkpoint import list_checkpoints
     from ..checkpoint.tree import model_folder_kind
 
-    if not directory.is_dir():
+    if isinstance(directory, Path) and not directory.is_dir():
         raise ShardkitError(f"{directory} does not exist: give the checkpoint directory (the parent of the tags)")
     infos = list_checkpoints(directory)
     newest = next((i.tag for i in reversed(infos) if i.loadable), None)
@@ -56,7 +59,7 @@ def ckpt_list(directory, as_json):
         print_json({"directory": str(directory), "latest": newest, "checkpoints": [i.to_dict() for i in infos]})
         return
     if not infos:
-        kind = model_folder_kind(directory)
+        kind = model_folder_kind(directory) if isinstance(directory, Path) else None
         hint = f" (it is a model folder, {kind}: see `shardkit inspect {directory}`)" if kind else ""
         click.echo(f"no checkpoints in {directory}{hint}")
         return
@@ -88,7 +91,7 @@ def ckpt_list(directory, as_json):
 
 
 @ckpt_group.command(name="prune")
-@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR", type=LOCATION)
 @click.option("--keep", type=click.IntRange(min=1), required=True, help="Keep the newest N complete checkpoints.")
 @click.option(
     "--keep-every",
@@ -103,7 +106,8 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
     """Apply retention to DIR: keep the newest --keep complete tags (and every --keep-every-th step).
 
     Incomplete tags older than the newest complete one (interrupted saves or deletions) are
-    removed too; the newest complete tag never is. Each tag's `done` marker goes first.
+    removed too; the newest complete tag never is. Each tag's `done` marker goes first. DIR may
+    be s3://bucket/prefix.
     """
     from ..checkpoint import prune_checkpoints
 
@@ -124,8 +128,8 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
 
 
 @ckpt_group.command(name="export")
-@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR", type=LOCATION)
+@click.argument("out", type=LOCATION)
 @click.option("--tag", default=None, help="The tag to export (default: the newest complete one).")
 @click.option(
     "--merged",
@@ -151,6 +155,7 @@ def ckpt_export(ctx, directory, out, tag, merged, base, max_shard_size, write, a
     model directory OUT.
 
     OUT also gets config.json, generation_config.json and tokenizer files, from the tag or from DIR.
+    DIR and OUT may be s3://bucket/prefix (only the byte ranges the merge uses are read).
     A LoRA adapter checkpoint (the trainer's --lora-rank) becomes a PEFT adapter folder
     (adapter_config.json + adapter_model.safetensors, for peft's PeftModel.from_pretrained), or
     with --merged the merged model.
@@ -190,8 +195,8 @@ param_order_option = click.option(
 
 
 @ckpt_group.command(name="reshard")
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=LOCATION)
+@click.argument("dst", type=LOCATION)
 @tag_config_option
 @layout_options()
 @degree_option(
@@ -208,9 +213,18 @@ param_order_option = click.option(
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["torch", "xser"]),
+    type=click.Choice(["torch", "xser", "dcp"]),
     default=None,
-    help="File format of the new checkpoint (default: the source's).",
+    help="File format of the new checkpoint (default: the source's): torch or xser (NxD's tree), or dcp (a "
+    "torchtitan training checkpoint DST/step-<N>: PyTorch DCP holding the model, AdamW's state per parameter, "
+    "the schedule, train state and data loader state; one data file per tp x pp rank).",
+)
+@click.option(
+    "--convention",
+    type=click.Choice(["torchtitan", "torchtitan-0.3", "hf"]),
+    default=None,
+    help="With --format dcp: the tensor names (default torchtitan: torchtitan 0.1-0.2's llama3 names, q and k in "
+    "its row order; torchtitan-0.3: 0.3's names; hf: Hugging Face's).",
 )
 @click.option("--tag", default=None, help="The tag to reshard (default: the newest complete one).")
 @click.option(
@@ -222,6 +236,16 @@ param_order_option = click.option(
 )
 @param_order_option
 @click.option(
+    "--nxd-mode",
+    type=click.Choice(["default", "avoid-lp", "zero1-dcp"]),
+    default=None,
+    help="How NxD would have saved the new checkpoint (default: as the source was saved). default: model and "
+    "per-rank ZeRO-1 optimizer files; avoid-lp: save_checkpoint(avoid_saving_lower_precision_weights=True), xser model "
+    "files without tensor data, the weights kept in the master weights (needs --format xser and master weights); "
+    "zero1-dcp: use_zero1_dcp=True, the optimizer state through PyTorch DCP in optim/ (one param group, no master "
+    "weights).",
+)
+@click.option(
     "--no-verify-hashes",
     "verify_hashes",
     flag_value=False,
@@ -231,9 +255,27 @@ param_order_option = click.option(
 )
 @common_options
 @click.pass_context
-def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master_weights, param_order, verify_hashes):
+def ckpt_reshard(
+    ctx,
+    src,
+    dst,
+    config,
+    layout_opts,
+    dp,
+    zero1,
+    fmt,
+    convention,
+    tag,
+    master_weights,
+    param_order,
+    nxd_mode,
+    verify_hashes,
+):
     """Move a whole training state SRC (model, ZeRO-1 optimizer shards, master weights, scheduler,
-    user content) to another layout, written as the checkpoint directory DST in NxD's format.
+    user content) to another layout, written as the checkpoint directory DST in NxD's format
+    (or torchtitan's, --format dcp). SRC may also be a torchtitan checkpoint (a DCP folder
+    step-<N>, or the folder of them: the newest, or --tag). SRC and DST: folders or
+    s3://bucket/prefix.
     Without --ep, --qkv (and --kv-replication / --hw) the source's expert parallelism, qkv style
     (and replica order) are kept, and a line says so.
 
@@ -242,10 +284,14 @@ def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master
       shardkit ckpt reshard ./ckpts ./ckpts-tp32 --config ./llama/config.json --tp 32 --pp 2 --dp 8
     """
     from ..api import inspect_training_checkpoint, reshard_training_checkpoint
+    from ..checkpoint.dcp import titan_step_dir
     from ..checkpoint.load import tag_to_read
     from ..layout import Layout
 
-    src_dir, name = tag_to_read(src, tag, "shardkit reshard DIR DST")
+    # a torchtitan checkpoint has no NxD tags; a tag in object storage is found by the API, through its mirror
+    titan = isinstance(src, Path) and titan_step_dir(src, tag) is not None
+    local = isinstance(src, Path) and not titan
+    src_dir, name = tag_to_read(src, tag, "shardkit reshard DIR DST") if local else (src, tag)
     source = Layout.from_dict(inspect_training_checkpoint(src_dir, name, config, param_order)["layout"])
     layout = build_layout(layout_opts, inherit=source)
     kept = kept_from_source(layout_opts, source, layout)
@@ -263,19 +309,22 @@ def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master
         master_weights=master_weights,
         param_order=param_order,
         verify_hashes=verify_hashes,
+        nxd_mode=nxd_mode,
+        convention=convention,
     )
     click.echo(f"wrote {out}")
 
 
 @ckpt_group.command(name="inspect")
-@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR", type=LOCATION)
 @click.option("--tag", default=None, help="The tag (default: the newest complete one, or DIR itself).")
 @tag_config_option
 @param_order_option
 @json_option()
 @common_options
 def ckpt_inspect(directory, tag, config, param_order, as_json):
-    """Layout (tp, pp, dp, ZeRO-1), param groups, step, master weights and optimizer bytes of a tag."""
+    """Layout (tp, pp, dp, ZeRO-1), param groups, step, master weights and optimizer bytes of a tag
+    (DIR: a folder or s3://bucket/prefix)."""
     from ..api import inspect_training_checkpoint
 
     info = inspect_training_checkpoint(directory, tag, config, param_order)
@@ -289,7 +338,12 @@ def ckpt_inspect(directory, tag, config, param_order, as_json):
         optimizer = f"dp {info['dp']}{per_ep}{' (ZeRO-1)' if info['zero1'] else ''}"
     click.echo(
         f"{info['path']}: {info['describe']}, {optimizer}, {info['format']}, step {number(info['step'])}, "
-        f"master weights {'yes' if info['master_weights'] else 'no'}, optimizer {format_bytes(info['optimizer_bytes'])}"
+        f"master weights {'yes' if info['master_weights'] else 'no'}, optimizer {format_bytes(info['optimizer_bytes'])}, "
+        + (
+            f"saved as NxD's {info['nxd_mode']}"
+            if info["nxd_mode"]
+            else f"a torchtitan checkpoint ({info['convention']} names)"
+        )
     )
     if info.get("lora"):
         click.echo(f"  {lora_line(info['lora'])}")

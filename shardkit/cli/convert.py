@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import click
 
+from ..conventions import CONVENTIONS
 from ..errors import ShardkitError
-from ..formats.registry import format_names
+from ..formats.registry import output_format_names
+from ..io.location import is_url
+from ..io.remote import Need, mirrors_scope
 from .hub import hub_check, hub_push, hub_quiet, hub_source, merge_and_push_report
 from .options import (
+    LOCATION,
     REPLICATION_CHOICES,
+    SOURCE,
     Bar,
     build_layout,
     command_line,
@@ -32,13 +36,31 @@ from .options import (
 
 def format_option(help: str) -> Callable:
     return click.option(
-        "--format", "fmt", type=click.Choice(format_names()), default="torch", show_default=True, help=help
+        "--format", "fmt", type=click.Choice(output_format_names()), default="torch", show_default=True, help=help
     )
 
 
+convention_option = click.option(
+    "--convention",
+    type=click.Choice(list(CONVENTIONS)),
+    default=None,
+    help="With --format dcp: whose names the tensors get. hf (default): Hugging Face's; torchtitan: torchtitan "
+    "0.1-0.2's llama3 names (tok_embeddings, layers.{i}.attention.wq, output) with q and k stored as torchtitan's "
+    "rotary expects (each head's halves interleaved); torchtitan-0.3: the same with 0.3's names "
+    "(attention.qkv_linear.wq, lm_head). A DCP source's convention is recognised from its names.",
+)
+
+FORMAT_HELP = (
+    "torch (NxD's .pt), xser (torch-xla's, tensors in <file>.tensors/), safetensors, or dcp (a PyTorch "
+    "Distributed Checkpoint folder: .metadata and one __<rank>_0.distcp per rank, each holding that rank's slices "
+    "of the full tensors as DCP chunks; see --convention), or optimum-neuron (its training checkpoint: rank "
+    "files under shards/ with its mp_metadata; the qkv layout must be the one it builds for tp and the model)."
+)
+
+
 @click.command()
-@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=SOURCE)  # as typed: "does not exist" names it so
+@click.argument("dst", type=LOCATION)
 @click.option(
     "--to-sharded/--to-hf",
     "to_sharded",
@@ -47,20 +69,22 @@ def format_option(help: str) -> Callable:
     help="Write shards of the given layout (default), or a Hugging Face directory (same as merge).",
 )
 @layout_options()
-@format_option("Shard files: torch (NxD's .pt), xser (torch-xla's, tensors in <file>.tensors/), or safetensors.")
+@format_option("Shard files: " + FORMAT_HELP)
+@convention_option
 @output_options()
 @config_option
 @max_shard_size_option("With --to-hf: largest safetensors file")
 @revision_option
 @common_options
 @click.pass_context
-def convert(ctx, src, dst, to_sharded, fmt, write, as_json, config, max_shard_size, revision, layout_opts):
+def convert(ctx, src, dst, to_sharded, fmt, convention, write, as_json, config, max_shard_size, revision, layout_opts):
     """Convert SRC (a Hugging Face model directory, or one torch state-dict file) into shards.
 
     \b
     SRC: a directory with config.json and model.safetensors / model-*.safetensors + index /
     pytorch_model*.bin, or a single .pt/.bin state dict (give --config), or a Hugging Face Hub
-    repo id (org/name, fetched into the HF cache). DST gets
+    repo id (org/name, fetched into the HF cache). SRC and DST may be s3://bucket/prefix
+    (read in the byte ranges used; uploaded, manifest last). DST gets
     model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt, config.json, tokenizer files and shardkit.json.
 
     \b
@@ -71,12 +95,20 @@ def convert(ctx, src, dst, to_sharded, fmt, write, as_json, config, max_shard_si
     from ..api import merge as api_merge
 
     started = time.perf_counter()
-    src = hub_source(ctx, src, revision)
+    src = src if is_url(src) else hub_source(ctx, src, revision)
     with Bar(ctx, "convert") as bar:
         if to_sharded:
             layout = build_layout(layout_opts)
             result = api_convert(
-                src, dst, layout, format=fmt, config=config, progress=bar, command=command_line(), **write
+                src,
+                dst,
+                layout,
+                format=fmt,
+                convention=convention,
+                config=config,
+                progress=bar,
+                command=command_line(),
+                **write,
             )
         else:
             if write.pop("sha256"):
@@ -86,8 +118,8 @@ def convert(ctx, src, dst, to_sharded, fmt, write, as_json, config, max_shard_si
 
 
 @click.command()
-@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=SOURCE)  # as typed: "does not exist" names it so
+@click.argument("dst", type=LOCATION)
 @max_shard_size_option("Largest safetensors file; larger models get model-0000i-of-0000n files + index")
 @source_options
 @output_options(manifest=False)
@@ -109,16 +141,17 @@ def merge(ctx, src, dst, max_shard_size, config, source_hints, write, as_json, r
     \b
     SRC: shardkit's shards (layout from shardkit.json) or NxD's (v1/v2/v3 file names, torch or
     xser; the layout is inferred from file names, key names, shapes and config.json -- give
-    --config when the directory has none), or a Hub repo id. DST loads with
+    --config when the directory has none), a PyTorch DCP folder (.metadata; Hugging Face's or
+    torchtitan's names), or a Hub repo id. DST loads with
     transformers.AutoModelForCausalLM.from_pretrained; --push-to REPO_ID then uploads it to the
-    Hub as `shardkit push` does.
+    Hub as `shardkit push` does. SRC and DST may be s3://bucket/prefix.
     """
     from ..api import merge as api_merge
 
     started = time.perf_counter()
     if (private or create) and not push_to:
         raise ShardkitError("--private and --create only apply with --push-to REPO_ID")
-    src = hub_source(ctx, src, revision)
+    src = src if is_url(src) else hub_source(ctx, src, revision)
     if push_to:
         hub_check(push_to, private, create)
     with Bar(ctx, "merge") as bar:
@@ -142,10 +175,11 @@ def merge(ctx, src, dst, max_shard_size, config, source_hints, write, as_json, r
 
 
 @click.command()
-@click.argument("src", type=click.Path())  # as typed: "does not exist" names it so
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=SOURCE)  # as typed: "does not exist" names it so
+@click.argument("dst", type=LOCATION)
 @layout_options()
-@format_option("Format of the new shards.")
+@format_option("Format of the new shards: " + FORMAT_HELP)
+@convention_option
 @click.option(
     "--source-kv-replication",
     type=click.Choice(REPLICATION_CHOICES),
@@ -157,11 +191,12 @@ def merge(ctx, src, dst, max_shard_size, config, source_hints, write, as_json, r
 @revision_option
 @common_options
 @click.pass_context
-def reshard(ctx, src, dst, fmt, source_kv_replication, write, as_json, config, revision, layout_opts):
+def reshard(ctx, src, dst, fmt, convention, source_kv_replication, write, as_json, config, revision, layout_opts):
     """Turn shards of one layout (SRC) into another layout (DST) directly.
 
     Each new piece is assembled from exactly the source slices it needs; the full model is never
-    written or held. SRC may be a Hub repo id (shards or a Hugging Face model). Without --qkv
+    written or held. SRC may be a Hub repo id (shards or a Hugging Face model); SRC and DST may be
+    s3://bucket/prefix. Without --qkv
     (and without --kv-replication / --hw) the source's qkv style (and replica order) is kept.
     """
     from ..api import open_source
@@ -169,13 +204,16 @@ def reshard(ctx, src, dst, fmt, source_kv_replication, write, as_json, config, r
 
     started = time.perf_counter()
     hub_quiet(ctx)
-    source = open_source(src, config, {"kv_replication": source_kv_replication}, revision)
-    layout = build_layout(layout_opts, inherit=source.layout)
-    kept = kept_from_source(layout_opts, source.layout, layout)
-    if kept and is_leader():
-        note(ctx, kept)
-    with Bar(ctx, "reshard") as bar:
-        result = api_reshard(source, dst, layout, format=fmt, progress=bar, command=command_line(), **write)
+    with mirrors_scope():  # an s3:// source's local mirror is removed at the end
+        source = open_source(src, config, {"kv_replication": source_kv_replication}, revision, Need.EVERYTHING)
+        layout = build_layout(layout_opts, inherit=source.layout)
+        kept = kept_from_source(layout_opts, source.layout, layout)
+        if kept and is_leader():
+            note(ctx, kept)
+        with Bar(ctx, "reshard") as bar:
+            result = api_reshard(
+                source, dst, layout, format=fmt, convention=convention, progress=bar, command=command_line(), **write
+            )
     report(ctx, result, started, as_json, "wrote")
 
 

@@ -6,13 +6,16 @@ from pathlib import Path
 
 import click
 
+from ..conventions import CONVENTIONS, HF
 from ..sizes import format_bytes
 from .hub import hub_quiet
-from .options import Bar, common_options, files_text, print_json, source_options
+from .options import SOURCE, Bar, common_options, files_text, print_json, source_options
+
+OPTIMUM = "optimum-neuron"
 
 
 @click.command(name="inspect")
-@click.argument("path", type=click.Path())  # as typed: "does not exist" names it so
+@click.argument("path", type=SOURCE)  # as typed: "does not exist" names it so
 @source_options
 @click.option(
     "--check-data",
@@ -28,7 +31,8 @@ from .options import Bar, common_options, files_text, print_json, source_options
 def inspect_cmd(ctx, path, config, source_hints, check_data, show_tensors, as_json, revision):
     """Explain a checkpoint directory: format, model, layout, stages, size and problems.
 
-    PATH may also be a Hub repo id (its weights, config and tokenizer files are fetched).
+    PATH may also be a Hub repo id (its weights, config and tokenizer files are fetched), or
+    s3://bucket/prefix (its metadata fetched; the tensors' bytes only with --check-data).
     Exit code 0 when no problem was found, 1 when problems were found, 2 when PATH cannot be read.
     """
     from ..api import inspect as api_inspect
@@ -60,14 +64,18 @@ def describe(r: dict, show_tensors: bool) -> str:
     kind = {"hf": "a Hugging Face checkpoint (full tensors)", "sharded": "sharded weights"}[r["kind"]]
     lines = [
         f"{r['path']}: {kind}, {r['format']} format"
-        + (f" ({r['naming']} file names)" if r["kind"] == "sharded" else "")
+        + (f" ({r['naming']} file names)" if r["kind"] == "sharded" and r["format"] not in ("dcp", OPTIMUM) else "")
+        + (" (NxD rank files and names under shards/, described by its mp_metadata)" if r["format"] == OPTIMUM else "")
+        + (f", {CONVENTIONS[r['convention']].label} tensor names" if r.get("convention", HF) != HF else "")
     ]
     lines.append(
         f"  model:   {r['family']} ({m['model_type']}), {m['parameters'] / 1e6:.2f}M parameters, {m['layers']} layers, "
         f"hidden {m['hidden_size']}, {m['heads']} heads / {m['kv_heads']} kv heads of dim {m['head_dim']}, "
         f"vocab {m['vocab_size']}" + (", tied embeddings" if m["tied_embeddings"] else "")
     )
-    if r["kind"] == "sharded":
+    if r["format"] == "dcp":
+        lines.append(f"  layout:  {r['layout_from']}")
+    elif r["kind"] == "sharded":
         kv = f", kv heads x{lay['kv_multiplier']} ({lay['kv_replication']})" if lay["kv_multiplier"] > 1 else ""
         lines.append(
             f"  layout:  tp {lay['tp']}, pp {lay['pp']}"
@@ -94,8 +102,8 @@ def describe(r: dict, show_tensors: bool) -> str:
 
 
 @click.command()
-@click.argument("a", type=click.Path())  # as typed: "does not exist" names it so
-@click.argument("b", type=click.Path())  # as typed: "does not exist" names it so
+@click.argument("a", type=SOURCE)  # as typed: "does not exist" names it so
+@click.argument("b", type=SOURCE)  # as typed: "does not exist" names it so
 @click.option(
     "--config-a",
     type=click.Path(exists=True, path_type=Path),
@@ -121,7 +129,7 @@ def verify(ctx, a, b, config_a, config_b, atol, show_all, as_json, revision_a, r
 
     Both are mapped to full tensors and compared one by one; the worst absolute difference of
     each tensor is printed. Exit code 0 when all are equal, 1 on any mismatch. A or B may be a
-    Hub repo id, e.g. `shardkit verify meta-llama/Llama-2-7b-hf ./llama-tp8`.
+    Hub repo id, e.g. `shardkit verify meta-llama/Llama-2-7b-hf ./llama-tp8`, or s3://bucket/prefix.
     """
     from ..api import verify as api_verify
 

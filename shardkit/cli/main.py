@@ -69,6 +69,8 @@ def cli(ctx: click.Context) -> None:
       shardkit merge ./llama-tp8pp2 ./llama-merged
       shardkit verify ./Llama-2-7b-hf ./llama-merged
     -q, -v, --debug and --progress/--no-progress may also follow the subcommand.
+    Every path argument may be s3://bucket/prefix (boto3: pip install 'shardkit[s3]'; credentials
+    and AWS_ENDPOINT_URL from the AWS environment); other URL schemes are refused.
     """
     settings(ctx)
     configure_logging(ctx)

@@ -313,6 +313,33 @@ revision_option = click.option(
 source_options = stacked(config_option, *source_replication, collected(["kv_replication", "hw"], "source_hints", hints))
 
 
+class LocationType(click.ParamType):
+    """A path argument that may also be s3://bucket/prefix: a URL is checked by the I/O core's one
+    parser (any other scheme is one line, exit 2) and kept as typed, never turned into a local
+    path (`s3://b/x` once became a folder `s3:`). `as_path`: local values become Paths."""
+
+    name = "path"
+
+    def __init__(self, as_path: bool = True):
+        self.as_path = as_path
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from ..io.location import is_url, parse_location
+
+        text = str(value)
+        if is_url(text):
+            parse_location(text, param.human_readable_name if param is not None else "path")
+            return text
+        return Path(text) if self.as_path else text
+
+
+LOCATION = LocationType()
+"""A path argument (Path), or s3://bucket/prefix (str)."""
+SOURCE = LocationType(as_path=False)
+"""A source as typed (a path, a Hub repo id), or s3://bucket/prefix."""
+S3_HELP = "Any path argument may be s3://bucket/prefix (credentials and AWS_ENDPOINT_URL from the AWS environment)."
+
+
 class WorkerCount(click.ParamType):
     """A positive integer or "auto"."""
 

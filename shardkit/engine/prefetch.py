@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ShardkitError
+from ..io import remote
 from ..io.direct import is_direct, meminfo, set_direct, unmap
 from ..io.taps import ReadSource, read_exact
 from ..paths import open_regular
@@ -180,6 +181,8 @@ class Prefetcher:
         self, spans: Sequence[tuple[Path, int, int]], window: int | None = None, once: Sequence[bool] | None = None
     ):
         self.spans = spans  # as planned (the hash check knows by them which reads come later)
+        if remote.active():
+            once = None  # an object store's mirror files: fetched into the page cache, never read around it
         self._requested = 0  # the most spans a worker has asked for
         self.window = window_bytes() if window is None else window
         self.extents, self._covered, self._members = _coalesce(spans, once)
@@ -207,6 +210,7 @@ class Prefetcher:
 
     def start(self) -> Prefetcher:
         if self.extents and self._thread is None:
+            remote.expect(self.extents)  # an object store's spans are fetched in this order, a window ahead
             self._thread = threading.Thread(target=self._run, name="shardkit-read-ahead", daemon=True)
             self._thread.start()
         else:
@@ -375,6 +379,7 @@ class Prefetcher:
             i = 0
             while i < len(self.extents):
                 path, offset, length = self.extents[i]
+                remote.ensure_range(path, offset, length)  # a mirror file's bytes are there before they are read
                 opened = cold(i)
                 done = 0
                 if opened is not None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from ..errors import FormatError
+from ..io import remote
 from ..io.buffers import empty_tensor
 from ..io.copy import FileRange
 from ..io.digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
@@ -149,8 +150,9 @@ class _FileCheck:
 
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
-    """A file's identity and what changes when it is written: device, inode, size, mtime, ctime."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    """A file's identity and what changes when it is written: device, inode, size, mtime, ctime
+    (an object store's mirror file: see `io.remote.stamp`)."""
+    return remote.stamp(st)
 
 
 def _refuse_if_changed(path: Path | str, stamp: tuple[int, ...]) -> None:

@@ -12,6 +12,8 @@ import os
 import threading
 from dataclasses import dataclass
 
+from . import remote
+
 
 @dataclass(frozen=True)
 class FileRange:
@@ -47,6 +49,8 @@ def kernel_copy(src: int, offset: int, out: int, count: int) -> int | None:
     position, inside the kernel: copy_file_range (a server-side copy or a reflink where the file
     system offers one), else sendfile. The bytes copied (0: `src` ends at `offset`); None when
     neither call can copy between these files (the caller then reads and writes)."""
+    if remote._MIRRORED:  # an object store's bytes are fetched into their mirror file first
+        remote.before_read(src, offset, count)
     copy_file_range = getattr(os, "copy_file_range", None)  # Linux only
     if copy_file_range is not None:
         try:

@@ -30,6 +30,7 @@ import xxhash
 
 from ..errors import FormatError
 from ..paths import open_regular
+from . import remote
 
 FAST_DIGEST = "xxh3_128"
 """The manifest key of the fast digest (hex)."""
@@ -129,6 +130,7 @@ def feed_file(path: Path, digest: Any, start: int = 0) -> int:
     the file's size."""
     import mmap
 
+    remote.ensure_file(path)  # a mirror file of an object store: every byte fetched before it is hashed
     with os.fdopen(open_regular(path, "file to hash"), "rb", buffering=0) as fh:
         fd = fh.fileno()
         size = os.fstat(fd).st_size

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import FormatError
+from . import sinks
 from .copy import _COPY_BUFFER, COPY_BLOCK, FileRange, kernel_copy
 from .digest import Digests, FileRecord, Recording
 from .direct import DirectFile, preallocate
@@ -781,6 +782,7 @@ class HashingFile:
         except OSError as e:
             raise self._failed(e) from None
         digests = self._hash.hexdigests() if self._hash is not None else (None, None)
+        sinks.closed(self.path)  # an output bound for object storage starts its upload now
         return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, *digests)
 
     def abort(self) -> None:

@@ -43,15 +43,7 @@ def read_small(path: str | Path, what: str, limit: int = JSON_LIMIT) -> bytes:
     except OSError as e:
         raise SmallFileError(str(disk_error(e, f"read {what}", path))) from None
     try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise SmallFileError(f"{what} {shown(path)} is a folder, not a file")
-        if not stat.S_ISREG(st.st_mode):
-            raise SmallFileError(
-                f"{what} {shown(path)} is not a regular file (a FIFO, device or socket): refusing to read it"
-            )
-        if st.st_size > limit:
-            raise SmallFileError(_too_large(path, what, st.st_size, limit))
+        _check_kind_and_size(os.fstat(fd), path, what, limit)
         os.set_blocking(fd, True)
         chunks, total = [], 0
         while True:
@@ -79,6 +71,11 @@ def check_small(path: str | Path, what: str, limit: int = PICKLE_LIMIT) -> Path:
         raise SmallFileError(f"{what} {shown(path)} does not exist") from None
     except OSError as e:
         raise SmallFileError(str(disk_error(e, f"read {what}", path))) from None
+    _check_kind_and_size(st, path, what, limit)
+    return path
+
+
+def _check_kind_and_size(st: os.stat_result, path: Path, what: str, limit: int) -> None:
     if stat.S_ISDIR(st.st_mode):
         raise SmallFileError(f"{what} {shown(path)} is a folder, not a file")
     if not stat.S_ISREG(st.st_mode):
@@ -87,7 +84,6 @@ def check_small(path: str | Path, what: str, limit: int = PICKLE_LIMIT) -> Path:
         )
     if st.st_size > limit:
         raise SmallFileError(_too_large(path, what, st.st_size, limit))
-    return path
 
 
 def _too_large(path: Path, what: str, size: int, limit: int) -> str:

@@ -20,6 +20,7 @@ from typing import cast
 import torch
 
 from ..errors import FormatError
+from . import remote
 from .buffers import _thread_scope, array_view, empty_bytes, empty_tensor
 from .copy import FileRange
 from .hashing import BEHIND_MIN
@@ -132,6 +133,7 @@ def _copy_columns(fd: int, t: StoredTensor, dim: int, start: int, out: torch.Ten
         if end > file_size:  # a mapping past the end of the file would fault (SIGBUS) when touched
             raise FormatError(f"{what} is truncated: re-create it")
         base = first - first % mmap.ALLOCATIONGRANULARITY
+        remote.before_read(fd, first, end - first)  # a mirror file's bytes are fetched before they are mapped
         mapping = mmap.mmap(fd, end - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ, offset=base)
         try:
             data = numpy.frombuffer(mapping, dtype=numpy.uint8, offset=first - base)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import cast
 
 from ..errors import FormatError
+from . import remote
 from .copy import _COPY_BUFFER, COPY_BLOCK, FileRange
 
 ReadTap = Callable[[int, int, memoryview], None]
@@ -102,6 +103,8 @@ def pread_exact(fd: int, view: memoryview, offset: int, what: str, tapped: bool 
 def read_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
     """Fill `view` with the file's bytes at `offset` (FormatError when the file is shorter)."""
     done, nbytes = 0, len(view)
+    if remote._MIRRORED:  # an object store's bytes are fetched into their mirror file first
+        remote.before_read(fd, offset, nbytes)
     while done < nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
         if got <= 0:

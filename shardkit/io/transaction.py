@@ -39,6 +39,7 @@ from typing import Any
 from ..distributed import Job, current_job
 from ..errors import DestinationExistsError, ShardkitError
 from ..sizes import format_bytes
+from . import sinks
 from .delete import is_link, refuse_mounts, remove_file, remove_tree
 from .durable import fsync_path, write_marker, write_text
 from .lock import FolderLock, lock_destination
@@ -278,6 +279,7 @@ class StagedOutput:
         folder; if the second rename fails the old one is put back."""
         dst, staging = self.dst, self.path
         old = None
+        sinks.drain(staging)  # files still being uploaded (an object-store output) are read by path
         try:
             (staging / OWNER_FILE).unlink(missing_ok=True)
             if is_link(dst):

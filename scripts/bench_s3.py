@@ -1,0 +1,261 @@
+"""S3 throughput: shardkit's convert, merge and reshard to and from a loopback S3 server, against a
+plain boto3 transfer (`boto3.s3.transfer.TransferManager` upload/download) of the same bytes
+through the same server; and the bytes a tp 8 -> tp 4 reshard fetches against the tag's size.
+
+The server is moto's server mode on 127.0.0.1, started here in its own process (no network).
+Each step runs in its own process; peak RSS is that process's own high-water mark.
+
+    python scripts/bench_s3.py [--repeat 3]        # the TinyLlama-1.1B shape (2.2 GB in bf16)
+    python scripts/bench_s3.py --config fixtures/tinyllama-mini.json --repeat 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import json, resource, sys, time
+from pathlib import Path
+step, args = sys.argv[1], json.loads(sys.argv[2])
+fetched, gets = [], [0]
+if step.startswith("shardkit"):
+    import shardkit
+    import shardkit.api, shardkit.checkpoint.reshard  # imported before the clock starts (shardkit imports lazily)
+    from shardkit.io import remote, s3
+    # the baseline moves its bytes in requests of the same size, as many at once
+    assert (s3.PART_SIZE, s3.CONCURRENCY) == (args["part"], args["concurrency"]), "update PART/CONCURRENCY"
+    close, get_range = remote.Mirror.close, s3.get_range
+    def counted(self):
+        fetched.append(self.bytes_fetched)
+        close(self)
+    def counted_get(*a, **k):
+        gets[0] += 1
+        return get_range(*a, **k)
+    remote.Mirror.close, s3.get_range = counted, counted_get
+    layout = shardkit.make_layout(tp=args["tp"], pp=args["pp"], qkv="gqa", kv_multiplier=2 if args["tp"] == 8 else 1)
+else:
+    import boto3
+    from boto3.s3.transfer import TransferConfig, TransferManager
+    client = boto3.client("s3", endpoint_url=args["endpoint"])
+    part, concurrency = args["part"], args["concurrency"]
+    config = TransferConfig(max_concurrency=concurrency, multipart_chunksize=part, multipart_threshold=part)
+    manager = TransferManager(client, config)
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+held = 0
+if step == "shardkit-ckpt-save":  # every tp rank's pieces in memory, as the ranks of a job hold them
+    from shardkit.formats import SourceReader, open_checkpoint
+    source = open_checkpoint(args["src"])
+    reader = SourceReader(source)
+    pieces = {}
+    for ep, tp, pp in layout.ranks():
+        ranked = source.family.rank_pieces(layout, source.dims, tp, pp, source.full_shapes, ep)
+        pieces[(tp, pp)] = {p.name: reader.read_piece(p).clone() for p in ranked}
+    reader.close()
+    held = sum(t.numel() * t.element_size() for rank in pieces.values() for t in rank.values())
+cpu0, start = cpu(), time.perf_counter()
+if step == "shardkit-ckpt-save":
+    shardkit.save_checkpoint(args["dst"], "step_1", pieces, layout=layout, config=source.config)
+elif step == "shardkit-ckpt-reshard":
+    shardkit.api.reshard_training_checkpoint(args["src"], args["dst"], layout)
+elif step == "shardkit-convert":
+    shardkit.convert(args["src"], args["dst"], layout, workers=1)
+elif step == "shardkit-merge":
+    shardkit.merge(args["src"], args["dst"], workers=1)
+elif step == "shardkit-reshard":
+    shardkit.reshard(args["src"], args["dst"], layout, workers=1)
+elif step == "boto3-upload":
+    futures = []
+    root = Path(args["src"])
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        futures.append(manager.upload(str(f), args["bucket"], args["prefix"] + "/" + f.relative_to(root).as_posix()))
+    for fut in futures:
+        fut.result()
+elif step == "boto3-download":
+    root = Path(args["dst"]); futures = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=args["bucket"], Prefix=args["prefix"] + "/"):
+        for o in page.get("Contents", []):
+            out = root / o["Key"][len(args["prefix"]) + 1:]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            futures.append(manager.download(args["bucket"], o["Key"], str(out)))
+    for fut in futures:
+        fut.result()
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "fetched": sum(fetched), "gets": gets[0], "cpu": cpu() - cpu0, "held": held}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PART = 32 << 20
+"""The part size of both sides (shardkit's `io.s3.PART_SIZE`, checked by its steps)."""
+CONCURRENCY = 16
+"""Requests in flight on both sides (shardkit's `io.s3.CONCURRENCY`)."""
+
+
+SERVER: list[int] = []
+"""The server's pid (its CPU seconds are read from /proc around each step)."""
+
+
+def server_cpu() -> float:
+    try:
+        fields = Path(f"/proc/{SERVER[0]}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def step(name: str, env: dict[str, str], **args) -> dict:
+    args.update(part=PART, concurrency=CONCURRENCY)
+    before = server_cpu()
+    out = subprocess.run([sys.executable, "-c", CHILD, name, json.dumps(args)], env=env, capture_output=True,
+                         text=True, cwd=REPO)
+    if out.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["server_cpu"] = server_cpu() - before  # includes the step's start-up, a second or so of idle polling
+    return result
+
+
+def prefix_bytes(client, bucket: str, prefix: str) -> int:
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    return sum(o["Size"] for page in pages for o in page.get("Contents", []))
+
+
+def clear(client, bucket: str, prefix: str) -> None:
+    """Delete every object under `prefix` (before a step writes there again; not timed)."""
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    keys = [{"Key": o["Key"]} for page in pages for o in page.get("Contents", [])]
+    for i in range(0, len(keys), 1000):
+        client.delete_objects(Bucket=bucket, Delete={"Objects": keys[i : i + 1000]})
+
+
+def best(runs: list[dict]) -> dict:
+    """The median run by time (its RSS and counts with it)."""
+    return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+
+
+STEPS = ("convert", "upload", "merge", "download", "reshard", "ckpt-save", "ckpt-upload", "ckpt-download",
+         "ckpt-reshard")
+
+
+def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
+    """Each step once, shardkit's and boto3's of the same bytes one after the other."""
+    common = dict(bucket="bench", endpoint=endpoint)
+    clear(client, "bench", "tp8")
+    runs["convert"].append(step("shardkit-convert", env, src=str(hf), dst="s3://bench/tp8", tp=8, pp=1))
+    bench_common.remove(local / "dl-tp8")
+    runs["download"].append(step("boto3-download", env, dst=str(local / "dl-tp8"), prefix="tp8", **common))
+    clear(client, "bench", "tp8-copy")
+    runs["upload"].append(step("boto3-upload", env, src=str(local / "dl-tp8"), prefix="tp8-copy", **common))
+    bench_common.remove(local / "merged")
+    runs["merge"].append(step("shardkit-merge", env, src="s3://bench/tp8", dst=str(local / "merged"), tp=1, pp=1))
+    clear(client, "bench", "tp4")
+    runs["reshard"].append(step("shardkit-reshard", env, src="s3://bench/tp8", dst="s3://bench/tp4", tp=4, pp=1))
+    clear(client, "bench", "ckpt")
+    runs["ckpt-save"].append(step("shardkit-ckpt-save", env, src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1))
+    bench_common.remove(local / "dl-ckpt")
+    runs["ckpt-download"].append(step("boto3-download", env, dst=str(local / "dl-ckpt"), prefix="ckpt", **common))
+    clear(client, "bench", "ckpt-copy")
+    runs["ckpt-upload"].append(step("boto3-upload", env, src=str(local / "dl-ckpt"), prefix="ckpt-copy", **common))
+    clear(client, "bench", "ckpt-tp4")
+    runs["ckpt-reshard"].append(
+        step("shardkit-ckpt-reshard", env, src="s3://bench/ckpt", dst="s3://bench/ckpt-tp4", tp=4, pp=1)
+    )
+
+
+def measure(args, hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
+    """Every step `args.repeat` times, alternating shardkit and boto3, then the table."""
+    runs: dict[str, list[dict]] = {k: [] for k in STEPS}
+    for _ in range(args.repeat):
+        one_round(runs, hf, env, client, endpoint, local)
+    size = {p: prefix_bytes(client, "bench", p) for p in ("tp8", "tp4", "ckpt", "ckpt-tp4")}
+    med = {k: best(v) for k, v in runs.items()}
+
+    def both(a: str, b: str) -> dict:
+        return {k: med[a][k] + med[b][k] for k in ("seconds", "cpu", "server_cpu")} | {
+            "rss": max(med[a]["rss"], med[b]["rss"])
+        }
+
+    rows = [
+        ("convert HF -> s3 tp8 (boto3: upload of the tp8 files)", size["tp8"], med["upload"], med["convert"]),
+        ("merge s3 tp8 -> local (boto3: download of the tp8 files)", size["tp8"], med["download"], med["merge"]),
+        ("reshard s3 tp8 -> s3 tp4 (boto3: download + upload of tp8)", size["tp8"] + size["tp4"],
+         both("download", "upload"), med["reshard"]),
+        ("save_checkpoint tp8 tag -> s3 (boto3: upload of the tag)", size["ckpt"], med["ckpt-upload"],
+         med["ckpt-save"]),
+        ("ckpt reshard s3 tp8 -> s3 tp4 (boto3: download + upload of the tag)", size["ckpt"] + size["ckpt-tp4"],
+         both("ckpt-download", "ckpt-upload"), med["ckpt-reshard"]),
+    ]
+    print(f"shape {args.shape}; {args.repeat} run(s) each, median; parts {PART >> 20} MiB, {CONCURRENCY} in flight")
+    for what, key, tag in (("reshard", "reshard", "tp8"), ("ckpt reshard", "ckpt-reshard", "ckpt"),
+                           ("merge", "merge", "tp8")):
+        r = med[key]
+        print(f"{what} tp8 -> {'tp1' if key == 'merge' else 'tp4'}: fetched {r['fetched'] / 1e9:.3f} GB of the "
+              f"{size[tag] / 1e9:.3f} GB source ({r['fetched'] / size[tag]:.1%}) in {r['gets']} GETs")
+    print(f"save_checkpoint held {med['ckpt-save']['held'] / 2**30:.2f} GiB of rank pieces (in its peak RSS)")
+    print("| operation | bytes moved | boto3 | shardkit | shardkit vs boto3 | peak RSS shardkit / boto3 "
+          "| CPU s client shardkit / boto3 | CPU s server shardkit / boto3 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, nbytes, base, ours in rows:
+        print(f"| {label} | {nbytes / 1e9:.2f} GB | {base['seconds']:.2f} s | {ours['seconds']:.2f} s | "
+              f"{base['seconds'] / ours['seconds']:.2f}x | {ours['rss'] / 2**20:.0f} / {base['rss'] / 2**20:.0f} MiB "
+              f"| {ours['cpu']:.1f} / {base['cpu']:.1f} | {ours['server_cpu']:.1f} / {base['server_cpu']:.1f} |")
+    print("all runs (s):", json.dumps({k: [round(r["seconds"], 2) for r in v] for k, v in runs.items()}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="tinyllama")
+    parser.add_argument("--config", default=None, help="a config.json instead of a named shape")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each step (the median is shown)")
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shardkit-bench"))
+    args = parser.parse_args()
+    name, config = bench_common.load_shape(args.shape if not args.config else None, args.config)
+    args.shape = name
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    hf, _ = bench_common.synthetic_source(workdir, workdir / "logs", name, config)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    SERVER.append(server.pid)
+    endpoint = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+               AWS_DEFAULT_REGION="us-east-1", PYTHONPATH=str(REPO))
+    local = Path(tempfile.mkdtemp(prefix="bench-s3-", dir=workdir))
+    try:
+        time.sleep(3)
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                              region_name="us-east-1")
+        client.create_bucket(Bucket="bench")
+        measure(args, hf, env, client, endpoint, local)
+    finally:
+        bench_common.remove(local)
+        server.terminate()
+        server.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,358 @@
+"""The S3 backend: listing, ranged reads into local files, multipart uploads, deletes.
+
+boto3 is an optional dependency (`pip install 'shardkit[s3]'`), imported on first use. The
+client is built from the standard AWS chain (environment, shared config and credentials files,
+instance roles) and honours `AWS_ENDPOINT_URL` / `AWS_ENDPOINT_URL_S3`, so any S3-compatible
+store works. Throttling (SlowDown) and 5xx answers are retried by botocore with jittered
+exponential back-off (`SHARDKIT_S3_RETRY_MODE`: adaptive by default, or standard;
+`SHARDKIT_S3_MAX_ATTEMPTS`: 10 attempts in all), as NxD's own checkpoint storage does. Every failure becomes one
+line naming the location and what to do (a missing bucket, denied access, missing credentials).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ShardkitError
+from ..sizes import format_bytes
+from .location import RemoteLocation
+
+log = logging.getLogger(__name__)
+
+EXTRA = "pip install 'shardkit[s3]'"
+GET_CHUNK = 1 << 20
+"""A ranged GET's body is read and written to the mirror in blocks of this size (bounded memory)."""
+PART_SIZE = 32 << 20
+"""A multipart upload's part (raised for files that would need more than 10,000 parts), and the
+largest ranged GET (`io.remote`): large enough that a request's round trip costs little beside
+its bytes, small enough that a file of a few hundred MB still moves as many requests at once."""
+CONCURRENCY = 16
+"""Requests in flight: the GETs of a mirror, the part uploads of an uploader."""
+
+
+class RemoteError(ShardkitError):
+    """The object store refused or failed a request (one line: where, why, what to do)."""
+
+
+class MissingDependencyError(ShardkitError):
+    """boto3 (the `s3` extra) is not installed."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object under a location: its name relative to the location, size and ETag."""
+
+    name: str
+    size: int
+    etag: str
+
+
+def _boto3() -> Any:
+    try:
+        import boto3
+    except ImportError:
+        raise MissingDependencyError(f"s3:// locations need boto3, the 's3' extra: {EXTRA}") from None
+    return boto3
+
+
+_CLIENT: Any = None
+_CLIENT_LOCK = threading.Lock()
+_CLIENT_PID = 0
+
+
+def client() -> Any:
+    """The process's S3 client (thread-safe; one per process, rebuilt after a fork)."""
+    global _CLIENT, _CLIENT_PID
+    with _CLIENT_LOCK:
+        if _CLIENT is None or _CLIENT_PID != os.getpid():
+            boto3 = _boto3()
+            from botocore.config import Config
+
+            mode = os.environ.get("SHARDKIT_S3_RETRY_MODE", "adaptive")
+            if mode not in ("adaptive", "standard", "legacy"):
+                raise ShardkitError(f"SHARDKIT_S3_RETRY_MODE={mode!r}: use adaptive or standard")
+            attempts_text = os.environ.get("SHARDKIT_S3_MAX_ATTEMPTS", "10")
+            if not attempts_text.isdigit() or int(attempts_text) < 1:
+                raise ShardkitError(
+                    f"SHARDKIT_S3_MAX_ATTEMPTS={attempts_text!r}: give a whole number of attempts, 1 or more"
+                )
+            attempts = int(attempts_text)
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            config = Config(
+                retries={"total_max_attempts": attempts, "mode": mode},  # the first request included
+                max_pool_connections=64,
+                connect_timeout=10,
+                read_timeout=120,
+                s3={"addressing_style": "path"} if endpoint else {},
+            )
+            session = boto3.session.Session()
+            _CLIENT = session.client("s3", endpoint_url=endpoint or None, config=config)
+            _CLIENT_PID = os.getpid()
+        return _CLIENT
+
+
+def reset_client() -> None:
+    """Forget the client (its endpoint or credentials changed: tests, a new environment)."""
+    global _CLIENT
+    with _CLIENT_LOCK:
+        _CLIENT = None
+
+
+def error(e: BaseException, action: str, where: object) -> ShardkitError:
+    """The one-line error for a failed request: `action` (e.g. "list") on `where`."""
+    try:
+        import botocore.exceptions as bex
+    except ImportError:  # pragma: no cover - only reached with botocore installed
+        return RemoteError(f"cannot {action} {where}: {e}")
+    if isinstance(e, ShardkitError):
+        return e
+    if isinstance(e, bex.NoCredentialsError | bex.PartialCredentialsError):
+        return RemoteError(
+            f"cannot {action} {where}: no AWS credentials found; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE, or run on a host with an instance role"
+        )
+    if isinstance(e, bex.EndpointConnectionError | bex.ConnectTimeoutError):
+        return RemoteError(f"cannot {action} {where}: the S3 endpoint cannot be reached ({e}); check AWS_ENDPOINT_URL")
+    if isinstance(e, bex.ClientError):
+        err = e.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code == "NoSuchBucket":
+            bucket = getattr(where, "bucket", where)
+            return RemoteError(
+                f"cannot {action} {where}: the bucket {bucket} does not exist (create it, or fix the URL)"
+            )
+        if (
+            code in ("AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch")
+            or status == 403
+        ):
+            return RemoteError(
+                f"cannot {action} {where}: access denied ({code}); check the credentials and the bucket policy"
+            )
+        if code in ("NoSuchKey", "404") or status == 404:
+            return RemoteError(f"cannot {action} {where}: no such object")
+        if code == "PreconditionFailed" or status == 412:
+            return RemoteError(f"{where} was replaced while shardkit read it: run the command again")
+        return RemoteError(f"cannot {action} {where}: {code or status} {err.get('Message', '')}".rstrip())
+    if isinstance(e, bex.BotoCoreError):
+        return RemoteError(f"cannot {action} {where}: {e}")
+    if isinstance(e, OSError):
+        return RemoteError(f"cannot {action} {where}: {e.strerror or e}")
+    return RemoteError(f"cannot {action} {where}: {type(e).__name__}: {e}")
+
+
+@contextlib.contextmanager
+def _translated(action: str, where: object) -> Iterator[None]:
+    """botocore's exceptions, as one-line RemoteErrors."""
+    try:
+        yield
+    except ShardkitError:
+        raise
+    except Exception as e:
+        raise error(e, action, where) from None
+
+
+def list_objects(loc: RemoteLocation) -> list[ObjectInfo]:
+    """Every object under `loc` (names relative to it), sorted by name. A missing bucket, denied
+    access or missing credentials are one-line RemoteErrors; an empty or absent prefix is []."""
+    prefix = f"{loc.prefix}/" if loc.prefix else ""
+    found: list[ObjectInfo] = []
+    with _translated("list", loc):
+        pages = client().get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=prefix)
+        for page in pages:
+            for obj in page.get("Contents", []):
+                name = obj["Key"][len(prefix) :]
+                if name and not name.endswith("/"):
+                    found.append(ObjectInfo(name, int(obj["Size"]), str(obj.get("ETag", ""))))
+    return sorted(found, key=lambda o: o.name)
+
+
+def check_bucket(loc: RemoteLocation) -> None:
+    """Refuse (one line) a bucket that does not exist or cannot be reached, before any work."""
+    with _translated("access", loc):
+        client().head_bucket(Bucket=loc.bucket)
+
+
+def get_range(loc: RemoteLocation, name: str, start: int, length: int, etag: str, fd: int, at: int) -> int:
+    """Write `length` bytes of object `name` from `start` into `fd` at `at` (one ranged GET, its
+    body streamed in GET_CHUNK blocks); the object must still have `etag` (If-Match), so bytes of
+    a replaced object are never mixed with the old one's. Returns the bytes written."""
+    if length <= 0:
+        return 0
+    args: dict[str, Any] = {"Bucket": loc.bucket, "Key": loc.key(name), "Range": f"bytes={start}-{start + length - 1}"}
+    if etag:
+        args["IfMatch"] = etag
+    where = f"{loc}/{name}"
+    with _translated("read", where):
+        body = client().get_object(**args)["Body"]
+        done = 0
+        try:
+            while done < length:
+                chunk = body.read(min(GET_CHUNK, length - done))
+                if not chunk:
+                    break
+                view, position = memoryview(chunk), at + done
+                while view:
+                    written = os.pwrite(fd, view, position)
+                    view, position = view[written:], position + written
+                done += len(chunk)
+        finally:
+            body.close()
+    if done != length:
+        raise RemoteError(f"{where}: the object is shorter than listed (got {done} of {length} bytes): run again")
+    return done
+
+
+def get_bytes(loc: RemoteLocation, name: str) -> bytes | None:
+    """A small object's bytes, None when it does not exist."""
+    import botocore.exceptions as bex
+
+    try:
+        return client().get_object(Bucket=loc.bucket, Key=loc.key(name))["Body"].read()
+    except bex.ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+            return None
+        raise error(e, "read", f"{loc}/{name}") from None
+    except Exception as e:
+        raise error(e, "read", f"{loc}/{name}") from None
+
+
+def put_bytes(loc: RemoteLocation, name: str, data: bytes) -> None:
+    """Write a small object in one PUT."""
+    with _translated("write", f"{loc}/{name}"):
+        client().put_object(Bucket=loc.bucket, Key=loc.key(name), Body=data)
+
+
+def _part_size(size: int) -> int:
+    part = PART_SIZE
+    while size > part * 10_000:
+        part *= 2
+    return part
+
+
+class Uploader:
+    """Uploads local files as objects, several at once: files past one part go up as multipart
+    uploads whose parts are read from the file as they are sent (boto3's TransferManager), so
+    memory holds a few parts, never a file. `wait()` raises the first failure."""
+
+    def __init__(self, files_in_flight: int = 4):
+        boto3 = _boto3()
+        from boto3.s3.transfer import TransferConfig, TransferManager
+
+        self._config = TransferConfig(
+            multipart_threshold=PART_SIZE,
+            multipart_chunksize=PART_SIZE,
+            max_concurrency=CONCURRENCY,
+            use_threads=True,
+        )
+        del boto3
+        self._manager = TransferManager(client(), self._config)
+        self._slots = threading.BoundedSemaphore(files_in_flight)
+        self._in_flight = files_in_flight
+        self._futures: list[Any] = []
+        self.sent = 0
+
+    def upload(self, path: Path, loc: RemoteLocation, name: str, remove: bool = False) -> None:
+        """Queue `path` to become `loc/name` (waiting while `files_in_flight` files are uploading);
+        with `remove`, the local file is deleted once it is up. A failed upload is raised here
+        already, rather than once every file is written."""
+        self._raise_failed()
+        size = path.stat().st_size
+        if size > self._config.multipart_chunksize * 10_000:
+            self._config.multipart_chunksize = _part_size(size)
+        self._slots.acquire()
+        slots, done_path = self._slots, path
+
+        class _Done:
+            def on_done(self, future: Any, **kwargs: Any) -> None:
+                if remove:  # gone before its slot is free: the files on disk stay within the bound
+                    with contextlib.suppress(OSError):
+                        done_path.unlink()
+                slots.release()
+
+        try:
+            future = self._manager.upload(str(path), loc.bucket, loc.key(name), subscribers=[_Done()])
+        except BaseException:
+            slots.release()
+            raise
+        self._futures.append((future, f"{loc}/{name}", size))
+
+    def _raise_failed(self) -> None:
+        for future, where, _ in self._futures:
+            if future.done():
+                try:
+                    future.result()
+                except Exception as e:  # noqa: BLE001 - said as one line
+                    raise error(e, "upload to", where) from None
+
+    def wait(self) -> int:
+        """Wait for every queued upload; raise the first failure as one line. Returns the bytes sent."""
+        first: BaseException | None = None
+        for future, where, size in self._futures:
+            try:
+                future.result()
+                self.sent += size
+            except Exception as e:  # noqa: BLE001 - the first failure is raised below
+                if first is None:
+                    first = error(e, "upload to", where)
+        self._futures.clear()
+        # s3transfer marks a transfer done before it runs its done callbacks: wait for those too
+        # (each frees its slot last), so that no local file is deleted after `wait` returns
+        for _ in range(self._in_flight):
+            self._slots.acquire()
+        for _ in range(self._in_flight):
+            self._slots.release()
+        if first is not None:
+            raise first
+        return self.sent
+
+    def close(self, cancel: bool = False) -> None:
+        """Wait for the uploads under way; with `cancel`, cancel them first (their multipart
+        uploads aborted). Each future is cancelled itself: `TransferManager.shutdown(cancel=True)`
+        passes its arguments to the wrong parameters (s3transfer 0.17: a TypeError)."""
+        if cancel:
+            for future, _, _ in self._futures:
+                future.cancel()
+        self._manager.shutdown()
+
+
+def delete_objects(loc: RemoteLocation, names: Iterable[str]) -> int:
+    """Delete `names` under `loc` (batches of 1,000); returns how many were asked for."""
+    names = list(names)
+    with _translated("delete from", loc):
+        for i in range(0, len(names), 1000):
+            batch = [{"Key": loc.key(n)} for n in names[i : i + 1000]]
+            answer = client().delete_objects(Bucket=loc.bucket, Delete={"Objects": batch, "Quiet": True})
+            errors = answer.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise RemoteError(
+                    f"cannot delete {loc}/{first.get('Key')}: {first.get('Code')} {first.get('Message', '')}"
+                )
+    return len(names)
+
+
+def abort_uploads(loc: RemoteLocation) -> int:
+    """Abort the multipart uploads left open under `loc` (a killed writer's: their parts are
+    stored, and billed, until aborted, yet no listing shows them). Returns how many."""
+    prefix = f"{loc.prefix}/" if loc.prefix else ""
+    aborted = 0
+    with _translated("abort the unfinished uploads under", loc):
+        pages = client().get_paginator("list_multipart_uploads").paginate(Bucket=loc.bucket, Prefix=prefix)
+        for page in pages:
+            for upload in page.get("Uploads", []):
+                client().abort_multipart_upload(Bucket=loc.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+    return aborted
+
+
+def describe(objects: Iterable[ObjectInfo]) -> str:
+    objs = list(objects)
+    return f"{len(objs)} objects, {format_bytes(sum(o.size for o in objs))}"

@@ -1,0 +1,766 @@
+"""s3:// everywhere, against a real S3 API on loopback: moto's server mode, started here.
+
+Every command, the checkpoint API and the trainer read from and write to a bucket of a moto server
+on 127.0.0.1 (no network). Checked: exact results (verify), the objects really in the bucket,
+nothing created locally (no `s3:` folder, nothing in the working directory or beside a local
+destination), reads of only the byte ranges used, the commit protocol without rename (an
+interrupted upload never lists as complete; the next run removes it, saying so), and one-line
+errors (unsupported schemes, missing buckets and credentials, missing boto3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install -e '.[test]')")
+boto3 = pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e '.[s3]')")
+
+import ckpt_child  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+
+import shardkit  # noqa: E402
+from shardkit.api import convert, merge, verify  # noqa: E402
+from shardkit.checkpoint import finalize_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
+from shardkit.cli import cli  # noqa: E402
+from shardkit.io import remote, s3  # noqa: E402
+from shardkit.layout import Layout  # noqa: E402
+from shardkit.testing import fixture_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on 127.0.0.1 (its own process), and the environment that points boto3 at it."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("the moto server did not start")
+            time.sleep(0.1)
+    saved = {k: os.environ.get(k) for k in [*ENV, "AWS_ENDPOINT_URL"]}
+    os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
+    s3.reset_client()
+    yield endpoint
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    s3.reset_client()
+
+
+_COUNT = [0]
+
+
+@pytest.fixture
+def bucket(s3_server):
+    """A new empty bucket."""
+    _COUNT[0] += 1
+    name = f"shardkit-test-{_COUNT[0]}"
+    s3.client().create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """The working directory of the test (checked to stay empty)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    return cwd
+
+
+def keys(bucket: str, prefix: str = "") -> list[str]:
+    pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+def no_mirrors_left() -> None:
+    """No mirror or output staging folder left by this process or one that has ended (those of
+    other processes running now, a benchmark's, are theirs)."""
+    import tempfile
+
+    from shardkit.io.transaction import pid_alive
+
+    base = Path(tempfile.gettempdir())
+    left = []
+    for entry in os.listdir(base):
+        if not entry.startswith("shardkit-s3-") or entry.startswith("shardkit-s3-save-"):
+            continue
+        try:
+            pid = int((base / entry / ".shardkit-owner").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # (being created or removed just now)
+        if pid == os.getpid() or not pid_alive(pid):
+            left.append(entry)
+    assert not left, left
+
+
+def run(*args: object):
+    return CliRunner().invoke(cli, ["-q", *map(str, args)], catch_exceptions=False)
+
+
+# ---- the location parser -------------------------------------------------------------------------------
+
+
+def test_unsupported_scheme_is_one_line_for_every_command(tmp_path, workdir):
+    hf = tmp_path / "x"
+    hf.mkdir()
+    commands = [
+        ["convert", "gs://b/x", tmp_path / "o", "--tp", "2"],
+        ["convert", hf, "gs://b/x", "--tp", "2"],
+        ["merge", "http://h/x", tmp_path / "o"],
+        ["reshard", "hf://org/x", tmp_path / "o", "--tp", "2"],
+        ["inspect", "gs://b/x"],
+        ["verify", "gs://b/x", hf],
+        ["verify", hf, "gs://b/x"],
+        ["ckpt", "list", "gs://b/x"],
+        ["ckpt", "inspect", "gs://b/x"],
+        ["ckpt", "prune", "gs://b/x", "--keep", "1"],
+        ["ckpt", "export", "gs://b/x", tmp_path / "o"],
+        ["ckpt", "export", hf, "gs://b/x"],
+        ["ckpt", "reshard", "gs://b/x", tmp_path / "o", "--tp", "2"],
+    ]
+    for args in commands:
+        out = CliRunner().invoke(cli, list(map(str, args)))
+        assert out.exit_code == 2, (args, out.output)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "is not supported" in lines[0], (args, out.stderr)
+    out = run_sub("convert", hf, "gs://b/x", "--tp", "2", cwd=workdir)  # the real process, its real stderr
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "gs://" in out.stderr
+    assert not list(workdir.iterdir())  # never a folder named gs: or http:
+
+
+def test_without_boto3_the_extra_is_named(tmp_path, workdir):
+    code = (
+        "import sys; sys.modules['boto3'] = None\n"
+        "from shardkit.cli import main; sys.argv = ['shardkit', 'ckpt', 'list', 's3://bucket/x']; main()"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=workdir)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "shardkit: error: s3:// locations need boto3, the 's3' extra: pip install 'shardkit[s3]'"
+    ]
+
+
+def test_missing_bucket_and_credentials_are_one_line(s3_server, tmp_path, workdir, monkeypatch):
+    out = run_sub("ckpt", "list", "s3://no-such-bucket-here/x")
+    assert out.returncode == 2 and "does not exist" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") or k == "AWS_ENDPOINT_URL"}
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
+    env["AWS_EC2_METADATA_DISABLED"] = "true"
+    out = subprocess.run(
+        [sys.executable, "-m", "shardkit", "ckpt", "list", "s3://bucket/x"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=workdir,
+    )
+    assert out.returncode == 2 and "no AWS credentials" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_api_and_trainer_refuse_other_schemes(tmp_path, workdir, capsys):
+    from shardkit.errors import ShardkitError
+    from trainer.__main__ import main as trainer_main
+
+    layout = shardkit.make_layout(tp=2)
+    calls = {
+        "convert": lambda: convert(tmp_path, "gs://b/x", layout),
+        "merge": lambda: merge("az://b/x", tmp_path / "o"),
+        "inspect": lambda: shardkit.inspect("http://h/x"),
+        "save_checkpoint": lambda: save_checkpoint("gs://b/x", "step_1", {"w": torch.zeros(2)}),
+        "load_checkpoint": lambda: load_checkpoint("gs://b/x"),
+        "list_checkpoints": lambda: list_checkpoints("gs://b/x"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ShardkitError, match="is not supported") as refused:
+            call()
+        assert "\n" not in str(refused.value), name
+    for flag in ("--model", "--checkpoint-dir", "--resume", "--data"):
+        args = {"--model": str(tmp_path), "--data": str(tmp_path / "tokens.bin"), flag: "gs://b/x"}
+        assert trainer_main([*(a for item in args.items() for a in item), "--steps", "1"]) == 2, flag
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "gs://" in err[0] and flag in err[0], (flag, err)
+    assert not list(workdir.iterdir())
+
+
+def test_denied_access_is_one_line(s3_server, bucket, tiny_model, workdir):
+    """A user the store knows, with no permission on the bucket: one line, exit 2, for a read
+    and for a write (moto checks IAM once its authentication is switched on)."""
+    import urllib.request
+
+    iam = boto3.client("iam", endpoint_url=s3_server, region_name="us-east-1")
+    iam.create_user(UserName="nobody")
+    key = iam.create_access_key(UserName="nobody")["AccessKey"]
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+
+    def auth(count: str) -> None:
+        request = urllib.request.Request(
+            f"{s3_server}/moto-api/reset-auth",
+            data=count.encode(),
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
+        urllib.request.urlopen(request, timeout=30).read()
+
+    auth("0")
+    try:
+        env = dict(os.environ, AWS_ACCESS_KEY_ID=key["AccessKeyId"], AWS_SECRET_ACCESS_KEY=key["SecretAccessKey"])
+        for args in (["ckpt", "list", f"s3://{bucket}/x"], ["convert", hf, f"s3://{bucket}/y", "--tp", "2"]):
+            out = subprocess.run(
+                [sys.executable, "-m", "shardkit", *map(str, args)],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=workdir,
+            )
+            assert out.returncode == 2, out.stderr
+            lines = out.stderr.strip().splitlines()
+            # (moto answers a signed listing of this user SignatureDoesNotMatch, a PUT AccessDenied: both 403)
+            assert len(lines) == 1 and "access denied (" in lines[0] and f"s3://{bucket}/" in lines[0], lines
+    finally:
+        auth("inf")
+    assert not keys(bucket)
+    assert not list(workdir.iterdir())
+
+
+@pytest.fixture
+def faulty(s3_server):
+    """A proxy in front of the server that fails some requests (`tests/s3_faults.py`); boto3 in
+    this process goes through it while the test runs."""
+    from s3_faults import FaultProxy
+
+    proxies: list[FaultProxy] = []
+
+    def start(**options) -> FaultProxy:
+        proxies.append(FaultProxy(s3_server, **options))
+        os.environ["AWS_ENDPOINT_URL"] = proxies[-1].url
+        s3.reset_client()
+        return proxies[-1]
+
+    yield start
+    os.environ["AWS_ENDPOINT_URL"] = s3_server
+    s3.reset_client()
+    for proxy in proxies:
+        proxy.close()
+
+
+def test_throttling_and_5xx_are_retried(tiny_model, bucket, tmp_path, faulty):
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    proxy = faulty(fail_every=4)  # a quarter of all requests: SlowDown and InternalError in turn
+    url = f"s3://{bucket}/flaky"
+    convert(hf, url, shardkit.make_layout(tp=2, pp=2, qkv="gqa"))
+    merge(url, tmp_path / "merged")
+    assert verify(hf, url).ok and verify(hf, tmp_path / "merged").ok
+    methods = {what.split()[0] for what in proxy.faulted}
+    assert proxy.faults >= 6 and {"GET", "PUT"} <= methods, proxy.faulted
+
+
+def test_retries_give_up_in_one_line(bucket, faulty, workdir):
+    proxy = faulty(fail_all=True)
+    env = dict(os.environ, SHARDKIT_S3_MAX_ATTEMPTS="3")
+    out = subprocess.run(
+        [sys.executable, "-m", "shardkit", "ckpt", "list", f"s3://{bucket}/x"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=workdir,
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert (
+        len(lines) == 1 and f"s3://{bucket}/x" in lines[0] and ("SlowDown" in lines[0] or "InternalError" in lines[0])
+    ), lines
+    assert proxy.requests == 3, proxy.faulted  # the first attempt and two retries
+
+
+def run_sub(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=os.environ
+    )
+
+
+# ---- convert, merge, reshard, verify -----------------------------------------------------------------
+
+
+def test_convert_merge_reshard_verify_through_s3(tiny_model, bucket, tmp_path, workdir):
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    url = f"s3://{bucket}/models/tp4"
+    result = convert(hf, url, shardkit.make_layout(tp=4, pp=2, qkv="gqa"))
+    assert str(result.path) == url
+    names = keys(bucket, "models/tp4/")
+    assert "models/tp4/shardkit.json" in names and "models/tp4/config.json" in names
+    assert "models/tp4/model/dp_rank_00_tp_rank_03_pp_rank_01.pt" in names
+    assert not any(".shardkit-writing" in n for n in names)
+    assert verify(hf, url).ok
+
+    merged = tmp_path / "out" / "merged"
+    merge(url, merged)
+    assert verify(hf, merged).ok
+    assert sorted(p.name for p in merged.parent.iterdir()) == ["merged"]  # nothing beside it
+
+    # the wrong kind of folder is named by its URL, with the command that reads it
+    res = run("ckpt", "export", url, tmp_path / "x")
+    assert res.exit_code == 2 and f"use `shardkit merge {url} OUT`" in res.stderr, res.stderr
+    url2 = f"s3://{bucket}/models/tp2"
+    res = run("reshard", url, url2, "--tp", "2", "--pp", "1")
+    assert res.exit_code == 0, res.output
+    assert verify(url, url2).ok and verify(hf, url2).ok
+    assert not list(workdir.iterdir())
+    no_mirrors_left()
+
+
+def test_cli_convert_to_s3_and_verify(tiny_model, bucket, workdir):
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    url = f"s3://{bucket}/cli/tp2"
+    out = run_sub("convert", hf, url, "--tp", "2", cwd=workdir)
+    assert out.returncode == 0, out.stderr
+    out = run_sub("verify", hf, url, cwd=workdir)
+    assert out.returncode == 0, out.stderr + out.stdout
+    out = run_sub("inspect", url, "--json", cwd=workdir)
+    assert out.returncode == 0 and json.loads(out.stdout)["path"] == url
+    again = run_sub("convert", hf, url, "--tp", "2", cwd=workdir)
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+    assert run_sub("convert", hf, url, "--tp", "4", "--overwrite", cwd=workdir).returncode == 0
+    assert run_sub("verify", hf, url, cwd=workdir).returncode == 0
+    overlap = run_sub("reshard", url, f"{url}/inner", "--tp", "1", cwd=workdir)
+    assert overlap.returncode == 2 and "overlaps" in overlap.stderr
+    assert not list(workdir.iterdir())
+
+
+def _fetched(monkeypatch) -> list[tuple[int, int]]:
+    """(bytes fetched, GETs) of every mirror closed from now on."""
+    counts: list[tuple[int, int]] = []
+    gets = [0]
+    original_close, original_get = remote.Mirror.close, s3.get_range
+
+    def close(self):
+        counts.append((self.bytes_fetched, gets[0]))
+        gets[0] = 0
+        original_close(self)
+
+    def get_range(*args, **kwargs):
+        gets[0] += 1
+        return original_get(*args, **kwargs)
+
+    monkeypatch.setattr(remote.Mirror, "close", close)
+    monkeypatch.setattr(s3, "get_range", get_range)
+    return counts
+
+
+def test_reads_fetch_each_byte_once_in_few_requests(tiny_model, bucket, tmp_path, monkeypatch):
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    url = f"s3://{bucket}/tp8"
+    convert(hf, url, shardkit.make_layout(tp=8, pp=1, qkv="gqa", kv_multiplier=2))
+    objects = s3.list_objects(s3_loc(url))
+    size = sum(o.size for o in objects)
+    fetched = _fetched(monkeypatch)
+    merge(url, tmp_path / "merged")  # reads every shard: fetched whole, each byte once
+    assert verify(hf, tmp_path / "merged").ok
+    nbytes, gets = fetched[0]
+    assert 0 < nbytes <= size
+    parts = sum(-(-o.size // s3.PART_SIZE) for o in objects)
+    assert gets <= parts, (gets, parts)  # never a GET per zip record (201 per shard here)
+
+    # inspect reads only what opening the shards reads, even where no hole is joined
+    monkeypatch.setattr(remote, "HOLE", 0)
+    report = shardkit.inspect(url)
+    assert report["path"] == url
+    nbytes, gets = fetched[-1]
+    assert nbytes < size * 0.25, (nbytes, size)
+    assert gets < 8 * 250  # head, tail, central directory, one window per record header at most
+
+
+def s3_loc(url: str):
+    from shardkit.io.location import parse_location
+
+    return parse_location(url)
+
+
+def _hf_tensors(hf: Path) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return [t for f in hf.glob("*.safetensors") for t in load_file(f).values()]
+
+
+def test_outputs_upload_as_their_files_close(tiny_model, bucket, workdir, monkeypatch):
+    """Each shard goes up as soon as it is written (the sink of the staging folder), and the local
+    copy holds only the files in flight, never the whole output."""
+    from shardkit.io import upload
+
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    monkeypatch.setattr(upload, "FILES_IN_FLIGHT", 1)
+    on_disk: list[int] = []
+    at_end: list[str] = []
+    closed, upload_tree = upload.StreamingUpload.closed, upload.upload_tree
+
+    def counting_closed(self, path):
+        on_disk.append(sum(1 for folder in self.folders for _ in folder.rglob("dp_rank_*.pt")))
+        closed(self, path)
+
+    def recording_upload_tree(local, loc, *args, **kwargs):
+        at_end.extend(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+        return upload_tree(local, loc, *args, **kwargs)
+
+    monkeypatch.setattr(upload.StreamingUpload, "closed", counting_closed)
+    monkeypatch.setattr(upload, "upload_tree", recording_upload_tree)
+    url = f"s3://{bucket}/streamed"
+    convert(hf, url, shardkit.make_layout(tp=2, pp=4, qkv="gqa"), workers=1)
+    assert len([k for k in keys(bucket, "streamed/model/")]) == 8
+    assert not [n for n in at_end if n.startswith("model/")], at_end  # every shard went up as it closed
+    assert "shardkit.json" in at_end  # the manifest at the commit, last
+    # a stage's 2 files are written together, the next stage's while they close, one uploading
+    assert len(on_disk) >= 8 and max(on_disk) <= 5, on_disk
+    assert verify(hf, url).ok
+    assert not list(workdir.iterdir())
+    no_mirrors_left()
+
+
+def test_interrupted_upload_is_incomplete_and_cleaned_up(tiny_model, bucket, tmp_path, workdir):
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    url = f"s3://{bucket}/killed"
+    # a run that uploads slowly, killed while it uploads
+    code = (
+        "import time, sys\n"
+        "from shardkit.io import s3\n"
+        "orig = s3.Uploader.upload\n"
+        "def slow(self, *a, **k):\n"
+        "    print('UPLOADING', flush=True); time.sleep(0.5); return orig(self, *a, **k)\n"
+        "s3.Uploader.upload = slow\n"
+        f"sys.argv = ['shardkit', 'convert', {str(hf)!r}, {url!r}, '--tp', '2']\n"
+        "from shardkit.cli import main; main()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=workdir)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "UPLOADING" in line:
+            break
+    time.sleep(1.2)
+    proc.kill()
+    proc.wait()
+    names = keys(bucket, "killed/")
+    assert "killed/.shardkit-writing" in names and "killed/shardkit.json" not in names
+    refused = run_sub("merge", url, tmp_path / "m", cwd=workdir)
+    assert refused.returncode == 2 and "incomplete" in refused.stderr
+    again = run_sub("-v", "convert", hf, url, "--tp", "2", cwd=workdir)
+    assert again.returncode == 0, again.stderr
+    assert "left incomplete by a run" in again.stderr
+    assert "killed/.shardkit-writing" not in keys(bucket, "killed/")
+    assert verify(hf, url).ok
+    assert not list(workdir.iterdir())
+
+
+def test_terminated_upload_removes_what_it_uploaded(tiny_model, bucket, workdir):
+    """SIGTERM while a part of a multipart upload is on its way: the uploads are cancelled (their
+    multipart uploads aborted), the objects already up deleted, the local staging folder removed."""
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    url = f"s3://{bucket}/terminated"
+    code = (
+        "import sys, time\n"
+        "from shardkit.io import s3\n"
+        "s3.PART_SIZE = 5 << 20\n"
+        "def part_sent(**kwargs):\n"
+        "    print('UPLOADING', flush=True); time.sleep(0.5)\n"
+        "s3.client().meta.events.register('before-call.s3.UploadPart', part_sent)\n"
+        f"sys.argv = ['shardkit', 'convert', {str(hf)!r}, {url!r}, '--tp', '2']\n"
+        "from shardkit.cli import main; main()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    for line in proc.stdout:
+        if "UPLOADING" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    err = proc.stderr.read()
+    assert proc.wait(60) != 0
+    assert len(err.strip().splitlines()) == 1, err
+    assert not keys(bucket, "terminated/")
+    assert not s3.client().list_multipart_uploads(Bucket=bucket, Prefix="terminated/").get("Uploads", [])
+    assert not list(workdir.iterdir())
+
+
+# ---- training checkpoints ------------------------------------------------------------------------------
+
+CONFIG = "tinyllama-mini"
+TP2PP2 = Layout(tp=2, pp=2, qkv="gqa")
+
+
+def _save(root: str, tag: str, layout: Layout, config: dict, state: dict, step: int, **options) -> None:
+    ckpt_child.save_all_ranks(root, tag, layout, config, state, step, **options)
+
+
+def test_checkpoint_save_list_reshard_export(bucket, tmp_path, workdir, monkeypatch):
+    config = fixture_config(CONFIG)
+    state = ckpt_child.full_state(config, 100, seed=1)
+    root = f"s3://{bucket}/run1"
+    _save(root, "step_100", TP2PP2, config, state, 100)
+    _save(root, "step_200", TP2PP2, config, state, 200, num_kept=1)
+    finalize_checkpoint()
+    names = keys(bucket, "run1/")
+    assert "run1/step_200/done" in names and "run1/step_200/checkpoint" in names
+    assert "run1/step_200/model/dp_rank_00_tp_rank_01_pp_rank_01.pt" in names
+    assert any(n.startswith("run1/step_200/optim/") for n in names)
+    assert not any(n.startswith("run1/step_100/") for n in names)  # retention on the prefix
+    assert not any("shardkit-owner" in n for n in names)
+    infos = list_checkpoints(root)
+    assert [(i.tag, i.complete) for i in infos] == [("step_200", True)]
+
+    res = run("ckpt", "list", root, "--json")
+    assert res.exit_code == 0 and json.loads(res.output)["latest"] == "step_200"
+    res = run("ckpt", "reshard", root, f"{root}/inner", "--tp", "1", "--pp", "1")
+    assert res.exit_code == 2 and "overlaps" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    fetched = _fetched(monkeypatch)
+    res = run("merge", root, tmp_path / "m")  # a checkpoint root: refused before any tag is fetched
+    assert res.exit_code == 2 and f"`shardkit ckpt export {root} OUT`" in res.stderr, res.stderr
+    assert fetched[-1][0] < 100_000, fetched
+    dst = f"s3://{bucket}/run1-tp1"
+    res = run("ckpt", "reshard", root, dst, "--tp", "1", "--pp", "1")
+    assert res.exit_code == 0, res.output
+    assert f"{bucket}/run1-tp1/step_200/done".split("/", 1)[1] in keys(bucket, "run1-tp1/")
+    loaded = load_checkpoint(dst, "latest_if_exists", target_layout=TP2PP2, rank=(1, 1))
+    direct = load_checkpoint(root, "latest_if_exists", target_layout=TP2PP2, rank=(1, 1))
+    assert loaded is not None and direct is not None
+    for name, t in direct.model.items():
+        assert torch.equal(loaded.model[name], t), name
+    out = tmp_path / "exported"
+    res = run("ckpt", "export", dst, out)
+    assert res.exit_code == 0, res.output
+    full = tmp_path / "hf"
+    from safetensors.torch import save_file
+
+    full.mkdir()
+    save_file({k: v.contiguous() for k, v in state["weight"].items()}, str(full / "model.safetensors"))
+    (full / "config.json").write_text(json.dumps(config))
+    assert verify(full, out).ok
+    assert not list(workdir.iterdir())
+    no_mirrors_left()
+
+
+def test_checkpoint_files_upload_as_they_close(bucket, monkeypatch):
+    """A save to object storage uploads each rank file as it is closed: what is left for the end
+    is the markers, the manifest and config.json."""
+    from shardkit.checkpoint import remote as ckpt_remote
+
+    swept: list[str] = []
+    upload_tree = ckpt_remote.upload_tree
+
+    def recording(local, loc, *args, **kwargs):
+        swept.extend(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+        return upload_tree(local, loc, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_remote, "upload_tree", recording)
+    config = fixture_config(CONFIG)
+    _save(f"s3://{bucket}/streamed", "step_1", TP2PP2, config, ckpt_child.full_state(config, 1, seed=1), 1)
+    names = keys(bucket, "streamed/step_1/")
+    assert len([n for n in names if "/model/" in n]) == 4 and len([n for n in names if "/optim/" in n]) == 4
+    assert "done" in swept and "shardkit.json" in swept
+    assert not [n for n in swept if n.startswith(("model/", "optim/"))], swept  # each went up as it closed
+
+
+def test_killed_checkpoint_upload_lists_incomplete_and_next_save_removes_it(bucket, workdir, caplog):
+    import logging
+
+    from shardkit.checkpoint.remote import staging_root
+
+    config = fixture_config(CONFIG)
+    state = ckpt_child.full_state(config, 100, seed=1)
+    root = f"s3://{bucket}/run2"
+    _save(root, "step_100", TP2PP2, config, state, 100)
+    finalize_checkpoint()
+    # a save killed while a part of a multipart upload is on its way
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import ckpt_child\n"
+        f"ckpt_child.s3_save_killed_while_uploading({root!r}, 'step_200', 200)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=workdir)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "UPLOADING" in line or "SAVED" in line:
+            break
+    proc.kill()
+    proc.wait()
+    assert "SAVED" not in line
+    names = keys(bucket, "run2/step_200/")
+    assert "run2/step_200/.shardkit-owner" in names and "run2/step_200/done" not in names
+    open_uploads = s3.client().list_multipart_uploads(Bucket=bucket, Prefix="run2/").get("Uploads", [])
+    assert open_uploads, "the kill came while a multipart upload was open"
+    staged = staging_root(s3_loc(root))
+    assert (staged / "step_200").is_dir()  # the killed save's local copy
+
+    infos = {i.tag: i for i in list_checkpoints(root)}
+    assert infos["step_200"].complete is False and infos["step_100"].complete
+    loaded = load_checkpoint(root, "latest_if_exists", target_layout=TP2PP2, rank=(0, 0))
+    assert loaded is not None and loaded.step == 100
+    res = run("ckpt", "prune", root, "--keep", "5", "--dry-run", "--json")
+    assert res.exit_code == 0 and "step_200" in json.loads(res.output)["remove"]
+    with caplog.at_level(logging.WARNING):
+        _save(root, "step_300", TP2PP2, config, state, 300)
+        finalize_checkpoint()
+    assert "step_200" in caplog.text and "no longer runs" in caplog.text  # the next save says so
+    assert not keys(bucket, "run2/step_200/")
+    assert not s3.client().list_multipart_uploads(Bucket=bucket, Prefix="run2/").get("Uploads", [])
+    assert not list(staged.iterdir()) or [p.name for p in staged.iterdir()] == [".shardkit.lock"]
+    assert [i.tag for i in list_checkpoints(root)] == ["step_100", "step_300"]
+
+
+def test_failed_save_leaves_no_partial_tag(bucket, monkeypatch):
+    """A save that fails, while writing or while uploading, leaves no objects of its tag (a tag of
+    that name it replaces is gone, as a local save replaces it) and no local copy; the other tags
+    stay."""
+    from shardkit.checkpoint import save as ckpt_save
+    from shardkit.checkpoint.remote import staging_root
+    from shardkit.errors import ShardkitError
+
+    config = fixture_config(CONFIG)
+    state = ckpt_child.full_state(config, 100, seed=1)
+    root = f"s3://{bucket}/run3"
+    _save(root, "step_100", TP2PP2, config, state, 100)
+    before = keys(bucket, "run3/")
+    staged = staging_root(s3_loc(root))
+
+    def full_disk(job):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt_save, "write_rank_files", full_disk)
+        with pytest.raises(ShardkitError, match="no space left on the disk") as failed:
+            _save(root, "step_100", TP2PP2, config, state, 100)
+    assert "\n" not in str(failed.value)
+    assert not keys(bucket, "run3/step_100/") and not (staged / "step_100").exists()
+    _save(root, "step_100", TP2PP2, config, state, 100)
+    assert keys(bucket, "run3/") == before
+
+    uploads = [0]
+    upload = s3.Uploader.upload
+
+    def failing(self, path, loc, name, remove=False):
+        uploads[0] += 1
+        if uploads[0] == 3:
+            raise s3.RemoteError(f"cannot upload to {loc}/{name}: injected")
+        return upload(self, path, loc, name, remove)
+
+    with monkeypatch.context() as m:
+        m.setattr(s3.Uploader, "upload", failing)
+        with pytest.raises(ShardkitError, match="injected"):
+            _save(root, "step_200", TP2PP2, config, state, 200)
+    assert uploads[0] == 3
+    assert keys(bucket, "run3/") == before  # what step_200 had uploaded is gone
+    assert not (staged / "step_200").exists()
+    assert [(i.tag, i.complete) for i in list_checkpoints(root)] == [("step_100", True)]
+
+
+def test_save_from_several_hosts_uploads_every_hosts_files(bucket, tmp_path):
+    """Each host stages its own ranks' files on its own disk: the first rank of each host uploads
+    them, and `done` goes up only once every host is done."""
+    import multiprocessing
+
+    url = f"s3://{bucket}/hosts"
+    env = {k: os.environ[k] for k in [*ENV, "AWS_ENDPOINT_URL"]}
+    port = _free_port()
+    spawn = multiprocessing.get_context("spawn")
+    tmps = [tmp_path / f"host-{r}" for r in range(2)]
+    procs = []
+    for rank, tmp in enumerate(tmps):
+        tmp.mkdir()
+        procs.append(spawn.Process(target=ckpt_child.s3_host_worker, args=(rank, 2, port, url, str(tmp), env)))
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    names = keys(bucket, "hosts/step_100/")
+    for tp in (0, 1):
+        assert f"hosts/step_100/model/dp_rank_00_tp_rank_{tp:02d}_pp_rank_00.pt" in names
+        assert f"hosts/step_100/optim/dp_rank_00_tp_rank_{tp:02d}_pp_rank_00.pt" in names
+    assert "hosts/step_100/done" in names and not any("shardkit-owner" in n for n in names)
+    assert [(i.tag, i.complete) for i in list_checkpoints(url)] == [("step_100", True)]
+    for tmp in tmps:  # each host's staging root keeps nothing of the tag once it is up
+        assert not [p for p in tmp.rglob("*") if p.is_file() and p.name != ".shardkit.lock"], list(tmp.rglob("*"))
+
+
+# ---- the trainer -------------------------------------------------------------------------------------
+
+
+def test_trainer_saves_to_and_resumes_from_s3(tiny_model, bucket, tmp_path, workdir, caplog):
+    import logging
+
+    from trainer_helpers import COMMON
+
+    from trainer.__main__ import main
+
+    hf = tiny_model("tinyllama-mini")
+    model_url = f"s3://{bucket}/base"
+    convert(hf, model_url, shardkit.make_layout(tp=2, pp=1))
+    tokens = tmp_path / "tokens.bin"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "prepare_data.py"),
+            str(ROOT / "fixtures" / "tiny-corpus.txt"),
+            "--out",
+            str(tokens),
+        ],
+        check=True,
+    )
+    ckpt = f"s3://{bucket}/train"
+    args = [
+        "--model",
+        model_url,
+        "--data",
+        str(tokens),
+        *COMMON,
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        "1",
+        "--num-kept",
+        "2",
+        "--resume",
+        "latest_if_exists",
+    ]
+    assert main([*args, "--steps", "2"]) == 0
+    assert [i.tag for i in list_checkpoints(ckpt)] == ["step_1", "step_2"]
+    assert "train/step_2/done" in keys(bucket, "train/")
+    with caplog.at_level(logging.INFO):
+        assert main([*args, "--steps", "3", "--override-schedule"]) == 0
+    assert "resumed from" in caplog.text and "step 2" in caplog.text
+    assert [i.tag for i in list_checkpoints(ckpt)] == ["step_2", "step_3"]
+    assert not list(workdir.iterdir())
