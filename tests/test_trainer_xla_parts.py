@@ -156,3 +156,62 @@ def test_rendezvous_of_threads():
     assert failed and "rank 1 died" in str(failed[0])
     with pytest.raises(JobAborted):
         stuck.exchange(1, None)
+
+
+# ---- the optimizer's lazy path, on CPU tensors --------------------------------------------------------------
+
+
+def _trained_weights(lazy: bool, steps: int = 3) -> tuple[dict[str, torch.Tensor], object]:
+    """The tiny Llama (one rank, fp32) after `steps` AdamW steps on random tokens with clipping
+    engaged, through the optimizer's eager path or its lazy (XLA) one: per-parameter gradients,
+    the clipping, the skip of a non-finite step and AdamW as device tensors. Returns the weights
+    and the optimizer."""
+    import torch.nn.functional as F
+
+    from shardkit.layout import make_layout
+    from shardkit.testing import fixture_config
+    from trainer.comm.base import Comm
+    from trainer.layers import TPContext
+    from trainer.model import ModelSpec, StageModel
+    from trainer.optim import Optimizer
+    from trainer.parallel import init_parallel
+    from trainer.weights import init_rank_pieces
+
+    class OneRank(Comm):
+        name = "test"
+
+        def _make_groups(self, sets):
+            return {}
+
+    cpu = torch.device("cpu")
+    comm = OneRank(0, 1, cpu)
+    comm.lazy = lazy
+    par = init_parallel(1, 1, 1, cpu, 30.0, comm=comm)
+    spec = ModelSpec.from_config(fixture_config("llama-trainer-tiny"), make_layout())
+    model = StageModel(spec, TPContext(par.tp_group, False), 0, torch.float32, cpu)
+    model.load_pieces(init_rank_pieces(spec, 5, 0, 0))
+    opt = Optimizer(model, spec, par, lr=1e-2, clip_grad=0.5, weight_decay=0.1)
+    opt.zero_grad()
+    ids = torch.randint(0, spec.dims.vocab_size, (steps, 2, 2, 17), generator=torch.Generator().manual_seed(1))
+    for step in range(steps):
+        for micro in ids[step]:  # two micro-batches accumulate into the gradients
+            logits = model(micro[:, :-1])
+            F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), micro[:, 1:].t().reshape(-1)).backward()
+        opt.step(1e-2 * (step + 1))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, opt
+
+
+def test_lazy_optimizer_path_equals_the_eager_one():
+    """The XLA path's optimizer arithmetic (run here on CPU tensors) gives the eager path's
+    weights, and keeps each gradient in a tensor of its own: XLA writes into a view of a buffer
+    by a select over the whole buffer, so gradients as views of one flat buffer made a rank's
+    graphs, memory and step time grow with parameters x buffer size."""
+    eager, eager_opt = _trained_weights(lazy=False)
+    lazy, lazy_opt = _trained_weights(lazy=True)
+    assert eager.keys() == lazy.keys()
+    for name in eager:
+        torch.testing.assert_close(lazy[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert any(not torch.equal(eager[name], _trained_weights(lazy=False, steps=0)[0][name]) for name in eager)
+    storages = [s.grad.untyped_storage().data_ptr() for s in lazy_opt.slots]
+    assert len(set(storages)) == len(storages), "lazy gradients share a buffer"
+    assert lazy_opt.flat is None and eager_opt.flat is not None

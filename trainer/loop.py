@@ -216,11 +216,11 @@ def _threaded_devices(cfg: TrainConfig) -> list[Any]:
         return []
     if kind != "xla":
         return []
-    from .comm.xla import local_devices, pool_for, thread_devices, xla_available
+    from .comm.xla import local_devices, runtime_for_threads, thread_devices, xla_available
 
     if not xla_available():
         return []
-    pool_for(int(os.environ.get("CPU_NUM_DEVICES", "1") or 1))  # before the runtime starts its pool
+    runtime_for_threads(int(os.environ.get("CPU_NUM_DEVICES", "1") or 1))  # before the first graph runs
     if local_devices() < 2:
         return []
     return thread_devices()

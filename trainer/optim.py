@@ -2,7 +2,11 @@
 
 Gradients. Every parameter's gradient lives in one flat fp32 buffer of the rank (fp32 params get
 `.grad` as a view into it, so autograd accumulates micro-batches in place; bf16 params accumulate
-into it through a post-accumulate hook). After the last micro-batch's backward:
+into it through a post-accumulate hook). On a lazy (XLA) backend each gradient is an fp32 tensor of
+its own instead, flattened only for a collective: XLA writes into a view of a buffer by a select
+over the whole buffer, so accumulating every parameter into views of one buffer would cost the
+whole buffer per parameter (the graph, its memory and its run time quadratic in the parameters).
+After the last micro-batch's backward:
 
 1. data parallel: one all-reduce (sum) of the flat buffer over dp (the loss is already scaled by
    1 / (micro-batches x dp), so the sum is the global-batch mean);
@@ -16,7 +20,7 @@ into it through a post-accumulate hook). After the last micro-batch's backward:
    ranks, come from the layout algebra: a `SegmentIndex` over every rank's pieces.
 4. the global norm counts every weight once: Replicated pieces on tp rank 0 only, a replicated
    slice on its first holder only; the squared norms are summed over tp x pp (dp replicas hold the
-   same reduced gradients). Clipping scales the flat buffer.
+   same reduced gradients). Clipping scales the gradients.
 
 Update. `torch.optim.AdamW` runs on fp32 masters: the parameter itself in fp32 runs, an fp32 copy
 for bf16 parameters (copied back to bf16 after the step). With ZeRO-1 the optimizer state is cut
@@ -62,7 +66,7 @@ class Slot:
 
     names: list[str]
     param: nn.Parameter
-    grad: torch.Tensor  # fp32 view into the flat gradient buffer
+    grad: torch.Tensor  # fp32: a view into the flat gradient buffer (a tensor of its own on a lazy backend)
     replicated: bool  # a Replicated piece (every tp rank computes with the whole tensor)
     decay: bool
     rows: tuple[int, int] = (0, 0)  # the rows of dim 0 whose optimizer state this dp rank keeps
@@ -209,6 +213,16 @@ class LRSchedule:
         return (base - floor) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / decay)) + floor
 
 
+def _all_reduce_each(group: Group, tensors: list[torch.Tensor]) -> None:
+    """Sum each of `tensors` over `group` in place, by one all-reduce of them flattened."""
+    if group.size == 1 or not tensors:
+        return
+    flat = _flatten_dense_tensors(tensors)
+    group.all_reduce(flat)
+    for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        t.copy_(synced)
+
+
 class Optimizer:
     """See the module docstring. `step(lr)` synchronises, clips and updates; returns the norm."""
 
@@ -254,11 +268,13 @@ class Optimizer:
         self.adam = self._make_adam(lr, betas, eps, weight_decay)
 
     def _make_slots(self, model: nn.Module, replicated: set[str]) -> list[Slot]:
-        """One slot per Parameter (shared ones once), its gradient a view into one flat fp32 buffer."""
+        """One slot per Parameter (shared ones once), its gradient a view into one flat fp32 buffer
+        (`self.flat`; None on a lazy backend, where each gradient is a tensor of its own)."""
         by_param: dict[int, Slot] = {}
         order: list[Slot] = []
         numel = sum(p.numel() for p in dict(model.named_parameters()).values())
-        self.flat = torch.zeros(numel, dtype=torch.float32, device=self.par.device)
+        device = self.par.device
+        self.flat = None if self.lazy else torch.zeros(numel, dtype=torch.float32, device=device)
         offset = 0
         named = list(model.named_parameters(remove_duplicate=False))
         named.sort(key=lambda np: np[0] in self.experts)  # stable: the experts last
@@ -269,9 +285,12 @@ class Optimizer:
                 continue
             if name in self.experts and offset < self.dense_numel:
                 self.dense_numel = offset
-            view = self.flat[offset : offset + p.numel()].view(p.shape)
+            if self.flat is None:
+                grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+            else:
+                grad = self.flat[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
-            by_param[id(p)] = slot = Slot([name], p, view, name in replicated, p.dim() >= 2)
+            by_param[id(p)] = slot = Slot([name], p, grad, name in replicated, p.dim() >= 2)
             order.append(slot)
         return order
 
@@ -381,14 +400,25 @@ class Optimizer:
 
     # ---- the step -----------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self.flat.zero_()
+        if self.flat is not None:
+            self.flat.zero_()
+        else:
+            for slot in self.slots:
+                slot.grad.zero_()
         for slot in self.slots:
             if slot.param.dtype == torch.float32:
                 slot.param.grad = slot.grad
 
     def sync_gradients(self) -> None:
         par = self.par
-        if self.experts and par.edp_group is not par.dp_group:
+        split = bool(self.experts) and par.edp_group is not par.dp_group
+        if self.flat is None:  # a lazy backend: the gradients flattened for the all-reduce
+            experts = [s.grad for s in self.slots if split and s.names[0] in self.experts]
+            _all_reduce_each(par.dp_group, [s.grad for s in self.slots if not (split and s.names[0] in self.experts)])
+            if experts:
+                assert par.edp_group is not None  # init_parallel makes it
+                _all_reduce_each(par.edp_group, experts)
+        elif split:
             par.dp_group.all_reduce(self.flat[: self.dense_numel])
             assert par.edp_group is not None  # init_parallel makes it
             par.edp_group.all_reduce(self.flat[self.dense_numel :])
@@ -400,14 +430,10 @@ class Optimizer:
                 for s in self.slots
                 if (s.replicated and self.sequence_parallel) or (par.tp > 1 and s.names[0] in self.tp_partial)
             ]
-            if reps:
-                flat = _flatten_dense_tensors(reps)
-                par.tp_group.all_reduce(flat)
-                for g, synced in zip(reps, _unflatten_dense_tensors(flat, reps)):
-                    g.copy_(synced)
+            _all_reduce_each(par.tp_group, reps)
         for group, intervals in self.replica_groups:
             sizes = [math.prod(iv.shape) for iv in intervals]
-            buf = torch.zeros(sum(sizes), dtype=torch.float32, device=self.flat.device)
+            buf = torch.zeros(sum(sizes), dtype=torch.float32, device=self.par.device)
             chunks = [c.view(iv.shape) for c, iv in zip(buf.split(sizes), intervals)]
             for chunk, iv in zip(chunks, intervals):
                 for held in iv.mine:
@@ -427,7 +453,7 @@ class Optimizer:
                 continue
             (whole if slot.norm_mask is None else partial).append(slot)
         dt = self.norm_dtype
-        sq = torch.zeros((), dtype=dt, device=self.flat.device)
+        sq = torch.zeros((), dtype=dt, device=self.par.device)
         experts = [s for s in whole if s.names[0] in self.experts]
         whole = [s for s in whole if s.names[0] not in self.experts]
         if whole:
@@ -471,6 +497,7 @@ class Optimizer:
                 if self.clip_grad > 0:
                     coef = self.clip_grad / (value + 1e-6)
                     if coef < 1.0:
+                        assert self.flat is not None  # an eager backend's buffer
                         self.flat.mul_(coef)
                 if self.adam is not None:
                     for group in self.adam.param_groups:
@@ -493,11 +520,13 @@ class Optimizer:
         torch.optim.AdamW's arithmetic, with the step count and the learning rate as device
         tensors (the graph is the same every step); the state lives in `self.adam` as torch's."""
         if self.clip_grad > 0:
-            self.flat.mul_(torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0).to(self.flat.dtype))
+            coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0).to(torch.float32)
+            for slot in self.slots:
+                slot.grad.mul_(coef)
         if self.adam is None:
             return
         ok = torch.isfinite(norm)
-        lr_t = torch.tensor(lr, dtype=torch.float32, device=self.flat.device)
+        lr_t = torch.tensor(lr, dtype=torch.float32, device=self.par.device)
         for group in self.adam.param_groups:
             beta1, beta2 = group["betas"]
             group["lr"] = lr

@@ -15,12 +15,13 @@ Two ways to run a job:
   channel id, so each gets one (per family of groups, counted from the last cut; torch-xla's
   all-reduce takes none, so here it is an all-gather and a sum); replica groups must name every
   device (each mesh is completed with the ranks it leaves out); enough threads to run every
-  device's graph at once (`pool_for`); no device may wait more than 10 s in a collective (the
-  process stops), so after a barrier the ranks compile and launch one at a time -- ranks that
-  traced the same graph share the compile and start together -- and graphs with collectives are
-  the same on all their ranks or small (`Comm.isolate`); and no buffer a running graph holds may
-  be freed while the GIL is held (that waits for the graph), so each rank waits for its graph
-  before it goes on.
+  device's graph at once (`runtime_for_threads`); no device may wait more than 10 s in a
+  collective (the process stops), so after a barrier the ranks compile and launch one at a time
+  -- ranks that traced the same graph share the compile and start together -- and graphs with
+  collectives are the same on all their ranks or small (`Comm.isolate`); and no buffer a running
+  graph holds may be freed while the GIL or that turn is held (that waits for the graph), so each
+  rank waits for its graph before it goes on, and buffers are not donated to graphs (torch-xla
+  would release a donated one inside the launch: `runtime_for_threads`).
 """
 
 from __future__ import annotations
@@ -270,14 +271,21 @@ def xla_available() -> bool:
     return True
 
 
-def pool_for(devices: int) -> None:
-    """torch-xla runs graphs on a pool of hardware_concurrency threads (XLA_THREAD_POOL_SIZE); with
-    more devices than that, the ranks' graphs wait for each other in collectives inside a full pool
-    and never finish. Set before the pool starts (the first graph run)."""
+def runtime_for_threads(devices: int) -> None:
+    """The runtime's settings for `devices` ranks as threads of this process; set before the first
+    graph runs. torch-xla runs graphs on a pool of hardware_concurrency threads
+    (XLA_THREAD_POOL_SIZE); with more devices than that, the ranks' graphs wait for each other in
+    collectives inside a full pool and never finish. And a graph that updates a tensor in place
+    takes over (is donated) its old buffer, which torch-xla then releases inside the launch, waiting
+    for the graph: with ranks launching one at a time, a graph waiting in a collective for a peer
+    that cannot launch yet. So with several devices buffers are not donated
+    (XLA_ENABLE_PARAM_ALIASING=0: more device memory, the same results)."""
     wanted = max(devices * 2, os.cpu_count() or 1)
     current_size = int(os.environ.get("XLA_THREAD_POOL_SIZE", "0") or 0)
     if current_size < devices * 2:
         os.environ["XLA_THREAD_POOL_SIZE"] = str(wanted)
+    if devices > 1:
+        os.environ["XLA_ENABLE_PARAM_ALIASING"] = "0"
 
 
 def local_devices() -> int:
