@@ -70,13 +70,14 @@ def sha256_option(sha256: bool) -> dict:
 
 
 def run_convert(src: str, dst: str, tp: int, pp: int, qkv: str, kv_multiplier: int, fmt: str, workers: int,
-                direct_io: str | None = None, sha256: bool = False) -> dict:
+                direct_io: str | None = None, sha256: bool = False, convention: str | None = None) -> dict:
     import shardkit
     from shardkit import Layout, convert
 
     layout = Layout(tp=tp, pp=pp, qkv=qkv, kv_multiplier=kv_multiplier)
+    named = {"convention": convention} if convention else {}  # older shardkit takes no such argument
     result = convert(src, dst, layout, format=fmt, workers=workers, overwrite=True, **direct_io_options(direct_io),
-                     **sha256_option(sha256))
+                     **sha256_option(sha256), **named)
     return {"files": len(result.files), "bytes": result.bytes, "shardkit": shardkit.__file__,
             "torch_threads": __import__("torch").get_num_threads()}
 
@@ -106,20 +107,21 @@ def verify_outputs(src: str, shards: str, merged: str, fmt: str, tp: int, pp: in
     report: dict[str, Any] = {"merged": bc.compare_hf_dirs(src, merged, None if full else sample_names(config))}
     manifest = json.loads((Path(shards) / "shardkit.json").read_text())
     problems = []
-    rank_re = re.compile(r"^model/dp_rank_\d+_tp_rank_\d+_pp_rank_\d+\.(pt|safetensors)$")
+    rank_re = re.compile(r"^((shards/)?model/dp_rank_\d+_tp_rank_\d+_pp_rank_\d+\.(pt|safetensors)|__\d+_0\.distcp)$")
     rank_files = [f["path"] for f in manifest["files"] if rank_re.match(f["path"])]  # xser also lists tensor files
     if len(rank_files) != tp * pp:
         problems.append(f"manifest lists {len(rank_files)} rank files, expected {tp * pp}")
     checks = 0
-    if fmt in ("torch", "safetensors"):
+    if fmt in ("torch", "safetensors", "optimum-neuron"):
         from safetensors import safe_open
 
         catalog = bc.safetensors_catalog(src)
-        suffix = ".pt" if fmt == "torch" else ".safetensors"
+        suffix = ".safetensors" if fmt == "safetensors" else ".pt"
+        model_dir = Path(shards) / ("shards/model" if fmt == "optimum-neuron" else "model")
 
         def load(tp_rank: int, pp_rank: int, name: str):
-            path = Path(shards) / "model" / f"dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}{suffix}"
-            if fmt == "torch":
+            path = model_dir / f"dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}{suffix}"
+            if fmt != "safetensors":
                 sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
                 return sd.get(name)
             with safe_open(str(path), framework="pt") as f:
@@ -185,7 +187,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qkv", default="gqa", help="qkv layout (default gqa)")
     p.add_argument("--kv-multiplier", default="auto",
                    help="kv head replication; auto = the smallest that makes kv heads x multiplier a multiple of tp")
-    p.add_argument("--format", default="torch", choices=("torch", "xser", "safetensors"), help="shard format")
+    p.add_argument("--format", default="torch", choices=("torch", "xser", "safetensors", "dcp", "optimum-neuron"),
+                   help="shard format (dcp: a PyTorch DCP folder, a data file per rank)")
+    p.add_argument("--convention", choices=("hf", "torchtitan", "torchtitan-0.3"),
+                   help="with --format dcp: the tensor names (default hf)")
     p.add_argument("--workers", default="1", help="worker counts, comma-separated (each is run): e.g. 1,2")
     p.add_argument("--repeat", type=int, default=1, help="repeats per worker count")
     p.add_argument("--sha256", action="store_true",
@@ -267,7 +272,7 @@ class Bench:
         a = self.args
         return {"src": str(src or self.src), "dst": str(dst), "tp": a.tp, "pp": a.pp, "qkv": a.qkv,
                 "kv_multiplier": self.kv_mult, "fmt": a.format, "workers": workers, "direct_io": a.direct_io,
-                "sha256": a.sha256}
+                "sha256": a.sha256, **({"convention": a.convention} if a.convention else {})}
 
 
 # ---- the steps of main ---------------------------------------------------------------------------------

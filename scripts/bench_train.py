@@ -19,10 +19,15 @@
 5. `--moe`: a small Mixtral (8 experts, top-2) at ep2 against ep1, both with dp2 (2 processes; ep1:
    every rank holds every expert; ep2: 4 each, tokens exchanged with all-to-all), and at 1 process,
    with the share of the step spent in the token dispatch collectives (the all-to-alls).
+6. `--xla-only` (needs torch-xla): the trainer on torch-xla's CPU runtime (`--device xla`,
+   PJRT_DEVICE=CPU, one device) next to gloo CPU on the same model, data and settings: graphs
+   compiled, step 1 (tracing and compiling), the median of steps 5-8 (compiled graphs only) and
+   the steady tokens/s; the losses of both side by side.
 
     python scripts/bench_train.py                          # tiny fixture + tinyllama-mini, fp32
     python scripts/bench_train.py --models tinyllama-mini --steps 30 --seq-len 256
     python scripts/bench_train.py --vpp-only               # only 4.
+    python scripts/bench_train.py --xla-only --models llama-trainer-tiny   # only 6. (torch-xla installed)
 
 Each measurement is the median step time over the steps after the first `--skip`, best of
 `--repeats` runs (trainer and plain loop alternate, so background load hits both alike). Every process
@@ -120,7 +125,8 @@ def optimizer_bytes(ckpt: Path) -> int:
     return sum(f.stat().st_size for f in (tags[-1] / "optim").iterdir())
 
 
-def run_trainer(args, model: Path, data: Path, work: Path, name: str, nproc: int, extra: list[str]) -> list[dict]:
+def run_trainer(args, model: Path, data: Path, work: Path, name: str, nproc: int, extra: list[str],
+                env: dict | None = None) -> list[dict]:
     threads = args.threads_per_process
     metrics = work / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
@@ -133,7 +139,7 @@ def run_trainer(args, model: Path, data: Path, work: Path, name: str, nproc: int
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "trainer", *common]
-    cpu = _run(cmd, _env(threads))
+    cpu = _run(cmd, {**_env(threads), **(env or {})})
     records = _steps(metrics)
     for r in records:
         r["run_cpu_s"] = cpu  # the whole run's CPU seconds (start-up and the final checkpoint included)
@@ -345,6 +351,54 @@ def report_moe(result: dict) -> str:
     return "\n".join(lines)
 
 
+XLA_STEPS = 8  # step 1 traces and compiles; steps 5-8 run compiled graphs only
+
+
+def bench_xla(args, config: str, work: Path) -> dict:
+    """The trainer on torch-xla's CPU runtime (one device) against gloo CPU, tp1pp1, same model,
+    data and settings (alternating, best of --repeats by the steady median)."""
+    from shardkit.testing import fixture_config
+
+    model = build_model(config, work / f"{config}-xla-hf")
+    data = build_data(work / f"{config}-tokens.bin", fixture_config(config)["vocab_size"])
+    xla_args = argparse.Namespace(**{**vars(args), "steps": max(args.steps, XLA_STEPS)})
+    best: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):
+        for name, extra, env in (("gloo", ["--device", "cpu"], None),
+                                 ("xla", ["--device", "xla"], {"PJRT_DEVICE": "CPU"})):
+            records = run_trainer(xla_args, model, data, work, f"xla-bench-{name}", 1, extra, env)
+            if name not in best or _steady(records) < _steady(best[name]):
+                best[name] = records
+    runs = {}
+    for name, records in best.items():
+        runs[name] = {"step1": records[0]["step_time"], "steady": _steady(records),
+                      "tokens_per_s": args.global_batch * args.seq_len / _steady(records),
+                      "compiles": records[-1].get("xla_compiles"), "losses": [r["loss"] for r in records]}
+    gloo, xla = runs["gloo"]["losses"], runs["xla"]["losses"]
+    return {"config": config, "params": _count_params(model), "runs": runs,
+            "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(xla, gloo))}
+
+
+def _steady(records: list[dict]) -> float:
+    """The median step time of steps 5-8."""
+    return statistics.median(r["step_time"] for r in records[4:XLA_STEPS])
+
+
+def report_xla(results: list[dict], args) -> str:
+    lines = [f"XLA (torch-xla CPU runtime, one device) against gloo CPU: tp1pp1, {args.dtype}, seq {args.seq_len}, "
+             f"micro-batch {args.micro_batch}, global batch {args.global_batch}, {max(args.steps, XLA_STEPS)} steps", "",
+             "| model | backend | graphs compiled | step 1 | steps 5-8 (median) | vs step 1 | steady tok/s | "
+             "max loss rel diff |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        for name in ("gloo", "xla"):
+            run = r["runs"][name]
+            compiles = "-" if run["compiles"] is None else str(run["compiles"])
+            lines.append(f"| {r['config']} | {name} | {compiles} | {run['step1'] * 1000:.0f} ms | "
+                         f"{run['steady'] * 1000:.1f} ms | {run['steady'] / run['step1'] * 100:.1f}% | "
+                         f"{run['tokens_per_s']:,.0f} | {r['max_loss_rel_diff'] if name == 'xla' else 0:.1e} |")
+    return "\n".join(lines)
+
+
 def _count_params(model_dir: Path) -> int:
     from safetensors import safe_open
 
@@ -424,10 +478,19 @@ def main(argv=None) -> int:
     parser.add_argument("--moe", action="store_true", help="also benchmark a Mixtral at ep2 vs ep1 (dp2)")
     parser.add_argument("--moe-only", action="store_true", help="only the MoE benchmark")
     parser.add_argument("--no-lora", dest="lora", action="store_false", help="skip the LoRA run")
+    parser.add_argument("--xla-only", action="store_true",
+                        help="only the XLA (torch-xla CPU runtime) against gloo comparison (needs torch-xla)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.child_plain:
         plain_loop(args)
+        return 0
+    if args.xla_only:
+        with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+            xla_results = [bench_xla(args, config, Path(tmp)) for config in args.models]
+        print(report_xla(xla_results, args))
+        if args.out:
+            Path(args.out).write_text(json.dumps({"xla": xla_results}, indent=2))
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         only = args.vpp_only or args.moe_only

@@ -35,7 +35,7 @@ from .engine import (
     verify_checkpoints,
 )
 from .errors import FormatError, ShardkitError
-from .formats import Checkpoint, open_checkpoint
+from .formats import Checkpoint, open_checkpoint, optimum_neuron
 from .formats.base import parse_dtype
 from .hub import resolve_source
 from .io import remote as remote_io
@@ -147,8 +147,9 @@ def open_source(
 
 
 def _refuse_checkpoint_root(path: Path, src: str) -> None:
-    """A training checkpoint directory given where a model is read: name `ckpt export` and a tag."""
-    if is_checkpoint_root(path):
+    """A training checkpoint directory given where a model is read: name `ckpt export` and a tag
+    (optimum-neuron's checkpoint folder is a model, not a checkpoint root)."""
+    if is_checkpoint_root(path) and optimum_neuron.shards_of(path) is None:
         tags = [i.tag for i in list_checkpoints(path, details=False) if i.loadable]
         example = f" ({src.rstrip('/')}/{tags[-1]})" if tags else ""
         raise FormatError(
@@ -168,17 +169,19 @@ def reshard(
     hints: Mapping | None = None,
     revision: str | None = None,
     command: str | None = None,
+    convention: str | None = None,
     **options: Unpack[WriteArgs],
 ) -> Result:
     """Write `src` (any checkpoint: a path or a Hub repo id) as shards of `layout` in `format`,
     reading only the slices each shard needs. `options`: dtype, workers, overwrite, progress,
     verify_hashes, direct_io, sha256 (see `engine.WriteArgs`); `config`/`hints` describe NxD shards that lack
-    them; `revision` picks a Hub repo's branch, tag or commit. `src` and `dst` may be
-    s3://bucket/prefix."""
+    them; `revision` picks a Hub repo's branch, tag or commit; `convention` names the tensors of
+    a DCP output (`hf`, the default, or `torchtitan`: see shardkit.conventions). `src` and `dst`
+    may be s3://bucket/prefix."""
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
         ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
         _check_fetched(ckpt, options)  # type: ignore[arg-type]
-        result = reshard_checkpoint(ckpt, out, layout, format=format, command=command, **options)
+        result = reshard_checkpoint(ckpt, out, layout, format=format, command=command, convention=convention, **options)
     return _located(result, dst)
 
 

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("memory planning", ("shardkit.memory",)),
     ("training checkpoints", ("shardkit.checkpoint",)),
     ("formats", ("shardkit.formats",)),
+    ("conventions", ("shardkit.conventions",)),
     ("families", ("shardkit.families",)),
     ("placements", ("shardkit.placements",)),
     ("layout", ("shardkit.layout",)),

@@ -63,6 +63,9 @@ MODELS_GROUP = [
     "shardkit verify ./Llama-2-70b-hf ./runs/llama70b-tp32pp4",
     "shardkit plan --config ./Llama-2-70b-hf/config.json --tp 32 --pp 4 --kv-multiplier 4 --device-memory 16GiB",
     "shardkit plan --config ./Llama-2-70b-hf/config.json --suggest --device-memory 16GiB --zero1 --dp 4",
+    "shardkit convert ./Llama-2-70b-hf ./runs/llama70b-dcp --format dcp --convention torchtitan",
+    "shardkit convert ./Llama-2-70b-hf ./runs/llama70b-optimum --format optimum-neuron --tp 16 --kv-multiplier 2 "
+    "--qkv gqa",
 ]
 TORCHRUN_GROUP = [
     "torchrun --nproc-per-node 2 -m shardkit reshard ./runs/llama70b-tp32pp4 ./runs/llama70b-tp16pp2 --tp 16 --pp 2 "
@@ -229,6 +232,8 @@ def test_readme_model_commands_run(tmp_path, monkeypatch):
         run_command(command, work)
     only_runs_written(work, before)
     assert (work / "runs/llama70b-merged/model.safetensors").is_file()
+    assert (work / "runs/llama70b-dcp/.metadata").is_file()
+    assert (work / "runs/llama70b-optimum/shards/mp_metadata_pp_rank_0.json").is_file()
 
 
 def test_readme_python_api_runs(tmp_path, monkeypatch):

@@ -241,3 +241,19 @@ def worker_exit_codes(stderr: str) -> dict[int, int]:
     """{rank: exit code} from torchrun's failure report (every failed worker is listed)."""
     found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stderr)
     return {int(rank): int(code) for rank, code in found}
+
+
+# ---- XLA (torch-xla on CPU) --------------------------------------------------------------------------
+
+XLA_TIMEOUT = 900
+
+
+def run_xla(devices: int, args: list[str], timeout: float = XLA_TIMEOUT, env: dict | None = None
+            ) -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS --device xla` in a fresh process on torch-xla's CPU runtime with
+    `devices` devices (PJRT_DEVICE=CPU, CPU_NUM_DEVICES): one rank per device, each a thread of
+    that process, as torch-xla runs several devices on CPU."""
+    full_env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), PYTHONUNBUFFERED="1", **(env or {}))
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "trainer", *args, "--device", "xla"]
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

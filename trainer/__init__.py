@@ -1,16 +1,19 @@
 """shardkit's slim trainer: tensor, pipeline and data parallel training of Llama-family models on
-torch.distributed, consuming sharded (NxD) or Hugging Face checkpoints of any layout.
+torch.distributed (gloo, nccl) or torch-xla (Trainium), consuming sharded (NxD) or Hugging Face
+checkpoints of any layout.
 
     torchrun --nproc-per-node 8 -m trainer --model ./llama-tp2pp2 --data ./tokens.bin \\
         --tp 2 --pp 2 --dp 2 --zero1 --global-batch 16 --seq-len 2048 --steps 1000
 
 or, as a library, `trainer.train(TrainConfig(...))` inside each process of the job.
 
-Modules: `config` (the options), `parallel` (process groups, devices, timeouts), `layers`
-(tensor-parallel layers and the vocab-parallel loss), `model` (a decoder built from one rank's
-pieces), `pipeline` (1F1B with torch.distributed.pipelining), `optim` (master weights, ZeRO-1,
-clipping), `data` (token files and the sample order), `weights` (loading pieces, --export-hf),
-`checkpointing` (shardkit.checkpoint), `loop` (the run).
+Modules: `config` (the options), `plan` (checking them before the job starts), `parallel` (the
+rank's grid coordinates, device and groups), `comm` (the one communication interface: gloo/nccl
+through torch.distributed, torch-xla), `layers` (tensor-parallel layers and the vocab-parallel
+loss), `model` (a decoder built from one rank's pieces), `pipeline` (1F1B with
+torch.distributed.pipelining), `exchange` (the XLA path's pipeline by neighbour exchanges), `optim`
+(master weights, ZeRO-1, clipping), `data` (token files and the sample order), `weights` (loading
+pieces, --export-hf), `checkpointing` (shardkit.checkpoint), `loop` (the run).
 """
 
 from .config import TrainConfig, parse_args

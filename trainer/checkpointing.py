@@ -31,7 +31,6 @@ import torch
 
 from shardkit.checkpoint import (
     LATEST_IF_EXISTS,
-    Checkpointer,
     CheckpointerConfig,
     OptimizerState,
     Rank,
@@ -189,7 +188,7 @@ class Saver:
         self.spec = spec or plan.spec  # what the saved pieces are cut from (LoRA: the adapters' spec)
         # s3://bucket/prefix is handed to shardkit's Checkpointer as it is (saved, then uploaded)
         self.root = cfg.checkpoint_dir if is_url(cfg.checkpoint_dir) else Path(cfg.checkpoint_dir)
-        self.checkpointer = Checkpointer(
+        self.checkpointer = par.comm.checkpointer(
             CheckpointerConfig(
                 format=cfg.checkpoint_format,
                 async_save=cfg.async_save,
@@ -203,11 +202,15 @@ class Saver:
         own NxD shards, written by itself; without, dp rank 0's (the replicas hold the same)."""
         tag = f"step_{step}"
         zero1 = optimizer.zero1
+        # on a lazy backend every tensor moves to the host once, together, before shardkit sees it
+        to_host = self.par.comm.to_host if self.par.comm.lazy else None
         states = None
         if zero1 or self.par.edp_rank == 0:
             param_groups, groups = optimizer.save_param_groups(schedule.at(step))
-            states = OptimizerState(file_state(optimizer.state_dict(), self.par.ep_rank), param_groups, groups)
+            states = OptimizerState(file_state(optimizer.state_dict(to_host), self.par.ep_rank), param_groups, groups)
         model_state = file_state({k: v.detach() for k, v in model.state_dict().items()}, self.par.ep_rank)
+        if to_host is not None:
+            model_state = dict(zip(model_state, to_host(list(model_state.values()))))
         user_content = {
             "step": step,
             "data": batches.state().to_dict(),

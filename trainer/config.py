@@ -169,7 +169,8 @@ class TrainConfig:
     # ---- runtime -------------------------------------------------------------------------------
     device: str = _opt(
         None,
-        "Force the device: cpu (gloo), cuda (nccl) or xla (Trainium; needs torch-xla).",
+        "Force the device: cpu (gloo), cuda (nccl) or xla (Trainium, or CPU_NUM_DEVICES devices on CPU; "
+        "needs torch-xla). Default: xla when torch-xla is installed and no CUDA device is, else cuda, else cpu.",
         choices=("cpu", "cuda", "xla"),
     )
     timeout: float = _opt(600.0, "Seconds before a collective gives up (no rank hangs forever).")

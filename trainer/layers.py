@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .parallel import Group
+from .comm.base import Group
 
 # ---- the conjugate ops ---------------------------------------------------------------------------
 
@@ -58,15 +58,13 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 def _gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
-    return group.all_gather(out, x)
+    return group.all_gather(x)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     if x.shape[0] % group.size:
         raise ValueError(f"sequence length {x.shape[0]} does not split over {group.size} tp ranks")
-    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
-    return group.reduce_scatter(out, x)
+    return group.reduce_scatter(x)
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -214,8 +212,9 @@ class VocabParallelEmbedding(nn.Module):
         """ids [seq, batch] -> [seq, batch, hidden] (or [seq/tp, batch, hidden] with sequence parallel)."""
         if self.ctx.group.size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.vocab_local)
-        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        start = self.ctx.group.per_rank(self.vocab_start, ids)
+        outside = (ids < start) | (ids >= start + self.vocab_local)
+        local = (ids - start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight, self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return self.ctx.row_output(out)
@@ -247,10 +246,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: Group):
         vocab_local = logits.shape[-1]
-        start = group.rank * vocab_local
+        start = group.per_rank(group.rank * vocab_local, target)
         logits = logits.float()
         logits_max = logits.max(dim=-1).values
-        group.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX)
+        group.all_reduce(logits_max, op="max")
         shifted = logits - logits_max.unsqueeze(-1)
         outside = (target < start) | (target >= start + vocab_local)
         local_target = (target - start).masked_fill(outside, 0)

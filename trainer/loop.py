@@ -2,12 +2,16 @@
 
 Order matters for bad input: everything that can be checked without talking to other processes
 (options, world size, the model's config against the layout, the data file, the checkpoint to
-resume, the export destination) is checked first on every rank, before any file is written.
-Then the ranks join the job and agree (`parallel.agree`): if any rank failed, every rank raises
-`JobFailed` with the first failure (rank 0 prints it; every rank exits with its code, 2 for bad
-input). Later phases that can fail on one rank only (reading weights, restoring a checkpoint)
-run under `Parallel.all_ok`, which agrees the same way; every collective has a timeout, so no
-rank waits forever for a peer that died.
+resume, the export destination) is checked first on every rank, before any file is written
+(`plan.py`). Then the ranks join the job and agree (`parallel.agree`): if any rank failed, every
+rank raises `JobFailed` with the first failure (rank 0 prints it; every rank exits with its code,
+2 for bad input). Later phases that can fail on one rank only (reading weights, restoring a
+checkpoint) run under `Parallel.all_ok`, which agrees the same way; every collective has a
+timeout, so no rank waits forever for a peer that died.
+
+A step is device work only until its end: losses, the gradient norm and the MoE counts stay on
+the device, one vector of them is summed over the job, the rank cuts the graph (a no-op on gloo
+and nccl; on XLA the step's last graph runs) and reads that vector once.
 """
 
 from __future__ import annotations
@@ -15,351 +19,32 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
-from shardkit.api import open_source
-from shardkit.checkpoint.load import plain_file
-from shardkit.checkpoint.tree import SCHEDULER, USER_CONTENT
 from shardkit.errors import ShardkitError
-from shardkit.formats import Checkpoint, load_config
-from shardkit.io.location import as_local, is_url, parse_location
-from shardkit.layout import make_layout
-
-if TYPE_CHECKING:
-    from shardkit.layout import Layout
 
 from . import checkpointing, lora, moe
-from .config import TrainConfig, check_positions
+from .clocks import COMM, COMPUTE
+from .config import TrainConfig
 from .data import Batches, TokenFile
-from .errors import DataError, TrainerError
+from .exchange import ExchangePipeline
 from .layers import TPContext, vocab_parallel_cross_entropy
-from .model import ModelSpec, StageModel, param_count
+from .model import StageModel, param_count
 from .optim import LRSchedule, Optimizer
-from .parallel import (
-    COMM,
-    COMPUTE,
-    Parallel,
-    agree,
-    choose_device,
-    init_parallel,
-    join,
-    resolve_dp,
-    shutdown,
-    world_from_env,
-)
+from .parallel import Parallel, agree, choose_device, device_kind, init_parallel, join, world_from_env
 from .pipeline import Pipeline, resolve_schedule, run_micro_batches
-from .weights import (
-    EXPORT_MARKER,
-    absolute,
-    check_export_destination,
-    export_hf,
-    export_run,
-    init_rank_pieces,
-    read_rank_pieces,
-)
+from .plan import DTYPES, Plan, RunSchedule, check_resume_settings, plan_eval, plan_run, run_layout, saved_settings
+from .weights import EXPORT_MARKER, absolute, export_hf, export_run, init_rank_pieces, read_rank_pieces
 
 log = logging.getLogger("trainer")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@dataclass
-class Plan:
-    """The validated run, before any process group exists or any file is written."""
-
-    cfg: TrainConfig
-    world: int
-    dp: int
-    spec: ModelSpec
-    source: Checkpoint | None
-    tokens: TokenFile
-    dtype: torch.dtype
-    resume: checkpointing.ResumePoint | None = None
-    metrics_path: Path | None = None
-    exported_step: int | None = None  # the step of this run's earlier export in --export-hf
-    eval_tokens: TokenFile | None = None
-    eval_steps: int = 0  # batches per evaluation
-    lora: lora.Lora | None = None  # --lora-rank: the adapters (only they train)
-
-    @property
-    def micro_batches(self) -> int:
-        return self.cfg.global_batch // (self.cfg.micro_batch * self.dp)
-
-
-def _check_locations(cfg: TrainConfig) -> None:
-    """--model, --checkpoint-dir and --resume: a local path or s3://bucket/prefix; the other paths
-    local. Any other URL is refused here, in one line, before anything is read or written."""
-    for name in ("model", "checkpoint_dir", "resume"):
-        if getattr(cfg, name):
-            parse_location(getattr(cfg, name), f"--{name.replace('_', '-')}")
-    for name in ("model_config", "data", "eval_data", "export_hf", "metrics", "tensorboard"):
-        if getattr(cfg, name):
-            as_local(getattr(cfg, name), f"--{name.replace('_', '-')}")
-
-
-def _positive(cfg: TrainConfig) -> None:
-    for name in (
-        "tp",
-        "pp",
-        "vpp",
-        "ep",
-        "kv_multiplier",
-        "micro_batch",
-        "global_batch",
-        "seq_len",
-        "steps",
-        "log_every",
-    ):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or value < 1:
-            raise TrainerError(f"--{name.replace('_', '-')} must be a positive whole number, got {value!r}")
-    for name in ("dp", "warmup", "checkpoint_every", "num_kept", "keep_every", "threads", "eval_every", "eval_steps"):
-        if getattr(cfg, name) < 0:
-            raise TrainerError(f"--{name.replace('_', '-')} must not be negative")
-    if not cfg.lr > 0:
-        raise TrainerError(f"--lr must be positive, got {cfg.lr}")
-    if cfg.timeout <= 0:
-        raise TrainerError("--timeout must be positive (seconds)")
-
-
-def plan_run(cfg: TrainConfig, world: int) -> Plan:
-    """Check everything that can be checked locally; raise a ShardkitError with what to do."""
-    _check_locations(cfg)
-    if cfg.model and cfg.model_config:
-        raise TrainerError(
-            "--model and --model-config both say where to start: give one (--model-config starts from random weights)"
-        )
-    if not cfg.model and not cfg.model_config and not cfg.resume:
-        raise TrainerError(
-            "--model is required: a Hugging Face or sharded model directory to start from (or "
-            "--model-config config.json to pre-train from random weights)"
-        )
-    if not cfg.data:
-        raise TrainerError("--data is required: a token file (scripts/prepare_data.py writes one)")
-    _positive(cfg)
-    dp = resolve_dp(cfg.tp, cfg.pp, cfg.dp, world)
-    if cfg.global_batch % (cfg.micro_batch * dp):
-        raise TrainerError(
-            f"--global-batch {cfg.global_batch} is not a multiple of --micro-batch {cfg.micro_batch} x dp {dp}: "
-            f"use a global batch divisible by {cfg.micro_batch * dp}"
-        )
-    if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
-        raise TrainerError(f"--sequence-parallel needs --seq-len divisible by tp {cfg.tp} (got {cfg.seq_len})")
-    if cfg.tensorboard:
-        check_tensorboard(cfg.tensorboard)
-    lora_settings = lora.check_options(cfg)
-    source = open_source(cfg.model) if cfg.model else None  # a path, or s3:// read through a mirror
-    model_config = load_config(Path(cfg.model_config)) if cfg.model_config else None
-    if model_config is None and source is not None:
-        model_config = source.config
-    layout = run_layout(cfg, source)
-    resume = checkpointing.find_resume(cfg, model_config)
-    if model_config is None:
-        if resume is None:
-            raise TrainerError(f"--resume {cfg.resume} found no checkpoint and there is no --model to start from")
-        model_config = resume.config
-    if cfg.checkpoint_dir and Path(cfg.checkpoint_dir).exists() and not Path(cfg.checkpoint_dir).is_dir():
-        raise TrainerError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file: give a directory")
-    moe.check_plan(cfg, model_config, dp)
-    check_positions(cfg.seq_len, model_config)
-    spec = ModelSpec.from_config(model_config, layout)
-    spec.check_sequence(cfg.seq_len)
-    resolve_schedule(cfg.pp_schedule, cfg.pp, cfg.vpp, cfg.global_batch // (cfg.micro_batch * dp), spec.dims.num_layers)
-    tokens = TokenFile(cfg.data)
-    if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
-        raise DataError(
-            f"{cfg.data} was tokenized with a vocabulary of {tokens.vocab_size} ids, but the model has "
-            f"{spec.dims.vocab_size}: tokenize with the model's tokenizer"
-        )
-    if len(tokens) < cfg.seq_len + 1:
-        raise DataError(
-            f"{cfg.data} holds {len(tokens)} tokens: fewer than one sequence of --seq-len {cfg.seq_len} + 1"
-        )
-    eval_tokens, eval_steps = plan_eval(cfg, spec)
-    if resume is not None:
-        check_resume_settings(cfg, resume)
-    exported_step = check_export_destination(cfg) if cfg.export_hf else None
-    metrics = (
-        Path(cfg.metrics)
-        if cfg.metrics
-        else (
-            Path(cfg.checkpoint_dir) / "metrics.jsonl"
-            if cfg.checkpoint_dir and not is_url(cfg.checkpoint_dir)
-            else None
-        )
-    )
-    if metrics is not None and metrics.exists() and metrics.is_dir():
-        raise TrainerError(f"--metrics {metrics} is a directory: give a file path")
-    plan = Plan(
-        cfg, world, dp, spec, source, tokens, DTYPES[cfg.dtype], resume, metrics, exported_step, eval_tokens, eval_steps
-    )
-    plan.lora = lora.make_lora(lora_settings, spec)
-    return plan
-
-
-def plan_eval(cfg: TrainConfig, spec: ModelSpec) -> tuple[TokenFile | None, int]:
-    """--eval-data checked: (its tokens, batches per evaluation), or (None, 0) without it."""
-    if not cfg.eval_data:
-        if cfg.eval_every or cfg.eval_steps:
-            raise TrainerError("--eval-every / --eval-steps need --eval-data (a held-out token file)")
-        return None, 0
-    tokens = TokenFile(cfg.eval_data)
-    if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
-        raise DataError(
-            f"{cfg.eval_data} was tokenized with a vocabulary of {tokens.vocab_size} ids, but the model "
-            f"has {spec.dims.vocab_size}: tokenize with the model's tokenizer"
-        )
-    whole = max(0, len(tokens) - 1) // cfg.seq_len // cfg.global_batch
-    if whole < 1:
-        raise DataError(
-            f"{cfg.eval_data} holds {len(tokens)} tokens: fewer than one batch of --global-batch "
-            f"{cfg.global_batch} sequences of --seq-len {cfg.seq_len} + 1"
-        )
-    if cfg.eval_steps > whole:
-        log.info(
-            "%s holds %d batch%s of %d x %d tokens: evaluating on %s, not --eval-steps %d",
-            cfg.eval_data,
-            whole,
-            "es" if whole > 1 else "",
-            cfg.global_batch,
-            cfg.seq_len,
-            "it" if whole == 1 else "them",
-            cfg.eval_steps,
-        )
-    return tokens, min(cfg.eval_steps or whole, whole)
-
-
-def check_tensorboard(directory: str) -> None:
-    """--tensorboard needs the tensorboard package (torch.utils.tensorboard writes with it)."""
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        raise TrainerError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-    if Path(directory).exists() and not Path(directory).is_dir():
-        raise TrainerError(f"--tensorboard {directory} is a file: give a directory")
-
-
-# ---- resuming with the checkpoint's settings ---------------------------------------------------------
-
-
-# flag -> (where the checkpoint's run keeps it: the scheduler state's key, or run settings below)
-SCHEDULE_FLAGS = {"steps": "total", "warmup": "warmup", "lr": "lr", "decay": "decay", "min_lr_ratio": "min_ratio"}
-BATCH_FLAGS = ("global_batch", "seq_len")
-
-
-class RunSchedule(LRSchedule):
-    """The LR schedule, whose saved state also carries the run's batch settings (global batch,
-    micro-batch, sequence length), so a resume can tell what it changes."""
-
-    def __init__(self, cfg: TrainConfig):
-        super().__init__(cfg.lr, cfg.warmup, cfg.steps, cfg.decay, cfg.min_lr_ratio)
-        self.run = {"global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch, "seq_len": cfg.seq_len}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "run": dict(self.run)}
-
-
-def saved_settings(tag_dir: Path) -> dict[str, Any]:
-    """The settings of the run that saved `tag_dir`, by flag name (those it recorded: the LR
-    schedule, the batch; the global batch of older checkpoints from their data position)."""
-
-    def read(name: str) -> Any:
-        try:
-            return plain_file(tag_dir, name)
-        except Exception:  # noqa: BLE001 - another trainer's file (NxD): nothing to compare
-            return None
-
-    sched, content = read(SCHEDULER), read(USER_CONTENT)
-    found: dict[str, Any] = {}
-    if isinstance(sched, dict):
-        for flag, key in SCHEDULE_FLAGS.items():
-            if key in sched and isinstance(sched[key], (int, float, str)) and not isinstance(sched[key], bool):
-                found[flag] = sched[key]
-        run = sched.get("run")
-        if isinstance(run, dict):
-            found.update({k: run[k] for k in (*BATCH_FLAGS, "micro_batch") if isinstance(run.get(k), int)})
-    if isinstance(content, dict) and isinstance(content.get("data"), dict):
-        data, step = content["data"], content.get("step")
-        if "seq_len" not in found and isinstance(data.get("seq_len"), int) and data["seq_len"] > 0:
-            found["seq_len"] = data["seq_len"]
-        consumed = data.get("consumed_samples")
-        if (
-            "global_batch" not in found
-            and isinstance(step, int)
-            and step > 0
-            and isinstance(consumed, int)
-            and consumed % step == 0
-        ):
-            found["global_batch"] = consumed // step
-    return found
-
-
-def check_resume_settings(cfg: TrainConfig, point: Any) -> None:
-    """Refuse (bad input) a resume whose --steps, --warmup, --lr, --decay, --min-lr-ratio,
-    --global-batch or --seq-len differ from the checkpoint's run unless --override-schedule, which
-    says so in one line. --steps with a constant LR after warm-up changes no step's learning rate,
-    and --micro-batch only how a step is split: both are said, not refused."""
-    saved = saved_settings(point.path)
-    if not saved:
-        return
-
-    def differs(flag: str) -> bool:
-        if flag not in saved:
-            return False
-        if flag in ("lr", "min_lr_ratio"):
-            return not math.isclose(float(saved[flag]), float(getattr(cfg, flag)), rel_tol=1e-12)
-        return saved[flag] != getattr(cfg, flag)
-
-    def change(flag: str) -> str:
-        return f"--{flag.replace('_', '-')} {saved[flag]} -> {getattr(cfg, flag)}"
-
-    constant = cfg.decay == "constant" and saved.get("decay", "constant") == "constant"
-    refused = [f for f in (*SCHEDULE_FLAGS, *BATCH_FLAGS) if differs(f) and not (f == "steps" and constant)]
-    noted = [f for f in ("steps", "micro_batch") if differs(f) and f not in refused]
-    if refused and not cfg.override_schedule:
-        raise TrainerError(
-            f"--resume {point.path} was saved by a run with other settings ({', '.join(change(f) for f in refused)}), "
-            "which changes its learning-rate schedule or batch from here on: pass the checkpoint's values, or "
-            "--override-schedule to continue with these"
-        )
-    if refused or noted:
-        why = " (--override-schedule)" if refused else " (they change no step's learning rate or batch)"
-        log.info(
-            "resuming %s with settings other than its run's: %s%s",
-            point.path,
-            ", ".join(change(f) for f in (*refused, *noted)),
-            why,
-        )
-
-
-def run_layout(cfg: TrainConfig, source: Checkpoint | None) -> Layout:
-    """The run's layout from the options. The qkv style and K/V replication order not given keep
-    those of a sharded --model (logged), else separate and interleaved."""
-    held = source.layout if source is not None and source.kind == "sharded" else None
-    kept = [
-        f"{what} ({getattr(held, name)})"
-        for what, name in (("qkv style", "qkv"), ("kv replication", "kv_replication"))
-        if held is not None and getattr(cfg, name) is None
-    ]
-    if kept:
-        log.info("keeping the qkv layout of %s: %s (--qkv / --kv-replication to change)", cfg.model, " and ".join(kept))
-    return make_layout(
-        tp=cfg.tp,
-        pp=cfg.pp,
-        vpp=cfg.vpp,
-        ep=cfg.ep,
-        kv_multiplier=cfg.kv_multiplier,
-        kv_replication=cfg.kv_replication or (held.kv_replication if held else "interleaved"),
-        qkv=cfg.qkv or (held.qkv if held else "separate"),
-    )
-
-
 # ---- metrics and progress --------------------------------------------------------------------------
 
 
@@ -492,7 +177,12 @@ class Summary:
 
 
 def train(cfg: TrainConfig) -> Summary:
-    """Run training as this process's part of the job (torchrun's environment, or one process)."""
+    """Run training as this process's part of the job (torchrun's environment, or one process). On
+    XLA with several devices in this process (`CPU_NUM_DEVICES=N` on CPU) every device is a rank,
+    one thread each (trainer/comm/threads.py); rank 0's summary is returned."""
+    devices = _threaded_devices(cfg)
+    if devices:
+        return _train_in_threads(cfg, devices)
     _, world, local_rank = world_from_env()
     device, plan, error = None, None, None
     try:
@@ -500,16 +190,60 @@ def train(cfg: TrainConfig) -> Summary:
         plan = plan_run(cfg, world)
     except Exception as e:  # noqa: BLE001 - agreed on below, then raised on every rank
         error = e
-    job = join(device, cfg.timeout)
+    comm = join(device, cfg.timeout)
     try:
-        agree(job, error)
+        agree(comm, error)
         assert device is not None and plan is not None  # agree() raised if choosing either failed
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        par = init_parallel(cfg.tp, cfg.pp, plan.dp, device, cfg.timeout, cfg.ep)
+        par = init_parallel(cfg.tp, cfg.pp, plan.dp, device, cfg.timeout, cfg.ep, comm=comm)
         return _run(plan, par)
     finally:
-        shutdown()
+        comm.shutdown()
+
+
+def _threaded_devices(cfg: TrainConfig) -> list[Any]:
+    """The XLA devices to run as one rank each in this process's threads; empty for a plain run
+    (one device, torchrun, or not XLA)."""
+    from .comm import threads
+
+    _, world, _ = world_from_env()
+    if threads.current() is not None or world > 1:
+        return []
+    try:
+        kind = device_kind(cfg.device)
+    except Exception:  # noqa: BLE001 - reported by choose_device in the plain run
+        return []
+    if kind != "xla":
+        return []
+    from .comm.xla import local_devices, pool_for, thread_devices, xla_available
+
+    if not xla_available():
+        return []
+    pool_for(int(os.environ.get("CPU_NUM_DEVICES", "1") or 1))  # before the runtime starts its pool
+    if local_devices() < 2:
+        return []
+    return thread_devices()
+
+
+def _train_in_threads(cfg: TrainConfig, devices: list[Any]) -> Summary:
+    """`train` as every rank of a threaded XLA job; the job's error is rank 0's agreed one, else
+    the first rank's own."""
+    from .comm.threads import JobAborted, run_in_threads
+    from .comm.xla import enter_device
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    outcomes = run_in_threads(devices, lambda: train(cfg), cfg.timeout, enter_device)
+    errors = [e for _, e in outcomes if e is not None]
+    if errors:
+        first = outcomes[0][1]
+        if first is not None and not isinstance(first, JobAborted):
+            raise first
+        raise next((e for e in errors if not isinstance(e, JobAborted)), errors[0])
+    summary = outcomes[0][0]
+    assert summary is not None  # rank 0 returned without an error
+    return summary
 
 
 @dataclass
@@ -521,7 +255,7 @@ class Run:
     schedule: LRSchedule
     batches: Batches
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    pipeline: Pipeline | None
+    pipeline: Pipeline | ExchangePipeline | None
     start_step: int
     moe_loss: moe.MoELoss | None = None
     adapters: torch.nn.Module | None = None  # --lora-rank: the adapters (what the optimizer trains)
@@ -577,7 +311,9 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
     if is_moe:
         model = moe.MoEStageModel(spec, ctx, par, plan.dtype, cfg.activation_checkpointing, cfg.capacity_factor)
     else:
-        model = StageModel(spec, ctx, par.pp_rank, plan.dtype, par.device, cfg.activation_checkpointing)
+        model = StageModel(
+            spec, ctx, par.pp_rank, plan.dtype, par.device, cfg.activation_checkpointing, par.comm.checkpoint
+        )
     model.load_pieces({k: v.to(par.device) for k, v in tensors.items()})
     model.train()
     trained: torch.nn.Module = model
@@ -620,27 +356,46 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
     def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets.t(), tp_group).mean() * scale
 
-    moe_loss = moe.MoELoss(lm_loss, spec, scale, par.tp) if is_moe else None
+    moe_loss = moe.MoELoss(lm_loss, spec, scale, par.tp, par.comm.accumulate_dtype) if is_moe else None
     loss_fn: Callable = moe_loss or lm_loss
-    pipeline = None
-    if par.pp > 1:
-        pipeline = Pipeline(
-            model,
-            par,
-            loss_fn,
-            plan.micro_batches,
-            cfg.micro_batch,
-            cfg.seq_len,
-            spec.dims.hidden_size,
-            spec.dims.vocab_size // par.tp,
-            plan.dtype,
-            cfg.sequence_parallel,
-            cfg.pp_schedule,
-            spec.layout,
-            spec.dims.num_layers,
-            carry=moe.carry_meta(spec) if is_moe else None,
-        )
+    pipeline = _pipeline(plan, par, model, loss_fn) if par.pp > 1 else None
+    par.comm.isolate()  # the rank's own set-up in a graph of its own, not in its first step's
     return Run(model, optimizer, schedule, batches, loss_fn, pipeline, start_step, moe_loss, adapters)
+
+
+def _pipeline(plan: Plan, par: Parallel, model: StageModel, loss_fn: Callable) -> Pipeline | ExchangePipeline:
+    """pp > 1: torch.distributed.pipelining's schedules on torch.distributed; on XLA the schedule
+    by neighbour exchanges (trainer/exchange.py)."""
+    cfg, spec = plan.cfg, plan.spec
+    hidden = (
+        cfg.seq_len // par.tp if cfg.sequence_parallel and par.tp > 1 else cfg.seq_len,
+        cfg.micro_batch,
+        spec.dims.hidden_size,
+    )
+    if par.comm.lazy:
+        name = resolve_schedule(cfg.pp_schedule, par.pp, cfg.vpp, plan.micro_batches, spec.dims.num_layers)
+        payload: list[tuple[tuple[int, ...], torch.dtype]] = [(hidden, plan.dtype)]
+        if moe.is_moe(spec):  # the load-balancing statistics travel beside the hidden states
+            payload.append(((2, spec.dims.num_experts), torch.float32))
+        return ExchangePipeline(
+            model, par, loss_fn, name, plan.micro_batches, cfg.micro_batch, payload, spec.layout, spec.dims.num_layers
+        )
+    return Pipeline(
+        model,
+        par,
+        loss_fn,
+        plan.micro_batches,
+        cfg.micro_batch,
+        cfg.seq_len,
+        spec.dims.hidden_size,
+        spec.dims.vocab_size // par.tp,
+        plan.dtype,
+        cfg.sequence_parallel,
+        cfg.pp_schedule,
+        spec.layout,
+        spec.dims.num_layers,
+        carry=moe.carry_meta(spec) if moe.is_moe(spec) else None,
+    )
 
 
 def _announce(plan: Plan, par: Parallel, run: Run) -> None:
@@ -662,11 +417,12 @@ def _announce(plan: Plan, par: Parallel, run: Run) -> None:
     if plan.lora is not None:
         trained = sum(math.prod(s) for s in plan.lora.spec.full_shapes.values())
         extras.append(f"LoRA {plan.lora.settings.describe()} ({trained / 1e6:.3f}M trained)")
+    threaded = par.comm.name == "xla" and par.world > 1 and getattr(par.comm, "thread", None) is not None
     log.info(
-        "%d process%s: tp %d x pp %d%s x dp %d (%s, %s); %s %.2fM parameters in %s; %d micro-batch%s of "
+        "%d %s: tp %d x pp %d%s x dp %d (%s, %s); %s %.2fM parameters in %s; %d micro-batch%s of "
         "%d x %d tokens per step%s%s",
         par.world,
-        "es" if par.world > 1 else "",
+        ("ranks (threads of one process)" if threaded else "processes") if par.world > 1 else "process",
         par.tp,
         par.pp,
         f" (vpp {spec.layout.vpp})" if spec.layout.vpp > 1 else "",
@@ -746,6 +502,35 @@ def _batches(plan: Plan, par: Parallel, tokens: TokenFile, shuffle: bool = True)
     )
 
 
+def _summed(par: Parallel, values: list[Any], local: Sequence[Any] = ()) -> list[float]:
+    """`values` (device tensors or numbers) summed over the job, then `local` (this rank's own),
+    read on the host once: one vector, one all-reduce, the graph cut (on XLA the rank's work up to
+    here runs) and one read."""
+    comm = par.comm
+    comm.isolate()  # the reduction in a graph of its own (Comm.isolate)
+
+    def vector(items: list[Any]) -> torch.Tensor:
+        # the numbers travel to the device as one vector of data, not as scalars the graph may
+        # fold in (ranks whose numbers differ would trace different graphs)
+        numbers = [float(v) for v in items if not torch.is_tensor(v)]
+        host = torch.tensor(numbers, dtype=comm.accumulate_dtype).to(comm.device) if numbers else None
+        parts, taken = [], 0
+        for v in items:
+            if torch.is_tensor(v):
+                parts.append(v.reshape(1).to(device=comm.device, dtype=comm.accumulate_dtype))
+            else:
+                assert host is not None  # there is a number to take
+                parts.append(host[taken : taken + 1])
+                taken += 1
+        return torch.cat(parts)
+
+    both = par.world_group.all_reduce(vector(values))
+    if local:
+        both = torch.cat([both, vector(list(local))])
+    comm.cut()
+    return comm.to_host([both])[0].tolist()
+
+
 def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
     """Loss and perplexity on the first `plan.eval_steps` batches of --eval-data (forward only,
     the same batches every time and in every layout); returns the metrics record."""
@@ -753,24 +538,22 @@ def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     assert plan.eval_tokens is not None  # plan_eval gives eval_steps > 0 only with --eval-data's tokens
     batches = _batches(plan, par, plan.eval_tokens, shuffle=False)
-    total = 0.0
+    total: Any = 0.0
     run.model.eval()
     try:
         with torch.no_grad():
             for _ in range(plan.eval_steps):
                 inputs, targets = batches.step_batch()
-                inputs, targets = inputs.to(par.device), targets.to(par.device)
                 if run.pipeline is not None:
-                    total += run.pipeline.forward_only(inputs, targets)
+                    total = total + run.pipeline.forward_only(inputs, targets)
                 else:
-                    total += sum(
-                        float(run.loss_fn(run.model(ids), tgt))
-                        for ids, tgt in zip(inputs.split(cfg.micro_batch), targets.split(cfg.micro_batch))
+                    total = total + run_micro_batches(
+                        run.model, run.loss_fn, inputs, targets, cfg.micro_batch, par.comm, training=False
                     )
     finally:
         run.model.train()
-    mine = total if (par.is_last_stage and par.tp_rank == 0) else 0.0
-    loss = par.sum_over_world([mine])[0] / plan.eval_steps  # each step's sum is its batch's mean token loss
+    mine = _counted(par, total, par.is_last_stage and par.tp_rank == 0)
+    loss = _summed(par, [mine])[0] / plan.eval_steps  # each step's sum is its batch's mean token loss
     return {
         "event": "eval",
         "step": step,
@@ -781,6 +564,14 @@ def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
     }
 
 
+def _counted(par: Parallel, value: Any, counted: bool) -> Any:
+    """`value` if this rank's counts in the job's sum, else 0 -- on a lazy backend as a tensor times
+    a 0/1 that is data, so every rank traces the same graph for the sum."""
+    if par.comm.lazy and torch.is_tensor(value):
+        return value * par.world_group.per_rank(int(counted), value)
+    return value if counted else 0.0
+
+
 def _one_step(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
     """One optimizer step (0-based `step`); returns its metrics record."""
     cfg = plan.cfg
@@ -788,42 +579,55 @@ def _one_step(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
     COMPUTE.take()
     t0 = time.perf_counter()
     inputs, targets = run.batches.step_batch()
-    inputs, targets = inputs.to(par.device), targets.to(par.device)
     if run.pipeline is not None:
-        loss_sum = run.pipeline.step(inputs, targets)
+        loss_sum: Any = run.pipeline.step(inputs, targets)
     else:
-        loss_sum = run_micro_batches(run.model, run.loss_fn, inputs, targets, cfg.micro_batch)
+        loss_sum = run_micro_batches(run.model, run.loss_fn, inputs, targets, cfg.micro_batch, par.comm)
     lr = run.schedule.at(step)
     norm = run.optimizer.step(lr)
     run.schedule.last_step = step + 1
-    moe_values: list[float] = []
+    moe_values: list[Any] = []
+    tp0 = par.tp_rank == 0
     if run.moe_loss is not None:  # the language-model loss, the load-balancing loss, drops
         loss_sum, aux_sum = run.moe_loss.take()
         dropped, routed = cast(moe.MoEStageModel, run.model).take_drops()
-        tp0 = par.tp_rank == 0
-        moe_values = [aux_sum if (par.is_last_stage and tp0) else 0.0, dropped if tp0 else 0, routed if tp0 else 0]
-        moe_values.append(moe.DISPATCH.take())
-    mine = loss_sum if (par.is_last_stage and par.tp_rank == 0) else 0.0
-    compute, comm = COMPUTE.take(), COMM.take()
-    loss, compute_sum, comm_sum, *moe_sums = par.sum_over_world([mine, compute, comm, *moe_values])
+        moe_values = [
+            _counted(par, aux_sum, par.is_last_stage and tp0),
+            _counted(par, dropped, tp0),
+            routed if tp0 else 0,
+        ]
+    mine = _counted(par, loss_sum, par.is_last_stage and tp0)
+    # the host clocks: summed over the job in the same vector on eager backends; on XLA they time
+    # the tracing, this rank's own (its non-compute share is not measured there)
+    timings = [COMPUTE.take(), COMM.take(), *([moe.DISPATCH.take()] if run.moe_loss is not None else [])]
+    eager = not par.comm.lazy
+    summed = _summed(par, [mine, *moe_values, *(timings if eager else [])], [norm])
+    loss, *summed = summed
+    moe_sums, summed = summed[: len(moe_values)], summed[len(moe_values) :]
+    if eager:
+        timings, summed = [t / par.world for t in summed[: len(timings)]], summed[len(timings) :]
+    grad_norm = summed[0]
+    if par.comm.lazy and not math.isfinite(grad_norm):
+        log.warning("gradient norm is %s: the update of step %d was skipped", grad_norm, step + 1)
     step_time = time.perf_counter() - t0
-    compute_mean, comm_mean = compute_sum / par.world, comm_sum / par.world
+    compute_mean, comm_mean = timings[0], timings[1]
     tokens_per_step = cfg.global_batch * cfg.seq_len
     return {
         "event": "step",
         "step": step + 1,
         "loss": loss,
         "lr": lr,
-        "grad_norm": norm,
+        "grad_norm": grad_norm,
         "step_time": step_time,
         "tokens_per_s": tokens_per_step / step_time,
         "tokens": (step + 1) * tokens_per_step,
         "consumed_samples": run.batches.consumed_samples,
         "compute_time": compute_mean,
         "collective_time": comm_mean,
-        "comm_share": max(0.0, 1.0 - compute_mean / step_time),
+        "comm_share": max(0.0, 1.0 - compute_mean / step_time) if eager else None,
         "memory_mb": peak_memory_mb(par.device),
-        **(moe.step_record(moe_sums, par.world) if moe_sums else {}),
+        **(moe.step_record([*moe_sums, timings[2]], 1) if moe_sums else {}),
+        **({"xla_compiles": compiles} if (compiles := par.comm.compiles()) is not None else {}),
     }
 
 
@@ -851,4 +655,16 @@ def _export(plan: Plan, par: Parallel, run: Run, summary: Summary) -> str:
     )
 
 
-__all__ = ["train", "plan_run", "Plan", "Summary", "ShardkitError"]
+__all__ = [
+    "train",
+    "plan_run",
+    "plan_eval",
+    "Plan",
+    "Summary",
+    "ShardkitError",
+    "DTYPES",
+    "RunSchedule",
+    "check_resume_settings",
+    "run_layout",
+    "saved_settings",
+]

@@ -306,10 +306,13 @@ class StageModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         activation_checkpointing: bool = False,
+        checkpoint_fn: Callable[..., Any] | None = None,
     ):
         super().__init__()
         dims, layout = spec.dims, spec.layout
         self.spec = spec
+        # the communication backend's activation checkpointing (torch-xla's on XLA)
+        self.checkpoint_fn = checkpoint_fn or _torch_checkpoint
         self.ctx = ctx
         self.first = pp_rank == 0
         self.last = pp_rank == layout.pp - 1
@@ -375,13 +378,20 @@ class StageModel(nn.Module):
             h = x
         cos, sin = self.rotary(seq, h.dtype)
         for layer in layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin)
+            h = self.run_layer(layer, h, cos, sin)
         if not last:
             return h
         return self.lm_head(self.model.norm(h))
+
+    def run_layer(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One decoder layer (recomputed in backward with activation checkpointing)."""
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return self.checkpoint_fn(layer, h, cos, sin)
+        return layer(h, cos, sin)
+
+
+def _torch_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    return checkpoint(function, *args, use_reentrant=False)
 
 
 def param_count(spec: ModelSpec) -> int:

@@ -46,17 +46,18 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from shardkit.layout import ModelDims
 from shardkit.placements import Piece
 
+from .clocks import Clock
+from .comm.base import Group
 from .errors import TrainerError
 from .layers import ParamHolder, RMSNorm, TPContext, _gather_seq, _reduce_scatter_seq, copy_to_tp
 from .model import ACTIVATIONS, Attention, ModelSpec, StageModel, apply_rotary
-from .parallel import COMM, Clock, Group, Parallel
+from .parallel import Parallel
 
 log = logging.getLogger("trainer")
 
@@ -134,12 +135,6 @@ def tp_partial_names(model: nn.Module) -> set[str]:
 # ---- token exchange --------------------------------------------------------------------------------------
 
 
-def _all_to_all(out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group):
-    with COMM.timed(), DISPATCH.timed():
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group.pg)
-    return out
-
-
 class _Exchange(torch.autograd.Function):
     """Rows of `x` (grouped by destination, `send` rows each) to the ep ranks; the gradient goes
     back the same way."""
@@ -147,17 +142,19 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send: list[int], recv: list[int], group: Group):
         ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _all_to_all(x.new_empty((sum(recv), *x.shape[1:])), x, recv, send, group)
+        with DISPATCH.timed():
+            return group.all_to_all(x, send, recv)
 
     @staticmethod
     def backward(ctx, grad):
-        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        return _all_to_all(out, grad, ctx.send, ctx.recv, ctx.group), None, None, None
+        with DISPATCH.timed():
+            return ctx.group.all_to_all(grad, ctx.recv, ctx.send), None, None, None
 
 
-class _GatherFromSP(torch.autograd.Function):
-    """Sequence parallel: the whole sequence from every tp rank's chunk; the gradient of the
-    whole (a partial sum on each tp rank) is reduce-scattered back to the chunks."""
+class _GatherRows(torch.autograd.Function):
+    """Every group member's rows, concatenated in group order (sequence parallelism: the whole
+    sequence from every tp rank's chunk; expert parallelism: every ep rank's tokens); the gradient
+    of the whole (a partial sum on each member) is reduce-scattered back to the chunks."""
 
     @staticmethod
     def forward(ctx, x, group: Group):
@@ -169,6 +166,23 @@ class _GatherFromSP(torch.autograd.Function):
         return _reduce_scatter_seq(grad.contiguous(), ctx.group), None
 
 
+class _ReduceScatterRows(torch.autograd.Function):
+    """The sum over the group of every member's partial rows, each member keeping its chunk; the
+    gradient of the chunk is all-gathered back."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        ctx.group = group
+        return _reduce_scatter_seq(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad.contiguous(), ctx.group), None
+
+
+_GatherFromSP = _GatherRows  # the name the sequence-parallel path has always used
+
+
 # ---- the layer ----------------------------------------------------------------------------------------
 
 
@@ -177,19 +191,29 @@ class MoEStats:
     summed router probabilities and assignment counts, dropped assignments, assignments)."""
 
     def __init__(self) -> None:
-        self.layers: list[tuple[torch.Tensor, int, int]] = []
+        self.layers: list[tuple[torch.Tensor, Any, int]] = []
 
 
 class MoEBlock(nn.Module):
-    """One decoder layer's MoE MLP on this rank (see the module docstring)."""
+    """One decoder layer's MoE MLP on this rank (see the module docstring). `dense`: static shapes
+    for a lazy (XLA) backend -- every ep rank gathers the group's tokens and routing weights, runs
+    its experts on all of them weighted (zero for tokens not routed there) and the partial outputs
+    are reduce-scattered back; no sizes are read on the host."""
 
     def __init__(
-        self, spec: ModelSpec, ctx: TPContext, ep_group: Group, capacity_factor: float, stats: MoEStats, dtype
+        self,
+        spec: ModelSpec,
+        ctx: TPContext,
+        ep_group: Group,
+        capacity_factor: float,
+        stats: MoEStats,
+        dtype,
+        dense: bool = False,
     ):
         super().__init__()
         dims, layout = spec.dims, spec.layout
         meta = torch.device("meta")
-        self.ctx, self.ep_group, self.stats = ctx, ep_group, stats
+        self.ctx, self.ep_group, self.stats, self.dense = ctx, ep_group, stats, dense
         self.experts = dims.num_experts
         self.local = dims.num_experts // layout.ep
         self.inter_local = dims.expert_intermediate_size // layout.tp
@@ -242,8 +266,8 @@ class MoEBlock(nn.Module):
         if group.size == 1:
             return self._experts(x, per_expert.tolist())
         send_counts = per_expert.view(group.size, local)
-        recv_counts = torch.empty_like(send_counts)
-        _all_to_all(recv_counts, send_counts, [1] * group.size, [1] * group.size, group)
+        with DISPATCH.timed():
+            recv_counts = group.all_to_all(send_counts, [1] * group.size, [1] * group.size)
         send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         received = _Exchange.apply(x, send, recv, group)  # by source rank, then expert
         expert = torch.arange(local, device=x.device).repeat(group.size).repeat_interleave(recv_counts.reshape(-1))
@@ -252,24 +276,37 @@ class MoEBlock(nn.Module):
         back = torch.empty_like(computed).index_copy(0, order, computed)  # received order again
         return _Exchange.apply(back, recv, send, group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ctx.sequence_parallel:  # route the whole sequence; the output is reduce-scattered
-            x = _GatherFromSP.apply(x, self.ctx.group)
-        else:
-            x = copy_to_tp(x, self.ctx.group)
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        tokens = flat.shape[0]
+    def _route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Router probabilities [tokens, E] (fp32) and each token's top-k weights and experts."""
         logits = F.linear(flat, self.get_parameter("router.linear_router.weight"))
         probs = torch.softmax(logits.float(), dim=-1)
         top_p, top_e = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        return probs, top_p, top_e
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ctx.sequence_parallel:  # route the whole sequence; the output is reduce-scattered
+            x = _GatherRows.apply(x, self.ctx.group)
+        else:
+            x = copy_to_tp(x, self.ctx.group)
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs, top_p, top_e = self._route(flat)
+        out = (
+            self._forward_dense(flat, probs, top_p, top_e)
+            if self.dense
+            else self._forward_sparse(flat, probs, top_p, top_e)
+        )
+        return self.ctx.row_output(out.view(shape))
+
+    def _forward_sparse(self, flat, probs, top_p, top_e) -> torch.Tensor:
+        tokens = flat.shape[0]
         expert = top_e.reshape(-1)
         counts = torch.bincount(expert, minlength=self.experts).to(torch.float32)
         stats = torch.stack([probs.sum(0), counts])
         weight = top_p.reshape(-1)
-        token = torch.arange(tokens, device=x.device).repeat_interleave(self.top_k)
+        token = torch.arange(tokens, device=flat.device).repeat_interleave(self.top_k)
         kept = self._kept(expert, tokens)
         if kept is not None:
             expert, token, weight = expert[kept], token[kept], weight[kept]
@@ -279,7 +316,39 @@ class MoEBlock(nn.Module):
         outputs = self._dispatch(flat[token], per_expert)
         out = torch.zeros_like(flat).index_add(0, token, (outputs * weight.unsqueeze(-1)).to(flat.dtype))
         self.stats.layers.append((stats, tokens * self.top_k - expert.numel(), tokens * self.top_k))
-        return self.ctx.row_output(out.view(shape))
+        return out
+
+    def _forward_dense(self, flat, probs, top_p, top_e) -> torch.Tensor:
+        tokens, k = flat.shape[0], self.top_k
+        expert = top_e.reshape(-1)
+        counts = F.one_hot(expert, self.experts).sum(0).to(torch.float32)
+        stats = torch.stack([probs.sum(0), counts])
+        weight = top_p.reshape(-1)
+        kept = self._kept(expert, tokens)
+        dropped: Any = 0
+        if kept is not None:
+            weight = weight * kept.to(weight.dtype)
+            dropped = tokens * k - kept.sum()
+        routing = torch.zeros(tokens, self.experts, dtype=weight.dtype, device=flat.device)
+        routing = routing.scatter_add(1, top_e, weight.view(tokens, k))  # [tokens, E], 0 where not routed
+        group = self.ep_group
+        rows, weights = flat, routing
+        if group.size > 1:  # every ep rank's tokens and routing weights
+            with DISPATCH.timed():
+                rows = _GatherRows.apply(flat, group)
+                weights = _GatherRows.apply(routing, group)
+        local = torch.arange(self.local, device=flat.device) + group.per_rank(group.rank * self.local, top_e)
+        mine = weights.index_select(1, local)  # [rows, this rank's experts]
+        gate_up = self.get_parameter("expert_mlps.mlp_op.gate_up_proj.weight")
+        down = self.get_parameter("expert_mlps.mlp_op.down_proj.weight")
+        gate, up = torch.einsum("nh,lhi->lni", rows, gate_up).split(self.inter_local, dim=-1)
+        outputs = torch.einsum("lni,lih->lnh", self.act(gate) * up, down)  # [local experts, rows, H]
+        out = (outputs * mine.t().unsqueeze(-1)).sum(0).to(flat.dtype)
+        if group.size > 1:  # each token's sum over every rank's experts, back to its rank
+            with DISPATCH.timed():
+                out = _ReduceScatterRows.apply(out, group)
+        self.stats.layers.append((stats, dropped, tokens * k))
+        return out
 
 
 class QKNormAttention(Attention):
@@ -320,15 +389,18 @@ class MoEStageModel(StageModel):
         activation_checkpointing: bool = False,
         capacity_factor: float = 0.0,
     ):
-        super().__init__(spec, ctx, par.pp_rank, dtype, par.device, activation_checkpointing)
+        super().__init__(
+            spec, ctx, par.pp_rank, dtype, par.device, activation_checkpointing, checkpoint_fn=par.comm.checkpoint
+        )
         self.moe_stats = MoEStats()
+        self.layer_stats: list[torch.Tensor] = []  # this forward's per-layer statistics (with their gradients)
         assert par.ep_group is not None  # init_parallel makes it
         qk_norms = spec.family.name == "qwen3_moe"
         for layer in self.model.layers.values():
-            layer.mlp = MoEBlock(spec, ctx, par.ep_group, capacity_factor, self.moe_stats, dtype)
+            layer.mlp = MoEBlock(spec, ctx, par.ep_group, capacity_factor, self.moe_stats, dtype, par.comm.lazy)
             if qk_norms:
                 layer.self_attn = QKNormAttention(spec, ctx, dtype)
-        self.dropped = 0  # assignments dropped / routed by this stage's layers since the last take
+        self.dropped: Any = 0  # assignments dropped / routed by this stage's layers since the last take
         self.routed = 0
 
     def forward(self, x: torch.Tensor, carried: torch.Tensor | None = None):
@@ -336,21 +408,40 @@ class MoEStageModel(StageModel):
             x, self.model.layers.values(), self.first, self.last, *([] if carried is None else [carried])
         )
 
+    def run_layer(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One layer, keeping its statistics; with activation checkpointing they are an output of
+        the checkpointed function, so their gradient (the load-balancing loss's, to the router)
+        survives a checkpoint that runs the forward without autograd (torch-xla's)."""
+
+        def with_stats(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out = layer(h, cos, sin)
+            return out, self.moe_stats.layers[-1][0]
+
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            out, stats = self.checkpoint_fn(with_stats, h, cos, sin)
+        else:
+            out, stats = with_stats(h, cos, sin)
+        self.layer_stats.append(stats)
+        return out
+
     def run_chunk(self, x: torch.Tensor, layers: Iterable[nn.Module], first: bool, last: bool, *carried: torch.Tensor):
         """`layers` (all of the rank's, or one virtual chunk's) and the load-balancing statistics:
         this chunk's sums plus the ones carried in from the stages before."""
         self.moe_stats.layers.clear()
+        self.layer_stats.clear()
         out = self.run_layers(x, layers, first, last)
-        stats = list(self.moe_stats.layers)  # read before any recomputation appends more
-        total = torch.stack([s for s, _, _ in stats]).sum(0)
+        reports = list(self.moe_stats.layers)  # read before any recomputation appends more
+        total = torch.stack(self.layer_stats).sum(0)
+        self.layer_stats.clear()
         if carried:
             total = total + carried[0]
         if torch.is_grad_enabled():
-            self.dropped += sum(d for _, d, _ in stats)
-            self.routed += sum(r for _, _, r in stats)
+            self.dropped = self.dropped + sum(d for _, d, _ in reports)
+            self.routed += sum(r for _, _, r in reports)
         return out, total
 
-    def take_drops(self) -> tuple[int, int]:
+    def take_drops(self) -> tuple[Any, int]:
+        """(dropped, routed) assignments since the last take: dropped a device tensor on a lazy backend."""
         counts = (self.dropped, self.routed)
         self.dropped = self.routed = 0
         return counts
@@ -366,14 +457,16 @@ def load_balancing_loss(carried: torch.Tensor, num_layers: int, tokens: int) -> 
 class MoELoss:
     """Wraps the language-model loss: adds router_aux_loss_coef x the load-balancing loss (divided
     by tp: every tp rank adds it and the router gradient is summed over tp) in training, and keeps
-    the step's language-model and load-balancing sums for the metrics. Under no_grad (evaluation)
-    it returns the language-model loss alone."""
+    the step's language-model and load-balancing sums for the metrics (device tensors, summed in
+    `dtype`: nothing is read on the host in the middle of a step). Under no_grad (evaluation) it
+    returns the language-model loss alone."""
 
-    def __init__(self, base: Callable, spec: ModelSpec, scale: float, tp: int):
-        self.base, self.scale, self.tp = base, scale, tp
+    def __init__(self, base: Callable, spec: ModelSpec, scale: float, tp: int, dtype: torch.dtype = torch.float64):
+        self.base, self.scale, self.tp, self.dtype = base, scale, tp, dtype
         self.coef = float(spec.config.get("router_aux_loss_coef", 0.001))
         self.layers = spec.dims.num_layers
-        self.lm_sum = self.aux_sum = 0.0
+        self.lm_sum: Any = 0.0
+        self.aux_sum: Any = 0.0
 
     def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
         logits, carried = output
@@ -381,11 +474,12 @@ class MoELoss:
         if not torch.is_grad_enabled():
             return lm
         aux = load_balancing_loss(carried, self.layers, targets.numel())
-        self.lm_sum += float(lm.detach())
-        self.aux_sum += float(aux.detach()) * self.scale
+        self.lm_sum = self.lm_sum + lm.detach().to(self.dtype)
+        self.aux_sum = self.aux_sum + aux.detach().to(self.dtype) * self.scale
         return lm + aux * (self.coef * self.scale / self.tp)
 
-    def take(self) -> tuple[float, float]:
+    def take(self) -> tuple[Any, Any]:
+        """The step's (language-model loss, load-balancing loss) sums (0.0 when no micro-batch ran here)."""
         sums = (self.lm_sum, self.aux_sum)
         self.lm_sum = self.aux_sum = 0.0
         return sums

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -46,8 +46,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from shardkit.checkpoint.zero1 import MOMENTS, shard_rows
 from shardkit.placements import Holding, SegmentIndex
 
+from .clocks import COMPUTE
+from .comm.base import Group
 from .model import ModelSpec
-from .parallel import COMM, COMPUTE, Group, Parallel
+from .parallel import Parallel
 
 log = logging.getLogger("trainer")
 DECAY, NO_DECAY = "decay", "no_decay"
@@ -229,6 +231,10 @@ class Optimizer:
     ):
         self.par = par
         self.clip_grad = clip_grad
+        # a lazy (XLA) backend keeps the norm, the clipping and the skip of a non-finite step on the
+        # device (read after the step's graph ran); fp32 there, as Neuron has no fp64
+        self.lazy = par.comm.lazy
+        self.norm_dtype = torch.float32 if self.lazy else torch.float64
         # ZeRO-1 cuts over the expert-data-parallel group: dp itself without --ep; with ep > 1 the dp
         # ranks of one ep group hold the same rows of every parameter (the experts differ anyway)
         self.zero_group = par.edp_group or par.dp_group
@@ -360,7 +366,9 @@ class Optimizer:
             )
             if g["params"]
         ]
-        return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps) if param_groups else None
+        if not param_groups:
+            return None
+        return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
 
     @staticmethod
     def _accumulate_hook(slot: Slot):
@@ -409,46 +417,65 @@ class Optimizer:
                 for held in iv.mine:
                     held.region().copy_(chunk)
 
-    def grad_norm(self) -> float:
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm (a device tensor). The local sums come first and the reductions
+        over ranks after them, in a graph of their own on a backend that wants that (Comm.isolate)."""
         whole: list[Slot] = []
         partial: list[Slot] = []
         for slot in self.slots:
             if slot.replicated and self.par.tp_rank != 0:
                 continue
             (whole if slot.norm_mask is None else partial).append(slot)
-        sq = torch.zeros((), dtype=torch.float64, device=self.flat.device)
+        dt = self.norm_dtype
+        sq = torch.zeros((), dtype=dt, device=self.flat.device)
         experts = [s for s in whole if s.names[0] in self.experts]
         whole = [s for s in whole if s.names[0] not in self.experts]
         if whole:
             norms = torch._foreach_norm([s.grad for s in whole])
-            sq += torch.stack(norms).double().pow(2).sum()
+            sq += torch.stack(norms).to(dt).pow(2).sum()
+        expert_sq = None
         if experts:  # each ep rank holds other experts: their squares add up over the ep group
-            expert_sq = torch.stack(torch._foreach_norm([s.grad for s in experts])).double().pow(2).sum()
-            assert self.par.ep_group is not None  # init_parallel makes it
-            sq += self.par.ep_group.all_reduce(expert_sq)
+            expert_sq = torch.stack(torch._foreach_norm([s.grad for s in experts])).to(dt).pow(2).sum()
+        masked = []
         for slot in partial:
             assert slot.norm_mask is not None  # `partial` holds the slots with a mask
-            sq += (slot.grad.double().pow(2) * slot.norm_mask).sum()
+            masked.append((slot.grad.to(dt).pow(2) * slot.norm_mask).sum())
+        self.par.comm.isolate()
+        if expert_sq is not None:
+            assert self.par.ep_group is not None  # init_parallel makes it
+            sq += self.par.ep_group.all_reduce(expert_sq)
+        for part in masked:
+            sq += part
         self.par.mp_group.all_reduce(sq)
-        return float(sq.sqrt())
+        return sq.sqrt()
 
-    def step(self, lr: float) -> float:
-        """Synchronise, clip and update. Returns the global gradient norm (before clipping)."""
+    def step(self, lr: float) -> torch.Tensor:
+        """Synchronise, clip and update. Returns the global gradient norm (before clipping), a
+        tensor on the device; a non-finite norm skips the update (warned here, or on a lazy
+        backend by the caller once it has read the norm)."""
         with COMPUTE.timed():
             self.sync_gradients()
+            # on a backend that wants collectives in graphs of their own (Comm.isolate), the
+            # gradient reductions, the norm and the update are separate graphs
+            self.par.comm.isolate()
             norm = self.grad_norm()
-            if not math.isfinite(norm):
-                log.warning("gradient norm is %s: skipping this update", norm)
-                self.zero_grad()
-                return norm
-            if self.clip_grad > 0:
-                coef = self.clip_grad / (norm + 1e-6)
-                if coef < 1.0:
-                    self.flat.mul_(coef)
-            if self.adam is not None:
-                for group in self.adam.param_groups:
-                    group["lr"] = lr
-                self.adam.step()
+            if self.lazy:
+                self.par.comm.isolate()
+                self._update_on_device(norm, lr)
+            else:
+                value = float(norm)
+                if not math.isfinite(value):
+                    log.warning("gradient norm is %s: skipping this update", value)
+                    self.zero_grad()
+                    return norm
+                if self.clip_grad > 0:
+                    coef = self.clip_grad / (value + 1e-6)
+                    if coef < 1.0:
+                        self.flat.mul_(coef)
+                if self.adam is not None:
+                    for group in self.adam.param_groups:
+                        group["lr"] = lr
+                    self.adam.step()
             for slot in self.owned:
                 if slot.param.dtype != torch.float32:
                     assert slot.master is not None  # every owned slot has a master (_plumb_gradients)
@@ -459,6 +486,44 @@ class Optimizer:
             self.zero_grad()
         return norm
 
+    @torch.no_grad()
+    def _update_on_device(self, norm: torch.Tensor, lr: float) -> None:
+        """A lazy backend: clip by min(1, clip / (norm + 1e-6)) and run AdamW's update as tensors,
+        skipping it on the device when the norm is not finite (nothing is read on the host).
+        torch.optim.AdamW's arithmetic, with the step count and the learning rate as device
+        tensors (the graph is the same every step); the state lives in `self.adam` as torch's."""
+        if self.clip_grad > 0:
+            self.flat.mul_(torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0).to(self.flat.dtype))
+        if self.adam is None:
+            return
+        ok = torch.isfinite(norm)
+        lr_t = torch.tensor(lr, dtype=torch.float32, device=self.flat.device)
+        for group in self.adam.param_groups:
+            beta1, beta2 = group["betas"]
+            group["lr"] = lr
+            decay = 1 - lr_t * group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.adam.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                step = state["step"] + ok.to(torch.float32)
+                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+                new_m = m.lerp(g, 1 - beta1)
+                new_v = (v * beta2).addcmul(g, g, value=1 - beta2)
+                # 1 - beta ** step as -expm1(step * log(beta)): in fp32, 1 - 0.999 ** step would lose
+                # four digits to cancellation (Neuron has no fp64; torch computes these in fp64)
+                step_size = lr_t / -torch.expm1(step * math.log(beta1))
+                denom = (new_v.sqrt() / (-torch.expm1(step * math.log(beta2))).sqrt()).add(group["eps"])
+                new_p = p.detach() * decay - step_size * (new_m / denom)
+                p.copy_(torch.where(ok, new_p, p.detach()))
+                m.copy_(torch.where(ok, new_m, m))
+                v.copy_(torch.where(ok, new_v, v))
+                state["step"] = step
+
     def _padded_rows(self, slot: Slot, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a parameter-shaped tensor as NxD's ZeRO-1 shard (zero-padded rows)."""
         a, b = slot.rows
@@ -468,22 +533,23 @@ class Optimizer:
         return out
 
     def _gather_rows(self) -> None:
-        """ZeRO-1: every dp rank's updated rows to every dp rank (one all-gather per dtype)."""
-        import torch.distributed as dist
-
+        """ZeRO-1: every dp rank's updated rows to every dp rank (one all-gather per dtype; the
+        rows cut and written around it in graphs of their own where Comm.isolate asks for that)."""
         by_dtype: dict[torch.dtype, list[Slot]] = {}
         for slot in self.slots:
             if self._sharded(slot):
                 by_dtype.setdefault(slot.param.dtype, []).append(slot)
-        for slots in by_dtype.values():
-            send = torch.cat([self._padded_rows(s, s.param.data).reshape(-1) for s in slots])
-            outs = [torch.empty_like(send) for _ in range(self.zero_size)]
-            with COMM.timed():
-                dist.all_gather(outs, send, group=self.zero_group.pg)
-            for d, out in enumerate(outs):
+        sends = [
+            torch.cat([self._padded_rows(s, s.param.data).reshape(-1) for s in slots]) for slots in by_dtype.values()
+        ]
+        self.par.comm.isolate()
+        gathered = [self.zero_group.all_gather(send).view(self.zero_size, -1) for send in sends]
+        self.par.comm.isolate()
+        for slots, outs in zip(by_dtype.values(), gathered):
+            for d in range(self.zero_size):
                 if d == self.zero_rank:
                     continue
-                offset = 0
+                out, offset = outs[d], 0
                 for s in slots:
                     rows = shard_rows(s.param.shape[0], self.zero_size)
                     size = rows * math.prod(s.param.shape[1:])
@@ -492,16 +558,27 @@ class Optimizer:
                     offset += size
 
     # ---- state by piece name ------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+    def state_dict(self, to_host: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> dict[str, Any]:
         """{piece name: {"exp_avg", "exp_avg_sq", "step"[, "master"]}}: the tp-local tensors; with
         ZeRO-1 this dp rank's NxD shard of each (dim 0 zero-padded to a multiple of dp, chunk dp_rank),
-        for every parameter. Empty before the first update."""
+        for every parameter. Empty before the first update. `to_host`: the tensors are moved with it
+        (all in one call) before any padding, which then happens on the host."""
         if self.adam is None or not self.adam.state:
             return {}
-        step = next(iter(self.adam.state.values()))["step"]
-        out: dict[str, dict[str, torch.Tensor]] = {}
+        held: list[dict[str, Any]] = []
         for slot in self.slots:
-            state = self.adam.state.get(slot.master, {}) if slot.master is not None else {}
+            state = dict(self.adam.state.get(slot.master, {})) if slot.master is not None else {}
+            if state and slot.param.dtype != torch.float32:
+                assert slot.master is not None  # there is state only under a master
+                state["master"] = slot.master.data
+            held.append({k: v for k, v in state.items() if k in (*MOMENTS, "step", "master")})
+        if to_host is not None:
+            keys = [(i, k) for i, state in enumerate(held) for k, v in state.items() if torch.is_tensor(v)]
+            for (i, k), t in zip(keys, to_host([held[i][k] for i, k in keys])):
+                held[i][k] = t
+        step = next(state["step"] for state in held if state)
+        out: dict[str, dict[str, Any]] = {}
+        for slot, state in zip(self.slots, held):
             bf16 = slot.param.dtype != torch.float32
             if not state and not self._sharded(slot):
                 continue
@@ -511,8 +588,7 @@ class Optimizer:
                     entry = {m: self._pad_local(state[m], shard) for m in MOMENTS}
                     entry["step"] = state["step"]
                     if bf16:
-                        assert slot.master is not None  # there is state only under a master
-                        entry["master"] = self._pad_local(slot.master.data, shard)
+                        entry["master"] = self._pad_local(state["master"], shard)
                 else:  # none of this parameter's rows is this rank's: an all-padding shard
                     entry = {m: torch.zeros(shard, dtype=torch.float32) for m in MOMENTS}
                     entry["step"] = step
@@ -521,8 +597,7 @@ class Optimizer:
             else:
                 entry = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"], "step": state["step"]}
                 if bf16:
-                    assert slot.master is not None  # unsharded slots without state were skipped above
-                    entry["master"] = slot.master.data
+                    entry["master"] = state["master"]
             for name in slot.names:
                 out[name] = entry
         return out
@@ -582,17 +657,20 @@ class Optimizer:
                 return (t if not self._sharded(slot) else t[a:b]).clone()
 
             if "master" in entry and slot.param.dtype != torch.float32:
-                master.data.copy_(mine(entry["master"]))
+                master.data.copy_(mine(entry["master"]).to(master.device))
             step = entry["step"]
+            step_t = (
+                step.detach().clone().to(torch.float32).reshape(())
+                if torch.is_tensor(step)
+                else torch.tensor(float(step))
+            )
             self.adam.state[master] = {
-                "step": (
-                    step.detach().clone().to(torch.float32).reshape(())
-                    if torch.is_tensor(step)
-                    else torch.tensor(float(step))
-                ),
-                "exp_avg": mine(entry["exp_avg"]),
-                "exp_avg_sq": mine(entry["exp_avg_sq"]),
+                # torch's AdamW keeps the step on the host; the lazy update (_update_on_device) on the device
+                "step": step_t.to(master.device) if self.lazy else step_t.cpu(),
+                "exp_avg": mine(entry["exp_avg"]).to(master.device),
+                "exp_avg_sq": mine(entry["exp_avg_sq"]).to(master.device),
             }
+
         if param_groups and groups:
             self._adopt_hyper(param_groups, groups, states)
 

@@ -28,16 +28,21 @@ With pp = 1 no pipeline machinery is used: `run_micro_batches` is a plain accumu
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
 
 from shardkit.layout import Layout
 
+from .clocks import COMPUTE
+from .comm.base import Comm
+from .comm.torch_dist import TorchGroup
 from .errors import TrainerError
 from .model import StageModel
-from .parallel import COMPUTE, Parallel
+from .parallel import Parallel
 
 SINGLE_STAGE = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
 MULTI_STAGE = {
@@ -110,6 +115,15 @@ def _timed_stage_class():
             with COMPUTE.timed():
                 return super().backward_weight_one_chunk(*args, **kwargs)
 
+        def _get_init_p2p_neighbors_ops(self):
+            # torch 2.9 greets its neighbours with an int64 stage index into a float32 buffer, and
+            # gloo refuses the size mismatch (later torch sends float32, as here)
+            ops = super()._get_init_p2p_neighbors_ops()
+            for op in ops:
+                if op.tensor.dtype != torch.float32:
+                    op.tensor = op.tensor.to(torch.float32)
+            return ops
+
     return TimedStage
 
 
@@ -173,7 +187,13 @@ class Pipeline:
                 inputs += () if first else (carry,)
                 outputs += (carry,)
             return stage_cls(
-                module, index, count, par.device, input_args=inputs, output_args=outputs, group=par.pp_group.pg
+                module,
+                index,
+                count,
+                par.device,
+                input_args=inputs,
+                output_args=outputs,
+                group=cast(TorchGroup, par.pp_group).pg,
             )
 
         if name in SINGLE_STAGE:
@@ -195,35 +215,52 @@ class Pipeline:
             self.schedule = schedule_cls(self.stages, n_micro, loss_fn=loss_fn, scale_grads=False)
         self.schedule_name = schedule_cls.__name__
         self.par = par
+        # torch >= 2.10 can skip merging the last stage's outputs; 2.9 would pass the flag to the model
+        takes_flag = "return_outputs" in inspect.signature(self.schedule.step).parameters
+        self._quiet: dict[str, bool] = {"return_outputs": False} if takes_flag else {}
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward over the step's micro-batches (gradients accumulated)."""
         return self._run(self.schedule.step, inputs, targets)
 
-    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The schedule's forward-only `eval` over the step's micro-batches (evaluation)."""
         return self._run(self.schedule.eval, inputs, targets)
 
-    def _run(self, run: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def _run(self, run: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         par = self.par
+        inputs, targets = inputs.to(par.device), targets.to(par.device)
         losses: list[torch.Tensor] = []
+        quiet = self._quiet
         if par.is_first_stage:
-            run(inputs, return_outputs=False)
+            run(inputs, **quiet)
         elif par.is_last_stage:
-            run(target=targets, losses=losses, return_outputs=False)
+            run(target=targets, losses=losses, **quiet)
         else:
-            run(return_outputs=False)
-        return float(sum(loss.detach().float() for loss in losses)) if losses else 0.0
+            run(**quiet)
+        total = sum(loss.detach().float() for loss in losses) if losses else torch.zeros(())
+        return torch.as_tensor(total).to(par.comm.accumulate_dtype)
 
 
 def run_micro_batches(
-    model: torch.nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int
-) -> float:
-    """pp = 1: forward and backward each micro-batch, accumulating gradients; returns the loss sum."""
-    total = 0.0
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    micro_batch: int,
+    comm: Comm,
+    training: bool = True,
+) -> torch.Tensor:
+    """pp = 1: forward (and backward) each micro-batch, accumulating gradients; returns the loss sum
+    (a tensor). Each micro-batch moves to the device on its own, and a lazy backend cuts the graph
+    after it, so its graph is the same for every micro-batch (not the whole step unrolled)."""
+    total = torch.zeros((), dtype=comm.accumulate_dtype, device=comm.device)
     for ids, tgt in zip(inputs.split(micro_batch), targets.split(micro_batch)):
+        ids, tgt = ids.to(comm.device), tgt.to(comm.device)
         with COMPUTE.timed():
             loss = loss_fn(model(ids), tgt)
-            loss.backward()
-        total += float(loss.detach())
+            if training:
+                loss.backward()
+        total = total + loss.detach().to(total.dtype)
+        comm.cut()
     return total

@@ -192,7 +192,7 @@ def staged_tag(par: Parallel, dst: Path, what: str) -> Iterator[tuple[Path, Chec
     """A scratch folder beside `dst` (one path for every rank, `io.transaction.scratch_folder`) and a
     throwaway Checkpointer to save a tag into it, for an export (`what`); the Checkpointer is closed
     and, once every rank is done, the folder is removed."""
-    checkpointer = Checkpointer(CheckpointerConfig(format="torch", fsync=False))
+    checkpointer = par.comm.checkpointer(CheckpointerConfig(format="torch", fsync=False))
     with scratch_folder(dst, par.job) as scratch:
         log.debug("%s: scratch tag in %s", what, scratch)
         try:
@@ -230,5 +230,6 @@ def export_hf(
         checkpointer.save(staging, EXPORT_TAG, state, layout=spec.layout, config=spec.config, rank=rank)
         par.all_ok(copy_side_files)
         marker = {EXPORT_MARKER: json.dumps({"run": run, "step": step}, indent=2) + "\n"}
-        export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype, overwrite=True, extra_files=marker)
+        if par.leader or not par.comm.shares_process:  # shardkit divides the merge among processes
+            export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype, overwrite=True, extra_files=marker)
     return dst

@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 
 from ..errors import ConfigMismatchError, FormatError
-from ..formats import Checkpoint, SourceReader, load_config, open_checkpoint
+from ..formats import Checkpoint, SourceReader, load_config
 from ..formats.torch_io import load_small
 from ..io import remote as remote_io
 from ..io.digest import FAST, expected_digest, file_matches
@@ -48,6 +48,7 @@ from .base import (
     Rank,
     distributed_rank,
 )
+from .nxd_modes import open_model, open_optimizer
 from .tree import (
     CONFIG,
     MODEL_DIR,
@@ -482,7 +483,7 @@ def _load_tag(
     given = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
     if saved is not None and given is not None:
         _compare_configs(saved, given, tag_dir)
-    ckpt = open_checkpoint(tag_dir, saved or given, hints)
+    ckpt = open_model(tag_dir, saved or given, hints)
     target = target_layout or ckpt.layout
     target.validate(ckpt.dims)
     me = Rank.of(rank, target)
@@ -491,7 +492,7 @@ def _load_tag(
     if shared is not None:
         shared[0] = False  # from here on, each rank reads (and hashes) its own files
     has_data = model_has_data(ckpt)
-    zero = Zero1Tag.open(tag_dir, ckpt, param_order) if optimizer or not has_data else None
+    zero = open_optimizer(tag_dir, ckpt, param_order) if optimizer or not has_data else None
     if has_data:
         model = read_pieces(ckpt, pieces, me, manifest, verify, same)
     else:

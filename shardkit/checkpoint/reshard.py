@@ -24,18 +24,35 @@ from typing import Any, TypedDict
 import torch
 from typing_extensions import Unpack
 
+from ..conventions import TITAN
 from ..distributed import Job, current_job
 from ..families.lora import base_config, saved_settings
-from ..formats import Checkpoint, SourceReader, load_config, nxd, open_checkpoint
+from ..formats import Checkpoint, SourceReader, load_config, nxd
 from ..formats.manifest import MANIFEST, file_record, manifest
+from ..formats.torch_io import load_small
+from ..io.digest import FileRecord
 from ..io.durable import write_bytes, write_marker, write_text
 from ..io.small import PICKLE_LIMIT, read_small
 from ..io.transaction import commit_all, staged_output
 from ..layout import Layout
 from ..placements import Piece
 from .base import CheckpointError
+from .dcp import TitanWrite, inspect_titan, kept_items, open_titan, titan_step_dir, write_titan
 from .guard import TagCheck
 from .load import tag_to_read
+from .nxd_modes import (
+    AVOID_LP,
+    DEFAULT,
+    ZERO1_DCP,
+    bare_weights,
+    check_mode,
+    finish_optim,
+    mode_of,
+    open_model,
+    open_optimizer,
+    stage_sizes,
+    write_dcp_optim,
+)
 from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT
 from .zero1 import (
     MASTER,
@@ -62,6 +79,10 @@ class Source:
     model: Checkpoint
     zero1: Zero1Tag | None
     has_data: bool = True
+    mode: str = "default"
+    """How NxD saved it (`nxd_modes.MODES`): its default, avoid-lp or zero1-dcp."""
+    plain: dict[str, Any] = field(default_factory=dict)
+    """scheduler.pt and user_content.pt to write from values, not copied (a torchtitan source's)."""
 
     @property
     def use_xser(self) -> bool:
@@ -80,9 +101,10 @@ def open_training_tag(tag_dir: Path, config: Any = None, hints: Hints = None, pa
             f"{tag_dir} has no config.json (NxD checkpoints carry none): pass the model's "
             "Hugging Face config with --config"
         )
-    model = open_checkpoint(tag_dir, config, hints)
-    zero = Zero1Tag.open(tag_dir, model, param_order)
-    return Source(tag_dir, model, zero, model_has_data(model))
+    model = open_model(tag_dir, config, hints)
+    zero = open_optimizer(tag_dir, model, param_order)
+    has_data = model_has_data(model)
+    return Source(tag_dir, model, zero, has_data, mode_of(tag_dir, has_data))
 
 
 def model_checkpoint(
@@ -166,23 +188,32 @@ def write_rank(
     use_xser: bool,
     master: bool,
     dtype: torch.dtype,
-) -> list[Path]:
-    """One target (ep, tp, pp) rank: its model file and its dp optimizer files (NxD's format; v3
-    names with ep_rank when ep > 1, ep ranks > 0 holding only their experts)."""
+    mode: str = "default",
+    stages: list[int] | None = None,
+) -> list[Path | FileRecord]:
+    """One target (ep, tp, pp) rank: its model file and its dp optimizer files (NxD's format, saved
+    as `mode` says: `nxd_modes`; v3 names with ep_rank when ep > 1, ep ranks > 0 holding only their
+    experts); DCP data files are returned as their records."""
     src = readers.src
     ep, tp, pp = rank
     pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes, ep)
     expert = {p.name for p in pieces if p.expert}  # xser's expert_model_parallel flags, as save writes them
-    written: list[Path] = []
-    weights = readers.weights(pieces, dtype)
+    written: list[Path | FileRecord] = []
     model_path = out_tag / nxd.rank_file_name(ep, tp, pp, layout, "torch")
-    written += save_object(model_path, weights, use_xser, expert)
-    del weights
+    if mode == AVOID_LP:  # names, shapes and dtypes only: the weights are the master weights
+        written += save_object(model_path, bare_weights(pieces, dtype), use_xser, expert, data=False)
+    else:
+        weights = readers.weights(pieces, dtype)
+        written += save_object(model_path, weights, use_xser, expert)
+        del weights
     if src.zero1 is not None:
         moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
         state = readers.state(pieces, moments)
         names = [p.name for p in pieces]
         groups = [readers.group(p) for p in pieces]
+        if mode == ZERO1_DCP:
+            written += write_dcp_optim(out_tag, layout, tp, pp, dp, names, src.zero1.hyper, state, stages or [])
+            return written
         for d in range(dp):
             obj = build_optim(names, groups, src.zero1.hyper, state, dp, d, master)
             name = optim_name(d, tp, pp, ep if layout.ep > 1 else None)
@@ -210,6 +241,12 @@ class TrainingReshardOptions(TypedDict, total=False):
     verify_hashes: bool
     """Check every file the source tag's manifest lists against its digest before the new
     checkpoint is committed (default True)."""
+    convention: str | None
+    """With format "dcp": whose names the DCP training checkpoint gets (default torchtitan's)."""
+    nxd_mode: str | None
+    """How NxD would have saved it (`nxd_modes.MODES`): "default", "avoid-lp" (xser model files
+    without tensor data, the weights in the master weights) or "zero1-dcp" (the optimizer through
+    PyTorch DCP); default: the source's."""
 
 
 @dataclass
@@ -224,6 +261,8 @@ class _Plan:
     use_xser: bool
     master: bool
     dtype: torch.dtype
+    mode: str = "default"
+    fmt: str = "torch"
     check: TagCheck | None = None
 
 
@@ -236,14 +275,35 @@ def _plan(src_dir: Path, layout: Layout, param_order: ParamOrder, options: Train
     if not isinstance(dp, int) or dp < 1:
         raise CheckpointError(f"--dp must be a whole number >= 1, got {dp!r}")
     cfg = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
-    src_dir, name = tag_to_read(src_dir, options.get("tag"), "shardkit reshard DIR DST")
-    src = open_training_tag(src_dir / name, cfg, options.get("hints"), param_order)
+    name, src = _open_source(src_dir, cfg, param_order, options)
     layout.validate(src.model.dims)
     fmt = options.get("format") or src.model.format
-    if fmt not in ("torch", "xser"):
-        raise CheckpointError(f"--format {fmt} is not one NxD's trainer writes: use torch or xser")
-    master = master_weights == "keep" and src.zero1 is not None and src.zero1.master
-    return _Plan(src, name, layout, dp if zero1 else 1, bool(zero1), fmt == "xser", master, model_dtype(src))
+    if fmt not in ("torch", "xser", "dcp"):
+        raise CheckpointError(f"--format {fmt} is not one NxD's or torchtitan's trainer writes: use torch, xser or dcp")
+    master = master_weights == "keep" and src.zero1 is not None and src.zero1.master and fmt != "dcp"
+    mode = options.get("nxd_mode") or src.mode
+    if options.get("nxd_mode") is None and mode == AVOID_LP and fmt != "xser":
+        mode = DEFAULT  # NxD leaves model data out only in xser: elsewhere the weights are written from the masters
+    if layout.ep > 1 and (fmt == "dcp" or mode == ZERO1_DCP):
+        raise CheckpointError("--ep > 1 is written in NxD's default or avoid-lp mode only, not through DCP")
+    if fmt != "dcp":
+        groups = len(src.zero1.hyper) if src.zero1 is not None else 1
+        check_mode(mode, use_xser=fmt == "xser", master=master, zero1=bool(zero1), groups=groups, layout=layout)
+    dp = dp if zero1 else 1
+    return _Plan(src, name, layout, dp, bool(zero1), fmt == "xser", master, model_dtype(src), mode, fmt)
+
+
+def _open_source(
+    src_dir: Path, cfg: dict[str, Any] | None, param_order: ParamOrder, options: TrainingReshardOptions
+) -> tuple[str, Source]:
+    """The source tag: an NxD (or shardkit) tag, or a torchtitan DCP checkpoint (its step-<N>)."""
+    titan = titan_step_dir(src_dir, options.get("tag"))
+    if titan is not None:
+        opened = open_titan(titan, cfg)
+        plain = {SCHEDULER: opened.scheduler, USER_CONTENT: opened.user_content}
+        return f"step_{opened.step}", Source(titan, opened.model, opened.optimizer, True, "default", plain)
+    src_dir, name = tag_to_read(src_dir, options.get("tag"), "shardkit reshard DIR DST")
+    return name, open_training_tag(src_dir / name, cfg, options.get("hints"), param_order)
 
 
 def reshard_training(
@@ -262,6 +322,8 @@ def reshard_training(
     job = job or current_job()
     src_dir, dst = Path(src_dir), Path(dst)
     plan = job.run_all_or_none(lambda: _plan(src_dir, layout, param_order, options))
+    if plan.fmt == "dcp":
+        return _to_titan(src_dir, dst, plan, job, options)
     started = time.monotonic()
     with staged_output(dst, sources=[src_dir, plan.src.tag_dir], what="ckpt reshard", job=job) as out:
         if job.leader:
@@ -284,32 +346,68 @@ def reshard_training(
     return dst / plan.name
 
 
+def _to_titan(src_dir: Path, dst: Path, plan: _Plan, job: Job, options: TrainingReshardOptions) -> Path:
+    """The training state as a torchtitan DCP checkpoint `dst/step-<N>` (`checkpoint.dcp`)."""
+    src = plan.src
+    step = int(_step(src, plan.name) or 0)
+    content, scheduler = _plain_value(src, USER_CONTENT), _plain_value(src, SCHEDULER)
+    weights = src.model if src.has_data or src.zero1 is None else master_weights_view(src.model, src.zero1)
+    write = TitanWrite(
+        weights,
+        src.zero1,
+        plan.layout,
+        options.get("convention") or TITAN,
+        step,
+        kept_items(content, scheduler, step),
+        plan.dtype,
+    )
+    check = TagCheck(src.tag_dir, options.get("verify_hashes", True)) if job.leader else None
+    out = write_titan(src_dir, dst, write, job, check)
+    log.info("wrote %s as a torchtitan checkpoint %s (%s names)", src.tag_dir, out, write.convention)
+    return out
+
+
+def _plain_value(src: Source, name: str) -> Any:
+    """scheduler.pt's or user_content.pt's value: given with the source, or read from the tag."""
+    if src.plain.get(name) is not None:
+        return src.plain[name]
+    path = src.tag_dir / name
+    return load_small(path, name) if path.is_file() else None
+
+
 def _begin_tag(out_tag: Path) -> None:
     out_tag.mkdir()
     write_marker(out_tag, CHECKPOINT_MARKER, fsync=False)
     (out_tag / MODEL_DIR).mkdir()
 
 
-def _write_mine(job: Job, plan: _Plan, out_tag: Path) -> list[str]:
+def _write_mine(job: Job, plan: _Plan, out_tag: Path) -> list[str | FileRecord]:
     """This process's share of the target (ep, tp, pp) ranks (their model and optimizer files)."""
     units = sorted(plan.layout.ranks(), key=lambda r: (r[2], r[1], r[0]))  # pp, tp, ep: stage by stage
     readers = RankReaders(plan.src)
+    stages = stage_sizes(plan.src.model, plan.layout) if plan.mode == ZERO1_DCP else None
     try:
-        files: list[Path] = []
+        files: list[Path | FileRecord] = []
         for rank in job.share(units):
-            files += write_rank(out_tag, readers, plan.layout, rank, plan.dp, plan.use_xser, plan.master, plan.dtype)
-        return [str(f) for f in files]
+            files += write_rank(
+                out_tag, readers, plan.layout, rank, plan.dp, plan.use_xser, plan.master, plan.dtype, plan.mode, stages
+            )
+        return [f if isinstance(f, FileRecord) else str(f) for f in files]
     finally:
         readers.close()
 
 
-def _finish_tag(plan: _Plan, out_tag: Path, written: list[str]) -> None:
+def _finish_tag(plan: _Plan, out_tag: Path, written: list[str | FileRecord]) -> None:
     """Leader, after every rank's files: the plain files, config, manifest; the source checked
     (unchanged, and every listed file matching its digest); `done` last."""
     src = plan.src
-    files = [Path(f) for f in written]
+    records = [f for f in written if isinstance(f, FileRecord)]
+    files = [Path(f) for f in written if isinstance(f, str)] + [out_tag / r.path for r in records]
+    files += finish_optim(out_tag, records)
     for plain in (SCHEDULER, USER_CONTENT):
-        if os.path.lexists(src.tag_dir / plain):
+        if src.plain.get(plain) is not None:
+            files += save_object(out_tag / plain, src.plain[plain], False)
+        elif os.path.lexists(src.tag_dir / plain):
             write_bytes(out_tag / plain, read_small(src.tag_dir / plain, plain, PICKLE_LIMIT), fsync=False)
             files.append(out_tag / plain)
     write_text(out_tag / CONFIG, json.dumps(src.model.config, indent=2) + "\n", fsync=False)
@@ -330,6 +428,7 @@ def _finish_tag(plan: _Plan, out_tag: Path, written: list[str]) -> None:
             "zero1": plan.zero1,
             "master_weights": plan.master,
             "nxd": True,
+            "nxd_mode": plan.mode,
         },
     )
     write_text(out_tag / MANIFEST, json.dumps(data, indent=2) + "\n", fsync=False)
@@ -363,6 +462,9 @@ def inspect_training(
     """What a training checkpoint tag holds: layout incl. dp and ZeRO-1, param groups and their
     hyper-parameters, step, master weights, optimizer bytes. `src_dir` is a checkpoint directory
     (its newest complete tag, or `tag`) or a tag folder."""
+    titan = titan_step_dir(Path(src_dir), tag)
+    if titan is not None:
+        return inspect_titan(titan, config)
     src_dir, name = tag_to_read(src_dir, tag, "shardkit inspect DIR")
     src = open_training_tag(src_dir / name, config, None, param_order)
     zero = src.zero1
@@ -393,6 +495,7 @@ def inspect_training(
         "step": _whole(zero.step) if zero else _step(src, name),
         "master_weights": bool(zero and zero.master),
         "model_has_data": src.has_data,
+        "nxd_mode": src.mode,
         "param_groups": groups,
         "optimizer_bytes": optim_bytes,
         "lora": _lora_info(src.model),

@@ -214,11 +214,15 @@ def torch_save_file(obj: Any, path: Path, **kwargs: Any) -> None:
         ) from None
 
 
-def save_object(path: Path, obj: Any, use_xser: bool, expert: bool | Collection[str] = False) -> list[Path]:
+def save_object(
+    path: Path, obj: Any, use_xser: bool, expert: bool | Collection[str] = False, data: bool = True
+) -> list[Path]:
     """torch.save `obj` to `path` exactly as NxD does (the archive is named after the file), or
     as xser (reference file, `.info.pt`, one file per tensor). `expert`: xser's
     `expert_model_parallel` flag of every tensor, or the keys of a flat dict `obj` whose tensors
-    get it. Returns the files written."""
+    get it. Without `data`, the xser tensor files are left out, as NxD's
+    `avoid_saving_lower_precision_weights` saves a model (`obj`'s tensors may then be on the meta
+    device: only their shapes and dtypes are written). Returns the files written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not use_xser:
@@ -226,10 +230,10 @@ def save_object(path: Path, obj: Any, use_xser: bool, expert: bool | Collection[
         return [path]
     tensors: list[torch.Tensor] = []
     refs = _reference_walk(obj, tensors)
-    folder = xser.tensors_dir(path)
-    folder.mkdir(exist_ok=True)
     written = []
-    for tid, tensor in enumerate(tensors):
+    if data:
+        xser.tensors_dir(path).mkdir(exist_ok=True)
+    for tid, tensor in enumerate(tensors if data else []):
         target = xser.tensor_path(path, tid)
         torch_save_file(tensor, target)
         written.append(target)
@@ -307,6 +311,8 @@ def model_has_data(ckpt: Checkpoint) -> bool:
     key = next(iter(ckpt.holdings))
     reader = ckpt.open(key)
     try:
+        if not getattr(reader, "holds_data", True):  # xser saved without its tensor files
+            return False
         names = set(reader.keys())
         for piece in ckpt.holdings[key]:
             if piece.name not in names:

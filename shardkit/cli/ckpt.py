@@ -213,9 +213,18 @@ param_order_option = click.option(
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["torch", "xser"]),
+    type=click.Choice(["torch", "xser", "dcp"]),
     default=None,
-    help="File format of the new checkpoint (default: the source's).",
+    help="File format of the new checkpoint (default: the source's): torch or xser (NxD's tree), or dcp (a "
+    "torchtitan training checkpoint DST/step-<N>: PyTorch DCP holding the model, AdamW's state per parameter, "
+    "the schedule, train state and data loader state; one data file per tp x pp rank).",
+)
+@click.option(
+    "--convention",
+    type=click.Choice(["torchtitan", "torchtitan-0.3", "hf"]),
+    default=None,
+    help="With --format dcp: the tensor names (default torchtitan: torchtitan 0.1-0.2's llama3 names, q and k in "
+    "its row order; torchtitan-0.3: 0.3's names; hf: Hugging Face's).",
 )
 @click.option("--tag", default=None, help="The tag to reshard (default: the newest complete one).")
 @click.option(
@@ -227,6 +236,16 @@ param_order_option = click.option(
 )
 @param_order_option
 @click.option(
+    "--nxd-mode",
+    type=click.Choice(["default", "avoid-lp", "zero1-dcp"]),
+    default=None,
+    help="How NxD would have saved the new checkpoint (default: as the source was saved). default: model and "
+    "per-rank ZeRO-1 optimizer files; avoid-lp: save_checkpoint(avoid_saving_lower_precision_weights=True), xser model "
+    "files without tensor data, the weights kept in the master weights (needs --format xser and master weights); "
+    "zero1-dcp: use_zero1_dcp=True, the optimizer state through PyTorch DCP in optim/ (one param group, no master "
+    "weights).",
+)
+@click.option(
     "--no-verify-hashes",
     "verify_hashes",
     flag_value=False,
@@ -236,10 +255,27 @@ param_order_option = click.option(
 )
 @common_options
 @click.pass_context
-def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master_weights, param_order, verify_hashes):
+def ckpt_reshard(
+    ctx,
+    src,
+    dst,
+    config,
+    layout_opts,
+    dp,
+    zero1,
+    fmt,
+    convention,
+    tag,
+    master_weights,
+    param_order,
+    nxd_mode,
+    verify_hashes,
+):
     """Move a whole training state SRC (model, ZeRO-1 optimizer shards, master weights, scheduler,
-    user content) to another layout, written as the checkpoint directory DST in NxD's format (SRC
-    and DST: folders or s3://bucket/prefix).
+    user content) to another layout, written as the checkpoint directory DST in NxD's format
+    (or torchtitan's, --format dcp). SRC may also be a torchtitan checkpoint (a DCP folder
+    step-<N>, or the folder of them: the newest, or --tag). SRC and DST: folders or
+    s3://bucket/prefix.
     Without --ep, --qkv (and --kv-replication / --hw) the source's expert parallelism, qkv style
     (and replica order) are kept, and a line says so.
 
@@ -248,11 +284,14 @@ def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master
       shardkit ckpt reshard ./ckpts ./ckpts-tp32 --config ./llama/config.json --tp 32 --pp 2 --dp 8
     """
     from ..api import inspect_training_checkpoint, reshard_training_checkpoint
+    from ..checkpoint.dcp import titan_step_dir
     from ..checkpoint.load import tag_to_read
     from ..layout import Layout
 
-    # (a tag in object storage is found by the API, through its mirror)
-    src_dir, name = tag_to_read(src, tag, "shardkit reshard DIR DST") if isinstance(src, Path) else (src, tag)
+    # a torchtitan checkpoint has no NxD tags; a tag in object storage is found by the API, through its mirror
+    titan = isinstance(src, Path) and titan_step_dir(src, tag) is not None
+    local = isinstance(src, Path) and not titan
+    src_dir, name = tag_to_read(src, tag, "shardkit reshard DIR DST") if local else (src, tag)
     source = Layout.from_dict(inspect_training_checkpoint(src_dir, name, config, param_order)["layout"])
     layout = build_layout(layout_opts, inherit=source)
     kept = kept_from_source(layout_opts, source, layout)
@@ -270,6 +309,8 @@ def ckpt_reshard(ctx, src, dst, config, layout_opts, dp, zero1, fmt, tag, master
         master_weights=master_weights,
         param_order=param_order,
         verify_hashes=verify_hashes,
+        nxd_mode=nxd_mode,
+        convention=convention,
     )
     click.echo(f"wrote {out}")
 
@@ -297,7 +338,12 @@ def ckpt_inspect(directory, tag, config, param_order, as_json):
         optimizer = f"dp {info['dp']}{per_ep}{' (ZeRO-1)' if info['zero1'] else ''}"
     click.echo(
         f"{info['path']}: {info['describe']}, {optimizer}, {info['format']}, step {number(info['step'])}, "
-        f"master weights {'yes' if info['master_weights'] else 'no'}, optimizer {format_bytes(info['optimizer_bytes'])}"
+        f"master weights {'yes' if info['master_weights'] else 'no'}, optimizer {format_bytes(info['optimizer_bytes'])}, "
+        + (
+            f"saved as NxD's {info['nxd_mode']}"
+            if info["nxd_mode"]
+            else f"a torchtitan checkpoint ({info['convention']} names)"
+        )
     )
     if info.get("lora"):
         click.echo(f"  {lora_line(info['lora'])}")

@@ -7,8 +7,9 @@ from collections.abc import Callable
 
 import click
 
+from ..conventions import CONVENTIONS
 from ..errors import ShardkitError
-from ..formats.registry import format_names
+from ..formats.registry import output_format_names
 from ..io.location import is_url
 from ..io.remote import Need, mirrors_scope
 from .hub import hub_check, hub_push, hub_quiet, hub_source, merge_and_push_report
@@ -35,8 +36,26 @@ from .options import (
 
 def format_option(help: str) -> Callable:
     return click.option(
-        "--format", "fmt", type=click.Choice(format_names()), default="torch", show_default=True, help=help
+        "--format", "fmt", type=click.Choice(output_format_names()), default="torch", show_default=True, help=help
     )
+
+
+convention_option = click.option(
+    "--convention",
+    type=click.Choice(list(CONVENTIONS)),
+    default=None,
+    help="With --format dcp: whose names the tensors get. hf (default): Hugging Face's; torchtitan: torchtitan "
+    "0.1-0.2's llama3 names (tok_embeddings, layers.{i}.attention.wq, output) with q and k stored as torchtitan's "
+    "rotary expects (each head's halves interleaved); torchtitan-0.3: the same with 0.3's names "
+    "(attention.qkv_linear.wq, lm_head). A DCP source's convention is recognised from its names.",
+)
+
+FORMAT_HELP = (
+    "torch (NxD's .pt), xser (torch-xla's, tensors in <file>.tensors/), safetensors, or dcp (a PyTorch "
+    "Distributed Checkpoint folder: .metadata and one __<rank>_0.distcp per rank, each holding that rank's slices "
+    "of the full tensors as DCP chunks; see --convention), or optimum-neuron (its training checkpoint: rank "
+    "files under shards/ with its mp_metadata; the qkv layout must be the one it builds for tp and the model)."
+)
 
 
 @click.command()
@@ -50,14 +69,15 @@ def format_option(help: str) -> Callable:
     help="Write shards of the given layout (default), or a Hugging Face directory (same as merge).",
 )
 @layout_options()
-@format_option("Shard files: torch (NxD's .pt), xser (torch-xla's, tensors in <file>.tensors/), or safetensors.")
+@format_option("Shard files: " + FORMAT_HELP)
+@convention_option
 @output_options()
 @config_option
 @max_shard_size_option("With --to-hf: largest safetensors file")
 @revision_option
 @common_options
 @click.pass_context
-def convert(ctx, src, dst, to_sharded, fmt, write, as_json, config, max_shard_size, revision, layout_opts):
+def convert(ctx, src, dst, to_sharded, fmt, convention, write, as_json, config, max_shard_size, revision, layout_opts):
     """Convert SRC (a Hugging Face model directory, or one torch state-dict file) into shards.
 
     \b
@@ -80,7 +100,15 @@ def convert(ctx, src, dst, to_sharded, fmt, write, as_json, config, max_shard_si
         if to_sharded:
             layout = build_layout(layout_opts)
             result = api_convert(
-                src, dst, layout, format=fmt, config=config, progress=bar, command=command_line(), **write
+                src,
+                dst,
+                layout,
+                format=fmt,
+                convention=convention,
+                config=config,
+                progress=bar,
+                command=command_line(),
+                **write,
             )
         else:
             if write.pop("sha256"):
@@ -113,7 +141,8 @@ def merge(ctx, src, dst, max_shard_size, config, source_hints, write, as_json, r
     \b
     SRC: shardkit's shards (layout from shardkit.json) or NxD's (v1/v2/v3 file names, torch or
     xser; the layout is inferred from file names, key names, shapes and config.json -- give
-    --config when the directory has none), or a Hub repo id. DST loads with
+    --config when the directory has none), a PyTorch DCP folder (.metadata; Hugging Face's or
+    torchtitan's names), or a Hub repo id. DST loads with
     transformers.AutoModelForCausalLM.from_pretrained; --push-to REPO_ID then uploads it to the
     Hub as `shardkit push` does. SRC and DST may be s3://bucket/prefix.
     """
@@ -149,7 +178,8 @@ def merge(ctx, src, dst, max_shard_size, config, source_hints, write, as_json, r
 @click.argument("src", type=SOURCE)  # as typed: "does not exist" names it so
 @click.argument("dst", type=LOCATION)
 @layout_options()
-@format_option("Format of the new shards.")
+@format_option("Format of the new shards: " + FORMAT_HELP)
+@convention_option
 @click.option(
     "--source-kv-replication",
     type=click.Choice(REPLICATION_CHOICES),
@@ -161,7 +191,7 @@ def merge(ctx, src, dst, max_shard_size, config, source_hints, write, as_json, r
 @revision_option
 @common_options
 @click.pass_context
-def reshard(ctx, src, dst, fmt, source_kv_replication, write, as_json, config, revision, layout_opts):
+def reshard(ctx, src, dst, fmt, convention, source_kv_replication, write, as_json, config, revision, layout_opts):
     """Turn shards of one layout (SRC) into another layout (DST) directly.
 
     Each new piece is assembled from exactly the source slices it needs; the full model is never
@@ -181,7 +211,9 @@ def reshard(ctx, src, dst, fmt, source_kv_replication, write, as_json, config, r
         if kept and is_leader():
             note(ctx, kept)
         with Bar(ctx, "reshard") as bar:
-            result = api_reshard(source, dst, layout, format=fmt, progress=bar, command=command_line(), **write)
+            result = api_reshard(
+                source, dst, layout, format=fmt, convention=convention, progress=bar, command=command_line(), **write
+            )
     report(ctx, result, started, as_json, "wrote")
 
 

@@ -6,9 +6,12 @@ from pathlib import Path
 
 import click
 
+from ..conventions import CONVENTIONS, HF
 from ..sizes import format_bytes
 from .hub import hub_quiet
 from .options import SOURCE, Bar, common_options, files_text, print_json, source_options
+
+OPTIMUM = "optimum-neuron"
 
 
 @click.command(name="inspect")
@@ -61,14 +64,18 @@ def describe(r: dict, show_tensors: bool) -> str:
     kind = {"hf": "a Hugging Face checkpoint (full tensors)", "sharded": "sharded weights"}[r["kind"]]
     lines = [
         f"{r['path']}: {kind}, {r['format']} format"
-        + (f" ({r['naming']} file names)" if r["kind"] == "sharded" else "")
+        + (f" ({r['naming']} file names)" if r["kind"] == "sharded" and r["format"] not in ("dcp", OPTIMUM) else "")
+        + (" (NxD rank files and names under shards/, described by its mp_metadata)" if r["format"] == OPTIMUM else "")
+        + (f", {CONVENTIONS[r['convention']].label} tensor names" if r.get("convention", HF) != HF else "")
     ]
     lines.append(
         f"  model:   {r['family']} ({m['model_type']}), {m['parameters'] / 1e6:.2f}M parameters, {m['layers']} layers, "
         f"hidden {m['hidden_size']}, {m['heads']} heads / {m['kv_heads']} kv heads of dim {m['head_dim']}, "
         f"vocab {m['vocab_size']}" + (", tied embeddings" if m["tied_embeddings"] else "")
     )
-    if r["kind"] == "sharded":
+    if r["format"] == "dcp":
+        lines.append(f"  layout:  {r['layout_from']}")
+    elif r["kind"] == "sharded":
         kv = f", kv heads x{lay['kv_multiplier']} ({lay['kv_replication']})" if lay["kv_multiplier"] > 1 else ""
         lines.append(
             f"  layout:  tp {lay['tp']}, pp {lay['pp']}"

@@ -27,6 +27,14 @@ from ..placements import Segment, SegmentIndex
 log = logging.getLogger(__name__)
 
 
+def _layout_from(ckpt: Checkpoint) -> str:
+    if ckpt.format == "dcp":
+        return "DCP chunks (each a slice of a full tensor)"
+    if ckpt.format == "optimum-neuron":
+        return "optimum-neuron's mp_metadata"
+    return "manifest" if ckpt.manifest else ("full model" if ckpt.kind == "hf" else "inferred from files")
+
+
 def _files_beside(ckpt: Checkpoint) -> int:
     """The files that belong to the rank files (xser's tensor and info files), counted apart."""
     if ckpt.kind != "sharded":
@@ -54,6 +62,7 @@ def inspect_checkpoint(
         "kind": ckpt.kind,
         "format": ckpt.format,
         "naming": ckpt.naming,
+        "convention": ckpt.convention,
         "family": ckpt.family.name,
         "model": {
             "model_type": dims.model_type,
@@ -68,7 +77,7 @@ def inspect_checkpoint(
             "parameters": sum(_numel(s) for s in ckpt.full_shapes.values()),
         },
         "layout": ckpt.layout.to_dict(),
-        "layout_from": "manifest" if ckpt.manifest else ("full model" if ckpt.kind == "hf" else "inferred from files"),
+        "layout_from": _layout_from(ckpt),
         "dtype": str(ckpt.dtype()).replace("torch.", "") if not problems else None,
         "files": len(ckpt.files),
         "files_beside": _files_beside(ckpt),

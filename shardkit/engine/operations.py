@@ -22,10 +22,11 @@ import torch
 from typing_extensions import Unpack
 
 from ..checkpoint.tree import CHECKPOINT_MARKER
+from ..conventions import HF
 from ..distributed import current_job
 from ..formats import MANIFEST, Checkpoint, get_format, hf
-from ..formats.manifest import manifest
-from ..io.digest import FileRecord
+from ..formats.manifest import file_record, manifest
+from ..io.digest import FileRecord, Recording
 from ..io.durable import write_text
 from ..io.transaction import STAGING_TAG, sibling_name
 from ..layout import FULL, Layout
@@ -160,18 +161,24 @@ def reshard_checkpoint(
     *,
     format: str = "torch",
     command: str | None = None,
+    convention: str | None = None,
     **options: Unpack[WriteArgs],
 ) -> Result:
     """Write `ckpt` as shards of `layout` in `format`, reading only the slices each shard needs
-    (`command`: the command line to record in the manifest)."""
-    get_format(format)
+    (`command`: the command line to record in the manifest; `convention`: the tensor names of a
+    format that chooses them, DCP: Hugging Face's by default, or torchtitan's)."""
+    fmt = get_format(format)
     write = WriteOptions.from_args(options, format)
     target_dtype = write.dtype
     layout.validate(ckpt.dims)
     ckpt.check_files()
-    outputs = plan_sharded(ckpt.family, ckpt.dims, layout, format)
+    outputs = plan_sharded(ckpt.family, ckpt.dims, layout, format, convention)
 
     def finish(stage: Path, records: list[FileRecord]) -> None:
+        if fmt.finish is not None:  # DCP's .metadata, optimum-neuron's metadata: once the data files are written
+            sha = write.digests is Recording.SHA256
+            added = fmt.finish(stage, records, ckpt.family, ckpt.dims, layout)
+            records = records + [file_record(p, stage, sha) for p in added]
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
         _copy_side_files(ckpt, stage)
         dtype_name = str(target_dtype or ckpt.dtype()).replace("torch.", "")
@@ -186,6 +193,7 @@ def reshard_checkpoint(
                 tensors=ckpt.full_shapes,
                 source=str(ckpt.root),
                 command=command,
+                **({"convention": convention or HF} if fmt.plan is not None else {}),
             ),
         )
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..conventions import HF
+from ..errors import ShardkitError
 from ..families import Family
-from ..formats import hf, nxd
+from ..formats import get_format, hf, nxd
 from ..layout import Layout, ModelDims
 from ..placements import Piece, Segment, make_piece
 from ..sizes import parse_size
@@ -28,8 +30,16 @@ class OutputFile:
         return [p.name for p in self.pieces if p.expert]
 
 
-def plan_sharded(family: Family, dims: ModelDims, layout: Layout, fmt: str) -> list[OutputFile]:
-    """Rank files of `layout` (NxD names), each with its pieces."""
+def plan_sharded(
+    family: Family, dims: ModelDims, layout: Layout, fmt: str, convention: str | None = None
+) -> list[OutputFile]:
+    """Rank files of `layout` (NxD names), each with its pieces; or the files a format that lays
+    out its own plans (DCP, under a naming `convention`)."""
+    own = get_format(fmt).plan
+    if own is not None:
+        return [OutputFile(path, pieces, rank) for path, pieces, rank in own(family, dims, layout, convention)]
+    if convention not in (None, HF):
+        raise ShardkitError(f"--convention {convention} names tensors in --format dcp only; {fmt} keeps NxD's names")
     layout.validate(dims)
     shapes = family.full_shapes(dims)
     outputs = []

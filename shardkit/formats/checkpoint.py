@@ -9,7 +9,7 @@ engine needs nothing else to read any slice of any full tensor.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from ..io.small import read_json
 from ..io.transaction import recover_interrupted
 from ..layout import FULL, Layout, ModelDims
 from ..placements import Piece, Segment, SegmentIndex, make_piece
-from . import hf, nxd
+from . import dcp, hf, nxd, optimum_neuron
 from .base import TensorFile
 from .manifest import MANIFEST
 from .reader import SourceReader
@@ -48,12 +48,16 @@ class Checkpoint:
     manifest: dict[str, Any] | None = None
     naming: str = "hf"
     single_file: bool = False  # opened from one state-dict file: only that file (not root) is the source
+    convention: str = "hf"  # whose names the files use (conventions.py): a DCP folder may use torchtitan's
+    opener: Callable[[str], TensorFile] | None = None  # a format whose readers need more than a path (DCP)
 
     @property
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.family.full_shapes(self.dims)
 
     def open(self, key: str) -> TensorFile:
+        if self.opener is not None:
+            return self.opener(key)
         path = self.files[key]
         return format_of_file(path, self.format).reader(path)
 
@@ -134,6 +138,10 @@ def open_checkpoint(
         ckpt = _open_full(root.parent, {root.name: root}, cfg, where or _config_near_path(root))
         ckpt.single_file = True
         return ckpt
+    if (root / dcp.METADATA).is_file():
+        return _open_dcp(root, given, hints, where)
+    if optimum_neuron.shards_of(root) is not None:
+        return _open_optimum_neuron(root, given, where)
     manifest_path = root / MANIFEST
     if manifest_path.is_file():
         return _open_shardkit(root, given, where)
@@ -229,6 +237,73 @@ def _open_full(root: Path, files: dict[str, Path], cfg: dict[str, Any], where: s
     return Checkpoint(root, "hf", fmt, cfg, family, dims, FULL, files, holdings)
 
 
+def _open_dcp(root: Path, given: dict | None, hints: Mapping, where: str | None = None) -> Checkpoint:
+    """A PyTorch DCP folder's model: chunks as pieces of full tensors (`dcp.describe_model`), under
+    the naming convention its names follow (or `hints["convention"]`)."""
+    if given is None:
+        for candidate in (root / "config.json", root.parent / "config.json"):
+            if candidate.is_file():
+                given, where = load_config(candidate), str(candidate)
+                break
+        else:
+            raise FormatError(
+                f"{root} is a PyTorch DCP checkpoint without a config.json: pass the model's Hugging Face config with --config"
+            )
+    family, dims = _family_dims(given, where)
+    model = dcp.describe_model(root, family, dims, hints.get("convention"))
+    manifest = read_json(root / MANIFEST, MANIFEST) if (root / MANIFEST).is_file() else None
+    return Checkpoint(
+        root,
+        "sharded",
+        "dcp",
+        given,
+        family,
+        dims,
+        FULL,
+        model.files,
+        model.holdings,
+        {},
+        manifest,
+        "dcp",
+        convention=model.convention.name,
+        opener=model.open,
+    )
+
+
+def _open_optimum_neuron(root: Path, given: dict | None, where: str | None = None) -> Checkpoint:
+    """An optimum-neuron checkpoint (the saved folder, or its shards/): NxD rank files under the
+    layout its metadata describes (`optimum_neuron.describe`)."""
+    shards = optimum_neuron.shards_of(root)
+    assert shards is not None
+    base = shards.parent if shards == root else root
+    if given is None:
+        candidate = base / "config.json"
+        if not candidate.is_file():
+            raise FormatError(
+                f"{base} is an optimum-neuron checkpoint without its config.json: pass the model's config with --config"
+            )
+        given, where = load_config(candidate), str(candidate)
+    family, dims = _family_dims(given, where)
+    described = optimum_neuron.describe(base, family, dims)
+    holdings, ranks = _sharded_holdings(family, dims, described.layout, described.keys_by_rank)
+    files = {key: base / key for key in holdings}
+    manifest = read_json(base / MANIFEST, MANIFEST) if (base / MANIFEST).is_file() else None
+    return Checkpoint(
+        base,
+        "sharded",
+        "optimum-neuron",
+        given,
+        family,
+        dims,
+        described.layout,
+        files,
+        holdings,
+        ranks,
+        manifest,
+        "optimum-neuron",
+    )
+
+
 def _sharded_holdings(family, dims, layout, keys_by_rank) -> tuple[dict[str, list[Piece]], dict[str, tuple]]:
     family.validate(layout, dims)
     shapes = family.full_shapes(dims)
@@ -292,20 +367,31 @@ def _open_nxd(
     first = probe.open(keys_by_rank[(0, 0, 0)])
     try:
         layout = nxd.infer_layout(rank_files, first, dims, dict(hints), family)
+        bare = not getattr(first, "holds_data", True)  # saved without tensor data: nothing to compare
     finally:
         first.close()
     holdings, ranks = _sharded_holdings(family, dims, layout, keys_by_rank)
     ckpt = Checkpoint(
         root, "sharded", rank_files.format, given, family, dims, layout, files, holdings, ranks, None, rank_files.naming
     )
-    if layout.kv_multiplier > 1 and "kv_replication" not in hints:
+    if layout.kv_multiplier > 1 and "kv_replication" not in hints and not bare:
         ckpt = _decide_replication(ckpt, keys_by_rank)
     return ckpt
 
 
-def _decide_replication(ckpt: Checkpoint, keys_by_rank) -> Checkpoint:
+def decide_replication(ckpt: Checkpoint, view: Callable[[Checkpoint], Checkpoint]) -> Checkpoint:
+    """`ckpt` under the kv replication its values say, read through `view` (see below): for NxD
+    shards whose files hold no tensor data, the training checkpoint's master weights."""
+    return _decide_replication(ckpt, {rank: key for key, rank in ckpt.ranks.items()}, view)
+
+
+def _decide_replication(
+    ckpt: Checkpoint, keys_by_rank, view: Callable[[Checkpoint], Checkpoint] | None = None
+) -> Checkpoint:
     """Interleaved or blocked kv replication, decided from the data: under the right one, every
-    rank that claims to hold a given kv head holds the same values."""
+    rank that claims to hold a given kv head holds the same values. `view` gives what holds the
+    values for a candidate layout, when the files themselves do not (a training checkpoint's
+    master weights)."""
     first_layer = ckpt.layout.stage_layers(ckpt.dims.num_layers)[0][0]
     k_rows = ckpt.family.k_source(ckpt.dims, first_layer)
     if k_rows is None:
@@ -318,7 +404,8 @@ def _decide_replication(ckpt: Checkpoint, keys_by_rank) -> Checkpoint:
         layout = Layout(**{**ckpt.layout.to_dict(), "kv_replication": replication})
         holdings, _ = _sharded_holdings(ckpt.family, ckpt.dims, layout, keys_by_rank)
         candidate = Checkpoint(**{**ckpt.__dict__, "layout": layout, "holdings": holdings})
-        verdicts[replication] = (candidate, _replicas_agree(candidate, SourceReader(candidate), k_rows))
+        values = view(candidate) if view is not None else candidate
+        verdicts[replication] = (candidate, _replicas_agree(values, SourceReader(values), k_rows))
     agree = [r for r, (_, ok) in verdicts.items() if ok]
     if not agree:
         raise FormatError(

@@ -17,6 +17,8 @@ from typing import cast
 
 from ..errors import ShardkitError
 from ..io.digest import Recording
+from ..placements import Piece
+from . import dcp, dcp_files, optimum_neuron
 from .base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFile, TensorFileWriter, TensorSpec
 from .safetensors_io import SafetensorsFile, SafetensorsWriter
 from .torch_io import TorchFile, TorchWriter
@@ -64,6 +66,13 @@ class Format:
     """What its writer takes besides whole tensors."""
     companions: Callable[[Path], list[Path]] = lambda path: []
     """Other files and folders that belong to a rank file (xser's tensor files)."""
+    plan: Callable[..., list[tuple[str, list[Piece], tuple[int, int, int]]]] | None = None
+    """For a format that lays out its own files instead of NxD's rank files:
+    plan(family, dims, layout, convention) -> (file, pieces, rank) per data file (DCP: a file per
+    rank, each holding chunks of full tensors under a naming convention's names)."""
+    finish: Callable[..., list[Path]] | None = None
+    """Files such a format adds once every data file is written: finish(folder, records, family,
+    dims, layout) (DCP's `.metadata`; optimum-neuron's metadata and markers)."""
 
     def files_of(self, path: Path) -> list[Path]:
         """The rank file and every file that belongs to it."""
@@ -114,7 +123,8 @@ FORMATS: dict[str, Format] = {
             writer=lambda path, root, specs, expert, digests, direct: XserWriter(
                 path, root, specs, list(expert), digests, direct
             ),
-            detect=lambda path: tensors_dir(path).is_dir(),
+            # a model file NxD saved without tensor data has its .info.pt but no tensor folder
+            detect=lambda path: tensors_dir(path).is_dir() or info_path(path).is_file(),
             abilities=Abilities(kernel_copies=True, row_streaming=True),
             companions=_xser_companions,
         ),
@@ -136,16 +146,45 @@ FORMATS: dict[str, Format] = {
             _plain(SafetensorsWriter),
             abilities=Abilities(kernel_copies=True, row_streaming=True, chunked_writes=True),
         ),
+        Format(
+            "dcp",
+            dcp_files.SUFFIX,
+            "PyTorch DCP",
+            "torch.distributed.checkpoint folders: .metadata and a data file per rank, tensors in chunks",
+            dcp.DcpFile,
+            lambda path, root, specs, expert, digests, direct: dcp.DcpWriter(path, root, specs, digests, direct),
+            detect=lambda path: (path.parent / dcp_files.METADATA).is_file(),
+            abilities=Abilities(kernel_copies=True, chunked_writes=True),
+            plan=dcp.plan_outputs,
+            finish=lambda folder, records, *model: dcp_files.finish_folder(folder, records),
+        ),
+        Format(
+            "optimum-neuron",
+            ".pt",
+            "optimum-neuron",
+            "optimum-neuron's training checkpoints: NxD rank files under shards/, mp_metadata_pp_rank_<P>.json beside",
+            TorchFile,
+            _plain(TorchWriter),
+            detect=optimum_neuron.is_rank_file,
+            abilities=Abilities(kernel_copies=True, row_streaming=True),
+            plan=optimum_neuron.plan_outputs,
+            finish=optimum_neuron.finish_folder,
+        ),
     )
 }
 
 DEFAULT_FORMAT = "torch"
-SUFFIXES = tuple(sorted({f.suffix for f in FORMATS.values()}))
+SUFFIXES = tuple(sorted({f.suffix for f in FORMATS.values() if f.plan is None}))
 
 
 def format_names() -> list[str]:
-    """The format names, for CLI choices and messages (the default first)."""
-    return [DEFAULT_FORMAT, *(n for n in FORMATS if n != DEFAULT_FORMAT)]
+    """The formats of NxD rank files (training checkpoints, the trainer's shards), the default first."""
+    return [DEFAULT_FORMAT, *(n for n, f in FORMATS.items() if n != DEFAULT_FORMAT and f.plan is None)]
+
+
+def output_format_names() -> list[str]:
+    """Every format convert and reshard write (rank files, and formats with their own layout: DCP)."""
+    return [*format_names(), *(n for n, f in FORMATS.items() if f.plan is not None)]
 
 
 def get_format(name: str) -> Format:

@@ -14,8 +14,10 @@ import contextlib
 import io
 import os
 import pickle
+import struct
 import sys
 import threading
+import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -142,6 +144,85 @@ def state_dict_of(obj: Any, path: Path) -> dict[str, Any]:
     if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
         raise FormatError(f"{path} does not hold a state dict (name -> tensor)")
     return obj
+
+
+def _zip_record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]]]:
+    """The archive's folder prefix and, per record name, (data offset in the file, size).
+
+    torch.save writes records uncompressed (ZIP_STORED) and aligned; a record's data starts after
+    its local header, whose extra field (torch's alignment padding) may differ from the central one.
+    """
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as fh:
+        return _archive_records(archive, fh.fileno(), 0, path)
+
+
+def _archive_records(
+    archive: zipfile.ZipFile, fd: int, base: int, path: Path
+) -> tuple[str, dict[str, tuple[int, int]]]:
+    """`_zip_record_offsets` of an archive that starts at byte `base` of the file open as `fd`."""
+    records: dict[str, tuple[int, int]] = {}
+    infos = archive.infolist()
+    pickles = [i.filename for i in infos if i.filename.endswith("data.pkl")]
+    if not pickles:
+        raise FormatError(f"{path} is not a torch.save file (no data.pkl): re-create it")
+    prefix = pickles[0][: -len("data.pkl")]
+    if hasattr(os, "posix_fadvise"):  # a cold file's headers (one per tensor) are read in parallel
+        for info in infos:
+            os.posix_fadvise(fd, base + info.header_offset + 26, 4, os.POSIX_FADV_WILLNEED)
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise FormatError(f"{path}: record {info.filename} is compressed; torch files never are")
+        name_len, extra_len = struct.unpack("<HH", os.pread(fd, 4, base + info.header_offset + 26))
+        records[info.filename] = (base + info.header_offset + 30 + name_len + extra_len, info.file_size)
+    return prefix, records
+
+
+class _Window(io.RawIOBase):
+    """Bytes [start, start + length) of an open file, as a file of their own (read positionally)."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = max(0, offset + (0, self._pos, self._length)[whence])
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self._length - self._pos))
+        data = os.pread(self._fd, n, self._start + self._pos) if n else b""
+        view[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def embedded_tensor(path: Path, offset: int, length: int) -> StoredTensor:
+    """Where the one tensor of a torch.save archive stored at bytes [offset, offset + length) of
+    `path` sits in that file (how PyTorch DCP's `.distcp` files hold each chunk, one archive after
+    another): read from the archive's directory and its small pickle, nothing else."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh, zipfile.ZipFile(_Window(fh.fileno(), offset, length)) as archive:
+            prefix, records = _archive_records(archive, fh.fileno(), offset, path)
+            raw = archive.read(prefix + "data.pkl")
+        value = _plain_metadata(raw, path, prefix, records)
+    except (zipfile.BadZipFile, OSError, ValueError, struct.error, KeyError, EOFError) as e:
+        raise FormatError(
+            f"{path}: the tensor stored at bytes {offset}..{offset + length} is truncated or corrupt "
+            f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}): re-create the checkpoint"
+        ) from None
+    if not isinstance(value, StoredTensor):
+        raise FormatError(f"{path}: bytes {offset}..{offset + length} do not hold one plain tensor: re-create it")
+    return value
 
 
 def load_metadata(path: Path) -> Any:

@@ -100,10 +100,13 @@ def _valid_info(path: Path) -> dict:
 
 def _valid_references(path: Path) -> dict[str, Any]:
     """An xser rank file's state dict (name -> tensor or TensorReference), once every referenced
-    tensor file is there and a regular file."""
+    tensor file is there and a regular file (a file saved without tensor data: see `holds_data`)."""
     sd = state_dict_of(safe_load(path), path)
+    bare = not holds_data(path)
     for name, value in sd.items():
-        if isinstance(value, TensorReference):
+        if isinstance(value, TensorReference) and bare:
+            tensor_path(path, value.tid)  # a valid id, though nothing is read by it
+        elif isinstance(value, TensorReference):
             file = tensor_path(path, value.tid)
             if not file.exists():
                 raise FormatError(f"{path}: tensor file of {name} ({file.name}) is missing")
@@ -113,8 +116,18 @@ def _valid_references(path: Path) -> dict[str, Any]:
     return sd
 
 
+def holds_data(path: Path) -> bool:
+    """False for an xser file NxD saved without tensor data (`save_checkpoint(...,
+    avoid_saving_lower_precision_weights=True)`): its reference file and `.info.pt` (every
+    tensor's dtype and shape) are written, its `.tensors/` folder is not; the weights are then the
+    optimizer's master weights."""
+    return tensors_dir(path).is_dir() or not info_path(path).is_file()
+
+
 class XserFile:
-    """Lazy reader of one xser rank file: each referenced tensor is mapped only when read."""
+    """Lazy reader of one xser rank file: each referenced tensor is mapped only when read.
+    `holds_data` is False for a file saved without its tensors (see `holds_data`): names, shapes
+    and dtypes come from its `.info.pt`, and reading a tensor is refused."""
 
     def __init__(self, path: Path):
         self.path = regular(Path(path), "xser file")
@@ -122,6 +135,14 @@ class XserFile:
         self._sd = parsed_once(self.path, "xser", _valid_references)
         info = info_path(self.path)
         self._info = parsed_once(info, "xser-info", _valid_info) if info.exists() else {}
+        self.holds_data = holds_data(self.path)
+        if not self.holds_data:
+            missing = [n for n, v in self._sd.items() if isinstance(v, TensorReference) and v.tid not in self._info]
+            if missing:
+                raise FormatError(
+                    f"{self.path} holds no tensor data and its .info.pt does not describe {missing[0]}: "
+                    "the file is corrupt; re-create it"
+                )
         self._files: dict[int, TorchFile] = {}
         self._taps: Callable[[Path], ReadTap | None] | None = None
 
@@ -167,7 +188,15 @@ class XserFile:
 
     def _tensor(self, name: str):
         value = self._sd[name]
-        return value if isinstance(value, torch.Tensor) else self._file(value.tid)
+        if isinstance(value, torch.Tensor):
+            return value
+        if not self.holds_data:
+            raise FormatError(
+                f"{self.path}: {name} holds no data (NxD saved the model without its tensors, "
+                "avoid_saving_lower_precision_weights): its weights are the optimizer's master weights; "
+                "read the training checkpoint (shardkit ckpt export / ckpt reshard)"
+            )
+        return self._file(value.tid)
 
     def shape(self, name: str) -> tuple[int, ...]:
         value = self._sd[name]

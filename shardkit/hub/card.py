@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..conventions import CONVENTIONS
 from ..errors import ShardkitError
 from ..formats import Checkpoint, get_format, hf, is_plain_hf_dir, open_checkpoint
 from ..formats.safetensors_io import read_header
@@ -79,6 +80,9 @@ def _describe_origin(origin, config=None, hints=None) -> tuple[str, Mapping | No
             return "sharded (layout not recorded)", None
     if ckpt.kind == "hf":
         return "not sharded (a Hugging Face checkpoint)", None
+    if ckpt.format == "dcp":
+        names = CONVENTIONS[ckpt.convention].label
+        return f"a PyTorch DCP checkpoint ({names} tensor names, {ckpt.family.name} family)", ckpt.manifest
     return (
         f"{ckpt.layout.describe()} ({get_format(ckpt.format).label} shards, {ckpt.family.name} family)",
         ckpt.manifest,

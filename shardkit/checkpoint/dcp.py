@@ -1,0 +1,355 @@
+"""torchtitan's training checkpoints (PyTorch DCP), read and written by meaning.
+
+torchtitan's `CheckpointManager.save` (`components/checkpoint.py`, releases 0.1-0.2) writes
+`<dump>/checkpoint/step-<N>/` with `dcp.save` of one state dict: the model's parameters at the top
+level, under torchtitan's names (`conventions.TITAN`); `optimizer`, AdamW's state flattened per
+parameter (`get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`:
+`state.<fqn>.exp_avg|exp_avg_sq|step`, `param_groups.<fqn>.<hyperparameter>`); `lr_scheduler`
+(the first scheduler's state dict); `dataloader`; `train_state` (`step`, `ntokens_seen`). Every
+tensor is saved in the chunks its ranks held (FSDP's dim-0 shards, tensor parallel cuts).
+
+Reading (`open_titan`): the model is the folder's DCP model (`formats.dcp.describe_model`), and
+AdamW's moments are pieces of the full tensors `"exp_avg::<HF name>"`, cut and permuted like their
+parameters (`TitanOptimizer`, which `ckpt reshard` and its readers take as they take NxD's ZeRO-1
+state); parameters with the same hyperparameters form one param group. The schedule becomes NxD's
+`scheduler.pt`, and the step, with every value NxD's tree has no place for (the schedule's and
+the data loader's items, as flattened), goes into `user_content.pt` (`TITAN`), so that the way
+back writes them as they were.
+
+Writing (`write_titan`): a DCP folder `step-<N>` of a layout's chunks (a data file per (tp, pp)
+rank, as `formats.dcp.plan_outputs` cuts the model), holding the parameters, each one's moments
+(the same chunks), step and hyperparameters, and the schedule, train state and data loader state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..conventions import get_convention, to_native
+from ..distributed import Job
+from ..formats import Checkpoint, SourceReader, open_checkpoint
+from ..formats.dcp import describe_model, parse_chunk_name, plan_outputs
+from ..formats.dcp_files import METADATA, DcpFileWriter, DcpFolder, finish_folder, read_tensor
+from ..formats.manifest import MANIFEST, file_record, manifest
+from ..io.digest import FileRecord
+from ..io.durable import write_text
+from ..io.transaction import commit_all, staged_output
+from ..layout import FULL, Layout
+from ..placements import Piece
+from .base import CheckpointError
+from .tree import CONFIG
+from .zero1 import MOMENTS, SEP, StageOrder, Zero1Tag, prefixed
+
+log = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TITAN_ITEMS = "torchtitan"
+"""The key of `user_content.pt` under which the flattened items torchtitan saved beside the model
+and optimizer are kept ({flat key: [nested path, value]})."""
+_KEPT = ("lr_scheduler.", "dataloader.", "train_state.")
+
+
+def titan_step_dir(src: Path, tag: str | None = None) -> Path | None:
+    """The DCP training checkpoint `src` names: itself (a folder with `.metadata`), or, in a folder
+    of torchtitan's `step-<N>` checkpoints, `tag` or the newest; None when `src` is neither."""
+    src = Path(src)
+    if (src / METADATA).is_file():
+        if tag not in (None, src.name):
+            raise CheckpointError(f"{src} is one DCP checkpoint ({src.name}): --tag {tag} does not name it")
+        return src
+    if not src.is_dir():
+        return None
+    steps = {int(m.group(1)): p for p in src.iterdir() if (m := STEP_DIR.match(p.name)) and (p / METADATA).is_file()}
+    if not steps:
+        return None
+    if tag is not None:
+        if not (src / tag / METADATA).is_file():
+            raise CheckpointError(
+                f"{src} holds no DCP checkpoint {tag} (it holds {', '.join(sorted(p.name for p in steps.values()))})"
+            )
+        return src / tag
+    return steps[max(steps)]
+
+
+@dataclass
+class TitanOptimizer(Zero1Tag):
+    """AdamW's state in a torchtitan checkpoint, offered as `Zero1Tag` offers NxD's: `view()` is a
+    Checkpoint of the full tensors `"<moment>::<HF name>"`; one group per distinct set of
+    hyperparameters."""
+
+    moments_view: Checkpoint | None = None
+    groups_of: dict[str, int] = field(default_factory=dict)
+
+    def moments(self) -> list[str]:
+        return list(MOMENTS)
+
+    def view(self, moments: Sequence[str] | None = None) -> Checkpoint:
+        assert self.moments_view is not None
+        return self.moments_view
+
+    def group_of(self) -> dict[str, int]:
+        return dict(self.groups_of)
+
+
+@dataclass
+class TitanTag:
+    """An opened torchtitan checkpoint: its model, AdamW's state, step, schedule and kept items."""
+
+    step_dir: Path
+    model: Checkpoint
+    optimizer: TitanOptimizer
+    step: int
+    scheduler: dict[str, Any] | None
+    user_content: dict[str, Any]
+
+
+def open_titan(step_dir: Path, config: Any = None) -> TitanTag:
+    """A torchtitan DCP training checkpoint, checked: every parameter's moments and step present,
+    one step for all."""
+    model = open_checkpoint(step_dir, config)
+    if model.format != "dcp":
+        raise CheckpointError(f"{step_dir} is not a DCP checkpoint")
+    moments = describe_model(step_dir, model.family, model.dims, model.convention, [m + SEP for m in MOMENTS])
+    folder = moments.folder
+    view = Checkpoint(
+        **{**model.__dict__, "files": moments.files, "holdings": moments.holdings, "opener": moments.open}
+    )
+    hyper, groups_of, step = _groups_and_step(folder, moments.prefix, model)
+    names = list(model.full_shapes)
+    optimizer = TitanOptimizer(step_dir, model, dp=1, step=float(step), hyper=hyper)
+    optimizer.moments_view, optimizer.groups_of = view, groups_of
+    optimizer.orders[(0, 0, 0)] = StageOrder(
+        names, [groups_of[n] for n in names], [model.full_shapes[n] for n in names]
+    )
+    items = {k: [list(folder.paths.get(k, (k,))), folder.object(k)] for k in folder.objects if k.startswith(_KEPT)}
+    train = _nested({k: v for k, v in items.items() if k.startswith("train_state.")}).get("train_state", {})
+    schedule = _nested({k: v for k, v in items.items() if k.startswith("lr_scheduler.")}).get("lr_scheduler")
+    count = int(train.get("step", step)) if isinstance(train, Mapping) else int(step)
+    content = {"step": count, "total_steps": count, TITAN_ITEMS: items}
+    return TitanTag(step_dir, model, optimizer, count, schedule, content)
+
+
+def _groups_and_step(
+    folder: DcpFolder, at: str, model: Checkpoint
+) -> tuple[list[dict[str, Any]], dict[str, int], float]:
+    """The distinct hyperparameter sets (param groups), each parameter's group, and the one step."""
+    convention = get_convention(model.convention)
+    hyper: list[dict[str, Any]] = []
+    groups: dict[str, int] = {}
+    steps: set[float] = set()
+    for hf in model.full_shapes:
+        fqn = convention.native(hf)
+        mine = {
+            k.rsplit(".", 1)[1]: folder.object(k)
+            for k in folder.objects
+            if k.startswith(f"{at}optimizer.param_groups.{fqn}.")
+        }
+        if mine not in hyper:
+            hyper.append(mine)
+        groups[hf] = hyper.index(mine)
+        key = f"{at}optimizer.state.{fqn}.step"
+        if key not in folder.tensors:
+            raise CheckpointError(f"{folder.root}: {key} is missing: the optimizer state is incomplete")
+        steps.add(float(read_tensor(folder, key).item()))
+    if len(steps) != 1:
+        raise CheckpointError(f"{folder.root}: the parameters have taken different numbers of steps ({sorted(steps)})")
+    return hyper, groups, steps.pop()
+
+
+def _nested(items: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
+    """Flattened DCP items {key: [path, value]} as the nested state dict they came from."""
+    out: dict[str, Any] = {}
+    for path, value in items.values():
+        node: Any = out
+        for part, after in zip(path[:-1], path[1:]):
+            if isinstance(node, dict):
+                node = node.setdefault(part, [] if isinstance(after, int) else {})
+            else:
+                while len(node) <= part:
+                    node.append([] if isinstance(after, int) else {})
+                node = node[part]
+        if isinstance(node, list):
+            node.extend([None] * (path[-1] + 1 - len(node)))
+        node[path[-1]] = value
+    return out
+
+
+# ---- writing a torchtitan checkpoint ---------------------------------------------------------
+
+
+def _flat(tree: Mapping[str, Any], top: str) -> dict[str, list[Any]]:
+    """A nested value as DCP flattens it ({key: [path, value]}): mappings walked into, lists only
+    when they hold mappings or lists."""
+    out: dict[str, list[Any]] = {}
+
+    def walk(path: tuple[Any, ...], value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk((*path, str(k)), v)
+        elif isinstance(value, list) and any(isinstance(v, (Mapping, list)) for v in value):
+            for i, v in enumerate(value):
+                walk((*path, i), v)
+        else:
+            out[".".join(map(str, path))] = [list(path), value]
+
+    walk((top,), tree)
+    return out
+
+
+def kept_items(user_content: Any, scheduler: Any, step: int) -> dict[str, list[Any]]:
+    """What a torchtitan checkpoint saves beside the model and optimizer: the items kept from one
+    (`TITAN_ITEMS`), else the schedule's state and a train state at `step` (no data position)."""
+    if isinstance(user_content, Mapping) and isinstance(user_content.get(TITAN_ITEMS), Mapping):
+        return {k: list(v) for k, v in user_content[TITAN_ITEMS].items()}
+    items = _flat({"step": step, "ntokens_seen": 0}, "train_state")
+    if isinstance(scheduler, Mapping):
+        items |= _flat(scheduler, "lr_scheduler")
+    log.info("the checkpoint was not torchtitan's: its schedule is written as saved, and no data loader state")
+    return items
+
+
+@dataclass
+class TitanWrite:
+    """A torchtitan checkpoint to write: the source's readers, layout, names, and what to keep."""
+
+    model: Checkpoint  # what the weights are read from (the model, or its master weights)
+    optimizer: Zero1Tag | None
+    layout: Layout
+    convention: str
+    step: int
+    items: dict[str, list[Any]]
+    dtype: torch.dtype
+
+
+def write_titan(src_dir: Path, dst: Path, plan: TitanWrite, job: Job, check: Any = None) -> Path:
+    """`dst/step-<N>`: the training state in torchtitan's DCP layout (see the module's doc),
+    written through the I/O core's staged output; a data file per rank of `plan.layout`."""
+    convention = get_convention(plan.convention)
+    convention.check(plan.model.family.name, plan.model.dims)
+    files = plan_outputs(plan.model.family, plan.model.dims, plan.layout, plan.convention)
+    name = f"step-{plan.step}"
+    with staged_output(dst, sources=[src_dir], what="ckpt reshard", job=job) as out:
+        mine = job.run_all_or_none(lambda: _write_files(out.path / name, plan, job.share(files)))
+        records = [r for part in job.gather(mine) for r in part]
+        commit_all(out, job, lambda staging: _finish(staging / name, plan, records, check))
+    return dst / name
+
+
+def _write_files(folder: Path, plan: TitanWrite, files: list[tuple[str, list[Piece], Any]]) -> list[FileRecord]:
+    """This process's data files: the rank's chunks of every parameter and its moments; the step,
+    hyperparameters and kept items once."""
+    model = SourceReader(plan.model)
+    optim = SourceReader(plan.optimizer.view()) if plan.optimizer is not None else None
+    groups = plan.optimizer.group_of() if plan.optimizer is not None else {}
+    hyper = plan.optimizer.hyper if plan.optimizer is not None else []
+    records: list[FileRecord] = []
+    try:
+        for path, pieces, _ in files:
+            with DcpFileWriter(folder / path, folder) as writer:
+                if path == "__0_0.distcp":
+                    for key, (nested, value) in plan.items.items():
+                        writer.add_object(key, value, path=tuple(nested))
+                for piece in pieces:
+                    _write_chunk(writer, piece, model, optim, plan, hyper, groups)
+                records += writer.close()
+    finally:
+        model.close()
+        if optim is not None:
+            optim.close()
+    return records
+
+
+def _write_chunk(
+    writer: DcpFileWriter,
+    piece: Piece,
+    model: SourceReader,
+    optim: SourceReader | None,
+    plan: TitanWrite,
+    hyper: Sequence[Mapping[str, Any]],
+    groups: Mapping[str, int],
+) -> None:
+    """One chunk of a parameter and of each of its moments (and, with its first chunk, its step and
+    hyperparameters)."""
+    fqn, offsets, shape, head_dim = parse_chunk_name(piece.name)
+    source = piece.segments[0].source
+
+    def native(t: torch.Tensor) -> torch.Tensor:
+        return to_native(t, head_dim) if head_dim else t
+
+    writer.add_tensor(fqn, native(model.read_piece(piece).to(plan.dtype)), offsets=offsets, shape=shape, owned=True)
+    if optim is None or plan.optimizer is None:
+        return
+    key = f"optimizer.state.{fqn}"
+    if not any(offsets or ()):
+        writer.add_tensor(
+            f"{key}.step", torch.tensor(float(plan.optimizer.step or 0)), path=("optimizer", f"state.{fqn}.step")
+        )
+        for k, v in hyper[groups.get(source, 0)].items():
+            writer.add_object(f"optimizer.param_groups.{fqn}.{k}", v, path=("optimizer", f"param_groups.{fqn}.{k}"))
+    for moment in MOMENTS:
+        tensor = native(optim.read_piece(prefixed(piece, moment + SEP)))
+        writer.add_tensor(
+            f"{key}.{moment}",
+            tensor,
+            offsets=offsets,
+            shape=shape,
+            path=("optimizer", f"state.{fqn}.{moment}"),
+            owned=True,
+        )
+
+
+def _finish(folder: Path, plan: TitanWrite, records: list[FileRecord], check: Any) -> None:
+    """Leader, after every data file: `.metadata`, config.json and shardkit's manifest; the source
+    checked before anything is committed."""
+    files = [folder / r.path for r in records] + finish_folder(folder, records)
+    write_text(folder / CONFIG, json.dumps(plan.model.config, indent=2) + "\n", fsync=False)
+    files.append(folder / CONFIG)
+    data = manifest(
+        fmt="dcp",
+        family=plan.model.family.name,
+        layout=plan.layout,
+        dtype=str(plan.dtype).replace("torch.", ""),
+        records=[file_record(f, folder) for f in files],
+        tensors=plan.model.full_shapes,
+        command="ckpt reshard",
+        convention=plan.convention,
+        checkpoint={"step": plan.step, "torchtitan": True},
+    )
+    write_text(folder / MANIFEST, json.dumps(data, indent=2) + "\n", fsync=False)
+    if check is not None:
+        check.verify()
+
+
+def inspect_titan(step_dir: Path, config: Any = None) -> dict[str, Any]:
+    """What `ckpt inspect` says of a torchtitan checkpoint."""
+    tag = open_titan(step_dir, config)
+    opt = tag.optimizer
+    names = list(tag.model.full_shapes)
+    return {
+        "tag": step_dir.name,
+        "path": str(step_dir),
+        "format": "dcp",
+        "convention": tag.model.convention,
+        "layout": FULL.to_dict(),
+        "describe": "DCP chunks (any layout)",
+        "dp": None,
+        "zero1": False,
+        "step": tag.step,
+        "master_weights": False,
+        "model_has_data": True,
+        "nxd_mode": None,
+        "saved_by": "torchtitan",
+        "param_groups": [
+            {"hyper": h, "parameters_on_tp0_pp0": [n for n in names if opt.groups_of[n] == g]}
+            for g, h in enumerate(opt.hyper)
+        ],
+        "optimizer_bytes": sum(p.stat().st_size for p in step_dir.glob("*.distcp")),
+    }

@@ -1,0 +1,238 @@
+"""PyTorch DCP as a format both ways (issue "Interop beyond NxD's default save", part 2).
+
+Every check reads with torch's own DCP (`format_utils.dcp_to_torch_save`) or transformers, and
+every torchtitan name and row order is the one written in tests/titan_dcp.py from torchtitan's
+own adapter (`scripts/check_torchtitan.py` runs the adapter itself where torchtitan is installed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import shardkit
+from shardkit.cli import cli
+from shardkit.layout import Layout
+from test_roundtrip import _input_ids, _logits
+from titan_dcp import to_titan
+
+HERE = Path(__file__).resolve().parent
+MODEL = "tinyllama-mini"
+LAYOUTS = {"full": Layout(), "tp2pp2": Layout(tp=2, pp=2), "tp4-kv2-blocked": Layout(tp=4, kv_multiplier=2,
+                                                                                      kv_replication="blocked")}
+
+
+def torch_reads(folder: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """What torch's own DCP reader makes of a folder."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder, tmp)
+    return torch.load(tmp, weights_only=True)
+
+
+def hf_state(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("convention", ["hf", "torchtitan"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_convert_to_dcp_holds_every_tensor_as_torch_reads_it(tiny_model, tmp_path, convention, layout):
+    """`shardkit convert HF OUT --format dcp`: torch's reader gives every Hugging Face tensor
+    exactly, under the convention's names and row order (torchtitan: q/k heads permuted); one
+    data file per rank, replicated slices (kv replicas, norms) saved once."""
+    src = tiny_model(MODEL)
+    config = json.loads((src / "config.json").read_text())
+    out = tmp_path / "dcp"
+    run = CliRunner().invoke(cli, ["convert", str(src), str(out), "--format", "dcp", "--convention", convention,
+                                   *_layout_args(LAYOUTS[layout])])
+    assert run.exit_code == 0, run.output
+    ranks = LAYOUTS[layout].tp * LAYOUTS[layout].pp
+    assert sorted(p.name for p in out.glob("*.distcp")) == sorted(f"__{r}_0.distcp" for r in range(ranks))
+    want = hf_state(src)
+    if convention == "torchtitan":
+        want = to_titan(want, config)
+    got = torch_reads(out, tmp_path / "read.pt")
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    manifest = json.loads((out / "shardkit.json").read_text())
+    assert manifest["format"] == "dcp" and manifest["convention"] == convention
+    assert {f["path"] for f in manifest["files"]} >= {".metadata", "__0_0.distcp"}
+
+
+def _layout_args(layout: Layout) -> list[str]:
+    args = ["--tp", str(layout.tp), "--pp", str(layout.pp), "--kv-multiplier", str(layout.kv_multiplier)]
+    return args + ["--kv-replication", layout.kv_replication]
+
+
+def test_merge_of_dcp_gives_the_sources_logits(tiny_model, tmp_path):
+    """A torchtitan-named DCP folder (tp2 pp2 chunks) merged back: every tensor and transformers'
+    logits identical to the source; inspect says whose names it holds."""
+    src = tiny_model(MODEL)
+    shardkit.convert(src, tmp_path / "dcp", Layout(tp=2, pp=2), format="dcp", convention="torchtitan")
+    run = CliRunner().invoke(cli, ["merge", str(tmp_path / "dcp"), str(tmp_path / "hf")])
+    assert run.exit_code == 0, run.output
+    merged, source = hf_state(tmp_path / "hf"), hf_state(src)
+    assert set(merged) == set(source) and all(torch.equal(merged[k], v) for k, v in source.items())
+    ids = _input_ids(json.loads((src / "config.json").read_text())["vocab_size"])
+    assert torch.equal(_logits(tmp_path / "hf", ids), _logits(src, ids))
+    info = CliRunner().invoke(cli, ["inspect", str(tmp_path / "dcp")])
+    assert "torchtitan 0.1-0.2 Llama 3 tensor names" in info.output and "DCP chunks" in info.output
+    from shardkit.hub.card import model_card
+
+    card = model_card(tmp_path / "hf", "org/tiny", origin=tmp_path / "dcp")
+    assert "a PyTorch DCP checkpoint (torchtitan 0.1-0.2 Llama 3 tensor names, llama family)" in card
+
+
+@pytest.fixture(scope="module")
+def fsdp_dcp(tiny_model, tmp_path_factory):
+    """The source model saved as torchtitan saves one: torchtitan's names and row order, sharded by
+    FSDP2 over 3 gloo processes (dim-0 chunks that cut o_proj's and down_proj's rows, and q/k rows
+    inside heads), by torch's `dcp.save` (tests/titan_dcp.py)."""
+    from titan_dcp import titan_state
+
+    src = tiny_model(MODEL)
+    tmp = tmp_path_factory.mktemp("fsdp")
+    state = titan_state(hf_state(src), json.loads((src / "config.json").read_text()), steps=0)
+    torch.save(state, tmp / "state.pt")
+    done = subprocess.run([sys.executable, str(HERE / "titan_dcp.py"), str(tmp / "dcp"), str(tmp / "state.pt"),
+                           str(src / "config.json"), "3", "--model-only"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return src, tmp / "dcp"
+
+
+def test_torch_written_fsdp_dcp_merges_and_reshards_exactly(fsdp_dcp, tmp_path):
+    """DCP chunks of any cut: merge gives the source's tensors; reshard to NxD tp2 shards gives
+    the bytes a convert of the source gives."""
+    src, folder = fsdp_dcp
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    wo = meta.state_dict_metadata["layers.0.attention.wo.weight"]
+    assert [tuple(c.offsets)[0] for c in wo.chunks] == [0, 86, 172]  # 256 rows over 3 ranks
+    shardkit.merge(folder, tmp_path / "hf", config=src / "config.json")
+    merged, source = hf_state(tmp_path / "hf"), hf_state(src)
+    assert set(merged) == set(source) and all(torch.equal(merged[k], v) for k, v in source.items())
+    layout = Layout(tp=2, qkv="gqa")
+    shardkit.reshard(folder, tmp_path / "from-dcp", layout, config=src / "config.json")
+    shardkit.convert(src, tmp_path / "from-hf", layout)
+    for f in sorted((tmp_path / "from-hf/model").iterdir()):
+        assert f.read_bytes() == (tmp_path / "from-dcp/model" / f.name).read_bytes(), f.name
+
+
+def test_dcp_reshards_to_dcp_in_another_convention(tiny_model, tmp_path):
+    """DCP (Hugging Face names, tp2) -> DCP (torchtitan's, pp2): torch reads the torchtitan
+    tensors of the source."""
+    src = tiny_model(MODEL)
+    config = json.loads((src / "config.json").read_text())
+    shardkit.convert(src, tmp_path / "a", Layout(tp=2), format="dcp")
+    run = CliRunner().invoke(cli, ["reshard", str(tmp_path / "a"), str(tmp_path / "b"), "--pp", "2", "--format",
+                                   "dcp", "--convention", "torchtitan"])
+    assert run.exit_code == 0, run.output
+    got, want = torch_reads(tmp_path / "b", tmp_path / "b.pt"), to_titan(hf_state(src), config)
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_reading_a_tensor_reads_only_its_chunks(fsdp_dcp, monkeypatch):
+    """A tensor is read from the bytes of the chunks it meets (here one per data file), never a
+    whole file."""
+    from shardkit.formats import SourceReader, open_checkpoint
+    from shardkit.io import taps
+    from shardkit.placements import Segment
+
+    src, folder = fsdp_dcp
+    ckpt = open_checkpoint(folder, src / "config.json")
+    read: list[int] = []
+    real = taps.read_exact
+
+    def counted(fd, view, offset, what):
+        read.append(len(view))
+        return real(fd, view, offset, what)
+
+    monkeypatch.setattr(taps, "read_exact", counted)
+    reader = SourceReader(ckpt)
+    try:
+        norm = reader.read_segment(Segment("model.norm.weight", 0, 0, 256))
+    finally:
+        reader.close()
+    assert torch.equal(norm, hf_state(src)["model.norm.weight"])
+    assert len(read) == 3 and sum(read) == 256 * 4
+
+
+@pytest.mark.parametrize("damage", ["global", "truncated", "missing"])
+def test_bad_dcp_is_one_line_exit_2(tiny_model, tmp_path, damage):
+    src = tiny_model(MODEL)
+    folder = tmp_path / "dcp"
+    shardkit.convert(src, folder, Layout(tp=2), format="dcp")
+    if damage == "global":
+        (folder / ".metadata").write_bytes(b"\x80\x04cos\nsystem\n(S'true'\ntR.")
+    elif damage == "truncated":
+        data = folder / "__1_0.distcp"
+        data.write_bytes(data.read_bytes()[:-100])
+    else:
+        (folder / "__0_0.distcp").unlink()
+    run = CliRunner().invoke(cli, ["merge", str(folder), str(tmp_path / "out"), "--no-verify-hashes"])
+    assert run.exit_code == 2, run.output
+    lines = run.output.strip().splitlines()
+    assert len(lines) == 1, run.output
+    assert {"global": "never runs arbitrary pickle", "truncated": "truncated", "missing": "__0_0.distcp"}[damage] in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not os.environ.get("TORCHTITAN_PYTHON"), reason="set TORCHTITAN_PYTHON to a python with torchtitan")
+def test_torchtitans_own_adapter_reads_shardkits_dcp(tiny_model, tmp_path):
+    """torchtitan's Llama3StateDictAdapter (from an installed torchtitan, run in its own python)
+    maps shardkit's torchtitan-named DCP back to the source's Hugging Face tensors and the source
+    to the DCP's tensors (scripts/check_torchtitan.py)."""
+    src = tiny_model(MODEL)
+    shardkit.convert(src, tmp_path / "dcp", Layout(tp=2, pp=2), format="dcp", convention="torchtitan")
+    done = subprocess.run([os.environ["TORCHTITAN_PYTHON"], str(HERE.parent / "scripts/check_torchtitan.py"), str(src),
+                           str(tmp_path / "dcp")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "torchtitan's adapter agrees" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_dcp_convert_under_torchrun_equals_one_process(tiny_model, tmp_path):
+    """`convert --format dcp` in a 2-process gloo job (torchrun): the ranks divide the data files,
+    rank 0 writes `.metadata` from every rank's records; the folder is byte for byte the
+    one-process folder."""
+    src = tiny_model(MODEL)
+    args = ["convert", str(src), str(tmp_path / "dist"), "--format", "dcp", "--convention", "torchtitan", "--tp", "2",
+            "--pp", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "shardkit", "-v", *args], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shardkit.convert(src, tmp_path / "one", Layout(tp=2, pp=2), format="dcp", convention="torchtitan")
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "dist").iterdir()) and ".metadata" in names
+    for name in names:
+        if name != "shardkit.json":  # it records the command line
+            assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "dist" / name).read_bytes(), name
+
+
+def test_large_tensors_are_saved_in_bounded_chunks(tiny_model, tmp_path, monkeypatch):
+    """A slice larger than `dcp.CHUNK_BYTES` is saved as several chunks (whole heads for q/k in
+    torchtitan's order): torch reads the same tensors, and a merge gives the source back."""
+    from shardkit.formats import dcp
+
+    monkeypatch.setattr(dcp, "CHUNK_BYTES", 64 << 10)
+    src = tiny_model(MODEL)
+    config = json.loads((src / "config.json").read_text())
+    shardkit.convert(src, tmp_path / "dcp", Layout(), format="dcp", convention="torchtitan")
+    meta = pickle.loads((tmp_path / "dcp/.metadata").read_bytes()).state_dict_metadata
+    assert len(meta["tok_embeddings.weight"].chunks) == 16  # 1024 x 256 fp32 in 64 KiB chunks
+    q = meta["layers.0.attention.wq.weight"].chunks
+    assert len(q) == 4 and all(c.offsets[0] % 8 == 0 and c.sizes[0] % 8 == 0 for c in q)
+    got, want = torch_reads(tmp_path / "dcp", tmp_path / "x.pt"), to_titan(hf_state(src), config)
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    shardkit.merge(tmp_path / "dcp", tmp_path / "hf")
+    merged, source = hf_state(tmp_path / "hf"), hf_state(src)
+    assert all(torch.equal(merged[k], v) for k, v in source.items())

@@ -1,0 +1,158 @@
+"""The parts of the trainer's XLA path that need no torch-xla (they run in the main suite): the
+pipeline timetable by neighbour exchanges, the replica-group lists, the static-shape MoE
+dispatch against the all-to-all one, and the in-process rendezvous of threaded jobs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from trainer.exchange import Action, pair_order, rank_orders, sends, timetable
+
+SCHEDULES = [  # (schedule, pp, vpp, micro-batches)
+    ("1f1b", 2, 1, 4),
+    ("1f1b", 3, 1, 5),
+    ("1f1b", 4, 1, 4),
+    ("gpipe", 2, 1, 1),
+    ("gpipe", 3, 1, 2),
+    ("interleaved", 2, 2, 4),
+    ("interleaved", 2, 3, 2),
+    ("interleaved", 4, 2, 8),
+]
+
+
+@pytest.mark.parametrize("schedule,pp,vpp,n", SCHEDULES)
+def test_timetable_runs_every_action_after_its_inputs(schedule, pp, vpp, n):
+    """Every forward and backward of every chunk and micro-batch runs once, on its chunk's rank,
+    a forward only after the previous chunk's forward, a backward only after its forward and the
+    next chunk's backward; 1F1B keeps at most pp micro-batches in flight on a rank."""
+    chunks = pp * vpp
+    for training in (True, False):
+        table = timetable(rank_orders(schedule, pp, vpp, n, training), chunks)
+        when: dict[Action, int] = {}
+        for tick, row in enumerate(table):
+            for rank, a in enumerate(row):
+                if a is not None:
+                    assert a.chunk % pp == rank and a not in when
+                    when[a] = tick
+        kinds = (True, False) if training else (True,)
+        assert set(when) == {Action(f, c, m) for f in kinds for c in range(chunks) for m in range(n)}
+        for a, tick in when.items():
+            if a.forward and a.chunk > 0:
+                assert when[Action(True, a.chunk - 1, a.micro)] < tick
+            if not a.forward:
+                assert when[Action(True, a.chunk, a.micro)] < tick
+                if a.chunk < chunks - 1:
+                    assert when[Action(False, a.chunk + 1, a.micro)] < tick
+        if training and schedule == "1f1b":
+            for rank in range(pp):
+                live = peak = 0
+                for row in table:
+                    a = row[rank]
+                    if a is not None:
+                        live += 1 if a.forward else -1
+                        peak = max(peak, live)
+                assert peak <= pp
+
+
+def test_exchanges_pair_up_in_one_global_order():
+    """A forward's output goes to the next chunk's rank, a backward's gradient to the previous
+    one's; every rank meets its neighbours in the one global order of pairs (so no two ranks wait
+    for each other in opposite orders)."""
+    assert sends(Action(True, 0, 0), 4, 2) == 1 and sends(Action(True, 3, 0), 4, 2) is None
+    assert sends(Action(False, 2, 0), 4, 2) == 1 and sends(Action(False, 0, 0), 4, 2) is None
+    assert sends(Action(True, 3, 1), 8, 4) == 0  # interleaved: the last rank's chunk feeds rank 0
+    assert pair_order(2) == [(0, 1)]
+    assert pair_order(4) == [(0, 1), (0, 3), (2, 3), (1, 2)]
+    for pp in (3, 4, 5):
+        order = pair_order(pp)
+        assert sorted(order) == sorted({tuple(sorted((r, (r + 1) % pp))) for r in range(pp)})
+
+
+def test_replica_group_lists():
+    """Sets of one size sharing no rank form one list, completed with the ranks they leave out (XLA's
+    CPU runtime wants every device named); a list that cannot be completed is refused."""
+    from trainer.comm.xla import meshes
+    from trainer.errors import TrainerError
+
+    where, families = meshes([[0, 1], [2, 3], [0, 2], [1, 3]], 4, complete=True)
+    assert where == [0, 0, 1, 1] and families == [[[0, 1], [2, 3]], [[0, 2], [1, 3]]]
+    where, families = meshes([[0, 3]], 4, complete=True)
+    assert families == [[[0, 3], [1, 2]]]
+    assert meshes([[0, 3]], 4, complete=False)[1] == [[[0, 3]]]
+    with pytest.raises(TrainerError, match="cannot name all 3 devices"):
+        meshes([[0, 2]], 3, complete=True)
+
+
+@pytest.mark.parametrize("capacity", [0.0, 0.5])
+def test_static_shape_dispatch_equals_all_to_all_dispatch(capacity):
+    """The MoE layer's dense path (every expert on every token, weighted by the routing, zero where
+    a token is not routed or its assignment dropped) gives the sparse path's output, gradients and
+    statistics (one rank: no exchange)."""
+    from shardkit.layout import make_layout
+    from shardkit.testing import fixture_config
+    from trainer.comm.base import Group
+    from trainer.layers import TPContext
+    from trainer.model import ModelSpec
+    from trainer.moe import MoEBlock, MoEStats
+
+    spec = ModelSpec.from_config(fixture_config("mixtral-tiny"), make_layout())
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 2, spec.dims.hidden_size, generator=gen)
+    results = []
+    for dense in (False, True):
+        stats = MoEStats()
+        block = MoEBlock(spec, TPContext(Group([0], 0)), Group([0], 0), capacity, stats, torch.float32, dense=dense)
+        block.to_empty(device="cpu")
+        for p in block.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.2)
+        xi = x.clone().requires_grad_(True)
+        out = block(xi)
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        (s, dropped, routed), = stats.layers
+        results.append((out.detach(), xi.grad, [p.grad for p in block.parameters()], s, int(dropped), routed))
+    (o1, g1, p1, s1, d1, r1), (o2, g2, p2, s2, d2, r2) = results
+    assert torch.allclose(o1, o2, atol=1e-6) and torch.allclose(g1, g2, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(p1, p2))
+    assert torch.equal(s1, s2) and (d1, r1) == (d2, r2)
+    assert (d1 > 0) == (capacity > 0)
+
+
+def test_rendezvous_of_threads():
+    """The host side of a threaded job: every rank gets everyone's value in rank order; a rank that
+    fails aborts every meeting, so nobody waits for it."""
+    from trainer.comm.threads import JobAborted, Rendezvous, ThreadJob
+
+    meeting = Rendezvous(3, timeout=30)
+    jobs = [ThreadJob(r, 3, None, meeting) for r in range(3)]
+    got: dict[int, list] = {}
+
+    def member(r: int) -> None:
+        got[r] = jobs[r].gather(r * 10)
+        assert jobs[r].broadcast(f"from {r}") == "from 0"
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {r: [0, 10, 20] for r in range(3)}
+
+    stuck = Rendezvous(2, timeout=30)
+    failed: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            stuck.exchange(0, None)
+        except JobAborted as e:
+            failed.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    stuck.abort(RuntimeError("rank 1 died"))
+    t.join(30)
+    assert failed and "rank 1 died" in str(failed[0])
+    with pytest.raises(JobAborted):
+        stuck.exchange(1, None)
