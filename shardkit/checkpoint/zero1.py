@@ -35,6 +35,7 @@ import torch
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, xser
 from ..formats.torch_io import TensorReference, safe_load
+from ..io.delete import remove_file
 from ..io.oserror import disk_error
 from ..io.small import SmallFileError, read_json
 from ..paths import ensure_free_space, free_space, no_space_error
@@ -203,7 +204,7 @@ def torch_save_file(obj: Any, path: Path, **kwargs: Any) -> None:
         if "inline_container" not in text and "PytorchStreamWriter" not in text and "cannot be opened" not in text:
             raise
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            remove_file(path)  # torch's partial file (the I/O core's one delete)
         free = free_space(path.parent)
         if free is not None and free < needed:
             raise no_space_error(path.parent, needed, free) from None
