@@ -448,27 +448,28 @@ def _remove_stale() -> None:
                 log.info("removed %s, the S3 mirror of a run (process %s) that no longer runs", folder, pid)
 
 
-def location_of(path: str | os.PathLike[str]) -> RemoteLocation | None:
-    """The remote location an open mirror's local path stands for (None: not in a mirror)."""
+def _in_mirrors(path: str | os.PathLike[str]) -> Iterator[tuple[Mirror, str]]:
+    """Each open mirror holding the local `path`, with `path` relative to its root ("" for the root)."""
     here = Path(path)
     with _OPEN_LOCK:
         mirrors = list(_OPEN)
     for mirror in mirrors:
         if here == mirror.root or mirror.root in here.parents:
             rel = here.relative_to(mirror.root).as_posix()
-            return mirror.loc if rel == "." else mirror.loc.child(rel)
+            yield mirror, "" if rel == "." else rel
+
+
+def location_of(path: str | os.PathLike[str]) -> RemoteLocation | None:
+    """The remote location an open mirror's local path stands for (None: not in a mirror)."""
+    for mirror, rel in _in_mirrors(path):
+        return mirror.loc.child(rel) if rel else mirror.loc
     return None
 
 
 def prepare_path(path: str | os.PathLike[str], need: Need = Need.METADATA) -> None:
     """`Mirror.prepare` of the part of an open mirror that `path` names (nothing for a local path)."""
-    here = Path(path)
-    with _OPEN_LOCK:
-        mirrors = list(_OPEN)
-    for mirror in mirrors:
-        if here == mirror.root or mirror.root in here.parents:
-            rel = here.relative_to(mirror.root).as_posix()
-            mirror.prepare("" if rel == "." else rel, need)
+    for mirror, rel in _in_mirrors(path):
+        mirror.prepare(rel, need)
 
 
 def readable(text: str, what: str) -> Path | None:
