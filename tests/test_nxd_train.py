@@ -7,13 +7,14 @@ import hashlib
 import json
 import shutil
 import stat
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-
 from conftest import golden_or_skip
+
 from shardkit.checkpoint import finalize_checkpoint, load_checkpoint, save_checkpoint
 from shardkit.checkpoint.reshard import reshard_training
 from shardkit.cli import cli
@@ -105,16 +106,43 @@ def test_reshard_round_trip_is_byte_equal(case, mid, tmp_path):
         assert file_hash(back / "step_3" / f.relative_to(orig)) == file_hash(f), f.relative_to(orig)
 
 
+def test_reshard_reads_each_piece_once_for_every_dp_file(tmp_path, monkeypatch):
+    """Into dp 4, the 4 optimizer files of a rank are written together a tensor at a time: each
+    moment piece is read once (not once per dp file), and the files are still NxD's bytes."""
+    from shardkit.formats import SourceReader
+
+    root = nxd()
+    reads: list[str] = []
+    read_piece = SourceReader.read_piece
+
+    def counted(self, piece, *args, **kwargs):
+        reads.append(piece.name)
+        return read_piece(self, piece, *args, **kwargs)
+
+    monkeypatch.setattr(SourceReader, "read_piece", counted)
+    out = reshard_training(
+        root / "tp2_dp2_pp1_torch", tmp_path / "dp4", Layout(tp=2, qkv="gqa"), dp=4, config=root / "config.json"
+    )
+    monkeypatch.undo()
+    assert len(list((out / "optim").glob("dp_rank_03_*.pt"))) == 2
+    moments = Counter(r for r in reads if "::" in r)
+    assert moments and set(Counter(reads).values()) == {2}  # once per tp rank, not per dp file
+    reshard_training(tmp_path / "dp4", tmp_path / "back", Layout(tp=2, qkv="gqa"), dp=2)
+    for f in (root / "tp2_dp2_pp1_torch" / "step_3" / "optim").iterdir():
+        assert file_hash(tmp_path / "back" / "step_3" / "optim" / f.name) == file_hash(f), f.name
+
+
 def test_tp4_kv_multiplier_2_round_trip(tmp_path):
     """tp4 with kv-multiplier 2 (the reference's vocab 90 does not split over tp 4: a vocab-96
     copy of its model, written by shardkit as NxD's trainer would at tp2 dp2)."""
     root = nxd()
     cfg = json.loads((root / "config.json").read_text()) | {"vocab_size": 96}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    import ckpt_child
+
+    from shardkit.checkpoint import OptimizerState, Rank
     from shardkit.families import family_for
     from shardkit.layout import ModelDims
-    import ckpt_child
-    from shardkit.checkpoint import Rank, OptimizerState
 
     family, dims = family_for(cfg), ModelDims.from_config(cfg)
     gen = torch.Generator().manual_seed(0)

@@ -4,7 +4,10 @@ weights) written for another tp / pp / dp / kv-multiplier layout, in NxD's exact
 The unit of work is one (tp, pp) rank of the target: its model file and its D optimizer files
 (one per dp rank). Its pieces are read slice by slice from the source (moments through
 `Zero1Tag.view`, resharded like their parameters: kv replicas, fused gate_up, vocab rows, dp
-padding), so memory is one target rank's state. Under torchrun the units are divided among the
+padding) as the files are written (`saving.save_together`: the D optimizer files a tensor at a
+time, each moment read once and cut into its D shards), so memory holds one tensor and its
+shards, never a rank's state (but for the zero1-dcp mode, which writes a rank's state at once).
+Under torchrun the units are divided among the
 processes. Everything is written into a staging folder beside DST, `done` last, and renamed
 into place: a failure on any process leaves nothing behind.
 """
@@ -16,7 +19,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
@@ -53,6 +56,7 @@ from .nxd_modes import (
     stage_sizes,
     write_dcp_optim,
 )
+from .saving import Deferred, save_object, save_together
 from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT
 from .zero1 import (
     MASTER,
@@ -64,7 +68,6 @@ from .zero1 import (
     model_has_data,
     optim_name,
     prefixed,
-    save_object,
     stored_dtype,
 )
 
@@ -144,29 +147,31 @@ class RankReaders:
         if self.src.has_data:
             self.model = SourceReader(self.src.model)
 
-    def weights(self, pieces: list[Piece], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        out = {}
-        for p in pieces:
-            if self.model is not None:
-                t = self.model.read_piece(p)
-            elif self.optim is not None and self.src.zero1 is not None and self.src.zero1.master:
-                t = self.optim.read_piece(prefixed(p, MASTER + SEP)).to(dtype)
-            else:
-                raise CheckpointError(
-                    f"{self.src.tag_dir}: the model files hold no weights and the optimizer files "
-                    "no master weights: the checkpoint has no weights to read"
-                )
-            out[p.name] = t.contiguous().clone()
-        return out
+    def weights(self, pieces: list[Piece], dtype: torch.dtype) -> dict[str, Deferred]:
+        """Each piece's weights, read when written (`save_together`)."""
+        model, optim, zero1 = self.model, self.optim, self.src.zero1
+        if model is not None:
+            return {p.name: Deferred(p.shape, dtype, _reader(model, p, dtype)) for p in pieces}
+        if optim is not None and zero1 is not None and zero1.master:
+            return {p.name: Deferred(p.shape, dtype, _reader(optim, prefixed(p, MASTER + SEP), dtype)) for p in pieces}
+        raise CheckpointError(
+            f"{self.src.tag_dir}: the model files hold no weights and the optimizer files "
+            "no master weights: the checkpoint has no weights to read"
+        )
 
-    def state(self, pieces: list[Piece], moments: list[str]) -> dict[str, dict[str, Any]]:
-        assert self.optim is not None and self.src.zero1 is not None
+    def state(self, pieces: list[Piece], moments: list[str], deferred: bool = True) -> dict[str, dict[str, Any]]:
+        """Each piece's optimizer state: its moments read when written (`save_together`: the
+        latest read is kept, so that the dp files written together share it), or now."""
+        optim, zero1 = self.optim, self.src.zero1
+        assert optim is not None and zero1 is not None
+        latest = _Latest()
         out: dict[str, dict[str, Any]] = {}
         for p in pieces:
-            entry: dict[str, Any] = {
-                m: self.optim.read_piece(prefixed(p, m + SEP)).contiguous().clone() for m in moments
-            }
-            entry["step"] = self.src.zero1.step
+            entry: dict[str, Any] = {"step": zero1.step}
+            for m in moments:
+                read = _reader(optim, prefixed(p, m + SEP), None)
+                # saved as fp32 (`build_optim` cuts them to their dp shards as float)
+                entry[m] = Deferred(p.shape, torch.float32, latest.of(read)) if deferred else read()
             out[p.name] = entry
         return out
 
@@ -177,6 +182,32 @@ class RankReaders:
         for r in (self.model, self.optim):
             if r is not None:
                 r.close()
+
+
+def _reader(reader: SourceReader, piece: Piece, dtype: torch.dtype | None) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        t = reader.read_piece(piece)
+        return (t if dtype is None else t.to(dtype)).contiguous().clone()
+
+    return read
+
+
+class _Latest:
+    """Keeps the latest tensor one of its readers made: asked again (by the next dp file), it
+    gives the same tensor without reading it twice."""
+
+    def __init__(self) -> None:
+        self.read: object = None
+        self.tensor: torch.Tensor | None = None
+
+    def of(self, read: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            if self.read is not read or self.tensor is None:
+                self.read, self.tensor = None, None  # the previous one dropped before the next read
+                self.read, self.tensor = read, read()
+            return self.tensor
+
+        return make
 
 
 def write_rank(
@@ -203,21 +234,19 @@ def write_rank(
     if mode == AVOID_LP:  # names, shapes and dtypes only: the weights are the master weights
         written += save_object(model_path, bare_weights(pieces, dtype), use_xser, expert, data=False)
     else:
-        weights = readers.weights(pieces, dtype)
-        written += save_object(model_path, weights, use_xser, expert)
-        del weights
+        written += save_together([model_path], [readers.weights(pieces, dtype)], use_xser, expert)
     if src.zero1 is not None:
         moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
-        state = readers.state(pieces, moments)
         names = [p.name for p in pieces]
         groups = [readers.group(p) for p in pieces]
         if mode == ZERO1_DCP:
+            state = readers.state(pieces, moments, deferred=False)
             written += write_dcp_optim(out_tag, layout, tp, pp, dp, names, src.zero1.hyper, state, stages or [])
             return written
-        for d in range(dp):
-            obj = build_optim(names, groups, src.zero1.hyper, state, dp, d, master)
-            name = optim_name(d, tp, pp, ep if layout.ep > 1 else None)
-            written += save_object(out_tag / name, obj, use_xser, bool(expert))
+        state = readers.state(pieces, moments)  # read as the dp files are written, a tensor at a time
+        objs = [build_optim(names, groups, src.zero1.hyper, state, dp, d, master) for d in range(dp)]
+        paths = [out_tag / optim_name(d, tp, pp, ep if layout.ep > 1 else None) for d in range(dp)]
+        written += save_together(paths, objs, use_xser, bool(expert))
     return written
 
 

@@ -65,6 +65,7 @@ from .base import (
     distributed_rank,
     jsonable,
 )
+from .saving import save_object
 from .state import (
     RankState,
     check_plain,
@@ -90,7 +91,7 @@ from .tree import (
     tag_path,
     tag_step,
 )
-from .zero1 import build_optim, save_object
+from .zero1 import build_optim
 
 log = logging.getLogger(__name__)
 

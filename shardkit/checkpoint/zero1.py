@@ -12,20 +12,17 @@ to ceil(n0 / D) * D rows, cut into D pieces, piece d on dp rank d.
 steps), recovers which parameter each idx is (from the model file's key order, the groups and
 `shape_info`), and offers the merged (dp-unsharded, unpadded) tp-local tensors as a `Checkpoint`
 whose pieces are `"<moment>::<piece name>"`, so the engine's `SourceReader` reshards moments
-slice by slice exactly like their parameters. `write_rank_optim` builds the objects NxD would
-save for a rank of any layout; `save_object` writes them byte for byte as torch.save (or xser)
-does. Only plain data is ever loaded (weights_only).
+slice by slice exactly like their parameters. `build_optim` builds the objects NxD would
+save for a rank of any layout (their tensors given, or `saving.Deferred`: read when written);
+`saving` writes them byte for byte as torch.save (or xser) does. Only plain data is ever loaded (weights_only).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import errno
 import logging
-import os
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,11 +32,9 @@ import torch
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, xser
 from ..formats.torch_io import TensorReference, safe_load
-from ..io.delete import remove_file
-from ..io.oserror import disk_error
 from ..io.small import SmallFileError, read_json
-from ..paths import ensure_free_space, free_space, no_space_error
 from ..placements import Piece
+from .saving import KEEP, Deferred, map_leaves
 from .tree import MODEL_DIR, OPTIM_DIR
 
 log = logging.getLogger(__name__)
@@ -120,135 +115,16 @@ def load_object(path: Path, use_xser: bool) -> Any:
     return _resolve(obj, Path(path)) if use_xser else obj
 
 
-_KEEP = object()
-
-
-def _map_leaves(obj: Any, leaf: Any) -> Any:
-    """`obj` rebuilt with `leaf(x)` in place of each value it maps (`_KEEP`: walk on), keeping
-    shared dicts and lists shared (NxD's param groups share one betas list)."""
-    memo: dict[int, Any] = {}
-
-    def walk(x: Any) -> Any:
-        mapped = leaf(x)
-        if mapped is not _KEEP:
-            return mapped
-        if id(x) in memo:
-            return memo[id(x)]
-        if isinstance(x, dict):
-            out = memo[id(x)] = type(x)()
-            for k, v in x.items():
-                out[k] = walk(v)
-            return out
-        if isinstance(x, list):
-            out_l: list = []
-            memo[id(x)] = out_l
-            out_l.extend(walk(v) for v in x)
-            return out_l
-        if isinstance(x, tuple):
-            return tuple(walk(v) for v in x)
-        return x
-
-    return walk(obj)
-
-
 def _resolve(obj: Any, path: Path) -> Any:
     """xser.resolve that keeps shared objects shared."""
 
     def leaf(x: Any) -> Any:
         if not isinstance(x, TensorReference):
-            return _KEEP
+            return KEEP
         tid: Any = x.tid  # unpickled from the file, so anything: tensor_path refuses all but an int >= 0
         return safe_load(xser.tensor_path(path, tid))
 
-    return _map_leaves(obj, leaf)
-
-
-def _reference_walk(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """obj with every tensor replaced by TensorReference(tid), tid in depth-first insertion order
-    (torch-xla's ToXlaTensorArena). Sharing of plain objects (e.g. a betas list) is kept."""
-
-    def leaf(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            tensors.append(x)
-            return TensorReference(len(tensors) - 1)
-        return _KEEP
-
-    return _map_leaves(obj, leaf)
-
-
-def _stored_bytes(obj: Any) -> int:
-    """The bytes of the tensor storages `obj` holds (each storage once)."""
-    seen: dict[int, int] = {}
-
-    def leaf(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            storage = x.untyped_storage()
-            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-            return x
-        return _KEEP
-
-    _map_leaves(obj, leaf)
-    return sum(seen.values())
-
-
-def torch_save_file(obj: Any, path: Path, **kwargs: Any) -> None:
-    """torch.save(obj, path), as NxD does (the archive named after the file), with a full disk
-    refused before writing (the size is known to within the zip's overhead) and any failure of
-    torch's writer (its "enforce fail at inline_container.cc") turned into a one-line error."""
-    needed = _stored_bytes(obj) + (64 << 10)
-    ensure_free_space(path.parent, needed)
-    try:
-        torch.save(obj, str(path), **kwargs)
-    except RuntimeError as e:
-        text = str(e)
-        if "inline_container" not in text and "PytorchStreamWriter" not in text and "cannot be opened" not in text:
-            raise
-        with contextlib.suppress(OSError):
-            remove_file(path)  # torch's partial file (the I/O core's one delete)
-        free = free_space(path.parent)
-        if free is not None and free < needed:
-            raise no_space_error(path.parent, needed, free) from None
-        if not os.access(path.parent, os.W_OK):
-            raise disk_error(PermissionError(errno.EACCES, "Permission denied"), "write", path) from None
-        raise disk_error(
-            OSError(errno.EIO, f"torch's writer failed ({text.splitlines()[0][:120]})"), "write", path
-        ) from None
-
-
-def save_object(
-    path: Path, obj: Any, use_xser: bool, expert: bool | Collection[str] = False, data: bool = True
-) -> list[Path]:
-    """torch.save `obj` to `path` exactly as NxD does (the archive is named after the file), or
-    as xser (reference file, `.info.pt`, one file per tensor). `expert`: xser's
-    `expert_model_parallel` flag of every tensor, or the keys of a flat dict `obj` whose tensors
-    get it. Without `data`, the xser tensor files are left out, as NxD's
-    `avoid_saving_lower_precision_weights` saves a model (`obj`'s tensors may then be on the meta
-    device: only their shapes and dtypes are written). Returns the files written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not use_xser:
-        torch_save_file(obj, path)
-        return [path]
-    tensors: list[torch.Tensor] = []
-    refs = _reference_walk(obj, tensors)
-    written = []
-    if data:
-        xser.tensors_dir(path).mkdir(exist_ok=True)
-    for tid, tensor in enumerate(tensors if data else []):
-        target = xser.tensor_path(path, tid)
-        torch_save_file(tensor, target)
-        written.append(target)
-    torch_save_file(refs, path, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
-    if isinstance(expert, bool):
-        flags = [expert] * len(tensors)
-    else:  # a flat dict's tensors are referenced in its key order
-        flags = [k in expert for k, v in obj.items() if isinstance(v, torch.Tensor)]
-    info = {
-        tid: {"dtype": t.dtype, "shape": t.shape, "expert_model_parallel": flag}
-        for tid, (t, flag) in enumerate(zip(tensors, flags))
-    }
-    torch_save_file(info, xser.info_path(path))
-    return [path, xser.info_path(path), *written]
+    return map_leaves(obj, leaf)
 
 
 # ---- building the objects NxD saves ---------------------------------------------------------------
@@ -269,7 +145,14 @@ def build_optim(
     `named_parameters()` order), `groups[i]` the group of names[i]. `state[name]` holds the
     tp-local `exp_avg`, `exp_avg_sq`, `step` (and `master` when `master`); with `presharded`,
     already dp rank d's shards, and `shapes[i]` is names[i]'s tp-local shape."""
-    cut = (lambda t: t.float().clone()) if presharded else (lambda t: dp_shard(t.float(), dp, d))
+
+    def cut(t: Any) -> Any:
+        if isinstance(t, Deferred):  # cut when it is written (`save_together`)
+            rows = t.shape[0] if t.shape else 1
+            shape = t.shape if presharded else (shard_rows(rows, dp), *t.shape[1:])
+            return Deferred(tuple(shape), torch.float32, lambda: cut(t.make()))
+        return t.float().clone() if presharded else dp_shard(t.float(), dp, d)
+
     order = [i for g in range(len(hyper)) for i, gi in enumerate(groups) if gi == g]
     param_groups = copy.deepcopy(list(hyper))  # shared objects (betas) stay shared, like NxD's
     for g in param_groups:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pickle
 import struct
@@ -38,7 +39,7 @@ from ..io.taps import DescriptorReader
 from ..paths import regular_file
 from . import torch_pickle
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, compact, narrow, tensor_bytes
-from .torch_zip import Archive, ZipRecords, native_writer, read_archive
+from .torch_zip import ARCHIVE, Archive, ZipRecords, native_writer, read_archive
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 
@@ -462,10 +463,12 @@ class TorchFile(DescriptorReader):
 
 
 class _StorageStub:
-    """Stands for a tensor's storage in the pickle: torch.save's persistent id, without data."""
+    """Stands for a tensor's storage in the pickle: torch.save's persistent id, without data. A key
+    of None is given when the pickler first meets the storage, as torch.save numbers them."""
 
-    def __init__(self, key: str, dtype: torch.dtype, numel: int):
+    def __init__(self, key: str | None, dtype: torch.dtype, numel: int):
         self.key, self.dtype, self.numel = key, dtype, numel
+        self.tensor: _TensorStub | None = None
 
 
 class _TensorStub:
@@ -473,6 +476,7 @@ class _TensorStub:
 
     def __init__(self, storage: _StorageStub, shape: tuple[int, ...]):
         self.storage, self.shape = storage, shape
+        storage.tensor = self
 
     def __reduce_ex__(self, protocol):
         stride = StoredTensor(self.storage.dtype, self.shape, 0).strides()
@@ -484,9 +488,16 @@ class _TensorStub:
 
 
 class _StubPickler(pickle.Pickler):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.met: list[_StorageStub] = []
+
     def persistent_id(self, obj):
         if not isinstance(obj, _StorageStub):
             return None
+        if obj.key is None:
+            obj.key = str(len(self.met))
+            self.met.append(obj)
         if obj.dtype in torch_compat.new_dtypes():
             return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
         return ("storage", torch_compat.storage_type(obj.dtype), obj.key, "cpu", obj.numel)
@@ -500,6 +511,21 @@ def _stub_pickle(obj: Any) -> bytes:
     buf = io.BytesIO()
     _StubPickler(buf, protocol=2).dump(obj)  # torch.save's default protocol
     return buf.getvalue()
+
+
+def stub_tensor(shape: Sequence[int], dtype: torch.dtype) -> Any:
+    """A stand-in for a compact CPU tensor in an object given to `object_pickle`."""
+    return _TensorStub(_StorageStub(None, dtype, math.prod(shape)), tuple(shape))
+
+
+def object_pickle(obj: Any) -> tuple[bytes, list[Any]]:
+    """The data.pkl torch.save writes for `obj`, whose tensors are `stub_tensor`s (each its own
+    storage), and those stubs in the order torch.save numbers and writes their storages (the
+    order the pickler first meets them)."""
+    buf = io.BytesIO()
+    pickler = _StubPickler(buf, protocol=2)
+    pickler.dump(obj)
+    return buf.getvalue(), [storage.tensor for storage in pickler.met]
 
 
 def state_dict_pickle(specs: Sequence[TensorSpec]) -> bytes:
@@ -564,7 +590,7 @@ def _inside(data: memoryview, storage: torch.UntypedStorage) -> bool:
 _KEPT: list = []
 
 
-def _keep_forever(zip_writer) -> None:
+def keep_forever(zip_writer) -> None:
     """Never destroy a torch zip writer left mid-record by an exception that reached its C++ code:
     its destructor would throw and abort the process. Costs a few KiB, only after such a failure."""
     import ctypes
@@ -575,13 +601,13 @@ def _keep_forever(zip_writer) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(zip_writer))  # not even freed at interpreter exit
 
 
-def _zip_size_bound(records: Sequence[tuple[str, int]], alignment: int) -> int:
+def _zip_size_bound(records: Sequence[tuple[str, int]], alignment: int, archive: str = ARCHIVE) -> int:
     """An upper bound of the size of the archive torch writes for these (name, bytes) records:
     per record a local header, alignment padding, a central directory entry and zip64 fields;
     then the records torch adds at the end and the end-of-archive records."""
     total = 512
     for name, size in list(records) + [("version", 8), (".data/version", 8), (".data/serialization_id", 64)]:
-        total += size + 2 * len("archive/" + name) + alignment + 160
+        total += size + 2 * len(archive + name) + alignment + 160
     return total
 
 
@@ -598,20 +624,20 @@ def torch_save(obj: Any, out: HashingFile, **kwargs) -> None:
         raise sink.error
 
 
-def _archive_size(specs: Sequence[TensorSpec], pickle_bytes: int) -> tuple[int, int]:
+def _archive_size(specs: Sequence[TensorSpec], pickle_bytes: int, archive: str = ARCHIVE) -> tuple[int, int]:
     """(records, an upper bound of the bytes) of the archive torch.save writes for `specs` with a
     data.pkl of `pickle_bytes`."""
     records = [("data.pkl", pickle_bytes), (".format_version", 1), (".storage_alignment", 8), ("byteorder", 8)]
     records += [(f"data/{i}", s.nbytes) for i, s in enumerate(specs)]
-    return len(records), _zip_size_bound(records, torch_compat.zip_options()[1])
+    return len(records), _zip_size_bound(records, torch_compat.zip_options()[1], archive)
 
 
-def written_natively(specs: Sequence[TensorSpec], data_pkl: bytes | None = None) -> bool:
+def written_natively(specs: Sequence[TensorSpec], data_pkl: bytes | None = None, archive: str = ARCHIVE) -> bool:
     """Whether a TorchWriter of `specs` (and `data_pkl`, as TorchWriter takes it) writes the
     archive itself (`torch_zip.ZipRecords`): then it can copy (`write_copy`) and stream rows
     (`begin_rows`)."""
     pickle_bytes = len(state_dict_pickle(list(specs)) if data_pkl is None else data_pkl)
-    return native_writer(*_archive_size(specs, pickle_bytes))
+    return native_writer(*_archive_size(specs, pickle_bytes, archive))
 
 
 class TorchWriter(DiscardOnFailure):
@@ -634,6 +660,7 @@ class TorchWriter(DiscardOnFailure):
         digests: Recording = Recording.FAST,
         direct: bool = False,
         data_pkl: bytes | None = None,
+        archive: str = ARCHIVE,
     ):
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
@@ -645,12 +672,14 @@ class TorchWriter(DiscardOnFailure):
         if data_pkl is None:  # a state dict of the specs; `tensor_pickle` for a file of one bare tensor
             data_pkl = state_dict_pickle(self._specs)
         alignment = torch_compat.zip_options()[1]
-        count, bound = _archive_size(self._specs, len(data_pkl))
+        count, bound = _archive_size(self._specs, len(data_pkl), archive)
         self._out = HashingFile(self.path, self.root, expected_size=bound, digests=digests, direct=direct)
         self._sink = _ZipSink(self._out)
         with self._discarding():
             if native_writer(count, bound):
-                self._native = ZipRecords(self._out, alignment)
+                self._native = ZipRecords(self._out, alignment, archive)
+            elif archive != ARCHIVE:
+                raise RuntimeError(f"{self.path}: torch's writer names the records' folder {ARCHIVE!r} here")
             else:
                 self._zip, _ = torch_compat.file_writer(self._sink)
             # the records torch.save writes before the storages, in its order
@@ -770,7 +799,7 @@ class TorchWriter(DiscardOnFailure):
         zip_writer, self._zip = getattr(self, "_zip", None), None
         if zip_writer is not None:
             if getattr(self, "_broken", False):
-                _keep_forever(zip_writer)
+                keep_forever(zip_writer)
             del zip_writer  # its destructor writes the end of the archive into the discarding sink
         out = getattr(self, "_out", None)
         if out is not None:

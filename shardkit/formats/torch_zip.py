@@ -5,7 +5,8 @@ Why not torch's writer: it computes each record's CRC32 with miniz on the writin
 was a third of a reshard's main thread; zlib-ng's SIMD CRC32 is about ten times faster. Everything
 else is the same bytes through the same `HashingFile`.
 
-What torch 2.9-2.13 write (a stored archive, every name under "archive/"):
+What torch 2.9-2.13 write (a stored archive, every name under "archive/", or under the file's
+name without its extension when torch.save opens the file itself):
 - per record: a local header (version 0, flags 0x0808: sizes in a data descriptor, UTF-8 names;
   method 0, time and date 0, CRC and sizes 0), the name, one extra field "FB" + a 2-byte length +
   "Z" bytes that pads the data to the storage alignment, the data, and a data descriptor
@@ -86,9 +87,10 @@ class ZipRecords:
     `write(data)`, `write_owned(data, owner)` and a `size`), then `finish()` adds torch's own
     trailing records, the serialization id and the central directory."""
 
-    def __init__(self, out: Any, alignment: int):
+    def __init__(self, out: Any, alignment: int, archive: str = ARCHIVE):
         self.out = out
         self.alignment = alignment
+        self.archive = archive  # the records' folder: torch.save names it after a file it opens itself
         self._entries: list[_Entry] = []
 
     def add(self, name: str, data: Any, owner: object = None) -> None:
@@ -145,7 +147,7 @@ class ZipRecords:
 
     def _header(self, name: str, size: int) -> tuple[bytes, int]:
         """Write a record's local header; its full name and offset."""
-        full = (ARCHIVE + name).encode()
+        full = (self.archive + name).encode()
         offset = self.out.size
         start = offset + _LOCAL.size + len(full) + 4  # where the data would start without padding
         padding = -start % self.alignment
@@ -163,7 +165,7 @@ class ZipRecords:
     def finish(self) -> None:
         """torch's trailing records, the serialization id, then the central directory."""
         self.out.flush()  # copied records are written and their CRC32s known
-        names = tuple(entry.name.decode()[len(ARCHIVE) :] for entry in self._entries)
+        names = tuple(entry.name.decode()[len(self.archive) :] for entry in self._entries)
         trailer, id_name, name_hash = torch_trailer(names)
         for name, content in trailer:
             self.add(name, content)

@@ -1,0 +1,299 @@
+"""Saving objects as NxD saves them: `torch.save` of a path (the archive named after the file)
+or xser (a reference file, `.info.pt` and one file per tensor), byte for byte.
+
+`save_object` saves an object held in memory. `save_together` saves objects whose tensors are
+`Deferred` (a shape and dtype now, the values when their turn comes), several files in lockstep:
+the k-th tensor of each, then the next, so that a tensor read once (a moment cut into its dp
+shards) serves every file and memory holds one tensor per file, never a rank's state. Its
+data.pkl is written from stand-ins before any tensor (`torch_io.object_pickle`: the same bytes
+torch's pickler writes), its records by `torch_io.TorchWriter` (or torch's own writer of the
+path where torch_zip cannot promise torch's bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import torch_compat
+from ..formats import xser
+from ..formats.base import TensorSpec
+from ..formats.torch_io import TensorReference, TorchWriter, keep_forever, object_pickle, stub_tensor, written_natively
+from ..io.delete import remove_file
+from ..io.oserror import disk_error
+from ..paths import ensure_free_space, free_space, no_space_error
+
+KEEP = object()
+
+
+def map_leaves(obj: Any, leaf: Any, same_tuples: bool = False) -> Any:
+    """`obj` rebuilt with `leaf(x)` in place of each value it maps (`KEEP`: walk on), keeping
+    shared dicts and lists shared (NxD's param groups share one betas list). With `same_tuples`,
+    a tuple none of whose items changed is kept itself (torch.save's pickle refers back to a
+    tuple met before, so a copy would change its bytes)."""
+    memo: dict[int, Any] = {}
+
+    def walk(x: Any) -> Any:
+        mapped = leaf(x)
+        if mapped is not KEEP:
+            return mapped
+        if id(x) in memo:
+            return memo[id(x)]
+        if isinstance(x, dict):
+            out = memo[id(x)] = type(x)()
+            for k, v in x.items():
+                out[k] = walk(v)
+            return out
+        if isinstance(x, list):
+            out_l: list = []
+            memo[id(x)] = out_l
+            out_l.extend(walk(v) for v in x)
+            return out_l
+        if isinstance(x, tuple):
+            items = tuple(walk(v) for v in x)
+            if same_tuples and all(a is b for a, b in zip(items, x)):
+                return x
+            return items
+        return x
+
+    return walk(obj)
+
+
+def _reference_walk(obj: Any, tensors: list[Any]) -> Any:
+    """obj with every tensor replaced by TensorReference(tid), tid in depth-first insertion order
+    (torch-xla's ToXlaTensorArena). Sharing of plain objects (e.g. a betas list) is kept."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, (torch.Tensor, Deferred)):
+            tensors.append(x)
+            return TensorReference(len(tensors) - 1)
+        return KEEP
+
+    return map_leaves(obj, leaf)
+
+
+def _stored_bytes(obj: Any) -> int:
+    """The bytes of the tensor storages `obj` holds (each storage once)."""
+    seen: dict[int, int] = {}
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+            return x
+        return KEEP
+
+    map_leaves(obj, leaf)
+    return sum(seen.values())
+
+
+def torch_save_file(obj: Any, path: Path, **kwargs: Any) -> None:
+    """torch.save(obj, path), as NxD does (the archive named after the file), with a full disk
+    refused before writing (the size is known to within the zip's overhead) and any failure of
+    torch's writer (its "enforce fail at inline_container.cc") turned into a one-line error."""
+    needed = _stored_bytes(obj) + (64 << 10)
+    ensure_free_space(path.parent, needed)
+    try:
+        torch.save(obj, str(path), **kwargs)
+    except RuntimeError as e:
+        raise _writer_failure(e, path, needed) from None
+
+
+def _writer_failure(e: RuntimeError, path: Path, needed: int) -> Exception:
+    """The one-line error for a failure of torch's zip writer of `path` (its partial file deleted),
+    or `e` itself when it is not the writer's."""
+    text = str(e)
+    if "inline_container" not in text and "PytorchStreamWriter" not in text and "cannot be opened" not in text:
+        return e
+    with contextlib.suppress(OSError):
+        remove_file(path)  # torch's partial file (the I/O core's one delete)
+    free = free_space(path.parent)
+    if free is not None and free < needed:
+        return no_space_error(path.parent, needed, free)
+    if not os.access(path.parent, os.W_OK):
+        return disk_error(PermissionError(errno.EACCES, "Permission denied"), "write", path)
+    return disk_error(OSError(errno.EIO, f"torch's writer failed ({text.splitlines()[0][:120]})"), "write", path)
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor of an object to save, known by its shape and dtype; `make()` gives its values (a
+    compact tensor nobody else changes) when its turn to be written comes (`save_together`)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+
+def save_together(
+    paths: Sequence[Path], objs: Sequence[Any], use_xser: bool, expert: bool | Collection[str] = False
+) -> list[Path]:
+    """Save objects of the same structure whose tensors are `Deferred` (or compact tensors) as
+    `save_object` would, byte for byte, but a tensor at a time: the k-th tensor of every file,
+    then the next, so that one `make()` result (a moment read once, cut into dp shards) serves
+    all files while it is the last read, and memory holds one tensor per file, never an object."""
+    paths = [Path(p) for p in paths]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if use_xser:
+        return _xser_together(paths, objs, expert)
+    plans = [_stubbed(obj) for obj in objs]
+    writers: list[TorchWriter | _TorchFileWriter] = []
+    try:
+        for path, (pkl, leaves) in zip(paths, plans):
+            specs = [TensorSpec(str(k), tuple(leaf.shape), leaf.dtype) for k, leaf in enumerate(leaves)]
+            archive = path.stem + "/"  # torch.save names the records' folder after the file it opens
+            if written_natively(specs, pkl, archive):
+                writers.append(TorchWriter(path, path.parent, specs, data_pkl=pkl, archive=archive))
+            else:
+                writers.append(_TorchFileWriter(path, pkl, sum(spec.nbytes for spec in specs)))
+        for k in range(len(plans[0][1]) if plans else 0):
+            for writer, (_, leaves) in zip(writers, plans):
+                writer.write(str(k), _made(leaves[k]), owned=True)
+        for writer in writers:
+            writer.close()
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    return paths
+
+
+class _TorchFileWriter:
+    """torch.save's own writer of a path, fed a record at a time in torch.save's order: for the
+    archives `torch_zip` leaves to torch (4 GiB or more: zip64 fields in every record)."""
+
+    def __init__(self, path: Path, data_pkl: bytes, data_bytes: int):
+        self.path, self.needed = path, data_bytes + len(data_pkl) + (64 << 10)
+        ensure_free_space(path.parent, self.needed)
+        self._zip, alignment = torch_compat.file_writer(str(path))
+        self._broken = False
+        for name, data in (
+            ("data.pkl", data_pkl),
+            (".format_version", b"1"),
+            (".storage_alignment", str(alignment).encode()),
+            ("byteorder", sys.byteorder.encode()),
+        ):
+            self._call(self._zip.write_record, name, data, len(data))
+
+    def _call(self, method: Callable[..., None], *args: Any) -> None:
+        try:
+            method(*args)
+        except BaseException as e:
+            self._broken = True  # mid-record: destroying torch's writer now would abort the process
+            if isinstance(e, RuntimeError):
+                raise _writer_failure(e, self.path, self.needed) from None
+            raise
+
+    def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
+        storage = tensor.untyped_storage()
+        self._call(self._zip.write_record, f"data/{name}", storage, storage.nbytes())
+
+    def close(self) -> None:
+        self._call(self._zip.write_end_of_file)
+        self._zip = None
+
+    def abort(self) -> None:
+        zip_writer, self._zip = self._zip, None
+        if zip_writer is not None and self._broken:
+            keep_forever(zip_writer)
+        del zip_writer  # unbroken: its destructor finishes an archive that is deleted next
+        with contextlib.suppress(OSError):
+            remove_file(self.path)
+
+
+def _made(leaf: Deferred | torch.Tensor) -> torch.Tensor:
+    tensor = leaf.make() if isinstance(leaf, Deferred) else leaf
+    if tuple(tensor.shape) != tuple(leaf.shape) or tensor.dtype != leaf.dtype:
+        raise RuntimeError(f"made {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(leaf.shape)} {leaf.dtype}")
+    return tensor
+
+
+def _stubbed(obj: Any) -> tuple[bytes, list[Deferred | torch.Tensor]]:
+    """torch.save's data.pkl of `obj` and its tensors in the order torch.save writes them."""
+    leaves: dict[int, Deferred | torch.Tensor] = {}
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not _compact(x):
+            raise ValueError("save_together takes compact tensors only (each its own whole storage)")
+        if isinstance(x, (Deferred, torch.Tensor)):
+            stub = stub_tensor(tuple(x.shape), x.dtype)
+            leaves[id(stub)] = x
+            return stub
+        return KEEP
+
+    pkl, stubs = object_pickle(map_leaves(obj, leaf, same_tuples=True))
+    return pkl, [leaves[id(stub)] for stub in stubs]
+
+
+def _compact(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+
+
+def _xser_together(paths: list[Path], objs: Sequence[Any], expert: bool | Collection[str]) -> list[Path]:
+    """`save_together` in xser: each tensor its own file, then the reference file and `.info.pt`."""
+    walks = []
+    for obj in objs:
+        leaves: list[Any] = []
+        walks.append((_reference_walk(obj, leaves), leaves))
+    written: list[Path] = []
+    for path in paths:
+        xser.tensors_dir(path).mkdir(exist_ok=True)
+    for k in range(len(walks[0][1]) if walks else 0):
+        for path, (_, leaves) in zip(paths, walks):
+            target = xser.tensor_path(path, k)
+            torch_save_file(_made(leaves[k]), target)
+            written.append(target)
+    for path, obj, (refs, leaves) in zip(paths, objs, walks):
+        torch_save_file(refs, path, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
+        torch_save_file(_xser_info(obj, leaves, expert), xser.info_path(path))
+        written += [path, xser.info_path(path)]
+    return written
+
+
+def _xser_info(obj: Any, tensors: Sequence[Any], expert: bool | Collection[str]) -> dict[int, dict[str, Any]]:
+    """xser's `.info.pt`: each tensor's dtype, shape and `expert_model_parallel` flag."""
+    if isinstance(expert, bool):
+        flags = [expert] * len(tensors)
+    else:  # a flat dict's tensors are referenced in its key order
+        flags = [k in expert for k, v in obj.items() if isinstance(v, (torch.Tensor, Deferred))]
+    return {
+        tid: {"dtype": t.dtype, "shape": torch.Size(t.shape), "expert_model_parallel": flag}
+        for tid, (t, flag) in enumerate(zip(tensors, flags))
+    }
+
+
+def save_object(
+    path: Path, obj: Any, use_xser: bool, expert: bool | Collection[str] = False, data: bool = True
+) -> list[Path]:
+    """torch.save `obj` to `path` exactly as NxD does (the archive is named after the file), or
+    as xser (reference file, `.info.pt`, one file per tensor). `expert`: xser's
+    `expert_model_parallel` flag of every tensor, or the keys of a flat dict `obj` whose tensors
+    get it. Without `data`, the xser tensor files are left out, as NxD's
+    `avoid_saving_lower_precision_weights` saves a model (`obj`'s tensors may then be on the meta
+    device: only their shapes and dtypes are written). Returns the files written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not use_xser:
+        torch_save_file(obj, path)
+        return [path]
+    tensors: list[torch.Tensor] = []
+    refs = _reference_walk(obj, tensors)
+    written = []
+    if data:
+        xser.tensors_dir(path).mkdir(exist_ok=True)
+    for tid, tensor in enumerate(tensors if data else []):
+        target = xser.tensor_path(path, tid)
+        torch_save_file(tensor, target)
+        written.append(target)
+    torch_save_file(refs, path, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
+    torch_save_file(_xser_info(obj, tensors, expert), xser.info_path(path))
+    return [path, xser.info_path(path), *written]
