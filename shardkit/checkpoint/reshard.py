@@ -234,7 +234,7 @@ def write_rank(
     if mode == AVOID_LP:  # names, shapes and dtypes only: the weights are the master weights
         written += save_object(model_path, bare_weights(pieces, dtype), use_xser, expert, data=False)
     else:
-        written += save_together([model_path], [readers.weights(pieces, dtype)], use_xser, expert)
+        written += save_together([model_path], [readers.weights(pieces, dtype)], use_xser, expert, out_tag)
     if src.zero1 is not None:
         moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
         names = [p.name for p in pieces]
@@ -246,7 +246,7 @@ def write_rank(
         state = readers.state(pieces, moments)  # read as the dp files are written, a tensor at a time
         objs = [build_optim(names, groups, src.zero1.hyper, state, dp, d, master) for d in range(dp)]
         paths = [out_tag / optim_name(d, tp, pp, ep if layout.ep > 1 else None) for d in range(dp)]
-        written += save_together(paths, objs, use_xser, bool(expert))
+        written += save_together(paths, objs, use_xser, bool(expert), out_tag)
     return written
 
 
@@ -430,8 +430,8 @@ def _finish_tag(plan: _Plan, out_tag: Path, written: list[str | FileRecord]) -> 
     """Leader, after every rank's files: the plain files, config, manifest; the source checked
     (unchanged, and every listed file matching its digest); `done` last."""
     src = plan.src
-    records = [f for f in written if isinstance(f, FileRecord)]
-    files = [Path(f) for f in written if isinstance(f, str)] + [out_tag / r.path for r in records]
+    records = [f for f in written if isinstance(f, FileRecord)]  # hashed as written (and maybe sent away)
+    files = [Path(f) for f in written if isinstance(f, str)]
     files += finish_optim(out_tag, records)
     for plain in (SCHEDULER, USER_CONTENT):
         if src.plain.get(plain) is not None:
@@ -446,7 +446,8 @@ def _finish_tag(plan: _Plan, out_tag: Path, written: list[str | FileRecord]) -> 
         family=src.model.family.name,
         layout=plan.layout,
         dtype=str(plan.dtype).replace("torch.", ""),
-        records=[file_record(f, out_tag) for f in files],
+        records=[file_record(f, out_tag) for f in files]
+        + [FileRecord(r.path, r.size, r.sha256, r.xxh3_128) for r in records],
         tensors=src.model.full_shapes,
         source=str(src.tag_dir),
         command="ckpt reshard",

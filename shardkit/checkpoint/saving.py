@@ -26,8 +26,11 @@ import torch
 from .. import torch_compat
 from ..formats import xser
 from ..formats.base import TensorSpec
+from ..formats.manifest import file_record
 from ..formats.torch_io import TensorReference, TorchWriter, keep_forever, object_pickle, stub_tensor, written_natively
+from ..io import sinks
 from ..io.delete import remove_file
+from ..io.digest import FileRecord
 from ..io.oserror import disk_error
 from ..paths import ensure_free_space, free_space, no_space_error
 
@@ -134,12 +137,19 @@ class Deferred:
 
 
 def save_together(
-    paths: Sequence[Path], objs: Sequence[Any], use_xser: bool, expert: bool | Collection[str] = False
-) -> list[Path]:
+    paths: Sequence[Path],
+    objs: Sequence[Any],
+    use_xser: bool,
+    expert: bool | Collection[str] = False,
+    root: Path | None = None,
+) -> list[Path | FileRecord]:
     """Save objects of the same structure whose tensors are `Deferred` (or compact tensors) as
     `save_object` would, byte for byte, but a tensor at a time: the k-th tensor of every file,
     then the next, so that one `make()` result (a moment read once, cut into dp shards) serves
-    all files while it is the last read, and memory holds one tensor per file, never an object."""
+    all files while it is the last read, and memory holds one tensor per file, never an object.
+    Returns the files written: the records (relative to `root`, default each file's folder) of
+    those written through the I/O core (which an object-store output may send away as they
+    close), the paths of the others."""
     paths = [Path(p) for p in paths]
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,27 +162,28 @@ def save_together(
             specs = [TensorSpec(str(k), tuple(leaf.shape), leaf.dtype) for k, leaf in enumerate(leaves)]
             archive = path.stem + "/"  # torch.save names the records' folder after the file it opens
             if written_natively(specs, pkl, archive):
-                writers.append(TorchWriter(path, path.parent, specs, data_pkl=pkl, archive=archive))
+                writers.append(TorchWriter(path, root or path.parent, specs, data_pkl=pkl, archive=archive))
             else:
-                writers.append(_TorchFileWriter(path, pkl, sum(spec.nbytes for spec in specs)))
+                writers.append(_TorchFileWriter(path, root or path.parent, pkl, sum(spec.nbytes for spec in specs)))
         for k in range(len(plans[0][1]) if plans else 0):
             for writer, (_, leaves) in zip(writers, plans):
                 writer.write(str(k), _made(leaves[k]), owned=True)
+        written: list[Path | FileRecord] = []
         for writer in writers:
-            writer.close()
+            written += writer.close()
     except BaseException:
         for writer in writers:
             writer.abort()
         raise
-    return paths
+    return written
 
 
 class _TorchFileWriter:
     """torch.save's own writer of a path, fed a record at a time in torch.save's order: for the
     archives `torch_zip` leaves to torch (4 GiB or more: zip64 fields in every record)."""
 
-    def __init__(self, path: Path, data_pkl: bytes, data_bytes: int):
-        self.path, self.needed = path, data_bytes + len(data_pkl) + (64 << 10)
+    def __init__(self, path: Path, root: Path, data_pkl: bytes, data_bytes: int):
+        self.path, self.root, self.needed = path, root, data_bytes + len(data_pkl) + (64 << 10)
         ensure_free_space(path.parent, self.needed)
         self._zip, alignment = torch_compat.file_writer(str(path))
         self._broken = False
@@ -197,9 +208,12 @@ class _TorchFileWriter:
         storage = tensor.untyped_storage()
         self._call(self._zip.write_record, f"data/{name}", storage, storage.nbytes())
 
-    def close(self) -> None:
+    def close(self) -> list[FileRecord]:
         self._call(self._zip.write_end_of_file)
         self._zip = None
+        record = file_record(self.path, self.root)  # read back once: torch's writer hashes nothing
+        sinks.closed(self.path)  # an output bound for object storage may send it now
+        return [record]
 
     def abort(self) -> None:
         zip_writer, self._zip = self._zip, None
@@ -238,13 +252,13 @@ def _compact(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
 
 
-def _xser_together(paths: list[Path], objs: Sequence[Any], expert: bool | Collection[str]) -> list[Path]:
+def _xser_together(paths: list[Path], objs: Sequence[Any], expert: bool | Collection[str]) -> list[Path | FileRecord]:
     """`save_together` in xser: each tensor its own file, then the reference file and `.info.pt`."""
     walks = []
     for obj in objs:
         leaves: list[Any] = []
         walks.append((_reference_walk(obj, leaves), leaves))
-    written: list[Path] = []
+    written: list[Path | FileRecord] = []
     for path in paths:
         xser.tensors_dir(path).mkdir(exist_ok=True)
     for k in range(len(walks[0][1]) if walks else 0):
