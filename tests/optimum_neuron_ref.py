@@ -253,7 +253,7 @@ def save(hf_dir: Path, out: Path, tp: int, pp: int, fuse_qkv: bool, kv_multiplie
     for stage, layers in enumerate(_stages(cfg["num_hidden_layers"], pp)):
         model = _Model(params, modules, {n for n in params if _in_stage(n, stage, layers, pp)})
 
-        def local(tensors: dict) -> dict:  # this tp rank's tensors of the stage, by optimum-neuron's own sharding
+        def local(tensors: dict, stage=stage, layers=layers, model=model) -> dict:  # this tp rank's tensors of the stage, by optimum-neuron's own sharding
             state = {n: w.clone() for n, w in tensors.items() if _in_stage(n, stage, layers, pp)}
             state = tu.adapt_state_dict(model, state, {}, inplace=False)
             ordered = {n: state[n].contiguous() for n in params if n in model.parameters_for_current_stage}

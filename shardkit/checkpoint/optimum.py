@@ -31,7 +31,7 @@ import torch
 
 from ..formats import Checkpoint, open_checkpoint, optimum_neuron
 from ..io.small import SmallFileError, read_json
-from .base import NoCheckpointError
+from .base import IncompleteCheckpointError, NoCheckpointError
 from .tree import DONE_MARKER, OPTIM_DIR, USER_CONTENT, tag_step
 from .zero1 import MOMENTS, MergedOptimFile, OptimFileError, Zero1Tag, is_xser_tag, load_object
 
@@ -55,14 +55,16 @@ def find_tag(directory: str | Path, tag: str | None) -> tuple[Path, str] | None:
     folder or its shards/), or the trainer's output directory holding checkpoint-<step> folders
     (`tag`, or the newest whose shards/ are complete). None when it is none of these."""
     directory = Path(directory)
-    if tag is None:
-        folder = folder_of(directory)
-        if folder is not None:
-            return folder.parent, folder.name
-    if not directory.is_dir():
+    folder = folder_of(directory) if tag is None else directory / tag
+    if folder is not None and folder_of(folder) == folder:
+        if not (folder / optimum_neuron.SHARDS / DONE_MARKER).is_file():
+            raise IncompleteCheckpointError(
+                f"{folder} is an optimum-neuron checkpoint whose save did not finish (no {optimum_neuron.SHARDS}/"
+                f"{DONE_MARKER}): use another checkpoint-<step>"
+            )
+        return folder.parent, folder.name
+    if tag is not None or not directory.is_dir():
         return None
-    if tag is not None:
-        return (directory, tag) if is_optimum_tag(directory / tag) and folder_of(directory / tag) == directory / tag else None
     runs = [p for p in directory.iterdir() if p.name.startswith(PREFIX) and p.is_dir() and folder_of(p) == p]
     if not runs:
         return None
@@ -151,7 +153,9 @@ def _as_zero1(obj: Any, where: str) -> dict[str, Any]:
     """A saved optimizer state as NxD's ZeRO-1 state dict: as it is, or torch's optimizer
     state_dict (`state` by index) with `base_state` = its state and `shape_info` its moments' shapes."""
     if not isinstance(obj, Mapping) or not isinstance(obj.get("param_groups"), list):
-        raise OptimFileError(f"{where} is not an optimizer state dict (no param_groups): not optimum-neuron's trainer's")
+        raise OptimFileError(
+            f"{where} is not an optimizer state dict (no param_groups): not optimum-neuron's trainer's"
+        )
     if isinstance(obj.get("base_state"), Mapping):
         return dict(obj)
     state = obj.get("state")
@@ -178,4 +182,3 @@ def _check_whole(obj: Mapping[str, Any], where: str) -> None:
                 "saved a ZeRO-1 run with several data-parallel ranks, and NxD's save_checkpoint kept one rank's shard "
                 "only, so the optimizer state is incomplete; the weights are whole (`shardkit ckpt export`)"
             )
-

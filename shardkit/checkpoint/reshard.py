@@ -36,9 +36,9 @@ from ..io.small import PICKLE_LIMIT, read_small
 from ..io.transaction import commit_all, staged_output
 from ..layout import Layout
 from ..placements import Piece
+from . import optimum
 from .base import CheckpointError
 from .dcp import TitanWrite, inspect_titan, kept_items, open_titan, titan_step_dir, write_titan
-from . import optimum
 from .guard import TagCheck
 from .load import tag_to_read
 from .nxd_modes import (
