@@ -36,7 +36,8 @@ Commands (each in its own process; exit 0 on success, 77 when OPTIMUM_NEURON_SRC
         checkpoint-<step>): with the optimizer state NxD's save_checkpoint writes for it under
         shards/optim/, the trainer's scheduler.pt and trainer_state.json (see `_optimizer_files`).
         OPTIM: adamw (zero_1 off), zero1 (zero_1 on, dp 1) or zero1-dp2 (zero_1 on, dp 2: what is
-        saved of it). The moments come from torch's own AdamW, two steps over gradients that are
+        saved of it); a "+xser" suffix writes the model and optimizer files in torch-xla's format,
+        optimum-neuron's default use_xser (`_xser_save`). The moments come from torch's own AdamW, two steps over gradients that are
         shards (made by optimum-neuron's own adapt_state_dict) of seeded full-model gradients,
         written to the file GRADS (safetensors, `step<k>.<Hugging Face name>`) for the tests.
 """
@@ -245,6 +246,8 @@ def save(hf_dir: Path, out: Path, tp: int, pp: int, fuse_qkv: bool, kv_multiplie
     for f in sorted(hf_dir.glob("*.safetensors")):
         full.update(load_file(str(f)))
     grads = [_full_grads(full, step) for step in range(_STEPS)] if optim else []
+    kind, xser = (optim or "").removesuffix("+xser"), (optim or "").endswith("+xser")
+    write = _xser_save if xser else torch.save
     _NxD.size = tp
     params, modules = _llama(tu, cfg, tp, fuse_qkv, kv_multiplier)
     shards = out / "shards"
@@ -263,11 +266,11 @@ def save(hf_dir: Path, out: Path, tp: int, pp: int, fuse_qkv: bool, kv_multiplie
         for t in range(tp):
             _NxD.rank = t
             ordered = local(full)
-            torch.save(ordered, shards / "model" / f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{stage:02d}.pt")
+            write(ordered, shards / "model" / f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{stage:02d}.pt")
             if optim:
                 (shards / "optim").mkdir(exist_ok=True)
-                for name, obj in _optimizer_files(ordered, [local(g) for g in grads], optim, t, stage).items():
-                    torch.save(obj, shards / "optim" / name)
+                for name, obj in _optimizer_files(ordered, [local(g) for g in grads], kind, t, stage).items():
+                    write(obj, shards / "optim" / name)
         metadata = tu.create_parameter_metadata(model)
         (shards / f"mp_metadata_pp_rank_{stage}.json").write_text(json.dumps(metadata, indent=4))
     (shards / "done").write_text("1")
@@ -339,6 +342,44 @@ def _optimizer_files(weights: dict, grads: list, optim: str, tp: int, pp: int) -
                 "exp_avg_sq": chunk0(state["state"][i]["exp_avg_sq"])} for i in order}
     return {name: {"state": {}, "param_groups": state["param_groups"], "base_state": base,
                    "shape_info": {i: list(shapes[i]) for i in order}}}
+
+
+class _TensorReference:
+    """torch-xla's xser placeholder (torch_xla.utils.serialization.TensorReference: one int, tid)."""
+
+    def __init__(self, tid: int):
+        self.tid = tid
+
+
+_TensorReference.__module__, _TensorReference.__qualname__ = "torch_xla.utils.serialization", "TensorReference"
+_TensorReference.__name__ = "TensorReference"
+
+
+def _xser_save(obj, path: Path) -> None:
+    """torch-xla's xser.save as NxD's save_checkpoint uses it: every tensor, depth first in dict
+    order, becomes TensorReference(tid) in PATH and is saved alone as PATH.tensors/tensor_<tid>.pt;
+    NxD adds PATH.info.pt ({tid: dtype, shape, expert_model_parallel})."""
+    for name in ("torch_xla", "torch_xla.utils"):
+        _package(name)
+    _package("torch_xla.utils.serialization", TensorReference=_TensorReference)
+    folder = Path(str(path) + ".tensors")
+    folder.mkdir()
+    info = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            tid = len(info)
+            torch.save(x.clone(), folder / f"tensor_{tid}.pt")
+            info[tid] = {"dtype": x.dtype, "shape": x.shape, "expert_model_parallel": False}
+            return _TensorReference(tid)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    torch.save(walk(obj), path)
+    torch.save(info, str(path) + ".info.pt")
 
 
 def _trainer_files(out: Path) -> None:

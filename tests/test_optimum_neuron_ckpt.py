@@ -66,10 +66,11 @@ def nxd_tp1_moments(tag: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {n: optim["base_state"][i] for i, n in enumerate(order)}
 
 
-@pytest.mark.parametrize("optim", ["zero1", "adamw"])
+@pytest.mark.parametrize("optim", ["zero1", "adamw", "zero1+xser"])
 def test_reshard_carries_optimums_moments_by_meaning(optim, tiny_model, tmp_path):
     """optimum-neuron's checkpoint (zero_1 on: NxD's ZeRO-1 file at dp 1; off: torch's AdamW
-    state_dict) -> ckpt reshard to tp 2 dp 2 (separate q/k/v) -> tp 1 dp 1: every moment equals
+    state_dict; xser: its default use_xser, kept by the first reshard) -> ckpt reshard to tp 2 dp 2
+    (separate q/k/v) -> tp 1 dp 1 (torch files): every moment equals
     AdamW's on the full tensors (kv replicas, fused gate_up, vocab rows, dp padding undone);
     the scheduler is carried byte for byte and the trainer state becomes the user content."""
     hf = tiny_model("llama-3.1-tiny", torch.bfloat16)
@@ -91,13 +92,14 @@ def test_reshard_carries_optimums_moments_by_meaning(optim, tiny_model, tmp_path
         "1",
     )
     tag = tmp_path / "tp2dp2/checkpoint-2"
-    assert sorted(p.name for p in (tag / "optim").iterdir()) == [
+    assert sorted(p.name for p in (tag / "optim").glob("*_pp_rank_00.pt")) == [
         f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt" for d in range(2) for t in range(2)
     ]
     assert (tag / "scheduler.pt").read_bytes() == (folder / "scheduler.pt").read_bytes()
     content = torch.load(tag / "user_content.pt", weights_only=True)
     assert content == json.loads((folder / "trainer_state.json").read_text())
-    invoke("ckpt", "reshard", tmp_path / "tp2dp2", tmp_path / "tp1", "--tp", "1", "--dp", "1")
+    assert (tag / "optim/dp_rank_01_tp_rank_01_pp_rank_00.pt.tensors").is_dir() == optim.endswith("xser")
+    invoke("ckpt", "reshard", tmp_path / "tp2dp2", tmp_path / "tp1", "--tp", "1", "--dp", "1", "--format", "torch")
     moments = nxd_tp1_moments(tmp_path / "tp1/checkpoint-2")
     assert len(moments) == len(truth) - sum("gate_proj" in n for n in truth)  # gate and up fused
     for name, state in moments.items():
