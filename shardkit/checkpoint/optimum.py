@@ -8,7 +8,7 @@ never read here) and the tokenizer files. Its optimizer state is what NxD's `sav
 writes when handed the trainer's optimizer (docs/FORMATS.md, "optimum-neuron's optimizer
 state"): `shards/optim/dp_rank_00_tp_rank_TT_pp_rank_PP.pt`, one per (tp, pp) rank, holding
 
-- with `zero_1` (optimum-neuron 0.3-0.4's default): NxD's ZeRO-1 state dict, exactly the file of
+- with `zero_1` (optimum-neuron 0.4's default): NxD's ZeRO-1 state dict, exactly the file of
   NxD's own ZeRO-1 layout at dp 1, which `Zero1Tag` reads as it is; with more than one
   data-parallel rank it holds one rank's shard only (the others were never written) and is refused;
 - without: torch's optimizer `state_dict()` (`state` by index, `param_groups`), read here as the
