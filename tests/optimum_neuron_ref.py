@@ -31,6 +31,15 @@ Commands (each in its own process; exit 0 on success, 77 when OPTIMUM_NEURON_SRC
         saved as optimum-neuron's save_pretrained lays them out (shards/model/dp_rank_00_tp_rank_TT_
         pp_rank_PP.pt, torch.save as NxD's save_checkpoint without xser, mp_metadata_pp_rank_P.json
         from its specs' own to_metadata, config.json); KV_MULTIPLIER 0 = optimum's automatic choice
+    python tests/optimum_neuron_ref.py save HF_DIR SAVE_DIR TP PP FUSE_QKV KV_MULTIPLIER OPTIM GRADS
+        the same, as a training checkpoint of optimum-neuron's NeuronTrainer (SAVE_DIR = its
+        checkpoint-<step>): with the optimizer state NxD's save_checkpoint writes for it under
+        shards/optim/, the trainer's scheduler.pt and trainer_state.json (see `_optimizer_files`).
+        OPTIM: adamw (zero_1 off), zero1 (zero_1 on, dp 1) or zero1-dp2 (zero_1 on, dp 2: what is
+        saved of it); a "+xser" suffix writes the model and optimizer files in torch-xla's format,
+        optimum-neuron's default use_xser (`_xser_save`). The moments come from torch's own AdamW, two steps over gradients that are
+        shards (made by optimum-neuron's own adapt_state_dict) of seeded full-model gradients,
+        written to the file GRADS (safetensors, `step<k>.<Hugging Face name>`) for the tests.
 """
 
 from __future__ import annotations
@@ -224,17 +233,21 @@ def _in_stage(name: str, stage: int, layers: range, pp: int) -> bool:
     return stage == 0 if name.startswith("model.embed_tokens") else stage == pp - 1
 
 
-def save(hf_dir: Path, out: Path, tp: int, pp: int, fuse_qkv: bool, kv_multiplier: int | None) -> None:
+def save(hf_dir: Path, out: Path, tp: int, pp: int, fuse_qkv: bool, kv_multiplier: int | None,
+         optim: str | None = None, grads_file: Path | None = None) -> None:
     """Every rank's state dict made by optimum-neuron's `adapt_state_dict` (as its from_pretrained
     shards a Hugging Face model) and its metadata by `create_parameter_metadata` (as its
-    save_pretrained writes mp_metadata_pp_rank_P.json)."""
-    from safetensors.torch import load_file
+    save_pretrained writes mp_metadata_pp_rank_P.json); with `optim`, the optimizer files too."""
+    from safetensors.torch import load_file, save_file
 
     tu, _ = load()
     cfg = json.loads((hf_dir / "config.json").read_text())
     full = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         full.update(load_file(str(f)))
+    grads = [_full_grads(full, step) for step in range(_STEPS)] if optim else []
+    kind, xser = (optim or "").removesuffix("+xser"), (optim or "").endswith("+xser")
+    write = _xser_save if xser else torch.save
     _NxD.size = tp
     params, modules = _llama(tu, cfg, tp, fuse_qkv, kv_multiplier)
     shards = out / "shards"
@@ -242,17 +255,144 @@ def save(hf_dir: Path, out: Path, tp: int, pp: int, fuse_qkv: bool, kv_multiplie
     (shards / "checkpoint").write_text("1")
     for stage, layers in enumerate(_stages(cfg["num_hidden_layers"], pp)):
         model = _Model(params, modules, {n for n in params if _in_stage(n, stage, layers, pp)})
-        for t in range(tp):
-            _NxD.rank = t
-            state = {n: w.clone() for n, w in full.items() if _in_stage(n, stage, layers, pp)}
+
+        def local(tensors: dict, stage=stage, layers=layers, model=model) -> dict:  # this tp rank's tensors of the stage, by optimum-neuron's own sharding
+            state = {n: w.clone() for n, w in tensors.items() if _in_stage(n, stage, layers, pp)}
             state = tu.adapt_state_dict(model, state, {}, inplace=False)
             ordered = {n: state[n].contiguous() for n in params if n in model.parameters_for_current_stage}
             assert set(ordered) == set(state), sorted(set(state) ^ set(ordered))
-            torch.save(ordered, shards / "model" / f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{stage:02d}.pt")
+            return ordered
+
+        for t in range(tp):
+            _NxD.rank = t
+            ordered = local(full)
+            write(ordered, shards / "model" / f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{stage:02d}.pt")
+            if optim:
+                (shards / "optim").mkdir(exist_ok=True)
+                for name, obj in _optimizer_files(ordered, [local(g) for g in grads], kind, t, stage).items():
+                    write(obj, shards / "optim" / name)
         metadata = tu.create_parameter_metadata(model)
         (shards / f"mp_metadata_pp_rank_{stage}.json").write_text(json.dumps(metadata, indent=4))
     (shards / "done").write_text("1")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if optim:
+        _trainer_files(out)
+        save_file({f"step{k}.{n}": g for k, step in enumerate(grads) for n, g in step.items()},
+                  str(grads_file))
+
+
+# ---- the optimizer state of optimum-neuron's NeuronTrainer ---------------------------------------
+#
+# What the trainer saves (optimum-neuron 0.4.5 trainers/transformers.py `_save_checkpoint` and
+# `save_model`, models/training/modeling_utils.py `save_pretrained`): the model and optimizer go
+# through NxD's `trainer.save_checkpoint(dir, tag="shards", model=..., optimizer=self.optimizer)`.
+# `self.optimizer` is accelerate's wrapper (NeuronAcceleratedOptimizer), whose state_dict() is the
+# wrapped optimizer's, and which is neither an NxDOptimizer nor a NeuronZero1Optimizer: NxD's
+# save_checkpoint therefore takes its non-ZeRO path, one file per (tp, pp) rank named with dp rank
+# 00, written by the first rank of each data-parallel group. The wrapped optimizer is torch's AdamW
+# (zero_1 off: its state_dict) or NxD's NeuronZero1Optimizer (zero_1 on, the default in 0.4: torch-xla's
+# ZeroRedundancyOptimizer.state_dict(), {state: {}, param_groups, base_state, shape_info}, the
+# moments being this dp rank's zero-padded dim-0 chunk). Neither NxD nor torch-xla runs here, so the
+# files are built from torch's own AdamW state_dict in those shapes; at dp 2 the file keeps dp rank
+# 0's chunk (with xser NxD would even mix the dp ranks' chunks, tensor by tensor).
+
+_STEPS = 2
+_NORMS = ("input_layernorm", "post_attention_layernorm", "model.norm")
+
+
+def _full_grads(full: dict, step: int) -> dict:
+    """Seeded gradients of the full model, one per Hugging Face tensor, fp32."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return {n: torch.randn(w.shape, generator=gen, dtype=torch.float32) for n, w in sorted(full.items())}
+
+
+def _adamw(names: list, weights: dict, grads: list) -> torch.optim.AdamW:
+    """torch's AdamW over a stage's parameters in the trainer's two groups (create_optimizer: decay,
+    then no decay; LlamaRMSNorm is in ALL_LAYERNORM_LAYERS, so the norms take no decay), stepped
+    over `grads`."""
+    tensors = {n: torch.nn.Parameter(weights[n].float()) for n in names}
+    no_decay = [n for n in names if any(k in n for k in _NORMS)]
+    groups = [{"params": [tensors[n] for n in names if n not in no_decay], "weight_decay": 0.01},
+              {"params": [tensors[n] for n in no_decay], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-3, foreach=False)
+    for step in grads:
+        for n in names:
+            tensors[n].grad = step[n]
+        opt.step()
+    return opt
+
+
+def _optimizer_files(weights: dict, grads: list, optim: str, tp: int, pp: int) -> dict:
+    """The files NxD's save_checkpoint writes under shards/optim/ for this (tp, pp) rank."""
+    names = list(weights)
+    state = _adamw(names, weights, grads).state_dict()
+    name = f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+    if optim == "adamw":
+        return {name: state}
+    dp = 2 if optim == "zero1-dp2" else 1
+    order = [i for g in state["param_groups"] for i in g["params"]]
+    shapes = [weights[n].shape for n in names if not any(k in n for k in _NORMS)]
+    shapes += [weights[n].shape for n in names if any(k in n for k in _NORMS)]
+
+    def chunk0(t: torch.Tensor) -> torch.Tensor:  # dp rank 0's ZeRO-1 chunk: dim 0 padded to a multiple of dp
+        rows = -(-t.shape[0] // dp)
+        return t[:rows].clone()
+
+    base = {i: {"step": state["state"][i]["step"], "exp_avg": chunk0(state["state"][i]["exp_avg"]),
+                "exp_avg_sq": chunk0(state["state"][i]["exp_avg_sq"])} for i in order}
+    return {name: {"state": {}, "param_groups": state["param_groups"], "base_state": base,
+                   "shape_info": {i: list(shapes[i]) for i in order}}}
+
+
+class _TensorReference:
+    """torch-xla's xser placeholder (torch_xla.utils.serialization.TensorReference: one int, tid)."""
+
+    def __init__(self, tid: int):
+        self.tid = tid
+
+
+_TensorReference.__module__, _TensorReference.__qualname__ = "torch_xla.utils.serialization", "TensorReference"
+_TensorReference.__name__ = "TensorReference"
+
+
+def _xser_save(obj, path: Path) -> None:
+    """torch-xla's xser.save as NxD's save_checkpoint uses it: every tensor, depth first in dict
+    order, becomes TensorReference(tid) in PATH and is saved alone as PATH.tensors/tensor_<tid>.pt;
+    NxD adds PATH.info.pt ({tid: dtype, shape, expert_model_parallel})."""
+    for name in ("torch_xla", "torch_xla.utils"):
+        _package(name)
+    _package("torch_xla.utils.serialization", TensorReference=_TensorReference)
+    folder = Path(str(path) + ".tensors")
+    folder.mkdir()
+    info = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            tid = len(info)
+            torch.save(x.clone(), folder / f"tensor_{tid}.pt")
+            info[tid] = {"dtype": x.dtype, "shape": x.shape, "expert_model_parallel": False}
+            return _TensorReference(tid)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    torch.save(walk(obj), path)
+    torch.save(info, str(path) + ".info.pt")
+
+
+def _trainer_files(out: Path) -> None:
+    """What `_save_checkpoint` writes beside shards/: the scheduler's state_dict (torch's LambdaLR,
+    as transformers' linear schedule is) and the TrainerState as JSON."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / 10)
+    for _ in range(_STEPS):
+        opt.step()
+        scheduler.step()
+    torch.save(scheduler.state_dict(), out / "scheduler.pt")
+    state = {"global_step": _STEPS, "epoch": 0.5, "max_steps": 10, "log_history": [{"loss": 1.5, "step": _STEPS}]}
+    (out / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str]) -> None:
@@ -263,7 +403,8 @@ def main(argv: list[str]) -> None:
         fetch(Path(argv[1]))
     elif argv[0] == "save":
         tp, pp, fuse, mult = int(argv[3]), int(argv[4]), argv[5] == "1", int(argv[6])
-        save(Path(argv[1]), Path(argv[2]), tp, pp, fuse, mult or None)
+        optim, grads = (argv[7], Path(argv[8])) if len(argv) > 7 else (None, None)
+        save(Path(argv[1]), Path(argv[2]), tp, pp, fuse, mult or None, optim, grads)
     else:
         raise SystemExit(f"unknown command {argv[0]}")
 

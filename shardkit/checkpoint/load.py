@@ -49,6 +49,7 @@ from .base import (
     distributed_rank,
 )
 from .nxd_modes import open_model, open_optimizer
+from .optimum import find_tag
 from .tree import (
     CONFIG,
     MODEL_DIR,
@@ -99,7 +100,11 @@ def tag_to_read(directory: str | Path, tag: str | None, instead: str) -> tuple[P
     """(checkpoint directory, tag) a `ckpt` command reads: `directory`'s newest complete tag or
     `tag`, or `directory` itself when it is a tag folder. A folder that holds no tags is refused
     with what it is and, for a model folder, the command that reads it (`instead`, say
-    "shardkit merge DIR OUT"; "DIR" stands for the folder)."""
+    "shardkit merge DIR OUT"; "DIR" stands for the folder). optimum-neuron's checkpoint-<step>
+    folders are tags too (`optimum.find_tag`)."""
+    found = find_tag(directory, tag)
+    if found is not None:
+        return found
     directory = Path(directory)
     if tag is None and is_tag(directory):
         return directory.parent, directory.name

@@ -39,6 +39,7 @@ from ..io.small import PICKLE_LIMIT, read_small
 from ..io.transaction import commit_all, staged_output
 from ..layout import Layout
 from ..placements import Piece
+from . import optimum
 from .base import CheckpointError
 from .dcp import TitanWrite, inspect_titan, kept_items, open_titan, titan_step_dir, write_titan
 from .guard import TagCheck
@@ -97,8 +98,12 @@ ParamOrder = list[list[str]] | None  # parameter names per optimizer param group
 
 
 def open_training_tag(tag_dir: Path, config: Any = None, hints: Hints = None, param_order: ParamOrder = None) -> Source:
-    """Open a tag (NxD's or shardkit's) and check its optimizer files against its model files."""
+    """Open a tag (NxD's, shardkit's or an optimum-neuron checkpoint folder) and check its optimizer
+    files against its model files."""
     tag_dir = Path(tag_dir)
+    if optimum.is_optimum_tag(tag_dir):
+        model, zero, plain = optimum.open_parts(tag_dir, config, param_order)
+        return Source(tag_dir, model, zero, True, DEFAULT, plain)
     if config is None and not (tag_dir / CONFIG).is_file():
         raise CheckpointError(
             f"{tag_dir} has no config.json (NxD checkpoints carry none): pass the model's "
@@ -115,7 +120,10 @@ def model_checkpoint(
 ) -> Checkpoint:
     """A tag's model as the engine reads it (merge, export): its model files, or, when they hold no
     tensor data (NxD's avoid_saving_lower_precision_weights), its fp32 master weights in the
-    model's dtype under the model's names."""
+    model's dtype under the model's names. An optimum-neuron checkpoint's model files always hold
+    its weights: its optimizer files are not opened."""
+    if optimum.is_optimum_tag(tag_dir):
+        return optimum.open_model(tag_dir, config)
     src = open_training_tag(tag_dir, config, hints, param_order)
     if src.has_data:
         return src.model
@@ -306,7 +314,7 @@ def _plan(src_dir: Path, layout: Layout, param_order: ParamOrder, options: Train
     cfg = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
     name, src = _open_source(src_dir, cfg, param_order, options)
     layout.validate(src.model.dims)
-    fmt = options.get("format") or src.model.format
+    fmt = options.get("format") or optimum.native_format(src.tag_dir, src.model.format)
     if fmt not in ("torch", "xser", "dcp"):
         raise CheckpointError(f"--format {fmt} is not one NxD's or torchtitan's trainer writes: use torch, xser or dcp")
     master = master_weights == "keep" and src.zero1 is not None and src.zero1.master and fmt != "dcp"

@@ -38,6 +38,9 @@ def ckpt_group() -> None:
     DIR is the checkpoint directory: DIR/<tag>/{checkpoint, model/, optim/, scheduler.pt,
     user_content.pt, done}. A tag is complete when its `done` marker exists. Every DIR, SRC, DST
     and OUT may be s3://bucket/prefix, with NxD's keys (`<tag>/model/...`, `done` last).
+    inspect, export and reshard also read optimum-neuron's training checkpoints: a
+    checkpoint-<step> folder (its shards/ complete: shards/done) is a tag, and the trainer's
+    output directory holding them is DIR (the newest complete one, or --tag checkpoint-<step>).
     """
 
 
@@ -158,7 +161,8 @@ def ckpt_export(ctx, directory, out, tag, merged, base, max_shard_size, write, a
     DIR and OUT may be s3://bucket/prefix (only the byte ranges the merge uses are read).
     A LoRA adapter checkpoint (the trainer's --lora-rank) becomes a PEFT adapter folder
     (adapter_config.json + adapter_model.safetensors, for peft's PeftModel.from_pretrained), or
-    with --merged the merged model.
+    with --merged the merged model. An optimum-neuron checkpoint-<step> folder (or its output
+    directory) exports its model; its optimizer files are not read.
     """
     from ..api import export_checkpoint
 
@@ -274,8 +278,10 @@ def ckpt_reshard(
     """Move a whole training state SRC (model, ZeRO-1 optimizer shards, master weights, scheduler,
     user content) to another layout, written as the checkpoint directory DST in NxD's format
     (or torchtitan's, --format dcp). SRC may also be a torchtitan checkpoint (a DCP folder
-    step-<N>, or the folder of them: the newest, or --tag). SRC and DST: folders or
-    s3://bucket/prefix.
+    step-<N>, or the folder of them: the newest, or --tag), or an optimum-neuron training
+    checkpoint (a checkpoint-<step> folder, or the output directory holding them), whose
+    shards/optim/ files are its optimizer state at dp 1 (a ZeRO-1 run with several data-parallel
+    ranks saved one rank's shard only: refused). SRC and DST: folders or s3://bucket/prefix.
     Without --ep, --qkv (and --kv-replication / --hw) the source's expert parallelism, qkv style
     (and replica order) are kept, and a line says so.
 
