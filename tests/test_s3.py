@@ -452,42 +452,6 @@ def test_outputs_upload_as_their_files_close(tiny_model, bucket, workdir, monkey
     no_mirrors_left()
 
 
-def test_large_files_go_up_while_they_are_written(tiny_model, bucket, workdir, monkeypatch):
-    """A file past two parts sends each part as soon as the file holds it: its first parts are up
-    before the file is closed (conversion and upload overlap within the file), and the object is
-    exact."""
-    from shardkit.io import upload
-
-    hf = tiny_model("tinyllama-mini")  # fp32: two tp files of 31 MB
-    monkeypatch.setattr(s3, "PART_SIZE", 5 << 20)
-    events: list[tuple[str, str]] = []
-    send, closed = s3.GrowingUpload._send, upload.StreamingUpload.closed
-
-    def sending(self, number, start, length):
-        events.append(("part", self.path.name))
-        return send(self, number, start, length)
-
-    def closing(self, path):
-        events.append(("closed", path.name))
-        closed(self, path)
-
-    monkeypatch.setattr(s3.GrowingUpload, "_send", sending)
-    monkeypatch.setattr(upload.StreamingUpload, "closed", closing)
-    url = f"s3://{bucket}/growing"
-    convert(hf, url, shardkit.make_layout(tp=2, qkv="gqa"), workers=1)
-    files = sorted({name for kind, name in events if kind == "closed" and name.startswith("dp_rank")})
-    assert len(files) == 2
-    for name in files:
-        at_close = events.index(("closed", name))
-        before = [e for e in events[:at_close] if e == ("part", name)]
-        assert len(before) >= 2, (name, events)  # 31 MB in 5 MiB parts: most were sent before the close
-        assert events.count(("part", name)) == 6  # and the rest once it closed: every part once
-    assert verify(hf, url).ok
-    assert not s3.client().list_multipart_uploads(Bucket=bucket, Prefix="growing/").get("Uploads", [])
-    assert not list(workdir.iterdir())
-    no_mirrors_left()
-
-
 def test_interrupted_upload_is_incomplete_and_cleaned_up(tiny_model, bucket, tmp_path, workdir):
     hf = tiny_model("tinyllama-mini", torch.bfloat16)
     url = f"s3://{bucket}/killed"

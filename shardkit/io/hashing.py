@@ -260,9 +260,8 @@ class _WriteBehind:
     digests are. The first write error is kept and raised to the caller at its next write, flush
     or close; later blocks are dropped."""
 
-    def __init__(self, fh: io.BufferedRandom | DirectFile, grown: Callable[[int], None] | None = None) -> None:
+    def __init__(self, fh: io.BufferedRandom | DirectFile) -> None:
         self._fh = fh
-        self._grown = grown  # told the bytes written for good after each block (`sinks.growth`)
         self._jobs = _WRITERS.assign()
         self._pending = 0
         self._changed = _Queued.changed
@@ -331,15 +330,6 @@ class _WriteBehind:
                 # wait there for this file's copies, while every other file's blocks wait too
                 if hashing is not None and self.error is None and not self._cancelled and hashing.take():
                     hashing.run()
-            fh = self._fh
-            if (
-                self._grown is not None
-                and self.error is None
-                and not self._cancelled
-                and not isinstance(fh, DirectFile)
-            ):
-                fh.flush()  # every byte so far in the file, where another reader sees it
-                self._grown(fh.tell())
         except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
             self.error = e
         finally:
@@ -507,8 +497,6 @@ class HashingFile:
         self._behind_bytes = 0
         self._tail = bytearray()  # small writes after the blocks behind: hashed with the next block
         self._writer: _WriteBehind | None = None  # started by the first large owned block
-        # an output bound for object storage: its sink may send the bytes written so far
-        self._growth = None if direct else sinks.growth(self.path, expected_size)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if expected_size is not None:
             try:  # the file this one replaces frees its blocks (unless linked elsewhere too)
@@ -612,7 +600,7 @@ class HashingFile:
             raise writer.error
         if owner is not None and len(view) >= BEHIND_MIN:
             if writer is None:
-                writer = self._writer = _WriteBehind(self._file, self._growth)
+                writer = self._writer = _WriteBehind(self._file)
             writer.put(view, owner, job)
         elif writer is not None and writer.pending:
             if len(view) >= PARALLEL_HASH_MIN:  # the caller may reuse its bytes: wait, then write here
@@ -695,7 +683,7 @@ class HashingFile:
             return total
         writer = self._writer
         if writer is None:
-            writer = self._writer = _WriteBehind(fh, self._growth)
+            writer = self._writer = _WriteBehind(fh)
         # The worker has time to spare while the write-behind threads (the busier ones) copy:
         # the sources' checks are fed here, and when every source is checked or watched, the
         # file's digest and `seen` too, so that the copy reads nothing back.

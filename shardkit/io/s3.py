@@ -16,7 +16,6 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -322,87 +321,6 @@ class Uploader:
             for future, _, _ in self._futures:
                 future.cancel()
         self._manager.shutdown()
-
-
-class GrowingUpload:
-    """The multipart upload of a local file still being written: each part goes up as soon as the
-    file holds all its bytes (`grown`; the I/O core's writers only append, so a byte once written
-    never changes), read from the file as it is sent; `finish` sends the rest and completes the
-    upload. Conversion and upload then overlap within a file, not only across files."""
-
-    def __init__(self, path: Path, loc: RemoteLocation, name: str, pool: ThreadPoolExecutor, bound: int):
-        self.path, self.loc, self.name, self.where = path, loc, name, f"{loc}/{name}"
-        self.part = _part_size(bound)
-        self._pool = pool
-        self._handed = 0  # bytes handed to part uploads
-        self._parts: list[Future[dict[str, Any]]] = []
-        self._lock = threading.Lock()
-        self._id: str | None = None
-        self._aborted = False
-
-    @property
-    def started(self) -> bool:
-        return bool(self._parts)
-
-    def grown(self, size: int) -> None:
-        """The file's first `size` bytes are written for good: the whole parts among them go up."""
-        while size - self._handed >= self.part:
-            self._submit(self._handed, self.part)
-
-    def _submit(self, start: int, length: int) -> None:
-        self._parts.append(self._pool.submit(self._send, start // self.part + 1, start, length))
-        self._handed = start + length
-
-    def _upload_id(self) -> str:
-        with self._lock:
-            if self._aborted:
-                raise RemoteError(f"{self.where}: the upload was cancelled")
-            if self._id is None:
-                with _translated("upload to", self.where):
-                    answer = client().create_multipart_upload(Bucket=self.loc.bucket, Key=self.loc.key(self.name))
-                self._id = answer["UploadId"]
-            return self._id
-
-    def _send(self, number: int, start: int, length: int) -> dict[str, Any]:
-        from s3transfer.utils import ReadFileChunk
-
-        upload_id = self._upload_id()
-        with (
-            _translated("upload to", self.where),
-            ReadFileChunk.from_filename(str(self.path), start, length, enable_callbacks=False) as body,
-        ):
-            answer = client().upload_part(
-                Bucket=self.loc.bucket, Key=self.loc.key(self.name), UploadId=upload_id, PartNumber=number, Body=body
-            )
-        return {"ETag": answer["ETag"], "PartNumber": number}
-
-    def finish(self, size: int) -> int:
-        """The file is closed at `size` bytes: send the rest, wait for every part, complete the
-        upload (blocking). Returns the bytes sent."""
-        if size > self._handed or not self._parts:
-            self._submit(self._handed, size - self._handed)
-        parts = [future.result() for future in self._parts]
-        with _translated("upload to", self.where):
-            client().complete_multipart_upload(
-                Bucket=self.loc.bucket,
-                Key=self.loc.key(self.name),
-                UploadId=self._upload_id(),
-                MultipartUpload={"Parts": parts},
-            )
-        return size
-
-    def abort(self) -> None:
-        """Cancel the parts not sent yet and abort the upload (its stored parts freed). Never raises."""
-        with self._lock:
-            self._aborted, upload_id = True, self._id
-        for future in self._parts:
-            future.cancel()
-        for future in self._parts:
-            with contextlib.suppress(BaseException):
-                future.exception()
-        if upload_id is not None:
-            with contextlib.suppress(Exception):
-                client().abort_multipart_upload(Bucket=self.loc.bucket, Key=self.loc.key(self.name), UploadId=upload_id)
 
 
 def delete_objects(loc: RemoteLocation, names: Iterable[str]) -> int:

@@ -2,9 +2,8 @@
 
 An output bound for object storage is written into a local folder first (every writer works on
 local files). Rather than uploading the whole folder at the end, its files are handed to a sink
-as each one is closed (`io.hashing.HashingFile.close` calls `closed`), and a large file's parts as
-soon as it holds them (its write-behind thread calls `grown`), so uploading overlaps writing and
-the local copy holds only the files still in flight (`io.upload.StreamingUpload`).
+as each one is closed (`io.hashing.HashingFile.close` calls `closed`), so uploading overlaps
+writing and the local copy holds only the files still in flight (`io.upload.StreamingUpload`).
 The staged output's commit waits for the sink (`drain`) before it renames the staging folder.
 Without a registered sink (every local output) both calls return at once.
 """
@@ -13,17 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
 
 class Sink(Protocol):
-    def grown(self, path: Path, size: int, bound: int) -> None:
-        """The first `size` bytes of `path` (under the sink's folder, being written, at most
-        `bound` bytes in the end) are written for good: a sink may send them already. Called by
-        the file's write-behind thread: it must not block."""
-
     def closed(self, path: Path) -> None:
         """`path` (under the sink's folder) is finished: nothing will write it again."""
 
@@ -54,16 +48,6 @@ def _sink_of(path: Path) -> Sink | None:
     path = Path(path).absolute()
     with _LOCK:
         return next((sink for folder, sink in _SINKS.items() if folder in path.parents), None)
-
-
-def growth(path: Path, bound: int | None) -> Callable[[int], None] | None:
-    """For a file about to be written (appended to only, at most `bound` bytes) under a registered
-    folder: the call that tells its sink how many leading bytes are written for good; else None."""
-    sink = _sink_of(path) if bound else None
-    if sink is None or bound is None:
-        return None
-    path, grown = Path(path).absolute(), sink.grown
-    return lambda size: grown(path, size, bound)
 
 
 def closed(path: Path) -> None:

@@ -30,9 +30,7 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import DestinationExistsError, ShardkitError
@@ -160,81 +158,29 @@ def check_destination(loc: RemoteLocation, overwrite: bool, sources: Sequence[Re
 
 
 class StreamingUpload:
-    """The sink (`io.sinks`) of a remote output's local folder. A file past two parts goes up while
-    it is written: each part as soon as the file holds it (`grown`, `s3.GrowingUpload`), the rest
-    when it is closed. Any other file goes up once closed (several in flight; `files_in_flight`
-    bounds them, so a writer that gets ahead waits and the local copy holds only the files in
-    flight). Each local file is deleted once it is up. The final objects wait for `upload_tree`
-    at the commit."""
+    """The sink (`io.sinks`) of a remote output's local folder: each file the writers close in
+    its staging folder goes up at once (several in flight; `files_in_flight` bounds them, so a
+    writer that gets ahead waits and the local copy holds only the files in flight), and is
+    deleted locally once it is up. The final objects wait for `upload_tree` at the commit."""
 
     def __init__(self, loc: RemoteLocation, local: Path, files_in_flight: int = FILES_IN_FLIGHT):
         self.loc = loc
         self.folders = (local.absolute(), sibling_name(local.absolute(), STAGING_TAG))
         self._uploader = s3.Uploader(files_in_flight)
-        self._parts = ThreadPoolExecutor(max_workers=s3.CONCURRENCY, thread_name_prefix="shardkit-part")
-        self._finishing = ThreadPoolExecutor(max_workers=files_in_flight, thread_name_prefix="shardkit-complete")
-        self._growing: dict[Path, s3.GrowingUpload] = {}
-        self._finished: list[tuple[Future[int], s3.GrowingUpload]] = []
-        self._lock = threading.Lock()
-        self._grown_sent = 0
         self.sent = 0
 
-    def _name(self, path: Path) -> str | None:
-        """The object name of a file of the output (None: the owner file, a final object, or not ours)."""
+    def closed(self, path: Path) -> None:
         for folder in self.folders:
             if folder in path.parents:
                 rel = path.relative_to(folder).as_posix()
-                return rel if rel != OWNER_FILE and _final_rank(rel) == 0 else None
-        return None
-
-    def grown(self, path: Path, size: int, bound: int) -> None:
-        with self._lock:
-            upload = self._growing.get(path)
-            if upload is None:
-                name = self._name(path)
-                if name is None or bound < 2 * s3.PART_SIZE or size < s3.PART_SIZE:
-                    return
-                upload = self._growing[path] = s3.GrowingUpload(path, self.loc, name, self._parts, bound)
-        upload.grown(size)
-
-    def closed(self, path: Path) -> None:
-        with self._lock:
-            upload = self._growing.pop(path, None)
-        if upload is not None and upload.started:
-            self._finished.append((self._finishing.submit(self._finish, upload), upload))
-            return
-        name = self._name(path)
-        if name is not None:
-            self._uploader.upload(path, self.loc, name, remove=True)
-
-    @staticmethod
-    def _finish(upload: s3.GrowingUpload) -> int:
-        sent = upload.finish(upload.path.stat().st_size)
-        with contextlib.suppress(OSError):
-            upload.path.unlink()  # up: the local copy goes
-        return sent
+                if rel != OWNER_FILE and _final_rank(rel) == 0:
+                    self._uploader.upload(path, self.loc, rel, remove=True)
+                return
 
     def drain(self) -> None:
-        sent = self._uploader.wait()
-        first: BaseException | None = None
-        for future, upload in self._finished:
-            try:
-                self._grown_sent += future.result()
-            except Exception as e:  # noqa: BLE001 - the first failure is raised below
-                first = first or (e if isinstance(e, ShardkitError) else s3.error(e, "upload to", upload.where))
-        self._finished.clear()
-        self.sent = sent + self._grown_sent
-        if first is not None:
-            raise first
+        self.sent = self._uploader.wait()
 
     def close(self, cancel: bool) -> None:
-        if cancel:
-            with self._lock:
-                growing, self._growing = list(self._growing.values()), {}
-            for upload in growing + [u for _, u in self._finished]:
-                upload.abort()
-        self._finishing.shutdown(wait=True)
-        self._parts.shutdown(wait=True, cancel_futures=cancel)
         self._uploader.close(cancel=cancel)
 
 
