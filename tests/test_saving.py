@@ -121,3 +121,22 @@ def test_a_made_tensor_of_the_wrong_shape_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match=r"expected \(2, 3\)"):
         save_together([tmp_path / "w.pt"], [lazy], False)
     assert not (tmp_path / "w.pt").exists()
+
+
+def test_presharded_state_as_save_checkpoint_gives_it(tmp_path):
+    """`save_checkpoint`'s optimizer file (its own dp shard, given as tensors) is torch.save's bytes."""
+    dp, d = 2, 1
+    state = _state()
+    shards = {
+        n: {k: (v.reshape(-1)[: v.numel() // 2].clone() if isinstance(v, torch.Tensor) else v) for k, v in e.items()}
+        for n, e in state.items()
+    }
+    obj = build_optim(NAMES, [0, 1, 0], _hyper(), shards, dp, d, True, presharded=True, shapes=SHAPES)
+    save_object(tmp_path / "a" / "dp_rank_01_tp_rank_00_pp_rank_00.pt", obj, False)
+    written = save_together([tmp_path / "b" / "dp_rank_01_tp_rank_00_pp_rank_00.pt"], [obj], False, root=tmp_path / "b")
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    assert [r.path for r in written] == ["dp_rank_01_tp_rank_00_pp_rank_00.pt"]  # a record, hashed as written
+    assert (
+        written[0].xxh3_128
+        and written[0].size == (tmp_path / "b" / "dp_rank_01_tp_rank_00_pp_rank_00.pt").stat().st_size
+    )

@@ -167,6 +167,9 @@ def remote_saver(loc: RemoteLocation, run_save: Callable[..., None], agree: Call
 
     def run(job: Any, comm: Any, retention: Any = None) -> None:
         what = f"saving checkpoint {job.tag} to {loc}"
+        # the staged copy only passes through: a completed upload is the durable one, so its
+        # files are not synced to the local disk first (that was seconds of waiting per GB)
+        job.fsync = False
         hosts = comm.gather(socket.gethostname())
         first_on_host = hosts.index(hosts[comm.rank]) == comm.rank
         agree(comm, what, lambda: _clear_host(job) if first_on_host else None, job.tag_dir)

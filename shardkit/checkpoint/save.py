@@ -65,7 +65,7 @@ from .base import (
     distributed_rank,
     jsonable,
 )
-from .saving import save_object
+from .saving import save_object, save_together
 from .state import (
     RankState,
     check_plain,
@@ -325,7 +325,12 @@ def write_rank_files(job: SaveJob) -> dict[str, Any]:
                 shapes=[tuple(t.shape) for _, t in state.model],
             )
             path = job.tag_dir / optim_file(state.rank, job.layout)
-            records += _written(job.tag_dir, save_object(path, obj, xser, bool(state.expert)), job.fsync)
+            # a tensor at a time through the I/O core's writer (hashed as written, torch.save's bytes)
+            written = save_together([path], [obj], xser, bool(state.expert), job.tag_dir, job.fsync)
+            records += [f for f in written if isinstance(f, FileRecord)]
+            records += _written(job.tag_dir, [f for f in written if isinstance(f, Path)], job.fsync)
+            if job.fsync:
+                fsync_path(path.parent)
             master = master or state.master
     if job.leader:
         if job.config is not None:

@@ -31,6 +31,7 @@ from ..formats.torch_io import TensorReference, TorchWriter, keep_forever, objec
 from ..io import sinks
 from ..io.delete import remove_file
 from ..io.digest import FileRecord
+from ..io.durable import fsync_path
 from ..io.oserror import disk_error
 from ..paths import ensure_free_space, free_space, no_space_error
 
@@ -142,6 +143,7 @@ def save_together(
     use_xser: bool,
     expert: bool | Collection[str] = False,
     root: Path | None = None,
+    fsync: bool = False,
 ) -> list[Path | FileRecord]:
     """Save objects of the same structure whose tensors are `Deferred` (or compact tensors) as
     `save_object` would, byte for byte, but a tensor at a time: the k-th tensor of every file,
@@ -149,7 +151,7 @@ def save_together(
     all files while it is the last read, and memory holds one tensor per file, never an object.
     Returns the files written: the records (relative to `root`, default each file's folder) of
     those written through the I/O core (which an object-store output may send away as they
-    close), the paths of the others."""
+    close; with `fsync`, durable), the paths of the others (xser's: the caller syncs them)."""
     paths = [Path(p) for p in paths]
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +172,7 @@ def save_together(
                 writer.write(str(k), _made(leaves[k]), owned=True)
         written: list[Path | FileRecord] = []
         for writer in writers:
-            written += writer.close()
+            written += writer.close(fsync)
     except BaseException:
         for writer in writers:
             writer.abort()
@@ -208,9 +210,11 @@ class _TorchFileWriter:
         storage = tensor.untyped_storage()
         self._call(self._zip.write_record, f"data/{name}", storage, storage.nbytes())
 
-    def close(self) -> list[FileRecord]:
+    def close(self, fsync: bool = False) -> list[FileRecord]:
         self._call(self._zip.write_end_of_file)
         self._zip = None
+        if fsync:
+            fsync_path(self.path)
         record = file_record(self.path, self.root)  # read back once: torch's writer hashes nothing
         sinks.closed(self.path)  # an output bound for object storage may send it now
         return [record]
