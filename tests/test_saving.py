@@ -12,6 +12,7 @@ import torch
 from shardkit.checkpoint import saving
 from shardkit.checkpoint.saving import Deferred, save_object, save_together
 from shardkit.checkpoint.zero1 import MASTER, build_optim
+from shardkit.formats.manifest import file_record
 
 NAMES = ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "lm_head.weight"]
 SHAPES = [(7, 3), (3,), (5, 3)]
@@ -136,7 +137,4 @@ def test_presharded_state_as_save_checkpoint_gives_it(tmp_path):
     written = save_together([tmp_path / "b" / "dp_rank_01_tp_rank_00_pp_rank_00.pt"], [obj], False, root=tmp_path / "b")
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
     assert [r.path for r in written] == ["dp_rank_01_tp_rank_00_pp_rank_00.pt"]  # a record, hashed as written
-    assert (
-        written[0].xxh3_128
-        and written[0].size == (tmp_path / "b" / "dp_rank_01_tp_rank_00_pp_rank_00.pt").stat().st_size
-    )
+    assert written[0] == file_record(tmp_path / "b" / "dp_rank_01_tp_rank_00_pp_rank_00.pt", tmp_path / "b")
