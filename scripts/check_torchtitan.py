@@ -1,10 +1,13 @@
 """Check a shardkit DCP folder in torchtitan's names with torchtitan's own state-dict adapter.
 
-Run with a Python where torchtitan (0.1-0.2, the `torchtitan` convention) is installed; it is no
-dependency of shardkit, and shardkit's code is not used here:
+torchtitan (0.1-0.2, the `torchtitan` convention) is no dependency of shardkit, and shardkit's
+code is not used here. Its two files come from the published wheel (`fetch`: `pip download
+--no-deps`, nothing installed; .ci/run does it, the tests never touch the network), or from a
+Python where torchtitan is installed:
 
-    python -m venv --system-site-packages /tmp/tt && /tmp/tt/bin/pip install torchtitan==0.2.2
-    /tmp/tt/bin/python scripts/check_torchtitan.py HF_DIR DCP_DIR
+    python scripts/check_torchtitan.py fetch DIR                # torchtitan 0.2.2's files into DIR
+    TORCHTITAN_SRC=DIR python scripts/check_torchtitan.py HF_DIR DCP_DIR
+    /tmp/tt/bin/python scripts/check_torchtitan.py HF_DIR DCP_DIR   # a venv with torchtitan installed
 
 It reads the DCP folder with torch's own reader (`dcp_to_torch_save`), then checks both ways with
 torchtitan's `Llama3StateDictAdapter`: `to_hf` of the folder's tensors gives the Hugging Face
@@ -18,9 +21,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
+import subprocess
 import sys
 import tempfile
 import types
+import zipfile
 from pathlib import Path
 
 import torch
@@ -44,12 +50,36 @@ def _module(name: str, path: Path | None = None, **attrs: object) -> types.Modul
     return module
 
 
-def torchtitan_adapter():
-    """torchtitan's Llama3StateDictAdapter class, from the installed package's own files."""
+VERSION = "0.2.2"
+FILES = ("torchtitan/protocols/state_dict_adapter.py", "torchtitan/models/llama3/model/state_dict_adapter.py")
+"""The files of torchtitan's wheel this check runs (`fetch`)."""
+
+
+def fetch(folder: Path) -> None:
+    """torchtitan's adapter files (FILES) from its published wheel into `folder`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+                        "-d", tmp, f"torchtitan=={VERSION}"], check=True, timeout=600)
+        wheel = next(Path(tmp).glob("torchtitan-*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            for name in FILES:
+                (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                (folder / name).write_bytes(archive.read(name))
+
+
+def torchtitan_root() -> Path:
+    """The torchtitan package folder: TORCHTITAN_SRC's (fetched), else the installed package's."""
+    if os.environ.get("TORCHTITAN_SRC"):
+        return Path(os.environ["TORCHTITAN_SRC"]) / "torchtitan"
     spec = importlib.util.find_spec("torchtitan")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("torchtitan is not installed in this Python")
-    root = Path(list(spec.submodule_search_locations)[0])
+        raise SystemExit("torchtitan is not installed in this Python and TORCHTITAN_SRC is not set")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def torchtitan_adapter():
+    """torchtitan's Llama3StateDictAdapter class, from torchtitan's own files."""
+    root = torchtitan_root()
     for package in ("torchtitan", "torchtitan.tools", "torchtitan.protocols", "torchtitan.models",
                     "torchtitan.models.llama3", "torchtitan.models.llama3.model"):
         _module(package)
@@ -91,4 +121,7 @@ def main(hf_dir: Path, dcp_dir: Path) -> int:
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         raise SystemExit(__doc__)
+    if sys.argv[1] == "fetch":
+        fetch(Path(sys.argv[2]))
+        sys.exit(0)
     sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2])))

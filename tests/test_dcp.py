@@ -186,15 +186,18 @@ def test_bad_dcp_is_one_line_exit_2(tiny_model, tmp_path, damage):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.skipif(not os.environ.get("TORCHTITAN_PYTHON"), reason="set TORCHTITAN_PYTHON to a python with torchtitan")
+@pytest.mark.skipif(not (os.environ.get("TORCHTITAN_SRC") or os.environ.get("TORCHTITAN_PYTHON")),
+                    reason="torchtitan's files are not here: `python scripts/check_torchtitan.py fetch DIR`, then "
+                    "TORCHTITAN_SRC=DIR (or TORCHTITAN_PYTHON: a python with torchtitan installed)")
 def test_torchtitans_own_adapter_reads_shardkits_dcp(tiny_model, tmp_path):
-    """torchtitan's Llama3StateDictAdapter (from an installed torchtitan, run in its own python)
-    maps shardkit's torchtitan-named DCP back to the source's Hugging Face tensors and the source
-    to the DCP's tensors (scripts/check_torchtitan.py)."""
+    """torchtitan's Llama3StateDictAdapter (its own files, from its published wheel or an installed
+    torchtitan, run in its own process) maps shardkit's torchtitan-named DCP back to the source's
+    Hugging Face tensors and the source to the DCP's tensors (scripts/check_torchtitan.py)."""
     src = tiny_model(MODEL)
     shardkit.convert(src, tmp_path / "dcp", Layout(tp=2, pp=2), format="dcp", convention="torchtitan")
-    done = subprocess.run([os.environ["TORCHTITAN_PYTHON"], str(HERE.parent / "scripts/check_torchtitan.py"), str(src),
-                           str(tmp_path / "dcp")], capture_output=True, text=True, timeout=600)
+    python = os.environ.get("TORCHTITAN_PYTHON") or sys.executable
+    done = subprocess.run([python, str(HERE.parent / "scripts/check_torchtitan.py"), str(src), str(tmp_path / "dcp")],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "torchtitan's adapter agrees" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
