@@ -159,6 +159,19 @@ STEPS = ("convert", "upload", "merge", "download", "reshard", "ckpt-save", "ckpt
          "ckpt-reshard")
 
 
+SIZES: dict[str, int] = {}
+"""Bytes under each prefix a step wrote, read before the prefix is cleared."""
+
+
+def done_with(client, *prefixes: str) -> None:
+    """Record the prefixes' sizes and delete them: the server then holds the same few objects at
+    every step (moto keeps every object; with all of a round's outputs kept, 13 GB, later steps
+    ran against a server short of memory)."""
+    for prefix in prefixes:
+        SIZES[prefix] = prefix_bytes(client, "bench", prefix)
+        clear(client, "bench", prefix)
+
+
 def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
     """Each step once, shardkit's and boto3's of the same bytes one after the other."""
     common = dict(bucket="bench", endpoint=endpoint)
@@ -168,20 +181,24 @@ def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint
     runs["download"].append(step("boto3-download", env, dst=str(local / "dl-tp8"), prefix="tp8", **common))
     clear(client, "bench", "tp8-copy")
     runs["upload"].append(step("boto3-upload", env, src=str(local / "dl-tp8"), prefix="tp8-copy", **common))
+    done_with(client, "tp8-copy")
     bench_common.remove(local / "merged")
     runs["merge"].append(step("shardkit-merge", env, src="s3://bench/tp8", dst=str(local / "merged"), tp=1, pp=1))
     clear(client, "bench", "tp4")
     runs["reshard"].append(step("shardkit-reshard", env, src="s3://bench/tp8", dst="s3://bench/tp4", tp=4, pp=1))
+    done_with(client, "tp4", "tp8")
     clear(client, "bench", "ckpt")
     runs["ckpt-save"].append(step("shardkit-ckpt-save", env, src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1))
     bench_common.remove(local / "dl-ckpt")
     runs["ckpt-download"].append(step("boto3-download", env, dst=str(local / "dl-ckpt"), prefix="ckpt", **common))
     clear(client, "bench", "ckpt-copy")
     runs["ckpt-upload"].append(step("boto3-upload", env, src=str(local / "dl-ckpt"), prefix="ckpt-copy", **common))
+    done_with(client, "ckpt-copy")
     clear(client, "bench", "ckpt-tp4")
     runs["ckpt-reshard"].append(
         step("shardkit-ckpt-reshard", env, src="s3://bench/ckpt", dst="s3://bench/ckpt-tp4", tp=4, pp=1)
     )
+    done_with(client, "ckpt-tp4", "ckpt")
 
 
 def measure(args, hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
@@ -189,7 +206,7 @@ def measure(args, hf: Path, env: dict, client, endpoint: str, local: Path) -> No
     runs: dict[str, list[dict]] = {k: [] for k in STEPS}
     for _ in range(args.repeat):
         one_round(runs, hf, env, client, endpoint, local)
-    size = {p: prefix_bytes(client, "bench", p) for p in ("tp8", "tp4", "ckpt", "ckpt-tp4")}
+    size = SIZES
     med = {k: best(v) for k, v in runs.items()}
 
     def both(a: str, b: str) -> dict:
