@@ -22,11 +22,9 @@ import importlib.util
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import types
-import zipfile
 from pathlib import Path
 
 import torch
@@ -57,14 +55,10 @@ FILES = ("torchtitan/protocols/state_dict_adapter.py", "torchtitan/models/llama3
 
 def fetch(folder: Path) -> None:
     """torchtitan's adapter files (FILES) from its published wheel into `folder`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
-                        "-d", tmp, f"torchtitan=={VERSION}"], check=True, timeout=600)
-        wheel = next(Path(tmp).glob("torchtitan-*.whl"))
-        with zipfile.ZipFile(wheel) as archive:
-            for name in FILES:
-                (folder / name).parent.mkdir(parents=True, exist_ok=True)
-                (folder / name).write_bytes(archive.read(name))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from wheel_files import fetch_wheel_files
+
+    fetch_wheel_files(f"torchtitan=={VERSION}", FILES, folder)
 
 
 def torchtitan_root() -> Path:

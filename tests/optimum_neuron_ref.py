@@ -49,11 +49,8 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import types
-import zipfile
 from pathlib import Path
 
 import torch
@@ -79,14 +76,10 @@ def source_dir() -> Path:
 
 def fetch(folder: Path) -> None:
     """optimum-neuron's modules (FILES) from its published wheel (`pip download --no-deps`) into `folder`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
-                        "-d", tmp, f"optimum-neuron=={OPTIMUM_NEURON_VERSION}"], check=True, timeout=600)
-        wheel = next(Path(tmp).glob("optimum_neuron-*.whl"))
-        with zipfile.ZipFile(wheel) as archive:
-            for name in FILES:
-                (folder / name).parent.mkdir(parents=True, exist_ok=True)
-                (folder / name).write_bytes(archive.read(name))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from wheel_files import fetch_wheel_files
+
+    fetch_wheel_files(f"optimum-neuron=={OPTIMUM_NEURON_VERSION}", FILES, folder)
 
 
 class _NxD:
