@@ -138,3 +138,29 @@ def test_presharded_state_as_save_checkpoint_gives_it(tmp_path):
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
     assert [r.path for r in written] == ["dp_rank_01_tp_rank_00_pp_rank_00.pt"]  # a record, hashed as written
     assert written[0] == file_record(tmp_path / "b" / "dp_rank_01_tp_rank_00_pp_rank_00.pt", tmp_path / "b")
+
+
+def test_ckpt_reshard_keeps_each_weights_stored_dtype(tmp_path):
+    """A tag whose norms are kept in fp32 beside bf16 weights (as mixed-precision trainers save
+    them) is resharded with every weight in its own dtype and values, read a tensor at a time."""
+    import ckpt_child
+
+    from shardkit.checkpoint import Rank, finalize_checkpoint, load_checkpoint, save_checkpoint
+    from shardkit.checkpoint.reshard import reshard_training
+    from shardkit.layout import Layout
+    from shardkit.testing import fixture_config
+
+    config = fixture_config("llama-trainer-tiny")
+    full = ckpt_child.full_state(config, 3, seed=2)["weight"]
+    full = {n: t.float() if "norm" in n else t.to(torch.bfloat16) for n, t in full.items()}
+    tp2 = Layout(tp=2, qkv="gqa")
+    model = {(r, 0): ckpt_child.rank_pieces(config, tp2, Rank(tp=r), full) for r in range(2)}
+    save_checkpoint(tmp_path / "src", "step_3", model, layout=tp2, config=config)
+    finalize_checkpoint()
+    out = reshard_training(tmp_path / "src", tmp_path / "tp1", Layout(qkv="gqa"))
+    got = load_checkpoint(out.parent, "latest_if_exists", target_layout=Layout(qkv="gqa"))
+    assert got is not None
+    want = ckpt_child.rank_pieces(config, Layout(qkv="gqa"), Rank(), full)
+    assert set(got.model) == set(want)
+    for name, t in want.items():
+        assert got.model[name].dtype == t.dtype and torch.equal(got.model[name], t), name

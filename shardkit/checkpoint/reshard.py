@@ -158,8 +158,10 @@ class RankReaders:
     def weights(self, pieces: list[Piece], dtype: torch.dtype) -> dict[str, Deferred]:
         """Each piece's weights, read when written (`save_together`)."""
         model, optim, zero1 = self.model, self.optim, self.src.zero1
-        if model is not None:
-            return {p.name: Deferred(p.shape, dtype, _reader(model, p, dtype)) for p in pieces}
+        if model is not None:  # kept in the dtype each is stored in, as read
+            return {
+                p.name: Deferred(p.shape, model.dtype_of(p.segments[0].source), _reader(model, p, None)) for p in pieces
+            }
         if optim is not None and zero1 is not None and zero1.master:
             return {p.name: Deferred(p.shape, dtype, _reader(optim, prefixed(p, MASTER + SEP), dtype)) for p in pieces}
         raise CheckpointError(
