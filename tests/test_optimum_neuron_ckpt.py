@@ -145,3 +145,17 @@ def test_a_dp2_zero1_run_is_refused_but_exports(tiny_model, tmp_path):
     assert "several data-parallel ranks" in result.output and not out.exists()
     invoke("ckpt", "export", run, tmp_path / "hf-out")
     same_tensors(load_file(str(tmp_path / "hf-out/model.safetensors")), load_file(str(hf / "model.safetensors")))
+
+
+def test_a_tag_name_that_leaves_the_directory_is_refused(tmp_path):
+    """`--tag` names a checkpoint-<step> folder inside DIR: `..` or an absolute path never reaches
+    a folder elsewhere (not even an optimum-neuron checkpoint there)."""
+    from shardkit.checkpoint.optimum import find_tag
+    from shardkit.checkpoint.tree import UnsafeTagError
+
+    outside = tmp_path / "elsewhere" / "checkpoint-5"
+    (outside / "shards").mkdir(parents=True)
+    (tmp_path / "run").mkdir()
+    for tag in ("../elsewhere/checkpoint-5", str(outside)):
+        with pytest.raises(UnsafeTagError):
+            find_tag(tmp_path / "run", tag)

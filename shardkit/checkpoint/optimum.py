@@ -32,7 +32,7 @@ import torch
 from ..formats import Checkpoint, open_checkpoint, optimum_neuron
 from ..io.small import SmallFileError, read_json
 from .base import IncompleteCheckpointError, NoCheckpointError
-from .tree import DONE_MARKER, OPTIM_DIR, USER_CONTENT, tag_step
+from .tree import DONE_MARKER, OPTIM_DIR, USER_CONTENT, tag_path, tag_step
 from .zero1 import MOMENTS, MergedOptimFile, OptimFileError, Zero1Tag, is_xser_tag, load_object
 
 PREFIX = "checkpoint-"
@@ -55,7 +55,7 @@ def find_tag(directory: str | Path, tag: str | None) -> tuple[Path, str] | None:
     folder or its shards/), or the trainer's output directory holding checkpoint-<step> folders
     (`tag`, or the newest whose shards/ are complete). None when it is none of these."""
     directory = Path(directory)
-    folder = folder_of(directory) if tag is None else directory / tag
+    folder = folder_of(directory) if tag is None else tag_path(directory, tag)  # a plain name inside it
     if folder is not None and folder_of(folder) == folder:
         if not (folder / optimum_neuron.SHARDS / DONE_MARKER).is_file():
             raise IncompleteCheckpointError(
