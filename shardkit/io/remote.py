@@ -509,16 +509,22 @@ def before_read(fd: int, offset: int, length: int) -> None:
             mf.ensure(offset, length)
 
 
+def _of_path(path: str | os.PathLike[str]) -> MirrorFile | None:
+    """The mirror file `path` is (by device and inode), if any."""
+    if not _MIRRORED:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _MIRRORED.get((st.st_dev, st.st_ino))
+
+
 def ensure_file(path: str | os.PathLike[str]) -> None:
     """Fetch the whole of `path` when it is a mirror file (before torch.load or hashing it whole)."""
-    if _MIRRORED:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return
-        mf = _MIRRORED.get((st.st_dev, st.st_ino))
-        if mf is not None:
-            mf.ensure(0, mf.size)
+    mf = _of_path(path)
+    if mf is not None:
+        mf.ensure(0, mf.size)
 
 
 def expect(extents: Sequence[tuple[Path, int, int]]) -> None:
@@ -532,15 +538,10 @@ def expect(extents: Sequence[tuple[Path, int, int]]) -> None:
 
 def ensure_range(path: str | os.PathLike[str], offset: int, length: int) -> None:
     """Fetch bytes [offset, offset + length) of `path` when it is a mirror file."""
-    if _MIRRORED:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return
-        mf = _MIRRORED.get((st.st_dev, st.st_ino))
-        if mf is not None:
-            mf.mirror.asked(length)
-            mf.ensure(offset, length)
+    mf = _of_path(path)
+    if mf is not None:
+        mf.mirror.asked(length)
+        mf.ensure(offset, length)
 
 
 def is_mirrored(path: str | os.PathLike[str]) -> bool:
