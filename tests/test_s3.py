@@ -486,6 +486,76 @@ def test_interrupted_upload_is_incomplete_and_cleaned_up(tiny_model, bucket, tmp
     assert not list(workdir.iterdir())
 
 
+def _marker(bucket: str, prefix: str, host: str, pid: int) -> None:
+    s3.client().put_object(Bucket=bucket, Key=f"{prefix}/.shardkit-writing", Body=f"{host} {pid}\n".encode())
+
+
+def test_prefix_written_by_a_running_process_is_refused_even_with_overwrite(tiny_model, bucket, tmp_path, workdir):
+    """A prefix whose marker names a process of this host that still runs is another run's
+    output in the making: --overwrite does not take it over (it would mix two runs' objects);
+    once that process is gone, the next run removes what it left."""
+    import socket
+
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    url = f"s3://{bucket}/busy"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _marker(bucket, "busy", socket.gethostname(), other.pid)
+        s3.client().put_object(Bucket=bucket, Key="busy/model/part.pt", Body=b"theirs")
+        refused = run_sub("convert", hf, url, "--tp", "2", "--overwrite", cwd=workdir)
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert f"process {other.pid}" in refused.stderr and "still runs" in refused.stderr
+        assert keys(bucket, "busy/") == ["busy/.shardkit-writing", "busy/model/part.pt"]  # untouched
+    finally:
+        other.kill()
+        other.wait()
+    again = run_sub("-v", "convert", hf, url, "--tp", "2", cwd=workdir)
+    assert again.returncode == 0, again.stderr
+    assert "left incomplete by a run" in again.stderr and "busy/model/part.pt" not in keys(bucket, "busy/")
+    assert verify(hf, url).ok
+
+
+def test_claim_of_a_prefix_is_atomic(tiny_model, bucket, workdir, monkeypatch):
+    """Two runs that both found the prefix free: the marker's conditional PUT lets one write; the
+    other is refused in one line and touches nothing (not even the winner's marker)."""
+    from shardkit.errors import DestinationExistsError
+    from shardkit.io import upload
+
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    _marker(bucket, "raced", "other-host", 4242)  # the winner's, put just after this run checked
+    monkeypatch.setattr(upload, "check_destination", lambda loc, overwrite, sources: [])
+    with pytest.raises(DestinationExistsError, match="process 4242 on other-host, which began while"):
+        shardkit.convert(hf, f"s3://{bucket}/raced", shardkit.make_layout(tp=2))
+    assert keys(bucket, "raced/") == ["raced/.shardkit-writing"]
+    body = s3.client().get_object(Bucket=bucket, Key="raced/.shardkit-writing")["Body"].read()
+    assert body == b"other-host 4242\n"
+    no_mirrors_left()
+
+
+def test_two_runs_started_on_one_prefix_at_once(tiny_model, bucket, tmp_path, workdir):
+    """Started together: exactly one writes the output (the other is refused, exit 2), and the
+    output is the model, whole."""
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    url = f"s3://{bucket}/both"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "shardkit", "convert", str(hf), url, "--tp", str(tp)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=workdir,
+        )
+        for tp in (2, 4)
+    ]
+    results = [(p.wait(), p.communicate()[1]) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert "being written by" in refused or "exists and is not empty" in refused, refused
+    assert ".shardkit-writing" not in " ".join(keys(bucket, "both/"))
+    assert verify(hf, url).ok
+
+
 def test_terminated_upload_removes_what_it_uploaded(tiny_model, bucket, workdir):
     """SIGTERM while a part of a multipart upload is on its way: the uploads are cancelled (their
     multipart uploads aborted), the objects already up deleted, the local staging folder removed."""

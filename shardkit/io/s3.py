@@ -230,6 +230,29 @@ def put_bytes(loc: RemoteLocation, name: str, data: bytes) -> None:
         client().put_object(Bucket=loc.bucket, Key=loc.key(name), Body=data)
 
 
+def put_new(loc: RemoteLocation, name: str, data: bytes) -> bool:
+    """Write a small object only if none exists by that name (a conditional PUT, If-None-Match:
+    *, which S3 decides atomically); False when one does. A store that does not offer conditional
+    writes (NotImplemented) gets a plain PUT."""
+    import botocore.exceptions as bex
+
+    try:
+        client().put_object(Bucket=loc.bucket, Key=loc.key(name), Body=data, IfNoneMatch="*")
+        return True
+    except bex.ClientError as e:
+        err = e.response.get("Error", {})
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if err.get("Code") in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+            return False
+        if err.get("Code") == "NotImplemented" or status == 501:
+            log.debug("%s does not take conditional writes: %s written unconditionally", loc, name)
+            put_bytes(loc, name, data)
+            return True
+        raise error(e, "write", f"{loc}/{name}") from None
+    except Exception as e:
+        raise error(e, "write", f"{loc}/{name}") from None
+
+
 def _part_size(size: int) -> int:
     part = PART_SIZE
     while size > part * 10_000:

@@ -8,8 +8,12 @@ checkpoint tag's `done` marker (NxD's protocol). `remote_output` is the object-s
 1. the destination is checked: it must not overlap a source prefix; it must be empty unless
    `overwrite`; a prefix left by an interrupted run of this host (its `.shardkit-writing` marker
    names a process that no longer runs) is removed, saying so;
-2. `.shardkit-writing` (host, pid) is written first: until it is gone the prefix reads as
-   incomplete (opening it as a source is refused, a checkpoint's tags lack `done`);
+2. `.shardkit-writing` (host, pid) is written first, by a conditional PUT (If-None-Match: *)
+   that S3 decides atomically, so of two runs started on one prefix at once only one writes;
+   a prefix whose marker names a process of this host that still runs is refused even with
+   `overwrite` (another host's marker is taken over with `overwrite`: whether that run still
+   runs cannot be told from here). Until the marker is gone the prefix reads as incomplete
+   (opening it as a source is refused, a checkpoint's tags lack `done`);
 3. the caller writes into a local staging folder in the system's temporary folder (nothing
    beside the destination, nothing in the working directory); each file its writers close goes
    up at once (`StreamingUpload`, the folder's `io.sinks` sink: multipart, several files in
@@ -66,6 +70,15 @@ def parse_owner(data: bytes | None) -> tuple[str, int] | None:
         return host, int(pid)
     except (ValueError, UnicodeDecodeError):
         return None
+
+
+def running_here(owner: tuple[str, int] | None) -> bool:
+    """The writer named by a marker is a process of this host that still runs (this one too)."""
+    return owner is not None and owner[0] == socket.gethostname() and (owner[1] == os.getpid() or pid_alive(owner[1]))
+
+
+def _writer(owner: tuple[str, int] | None) -> str:
+    return f"process {owner[1]} on {owner[0]}" if owner else "another run"
 
 
 def abandoned(owner: tuple[str, int] | None) -> bool:
@@ -147,11 +160,19 @@ def check_destination(loc: RemoteLocation, overwrite: bool, sources: Sequence[Re
                 owner[1] if owner else "?",
             )
             return []
-        if not overwrite:
-            who = f"process {owner[1]} on {owner[0]}" if owner else "another run"
+        if running_here(owner):
             raise DestinationExistsError(
-                f"{loc} is being written by {who} (or that run was interrupted): pass --overwrite to replace it"
+                f"{loc} is being written by {_writer(owner)}, which still runs: wait for it to finish (or stop "
+                "it) and run again, or write elsewhere"
             )
+        if not overwrite:
+            raise DestinationExistsError(
+                f"{loc} is being written by {_writer(owner)} (or that run was interrupted): pass --overwrite to "
+                "replace it"
+            )
+        # another host's run, running or killed (which cannot be told from here): --overwrite takes over
+        s3.delete_objects(loc, [WRITING])
+        log.warning("%s: taking it over from %s, whose run may still be writing (--overwrite)", loc, _writer(owner))
     elif not overwrite:
         raise DestinationExistsError(f"{loc} exists and is not empty: pass --overwrite to replace it")
     return names
@@ -192,7 +213,12 @@ def remote_output(
     its files go up as they are closed, the rest on a normal exit, as the module's docstring says."""
     with terminate_as_interrupt():
         replaced = check_destination(loc, overwrite, sources)
-        s3.put_bytes(loc, WRITING, _owner_text())
+        if not s3.put_new(loc, WRITING, _owner_text()):  # claimed atomically: of two runs, one writes
+            owner = parse_owner(s3.get_bytes(loc, WRITING))
+            raise DestinationExistsError(
+                f"{loc} is being written by {_writer(owner)}, which began while this run checked it: wait for it "
+                "to finish and run again, or write elsewhere"
+            )
         started = True
         streaming: StreamingUpload | None = None
         try:
