@@ -38,8 +38,9 @@ from .errors import FormatError, ShardkitError
 from .formats import Checkpoint, open_checkpoint, optimum_neuron
 from .formats.base import parse_dtype
 from .hub import resolve_source
+from .io import digest
 from .io import remote as remote_io
-from .io.digest import NONE, check_mode, file_matches
+from .io.digest import BLOCKS_KEY, FAST, NONE, check_mode, file_matches, recording_blocks
 from .io.location import remote as remote_location
 from .io.remote import Need
 from .io.transaction import recover_interrupted
@@ -86,13 +87,41 @@ def _destination(dst: str | Path, overwrite: bool, sources: tuple[object, ...] =
         )
         if r is not None
     ]
-    with remote_output(loc, overwrite=overwrite, sources=remote_sources) as local:
-        yield local
+    with remote_output(loc, overwrite=overwrite, sources=remote_sources) as local, recording_blocks():
+        yield local  # its manifest lists block digests: a later read of it streams (io.remote)
 
 
 def _located(result: Result, dst: str | Path) -> Result:
     """`result` naming `dst` as given (an s3:// URL rather than the staging folder)."""
     return dataclasses.replace(result, path=dst if remote_location(dst) is not None else result.path)  # type: ignore[arg-type]
+
+
+def _streams(src: object, options: Mapping[str, Any]) -> bool:
+    """Whether a source in object storage can be streamed (`io.remote`: fetched a bounded window
+    ahead of the engine and dropped once read, instead of fetched whole first): when it is not to
+    be checked, has no manifest, or its manifest lists block digests of every file (outputs
+    shardkit wrote to object storage do), so that each block is checked as it arrives."""
+    import json
+
+    from .formats.manifest import MANIFEST
+    from .io import s3
+
+    loc = remote_location(src, "SRC") if isinstance(src, (str, Path)) else None
+    if loc is None:
+        return False
+    mode = check_mode(options.get("verify_hashes", True))
+    if mode == NONE:
+        return True
+    raw = s3.get_bytes(loc, MANIFEST)
+    if raw is None:
+        return True
+    try:
+        files = json.loads(raw).get("files", []) or []
+        return mode == FAST and all(
+            isinstance(f.get(BLOCKS_KEY), list) and f.get("block_size") == digest.BLOCK_SIZE for f in files
+        )
+    except (ValueError, AttributeError):
+        return False  # the source's own check then says what is wrong with it
 
 
 def _check_fetched(ckpt: Checkpoint, options: dict[str, Any]) -> None:
@@ -105,12 +134,19 @@ def _check_fetched(ckpt: Checkpoint, options: dict[str, Any]) -> None:
     mode = check_mode(options.get("verify_hashes", True))
     if mode == NONE:
         return
+    mirror = remote_io.mirror_of(ckpt.root)
+    blocks = {}
     for entry in ckpt.manifest.get("files", []) or []:
         path = inside(Path(ckpt.root), str(entry.get("path", "")), "file the manifest lists")
+        if mirror is not None and remote_io.is_streamed(path) and isinstance(entry.get(BLOCKS_KEY), list):
+            blocks[path.relative_to(mirror.root).as_posix()] = [str(b) for b in entry[BLOCKS_KEY]]
+            continue  # checked block by block as it arrives (io.remote), before the output is committed
         remote_io.ensure_file(path)
         if not file_matches(path, entry, mode):
             where = remote_io.location_of(path)
             raise FormatError(f"{where} does not match the digest its manifest lists: re-create it")
+    if mirror is not None and blocks:
+        mirror.check(blocks)
     options["verify_hashes"] = "none"
 
 
@@ -127,15 +163,17 @@ def open_source(
     hints: Mapping | None = None,
     revision: str | None = None,
     need: Need = Need.METADATA,
+    streamed: bool = False,
 ) -> Checkpoint:
     """A checkpoint to read from: `src` itself, a local path, a Hub repo id (fetched into the
     Hugging Face cache; `revision` picks its branch, tag or commit), or s3://bucket/prefix (a
-    local mirror fetching what `need` says, then the ranges read)."""
+    local mirror fetching what `need` says, then the ranges read; `streamed`: its tensor files
+    are read once by an engine run, a bounded window at a time, see `io.remote`)."""
     if isinstance(src, Checkpoint):
         return src
     loc = remote_location(src, "SRC")
     if loc is not None:
-        mirror = remote_io.open_prefix(loc, need=None)
+        mirror = remote_io.open_prefix(loc, need=None, streamed=streamed)
         _refuse_checkpoint_root(mirror.root, str(src))  # before any of its tags is fetched
         mirror.prepare("", need)
         return open_checkpoint(mirror.root, config, hints)
@@ -179,7 +217,7 @@ def reshard(
     a DCP output (`hf`, the default, or `torchtitan`: see shardkit.conventions). `src` and `dst`
     may be s3://bucket/prefix."""
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
-        ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
+        ckpt = open_source(src, config, hints, revision, Need.EVERYTHING, _streams(src, options))
         _check_fetched(ckpt, options)  # type: ignore[arg-type]
         result = reshard_checkpoint(ckpt, out, layout, format=format, command=command, convention=convention, **options)
     return _located(result, dst)
@@ -205,7 +243,7 @@ def merge(
     """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
     index + config), in files of at most `max_shard_size`. `options` as for `reshard`."""
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
-        ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
+        ckpt = open_source(src, config, hints, revision, Need.EVERYTHING, _streams(src, options))
         if settings_of(ckpt) is not None:
             shown = remote_io.location_of(ckpt.root) or ckpt.root
             raise FormatError(

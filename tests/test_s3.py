@@ -32,6 +32,7 @@ import shardkit  # noqa: E402
 from shardkit.api import convert, merge, verify  # noqa: E402
 from shardkit.checkpoint import finalize_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
 from shardkit.cli import cli  # noqa: E402
+from shardkit.errors import FormatError  # noqa: E402
 from shardkit.io import remote, s3  # noqa: E402
 from shardkit.layout import Layout  # noqa: E402
 from shardkit.testing import fixture_config  # noqa: E402
@@ -405,6 +406,158 @@ def test_reads_fetch_each_byte_once_in_few_requests(tiny_model, bucket, tmp_path
     nbytes, gets = fetched[-1]
     assert nbytes < size * 0.25, (nbytes, size)
     assert gets < 8 * 250  # head, tail, central directory, one window per record header at most
+
+
+@pytest.fixture
+def streamed_sizes(monkeypatch):
+    """Parts, blocks, the window and the whole-object threshold scaled down to the tiny model's
+    files, so that its shards stream as a large model's do (every other path is unchanged)."""
+    from shardkit.io import digest
+
+    monkeypatch.setattr(remote, "SMALL", 8 << 10)
+    monkeypatch.setattr(remote, "PART", 32 << 10)
+    monkeypatch.setattr(digest, "BLOCK_SIZE", 32 << 10)
+    monkeypatch.setattr(remote, "STREAM_BUDGET", 256 << 10)
+    seen: list[dict] = []
+    close = remote.Mirror.close
+
+    def recording(self):
+        files = [mf for mf in self.files.values() if mf.streamed]
+        seen.append(
+            {
+                "streamed": len(files),
+                "most_held": self.most_held,
+                "dropped": sum(mf.dropped.total() for mf in files),
+                "checked": sum(len(mf.verified) for mf in files),
+                "memory": str(self.base).startswith(remote.MEMORY_DIR),
+            }
+        )
+        close(self)
+
+    monkeypatch.setattr(remote.Mirror, "close", recording)
+    return seen
+
+
+def test_streamed_source_holds_a_window_and_checks_every_block(tiny_model, bucket, tmp_path, streamed_sizes):
+    """A source shardkit wrote to object storage lists block digests; merge and reshard of it
+    fetch it a bounded window ahead, check each block as it arrives and drop what they have read:
+    the results are exact while at most the window is held."""
+    from shardkit.io import digest
+
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    url = f"s3://{bucket}/tp4"
+    convert(hf, url, shardkit.make_layout(tp=4, pp=2, qkv="gqa"))
+    manifest = json.loads(s3.client().get_object(Bucket=bucket, Key="tp4/shardkit.json")["Body"].read())
+    shards = [f for f in manifest["files"] if f["path"].endswith(".pt")]
+    assert all(len(f["xxh3_128_blocks"]) == -(-f["size"] // digest.BLOCK_SIZE) for f in shards)
+    total = sum(f["size"] for f in shards)
+    assert total > 4 * remote.STREAM_BUDGET  # the window is what bounds it
+
+    merge(url, tmp_path / "merged")
+    assert verify(hf, tmp_path / "merged").ok
+    run = streamed_sizes[-1]
+    assert run["streamed"] == len(shards) and run["memory"]
+    assert run["checked"] == sum(len(f["xxh3_128_blocks"]) for f in shards)
+    assert run["dropped"] > 0.9 * total  # all but the pages shared with headers: read once, then given back
+    assert run["most_held"] <= remote.STREAM_BUDGET + 2 * remote.PART, run
+
+    shardkit.reshard(url, f"s3://{bucket}/tp2", shardkit.make_layout(tp=2, qkv="gqa"))
+    assert verify(hf, f"s3://{bucket}/tp2").ok
+    assert streamed_sizes[-2]["streamed"] == len(shards)  # (the last mirror is verify's own)
+    no_mirrors_left()
+
+
+def test_streamed_source_with_a_flipped_bit_is_refused(tiny_model, bucket, tmp_path, streamed_sizes):
+    """A byte changed in the store after the manifest was written: the block holding it does not
+    match, and nothing is written."""
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    url = f"s3://{bucket}/flip"
+    convert(hf, url, shardkit.make_layout(tp=2, qkv="gqa"))
+    key = "flip/model/dp_rank_00_tp_rank_01_pp_rank_00.pt"
+    data = bytearray(s3.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x10
+    s3.client().put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    with pytest.raises(FormatError, match="dp_rank_00_tp_rank_01_pp_rank_00.pt does not match the digest"):
+        merge(url, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+    assert streamed_sizes[-1]["streamed"] > 0
+    no_mirrors_left()
+
+
+def test_source_without_block_digests_is_fetched_whole_and_checked(tiny_model, bucket, tmp_path, streamed_sizes):
+    """Shards written locally and copied up by another tool list no block digests: read as
+    before (fetched whole, each file checked), exact, and a flipped bit is still refused."""
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    local = tmp_path / "tp2"
+    convert(hf, local, shardkit.make_layout(tp=2, qkv="gqa"))
+    for f in sorted(p for p in local.rglob("*") if p.is_file()):
+        s3.client().upload_file(str(f), bucket, f"copied/{f.relative_to(local).as_posix()}")
+    merge(f"s3://{bucket}/copied", tmp_path / "merged")
+    assert verify(hf, tmp_path / "merged").ok
+    assert streamed_sizes[-1]["streamed"] == 0
+    key = "copied/model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    data = bytearray(s3.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x10
+    s3.client().put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    with pytest.raises(FormatError, match="does not match the digest"):
+        merge(f"s3://{bucket}/copied", tmp_path / "merged2")
+
+
+def _drop_a_descriptor_signature(path: Path, record: str) -> None:
+    """Rewrite the torch zip at `path` so that `record`'s data descriptor has no signature (12
+    bytes, which the zip format allows and torch reads), shifting what follows."""
+    import struct
+    import zipfile
+
+    data = bytearray(path.read_bytes())
+    info = next(i for i in zipfile.ZipFile(path).infolist() if i.filename.endswith(record))
+    nlen, xlen = struct.unpack_from("<HH", data, info.header_offset + 26)
+    at = info.header_offset + 30 + nlen + xlen + info.file_size
+    assert data[at : at + 4] == b"PK\x07\x08"
+    del data[at : at + 4]
+    end = len(data) - 22
+    assert data[end : end + 4] == b"PK\x05\x06"
+    count, _, directory = struct.unpack_from("<HII", data, end + 10)
+    if data[end - 20 : end - 16] == b"PK\x06\x07":  # zip64 end records (torch writes them)
+        record = struct.unpack_from("<Q", data, end - 12)[0]
+        struct.pack_into("<Q", data, end - 12, record - 4)
+        count, directory = struct.unpack_from("<Q", data, record - 4 + 32)[0], struct.unpack_from(
+            "<Q", data, record - 4 + 48
+        )[0]
+        struct.pack_into("<Q", data, record - 4 + 48, directory - 4)
+    if struct.unpack_from("<I", data, end + 16)[0] != 0xFFFFFFFF:
+        struct.pack_into("<I", data, end + 16, directory - 4)
+    pos = directory - 4
+    for _ in range(count):
+        header = struct.unpack_from("<I", data, pos + 42)[0]
+        if header > at:
+            struct.pack_into("<I", data, pos + 42, header - 4)
+        pos += 46 + sum(struct.unpack_from("<HHH", data, pos + 28))
+    path.write_bytes(bytes(data))
+
+
+def test_streamed_torch_file_laid_out_otherwise_is_refused_before_commit(
+    tiny_model, bucket, tmp_path, streamed_sizes
+):
+    """A streamed torch file's tensor offsets are predicted from its central directory (its local
+    headers are not fetched ahead of the plan) and checked against the real headers before the
+    output is committed: a record laid out otherwise is refused, nothing written."""
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    local = tmp_path / "tp2"
+    convert(hf, local, shardkit.make_layout(tp=2, qkv="gqa"))
+    shard = local / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    before = torch.load(shard, weights_only=True)
+    _drop_a_descriptor_signature(shard, "data/5")
+    after = torch.load(shard, weights_only=True)  # a valid archive: torch reads the same tensors
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    merge(local, tmp_path / "local-merge", verify_hashes=False)  # read by its headers: exact
+    assert verify(hf, tmp_path / "local-merge").ok
+    for f in sorted(p for p in local.rglob("*") if p.is_file()):
+        s3.client().upload_file(str(f), bucket, f"odd/{f.relative_to(local).as_posix()}")
+    with pytest.raises(FormatError, match="not laid out as torch.save lays out its records"):
+        merge(f"s3://{bucket}/odd", tmp_path / "merged", verify_hashes=False)
+    assert streamed_sizes[-1]["streamed"] > 0
+    assert not (tmp_path / "merged").exists()
 
 
 def s3_loc(url: str):

@@ -26,6 +26,7 @@ from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
 from ..formats.base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFileWriter, TensorSpec
 from ..formats.reader import SourceStamps
+from ..io import remote
 from ..io.buffers import reused_buffers
 from ..io.digest import FileRecord
 from ..io.strided import shared_column_reads
@@ -94,6 +95,7 @@ def run(src: Checkpoint, plan: Plan, out_root: Path, options: WriteOptions) -> l
                 hashes.start(plan.checked)
         _write_all(builder.build, plan.groups, plan.workers, records, builder.cancel, builder.progress.drain)
         builder.stamps.verify()  # every copy is done: a source written to meanwhile is refused before commit
+        remote.check_streamed()  # sources streamed from object storage: checked as fetched, before commit
         if hashes is not None:
             hashes.finish()  # before anything is committed: corrupt sources never reach the destination
     except KeyboardInterrupt:

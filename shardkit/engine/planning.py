@@ -24,6 +24,7 @@ from ..formats import Checkpoint, get_format
 from ..formats.base import TensorSpec
 from ..formats.reader import HashCheck
 from ..formats.registry import Abilities
+from ..io import remote
 from ..io.digest import NONE, Recording
 from ..io.direct import direct_io_pays
 from ..io.strided import SHARED_WINDOW
@@ -328,7 +329,8 @@ def plan_read_ahead(
     if not plan:
         return None
     around = reads_around_pay((sum(length for _, _, length in plan) + written) * ranks_here())
-    return ReadAhead(plan, _read_once(plan, uses) if around else None, order, spans)
+    # a source streamed from object storage drops the bytes read once as they are read (io.remote)
+    return ReadAhead(plan, _read_once(plan, uses) if around or remote.streaming() else None, order, spans)
 
 
 def _span_keys(r: Read, spans: dict[tuple[str, str], Span]) -> tuple[tuple, tuple] | None:

@@ -181,8 +181,10 @@ class Prefetcher:
         self, spans: Sequence[tuple[Path, int, int]], window: int | None = None, once: Sequence[bool] | None = None
     ):
         self.spans = spans  # as planned (the hash check knows by them which reads come later)
+        self._once_spans: list[tuple[Path, int, int]] = []
         if remote.active():
-            once = None  # an object store's mirror files: fetched into the page cache, never read around it
+            self._once_spans = [span for span, single in zip(spans, once or ()) if single]
+            once = None  # an object store's mirror files: fetched by the mirror, never read around the page cache
         self._requested = 0  # the most spans a worker has asked for
         self.window = window_bytes() if window is None else window
         self.extents, self._covered, self._members = _coalesce(spans, once)
@@ -210,7 +212,7 @@ class Prefetcher:
 
     def start(self) -> Prefetcher:
         if self.extents and self._thread is None:
-            remote.expect(self.extents)  # an object store's spans are fetched in this order, a window ahead
+            remote.expect(self.extents, self._once_spans)  # an object store's spans: fetched in this order
             self._thread = threading.Thread(target=self._run, name="shardkit-read-ahead", daemon=True)
             self._thread.start()
         else:
@@ -379,6 +381,12 @@ class Prefetcher:
             i = 0
             while i < len(self.extents):
                 path, offset, length = self.extents[i]
+                if remote.is_streamed(path):  # its mirror fetches it, a bounded window ahead, and drops it once read
+                    with self._cond:
+                        self._done = i + 1
+                        self._cond.notify_all()
+                    i += 1
+                    continue
                 remote.ensure_range(path, offset, length)  # a mirror file's bytes are there before they are read
                 opened = cold(i)
                 done = 0

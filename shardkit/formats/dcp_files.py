@@ -490,7 +490,11 @@ class DcpFileWriter(DiscardOnFailure):
         with self._discarding():
             record = self._live().close(fsync)
             self._out = None
-        return [ChunkedRecord(record.path, record.size, record.sha256, record.xxh3_128, tuple(self._items))]
+        return [
+            ChunkedRecord(
+                record.path, record.size, record.sha256, record.xxh3_128, blocks=record.blocks, items=tuple(self._items)
+            )
+        ]
 
     def abort(self) -> None:
         out, self._out = getattr(self, "_out", None), None

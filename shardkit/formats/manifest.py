@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..io.digest import FAST_DIGEST, FileRecord, file_digests
+from ..io import digest
+from ..io.digest import BLOCKS_KEY, FAST_DIGEST, Digests, FileRecord, feed_file
 from ..layout import Layout
 from ..version import __version__
 
@@ -52,10 +53,16 @@ def file_entry(record: FileRecord) -> dict[str, Any]:
         entry["sha256"] = record.sha256
     if record.xxh3_128 is not None:
         entry[FAST_DIGEST] = record.xxh3_128
+    if record.blocks is not None:
+        entry[BLOCKS_KEY] = list(record.blocks)
+        entry["block_size"] = digest.BLOCK_SIZE
     return entry
 
 
 def file_record(path: Path, root: Path, sha256: bool = False) -> FileRecord:
     """The record of a file already written (one read: xxh3-128, and sha256 when asked for)."""
-    digest, fast = file_digests(path, sha256)
-    return FileRecord(path.relative_to(root).as_posix(), path.stat().st_size, digest, fast)
+    digests = Digests(sha256)
+    feed_file(path, digests)
+    return FileRecord(
+        path.relative_to(root).as_posix(), path.stat().st_size, *digests.hexdigests(), digests.block_digests()
+    )

@@ -27,6 +27,7 @@ archives that reach 4 GiB or 65535 records, which need zip64 fields in every rec
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import os
@@ -45,6 +46,7 @@ except ImportError:  # pragma: no cover - a platform without zlib-ng's wheels: s
 
 from .. import torch_compat
 from ..errors import FormatError
+from ..io import remote
 from ..io.copy import FileRange
 
 ARCHIVE = "archive/"
@@ -358,7 +360,8 @@ def _read_archive(fd: int, size: int) -> Archive:
     count, start, length = _directory_place(fd, size)
     listed = _central_directory(os.pread(fd, length, start), count)
     prefix = _folder(listed)
-    _local_headers(fd, listed, start)
+    if not (remote.defers_headers(fd) and _predict_data(fd, listed, start)):
+        _local_headers(fd, listed, start)
     records = {r.name: (r.data, r.size) for r in listed}
     # The small records torch reads before the pickle (and data.pkl itself) are read whole here:
     # their CRC-32 is checked. The tensor records' is not: the manifest's digests cover their bytes,
@@ -531,6 +534,51 @@ def _local_headers(fd: int, listed: list[_Listed], directory: int) -> None:
         end = record.data + record.size
     if end > directory:
         raise _Refused("a record that overlaps the central directory")
+
+
+def _tensor(record: _Listed) -> bool:
+    return "/data/" in record.name and not record.name.endswith(".pkl")
+
+
+def _predict_data(fd: int, listed: list[_Listed], directory: int) -> bool:
+    """For a file streamed from object storage (`io.remote`), whose tensor records' local headers
+    have not been fetched: each tensor record's data offset from the directory alone, as torch.save
+    lays records out (each record's data, then a data descriptor of the same size as the first
+    tensor record's, then the next record; descriptors of zip64 records 8 bytes longer), checked
+    against the real local headers before anything written from it is committed
+    (`remote.check_later`). False where the layout is not that (the headers are then read now)."""
+    ordered = sorted(listed, key=lambda r: r.header)
+    tensors = [r for r in ordered if _tensor(r)]
+    if not tensors or any(r.flags & 0x08 == 0 for r in tensors):
+        return False
+    first = tensors[0]
+    _local_headers(fd, [r for r in ordered if not _tensor(r)] + [first], directory)  # fetched with the metadata
+    following = {id(a): b.header for a, b in zip(ordered, ordered[1:])}
+    big = [_U32 <= max(r.size, r.header) for r in tensors]
+    gap = following.get(id(first), directory) - first.data - first.size - (8 if big[0] else 0)
+    if gap not in (12, 16):  # a descriptor: CRC and sizes, after its signature or without it
+        return False
+    for record, zip64 in zip(tensors[1:], big[1:]):
+        record.data = following.get(id(record), directory) - record.size - gap - (8 if zip64 else 0)
+        if record.data < record.header + 30 + len(record.name.encode()):
+            return False
+    predicted = [dataclasses.replace(r) for r in listed]
+
+    def check(fd: int) -> None:
+        real = [dataclasses.replace(r, data=0) for r in predicted]
+        try:
+            _local_headers(fd, real, directory)
+        except _Refused as e:
+            raise FormatError(f"{remote.location_of_fd(fd)} is corrupt ({e}): re-create it") from None
+        for guess, found in zip(predicted, real):
+            if guess.data != found.data:
+                raise FormatError(
+                    f"{remote.location_of_fd(fd)} is not laid out as torch.save lays out its records (record "
+                    f"{found.name}): read it from a local copy"
+                )
+
+    remote.check_later(fd, check, [(r.header, r.data) for r in tensors])
+    return True
 
 
 def _agrees(local: int, central: int, descriptor: bool) -> bool:

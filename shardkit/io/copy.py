@@ -54,12 +54,18 @@ def kernel_copy(src: int, offset: int, out: int, count: int) -> int | None:
     copy_file_range = getattr(os, "copy_file_range", None)  # Linux only
     if copy_file_range is not None:
         try:
-            return copy_file_range(src, out, count, offset)
+            copied: int = copy_file_range(src, out, count, offset)
+            if remote._MIRRORED:  # a streamed mirror file drops what it holds once it is read
+                remote.after_read(src, offset, copied)
+            return copied
         except OSError as e:
             if e.errno not in _NO_KERNEL_COPY:
                 raise
     try:
-        return os.sendfile(out, src, offset, count)
+        sent = os.sendfile(out, src, offset, count)
+        if remote._MIRRORED:
+            remote.after_read(src, offset, sent)
+        return sent
     except OSError as e:
         if e.errno not in _NO_KERNEL_COPY:
             raise

@@ -18,10 +18,11 @@ default (`FAST`) and fall back to sha256 for manifests written before the fast d
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,8 @@ class FileRecord:
     size: int
     sha256: str | None
     xxh3_128: str | None = None
+    blocks: tuple[str, ...] | None = None
+    """The xxh3-128 of each BLOCK bytes, when recorded (see `recording_blocks`)."""
 
 
 class CheckMode(str, enum.Enum):
@@ -104,20 +107,67 @@ def check_mode(value: bool | str | CheckMode | None) -> CheckMode:
     raise ValueError(f"verify_hashes must be True, False, 'fast', 'sha256' or 'none', not {value!r}")
 
 
+BLOCK_SIZE = 32 << 20
+"""Block digests: the xxh3-128 of each BLOCK_SIZE bytes of a file (the last block shorter)."""
+BLOCKS_KEY = "xxh3_128_blocks"
+"""A manifest entry's list of block digests (with "block_size" beside it)."""
+
+_RECORDING_BLOCKS = [0]
+
+
+@contextlib.contextmanager
+def recording_blocks() -> Iterator[None]:
+    """Records made inside the block also carry block digests. An output bound for object storage
+    records them: a reader that receives a file's bytes out of order, as ranged GETs in the order
+    an operation reads them, checks each block as it arrives and need not keep the bytes it has
+    read until the whole file has been checked in order (`io.remote`, streamed sources)."""
+    _RECORDING_BLOCKS[0] += 1
+    try:
+        yield
+    finally:
+        _RECORDING_BLOCKS[0] -= 1
+
+
 class Digests:
     """xxh3-128 and (with `sha256`) sha256 of the same bytes, fed together (both release the GIL
-    on large blocks)."""
+    on large blocks); inside `recording_blocks`, the block digests too."""
 
-    __slots__ = ("sha256", "fast")
+    __slots__ = ("sha256", "fast", "blocks", "_block", "_filled")
 
     def __init__(self, sha256: bool = False) -> None:
         self.sha256 = hashlib.sha256() if sha256 else None
         self.fast = xxhash.xxh3_128()
+        self.blocks: list[str] | None = [] if _RECORDING_BLOCKS[0] else None
+        self._block = xxhash.xxh3_128() if _RECORDING_BLOCKS[0] else None
+        self._filled = 0
 
     def update(self, data: Any) -> None:
         if self.sha256 is not None:
             self.sha256.update(data)
         self.fast.update(data)
+        if self._block is not None:
+            self._feed_blocks(data)
+
+    def _feed_blocks(self, data: Any) -> None:
+        assert self._block is not None and self.blocks is not None
+        view = memoryview(data)
+        if view.ndim != 1 or view.format not in ("B", "b", "c"):
+            view = view.cast("B")
+        while len(view):
+            n = min(len(view), BLOCK_SIZE - self._filled)
+            self._block.update(view[:n])
+            self._filled += n
+            view = view[n:]
+            if self._filled == BLOCK_SIZE:
+                self.blocks.append(self._block.hexdigest())
+                self._block.reset()
+                self._filled = 0
+
+    def block_digests(self) -> tuple[str, ...] | None:
+        """The block digests so far (the last block as fed so far), None when not recorded."""
+        if self.blocks is None or self._block is None:
+            return None
+        return (*self.blocks, self._block.hexdigest()) if self._filled else tuple(self.blocks)
 
     def hexdigests(self) -> tuple[str | None, str]:
         """(sha256 or None when not computed, xxh3_128) as hex."""

@@ -782,8 +782,9 @@ class HashingFile:
         except OSError as e:
             raise self._failed(e) from None
         digests = self._hash.hexdigests() if self._hash is not None else (None, None)
+        blocks = self._hash.block_digests() if self._hash is not None else None
         sinks.closed(self.path)  # an output bound for object storage starts its upload now
-        return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, *digests)
+        return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, digests[0], digests[1], blocks)
 
     def abort(self) -> None:
         """Close and delete the file, if the path still names the file this object created (a

@@ -24,7 +24,34 @@ bandwidth: a few MiB on S3). A torch shard of TinyLlama at tp 8 has 201 records:
 local header would be 201 round trips per file.
 
 So an operation reads from the store the bytes it uses, plus holes of at most `HOLE`, and nothing
-ever reads a hole of the mirror. Fetched bytes change a mirror file's mtime and ctime: `stamp`
+ever reads a hole of the mirror.
+
+Streamed sources. A merge or reshard reads all of its source once. Fetched whole into a mirror
+on disk first, the source would need its own size of local disk, its bytes would be written
+twice locally (the mirror, then the output) and the engine would wait for the last byte before
+the first output byte. Instead, a source whose every file can be checked as it arrives (its
+manifest lists block digests, `io.digest.BLOCK_SIZE`, as every output shardkit writes to object
+storage does; or it has no manifest, or is not to be checked) is streamed:
+
+- its mirror lives in MEMORY_DIR (a memory file system) when that can punch holes, else in the
+  system's temporary folder; its tensor files' metadata is fetched as for Need.METADATA, but of a
+  torch file's local headers only the first tensor record's: `formats.torch_zip` predicts the
+  others' data offsets from the central directory and checks them against the real headers
+  before the output is committed (`check_later`);
+- a feeder fetches every part (PART bytes) in the order the engine's plan first reads them
+  (`expect`, `order_parts`), then the rest, while fewer than STREAM_BUDGET bytes are held
+  (fetched or on their way, not yet dropped); readers that reach bytes the feeder has not fetched
+  get them on demand, outside the budget;
+- each block is checked against its digest as soon as all its bytes are there (`check_blocks`);
+- once read (`after_read`, called by every read path), the bytes the plan reads exactly once are
+  punched out of the file (whole pages, only in checked blocks), so the mirror holds a window of
+  the source, never all of it;
+- before the engine commits (`check_streamed`) every block has arrived and matched and every
+  predicted torch offset agreed with its local header: a mismatch is a one-line FormatError and
+  nothing is written.
+
+Other sources (Need.EVERYTHING elsewhere: verify, export, `ckpt reshard`) are fetched whole as
+before. Fetched bytes change a mirror file's mtime and ctime: `stamp`
 gives the stable identity the "source changed while read" checks compare instead (every GET is
 made If-Match the object's listed ETag, so a replaced object is refused, never mixed). The folder
 (in the system's temporary folder; as large as the bytes fetched) is removed when the mirror
@@ -41,7 +68,7 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -64,6 +91,14 @@ HOLE = 4 << 20
 GETS_IN_FLIGHT = s3.CONCURRENCY
 WINDOW = 512 << 20
 """How far (bytes) the planned fetches may run ahead of the bytes readers have asked for."""
+STREAM_BUDGET = 384 << 20
+"""A streamed source (see "Streamed sources" above) holds at most about this many bytes fetched
+or being fetched and not yet read and dropped (more only while readers ask for bytes it has not
+reached)."""
+PAGE = 4096
+MEMORY_DIR = "/dev/shm"
+"""Where a streamed source's mirror lives when this is a writable folder whose file system can
+punch holes (a memory file system, tmpfs): see "Streamed sources" above."""
 MIRROR_PREFIX = "shardkit-s3-"
 WRITING = ".shardkit-writing"
 """A remote output's first object and the last one deleted (`io.upload`): while it exists the
@@ -117,6 +152,27 @@ class _Ranges:
             out.append((pos, end))
         return out
 
+    def remove(self, start: int, end: int) -> None:
+        kept = [(s, e) for s, e in zip(self.starts, self.ends) if e <= start or s >= end]
+        kept += [(s, start) for s, e in zip(self.starts, self.ends) if s < start < e]
+        kept += [(end, e) for s, e in zip(self.starts, self.ends) if s < end < e]
+        kept.sort()
+        self.starts, self.ends = [s for s, _ in kept], [e for _, e in kept]
+
+    def within(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The covered parts of [start, end)."""
+        i = bisect.bisect_right(self.ends, start)
+        out: list[tuple[int, int]] = []
+        while i < len(self.starts) and self.starts[i] < end:
+            out.append((max(start, self.starts[i]), min(end, self.ends[i])))
+            i += 1
+        return out
+
+    def run_from(self, pos: int) -> int:
+        """The end of the covered range holding `pos` (`pos` itself when it is not covered)."""
+        i = bisect.bisect_right(self.starts, pos) - 1
+        return self.ends[i] if i >= 0 and self.ends[i] > pos else pos
+
     def total(self) -> int:
         return sum(e - s for s, e in zip(self.starts, self.ends))
 
@@ -124,7 +180,7 @@ class _Ranges:
 class MirrorFile:
     """One object's sparse local copy, and which of its bytes are there or on their way."""
 
-    def __init__(self, mirror: Mirror, name: str, path: Path, size: int, etag: str):
+    def __init__(self, mirror: Mirror, name: str, path: Path, size: int, etag: str):  # noqa: PLR0913
         self.mirror, self.name, self.path, self.size, self.etag = mirror, name, path, size, etag
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         os.ftruncate(self.fd, size)
@@ -134,12 +190,24 @@ class MirrorFile:
         self.pending: dict[tuple[int, int], Future[int]] = {}
         self.lock = threading.Lock()
         self.prepared = False
+        self.streamed = False  # see "Streamed sources" above
+        self.once = _Ranges()  # bytes the operation's plan reads exactly once
+        self.consumed = _Ranges()  # of those, the bytes read so far
+        self.dropped = _Ranges()  # bytes punched out of the file once read (never fetched again but on demand)
+        self.blocks: list[str] | None = None  # the block digests it is checked against (see `Mirror.check`)
+        self.verified: set[int] = set()  # blocks checked (their bytes may be dropped once read)
+        self.checking: set[int] = set()  # blocks being checked now
+        self.later: list[tuple[list[tuple[int, int]], Callable[[int], None]]] = []  # checks before commit
 
-    def _claim(self, start: int, end: int) -> tuple[list[tuple[int, int]], list[Future[int]]]:
-        """Under the lock: the parts nobody fetches yet (now claimed) and the fetches to wait for."""
+    def _claim(self, start: int, end: int, feeding: bool = False) -> tuple[list[tuple[int, int]], list[Future[int]]]:
+        """Under the lock: the parts nobody fetches yet (now claimed) and the fetches to wait for
+        (`feeding`: not the bytes already read and dropped)."""
         todo: list[tuple[int, int]] = []
         waits: list[Future[int]] = []
-        for s, e in self.fetched.missing(start, end):
+        wanted = self.fetched.missing(start, end)
+        if feeding:
+            wanted = [r for s, e in wanted for r in self.dropped.missing(s, e)]
+        for s, e in wanted:
             covered = _Ranges()
             for (ps, pe), future in self.pending.items():
                 if ps < e and pe > s:
@@ -150,13 +218,15 @@ class MirrorFile:
                     todo.append((part, min(part + PART, me)))
         return todo, waits
 
-    def fetch_async(self, start: int, end: int) -> list[Future[int]]:
+    def fetch_async(self, start: int, end: int, feeding: bool = False) -> list[Future[int]]:
         """Start fetching the missing bytes of [start, end); the futures to wait for."""
         start, end = max(0, start), min(self.size, end)
         if start >= end:
             return []
         with self.lock:
-            todo, waits = self._claim(start, end)
+            todo, waits = self._claim(start, end, feeding)
+            if self.streamed:
+                self.mirror.hold(sum(e - s for s, e in todo))
             for s, e in todo:
                 future = self.mirror.pool.submit(self._get, s, e)
                 self.pending[(s, e)] = future
@@ -173,7 +243,10 @@ class MirrorFile:
 
     def ensure(self, start: int, length: int) -> None:
         """Return once bytes [start, start + length) are in the local file."""
-        for future in self.fetch_async(start, start + length):
+        futures = self.fetch_async(start, start + length)
+        if futures and self.streamed:
+            self.mirror.order_parts(None)  # bytes read before the engine's plan came: the feeder goes on without it
+        for future in futures:
             future.result()
 
     def _get(self, start: int, end: int) -> int:
@@ -182,14 +255,137 @@ class MirrorFile:
             with self.lock:
                 self.fetched.add(start, end)
             self.mirror.count(got)
+            if self.blocks is not None:
+                self.check_blocks(start, end)
             return got
         finally:
             with self.lock:
                 self.pending.pop((start, end), None)
 
+    def check_blocks(self, start: int, end: int) -> None:
+        """Check each block touching [start, end) whose bytes have all arrived against its digest;
+        a block that matches may drop its bytes once read, one that does not fails the run."""
+        from .digest import BLOCK_SIZE, new_digest
+
+        assert self.blocks is not None
+        for index in range(start // BLOCK_SIZE, -(-end // BLOCK_SIZE)):
+            lo, hi = index * BLOCK_SIZE, min(self.size, (index + 1) * BLOCK_SIZE)
+            with self.lock:
+                if index in self.verified or index in self.checking or self.fetched.missing(lo, hi):
+                    continue
+                self.checking.add(index)
+            digest = new_digest("xxh3_128")
+            view = _check_buffer()
+            got = 0
+            while lo + got < hi:
+                n = os.preadv(self.fd, [view[: min(len(view), hi - lo - got)]], lo + got)
+                if n <= 0:
+                    break
+                digest.update(view[:n])
+                got += n
+            with self.lock:
+                self.checking.discard(index)
+                if got == hi - lo and digest.hexdigest() == self.blocks[index]:
+                    self.verified.add(index)
+                    self._drop(lo, hi)
+                else:
+                    self.mirror.mismatch(self.name)
+        self.mirror.arrived()
+
+    def read_done(self, start: int, end: int) -> None:
+        """A read of [start, end) finished: of a streamed file, the bytes the plan reads once are
+        dropped once read and checked."""
+        with self.lock:
+            for s, e in self.once.within(start, end):
+                self.consumed.add(s, e)
+            self._drop(start, end)
+
+    def _drop(self, start: int, end: int) -> None:
+        """Under the lock: punch out the whole pages near [start, end) that are read and checked."""
+        freed = 0
+        for cs, ce in self.consumed.within(max(0, start - PAGE), min(self.size, end + PAGE)):
+            a = -(-cs // PAGE) * PAGE
+            b = ce if ce == self.size else ce - ce % PAGE
+            for x, y in [r for c in self._checked(a, b) for r in self.dropped.missing(*c)]:
+                if not _punch(self.fd, x, y - x):
+                    self.streamed = False  # bytes are then kept, as in a mirror read whole
+                    return
+                self.dropped.add(x, y)
+                self.fetched.remove(x, y)
+                freed += y - x
+        if freed:
+            self.mirror.release(freed)
+
+    def _checked(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of [start, end) in blocks already checked (all of it when none are)."""
+        if start >= end:
+            return []
+        if self.blocks is None:
+            return [(start, end)]
+        from .digest import BLOCK_SIZE
+
+        out = []
+        for index in range(start // BLOCK_SIZE, -(-end // BLOCK_SIZE)):
+            if index in self.verified:
+                out.append((max(start, index * BLOCK_SIZE), min(end, (index + 1) * BLOCK_SIZE)))
+        return out
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+_BUFFERS = threading.local()
+
+
+def _check_buffer() -> memoryview:
+    """This thread's buffer for reading a block back to check it."""
+    view = getattr(_BUFFERS, "view", None)
+    if view is None:
+        view = _BUFFERS.view = memoryview(bytearray(1 << 20))
+    return view
+
+
+_FALLOC_PUNCH = 0x03  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+def _punch(fd: int, offset: int, length: int) -> bool:
+    """Give the file's bytes [offset, offset + length) back (they read as zeros); False where the
+    file system cannot."""
+    fallocate = _libc_fallocate()
+    return fallocate is not None and fallocate(fd, _FALLOC_PUNCH, offset, length) == 0
+
+
+_FALLOCATE: list[Any] = []
+
+
+def _libc_fallocate() -> Any:
+    if not _FALLOCATE:
+        import ctypes
+
+        try:
+            function = ctypes.CDLL(None, use_errno=True).fallocate
+            function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            function.restype = ctypes.c_int
+        except (OSError, AttributeError):  # not Linux
+            function = None
+        _FALLOCATE.append(function)
+    return _FALLOCATE[0]
+
+
+def _memory_dir() -> str | None:
+    """MEMORY_DIR when a streamed source's mirror may live there: writable, with room for a few
+    budgets, and able to punch holes (else the system's temporary folder holds it)."""
+    try:
+        st = os.statvfs(MEMORY_DIR)
+        if st.f_bavail * st.f_frsize < 4 * STREAM_BUDGET or not os.access(MEMORY_DIR, os.W_OK):
+            return None
+        with tempfile.TemporaryFile(dir=MEMORY_DIR) as probe:
+            probe.write(bytes(2 * PAGE))
+            probe.flush()
+            return MEMORY_DIR if _punch(probe.fileno(), 0, PAGE) else None
+    except OSError:
+        return None
 
 
 # ---- a mirror ----------------------------------------------------------------------------------------
@@ -198,15 +394,27 @@ class MirrorFile:
 class Mirror:
     """A remote prefix as a local folder of sparse files (see the module's docstring)."""
 
-    def __init__(self, loc: RemoteLocation, objects: Sequence[s3.ObjectInfo]):
+    def __init__(self, loc: RemoteLocation, objects: Sequence[s3.ObjectInfo], streamed: bool = False):
         self.loc = loc
-        self.base = Path(tempfile.mkdtemp(prefix=MIRROR_PREFIX))
+        memory = _memory_dir() if streamed and _libc_fallocate() is not None else None
+        self.streamed = streamed and (memory is not None or _libc_fallocate() is not None)
+        self.base = Path(tempfile.mkdtemp(prefix=MIRROR_PREFIX, dir=memory))
         self.root = self.base / (loc.name or loc.bucket)
         self.pool = ThreadPoolExecutor(GETS_IN_FLIGHT, thread_name_prefix="shardkit-s3-get")
         self.files: dict[str, MirrorFile] = {}
         self.bytes_fetched = 0
         self._count_lock = threading.Lock()
         self._planner: _Planner | None = None
+        self.held = 0  # bytes of streamed files fetched or being fetched, not yet dropped
+        self.most_held = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._draining = False
+        self._threads: list[threading.Thread] = []
+        self._checked: list[MirrorFile] = []  # files checked against block digests
+        self._mismatched: list[str] = []
+        self._order: list[tuple[MirrorFile, int, int]] | None = None  # the feeder's parts, in order
+        self._failure: BaseException | None = None
         try:
             (self.base / ".shardkit-owner").write_text(f"{_host()} {os.getpid()}\n")
             self.root.mkdir()
@@ -236,7 +444,14 @@ class Mirror:
             for name, mf in self.files.items()
             if _lazy(mf) and (not under or name == under or name.startswith(inside_))
         ]
-        if need is Need.EVERYTHING:  # part i of every file, then part i + 1: many objects at once
+        if need is Need.EVERYTHING and self.streamed:
+            fresh = [mf for mf in chosen if not mf.streamed]
+            _fetch_metadata([mf for mf in fresh if not mf.prepared], tensor_headers=False)
+            for mf in fresh:
+                mf.streamed = True
+            if fresh:
+                self._start(self._feed)
+        elif need is Need.EVERYTHING:  # part i of every file, then part i + 1: many objects at once
             parts = max((-(-mf.size // PART) for mf in chosen), default=0)
             _wait_all([f for i in range(parts) for mf in chosen for f in mf.fetch_async(i * PART, (i + 1) * PART)])
         else:
@@ -244,11 +459,161 @@ class Mirror:
         for mf in chosen:
             mf.prepared = True
 
-    def expect(self, extents: Sequence[tuple[Path, int, int]]) -> None:
+    # -- streamed sources --
+
+    def hold(self, n: int) -> None:
+        with self._cond:
+            self.held += n
+            self.most_held = max(self.most_held, self.held)
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.held -= n
+            self._cond.notify_all()
+
+    def arrived(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _start(self, target: Callable[..., None], *args: Any) -> None:
+        def run() -> None:
+            try:
+                target(*args)
+            except BaseException as e:  # noqa: BLE001 - readers fetch on demand; the check reports it
+                log.debug("%s stopped: %s", target.__name__, e)
+                with self._cond:
+                    self._failure = self._failure or e
+                    self._cond.notify_all()
+
+        thread = threading.Thread(target=run, name=f"shardkit-s3{target.__name__}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _feed(self) -> None:
+        """Fetch every part of the streamed files in the engine's order (`order_parts`) while
+        fewer than STREAM_BUDGET bytes are held."""
+        with self._cond:
+            while self._order is None and not self._stopping:
+                self._cond.wait(0.05)
+        position = 0
+        while True:
+            with self._cond:
+                order = self._order
+                if self._stopping or order is None or position >= len(order):
+                    return
+                mf, start, end = order[position]
+                while (
+                    not self._stopping
+                    and not self._draining
+                    and self.held > 0
+                    and self.held + (end - start) > STREAM_BUDGET
+                ):
+                    self._cond.wait(0.05)
+                if self._stopping:
+                    return
+            mf.fetch_async(start, end, feeding=True)
+            position += 1
+
+    def order_parts(self, plan: Sequence[tuple[MirrorFile, int, int]] | None) -> None:
+        """Set the feeder's order once: the PART-sized parts of the streamed files in the order
+        `plan` ((file, offset, length) ranges) first reads them, then the rest, part i of every
+        file before part i + 1 (None: in that order alone)."""
+        with self._cond:
+            if self._order is not None:
+                return
+            seen: set[tuple[MirrorFile, int]] = set()
+            order: list[tuple[MirrorFile, int, int]] = []
+
+            def add(mf: MirrorFile, index: int) -> None:
+                if (mf, index) not in seen:
+                    seen.add((mf, index))
+                    order.append((mf, index * PART, min(mf.size, (index + 1) * PART)))
+
+            for mf, offset, length in plan or ():
+                for index in range(offset // PART, -(-(offset + length) // PART)):
+                    add(mf, index)
+            streamed = [mf for mf in self.files.values() if mf.streamed]
+            for index in range(max((-(-mf.size // PART) for mf in streamed), default=0)):
+                for mf in streamed:
+                    if index * PART < mf.size:
+                        add(mf, index)
+            self._order = order
+            self._cond.notify_all()
+
+    def check(self, expected: Mapping[str, Sequence[str]]) -> None:
+        """Check the streamed files named in `expected` (name -> its block digests, see
+        `io.digest.BLOCK_SIZE`) block by block as their bytes arrive; no byte is dropped before
+        its block is checked. `verified` says whether all matched."""
+        from .digest import BLOCK_SIZE
+
+        for name, blocks in expected.items():
+            mf = self.files.get(name)
+            if mf is None or not mf.streamed:
+                continue
+            if len(blocks) != -(-mf.size // BLOCK_SIZE):
+                raise FormatError(
+                    f"{self.loc}/{name}: its manifest lists {len(blocks)} block digests for {mf.size} bytes: re-create it"
+                )
+            with mf.lock:
+                mf.blocks = list(blocks)
+            self._checked.append(mf)
+            mf.check_blocks(0, mf.size)  # blocks whose bytes came with the metadata
+
+    def mismatch(self, name: str) -> None:
+        with self._cond:
+            self._mismatched.append(name)
+            self._cond.notify_all()
+
+    def verified(self) -> None:
+        """Wait until every block `check` was asked for is checked (all are fetched in the end);
+        FormatError naming the first file that does not match its digests."""
+        from .digest import BLOCK_SIZE
+
+        def pending() -> bool:
+            return any(len(mf.verified) < -(-mf.size // BLOCK_SIZE) for mf in self._checked)
+
+        self.order_parts(None)  # (a run that planned nothing: the feeder's own order)
+        with self._cond:
+            self._draining = True  # the readers are done: the rest is fetched whatever is held
+            self._cond.notify_all()
+        for thread in self._threads:  # every part asked for (the checks below then find their bytes)
+            thread.join()
+        for mf in self.files.values():
+            for ranges, check in mf.later:  # the torch files' predicted data offsets (formats.torch_zip)
+                for start, end in ranges:
+                    mf.ensure(start, end - start)
+                check(mf.fd)
+            mf.later = []
+        with self._cond:
+            while self._failure is None and not self._mismatched and not self._stopping and pending():
+                self._cond.wait(0.1)
+            if self._failure is not None:
+                raise self._failure
+            if self._mismatched:
+                raise FormatError(
+                    f"{self.loc}/{self._mismatched[0]} does not match the digest its manifest lists: re-create it"
+                )
+
+    def expect(self, extents: Sequence[tuple[Path, int, int]], once: Sequence[tuple[Path, int, int]] = ()) -> None:
         """The engine's plan: fetch these (path, offset, length) ranges of this mirror's files in
-        order, at most WINDOW bytes ahead of what readers have asked for."""
-        mine = [(self._by_path(p), o, n) for p, o, n in extents]
-        planned = [(mf, o, n) for mf, o, n in mine if mf is not None]
+        order, at most WINDOW bytes ahead of what readers have asked for; of a streamed file,
+        note the ranges read exactly once (`once`: dropped once read)."""
+        by_path: dict[Path, MirrorFile | None] = {}
+
+        def of(path: Path) -> MirrorFile | None:
+            if path not in by_path:
+                by_path[path] = self._by_path(path)
+            return by_path[path]
+
+        for p, o, n in once:
+            found = of(p)
+            if found is not None and found.streamed:
+                with found.lock:
+                    found.once.add(o, o + n)
+        mine = [(of(p), o, n) for p, o, n in extents]
+        if self.streamed:
+            self.order_parts([(mf, o, n) for mf, o, n in mine if mf is not None and mf.streamed])
+        planned = [(mf, o, n) for mf, o, n in mine if mf is not None and not mf.streamed]
         if not planned:
             return
         if self._planner is not None:
@@ -270,6 +635,11 @@ class Mirror:
     def close(self) -> None:
         if self._planner is not None:
             self._planner.stop()
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
         self.pool.shutdown(wait=True, cancel_futures=True)
         for mf in self.files.values():
             with _REGISTRY_LOCK:
@@ -277,7 +647,7 @@ class Mirror:
             mf.close()
         with contextlib.suppress(OSError, ShardkitError):
             remove_tree(self.base)
-        log.debug("%s: fetched %d bytes", self.loc, self.bytes_fetched)
+        log.debug("%s: fetched %d bytes, at most %d held at once", self.loc, self.bytes_fetched, self.most_held)
 
 
 class _Planner:
@@ -341,10 +711,12 @@ def _joined(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(s, e) for s, e in out]
 
 
-def _fetch_metadata(files: list[MirrorFile]) -> None:
+def _fetch_metadata(files: list[MirrorFile], tensor_headers: bool = True) -> None:
     """Need.METADATA for `files`, every step for all of them at once (`io.containers`): head and
     tail; the safetensors header or zip central directory they point at; the zip records' local
-    headers and small records; the rest of any header longer than its window."""
+    headers and small records; the rest of any header longer than its window. Without
+    `tensor_headers` (a streamed file), of the tensor records' local headers only the first one's
+    (`formats.torch_zip` predicts the others' data offsets and checks them later)."""
 
     def step(ranges: Callable[[MirrorFile], list[tuple[int, int]]], of: list[MirrorFile]) -> None:
         _wait_all([f for mf in of for f in mf.fetch_ranges(ranges(mf))])
@@ -353,6 +725,10 @@ def _fetch_metadata(files: list[MirrorFile]) -> None:
     step(lambda mf: containers.after_head_and_tail(mf.name, mf.size, mf.pread), files)
     zips = [mf for mf in files if not mf.name.endswith(".safetensors") and containers.is_zip(mf.pread)]
     listed = {mf.name: containers.central_records(mf.size, mf.pread) for mf in zips}
+    if not tensor_headers:
+        for name, records in listed.items():
+            first = min((r for r in records if r.tensor_data), key=lambda r: r.header, default=None)
+            listed[name] = [r for r in records if not r.tensor_data or r is first]
     step(lambda mf: containers.zip_records(mf.size, listed[mf.name]), zips)
     step(lambda mf: containers.zip_header_rests(mf.size, listed[mf.name], mf.pread), zips)
 
@@ -380,11 +756,12 @@ _OPEN: list[Mirror] = []
 _OPEN_LOCK = threading.Lock()
 
 
-def open_mirror(loc: RemoteLocation, objects: Sequence[s3.ObjectInfo] | None = None) -> Mirror:
+def open_mirror(loc: RemoteLocation, objects: Sequence[s3.ObjectInfo] | None = None, streamed: bool = False) -> Mirror:
     """A new mirror of `loc` (listed now unless `objects` is given); closed by `close_mirrors`,
-    at the end of a `mirrors_scope`, or at exit."""
+    at the end of a `mirrors_scope`, or at exit. `streamed`: its tensor containers are read once,
+    by an engine run (see "Streamed sources" above)."""
     _remove_stale()
-    mirror = Mirror(loc, s3.list_objects(loc) if objects is None else objects)
+    mirror = Mirror(loc, s3.list_objects(loc) if objects is None else objects, streamed)
     with _OPEN_LOCK:
         _OPEN.append(mirror)
     return mirror
@@ -431,13 +808,11 @@ def _remove_stale() -> None:
     """Remove the mirror folders of this host's runs that no longer run (killed mid-way)."""
     from .transaction import pid_alive
 
-    base = Path(tempfile.gettempdir())
-    try:
-        entries = [e for e in os.listdir(base) if e.startswith(MIRROR_PREFIX)]
-    except OSError:
-        return
-    for entry in entries:
-        folder = base / entry
+    entries = []
+    for base in (Path(tempfile.gettempdir()), Path(MEMORY_DIR)):
+        with contextlib.suppress(OSError):
+            entries += [base / e for e in os.listdir(base) if e.startswith(MIRROR_PREFIX)]
+    for folder in entries:
         try:
             host, pid = (folder / ".shardkit-owner").read_text().split()[:2]
         except (OSError, ValueError):
@@ -457,6 +832,13 @@ def _in_mirrors(path: str | os.PathLike[str]) -> Iterator[tuple[Mirror, str]]:
         if here == mirror.root or mirror.root in here.parents:
             rel = here.relative_to(mirror.root).as_posix()
             yield mirror, "" if rel == "." else rel
+
+
+def mirror_of(path: str | os.PathLike[str]) -> Mirror | None:
+    """The open mirror holding the local `path`, if any."""
+    for mirror, _ in _in_mirrors(path):
+        return mirror
+    return None
 
 
 def location_of(path: str | os.PathLike[str]) -> RemoteLocation | None:
@@ -527,13 +909,67 @@ def ensure_file(path: str | os.PathLike[str]) -> None:
         mf.ensure(0, mf.size)
 
 
-def expect(extents: Sequence[tuple[Path, int, int]]) -> None:
+def expect(extents: Sequence[tuple[Path, int, int]], once: Sequence[tuple[Path, int, int]] = ()) -> None:
     """The engine's read plan (see `Mirror.expect`); nothing to do without mirrors."""
     if _MIRRORED:
         with _OPEN_LOCK:
             mirrors = list(_OPEN)
         for mirror in mirrors:
-            mirror.expect(extents)
+            mirror.expect(extents, once)
+
+
+def after_read(fd: int, offset: int, length: int) -> None:
+    """Called after a read of `length` bytes at `offset` through `fd` (once they are copied out):
+    a streamed mirror file drops them when its plan reads them once."""
+    if _MIRRORED:
+        mf = _of_fd(fd)
+        if mf is not None and mf.streamed:
+            mf.read_done(offset, offset + length)
+
+
+def defers_headers(fd: int) -> bool:
+    """Whether `fd` is a streamed mirror file, whose tensor records' local headers are not fetched
+    before the engine's plan (see `formats.torch_zip._predict_data`)."""
+    if not _MIRRORED:
+        return False
+    mf = _of_fd(fd)
+    return mf is not None and mf.streamed
+
+
+def check_later(fd: int, check: Callable[[int], None], ranges: list[tuple[int, int]]) -> None:
+    """Run `check` (given the file's descriptor) once bytes `ranges` of the streamed mirror file
+    `fd` are there, before an engine run that read it commits (`check_streamed`)."""
+    mf = _of_fd(fd)
+    if mf is None:
+        raise ValueError("not a mirror file")
+    mf.later.append((ranges, check))
+
+
+def location_of_fd(fd: int) -> str:
+    """The object a mirror file's descriptor stands for (its path for a local file)."""
+    mf = _of_fd(fd)
+    return f"{mf.mirror.loc}/{mf.name}" if mf is not None else os.readlink(f"/proc/self/fd/{fd}")
+
+
+def streaming() -> bool:
+    """Whether an open mirror streams its files (see "Streamed sources" above)."""
+    with _OPEN_LOCK:
+        return any(mirror.streamed for mirror in _OPEN)
+
+
+def is_streamed(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a streamed mirror file (its bytes arrive as the feeder fetches them)."""
+    mf = _of_path(path)
+    return mf is not None and mf.streamed
+
+
+def check_streamed() -> None:
+    """Before an engine run's output is committed: every open mirror's streamed files that are
+    checked against their digests are, and match (FormatError naming the first that does not)."""
+    with _OPEN_LOCK:
+        mirrors = list(_OPEN)
+    for mirror in mirrors:
+        mirror.verified()
 
 
 def ensure_range(path: str | os.PathLike[str], offset: int, length: int) -> None:
@@ -563,7 +999,9 @@ def stamp(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def open_prefix(loc: RemoteLocation, *, need: Need | None = Need.METADATA, output: bool = True) -> Mirror:
+def open_prefix(
+    loc: RemoteLocation, *, need: Need | None = Need.METADATA, output: bool = True, streamed: bool = False
+) -> Mirror:
     """A mirror of `loc` to read from (see `open_mirror`), with what `need` says of every tensor
     container fetched (None: nothing yet; the caller prepares the part it reads). `output` (an
     engine source: one output of one run): a prefix still marked as being written is refused; a
@@ -578,7 +1016,7 @@ def open_prefix(loc: RemoteLocation, *, need: Need | None = Need.METADATA, outpu
             f"{loc} is incomplete (an upload was interrupted, or is still running): write it again "
             "(the next run into it removes the partial upload, saying so)"
         )
-    mirror = open_mirror(loc, [o for o in objects if o.name != WRITING])
+    mirror = open_mirror(loc, [o for o in objects if o.name != WRITING], streamed)
     if need is not None:
         mirror.prepare("", need)
     return mirror

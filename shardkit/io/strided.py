@@ -142,6 +142,7 @@ def _copy_columns(fd: int, t: StoredTensor, dim: int, start: int, out: torch.Ten
             )
             numpy.copyto(target[r0:r1], block)
             del data, block  # the buffer exports end before the mapping is closed
+            remote.after_read(fd, first, end - first)
         finally:
             try:
                 mapping.close()

@@ -110,6 +110,8 @@ def read_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
         if got <= 0:
             raise FormatError(f"{what} is truncated: re-create it")
         done += got
+    if remote._MIRRORED:  # a streamed mirror file drops what it holds once it is read
+        remote.after_read(fd, offset, nbytes)
 
 
 def _feed_taps(sources: Sequence[FileRange], every: Callable[[memoryview], None] | None = None) -> None:
