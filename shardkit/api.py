@@ -124,6 +124,33 @@ def _streams(src: object, options: Mapping[str, Any]) -> bool:
         return False  # the source's own check then says what is wrong with it
 
 
+def _read_whole(
+    src: str | Path | Checkpoint,
+    config: ConfigArg,
+    hints: Mapping | None,
+    revision: str | None,
+    options: dict[str, Any],
+    run: Callable[[Checkpoint, dict[str, Any]], Result],
+) -> Result:
+    """`run` an engine operation that reads all of `src` (given the options it runs with, the
+    source check settled): a source in object storage streamed where it can be (`_streams`). A
+    streamed torch file laid out otherwise than torch.save lays it out (its predicted tensor
+    offsets did not hold) is read again, fetched whole first, so any valid file is read right."""
+    streamed = _streams(src, options)
+    ckpt = open_source(src, config, hints, revision, Need.EVERYTHING, streamed)
+    checked = dict(options)
+    _check_fetched(ckpt, checked)
+    try:
+        return run(ckpt, checked)
+    except remote_io.Unpredicted as e:
+        log.warning("%s: reading it again, fetched whole first", e)
+        remote_io.close_mirror_of(ckpt.root)
+    ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
+    checked = dict(options)
+    _check_fetched(ckpt, checked)
+    return run(ckpt, checked)
+
+
 def _check_fetched(ckpt: Checkpoint, options: dict[str, Any]) -> None:
     """A source fetched whole from object storage is checked against its manifest here, each
     file whole as it lies in the mirror, before anything is written (xxh3-128: 0.24 s for
@@ -146,7 +173,7 @@ def _check_fetched(ckpt: Checkpoint, options: dict[str, Any]) -> None:
             where = remote_io.location_of(path)
             raise FormatError(f"{where} does not match the digest its manifest lists: re-create it")
     if mirror is not None and blocks:
-        mirror.check(blocks)
+        mirror.check(blocks, digest.BLOCK_SIZE)  # (the size `_streams` found every entry to list)
     options["verify_hashes"] = "none"
 
 
@@ -216,10 +243,12 @@ def reshard(
     them; `revision` picks a Hub repo's branch, tag or commit; `convention` names the tensors of
     a DCP output (`hf`, the default, or `torchtitan`: see shardkit.conventions). `src` and `dst`
     may be s3://bucket/prefix."""
+
+    def run(ckpt: Checkpoint, checked: dict[str, Any]) -> Result:
+        return reshard_checkpoint(ckpt, out, layout, format=format, command=command, convention=convention, **checked)
+
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
-        ckpt = open_source(src, config, hints, revision, Need.EVERYTHING, _streams(src, options))
-        _check_fetched(ckpt, options)  # type: ignore[arg-type]
-        result = reshard_checkpoint(ckpt, out, layout, format=format, command=command, convention=convention, **options)
+        result = _read_whole(src, config, hints, revision, dict(options), run)
     return _located(result, dst)
 
 
@@ -242,16 +271,18 @@ def merge(
 ) -> Result:
     """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
     index + config), in files of at most `max_shard_size`. `options` as for `reshard`."""
-    with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
-        ckpt = open_source(src, config, hints, revision, Need.EVERYTHING, _streams(src, options))
+
+    def run(ckpt: Checkpoint, checked: dict[str, Any]) -> Result:
         if settings_of(ckpt) is not None:
             shown = remote_io.location_of(ckpt.root) or ckpt.root
             raise FormatError(
                 f"{shown} holds LoRA adapters, not a model: `shardkit ckpt export {shown} OUT` writes their "
                 "PEFT adapter folder, and with --merged the model they were trained on with them merged in"
             )
-        _check_fetched(ckpt, options)  # type: ignore[arg-type]
-        result = merge_checkpoint(ckpt, out, max_shard_size=max_shard_size, **options)
+        return merge_checkpoint(ckpt, out, max_shard_size=max_shard_size, **checked)
+
+    with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
+        result = _read_whole(src, config, hints, revision, dict(options), run)
     return _located(result, dst)
 
 

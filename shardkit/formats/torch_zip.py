@@ -572,9 +572,8 @@ def _predict_data(fd: int, listed: list[_Listed], directory: int) -> bool:
             raise FormatError(f"{remote.location_of_fd(fd)} is corrupt ({e}): re-create it") from None
         for guess, found in zip(predicted, real):
             if guess.data != found.data:
-                raise FormatError(
-                    f"{remote.location_of_fd(fd)} is not laid out as torch.save lays out its records (record "
-                    f"{found.name}): read it from a local copy"
+                raise remote.Unpredicted(
+                    f"{remote.location_of_fd(fd)} is not laid out as torch.save lays out its records (record {found.name})"
                 )
 
     remote.check_later(fd, check, [(r.header, r.data) for r in tensors])

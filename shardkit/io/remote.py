@@ -30,7 +30,7 @@ Streamed sources. A merge or reshard reads all of its source once. Fetched whole
 on disk first, the source would need its own size of local disk, its bytes would be written
 twice locally (the mirror, then the output) and the engine would wait for the last byte before
 the first output byte. Instead, a source whose every file can be checked as it arrives (its
-manifest lists block digests, `io.digest.BLOCK_SIZE`, as every output shardkit writes to object
+manifest lists block digests, see `io.digest.BLOCK_SIZE`, as every output shardkit writes to object
 storage does; or it has no manifest, or is not to be checked) is streamed:
 
 - its mirror lives in MEMORY_DIR (a memory file system) when that can punch holes, else in the
@@ -195,6 +195,7 @@ class MirrorFile:
         self.consumed = _Ranges()  # of those, the bytes read so far
         self.dropped = _Ranges()  # bytes punched out of the file once read (never fetched again but on demand)
         self.blocks: list[str] | None = None  # the block digests it is checked against (see `Mirror.check`)
+        self.block_size = 1
         self.verified: set[int] = set()  # blocks checked (their bytes may be dropped once read)
         self.checking: set[int] = set()  # blocks being checked now
         self.later: list[tuple[list[tuple[int, int]], Callable[[int], None]]] = []  # checks before commit
@@ -265,16 +266,17 @@ class MirrorFile:
     def check_blocks(self, start: int, end: int) -> None:
         """Check each block touching [start, end) whose bytes have all arrived against its digest;
         a block that matches may drop its bytes once read, one that does not fails the run."""
-        from .digest import BLOCK_SIZE, new_digest
+        import xxhash
 
+        size = self.block_size
         assert self.blocks is not None
-        for index in range(start // BLOCK_SIZE, -(-end // BLOCK_SIZE)):
-            lo, hi = index * BLOCK_SIZE, min(self.size, (index + 1) * BLOCK_SIZE)
+        for index in range(start // size, -(-end // size)):
+            lo, hi = index * size, min(self.size, (index + 1) * size)
             with self.lock:
                 if index in self.verified or index in self.checking or self.fetched.missing(lo, hi):
                     continue
                 self.checking.add(index)
-            digest = new_digest("xxh3_128")
+            digest = xxhash.xxh3_128()
             view = _check_buffer()
             got = 0
             while lo + got < hi:
@@ -322,12 +324,11 @@ class MirrorFile:
             return []
         if self.blocks is None:
             return [(start, end)]
-        from .digest import BLOCK_SIZE
-
+        size = self.block_size
         out = []
-        for index in range(start // BLOCK_SIZE, -(-end // BLOCK_SIZE)):
+        for index in range(start // size, -(-end // size)):
             if index in self.verified:
-                out.append((max(start, index * BLOCK_SIZE), min(end, (index + 1) * BLOCK_SIZE)))
+                out.append((max(start, index * size), min(end, (index + 1) * size)))
         return out
 
     def close(self) -> None:
@@ -540,22 +541,20 @@ class Mirror:
             self._order = order
             self._cond.notify_all()
 
-    def check(self, expected: Mapping[str, Sequence[str]]) -> None:
+    def check(self, expected: Mapping[str, Sequence[str]], block_size: int) -> None:
         """Check the streamed files named in `expected` (name -> its block digests, see
-        `io.digest.BLOCK_SIZE`) block by block as their bytes arrive; no byte is dropped before
+        the xxh3-128 of each `block_size` bytes) block by block as they arrive; no byte is dropped before
         its block is checked. `verified` says whether all matched."""
-        from .digest import BLOCK_SIZE
-
         for name, blocks in expected.items():
             mf = self.files.get(name)
             if mf is None or not mf.streamed:
                 continue
-            if len(blocks) != -(-mf.size // BLOCK_SIZE):
+            if len(blocks) != -(-mf.size // block_size):
                 raise FormatError(
                     f"{self.loc}/{name}: its manifest lists {len(blocks)} block digests for {mf.size} bytes: re-create it"
                 )
             with mf.lock:
-                mf.blocks = list(blocks)
+                mf.blocks, mf.block_size = list(blocks), block_size
             self._checked.append(mf)
             mf.check_blocks(0, mf.size)  # blocks whose bytes came with the metadata
 
@@ -567,10 +566,9 @@ class Mirror:
     def verified(self) -> None:
         """Wait until every block `check` was asked for is checked (all are fetched in the end);
         FormatError naming the first file that does not match its digests."""
-        from .digest import BLOCK_SIZE
 
         def pending() -> bool:
-            return any(len(mf.verified) < -(-mf.size // BLOCK_SIZE) for mf in self._checked)
+            return any(len(mf.verified) < -(-mf.size // mf.block_size) for mf in self._checked)
 
         self.order_parts(None)  # (a run that planned nothing: the feeder's own order)
         with self._cond:
@@ -765,6 +763,21 @@ def open_mirror(loc: RemoteLocation, objects: Sequence[s3.ObjectInfo] | None = N
     with _OPEN_LOCK:
         _OPEN.append(mirror)
     return mirror
+
+
+class Unpredicted(FormatError):
+    """A streamed torch file's records are not where their central directory predicted them
+    (`check_later`): the operation is to read it again, fetched whole first."""
+
+
+def close_mirror_of(path: str | os.PathLike[str]) -> None:
+    """Close the open mirror holding `path` (its folder removed), if any."""
+    mirror = mirror_of(path)
+    if mirror is not None:
+        with _OPEN_LOCK:
+            if mirror in _OPEN:
+                _OPEN.remove(mirror)
+        mirror.close()
 
 
 def close_mirrors(keep: int = 0) -> None:
