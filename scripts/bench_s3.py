@@ -30,7 +30,7 @@ CHILD = r"""
 import json, resource, sys, time
 from pathlib import Path
 step, args = sys.argv[1], json.loads(sys.argv[2])
-fetched, gets = [], [0]
+fetched, gets, held = [], [0], [0]
 if step.startswith("shardkit"):
     import shardkit
     import shardkit.api, shardkit.checkpoint.reshard  # imported before the clock starts (shardkit imports lazily)
@@ -40,6 +40,7 @@ if step.startswith("shardkit"):
     close, get_range = remote.Mirror.close, s3.get_range
     def counted(self):
         fetched.append(self.bytes_fetched)
+        held[0] = max(held[0], self.most_held)  # a streamed source's window (in /dev/shm: memory, not RSS)
         close(self)
     def counted_get(*a, **k):
         gets[0] += 1
@@ -57,7 +58,7 @@ else:
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-held = 0
+held_window, held = held, 0
 if step == "shardkit-ckpt-save":  # every tp rank's pieces in memory, as the ranks of a job hold them
     from shardkit.formats import SourceReader, open_checkpoint
     source = open_checkpoint(args["src"])
@@ -97,7 +98,8 @@ elif step == "boto3-download":
         fut.result()
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "fetched": sum(fetched), "gets": gets[0], "cpu": cpu() - cpu0, "held": held}))
+                  "fetched": sum(fetched), "gets": gets[0], "cpu": cpu() - cpu0, "held": held,
+                  "window": held_window[0]}))
 """
 
 
@@ -231,6 +233,10 @@ def measure(args, hf: Path, env: dict, client, endpoint: str, local: Path) -> No
         print(f"{what} tp8 -> {'tp1' if key == 'merge' else 'tp4'}: fetched {r['fetched'] / 1e9:.3f} GB of the "
               f"{size[tag] / 1e9:.3f} GB source ({r['fetched'] / size[tag]:.1%}) in {r['gets']} GETs")
     print(f"save_checkpoint held {med['ckpt-save']['held'] / 2**30:.2f} GiB of rank pieces (in its peak RSS)")
+    for key in ("merge", "reshard", "ckpt-reshard"):
+        window = med[key].get("window", 0)
+        print(f"{key}: " + (f"streamed, at most {window / 2**20:.0f} MiB of the source held at once (memory file system)"
+                            if window else "source fetched whole into a mirror on local disk"))
     print("| operation | bytes moved | boto3 | shardkit | shardkit vs boto3 | peak RSS shardkit / boto3 "
           "| CPU s client shardkit / boto3 | CPU s server shardkit / boto3 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

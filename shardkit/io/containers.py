@@ -12,8 +12,9 @@ do, from the same bytes): they only say which bytes those readers will read.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 Pread = Callable[[int, int], bytes]
 
@@ -152,3 +153,33 @@ def zip_header_rests(size: int, records: list[ZipRecord], pread: Pread) -> list[
         data = r.header + _LOCAL + nlen + xlen
         ranges.append((r.header, min(size, data if r.tensor_data else data + r.size)))
     return ranges
+
+
+class _Container(Protocol):
+    name: str
+    size: int
+
+    def pread(self, offset: int, n: int) -> bytes: ...
+
+
+def fetch_metadata(
+    fetch: Callable[[Iterable[tuple[Any, list[tuple[int, int]]]]], None],
+    files: Sequence[_Container],
+    tensor_headers: bool = True,
+) -> None:
+    """Fetch (`fetch`: each file with its ranges, returning once they are there) what opening
+    `files` reads, every step for all of them at once: head and tail; the safetensors header or
+    zip central directory they point at; the zip records' local headers and small records; the
+    rest of any header longer than its window. Without `tensor_headers` (a streamed file), of
+    the tensor records' local headers only the first one's (`formats.torch_zip` predicts the
+    others' data offsets and checks them later)."""
+    fetch((f, [(0, HEAD), (max(0, f.size - TAIL), f.size)]) for f in files)
+    fetch((f, after_head_and_tail(f.name, f.size, f.pread)) for f in files)
+    zips = [f for f in files if not f.name.endswith(".safetensors") and is_zip(f.pread)]
+    listed = {id(f): central_records(f.size, f.pread) for f in zips}
+    if not tensor_headers:
+        for key, records in listed.items():
+            first = min((r for r in records if r.tensor_data), key=lambda r: r.header, default=None)
+            listed[key] = [r for r in records if not r.tensor_data or r is first]
+    fetch((f, zip_records(f.size, listed[id(f)])) for f in zips)
+    fetch((f, zip_header_rests(f.size, listed[id(f)], f.pread)) for f in zips)

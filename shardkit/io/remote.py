@@ -26,42 +26,18 @@ local header would be 201 round trips per file.
 So an operation reads from the store the bytes it uses, plus holes of at most `HOLE`, and nothing
 ever reads a hole of the mirror.
 
-Streamed sources. A merge or reshard reads all of its source once. Fetched whole into a mirror
-on disk first, the source would need its own size of local disk, its bytes would be written
-twice locally (the mirror, then the output) and the engine would wait for the last byte before
-the first output byte. Instead, a source whose every file can be checked as it arrives (its
-manifest lists block digests, see `io.digest.BLOCK_SIZE`, as every output shardkit writes to object
-storage does; or it has no manifest, or is not to be checked) is streamed:
+Streamed sources (a merge's or a reshard's, read once): see `io.streamed`.
 
-- its mirror lives in MEMORY_DIR (a memory file system) when that can punch holes, else in the
-  system's temporary folder; its tensor files' metadata is fetched as for Need.METADATA, but of a
-  torch file's local headers only the first tensor record's: `formats.torch_zip` predicts the
-  others' data offsets from the central directory and checks them against the real headers
-  before the output is committed (`check_later`);
-- a feeder fetches every part (PART bytes) in the order the engine's plan first reads them
-  (`expect`, `order_parts`), then the rest, while fewer than STREAM_BUDGET bytes are held
-  (fetched or on their way, not yet dropped); readers that reach bytes the feeder has not fetched
-  get them on demand, outside the budget;
-- each block is checked against its digest as soon as all its bytes are there (`check_blocks`);
-- once read (`after_read`, called by every read path), the bytes the plan reads exactly once are
-  punched out of the file (whole pages, only in checked blocks), so the mirror holds a window of
-  the source, never all of it;
-- before the engine commits (`check_streamed`) every block has arrived and matched and every
-  predicted torch offset agreed with its local header: a mismatch is a one-line FormatError and
-  nothing is written.
-
-Other sources (Need.EVERYTHING elsewhere: verify, export, `ckpt reshard`) are fetched whole as
-before. Fetched bytes change a mirror file's mtime and ctime: `stamp`
-gives the stable identity the "source changed while read" checks compare instead (every GET is
-made If-Match the object's listed ETag, so a replaced object is refused, never mixed). The folder
-(in the system's temporary folder; as large as the bytes fetched) is removed when the mirror
-closes, and a killed run's mirror by the next run (its owner process is gone).
+Fetched bytes change a mirror file's mtime and ctime: `stamp` gives the stable identity the
+"source changed while read" checks compare instead (every GET is made If-Match the object's
+listed ETag, so a replaced object is refused, never mixed). The folder (in the system's temporary
+folder, or a streamed source's in MEMORY_DIR) is removed when the mirror closes, and a killed
+run's mirror by the next run (its owner process is gone).
 """
 
 from __future__ import annotations
 
 import atexit
-import bisect
 import contextlib
 import enum
 import logging
@@ -76,8 +52,10 @@ from typing import Any
 from ..errors import FormatError, ShardkitError
 from ..paths import inside
 from . import containers, s3
+from . import streamed as stream_io
 from .delete import remove_tree
 from .location import RemoteLocation
+from .ranges import Ranges
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +73,7 @@ STREAM_BUDGET = 384 << 20
 """A streamed source (see "Streamed sources" above) holds at most about this many bytes fetched
 or being fetched and not yet read and dropped (more only while readers ask for bytes it has not
 reached)."""
-PAGE = 4096
+PAGE = stream_io.PAGE
 MEMORY_DIR = "/dev/shm"
 """Where a streamed source's mirror lives when this is a writable folder whose file system can
 punch holes (a memory file system, tmpfs): see "Streamed sources" above."""
@@ -119,64 +97,6 @@ _MIRRORED: dict[tuple[int, int], MirrorFile] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
-# ---- fetched byte ranges --------------------------------------------------------------------------
-
-
-class _Ranges:
-    """Disjoint, sorted [start, end) ranges."""
-
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-
-    def add(self, start: int, end: int) -> None:
-        i = bisect.bisect_left(self.ends, start)
-        j = bisect.bisect_right(self.starts, end)
-        if i < j:
-            start, end = min(start, self.starts[i]), max(end, self.ends[j - 1])
-        self.starts[i:j], self.ends[i:j] = [start], [end]
-
-    def missing(self, start: int, end: int) -> list[tuple[int, int]]:
-        """The parts of [start, end) not covered."""
-        out: list[tuple[int, int]] = []
-        i = bisect.bisect_right(self.ends, start)
-        pos = start
-        while pos < end and i < len(self.starts):
-            if self.starts[i] >= end:
-                break
-            if self.starts[i] > pos:
-                out.append((pos, self.starts[i]))
-            pos = max(pos, self.ends[i])
-            i += 1
-        if pos < end:
-            out.append((pos, end))
-        return out
-
-    def remove(self, start: int, end: int) -> None:
-        kept = [(s, e) for s, e in zip(self.starts, self.ends) if e <= start or s >= end]
-        kept += [(s, start) for s, e in zip(self.starts, self.ends) if s < start < e]
-        kept += [(end, e) for s, e in zip(self.starts, self.ends) if s < end < e]
-        kept.sort()
-        self.starts, self.ends = [s for s, _ in kept], [e for _, e in kept]
-
-    def within(self, start: int, end: int) -> list[tuple[int, int]]:
-        """The covered parts of [start, end)."""
-        i = bisect.bisect_right(self.ends, start)
-        out: list[tuple[int, int]] = []
-        while i < len(self.starts) and self.starts[i] < end:
-            out.append((max(start, self.starts[i]), min(end, self.ends[i])))
-            i += 1
-        return out
-
-    def run_from(self, pos: int) -> int:
-        """The end of the covered range holding `pos` (`pos` itself when it is not covered)."""
-        i = bisect.bisect_right(self.starts, pos) - 1
-        return self.ends[i] if i >= 0 and self.ends[i] > pos else pos
-
-    def total(self) -> int:
-        return sum(e - s for s, e in zip(self.starts, self.ends))
-
-
 class MirrorFile:
     """One object's sparse local copy, and which of its bytes are there or on their way."""
 
@@ -186,14 +106,14 @@ class MirrorFile:
         os.ftruncate(self.fd, size)
         st = os.fstat(self.fd)
         self.identity = (st.st_dev, st.st_ino)
-        self.fetched = _Ranges()
+        self.fetched = Ranges()
         self.pending: dict[tuple[int, int], Future[int]] = {}
         self.lock = threading.Lock()
         self.prepared = False
         self.streamed = False  # see "Streamed sources" above
-        self.once = _Ranges()  # bytes the operation's plan reads exactly once
-        self.consumed = _Ranges()  # of those, the bytes read so far
-        self.dropped = _Ranges()  # bytes punched out of the file once read (never fetched again but on demand)
+        self.once = Ranges()  # bytes the operation's plan reads exactly once
+        self.consumed = Ranges()  # of those, the bytes read so far
+        self.dropped = Ranges()  # bytes punched out of the file once read (never fetched again but on demand)
         self.blocks: list[str] | None = None  # the block digests it is checked against (see `Mirror.check`)
         self.block_size = 1
         self.verified: set[int] = set()  # blocks checked (their bytes may be dropped once read)
@@ -209,7 +129,7 @@ class MirrorFile:
         if feeding:
             wanted = [r for s, e in wanted for r in self.dropped.missing(s, e)]
         for s, e in wanted:
-            covered = _Ranges()
+            covered = Ranges()
             for (ps, pe), future in self.pending.items():
                 if ps < e and pe > s:
                     waits.append(future)
@@ -277,7 +197,7 @@ class MirrorFile:
                     continue
                 self.checking.add(index)
             digest = xxhash.xxh3_128()
-            view = _check_buffer()
+            view = stream_io.check_buffer()
             got = 0
             while lo + got < hi:
                 n = os.preadv(self.fd, [view[: min(len(view), hi - lo - got)]], lo + got)
@@ -309,7 +229,7 @@ class MirrorFile:
             a = -(-cs // PAGE) * PAGE
             b = ce if ce == self.size else ce - ce % PAGE
             for x, y in [r for c in self._checked(a, b) for r in self.dropped.missing(*c)]:
-                if not _punch(self.fd, x, y - x):
+                if not stream_io.punch(self.fd, x, y - x):
                     self.streamed = False  # bytes are then kept, as in a mirror read whole
                     return
                 self.dropped.add(x, y)
@@ -336,59 +256,6 @@ class MirrorFile:
             os.close(self.fd)
 
 
-_BUFFERS = threading.local()
-
-
-def _check_buffer() -> memoryview:
-    """This thread's buffer for reading a block back to check it."""
-    view = getattr(_BUFFERS, "view", None)
-    if view is None:
-        view = _BUFFERS.view = memoryview(bytearray(1 << 20))
-    return view
-
-
-_FALLOC_PUNCH = 0x03  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-
-
-def _punch(fd: int, offset: int, length: int) -> bool:
-    """Give the file's bytes [offset, offset + length) back (they read as zeros); False where the
-    file system cannot."""
-    fallocate = _libc_fallocate()
-    return fallocate is not None and fallocate(fd, _FALLOC_PUNCH, offset, length) == 0
-
-
-_FALLOCATE: list[Any] = []
-
-
-def _libc_fallocate() -> Any:
-    if not _FALLOCATE:
-        import ctypes
-
-        try:
-            function = ctypes.CDLL(None, use_errno=True).fallocate
-            function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-            function.restype = ctypes.c_int
-        except (OSError, AttributeError):  # not Linux
-            function = None
-        _FALLOCATE.append(function)
-    return _FALLOCATE[0]
-
-
-def _memory_dir() -> str | None:
-    """MEMORY_DIR when a streamed source's mirror may live there: writable, with room for a few
-    budgets, and able to punch holes (else the system's temporary folder holds it)."""
-    try:
-        st = os.statvfs(MEMORY_DIR)
-        if st.f_bavail * st.f_frsize < 4 * STREAM_BUDGET or not os.access(MEMORY_DIR, os.W_OK):
-            return None
-        with tempfile.TemporaryFile(dir=MEMORY_DIR) as probe:
-            probe.write(bytes(2 * PAGE))
-            probe.flush()
-            return MEMORY_DIR if _punch(probe.fileno(), 0, PAGE) else None
-    except OSError:
-        return None
-
-
 # ---- a mirror ----------------------------------------------------------------------------------------
 
 
@@ -397,8 +264,12 @@ class Mirror:
 
     def __init__(self, loc: RemoteLocation, objects: Sequence[s3.ObjectInfo], streamed: bool = False):
         self.loc = loc
-        memory = _memory_dir() if streamed and _libc_fallocate() is not None else None
-        self.streamed = streamed and (memory is not None or _libc_fallocate() is not None)
+        memory = (
+            stream_io.memory_dir(MEMORY_DIR, 4 * STREAM_BUDGET)
+            if streamed and stream_io.libc_fallocate() is not None
+            else None
+        )
+        self.streamed = streamed and (memory is not None or stream_io.libc_fallocate() is not None)
         self.base = Path(tempfile.mkdtemp(prefix=MIRROR_PREFIX, dir=memory))
         self.root = self.base / (loc.name or loc.bucket)
         self.pool = ThreadPoolExecutor(GETS_IN_FLIGHT, thread_name_prefix="shardkit-s3-get")
@@ -447,7 +318,7 @@ class Mirror:
         ]
         if need is Need.EVERYTHING and self.streamed:
             fresh = [mf for mf in chosen if not mf.streamed]
-            _fetch_metadata([mf for mf in fresh if not mf.prepared], tensor_headers=False)
+            containers.fetch_metadata(_fetch_all, [mf for mf in fresh if not mf.prepared], tensor_headers=False)
             for mf in fresh:
                 mf.streamed = True
             if fresh:
@@ -456,7 +327,7 @@ class Mirror:
             parts = max((-(-mf.size // PART) for mf in chosen), default=0)
             _wait_all([f for i in range(parts) for mf in chosen for f in mf.fetch_async(i * PART, (i + 1) * PART)])
         else:
-            _fetch_metadata([mf for mf in chosen if not mf.prepared])
+            containers.fetch_metadata(_fetch_all, [mf for mf in chosen if not mf.prepared])
         for mf in chosen:
             mf.prepared = True
 
@@ -709,26 +580,8 @@ def _joined(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(s, e) for s, e in out]
 
 
-def _fetch_metadata(files: list[MirrorFile], tensor_headers: bool = True) -> None:
-    """Need.METADATA for `files`, every step for all of them at once (`io.containers`): head and
-    tail; the safetensors header or zip central directory they point at; the zip records' local
-    headers and small records; the rest of any header longer than its window. Without
-    `tensor_headers` (a streamed file), of the tensor records' local headers only the first one's
-    (`formats.torch_zip` predicts the others' data offsets and checks them later)."""
-
-    def step(ranges: Callable[[MirrorFile], list[tuple[int, int]]], of: list[MirrorFile]) -> None:
-        _wait_all([f for mf in of for f in mf.fetch_ranges(ranges(mf))])
-
-    step(lambda mf: [(0, containers.HEAD), (max(0, mf.size - containers.TAIL), mf.size)], files)
-    step(lambda mf: containers.after_head_and_tail(mf.name, mf.size, mf.pread), files)
-    zips = [mf for mf in files if not mf.name.endswith(".safetensors") and containers.is_zip(mf.pread)]
-    listed = {mf.name: containers.central_records(mf.size, mf.pread) for mf in zips}
-    if not tensor_headers:
-        for name, records in listed.items():
-            first = min((r for r in records if r.tensor_data), key=lambda r: r.header, default=None)
-            listed[name] = [r for r in records if not r.tensor_data or r is first]
-    step(lambda mf: containers.zip_records(mf.size, listed[mf.name]), zips)
-    step(lambda mf: containers.zip_header_rests(mf.size, listed[mf.name], mf.pread), zips)
+def _fetch_all(wanted: Iterable[tuple[MirrorFile, list[tuple[int, int]]]]) -> None:
+    _wait_all([f for mf, ranges in wanted for f in mf.fetch_ranges(ranges)])
 
 
 def _wait_all(futures: Iterable[Future[int]]) -> None:

@@ -1,0 +1,60 @@
+"""Sets of byte ranges: which bytes of a file are fetched, read, or given back (`io.remote`)."""
+
+from __future__ import annotations
+
+import bisect
+
+
+class Ranges:
+    """Disjoint, sorted [start, end) ranges."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, start: int, end: int) -> None:
+        i = bisect.bisect_left(self.ends, start)
+        j = bisect.bisect_right(self.starts, end)
+        if i < j:
+            start, end = min(start, self.starts[i]), max(end, self.ends[j - 1])
+        self.starts[i:j], self.ends[i:j] = [start], [end]
+
+    def missing(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of [start, end) not covered."""
+        out: list[tuple[int, int]] = []
+        i = bisect.bisect_right(self.ends, start)
+        pos = start
+        while pos < end and i < len(self.starts):
+            if self.starts[i] >= end:
+                break
+            if self.starts[i] > pos:
+                out.append((pos, self.starts[i]))
+            pos = max(pos, self.ends[i])
+            i += 1
+        if pos < end:
+            out.append((pos, end))
+        return out
+
+    def remove(self, start: int, end: int) -> None:
+        kept = [(s, e) for s, e in zip(self.starts, self.ends) if e <= start or s >= end]
+        kept += [(s, start) for s, e in zip(self.starts, self.ends) if s < start < e]
+        kept += [(end, e) for s, e in zip(self.starts, self.ends) if s < end < e]
+        kept.sort()
+        self.starts, self.ends = [s for s, _ in kept], [e for _, e in kept]
+
+    def within(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The covered parts of [start, end)."""
+        i = bisect.bisect_right(self.ends, start)
+        out: list[tuple[int, int]] = []
+        while i < len(self.starts) and self.starts[i] < end:
+            out.append((max(start, self.starts[i]), min(end, self.ends[i])))
+            i += 1
+        return out
+
+    def run_from(self, pos: int) -> int:
+        """The end of the covered range holding `pos` (`pos` itself when it is not covered)."""
+        i = bisect.bisect_right(self.starts, pos) - 1
+        return self.ends[i] if i >= 0 and self.ends[i] > pos else pos
+
+    def total(self) -> int:
+        return sum(e - s for s, e in zip(self.starts, self.ends))
