@@ -30,7 +30,7 @@ CHILD = r"""
 import json, resource, sys, time
 from pathlib import Path
 step, args = sys.argv[1], json.loads(sys.argv[2])
-fetched, gets, held = [], [0], [0]
+fetched, gets, window = [], [0], [0]
 if step.startswith("shardkit"):
     import shardkit
     import shardkit.api, shardkit.checkpoint.reshard  # imported before the clock starts (shardkit imports lazily)
@@ -40,7 +40,7 @@ if step.startswith("shardkit"):
     close, get_range = remote.Mirror.close, s3.get_range
     def counted(self):
         fetched.append(self.bytes_fetched)
-        held[0] = max(held[0], self.most_held)  # a streamed source's window (in /dev/shm: memory, not RSS)
+        window[0] = max(window[0], self.most_held)  # a streamed source's window (in /dev/shm: memory, not RSS)
         close(self)
     def counted_get(*a, **k):
         gets[0] += 1
@@ -58,7 +58,7 @@ else:
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-held_window, held = held, 0
+held = 0
 if step == "shardkit-ckpt-save":  # every tp rank's pieces in memory, as the ranks of a job hold them
     from shardkit.formats import SourceReader, open_checkpoint
     source = open_checkpoint(args["src"])
@@ -99,7 +99,7 @@ elif step == "boto3-download":
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "fetched": sum(fetched), "gets": gets[0], "cpu": cpu() - cpu0, "held": held,
-                  "window": held_window[0]}))
+                  "window": window[0]}))
 """
 
 

@@ -132,7 +132,7 @@ def _read_whole(
     options: dict[str, Any],
     run: Callable[[Checkpoint, dict[str, Any]], Result],
 ) -> Result:
-    """`run` an engine operation that reads all of `src` (given the options it runs with, the
+    """`run` an engine operation that reads all of `src` once (given the options it runs with, the
     source check settled): a source in object storage streamed where it can be (`_streams`). A
     streamed torch file laid out otherwise than torch.save lays it out (its predicted tensor
     offsets did not hold) is read again, fetched whole first, so any valid file is read right."""
@@ -244,11 +244,11 @@ def reshard(
     a DCP output (`hf`, the default, or `torchtitan`: see shardkit.conventions). `src` and `dst`
     may be s3://bucket/prefix."""
 
-    def run(ckpt: Checkpoint, checked: dict[str, Any]) -> Result:
-        return reshard_checkpoint(ckpt, out, layout, format=format, command=command, convention=convention, **checked)
-
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
-        result = _read_whole(src, config, hints, revision, dict(options), run)
+        # not streamed: a reshard reads pieces more than once and reads copied bytes back to hash them
+        ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
+        _check_fetched(ckpt, options)  # type: ignore[arg-type]
+        result = reshard_checkpoint(ckpt, out, layout, format=format, command=command, convention=convention, **options)
     return _located(result, dst)
 
 

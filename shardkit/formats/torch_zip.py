@@ -360,7 +360,7 @@ def _read_archive(fd: int, size: int) -> Archive:
     count, start, length = _directory_place(fd, size)
     listed = _central_directory(os.pread(fd, length, start), count)
     prefix = _folder(listed)
-    if not (remote.defers_headers(fd) and _predict_data(fd, listed, start)):
+    if not (remote.streamed_fd(fd) and _predict_data(fd, listed, start)):
         _local_headers(fd, listed, start)
     records = {r.name: (r.data, r.size) for r in listed}
     # The small records torch reads before the pickle (and data.pkl itself) are read whole here:

@@ -50,22 +50,18 @@ def kernel_copy(src: int, offset: int, out: int, count: int) -> int | None:
     system offers one), else sendfile. The bytes copied (0: `src` ends at `offset`); None when
     neither call can copy between these files (the caller then reads and writes)."""
     if remote._MIRRORED:  # an object store's bytes are fetched into their mirror file first
+        if remote.streamed_fd(src):
+            return None
         remote.before_read(src, offset, count)
     copy_file_range = getattr(os, "copy_file_range", None)  # Linux only
     if copy_file_range is not None:
         try:
-            copied: int = copy_file_range(src, out, count, offset)
-            if remote._MIRRORED:  # a streamed mirror file drops what it holds once it is read
-                remote.after_read(src, offset, copied)
-            return copied
+            return copy_file_range(src, out, count, offset)
         except OSError as e:
             if e.errno not in _NO_KERNEL_COPY:
                 raise
     try:
-        sent = os.sendfile(out, src, offset, count)
-        if remote._MIRRORED:
-            remote.after_read(src, offset, sent)
-        return sent
+        return os.sendfile(out, src, offset, count)
     except OSError as e:
         if e.errno not in _NO_KERNEL_COPY:
             raise

@@ -265,7 +265,7 @@ class Mirror:
     def __init__(self, loc: RemoteLocation, objects: Sequence[s3.ObjectInfo], streamed: bool = False):
         self.loc = loc
         memory = (
-            stream_io.memory_dir(MEMORY_DIR, 4 * STREAM_BUDGET)
+            stream_io.memory_dir(MEMORY_DIR, 4 * STREAM_BUDGET, sum(o.size for o in objects))
             if streamed and stream_io.libc_fallocate() is not None
             else None
         )
@@ -793,9 +793,11 @@ def after_read(fd: int, offset: int, length: int) -> None:
             mf.read_done(offset, offset + length)
 
 
-def defers_headers(fd: int) -> bool:
-    """Whether `fd` is a streamed mirror file, whose tensor records' local headers are not fetched
-    before the engine's plan (see `formats.torch_zip._predict_data`)."""
+def streamed_fd(fd: int) -> bool:
+    """Whether `fd` is a streamed mirror file: its tensor records' local headers are not fetched
+    before the engine's plan (see `formats.torch_zip._predict_data`), and its bytes are read into
+    memory, never copied by the kernel (`io.copy.kernel_copy`): a copy read back to hash it would
+    find them dropped."""
     if not _MIRRORED:
         return False
     mf = _of_fd(fd)

@@ -75,12 +75,19 @@ def libc_fallocate() -> Any:
     return _FALLOCATE[0]
 
 
-def memory_dir(folder: str, room: int) -> str | None:
-    """`folder` when a streamed source's mirror may live there: writable, with `room` bytes free,
-    and able to punch holes (else None: the system's temporary folder holds it)."""
+def memory_dir(folder: str, room: int, source: int) -> str | None:
+    """`folder` when a streamed source of `source` bytes may have its mirror there: writable, with
+    `room` bytes free, able to punch holes, and the source at most a quarter of the memory
+    available, so that even a read that gave nothing back could not exhaust it (else None: the
+    system's temporary folder holds it)."""
+    from .direct import meminfo
+
+    available = meminfo("MemAvailable")
     try:
         st = os.statvfs(folder)
-        if st.f_bavail * st.f_frsize < room or not os.access(folder, os.W_OK):
+        if st.f_bavail * st.f_frsize < max(room, source) or not os.access(folder, os.W_OK):
+            return None
+        if available is None or source > available // 4:
             return None
         with tempfile.TemporaryFile(dir=folder) as probe:
             probe.write(bytes(2 * PAGE))
