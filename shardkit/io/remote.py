@@ -26,7 +26,7 @@ local header would be 201 round trips per file.
 So an operation reads from the store the bytes it uses, plus holes of at most `HOLE`, and nothing
 ever reads a hole of the mirror.
 
-Streamed sources (a merge's or a reshard's, read once): see `io.streamed`.
+Streamed sources (a merge's, read once): see `io.streamed`.
 
 Fetched bytes change a mirror file's mtime and ctime: `stamp` gives the stable identity the
 "source changed while read" checks compare instead (every GET is made If-Match the object's

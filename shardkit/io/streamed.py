@@ -1,12 +1,12 @@
-"""Streamed sources (`io.remote`). A merge or reshard reads all of its source once. Fetched whole
+"""Streamed sources (`io.remote`). A merge reads all of its source once. Fetched whole
 into a mirror on disk first, the source would need its own size of local disk, its bytes would be written
 twice locally (the mirror, then the output) and the engine would wait for the last byte before
 the first output byte. Instead, a source whose every file can be checked as it arrives (its
 manifest lists block digests, see `io.digest.BLOCK_SIZE`, as every output shardkit writes to object
 storage does; or it has no manifest, or is not to be checked) is streamed:
 
-- its mirror lives in MEMORY_DIR (a memory file system) when that can punch holes, else in the
-  system's temporary folder; its tensor files' metadata is fetched as for Need.METADATA, but of a
+- its mirror lives in MEMORY_DIR (a memory file system) when that can punch holes and the source
+  is at most a quarter of the available memory, else in the system's temporary folder; its tensor files' metadata is fetched as for Need.METADATA, but of a
   torch file's local headers only the first tensor record's: `formats.torch_zip` predicts the
   others' data offsets from the central directory and checks them against the real headers
   before the output is committed (`check_later`);
@@ -22,7 +22,10 @@ storage does; or it has no manifest, or is not to be checked) is streamed:
   one-line FormatError, nothing written) and every predicted torch offset agreed with its local
   header (else `Unpredicted`: the operation reads the source again, fetched whole first).
 
-Other sources (Need.EVERYTHING elsewhere: verify, export, `ckpt reshard`) are fetched whole.
+A streamed file's bytes are read into memory, never copied file to file by the kernel: an output
+hashed as written reads kernel-copied bytes back, and would find them dropped. Other sources
+(Need.EVERYTHING elsewhere: reshard, which reads some pieces more than once and reads copies back
+to hash them; verify, export, `ckpt reshard`) are fetched whole.
 
 Here: giving a file's bytes back (punching holes) and where such a mirror can live.
 """
