@@ -124,7 +124,7 @@ def _streams(src: object, options: Mapping[str, Any]) -> bool:
         return False  # the source's own check then says what is wrong with it
 
 
-def _read_whole(
+def _read_once(
     src: str | Path | Checkpoint,
     config: ConfigArg,
     hints: Mapping | None,
@@ -152,8 +152,9 @@ def _read_whole(
 
 
 def _check_fetched(ckpt: Checkpoint, options: dict[str, Any]) -> None:
-    """A source fetched whole from object storage is checked against its manifest here, each
-    file whole as it lies in the mirror, before anything is written (xxh3-128: 0.24 s for
+    """A source from object storage is checked against its manifest here: a streamed file's
+    blocks as they arrive (`io.remote.Mirror.check`, settled before the output is committed), any
+    other file whole as it lies in the mirror, before anything is written (xxh3-128: 0.24 s for
     TinyLlama's 2.2 GB); the engine then does not check on read, which would have the merge read
     every shard in its worker instead of copying it by the kernel (2.5 s more on that merge)."""
     if remote_io.location_of(ckpt.root) is None or not ckpt.manifest:
@@ -243,7 +244,6 @@ def reshard(
     them; `revision` picks a Hub repo's branch, tag or commit; `convention` names the tensors of
     a DCP output (`hf`, the default, or `torchtitan`: see shardkit.conventions). `src` and `dst`
     may be s3://bucket/prefix."""
-
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
         # not streamed: a reshard reads pieces more than once and reads copied bytes back to hash them
         ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
@@ -282,7 +282,7 @@ def merge(
         return merge_checkpoint(ckpt, out, max_shard_size=max_shard_size, **checked)
 
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
-        result = _read_whole(src, config, hints, revision, dict(options), run)
+        result = _read_once(src, config, hints, revision, dict(options), run)
     return _located(result, dst)
 
 

@@ -687,6 +687,21 @@ def test_prefix_written_by_a_running_process_is_refused_even_with_overwrite(tiny
     assert verify(hf, url).ok
 
 
+def test_prefix_left_by_a_failed_write_of_this_process_is_cleaned_up(tiny_model, bucket, workdir, caplog):
+    """A marker naming this very process, which is not writing that prefix now (an earlier write
+    of it failed and could not remove its objects): the next write removes them, saying so."""
+    import socket
+
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    _marker(bucket, "mine", socket.gethostname(), os.getpid())
+    s3.client().put_object(Bucket=bucket, Key="mine/model/part.pt", Body=b"left")
+    with caplog.at_level(logging.WARNING, logger="shardkit"):
+        convert(hf, f"s3://{bucket}/mine", shardkit.make_layout(tp=2))
+    assert "left incomplete by a run" in caplog.text
+    assert "mine/model/part.pt" not in keys(bucket, "mine/")
+    assert verify(hf, f"s3://{bucket}/mine").ok
+
+
 def test_claim_of_a_prefix_is_atomic(tiny_model, bucket, workdir, monkeypatch):
     """Two runs that both found the prefix free: the marker's conditional PUT lets one write; the
     other is refused in one line and touches nothing (not even the winner's marker)."""

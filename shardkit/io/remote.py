@@ -264,12 +264,10 @@ class Mirror:
 
     def __init__(self, loc: RemoteLocation, objects: Sequence[s3.ObjectInfo], streamed: bool = False):
         self.loc = loc
+        self.streamed = streamed and stream_io.libc_fallocate() is not None  # bytes read can be given back
         memory = (
-            stream_io.memory_dir(MEMORY_DIR, 4 * STREAM_BUDGET, sum(o.size for o in objects))
-            if streamed and stream_io.libc_fallocate() is not None
-            else None
+            stream_io.memory_dir(MEMORY_DIR, 4 * STREAM_BUDGET, sum(o.size for o in objects)) if self.streamed else None
         )
-        self.streamed = streamed and (memory is not None or stream_io.libc_fallocate() is not None)
         self.base = Path(tempfile.mkdtemp(prefix=MIRROR_PREFIX, dir=memory))
         self.root = self.base / (loc.name or loc.bucket)
         self.pool = ThreadPoolExecutor(GETS_IN_FLIGHT, thread_name_prefix="shardkit-s3-get")

@@ -72,20 +72,21 @@ def parse_owner(data: bytes | None) -> tuple[str, int] | None:
         return None
 
 
-def running_here(owner: tuple[str, int] | None) -> bool:
-    """The writer named by a marker is a process of this host that still runs (this one too)."""
-    return owner is not None and owner[0] == socket.gethostname() and (owner[1] == os.getpid() or pid_alive(owner[1]))
+_WRITING_HERE: set[str] = set()
+"""The prefixes this process is writing now (`remote_output`)."""
+
+
+def writing_here(owner: tuple[str, int] | None, loc: RemoteLocation) -> bool | None:
+    """Whether the writer a marker of `loc` names still writes it: a process of this host that
+    still runs (this process: while it writes `loc`); None for another host's, which cannot be
+    told from here."""
+    if owner is None or owner[0] != socket.gethostname():
+        return None
+    return str(loc) in _WRITING_HERE if owner[1] == os.getpid() else pid_alive(owner[1])
 
 
 def _writer(owner: tuple[str, int] | None) -> str:
     return f"process {owner[1]} on {owner[0]}" if owner else "another run"
-
-
-def abandoned(owner: tuple[str, int] | None) -> bool:
-    """The writer named by a marker was a process of this host that no longer runs."""
-    return (
-        owner is not None and owner[0] == socket.gethostname() and owner[1] != os.getpid() and not pid_alive(owner[1])
-    )
 
 
 def remove_objects(loc: RemoteLocation, names: Iterable[str]) -> int:
@@ -149,18 +150,19 @@ def check_destination(loc: RemoteLocation, overwrite: bool, sources: Sequence[Re
         return []
     if WRITING in names:
         owner = parse_owner(s3.get_bytes(loc, WRITING))
-        if abandoned(owner):
+        alive = writing_here(owner, loc)
+        if alive is False:
             remove_objects(loc, [n for n in names if n != WRITING])
             s3.abort_uploads(loc)
             s3.delete_objects(loc, [WRITING])
             log.warning(
-                "removed %s under %s, left incomplete by a run (process %s) that no longer runs",
+                "removed %s under %s, left incomplete by a run (process %s) that is no longer writing it",
                 f"{len(names) - 1} objects",
                 loc,
                 owner[1] if owner else "?",
             )
             return []
-        if running_here(owner):
+        if alive:
             raise DestinationExistsError(
                 f"{loc} is being written by {_writer(owner)}, which still runs: wait for it to finish (or stop "
                 "it) and run again, or write elsewhere"
@@ -220,6 +222,7 @@ def remote_output(
                 "to finish and run again, or write elsewhere"
             )
         started = True
+        _WRITING_HERE.add(str(loc))
         streaming: StreamingUpload | None = None
         try:
             if replaced:
@@ -242,6 +245,7 @@ def remote_output(
                 streaming.close(cancel=started)
             if started:
                 _undo(loc)
+            _WRITING_HERE.discard(str(loc))
 
 
 def _undo(loc: RemoteLocation) -> None:
