@@ -536,7 +536,9 @@ def test_the_trainer_killed_while_saving_again_and_again_always_resumes_from_a_s
 
     rng = random.Random(5)
     kills = cut_short = 0
-    for round_ in range(6):
+    for round_ in range(16):  # at least 6 kills, and on until one has landed inside a save
+        if round_ >= 6 and cut_short:
+            break
         async_save = ["--async-save"] if round_ % 2 else []
         before = {p.name for p in ckpt.iterdir()} if ckpt.exists() else set()
         child = subprocess.Popen(trainer(10_000, *async_save), env=env, stdout=subprocess.DEVNULL,
@@ -555,7 +557,7 @@ def test_the_trainer_killed_while_saving_again_and_again_always_resumes_from_a_s
                 assert load_checkpoint(ckpt, info.tag).step == info.step
             else:
                 cut_short += 1
-    assert kills == 6 and cut_short, "no kill landed inside a save"
+    assert kills >= 6 and cut_short, f"none of {kills} kills landed inside a save"
     newest = max(i.step for i in list_checkpoints(ckpt) if i.loadable)
     done = subprocess.run(trainer(newest + 2, "--override-schedule"), env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
