@@ -164,3 +164,68 @@ def test_ckpt_reshard_keeps_each_weights_stored_dtype(tmp_path):
     assert set(got.model) == set(want)
     for name, t in want.items():
         assert got.model[name].dtype == t.dtype and torch.equal(got.model[name], t), name
+
+
+def test_ckpt_reshard_runs_on_one_torch_thread_and_gives_the_threads_back(tmp_path, monkeypatch):
+    """Its tensor work is copies: torch's OpenMP threads would spin between them, taking CPU from
+    the reads, writes and uploads beside them (`io.buffers.one_torch_thread`)."""
+    import ckpt_child
+
+    from shardkit.checkpoint import Rank, finalize_checkpoint, save_checkpoint
+    from shardkit.checkpoint import reshard as reshard_module
+    from shardkit.layout import Layout
+    from shardkit.testing import fixture_config
+
+    config = fixture_config("llama-trainer-tiny")
+    full = ckpt_child.full_state(config, 1, seed=3)["weight"]
+    tp2 = Layout(tp=2, qkv="gqa")
+    model = {(r, 0): ckpt_child.rank_pieces(config, tp2, Rank(tp=r), full) for r in range(2)}
+    save_checkpoint(tmp_path / "src", "step_1", model, layout=tp2, config=config)
+    finalize_checkpoint()
+    seen, write_rank = [], reshard_module.write_rank
+
+    def counted(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return write_rank(*args, **kwargs)
+
+    monkeypatch.setattr(reshard_module, "write_rank", counted)
+    threads = max(2, torch.get_num_threads())
+    torch.set_num_threads(threads)
+    reshard_module.reshard_training(tmp_path / "src", tmp_path / "tp1", Layout(qkv="gqa"))
+    assert seen == [1]
+    assert torch.get_num_threads() == threads
+
+
+def test_one_torch_thread_gives_the_threads_back_after_an_error():
+    from shardkit.io.buffers import one_torch_thread
+
+    threads = max(2, torch.get_num_threads())
+    torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError), one_torch_thread():
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("boom")
+    assert torch.get_num_threads() == threads
+
+
+def test_a_ckpt_reshard_read_is_copied_only_when_it_is_a_view_of_more():
+    """A piece read into its own memory is written as it is (a copy would cost its size again in
+    memory and CPU); a view into a larger tensor is copied, so that its storage (what torch.save's
+    records hold) is its bytes alone."""
+    from shardkit.checkpoint.reshard import _reader
+
+    whole = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+
+    class Reader:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def read_piece(self, piece):
+            return self.tensor
+
+    assert _reader(Reader(whole), None, None)() is whole  # type: ignore[arg-type]
+    view = whole[1:]
+    got = _reader(Reader(view), None, None)()  # type: ignore[arg-type]
+    assert torch.equal(got, view) and got.untyped_storage().nbytes() == got.numel() * 4
+    assert got.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+    cast = _reader(Reader(whole), None, torch.bfloat16)()  # type: ignore[arg-type]
+    assert cast.dtype == torch.bfloat16 and torch.equal(cast.float(), whole)

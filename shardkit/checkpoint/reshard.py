@@ -33,6 +33,7 @@ from ..families.lora import base_config, saved_settings
 from ..formats import Checkpoint, SourceReader, load_config, nxd
 from ..formats.manifest import MANIFEST, file_record, manifest
 from ..formats.torch_io import load_small
+from ..io.buffers import one_torch_thread, reused_buffers
 from ..io.digest import FileRecord
 from ..io.durable import write_bytes, write_marker, write_text
 from ..io.small import PICKLE_LIMIT, read_small
@@ -197,7 +198,9 @@ class RankReaders:
 def _reader(reader: SourceReader, piece: Piece, dtype: torch.dtype | None) -> Callable[[], torch.Tensor]:
     def read() -> torch.Tensor:
         t = reader.read_piece(piece)
-        return (t if dtype is None else t.to(dtype)).contiguous().clone()
+        t = (t if dtype is None else t.to(dtype)).contiguous()
+        whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        return t if whole else t.clone()  # a view of a larger tensor: its own memory, written as its storage
 
     return read
 
@@ -427,10 +430,10 @@ def _write_mine(job: Job, plan: _Plan, out_tag: Path) -> list[str | FileRecord]:
     stages = stage_sizes(plan.src.model, plan.layout) if plan.mode == ZERO1_DCP else None
     try:
         files: list[Path | FileRecord] = []
-        for rank in job.share(units):
-            files += write_rank(
-                out_tag, readers, plan.layout, rank, plan.dp, plan.use_xser, plan.master, plan.dtype, plan.mode, stages
-            )
+        with one_torch_thread(), reused_buffers():  # copies, each tensor written and dropped before the next
+            for rank in job.share(units):
+                args = (plan.layout, rank, plan.dp, plan.use_xser, plan.master, plan.dtype, plan.mode, stages)
+                files += write_rank(out_tag, readers, *args)
         return [f if isinstance(f, FileRecord) else str(f) for f in files]
     finally:
         readers.close()

@@ -46,6 +46,7 @@ from ..formats.safetensors_io import SafetensorsWriter
 from ..formats.torch_io import TorchWriter, torch_save
 from ..formats.xser import XserWriter, tensors_dir
 from ..io import sinks
+from ..io.buffers import one_torch_thread
 from ..io.delete import is_link
 from ..io.digest import FileRecord
 from ..io.durable import fsync_path, write_text
@@ -744,21 +745,19 @@ class Checkpointer:
         """Copy every tensor to host memory (reused buffers), so training may change its own."""
         staging = self._staging
         staging.begin()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # plain copies: waking torch's intra-op threads costs more than it saves
         try:
-            for s in job.ranks:
-                s.model = [(n, staging.copy((s.rank.key, n), t)) for n, t in s.model]
-                if s.optim is not None:
-                    s.optim = {
-                        n: {
-                            k: staging.copy((s.rank.key, k, n), v) if isinstance(v, torch.Tensor) else v
-                            for k, v in e.items()
+            with one_torch_thread():  # plain copies
+                for s in job.ranks:
+                    s.model = [(n, staging.copy((s.rank.key, n), t)) for n, t in s.model]
+                    if s.optim is not None:
+                        s.optim = {
+                            n: {
+                                k: staging.copy((s.rank.key, k, n), v) if isinstance(v, torch.Tensor) else v
+                                for k, v in e.items()
+                            }
+                            for n, e in s.optim.items()
                         }
-                        for n, e in s.optim.items()
-                    }
         finally:
-            torch.set_num_threads(threads)
             staging.end()
         job.scheduler = host_copy(job.scheduler)
         job.user_content = host_copy(job.user_content)

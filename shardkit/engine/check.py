@@ -19,6 +19,7 @@ from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, SourceReader
 from ..formats.manifest import MANIFEST
 from ..formats.registry import format_of_file
+from ..io.buffers import one_torch_thread
 from ..io.digest import FAST_DIGEST, file_digests, has_digest
 from ..layout import Layout
 from ..paths import UnsafePathError, inside, regular_file
@@ -344,27 +345,25 @@ def verify_checkpoints(
     report = VerifyReport(*(names or (str(ca.root), str(cb.root))))
     shapes_a, shapes_b = ca.full_shapes, cb.full_shapes
     ra, rb = SourceReader(ca), SourceReader(cb)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # blocks of a few MiB: torch's intra-op threads only contend (as in convert)
     try:
-        dtypes_a = {n: ra.dtype_of(n) for n in shapes_a}
-        tick = _Progress(progress, sum(_numel(s) * dtypes_a[n].itemsize for n, s in shapes_a.items()))
-        for name in list(shapes_a) + [n for n in shapes_b if n not in shapes_a]:
-            if name not in shapes_b or name not in shapes_a:
-                diff = TensorDiff(name, None, False, f"only in {'a' if name in shapes_a else 'b'}")
-            elif shapes_a[name] != shapes_b[name]:
-                diff = TensorDiff(name, None, False, f"shape {shapes_a[name]} vs {shapes_b[name]}")
-            else:
-                diff = _compare_tensor(name, shapes_a[name], ra, rb, dtypes_a[name], rb.dtype_of(name), atol, tick)
-            if name in shapes_a and diff.max_abs_diff is None:
-                tick(_numel(shapes_a[name]) * dtypes_a[name].itemsize)
-            ra.forget()
-            rb.forget()
-            report.tensors.append(diff)
-            if on_tensor:
-                on_tensor(diff)
+        with one_torch_thread():  # blocks of a few MiB
+            dtypes_a = {n: ra.dtype_of(n) for n in shapes_a}
+            tick = _Progress(progress, sum(_numel(s) * dtypes_a[n].itemsize for n, s in shapes_a.items()))
+            for name in list(shapes_a) + [n for n in shapes_b if n not in shapes_a]:
+                if name not in shapes_b or name not in shapes_a:
+                    diff = TensorDiff(name, None, False, f"only in {'a' if name in shapes_a else 'b'}")
+                elif shapes_a[name] != shapes_b[name]:
+                    diff = TensorDiff(name, None, False, f"shape {shapes_a[name]} vs {shapes_b[name]}")
+                else:
+                    diff = _compare_tensor(name, shapes_a[name], ra, rb, dtypes_a[name], rb.dtype_of(name), atol, tick)
+                if name in shapes_a and diff.max_abs_diff is None:
+                    tick(_numel(shapes_a[name]) * dtypes_a[name].itemsize)
+                ra.forget()
+                rb.forget()
+                report.tensors.append(diff)
+                if on_tensor:
+                    on_tensor(diff)
     finally:
-        torch.set_num_threads(threads)
         ra.close()
         rb.close()
     return report

@@ -20,14 +20,12 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
 from ..formats.base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFileWriter, TensorSpec
 from ..formats.reader import SourceStamps
 from ..io import remote
-from ..io.buffers import reused_buffers
+from ..io.buffers import one_torch_thread, reused_buffers
 from ..io.digest import FileRecord
 from ..io.strided import shared_column_reads
 from ..placements import Piece
@@ -83,34 +81,32 @@ def run(src: Checkpoint, plan: Plan, out_root: Path, options: WriteOptions) -> l
     hashes = plan.hashes
     builder = _Builder(src, plan, out_root, options, ahead)
     records: list[FileRecord] = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the work is copies; torch's intra-op threads only contend
-    if ahead is not None:
-        ahead.start()
-    try:
-        if hashes is not None:
-            if ahead is not None:
-                hashes.start(plan.checked, ahead.spans, ahead.requested)
-            else:
-                hashes.start(plan.checked)
-        _write_all(builder.build, plan.groups, plan.workers, records, builder.cancel, builder.progress.drain)
-        builder.stamps.verify()  # every copy is done: a source written to meanwhile is refused before commit
-        remote.check_streamed()  # sources streamed from object storage: checked as fetched, before commit
-        if hashes is not None:
-            hashes.finish()  # before anything is committed: corrupt sources never reach the destination
-    except KeyboardInterrupt:
-        if hashes is not None:
-            hashes.stop()
-        raise
-    except BaseException as e:
-        mismatch = hashes.failure() if hashes is not None else None
-        if mismatch is not None and mismatch is not e:
-            raise mismatch from None
-        raise
-    finally:
+    with one_torch_thread():  # the work is copies
         if ahead is not None:
-            ahead.stop()
-        torch.set_num_threads(threads)
+            ahead.start()
+        try:
+            if hashes is not None:
+                if ahead is not None:
+                    hashes.start(plan.checked, ahead.spans, ahead.requested)
+                else:
+                    hashes.start(plan.checked)
+            _write_all(builder.build, plan.groups, plan.workers, records, builder.cancel, builder.progress.drain)
+            builder.stamps.verify()  # every copy is done: a source written to meanwhile is refused before commit
+            remote.check_streamed()  # sources streamed from object storage: checked as fetched, before commit
+            if hashes is not None:
+                hashes.finish()  # before anything is committed: corrupt sources never reach the destination
+        except KeyboardInterrupt:
+            if hashes is not None:
+                hashes.stop()
+            raise
+        except BaseException as e:
+            mismatch = hashes.failure() if hashes is not None else None
+            if mismatch is not None and mismatch is not e:
+                raise mismatch from None
+            raise
+        finally:
+            if ahead is not None:
+                ahead.stop()
     return records
 
 
