@@ -129,6 +129,7 @@ def server_cpu() -> float:
 
 def step(name: str, env: dict[str, str], **args) -> dict:
     args.update(part=PART, concurrency=CONCURRENCY)
+    os.sync()  # the previous step's dirty pages written back now, not during this step
     before = server_cpu()
     out = subprocess.run([sys.executable, "-c", CHILD, name, json.dumps(args)], env=env, capture_output=True,
                          text=True, cwd=REPO)
