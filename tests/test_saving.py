@@ -189,22 +189,30 @@ def test_ckpt_reshard_runs_on_one_torch_thread_and_gives_the_threads_back(tmp_pa
         return write_rank(*args, **kwargs)
 
     monkeypatch.setattr(reshard_module, "write_rank", counted)
-    threads = max(2, torch.get_num_threads())
+    before = torch.get_num_threads()
+    threads = max(2, before)
     torch.set_num_threads(threads)
-    reshard_module.reshard_training(tmp_path / "src", tmp_path / "tp1", Layout(qkv="gqa"))
-    assert seen == [1]
-    assert torch.get_num_threads() == threads
+    try:
+        reshard_module.reshard_training(tmp_path / "src", tmp_path / "tp1", Layout(qkv="gqa"))
+        assert seen == [1]
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_one_torch_thread_gives_the_threads_back_after_an_error():
     from shardkit.io.buffers import one_torch_thread
 
-    threads = max(2, torch.get_num_threads())
+    before = torch.get_num_threads()
+    threads = max(2, before)
     torch.set_num_threads(threads)
-    with pytest.raises(RuntimeError), one_torch_thread():
-        assert torch.get_num_threads() == 1
-        raise RuntimeError("boom")
-    assert torch.get_num_threads() == threads
+    try:
+        with pytest.raises(RuntimeError), one_torch_thread():
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("boom")
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_ckpt_reshard_read_is_copied_only_when_it_is_a_view_of_more():

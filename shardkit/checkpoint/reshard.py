@@ -31,6 +31,7 @@ from ..conventions import TITAN
 from ..distributed import Job, current_job
 from ..families.lora import base_config, saved_settings
 from ..formats import Checkpoint, SourceReader, load_config, nxd
+from ..formats.base import compact
 from ..formats.manifest import MANIFEST, file_record, manifest
 from ..formats.torch_io import load_small
 from ..io.buffers import one_torch_thread, reused_buffers
@@ -198,9 +199,7 @@ class RankReaders:
 def _reader(reader: SourceReader, piece: Piece, dtype: torch.dtype | None) -> Callable[[], torch.Tensor]:
     def read() -> torch.Tensor:
         t = reader.read_piece(piece)
-        t = (t if dtype is None else t.to(dtype)).contiguous()
-        whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-        return t if whole else t.clone()  # a view of a larger tensor: its own memory, written as its storage
+        return compact(t if dtype is None else t.to(dtype))  # copied only when a view of more
 
     return read
 

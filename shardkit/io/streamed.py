@@ -1,15 +1,16 @@
-"""Streamed sources (`io.remote`). A merge reads all of its source once. Fetched whole
-into a mirror on disk first, the source would need its own size of local disk, its bytes would be written
-twice locally (the mirror, then the output) and the engine would wait for the last byte before
-the first output byte. Instead, a source whose every file can be checked as it arrives (its
-manifest lists block digests, see `io.digest.BLOCK_SIZE`, as every output shardkit writes to object
-storage does; or it has no manifest, or is not to be checked) is streamed:
+"""Streamed sources (`io.remote`). A merge reads all of its source once. Fetched whole into a
+mirror on disk first, the source would need its own size of local disk, its bytes would be
+written twice locally (the mirror, then the output) and the engine would wait for the last byte
+before the first output byte. Instead, a source whose every file can be checked as it arrives
+(its manifest lists block digests, see `io.digest.BLOCK_SIZE`, as every output shardkit writes to
+object storage does; or it has no manifest, or is not to be checked) is streamed:
 
 - its mirror lives in MEMORY_DIR (a memory file system) when that can punch holes and the source
-  is at most a quarter of the available memory, else in the system's temporary folder; its tensor files' metadata is fetched as for Need.METADATA, but of a
-  torch file's local headers only the first tensor record's: `formats.torch_zip` predicts the
-  others' data offsets from the central directory and checks them against the real headers
-  before the output is committed (`check_later`);
+  is at most a quarter of the available memory, else in the system's temporary folder; its
+  tensor files' metadata is fetched as for Need.METADATA, but of a torch file's local headers
+  only the first tensor record's: `formats.torch_zip` predicts the others' data offsets from the
+  central directory and checks them against the real headers before the output is committed
+  (`check_later`);
 - a feeder fetches every part (PART bytes) in the order the engine's plan first reads them
   (`expect`, `order_parts`), then the rest, while fewer than STREAM_BUDGET bytes are held
   (fetched or on their way, not yet dropped); readers that reach bytes the feeder has not fetched
