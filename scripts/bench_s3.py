@@ -115,6 +115,8 @@ CONCURRENCY = 16
 """Requests in flight on both sides (shardkit's `io.s3.CONCURRENCY`)."""
 
 
+DROP_CACHES = [False]
+"""--drop-caches: the page cache dropped before every step (both sides), not only synced."""
 SERVER: list[int] = []
 """The server's pid (its CPU seconds are read from /proc around each step)."""
 
@@ -129,7 +131,7 @@ def server_cpu() -> float:
 
 def step(name: str, env: dict[str, str], **args) -> dict:
     args.update(part=PART, concurrency=CONCURRENCY)
-    os.sync()  # the previous step's dirty pages written back now, not during this step
+    bench_common.settle(DROP_CACHES[0])  # the previous step's dirty pages written back now, not during this step
     before = server_cpu()
     out = subprocess.run([sys.executable, "-c", CHILD, name, json.dumps(args)], env=env, capture_output=True,
                          text=True, cwd=REPO)
@@ -253,10 +255,19 @@ def main() -> None:
     parser.add_argument("--shape", default="tinyllama")
     parser.add_argument("--config", default=None, help="a config.json instead of a named shape")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each step (the median is shown)")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="before every step (boto3's too), drop the page cache after the sync (needs root): "
+                             "each step starts from the same memory state, whatever the steps before it left "
+                             "cached (the server's objects, downloaded copies)")
+    bench_common.add_settle_wait(parser)
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shardkit-bench"))
     args = parser.parse_args()
     name, config = bench_common.load_shape(args.shape if not args.config else None, args.config)
     args.shape = name
+    if args.drop_caches:
+        bench_common.require_drop_caches()
+        DROP_CACHES[0] = True
+    bench_common.use_settle_wait(args)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     hf, _ = bench_common.synthetic_source(workdir, workdir / "logs", name, config)
