@@ -466,6 +466,47 @@ def test_streamed_source_holds_a_window_and_checks_every_block(tiny_model, bucke
     no_mirrors_left()
 
 
+def test_streamed_metadata_comes_in_the_parts_that_hold_it(tiny_model, bucket, streamed_sizes, monkeypatch):
+    """A streamed source's metadata (a torch shard's head and tail) is fetched as the whole parts
+    holding it, which the feeder then skips: each part of each shard is one GET, none is a GET for
+    metadata alone. With no room in the window for those parts, the metadata alone is fetched."""
+    monkeypatch.setattr(remote, "HOLE", 0)  # head and tail apart, as in a shard of a real model
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    url = f"s3://{bucket}/tp4"
+    convert(hf, url, shardkit.make_layout(tp=4, pp=2, qkv="gqa"))
+    gets: list[tuple[str, int, int]] = []
+    get_range = s3.get_range
+
+    def counted(loc, name, start, length, *args):
+        gets.append((name, start, length))
+        return get_range(loc, name, start, length, *args)
+
+    monkeypatch.setattr(s3, "get_range", counted)
+
+    def fetch(budget: int) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]], int]:
+        monkeypatch.setattr(remote, "STREAM_BUDGET", budget)
+        gets.clear()
+        with remote.mirrors_scope():
+            mirror = remote.open_mirror(s3_loc(url), streamed=True)
+            shards = [mf for mf in mirror.files.values() if mf.name.endswith(".pt")]
+            mirror.prepare("", remote.Need.EVERYTHING)
+            first = [g for g in gets if g[0].endswith(".pt")]
+            mirror.order_parts(None)
+            mirror.verified()  # the feeder has asked for every part; wait for them
+            for mf in shards:
+                mf.ensure(0, mf.size)
+                assert not mf.fetched.missing(0, mf.size)
+            every = [g for g in gets if g[0].endswith(".pt")]
+            assert sum(length for _, _, length in every) == sum(mf.size for mf in shards)  # each byte once
+            return first, every, sum(-(-mf.size // remote.PART) for mf in shards)
+
+    first, every, parts = fetch(16 << 20)
+    assert first and all(start % remote.PART == 0 for _, start, _ in first)  # whole parts
+    assert len(every) == parts, (len(every), parts)
+    first, _, _ = fetch(0)
+    assert any(start % remote.PART for _, start, _ in first)  # the metadata alone (a tail's start)
+
+
 def test_streamed_source_without_a_memory_folder_streams_on_disk(
     tiny_model, bucket, tmp_path, streamed_sizes, monkeypatch
 ):

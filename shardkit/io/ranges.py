@@ -58,3 +58,16 @@ class Ranges:
 
     def total(self) -> int:
         return sum(e - s for s, e in zip(self.starts, self.ends))
+
+
+def whole_parts(ranges: list[tuple[int, int]], size: int, part: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """The `part`-aligned spans (within `size`) holding sorted `ranges`, overlapping ones joined,
+    each with the ranges inside it."""
+    out: list[tuple[int, int, list[tuple[int, int]]]] = []
+    for s, e in ranges:
+        start, end = s - s % part, min(size, -(-e // part) * part)
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(end, out[-1][1]), [*out[-1][2], (s, e)])
+        else:
+            out.append((start, end, [(s, e)]))
+    return out

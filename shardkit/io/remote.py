@@ -42,6 +42,7 @@ import contextlib
 import enum
 import logging
 import os
+import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -55,7 +56,7 @@ from . import containers, s3
 from . import streamed as stream_io
 from .delete import remove_tree
 from .location import RemoteLocation
-from .ranges import Ranges
+from .ranges import Ranges, whole_parts
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ class Mirror:
         self._order: list[tuple[MirrorFile, int, int]] | None = None  # the feeder's parts, in order
         self._failure: BaseException | None = None
         try:
-            (self.base / ".shardkit-owner").write_text(f"{_host()} {os.getpid()}\n")
+            (self.base / ".shardkit-owner").write_text(f"{socket.gethostname()} {os.getpid()}\n")
             self.root.mkdir()
             for obj in objects:
                 path = inside(self.root, obj.name, f"object key under {loc}")  # never outside the mirror
@@ -316,7 +317,7 @@ class Mirror:
         ]
         if need is Need.EVERYTHING and self.streamed:
             fresh = [mf for mf in chosen if not mf.streamed]
-            containers.fetch_metadata(_fetch_all, [mf for mf in fresh if not mf.prepared], tensor_headers=False)
+            containers.fetch_metadata(self._fetch_parts, [mf for mf in fresh if not mf.prepared], tensor_headers=False)
             for mf in fresh:
                 mf.streamed = True
             if fresh:
@@ -330,6 +331,22 @@ class Mirror:
             mf.prepared = True
 
     # -- streamed sources --
+
+    def _fetch_parts(self, wanted: Iterable[tuple[MirrorFile, list[tuple[int, int]]]]) -> None:
+        """Streamed files' metadata ranges, fetched as the whole parts holding them while the budget
+        allows (the bytes beyond the metadata count against it): the metadata costs no GET of its own."""
+        futures: list[Future[int]] = []
+        for mf, ranges in wanted:
+            exact: list[tuple[int, int]] = []
+            for start, end, metadata in whole_parts(_joined(ranges), mf.size, PART):
+                more = sum(b - a for a, b in mf.fetched.missing(start, end)) - sum(e - s for s, e in metadata)
+                if self.held + more > STREAM_BUDGET:
+                    exact += metadata
+                    continue
+                self.hold(max(0, more))
+                futures += mf.fetch_async(start, end)
+            futures += mf.fetch_ranges(exact)
+        _wait_all(futures)
 
     def hold(self, n: int) -> None:
         with self._cond:
@@ -593,12 +610,6 @@ def _wait_all(futures: Iterable[Future[int]]) -> None:
         raise first
 
 
-def _host() -> str:
-    import socket
-
-    return socket.gethostname()
-
-
 # ---- opening, and the hooks every read path calls ------------------------------------------------------
 
 _OPEN: list[Mirror] = []
@@ -681,7 +692,7 @@ def _remove_stale() -> None:
             host, pid = (folder / ".shardkit-owner").read_text().split()[:2]
         except (OSError, ValueError):
             continue
-        if host == _host() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+        if host == socket.gethostname() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             with contextlib.suppress(OSError, ShardkitError):
                 remove_tree(folder)
                 log.info("removed %s, the S3 mirror of a run (process %s) that no longer runs", folder, pid)
