@@ -3,9 +3,10 @@ plain boto3 transfer (`boto3.s3.transfer.TransferManager` upload/download) of th
 through the same server; and the bytes a tp 8 -> tp 4 reshard fetches against the tag's size.
 
 The server is moto's server mode on 127.0.0.1, started here in its own process (no network).
-Each step runs in its own process; peak RSS is that process's own high-water mark.
+Each step runs in its own process; peak RSS is that process's own high-water mark. Each operation
+runs right beside its baseline, the two in turn first from round to round.
 
-    python scripts/bench_s3.py [--repeat 3]        # the TinyLlama-1.1B shape (2.2 GB in bf16)
+    python scripts/bench_s3.py --repeat 3 --drop-caches   # the TinyLlama-1.1B shape (2.2 GB in bf16)
     python scripts/bench_s3.py --config fixtures/tinyllama-mini.json --repeat 5
 """
 
@@ -160,8 +161,8 @@ def best(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
 
 
-STEPS = ("convert", "upload", "merge", "download", "reshard", "ckpt-save", "ckpt-upload", "ckpt-download",
-         "ckpt-reshard")
+STEPS = ("convert", "upload", "merge", "download", "reshard", "r-download", "r-upload", "ckpt-save", "ckpt-upload",
+         "ckpt-reshard", "c-download", "c-upload")
 
 
 SIZES: dict[str, int] = {}
@@ -177,40 +178,69 @@ def done_with(client, *prefixes: str) -> None:
         clear(client, "bench", prefix)
 
 
-def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
-    """Each step once, shardkit's and boto3's of the same bytes one after the other."""
+def sources(hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
+    """Untimed: the tp 8 model and the tp 8 checkpoint tag in the bucket, and local copies of both
+    (what the boto3 uploads send)."""
     common = dict(bucket="bench", endpoint=endpoint)
-    clear(client, "bench", "tp8")
-    runs["convert"].append(step("shardkit-convert", env, src=str(hf), dst="s3://bench/tp8", tp=8, pp=1))
-    bench_common.remove(local / "dl-tp8")
-    runs["download"].append(step("boto3-download", env, dst=str(local / "dl-tp8"), prefix="tp8", **common))
-    clear(client, "bench", "tp8-copy")
-    runs["upload"].append(step("boto3-upload", env, src=str(local / "dl-tp8"), prefix="tp8-copy", **common))
-    done_with(client, "tp8-copy")
-    bench_common.remove(local / "merged")
-    runs["merge"].append(step("shardkit-merge", env, src="s3://bench/tp8", dst=str(local / "merged"), tp=1, pp=1))
-    clear(client, "bench", "tp4")
-    runs["reshard"].append(step("shardkit-reshard", env, src="s3://bench/tp8", dst="s3://bench/tp4", tp=4, pp=1))
-    done_with(client, "tp4", "tp8")
-    clear(client, "bench", "ckpt")
-    runs["ckpt-save"].append(step("shardkit-ckpt-save", env, src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1))
-    bench_common.remove(local / "dl-ckpt")
-    runs["ckpt-download"].append(step("boto3-download", env, dst=str(local / "dl-ckpt"), prefix="ckpt", **common))
-    clear(client, "bench", "ckpt-copy")
-    runs["ckpt-upload"].append(step("boto3-upload", env, src=str(local / "dl-ckpt"), prefix="ckpt-copy", **common))
-    done_with(client, "ckpt-copy")
-    clear(client, "bench", "ckpt-tp4")
-    runs["ckpt-reshard"].append(
-        step("shardkit-ckpt-reshard", env, src="s3://bench/ckpt", dst="s3://bench/ckpt-tp4", tp=4, pp=1)
-    )
-    done_with(client, "ckpt-tp4", "ckpt")
+    step("shardkit-convert", env, src=str(hf), dst="s3://bench/tp8", tp=8, pp=1)
+    step("boto3-download", env, dst=str(local / "tp8"), prefix="tp8", **common)
+    step("shardkit-ckpt-save", env, src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1)
+    step("boto3-download", env, dst=str(local / "ckpt"), prefix="ckpt", **common)
+
+
+def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint: str, local: Path,
+              shardkit_first: bool) -> None:
+    """Each operation once beside its boto3 baseline (the same bytes), the two one right after the
+    other, in the order given (alternated from round to round, so that a drift of the machine's
+    speed favours neither)."""
+    common = dict(bucket="bench", endpoint=endpoint)
+
+    def boto3_copy(prefix: str, down: str, up: str) -> None:
+        bench_common.remove(local / "dl")
+        runs[down].append(step("boto3-download", env, dst=str(local / "dl"), prefix=prefix, **common))
+        runs[up].append(step("boto3-upload", env, src=str(local / "dl"), prefix="copy", **common))
+        done_with(client, "copy")
+
+    def merge() -> None:
+        bench_common.remove(local / "merged")
+        runs["merge"].append(step("shardkit-merge", env, src="s3://bench/tp8", dst=str(local / "merged"), tp=1,
+                                  pp=1))
+
+    def download() -> None:
+        bench_common.remove(local / "dl")
+        runs["download"].append(step("boto3-download", env, dst=str(local / "dl"), prefix="tp8", **common))
+
+    pairs = [
+        (lambda: (clear(client, "bench", "tp8"), runs["convert"].append(
+            step("shardkit-convert", env, src=str(hf), dst="s3://bench/tp8", tp=8, pp=1))),
+         lambda: (runs["upload"].append(step("boto3-upload", env, src=str(local / "tp8"), prefix="copy", **common)),
+                  done_with(client, "copy"))),
+        (merge, download),
+        (lambda: (runs["reshard"].append(step("shardkit-reshard", env, src="s3://bench/tp8", dst="s3://bench/tp4",
+                                              tp=4, pp=1)), done_with(client, "tp4")),
+         lambda: boto3_copy("tp8", "r-download", "r-upload")),
+        (lambda: (clear(client, "bench", "ckpt"), runs["ckpt-save"].append(
+            step("shardkit-ckpt-save", env, src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1))),
+         lambda: (runs["ckpt-upload"].append(step("boto3-upload", env, src=str(local / "ckpt"), prefix="copy",
+                                                  **common)), done_with(client, "copy"))),
+        (lambda: (runs["ckpt-reshard"].append(step("shardkit-ckpt-reshard", env, src="s3://bench/ckpt",
+                                                   dst="s3://bench/ckpt-tp4", tp=4, pp=1)),
+                  done_with(client, "ckpt-tp4")),
+         lambda: boto3_copy("ckpt", "c-download", "c-upload")),
+    ]
+    for ours, theirs in pairs:
+        for run in (ours, theirs) if shardkit_first else (theirs, ours):
+            run()
 
 
 def measure(args, hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
-    """Every step `args.repeat` times, alternating shardkit and boto3, then the table."""
+    """Every operation and its baseline `args.repeat` times (`one_round`), then the table."""
     runs: dict[str, list[dict]] = {k: [] for k in STEPS}
-    for _ in range(args.repeat):
-        one_round(runs, hf, env, client, endpoint, local)
+    sources(hf, env, client, endpoint, local)
+    for i in range(args.repeat):
+        one_round(runs, hf, env, client, endpoint, local, shardkit_first=i % 2 == 1)
+    for prefix in ("tp8", "ckpt"):
+        SIZES[prefix] = prefix_bytes(client, "bench", prefix)
     size = SIZES
     med = {k: best(v) for k, v in runs.items()}
 
@@ -223,11 +253,11 @@ def measure(args, hf: Path, env: dict, client, endpoint: str, local: Path) -> No
         ("convert HF -> s3 tp8 (boto3: upload of the tp8 files)", size["tp8"], med["upload"], med["convert"]),
         ("merge s3 tp8 -> local (boto3: download of the tp8 files)", size["tp8"], med["download"], med["merge"]),
         ("reshard s3 tp8 -> s3 tp4 (boto3: download + upload of tp8)", size["tp8"] + size["tp4"],
-         both("download", "upload"), med["reshard"]),
+         both("r-download", "r-upload"), med["reshard"]),
         ("save_checkpoint tp8 tag -> s3 (boto3: upload of the tag)", size["ckpt"], med["ckpt-upload"],
          med["ckpt-save"]),
         ("ckpt reshard s3 tp8 -> s3 tp4 (boto3: download + upload of the tag)", size["ckpt"] + size["ckpt-tp4"],
-         both("ckpt-download", "ckpt-upload"), med["ckpt-reshard"]),
+         both("c-download", "c-upload"), med["ckpt-reshard"]),
     ]
     print(f"shape {args.shape}; {args.repeat} run(s) each, median; parts {PART >> 20} MiB, {CONCURRENCY} in flight")
     for what, key, tag in (("reshard", "reshard", "tp8"), ("ckpt reshard", "ckpt-reshard", "ckpt"),
