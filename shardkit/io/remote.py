@@ -339,11 +339,12 @@ class Mirror:
         for mf, ranges in wanted:
             exact: list[tuple[int, int]] = []
             for start, end, metadata in whole_parts(_joined(ranges), mf.size, PART):
-                more = sum(b - a for a, b in mf.fetched.missing(start, end)) - sum(e - s for s, e in metadata)
+                absent = [sum(b - a for a, b in mf.fetched.missing(s, e)) for s, e in [(start, end), *metadata]]
+                more = absent[0] - sum(absent[1:])  # bytes still to fetch beyond the metadata
                 if self.held + more > STREAM_BUDGET:
                     exact += metadata
                     continue
-                self.hold(max(0, more))
+                self.hold(more)
                 futures += mf.fetch_async(start, end)
             futures += mf.fetch_ranges(exact)
         _wait_all(futures)
