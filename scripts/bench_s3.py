@@ -195,38 +195,47 @@ def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint
     speed favours neither)."""
     common = dict(bucket="bench", endpoint=endpoint)
 
-    def boto3_copy(prefix: str, down: str, up: str) -> None:
-        bench_common.remove(local / "dl")
-        runs[down].append(step("boto3-download", env, dst=str(local / "dl"), prefix=prefix, **common))
-        runs[up].append(step("boto3-upload", env, src=str(local / "dl"), prefix="copy", **common))
+    def timed(key: str, name: str, **args) -> None:
+        runs[key].append(step(name, env, **args))
+
+    def upload(key: str, src: Path) -> None:
+        timed(key, "boto3-upload", src=str(src), prefix="copy", **common)
         done_with(client, "copy")
+
+    def download(key: str, prefix: str) -> None:
+        bench_common.remove(local / "dl")
+        timed(key, "boto3-download", dst=str(local / "dl"), prefix=prefix, **common)
+
+    def convert() -> None:
+        clear(client, "bench", "tp8")
+        timed("convert", "shardkit-convert", src=str(hf), dst="s3://bench/tp8", tp=8, pp=1)
 
     def merge() -> None:
         bench_common.remove(local / "merged")
-        runs["merge"].append(step("shardkit-merge", env, src="s3://bench/tp8", dst=str(local / "merged"), tp=1,
-                                  pp=1))
+        timed("merge", "shardkit-merge", src="s3://bench/tp8", dst=str(local / "merged"), tp=1, pp=1)
 
-    def download() -> None:
-        bench_common.remove(local / "dl")
-        runs["download"].append(step("boto3-download", env, dst=str(local / "dl"), prefix="tp8", **common))
+    def reshard() -> None:
+        timed("reshard", "shardkit-reshard", src="s3://bench/tp8", dst="s3://bench/tp4", tp=4, pp=1)
+        done_with(client, "tp4")
+
+    def save() -> None:
+        clear(client, "bench", "ckpt")
+        timed("ckpt-save", "shardkit-ckpt-save", src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1)
+
+    def ckpt_reshard() -> None:
+        timed("ckpt-reshard", "shardkit-ckpt-reshard", src="s3://bench/ckpt", dst="s3://bench/ckpt-tp4", tp=4, pp=1)
+        done_with(client, "ckpt-tp4")
+
+    def copy(prefix: str, down: str, up: str) -> None:
+        download(down, prefix)
+        upload(up, local / "dl")
 
     pairs = [
-        (lambda: (clear(client, "bench", "tp8"), runs["convert"].append(
-            step("shardkit-convert", env, src=str(hf), dst="s3://bench/tp8", tp=8, pp=1))),
-         lambda: (runs["upload"].append(step("boto3-upload", env, src=str(local / "tp8"), prefix="copy", **common)),
-                  done_with(client, "copy"))),
-        (merge, download),
-        (lambda: (runs["reshard"].append(step("shardkit-reshard", env, src="s3://bench/tp8", dst="s3://bench/tp4",
-                                              tp=4, pp=1)), done_with(client, "tp4")),
-         lambda: boto3_copy("tp8", "r-download", "r-upload")),
-        (lambda: (clear(client, "bench", "ckpt"), runs["ckpt-save"].append(
-            step("shardkit-ckpt-save", env, src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1))),
-         lambda: (runs["ckpt-upload"].append(step("boto3-upload", env, src=str(local / "ckpt"), prefix="copy",
-                                                  **common)), done_with(client, "copy"))),
-        (lambda: (runs["ckpt-reshard"].append(step("shardkit-ckpt-reshard", env, src="s3://bench/ckpt",
-                                                   dst="s3://bench/ckpt-tp4", tp=4, pp=1)),
-                  done_with(client, "ckpt-tp4")),
-         lambda: boto3_copy("ckpt", "c-download", "c-upload")),
+        (convert, lambda: upload("upload", local / "tp8")),
+        (merge, lambda: download("download", "tp8")),
+        (reshard, lambda: copy("tp8", "r-download", "r-upload")),
+        (save, lambda: upload("ckpt-upload", local / "ckpt")),
+        (ckpt_reshard, lambda: copy("ckpt", "c-download", "c-upload")),
     ]
     for ours, theirs in pairs:
         for run in (ours, theirs) if shardkit_first else (theirs, ours):
