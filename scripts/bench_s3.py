@@ -70,6 +70,13 @@ if step == "shardkit-ckpt-save":  # every tp rank's pieces in memory, as the ran
         pieces[(tp, pp)] = {p.name: reader.read_piece(p).clone() for p in ranked}
     reader.close()
     held = sum(t.numel() * t.element_size() for rank in pieces.values() for t in rank.values())
+def hwm():  # this process's peak RSS (VmHWM), in bytes
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
+try:  # the high-water mark reset, so the peak is the operation's own (not the piece building's)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
 cpu0, start = cpu(), time.perf_counter()
 if step == "shardkit-ckpt-save":
     shardkit.save_checkpoint(args["dst"], "step_1", pieces, layout=layout, config=source.config)
@@ -98,7 +105,7 @@ elif step == "boto3-download":
     for fut in futures:
         fut.result()
 seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+print(json.dumps({"seconds": seconds, "rss": hwm(),
                   "fetched": sum(fetched), "gets": gets[0], "cpu": cpu() - cpu0, "held": held,
                   "window": window[0]}))
 """
@@ -188,8 +195,11 @@ def sources(hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
     step("boto3-download", env, dst=str(local / "ckpt"), prefix="ckpt", **common)
 
 
+OPERATIONS = ("convert", "merge", "reshard", "ckpt-save", "ckpt-reshard")
+
+
 def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint: str, local: Path,
-              shardkit_first: bool) -> None:
+              shardkit_first: bool, only: tuple[str, ...] = OPERATIONS) -> None:
     """Each operation once beside its boto3 baseline (the same bytes), the two one right after the
     other, in the order given (alternated from round to round, so that a drift of the machine's
     speed favours neither)."""
@@ -230,63 +240,84 @@ def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint
         download(down, prefix)
         upload(up, local / "dl")
 
-    pairs = [
-        (convert, lambda: upload("upload", local / "tp8")),
-        (merge, lambda: download("download", "tp8")),
-        (reshard, lambda: copy("tp8", "r-download", "r-upload")),
-        (save, lambda: upload("ckpt-upload", local / "ckpt")),
-        (ckpt_reshard, lambda: copy("ckpt", "c-download", "c-upload")),
-    ]
-    for ours, theirs in pairs:
+    pairs = {
+        "convert": (convert, lambda: upload("upload", local / "tp8")),
+        "merge": (merge, lambda: download("download", "tp8")),
+        "reshard": (reshard, lambda: copy("tp8", "r-download", "r-upload")),
+        "ckpt-save": (save, lambda: upload("ckpt-upload", local / "ckpt")),
+        "ckpt-reshard": (ckpt_reshard, lambda: copy("ckpt", "c-download", "c-upload")),
+    }
+    for ours, theirs in (pairs[name] for name in only):
         for run in (ours, theirs) if shardkit_first else (theirs, ours):
             run()
 
 
+BASELINES = {"convert": ("upload",), "merge": ("download",), "reshard": ("r-download", "r-upload"),
+             "ckpt-save": ("ckpt-upload",), "ckpt-reshard": ("c-download", "c-upload")}
+"""Each operation's boto3 baseline: the steps that move the same bytes (their times added)."""
+LABELS = {
+    "convert": "convert HF -> s3 tp8 (boto3: upload of the tp8 files)",
+    "merge": "merge s3 tp8 -> local (boto3: download of the tp8 files)",
+    "reshard": "reshard s3 tp8 -> s3 tp4 (boto3: download + upload of tp8)",
+    "ckpt-save": "save_checkpoint tp8 tag -> s3 (boto3: upload of the tag)",
+    "ckpt-reshard": "ckpt reshard s3 tp8 -> s3 tp4 (boto3: download + upload of the tag)",
+}
+MOVED = {"convert": ("tp8",), "merge": ("tp8",), "reshard": ("tp8", "tp4"), "ckpt-save": ("ckpt",),
+         "ckpt-reshard": ("ckpt", "ckpt-tp4")}
+"""The prefixes whose bytes each operation moves."""
+
+
+def baseline_run(runs: dict[str, list[dict]], op: str, i: int) -> dict:
+    """Round `i` of `op`'s baseline (its steps added up)."""
+    parts = [runs[k][i] for k in BASELINES[op]]
+    return {k: sum(p[k] for p in parts) for k in ("seconds", "cpu", "server_cpu")} | {
+        "rss": max(p["rss"] for p in parts)
+    }
+
+
+def report(args, runs: dict[str, list[dict]], only: tuple[str, ...]) -> None:
+    """The table: each operation's median run beside its baseline's, and the ratio of each round
+    (an operation against the baseline run right beside it)."""
+    size = SIZES
+    med = {op: best(runs[op]) for op in only}
+    base = {op: best([baseline_run(runs, op, i) for i in range(len(runs[op]))]) for op in only}
+    print(f"shape {args.shape}; {args.repeat} run(s) each, median; parts {PART >> 20} MiB, {CONCURRENCY} in flight")
+    for op, tag in (("reshard", "tp8"), ("ckpt-reshard", "ckpt"), ("merge", "tp8")):
+        if op in med:
+            r = med[op]
+            print(f"{op} tp8 -> {'tp1' if op == 'merge' else 'tp4'}: fetched {r['fetched'] / 1e9:.3f} GB of the "
+                  f"{size[tag] / 1e9:.3f} GB source ({r['fetched'] / size[tag]:.1%}) in {r['gets']} GETs")
+            window = r.get("window", 0)
+            print(f"{op}: " + (f"streamed, at most {window / 2**20:.0f} MiB of the source held at once (memory "
+                               "file system)" if window else "source fetched whole into a mirror on local disk"))
+    if "ckpt-save" in med:
+        save = med["ckpt-save"]
+        print(f"save_checkpoint held {save['held'] / 2**30:.2f} GiB of rank pieces (in its peak RSS): its peak RSS "
+              f"beyond them was {(save['rss'] - save['held']) / 2**20:.0f} MiB")
+    print("| operation | bytes moved | boto3 | shardkit | shardkit vs boto3 | each round | peak RSS shardkit / boto3 "
+          "| CPU s client shardkit / boto3 | CPU s server shardkit / boto3 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for op in only:
+        ours, theirs = med[op], base[op]
+        rounds = [baseline_run(runs, op, i)["seconds"] / r["seconds"] for i, r in enumerate(runs[op])]
+        nbytes = sum(size[prefix] for prefix in MOVED[op])
+        print(f"| {LABELS[op]} | {nbytes / 1e9:.2f} GB | {theirs['seconds']:.2f} s | {ours['seconds']:.2f} s | "
+              f"{theirs['seconds'] / ours['seconds']:.2f}x | {' '.join(f'{x:.2f}' for x in rounds)} "
+              f"| {ours['rss'] / 2**20:.0f} / {theirs['rss'] / 2**20:.0f} MiB "
+              f"| {ours['cpu']:.1f} / {theirs['cpu']:.1f} | {ours['server_cpu']:.1f} / {theirs['server_cpu']:.1f} |")
+    print("all runs (s):", json.dumps({k: [round(r["seconds"], 2) for r in v] for k, v in runs.items() if v}))
+
+
 def measure(args, hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
-    """Every operation and its baseline `args.repeat` times (`one_round`), then the table."""
+    """The chosen operations and their baselines `args.repeat` times (`one_round`), then the table."""
+    only = tuple(op for op in OPERATIONS if op in args.only)
     runs: dict[str, list[dict]] = {k: [] for k in STEPS}
     sources(hf, env, client, endpoint, local)
     for i in range(args.repeat):
-        one_round(runs, hf, env, client, endpoint, local, shardkit_first=i % 2 == 1)
+        one_round(runs, hf, env, client, endpoint, local, shardkit_first=i % 2 == 1, only=only)
     for prefix in ("tp8", "ckpt"):
         SIZES[prefix] = prefix_bytes(client, "bench", prefix)
-    size = SIZES
-    med = {k: best(v) for k, v in runs.items()}
-
-    def both(a: str, b: str) -> dict:
-        return {k: med[a][k] + med[b][k] for k in ("seconds", "cpu", "server_cpu")} | {
-            "rss": max(med[a]["rss"], med[b]["rss"])
-        }
-
-    rows = [
-        ("convert HF -> s3 tp8 (boto3: upload of the tp8 files)", size["tp8"], med["upload"], med["convert"]),
-        ("merge s3 tp8 -> local (boto3: download of the tp8 files)", size["tp8"], med["download"], med["merge"]),
-        ("reshard s3 tp8 -> s3 tp4 (boto3: download + upload of tp8)", size["tp8"] + size["tp4"],
-         both("r-download", "r-upload"), med["reshard"]),
-        ("save_checkpoint tp8 tag -> s3 (boto3: upload of the tag)", size["ckpt"], med["ckpt-upload"],
-         med["ckpt-save"]),
-        ("ckpt reshard s3 tp8 -> s3 tp4 (boto3: download + upload of the tag)", size["ckpt"] + size["ckpt-tp4"],
-         both("c-download", "c-upload"), med["ckpt-reshard"]),
-    ]
-    print(f"shape {args.shape}; {args.repeat} run(s) each, median; parts {PART >> 20} MiB, {CONCURRENCY} in flight")
-    for what, key, tag in (("reshard", "reshard", "tp8"), ("ckpt reshard", "ckpt-reshard", "ckpt"),
-                           ("merge", "merge", "tp8")):
-        r = med[key]
-        print(f"{what} tp8 -> {'tp1' if key == 'merge' else 'tp4'}: fetched {r['fetched'] / 1e9:.3f} GB of the "
-              f"{size[tag] / 1e9:.3f} GB source ({r['fetched'] / size[tag]:.1%}) in {r['gets']} GETs")
-    print(f"save_checkpoint held {med['ckpt-save']['held'] / 2**30:.2f} GiB of rank pieces (in its peak RSS)")
-    for key in ("merge", "reshard", "ckpt-reshard"):
-        window = med[key].get("window", 0)
-        print(f"{key}: " + (f"streamed, at most {window / 2**20:.0f} MiB of the source held at once (memory file system)"
-                            if window else "source fetched whole into a mirror on local disk"))
-    print("| operation | bytes moved | boto3 | shardkit | shardkit vs boto3 | peak RSS shardkit / boto3 "
-          "| CPU s client shardkit / boto3 | CPU s server shardkit / boto3 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for label, nbytes, base, ours in rows:
-        print(f"| {label} | {nbytes / 1e9:.2f} GB | {base['seconds']:.2f} s | {ours['seconds']:.2f} s | "
-              f"{base['seconds'] / ours['seconds']:.2f}x | {ours['rss'] / 2**20:.0f} / {base['rss'] / 2**20:.0f} MiB "
-              f"| {ours['cpu']:.1f} / {base['cpu']:.1f} | {ours['server_cpu']:.1f} / {base['server_cpu']:.1f} |")
-    print("all runs (s):", json.dumps({k: [round(r["seconds"], 2) for r in v] for k, v in runs.items()}))
+    report(args, runs, only)
 
 
 def main() -> None:
@@ -298,9 +329,13 @@ def main() -> None:
                         help="before every step (boto3's too), drop the page cache after the sync (needs root): "
                              "each step starts from the same memory state, whatever the steps before it left "
                              "cached (the server's objects, downloaded copies)")
+    parser.add_argument("--only", default=",".join(OPERATIONS), type=lambda text: text.split(","),
+                        help=f"the operations to measure, comma-separated (default: all of {', '.join(OPERATIONS)})")
     bench_common.add_settle_wait(parser)
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shardkit-bench"))
     args = parser.parse_args()
+    if unknown := sorted(set(args.only) - set(OPERATIONS)):
+        parser.error(f"--only: no operation named {', '.join(unknown)} (choose from {', '.join(OPERATIONS)})")
     name, config = bench_common.load_shape(args.shape if not args.config else None, args.config)
     args.shape = name
     if args.drop_caches:
