@@ -1062,3 +1062,34 @@ def test_trainer_saves_to_and_resumes_from_s3(tiny_model, bucket, tmp_path, work
     assert "resumed from" in caplog.text and "step 2" in caplog.text
     assert [i.tag for i in list_checkpoints(ckpt)] == ["step_2", "step_3"]
     assert not list(workdir.iterdir())
+
+
+def test_a_killed_runs_mirror_is_removed_by_the_next_and_no_other(tmp_path, monkeypatch):
+    """A mirror folder whose owner is a process of this host that has ended goes when the next
+    mirror opens; a running process's, another host's, and a folder without an owner stay."""
+    disk, memory = tmp_path / "tmp", tmp_path / "shm"
+    disk.mkdir()
+    memory.mkdir()
+    monkeypatch.setattr(remote.tempfile, "tempdir", str(disk))
+    monkeypatch.setattr(remote, "MEMORY_DIR", str(memory))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    host = socket.gethostname()
+    owners = {
+        "dead": (disk, f"{host} {ended.pid}\n"),
+        "dead-in-memory": (memory, f"{host} {ended.pid}\n"),
+        "running": (disk, f"{host} {os.getppid()}\n"),
+        "mine": (disk, f"{host} {os.getpid()}\n"),
+        "other-host": (disk, f"{host}-elsewhere {ended.pid}\n"),
+        "garbled": (disk, "not an owner\n"),
+        "no-owner": (disk, None),
+    }
+    for name, (base, text) in owners.items():
+        folder = base / f"{remote.MIRROR_PREFIX}{name}"
+        (folder / "root").mkdir(parents=True)
+        (folder / "root" / "w.safetensors").write_bytes(b"x" * 100)
+        if text is not None:
+            (folder / ".shardkit-owner").write_text(text)
+    remote._remove_stale()
+    left = sorted(p.name[len(remote.MIRROR_PREFIX) :] for base in (disk, memory) for p in base.iterdir())
+    assert left == ["garbled", "mine", "no-owner", "other-host", "running"]

@@ -42,7 +42,6 @@ import contextlib
 import enum
 import logging
 import os
-import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -57,6 +56,7 @@ from . import streamed as stream_io
 from .delete import remove_tree
 from .location import RemoteLocation
 from .ranges import Ranges, whole_parts
+from .transaction import dead_owner, write_owner
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class Mirror:
         self._order: list[tuple[MirrorFile, int, int]] | None = None  # the feeder's parts, in order
         self._failure: BaseException | None = None
         try:
-            (self.base / ".shardkit-owner").write_text(f"{socket.gethostname()} {os.getpid()}\n")
+            write_owner(self.base)  # a killed run's mirror is removed by the next (`_remove_stale`)
             self.root.mkdir()
             for obj in objects:
                 path = inside(self.root, obj.name, f"object key under {loc}")  # never outside the mirror
@@ -682,18 +682,13 @@ atexit.register(close_mirrors)
 
 def _remove_stale() -> None:
     """Remove the mirror folders of this host's runs that no longer run (killed mid-way)."""
-    from .transaction import pid_alive
-
     entries = []
     for base in (Path(tempfile.gettempdir()), Path(MEMORY_DIR)):
         with contextlib.suppress(OSError):
             entries += [base / e for e in os.listdir(base) if e.startswith(MIRROR_PREFIX)]
     for folder in entries:
-        try:
-            host, pid = (folder / ".shardkit-owner").read_text().split()[:2]
-        except (OSError, ValueError):
-            continue
-        if host == socket.gethostname() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+        pid = dead_owner(folder)
+        if pid is not None:
             with contextlib.suppress(OSError, ShardkitError):
                 remove_tree(folder)
                 log.info("removed %s, the S3 mirror of a run (process %s) that no longer runs", folder, pid)
