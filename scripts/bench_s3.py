@@ -168,10 +168,6 @@ def best(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
 
 
-STEPS = ("convert", "upload", "merge", "download", "reshard", "r-download", "r-upload", "ckpt-save", "ckpt-upload",
-         "ckpt-reshard", "c-download", "c-upload")
-
-
 SIZES: dict[str, int] = {}
 """Bytes under each prefix a step wrote, read before the prefix is cleared."""
 
@@ -311,7 +307,7 @@ def report(args, runs: dict[str, list[dict]], only: tuple[str, ...]) -> None:
 def measure(args, hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
     """The chosen operations and their baselines `args.repeat` times (`one_round`), then the table."""
     only = tuple(op for op in OPERATIONS if op in args.only)
-    runs: dict[str, list[dict]] = {k: [] for k in STEPS}
+    runs: dict[str, list[dict]] = {k: [] for op in OPERATIONS for k in (op, *BASELINES[op])}
     sources(hf, env, client, endpoint, local)
     for i in range(args.repeat):
         one_round(runs, hf, env, client, endpoint, local, shardkit_first=i % 2 == 1, only=only)
