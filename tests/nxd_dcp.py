@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from titan_dcp import exit_saved
 
 
 def _sharded(tensor: torch.Tensor, shape: list[int], d: int, dp: int, tp: int, t: int, group):
@@ -91,6 +92,7 @@ def _worker(rank: int, world: int, port: int, tag: str, tp: int, dp: int) -> Non
         dcp.save(_wrap(obj, list(model), d, dp, tp, t, groups[t]), checkpoint_id=str(root / "optim"))
     finally:
         dist.destroy_process_group()
+    exit_saved()
 
 
 def save_like_nxd(tag: Path, tp: int, dp: int) -> None:

@@ -199,6 +199,16 @@ def _worker(rank: int, world: int, port: int, state_path: str, config: str, out:
         dcp.save(states, checkpoint_id=out)
     finally:
         dist.destroy_process_group()
+    exit_saved()
+
+
+def exit_saved() -> None:
+    """End a spawned worker whose work is saved without the interpreter's teardown: torch's C++
+    threads, destroyed by static destructors at exit, now and then abort the process ("terminate
+    called without an active exception", SIGABRT) after every rank saved and left its group."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def build(out: Path, state_path: Path, config: Path, world: int = 2, model_only: bool = False) -> None:

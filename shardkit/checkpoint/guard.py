@@ -14,11 +14,11 @@ import os
 import threading
 from pathlib import Path
 
-from ..errors import FormatError
+from ..errors import FormatError, ShardkitError
 from ..formats import MANIFEST
 from ..io import remote
 from ..io.digest import FAST, expected_digest, file_matches
-from ..paths import UnsafePathError, inside
+from ..paths import inside
 from .tree import read_manifest
 
 Stamp = tuple[int, ...]
@@ -65,7 +65,7 @@ class TagCheck:
                         "restore it or use another tag (--tag)"
                     )
                     return
-            except UnsafePathError as e:
+            except ShardkitError as e:  # an unsafe listed name, or a file open_regular refuses (one line each)
                 self.error = e
                 return
             except FileNotFoundError as e:  # removed since the tag was opened: a change, as verify says

@@ -15,6 +15,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+WRITE_BLOCK = 256 << 10
+"""Large blocks are written in pieces of at most this size: on a VM, writes of 1 MiB or more cost
+several times the CPU in the kernel's copy into the page cache. The likely cause: the page cache
+sizes its folios by the write, and large folios come from the high-order free blocks that a VM's
+balloon driver hands back to the host (free page reporting) or that need compaction, so their
+first touch costs a host fault or a compaction. Below 256 KiB the cost per call shows instead.
+The measurements: docs/history/THROUGHPUT.md, "Writes of 256 KiB"."""
+
+
 DIRECT_BLOCK = 4096
 """O_DIRECT writes start at, and last, a multiple of this (the largest logical block size in use)."""
 

@@ -25,20 +25,12 @@ from ..errors import FormatError
 from . import sinks
 from .copy import _COPY_BUFFER, COPY_BLOCK, FileRange, kernel_copy
 from .digest import Digests, FileRecord, Recording
-from .direct import DirectFile, preallocate
+from .direct import WRITE_BLOCK, DirectFile, preallocate
 from .taps import _TAPS, _WATCHED, _feed_taps, read_exact
 
 if TYPE_CHECKING:
     import io
 
-
-WRITE_BLOCK = 256 << 10
-"""Large blocks are written in pieces of at most this size: on a VM, writes of 1 MiB or more cost
-several times the CPU in the kernel's copy into the page cache. The likely cause: the page cache
-sizes its folios by the write, and large folios come from the high-order free blocks that a VM's
-balloon driver hands back to the host (free page reporting) or that need compaction, so their
-first touch costs a host fault or a compaction. Below 256 KiB the cost per call shows instead.
-The measurements: docs/history/THROUGHPUT.md, "Writes of 256 KiB"."""
 
 PARALLEL_HASH_MIN = 1 << 20
 """Blocks at least this large are hashed beside the caller: by the write-behind thread after it

@@ -22,13 +22,16 @@ from typing import Any
 
 from ..errors import ShardkitError
 from ..sizes import format_bytes
+from .direct import WRITE_BLOCK
 from .location import RemoteLocation
 
 log = logging.getLogger(__name__)
 
 EXTRA = "pip install 'shardkit[s3]'"
 GET_CHUNK = 1 << 20
-"""A ranged GET's body is read and written to the mirror in blocks of this size (bounded memory)."""
+"""A ranged GET's body is read in blocks of this size (bounded memory), each written to the mirror
+in writes of at most `io.direct.WRITE_BLOCK` (the kernel's copy into the page cache costs several
+times as much per byte in larger writes)."""
 PART_SIZE = 32 << 20
 """A multipart upload's part (raised for files that would need more than 10,000 parts), and the
 largest ranged GET (`io.remote`): large enough that a request's round trip costs little beside
@@ -200,7 +203,7 @@ def get_range(loc: RemoteLocation, name: str, start: int, length: int, etag: str
                     break
                 view, position = memoryview(chunk), at + done
                 while view:
-                    written = os.pwrite(fd, view, position)
+                    written = os.pwrite(fd, view[:WRITE_BLOCK], position)
                     view, position = view[written:], position + written
                 done += len(chunk)
         finally:
