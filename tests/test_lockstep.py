@@ -218,6 +218,7 @@ def test_the_write_behind_queues_of_all_files_together_stay_bounded(tmp_path, mo
     monkeypatch.setattr(hashing, "WRITE_BLOCK", 256 << 10)
     block = 1 << 20
     peaks: list[int] = []
+    threads_before = threading.active_count()  # earlier tests' threads (an S3 client's pool) may still run
     files = [HashingFile(tmp_path / f"f{i}", tmp_path) for i in range(8)]
     for f in files:
         f._fh = _SlowFile(f._fh, peaks)
@@ -233,7 +234,7 @@ def test_the_write_behind_queues_of_all_files_together_stay_bounded(tmp_path, mo
     for i, record in enumerate(records):
         assert (tmp_path / f"f{i}").read_bytes() == bytes(expected[i])
         assert record.size == 4 * block
-    assert threading.active_count() < 20
+    assert threading.active_count() - threads_before < 8  # a few shared write-behind threads, not one per file
 
 
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
