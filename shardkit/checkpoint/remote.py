@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import os
 import socket
 import tempfile
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from ..io import s3, sinks
 from ..io.delete import remove_tree
 from ..io.location import RemoteLocation
 from ..io.location import remote as remote_location
-from ..io.transaction import OWNER_FILE
+from ..io.transaction import OWNER_FILE, owner_text
 from ..io.upload import StreamingUpload, remove_objects, upload_tree
 from .tree import (
     CHECKPOINT_MARKER,
@@ -133,7 +132,7 @@ def _begin_tag(loc: RemoteLocation, tag: str) -> None:
     (its `done` first, as a local save replaces one), then the `checkpoint` marker: from here
     until `done`, the tag lists as incomplete (and as its owner's, for the next save's retention)."""
     existing = [o.name for o in s3.list_objects(loc.child(tag))]
-    s3.put_bytes(loc, f"{tag}/{OWNER_FILE}", f"{socket.gethostname()} {os.getpid()}\n".encode())
+    s3.put_bytes(loc, f"{tag}/{OWNER_FILE}", owner_text().encode())
     if existing:
         remove_objects(loc.child(tag), [n for n in existing if n != OWNER_FILE])
     s3.put_bytes(loc, f"{tag}/{CHECKPOINT_MARKER}", b"1")  # NxD's marker, as `save.prepare_tag` writes it

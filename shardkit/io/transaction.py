@@ -95,9 +95,23 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def owner_text() -> str:
+    """What an owner file (or an object store's writing marker) holds: "host pid" of this process."""
+    return f"{socket.gethostname()} {os.getpid()}\n"
+
+
+def parse_owner(text: str | bytes | None) -> tuple[str, int] | None:
+    """(host, pid) from an owner's text (`owner_text`); None when there is none or it is garbled."""
+    try:
+        host, pid_text = (text.decode() if isinstance(text, bytes) else text or "").split()[:2]
+        return host, int(pid_text)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
 def write_owner(folder: str | Path) -> None:
     """Mark a folder being written as this host's and this process's."""
-    write_text(Path(folder) / OWNER_FILE, f"{socket.gethostname()} {os.getpid()}\n", fsync=False)
+    write_text(Path(folder) / OWNER_FILE, owner_text(), fsync=False)
 
 
 def owner_of(folder: str | Path) -> tuple[str, int] | None:
@@ -105,9 +119,8 @@ def owner_of(folder: str | Path) -> tuple[str, int] | None:
     from .small import SmallFileError, read_text
 
     try:
-        host, pid_text = read_text(Path(folder) / OWNER_FILE, "owner file", limit=4096).split()[:2]
-        return host, int(pid_text)
-    except (SmallFileError, ValueError):
+        return parse_owner(read_text(Path(folder) / OWNER_FILE, "owner file", limit=4096))
+    except SmallFileError:
         return None
 
 

@@ -45,6 +45,8 @@ from .remote import WRITING
 from .transaction import (
     OWNER_FILE,
     STAGING_TAG,
+    owner_text,
+    parse_owner,
     pid_alive,
     sibling_name,
     temporary_folder,
@@ -58,18 +60,6 @@ FILES_IN_FLIGHT = 4
 output holds at most these, beside the files being written)."""
 FINAL_NAMES = ("model.safetensors.index.json", "config.json", "shardkit.json", "done")
 """Objects uploaded last, in this order (by base name): whichever exists completes the output."""
-
-
-def _owner_text() -> bytes:
-    return f"{socket.gethostname()} {os.getpid()}\n".encode()
-
-
-def parse_owner(data: bytes | None) -> tuple[str, int] | None:
-    try:
-        host, pid = (data or b"").decode().split()[:2]
-        return host, int(pid)
-    except (ValueError, UnicodeDecodeError):
-        return None
 
 
 _WRITING_HERE: set[str] = set()
@@ -215,7 +205,7 @@ def remote_output(
     its files go up as they are closed, the rest on a normal exit, as the module's docstring says."""
     with terminate_as_interrupt():
         replaced = check_destination(loc, overwrite, sources)
-        if not s3.put_new(loc, WRITING, _owner_text()):  # claimed atomically: of two runs, one writes
+        if not s3.put_new(loc, WRITING, owner_text().encode()):  # claimed atomically: of two runs, one writes
             owner = parse_owner(s3.get_bytes(loc, WRITING))
             raise DestinationExistsError(
                 f"{loc} is being written by {_writer(owner)}, which began while this run checked it: wait for it "
