@@ -18,11 +18,14 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "content-lengt
 
 class FaultProxy:
     """`fail_every`: every n-th request gets a fault (alternately SlowDown and InternalError);
-    `fail_all`: every request does. Counts requests and faults; `url` is its endpoint."""
+    `fail_all`: every request does; `fail_first`: the first attempt of each request whose method
+    and path (query included) contain that text does. Counts requests and faults; `url` is its
+    endpoint."""
 
-    def __init__(self, upstream: str, fail_every: int = 0, fail_all: bool = False):
+    def __init__(self, upstream: str, fail_every: int = 0, fail_all: bool = False, fail_first: str = ""):
         self.upstream = urlsplit(upstream)
-        self.fail_every, self.fail_all = fail_every, fail_all
+        self.fail_every, self.fail_all, self.fail_first = fail_every, fail_all, fail_first
+        self._seen: set[str] = set()
         self.requests = self.faults = 0
         self.faulted: list[str] = []
         self._lock = threading.Lock()
@@ -93,7 +96,9 @@ class FaultProxy:
     def _fault(self, what: str) -> tuple[int, str, str] | None:
         with self._lock:
             self.requests += 1
-            if self.fail_all or (self.fail_every and self.requests % self.fail_every == 0):
+            first = bool(self.fail_first) and self.fail_first in what and what not in self._seen
+            self._seen.add(what)
+            if self.fail_all or first or (self.fail_every and self.requests % self.fail_every == 0):
                 self.faults += 1
                 self.faulted.append(what)
                 return FAULTS[self.faults % 2]

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -663,6 +664,51 @@ def test_outputs_upload_as_their_files_close(tiny_model, bucket, workdir, monkey
     assert verify(hf, url).ok
     assert not list(workdir.iterdir())
     no_mirrors_left()
+
+
+def test_next_file_goes_up_while_the_store_completes_the_last(bucket, tmp_path, faulty, monkeypatch):
+    """A file stops counting against `files_in_flight` once all of it is sent, not once the store
+    has assembled its object: with one file in flight, the second file's upload begins while the
+    first's CompleteMultipartUpload is held back, and the first is already deleted locally. Every
+    part's first attempt fails after its body was sent, so parts are sent again after their file
+    was deleted (from the descriptors they hold), and every object is still exact."""
+    monkeypatch.setattr(s3, "PART_SIZE", 5 << 20)  # moto's smallest part: 3 parts per file
+    proxy = faulty(fail_first="partNumber=")
+    rng = torch.Generator().manual_seed(0)
+    files = []
+    for i in range(3):
+        path = tmp_path / f"f{i}.bin"
+        path.write_bytes(torch.randint(0, 256, (11 << 20,), dtype=torch.uint8, generator=rng).numpy().tobytes())
+        files.append((path, path.read_bytes()))
+    second_began = threading.Event()
+    seen_at_first_complete: dict[str, bool] = {}
+
+    def on_create(params, **kwargs):
+        if params["Key"].endswith("/f1.bin"):
+            second_began.set()
+
+    def on_complete(params, **kwargs):
+        if params["Key"].endswith("/f0.bin"):
+            seen_at_first_complete["local copy"] = files[0][0].exists()
+            seen_at_first_complete["second began"] = second_began.wait(20)
+
+    events = s3.client().meta.events
+    events.register("before-parameter-build.s3.CreateMultipartUpload", on_create)
+    events.register("before-parameter-build.s3.CompleteMultipartUpload", on_complete)
+    uploader = s3.Uploader(files_in_flight=1)
+    try:
+        for path, _ in files:
+            uploader.upload(path, s3_loc(f"s3://{bucket}/early"), path.name, remove=True)
+        sent = uploader.wait()
+    finally:
+        uploader.close()
+    assert seen_at_first_complete == {"local copy": False, "second began": True}
+    assert sent == 3 * (11 << 20)
+    direct = boto3.client("s3", endpoint_url=proxy.upstream.geturl())
+    for path, data in files:
+        assert not path.exists()
+        assert direct.get_object(Bucket=bucket, Key=f"early/{path.name}")["Body"].read() == data
+    assert len([w for w in proxy.faulted if "partNumber=" in w]) == 9, proxy.faulted
 
 
 def test_interrupted_upload_is_incomplete_and_cleaned_up(tiny_model, bucket, tmp_path, workdir):

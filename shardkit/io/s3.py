@@ -263,10 +263,50 @@ def _part_size(size: int) -> int:
     return part
 
 
+class _FileSent:
+    """The s3transfer subscriber of one queued file: once every byte of it has been sent, its slot
+    is freed (and with `remove` the local file deleted), without waiting for the store's answer
+    to the last request. A multipart upload ends with CompleteMultipartUpload, which can take
+    seconds while the store assembles the object; the next file need not wait for that.
+
+    s3transfer reports a part's bytes only while it sends them (not while botocore reads them
+    for checksums or signing) and reports a rewind for a retry as negative progress, so the sum
+    reaches the file's size only once every part has opened the file: a part retried after the
+    deletion reads from its open descriptor."""
+
+    def __init__(self, path: Path, size: int, slots: threading.BoundedSemaphore, remove: bool):
+        self._path, self._size, self._slots, self._remove = path, size, slots, remove
+        self._sent = 0
+        self._freed = False
+        self._lock = threading.Lock()
+
+    def _free(self) -> None:
+        with self._lock:
+            if self._freed:
+                return
+            self._freed = True
+        if self._remove:  # gone before its slot is free: the files on disk stay within the bound
+            with contextlib.suppress(OSError):
+                self._path.unlink()
+        self._slots.release()
+
+    def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
+        with self._lock:
+            self._sent += bytes_transferred
+            whole = self._size > 0 and self._sent >= self._size
+        if whole:
+            self._free()
+
+    def on_done(self, future: Any, **kwargs: Any) -> None:
+        self._free()
+
+
 class Uploader:
     """Uploads local files as objects, several at once: files past one part go up as multipart
     uploads whose parts are read from the file as they are sent (boto3's TransferManager), so
-    memory holds a few parts, never a file. `wait()` raises the first failure."""
+    memory holds a few parts, never a file. At most `files_in_flight` files are being sent; a
+    file whose bytes are all sent no longer counts (see `_FileSent`). `wait()` raises the first
+    failure."""
 
     def __init__(self, files_in_flight: int = 4):
         boto3 = _boto3()
@@ -286,27 +326,19 @@ class Uploader:
         self.sent = 0
 
     def upload(self, path: Path, loc: RemoteLocation, name: str, remove: bool = False) -> None:
-        """Queue `path` to become `loc/name` (waiting while `files_in_flight` files are uploading);
-        with `remove`, the local file is deleted once it is up. A failed upload is raised here
+        """Queue `path` to become `loc/name` (waiting while `files_in_flight` files are being sent);
+        with `remove`, the local file is deleted once all of it is sent. A failed upload is raised here
         already, rather than once every file is written."""
         self._raise_failed()
         size = path.stat().st_size
         if size > self._config.multipart_chunksize * 10_000:
             self._config.multipart_chunksize = _part_size(size)
         self._slots.acquire()
-        slots, done_path = self._slots, path
-
-        class _Done:
-            def on_done(self, future: Any, **kwargs: Any) -> None:
-                if remove:  # gone before its slot is free: the files on disk stay within the bound
-                    with contextlib.suppress(OSError):
-                        done_path.unlink()
-                slots.release()
-
         try:
-            future = self._manager.upload(str(path), loc.bucket, loc.key(name), subscribers=[_Done()])
+            sent = _FileSent(path, size, self._slots, remove)
+            future = self._manager.upload(str(path), loc.bucket, loc.key(name), subscribers=[sent])
         except BaseException:
-            slots.release()
+            self._slots.release()
             raise
         self._futures.append((future, f"{loc}/{name}", size))
 
