@@ -4,10 +4,13 @@ through the same server; and the bytes a tp 8 -> tp 4 reshard fetches against th
 
 The server is moto's server mode on 127.0.0.1, started here in its own process (no network).
 Each step runs in its own process; peak RSS is that process's own high-water mark. Each operation
-runs right beside its baseline, the two in turn first from round to round.
+runs right beside its baseline, the two in turn first from round to round. The server and the
+steps share every core, unless `--server-core` gives the server core 0 to itself and the steps
+(both sides') the others, as with a store on other hosts whose CPUs the client never takes.
 
     python scripts/bench_s3.py --repeat 3 --drop-caches   # the TinyLlama-1.1B shape (2.2 GB in bf16)
     python scripts/bench_s3.py --config fixtures/tinyllama-mini.json --repeat 5
+    python scripts/bench_s3.py --repeat 5 --drop-caches --server-core    # the server on a core of its own
 """
 
 from __future__ import annotations
@@ -127,6 +130,14 @@ DROP_CACHES = [False]
 """--drop-caches: the page cache dropped before every step (both sides), not only synced."""
 SERVER: list[int] = []
 """The server's pid (its CPU seconds are read from /proc around each step)."""
+CORES: dict[str, set[int]] = {}
+"""The cores of the server ("server") and of the steps ("steps"); empty: every core for both."""
+
+
+def on_cores(role: str):
+    """A preexec_fn that keeps a child on its role's cores (None when they share every core)."""
+    cores = CORES.get(role)
+    return (lambda: os.sched_setaffinity(0, cores)) if cores else None
 
 
 def server_cpu() -> float:
@@ -142,7 +153,7 @@ def step(name: str, env: dict[str, str], **args) -> dict:
     bench_common.settle(DROP_CACHES[0])  # the previous step's dirty pages written back now, not during this step
     before = server_cpu()
     out = subprocess.run([sys.executable, "-c", CHILD, name, json.dumps(args)], env=env, capture_output=True,
-                         text=True, cwd=REPO)
+                         text=True, cwd=REPO, preexec_fn=on_cores("steps"))
     if out.returncode != 0:
         raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -278,6 +289,8 @@ def report(args, runs: dict[str, list[dict]], only: tuple[str, ...]) -> None:
     med = {op: best(runs[op]) for op in only}
     base = {op: best([baseline_run(runs, op, i) for i in range(len(runs[op]))]) for op in only}
     print(f"shape {args.shape}; {args.repeat} run(s) each, median; parts {PART >> 20} MiB, {CONCURRENCY} in flight")
+    print(f"server on cores {sorted(CORES['server'])}, steps on cores {sorted(CORES['steps'])}" if CORES
+          else "server and steps share every core")
     for op, tag in (("reshard", "tp8"), ("ckpt-reshard", "ckpt"), ("merge", "tp8")):
         if op in med:
             r = med[op]
@@ -327,6 +340,10 @@ def main() -> None:
                              "cached (the server's objects, downloaded copies)")
     parser.add_argument("--only", default=",".join(OPERATIONS), type=lambda text: text.split(","),
                         help=f"the operations to measure, comma-separated (default: all of {', '.join(OPERATIONS)})")
+    parser.add_argument("--server-core", action="store_true",
+                        help="give the server core 0 to itself and the steps (both sides') the other cores, so "
+                             "that a step's own CPU work never takes the server's, as with a store on other "
+                             "hosts (default: the server and the steps share every core)")
     bench_common.add_settle_wait(parser)
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shardkit-bench"))
     args = parser.parse_args()
@@ -341,9 +358,14 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     hf, _ = bench_common.synthetic_source(workdir, workdir / "logs", name, config)
+    cores = sorted(os.sched_getaffinity(0))
+    if args.server_core:
+        if len(cores) < 2:
+            parser.error("--server-core needs two cores or more (the server's and the steps'): leave it out")
+        CORES.update(server={cores[0]}, steps=set(cores[1:]))
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=on_cores("server"))
     SERVER.append(server.pid)
     endpoint = f"http://127.0.0.1:{port}"
     env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
