@@ -358,8 +358,8 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     hf, _ = bench_common.synthetic_source(workdir, workdir / "logs", name, config)
-    cores = sorted(os.sched_getaffinity(0))
     if args.server_core:
+        cores = sorted(os.sched_getaffinity(0))
         if len(cores) < 2:
             parser.error("--server-core needs two cores or more (the server's and the steps'): leave it out")
         CORES.update(server={cores[0]}, steps=set(cores[1:]))

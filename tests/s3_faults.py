@@ -97,7 +97,8 @@ class FaultProxy:
         with self._lock:
             self.requests += 1
             first = bool(self.fail_first) and self.fail_first in what and what not in self._seen
-            self._seen.add(what)
+            if first:
+                self._seen.add(what)
             if self.fail_all or first or (self.fail_every and self.requests % self.fail_every == 0):
                 self.faults += 1
                 self.faulted.append(what)
