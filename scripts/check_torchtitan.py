@@ -27,10 +27,6 @@ import tempfile
 import types
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
 
 def _module(name: str, path: Path | None = None, **attrs: object) -> types.ModuleType:
     """`name` in sys.modules: the file at `path` executed as that module, or a stand-in package."""
@@ -87,6 +83,10 @@ def torchtitan_adapter():
 
 
 def main(hf_dir: Path, dcp_dir: Path) -> int:
+    import torch  # imported here: `fetch` runs before .ci/run installs the project's dependencies
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     config = json.loads((hf_dir / "config.json").read_text())
     args = types.SimpleNamespace(n_heads=config["num_attention_heads"], n_kv_heads=config["num_key_value_heads"],
                                  dim=config["hidden_size"])
