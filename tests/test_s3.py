@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -99,6 +100,18 @@ def bucket(s3_server):
     return name
 
 
+@pytest.fixture(autouse=True)
+def own_temporary_folder(tmp_path, monkeypatch):
+    """The test's own system temporary folder (this process's and its commands'): what a test
+    leaves there (mirrors, staged outputs, a save's staging root) is seen by it alone and never
+    left in the machine's."""
+    folder = tmp_path / "system-temporary-folder"
+    folder.mkdir()
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """The working directory of the test (checked to stay empty)."""
@@ -114,10 +127,8 @@ def keys(bucket: str, prefix: str = "") -> list[str]:
 
 
 def no_mirrors_left() -> None:
-    """No mirror or output staging folder left by this process or one that has ended (those of
-    other processes running now, a benchmark's, are theirs)."""
-    import tempfile
-
+    """No mirror or output staging folder left in the test's temporary folder by this process or
+    one that has ended."""
     from shardkit.io.transaction import pid_alive
 
     base = Path(tempfile.gettempdir())
