@@ -272,7 +272,8 @@ class _FileSent:
     s3transfer reports a part's bytes only while it sends them (not while botocore reads them
     for checksums or signing) and reports a rewind for a retry as negative progress, so the sum
     reaches the file's size only once every part has opened the file: a part retried after the
-    deletion reads from its open descriptor."""
+    deletion reads from its open descriptor. The name goes at once; the disk blocks go when the
+    last part still awaiting its answer closes its descriptor (a request's round trip later)."""
 
     def __init__(self, path: Path, size: int, slots: threading.BoundedSemaphore, remove: bool):
         self._path, self._size, self._slots, self._remove = path, size, slots, remove
@@ -285,7 +286,7 @@ class _FileSent:
             if self._freed:
                 return
             self._freed = True
-        if self._remove:  # gone before its slot is free: the files on disk stay within the bound
+        if self._remove:  # unlinked before its slot is free, so a writer never finds more names than the bound
             with contextlib.suppress(OSError):
                 self._path.unlink()
         self._slots.release()
