@@ -4,9 +4,13 @@ through the same server; and the bytes a tp 8 -> tp 4 reshard fetches against th
 
 The server is moto's server mode on 127.0.0.1, started here in its own process (no network).
 Each step runs in its own process; peak RSS is that process's own high-water mark. Each operation
-runs right beside its baseline, the two in turn first from round to round. The server and the
-steps share every core, unless `--server-core` gives the server core 0 to itself and the steps
-(both sides') the others, as with a store on other hosts whose CPUs the client never takes.
+runs right beside its baseline, the two in turn first from round to round. `save_checkpoint` is
+given every tp rank's pieces in memory, and its baseline (boto3's upload of the saved tag) runs in
+a process holding the same pieces: a job that saves and then uploads holds its state, and on a VM
+whose fresh memory costs a host fault, 2 GiB more in use slow the server's side of the same
+upload too. The server and the steps share every core, unless `--server-core` gives the server
+core 0 to itself and the steps (both sides') the others, as with a store on other hosts whose CPUs
+the client never takes.
 
     python scripts/bench_s3.py --repeat 3 --drop-caches   # the TinyLlama-1.1B shape (2.2 GB in bf16)
     python scripts/bench_s3.py --config fixtures/tinyllama-mini.json --repeat 5
@@ -51,7 +55,6 @@ if step.startswith("shardkit"):
         return get_range(*a, **k)
     remote.Mirror.close, s3.get_range = counted, counted_get
     s3.client()  # boto3 imported and the client built before the clock starts, as the baseline's are
-    layout = shardkit.make_layout(tp=args["tp"], pp=args["pp"], qkv="gqa", kv_multiplier=2 if args["tp"] == 8 else 1)
 else:
     import boto3
     from boto3.s3.transfer import TransferConfig, TransferManager
@@ -59,13 +62,16 @@ else:
     part, concurrency = args["part"], args["concurrency"]
     config = TransferConfig(max_concurrency=concurrency, multipart_chunksize=part, multipart_threshold=part)
     manager = TransferManager(client, config)
+if "tp" in args:  # the layout written (shardkit's steps) or of the pieces held (a save's baseline too)
+    import shardkit
+    layout = shardkit.make_layout(tp=args["tp"], pp=args["pp"], qkv="gqa", kv_multiplier=2 if args["tp"] == 8 else 1)
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 held = 0
-if step == "shardkit-ckpt-save":  # every tp rank's pieces in memory, as the ranks of a job hold them
+if args.get("pieces"):  # every tp rank's pieces in memory, as the ranks of a job hold them (both sides of a save)
     from shardkit.formats import SourceReader, open_checkpoint
-    source = open_checkpoint(args["src"])
+    source = open_checkpoint(args["pieces"])
     reader = SourceReader(source)
     pieces = {}
     for ep, tp, pp in layout.ranks():
@@ -198,7 +204,7 @@ def sources(hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
     common = dict(bucket="bench", endpoint=endpoint)
     step("shardkit-convert", env, src=str(hf), dst="s3://bench/tp8", tp=8, pp=1)
     step("boto3-download", env, dst=str(local / "tp8"), prefix="tp8", **common)
-    step("shardkit-ckpt-save", env, src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1)
+    step("shardkit-ckpt-save", env, src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1, pieces=str(hf))
     step("boto3-download", env, dst=str(local / "ckpt"), prefix="ckpt", **common)
 
 
@@ -215,8 +221,8 @@ def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint
     def timed(key: str, name: str, **args) -> None:
         runs[key].append(step(name, env, **args))
 
-    def upload(key: str, src: Path) -> None:
-        timed(key, "boto3-upload", src=str(src), prefix="copy", **common)
+    def upload(key: str, src: Path, **pieces) -> None:
+        timed(key, "boto3-upload", src=str(src), prefix="copy", **common, **pieces)
         done_with(client, "copy")
 
     def download(key: str, prefix: str) -> None:
@@ -237,11 +243,20 @@ def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint
 
     def save() -> None:
         clear(client, "bench", "ckpt")
-        timed("ckpt-save", "shardkit-ckpt-save", src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1)
+        timed("ckpt-save", "shardkit-ckpt-save", src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1, pieces=str(hf))
 
     def ckpt_reshard() -> None:
         timed("ckpt-reshard", "shardkit-ckpt-reshard", src="s3://bench/ckpt", dst="s3://bench/ckpt-tp4", tp=4, pp=1)
         done_with(client, "ckpt-tp4")
+
+    def save_baselines(held_first: bool) -> None:
+        """The upload of the saved tag by a process that holds the same rank pieces (as a job that
+        saves and then uploads holds its state), and by one that holds nothing: on this VM fresh
+        memory costs more, the server's included, when 2 GiB more are in use."""
+        held = dict(key="ckpt-upload", src=local / "ckpt", pieces=str(hf), tp=8, pp=1)
+        bare = dict(key="ckpt-upload-bare", src=local / "ckpt")
+        for run in (held, bare) if held_first else (bare, held):
+            upload(**run)
 
     def copy(prefix: str, down: str, up: str) -> None:
         download(down, prefix)
@@ -251,7 +266,7 @@ def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint
         "convert": (convert, lambda: upload("upload", local / "tp8")),
         "merge": (merge, lambda: download("download", "tp8")),
         "reshard": (reshard, lambda: copy("tp8", "r-download", "r-upload")),
-        "ckpt-save": (save, lambda: upload("ckpt-upload", local / "ckpt")),
+        "ckpt-save": (save, lambda: save_baselines(shardkit_first)),
         "ckpt-reshard": (ckpt_reshard, lambda: copy("ckpt", "c-download", "c-upload")),
     }
     for ours, theirs in (pairs[name] for name in only):
@@ -262,11 +277,14 @@ def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint
 BASELINES = {"convert": ("upload",), "merge": ("download",), "reshard": ("r-download", "r-upload"),
              "ckpt-save": ("ckpt-upload",), "ckpt-reshard": ("c-download", "c-upload")}
 """Each operation's boto3 baseline: the steps that move the same bytes (their times added)."""
+SECOND_BASELINES = {"ckpt-save": (("ckpt-upload-bare",), "save_checkpoint tp8 tag -> s3 (boto3: upload of the tag, "
+                                  "nothing held)")}
+"""Operations shown a second time, against another baseline (its steps, the row's label)."""
 LABELS = {
     "convert": "convert HF -> s3 tp8 (boto3: upload of the tp8 files)",
     "merge": "merge s3 tp8 -> local (boto3: download of the tp8 files)",
     "reshard": "reshard s3 tp8 -> s3 tp4 (boto3: download + upload of tp8)",
-    "ckpt-save": "save_checkpoint tp8 tag -> s3 (boto3: upload of the tag)",
+    "ckpt-save": "save_checkpoint tp8 tag -> s3 (boto3: upload of the tag, the pieces held)",
     "ckpt-reshard": "ckpt reshard s3 tp8 -> s3 tp4 (boto3: download + upload of the tag)",
 }
 MOVED = {"convert": ("tp8",), "merge": ("tp8",), "reshard": ("tp8", "tp4"), "ckpt-save": ("ckpt",),
@@ -274,11 +292,11 @@ MOVED = {"convert": ("tp8",), "merge": ("tp8",), "reshard": ("tp8", "tp4"), "ckp
 """The prefixes whose bytes each operation moves."""
 
 
-def baseline_run(runs: dict[str, list[dict]], op: str, i: int) -> dict:
-    """Round `i` of `op`'s baseline (its steps added up)."""
-    parts = [runs[k][i] for k in BASELINES[op]]
+def baseline_run(runs: dict[str, list[dict]], steps: tuple[str, ...], i: int) -> dict:
+    """Round `i` of a baseline (its `steps` added up)."""
+    parts = [runs[k][i] for k in steps]
     return {k: sum(p[k] for p in parts) for k in ("seconds", "cpu", "server_cpu")} | {
-        "rss": max(p["rss"] for p in parts)
+        "rss": max(p["rss"] for p in parts), "held": max(p["held"] for p in parts)
     }
 
 
@@ -287,7 +305,9 @@ def report(args, runs: dict[str, list[dict]], only: tuple[str, ...]) -> None:
     (an operation against the baseline run right beside it)."""
     size = SIZES
     med = {op: best(runs[op]) for op in only}
-    base = {op: best([baseline_run(runs, op, i) for i in range(len(runs[op]))]) for op in only}
+    rows = [(op, LABELS[op], BASELINES[op]) for op in only]
+    rows += [(op, *SECOND_BASELINES[op][::-1]) for op in only if op in SECOND_BASELINES]
+    base = {steps: best([baseline_run(runs, steps, i) for i in range(len(runs[op]))]) for op, _, steps in rows}
     print(f"shape {args.shape}; {args.repeat} run(s) each, median; parts {PART >> 20} MiB, {CONCURRENCY} in flight")
     print(f"server on cores {sorted(CORES['server'])}, steps on cores {sorted(CORES['steps'])}" if CORES
           else "server and steps share every core")
@@ -300,17 +320,18 @@ def report(args, runs: dict[str, list[dict]], only: tuple[str, ...]) -> None:
             print(f"{op}: " + (f"streamed, at most {window / 2**20:.0f} MiB of the source held at once (memory "
                                "file system)" if window else "source fetched whole into a mirror on local disk"))
     if "ckpt-save" in med:
-        save = med["ckpt-save"]
-        print(f"save_checkpoint held {save['held'] / 2**30:.2f} GiB of rank pieces (in its peak RSS): its peak RSS "
-              f"beyond them was {(save['rss'] - save['held']) / 2**20:.0f} MiB")
+        save, upload = med["ckpt-save"], base[BASELINES["ckpt-save"]]
+        print(f"save_checkpoint and boto3's upload each held {save['held'] / 2**30:.2f} GiB of rank pieces (in their "
+              f"peak RSS): peak RSS beyond them {(save['rss'] - save['held']) / 2**20:.0f} MiB (shardkit), "
+              f"{(upload['rss'] - upload['held']) / 2**20:.0f} MiB (boto3)")
     print("| operation | bytes moved | boto3 | shardkit | shardkit vs boto3 | each round | peak RSS shardkit / boto3 "
           "| CPU s client shardkit / boto3 | CPU s server shardkit / boto3 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for op in only:
-        ours, theirs = med[op], base[op]
-        rounds = [baseline_run(runs, op, i)["seconds"] / r["seconds"] for i, r in enumerate(runs[op])]
+    for op, label, steps in rows:
+        ours, theirs = med[op], base[steps]
+        rounds = [baseline_run(runs, steps, i)["seconds"] / r["seconds"] for i, r in enumerate(runs[op])]
         nbytes = sum(size[prefix] for prefix in MOVED[op])
-        print(f"| {LABELS[op]} | {nbytes / 1e9:.2f} GB | {theirs['seconds']:.2f} s | {ours['seconds']:.2f} s | "
+        print(f"| {label} | {nbytes / 1e9:.2f} GB | {theirs['seconds']:.2f} s | {ours['seconds']:.2f} s | "
               f"{theirs['seconds'] / ours['seconds']:.2f}x | {' '.join(f'{x:.2f}' for x in rounds)} "
               f"| {ours['rss'] / 2**20:.0f} / {theirs['rss'] / 2**20:.0f} MiB "
               f"| {ours['cpu']:.1f} / {theirs['cpu']:.1f} | {ours['server_cpu']:.1f} / {theirs['server_cpu']:.1f} |")
@@ -320,7 +341,8 @@ def report(args, runs: dict[str, list[dict]], only: tuple[str, ...]) -> None:
 def measure(args, hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
     """The chosen operations and their baselines `args.repeat` times (`one_round`), then the table."""
     only = tuple(op for op in OPERATIONS if op in args.only)
-    runs: dict[str, list[dict]] = {k: [] for op in OPERATIONS for k in (op, *BASELINES[op])}
+    extra = [k for steps, _ in SECOND_BASELINES.values() for k in steps]
+    runs: dict[str, list[dict]] = {k: [] for op in OPERATIONS for k in (op, *BASELINES[op])} | {k: [] for k in extra}
     sources(hf, env, client, endpoint, local)
     for i in range(args.repeat):
         one_round(runs, hf, env, client, endpoint, local, shardkit_first=i % 2 == 1, only=only)
