@@ -204,7 +204,7 @@ def sources(hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
     common = dict(bucket="bench", endpoint=endpoint)
     step("shardkit-convert", env, src=str(hf), dst="s3://bench/tp8", tp=8, pp=1)
     step("boto3-download", env, dst=str(local / "tp8"), prefix="tp8", **common)
-    step("shardkit-ckpt-save", env, src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1, pieces=str(hf))
+    step("shardkit-ckpt-save", env, pieces=str(hf), dst="s3://bench/ckpt", tp=8, pp=1)
     step("boto3-download", env, dst=str(local / "ckpt"), prefix="ckpt", **common)
 
 
@@ -243,7 +243,7 @@ def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint
 
     def save() -> None:
         clear(client, "bench", "ckpt")
-        timed("ckpt-save", "shardkit-ckpt-save", src=str(hf), dst="s3://bench/ckpt", tp=8, pp=1, pieces=str(hf))
+        timed("ckpt-save", "shardkit-ckpt-save", pieces=str(hf), dst="s3://bench/ckpt", tp=8, pp=1)
 
     def ckpt_reshard() -> None:
         timed("ckpt-reshard", "shardkit-ckpt-reshard", src="s3://bench/ckpt", dst="s3://bench/ckpt-tp4", tp=4, pp=1)
@@ -277,9 +277,9 @@ def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint
 BASELINES = {"convert": ("upload",), "merge": ("download",), "reshard": ("r-download", "r-upload"),
              "ckpt-save": ("ckpt-upload",), "ckpt-reshard": ("c-download", "c-upload")}
 """Each operation's boto3 baseline: the steps that move the same bytes (their times added)."""
-SECOND_BASELINES = {"ckpt-save": (("ckpt-upload-bare",), "save_checkpoint tp8 tag -> s3 (boto3: upload of the tag, "
-                                  "nothing held)")}
-"""Operations shown a second time, against another baseline (its steps, the row's label)."""
+SECOND_BASELINES = {"ckpt-save": ("save_checkpoint tp8 tag -> s3 (boto3: upload of the tag, nothing held)",
+                                  ("ckpt-upload-bare",))}
+"""Operations shown a second time, against another baseline (the row's label, the baseline's steps)."""
 LABELS = {
     "convert": "convert HF -> s3 tp8 (boto3: upload of the tp8 files)",
     "merge": "merge s3 tp8 -> local (boto3: download of the tp8 files)",
@@ -306,7 +306,7 @@ def report(args, runs: dict[str, list[dict]], only: tuple[str, ...]) -> None:
     size = SIZES
     med = {op: best(runs[op]) for op in only}
     rows = [(op, LABELS[op], BASELINES[op]) for op in only]
-    rows += [(op, *SECOND_BASELINES[op][::-1]) for op in only if op in SECOND_BASELINES]
+    rows += [(op, *SECOND_BASELINES[op]) for op in only if op in SECOND_BASELINES]
     base = {steps: best([baseline_run(runs, steps, i) for i in range(len(runs[op]))]) for op, _, steps in rows}
     print(f"shape {args.shape}; {args.repeat} run(s) each, median; parts {PART >> 20} MiB, {CONCURRENCY} in flight")
     print(f"server on cores {sorted(CORES['server'])}, steps on cores {sorted(CORES['steps'])}" if CORES
@@ -341,7 +341,7 @@ def report(args, runs: dict[str, list[dict]], only: tuple[str, ...]) -> None:
 def measure(args, hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
     """The chosen operations and their baselines `args.repeat` times (`one_round`), then the table."""
     only = tuple(op for op in OPERATIONS if op in args.only)
-    extra = [k for steps, _ in SECOND_BASELINES.values() for k in steps]
+    extra = [k for _, steps in SECOND_BASELINES.values() for k in steps]
     runs: dict[str, list[dict]] = {k: [] for op in OPERATIONS for k in (op, *BASELINES[op])} | {k: [] for k in extra}
     sources(hf, env, client, endpoint, local)
     for i in range(args.repeat):
