@@ -6,7 +6,8 @@
 3. pre-training from a config (--model-config): the same initial full weights in every layout;
 4. resume honesty: a resume with other --steps/--warmup/--lr/batch sizes is refused (exit 2)
    unless --override-schedule, which says what changed;
-5. sequence parallelism keeps only the local chunk of each gathered input for backward.
+5. sequence parallelism keeps only the local chunk of each gathered input for backward;
+6. gradients all-reduced in buckets of bounded size (--grad-bucket-mb).
 """
 
 from __future__ import annotations
@@ -429,3 +430,68 @@ def test_readme_options_table_lists_every_option():
     rows = [line for line in readme.splitlines() if line.startswith("| `--")]
     flags = {line.split("`")[1].split(" ")[0] for line in rows}
     assert flags == {"--" + f.name.replace("_", "-") for f in dataclasses.fields(TrainConfig)}
+
+
+# ---- 6. gradients reduced in buckets (--grad-bucket-mb) ----------------------------------------------------
+
+
+def test_buckets_are_bounded_and_start_from_the_last_layer():
+    """NxD's cut: reversed order, at most the cap per bucket, a larger tensor alone; every tensor once."""
+    from trainer.optim import buckets, flat_buckets
+
+    tensors = [torch.zeros(n) for n in (10, 300, 20, 30, 5, 40)]  # fp32: 4 bytes each
+    cut = buckets(tensors, 100 * 4)
+    assert [[t.numel() for t in b] for b in cut] == [[40, 5, 30, 20], [300], [10]]
+    assert sorted(id(t) for b in cut for t in b) == sorted(id(t) for t in tensors)
+    flat = torch.arange(10.0)
+    views = flat_buckets(flat, 4 * 4)
+    assert [v.tolist() for v in views] == [[6.0, 7.0, 8.0, 9.0], [2.0, 3.0, 4.0, 5.0], [0.0, 1.0]]
+    assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in views)  # no copies
+
+
+def test_bucketed_all_reduce_sums_each_tensor_with_bounded_collectives():
+    """`_all_reduce_each` over a two-rank group whose peer holds other gradients: each tensor gets
+    the sum, and no collective carries more than the cap unless it is one tensor larger than it."""
+    from trainer.comm.base import Group
+    from trainer.optim import _all_reduce_each, buckets
+
+    peer = {}
+
+    class Recording(Group):
+        sizes: list[int] = []
+
+        def _all_reduce(self, tensor, op):
+            tensor.add_(peer[tensor.numel()])
+            self.sizes.append(tensor.numel() * tensor.element_size())
+
+    gen = torch.Generator().manual_seed(5)
+    mine = [torch.randn(n, generator=gen) for n in (64, 8, 8, 700, 16, 32)]
+    theirs = [torch.randn(t.shape, generator=gen) for t in mine]
+    want = [a + b for a, b in zip(mine, theirs)]
+    group = Recording([0, 1], 0)
+    cap = 100 * 4
+    for bucket_mine, bucket_theirs in zip(buckets(mine, cap), buckets(theirs, cap)):
+        peer[sum(t.numel() for t in bucket_mine)] = torch.cat([t.reshape(-1) for t in bucket_theirs])
+    _all_reduce_each(group, mine, cap)
+    assert all(torch.equal(a, b) for a, b in zip(mine, want))
+    assert group.sizes == [48 * 4, 700 * 4, 80 * 4], group.sizes  # (32, 16), 700 alone, (8, 8, 64)
+
+
+@pytest.mark.parametrize("layout", [["--dp", "2"], ["--dp", "2", "--zero1"], ["--tp", "2", "--sequence-parallel"]])
+def test_small_buckets_give_the_same_training(layout, work, hf_model, tokens):
+    """Buckets of 2 KiB (dozens of collectives a step) train exactly as one bucket of everything."""
+    whole, small = work / f"bucket-whole-{len(layout)}-{layout[0]}.jsonl", work / f"bucket-small-{len(layout)}-{layout[0]}.jsonl"
+    for metrics, mb in ((whole, "512"), (small, "0.002")):
+        check_ok(run_ranks(2, ["--model", str(hf_model), "--data", str(tokens), "--metrics", str(metrics), *COMMON,
+                               *layout, "--grad-bucket-mb", mb]))
+    assert rel_diff(losses(small), losses(whole)) < 1e-6, (losses(small), losses(whole))
+    assert [r["grad_norm"] for r in steps(small)] == pytest.approx([r["grad_norm"] for r in steps(whole)], rel=1e-6)
+
+
+def test_grad_bucket_mb_must_be_positive(tmp_path, hf_model, tokens, capsys):
+    from trainer.__main__ import main
+
+    code = main(["--model", str(hf_model), "--data", str(tokens), "--grad-bucket-mb", "0", "--device", "cpu",
+                 "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--grad-bucket-mb must be positive" in err[0], err

@@ -215,3 +215,45 @@ def test_lazy_optimizer_path_equals_the_eager_one():
     storages = [s.grad.untyped_storage().data_ptr() for s in lazy_opt.slots]
     assert len(set(storages)) == len(storages), "lazy gradients share a buffer"
     assert lazy_opt.flat is None and eager_opt.flat is not None
+
+
+# ---- where the threaded mode runs ---------------------------------------------------------------------------
+
+
+def _xla_host(monkeypatch, runtime: str, devices: int) -> None:
+    """Pretend torch-xla is installed with `devices` devices of `runtime` visible to this one process."""
+    import trainer.comm.xla as xla
+
+    monkeypatch.setattr(xla, "xla_available", lambda: True)
+    monkeypatch.setattr(xla, "runtime_type", lambda: runtime)
+    monkeypatch.setattr(xla, "local_devices", lambda: devices)
+    monkeypatch.setattr(xla, "thread_devices", lambda: [f"xla:{i}" for i in range(devices)])
+    monkeypatch.setattr(xla, "runtime_for_threads", lambda devices: None)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_neuron_host_without_torchrun_is_told_to_use_it(monkeypatch, capsys):
+    """Several devices in one process are torch-xla's CPU runtime's: a Neuron host running
+    `python -m trainer` (no torchrun) with 32 visible NeuronCores gets one line naming torchrun and
+    exit code 2, before anything else is read."""
+    from trainer.__main__ import main
+
+    _xla_host(monkeypatch, "NEURON", 32)
+    code = main(["--model", "/nonexistent", "--data", "/nonexistent", "--device", "xla", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert len(err) == 1 and "torchrun --nproc-per-node 32 -m trainer" in err[0], err
+
+
+def test_threads_only_on_the_cpu_runtime(monkeypatch):
+    """The CPU runtime with 4 devices runs 4 ranks as threads; one Neuron device per process (under
+    torchrun, or a single core) runs as a plain rank."""
+    from trainer.config import parse_args
+    from trainer.loop import _threaded_devices
+
+    cfg = parse_args(["--model", "m", "--data", "d", "--device", "xla"])
+    _xla_host(monkeypatch, "CPU", 4)
+    assert _threaded_devices(cfg) == ["xla:0", "xla:1", "xla:2", "xla:3"]
+    _xla_host(monkeypatch, "NEURON", 1)
+    assert _threaded_devices(cfg) == []

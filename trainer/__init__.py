@@ -13,11 +13,17 @@ through torch.distributed, torch-xla), `layers` (tensor-parallel layers and the 
 loss), `model` (a decoder built from one rank's pieces), `pipeline` (1F1B with
 torch.distributed.pipelining), `exchange` (the XLA path's pipeline by neighbour exchanges), `optim`
 (master weights, ZeRO-1, clipping), `data` (token files and the sample order), `weights` (loading
-pieces, --export-hf), `checkpointing` (shardkit.checkpoint), `loop` (the run).
+pieces, --export-hf), `checkpointing` (shardkit.checkpoint), `cpus` (CPU threads), `loop` (the run).
 """
 
-from .config import TrainConfig, parse_args
-from .errors import DataError, TrainerError
-from .loop import Summary, train
+import os
+
+# OpenMP threads that spin while they wait slow a run many times over on a host busy with other work
+# (trainer/cpus.py); the runtime reads this once, when torch loads it, so before torch is imported
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from .config import TrainConfig, parse_args  # noqa: E402 - after the OpenMP setting above
+from .errors import DataError, TrainerError  # noqa: E402
+from .loop import Summary, train  # noqa: E402
 
 __all__ = ["TrainConfig", "parse_args", "train", "Summary", "TrainerError", "DataError"]

@@ -118,6 +118,11 @@ class TrainConfig:
     clip_grad: float = _opt(
         1.0, "Clip the global gradient norm (over all ranks) to this; 0 disables.", "--max-grad-norm"
     )
+    grad_bucket_mb: float = _opt(
+        512.0,
+        "Data-parallel gradients are all-reduced in buckets of at most this many MiB, the last layers' first "
+        "(NxD's default bucket; a larger gradient goes alone): bounded extra memory, collectives that can overlap.",
+    )
     seed: int = _opt(1234, "Seed of the data order and of --model-config's random weights.")
     dtype: str = _opt(
         "bf16",
@@ -174,7 +179,11 @@ class TrainConfig:
         choices=("cpu", "cuda", "xla"),
     )
     timeout: float = _opt(600.0, "Seconds before a collective gives up (no rank hangs forever).")
-    threads: int = _opt(0, "CPU threads per process (0: torch's default / OMP_NUM_THREADS).")
+    threads: int = _opt(
+        0,
+        "CPU threads per process (0: OMP_NUM_THREADS when set, else one per physical core of the process's "
+        "CPU affinity, divided among the job's processes on the host). Threads wait passively (OMP_WAIT_POLICY).",
+    )
     debug: bool = _opt(False, "On an error, also print the traceback of each rank that failed (or TRAINER_DEBUG=1).")
 
     def replace(self, **changes: Any) -> TrainConfig:

@@ -34,7 +34,9 @@ from shardkit.errors import ShardkitError
 from . import checkpointing, lora, moe
 from .clocks import COMM, COMPUTE
 from .config import TrainConfig
+from .cpus import use_threads
 from .data import Batches, TokenFile
+from .errors import TrainerError
 from .exchange import ExchangePipeline
 from .layers import TPContext, vocab_parallel_cross_entropy
 from .model import StageModel, param_count
@@ -194,8 +196,7 @@ def train(cfg: TrainConfig) -> Summary:
     try:
         agree(comm, error)
         assert device is not None and plan is not None  # agree() raised if choosing either failed
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        use_threads(cfg.threads)
         par = init_parallel(cfg.tp, cfg.pp, plan.dp, device, cfg.timeout, cfg.ep, comm=comm)
         return _run(plan, par)
     finally:
@@ -216,9 +217,18 @@ def _threaded_devices(cfg: TrainConfig) -> list[Any]:
         return []
     if kind != "xla":
         return []
-    from .comm.xla import local_devices, runtime_for_threads, thread_devices, xla_available
+    from .comm.xla import local_devices, runtime_for_threads, runtime_type, thread_devices, xla_available
 
     if not xla_available():
+        return []
+    if runtime_type() != "CPU":  # several devices in one process exist for torch-xla's CPU runtime only
+        devices = local_devices()
+        if devices > 1:
+            raise TrainerError(
+                f"this process sees {devices} {runtime_type()} devices: run one process per device with "
+                f"torchrun --nproc-per-node {devices} -m trainer ... (several devices in one process are "
+                "torch-xla's CPU runtime's, PJRT_DEVICE=CPU with CPU_NUM_DEVICES)"
+            )
         return []
     runtime_for_threads(int(os.environ.get("CPU_NUM_DEVICES", "1") or 1))  # before the first graph runs
     if local_devices() < 2:
@@ -232,8 +242,7 @@ def _train_in_threads(cfg: TrainConfig, devices: list[Any]) -> Summary:
     from .comm.threads import JobAborted, run_in_threads
     from .comm.xla import enter_device
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    use_threads(cfg.threads)
     outcomes = run_in_threads(devices, lambda: train(cfg), cfg.timeout, enter_device)
     errors = [e for _, e in outcomes if e is not None]
     if errors:
@@ -314,7 +323,9 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
         model = StageModel(
             spec, ctx, par.pp_rank, plan.dtype, par.device, cfg.activation_checkpointing, par.comm.checkpoint
         )
-    model.load_pieces({k: v.to(par.device) for k, v in tensors.items()})
+    # cast on the host, then moved: the device gets data, not a graph (a lazy backend's set-up then
+    # traces nothing, and a resumed run's first graphs are a fresh run's)
+    model.load_pieces(dict(zip(tensors, par.comm.to_device([v.to(plan.dtype) for v in tensors.values()]))))
     model.train()
     trained: torch.nn.Module = model
     trained_spec, adapters = spec, None
@@ -340,8 +351,10 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
         zero1=cfg.zero1,
         sequence_parallel=cfg.sequence_parallel,
         sources=tensors,
+        masters={n: e["master"] for n, e in restored.optimizer.items() if "master" in e} if restored else None,
         experts=experts,
         tp_partial=tp_partial,
+        grad_bucket_mb=cfg.grad_bucket_mb,
     )
     del tensors
     schedule = RunSchedule(cfg)
@@ -419,7 +432,7 @@ def _announce(plan: Plan, par: Parallel, run: Run) -> None:
         extras.append(f"LoRA {plan.lora.settings.describe()} ({trained / 1e6:.3f}M trained)")
     threaded = par.comm.name == "xla" and par.world > 1 and getattr(par.comm, "thread", None) is not None
     log.info(
-        "%d %s: tp %d x pp %d%s x dp %d (%s, %s); %s %.2fM parameters in %s; %d micro-batch%s of "
+        "%d %s: tp %d x pp %d%s x dp %d (%s, %s, %d CPU thread%s); %s %.2fM parameters in %s; %d micro-batch%s of "
         "%d x %d tokens per step%s%s",
         par.world,
         ("ranks (threads of one process)" if threaded else "processes") if par.world > 1 else "process",
@@ -429,6 +442,8 @@ def _announce(plan: Plan, par: Parallel, run: Run) -> None:
         par.dp,
         par.backend,
         par.device,
+        torch.get_num_threads(),
+        "s" if torch.get_num_threads() > 1 else "",
         spec.family.name,
         param_count(spec) / 1e6,
         cfg.dtype,
@@ -460,19 +475,37 @@ def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
             }
         )
     t_start, eval_seconds = time.perf_counter(), 0.0
+    pending: QueuedStep | None = None  # a lazy backend's queued step, read once the next is queued
+    read_at = t_start
+
+    def finish(queued: QueuedStep) -> None:
+        nonlocal read_at
+        record = _finish_step(plan, par, run, queued, read_at)
+        read_at = time.perf_counter()
+        summary.losses.append(record["loss"])
+        summary.steps += 1
+        reporter.step(record, show=queued.step + 1 == cfg.steps or (queued.step + 1) % cfg.log_every == 0)
+
     try:
         for step in range(run.start_step, cfg.steps):
-            record = _one_step(plan, par, run, step)
-            summary.losses.append(record["loss"])
-            summary.steps += 1
+            queued = _queue_step(plan, par, run, step)
+            if pending is not None:  # step N's values, read while step N + 1 runs
+                finish(pending)
+                pending = None
             last = step + 1 == cfg.steps
-            reporter.step(record, show=last or (step + 1) % cfg.log_every == 0)
-            if plan.eval_steps and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
+            evaluate = bool(plan.eval_steps) and (last or bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0))
+            save = saver is not None and (last or bool(cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0))
+            if par.comm.lazy and not (last or evaluate or save):
+                pending = queued
+                continue
+            finish(queued)
+            if evaluate:
                 evaluated = _evaluate(plan, par, run, step + 1)
                 summary.eval_loss = evaluated["eval_loss"]
                 eval_seconds += evaluated["eval_time"]
                 reporter.evaluation(evaluated)
-            if saver is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
+            if save:
+                assert saver is not None  # `save` is only set with a saver
                 summary.checkpoints.append(
                     saver.save(step + 1, run.adapters or run.model, run.optimizer, run.schedule, run.batches)
                 )
@@ -502,10 +535,10 @@ def _batches(plan: Plan, par: Parallel, tokens: TokenFile, shuffle: bool = True)
     )
 
 
-def _summed(par: Parallel, values: list[Any], local: Sequence[Any] = ()) -> list[float]:
-    """`values` (device tensors or numbers) summed over the job, then `local` (this rank's own),
-    read on the host once: one vector, one all-reduce, the graph cut (on XLA the rank's work up to
-    here runs) and one read."""
+def _reduced(par: Parallel, values: list[Any], local: Sequence[Any] = ()) -> torch.Tensor:
+    """`values` (device tensors or numbers) summed over the job, then `local` (this rank's own), as
+    one device vector: one all-reduce, then the graph cut (on XLA the rank's work up to here is
+    launched). `_read` brings it to the host."""
     comm = par.comm
     comm.isolate()  # the reduction in a graph of its own (Comm.isolate)
 
@@ -528,7 +561,17 @@ def _summed(par: Parallel, values: list[Any], local: Sequence[Any] = ()) -> list
     if local:
         both = torch.cat([both, vector(list(local))])
     comm.cut()
-    return comm.to_host([both])[0].tolist()
+    return both
+
+
+def _read(par: Parallel, vector: torch.Tensor) -> list[float]:
+    """The host's one read of a `_reduced` vector (on XLA it waits for the graph that computes it)."""
+    return par.comm.to_host([vector])[0].tolist()
+
+
+def _summed(par: Parallel, values: list[Any], local: Sequence[Any] = ()) -> list[float]:
+    """`_reduced`, read at once."""
+    return _read(par, _reduced(par, values, local))
 
 
 def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
@@ -561,6 +604,7 @@ def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
         "eval_ppl": math.exp(min(loss, 700.0)),
         "eval_tokens": plan.eval_steps * cfg.global_batch * cfg.seq_len,
         "eval_time": time.perf_counter() - t0,
+        **({"xla_compiles": compiles} if (compiles := par.comm.compiles()) is not None else {}),
     }
 
 
@@ -572,8 +616,24 @@ def _counted(par: Parallel, value: Any, counted: bool) -> Any:
     return value if counted else 0.0
 
 
-def _one_step(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
-    """One optimizer step (0-based `step`); returns its metrics record."""
+@dataclass
+class QueuedStep:
+    """A step whose device work is queued: its values (losses, MoE sums, clocks, the gradient norm)
+    are one device vector, read on the host by `_finish_step`."""
+
+    step: int  # 0-based
+    lr: float
+    started: float  # perf_counter when the step began
+    vector: torch.Tensor
+    moe_count: int
+    eager: bool
+    timings: list[float]  # the host clocks on a lazy backend (this rank's; they time the tracing)
+    compiles: int | None  # graphs compiled once this step was queued (XLA)
+    consumed_samples: int  # the data position after the step
+
+
+def _queue_step(plan: Plan, par: Parallel, run: Run, step: int) -> QueuedStep:
+    """One optimizer step (0-based `step`) traced and queued on the device (run, on an eager one)."""
     cfg = plan.cfg
     COMM.take()
     COMPUTE.take()
@@ -601,33 +661,54 @@ def _one_step(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
     # the tracing, this rank's own (its non-compute share is not measured there)
     timings = [COMPUTE.take(), COMM.take(), *([moe.DISPATCH.take()] if run.moe_loss is not None else [])]
     eager = not par.comm.lazy
-    summed = _summed(par, [mine, *moe_values, *(timings if eager else [])], [norm])
-    loss, *summed = summed
-    moe_sums, summed = summed[: len(moe_values)], summed[len(moe_values) :]
-    if eager:
-        timings, summed = [t / par.world for t in summed[: len(timings)]], summed[len(timings) :]
+    vector = _reduced(par, [mine, *moe_values, *(timings if eager else [])], [norm])
+    return QueuedStep(
+        step,
+        lr,
+        t0,
+        vector,
+        len(moe_values),
+        eager,
+        [] if eager else timings,
+        par.comm.compiles(),
+        run.batches.consumed_samples,
+    )
+
+
+def _finish_step(plan: Plan, par: Parallel, run: Run, queued: QueuedStep, since: float) -> dict[str, Any]:
+    """Read a queued step's values (the step's one host read) into its metrics record; `since`: when
+    the previous step's values were read, the step's time counting from the later of that and the
+    step's start (a lazy backend traces step N + 1 before it reads step N: steady steps then time the
+    period between two steps' results)."""
+    cfg = plan.cfg
+    loss, *summed = _read(par, queued.vector)
+    step_time = time.perf_counter() - max(since, queued.started)
+    moe_sums, summed = summed[: queued.moe_count], summed[queued.moe_count :]
+    timings = queued.timings
+    if queued.eager:
+        n = 3 if queued.moe_count else 2
+        timings, summed = [t / par.world for t in summed[:n]], summed[n:]
     grad_norm = summed[0]
-    if par.comm.lazy and not math.isfinite(grad_norm):
-        log.warning("gradient norm is %s: the update of step %d was skipped", grad_norm, step + 1)
-    step_time = time.perf_counter() - t0
+    if not queued.eager and not math.isfinite(grad_norm):
+        log.warning("gradient norm is %s: the update of step %d was skipped", grad_norm, queued.step + 1)
     compute_mean, comm_mean = timings[0], timings[1]
     tokens_per_step = cfg.global_batch * cfg.seq_len
     return {
         "event": "step",
-        "step": step + 1,
+        "step": queued.step + 1,
         "loss": loss,
-        "lr": lr,
+        "lr": queued.lr,
         "grad_norm": grad_norm,
         "step_time": step_time,
         "tokens_per_s": tokens_per_step / step_time,
-        "tokens": (step + 1) * tokens_per_step,
-        "consumed_samples": run.batches.consumed_samples,
+        "tokens": (queued.step + 1) * tokens_per_step,
+        "consumed_samples": queued.consumed_samples,
         "compute_time": compute_mean,
         "collective_time": comm_mean,
-        "comm_share": max(0.0, 1.0 - compute_mean / step_time) if eager else None,
+        "comm_share": max(0.0, 1.0 - compute_mean / step_time) if queued.eager else None,
         "memory_mb": peak_memory_mb(par.device),
         **(moe.step_record([*moe_sums, timings[2]], 1) if moe_sums else {}),
-        **({"xla_compiles": compiles} if (compiles := par.comm.compiles()) is not None else {}),
+        **({"xla_compiles": queued.compiles} if queued.compiles is not None else {}),
     }
 
 

@@ -162,7 +162,7 @@ class AdapterSet(nn.Module):
                     child = nn.Module()
                     module.add_module(part, child)
                 module = child
-            module.register_parameter(leaf, nn.Parameter(tensor.to(device=device, dtype=dtype).contiguous()))
+            module.register_parameter(leaf, nn.Parameter(tensor.to(dtype).contiguous().to(device)))
 
 
 @dataclass

@@ -45,7 +45,6 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shardkit.checkpoint.zero1 import MOMENTS, shard_rows
 from shardkit.placements import Holding, SegmentIndex
@@ -213,14 +212,37 @@ class LRSchedule:
         return (base - floor) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / decay)) + floor
 
 
-def _all_reduce_each(group: Group, tensors: list[torch.Tensor]) -> None:
-    """Sum each of `tensors` over `group` in place, by one all-reduce of them flattened."""
+def buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """`tensors` in reverse order (the last layers' gradients are complete first) cut into buckets
+    of at most `cap_bytes`; a tensor larger than that is a bucket of its own (NxD's
+    bucket_allreduce_gradients cuts so)."""
+    out: list[list[torch.Tensor]] = []
+    bucket: list[torch.Tensor] = []
+    total = 0
+    for t in reversed(tensors):
+        size = t.numel() * t.element_size()
+        if bucket and total + size > cap_bytes:
+            out.append(bucket)
+            bucket, total = [], 0
+        bucket.append(t)
+        total += size
+    if bucket:
+        out.append(bucket)
+    return out
+
+
+def flat_buckets(flat: torch.Tensor, cap_bytes: int) -> list[torch.Tensor]:
+    """Consecutive views of a flat buffer of at most `cap_bytes` each, from its end (see `buckets`)."""
+    step = max(1, cap_bytes // flat.element_size())
+    return [flat[max(0, stop - step) : stop] for stop in range(flat.numel(), 0, -step)]
+
+
+def _all_reduce_each(group: Group, tensors: list[torch.Tensor], cap_bytes: int) -> None:
+    """Sum each of `tensors` over `group` in place, a bucket of at most `cap_bytes` per collective."""
     if group.size == 1 or not tensors:
         return
-    flat = _flatten_dense_tensors(tensors)
-    group.all_reduce(flat)
-    for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-        t.copy_(synced)
+    for bucket in buckets(tensors, cap_bytes):
+        group.all_reduce_many(bucket)
 
 
 class Optimizer:
@@ -240,10 +262,15 @@ class Optimizer:
         zero1: bool = False,
         sequence_parallel: bool = False,
         sources: Mapping[str, torch.Tensor] | None = None,
+        masters: Mapping[str, torch.Tensor] | None = None,
         experts: frozenset[str] | set[str] = frozenset(),
         tp_partial: frozenset[str] | set[str] = frozenset(),
+        grad_bucket_mb: float = 512.0,
     ):
         self.par = par
+        # gradients are reduced in buckets of at most this many bytes (bounded extra memory where a
+        # bucket is flattened; separate collectives a compiler can overlap with other work)
+        self.bucket_bytes = max(1, int(grad_bucket_mb * 2**20))
         self.clip_grad = clip_grad
         # a lazy (XLA) backend keeps the norm, the clipping and the skip of a non-finite step on the
         # device (read after the step's graph ran); fp32 there, as Neuron has no fp64
@@ -262,10 +289,13 @@ class Optimizer:
         self.slots = self._make_slots(model, spec.replicated_names(par.pp_rank))
         self.by_name = {n: s for s in self.slots for n in s.names}
         self.owned = self._assign_rows()
-        self._plumb_gradients(sources)
+        self._plumb_gradients(sources, masters or {})
         self.replica_groups = self._replica_groups(spec)
         self.initial_lr = lr
         self.adam = self._make_adam(lr, betas, eps, weight_decay)
+        self.updated = False  # an update ran or state was loaded (state_dict is empty before)
+        if self.lazy:
+            self._initial_state()
 
     def _make_slots(self, model: nn.Module, replicated: set[str]) -> list[Slot]:
         """One slot per Parameter (shared ones once), its gradient a view into one flat fp32 buffer
@@ -285,8 +315,8 @@ class Optimizer:
                 continue
             if name in self.experts and offset < self.dense_numel:
                 self.dense_numel = offset
-            if self.flat is None:
-                grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+            if self.flat is None:  # moved from the host: device data, not a graph of zeros (see _initial_state)
+                (grad,) = self.par.comm.to_device([torch.zeros(p.shape, dtype=torch.float32)])
             else:
                 grad = self.flat[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
@@ -312,10 +342,12 @@ class Optimizer:
             slot.rows = self._rows_of(slot, self.zero_rank)
         return [s for s in self.slots if s.rows[1] > s.rows[0]]
 
-    def _plumb_gradients(self, sources: Mapping[str, torch.Tensor] | None) -> None:
+    def _plumb_gradients(self, sources: Mapping[str, torch.Tensor] | None, masters: Mapping[str, torch.Tensor]) -> None:
         """fp32 params: `.grad` is the flat buffer's view and the param its own master (with ZeRO-1
-        a view of this rank's rows). bf16 params: an fp32 master of this rank's rows (from the
-        source tensor when given), and a hook accumulating into the buffer."""
+        a view of this rank's rows). bf16 params: an fp32 master of this rank's rows (from `masters`,
+        a checkpoint's fp32 masters, else from the source tensor when given), and a hook
+        accumulating into the buffer."""
+        self.restored_masters: set[str] = set()
         for slot in self.slots:
             a, b = slot.rows
             mine = b > a
@@ -330,9 +362,18 @@ class Optimizer:
                         slot.master.grad = slot.grad[a:b]
                 continue
             if mine:
-                source = sources.get(slot.names[0]) if sources else None
-                init = (source if source is not None else slot.param.detach()).to(torch.float32)
-                slot.master = nn.Parameter((init if whole else init[a:b]).clone(), requires_grad=False)
+                # the source tensor (exact fp32 values when the checkpoint has them) is on the host:
+                # the master lives where the parameter and its gradient do
+                source = masters.get(slot.names[0])
+                if source is not None:
+                    source = source.reshape(slot.param.shape)
+                    self.restored_masters.add(slot.names[0])
+                elif sources:
+                    source = sources.get(slot.names[0])
+                init = source if source is not None else slot.param.detach()
+                init = init if whole else init[a:b]
+                (master,) = self.par.comm.to_device([init.to(torch.float32, copy=True)])
+                slot.master = nn.Parameter(master, requires_grad=False)
                 slot.master.grad = slot.grad if whole else slot.grad[a:b]
             slot.param.register_post_accumulate_grad_hook(self._accumulate_hook(slot))
 
@@ -389,6 +430,21 @@ class Optimizer:
             return None
         return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
 
+    def _initial_state(self) -> None:
+        """A lazy backend: AdamW's state of every master, zeros moved from the host (device data),
+        made here in the param groups' order -- as `load_state_dict` makes a checkpoint's. XLA orders
+        a graph's inputs and outputs by when their tensors were made, so a fresh run and a resumed
+        one then trace the same update graph, from the first step on (one graph to compile,
+        and a compile cache made by a fresh run serves a resumed one)."""
+        if self.adam is None:
+            return
+        for group in self.adam.param_groups:
+            for master in group["params"]:
+                step, m, v = self.par.comm.to_device(
+                    [torch.zeros(()), torch.zeros(master.shape), torch.zeros(master.shape)]
+                )
+                self.adam.state[master] = {"step": step, "exp_avg": m, "exp_avg_sq": v}
+
     @staticmethod
     def _accumulate_hook(slot: Slot):
         def hook(p: torch.Tensor) -> None:
@@ -412,25 +468,31 @@ class Optimizer:
     def sync_gradients(self) -> None:
         par = self.par
         split = bool(self.experts) and par.edp_group is not par.dp_group
-        if self.flat is None:  # a lazy backend: the gradients flattened for the all-reduce
+        cap = self.bucket_bytes
+        if self.flat is None:  # a lazy backend: each gradient a tensor of its own, reduced in buckets
             experts = [s.grad for s in self.slots if split and s.names[0] in self.experts]
-            _all_reduce_each(par.dp_group, [s.grad for s in self.slots if not (split and s.names[0] in self.experts)])
+            dense = [s.grad for s in self.slots if not (split and s.names[0] in self.experts)]
+            _all_reduce_each(par.dp_group, dense, cap)
             if experts:
                 assert par.edp_group is not None  # init_parallel makes it
-                _all_reduce_each(par.edp_group, experts)
-        elif split:
-            par.dp_group.all_reduce(self.flat[: self.dense_numel])
-            assert par.edp_group is not None  # init_parallel makes it
-            par.edp_group.all_reduce(self.flat[self.dense_numel :])
-        else:
-            par.dp_group.all_reduce(self.flat)
+                _all_reduce_each(par.edp_group, experts, cap)
+        else:  # views of the flat buffer, bucket by bucket: no copy
+            if split:
+                assert par.edp_group is not None  # init_parallel makes it
+                ranges = [(par.dp_group, self.flat[: self.dense_numel]), (par.edp_group, self.flat[self.dense_numel :])]
+            else:
+                ranges = [(par.dp_group, self.flat)]
+            for group, flat in ranges:
+                if group.size > 1:
+                    for bucket in flat_buckets(flat, cap):
+                        group.all_reduce(bucket)
         if self.sequence_parallel or (self.tp_partial and par.tp > 1):
             reps = [
                 s.grad
                 for s in self.slots
                 if (s.replicated and self.sequence_parallel) or (par.tp > 1 and s.names[0] in self.tp_partial)
             ]
-            _all_reduce_each(par.tp_group, reps)
+            _all_reduce_each(par.tp_group, reps, cap)
         for group, intervals in self.replica_groups:
             sizes = [math.prod(iv.shape) for iv in intervals]
             buf = torch.zeros(sum(sizes), dtype=torch.float32, device=self.par.device)
@@ -511,6 +573,7 @@ class Optimizer:
             if self.zero1:
                 self._gather_rows()
             self.zero_grad()
+            self.updated = True
         return norm
 
     @torch.no_grad()
@@ -534,11 +597,7 @@ class Optimizer:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.adam.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state = self.adam.state[p]  # made in advance (_initial_state, load_state_dict)
                 step = state["step"] + ok.to(torch.float32)
                 m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
                 new_m = m.lerp(g, 1 - beta1)
@@ -592,7 +651,7 @@ class Optimizer:
         ZeRO-1 this dp rank's NxD shard of each (dim 0 zero-padded to a multiple of dp, chunk dp_rank),
         for every parameter. Empty before the first update. `to_host`: the tensors are moved with it
         (all in one call) before any padding, which then happens on the host."""
-        if self.adam is None or not self.adam.state:
+        if self.adam is None or not self.updated:
             return {}
         held: list[dict[str, Any]] = []
         for slot in self.slots:
@@ -673,19 +732,23 @@ class Optimizer:
         adopted, as torch's and NxD's optimizers do on load."""
         if self.adam is None:
             return
-        for slot in self.owned:
+        slot_of = {id(s.master): s for s in self.owned}
+        # in the param groups' order, as _initial_state makes a fresh run's (XLA orders a graph by
+        # when its tensors were made); each tensor moved from the host, so no graph is traced here
+        for master in (m for group in self.adam.param_groups for m in group["params"]):
+            slot = slot_of[id(master)]
             entry = next((states[n] for n in slot.names if n in states), None)
             if entry is None:
                 continue
-            master = slot.master
-            assert master is not None  # every owned slot has a master (_plumb_gradients)
+            self.updated = True
             a, b = slot.rows
 
             def mine(t: torch.Tensor, slot: Slot = slot, a: int = a, b: int = b) -> torch.Tensor:
                 t = t.detach().to(torch.float32).reshape(slot.param.shape)
                 return (t if not self._sharded(slot) else t[a:b]).clone()
 
-            if "master" in entry and slot.param.dtype != torch.float32:
+            bf16 = slot.param.dtype != torch.float32
+            if "master" in entry and bf16 and slot.names[0] not in self.restored_masters:
                 master.data.copy_(mine(entry["master"]).to(master.device))
             step = entry["step"]
             step_t = (
@@ -693,12 +756,10 @@ class Optimizer:
                 if torch.is_tensor(step)
                 else torch.tensor(float(step))
             )
-            self.adam.state[master] = {
-                # torch's AdamW keeps the step on the host; the lazy update (_update_on_device) on the device
-                "step": step_t.to(master.device) if self.lazy else step_t.cpu(),
-                "exp_avg": mine(entry["exp_avg"]).to(master.device),
-                "exp_avg_sq": mine(entry["exp_avg_sq"]).to(master.device),
-            }
+            # torch's AdamW keeps the step on the host; the lazy update (_update_on_device) on the device
+            moments = self.par.comm.to_device([mine(entry["exp_avg"]), mine(entry["exp_avg_sq"])])
+            step_t = self.par.comm.to_device([step_t])[0] if self.lazy else step_t.cpu()
+            self.adam.state[master] = {"step": step_t, "exp_avg": moments[0], "exp_avg_sq": moments[1]}
 
         if param_groups and groups:
             self._adopt_hyper(param_groups, groups, states)

@@ -91,6 +91,8 @@ def _positive(cfg: TrainConfig) -> None:
             raise TrainerError(f"--{name.replace('_', '-')} must not be negative")
     if not cfg.lr > 0:
         raise TrainerError(f"--lr must be positive, got {cfg.lr}")
+    if not cfg.grad_bucket_mb > 0:
+        raise TrainerError(f"--grad-bucket-mb must be positive (MiB), got {cfg.grad_bucket_mb}")
     if cfg.timeout <= 0:
         raise TrainerError("--timeout must be positive (seconds)")
 

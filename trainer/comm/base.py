@@ -54,6 +54,14 @@ class Group:
                 self._all_reduce(tensor, op)
         return tensor
 
+    def all_reduce_many(self, tensors: list[torch.Tensor]) -> None:
+        """Sum each of `tensors` over the group in place, as one collective (a bucket of gradients).
+        Here flattened into one buffer (the bucket's size in extra memory) and back."""
+        if self.size == 1 or not tensors:
+            return
+        with COMM.timed():
+            self._all_reduce_many(tensors)
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every member's `tensor` concatenated along dim 0, in group order."""
         if self.size == 1:
@@ -88,6 +96,14 @@ class Group:
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> None:
         raise NotImplementedError
 
+    def _all_reduce_many(self, tensors: list[torch.Tensor]) -> None:
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        flat = _flatten_dense_tensors(tensors)
+        self._all_reduce(flat, "sum")
+        for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            t.copy_(synced)
+
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -105,6 +121,7 @@ class Comm:
     name = "none"
     lazy = False
     accumulate_dtype = torch.float64  # scalar sums of a step (losses): on XLA fp32 (Neuron has no fp64)
+    keeps_order = False  # groups as given: a rank's place in its set is its rank in the group (XLA's lists)
 
     def __init__(self, rank: int, world: int, device: torch.device) -> None:
         self.rank, self.world, self.device = rank, world, device
@@ -119,8 +136,16 @@ class Comm:
 
     def new_groups(self, rank_sets: Iterable[Sequence[int]]) -> dict[frozenset, Group]:
         """A group for each set of global ranks; EVERY rank calls this with the same sets in the same
-        order. Returns the groups this rank belongs to, keyed by rank set (size-1 sets included)."""
-        sets = sorted({tuple(sorted(s)) for s in rank_sets})
+        order. Returns the groups this rank belongs to, keyed by rank set (size-1 sets included).
+        Sorted, each set sorted (torch.distributed numbers a group's ranks so), unless the backend
+        `keeps_order`: then in the order given, the first of equal sets."""
+        if self.keeps_order:
+            firsts: dict[frozenset, tuple[int, ...]] = {}
+            for s in rank_sets:
+                firsts.setdefault(frozenset(s), tuple(s))
+            sets = list(firsts.values())
+        else:
+            sets = sorted({tuple(sorted(s)) for s in rank_sets})
         made = self._make_groups([list(s) for s in sets])
         for ranks in sets:
             if len(ranks) == 1 and ranks[0] == self.rank:
@@ -141,6 +166,11 @@ class Comm:
     def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """`tensors` on the host (CPU); a lazy backend moves them in one transfer."""
         return [t.cpu() for t in tensors]
+
+    def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host tensors as this rank's device tensors; on a lazy backend as data of the device, never
+        as something a later graph computes (so set-up traces no graph)."""
+        return [t.to(self.device) for t in tensors]
 
     def compiles(self) -> int | None:
         """Graphs compiled so far by this process (a lazy backend; None on eager ones)."""

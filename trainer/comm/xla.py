@@ -95,6 +95,15 @@ class XlaGroup(Group):
             reduced = stacked.sum(0) if op == "sum" else stacked.amax(0)
         tensor.copy_(reduced)
 
+    def _all_reduce_many(self, tensors: list[torch.Tensor]) -> None:
+        if self.channels is not None:  # threaded: all-reduces are all-gathers here (_all_reduce)
+            super()._all_reduce_many(tensors)
+            return
+        # torch-xla reduces a list in place as one collective of the tensors themselves: no copy
+        # into a flat buffer (NxD's bucket_allreduce_gradients calls it so)
+        xm = _xm()
+        xm.all_reduce(xm.REDUCE_SUM, tensors, groups=self.mesh)
+
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return _xm().all_gather(tensor, dim=0, groups=self.mesh, pin_layout=False, channel_id=self._channel())
 
@@ -152,6 +161,7 @@ class XlaComm(Comm):
     name = "xla"
     lazy = True
     accumulate_dtype = torch.float32
+    keeps_order = True  # NxD's replica groups are lists: a rank's place in one is its coordinate (parallel.py)
 
     def __init__(self, rank: int, world: int, device: torch.device, thread: RankThread | None = None, host: Any = None):
         super().__init__(rank, world, device)
@@ -239,6 +249,18 @@ class XlaComm(Comm):
         moved = iter(torch_xla._XLAC._xla_get_cpu_tensors(on_device))
         return [next(moved) if t.device.type == "xla" else t.cpu() for t in tensors]
 
+    def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        # `t.to(device)` makes a 0-dim 0 or 1 a constant of the next graph (torch-xla's special
+        # scalars): an Adam step count of 0 would be an output of a fresh run's first graph and not
+        # of a resumed one's; uploaded as data, the graphs are the same
+        import torch_xla
+
+        if not tensors:
+            return []
+        return list(
+            torch_xla._XLAC._xla_tensors_from_aten([t.cpu() for t in tensors], [str(self.device)] * len(tensors))
+        )
+
     def compiles(self) -> int | None:
         import torch_xla.debug.metrics as met
 
@@ -269,6 +291,14 @@ def xla_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def runtime_type() -> str:
+    """The PJRT runtime's device type ("CPU", "NEURON", "CUDA", "TPU"), from PJRT_DEVICE or, unset,
+    as torch-xla picks it."""
+    import torch_xla.runtime as xr
+
+    return str(xr.device_type() or os.environ.get("PJRT_DEVICE", "")).upper()
 
 
 def runtime_for_threads(devices: int) -> None:
