@@ -195,7 +195,8 @@ def test_trainium_command_in_bf16_resumes_on_gloo(work, hf_model, tokens):
 
 def test_expert_parallel_equals_gloo(work, moe_model, moe_tokens):
     """Mixtral at ep2 (dp2): tokens dispatched over the ep group by all-gather and reduce-scatter
-    on XLA (static shapes), by all-to-all on gloo; the same language-model and load-balancing losses."""
+    on XLA (static shapes), by all-to-all on gloo; the same language-model and load-balancing losses
+    (fp32), and in bf16 the fp32 ones to BF16_REL."""
     gloo, xla = work / "ep2-gloo.jsonl", work / "ep2-xla.jsonl"
     layout = ["--dp", "2", "--ep", "2"]
     check_ok(run_ranks(2, run_args(moe_model, moe_tokens, gloo, *CPU, *layout)))
@@ -203,6 +204,11 @@ def test_expert_parallel_equals_gloo(work, moe_model, moe_tokens):
     for key in ("loss", "aux_loss"):
         got, want = [r[key] for r in steps(xla)], [r[key] for r in steps(gloo)]
         assert rel_diff(got, want) < REL, (key, got, want)
+    bf16 = work / "ep2-xla-bf16.jsonl"  # and in bf16, to the fp32 run (BF16_REL)
+    xla_ok(2, run_args(moe_model, moe_tokens, bf16, *layout, *BF16))
+    for key in ("loss", "aux_loss"):
+        got, want = [r[key] for r in steps(bf16)], [r[key] for r in steps(gloo)]
+        assert rel_diff(got, want) < BF16_REL, (key, got, want)
 
 
 @pytest.mark.slow
