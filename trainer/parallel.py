@@ -1,11 +1,14 @@
 """Where this rank sits in the tp x pp x dp grid, its device and its groups.
 
 Rank order. On gloo and nccl: tp fastest, then pp, then dp, `global rank = dp * (pp * tp) +
-pp_rank * tp + tp_rank`. On XLA: NxD's (`parallel_state.initialize_model_parallel` reshapes the
-ranks to [pp, dp, tp]): tp fastest, then dp, then pp, `global rank = pp_rank * (dp * tp) + dp *
-tp + tp_rank`, so the replica groups are the ones NxD passes to the same collectives. Either way
-the tp ranks of one stage are neighbours (one node, fastest links), and rank 0 is tp 0 of the
-first stage of replica 0; everything else (data, checkpoint files) goes by coordinates.
+pp_rank * tp + tp_rank`. On XLA: NxD's, so the replica groups are the lists NxD's
+`parallel_state.initialize_model_parallel` passes to the same collectives (`nxd_layout`): in
+general the ranks reshaped to [pp, dp, tp] (tp fastest, then dp, then pp, `global rank = pp_rank *
+(dp * tp) + dp * tp + tp_rank`); on Trn1 with tp 4, tp groups strided inside each node; on Trn2
+with tp 32 at LNC 2 or tp 64 at LNC 1, tp groups of a node's first and last rows ("LOGIC2"). Every
+group, and every rank's coordinates, follow from one table (`Layout`), so all collectives agree.
+Either way rank 0 is tp 0 of the first stage of replica 0; everything else (data, checkpoint
+files) goes by coordinates.
 
 Collectives go through the communication interface (`trainer/comm`): torch.distributed (gloo on
 CPU, nccl on CUDA, every group with a timeout) or torch-xla (`--device xla`). A one-process run
@@ -18,6 +21,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, TypeVar
 
 import torch
@@ -31,7 +35,170 @@ from .errors import JobFailed, TrainerError, decide_exit, exit_code, one_line
 log = logging.getLogger("trainer")
 T = TypeVar("T")
 
-__all__ = ["COMM", "COMPUTE", "Clock", "Group", "Parallel", "agree", "choose_device", "init_parallel", "join"]
+__all__ = [
+    "COMM",
+    "COMPUTE",
+    "Clock",
+    "Group",
+    "Layout",
+    "Parallel",
+    "agree",
+    "choose_device",
+    "init_parallel",
+    "join",
+    "nxd_layout",
+]
+
+
+# ---- rank layout ---------------------------------------------------------------------------------
+
+PLATFORM_ENV = "TRAINER_NXD_PLATFORM"  # trn1, trn2, trn3 or generic: the platform NxD's groups are chosen for
+TRN1 = ("trn1", "trn1n", "inf2")  # what NxD's `hardware` enum counts as Trn1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which global rank holds each (dp, pp, tp) coordinate: `rows[pp_rank * dp + dp_rank][tp_rank]`
+    (on XLA, NxD's tp groups in NxD's order). The group lists are built from it in NxD's order."""
+
+    name: str
+    rows: tuple[tuple[int, ...], ...]
+    dp: int
+
+    @property
+    def pp(self) -> int:
+        return len(self.rows) // self.dp
+
+    @property
+    def tp(self) -> int:
+        return len(self.rows[0])
+
+    def rank(self, dp: int, pp: int, tp: int) -> int:
+        return self.rows[pp * self.dp + dp][tp]
+
+    @cached_property
+    def coords(self) -> dict[int, tuple[int, int, int]]:
+        """global rank -> (dp, pp, tp)"""
+        return {r: (i % self.dp, i // self.dp, t) for i, row in enumerate(self.rows) for t, r in enumerate(row)}
+
+    def tp_groups(self) -> list[list[int]]:
+        return [list(row) for row in self.rows]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank(d, p, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank(d, p, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+    def mp_groups(self) -> list[list[int]]:
+        """tp x pp: one model replica"""
+        return [[self.rank(d, p, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+
+    def ep_groups(self, ep: int) -> list[list[int]]:
+        """The dp ranks exchanging tokens: dp rank d is ep rank d % ep of expert-data-parallel rank d // ep."""
+        return [
+            [self.rank(e * ep + j, p, t) for j in range(ep)]
+            for p in range(self.pp)
+            for e in range(self.dp // ep)
+            for t in range(self.tp)
+        ]
+
+    def edp_groups(self, ep: int) -> list[list[int]]:
+        """The dp ranks holding the same experts."""
+        return [
+            [self.rank(e * ep + j, p, t) for e in range(self.dp // ep)]
+            for p in range(self.pp)
+            for j in range(ep)
+            for t in range(self.tp)
+        ]
+
+
+def torch_layout(tp: int, pp: int, dp: int) -> Layout:
+    """gloo's and nccl's: tp fastest, then pp, then dp."""
+    rows = tuple(tuple(d * pp * tp + p * tp + t for t in range(tp)) for p in range(pp) for d in range(dp))
+    return Layout("torch", rows, dp)
+
+
+def nxd_layout(
+    tp: int, pp: int, dp: int, ep: int = 1, platform: str | None = None, lnc: int = 1, local_world: int | None = None
+) -> Layout:
+    """The layout NxD's `parallel_state.initialize_model_parallel` builds on `platform` (None:
+    the generic one) at logical-core size `lnc`, with LOCAL_WORLD_SIZE `local_world` (None: unset);
+    a TrainerError where NxD builds none (or groups that do not fit together)."""
+    world = tp * pp * dp
+    trn1_tp4 = platform in TRN1 and tp == 4
+    # get_logic_chosen: Trn2 at (lnc 1, tp 64) or (lnc 2, tp 32), but lnc 2 on fewer than 64 ranks is generic
+    logic2 = platform == "trn2" and (lnc, tp) in ((1, 64), (2, 32)) and not (lnc == 2 and world < 64)
+    if not (trn1_tp4 or logic2):
+        return Layout("nxd", tuple(tuple(i * tp + t for t in range(tp)) for i in range(pp * dp)), dp)
+    name = "nxd-trn1-tp4" if trn1_tp4 else "nxd-trn2-logic2"
+    if ep > 1:  # NxD raises (Trn1) or builds ep groups that do not lie in its dp groups (Trn2)
+        raise TrainerError(
+            f"NxD's {name} layout has no expert parallelism: use --ep 1, another --tp, or {PLATFORM_ENV}=generic"
+        )
+    if trn1_tp4:
+        # each node's ranks as [tp, node's dp rows]: tp rank t of row j is the node's rank t * rows + j
+        rows_per_node = (world if local_world is None else local_world) // tp
+        if rows_per_node < 1 or dp % rows_per_node:
+            raise TrainerError(
+                f"NxD's Trn1 tp 4 layout needs dp to be a multiple of the {rows_per_node} tp groups of a node "
+                f"(LOCAL_WORLD_SIZE / 4), got dp {dp}: change --dp/--pp, or set {PLATFORM_ENV}=generic"
+            )
+        node = tp * rows_per_node
+        rows = tuple(
+            tuple(p * dp * tp + d // rows_per_node * node + t * rows_per_node + d % rows_per_node for t in range(tp))
+            for p in range(pp)
+            for d in range(dp)
+        )
+    else:
+        # each node's four rows of cores: tp groups of its first and last rows and of its middle two
+        # (one group of rows 0, 3, 1, 2 when tp is a whole node)
+        per_node = 64 if local_world is None else local_world
+        row = per_node // 4
+        groups = []
+        for base in range(0, world // per_node * per_node, per_node):
+            r = [list(range(base + k * row, base + (k + 1) * row)) for k in range(4)]
+            groups += [r[0] + r[3] + r[1] + r[2]] if per_node // tp == 1 else [r[0] + r[3], r[1] + r[2]]
+        if len(groups) != pp * dp or any(len(g) != tp for g in groups):
+            raise TrainerError(
+                f"NxD's Trn2 tp {tp} layout needs nodes of tp or 2 x tp ranks (LOCAL_WORLD_SIZE {per_node}) "
+                f"filling the {world} ranks: change --tp, or set {PLATFORM_ENV}=generic"
+            )
+        rows = tuple(tuple(g) for g in groups)
+    return Layout(name, rows, dp)
+
+
+def nxd_platform() -> str | None:
+    """The platform NxD chooses its groups for: TRAINER_NXD_PLATFORM (`generic`: none), else
+    NEURON_PLATFORM_TARGET_OVERRIDE, else torch-neuronx's `get_platform_target()` as NxD asks it,
+    else None (no torch-neuronx, e.g. torch-xla's CPU runtime: NxD's generic layout)."""
+    chosen = os.environ.get(PLATFORM_ENV) or os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+    if chosen is None:
+        try:
+            from torch_neuronx.utils import get_platform_target
+
+            target = get_platform_target()
+            chosen = str(getattr(target, "value", target))  # a string; an enum in some releases
+        except Exception:  # noqa: BLE001 - not installed, or not on a Neuron instance
+            return None
+    chosen = chosen.strip().lower()
+    return None if chosen == "generic" else "trn1" if chosen in TRN1 else chosen
+
+
+def nxd_lnc(platform: str | None) -> int:
+    """Logical NeuronCore size: NEURON_LOGICAL_NC_CONFIG (NxD's `get_platform_lnc`), else the
+    runtime's NEURON_RT_VIRTUAL_CORE_SIZE, else 2 on Trn2 and Trn3 and 1 elsewhere."""
+    given = os.environ.get("NEURON_LOGICAL_NC_CONFIG") or os.environ.get("NEURON_RT_VIRTUAL_CORE_SIZE")
+    return int(given) if given else 2 if platform in ("trn2", "trn3") else 1
+
+
+def layout_for(comm_name: str, tp: int, pp: int, dp: int, ep: int) -> Layout:
+    """This job's layout: NxD's on XLA (for the platform and LNC of this machine), else torch's."""
+    if comm_name != "xla":
+        return torch_layout(tp, pp, dp)
+    platform = nxd_platform()
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return nxd_layout(tp, pp, dp, ep, platform, nxd_lnc(platform), int(local) if local else None)
 
 
 # ---- groups --------------------------------------------------------------------------------------
@@ -57,7 +224,16 @@ class Parallel:
     ep: int = 1  # expert parallel: ep groups are carved out of the dp ranks (trainer/moe.py)
     ep_group: Group | None = None  # dp ranks exchanging tokens: edp * ep .. edp * ep + ep - 1
     edp_group: Group | None = None  # expert data parallel: the dp ranks holding the same experts
-    nxd_order: bool = False  # pp slowest (XLA), else dp slowest
+    layout: Layout | None = None  # which rank holds which coordinates; None: torch's order
+
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            self.layout = torch_layout(self.tp, self.pp, self.dp)
+
+    @property
+    def _coords(self) -> tuple[int, int, int]:
+        assert self.layout is not None
+        return self.layout.coords[self.rank]
 
     @property
     def backend(self) -> str:
@@ -65,15 +241,15 @@ class Parallel:
 
     @property
     def tp_rank(self) -> int:
-        return self.rank % self.tp
+        return self._coords[2]
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp * self.dp) if self.nxd_order else self.rank // self.tp % self.pp
+        return self._coords[1]
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp % self.dp if self.nxd_order else self.rank // (self.tp * self.pp)
+        return self._coords[0]
 
     @property
     def ep_rank(self) -> int:
@@ -96,9 +272,8 @@ class Parallel:
         return self.rank == 0
 
     def global_rank(self, dp: int, pp: int, tp: int) -> int:
-        if self.nxd_order:
-            return pp * self.dp * self.tp + dp * self.tp + tp
-        return dp * self.pp * self.tp + pp * self.tp + tp
+        assert self.layout is not None
+        return self.layout.rank(dp, pp, tp)
 
     def describe(self) -> str:
         return f"rank {self.rank} (dp {self.dp_rank}, pp {self.pp_rank}, tp {self.tp_rank})"
@@ -258,32 +433,24 @@ def init_parallel(
     tp: int, pp: int, dp: int, device: torch.device, timeout_s: float, ep: int = 1, comm: Comm | None = None
 ) -> Parallel:
     """Join the job (unless `comm` already did) and build the tp/pp/dp groups (and, with ep > 1,
-    the expert-parallel and expert-data-parallel groups inside dp)."""
+    the expert-parallel and expert-data-parallel groups inside dp), each kind's list in NxD's order."""
     comm = comm or join(device, timeout_s)
     rank, world = comm.rank, comm.world
     solo = Group([rank], 0)
-    par = Parallel(tp, pp, dp, rank, world, device, comm, solo, solo, solo, solo, solo, ep=ep)
-    par.nxd_order = comm.name == "xla"
+    layout = layout_for(comm.name, tp, pp, dp, ep) if world > 1 else None
+    par = Parallel(tp, pp, dp, rank, world, device, comm, solo, solo, solo, solo, solo, ep=ep, layout=layout)
     par.ep_group, par.edp_group = solo, solo
     if world == 1:
         return par
-
-    def index(d: int, p: int, t: int) -> int:
-        return par.global_rank(d, p, t)
-
-    par.tp_group = par.mine([[index(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)])
-    par.pp_group = par.mine([[index(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)])
-    par.dp_group = par.mine([[index(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)])
-    par.mp_group = par.mine([[index(d, p, t) for p in range(pp) for t in range(tp)] for d in range(dp)])
+    assert par.layout is not None
+    par.tp_group = par.mine(par.layout.tp_groups())
+    par.pp_group = par.mine(par.layout.pp_groups())
+    par.dp_group = par.mine(par.layout.dp_groups())
+    par.mp_group = par.mine(par.layout.mp_groups())
     par.world_group = par.mine([list(range(world))])
     par.edp_group = par.dp_group
-    if ep > 1:  # dp rank d is ep rank d % ep of expert-data-parallel rank d // ep
-        groups = dp // ep
-        par.ep_group = par.mine(
-            [[index(e * ep + j, p, t) for j in range(ep)] for e in range(groups) for p in range(pp) for t in range(tp)]
-        )
-        par.edp_group = par.mine(
-            [[index(e * ep + j, p, t) for e in range(groups)] for j in range(ep) for p in range(pp) for t in range(tp)]
-        )
-    log.debug("%s of %d (%s backend, device %s)", par.describe(), world, comm.name, device)
+    if ep > 1:
+        par.ep_group = par.mine(par.layout.ep_groups(ep))
+        par.edp_group = par.mine(par.layout.edp_groups(ep))
+    log.debug("%s of %d (%s backend, %s layout, device %s)", par.describe(), world, comm.name, par.layout.name, device)
     return par
