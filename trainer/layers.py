@@ -221,18 +221,37 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm, with transformers' numerics (normalise in fp32, cast, then scale)."""
+    """Llama's RMSNorm, with transformers' numerics (normalise in fp32, cast, then scale). `plus_one`:
+    Gemma's, which scales by (1 + w) in fp32 before the cast."""
 
-    def __init__(self, hidden: int, eps: float, dtype, device=None):
+    def __init__(self, hidden: int, eps: float, dtype, device=None, plus_one: bool = False):
         super().__init__()
         self.eps = eps
+        self.plus_one = plus_one
         self.weight = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`: the scale to use instead of the parameter (the same tensor through an autograd op)."""
+        w = self.weight if weight is None else weight
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        if self.plus_one:
+            return (h * (1.0 + w.float())).to(dtype)
+        return w * h.to(dtype)
+
+
+class LayerNorm(nn.Module):
+    """torch's LayerNorm over the last dimension, with or without a bias (GPT-NeoX's; DBRX's has none)."""
+
+    def __init__(self, hidden: int, eps: float, bias: bool, dtype, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
 # ---- vocab-parallel cross entropy ------------------------------------------------------------------

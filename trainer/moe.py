@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +55,8 @@ from shardkit.placements import Piece
 from .clocks import Clock
 from .comm.base import Group
 from .errors import TrainerError
-from .layers import ParamHolder, RMSNorm, TPContext, _gather_seq, _reduce_scatter_seq, copy_to_tp
-from .model import ACTIVATIONS, Attention, ModelSpec, StageModel, apply_rotary
+from .layers import ParamHolder, TPContext, _gather_seq, _reduce_scatter_seq, copy_to_tp
+from .model import ACTIVATIONS, DecoderLayer, ModelSpec, StageModel
 from .parallel import Parallel
 
 log = logging.getLogger("trainer")
@@ -64,7 +64,6 @@ log = logging.getLogger("trainer")
 ROUTER = "mlp.router.linear_router.weight"
 GATE_UP = "mlp.expert_mlps.mlp_op.gate_up_proj.weight"
 DOWN = "mlp.expert_mlps.mlp_op.down_proj.weight"
-QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 DISPATCH = Clock()
 """Time in the token dispatch collectives (the all-to-alls and their counts), also counted in COMM."""
 
@@ -128,8 +127,9 @@ def expert_names(model: nn.Module) -> set[str]:
 
 def tp_partial_names(model: nn.Module) -> set[str]:
     """Replicated parameters whose gradient each tp rank computes only a part of: the routers
-    (module docstring) and Qwen3-MoE's q/k norms (each tp rank normalises its own heads)."""
-    return {n for n, _ in model.named_parameters() if n.endswith((ROUTER, *QK_NORMS))}
+    (module docstring). (Qwen3-MoE's q/k norms, also partial, are summed by the attention itself:
+    model.Attention._norm_heads.)"""
+    return {n for n, _ in model.named_parameters() if n.endswith(ROUTER)}
 
 
 # ---- token exchange --------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class MoEBlock(nn.Module):
         self.top_k = int(spec.config.get("num_experts_per_tok", 2))
         self.norm_topk = bool(spec.config.get("norm_topk_prob", True))
         self.capacity_factor = capacity_factor
-        self.act = ACTIVATIONS[str(spec.config.get("hidden_act", "silu"))]
+        self.act = ACTIVATIONS[spec.activation_name]
         H = dims.hidden_size
         self.router = nn.Module()
         self.router.linear_router = ParamHolder({"weight": (self.experts, H)}, dtype, meta)
@@ -351,31 +351,6 @@ class MoEBlock(nn.Module):
         return out
 
 
-class QKNormAttention(Attention):
-    """Qwen3's attention: an RMSNorm over head_dim (one weight for every head) on each q and k
-    head after the projection, before RoPE, as transformers' Qwen3-MoE does."""
-
-    def __init__(self, spec: ModelSpec, ctx: TPContext, dtype):
-        meta = torch.device("meta")
-        super().__init__(spec, ctx, dtype, meta)
-        self.q_norm = RMSNorm(self.head_dim, spec.eps, dtype, meta)
-        self.k_norm = RMSNorm(self.head_dim, spec.eps, dtype, meta)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project(x)
-        seq, batch = q.shape[0], q.shape[1]
-        q = self.q_norm(q.view(seq, batch, -1, self.head_dim))
-        k = self.k_norm(k.view(seq, batch, -1, self.head_dim))
-        v = v.view(seq, batch, -1, self.head_dim)
-        q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.n_q != self.n_kv
-        )
-        out = out.permute(2, 0, 1, 3).reshape(seq, batch, self.n_q * self.head_dim)
-        return self.o_proj(out)
-
-
 class MoEStageModel(StageModel):
     """A StageModel whose layers' MLPs are MoE layers. Its forward takes and returns, beside the
     hidden states (or logits), the [2, E] load-balancing statistics carried through the pipeline."""
@@ -395,18 +370,15 @@ class MoEStageModel(StageModel):
         self.moe_stats = MoEStats()
         self.layer_stats: list[torch.Tensor] = []  # this forward's per-layer statistics (with their gradients)
         assert par.ep_group is not None  # init_parallel makes it
-        qk_norms = spec.family.name == "qwen3_moe"
-        for layer in self.model.layers.values():
-            layer.mlp = MoEBlock(spec, ctx, par.ep_group, capacity_factor, self.moe_stats, dtype, par.comm.lazy)
-            if qk_norms:
-                layer.self_attn = QKNormAttention(spec, ctx, dtype)
+        for layer in self.layers.values():
+            cast(DecoderLayer, layer).replace_mlp(
+                MoEBlock(spec, ctx, par.ep_group, capacity_factor, self.moe_stats, dtype, par.comm.lazy)
+            )
         self.dropped: Any = 0  # assignments dropped / routed by this stage's layers since the last take
         self.routed = 0
 
     def forward(self, x: torch.Tensor, carried: torch.Tensor | None = None):
-        return self.run_chunk(
-            x, self.model.layers.values(), self.first, self.last, *([] if carried is None else [carried])
-        )
+        return self.run_chunk(x, self.layers.values(), self.first, self.last, *([] if carried is None else [carried]))
 
     def run_layer(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One layer, keeping its statistics; with activation checkpointing they are an output of

@@ -138,7 +138,6 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
     moe.check_plan(cfg, model_config, dp)
     check_positions(cfg.seq_len, model_config)
     spec = ModelSpec.from_config(model_config, layout)
-    spec.check_sequence(cfg.seq_len)
     resolve_schedule(cfg.pp_schedule, cfg.pp, cfg.vpp, cfg.global_batch // (cfg.micro_batch * dp), spec.dims.num_layers)
     tokens = TokenFile(cfg.data)
     if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
