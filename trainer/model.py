@@ -49,10 +49,21 @@ from .layers import (
     copy_to_tp,
 )
 
-SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "qwen3", "gpt_neox", "gemma2", "gemma3", "phi3")
+SUPPORTED = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "mixtral",
+    "qwen3_moe",
+    "qwen3",
+    "gpt_neox",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "dbrx",
+)
 # why the trainer's blocks cannot express a family (shardkit converts, merges and reshards them all)
 UNSUPPORTED_BECAUSE = {
-    "dbrx": "its attention (clipped fused qkv, LayerNorm) and flat expert layout",
     "bert": "it is an encoder, not a causal LM",
 }
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -74,7 +85,10 @@ class LayerNames:
     post_attn_norm: str = "post_attention_layernorm"
 
 
-LAYER_NAMES = {"gpt_neox": LayerNames(attn="attention")}
+LAYER_NAMES = {
+    "gpt_neox": LayerNames(attn="attention"),
+    "dbrx": LayerNames("norm_attn_norm.attn", "ffn", "norm_attn_norm.norm_1", "norm_attn_norm.norm_2"),
+}
 """The families whose layers name their modules otherwise than Llama's."""
 SANDWICH_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")  # Gemma's, around the MLP
 
@@ -128,6 +142,10 @@ class ModelSpec:
             raise TrainerError(
                 f"activation {spec.activation_name!r} is not supported by the trainer (known: {', '.join(ACTIVATIONS)})"
             )
+        if spec.section("ffn_config").get("moe_jitter_eps"):
+            raise TrainerError(
+                "dbrx: moe_jitter_eps (random router input noise) is not supported by the trainer: set it to null"
+            )
         if config.get("use_bidirectional_attention"):
             raise TrainerError(
                 f"{family.name}: use_bidirectional_attention is not supported by the trainer (causal only)"
@@ -155,9 +173,17 @@ class ModelSpec:
         """Whether the family's layer table holds the tensor `name` (a name inside a layer)."""
         return any(name in rule.sources(self.dims) for rule in self.family.layer)
 
+    def section(self, key: str) -> Mapping[str, Any]:
+        """A nested part of the config (DBRX's `attn_config`, `ffn_config`), {} when absent."""
+        value = self.config.get(key)
+        return value if isinstance(value, Mapping) else {}
+
     @property
     def activation_name(self) -> str:
-        return str(self.config.get("hidden_activation") or self.config.get("hidden_act", "silu"))
+        dbrx_act = self.section("ffn_config").get("ffn_act_fn") or {}
+        return str(
+            self.config.get("hidden_activation") or self.config.get("hidden_act") or dbrx_act.get("name", "silu")
+        )
 
     @property
     def eps(self) -> float:
@@ -172,6 +198,8 @@ class ModelSpec:
         """One of the family's norms over `size` features (its weights are pieces of the rank)."""
         if self.family.name == "gpt_neox":
             return LayerNorm(size, self.eps, True, dtype, device)
+        if self.family.name == "dbrx":  # torch's LayerNorm without bias, its default eps
+            return LayerNorm(size, 1e-5, False, dtype, device)
         return RMSNorm(size, self.eps, dtype, device, plus_one=self.gemma)
 
     @property
@@ -288,7 +316,9 @@ class ModelSpec:
         rp = self.config.get("rope_parameters") or {}
         scaling = self.config.get("rope_scaling") or {}
         rope_type = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        default = self.config.get("rope_theta", self.config.get("rotary_emb_base", 10000.0))
+        default = self.config.get(
+            "rope_theta", self.config.get("rotary_emb_base", self.section("attn_config").get("rope_theta", 10000.0))
+        )
         theta = float(rp.get("rope_theta", default))
         return rope_type, theta
 
@@ -411,6 +441,8 @@ class Attention(nn.Module):
         self.scaling = spec.attention_scaling
         self.softcap = spec.softcap("attn_logit_softcapping")
         self.window = spec.window(layer)
+        clip = spec.section("attn_config").get("clip_qkv")
+        self.clip = float(clip) if clip else None  # DBRX: q, k and v clamped to [-clip, clip]
         q_rows, kv_rows = self.n_q * d, self.n_kv * d
         self.rows = (q_rows, kv_rows, kv_rows)
         self.per_head_qkv = spec.family.name == "gpt_neox"
@@ -471,6 +503,8 @@ class Attention(nn.Module):
             q, k, v = qkv.view(*qkv.shape[:2], self.n_q, 3 * d).chunk(3, dim=-1)
         else:
             q, k, v = (t.view(*t.shape[:2], -1, d) for t in self.project(x))
+        if self.clip is not None:
+            q, k, v = (t.clamp(min=-self.clip, max=self.clip) for t in (q, k, v))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
         return q, k, v

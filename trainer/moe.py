@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers with expert parallelism (Mixtral, Qwen3-MoE), in NxD's expert layout.
+"""Mixture-of-experts layers with expert parallelism (Mixtral, Qwen3-MoE, DBRX), in NxD's expert layout.
 
 Parameters. A MoE layer holds NxD's pieces: the router `mlp.router.linear_router.weight` (E, hidden),
 replicated, and the experts stacked, `mlp.expert_mlps.mlp_op.gate_up_proj.weight` (E/ep, hidden,
@@ -13,7 +13,8 @@ while dense weights are reduced over all of dp (`optim.Optimizer`). ZeRO-1 cuts 
 optimizer state over the edp group: each ep rank's rank file then holds its own ZeRO-1 shards.
 
 Routing (transformers' Mixtral): logits = x W_router^T, p = softmax(logits in fp32), the top-k of p,
-renormalised to sum 1 (Qwen3-MoE: only with `norm_topk_prob`). Each (token, choice) assignment is
+renormalised to sum 1 (Qwen3-MoE: only with `norm_topk_prob`; DBRX: divided by their
+`moe_normalize_expert_weights`-norm). Each (token, choice) assignment is
 sent to its expert's ep rank with one all-to-all (`dist.all_to_all_single`, which gloo supports),
 computed there, and sent back with a second; the token's output is the weighted sum of its
 choices. With tp > 1 every tp rank computes with its slice of the intermediate axis, so the layer's
@@ -61,9 +62,9 @@ from .parallel import Parallel
 
 log = logging.getLogger("trainer")
 
-ROUTER = "mlp.router.linear_router.weight"
-GATE_UP = "mlp.expert_mlps.mlp_op.gate_up_proj.weight"
-DOWN = "mlp.expert_mlps.mlp_op.down_proj.weight"
+ROUTER = ".router.linear_router.weight"  # under the layer's MLP (`mlp`, DBRX's `ffn`)
+GATE_UP = ".expert_mlps.mlp_op.gate_up_proj.weight"
+DOWN = ".expert_mlps.mlp_op.down_proj.weight"
 DISPATCH = Clock()
 """Time in the token dispatch collectives (the all-to-alls and their counts), also counted in COMM."""
 
@@ -217,8 +218,12 @@ class MoEBlock(nn.Module):
         self.experts = dims.num_experts
         self.local = dims.num_experts // layout.ep
         self.inter_local = dims.expert_intermediate_size // layout.tp
-        self.top_k = int(spec.config.get("num_experts_per_tok", 2))
-        self.norm_topk = bool(spec.config.get("norm_topk_prob", True))
+        ffn = spec.section("ffn_config")  # DBRX's names
+        self.top_k = int(spec.config.get("num_experts_per_tok", ffn.get("moe_top_k", 2)))
+        dbrx = spec.family.name == "dbrx"
+        self.norm_topk = bool(spec.config.get("norm_topk_prob", True)) and not dbrx
+        p = ffn.get("moe_normalize_expert_weights")  # DBRX: the top-k weights divided by their p-norm
+        self.norm_p = float(p) if dbrx and p is not None else None
         self.capacity_factor = capacity_factor
         self.act = ACTIVATIONS[spec.activation_name]
         H = dims.hidden_size
@@ -283,6 +288,8 @@ class MoEBlock(nn.Module):
         top_p, top_e = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        elif self.norm_p is not None:
+            top_p = top_p / torch.norm(top_p, p=self.norm_p, dim=-1, keepdim=True)
         return probs, top_p, top_e
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -435,7 +442,8 @@ class MoELoss:
 
     def __init__(self, base: Callable, spec: ModelSpec, scale: float, tp: int, dtype: torch.dtype = torch.float64):
         self.base, self.scale, self.tp, self.dtype = base, scale, tp, dtype
-        self.coef = float(spec.config.get("router_aux_loss_coef", 0.001))
+        dbrx_coef = spec.section("ffn_config").get("moe_loss_weight", 0.001)  # DBRX's name
+        self.coef = float(spec.config.get("router_aux_loss_coef", dbrx_coef))
         self.layers = spec.dims.num_layers
         self.lm_sum: Any = 0.0
         self.aux_sum: Any = 0.0
