@@ -5,7 +5,8 @@ One process (`python -m trainer`, no torchrun) trains the same model and data wi
 
 * `--threads 1`: one thread;
 * the trainer's default (`--threads 0`: one thread per physical core of the process's CPU
-  affinity, OpenMP threads waiting passively);
+  affinity, OpenMP threads spinning 3,000 rounds before they sleep);
+* the same with passive waiting (OMP_WAIT_POLICY=PASSIVE: no spin);
 * torch's own default, the baseline: one thread per logical CPU with OpenMP's default waiting
   (threads spin for a while before they sleep), what `--threads 0` meant before.
 
@@ -42,6 +43,7 @@ from scripts.bench_train import build_data, build_model  # noqa: E402
 RUNS: dict[str, tuple[int, dict[str, str | None]]] = {
     "threads 1": (1, {"OMP_NUM_THREADS": None}),
     "trainer default (--threads 0)": (0, {"OMP_NUM_THREADS": None}),
+    "--threads 0, OMP_WAIT_POLICY=PASSIVE": (0, {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": "PASSIVE"}),
     # the baseline: torch's default thread count, and OpenMP's default waiting: libgomp spins 300,000
     # rounds before it sleeps when OMP_WAIT_POLICY is unset, and GOMP_SPINCOUNT wins over the policy
     "torch default (baseline)": (os.cpu_count() or 1, {"OMP_NUM_THREADS": None, "GOMP_SPINCOUNT": "300000"}),

@@ -1,5 +1,5 @@
 """The trainer's CPU threads (`--threads`, trainer/cpus.py): physical cores of the affinity, shared
-among the host's processes, OMP_NUM_THREADS when given, and passive OpenMP waiting."""
+among the host's processes, OMP_NUM_THREADS when given, and a short OpenMP spin."""
 
 from __future__ import annotations
 
@@ -51,13 +51,18 @@ def test_default_threads(env, cores, expected):
     assert cpus.default_threads(env, cores) == expected
 
 
-def test_importing_the_trainer_makes_openmp_wait_passively():
-    """Set before torch loads its OpenMP runtime (which reads it once), unless the user set it."""
-    code = "import os, trainer, torch; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+def test_importing_the_trainer_shortens_openmp_spinning():
+    """GOMP_SPINCOUNT is set before torch loads its OpenMP runtime (which reads it once), unless the
+    user chose how threads wait (OMP_WAIT_POLICY or GOMP_SPINCOUNT)."""
+    code = "import os, trainer, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "PASSIVE"
-    out = subprocess.run([sys.executable, "-c", code], env=dict(env, OMP_WAIT_POLICY="ACTIVE"), capture_output=True,
-                         text=True, check=True).stdout
-    assert out.strip() == "ACTIVE"
+
+    def spin(**extra: str) -> str:
+        done = subprocess.run([sys.executable, "-c", code], env=dict(env, **extra), capture_output=True, text=True,
+                              check=True)
+        return done.stdout.strip()
+
+    assert spin() == "3000"
+    assert spin(OMP_WAIT_POLICY="PASSIVE") == "None"
+    assert spin(GOMP_SPINCOUNT="10") == "10"

@@ -208,3 +208,16 @@ def test_refused_families_say_why_in_one_line(fixture):
     with pytest.raises(TrainerError, match="the trainer supports the decoder families .* not ") as e:
         ModelSpec.from_config(fixture_config(fixture), Layout())
     assert "\n" not in str(e.value) and "convert/merge/reshard still work" in str(e.value)
+
+
+@pytest.mark.parametrize("fixture,scale", [("gemma2-tiny", 0.0), ("gemma3-tiny", 0.0), ("qwen3-tiny", 1.0)])
+def test_model_config_init_norms_as_transformers(fixture, scale):
+    """--model-config's random init starts norm scales where transformers' `_init_weights` does:
+    Gemma's (1 + w) norms at w = 0, the others at 1."""
+    from shardkit.layout import Layout
+    from trainer.model import ModelSpec
+    from trainer.weights import init_rank_pieces
+
+    spec = ModelSpec.from_config(fixture_config(fixture), Layout())
+    norms = {k: v for k, v in init_rank_pieces(spec, 1234, 0, 0).items() if "norm" in k and v.dim() == 1}
+    assert norms and all(torch.all(v == scale) for v in norms.values()), sorted(norms)

@@ -18,9 +18,11 @@ pieces, --export-hf), `checkpointing` (shardkit.checkpoint), `cpus` (CPU threads
 
 import os
 
-# OpenMP threads that spin while they wait slow a run many times over on a host busy with other work
-# (trainer/cpus.py); the runtime reads this once, when torch loads it, so before torch is imported
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads that spin long while they wait slow a run many times over on a host busy with other
+# work; a short spin keeps a dedicated host's speed (trainer/cpus.py). The runtime reads this once,
+# when torch loads it, so before torch is imported; a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from .config import TrainConfig, parse_args  # noqa: E402 - after the OpenMP setting above
 from .errors import DataError, TrainerError  # noqa: E402

@@ -1,11 +1,15 @@
-"""How many CPU threads a process of the job computes with (`--threads`).
+"""How many CPU threads a process of the job computes with (`--threads`), and how they wait.
 
-torch's default is one OpenMP thread per logical CPU, and OpenMP's threads spin while they wait for
-work. On a host whose cores are busy with other work, threads that spin against it make a run many
-times slower (measured: a single-process run 20-25x slower than with one thread); so the trainer
-waits passively (OMP_WAIT_POLICY=PASSIVE, set in `trainer/__init__.py` before torch loads its
-OpenMP runtime, unless the environment says otherwise) and, by default, uses one thread per
-*physical* core this process may run on, shared among the job's processes on the host.
+torch's default is one OpenMP thread per logical CPU, and libgomp's threads spin 300,000 rounds
+while they wait for work. On a host whose cores are busy with other work, threads that spin against
+it make a run many times slower (measured on 2 busy cores: 36 s a step against 1.3-1.5 s on the
+quiet host). Passive waiting (OMP_WAIT_POLICY=PASSIVE) is the fastest there (2.3-4.2 s) but costs a
+dedicated host 1.3x (1.9-2.0 s); a short spin of 3,000 rounds keeps the dedicated host's speed
+(1.4-1.6 s) and is 5-6x faster than the long spin on the busy one (5.7-7.7 s). So `trainer/__init__.py`
+sets GOMP_SPINCOUNT=3000 before torch loads its OpenMP runtime, unless the environment sets
+OMP_WAIT_POLICY or GOMP_SPINCOUNT (OMP_WAIT_POLICY=PASSIVE for a host shared with busy jobs). The
+thread count defaults to one per *physical* core this process may run on, shared among the job's
+processes on the host (scripts/bench_threads.py measures both).
 """
 
 from __future__ import annotations

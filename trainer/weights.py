@@ -18,7 +18,7 @@ From a config (`--model-config`, pre-training): `init_rank_pieces` draws the ran
 full tensors that are a function of (--seed, tensor name) only, never of the layout, so every
 layout starts from the same full weights. The rule (transformers' `_init_weights` distributions
 for these families): matrices ~ N(0, initializer_range) (0.02 when absent), the embedding row of
-`pad_token_id` zero, 1-D weights (norm scales) one, biases zero. A full tensor's rows are drawn in
+`pad_token_id` zero, 1-D weights (norm scales) one (zero for Gemma's (1 + w) norms), biases zero. A full tensor's rows are drawn in
 blocks of `INIT_BLOCK_ROWS`, each from its own generator seeded by sha256(seed, name, block), so a
 rank draws only the blocks of rows its pieces touch (all of them, one block at a time, for a
 piece split by columns) and never holds a whole tensor. The values differ from
@@ -85,12 +85,13 @@ class InitialWeights:
         self.std = float(spec.config.get("initializer_range") or 0.02)
         pad = spec.config.get("pad_token_id")
         self.pad = pad if isinstance(pad, int) and not isinstance(pad, bool) else None
+        self.norm_scale = 0.0 if spec.gemma else 1.0  # Gemma's norms scale by (1 + w): w starts at 0
 
     def rows(self, source: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) (dim 0) of full tensor `source`, fp32."""
         shape = self.shapes[source]
         if len(shape) == 1 or source.endswith(".bias"):
-            fill = 0.0 if source.endswith(".bias") else 1.0
+            fill = 0.0 if source.endswith(".bias") else self.norm_scale
             return torch.full((stop - start, *shape[1:]), fill, dtype=torch.float32)
         out = torch.empty((stop - start, *shape[1:]), dtype=torch.float32)
         for block in range(start // INIT_BLOCK_ROWS, (stop - 1) // INIT_BLOCK_ROWS + 1):
