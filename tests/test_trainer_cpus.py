@@ -1,5 +1,5 @@
 """The trainer's CPU threads (`--threads`, trainer/cpus.py): physical cores of the affinity, shared
-among the host's processes, OMP_NUM_THREADS when given, and a short OpenMP spin."""
+among the host's processes, OMP_NUM_THREADS when given, and passive OpenMP waiting on a busy host."""
 
 from __future__ import annotations
 
@@ -51,18 +51,31 @@ def test_default_threads(env, cores, expected):
     assert cpus.default_threads(env, cores) == expected
 
 
-def test_importing_the_trainer_shortens_openmp_spinning():
-    """GOMP_SPINCOUNT is set before torch loads its OpenMP runtime (which reads it once), unless the
-    user chose how threads wait (OMP_WAIT_POLICY or GOMP_SPINCOUNT)."""
-    code = "import os, trainer, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env["PYTHONPATH"] = str(ROOT)
+@pytest.mark.parametrize(
+    "env,load,expected",
+    [
+        ({}, 0.3, None),  # a quiet host: OpenMP's default (spinning, the fastest there)
+        ({}, 1.0, "PASSIVE"),  # half the CPUs busy at start
+        ({}, 7.5, "PASSIVE"),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, 7.5, "ACTIVE"),  # the user's choice stands
+        ({"GOMP_SPINCOUNT": "10"}, 7.5, None),
+    ],
+)
+def test_threads_wait_passively_on_a_busy_host(env, load, expected):
+    given = dict(env)
+    how = cpus.choose_waiting(env, load=load, cpus=2)
+    assert env.get("OMP_WAIT_POLICY") == expected, how
+    assert ("passively" in how) == (expected == "PASSIVE" and "OMP_WAIT_POLICY" not in given), how
 
-    def spin(**extra: str) -> str:
-        done = subprocess.run([sys.executable, "-c", code], env=dict(env, **extra), capture_output=True, text=True,
-                              check=True)
-        return done.stdout.strip()
 
-    assert spin() == "3000"
-    assert spin(OMP_WAIT_POLICY="PASSIVE") == "None"
-    assert spin(GOMP_SPINCOUNT="10") == "10"
+def test_importing_the_trainer_chooses_before_torch_loads_openmp():
+    """The choice is made in `import trainer`, before torch (whose OpenMP runtime reads it once)."""
+    code = "import sys, trainer; from trainer import cpus; print(cpus.WAITING[0])"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="ACTIVE")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "as OMP_WAIT_POLICY / GOMP_SPINCOUNT say"
+    import trainer.cpus as mod
+
+    source = (ROOT / "trainer" / "__init__.py").read_text()
+    assert source.index("choose_waiting(os.environ)") < source.index("from .config import")  # before torch
+    assert "torch" not in mod.__dict__

@@ -18,11 +18,12 @@ pieces, --export-hf), `checkpointing` (shardkit.checkpoint), `cpus` (CPU threads
 
 import os
 
-# OpenMP threads that spin long while they wait slow a run many times over on a host busy with other
-# work; a short spin keeps a dedicated host's speed (trainer/cpus.py). The runtime reads this once,
-# when torch loads it, so before torch is imported; a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+from .cpus import choose_waiting
+
+# OpenMP threads that spin while they wait slow a run many times over on a host busy with other work,
+# and are the fastest on a dedicated one (trainer/cpus.py); the runtime reads how they wait once, when
+# torch loads it, so this comes before torch is imported
+choose_waiting(os.environ)
 
 from .config import TrainConfig, parse_args  # noqa: E402 - after the OpenMP setting above
 from .errors import DataError, TrainerError  # noqa: E402

@@ -1,30 +1,58 @@
 """How many CPU threads a process of the job computes with (`--threads`), and how they wait.
 
-torch's default is one OpenMP thread per logical CPU, and libgomp's threads spin 300,000 rounds
-while they wait for work. On a host whose cores are busy with other work, threads that spin against
-it make a run many times slower (measured on 2 busy cores: 36 s a step against 1.3-1.5 s on the
-quiet host). Passive waiting (OMP_WAIT_POLICY=PASSIVE) is the fastest there (2.3-4.2 s) but costs a
-dedicated host 1.3x (1.9-2.0 s); a short spin of 3,000 rounds keeps the dedicated host's speed
-(1.4-1.6 s) and is 5-6x faster than the long spin on the busy one (5.7-7.7 s). So `trainer/__init__.py`
-sets GOMP_SPINCOUNT=3000 before torch loads its OpenMP runtime, unless the environment sets
-OMP_WAIT_POLICY or GOMP_SPINCOUNT (OMP_WAIT_POLICY=PASSIVE for a host shared with busy jobs). The
+torch's default is one OpenMP thread per logical CPU, and libgomp's threads spin (300,000 rounds)
+while they wait for work. On a host whose cores are busy with other work, spinning threads fight it
+and a run slows many times over (measured on 2 busy cores: 36 s a step against 1.2-1.5 s on the quiet
+host); waiting passively (OMP_WAIT_POLICY=PASSIVE) is the fastest there (2.3-4.2 s), but on a
+dedicated host it costs up to 1.3x a step, and no fixed spin length was fast in both cases
+(scripts/bench_threads.py). So the trainer looks at the host when it starts (`choose_waiting`, from
+`trainer/__init__.py`, before torch loads its OpenMP runtime, which reads the setting once): threads
+wait passively when the load average already fills half the CPUs this process may use, else as
+OpenMP does by default; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment decide instead. The
 thread count defaults to one per *physical* core this process may run on, shared among the job's
-processes on the host (scripts/bench_threads.py measures both).
+processes on the host.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
 
 CPU_TOPOLOGY = Path("/sys/devices/system/cpu")
+
+
+WAITING: list[str] = ["as OpenMP's default"]  # how threads wait, for the run's first log line
+
+
+def affinity() -> set[int]:
+    """The logical CPUs this process may run on."""
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def choose_waiting(env: MutableMapping[str, str], load: float | None = None, cpus: int | None = None) -> str:
+    """Set OMP_WAIT_POLICY=PASSIVE in `env` when the host is busy (the 1-minute load average at least
+    half the CPUs of this process's affinity) and the environment says nothing of how OpenMP threads
+    wait; returns (and records in WAITING) how they wait."""
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        how = "as OMP_WAIT_POLICY / GOMP_SPINCOUNT say"
+    else:
+        load = os.getloadavg()[0] if load is None and hasattr(os, "getloadavg") else (load or 0.0)
+        cpus = cpus if cpus is not None else len(affinity())
+        if load >= cpus / 2:
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
+            how = f"passively, the load {load:.1f} on {cpus} CPUs at start"
+        else:
+            how = "as OpenMP does by default, a quiet host"
+    WAITING[0] = how
+    return how
 
 
 def physical_cores(cpus: set[int] | None = None) -> int:
     """The physical cores among `cpus` (default: this process's CPU affinity): logical CPUs that are
     hyper-threads of one core count once. Without the topology (not Linux), the logical CPUs."""
     if cpus is None:
-        cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        cpus = affinity()
     cores = set()
     for cpu in cpus:
         topology = CPU_TOPOLOGY / f"cpu{cpu}" / "topology"

@@ -31,7 +31,7 @@ import torch
 
 from shardkit.errors import ShardkitError
 
-from . import checkpointing, lora, moe
+from . import checkpointing, cpus, lora, moe
 from .clocks import COMM, COMPUTE
 from .config import TrainConfig
 from .cpus import use_threads
@@ -432,7 +432,7 @@ def _announce(plan: Plan, par: Parallel, run: Run) -> None:
         extras.append(f"LoRA {plan.lora.settings.describe()} ({trained / 1e6:.3f}M trained)")
     threaded = par.comm.name == "xla" and par.world > 1 and getattr(par.comm, "thread", None) is not None
     log.info(
-        "%d %s: tp %d x pp %d%s x dp %d (%s, %s, %d CPU thread%s); %s %.2fM parameters in %s; %d micro-batch%s of "
+        "%d %s: tp %d x pp %d%s x dp %d (%s, %s, %d CPU thread%s waiting %s); %s %.2fM parameters in %s; %d micro-batch%s of "
         "%d x %d tokens per step%s%s",
         par.world,
         ("ranks (threads of one process)" if threaded else "processes") if par.world > 1 else "process",
@@ -444,6 +444,7 @@ def _announce(plan: Plan, par: Parallel, run: Run) -> None:
         par.device,
         torch.get_num_threads(),
         "s" if torch.get_num_threads() > 1 else "",
+        cpus.WAITING[0],
         spec.family.name,
         param_count(spec) / 1e6,
         cfg.dtype,
