@@ -11,7 +11,7 @@ One process (`python -m trainer`, no torchrun) trains the same model and data wi
   (threads spin for a while before they sleep), what `--threads 0` meant before.
 
 each on a quiet host and then beside one busy-looping process per core (started before each run,
-once the load average shows them, and stopped after it, so only the run sees them). Reported: the median step time over the steps
+half a second before it, and stopped after it, so only the run sees them). Reported: the median step time over the steps
 after `--skip`, each row's ratio to the baseline on the same host state, and the thread count the
 trainer announced. The runs alternate within a round, best of `--repeats` rounds.
 
@@ -69,10 +69,7 @@ class Busy:
             self.procs = [multiprocessing.Process(target=_spin, args=(deadline,)) for _ in range(os.cpu_count() or 1)]
             for p in self.procs:
                 p.start()
-            # a host that has been busy for a while: the trainer reads the 1-minute load average at start
-            wait_until = time.monotonic() + 120
-            while os.getloadavg()[0] < (os.cpu_count() or 1) / 2 and time.monotonic() < wait_until:
-                time.sleep(1)
+            time.sleep(0.5)  # running before the trainer looks at the host
         return self
 
     def __exit__(self, *exc) -> None:

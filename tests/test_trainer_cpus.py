@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,18 +53,18 @@ def test_default_threads(env, cores, expected):
 
 
 @pytest.mark.parametrize(
-    "env,load,expected",
+    "env,busy,expected",
     [
         ({}, 0.3, None),  # a quiet host: OpenMP's default (spinning, the fastest there)
-        ({}, 1.0, "PASSIVE"),  # half the CPUs busy at start
+        ({}, 1.0, "PASSIVE"),  # other work keeps half the CPUs busy at start
         ({}, 7.5, "PASSIVE"),
         ({"OMP_WAIT_POLICY": "ACTIVE"}, 7.5, "ACTIVE"),  # the user's choice stands
         ({"GOMP_SPINCOUNT": "10"}, 7.5, None),
     ],
 )
-def test_threads_wait_passively_on_a_busy_host(env, load, expected):
+def test_threads_wait_passively_on_a_busy_host(env, busy, expected):
     given = dict(env)
-    how = cpus.choose_waiting(env, load=load, cpus=2)
+    how = cpus.choose_waiting(env, busy=busy, cpus=2)
     assert env.get("OMP_WAIT_POLICY") == expected, how
     assert ("passively" in how) == (expected == "PASSIVE" and "OMP_WAIT_POLICY" not in given), how
 
@@ -79,3 +80,16 @@ def test_importing_the_trainer_chooses_before_torch_loads_openmp():
     source = (ROOT / "trainer" / "__init__.py").read_text()
     assert source.index("choose_waiting(os.environ)") < source.index("from .config import")  # before torch
     assert "torch" not in mod.__dict__
+
+
+def test_busy_cpus_sees_a_busy_loop():
+    """/proc/stat's share: a process spinning on one CPU shows up as about one busy CPU."""
+    if cpus.busy_cpus(0.05) is None:
+        pytest.skip("no /proc/stat on this platform")
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.5)
+        assert cpus.busy_cpus(0.5) >= 0.7
+    finally:
+        spinner.kill()
+        spinner.wait()

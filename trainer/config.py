@@ -182,8 +182,8 @@ class TrainConfig:
     threads: int = _opt(
         0,
         "CPU threads per process (0: OMP_NUM_THREADS when set, else one per physical core of the process's "
-        "CPU affinity, divided among the job's processes on the host). Threads wait passively when the host is busy at start "
-        "(load average >= half its CPUs), unless OMP_WAIT_POLICY or GOMP_SPINCOUNT says how.",
+        "CPU affinity, divided among the job's processes on the host). Threads wait passively when other work keeps half "
+        "its CPUs busy at start, unless OMP_WAIT_POLICY or GOMP_SPINCOUNT says how.",
     )
     debug: bool = _opt(False, "On an error, also print the traceback of each rank that failed (or TRAINER_DEBUG=1).")
 

@@ -7,8 +7,8 @@ host); waiting passively (OMP_WAIT_POLICY=PASSIVE) is the fastest there (2.3-4.2
 dedicated host it costs up to 1.3x a step, and no fixed spin length was fast in both cases
 (scripts/bench_threads.py). So the trainer looks at the host when it starts (`choose_waiting`, from
 `trainer/__init__.py`, before torch loads its OpenMP runtime, which reads the setting once): threads
-wait passively when the load average already fills half the CPUs this process may use, else as
-OpenMP does by default; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment decide instead. The
+wait passively when other work keeps at least half the CPUs this process may use busy (sampled for
+0.2 s), else as OpenMP does by default; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment decide instead. The
 thread count defaults to one per *physical* core this process may run on, shared among the job's
 processes on the host.
 """
@@ -16,6 +16,7 @@ processes on the host.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -30,18 +31,40 @@ def affinity() -> set[int]:
     return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
-def choose_waiting(env: MutableMapping[str, str], load: float | None = None, cpus: int | None = None) -> str:
-    """Set OMP_WAIT_POLICY=PASSIVE in `env` when the host is busy (the 1-minute load average at least
-    half the CPUs of this process's affinity) and the environment says nothing of how OpenMP threads
-    wait; returns (and records in WAITING) how they wait."""
+def busy_cpus(sample_s: float = 0.2) -> float | None:
+    """How many CPUs of the host other work keeps busy now: /proc/stat's non-idle share over
+    `sample_s` (this process sleeps meanwhile), times the CPUs; None where there is no /proc/stat.
+    Not the load average, which lags a minute behind (a job that just ended still counts in it)."""
+
+    def times() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields[:8])  # idle + iowait, total
+
+    try:
+        idle0, total0 = times()
+        time.sleep(sample_s)
+        idle1, total1 = times()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return 0.0
+    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+
+
+def choose_waiting(env: MutableMapping[str, str], busy: float | None = None, cpus: int | None = None) -> str:
+    """Set OMP_WAIT_POLICY=PASSIVE in `env` when other work already keeps at least half the CPUs of
+    this process's affinity busy (`busy`, default `busy_cpus()`) and the environment says nothing of
+    how OpenMP threads wait; returns (and records in WAITING) how they wait."""
     if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
         how = "as OMP_WAIT_POLICY / GOMP_SPINCOUNT say"
     else:
-        load = os.getloadavg()[0] if load is None and hasattr(os, "getloadavg") else (load or 0.0)
+        busy = busy if busy is not None else busy_cpus()
         cpus = cpus if cpus is not None else len(affinity())
-        if load >= cpus / 2:
+        if busy is None:  # no /proc/stat: the load average
+            busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        if busy >= cpus / 2:
             env["OMP_WAIT_POLICY"] = "PASSIVE"
-            how = f"passively, the load {load:.1f} on {cpus} CPUs at start"
+            how = f"passively, {busy:.1f} of {cpus} CPUs busy at start"
         else:
             how = "as OpenMP does by default, a quiet host"
     WAITING[0] = how
