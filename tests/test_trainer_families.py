@@ -41,6 +41,8 @@ CASES: dict[str, tuple[str, dict, int, list[str]]] = {
         ["--tp", "2", "--sequence-parallel"],
     ),
     "phi3-pp2": ("phi3-tiny", {}, 2, ["--pp", "2"]),
+    # interleaved stages over another family's module tree (4 layers: 2 chunks of 1 per pp rank)
+    "gpt-neox-pp2-vpp2": ("gpt-neox-tiny", {"num_hidden_layers": 4}, 2, ["--pp", "2", "--vpp", "2"]),
     "dbrx-ep2": ("dbrx-tiny", {}, 2, ["--dp", "2", "--ep", "2"]),
 }
 DENSE = [name for name in CASES if not name.startswith("dbrx")]

@@ -72,7 +72,6 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
-LLAMA_TREE = "model.layers.{i}."  # the module tree that pipeline.StageChunk and LoRA know
 
 
 @dataclass(frozen=True)
@@ -149,11 +148,6 @@ class ModelSpec:
         if config.get("use_bidirectional_attention"):
             raise TrainerError(
                 f"{family.name}: use_bidirectional_attention is not supported by the trainer (causal only)"
-            )
-        if layout.vpp > 1 and family.layer_prefix != LLAMA_TREE:
-            raise TrainerError(
-                f"--vpp {layout.vpp}: interleaved stages are implemented for Llama's module tree only, not "
-                f"{family.name}'s ({family.layer_prefix.removesuffix('{i}.')}...): use --vpp 1"
             )
         if dims.tie_word_embeddings and spec.names.head != "lm_head":
             raise TrainerError(

@@ -135,12 +135,12 @@ class StageChunk(nn.Module):
     def __init__(self, model: StageModel, layer_ids: list[int], first: bool, last: bool):
         super().__init__()
         self._model = [model]  # a plain reference: the chunk's parameters are only its own layers'
-        self.layers = nn.ModuleList([model.model.layers[str(i)] for i in layer_ids])
+        self.layers = nn.ModuleList([model.layers[str(i)] for i in layer_ids])
         self.first, self.last = first, last
         if first:
-            self.embed_tokens = model.model.embed_tokens
+            self.embed_tokens = model.embedding
         if last:
-            self.norm, self.lm_head = model.model.norm, model.lm_head
+            self.norm, self.lm_head = model.final_norm, model.head
 
     def forward(self, x: torch.Tensor, *carried: torch.Tensor):
         return self._model[0].run_chunk(x, self.layers, self.first, self.last, *carried)
