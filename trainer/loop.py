@@ -479,9 +479,11 @@ def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
     pending: QueuedStep | None = None  # a lazy backend's queued step, read once the next is queued
     read_at = t_start
 
-    def finish(queued: QueuedStep) -> None:
+    def finish(queued: QueuedStep, overlapped: bool) -> None:
+        """Read a step's record: `overlapped`, after the next step was queued (its time then counts
+        from the previous step's result), else at once (from its own start)."""
         nonlocal read_at
-        record = _finish_step(plan, par, run, queued, read_at)
+        record = _finish_step(plan, par, run, queued, read_at if overlapped else queued.started)
         read_at = time.perf_counter()
         summary.losses.append(record["loss"])
         summary.steps += 1
@@ -491,15 +493,15 @@ def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
         for step in range(run.start_step, cfg.steps):
             queued = _queue_step(plan, par, run, step)
             if pending is not None:  # step N's values, read while step N + 1 runs
-                finish(pending)
+                finish(pending, overlapped=True)
                 pending = None
             last = step + 1 == cfg.steps
             evaluate = bool(plan.eval_steps) and (last or bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0))
             save = saver is not None and (last or bool(cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0))
-            if par.comm.lazy and not (last or evaluate or save):
+            if par.comm.overlaps_steps and not (last or evaluate or save):
                 pending = queued
                 continue
-            finish(queued)
+            finish(queued, overlapped=False)
             if evaluate:
                 evaluated = _evaluate(plan, par, run, step + 1)
                 summary.eval_loss = evaluated["eval_loss"]
@@ -677,10 +679,10 @@ def _queue_step(plan: Plan, par: Parallel, run: Run, step: int) -> QueuedStep:
 
 
 def _finish_step(plan: Plan, par: Parallel, run: Run, queued: QueuedStep, since: float) -> dict[str, Any]:
-    """Read a queued step's values (the step's one host read) into its metrics record; `since`: when
-    the previous step's values were read, the step's time counting from the later of that and the
-    step's start (a lazy backend traces step N + 1 before it reads step N: steady steps then time the
-    period between two steps' results)."""
+    """Read a queued step's values (the step's one host read) into its metrics record; its time counts
+    from `since`, or from its start if that is later (a backend whose cut returns before the device
+    has run the graph traces step N + 1 before it reads step N: `since` is then when step N - 1's
+    values were read, so steady steps time the period between two steps' results)."""
     cfg = plan.cfg
     loss, *summed = _read(par, queued.vector)
     step_time = time.perf_counter() - max(since, queued.started)

@@ -167,6 +167,12 @@ class Comm:
         """`tensors` on the host (CPU); a lazy backend moves them in one transfer."""
         return [t.cpu() for t in tensors]
 
+    @property
+    def overlaps_steps(self) -> bool:
+        """`cut` returns while the device still runs the graph: the host may trace the next step
+        before it reads this one's results."""
+        return False
+
     def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host tensors as this rank's device tensors; on a lazy backend as data of the device, never
         as something a later graph computes (so set-up traces no graph)."""

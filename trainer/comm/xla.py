@@ -249,6 +249,10 @@ class XlaComm(Comm):
         moved = iter(torch_xla._XLAC._xla_get_cpu_tensors(on_device))
         return [next(moved) if t.device.type == "xla" else t.cpu() for t in tensors]
 
+    @property
+    def overlaps_steps(self) -> bool:
+        return self.channels is None  # a threaded job's cut waits for its graph (cut)
+
     def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         # `t.to(device)` makes a 0-dim 0 or 1 a constant of the next graph (torch-xla's special
         # scalars): an Adam step count of 0 would be an output of a fresh run's first graph and not
