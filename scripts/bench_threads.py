@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+ENVIRONMENT = dict(os.environ)  # as given: importing the trainer (build_data does) sets OMP_WAIT_POLICY on a busy host
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -42,7 +43,7 @@ from scripts.bench_train import build_data, build_model  # noqa: E402
 # name -> (--threads, environment changes); None removes a variable
 RUNS: dict[str, tuple[int, dict[str, str | None]]] = {
     "threads 1": (1, {"OMP_NUM_THREADS": None}),
-    "trainer default (--threads 0)": (0, {"OMP_NUM_THREADS": None}),
+    "trainer default (--threads 0)": (0, {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}),
     "--threads 0, always passive": (0, {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": "PASSIVE"}),
     # the baseline: torch's default thread count, and OpenMP's default waiting: libgomp spins 300,000
     # rounds before it sleeps when OMP_WAIT_POLICY is unset, and GOMP_SPINCOUNT wins over the policy
@@ -78,10 +79,10 @@ class Busy:
             p.join()
 
 
-def run(args, model: Path, data: Path, work: Path, name: str) -> tuple[float, int]:
-    """One single-process run: (median step time after --skip, the announced thread count)."""
+def run(args, model: Path, data: Path, work: Path, name: str) -> tuple[float, str]:
+    """One single-process run: (median step time after --skip, the threads and waiting it announced)."""
     threads, changes = RUNS[name]
-    env = dict(os.environ)
+    env = dict(ENVIRONMENT)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     for key, value in changes.items():
         if value is None:
@@ -119,10 +120,11 @@ def run(args, model: Path, data: Path, work: Path, name: str) -> tuple[float, in
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"bench_threads: a run failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
-    announced = re.search(r"(\d+) CPU threads?\)", done.stderr)
+    announced = re.search(r"(\d+) CPU threads? waiting ([^;]*)\);", done.stderr)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     times = [r["step_time"] for r in records if r.get("event") == "step"][args.skip :]
-    return statistics.median(times), int(announced.group(1)) if announced else threads
+    how = announced.group(2) if announced else "?"
+    return statistics.median(times), f"{announced.group(1) if announced else threads} ({how})"
 
 
 def main(argv=None) -> int:
@@ -136,14 +138,17 @@ def main(argv=None) -> int:
     parser.add_argument("--no-busy", dest="busy", action="store_false", help="the quiet host only")
     args = parser.parse_args(argv)
 
-    lines = ["| model | host | run | threads | median step | speed vs baseline |", "|---|---|---|---:|---:|---:|"]
+    lines = [
+        "| model | host | run | threads (waiting) | median step | speed vs baseline |",
+        "|---|---|---|---|---:|---:|",
+    ]
     with tempfile.TemporaryDirectory(prefix="bench-threads-") as tmp:
         work = Path(tmp)
         for config in args.models:
             model = build_model(config, work / config)
             data = build_data(work / f"{config}.bin", json.loads((model / "config.json").read_text())["vocab_size"])
             for busy in (False, True) if args.busy else (False,):
-                best: dict[str, tuple[float, int]] = {}
+                best: dict[str, tuple[float, str]] = {}
                 for _ in range(args.repeats):
                     for name in RUNS:
                         with Busy(busy):
