@@ -211,6 +211,25 @@ def test_expert_parallel_equals_gloo(work, moe_model, moe_tokens):
         assert rel_diff(got, want) < BF16_REL, (key, got, want)
 
 
+FAMILIES = {  # name -> (fixture, devices, layout): families beyond Llama's module tree, on XLA
+    "gpt-neox-tp2": ("gpt-neox-tiny", 2, ["--tp", "2"]),  # LayerNorm, partial rotary, parallel residual
+    "dbrx-ep2": ("dbrx-tiny", 2, ["--dp", "2", "--ep", "2"]),  # clip_qkv, fused Wqkv, experts over ep
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_families_equal_gloo(name, work, moe_tokens):
+    """GPT-NeoX at tp2 and DBRX at ep2 on XLA devices: the same layout's gloo losses (fp32, 1e-5);
+    tests/test_trainer_families.py proves the gloo runs equal transformers + AdamW."""
+    fixture, devices, layout = FAMILIES[name]
+    model = make_tiny_model(fixture_config(fixture), work / name, seed=3)
+    gloo, xla = work / f"{name}-gloo.jsonl", work / f"{name}-xla.jsonl"
+    check_ok(run_ranks(devices, run_args(model, moe_tokens, gloo, *CPU, *layout)))
+    xla_ok(devices, run_args(model, moe_tokens, xla, *layout))
+    assert len(losses(xla)) == 5
+    assert rel_diff(losses(xla), losses(gloo)) < REL, (losses(xla), losses(gloo))
+
+
 @pytest.mark.slow
 def test_interleaved_stages_equal_gloo(work, hf_model, tokens):
     """pp2 vpp2 (interleaved 1F1B by neighbour exchanges) against gloo's ScheduleInterleaved1F1B."""
