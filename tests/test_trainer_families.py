@@ -223,3 +223,18 @@ def test_model_config_init_norms_as_transformers(fixture, scale):
     spec = ModelSpec.from_config(fixture_config(fixture), Layout())
     norms = {k: v for k, v in init_rank_pieces(spec, 1234, 0, 0).items() if "norm" in k and v.dim() == 1}
     assert norms and all(torch.all(v == scale) for v in norms.values()), sorted(norms)
+
+
+@pytest.mark.parametrize("name,target", [("gpt-neox-tp2", ["--pp", "2"]), ("gemma2-tp2", []), ("dbrx-ep2", [])])
+def test_family_resumes_on_another_layout(name, target, work, tokens):
+    """A checkpoint of step 2 in the issue's layout, resumed in another (GPT-NeoX tp2 -> pp2, Gemma 2
+    tp2 -> one process, DBRX dp2 ep2 -> one process): step 3 is the uninterrupted run's."""
+    fixture, changes, nproc, layout = CASES[name]
+    model_dir = tiny_model(work, name, fixture, changes)
+    ckpt, whole, resumed = work / f"{name}-ckpt", work / f"{name}-whole.jsonl", work / f"{name}-resumed.jsonl"
+    check_ok(run_ranks(nproc, run_args(model_dir, tokens, whole, *layout, "--checkpoint-dir", str(ckpt),
+                                       "--checkpoint-every", "2", common=COMMON)))
+    procs = 2 if target else 1
+    check_ok(run_ranks(procs, run_args(model_dir, tokens, resumed, *target, "--resume", str(ckpt / "step_2"),
+                                       common=COMMON)))
+    assert rel_diff(losses(resumed), losses(whole)[2:]) < 1e-5, (losses(resumed), losses(whole))

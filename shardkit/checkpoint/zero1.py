@@ -378,6 +378,12 @@ class Zero1Tag:
                 split.append(model_names[pos : pos + s])
                 pos += s
             candidates.append(("model file order", split))
+            # torch's and the trainer's convention: weight decay for matrices, none for 1-D tensors
+            # (norm scales, biases); differs from NxD's name rule where a matrix's name holds "norm"
+            # (DBRX's `norm_attn_norm.attn.Wqkv.weight`)
+            matrices = [nm for nm in model_names if len(shapes[nm]) >= 2]
+            vectors = [nm for nm in model_names if len(shapes[nm]) < 2]
+            candidates.append(("1-D tensors without decay", [matrices, vectors] if vectors else [matrices]))
         first_problem = None
         for label, groups in candidates:
             problem = self._fit(groups, sizes, obj, shapes, n)
