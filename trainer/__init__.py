@@ -1,4 +1,4 @@
-"""shardkit's slim trainer: tensor, pipeline and data parallel training of Llama-family models on
+"""shardkit's slim trainer: tensor, pipeline, data and expert parallel training of decoder LLMs on
 torch.distributed (gloo, nccl) or torch-xla (Trainium), consuming sharded (NxD) or Hugging Face
 checkpoints of any layout.
 

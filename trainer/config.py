@@ -210,7 +210,8 @@ def _flag(name: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainer",
-        description="shardkit's slim trainer: tensor, pipeline and data parallel training of Llama-family models "
+        description="shardkit's slim trainer: tensor, pipeline, data and expert parallel training of decoder "
+        "LLMs (Llama, Mistral, Qwen, Gemma, Phi-3, GPT-NeoX, Mixtral, DBRX) "
         "from Hugging Face or sharded (NxD) checkpoints of any layout. Run it with torchrun, e.g. "
         "torchrun --nproc-per-node 8 -m trainer --model ./llama-tp2pp2 --data ./tokens.bin "
         "--tp 2 --pp 2 --dp 2 --zero1 --global-batch 16 --seq-len 2048 --steps 1000",
