@@ -564,3 +564,177 @@ def test_the_trainer_killed_while_saving_again_and_again_always_resumes_from_a_s
     infos = list_checkpoints(ckpt)
     assert [i.step for i in infos] == [newest + 1, newest + 2] and all(i.loadable for i in infos), infos
     assert [n for n in os.listdir(ckpt) if "shardkit-tmp" in n] == []  # the killed runs' leftovers are gone
+
+
+# ---- 10. a source's files never lead shardkit out of it --------------------------------------------------
+
+
+SECRET = "-----BEGIN PRIVATE KEY----- the user's secret -----END PRIVATE KEY-----"
+
+
+def _secret_files(tmp_path: Path, config: Path) -> dict[str, Path]:
+    """Files outside every source, one per kind a source's link might point at: plain text, JSON
+    (a config with a key added, so that it still parses) and a torch pickle."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    json_secret = json.loads(config.read_text()) | {"api_key": SECRET}
+    (outside / "id_rsa").write_text(SECRET + "\n")
+    (outside / "secret.json").write_text(json.dumps(json_secret))
+    import torch
+
+    torch.save({"api_key": SECRET}, outside / "secret.pt")
+    return {"text": outside / "id_rsa", "json": outside / "secret.json", "pickle": outside / "secret.pt"}
+
+
+def _holding_the_secret(folder: Path) -> list[str]:
+    if not folder.exists():
+        return []
+    return [str(p) for p in folder.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+
+
+LINKED = {  # command -> (the source's kind, the file linked out of it, what the link points at)
+    "convert tokenizer.json": ("hf", "tokenizer.json", "text"),
+    "convert config.json": ("hf", "config.json", "json"),
+    "merge generation_config.json": ("shards", "generation_config.json", "json"),
+    "merge config.json": ("shards", "config.json", "json"),
+    "reshard tokenizer.json": ("shards", "tokenizer.json", "text"),
+    "ckpt export tokenizer.json": ("ckpt", "tokenizer.json", "text"),
+    "ckpt reshard user_content.pt": ("ckpt-tag", "user_content.pt", "pickle"),
+}
+
+
+@pytest.mark.parametrize("case", list(LINKED))
+def test_a_file_linked_out_of_the_source_is_refused_by_every_command_and_never_copied(sources, tmp_path, case):
+    """A tokenizer.json linked to ~/.ssh/id_rsa (or a config, generation config, user content
+    linked to a file outside) is refused in one line naming it, before any output exists."""
+    model, shards, _ = sources
+    kind, name, target = LINKED[case]
+    secrets = _secret_files(tmp_path, model / "config.json")
+    src = tmp_path / "src"
+    if kind == "hf":
+        shutil.copytree(model, src)
+    elif kind == "shards":
+        shutil.copytree(shards, src)
+    else:
+        ckpt_of_two(tmp_path / "made")
+        shutil.copytree(tmp_path / "made" / "ckpt", src)
+    folder = src / "step_2" if kind == "ckpt-tag" else src
+    if kind == "ckpt-tag":
+        (folder / "shardkit.json").unlink()  # as NxD writes tags: no manifest lists the file
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).symlink_to(secrets[target])
+    out = tmp_path / "out"
+    args = {
+        "convert": ["convert", src, out, "--tp", "2"],
+        "merge": ["merge", src, out],
+        "reshard": ["reshard", src, out, "--tp", "1"],
+        "ckpt export": ["ckpt", "export", src, out],
+        "ckpt reshard": ["ckpt", "reshard", src, out, "--tag", "step_2", "--tp", "1"],
+    }[case.rsplit(" ", 1)[0]]
+    one_line_error(run(*args), name, "outside")
+    assert not out.exists() and _holding_the_secret(tmp_path / "out") == [] and stray(tmp_path) == []
+
+
+def test_a_file_linked_inside_the_source_is_copied_as_a_file(sources, tmp_path):
+    model, shards, _ = sources
+    src = tmp_path / "src"
+    shutil.copytree(shards, src)
+    (src / "extra").mkdir()
+    (src / "extra" / "tok.json").write_text('{"model": "inside"}')
+    (src / "tokenizer.json").symlink_to("extra/tok.json")
+    result = run("merge", src, tmp_path / "out")
+    assert result.exit_code == 0, result.stderr
+    copied = tmp_path / "out" / "tokenizer.json"
+    assert not copied.is_symlink() and copied.read_text() == '{"model": "inside"}'
+
+
+def test_a_huggingface_cache_snapshot_whose_files_link_to_its_blobs_still_converts(sources, tmp_path):
+    model, _, _ = sources
+    repo = tmp_path / "hub" / "models--me--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    files = {p.name: p for p in model.iterdir() if p.is_file()} | {"tokenizer.json": None}
+    for i, (name, path) in enumerate(sorted(files.items())):
+        blob = repo / "blobs" / f"blob{i}"
+        blob.write_bytes(path.read_bytes() if path is not None else b'{"model": "cached"}')
+        (snapshot / name).symlink_to(f"../../blobs/blob{i}")
+    result = run("convert", snapshot, tmp_path / "out", "--tp", "2")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"model": "cached"}'
+
+
+def test_a_copied_side_file_is_no_more_readable_than_its_source_nor_the_umask(sources, tmp_path):
+    model, _, _ = sources
+    src = tmp_path / "src"
+    shutil.copytree(model, src)
+    (src / "tokenizer.json").write_text('{"private": true}')
+    (src / "tokenizer.json").chmod(0o600)
+    (src / "tokenizer_config.json").write_text("{}")
+    (src / "tokenizer_config.json").chmod(0o644)
+    result = run("convert", src, tmp_path / "out", "--tp", "2")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "out" / "tokenizer.json").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "out" / "tokenizer_config.json").stat().st_mode & 0o777 == 0o644
+    old = os.umask(0o077)
+    try:
+        result = run("convert", src, tmp_path / "out2", "--tp", "2")
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "out2" / "tokenizer_config.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_reading_within_a_folder_refuses_links_out_dangling_loops_and_magic_links(tmp_path):
+    """The I/O core's small-file reader, `within` a folder: what the descriptor really opened
+    must lie inside it (or in a Hub cache snapshot's blobs); every other case is one line."""
+    from shardkit.formats import hf
+    from shardkit.io.small import SmallFileError, check_small, read_small
+
+    folder = tmp_path / "src"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "real.json").write_text("{}")
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET)
+    links = {
+        "inside": "sub/real.json",
+        "outside": str(secret),
+        "dotdot": "../secret.txt",
+        "dangling": str(tmp_path / "nowhere"),
+        "loop": "loop",
+        "magic": f"/proc/self/root{secret}",
+    }
+    for name, target in links.items():
+        (folder / name).symlink_to(target)
+    (folder / "linked-dir").symlink_to(tmp_path, target_is_directory=True)
+    assert read_small(folder / "inside", "side file", within=folder) == b"{}"
+    assert check_small(folder / "inside", "side file", within=folder) == (folder / "sub" / "real.json").resolve()
+    assert read_small(folder / "outside", "side file") == SECRET.encode()  # only `within` asks where it leads
+    expected = {"outside": "outside", "dotdot": "outside", "magic": "outside", "dangling": "does not exist",
+                "loop": "loop"}
+    for name, words in expected.items():
+        for reader in (read_small, check_small):
+            with pytest.raises(SmallFileError, match=words) as caught:
+                reader(folder / name, "side file", within=folder)
+            assert "\n" not in str(caught.value) and name in str(caught.value)
+    with pytest.raises(SmallFileError, match="outside"):
+        read_small(folder / "linked-dir" / "secret.txt", "side file", within=folder)
+    kept = open(tmp_path / "deleted.txt", "w")  # noqa: SIM115 - held open while its name is gone
+    try:
+        os.unlink(tmp_path / "deleted.txt")
+        (folder / "gone").symlink_to(f"/proc/self/fd/{kept.fileno()}")
+        with pytest.raises(SmallFileError, match="place can be told"):
+            read_small(folder / "gone", "side file", within=folder)
+    finally:
+        kept.close()
+    with pytest.raises(SmallFileError, match="outside"):  # the trainer's --export-hf copies through this
+        hf.copy_side_files(_one_side_file(tmp_path, secret), tmp_path / "dst")
+    assert not (tmp_path / "dst" / "tokenizer.json").exists()
+
+
+def _one_side_file(tmp_path: Path, target: Path) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (tmp_path / "dst").mkdir()
+    (folder / "tokenizer.json").symlink_to(target)
+    return folder

@@ -72,10 +72,10 @@ LATEST_IF_EXISTS = "latest_if_exists"
 
 
 def plain_file(tag_dir: Path, name: str) -> Any:
-    """A tag's plain torch file (scheduler.pt, user_content.pt), read whole by the bounded reader;
-    None when the tag has none."""
+    """A tag's plain torch file (scheduler.pt, user_content.pt), read whole by the bounded reader,
+    within the tag (a link out of it is refused); None when the tag has none."""
     path = Path(tag_dir) / name
-    return load_small(path, name) if os.path.lexists(path) else None
+    return load_small(path, name, within=Path(tag_dir)) if os.path.lexists(path) else None
 
 
 def resolve_tag(directory: Path, tag: str | None) -> str | None:
@@ -484,7 +484,7 @@ def _load_tag(
         _check_listed_files(tag_dir, manifest)
         if (manifest.get("checkpoint") or {}).get("generic"):
             return _load_generic(tag_dir, name, manifest, rank, optimizer)
-    saved = load_config(tag_dir) if (tag_dir / CONFIG).is_file() else None
+    saved = load_config(tag_dir, within=tag_dir) if (tag_dir / CONFIG).is_file() else None
     given = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
     if saved is not None and given is not None:
         _compare_configs(saved, given, tag_dir)

@@ -23,6 +23,7 @@ a tag; the output directory holding them is a checkpoint directory whose newest 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -103,9 +104,9 @@ def open_parts(
     zero = OptimumOptimizer.open(shards, model, param_order)
     plain: dict[str, Any] = {}
     state_file = Path(tag_dir) / TRAINER_STATE
-    if state_file.is_file():
+    if os.path.lexists(state_file):  # read within the folder: a link out of it (or a dangling one) is refused
         try:
-            plain[USER_CONTENT] = read_json(state_file, "optimum-neuron's trainer_state.json")
+            plain[USER_CONTENT] = read_json(state_file, "optimum-neuron's trainer_state.json", within=tag_dir)
         except SmallFileError as e:
             raise OptimFileError(str(e)) from None
     return model, zero, plain

@@ -36,8 +36,8 @@ from ..formats.manifest import MANIFEST, file_record, manifest
 from ..formats.torch_io import load_small
 from ..io.buffers import one_torch_thread, reused_buffers
 from ..io.digest import FileRecord
-from ..io.durable import write_bytes, write_marker, write_text
-from ..io.small import PICKLE_LIMIT, read_small
+from ..io.durable import write_marker, write_text
+from ..io.small import PICKLE_LIMIT, copy_small
 from ..io.transaction import commit_all, staged_output
 from ..layout import Layout
 from ..placements import Piece
@@ -413,7 +413,7 @@ def _plain_value(src: Source, name: str) -> Any:
     if src.plain.get(name) is not None:
         return src.plain[name]
     path = src.tag_dir / name
-    return load_small(path, name) if path.is_file() else None
+    return load_small(path, name, within=src.tag_dir) if os.path.lexists(path) else None
 
 
 def _begin_tag(out_tag: Path) -> None:
@@ -449,7 +449,7 @@ def _finish_tag(plan: _Plan, out_tag: Path, written: list[str | FileRecord]) -> 
         if src.plain.get(plain) is not None:
             files += save_object(out_tag / plain, src.plain[plain], False)
         elif os.path.lexists(src.tag_dir / plain):
-            write_bytes(out_tag / plain, read_small(src.tag_dir / plain, plain, PICKLE_LIMIT), fsync=False)
+            copy_small(src.tag_dir / plain, out_tag / plain, plain, within=src.tag_dir, limit=PICKLE_LIMIT)
             files.append(out_tag / plain)
     write_text(out_tag / CONFIG, json.dumps(src.model.config, indent=2) + "\n", fsync=False)
     files.append(out_tag / CONFIG)

@@ -60,11 +60,21 @@ def _side_file_dirs(src: Checkpoint) -> list[Path]:
     return [src.root]
 
 
-def _copy_side_files(src: Checkpoint, dst: Path) -> None:
-    """Each side file from the first folder that has it (a tag may hold some, DIR the others)."""
-    copied: set[str] = set()
+def _side_files(src: Checkpoint) -> list[tuple[Path, str]]:
+    """(folder, name) of each side file to copy: from the first folder that has it (a tag may hold
+    some, DIR the others). Each is checked now (hf.side_files: a link leading out of its folder is
+    refused), before any output is written."""
+    found: list[tuple[Path, str]] = []
     for folder in _side_file_dirs(src):
-        copied.update(hf.copy_side_files(folder, dst, [n for n in hf.SIDE_FILES if n not in copied]))
+        taken = {name for _, name in found}
+        found += [(folder, n) for n in hf.side_files(folder, [n for n in hf.SIDE_FILES if n not in taken])]
+    return found
+
+
+def _copy_side_files(sides: list[tuple[Path, str]], dst: Path) -> None:
+    """Copy the side files `_side_files` found (read again through the I/O core, within their folder)."""
+    for folder, name in sides:
+        hf.copy_side_files(folder, dst, [name])
 
 
 class StagingProgress:
@@ -173,6 +183,7 @@ def reshard_checkpoint(
     layout.validate(ckpt.dims)
     ckpt.check_files()
     outputs = plan_sharded(ckpt.family, ckpt.dims, layout, format, convention)
+    sides = _side_files(ckpt)
 
     def finish(stage: Path, records: list[FileRecord]) -> None:
         if fmt.finish is not None:  # DCP's .metadata, optimum-neuron's metadata: once the data files are written
@@ -180,7 +191,7 @@ def reshard_checkpoint(
             added = fmt.finish(stage, records, ckpt.family, ckpt.dims, layout)
             records = records + [file_record(p, stage, sha) for p in added]
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
-        _copy_side_files(ckpt, stage)
+        _copy_side_files(sides, stage)
         dtype_name = str(target_dtype or ckpt.dtype()).replace("torch.", "")
         _write_json(
             stage / MANIFEST,
@@ -214,12 +225,13 @@ def merge_checkpoint(
     ckpt.check_files()
     itemsize = (target_dtype or ckpt.dtype()).itemsize
     outputs, index = plan_full(ckpt.family, ckpt.dims, itemsize, max_shard_size)
+    sides = _side_files(ckpt)
 
     def finish(stage: Path, records: list[FileRecord]) -> None:
         if index is not None:
             _write_json(stage / "model.safetensors.index.json", index)
         _write_json(stage / "config.json", _config_for_output(ckpt, target_dtype))
-        _copy_side_files(ckpt, stage)
+        _copy_side_files(sides, stage)
         for name, text in (options.get("extra_files") or {}).items():
             write_text(inside(stage, name, "extra output file"), text, fsync=False)
 

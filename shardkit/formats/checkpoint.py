@@ -107,11 +107,13 @@ class Checkpoint:
         return "a full model" if self.kind == "hf" else self.layout.describe()
 
 
-def load_config(path: Path | str) -> dict[str, Any]:
+def load_config(path: Path | str, within: Path | str | None = None) -> dict[str, Any]:
+    """The config.json `path` (or the one in the folder `path`); `within`: the source folder a
+    config found beside weights must lie in (io.small: a link out of it is refused)."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    config = read_json(path, "config")
+    config = read_json(path, "config", within=within)
     if not isinstance(config, dict):
         raise FormatError(
             f"config {path} is a JSON {type(config).__name__}, not an object: give the model's config.json"
@@ -151,7 +153,10 @@ def open_checkpoint(
     if (root / "config.json").is_file() or given:
         files = hf.weight_files(root)
         return _open_full(
-            root, {f.name: f for f in files}, given or load_config(root), where or str(root / "config.json")
+            root,
+            {f.name: f for f in files},
+            given or load_config(root, within=root),
+            where or str(root / "config.json"),
         )
     weights = hf.weight_files(root, strict=False) if root.is_dir() else []
     if weights:
@@ -187,7 +192,7 @@ def _config_near_path(path: Path) -> str:
 def _config_near(path: Path) -> dict[str, Any]:
     for candidate in (path.parent / "config.json", path.parent.parent / "config.json"):
         if candidate.is_file():
-            return load_config(candidate)
+            return load_config(candidate, within=candidate.parent)
     raise FormatError(f"no config.json next to {path}: pass the model's config with --config")
 
 
@@ -243,7 +248,7 @@ def _open_dcp(root: Path, given: dict | None, hints: Mapping, where: str | None 
     if given is None:
         for candidate in (root / "config.json", root.parent / "config.json"):
             if candidate.is_file():
-                given, where = load_config(candidate), str(candidate)
+                given, where = load_config(candidate, within=candidate.parent), str(candidate)
                 break
         else:
             raise FormatError(
@@ -251,7 +256,7 @@ def _open_dcp(root: Path, given: dict | None, hints: Mapping, where: str | None 
             )
     family, dims = _family_dims(given, where)
     model = dcp.describe_model(root, family, dims, hints.get("convention"))
-    manifest = read_json(root / MANIFEST, MANIFEST) if (root / MANIFEST).is_file() else None
+    manifest = read_json(root / MANIFEST, MANIFEST, within=root) if (root / MANIFEST).is_file() else None
     return Checkpoint(
         root,
         "sharded",
@@ -282,12 +287,12 @@ def _open_optimum_neuron(root: Path, given: dict | None, where: str | None = Non
             raise FormatError(
                 f"{base} is an optimum-neuron checkpoint without its config.json: pass the model's config with --config"
             )
-        given, where = load_config(candidate), str(candidate)
+        given, where = load_config(candidate, within=candidate.parent), str(candidate)
     family, dims = _family_dims(given, where)
     described = optimum_neuron.describe(base, family, dims)
     holdings, ranks = _sharded_holdings(family, dims, described.layout, described.keys_by_rank)
     files = {key: base / key for key in holdings}
-    manifest = read_json(base / MANIFEST, MANIFEST) if (base / MANIFEST).is_file() else None
+    manifest = read_json(base / MANIFEST, MANIFEST, within=base) if (base / MANIFEST).is_file() else None
     return Checkpoint(
         base,
         "sharded",
@@ -315,13 +320,13 @@ def _sharded_holdings(family, dims, layout, keys_by_rank) -> tuple[dict[str, lis
 
 
 def _open_shardkit(root: Path, given: dict | None, where: str | None = None) -> Checkpoint:
-    manifest = read_json(root / MANIFEST, MANIFEST)
+    manifest = read_json(root / MANIFEST, MANIFEST, within=root)
     try:
         layout = Layout.from_dict(manifest["layout"])
         fmt = manifest["format"]
     except (ValueError, KeyError, TypeError):
         raise FormatError(f"{root / MANIFEST} is corrupt: re-create the shards") from None
-    cfg = given or load_config(root)
+    cfg = given or load_config(root, within=root)
     family, dims = _family_dims(cfg, where or str(root / "config.json"))
     keys_by_rank = {}
     for ep, tp, pp in layout.ranks():
@@ -353,7 +358,7 @@ def _open_nxd(
     if given is None:
         for candidate in (root / "config.json", root.parent / "config.json"):
             if candidate.is_file():
-                given = load_config(candidate)
+                given = load_config(candidate, within=candidate.parent)
                 where = str(candidate)
                 break
         else:

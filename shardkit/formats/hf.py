@@ -8,14 +8,14 @@ huggingface_hub's splitter, and the index when there is more than one file.
 
 from __future__ import annotations
 
-import shutil
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from ..errors import FormatError
-from ..io.small import read_json
+from ..io.small import COPY_LIMIT, check_small, copy_small, read_json
 from ..paths import member
 from .safetensors_io import read_header
 from .torch_io import regular
@@ -42,7 +42,7 @@ def weight_files(path: Path, strict: bool = True) -> list[Path]:
         index = path / index_name
         if index.exists():
             try:
-                weight_map = read_json(index, "index")["weight_map"]
+                weight_map = read_json(index, "index", within=path)["weight_map"]
             except (KeyError, TypeError):
                 raise FormatError(f"{index} is not a valid index (no weight_map): re-create it") from None
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
@@ -76,13 +76,26 @@ def tensor_names(file: Path) -> list[str]:
     return names
 
 
-def copy_side_files(src: Path, dst: Path, names: Iterable[str] = SIDE_FILES) -> list[str]:
-    """Copy generation config and tokenizer files that exist in src."""
-    copied = []
+def side_files(src: Path, names: Iterable[str] = SIDE_FILES) -> list[str]:
+    """The side files (`names`: generation config, tokenizer and chat files) `src` holds, each
+    checked as `copy_side_files` will read it: a regular file inside `src`, or a link that stays
+    inside it. A link leading outside `src`, a dangling one or a loop is refused in one line
+    (io.small.SmallFileError), before anything is written."""
+    found = []
     for name in names:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
-            copied.append(name)
+        if os.path.lexists(src / name):
+            check_small(src / name, "side file", COPY_LIMIT, within=src)
+            found.append(name)
+    return found
+
+
+def copy_side_files(src: Path, dst: Path, names: Iterable[str] = SIDE_FILES) -> list[str]:
+    """Copy the side files `src` holds (`side_files`) into `dst`, through the I/O core's reader
+    (io.small.copy_small: read within `src`, never through a link out of it; the copy is no more
+    readable than the source file). Returns the names copied."""
+    copied = side_files(src, names)
+    for name in copied:
+        copy_small(src / name, dst / name, "side file", within=src)
     return copied
 
 

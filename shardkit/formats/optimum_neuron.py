@@ -277,7 +277,7 @@ def describe(root: Path, family: Family, dims: ModelDims) -> Described:
     tp = len(names)
     if tp == 0:
         raise FormatError(f"{shards / 'model'} holds no rank files (dp_rank_00_tp_rank_00_pp_rank_00.pt)")
-    metadata = [read_json(shards / metadata_name(p), "optimum-neuron metadata") for p in range(pp)]
+    metadata = [read_json(shards / metadata_name(p), "optimum-neuron metadata", within=base) for p in range(pp)]
     layout = _layout_of(metadata[0], dims, tp, pp, shards / metadata_name(0))
     try:
         check_layout(family, dims, layout)

@@ -112,10 +112,11 @@ def safe_load(path: Path, mmap: bool = True) -> Any:
         raise _corrupt(path, e) from None
 
 
-def load_small(path: Path, what: str) -> Any:
+def load_small(path: Path, what: str, within: Path | None = None) -> Any:
     """A small torch file read whole (scheduler, user content, xser info): `safe_load`, once the
-    bounded reader's rules hold (a regular file, not too large: `io.small.check_small`)."""
-    return safe_load(check_small(path, what), mmap=False)
+    bounded reader's rules hold (a regular file, not too large, and with `within` one lying inside
+    that folder: `io.small.check_small`)."""
+    return safe_load(check_small(path, what, within=within), mmap=False)
 
 
 def _refused(path: Path, e: Exception) -> FormatError:

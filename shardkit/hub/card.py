@@ -107,7 +107,7 @@ def model_card(
     layout, manifest = _describe_origin(origin, config, hints)
     origin_path = origin.root if isinstance(origin, Checkpoint) else (Path(origin) if origin is not None else None)
     try:
-        cfg = read_json(folder / "config.json", "config")
+        cfg = read_json(folder / "config.json", "config", within=folder)
     except SmallFileError:
         cfg = {}
     base = base_model or _base_model(origin_path, manifest, cfg)

@@ -21,15 +21,16 @@ def write_text(path: str | Path, text: str, fsync: bool = True) -> None:
     write_bytes(path, text.encode(), fsync)
 
 
-def write_bytes(path: str | Path, data: bytes, fsync: bool = True) -> None:
+def write_bytes(path: str | Path, data: bytes, fsync: bool = True, mode: int = 0o644) -> None:
     """Write a small new file and (with fsync) make it and its folder entry durable. An existing
-    file of that name is replaced by a new one (never written into: it may have other names)."""
+    file of that name is replaced by a new one (never written into: it may have other names).
+    `mode` is narrowed by the umask, as for any new file."""
     path = Path(path)
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         view = memoryview(data)
         while view:
