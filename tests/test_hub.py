@@ -511,3 +511,37 @@ def test_merge_options_need_push_to():
 
     result = CliRunner().invoke(cli, ["-q", "merge", "a", "b", "--create"])
     assert result.exit_code == 2 and "only apply with --push-to" in result.stderr
+
+
+# ---- missing local paths ---------------------------------------------------------------------------
+
+
+def test_a_missing_path_beside_a_local_folder_is_never_looked_up_on_the_hub(tiny_model, tmp_path, monkeypatch):
+    """`runs/llama70b-tp16pp2` looks like a repo id, but `runs/` is a folder here: every command
+    says at once that it does not exist, as for ./x, ../x, /x and ~/x, and never calls the Hub."""
+    import socket
+
+    from click.testing import CliRunner
+
+    from shardkit.cli import cli
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the Hub was called")
+
+    monkeypatch.setattr(socket.socket, "connect", no_hub)
+    monkeypatch.setattr("shardkit.hub.download._download", no_hub)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    model = str(tiny_model("llama-mha"))
+    where = "runs/llama70b-tp16pp2"
+    for args in (["convert", where, "out", "--tp", "2"], ["merge", where, "out"], ["reshard", where, "out"],
+                 ["inspect", where], ["verify", where, model], ["verify", model, where],
+                 ["merge", where, "out", "--push-to", "me/model"]):
+        result = CliRunner().invoke(cli, ["-q", *args])
+        assert result.exit_code == 2, (args, result.output)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and f"{where} does not exist" in lines[0] and "runs/ is a local folder" in lines[0]
+    with pytest.raises(shardkit.FormatError, match=f"{where} does not exist"):
+        shardkit.api.open_source(where)
+    assert not (tmp_path / "out").exists()
+    assert skhub.download.missing_local_path("some-org/some-model") is None  # no such folder here: a repo id

@@ -17,7 +17,7 @@ from ..formats.torch_io import TorchFile
 from ..io.small import SmallFileError, read_json
 from ..sizes import format_bytes
 from ..version import __version__
-from .download import looks_like_repo_id
+from .download import missing_local_path
 
 _CACHE_REPO = re.compile(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots[/\\]")
 
@@ -59,7 +59,7 @@ def _base_model(origin: Path | None, manifest: Mapping | None, config: Mapping |
         if m := _CACHE_REPO.search(text + "/"):
             return f"{m.group(1)}/{m.group(2)}"
     name = (config or {}).get("_name_or_path")
-    if isinstance(name, str) and "/" in name and not Path(name).exists() and looks_like_repo_id(name):
+    if isinstance(name, str) and "/" in name and not Path(name).exists() and missing_local_path(name) is None:
         return name
     return None
 

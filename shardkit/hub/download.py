@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -33,6 +34,18 @@ def looks_like_repo_id(text: str) -> bool:
     """`namespace/name` as the Hub spells them. Anything that looks like a path (`./x`, `../x`,
     `/x`, `~/x`, a bare name, a backslash) is not: a missing local path is never looked up."""
     return bool(_REPO_ID.match(text)) and ".." not in text and "--" not in text and not text.endswith(".")
+
+
+def missing_local_path(text: str) -> str | None:
+    """The one-line error for `text`, a path that does not exist, when it is meant as a local path
+    rather than a Hub repo id: it looks like a path (`looks_like_repo_id`), or its first part is a
+    folder here (`runs/llama70b-tp16pp2` beside `runs/`). None when it may be a Hub repo id."""
+    if not looks_like_repo_id(text):
+        return f"{text} does not exist"
+    parent = os.path.dirname(text)
+    if os.path.lexists(parent):
+        return f"{text} does not exist ({parent}/ is a local folder, so it is not looked up as a Hub repo id)"
+    return None
 
 
 def choose_files(files: Iterable[str], index: Mapping[str, Any] | None = None) -> list[str]:
@@ -92,8 +105,9 @@ def resolve_source(
         if revision is not None:
             raise ShardkitError(f"--revision applies to Hub repo ids, but {text} is a local path: drop --revision")
         return path
-    if not looks_like_repo_id(text):
-        raise FormatError(f"{text} does not exist")
+    missing = missing_local_path(text)
+    if missing is not None:
+        raise FormatError(missing)
     repo_id = text
     try:
         return _download(repo_id, revision, token, endpoint, cache_dir)
