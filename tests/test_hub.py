@@ -545,3 +545,29 @@ def test_a_missing_path_beside_a_local_folder_is_never_looked_up_on_the_hub(tiny
         shardkit.api.open_source(where)
     assert not (tmp_path / "out").exists()
     assert skhub.download.missing_local_path("some-org/some-model") is None  # no such folder here: a repo id
+
+
+# ---- side files linked out of a source -------------------------------------------------------------
+
+
+def test_merge_push_to_never_publishes_a_file_the_shards_link_to_outside(hub, shards, served, tmp_path):
+    """`merge --push-to` of shards whose tokenizer.json links to a secret outside them is refused
+    in one line, before the merge writes or the Hub receives anything (plain `push` already
+    refused the same folder); files of a Hub cache snapshot, links into its blobs, still copy."""
+    src = tmp_path / "shards"
+    shutil.copytree(shards, src)
+    secret = tmp_path / "id_rsa"
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY----- secret\n")
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to(secret)
+    home = tmp_path / "h"
+    result = run_cli("-q", "merge", src, tmp_path / "merged", "--push-to", "alice/leak", "--create", hub=hub, home=home)
+    one_line_error(result, "tokenizer.json", "outside")
+    assert "alice/leak" not in hub.repos and not (tmp_path / "merged").exists()
+    assert not any(b"secret" in data for repo in hub.repos for data in hub.files(repo).values())
+
+    hub.add_repo(REPO, served)
+    result = run_cli("-q", "convert", REPO, tmp_path / "tp2", "--tp", "2", hub=hub, home=home)
+    assert result.returncode == 0, result.stderr
+    copied = tmp_path / "tp2" / "tokenizer.json"
+    assert not copied.is_symlink() and copied.read_bytes() == (served / "tokenizer.json").read_bytes()
