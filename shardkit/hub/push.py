@@ -201,11 +201,12 @@ def push(
             origin = origin or _merge_into(src, folder, config, hints, **merge_options)
         else:
             _link_tree(src, folder)
+        described = folder if merged else src  # not the links to src's files: read within the folder they are in
         card = not (folder / "README.md").exists()
         if card:
             command = command or f"shardkit.push({str(src)!r}, {repo_id!r})"
             card_text = model_card(
-                folder, repo_id, origin=origin, command=command, base_model=base_model, config=config, hints=hints
+                described, repo_id, origin=origin, command=command, base_model=base_model, config=config, hints=hints
             )
             write_text(folder / "README.md", card_text, fsync=False)
         if missing:
@@ -221,7 +222,7 @@ def push(
             work.keep = merged  # a merged copy is worth keeping: the next push resumes from it
             hint = _resume_hint(folder, repo_id, merged, revision, create_pr)
             raise HubUploadError(_one_line(f"{e} -- {hint} (files already uploaded are skipped)", token)) from None
-        return _pushed(folder, src, repo_id, info, endpoint, revision, merged, card)
+        return _pushed(folder, described, src, repo_id, info, endpoint, revision, merged, card)
 
 
 def _ensure_branch(api: Any, repo_id: str, revision: str | None, create_pr: bool, endpoint, token) -> None:
@@ -288,6 +289,7 @@ def _resume_hint(folder: Path, repo_id: str, merged: bool, revision: str | None,
 
 def _pushed(
     folder: Path,
+    described: Path,
     src: Path,
     repo_id: str,
     info: Any,
@@ -296,7 +298,8 @@ def _pushed(
     merged: bool,
     card: bool,
 ) -> dict[str, Any]:
-    """What `push` returns: where it went and what was uploaded."""
+    """What `push` returns: where it went and what was uploaded (`described`: the folder holding
+    the uploaded weights, read for their tensor count)."""
     from huggingface_hub import constants
 
     files = sorted(p for p in folder.rglob("*") if p.is_file())
@@ -313,7 +316,7 @@ def _pushed(
         "model_card": card,
         "files": len(files),
         "bytes": total,
-        "tensors": weight_stats(folder)["tensors"],
+        "tensors": weight_stats(described)["tensors"],
     }
 
 
