@@ -31,6 +31,7 @@ from .engine import (
     inspect_checkpoint,
     merge_checkpoint,
     no_full_collections,
+    resave_changes,
     reshard_checkpoint,
     verify_checkpoints,
 )
@@ -279,11 +280,29 @@ def merge(
                 f"{shown} holds LoRA adapters, not a model: `shardkit ckpt export {shown} OUT` writes their "
                 "PEFT adapter folder, and with --merged the model they were trained on with them merged in"
             )
+        if not isinstance(src, Checkpoint):  # a view (a LoRA merge, an export) is never a plain re-save
+            _refuse_resave(ckpt, max_shard_size, checked.get("dtype"))
         return merge_checkpoint(ckpt, out, max_shard_size=max_shard_size, **checked)
 
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
         result = _read_once(src, config, hints, revision, dict(options), run)
     return _located(result, dst)
+
+
+def _refuse_resave(ckpt: Checkpoint, max_shard_size: int | str, dtype: Any) -> None:
+    """`merge` of a folder that is already a Hugging Face model: refused when the merge would write
+    the same model again (nothing to merge), else said on one line (what the re-save changes:
+    .bin to safetensors, the dtype, the file split)."""
+    if ckpt.kind != "hf" or ckpt.single_file:
+        return
+    shown = remote_io.location_of(ckpt.root) or ckpt.root
+    changes = resave_changes(ckpt, max_shard_size, parse_dtype(dtype))
+    if not changes:
+        raise FormatError(
+            f"{shown} is already a Hugging Face model (safetensors, these dtypes and files): there is nothing to "
+            "merge; copy it, give --dtype or --max-shard-size to re-save it otherwise, or `shardkit convert` it to shards"
+        )
+    log.warning("%s is already a Hugging Face model: merge re-saves it (%s)", shown, "; ".join(changes))
 
 
 def inspect(

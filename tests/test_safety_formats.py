@@ -775,3 +775,75 @@ def test_header_that_is_a_list_is_a_format_error_through_open_checkpoint(tiny_mo
 
 def test_errors_are_shardkit_errors():
     assert issubclass(NoSpaceError, ShardkitError) and issubclass(UnsafePathError, ShardkitError)
+
+
+# ---- 6. what a source links to, and a merge of what needs none ----------------------------------------
+
+
+def _cli(*args, quiet: bool = True):
+    from click.testing import CliRunner
+
+    from shardkit.cli import cli
+
+    return CliRunner().invoke(cli, [*(["-q"] if quiet else []), *map(str, args)], catch_exceptions=False)
+
+
+def _one_line(result, *phrases: str) -> str:
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardkit: error: "), result.stderr
+    assert all(p in lines[0] for p in phrases), lines[0]
+    return lines[0]
+
+
+def test_an_optimum_checkpoint_never_embeds_a_trainer_state_or_tokenizer_linked_outside(tiny_model, tmp_path):
+    """optimum-neuron's trainer_state.json becomes the new tag's user content and its tokenizer is
+    copied: linked outside the checkpoint folder, each is refused in one line and nothing is
+    written; linked inside it, each is read."""
+    from shardkit import convert, make_layout
+
+    folder = tmp_path / "run" / "checkpoint-2"
+    convert(tiny_model(MODEL), folder, make_layout(tp=2), format="optimum-neuron")
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"api_key": "the user's secret"}))
+    (folder / "trainer_state.json").symlink_to(secret)
+    _one_line(_cli("ckpt", "reshard", tmp_path / "run", tmp_path / "out", "--tp", "1"), "trainer_state.json", "outside")
+    assert not (tmp_path / "out").exists()
+
+    (folder / "trainer_state.json").unlink()
+    (folder / "state").mkdir()
+    (folder / "state" / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    (folder / "trainer_state.json").symlink_to("state/trainer_state.json")
+    (folder / "tokenizer.json").symlink_to(secret)
+    _one_line(_cli("merge", folder, tmp_path / "merged"), "tokenizer.json", "outside")
+    assert not (tmp_path / "merged").exists()
+    (folder / "tokenizer.json").unlink()
+    assert _cli("ckpt", "reshard", tmp_path / "run", tmp_path / "out", "--tp", "1").exit_code == 0
+    content = torch.load(tmp_path / "out" / "checkpoint-2" / "user_content.pt", weights_only=True)
+    assert content == {"global_step": 2}
+
+
+def test_merge_of_a_hugging_face_model_refuses_to_write_it_again_and_says_what_a_resave_changes(tiny_model, tmp_path,
+                                                                                               caplog):
+    """Nothing to merge in a Hugging Face model: refused when the merge would write it again as it
+    is; a re-save that changes something (dtype, file split, .bin to safetensors) says what."""
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_model(MODEL), src)
+    _one_line(_cli("merge", src, tmp_path / "same"), "already a Hugging Face model", "nothing to merge", "--dtype")
+    assert not (tmp_path / "same").exists()
+    changed = {
+        "bf16": (["--dtype", "bf16"], "dtype float32 to bfloat16"),
+        "split": (["--max-shard-size", "100KB"], "1 file of weights to "),
+    }
+    for name, (options, says) in changed.items():
+        caplog.clear()
+        result = _cli("merge", src, tmp_path / name, *options, quiet=False)
+        assert result.exit_code == 0, result.stderr
+        assert "already a Hugging Face model: merge re-saves it" in caplog.text and says in caplog.text
+    (src / "model.safetensors").unlink()
+    from safetensors.torch import load_file
+
+    torch.save(load_file(tiny_model(MODEL) / "model.safetensors"), src / "pytorch_model.bin")
+    caplog.clear()
+    result = _cli("merge", src, tmp_path / "from-bin", quiet=False)
+    assert result.exit_code == 0 and "torch weights to safetensors" in caplog.text, result.stderr

@@ -4,7 +4,7 @@ imports the Hub or the CLI: those sit above it (`api.py` resolves sources, then 
 
 from .check import TensorDiff, VerifyReport, inspect_checkpoint, verify_checkpoints
 from .executor import no_full_collections
-from .operations import Result, merge_checkpoint, reshard_checkpoint
+from .operations import Result, merge_checkpoint, resave_changes, reshard_checkpoint
 from .options import ProgressCallback, WriteArgs, WriteOptions
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "inspect_checkpoint",
     "merge_checkpoint",
     "no_full_collections",
+    "resave_changes",
     "reshard_checkpoint",
     "verify_checkpoints",
     "WriteArgs",

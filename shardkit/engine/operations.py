@@ -24,7 +24,7 @@ from typing_extensions import Unpack
 from ..checkpoint.tree import CHECKPOINT_MARKER
 from ..conventions import HF
 from ..distributed import current_job
-from ..formats import MANIFEST, Checkpoint, get_format, hf
+from ..formats import MANIFEST, Checkpoint, SourceReader, get_format, hf
 from ..formats.manifest import file_record, manifest
 from ..io.digest import FileRecord, Recording
 from ..io.durable import write_text
@@ -211,6 +211,37 @@ def reshard_checkpoint(
     records = _write(ckpt, outputs, dst, finish, write)
     log.info("wrote %d files (%s) to %s", len(records), layout.describe(), dst)
     return Result(Path(dst), records, layout, format, rank_files=len(outputs))
+
+
+def resave_changes(ckpt: Checkpoint, max_shard_size: int | str, dtype: torch.dtype | None) -> list[str]:
+    """What merging the Hugging Face model `ckpt` (already full tensors) would change: its weight
+    format, its tensors' dtypes, the files they are split into, a config it lacks. Empty when the
+    merge would write the same model over again."""
+    changes = []
+    if ckpt.format != "safetensors":
+        changes.append(f"{ckpt.format} weights to safetensors")
+    if dtype is not None:
+        reader = SourceReader(ckpt)
+        try:
+            held = sorted({str(reader.dtype_of(n)).replace("torch.", "") for n in ckpt.full_shapes})
+        finally:
+            reader.close()
+        wanted = str(dtype).replace("torch.", "")
+        if held != [wanted]:
+            changes.append(f"dtype {'/'.join(held)} to {wanted}")
+    outputs, _ = plan_full(ckpt.family, ckpt.dims, (dtype or ckpt.dtype()).itemsize, max_shard_size)
+    planned = {o.path: sorted(p.name for p in o.pieces) for o in outputs}
+    files = {key: sorted(p.name for p in pieces) for key, pieces in ckpt.holdings.items()}
+    if planned != files:
+        size = f"{max_shard_size:,} bytes" if isinstance(max_shard_size, int) else max_shard_size
+        changes.append(f"{_files(len(files))} of weights to {_files(len(planned))} of at most {size}")
+    if not (ckpt.root / "config.json").is_file():
+        changes.append("with the config given")
+    return changes
+
+
+def _files(n: int) -> str:
+    return f"{n} file{'s' if n != 1 else ''}"
 
 
 def merge_checkpoint(
