@@ -29,7 +29,7 @@ from shardkit.errors import ConfigMismatchError, LayoutError
 from shardkit.families import family_for, known_families
 from shardkit.layout import ModelDims
 from shardkit.memory import plan_memory
-from shardkit.testing import FIXTURES, fixture_config
+from shardkit.testing import FIXTURES, fixture_config, make_tiny_model
 
 BATCH, SEQ = 2, 9
 ATOL = 1e-4
@@ -764,6 +764,66 @@ def test_plan_bert_large_tp2():
     # two stages: the last one holds its own copy of the decoder (V x H)
     assert plan_params("bert-large-uncased", Layout(tp=2, pp=2)) == [embeddings + 12 * per_layer,
                                                                    12 * per_layer + heads + V * H]
+
+
+BERT_HEADS = {  # architecture -> config changes: the variants of the table the config's architecture chooses
+    "BertForSequenceClassification": {"id2label": {"0": "negative", "1": "neutral", "2": "positive"},
+                                      "label2id": {"negative": 0, "neutral": 1, "positive": 2}},
+    "BertModel": {},
+}
+
+
+def bert_outputs(model, config: dict) -> list[torch.Tensor]:
+    ids, types, mask = bert_inputs(config)
+    with torch.no_grad():
+        out = model(ids, token_type_ids=types, attention_mask=mask)
+    return [out.logits] if hasattr(out, "logits") else [out.last_hidden_state, out.pooler_output]
+
+
+@pytest.mark.parametrize("arch", list(BERT_HEADS))
+def test_bert_variants_round_trip(arch, tmp_path):
+    """A BertForSequenceClassification (pooler and classifier, no cls.* heads) and a bare BertModel
+    (no `bert.` prefix): the table is exactly what transformers saves; convert tp2 pp2 -> merge gives
+    identical tensors and outputs; reshard equals a direct convert; the classifier is replicated."""
+    import transformers
+    from safetensors import safe_open
+
+    config = {**fixture_config("bert-tiny"), "architectures": [arch], **BERT_HEADS[arch]}
+    hf_dir = make_tiny_model(config, tmp_path / "hf")
+    family = family_for(config)
+    with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if not family.is_ignored(k)}
+    assert family.full_shapes(ModelDims.from_config(config)) == saved
+    layout = Layout(tp=2, pp=2)
+    convert(hf_dir, tmp_path / "shards", layout)
+    merge(tmp_path / "shards", tmp_path / "merged")
+    load = getattr(transformers, arch).from_pretrained
+    a, b = (load(d, attn_implementation="eager", dtype=torch.float32).eval() for d in (hf_dir, tmp_path / "merged"))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all(torch.equal(x, y) for x, y in zip(bert_outputs(a, config), bert_outputs(b, config)))
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["architectures"] == [arch]
+    if arch == "BertForSequenceClassification":
+        last = load_ranks(tmp_path / "shards", layout)
+        for t in range(2):
+            assert torch.equal(last[(0, t, 1)]["classifier.weight"], sa["classifier.weight"])
+            assert not any(k.startswith("cls.") for k in last[(0, t, 1)])
+    target = Layout(tp=4, pp=3)
+    reshard(tmp_path / "shards", tmp_path / "resharded", target)
+    convert(hf_dir, tmp_path / "direct", target)
+    same_rank_files(tmp_path / "resharded", tmp_path / "direct")
+
+
+def test_bert_classification_labels_are_checked():
+    """A classification config whose label count is not one: one line naming the field."""
+    base = {**fixture_config("bert-tiny"), "architectures": ["BertForSequenceClassification"]}
+    assert family_for(base).full_shapes(ModelDims.from_config(base))["classifier.weight"] == (2, 64)  # default 2
+    for bad, what in (({"num_labels": 3, "id2label": {"0": "a", "1": "b"}}, "num_labels is 3 but id2label names 2"),
+                      ({"num_labels": 0}, "num_labels must be a whole number"),
+                      ({"id2label": ["a", "b"]}, "id2label must be an object")):
+        with pytest.raises(ConfigMismatchError, match=what) as e:
+            family_for({**base, **bad})
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("qkv", ["gqa", "fused"])

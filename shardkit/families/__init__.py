@@ -32,9 +32,10 @@ def known_families() -> dict[str, Family]:
 
 
 def family_for(config: Mapping[str, Any]) -> Family:
-    """The family of a Hugging Face config dict, or UnsupportedModelError naming the known ones.
-    A config with a LoRA section (an adapter checkpoint's) gets its adapters' family, built from
-    its base model's family (`lora.py`)."""
+    """The family of a Hugging Face config dict, or UnsupportedModelError naming the known ones;
+    the variant of its table that the config's `architectures` asks for (BERT's classification
+    model, its bare encoder), when the family has variants. A config with a LoRA section (an
+    adapter checkpoint's) gets its adapters' family, built from its base model's family (`lora.py`)."""
     if lora.LORA_KEY in config:
         return lora.adapter_family(family_for(lora.base_config(config)), config)
     registry = known_families()
@@ -45,4 +46,6 @@ def family_for(config: Mapping[str, Any]) -> Family:
             f"model_type {model_type!r} is not supported (known: {known}); "
             "add a family module in shardkit/families/ to support it"
         )
-    return registry[model_type]
+    family = registry[model_type]
+    chosen = family.variant(config) if family.variant is not None else None
+    return chosen or family

@@ -13,6 +13,7 @@ import fnmatch
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import ConfigMismatchError, LayoutError
 from ..layout import FULL, QKV_STYLES, Layout, ModelDims
@@ -40,6 +41,8 @@ class Family:
     qkv_styles: tuple[str, ...] = QKV_STYLES
     qkv_reason: str = ""
     check: Callable[[ModelDims], str | None] | None = None
+    # the table a config's `architectures` asks for, when it is not this one (BERT's heads); None: this one
+    variant: Callable[[Mapping[str, Any]], Family | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.model_types:
@@ -173,6 +176,8 @@ class Family:
 
 REGISTRY: dict[str, Family] = {}
 """model_type -> family; filled by `register` as each family module is imported."""
+VARIANT_PREFIXES: set[str] = set()
+"""Layer prefixes of the variants (`Family.variant`) whose prefix is not their family's."""
 
 
 def register(family: Family) -> Family:
@@ -190,18 +195,19 @@ _LAYER_RES: list = [0, ()]  # [registry size when built, compiled patterns]
 
 
 def _layer_patterns() -> tuple[re.Pattern, ...]:
-    if _LAYER_RES[0] != len(REGISTRY) or not _LAYER_RES[1]:
+    if _LAYER_RES[0] != len(REGISTRY) + len(VARIANT_PREFIXES) or not _LAYER_RES[1]:
         prefixes = dict.fromkeys(
             [
                 LAYER_PREFIX,
                 *(f.layer_prefix for f in REGISTRY.values()),
+                *sorted(VARIANT_PREFIXES),
             ]
         )
         patterns = []
         for prefix in prefixes:
             head, tail = prefix.split("{i}")
             patterns.append(re.compile("^" + re.escape(head) + r"(\d+)" + re.escape(tail)))
-        _LAYER_RES[:] = [len(REGISTRY), tuple(patterns)]
+        _LAYER_RES[:] = [len(REGISTRY) + len(VARIANT_PREFIXES), tuple(patterns)]
     return _LAYER_RES[1]
 
 
