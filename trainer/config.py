@@ -44,10 +44,23 @@ class TrainConfig:
         metavar="FILE",
     )
     data: str = _opt(
-        None, "Pre-tokenized token file (scripts/prepare_data.py writes one; .npy is read too).", metavar="FILE"
+        None,
+        "Training data, local or s3://: a token file (scripts/prepare_data.py writes one; .npy too), or text "
+        "tokenized with the model's tokenizer and cached: .txt, .jsonl, .csv, .parquet or a datasets "
+        "save_to_disk folder (prompt/completion or messages columns: loss on the completions only).",
+        metavar="PATH",
     )
     eval_data: str = _opt(
-        None, "Held-out token file: evaluate loss and perplexity on it (same format as --data).", metavar="FILE"
+        None, "Held-out data: evaluate loss and perplexity on it (the same kinds as --data).", metavar="PATH"
+    )
+    text_column: str = _opt("text", "The column of --data / --eval-data rows that holds the text.", metavar="NAME")
+    tokenizer: str = _opt(
+        None, "Tokenize text data with this local tokenizer folder (default: the model folder's).", metavar="DIR"
+    )
+    data_cache: str = _opt(
+        None,
+        "Where tokenized text data is cached (default: $SHARDKIT_CACHE/tokens, else ~/.cache/shardkit/tokens).",
+        metavar="DIR",
     )
     eval_every: int = _opt(0, "Evaluate every N steps, and after the last (0: only after the last).")
     eval_steps: int = _opt(

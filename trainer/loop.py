@@ -35,7 +35,7 @@ from . import checkpointing, cpus, lora, moe
 from .clocks import COMM, COMPUTE
 from .config import TrainConfig
 from .cpus import use_threads
-from .data import Batches, TokenFile
+from .data import Batches, TargetWeight, TokenFile
 from .errors import TrainerError
 from .exchange import ExchangePipeline
 from .layers import TPContext, vocab_parallel_cross_entropy
@@ -268,6 +268,7 @@ class Run:
     start_step: int
     moe_loss: moe.MoELoss | None = None
     adapters: torch.nn.Module | None = None  # --lora-rank: the adapters (what the optimizer trains)
+    target_weight: TargetWeight = field(default_factory=TargetWeight)  # masked data: 1 / the step's unmasked targets
 
 
 def _run(plan: Plan, par: Parallel) -> Summary:
@@ -364,16 +365,19 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
         assert plan.resume is not None  # _initial_tensors restores a checkpoint only when resuming
         start_step = par.all_ok(lambda: checkpointing.apply(restored, optimizer, schedule, batches))
         log.info("resumed from %s at step %d (%s)", plan.resume.path, start_step, spec.layout.describe())
-    scale, tp_group = 1.0 / (plan.micro_batches * plan.dp), par.tp_group
+    scale, tp_group, target_weight = 1.0 / (plan.micro_batches * plan.dp), par.tp_group, TargetWeight()
 
     def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if target_weight.value is not None:  # a loss mask: the unmasked targets' sum / their count
+            per_token = vocab_parallel_cross_entropy(logits, targets.t().clamp(min=0), tp_group)
+            return target_weight.loss(per_token, targets.t())
         return vocab_parallel_cross_entropy(logits, targets.t(), tp_group).mean() * scale
 
     moe_loss = moe.MoELoss(lm_loss, spec, scale, par.tp, par.comm.accumulate_dtype) if is_moe else None
     loss_fn: Callable = moe_loss or lm_loss
     pipeline = _pipeline(plan, par, model, loss_fn) if par.pp > 1 else None
     par.comm.isolate()  # the rank's own set-up in a graph of its own, not in its first step's
-    return Run(model, optimizer, schedule, batches, loss_fn, pipeline, start_step, moe_loss, adapters)
+    return Run(model, optimizer, schedule, batches, loss_fn, pipeline, start_step, moe_loss, adapters, target_weight)
 
 
 def _pipeline(plan: Plan, par: Parallel, model: StageModel, loss_fn: Callable) -> Pipeline | ExchangePipeline:
@@ -590,6 +594,7 @@ def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
         with torch.no_grad():
             for _ in range(plan.eval_steps):
                 inputs, targets = batches.step_batch()
+                run.target_weight.set(batches, par.comm.to_device)
                 if run.pipeline is not None:
                     total = total + run.pipeline.forward_only(inputs, targets)
                 else:
@@ -642,6 +647,7 @@ def _queue_step(plan: Plan, par: Parallel, run: Run, step: int) -> QueuedStep:
     COMPUTE.take()
     t0 = time.perf_counter()
     inputs, targets = run.batches.step_batch()
+    run.target_weight.set(run.batches, par.comm.to_device)
     if run.pipeline is not None:
         loss_sum: Any = run.pipeline.step(inputs, targets)
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from .model import ModelSpec
 from .optim import LRSchedule
 from .parallel import resolve_dp
 from .pipeline import resolve_schedule
+from .tokenizing import DataOptions, open_data
 from .weights import check_export_destination
 
 log = logging.getLogger("trainer")
@@ -62,10 +64,10 @@ class Plan:
 def _check_locations(cfg: TrainConfig) -> None:
     """--model, --checkpoint-dir and --resume: a local path or s3://bucket/prefix; the other paths
     local. Any other URL is refused here, in one line, before anything is read or written."""
-    for name in ("model", "checkpoint_dir", "resume"):
+    for name in ("model", "checkpoint_dir", "resume", "data", "eval_data"):
         if getattr(cfg, name):
             parse_location(getattr(cfg, name), f"--{name.replace('_', '-')}")
-    for name in ("model_config", "data", "eval_data", "export_hf", "metrics", "tensorboard"):
+    for name in ("model_config", "export_hf", "metrics", "tensorboard", "tokenizer", "data_cache"):
         if getattr(cfg, name):
             as_local(getattr(cfg, name), f"--{name.replace('_', '-')}")
 
@@ -139,7 +141,7 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
     check_positions(cfg.seq_len, model_config)
     spec = ModelSpec.from_config(model_config, layout)
     resolve_schedule(cfg.pp_schedule, cfg.pp, cfg.vpp, cfg.global_batch // (cfg.micro_batch * dp), spec.dims.num_layers)
-    tokens = TokenFile(cfg.data)
+    tokens = open_data(cfg.data, "--data", data_options(cfg), tokenizer_folders(cfg, source))
     if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
         raise DataError(
             f"{cfg.data} was tokenized with a vocabulary of {tokens.vocab_size} ids, but the model has "
@@ -149,7 +151,7 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
         raise DataError(
             f"{cfg.data} holds {len(tokens)} tokens: fewer than one sequence of --seq-len {cfg.seq_len} + 1"
         )
-    eval_tokens, eval_steps = plan_eval(cfg, spec)
+    eval_tokens, eval_steps = plan_eval(cfg, spec, source)
     if resume is not None:
         check_resume_settings(cfg, resume)
     exported_step = check_export_destination(cfg) if cfg.export_hf else None
@@ -171,13 +173,13 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
     return plan
 
 
-def plan_eval(cfg: TrainConfig, spec: ModelSpec) -> tuple[TokenFile | None, int]:
+def plan_eval(cfg: TrainConfig, spec: ModelSpec, source: Checkpoint | None = None) -> tuple[TokenFile | None, int]:
     """--eval-data checked: (its tokens, batches per evaluation), or (None, 0) without it."""
     if not cfg.eval_data:
         if cfg.eval_every or cfg.eval_steps:
             raise TrainerError("--eval-every / --eval-steps need --eval-data (a held-out token file)")
         return None, 0
-    tokens = TokenFile(cfg.eval_data)
+    tokens = open_data(cfg.eval_data, "--eval-data", data_options(cfg), tokenizer_folders(cfg, source))
     if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
         raise DataError(
             f"{cfg.eval_data} was tokenized with a vocabulary of {tokens.vocab_size} ids, but the model "
@@ -201,6 +203,23 @@ def plan_eval(cfg: TrainConfig, spec: ModelSpec) -> tuple[TokenFile | None, int]
             cfg.eval_steps,
         )
     return tokens, min(cfg.eval_steps or whole, whole)
+
+
+def data_options(cfg: TrainConfig) -> DataOptions:
+    """How text data is tokenized (trainer/tokenizing.py); the progress bar on rank 0 only."""
+    rank0 = int(os.environ.get("RANK", "0") or 0) == 0
+    return DataOptions(cfg.text_column, cfg.tokenizer, cfg.data_cache, cfg.progress and rank0)
+
+
+def tokenizer_folders(cfg: TrainConfig, source: Checkpoint | None) -> list[Path]:
+    """Where the model's tokenizer may be: --model's folder (and the one above a sharded tag), or
+    --model-config's."""
+    if source is not None:
+        return [source.root, source.root.parent] if source.kind == "sharded" else [source.root]
+    if cfg.model_config:
+        config = Path(cfg.model_config)
+        return [config if config.is_dir() else config.parent]
+    return []
 
 
 def check_tensorboard(directory: str) -> None:

@@ -1,0 +1,394 @@
+"""The data users have, read as documents for the tokenizer (trainer/tokenizing.py).
+
+`--data` / `--eval-data` (and scripts/prepare_data.py) name a local path or an `s3://bucket/key`:
+
+| kind | what it is | a document |
+| --- | --- | --- |
+| `.txt` | UTF-8 text | the whole file (tokenized in pieces of TXT_PIECE characters cut after a newline) |
+| `.jsonl` | one JSON object per line | a row |
+| `.csv` | a header, then rows (quoted values may span lines) | a row |
+| `.parquet` | a Parquet file | a row |
+| folder | a Hugging Face `datasets` `save_to_disk` folder (one split) | a row |
+| anything else | a token file (`.bin`, `.npy`: trainer/data.py) | - |
+
+A row's text is its `--text-column` (default `text`). A row without that column, but with `prompt`
+and `completion` columns, or with a `messages` column (a list of {role, content}), is instruction
+data: only the completion (the assistant's turns) is trained on. The columnar formats are read
+by pyarrow (and `datasets` for its folders), imported here only when such data is given, in
+record batches of about BATCH_ROWS rows, so a file of any size is read in bounded memory.
+
+Bad data is one line (DataError, exit 2): an empty file, a missing column (the ones that exist
+are named), a row that does not parse or holds no text (its line for .jsonl and .csv, found by
+reading the file again with the standard library once pyarrow has refused it).
+
+An object in S3 is read through shardkit's mirrors (io.remote): its identity is its ETag and
+size, so a cached tokenization is found without fetching the object; the bytes are fetched
+only to tokenize it (or whole, for a token file).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardkit.io import remote as remote_io
+from shardkit.io import s3
+from shardkit.io.digest import file_digests
+from shardkit.io.location import RemoteLocation, remote
+from shardkit.paths import regular_file
+
+from .errors import DataError
+
+log = logging.getLogger("trainer")
+
+SUFFIXES = {".txt": "txt", ".jsonl": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+TEXT_KINDS = ("txt", "jsonl", "csv", "parquet", "datasets")
+BATCH_ROWS = 1024
+BLOCK_BYTES = 16 << 20  # pyarrow's read block for .jsonl and .csv (a row may not be larger)
+TXT_PIECE = 8 << 20
+INSTRUCTION = ("prompt", "completion")
+MESSAGES = "messages"
+EXTRA = "pip install 'shardkit[data]'"
+
+
+@dataclass
+class Source:
+    """A data location resolved: `path` is local (a mirror file or folder for s3://)."""
+
+    shown: str  # as the user gave it
+    kind: str  # one of TEXT_KINDS, or "tokens"
+    path: Path | None  # None: an S3 object not fetched yet (`fetch`)
+    loc: RemoteLocation | None = None
+    objects: tuple[s3.ObjectInfo, ...] = ()
+
+    @property
+    def is_text(self) -> bool:
+        return self.kind in TEXT_KINDS
+
+    def fetch(self) -> Path:
+        """The local path, every byte fetched (an S3 object or folder: through a mirror)."""
+        if self.path is None:
+            assert self.loc is not None  # `locate` gives an S3 source its location
+            base = self.loc if self.kind == "datasets" else self.loc.parent
+            mirror = remote_io.open_mirror(base, list(self.objects))
+            self.path = mirror.root if self.kind == "datasets" else mirror.root / self.loc.name
+            for name in (o.name for o in self.objects):
+                remote_io.ensure_file(mirror.root / name)
+        return self.path
+
+    def identity(self) -> str:
+        """What the data is: an S3 object's URL, size and ETag; a local file's or folder's contents
+        (xxh3-128 of every byte: a cache hit must not depend on times a copy changes)."""
+        if self.loc is not None:
+            listed = [(o.name, o.size, o.etag) for o in self.objects]
+            return _digest(json.dumps([str(self.loc), listed]))
+        assert self.path is not None  # a local source has its path
+        files = sorted(p for p in self.path.iterdir() if p.is_file()) if self.path.is_dir() else [self.path]
+        parts = [(f.name if self.path.is_dir() else "", file_digests(f)[1]) for f in files]
+        return _digest(json.dumps(parts))
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def kind_of(path: str) -> str:
+    """The kind a local file name says (a folder is `datasets`); anything else is a token file."""
+    return SUFFIXES.get(os.path.splitext(path)[1].lower(), "tokens")
+
+
+def locate(text: str, what: str) -> Source:
+    """`text` (--data / --eval-data) resolved: a local path, or an S3 object or folder (listed,
+    not fetched). A missing path is one line."""
+    loc = remote(text, what)
+    if loc is None:
+        path = Path(text)
+        if path.is_dir():
+            return Source(text, "datasets", path)
+        if path.exists():
+            regular_file(path, f"{what}")  # a FIFO or device would hang or never end
+        elif kind_of(text) in TEXT_KINDS:
+            raise DataError(f"{what} {text} does not exist: give a .txt, .jsonl, .csv or .parquet file")
+        return Source(text, kind_of(text), path)
+    head = _head(loc) if loc.prefix else None
+    if head is not None:
+        source = Source(text, kind_of(loc.name), None, loc, (head,))
+        if source.kind == "tokens":  # read by mapping: fetched whole now
+            source.fetch()
+        return source
+    inside = s3.list_objects(loc)
+    if inside:
+        return Source(text, "datasets", None, loc, tuple(inside))
+    s3.check_bucket(loc)
+    raise DataError(f"{what} {text}: no such object in S3 (nor a folder of objects under it): check the key")
+
+
+def _head(loc: RemoteLocation) -> s3.ObjectInfo | None:
+    """The object `loc` names (its name relative to its parent), or None when there is none."""
+    try:
+        head = s3.client().head_object(Bucket=loc.bucket, Key=loc.prefix)
+    except Exception as e:  # noqa: BLE001 - botocore's errors: a missing key is None, others one line
+        code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise s3.error(e, "read", loc) from None
+    return s3.ObjectInfo(loc.name, int(head["ContentLength"]), str(head.get("ETag", "")))
+
+
+# ---- columns ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Which columns make a document: `text` alone, or instruction data (`prompt` and
+    `completion`, or `messages`)."""
+
+    mode: str  # "text", "prompt", "messages"
+    names: tuple[str, ...]
+
+    @property
+    def masked(self) -> bool:
+        return self.mode != "text"
+
+    def describe(self) -> str:
+        if self.mode == "text":
+            return f"column {self.names[0]!r}"
+        return "instruction columns " + " / ".join(repr(n) for n in self.names)
+
+
+def choose_columns(names: list[str], text_column: str, shown: str) -> Columns:
+    """The columns to read from a table with columns `names`."""
+    if text_column in names:
+        return Columns("text", (text_column,))
+    if all(n in names for n in INSTRUCTION):
+        return Columns("prompt", INSTRUCTION)
+    if MESSAGES in names:
+        return Columns("messages", (MESSAGES,))
+    have = ", ".join(repr(n) for n in names) or "none"
+    raise DataError(
+        f"{shown} has no column {text_column!r} (its columns: {have}): pass --text-column NAME, or give "
+        "instruction data as 'prompt' and 'completion' columns or a 'messages' column"
+    )
+
+
+# ---- reading documents --------------------------------------------------------------------------------
+
+
+def _need(module: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"reading this data needs {module.split('.')[0]}: {EXTRA}") from None
+
+
+def open_rows(path: Path, kind: str, text_column: str, shown: str) -> tuple[Columns, Iterator[Any], int | None]:
+    """(the columns chosen, an iterator of pyarrow tables or record batches holding them, the
+    number of rows when known) of a columnar source."""
+    if kind != "datasets" and path.stat().st_size == 0:
+        raise DataError(f"{shown} is empty: it holds no documents")
+    if kind == "jsonl":
+        return _jsonl(path, text_column, shown)
+    if kind == "csv":
+        return _csv(path, text_column, shown)
+    if kind == "parquet":
+        pq = _need("pyarrow.parquet")
+        try:
+            file = pq.ParquetFile(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors: not a Parquet file, truncated
+            raise DataError(f"{shown} is not a readable Parquet file ({first_line(e)})") from None
+        columns = choose_columns(file.schema_arrow.names, text_column, shown)
+        batches = file.iter_batches(batch_size=BATCH_ROWS, columns=list(columns.names))
+        return columns, batches, file.metadata.num_rows
+    return _datasets_folder(path, text_column, shown)
+
+
+def _jsonl(path: Path, text_column: str, shown: str) -> tuple[Columns, Iterator[Any], int | None]:
+    pa, pj = _need("pyarrow"), _need("pyarrow.json")
+    first = _first_json_row(path, shown)
+    columns = choose_columns(list(first), text_column, shown)
+    schema = pa.schema([(n, _arrow_type(pa, columns.mode)) for n in columns.names])
+    options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+
+    def batches() -> Iterator[Any]:
+        try:
+            yield from pj.open_json(path, read_options=pj.ReadOptions(block_size=BLOCK_BYTES), parse_options=options)
+        except ValueError as e:  # pyarrow.ArrowInvalid: find the line
+            raise DataError(_jsonl_problem(path, columns, shown) or f"{shown} does not parse: {first_line(e)}") from None
+
+    return columns, batches(), None
+
+
+def _first_json_row(path: Path, shown: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise DataError(f"{shown} line {number} is not JSON ({e}): one JSON object per line") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{shown} line {number} is not a JSON object: one object per line")
+                return row
+    raise DataError(f"{shown} is empty: it holds no documents")
+
+
+def _arrow_type(pa: Any, mode: str) -> Any:
+    if mode == "messages":
+        return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    return pa.string()
+
+
+def _jsonl_problem(path: Path, columns: Columns, shown: str) -> str | None:
+    """The first line of a .jsonl file that is not an object holding the columns (as text, or
+    messages), said in one line; None when every line is."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                return f"{shown} line {number} is not JSON ({e}): one JSON object per line"
+            if not isinstance(row, dict):
+                return f"{shown} line {number} is not a JSON object: one object per line"
+            problem = row_problem(row, columns)
+            if problem:
+                return f"{shown} line {number}: {problem}"
+    return None
+
+
+def row_problem(row: dict[str, Any], columns: Columns) -> str | None:
+    """What is wrong with one row's values for `columns` (None: nothing)."""
+    for name in columns.names:
+        value = row.get(name)
+        if name not in row:
+            have = ", ".join(repr(n) for n in row) or "none"
+            return f"no column {name!r} (this row's columns: {have})"
+        if columns.mode == "messages":
+            if not isinstance(value, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value
+            ):
+                return f"{name!r} is not a list of {{'role': text, 'content': text}} messages"
+        elif not isinstance(value, str):
+            return f"{name!r} holds {type(value).__name__ if value is not None else 'null'}, not text"
+    return None
+
+
+def _csv(path: Path, text_column: str, shown: str) -> tuple[Columns, Iterator[Any], int | None]:
+    pa, pc = _need("pyarrow"), _need("pyarrow.csv")
+    parse = pc.ParseOptions(newlines_in_values=True)
+    read = pc.ReadOptions(block_size=BLOCK_BYTES)
+    try:
+        names = pc.open_csv(path, read_options=read, parse_options=parse).schema.names
+    except ValueError as e:
+        raise DataError(_csv_problem(path, shown) or f"{shown} does not parse as CSV: {first_line(e)}") from None
+    columns = choose_columns(names, text_column, shown)
+    if columns.mode == "messages":
+        raise DataError(f"{shown}: a 'messages' column cannot be read from CSV: give .jsonl or .parquet")
+    convert = pc.ConvertOptions(include_columns=list(columns.names), column_types={n: pa.string() for n in columns.names})
+
+    def batches() -> Iterator[Any]:
+        try:
+            yield from pc.open_csv(path, read_options=read, parse_options=parse, convert_options=convert)
+        except ValueError as e:
+            raise DataError(_csv_problem(path, shown) or f"{shown} does not parse as CSV: {first_line(e)}") from None
+
+    return columns, batches(), None
+
+
+def _csv_problem(path: Path, shown: str) -> str | None:
+    """The first record of a CSV file whose number of fields is not the header's, with its line."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader, None)
+            if header is None:
+                return f"{shown} is empty: it holds no documents"
+            for record in reader:
+                if len(record) != len(header):
+                    return (
+                        f"{shown} line {reader.line_num} has {len(record)} fields, the header {len(header)}: "
+                        "quote values that hold commas"
+                    )
+        except csv.Error as e:
+            return f"{shown} line {reader.line_num} does not parse as CSV ({e})"
+    return None
+
+
+def _datasets_folder(path: Path, text_column: str, shown: str) -> tuple[Columns, Iterator[Any], int | None]:
+    datasets = _need("datasets")
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if p.is_dir())
+        raise DataError(
+            f"{shown} holds several splits ({', '.join(splits)}): give one split's folder, e.g. {shown}/{splits[0]}"
+            if splits
+            else f"{shown} is a DatasetDict without splits"
+        )
+    if not (path / "state.json").is_file():
+        raise DataError(
+            f"{shown} is a folder but not a datasets save_to_disk folder (no state.json): give a file "
+            "(.txt, .jsonl, .csv, .parquet, a token file) or the folder Dataset.save_to_disk wrote"
+        )
+    try:
+        data = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - datasets' and pyarrow's errors for a damaged folder
+        raise DataError(f"{shown} is not a readable datasets folder ({first_line(e)})") from None
+    columns = choose_columns(list(data.column_names), text_column, shown)
+    table = data.select_columns(list(columns.names)).with_format("arrow")
+    return columns, table.iter(batch_size=BATCH_ROWS), len(data)
+
+
+def first_line(error: BaseException) -> str:
+    """`error`'s first line (for a message of ours that quotes it)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def rows_of(batch: Any, columns: Columns) -> list[Any]:
+    """A table / record batch's values of `columns`: per row, the text, (prompt, completion) or messages."""
+    values = [batch.column(n).to_pylist() for n in columns.names]
+    return list(zip(*values)) if columns.mode == "prompt" else values[0]
+
+
+def text_pieces(path: Path, shown: str) -> Iterator[str]:
+    """A .txt file's text: whole when it is at most TXT_PIECE characters, else in pieces of about
+    that many, each cut after a newline (bounded memory; a text without newlines in pieces of at
+    most 4 x TXT_PIECE)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            pending = f.read(TXT_PIECE)
+            while pending:
+                more = f.read(TXT_PIECE)
+                if not more:
+                    yield pending
+                    return
+                cut = pending.rfind("\n") + 1
+                if cut == 0 and len(pending) < 4 * TXT_PIECE:
+                    pending += more  # no newline yet: read on
+                    continue
+                cut = cut or len(pending)
+                yield pending[:cut]
+                pending = pending[cut:] + more
+    except UnicodeDecodeError as e:
+        raise DataError(f"{shown} is not UTF-8 text ({e.reason} near byte {e.start} of a piece): convert it to UTF-8") from None
+
+
+def row_error(source: Source, columns: Columns, index: int, problem: str) -> DataError:
+    """The one-line error for row `index` (0-based) of `source`: for .jsonl the file is read again
+    to name the first line that is wrong; for the other kinds the row is named."""
+    assert source.path is not None  # rows are read from a fetched source
+    if source.kind == "jsonl":
+        found = _jsonl_problem(source.path, columns, source.shown)
+        if found:
+            return DataError(found)
+    return DataError(f"{source.shown} row {index + 1}: {problem}")
