@@ -20,6 +20,7 @@ under torchrun too.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .. import torch_compat
@@ -223,6 +225,8 @@ def _file(root: Path, name: Any) -> str:
 def _entry(path: Path, root: Path, fqn: str, meta: Any, where: Mapping) -> Entry:
     """A tensor entry with its chunks located and checked (inside the tensor, tiling it)."""
     shape = tuple(int(v) for v in meta.size)
+    if any(n < 0 for n in shape) or math.prod(shape) >= 1 << 63:
+        raise FormatError(f"{path}: {fqn} has the impossible shape {list(shape)}: the metadata is corrupt")
     dtype = meta.properties.dtype
     if not isinstance(dtype, torch.dtype):
         raise FormatError(f"{path}: {fqn} has no dtype: the metadata is corrupt")
@@ -240,22 +244,103 @@ def _entry(path: Path, root: Path, fqn: str, meta: Any, where: Mapping) -> Entry
             raise FormatError(f"{path}: no data file holds the chunk of {fqn} at {list(offsets)}: it is incomplete")
         file = _file(root, info.relative_path)
         chunks.append(Chunk(fqn, offsets, sizes, file, int(info.offset), int(info.length), dtype))
-    if sum(math.prod(c.sizes) for c in chunks) != math.prod(shape) or not _disjoint(chunks):
-        raise FormatError(f"{path}: the chunks of {fqn} do not tile its shape {list(shape)}: the metadata is corrupt")
+    problem = tiling_problem(shape, [(c.offsets, c.sizes) for c in chunks])
+    if problem is not None:
+        raise FormatError(f"{path}: the chunks of {fqn} {problem}: the metadata is corrupt (re-create the checkpoint)")
     return Entry(fqn, shape, dtype, tuple(chunks))
 
 
-def _disjoint(chunks: Sequence[Chunk]) -> bool:
-    if len(chunks) > 64:  # volumes add up (checked by the caller); pairs are checked for small sets only
-        return True
-    for i, a in enumerate(chunks):
-        for b in chunks[i + 1 :]:
-            if all(
-                max(oa, ob) < min(oa + sa, ob + sb) for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes)
-            ):
-                if math.prod(a.sizes) and math.prod(b.sizes):
-                    return False
-    return True
+def tiling_problem(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> str | None:
+    """None when the boxes (offsets, sizes), each inside `shape`, cover every element of the tensor
+    exactly once; else what is wrong ("do not tile its shape [..]: element [..] is in no chunk"),
+    naming an element in no box or in several. Exact for any number of boxes and axes.
+
+    Axes every box spans whole are left out; boxes cut along one axis are intervals that must
+    follow each other (sorted); along several, corners are counted (`_corner_problem`)."""
+    if not math.prod(shape):
+        return None  # no elements (every box inside it is empty)
+    live = [(tuple(o), tuple(s)) for o, s in boxes if math.prod(s)]
+    cut = [k for k, n in enumerate(shape) if any(o[k] != 0 or s[k] != n for o, s in live)]
+    found: _Miscount | str | None
+    if not cut:
+        found = None if len(live) == 1 else ((), len(live))
+    elif len(cut) == 1:
+        found = _interval_problem(shape[cut[0]], live, cut[0])
+    else:
+        sub = [shape[k] for k in cut]
+        found = _corner_problem(sub, [(tuple(o[k] for k in cut), tuple(s[k] for k in cut)) for o, s in live])
+        if isinstance(found, str):
+            return f"cut it along too many axes to check that they tile its shape {list(shape)} ({found})"
+    if found is None:
+        return None
+    where, covered = found
+    element = [0] * len(shape)
+    for k, v in zip(cut, where):
+        element[k] = v
+    what = "in no chunk (a gap)" if covered == 0 else "in more than one chunk (an overlap)"
+    return f"do not tile its shape {list(shape)}: element {element} is {what}"
+
+
+_Miscount = tuple[tuple[int, ...], int]
+"""An element (its coordinates along the cut axes) and how many boxes cover it."""
+
+
+def _interval_problem(n: int, live: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], k: int) -> _Miscount | None:
+    """Boxes cut along axis k only: ((element,), times covered) where they do not tile [0, n)."""
+    end = 0
+    for start, size in sorted((o[k], s[k]) for o, s in live):
+        if start != end:
+            return ((end,), 0) if start > end else ((start,), 2)
+        end = start + size
+    return None if end == n else ((end,), 0)
+
+
+CORNER_BUDGET = 1 << 22
+"""Corners (beyond 8 per chunk) `_corner_problem` counts before it refuses a tensor as cut along
+too many axes to check: torch's chunks (a mesh axis per cut tensor axis) stay far below."""
+
+
+def _corner_problem(
+    shape: Sequence[int], live: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> _Miscount | str | None:
+    """Whether non-empty boxes inside `shape` cover each element once: None, or (element, times
+    covered) of the first element (row-major) where not, or a string when too costly to check.
+
+    A box's indicator, on the tensor's elements, is a signed sum of orthant indicators ("every
+    element >= p"), one per corner p: its start on every axis, or its end on the axes where it
+    ends inside the tensor, signed by how many ends it takes. Orthant indicators of distinct
+    points are linearly independent, so the boxes cover each element once iff their corners'
+    signed counts equal the tensor's own (+1 at the origin, 0 elsewhere); and at the first point
+    where they differ, the element's coverage differs from 1 by exactly that point's count."""
+    starts = np.array([o for o, _ in live], dtype=np.int64).reshape(len(live), len(shape))
+    ends = starts + np.array([s for _, s in live], dtype=np.int64).reshape(len(live), len(shape))
+    inside = ends < np.array(shape, dtype=np.int64)
+    patterns, which = np.unique(inside, axis=0, return_inverse=True)
+    which = which.reshape(-1)
+    sizes = np.bincount(which, minlength=len(patterns))
+    corners = sum(int(n) << int(p.sum()) for p, n in zip(patterns, sizes))
+    if corners > CORNER_BUDGET + 8 * len(live):
+        return f"{corners} corners"
+    points, signs = [np.zeros((1, len(shape)), dtype=np.int64)], [np.array([-1], dtype=np.int64)]
+    for index, pattern in enumerate(patterns):
+        rows = which == index
+        lo, hi, axes = starts[rows], ends[rows], np.flatnonzero(pattern)
+        for ends_at in itertools.product((False, True), repeat=len(axes)):
+            pick = np.zeros(len(shape), dtype=bool)
+            pick[axes[list(ends_at)]] = True
+            points.append(np.where(pick, hi, lo))
+            signs.append(np.full(len(lo), -1 if sum(ends_at) % 2 else 1, dtype=np.int64))
+    at, sign = np.concatenate(points), np.concatenate(signs)
+    order = np.lexsort(at.T[::-1])
+    at, sign = at[order], sign[order]
+    first = np.ones(len(at), dtype=bool)
+    first[1:] = (at[1:] != at[:-1]).any(axis=1)
+    groups = np.flatnonzero(first)
+    counts = np.add.reduceat(sign, groups)
+    wrong = np.flatnonzero(counts)
+    if not len(wrong):
+        return None
+    return tuple(int(v) for v in at[groups[wrong[0]]]), 1 + int(counts[wrong[0]])
 
 
 class ChunkFile(DescriptorReader):
