@@ -250,3 +250,40 @@ def test_verify_finds_a_one_ulp_change(sharded, tmp_path):
     report = json.loads(run("verify", src, broken, "--json").output)
     assert [t["name"] for t in report["tensors"] if not t["equal"]] == [name]
     assert run("verify", src, broken, "--atol", "1e-3").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "args, phrases",
+    [
+        (["convert", "a", "b", "--tpp", "2"], ["No such option '--tpp'", "'--tp'", "Try 'shardkit convert --help'"]),
+        (["convert", "a", "b", "--tp", "0"], ["'--tp'", "0 is not in the range", "Try 'shardkit convert --help'"]),
+        (["ckpt", "prune", "x", "--keep", "0"], ["'--keep'", "Try 'shardkit ckpt prune --help'"]),
+        (["ckpt", "prune", "x"], ["Missing option '--keep'", "Try 'shardkit ckpt prune --help'"]),
+        (["ckpt", "reshard", "x"], ["Missing argument 'DST'", "Try 'shardkit ckpt reshard --help'"]),
+        (["convrt", "a", "b"], ["No such command 'convrt'", "'convert'", "Try 'shardkit --help'"]),
+        (["--bogus", "convert"], ["No such option '--bogus'", "Try 'shardkit --help'"]),
+        (["ckpt", "lst"], ["No such command 'lst'", "Try 'shardkit ckpt --help'"]),
+    ],
+)
+def test_usage_errors_are_one_line_with_clicks_hint(args, phrases):
+    """A typo'd option or command, a value out of range, a missing argument: click's message and
+    its "Try '... --help'" hint on ONE stderr line `shardkit: error: ...`, exit 2 (also -q)."""
+    for quiet in ([], ["-q"]):
+        result = CliRunner().invoke(cli, [*quiet, *args], prog_name="shardkit")
+        assert result.exit_code == 2, (result.exit_code, result.output)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("shardkit: error: "), result.stderr
+        for phrase in phrases:
+            assert phrase in lines[0], (phrase, lines[0])
+        assert not result.stdout.strip(), result.stdout
+
+
+def test_usage_error_of_the_real_entry_point_is_one_line():
+    """The console entry prints the same one line (click's standalone main, not the test runner)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "shardkit", "convert", "a", "b", "--tpp", "2"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--tpp" in done.stderr and "Try 'shardkit convert --help' for help." in done.stderr
+    bare = CliRunner().invoke(cli, [])  # no command: the help, as before
+    assert "Commands:" in bare.output

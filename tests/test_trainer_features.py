@@ -495,3 +495,49 @@ def test_grad_bucket_mb_must_be_positive(tmp_path, hf_model, tokens, capsys):
                  "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--grad-bucket-mb must be positive" in err[0], err
+
+
+# ---- the command line's usage errors ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, phrases",
+    [
+        (["--tpp", "2"], ["unrecognized arguments: --tpp 2 (Did you mean one of: --tp, --pp, --vpp?)"]),
+        (["--global-bach", "2"], ["unrecognized arguments: --global-bach 2 (Did you mean one of: --global-batch,"]),
+        (["--tp", "x"], ["argument --tp/--tp-size: invalid int value: 'x'"]),
+        (["--decay", "foo"], ["argument --decay: invalid choice: 'foo'"]),
+        (["--model"], ["argument --model: expected one argument"]),
+    ],
+)
+def test_usage_errors_are_one_line(args, phrases, capsys, monkeypatch):
+    """argparse's usage errors (a typo'd option, a bad value): ONE line on stderr with argparse's
+    message, a did-you-mean for a misspelt option and the help hint, exit 2; under torchrun only
+    rank 0 says it (every rank parses the same command line), every rank exits 2."""
+    from trainer.__main__ import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trainer: error: "), captured.err
+    assert err[0].endswith("Try 'python -m trainer --help' for help."), err
+    for phrase in phrases:
+        assert phrase in err[0], (phrase, err)
+    assert not captured.out
+    monkeypatch.setenv("RANK", "1")
+    assert main(args) == 2
+    assert not capsys.readouterr().err
+
+
+def test_usage_error_of_python_m_trainer_is_one_line():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "--tpp", "2"], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--tpp 2 (Did you mean one of: --tp," in done.stderr and "usage:" not in done.stderr

@@ -104,11 +104,18 @@ def _tell_torchrun(line: str, error: BaseException, debug: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .config import parse_args
+    from .config import UsageError, parse_args
     from .errors import decide_exit, exit_code
     from .parallel import world_from_env
 
-    cfg = parse_args(argv)
+    try:
+        cfg = parse_args(argv)
+    except UsageError as e:  # every rank parses the same line: rank 0 says it, every rank exits 2
+        line = f"trainer: error: {e}"
+        if world_from_env()[0] == 0:
+            print(line, file=sys.stderr, flush=True)
+        _tell_torchrun(line, e, False)
+        return exit_code(e)
     rank, world, _ = world_from_env()
     debug = cfg.debug or bool(os.environ.get("TRAINER_DEBUG"))
     logging.basicConfig(

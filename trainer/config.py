@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from shardkit.formats import format_names
 
@@ -221,7 +222,7 @@ def _flag(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m trainer",
         description="shardkit's slim trainer: tensor, pipeline, data and expert parallel training of decoder "
         "LLMs (Llama, Mistral, Qwen, Gemma, Phi-3, GPT-NeoX, Mixtral, DBRX) "
@@ -236,6 +237,33 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(
                 *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=meta["doc"]
             )
+class UsageError(TrainerError):
+    """A command line argparse cannot parse: an unknown (misspelt) option, a bad value, a missing one."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line (UsageError, exit 2), not its usage, wrapped
+    over dozens of lines, and then the message: argparse's message, a did-you-mean for a misspelt
+    option, and where the help is."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message}{self._did_you_mean(message)}. Try '{self.prog} --help' for help.")
+
+    def _did_you_mean(self, message: str) -> str:
+        """` (Did you mean --seq-len?)` for the unrecognised options of `message` that are near known ones."""
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return ""
+        known = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+        near = []
+        for word in message[len(prefix) :].split():
+            if word.startswith("--"):
+                near += [m for m in difflib.get_close_matches(word.split("=")[0], known, n=3) if m not in near]
+        if len(near) > 1:
+            return f" (Did you mean one of: {', '.join(near)}?)"
+        return f" (Did you mean {near[0]}?)" if near else ""
+
+
             continue
         kind = type(f.default) if f.default is not None else str
         parser.add_argument(

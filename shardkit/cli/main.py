@@ -1,8 +1,9 @@
 """The root `shardkit` group: global options, one-line errors, and the commands added to it.
 
 Errors in the user's input (ShardkitError) print one line `shardkit: error: ...` and exit with
-code 2; nothing is left half-written. Anything unexpected prints one line and exits 1.
-`--debug` shows tracebacks. Command modules never import this one: it adds their commands.
+code 2; nothing is left half-written. So do click's usage errors (a typo'd option or command, a
+value out of range, a missing argument): its message and its "Try '... --help'" hint, on one line.
+Anything unexpected prints one line and exits 1. `--debug` shows tracebacks. Command modules never import this one: it adds their commands.
 """
 
 from __future__ import annotations
@@ -20,12 +21,43 @@ from . import ckpt, convert, hub, inspect, plan
 from .options import common_options, configure_logging, settings
 
 
+class OneLineUsageError(click.UsageError):
+    """A click usage error shown as one line: `shardkit: error: <click's message> Try '<command>
+    --help' for help.` (click's own `show` prints the usage, the hint and the message on 3-4)."""
+
+    def __init__(self, error: click.UsageError):
+        super().__init__(error.format_message(), error.ctx)
+
+    def show(self, file: Any = None) -> None:
+        message = " ".join(self.format_message().split())
+        hint = f" Try '{self.ctx.command_path} --help' for help." if self.ctx is not None else ""
+        click.echo(f"shardkit: error: {message}{hint}", file=file, err=file is None)
+
+
+def one_line_usage(error: click.UsageError) -> click.UsageError:
+    """`error` as a OneLineUsageError; no arguments' help (click's NoArgsIsHelpError) stays the help."""
+    if isinstance(error, (OneLineUsageError, click.exceptions.NoArgsIsHelpError)):
+        return error
+    return OneLineUsageError(error)
+
+
 class ShardkitGroup(click.Group):
-    """Turns library errors into one line on stderr and exit code 2 (tracebacks with --debug)."""
+    """Turns library errors into one line on stderr and exit code 2 (tracebacks with --debug), and
+    click's usage errors, of this group's options and of every subcommand's, into one line too."""
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as e:  # the root's own options (`shardkit --bogus ...`)
+            raise one_line_usage(e) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:  # a subcommand's name, options or arguments
+            raise one_line_usage(e) from None
         except ShardkitError as e:
             if settings(ctx)["debug"]:
                 raise
