@@ -11,6 +11,7 @@ files byte for byte.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from conftest import golden_or_skip
 from shardkit.checkpoint import load_checkpoint
 from shardkit.checkpoint.reshard import reshard_training
 from shardkit.cli import cli
+from shardkit.errors import FormatError
 from shardkit.layout import Layout
 from test_nxd_train import file_hash, sha
 
@@ -41,8 +43,11 @@ def logical_matches(tag_root: Path, want: dict, config: Path | None = None) -> N
     assert set(loaded.model) == set(want["params"])
     for name, entry in want["params"].items():
         state = loaded.optimizer.state[name]
-        for what, tensor in (("weight", loaded.model[name]), ("exp_avg", state["exp_avg"]),
-                             ("exp_avg_sq", state["exp_avg_sq"])):
+        for what, tensor in (
+            ("weight", loaded.model[name]),
+            ("exp_avg", state["exp_avg"]),
+            ("exp_avg_sq", state["exp_avg_sq"]),
+        ):
             assert list(tensor.shape) == entry[what]["shape"], (name, what)
             assert sha(tensor) == entry[what]["sha256"], (name, what)
         assert float(state["step"]) == entry["step"]
@@ -55,17 +60,24 @@ def test_avoid_lp_reference_reads_without_hints_and_inspects():
     root = nxd()
     want = json.loads((root / f"{AVOID}.load.json").read_text())
     logical_matches(root / AVOID, want, root / "config.json")
-    result = CliRunner().invoke(cli, ["ckpt", "inspect", str(root / AVOID), "--config", str(root / "config.json"),
-                                      "--json"])
+    result = CliRunner().invoke(
+        cli, ["ckpt", "inspect", str(root / AVOID), "--config", str(root / "config.json"), "--json"]
+    )
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)
-    assert (info["nxd_mode"], info["model_has_data"], info["master_weights"], info["dp"]) == ("avoid-lp", False, True, 2)
+    assert (info["nxd_mode"], info["model_has_data"], info["master_weights"], info["dp"]) == (
+        "avoid-lp",
+        False,
+        True,
+        2,
+    )
     text = CliRunner().invoke(cli, ["ckpt", "inspect", str(root / AVOID), "--config", str(root / "config.json")])
     assert "saved as NxD's avoid-lp" in text.output
 
 
-@pytest.mark.parametrize("mid", [(Layout(qkv="gqa", pp=2), 3), (Layout(tp=2, pp=2, qkv="fused"), 1)],
-                         ids=["tp1pp2dp3", "tp2pp2dp1-fused"])
+@pytest.mark.parametrize(
+    "mid", [(Layout(qkv="gqa", pp=2), 3), (Layout(tp=2, pp=2, qkv="fused"), 1)], ids=["tp1pp2dp3", "tp2pp2dp1-fused"]
+)
 def test_avoid_lp_reshard_to_another_layout_and_back(mid, tmp_path):
     """Into another tp / pp / dp (and qkv style): the same logical weights and moments as NxD
     reassembled; the model files there again hold no data (the source's mode is kept); and back
@@ -88,15 +100,43 @@ def test_avoid_lp_to_default_and_back_by_flag(tmp_path):
     there --nxd-mode avoid-lp leaves them out again: NxD's files byte for byte."""
     root = nxd()
     cfg = str(root / "config.json")
-    run = CliRunner().invoke(cli, ["ckpt", "reshard", str(root / AVOID), str(tmp_path / "full"), "--config", cfg,
-                                   "--tp", "2", "--dp", "2", "--nxd-mode", "default"])
+    run = CliRunner().invoke(
+        cli,
+        [
+            "ckpt",
+            "reshard",
+            str(root / AVOID),
+            str(tmp_path / "full"),
+            "--config",
+            cfg,
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--nxd-mode",
+            "default",
+        ],
+    )
     assert run.exit_code == 0, run.output
     full = tmp_path / "full/step_3"
     assert len(list((full / "model/dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors").iterdir())) == 19
     want = json.loads((root / f"{AVOID}.load.json").read_text())
     logical_matches(tmp_path / "full", want)
-    run = CliRunner().invoke(cli, ["ckpt", "reshard", str(tmp_path / "full"), str(tmp_path / "bare"), "--tp", "2", "--dp", "2",
-                                   "--nxd-mode", "avoid-lp"])
+    run = CliRunner().invoke(
+        cli,
+        [
+            "ckpt",
+            "reshard",
+            str(tmp_path / "full"),
+            str(tmp_path / "bare"),
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--nxd-mode",
+            "avoid-lp",
+        ],
+    )
     assert run.exit_code == 0, run.output
     orig = root / AVOID / "step_3"
     for f in (x for x in orig.rglob("*") if x.is_file()):
@@ -110,25 +150,110 @@ def test_avoid_lp_export_is_the_master_weights(tmp_path):
 
     root = nxd()
     want = json.loads((root / f"{AVOID}.load.json").read_text())["params"]
-    run = CliRunner().invoke(cli, ["ckpt", "export", str(root / AVOID), str(tmp_path / "hf"), "--config",
-                                   str(root / "config.json")])
+    run = CliRunner().invoke(
+        cli, ["ckpt", "export", str(root / AVOID), str(tmp_path / "hf"), "--config", str(root / "config.json")]
+    )
     assert run.exit_code == 0, run.output
     hf = load_file(str(tmp_path / "hf/model.safetensors"))
-    renames = {"qkv_proj.weight_q": "q_proj.weight", "qkv_proj.weight_k": "k_proj.weight",
-               "qkv_proj.weight_v": "v_proj.weight"}
+    renames = {
+        "qkv_proj.weight_q": "q_proj.weight",
+        "qkv_proj.weight_k": "k_proj.weight",
+        "qkv_proj.weight_v": "v_proj.weight",
+    }
     for name, entry in want.items():
         if "gate_up_proj" in name:
-            tensor = torch.cat([hf[name.replace("gate_up_proj", "gate_proj")], hf[name.replace("gate_up_proj", "up_proj")]])
+            tensor = torch.cat(
+                [hf[name.replace("gate_up_proj", "gate_proj")], hf[name.replace("gate_up_proj", "up_proj")]]
+            )
         else:
             tensor = hf[next((name.replace(a, b) for a, b in renames.items() if a in name), name)]
         assert sha(tensor) == entry["weight"]["sha256"], name
 
 
+def _empty_tensor_folders(tag: Path) -> int:
+    """An empty `<model file>.tensors` folder beside every xser model file, as NxD's avoid-lp save
+    leaves them at pp > 1."""
+    count = 0
+    for ref in (tag / "model").glob("*.pt.info.pt"):
+        Path(str(ref)[: -len(".info.pt")] + ".tensors").mkdir(exist_ok=True)
+        count += 1
+    return count
+
+
+def test_avoid_lp_with_empty_tensor_folders_is_read_from_the_master_weights(tmp_path):
+    """NxD's avoid-lp save may leave an empty `.tensors` folder per model file (it does at pp > 1):
+    the mode is told by the tensor files being absent and the masters present, whether or not
+    the folder is there; inspected, loaded and resharded as without the folders."""
+    root = nxd()
+    cfg = root / "config.json"
+    want = json.loads((root / f"{AVOID}.load.json").read_text())
+    pp2 = reshard_training(root / AVOID, tmp_path / "pp2", Layout(qkv="gqa", pp=2), dp=2, config=cfg)
+    src = tmp_path / "tp2"
+    shutil.copytree(root / AVOID, src)
+    for tag in (pp2, src / "step_3"):
+        assert _empty_tensor_folders(tag) == len(list((tag / "model").glob("*.pt.info.pt"))) >= 2
+        logical_matches(tag.parent, want, cfg)
+        run = CliRunner().invoke(cli, ["ckpt", "inspect", str(tag.parent), "--config", str(cfg), "--json"])
+        assert run.exit_code == 0, run.output
+        assert json.loads(run.output)["nxd_mode"] == "avoid-lp"
+    out = tmp_path / "out"
+    run = CliRunner().invoke(
+        cli, ["ckpt", "reshard", str(src), str(out), "--config", str(cfg), "--tp", "1", "--dp", "1"]
+    )
+    assert run.exit_code == 0, run.output
+    logical_matches(out, want)
+
+
+def test_empty_tensor_folders_without_master_weights_are_one_line(tmp_path):
+    """An xser checkpoint whose tensor files are gone (their folders empty) and whose optimizer
+    files hold no master weights holds no weights: said in one line, nothing written."""
+    root = nxd()
+    src = tmp_path / "src"
+    shutil.copytree(root / "tp2_dp2_pp1_xser", src)
+    for folder in (src / "step_3" / "model").glob("*.tensors"):
+        shutil.rmtree(folder)
+        folder.mkdir()
+    run = CliRunner().invoke(
+        cli,
+        [
+            "ckpt",
+            "reshard",
+            str(src),
+            str(tmp_path / "out"),
+            "--config",
+            str(root / "config.json"),
+            "--tp",
+            "1",
+            "--qkv",
+            "gqa",
+        ],
+    )
+    assert run.exit_code == 2 and len(run.output.strip().splitlines()) == 1, run.output
+    assert "no master weights" in run.output and not (tmp_path / "out").exists()
+    with pytest.raises(FormatError, match="no master weights") as e:
+        load_checkpoint(src, "step_3", target_layout=Layout(qkv="gqa"), rank=(0, 0), config=root / "config.json")
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("ask", [["--format", "torch"], ["--master-weights", "drop"]])
 def test_avoid_lp_needs_xser_and_master_weights(ask, tmp_path):
     root = nxd()
-    run = CliRunner().invoke(cli, ["ckpt", "reshard", str(root / AVOID), str(tmp_path / "out"), "--config",
-                                   str(root / "config.json"), "--qkv", "gqa", "--nxd-mode", "avoid-lp", *ask])
+    run = CliRunner().invoke(
+        cli,
+        [
+            "ckpt",
+            "reshard",
+            str(root / AVOID),
+            str(tmp_path / "out"),
+            "--config",
+            str(root / "config.json"),
+            "--qkv",
+            "gqa",
+            "--nxd-mode",
+            "avoid-lp",
+            *ask,
+        ],
+    )
     assert run.exit_code == 2 and len(run.output.strip().splitlines()) == 1, run.output
     assert ("xser" if ask[0] == "--format" else "master weights") in run.output
     assert not (tmp_path / "out").exists()
@@ -178,20 +303,31 @@ def zero1_dcp(tmp_path_factory):
         moments = ckpt_child.rank_optimizer(cfg, tp2, r, full, 5)
         return OptimizerState(moments, group, {n: 0 for n in moments})
 
-    save_checkpoint(out / "one", "step_5", {(r.tp, r.pp): ckpt_child.rank_pieces(cfg, tp2, r, full["weight"])
-                                            for r in ranks}, {(r.tp, r.pp): state(r) for r in ranks},
-                    layout=tp2, config=cfg)
+    save_checkpoint(
+        out / "one",
+        "step_5",
+        {(r.tp, r.pp): ckpt_child.rank_pieces(cfg, tp2, r, full["weight"]) for r in ranks},
+        {(r.tp, r.pp): state(r) for r in ranks},
+        layout=tp2,
+        config=cfg,
+    )
     finalize_checkpoint()
     reshard_training(out / "one", out / "default", tp2, dp=2)
     shutil.copytree(out / "default", out / "dcp")
     for name in ("shardkit.json", "config.json"):
         (out / "dcp/step_5" / name).unlink()
     helper = Path(__file__).resolve().parent / "nxd_dcp.py"
-    done = subprocess.run([sys.executable, str(helper), str(out / "dcp/step_5"), "2", "2"], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(helper), str(out / "dcp/step_5"), "2", "2"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in (out / "dcp/step_5/optim").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "__2_0.distcp",
+        "__3_0.distcp",
+    ]
     return out, root / "config.json"
 
 
@@ -238,7 +374,10 @@ def test_zero1_dcp_written_is_what_torch_reads_of_nxds(zero1_dcp, tmp_path):
     out, _ = zero1_dcp
     mine = reshard_training(out / "default", tmp_path / "mine", Layout(tp=2, qkv="gqa"), dp=2, nxd_mode="zero1-dcp")
     assert not list((mine / "optim").glob("dp_rank_*"))
-    got, want = _torch_reads(mine / "optim", tmp_path / "a.pt"), _torch_reads(out / "dcp/step_5/optim", tmp_path / "b.pt")
+    got, want = (
+        _torch_reads(mine / "optim", tmp_path / "a.pt"),
+        _torch_reads(out / "dcp/step_5/optim", tmp_path / "b.pt"),
+    )
     assert set(got) == set(want) and len(got) > 100
     for key, value in want.items():
         assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
@@ -268,9 +407,25 @@ def test_zero1_dcp_with_pipeline_stages_names_each_stage(zero1_dcp, tmp_path):
 def test_zero1_dcp_refuses_what_nxd_cannot_save(case, tmp_path):
     root = nxd()
     src = root / (AVOID if case == "master" else "tp2_dp2_pp1_torch")
-    run = CliRunner().invoke(cli, ["ckpt", "reshard", str(src), str(tmp_path / "out"), "--config",
-                                   str(root / "config.json"), "--tp", "2", "--qkv", "gqa", "--dp", "2",
-                                   "--nxd-mode", "zero1-dcp"])
+    run = CliRunner().invoke(
+        cli,
+        [
+            "ckpt",
+            "reshard",
+            str(src),
+            str(tmp_path / "out"),
+            "--config",
+            str(root / "config.json"),
+            "--tp",
+            "2",
+            "--qkv",
+            "gqa",
+            "--dp",
+            "2",
+            "--nxd-mode",
+            "zero1-dcp",
+        ],
+    )
     assert run.exit_code == 2 and len(run.output.strip().splitlines()) == 1, run.output
     assert ("master weights" if case == "master" else "one param group") in run.output
     assert not (tmp_path / "out").exists()

@@ -7,6 +7,11 @@ directory must never cost a checkpoint.
 3. Damaged manifests: listed as damaged, skipped (never crash list/prune/resume); the newest
    loadable tag is resumed, also when the newest tag fails its digest check.
 4. Names used as paths: tags and manifest file names stay inside their folders.
+5. Tags that only look complete (`done`, but not the files of a checkpoint): unloadable, said why,
+   never the latest, never counted or removed by retention; locally and in object storage.
+6. Tag names: one validator (no control characters, separators, dots, leading '-', spaces at the
+   ends, more than 255 bytes) for save, load, list, prune and the CLI's --tag.
+7. A checkpoint folder that is a symlink is never saved into or pruned through.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,9 +48,11 @@ from shardkit.checkpoint import (
 from shardkit.checkpoint import save as ckpt_save
 from shardkit.cli import cli
 from shardkit.errors import FormatError, ShardkitError
+from shardkit.io import s3
 from shardkit.layout import Layout
 from shardkit.paths import UnsafePathError
 from shardkit.testing import fixture_config
+from test_s3 import bucket, s3_server  # noqa: F401 - a moto S3 server on loopback, and a new bucket in it
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = fixture_config("llama-mha")
@@ -79,14 +87,18 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     for base, dirs, files in os.walk(folder):
         for name in files + [d for d in dirs if os.path.islink(os.path.join(base, d))]:
             path = Path(base) / name
-            out[path.relative_to(folder).as_posix()] = os.readlink(path).encode() if path.is_symlink() \
-                else path.read_bytes()
+            out[path.relative_to(folder).as_posix()] = (
+                os.readlink(path).encode() if path.is_symlink() else path.read_bytes()
+            )
     return out
 
 
-def precious_folder(path: Path) -> Path:
-    """A folder that looks like a complete tag to a careless deleter: done, checkpoint, files."""
-    (path / "model").mkdir(parents=True)
+def precious_folder(path: Path, tag: Path | None = None) -> Path:
+    """A folder that looks like a complete tag to a careless deleter: done, checkpoint, files (with
+    `tag`: a loadable copy of that tag, so that retention counts it and may remove it)."""
+    if tag is not None:
+        shutil.copytree(tag, path)
+    (path / "model").mkdir(parents=True, exist_ok=True)
     (path / "done").write_text("1")
     (path / "checkpoint").write_text("1")
     (path / "model" / "weights.pt").write_bytes(os.urandom(4096))
@@ -130,7 +142,7 @@ def edit_manifest(tag_dir: Path, change) -> None:
 
 
 def test_prune_unlinks_a_symlinked_tag_and_never_touches_its_target(ckpt, tmp_path):
-    precious = precious_folder(tmp_path / "pinned" / "step_0")
+    precious = precious_folder(tmp_path / "pinned" / "step_0", ckpt / "step_1")
     before = snapshot(precious)
     (ckpt / "step_0").symlink_to(precious, target_is_directory=True)  # oldest: pruned first
     plan = prune_checkpoints(ckpt, num_kept=1)
@@ -140,7 +152,7 @@ def test_prune_unlinks_a_symlinked_tag_and_never_touches_its_target(ckpt, tmp_pa
 
 
 def test_retention_after_a_save_never_deletes_through_a_symlinked_tag(ckpt, tmp_path):
-    precious = precious_folder(tmp_path / "elsewhere")  # any folder holding a `done` file
+    precious = precious_folder(tmp_path / "elsewhere", ckpt / "step_1")  # a loadable tag: retention removes it
     (precious / "sub").mkdir()
     (precious / "sub" / "notes.txt").write_text("keep me")
     before = snapshot(precious)
@@ -217,8 +229,13 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 30.0) -> None
 
 def test_a_second_writer_is_refused_while_a_save_holds_the_directory(ckpt, tmp_path):
     flag = tmp_path / "holding"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(ckpt), str(flag), str(REPO / "tests")],
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(ckpt), str(flag), str(REPO / "tests")],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for(flag, holder)
         who = rf"pid {holder.pid} on host {socket.gethostname()}"
@@ -425,8 +442,251 @@ def test_distributed_ranks_skip_only_what_every_rank_sees(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_LOADER, str(r), port, *map(str, roots)], env=_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_LOADER, str(r), port, *map(str, roots)],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     assert [o[0].split() for o in outs] == [["step_1", "step_2"], ["step_1", "FormatError"]]
+
+
+# ---- 5. tags that only look complete -------------------------------------------------------------------
+
+
+def _nxd_copy(ckpt: Path, tag: str) -> Path:
+    """A copy of step_2 as an NxD tree (no manifest or config): its layout is in its file names."""
+    path = ckpt / tag
+    shutil.copytree(ckpt / "step_2", path)
+    for name in ("shardkit.json", "config.json"):
+        (path / name).unlink()
+    return path
+
+
+def _done_only(ckpt: Path) -> str:
+    (ckpt / "step_99").mkdir()
+    (ckpt / "step_99" / "done").write_text("1")
+    return "no model files"
+
+
+def _markers_and_empty_model_folder(ckpt: Path) -> str:
+    for name in ("checkpoint", "done"):
+        (ckpt / "step_99" / "model").mkdir(parents=True, exist_ok=True)
+        (ckpt / "step_99" / name).write_text("1")
+    return "no model files"
+
+
+def _manifest_without_the_model(ckpt: Path) -> str:
+    shutil.copytree(ckpt / "step_2", ckpt / "step_99")
+    (ckpt / "step_99" / MODEL_FILE).unlink()
+
+    def drop(d):
+        d["checkpoint"]["step"] = 99
+        d["files"] = [f for f in d["files"] if f["path"] != MODEL_FILE]
+
+    edit_manifest(ckpt / "step_99", drop)
+    return f"{MODEL_FILE} is not listed"
+
+
+def _nxd_tree_without_its_model_file(ckpt: Path) -> str:
+    (_nxd_copy(ckpt, "step_99") / MODEL_FILE).unlink()
+    return "no model files"
+
+
+def _nxd_tree_missing_a_tp_rank(ckpt: Path) -> str:
+    """The optimizer files say tp 2; the model file of tp rank 1 is not there."""
+    optim = _nxd_copy(ckpt, "step_99") / "optim"
+    shutil.copyfile(optim / "dp_rank_00_tp_rank_00_pp_rank_00.pt", optim / "dp_rank_00_tp_rank_01_pp_rank_00.pt")
+    return "dp_rank_00_tp_rank_01_pp_rank_00.pt is missing"
+
+
+def _nxd_tree_with_an_empty_model_file(ckpt: Path) -> str:
+    (_nxd_copy(ckpt, "step_99") / MODEL_FILE).write_bytes(b"")
+    return "is empty"
+
+
+def _nxd_model_file_is_a_fifo(ckpt: Path) -> str:
+    path = _nxd_copy(ckpt, "step_99") / MODEL_FILE
+    path.unlink()
+    os.mkfifo(path)
+    return "not a regular file"
+
+
+SHELLS = {
+    "done only": _done_only,
+    "markers and an empty model folder": _markers_and_empty_model_folder,
+    "manifest without the model file": _manifest_without_the_model,
+    "NxD tree without its model file": _nxd_tree_without_its_model_file,
+    "NxD tree missing a tp rank": _nxd_tree_missing_a_tp_rank,
+    "NxD tree with an empty model file": _nxd_tree_with_an_empty_model_file,
+    "NxD model file is a FIFO": _nxd_model_file_is_a_fifo,
+}
+
+
+@pytest.mark.parametrize("shell", list(SHELLS))
+def test_a_tag_that_only_looks_complete_is_never_latest_nor_kept_in_place_of_a_loadable_one(ckpt, caplog, shell):
+    """step_99 has `done` but not the files of a checkpoint: listed as unloadable with why, never
+    the latest, never counted by retention (prune, a save's retention, an async save's), never
+    removed by it either; resuming skips it with a log line."""
+    why = SHELLS[shell](ckpt)
+    runner = CliRunner()
+    out = runner.invoke(cli, ["ckpt", "list", str(ckpt)])
+    assert out.exit_code == 0, out.output
+    row = next(line for line in out.stdout.splitlines() if line.startswith("step_99"))
+    assert "UNLOADABLE" in row and "latest" not in row, out.stdout
+    reason = next(line for line in out.stderr.splitlines() if line.startswith("step_99"))
+    assert "cannot be loaded" in reason and why in reason, out.stderr
+    listed = json.loads(runner.invoke(cli, ["ckpt", "list", str(ckpt), "--json"]).stdout)
+    assert listed["latest"] == "step_2" and latest(ckpt) == "step_2"
+    info = {c["tag"]: c for c in listed["checkpoints"]}["step_99"]
+    assert info["loadable"] is False and why in info["problem"]
+
+    with caplog.at_level(logging.WARNING, logger="shardkit"):
+        loaded = load_checkpoint(ckpt, "latest_if_exists")
+    assert loaded.tag == "step_2" and "step_99" in caplog.text
+    with pytest.raises(ShardkitError, match="step_99.*cannot be loaded") as e:
+        load_checkpoint(ckpt, "step_99")
+    assert one_line(str(e.value))
+
+    out = runner.invoke(cli, ["ckpt", "prune", str(ckpt), "--keep", "1"])
+    assert out.exit_code == 0, out.output
+    assert "removed step_1" in out.stdout and "kept step_2" in out.stdout
+    assert any(line.startswith("kept step_99") and "cannot be loaded" in line for line in out.stdout.splitlines())
+    assert [t for t, _ in tags(ckpt)] == ["step_2", "step_99"]
+
+    with Checkpointer() as ck:  # a save's retention, and an async save's, count only loadable tags
+        save(ckpt, 3, ck, num_kept=1)
+        assert [t for t, _ in tags(ckpt)] == ["step_3", "step_99"]
+        ck.save(ckpt, "step_4", pieces(4), layout=LAYOUT, config=CONFIG, async_save=True, num_kept=1)
+        ck.wait()
+    assert [t for t, _ in tags(ckpt)] == ["step_4", "step_99"] and latest(ckpt) == "step_4"
+
+
+def test_every_rank_file_of_an_nxd_tree_and_its_xser_parts_count(tmp_path):
+    """An NxD tree (no manifest) at tp 2 pp 2: loadable with all four rank files (and, in xser,
+    each `.info.pt`); without any one of them it is not."""
+    layout = Layout(tp=2, pp=2)
+    full = ckpt_child.full_state(CONFIG, 1)["weight"]
+    model = {
+        (tp, pp): ckpt_child.rank_pieces(CONFIG, layout, Rank(tp=tp, pp=pp), full) for tp in (0, 1) for pp in (0, 1)
+    }
+    with Checkpointer() as ck:
+        for step, fmt in ((1, "torch"), (2, "xser")):
+            ck.save(tmp_path, f"step_{step}", model, layout=layout, config=CONFIG, format=fmt)
+            ck.wait()
+    for tag in ("step_1", "step_2"):
+        (tmp_path / tag / "shardkit.json").unlink()
+    assert latest(tmp_path) == "step_2"
+    last = "model/dp_rank_00_tp_rank_01_pp_rank_01.pt"
+    for victim in (f"step_2/{last}.info.pt", f"step_2/{last}", f"step_1/{last}"):
+        os.rename(tmp_path / victim, tmp_path / "aside")
+        infos = {i.tag: i for i in list_checkpoints(tmp_path)}
+        tag = victim.split("/")[0]
+        assert not infos[tag].loadable and "dp_rank_00_tp_rank_01_pp_rank_01.pt" in infos[tag].problem, victim
+        os.rename(tmp_path / "aside", tmp_path / victim)
+    assert all(i.loadable for i in list_checkpoints(tmp_path))
+
+
+def test_a_tag_that_only_looks_complete_on_s3_is_never_latest_nor_kept(bucket, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = f"s3://{bucket}/run"
+    for step in (1, 2):
+        save_checkpoint(root, f"step_{step}", pieces(step), layout=LAYOUT, config=CONFIG, user_content={"step": step})
+        finalize_checkpoint()
+    s3.client().put_object(Bucket=bucket, Key="run/step_99/done", Body=b"1")
+    infos = {i.tag: i for i in list_checkpoints(root)}
+    assert not infos["step_99"].loadable and "no model files" in infos["step_99"].problem
+    assert latest(root) == "step_2"
+    assert load_checkpoint(root, "latest_if_exists").tag == "step_2"
+    plan = prune_checkpoints(root, num_kept=1)
+    assert plan.removed == ["step_1"] and "cannot be loaded" in plan.reasons["step_99"]
+    assert [i.tag for i in list_checkpoints(root)] == ["step_2", "step_99"]
+
+
+# ---- 6. tag names ------------------------------------------------------------------------------------------
+
+BAD_NAMES = [
+    "step_1\n",
+    "a\nb",
+    "step\t1",
+    "step_1\r",
+    "\x1b[31mstep_1",
+    "step_1\u2028",
+    "step\x7f1",
+    "step\u202e1",
+    "-rf",
+    " step_1",
+    "step_1 ",
+    "x" * 256,
+    "",
+    ".",
+    "..",
+    "a/b",
+]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=[ascii(n)[:20] for n in BAD_NAMES])
+def test_tag_names_with_control_characters_are_refused_everywhere(ckpt, tmp_path, name):
+    before = sorted(os.listdir(ckpt))
+    with pytest.raises(CheckpointError, match="is not a plain folder name") as e:
+        save_checkpoint(ckpt, name, pieces(9), layout=LAYOUT, config=CONFIG)
+    assert one_line(str(e.value)) and isinstance(e.value, ShardkitError)
+    with pytest.raises(ShardkitError, match="is not a plain folder name") as e:
+        Checkpointer().save(ckpt, name, pieces(9), layout=LAYOUT, config=CONFIG, async_save=True)
+    assert one_line(str(e.value))
+    with pytest.raises(ShardkitError, match="is not a plain folder name") as e:
+        load_checkpoint(ckpt, name)
+    assert one_line(str(e.value))
+    for command in ("export", "inspect"):
+        args = ["ckpt", command, str(ckpt)] + ([str(tmp_path / "hf")] if command == "export" else [])
+        out = CliRunner().invoke(cli, [*args, "--tag", name])
+        assert out.exit_code == 2 and one_line(out.output) and "is not a plain folder name" in out.output, out.output
+    assert sorted(os.listdir(ckpt)) == before and not (tmp_path / "hf").exists()
+
+
+def test_a_tag_folder_with_a_control_character_is_listed_on_one_line_and_never_loaded(ckpt):
+    odd = "step_9\nstep_100"  # made by hand, or by an older version: never read as two tags
+    shutil.copytree(ckpt / "step_2", ckpt / odd)
+    edit_manifest(ckpt / odd, lambda d: d["checkpoint"].update(step=9))
+    runner = CliRunner()
+    out = runner.invoke(cli, ["ckpt", "list", str(ckpt)])
+    assert out.exit_code == 0, out.output
+    rows = out.stdout.splitlines()
+    assert len(rows) == 4 and rows[0].startswith("tag") and "'step_9\\nstep_100'" in rows[3] and "UNLOADABLE" in rows[3]
+    assert one_line(out.stderr) and "control character" in out.stderr
+    assert latest(ckpt) == "step_2" and load_checkpoint(ckpt, "latest_if_exists").tag == "step_2"
+    out = runner.invoke(cli, ["ckpt", "prune", str(ckpt), "--keep", "1"])
+    assert out.exit_code == 0 and len(out.stdout.splitlines()) == 3, out.output
+    assert [t for t, _ in tags(ckpt)] == ["step_2", odd]
+
+
+# ---- 7. a checkpoint folder that is a symlink -----------------------------------------------------------
+
+
+def test_saving_into_or_pruning_a_checkpoint_folder_that_is_a_symlink_is_refused(ckpt, tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(ckpt, target_is_directory=True)
+    before = snapshot(ckpt)
+    for async_save in (False, True):
+        with pytest.raises(ShardkitError, match="is a symlink") as e:
+            Checkpointer().save(
+                link, "step_3", pieces(3), layout=LAYOUT, config=CONFIG, async_save=async_save, num_kept=1
+            )
+        assert one_line(str(e.value))
+    with pytest.raises(ShardkitError, match="is a symlink"):
+        save_checkpoint(str(link) + "/", "step_3", pieces(3), layout=LAYOUT, config=CONFIG)
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere", target_is_directory=True)
+    with pytest.raises(ShardkitError, match="is a symlink"):
+        save_checkpoint(dangling, "step_3", pieces(3), layout=LAYOUT, config=CONFIG)
+    assert not (tmp_path / "nowhere").exists()
+    out = CliRunner().invoke(cli, ["ckpt", "prune", str(link), "--keep", "1"])
+    assert out.exit_code == 2 and one_line(out.output) and "is a symlink" in out.output, out.output
+    assert snapshot(ckpt) == before
+    assert load_checkpoint(link, "latest_if_exists").tag == "step_2"  # reading through it is fine

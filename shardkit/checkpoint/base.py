@@ -16,14 +16,16 @@ checkpoint tree"):
 ```
 
 The protocol, which every part of this package keeps:
-1. A tag is *complete* iff its `done` marker exists; only complete tags are ever loaded.
+1. A tag is *complete* iff its `done` marker exists; only complete tags are ever loaded, and only
+   when they are *loadable* (`tree.tag_problem`, the one rule): the files of the layout their
+   manifest names, with its sizes (without one, NxD's: the rank files their names imply).
 2. `done` is written only after every file of every rank and the manifest are fsynced, and the
    directory entries too.
 3. Deleting a tag removes `done` first (made durable), then the files, then `checkpoint`, then the
    folder: an interrupted deletion leaves an *incomplete* tag, never a complete-looking one.
-4. Incomplete tags older than the newest complete tag are leftovers (of an interrupted deletion,
+4. Incomplete tags older than the newest loadable tag are leftovers (of an interrupted deletion,
    or of a save that crashed before the job resumed from an older tag) and retention removes
-   them; the newest complete tag is never removed.
+   them; the newest loadable tag is never removed.
 5. Tags are ordered by step (from the manifest, else from the tag name: `step_120`,
    `epoch=1-step=120`, `120`), then by the mtime of their `checkpoint` marker; when some tag has
    no step, by that mtime alone (NxD's rule).
@@ -32,11 +34,14 @@ The protocol, which every part of this package keeps:
    host, command). Only rank 0 of a job takes it; the kernel releases it when the holder dies.
 7. Nothing is deleted through a symlink: a tag that is a link is removed (or replaced by a save)
    by unlinking the link; links inside a tag are unlinked, never followed.
-8. A complete tag whose manifest is unreadable or malformed is *damaged*: listed as such, never
-   "the latest", neither counted nor removed by retention. Resuming from the latest checkpoint
-   skips damaged tags and tags that fail their checks, with a warning (load.py).
-9. Tag names and the file names a manifest lists are confined to their folders
-   (`shardkit.paths.inside`): absolute names and `..` are refused (UnsafeTagError / UnsafePathError).
+8. A complete tag whose manifest is unreadable or malformed is *damaged*, one without its files
+   *cannot be loaded*: listed as such, never "the latest", neither counted nor removed by
+   retention. Resuming from the latest checkpoint skips them and tags that fail their checks,
+   with a warning (load.py).
+9. Tag names are plain folder names (`tree.tag_name_problem`, one rule for save, load, list, prune
+   and --tag: no separators, `..`, control characters, leading '.' or '-'); the file names a
+   manifest lists are confined to their folders (`shardkit.paths.inside`): UnsafeTagError /
+   UnsafePathError.
 
 Ranks. A process's place in the job is a `Rank` (tp, pp, ep, dp). Without an explicit rank it
 comes from torch.distributed's global rank, in NxD/Megatron order, tensor parallel fastest:

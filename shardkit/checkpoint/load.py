@@ -48,7 +48,7 @@ from .base import (
     Rank,
     distributed_rank,
 )
-from .nxd_modes import open_model, open_optimizer
+from .nxd_modes import check_masters, open_model, open_optimizer
 from .optimum import find_tag
 from .tree import (
     CONFIG,
@@ -57,12 +57,13 @@ from .tree import (
     SCHEDULER,
     USER_CONTENT,
     CheckpointInfo,
-    check_manifest,
     is_complete,
     is_tag,
     list_checkpoints,
     model_folder_kind,
+    shown_tag,
     tag_path,
+    tag_problem,
 )
 from .zero1 import MASTER, SEP, Zero1Tag, load_object, model_has_data, optim_name, prefixed, stored_dtype
 
@@ -93,7 +94,23 @@ def resolve_tag(directory: Path, tag: str | None) -> str | None:
             f"checkpoint {tag_dir} has no done marker: it is incomplete (an interrupted save or deletion); "
             f"load another tag (`shardkit ckpt list {directory}`)"
         )
+    check_loadable(tag_dir)
     return str(tag)
+
+
+def check_loadable(tag_dir: Path) -> dict[str, Any] | None:
+    """The manifest (None for NxD's tags) of a complete tag that can be loaded (`tree.tag_problem`);
+    else a one-line FormatError saying why and what to do."""
+    manifest, problem, unloadable = tag_problem(tag_dir)
+    if problem is not None:
+        for entry in (manifest or {}).get("files", []):
+            _listed_path(tag_dir, entry["path"])  # a listed name leading out of the tag: UnsafePathError
+        what = "cannot be loaded" if unloadable else "is damaged"
+        raise FormatError(
+            f"checkpoint {tag_dir} {what}: {problem}; load an older tag (tag=..., `shardkit ckpt list "
+            f"{tag_dir.parent}`) or restore its files"
+        )
+    return manifest
 
 
 def tag_to_read(directory: str | Path, tag: str | None, instead: str) -> tuple[Path, str]:
@@ -107,7 +124,7 @@ def tag_to_read(directory: str | Path, tag: str | None, instead: str) -> tuple[P
         return found
     directory = Path(directory)
     if tag is None and is_tag(directory):
-        return directory.parent, directory.name
+        return directory.parent, cast(str, resolve_tag(directory.parent, directory.name))
     if not directory.is_dir():
         raise NoCheckpointError(
             f"{directory} does not exist: give the checkpoint directory (the trainer's --checkpoint-dir) or a tag in it"
@@ -130,21 +147,22 @@ def tag_to_read(directory: str | Path, tag: str | None, instead: str) -> tuple[P
 
 
 def _candidates(directory: Path, tag: str | None) -> list[str]:
-    """The loadable (complete, not damaged) tags, newest first; logs the damaged tags skipped.
-    No candidate: NoCheckpointError (tag None), [] (latest_if_exists), or an error when complete
-    tags exist but every one is damaged (never "train from scratch" over damaged checkpoints)."""
+    """The loadable tags (`tree.tag_problem`), newest first; logs the newer complete tags skipped
+    because they cannot be loaded. No candidate: NoCheckpointError (tag None), [] (latest_if_exists),
+    or an error when complete tags exist but none can be loaded (never "train from scratch" over
+    damaged checkpoints)."""
     infos = list_checkpoints(directory, details=False)
     loadable = [i for i in reversed(infos) if i.loadable]
     newest = loadable[0] if loadable else None
     damaged = [i for i in infos if i.complete and i.damaged and (newest is None or _newer(i, newest, infos))]
     for info in damaged:
-        log.warning("skipping damaged checkpoint %s: %s", info.path, info.problem)
+        log.warning("skipping checkpoint %s: it %s", info.path, info.verdict)
     if loadable:
         return [i.tag for i in loadable]
     if damaged:
         raise FormatError(
-            f"every complete checkpoint in {directory} is damaged ({damaged[-1].tag}: "
-            f"{damaged[-1].problem}): fix or restore its shardkit.json, or load a tag by name"
+            f"every complete checkpoint in {directory} is damaged or lacks its files ({shown_tag(damaged[-1].tag)}: "
+            f"{damaged[-1].problem}): restore its files or shardkit.json, or load a tag by name"
         )
     if tag is None:
         raise NoCheckpointError(
@@ -167,21 +185,6 @@ def _listed_path(tag_dir: Path, name: str) -> Path:
         return inside(tag_dir, name, f"file {name!r} listed in {tag_dir.name}/shardkit.json")
     except UnsafePathError as e:
         raise UnsafePathError(f"{e}; checkpoint {tag_dir} is damaged or tampered with: load another tag") from None
-
-
-def _check_listed_files(tag_dir: Path, manifest: Mapping[str, Any]) -> None:
-    for entry in manifest.get("files", []):
-        path = _listed_path(tag_dir, entry["path"])
-        if not path.is_file():
-            raise FormatError(
-                f"{tag_dir.name}/{entry['path']} is missing: checkpoint {tag_dir} is damaged; load "
-                "an older tag (tag=...) or restore the file"
-            )
-        if path.stat().st_size != entry["size"]:
-            raise FormatError(
-                f"{tag_dir.name}/{entry['path']} has {path.stat().st_size} bytes, the manifest says "
-                f"{entry['size']}: the file is truncated or was replaced; load an older tag (tag=...)"
-            )
 
 
 def _compare_configs(saved: Mapping[str, Any], given: Mapping[str, Any], tag_dir: Path) -> None:
@@ -320,11 +323,7 @@ def read_optimizer(zero: Zero1Tag, pieces: list[Piece]) -> OptimizerState:
 
 def _from_master(ckpt: Checkpoint, zero: Zero1Tag | None, pieces: list[Piece]) -> dict[str, torch.Tensor]:
     """The weights from the fp32 master weights, when the model files hold no tensor data."""
-    if zero is None or not zero.master:
-        raise FormatError(
-            f"{ckpt.root}: the model files hold no tensor data and the optimizer files no master "
-            "weights: the checkpoint holds no weights"
-        )
+    zero = check_masters(ckpt.root, zero)
     dtype = stored_dtype(ckpt)
     reader = SourceReader(zero.view([MASTER]))
     try:
@@ -477,13 +476,9 @@ def _load_tag(
         raise IncompleteCheckpointError(
             f"checkpoint {tag_dir} has no done marker (removed meanwhile?): load another tag"
         )
-    manifest, problem = check_manifest(tag_dir)
-    if problem is not None:
-        raise FormatError(f"checkpoint {tag_dir} is damaged: {problem}; load an older tag (tag=...) or restore it")
-    if manifest is not None:
-        _check_listed_files(tag_dir, manifest)
-        if (manifest.get("checkpoint") or {}).get("generic"):
-            return _load_generic(tag_dir, name, manifest, rank, optimizer)
+    manifest = check_loadable(tag_dir)
+    if manifest is not None and (manifest.get("checkpoint") or {}).get("generic"):
+        return _load_generic(tag_dir, name, manifest, rank, optimizer)
     saved = load_config(tag_dir, within=tag_dir) if (tag_dir / CONFIG).is_file() else None
     given = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
     if saved is not None and given is not None:

@@ -2,9 +2,10 @@
 
 `save_checkpoint(..., avoid_saving_lower_precision_weights=True)` ("avoid-lp"): with xser and
 ZeRO-1 master weights, the model's reference and `.info.pt` files are written (every tensor's
-dtype and shape) but not its tensor files; the weights are the optimizer's fp32 master weights
-(`sharded_master_weights`), cast to the model's dtype. NxD's `load_checkpoint` then zero-fills
-the model and takes the masters.
+dtype and shape) but not its tensor files (at pp > 1 an empty `.tensors` folder is left per model
+file); the weights are the optimizer's fp32 master weights (`sharded_master_weights`), cast to the
+model's dtype. NxD's `load_checkpoint` then zero-fills the model and takes the masters. The mode
+is told by the tensor files being absent and the master weights present (`mode_of`).
 
 `save_checkpoint(..., use_zero1_dcp=True)` ("zero1-dcp", NxD 2.29 `optimizer/zero_dcp_utils.py`):
 the ZeRO-1 optimizer state goes through PyTorch DCP into `<tag>/optim/` (`.metadata`,
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..errors import FormatError
 from ..formats import Checkpoint, open_checkpoint
 from ..formats.checkpoint import decide_replication
 from ..formats.dcp import DcpTensors
@@ -65,11 +67,27 @@ MODES = (DEFAULT, AVOID_LP, ZERO1_DCP)
 """NxD's ways of saving a training checkpoint (`ckpt reshard --nxd-mode`)."""
 
 
-def mode_of(tag_dir: Path, has_data: bool) -> str:
-    """How NxD saved a tag: its optimizer through DCP, its model without tensor data, or neither."""
+def mode_of(tag_dir: Path, has_data: bool, zero: Zero1Tag | None = None) -> str:
+    """How NxD saved a tag: its optimizer through DCP, its model without tensor data (avoid-lp: the
+    tensor files absent, whether or not their `.tensors` folders are, and the master weights in
+    the ZeRO-1 optimizer files: `check_masters`), or neither."""
     if (Path(tag_dir) / OPTIM_DIR / METADATA).is_file():
         return ZERO1_DCP
-    return DEFAULT if has_data else AVOID_LP
+    if has_data:
+        return DEFAULT
+    check_masters(tag_dir, zero)
+    return AVOID_LP
+
+
+def check_masters(tag_dir: Path, zero: Zero1Tag | None) -> Zero1Tag:
+    """The optimizer state of a tag whose model files hold no tensor data, once it holds the master
+    weights (the weights then); else a one-line FormatError: the tag holds no weights."""
+    if zero is None or not zero.master:
+        raise FormatError(
+            f"{tag_dir}: the model files hold no tensor data (their tensor files are absent) and the optimizer "
+            "files no master weights, so the checkpoint holds no weights: restore the model's .tensors files"
+        )
+    return zero
 
 
 def open_optimizer(tag_dir: Path, model: Checkpoint, param_order: list[list[str]] | None = None) -> Zero1Tag | None:

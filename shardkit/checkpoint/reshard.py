@@ -114,7 +114,7 @@ def open_training_tag(tag_dir: Path, config: Any = None, hints: Hints = None, pa
     model = open_model(tag_dir, config, hints)
     zero = open_optimizer(tag_dir, model, param_order)
     has_data = model_has_data(model)
-    return Source(tag_dir, model, zero, has_data, mode_of(tag_dir, has_data))
+    return Source(tag_dir, model, zero, has_data, mode_of(tag_dir, has_data, zero))
 
 
 def model_checkpoint(

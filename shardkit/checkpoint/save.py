@@ -53,7 +53,7 @@ from ..io.durable import fsync_path, write_text
 from ..io.hashing import HashingFile
 from ..io.location import remote as remote_location
 from ..io.oserror import disk_error, translated
-from ..io.transaction import terminate_as_interrupt
+from ..io.transaction import refuse_link, terminate_as_interrupt
 from ..layout import Layout, ModelDims
 from .async_save import BackgroundWriter, HostStaging, host_copy
 from .base import (
@@ -590,6 +590,7 @@ class Checkpointer:
 
         def build() -> SaveJob:
             check_retention(req.num_kept, req.keep_every)
+            refuse_link(req.dir)  # never written (nor retention's deletes made) through a link
             tag_path(req.dir, req.tag)  # a plain folder name inside dir, else a one-line error
             if layout is None and config is None:
                 return self._generic_job(req)

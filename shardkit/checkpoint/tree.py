@@ -6,8 +6,10 @@ Nothing here knows about tensors. See base.py for the protocol these functions k
 Safety rules kept here:
 - Nothing is ever deleted *through* a symlink: a tag that is a link is removed by unlinking the
   link (its target is left as it was); links inside a tag are unlinked, never followed.
-- A tag whose manifest (shardkit.json) is unreadable or malformed is *damaged*: listed as such,
-  never loaded as "the latest", never counted or removed by retention (a person decides).
+- A tag whose manifest (shardkit.json) is unreadable or malformed is *damaged*; a complete tag
+  without the files of a checkpoint (`tag_problem`: only a `done` marker, a missing or short rank
+  file, a name that is no tag's) *cannot be loaded*. Both are listed as such, never loaded as "the
+  latest", never counted or removed by retention (a person decides).
 - Saves, retention and prune hold `<dir>/.shardkit.lock` (an flock, released when the holder
   finishes or dies); a second writer gets a one-line error naming the holder.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
+import unicodedata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -27,10 +31,11 @@ from ..io.delete import is_link, refuse_mounts
 from ..io.digest import has_digest
 from ..io.lock import FolderLock, lock_folder
 from ..io.small import SmallFileError, read_json
-from ..io.transaction import MarkedFolder, dead_owner
+from ..io.transaction import MarkedFolder, dead_owner, refuse_link
 from ..layout import Layout
 from ..paths import UnsafePathError, inside
 from .base import (
+    FORMATS,
     CheckpointError,
     CheckpointLockedError,
     UnsafeTagError,
@@ -51,26 +56,53 @@ _STEP_RE = re.compile(r"step[=_\-]?(\d+)", re.IGNORECASE)
 _LAST_INT_RE = re.compile(r"(\d+)(?!.*\d)")
 
 
+NAME_MAX = 255
+"""Bytes of a folder name (Linux's NAME_MAX): a longer tag cannot be created."""
+
+_HIDDEN = ("Cc", "Cf", "Cs", "Zl", "Zp")
+"""Unicode categories a tag name never holds: control and format characters (a newline, an escape
+sequence, a right-to-left override), undecodable bytes, line and paragraph separators."""
+
+
+def tag_name_problem(tag: str) -> str | None:
+    """Why `tag` is not a plain folder name of a checkpoint directory (None: it is). The one rule
+    for every name given to save, load, prune and the CLI's --tag, and for the tags listed."""
+    text = str(tag)
+    odd = next((c for c in text if unicodedata.category(c) in _HIDDEN), None)
+    if not text or text in (".", ".."):
+        return "it is empty or a dot" if text in ("", ".") else "'..' climbs out of the checkpoint directory"
+    if odd is not None:
+        return f"it holds the control character {ascii(odd)[1:-1]}"
+    if PurePosixPath(text).is_absolute() or PureWindowsPath(text).is_absolute() or PureWindowsPath(text).drive:
+        return "it is an absolute path"
+    if ".." in text.replace("\\", "/").split("/"):
+        return "'..' climbs out of the checkpoint directory"
+    if "/" in text or "\\" in text:
+        return "it holds a path separator"
+    if text.startswith("."):
+        return "names starting with '.' are not tags"
+    if text.startswith("-"):
+        return "a name starting with '-' reads as an option to shell tools"
+    if text != text.strip():
+        return "it starts or ends with a space"
+    if len(os.fsencode(text)) > NAME_MAX:
+        return f"it is longer than {NAME_MAX} bytes"
+    return None
+
+
+def shown_tag(tag: str) -> str:
+    """A tag as printed on one line: itself, or quoted with escapes when it holds what a terminal
+    would not show as it is (a newline, an escape sequence)."""
+    return tag if tag.isprintable() else ascii(tag)
+
+
 def check_tag_name(tag: str, directory: str | Path | None = None) -> str:
     """A tag must be a plain folder name (UnsafeTagError otherwise, saying why)."""
-    text = str(tag)
-    why = None
-    if not text or text in (".", ".."):
-        why = "it is empty or a dot" if text in ("", ".") else "'..' climbs out of the checkpoint directory"
-    elif "\x00" in text:
-        why = "it holds a NUL byte"
-    elif PurePosixPath(text).is_absolute() or PureWindowsPath(text).is_absolute() or PureWindowsPath(text).drive:
-        why = "it is an absolute path"
-    elif ".." in text.replace("\\", "/").split("/"):
-        why = "'..' climbs out of the checkpoint directory"
-    elif "/" in text or "\\" in text:
-        why = "it holds a path separator"
-    elif text.startswith("."):
-        why = "names starting with '.' are not tags"
+    why = tag_name_problem(tag)
     if why:
         where = f" inside {directory}" if directory is not None else ""
-        raise UnsafeTagError(f"tag {text!r} is not a plain folder name{where} ({why}): use e.g. step_1000")
-    return text
+        raise UnsafeTagError(f"tag {str(tag)!r} is not a plain folder name{where} ({why}): use e.g. step_1000")
+    return str(tag)
 
 
 def tag_path(directory: str | Path, tag: str) -> Path:
@@ -118,21 +150,152 @@ def check_manifest(tag_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     return (None, problem) if problem else (data, None)
 
 
+def _file_problem(tag_dir: Path, name: str, size: int | None = None, listed: str = "") -> str | None:
+    """Why `name` is not a file of the tag (None: it is): missing, leading outside the tag, not a
+    regular file, empty, or (with `size`) not of that size. Only stat is used: nothing is read, so
+    a FIFO never hangs a listing and an object store's mirror fetches nothing."""
+    try:
+        st = os.stat(inside(tag_dir, name, f"file {name!r}{listed}"))
+    except UnsafePathError as e:
+        return str(e)
+    except OSError:
+        return f"{name} is missing{listed}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{name} is not a regular file{listed}"
+    if size is None and st.st_size == 0:
+        return f"{name} is empty (0 bytes)"
+    if size is not None and st.st_size != size:
+        return f"{name} has {st.st_size} bytes, {MANIFEST} says {size} (truncated or replaced)"
+    return None
+
+
 def files_problem(tag_dir: Path, manifest: dict[str, Any]) -> str | None:
     """The cheap check of a tag's files against its manifest: each listed file is there, inside
-    the tag, with the listed size (None when all are). Hashes are checked where the files are read."""
+    the tag, a regular file with the listed size (None when all are). Hashes are checked where
+    the files are read."""
     for entry in manifest.get("files", []):
-        name = entry["path"]
-        try:
-            path = inside(tag_dir, name, f"file {name!r} listed in {MANIFEST}")
-            size = os.stat(path).st_size
-        except UnsafePathError as e:
-            return str(e)
-        except OSError:
-            return f"{name} is missing (listed in {MANIFEST})"
-        if size != entry["size"]:
-            return f"{name} has {size} bytes, {MANIFEST} says {entry['size']} (truncated or replaced)"
+        problem = _file_problem(tag_dir, entry["path"], entry["size"], f" (listed in {MANIFEST})")
+        if problem:
+            return problem
     return None
+
+
+def _optim_name(dp: int, ep: int | None, tp: int, pp: int) -> str:
+    """NxD's optimizer file of a rank (`zero1.optim_name`; named here, which zero1 imports)."""
+    mid = f"ep_rank_{ep:02d}_" if ep is not None else ""
+    return f"{OPTIM_DIR}/dp_rank_{dp:02d}_{mid}tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+
+
+def _expected_files(manifest: dict[str, Any]) -> list[str]:
+    """The files a tag whose manifest is sound must list: the model file of every rank of its
+    layout (with xser's `.info.pt`), and when it says an optimizer was saved, dp rank 0's
+    optimizer file of every rank (NxD's zero1-dcp layout: `optim/.metadata`)."""
+    section = manifest.get("checkpoint") or {}
+    if section.get("generic"):
+        return [f"{MODEL_DIR}/dp_rank_00_tp_rank_00_pp_rank_00.pt"]
+    fmt = manifest["format"]
+    if fmt not in FORMATS:
+        return []
+    layout = Layout.from_dict(manifest["layout"])
+    names = []
+    for ep, tp, pp in layout.ranks():
+        names.append(nxd.rank_file_name(ep, tp, pp, layout, fmt))
+        if fmt == "xser":
+            names.append(names[-1] + ".info.pt")
+        if section.get("nxd_mode") != "zero1-dcp" and section.get("optimizer"):
+            names.append(_optim_name(0, ep if layout.ep > 1 else None, tp, pp))
+    if section.get("nxd_mode") == "zero1-dcp":
+        names.append(f"{OPTIM_DIR}/.metadata")
+    return names
+
+
+_RANK_FILE = re.compile(r"^dp_rank_(\d+)_(?:ep_rank_(\d+)_)?tp_rank_(\d+)_pp_rank_(\d+)(\.pt|\.safetensors)$")
+_V1_FOLDER = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)$")
+_V1_FILE = "checkpoint.pt"
+
+
+def _rank_names(folder: Path) -> dict[tuple[int, int, int, int], str]:
+    """NxD rank files in `folder` by (dp, ep, tp, pp), from their names alone (v1's
+    `tp_rank_XX_pp_rank_YY/checkpoint.pt` as (0, 0, tp, pp))."""
+    try:
+        with os.scandir(folder) as entries:
+            names = [e.name for e in entries]
+    except OSError:
+        return {}
+    found = {}
+    for name in names:
+        if m := _RANK_FILE.match(name):
+            found[(int(m[1]), int(m[2] or 0), int(m[3]), int(m[4]))] = name
+        elif m := _V1_FOLDER.match(name):
+            found.setdefault((0, 0, int(m[1]), int(m[2])), f"{name}/{_V1_FILE}")
+    return found
+
+
+def nxd_problem(tag_dir: Path) -> str | None:
+    """Why a tag without a manifest (NxD's own) lacks the files its layout implies (None: it has
+    them). The layout is read off the file names: the model files' and the optimizer files' tp,
+    pp and ep ranks together; every rank's model file must be there, non-empty (with its
+    `.info.pt` when the tag is xser), and every dp rank's optimizer file of every rank when the
+    tag has optimizer files."""
+    model = _rank_names(tag_dir / MODEL_DIR)
+    where = MODEL_DIR + "/"
+    if not model:  # older trees keep the rank files beside the markers
+        model, where = _rank_names(tag_dir), ""
+    model = {k: v for k, v in model.items() if k[0] == 0}
+    if not model:
+        return f"no model files ({MODEL_DIR}/dp_rank_00_tp_rank_00_pp_rank_00.pt, ...): the save did not finish"
+    optim = _rank_names(tag_dir / OPTIM_DIR)
+    keys = {k[1:] for k in model} | {k[1:] for k in optim}
+    ep, tp, pp = (max(k[i] for k in keys) + 1 for i in range(3))
+    v3 = any("ep_rank_" in name for name in model.values())
+    v1 = all(name.endswith("/" + _V1_FILE) for name in model.values())
+    suffix = next(iter(model.values())).rsplit(".", 1)[1]
+    xser = any(os.path.lexists(tag_dir / f"{where}{name}.info.pt") for name in model.values())
+    implied = f"(the rank files say tp {tp}, pp {pp}{f', ep {ep}' if ep > 1 else ''})"
+    for e, t, p in ((e, t, p) for e in range(ep) for t in range(tp) for p in range(pp)):
+        mid = f"ep_rank_{e:02d}_" if v3 else ""
+        named = (
+            f"tp_rank_{t:02d}_pp_rank_{p:02d}/{_V1_FILE}" if v1 else f"dp_rank_00_{mid}tp_rank_{t:02d}_pp_rank_{p:02d}"
+        )
+        name = model.get((0, e, t, p), named if v1 else f"{named}.{suffix}")
+        for rel in [where + name] + ([f"{where}{name}.info.pt"] if xser else []):
+            problem = _file_problem(tag_dir, rel)
+            if problem:
+                return f"{problem} {implied}"
+    dp = max((k[0] for k in optim), default=-1) + 1
+    for d, e, t, p in ((d, e, t, p) for d in range(dp) for e in range(ep) for t in range(tp) for p in range(pp)):
+        found = optim.get((d, e, t, p))
+        rel = f"{OPTIM_DIR}/{found}" if found else _optim_name(d, e if ep > 1 else None, t, p)
+        problem = _file_problem(tag_dir, rel)
+        if problem:
+            return f"{problem} {implied[:-1]}, dp {dp})"
+    return None
+
+
+def tag_problem(tag_dir: Path) -> tuple[dict[str, Any] | None, str | None, bool]:
+    """(manifest, why the tag cannot be loaded, whether that is its files or name rather than a
+    malformed manifest) for a tag whose `done` marker exists: THE rule of "loadable" that listing,
+    `latest`, retention, prune, resuming and loading a tag by name all follow. A tag is loadable
+    when its name is a plain tag name, its manifest (if any) is sound, and its structure is there:
+    every file the manifest lists with its size, and the files of the layout it names
+    (`_expected_files`); without a manifest, the rank files its file names imply (`nxd_problem`).
+    Nothing is read but the manifest."""
+    tag_dir = Path(tag_dir)
+    manifest, problem = check_manifest(tag_dir)
+    if problem is not None:
+        return None, problem, False
+    why = tag_name_problem(tag_dir.name)
+    if why is not None:
+        return manifest, f"its name is not a plain tag name ({why})", True
+    if manifest is None:
+        return None, nxd_problem(tag_dir), True
+    problem = files_problem(tag_dir, manifest)
+    if problem is None:
+        listed = {entry["path"] for entry in manifest["files"]}
+        missing = [name for name in _expected_files(manifest) if name not in listed]
+        if missing:
+            problem = f"{missing[0]} is not listed in {MANIFEST} (a checkpoint of its layout has it)"
+    return manifest, problem, True
 
 
 def _whole_number(value: Any) -> bool:
@@ -196,20 +359,34 @@ class CheckpointInfo:
     mtime: float  # of the `checkpoint` marker (when the save began)
     manifest: bool = False  # True when written by shardkit (shardkit.json present)
     files: int = 0
-    problem: str | None = None  # why the tag is damaged (its manifest is unreadable or malformed)
+    problem: str | None = None  # why the tag cannot be loaded (tag_problem), or why its manifest is damaged
     link: bool = False  # the tag is a symlink (removing it unlinks the link, never its target)
     abandoned: int | None = None  # incomplete, and its writer (this pid, on this host) no longer runs
     dp: int | None = None  # optimizer files per (ep, tp, pp) rank: ZeRO-1's dp shards (None: no optimizer seen)
     zero1: bool | None = None  # the manifest's word on ZeRO-1 (NxD tags: dp > 1)
+    unloadable: bool = False  # the problem is the tag's files or name, not a malformed manifest
 
     @property
     def damaged(self) -> bool:
+        """Its manifest is malformed, or (complete) it lacks files: never loaded, counted or pruned."""
         return self.problem is not None
 
     @property
     def loadable(self) -> bool:
-        """Complete and not damaged: a candidate for "the latest checkpoint"."""
+        """Complete, and its structure is there (tag_problem): a candidate for "the latest checkpoint"."""
         return self.complete and self.problem is None
+
+    @property
+    def verdict(self) -> str:
+        """Why it is not loadable, in a few words: "is damaged: ..." or "cannot be loaded: ..."."""
+        return f"{'cannot be loaded' if self.unloadable else 'is damaged'}: {self.problem}"
+
+    @property
+    def state(self) -> str:
+        """complete, INCOMPLETE, DAMAGED (a malformed manifest) or UNLOADABLE (files or name)."""
+        if self.problem is not None and (self.complete or self.unloadable):
+            return "UNLOADABLE" if self.unloadable else "DAMAGED"
+        return "complete" if self.complete else "INCOMPLETE"
 
     @property
     def layout_text(self) -> str:
@@ -233,6 +410,7 @@ class CheckpointInfo:
         data = asdict(self)
         data["path"] = str(self.path)
         data["damaged"] = self.damaged
+        data["loadable"] = self.loadable
         return data
 
 
@@ -250,9 +428,14 @@ def _tree_size(path: Path) -> tuple[int, int]:
 
 def _info(tag_dir: Path, details: bool = True) -> CheckpointInfo:
     complete = is_complete(tag_dir)
-    manifest, problem = check_manifest(tag_dir)
-    if manifest is not None and complete:
-        problem = files_problem(tag_dir, manifest)
+    if complete:
+        manifest, problem, unloadable = tag_problem(tag_dir)
+    else:  # never loaded: only a malformed manifest or a name that is no tag's is said
+        manifest, problem = check_manifest(tag_dir)
+        why = tag_name_problem(tag_dir.name)
+        unloadable = problem is None and why is not None
+        if unloadable:
+            problem = f"its name is not a plain tag name ({why})"
     marker = tag_dir / CHECKPOINT_MARKER
     try:
         mtime = (marker if marker.is_file() else tag_dir).stat().st_mtime
@@ -293,6 +476,7 @@ def _info(tag_dir: Path, details: bool = True) -> CheckpointInfo:
         None if complete else dead_owner(tag_dir),
         dp,
         zero1,
+        unloadable,
     )
 
 
@@ -362,13 +546,13 @@ def list_checkpoints(directory: str | Path, details: bool = True) -> list[Checkp
 
 
 def latest(directory: str | Path) -> str | None:
-    """The newest complete tag that is not damaged, or None."""
+    """The newest loadable tag (complete, its structure there: `tag_problem`), or None."""
     loadable = [i for i in list_checkpoints(directory, details=False) if i.loadable]
     return loadable[-1].tag if loadable else None
 
 
 def has_checkpoint(directory: str | Path) -> bool:
-    """Whether the directory holds at least one complete checkpoint."""
+    """Whether the directory holds at least one loadable checkpoint."""
     return latest(directory) is not None
 
 
@@ -392,11 +576,13 @@ class RetentionPlan:
 def plan_retention(
     infos: list[CheckpointInfo], num_kept: int | None, keep_every: int | None, protect: tuple[str, ...] = ()
 ) -> RetentionPlan:
-    """Keep the newest `num_kept` complete tags and those whose step is a multiple of `keep_every`;
-    remove the other complete tags, the incomplete tags older than the newest complete one, and the
-    incomplete tags whose writer (a process of this host) no longer runs. The newest complete tag
-    and `protect`ed tags are always kept. Damaged tags (a malformed manifest, or files that fail
-    its size check) are neither counted nor removed: a person decides."""
+    """Keep the newest `num_kept` loadable tags and those whose step is a multiple of `keep_every`;
+    remove the other loadable tags, the incomplete tags older than the newest loadable one, and the
+    incomplete tags whose writer (a process of this host) no longer runs. The newest loadable tag
+    and `protect`ed tags are always kept. Complete tags that cannot be loaded (`tag_problem`: a
+    malformed manifest, missing or short files, only a `done` marker) and tags whose name is no
+    tag's are neither counted nor removed: a person decides; a newer one never costs an older
+    loadable tag its place."""
     check_retention(num_kept, keep_every)
     plan = RetentionPlan()
     complete = [i for i in infos if i.loadable]
@@ -425,8 +611,8 @@ def _removal(
     protect: tuple[str, ...],
 ) -> str:
     """Why retention keeps `info`, or "-" + why it removes it."""
-    if info.complete and info.damaged:
-        return f"damaged ({info.problem}): never removed by retention; fix or remove it"
+    if info.damaged and (info.complete or info.unloadable):
+        return f"{info.verdict}: not counted, never removed by retention; fix or remove it"
     if info.complete:
         if info.tag in kept_recent or info is newest:
             return "newest" if info is newest else "recent"
@@ -516,6 +702,7 @@ def prune_checkpoints(
         raise CheckpointError(f"{directory} does not exist: give the checkpoint directory (the parent of the tags)")
     if dry_run:
         return plan_retention(list_checkpoints(directory, details=False), num_kept, keep_every, protect)
+    refuse_link(directory)  # its tags are never deleted through a link to the folder
     with lock_directory(directory, "pruning"):
         plan = plan_retention(list_checkpoints(directory, details=False), num_kept, keep_every, protect)
         return apply_retention(directory, plan, fsync)

@@ -49,10 +49,10 @@ def ckpt_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the tags as JSON on stdout.")
 @common_options
 def ckpt_list(directory, as_json):
-    """List the tags of DIR (a folder or s3://bucket/prefix), oldest first: complete or not, step,
-    layout, format, size."""
+    """List the tags of DIR (a folder or s3://bucket/prefix), oldest first: complete or not (or
+    UNLOADABLE / DAMAGED, with why on stderr), step, layout, format, size."""
     from ..checkpoint import list_checkpoints
-    from ..checkpoint.tree import model_folder_kind
+    from ..checkpoint.tree import model_folder_kind, shown_tag
 
     if isinstance(directory, Path) and not directory.is_dir():
         raise ShardkitError(f"{directory} does not exist: give the checkpoint directory (the parent of the tags)")
@@ -69,14 +69,10 @@ def ckpt_list(directory, as_json):
     rows = [("tag", "state", "step", "layout", "format", "size", "saved")]
     for i in infos:
         saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.mtime)) if i.mtime else "-"
-        state = (
-            ("DAMAGED" if i.damaged else "complete" if i.complete else "INCOMPLETE")
-            + (" (latest)" if i.tag == newest else "")
-            + (" (link)" if i.link else "")
-        )
+        state = i.state + (" (latest)" if i.tag == newest else "") + (" (link)" if i.link else "")
         rows.append(
             (
-                i.tag,
+                shown_tag(i.tag),
                 state,
                 "-" if i.step is None else str(i.step),
                 i.layout_text,
@@ -90,12 +86,12 @@ def ckpt_list(directory, as_json):
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     for i in infos:
         if i.damaged:
-            click.echo(f"{i.tag} is damaged: {i.problem} (skipped when resuming; never pruned)", err=True)
+            click.echo(f"{shown_tag(i.tag)} {i.verdict} (skipped when resuming; not counted or pruned)", err=True)
 
 
 @ckpt_group.command(name="prune")
 @click.argument("directory", metavar="DIR", type=LOCATION)
-@click.option("--keep", type=click.IntRange(min=1), required=True, help="Keep the newest N complete checkpoints.")
+@click.option("--keep", type=click.IntRange(min=1), required=True, help="Keep the newest N loadable checkpoints.")
 @click.option(
     "--keep-every",
     type=click.IntRange(min=1),
@@ -106,13 +102,15 @@ def ckpt_list(directory, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
 @common_options
 def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
-    """Apply retention to DIR: keep the newest --keep complete tags (and every --keep-every-th step).
+    """Apply retention to DIR: keep the newest --keep loadable tags (and every --keep-every-th step).
 
-    Incomplete tags older than the newest complete one (interrupted saves or deletions) are
-    removed too; the newest complete tag never is. Each tag's `done` marker goes first. DIR may
-    be s3://bucket/prefix.
+    Incomplete tags older than the newest loadable one (interrupted saves or deletions) are
+    removed too; the newest loadable tag never is. Tags that cannot be loaded (a `done` marker
+    without the checkpoint's files, a damaged manifest) are neither counted nor removed, and said
+    so. Each tag's `done` marker goes first. DIR may be s3://bucket/prefix.
     """
     from ..checkpoint import prune_checkpoints
+    from ..checkpoint.tree import shown_tag
 
     plan = prune_checkpoints(directory, num_kept=keep, keep_every=keep_every, dry_run=dry_run)
     if as_json:
@@ -121,11 +119,11 @@ def ckpt_prune(directory, keep, keep_every, dry_run, as_json):
         verb = "would remove" if dry_run else "removed"
         done = plan.remove if dry_run else plan.removed
         for tag in done:
-            click.echo(f"{verb} {tag}: {plan.reasons.get(tag, '')}")
+            click.echo(f"{verb} {shown_tag(tag)}: {plan.reasons.get(tag, '')}")
         for tag in plan.keep:
-            click.echo(f"kept {tag}: {plan.reasons.get(tag, '')}")
+            click.echo(f"kept {shown_tag(tag)}: {plan.reasons.get(tag, '')}")
         for tag, why in plan.failed.items():
-            click.echo(f"could not remove {tag}: {why}", err=True)
+            click.echo(f"could not remove {shown_tag(tag)}: {why}", err=True)
     if plan.failed:
         raise ShardkitError(f"{len(plan.failed)} tags could not be removed (see above): check permissions and retry")
 

@@ -9,6 +9,7 @@ torch.save at `path + ".tensors/tensor_{tid}.pt"`. NxD's trainer adds `path + ".
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import types
 from collections import deque
@@ -119,9 +120,16 @@ def _valid_references(path: Path) -> dict[str, Any]:
 def holds_data(path: Path) -> bool:
     """False for an xser file NxD saved without tensor data (`save_checkpoint(...,
     avoid_saving_lower_precision_weights=True)`): its reference file and `.info.pt` (every
-    tensor's dtype and shape) are written, its `.tensors/` folder is not; the weights are then the
-    optimizer's master weights."""
-    return tensors_dir(path).is_dir() or not info_path(path).is_file()
+    tensor's dtype and shape) are written, its tensor files are not, whether or not an (empty)
+    `.tensors/` folder is (NxD leaves one at pp > 1); the weights are then the optimizer's master
+    weights. A folder holding some of the tensor files holds data (the others are missing)."""
+    if not info_path(path).is_file():
+        return True
+    try:
+        with os.scandir(tensors_dir(path)) as entries:
+            return any(entry.name.startswith("tensor_") for entry in entries)
+    except OSError:  # no `.tensors/` folder (or not a folder): no tensor files
+        return False
 
 
 class XserFile:

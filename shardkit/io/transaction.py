@@ -230,6 +230,16 @@ def signals_deferred() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def refuse_link(dst: str | Path) -> None:
+    """The destination check of every writer: a destination folder that is a symlink (dangling
+    or not) is refused in one line, before anything is written or deleted through it."""
+    if is_link(dst):
+        raise DestinationExistsError(
+            f"{shown(dst)} is a symlink (to {shown(os.readlink(dst))}): shardkit never writes or deletes "
+            "through a link; give the real destination path"
+        )
+
+
 # ---- a staged output -----------------------------------------------------------------------------------
 
 
@@ -252,11 +262,7 @@ class StagedOutput:
         """Leader: check the destination, lock it, repair leftovers, create the staging folder."""
         dst = self.dst
         try:
-            if is_link(dst):
-                raise DestinationExistsError(
-                    f"{shown(dst)} is a symlink (to {shown(os.readlink(dst))}): shardkit never writes or deletes "
-                    "through a link; give the real destination path"
-                )
+            refuse_link(dst)
             for src in self.sources:
                 if overlaps(dst, src):
                     raise ShardkitError(
