@@ -35,6 +35,7 @@ from .engine import (
     reshard_checkpoint,
     verify_checkpoints,
 )
+from .engine.check import check_atol
 from .errors import FormatError, ShardkitError
 from .formats import Checkpoint, open_checkpoint, optimum_neuron
 from .formats.base import parse_dtype
@@ -72,9 +73,12 @@ ConfigArg = str | Path | Mapping[str, Any] | None
 
 
 @contextlib.contextmanager
-def _destination(dst: str | Path, overwrite: bool, sources: tuple[object, ...] = ()) -> Iterator[str | Path]:
+def _destination(
+    dst: str | Path, overwrite: bool, sources: tuple[object, ...] = (), replace: Any = ()
+) -> Iterator[str | Path]:
     """The local folder to write `dst` into: `dst` itself, or for s3:// a staging folder
-    uploaded once the operation succeeds (`io.upload.remote_output`)."""
+    uploaded once the operation succeeds (`io.upload.remote_output`; `replace`: the globs of
+    `WriteArgs.replace_objects`)."""
     loc = remote_location(dst, "DST")
     if loc is None:
         yield dst
@@ -88,7 +92,8 @@ def _destination(dst: str | Path, overwrite: bool, sources: tuple[object, ...] =
         )
         if r is not None
     ]
-    with remote_output(loc, overwrite=overwrite, sources=remote_sources) as local, recording_blocks():
+    patterns = [replace] if isinstance(replace, str) else list(replace or ())
+    with remote_output(loc, overwrite=overwrite, sources=remote_sources, replace=patterns) as local, recording_blocks():
         yield local  # its manifest lists block digests: a later read of it streams (io.remote)
 
 
@@ -245,7 +250,8 @@ def reshard(
     them; `revision` picks a Hub repo's branch, tag or commit; `convention` names the tensors of
     a DCP output (`hf`, the default, or `torchtitan`: see shardkit.conventions). `src` and `dst`
     may be s3://bucket/prefix."""
-    with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
+    replace = options.get("replace_objects")
+    with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,), replace) as out:
         # not streamed: a reshard reads pieces more than once and reads copied bytes back to hash them
         ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
         _check_fetched(ckpt, options)  # type: ignore[arg-type]
@@ -284,7 +290,8 @@ def merge(
             _refuse_resave(ckpt, max_shard_size, checked.get("dtype"))
         return merge_checkpoint(ckpt, out, max_shard_size=max_shard_size, **checked)
 
-    with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,)) as out:
+    replace = options.get("replace_objects")
+    with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,), replace) as out:
         result = _read_once(src, config, hints, revision, dict(options), run)
     return _located(result, dst)
 
@@ -340,15 +347,20 @@ def verify(
     revision_a: str | None = None,
     revision_b: str | None = None,
     progress: ProgressCallback | None = None,
+    ignore_dtype: bool = False,
 ) -> VerifyReport:
     """Compare two checkpoints (any formats and layouts; paths or Hub repo ids) tensor by tensor
     in full-weight space, streaming blocks of rows: bit-exact in the tensors' own dtype when
-    `atol` is 0 and the dtypes agree, else within `atol` in float32. `progress(bytes_done,
-    bytes_total)` counts the bytes of A's tensors."""
+    `atol` (a finite number >= 0) is 0 and the dtypes agree, else within `atol` in float32. A
+    tensor stored in different dtypes is a mismatch unless `ignore_dtype`; the report names them
+    either way. `progress(bytes_done, bytes_total)` counts the bytes of A's tensors."""
+    check_atol(atol)  # before anything is opened or fetched
     with remote_io.mirrors_scope():
         ca = open_source(a, config_a, hints_a, revision_a, Need.EVERYTHING)
         cb = open_source(b, config_b, hints_b, revision_b, Need.EVERYTHING)
-        return verify_checkpoints(ca, cb, atol=atol, on_tensor=on_tensor, names=(str(a), str(b)), progress=progress)
+        return verify_checkpoints(
+            ca, cb, atol=atol, on_tensor=on_tensor, names=(str(a), str(b)), progress=progress, ignore_dtype=ignore_dtype
+        )
 
 
 @no_full_collections()
@@ -371,7 +383,8 @@ def export_checkpoint(
     A LoRA adapter checkpoint (the trainer's `--lora-rank`) becomes a PEFT adapter folder, or with
     `merged` the Hugging Face model of its base with the adapters merged in: `base` (a model
     directory of any layout, or a Hub repo id) or else the base model the checkpoint records."""
-    with remote_io.mirrors_scope(), _destination(out, bool(options.get("overwrite")), (dir,)) as local_out:
+    replace = options.get("replace_objects")
+    with remote_io.mirrors_scope(), _destination(out, bool(options.get("overwrite")), (dir,), replace) as local_out:
         mirror = _checkpoint_root(dir)
         root, name = tag_to_read(mirror.root if mirror is not None else dir, tag, "shardkit merge DIR OUT")
         if mirror is not None:  # the model files whole; master weights in optim/ as the merge reads them

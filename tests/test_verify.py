@@ -167,19 +167,69 @@ def test_nan_vs_number_is_a_mismatch_at_any_atol(tmp_path):
 # ---- dtypes ----------------------------------------------------------------------------------------
 
 
-def test_different_dtypes_compare_in_float32(tiny_model, tmp_path):
+def test_different_dtypes_compare_in_float32_and_differ_unless_ignored(tiny_model, tmp_path):
     bf16 = tiny_model(MODEL, torch.bfloat16)
     convert(bf16, tmp_path / "fp32", Layout(tp=2, pp=1), dtype="float32")
     report = shardkit.verify(bf16, tmp_path / "fp32")
-    assert report.ok, mismatched(report)  # bf16 -> fp32 is exact
-    assert all(t.max_abs_diff == 0.0 and t.note == "dtype bfloat16 vs float32" for t in report.tensors)
+    assert all(t.equal and t.max_abs_diff == 0.0 for t in report.tensors)  # bf16 -> fp32 is exact
+    assert all(t.note == "dtype bfloat16 vs float32" and (t.dtype_a, t.dtype_b) == ("bfloat16", "float32")
+               for t in report.tensors)
+    assert not report.ok and len(report.mismatches) == len(report.dtype_differences) == len(report.tensors)
+    ignored = shardkit.verify(bf16, tmp_path / "fp32", ignore_dtype=True)
+    assert ignored.ok and len(ignored.dtype_differences) == len(report.tensors)  # still named
 
     fp32 = tiny_model(MODEL, torch.float32)  # same seed: bf16 is fp32 rounded
-    report = shardkit.verify(fp32, bf16)
+    report = shardkit.verify(fp32, bf16, ignore_dtype=True)
     assert not report.ok and report.tensors[0].note == "dtype float32 vs bfloat16"
     worst = max(t.max_abs_diff for t in report.tensors)
     assert 0 < worst < 0.02
-    assert shardkit.verify(fp32, bf16, atol=0.02).ok
+    assert shardkit.verify(fp32, bf16, atol=0.02, ignore_dtype=True).ok
+    assert not shardkit.verify(fp32, bf16, atol=0.02).ok  # a tolerance on values says nothing of dtypes
+
+
+def test_cli_names_the_tensors_whose_dtype_differs_and_exits_1_unless_ignored(tiny_model, tmp_path):
+    """A bf16 model and its fp32 copy hold equal values in different dtypes: not "equal" (exit 1),
+    the text and --json name the count and the tensors; --ignore-dtype exits 0 and still says so."""
+    bf16 = tiny_model(MODEL, torch.bfloat16)
+    convert(bf16, tmp_path / "fp32", Layout(tp=2, pp=1), dtype="float32")
+    count = len(shardkit.open_checkpoint(bf16).full_shapes)
+    result = cli_run("verify", bf16, tmp_path / "fp32")
+    assert result.exit_code == 1, result.output
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"{count} tensors compared: equal values; {count} tensors differ in dtype")
+    assert "bfloat16 in A, float32 in B: model.embed_tokens.weight" in last and "--ignore-dtype" in last
+    assert result.stdout.count("DTYPE    ") == count and "MISMATCH" not in result.stdout
+
+    report = json.loads(cli_run("verify", bf16, tmp_path / "fp32", "--json").stdout)
+    assert not report["ok"] and report["mismatches"] == count
+    assert report["dtype_differences"]["count"] == count and not report["dtype_differences"]["ignored"]
+    assert report["dtype_differences"]["tensors"]["model.norm.weight"] == ["bfloat16", "float32"]
+    assert all(t["equal"] and t["dtype_a"] == "bfloat16" and t["dtype_b"] == "float32" for t in report["tensors"])
+
+    result = cli_run("verify", bf16, tmp_path / "fp32", "--ignore-dtype")
+    assert result.exit_code == 0, result.output
+    assert f"differ in dtype" in result.stdout and "ignored (--ignore-dtype)" in result.stdout
+    result = cli_run("verify", bf16, bf16)
+    assert result.exit_code == 0 and result.stdout.strip().endswith(f"{count} tensors compared: equal")
+
+
+@pytest.mark.parametrize("atol", ["nan", "-1", "inf", "-0.5", "lots"])
+def test_cli_atol_that_is_not_a_finite_number_at_least_0_is_a_usage_error(shards, atol):
+    src, out = shards
+    result = cli_run("verify", src, out, "--atol", atol)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardkit: error: --atol") and ">= 0" in lines[0], result.stderr
+    with pytest.raises(shardkit.ShardkitError, match=">= 0"):
+        shardkit.verify(src, out, atol=float(atol) if atol != "lots" else atol)
+
+
+def cli_run(*args):
+    from click.testing import CliRunner
+
+    from shardkit.cli import cli
+
+    return CliRunner().invoke(cli, ["-q", *map(str, args)], catch_exceptions=False)
 
 
 # ---- streaming -------------------------------------------------------------------------------------

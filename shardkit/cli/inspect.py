@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -10,6 +11,9 @@ from ..conventions import CONVENTIONS, HF
 from ..sizes import format_bytes
 from .hub import hub_quiet
 from .options import SOURCE, Bar, common_options, files_text, print_json, source_options
+
+if TYPE_CHECKING:
+    from ..engine import VerifyReport
 
 OPTIMUM = "optimum-neuron"
 
@@ -101,6 +105,17 @@ def describe(r: dict, show_tensors: bool) -> str:
     return "\n".join(lines)
 
 
+class Tolerance(click.ParamType):
+    """--atol: a finite number >= 0 (NaN, infinities and negatives are one line, exit code 2)."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):
+        from ..engine.check import check_atol
+
+        return check_atol(value)
+
+
 @click.command()
 @click.argument("a", type=SOURCE)  # as typed: "does not exist" names it so
 @click.argument("b", type=SOURCE)  # as typed: "does not exist" names it so
@@ -113,10 +128,15 @@ def describe(r: dict, show_tensors: bool) -> str:
 @click.option("--config-b", type=click.Path(exists=True, path_type=Path), default=None, help="config.json for B.")
 @click.option(
     "--atol",
-    type=float,
+    type=Tolerance(),
     default=0.0,
     show_default=True,
-    help="Largest absolute difference still counted as equal (0: bit-exact).",
+    help="Largest absolute difference still counted as equal (0: bit-exact); a finite number >= 0.",
+)
+@click.option(
+    "--ignore-dtype",
+    is_flag=True,
+    help="Count equal values stored in different dtypes (bf16 and fp32) as equal; they are still listed.",
 )
 @click.option("--all", "show_all", is_flag=True, help="Print every tensor, not only mismatches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-tensor report as JSON.")
@@ -124,12 +144,14 @@ def describe(r: dict, show_tensors: bool) -> str:
 @click.option("--revision-b", default=None, help="When B is a Hub repo id: the branch, tag or commit to download.")
 @common_options
 @click.pass_context
-def verify(ctx, a, b, config_a, config_b, atol, show_all, as_json, revision_a, revision_b):
+def verify(ctx, a, b, config_a, config_b, atol, ignore_dtype, show_all, as_json, revision_a, revision_b):
     """Check that A and B hold the same weights, whatever their formats and layouts.
 
     Both are mapped to full tensors and compared one by one; the worst absolute difference of
-    each tensor is printed. Exit code 0 when all are equal, 1 on any mismatch. A or B may be a
-    Hub repo id, e.g. `shardkit verify meta-llama/Llama-2-7b-hf ./llama-tp8`, or s3://bucket/prefix.
+    each tensor is printed. A tensor stored in another dtype (bf16 in A, fp32 in B) is a
+    mismatch, even with equal values, unless --ignore-dtype. Exit code 0 when all are equal, 1 on
+    any mismatch. A or B may be a Hub repo id, e.g. `shardkit verify meta-llama/Llama-2-7b-hf
+    ./llama-tp8`, or s3://bucket/prefix.
     """
     from ..api import verify as api_verify
 
@@ -144,20 +166,39 @@ def verify(ctx, a, b, config_a, config_b, atol, show_all, as_json, revision_a, r
             revision_a=revision_a,
             revision_b=revision_b,
             progress=bar,
+            ignore_dtype=ignore_dtype,
         )
     if as_json:
         print_json(found.to_dict())
     else:
+        shown = {t.name for t in found.mismatches}
         for t in found.tensors:
-            if show_all or not t.equal:
+            if show_all or t.name in shown:
                 diff = "n/a" if t.max_abs_diff is None else f"{t.max_abs_diff:.3g}"
-                click.echo(
-                    f"{'ok      ' if t.equal else 'MISMATCH'} {t.name}  max|a-b| {diff}"
-                    + (f"  ({t.note})" if t.note else "")
+                status = (
+                    "MISMATCH" if not t.equal else "DTYPE   " if t.dtype_differs and not ignore_dtype else "ok      "
                 )
-        verdict = "equal" if found.ok else f"{len(found.mismatches)} of {len(found.tensors)} tensors differ"
-        click.echo(f"{len(found.tensors)} tensors compared: {verdict}")
+                click.echo(f"{status} {t.name}  max|a-b| {diff}" + (f"  ({t.note})" if t.note else ""))
+        click.echo(verdict(found))
     ctx.exit(0 if found.ok else 1)
+
+
+def verdict(found: VerifyReport) -> str:
+    """verify's last line: equal, or how many tensors differ in values and how many in dtype."""
+    values = sum(1 for t in found.tensors if not t.equal)
+    line = f"{len(found.tensors)} tensors compared: "
+    line += (
+        f"{values} of {len(found.tensors)} tensors differ"
+        if values
+        else "equal values"
+        if found.dtype_differences
+        else "equal"
+    )
+    dtypes = found.dtype_summary()
+    if dtypes:
+        rule = "ignored (--ignore-dtype)" if found.ignore_dtype else "a mismatch: --ignore-dtype compares values only"
+        line += f"; {dtypes}, {rule}"
+    return line
 
 
 COMMANDS = [inspect_cmd, verify]

@@ -295,8 +295,14 @@ def _row_blocks(shape: tuple[int, ...], block_bytes: int):
 class TensorDiff:
     name: str
     max_abs_diff: float | None  # None when shapes differ or the tensor is missing on one side
-    equal: bool
+    equal: bool  # the values agree (bit-exact, or within atol)
     note: str = ""
+    dtype_a: str = ""  # the tensor's dtype in A and in B ("" when it is missing or of another shape)
+    dtype_b: str = ""
+
+    @property
+    def dtype_differs(self) -> bool:
+        return bool(self.dtype_a and self.dtype_b) and self.dtype_a != self.dtype_b
 
 
 @dataclass
@@ -304,14 +310,36 @@ class VerifyReport:
     a: str
     b: str
     tensors: list[TensorDiff] = field(default_factory=list)
+    ignore_dtype: bool = False
+    """Whether tensors of equal values in different dtypes count as equal (else each is a mismatch)."""
 
     @property
     def mismatches(self) -> list[TensorDiff]:
-        return [t for t in self.tensors if not t.equal]
+        """Tensors whose values differ, and (unless `ignore_dtype`) those stored in different dtypes."""
+        return [t for t in self.tensors if not t.equal or (t.dtype_differs and not self.ignore_dtype)]
+
+    @property
+    def dtype_differences(self) -> list[TensorDiff]:
+        return [t for t in self.tensors if t.dtype_differs]
 
     @property
     def ok(self) -> bool:
         return not self.mismatches
+
+    def dtype_summary(self, shown: int = 3) -> str:
+        """The tensors stored in different dtypes, in one phrase ("" when there are none): their
+        count, each pair of dtypes, and the first names of each."""
+        pairs: dict[tuple[str, str], list[str]] = {}
+        for t in self.dtype_differences:
+            pairs.setdefault((t.dtype_a, t.dtype_b), []).append(t.name)
+        if not pairs:
+            return ""
+        count = len(self.dtype_differences)
+        parts = []
+        for (da, db), names in pairs.items():
+            more = f" and {len(names) - shown} more" if len(names) > shown else ""
+            parts.append(f"{da} in A, {db} in B: {', '.join(names[:shown])}{more}")
+        return f"{count} {'tensors differ' if count != 1 else 'tensor differs'} in dtype ({'; '.join(parts)})"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -319,8 +347,27 @@ class VerifyReport:
             "b": self.b,
             "ok": self.ok,
             "mismatches": len(self.mismatches),
+            "dtype_differences": {
+                "count": len(self.dtype_differences),
+                "ignored": self.ignore_dtype,
+                "tensors": {t.name: [t.dtype_a, t.dtype_b] for t in self.dtype_differences},
+            },
             "tensors": [asdict(t) for t in self.tensors],
         }
+
+
+def check_atol(atol: object) -> float:
+    """`atol` as a float, if it is a finite number >= 0; else a one-line ShardkitError (NaN would
+    call every tensor different, a negative one even equal tensors)."""
+    try:
+        value = float(atol)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(atol, bool) or not math.isfinite(value) or value < 0:
+        raise ShardkitError(
+            f"--atol {atol!r} is not a finite number >= 0: give the largest absolute difference to allow (0: bit-exact)"
+        )
+    return value
 
 
 def verify_checkpoints(
@@ -331,6 +378,7 @@ def verify_checkpoints(
     on_tensor: Callable[[TensorDiff], None] | None = None,
     names: tuple[str, str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    ignore_dtype: bool = False,
 ) -> VerifyReport:
     """Compare two checkpoints (any formats and layouts) tensor by tensor in full-weight space;
     `names` are how the report calls them (default: their paths).
@@ -339,10 +387,12 @@ def verify_checkpoints(
     With atol 0 and equal dtypes the blocks must hold the same bits (NaN equals NaN in the same
     place); otherwise they are compared in float32 (float64 when both are), and a tensor is
     equal when its largest |a - b| is at most `atol` (NaN must face NaN, an infinity the same
-    infinity). `progress(bytes_done, bytes_total)` counts the bytes of A's tensors."""
+    infinity). A tensor stored in different dtypes is a mismatch unless `ignore_dtype` (the report
+    names them either way). `progress(bytes_done, bytes_total)` counts the bytes of A's tensors."""
+    atol = check_atol(atol)
     ca.check_files()
     cb.check_files()
-    report = VerifyReport(*(names or (str(ca.root), str(cb.root))))
+    report = VerifyReport(*(names or (str(ca.root), str(cb.root))), ignore_dtype=ignore_dtype)
     shapes_a, shapes_b = ca.full_shapes, cb.full_shapes
     ra, rb = SourceReader(ca), SourceReader(cb)
     try:
@@ -404,7 +454,11 @@ def _compare_tensor(
     note = "" if da == db else f"dtype {da} vs {db}".replace("torch.", "")
     if exact and not equal and worst == 0:
         note = "same values, different bits (signed zeros)"
-    return TensorDiff(name, worst, equal if exact else worst <= atol, note)
+    return TensorDiff(name, worst, equal if exact else worst <= atol, note, _dtype_name(da), _dtype_name(db))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _stages(layout: Layout, num_layers: int) -> list[dict[str, Any]]:
