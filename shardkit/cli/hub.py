@@ -34,7 +34,8 @@ def hub_quiet(ctx: click.Context) -> None:
 
 def hub_source(ctx: click.Context, src: Path, revision: str | None) -> Path:
     """SRC as given, or the Hub repo SRC fetched into the Hugging Face cache. A local-looking
-    path that does not exist (./x, ../x, /x, ~/x) is an error, never a Hub lookup."""
+    path that does not exist (./x, ../x, /x, ~/x, or runs/x beside a local runs/) is an error,
+    never a Hub lookup (hub.download.missing_local_path)."""
     from ..hub import resolve_source
 
     hub_quiet(ctx)
