@@ -221,22 +221,6 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="python -m trainer",
-        description="shardkit's slim trainer: tensor, pipeline, data and expert parallel training of decoder "
-        "LLMs (Llama, Mistral, Qwen, Gemma, Phi-3, GPT-NeoX, Mixtral, DBRX) "
-        "from Hugging Face or sharded (NxD) checkpoints of any layout. Run it with torchrun, e.g. "
-        "torchrun --nproc-per-node 8 -m trainer --model ./llama-tp2pp2 --data ./tokens.bin "
-        "--tp 2 --pp 2 --dp 2 --zero1 --global-batch 16 --seq-len 2048 --steps 1000",
-    )
-    for f in dataclasses.fields(TrainConfig):
-        meta = f.metadata
-        flags = [_flag(f.name), *meta.get("aliases", ())]
-        if isinstance(f.default, bool):
-            parser.add_argument(
-                *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=meta["doc"]
-            )
 class UsageError(TrainerError):
     """A command line argparse cannot parse: an unknown (misspelt) option, a bad value, a missing one."""
 
@@ -264,6 +248,22 @@ class OneLineParser(argparse.ArgumentParser):
         return f" (Did you mean {near[0]}?)" if near else ""
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="python -m trainer",
+        description="shardkit's slim trainer: tensor, pipeline, data and expert parallel training of decoder "
+        "LLMs (Llama, Mistral, Qwen, Gemma, Phi-3, GPT-NeoX, Mixtral, DBRX) "
+        "from Hugging Face or sharded (NxD) checkpoints of any layout. Run it with torchrun, e.g. "
+        "torchrun --nproc-per-node 8 -m trainer --model ./llama-tp2pp2 --data ./tokens.bin "
+        "--tp 2 --pp 2 --dp 2 --zero1 --global-batch 16 --seq-len 2048 --steps 1000",
+    )
+    for f in dataclasses.fields(TrainConfig):
+        meta = f.metadata
+        flags = [_flag(f.name), *meta.get("aliases", ())]
+        if isinstance(f.default, bool):
+            parser.add_argument(
+                *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=meta["doc"]
+            )
             continue
         kind = type(f.default) if f.default is not None else str
         parser.add_argument(
