@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import shutil
 import string
 import subprocess
@@ -248,8 +249,16 @@ def instruction(work, hf_model):
     """Instruction rows as .jsonl, and dp1's losses (5 steps)."""
     data = write_rows("jsonl", work / "sft.jsonl", instruction_rows())
     metrics = work / "sft-dp1.jsonl"
-    run_inprocess(run_args(hf_model, data, metrics, "--data-cache", str(work / "cache-sft")))
-    return data, losses(metrics)
+    run_inprocess(run_args(hf_model, data, metrics, *sft_options(work, data)))
+    return data, losses(metrics), eval_losses(metrics)
+
+
+def sft_options(work: Path, data: Path) -> list[str]:
+    return ["--data-cache", str(work / "cache-sft"), "--eval-data", str(data), "--eval-steps", "2", "--eval-every", "2"]
+
+
+def eval_losses(metrics: Path) -> list[float]:
+    return [r["eval_loss"] for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "eval"]
 
 
 def test_instruction_loss_is_the_completions_only(work, tok, hf_model, instruction):
@@ -288,14 +297,15 @@ def test_instruction_loss_is_the_completions_only(work, tok, hf_model, instructi
 def test_instruction_loss_is_the_same_in_every_layout(layout, work, hf_model, instruction):
     """The mean over the unmasked tokens of the global batch, whatever holds them: dp2, tp2 (the
     vocab-parallel loss), pp2 (the pipeline's last stage) and micro-batches of 2 equal dp1."""
-    data, expected = instruction
+    data, expected, evaluated = instruction
     metrics = work / f"sft-{layout}.jsonl"
-    args = run_args(hf_model, data, metrics, "--data-cache", str(work / "cache-sft"))
+    args = run_args(hf_model, data, metrics, *sft_options(work, data))
     if layout == "micro2":
         run_inprocess([*args, "--micro-batch", "2"])
     else:
         check_ok(run_ranks(2, [*args, f"--{layout[:2]}", "2"]))
     assert rel_diff(losses(metrics), expected) < REL, (losses(metrics), expected)
+    assert len(evaluated) == 3 and rel_diff(eval_losses(metrics), evaluated) < REL, (eval_losses(metrics), evaluated)
 
 
 def test_messages_train_on_the_assistant_turns(work, tok, tok_dir):
@@ -398,7 +408,7 @@ def _bad_cases(work: Path, tok_dir: Path) -> dict[str, tuple[Path | str, list[st
         "bad-json-line": (work / "badline.jsonl", [], "line 4 is not JSON"),
         "not-text-line": (work / "number.jsonl", [], "line 3: 'text' holds int, not text"),
         "missing-in-a-row": (work / "missing.jsonl", [], "line 5: no column 'text' (this row's columns: 'body')"),
-        "bad-csv-row": (work / "bad.csv", [], "line 4 has 3 fields, the header 2"),
+        "bad-csv-row": (work / "bad.csv", [], "line 5 has 3 fields, the header 2"),
         "null-parquet-row": (work / "null.parquet", [], "row 2:"),
         "not-parquet": (work / "junk.parquet", [], "not a readable Parquet file"),
         "dataset-dict": (work / "dict-saved", [], "several splits (test, train)"),
@@ -406,7 +416,25 @@ def _bad_cases(work: Path, tok_dir: Path) -> dict[str, tuple[Path | str, list[st
         "missing-file": (work / "nope.jsonl", [], "does not exist"),
         "tokenizer-missing": (work / "glue.jsonl", ["--tokenizer", str(work / "no-tokenizer")], "does not exist"),
         "tokenizer-empty": (work / "glue.jsonl", ["--tokenizer", str(work / "plain-folder")], "holds no tokenizer"),
+        "fifo": (work / "fifo.jsonl", [], "not a regular file"),
+        "numbers-parquet": (work / "numbers.parquet", [], "column 'text' holds int64 values, not text"),
+        "not-utf8-csv": (work / "latin.csv", [], "line 3 is not UTF-8"),
+        "not-utf8-jsonl": (work / "latin.jsonl", [], "line 2 is not UTF-8 text"),
+        "no-assistant-turn": (work / "no-reply.jsonl", [], "no completion tokens to train on"),
+        "bad-message": (work / "bad-message.jsonl", [], "line 2: 'messages' is not a list of"),
+        "messages-as-text": (work / "chat-text.parquet", [], "column 'messages' holds string"),
+        "data-cache-is-a-file": (work / "glue.jsonl", ["--data-cache", str(work / "empty.csv")], "is a file"),
     }
+    os.mkfifo(work / "fifo.jsonl")
+    pq.write_table(pa.table({"text": [1, 2]}), work / "numbers.parquet")
+    (work / "latin.csv").write_bytes("text\nfine\ncaf\u00e9\n".encode("latin-1"))
+    (work / "latin.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    user = {"role": "user", "content": "hi"}
+    (work / "no-reply.jsonl").write_text(json.dumps({"messages": [user]}) + "\n")
+    (work / "bad-message.jsonl").write_text(
+        json.dumps({"messages": [user]}) + "\n" + json.dumps({"messages": [{"role": "user", "content": 3}]}) + "\n"
+    )
+    pq.write_table(pa.table({"messages": ["hi"]}), work / "chat-text.parquet")
     (work / "empty.jsonl").write_text("")
     (work / "blank.jsonl").write_text("\n\n  \n")
     (work / "empty.csv").write_text("")
@@ -432,6 +460,7 @@ def test_bad_data_is_one_line_and_exit_2(work, hf_model, bare_model, tok_dir, ca
     cases = _bad_cases(work / "bad", tok_dir)
     cases["model-without-tokenizer"] = (work / "bad" / "glue.jsonl", ["--model", str(bare_model)], "--tokenizer DIR")
     cache = work / "bad" / "cache"
+    capsys.readouterr()  # what making the cases printed
     for name, (data, extra, fragment) in cases.items():
         code = main(run_args(hf_model, data, work / "bad" / "m.jsonl", "--data-cache", str(cache), *extra))
         err = capsys.readouterr().err.strip().splitlines()
@@ -491,6 +520,10 @@ def test_two_runs_tokenizing_at_once_do_not_mix(tmp_path):
     assert results["run-0"] == (tmp_path / "entry" / TOKENS, True)
     assert results["run-1"] == (tmp_path / "entry" / TOKENS, False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]  # no staging folder or lock file left
+    path = tmp_path / "entry" / TOKENS
+    path.write_bytes(path.read_bytes()[:-10])  # a damaged cache file (a full disk, a copy cut short)
+    assert _cached_entry(tmp_path / "entry", make) == (path, True) and len(made) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"] and len(path.read_bytes()) == 32 + 200
 
 
 def test_import_trainer_stays_light():

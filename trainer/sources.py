@@ -83,6 +83,12 @@ class Source:
                 remote_io.ensure_file(mirror.root / name)
         return self.path
 
+    def release(self) -> None:
+        """Drop the local copy of an S3 text source once it is tokenized (its mirror closed)."""
+        if self.loc is not None and self.path is not None and self.is_text:
+            remote_io.close_mirror_of(self.path)
+            self.path = None
+
     def identity(self) -> str:
         """What the data is: an S3 object's URL, size and ETag; a local file's or folder's contents
         (xxh3-128 of every byte: a cache hit must not depend on times a copy changes)."""
@@ -206,6 +212,7 @@ def open_rows(path: Path, kind: str, text_column: str, shown: str) -> tuple[Colu
         except Exception as e:  # noqa: BLE001 - pyarrow's errors: not a Parquet file, truncated
             raise DataError(f"{shown} is not a readable Parquet file ({first_line(e)})") from None
         columns = choose_columns(file.schema_arrow.names, text_column, shown)
+        check_types(file.schema_arrow, columns, shown)
         batches = file.iter_batches(batch_size=BATCH_ROWS, columns=list(columns.names))
         return columns, batches, file.metadata.num_rows
     return _datasets_folder(path, text_column, shown)
@@ -255,7 +262,11 @@ def _jsonl_problem(path: Path, columns: Columns, shown: str) -> str | None:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                text = line.decode("utf-8")
+            except UnicodeDecodeError:
+                return f"{shown} line {number} is not UTF-8 text: convert the file to UTF-8"
+            try:
+                row = json.loads(text)
             except ValueError as e:
                 return f"{shown} line {number} is not JSON ({e}): one JSON object per line"
             if not isinstance(row, dict):
@@ -284,6 +295,24 @@ def row_problem(row: dict[str, Any], columns: Columns) -> str | None:
     return None
 
 
+def check_types(schema: Any, columns: Columns, shown: str) -> None:
+    """Refuse columns of a typed table (Parquet, datasets) that cannot hold what they are read as."""
+    pa = _need("pyarrow")
+
+    def text(t: Any) -> bool:
+        return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", bool)(t))
+
+    for name in columns.names:
+        kind = schema.field(name).type
+        if columns.mode == "messages":
+            item = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else None
+            fields = {item.field(i).name: item.field(i).type for i in range(item.num_fields)} if item is not None and pa.types.is_struct(item) else {}
+            if not (text(fields.get("role", pa.null())) and text(fields.get("content", pa.null()))):
+                raise DataError(f"{shown}: column {name!r} holds {kind}, not a list of {{role, content}} messages")
+        elif not text(kind):
+            raise DataError(f"{shown}: column {name!r} holds {kind} values, not text: give the column of the text")
+
+
 def _csv(path: Path, text_column: str, shown: str) -> tuple[Columns, Iterator[Any], int | None]:
     pa, pc = _need("pyarrow"), _need("pyarrow.csv")
     parse = pc.ParseOptions(newlines_in_values=True)
@@ -307,14 +336,23 @@ def _csv(path: Path, text_column: str, shown: str) -> tuple[Columns, Iterator[An
 
 
 def _csv_problem(path: Path, shown: str) -> str | None:
-    """The first record of a CSV file whose number of fields is not the header's, with its line."""
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
-        reader = csv.reader(f)
+    """The first record of a CSV file whose number of fields is not the header's, or the first
+    line that is not UTF-8, with its line."""
+    bad: list[int] = []
+
+    def lines(f: Any) -> Iterator[str]:
+        for number, raw in enumerate(f, 1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError:
+                bad.append(number)
+                return
+
+    with open(path, "rb") as f:
+        reader = csv.reader(lines(f))
         try:
             header = next(reader, None)
-            if header is None:
-                return f"{shown} is empty: it holds no documents"
-            for record in reader:
+            for record in reader if header is not None else ():
                 if len(record) != len(header):
                     return (
                         f"{shown} line {reader.line_num} has {len(record)} fields, the header {len(header)}: "
@@ -322,7 +360,9 @@ def _csv_problem(path: Path, shown: str) -> str | None:
                     )
         except csv.Error as e:
             return f"{shown} line {reader.line_num} does not parse as CSV ({e})"
-    return None
+    if bad:
+        return f"{shown} line {bad[0]} is not UTF-8 text: convert the file to UTF-8"
+    return None if header is not None else f"{shown} is empty: it holds no documents"
 
 
 def _datasets_folder(path: Path, text_column: str, shown: str) -> tuple[Columns, Iterator[Any], int | None]:
@@ -344,6 +384,7 @@ def _datasets_folder(path: Path, text_column: str, shown: str) -> tuple[Columns,
     except Exception as e:  # noqa: BLE001 - datasets' and pyarrow's errors for a damaged folder
         raise DataError(f"{shown} is not a readable datasets folder ({first_line(e)})") from None
     columns = choose_columns(list(data.column_names), text_column, shown)
+    check_types(data.data.schema, columns, shown)
     table = data.select_columns(list(columns.names)).with_format("arrow")
     return columns, table.iter(batch_size=BATCH_ROWS), len(data)
 
@@ -354,9 +395,13 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def rows_of(batch: Any, columns: Columns) -> list[Any]:
-    """A table / record batch's values of `columns`: per row, the text, (prompt, completion) or messages."""
-    values = [batch.column(n).to_pylist() for n in columns.names]
+def rows_of(batch: Any, columns: Columns, source: Source, first: int) -> list[Any]:
+    """A table / record batch's values of `columns` (its first row is row `first` of `source`):
+    per row, the text, (prompt, completion) or messages."""
+    try:
+        values = [batch.column(n).to_pylist() for n in columns.names]
+    except UnicodeDecodeError:
+        raise row_error(source, columns, first, "not UTF-8 text") from None
     return list(zip(*values)) if columns.mode == "prompt" else values[0]
 
 

@@ -196,7 +196,7 @@ class TokenWriter:
     def __init__(self, folder: Path, vocab_size: int, masked: bool):
         self.path, self.vocab_size, self.masked = folder / TOKENS, vocab_size, masked
         self.dtype = token_dtype(vocab_size)
-        self.count = self.documents = 0
+        self.count = self.documents = self.trained = 0
         new = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # a new file, never through a link
         self._ids = os.fdopen(os.open(self.path, new | os.O_WRONLY, 0o644), "wb")
         self._ids.write(bytes(HEADER.size))
@@ -211,6 +211,7 @@ class TokenWriter:
         if self._mask is not None:
             assert mask is not None and len(mask) == len(ids)
             self._mask.write(np.asarray(mask, dtype=np.uint8).tobytes())
+            self.trained += int(np.count_nonzero(mask))
         self.count += len(ids)
         self.documents += 1
 
@@ -239,6 +240,8 @@ def _progress(enabled: bool, total: int | None, what: str) -> Any:
 
 def build(folder: Path, source: Source, text_column: str, tok: Tokenizer, progress: bool) -> tuple[TokenWriter, str]:
     """Tokenize `source` into `folder`/tokens.bin; (the writer, what the documents were)."""
+    if tok.eos is None:
+        log.warning("the tokenizer of %s has no end-of-sequence token: documents follow each other unmarked", tok.directory)
     path = source.fetch()
     if source.kind == "txt":
         writer = TokenWriter(folder, tok.vocab_size, False)
@@ -254,11 +257,16 @@ def build(folder: Path, source: Source, text_column: str, tok: Tokenizer, progre
     writer = TokenWriter(folder, tok.vocab_size, columns.masked)
     try:
         with _progress(progress, total, source.shown) as bar:
-            for rows in _row_batches(batches, columns):
+            for rows in _row_batches(batches, columns, source):
                 _add_rows(writer, tok, source, columns, rows)
                 bar.update(len(rows))
         if writer.documents == 0:
             raise DataError(f"{source.shown} holds no rows: no documents to train on")
+        if columns.masked and not writer.trained:
+            raise DataError(
+                f"{source.shown} has no completion tokens to train on (instruction data is trained on completions, "
+                "or the assistant's turns of messages)"
+            )
         writer.finish()
     finally:
         writer.close()
@@ -274,9 +282,11 @@ def txt_ids(tok: Tokenizer, pieces: Iterable[str]) -> list[int]:
     return ids
 
 
-def _row_batches(batches: Iterator[Any], columns: Columns) -> Iterator[list[Any]]:
+def _row_batches(batches: Iterator[Any], columns: Columns, source: Source) -> Iterator[list[Any]]:
+    done = 0
     for batch in batches:
-        rows = sources.rows_of(batch, columns)
+        rows = sources.rows_of(batch, columns, source, done)
+        done += len(rows)
         if rows:
             yield rows
 
@@ -340,7 +350,10 @@ def cached_tokens(source: Source, tok: Tokenizer, options: DataOptions, what: st
         write_file(folder / ABOUT, [json.dumps(about, indent=1).encode()], what="token cache note")
 
     with _BUILDING:
-        path, built = _cached_entry(cache / key, make)
+        try:
+            path, built = _cached_entry(cache / key, make)
+        finally:
+            source.release()
     tokens = TokenFile(path, identity=key, shown=source.shown)
     try:
         read = read_json(path.parent / ABOUT, "token cache note").get("read", "?")
@@ -399,7 +412,10 @@ def write_prepared(source: Source, tok: Tokenizer, options: DataOptions, out: st
     """scripts/prepare_data.py: the token file the cache would hold, written to `out` (made in a
     scratch folder beside it, then written through the I/O core); (it, what the documents were)."""
     with scratch_folder(out, job=Job()) as folder:
-        writer, documents = build(folder, source, options.text_column, tok, options.progress)
+        try:
+            writer, documents = build(folder, source, options.text_column, tok, options.progress)
+        finally:
+            source.release()
 
         def chunks() -> Iterator[bytes]:
             with open(writer.path, "rb") as f:
