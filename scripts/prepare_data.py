@@ -53,7 +53,9 @@ def text_files(inputs: list[str]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise DataError(f"{path} does not exist" if not path.exists() else f"{path} is a datasets folder: give it alone")
+            raise DataError(
+                f"{path} does not exist" if not path.exists() else f"{path} is a datasets folder: give it alone"
+            )
     if not files:
         raise DataError("no text files found: give .txt files or folders holding them")
     return files
@@ -90,7 +92,9 @@ def prepare(args: argparse.Namespace) -> tuple[TokenFile, str]:
         if not source.is_text:  # any other file is text, as it always was here
             source = Source(source.shown, "txt", source.fetch())
         if tok is None and source.kind != "txt":
-            raise DataError(f"{args.inputs[0]} is tokenized with a tokenizer: pass --tokenizer DIR (the model's folder)")
+            raise DataError(
+                f"{args.inputs[0]} is tokenized with a tokenizer: pass --tokenizer DIR (the model's folder)"
+            )
     if source is not None and tok is not None:
         options = DataOptions(args.text_column, args.tokenizer, None, sys.stderr.isatty())
         tokens, documents = write_prepared(source, tok, options, args.out)

@@ -61,7 +61,9 @@ def make_tokenizer(folder: Path):
         show_progress=False,
     )
     tok.train_from_iterator([CORPUS.read_text()], trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = (
         "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -193,8 +195,19 @@ def test_txt_and_eval_data_and_tokenizer_option(work, tok, tok_dir, bare_model, 
     cache, metrics = work / "cache-txt", work / "txt.jsonl"
     caplog.set_level(logging.INFO, logger="trainer")
     summary = run_inprocess(
-        run_args(bare_model, data, metrics, "--tokenizer", str(tok_dir), "--data-cache", str(cache), "--eval-data",
-                 str(evaluation), "--steps", "2")
+        run_args(
+            bare_model,
+            data,
+            metrics,
+            "--tokenizer",
+            str(tok_dir),
+            "--data-cache",
+            str(cache),
+            "--eval-data",
+            str(evaluation),
+            "--steps",
+            "2",
+        )
     )
     assert summary.eval_loss is not None and np.isfinite(summary.eval_loss)
     files = {TokenFile(p).tokens.shape[0]: p for p in cached(cache)}
@@ -314,8 +327,14 @@ def test_messages_train_on_the_assistant_turns(work, tok, tok_dir):
     from trainer.tokenizing import DataOptions, open_data
 
     rows = [
-        {"messages": [{"role": "user", "content": "where is the town"}, {"role": "assistant", "content": "by the river"},
-                      {"role": "user", "content": "and the bread"}, {"role": "assistant", "content": "in the oven"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "where is the town"},
+                {"role": "assistant", "content": "by the river"},
+                {"role": "user", "content": "and the bread"},
+                {"role": "assistant", "content": "in the oven"},
+            ]
+        },
     ] * 40
     data = write_rows("parquet", work / "chat.parquet", rows)
     tokens = open_data(str(data), "--data", DataOptions(cache=str(work / "cache-chat")), [tok_dir])
@@ -366,22 +385,75 @@ def test_resume_mid_epoch_on_another_layout_and_a_changed_file(work, hf_model, c
     data = write_rows("jsonl", work / "resume.jsonl", text_rows())
     ckpt, cache = work / "ckpt-resume", str(work / "cache-resume")
     full = work / "resume-full.jsonl"
-    run_inprocess(run_args(hf_model, data, full, "--data-cache", cache, "--steps", "6", "--checkpoint-dir", str(ckpt),
-                           "--checkpoint-every", "3"))
+    run_inprocess(
+        run_args(
+            hf_model,
+            data,
+            full,
+            "--data-cache",
+            cache,
+            "--steps",
+            "6",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "3",
+        )
+    )
     resumed = work / "resume-tp2.jsonl"
-    check_ok(run_ranks(2, run_args(hf_model, data, resumed, "--data-cache", cache, "--steps", "6", "--tp", "2",
-                                   "--resume", str(ckpt / "step_3"))))
+    check_ok(
+        run_ranks(
+            2,
+            run_args(
+                hf_model,
+                data,
+                resumed,
+                "--data-cache",
+                cache,
+                "--steps",
+                "6",
+                "--tp",
+                "2",
+                "--resume",
+                str(ckpt / "step_3"),
+            ),
+        )
+    )
     assert [r for r in losses(resumed)] and rel_diff(losses(resumed), losses(full)[3:]) < REL
     caplog.set_level(logging.INFO, logger="trainer")
-    run_inprocess(run_args(hf_model, data, work / "resume-same.jsonl", "--data-cache", cache, "--steps", "4",
-                           "--resume", str(ckpt / "step_3"), "--override-schedule"))
+    run_inprocess(
+        run_args(
+            hf_model,
+            data,
+            work / "resume-same.jsonl",
+            "--data-cache",
+            cache,
+            "--steps",
+            "4",
+            "--resume",
+            str(ckpt / "step_3"),
+            "--override-schedule",
+        )
+    )
     assert not [r for r in caplog.records if "not the data the checkpoint" in r.getMessage()]
     changed = text_rows()
     changed[40]["text"] = changed[40]["text"].replace("the", "a", 1)
     write_rows("jsonl", data, changed)
     caplog.clear()
-    run_inprocess(run_args(hf_model, data, work / "resume-changed.jsonl", "--data-cache", cache, "--steps", "4",
-                           "--resume", str(ckpt / "step_3"), "--override-schedule"))
+    run_inprocess(
+        run_args(
+            hf_model,
+            data,
+            work / "resume-changed.jsonl",
+            "--data-cache",
+            cache,
+            "--steps",
+            "4",
+            "--resume",
+            str(ckpt / "step_3"),
+            "--override-schedule",
+        )
+    )
     said = [r.getMessage() for r in caplog.records if "not the data the checkpoint" in r.getMessage()]
     assert len(said) == 1 and str(data) in said[0], [r.getMessage() for r in caplog.records]
 
@@ -400,8 +472,11 @@ def _bad_cases(work: Path, tok_dir: Path) -> dict[str, tuple[Path | str, list[st
     lines = good.splitlines(keepends=True)
     files = {
         "missing-column": (write_rows("jsonl", work / "glue.jsonl", rows), [], "its columns: 'sentence', 'label'"),
-        "missing-text-column": (write_rows("csv", work / "glue.csv", rows), ["--text-column", "review"],
-                                "no column 'review' (its columns: 'sentence', 'label')"),
+        "missing-text-column": (
+            write_rows("csv", work / "glue.csv", rows),
+            ["--text-column", "review"],
+            "no column 'review' (its columns: 'sentence', 'label')",
+        ),
         "empty-jsonl": (work / "empty.jsonl", [], "is empty"),
         "blank-jsonl": (work / "blank.jsonl", [], "is empty"),
         "empty-csv": (work / "empty.csv", [], "is empty"),
@@ -480,14 +555,22 @@ def test_prepare_data_writes_what_the_cache_holds(work, tok_dir, hf_model):
     for name, rows in (("prep.csv", text_rows()), ("prep-sft.jsonl", instruction_rows())):
         data = write_rows(name.split(".")[1], work / name, rows)
         out = work / f"{name}.bin"
-        done = subprocess.run([sys.executable, "scripts/prepare_data.py", str(data), "--tokenizer", str(tok_dir),
-                               "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "scripts/prepare_data.py", str(data), "--tokenizer", str(tok_dir), "--out", str(out)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         assert done.returncode == 0, done.stderr
         held = open_data(str(data), "--data", DataOptions(cache=str(work / "cache-prep")), [hf_model])
         assert out.read_bytes() == held.path.read_bytes(), name
         assert ("loss mask" in done.stdout) == (held.mask is not None)
-    done = subprocess.run([sys.executable, "scripts/prepare_data.py", str(work / "prep.csv"), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "scripts/prepare_data.py", str(work / "prep.csv"), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--tokenizer" in done.stderr
 
 

@@ -80,7 +80,10 @@ def write_tokens(path: str | Path, tokens, vocab_size: int, mask=None) -> Path:
     array = np.asarray(tokens)
     if array.size and (array.min() < 0 or array.max() >= vocab_size):
         raise DataError(f"token ids must lie in [0, {vocab_size}); got {array.min()}..{array.max()}")
-    chunks = [header(array.size, vocab_size, mask is not None), array.astype(token_dtype(vocab_size), copy=False).tobytes()]
+    chunks = [
+        header(array.size, vocab_size, mask is not None),
+        array.astype(token_dtype(vocab_size), copy=False).tobytes(),
+    ]
     if mask is not None:
         flags = np.asarray(mask)
         if flags.shape != array.shape:
@@ -208,7 +211,9 @@ class Batches:
         self.shuffle = shuffle
         self.num_samples = (len(file) - 1) // seq_len
         if self.num_samples < 1:
-            raise DataError(f"{file.shown} holds {len(file)} tokens: fewer than one sequence of --seq-len {seq_len} + 1")
+            raise DataError(
+                f"{file.shown} holds {len(file)} tokens: fewer than one sequence of --seq-len {seq_len} + 1"
+            )
         self.consumed_samples = 0
         self.unmasked: int | None = None
         """With a loss mask: the unmasked targets of the last step's whole global batch (every rank's)."""

@@ -229,7 +229,9 @@ def _jsonl(path: Path, text_column: str, shown: str) -> tuple[Columns, Iterator[
         try:
             yield from pj.open_json(path, read_options=pj.ReadOptions(block_size=BLOCK_BYTES), parse_options=options)
         except ValueError as e:  # pyarrow.ArrowInvalid: find the line
-            raise DataError(_jsonl_problem(path, columns, shown) or f"{shown} does not parse: {first_line(e)}") from None
+            raise DataError(
+                _jsonl_problem(path, columns, shown) or f"{shown} does not parse: {first_line(e)}"
+            ) from None
 
     return columns, batches(), None
 
@@ -300,13 +302,19 @@ def check_types(schema: Any, columns: Columns, shown: str) -> None:
     pa = _need("pyarrow")
 
     def text(t: Any) -> bool:
-        return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", bool)(t))
+        return bool(
+            pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", bool)(t)
+        )
 
     for name in columns.names:
         kind = schema.field(name).type
         if columns.mode == "messages":
             item = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else None
-            fields = {item.field(i).name: item.field(i).type for i in range(item.num_fields)} if item is not None and pa.types.is_struct(item) else {}
+            fields = (
+                {item.field(i).name: item.field(i).type for i in range(item.num_fields)}
+                if item is not None and pa.types.is_struct(item)
+                else {}
+            )
             if not (text(fields.get("role", pa.null())) and text(fields.get("content", pa.null()))):
                 raise DataError(f"{shown}: column {name!r} holds {kind}, not a list of {{role, content}} messages")
         elif not text(kind):
@@ -324,7 +332,9 @@ def _csv(path: Path, text_column: str, shown: str) -> tuple[Columns, Iterator[An
     columns = choose_columns(names, text_column, shown)
     if columns.mode == "messages":
         raise DataError(f"{shown}: a 'messages' column cannot be read from CSV: give .jsonl or .parquet")
-    convert = pc.ConvertOptions(include_columns=list(columns.names), column_types={n: pa.string() for n in columns.names})
+    convert = pc.ConvertOptions(
+        include_columns=list(columns.names), column_types={n: pa.string() for n in columns.names}
+    )
 
     def batches() -> Iterator[Any]:
         try:
@@ -353,7 +363,7 @@ def _csv_problem(path: Path, shown: str) -> str | None:
         try:
             header = next(reader, None)
             for record in reader if header is not None else ():
-                if len(record) != len(header):
+                if header is not None and len(record) != len(header):
                     return (
                         f"{shown} line {reader.line_num} has {len(record)} fields, the header {len(header)}: "
                         "quote values that hold commas"
@@ -425,7 +435,9 @@ def text_pieces(path: Path, shown: str) -> Iterator[str]:
                 yield pending[:cut]
                 pending = pending[cut:] + more
     except UnicodeDecodeError as e:
-        raise DataError(f"{shown} is not UTF-8 text ({e.reason} near byte {e.start} of a piece): convert it to UTF-8") from None
+        raise DataError(
+            f"{shown} is not UTF-8 text ({e.reason} near byte {e.start} of a piece): convert it to UTF-8"
+        ) from None
 
 
 def row_error(source: Source, columns: Columns, index: int, problem: str) -> DataError:

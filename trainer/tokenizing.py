@@ -37,8 +37,8 @@ import xxhash
 
 from shardkit.distributed import Job
 from shardkit.formats.hf import SIDE_FILES
-from shardkit.io.lock import FolderInUseError
 from shardkit.io.location import as_local
+from shardkit.io.lock import FolderInUseError
 from shardkit.io.small import COPY_LIMIT, read_json, read_small
 from shardkit.io.transaction import commit_all, scratch_folder, staged_output, write_file
 
@@ -139,7 +139,11 @@ def segments_ids(tok: Tokenizer, segments: Segments, special: bool) -> tuple[lis
     mask, end, done = [0] * len(ids), 0, 0
     for i, (text, trained) in enumerate(segments):
         end += len(text)
-        upto = len(ids) if i == len(segments) - 1 else _common_prefix(ids, tok.tok(full[:end], add_special_tokens=special)["input_ids"])
+        upto = (
+            len(ids)
+            if i == len(segments) - 1
+            else _common_prefix(ids, tok.tok(full[:end], add_special_tokens=special)["input_ids"])
+        )
         upto = max(upto, done)
         mask[done:upto] = [int(trained)] * (upto - done)
         done = upto
@@ -235,13 +239,17 @@ class TokenWriter:
 def _progress(enabled: bool, total: int | None, what: str) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit=" docs", desc=f"tokenizing {what}", disable=not enabled, leave=False, dynamic_ncols=True)
+    return tqdm(
+        total=total, unit=" docs", desc=f"tokenizing {what}", disable=not enabled, leave=False, dynamic_ncols=True
+    )
 
 
 def build(folder: Path, source: Source, text_column: str, tok: Tokenizer, progress: bool) -> tuple[TokenWriter, str]:
     """Tokenize `source` into `folder`/tokens.bin; (the writer, what the documents were)."""
     if tok.eos is None:
-        log.warning("the tokenizer of %s has no end-of-sequence token: documents follow each other unmarked", tok.directory)
+        log.warning(
+            "the tokenizer of %s has no end-of-sequence token: documents follow each other unmarked", tok.directory
+        )
     path = source.fetch()
     if source.kind == "txt":
         writer = TokenWriter(folder, tok.vocab_size, False)
