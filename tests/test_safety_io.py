@@ -388,7 +388,7 @@ def test_a_tag_too_long_for_the_file_system_is_one_line(tmp_path):
     with pytest.raises(ShardkitError) as e:
         save_checkpoint(tmp_path / "ckpt", tag, pieces(1), layout=LAYOUT, config=CONFIG)
     assert len(str(e.value).splitlines()) == 1 and ("too long" in str(e.value) or "name" in str(e.value))
-    assert not [p for p in (tmp_path / "ckpt").iterdir() if not p.name.startswith(".shardkit.lock")]
+    assert not [p for p in (tmp_path / "ckpt").glob("*") if not p.name.startswith(".shardkit.lock")]
 
 
 def test_an_index_naming_a_file_too_long_for_the_file_system_is_one_line(tiny_model, tmp_path):
