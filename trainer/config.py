@@ -63,6 +63,19 @@ class TrainConfig:
         "Where tokenized text data is cached (default: $SHARDKIT_CACHE/tokens, else ~/.cache/shardkit/tokens).",
         metavar="DIR",
     )
+    task: str = _opt(
+        "causal-lm",
+        "What to train: causal-lm (the decoders), or for BERT sequence-classification (labelled rows) or "
+        "pretraining (masked LM, and next-sentence prediction on sentence pairs).",
+        choices=("causal-lm", "sequence-classification", "pretraining"),
+    )
+    text_pair_column: str = _opt(
+        None, "BERT tasks: the column holding each row's second text (a sentence pair).", metavar="NAME"
+    )
+    label_column: str = _opt("label", "sequence-classification: the column holding each row's label.", metavar="NAME")
+    num_labels: int = _opt(
+        0, "sequence-classification: the number of labels (0: the model's, else as many as --data has)."
+    )
     eval_every: int = _opt(0, "Evaluate every N steps, and after the last (0: only after the last).")
     eval_steps: int = _opt(
         0,
@@ -125,6 +138,9 @@ class TrainConfig:
     min_lr_ratio: float = _opt(0.1, "Learning rate at the end of the decay, as a fraction of --lr.")
     warmup: int = _opt(0, "Linear warm-up steps.")
     decay: str = _opt("cosine", "Learning-rate decay after warm-up.", choices=("cosine", "linear", "constant"))
+    optimizer: str = _opt(
+        "adamw", "AdamW, or LAMB (trainer/lamb.py: NxD's BERT example's, with its trust ratio).", choices=("adamw", "lamb")
+    )
     weight_decay: float = _opt(0.0, "AdamW weight decay (not applied to norms and biases).")
     beta1: float = _opt(0.9, "AdamW beta1.")
     beta2: float = _opt(0.95, "AdamW beta2.")

@@ -31,11 +31,12 @@ import torch
 
 from shardkit.errors import ShardkitError
 
-from . import checkpointing, cpus, lora, moe
+from . import checkpointing, cpus, encoder, lora, moe
 from .clocks import COMM, COMPUTE
 from .config import TrainConfig
 from .cpus import use_threads
 from .data import Batches, TargetWeight, TokenFile
+from .encoder import Encoder
 from .errors import TrainerError
 from .exchange import ExchangePipeline
 from .layers import TPContext, vocab_parallel_cross_entropy
@@ -67,6 +68,9 @@ TB_SCALARS = {
     "memory_mb": "memory/peak_mb",
     "eval_loss": "eval/loss",
     "eval_ppl": "eval/perplexity",
+    "eval_accuracy": "eval/accuracy",  # BERT's tasks (trainer/encoder.py)
+    "eval_mlm_accuracy": "eval/mlm_accuracy",
+    "eval_nsp_accuracy": "eval/nsp_accuracy",
     "aux_loss": "train/aux_loss",  # MoE: the load-balancing loss and the dropped fraction
     "moe_dropped": "train/moe_dropped",
 }
@@ -148,7 +152,11 @@ class Reporter:
         self.write(record)
         self.scalars(record)
         if self.bar is not None:
-            self.postfix.update({"eval": f"{record['eval_loss']:.4f}", "ppl": f"{record['eval_ppl']:.2f}"})
+            self.postfix["eval"] = f"{record['eval_loss']:.4f}"
+            if "eval_ppl" in record:
+                self.postfix["ppl"] = f"{record['eval_ppl']:.2f}"
+            if "eval_accuracy" in record:  # a classification's
+                self.postfix["acc"] = f"{record['eval_accuracy']:.1%}"
             self.bar.set_postfix(ordered_dict=self.postfix)
 
     def close(self) -> None:
@@ -259,7 +267,7 @@ def _train_in_threads(cfg: TrainConfig, devices: list[Any]) -> Summary:
 class Run:
     """What a rank trains: its stage, optimizer, schedule, data and (pp > 1) pipeline."""
 
-    model: StageModel
+    model: StageModel | Encoder
     optimizer: Optimizer
     schedule: LRSchedule
     batches: Batches
@@ -314,6 +322,9 @@ def _exact_weights(restored: checkpointing.Restored, tensors: dict[str, torch.Te
 def _set_up(plan: Plan, par: Parallel) -> Run:
     """Load this rank's weights (and a resumed state) into its stage, optimizer, schedule and data."""
     cfg, spec = plan.cfg, plan.spec
+    if plan.task is not None:  # BERT's tasks: trainer/encoder.py
+        model_, optimizer_, schedule_, batches_, loss_, start = encoder.set_up(plan, par)
+        return Run(model_, optimizer_, schedule_, batches_, loss_, None, start)
     tensors, restored = _initial_tensors(plan, par)
     ctx = TPContext(par.tp_group, cfg.sequence_parallel)
     is_moe = moe.is_moe(spec)
@@ -360,6 +371,7 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
     del tensors
     schedule = RunSchedule(cfg)
     batches = _batches(plan, par, plan.tokens)
+    assert plan.tokens is not None  # a causal LM's plan has its tokens
     start_step = 0
     if restored is not None:
         assert plan.resume is not None  # _initial_tensors restores a checkpoint only when resuming
@@ -587,6 +599,8 @@ def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
     cfg = plan.cfg
     t0 = time.perf_counter()
     assert plan.eval_tokens is not None  # plan_eval gives eval_steps > 0 only with --eval-data's tokens
+    if plan.task is not None:  # BERT's tasks: loss and accuracy over every held-out row
+        return encoder.evaluate(plan, par, run, step, _summed, _counted)
     batches = _batches(plan, par, plan.eval_tokens, shuffle=False)
     total: Any = 0.0
     run.model.eval()
@@ -739,7 +753,7 @@ def _export(plan: Plan, par: Parallel, run: Run, summary: Summary) -> str:
             marker = (EXPORT_MARKER, {"run": export_run(cfg), "step": step})
             base = absolute(cfg.model) if cfg.model else None
             return str(lora.export_peft(plan.lora, run.adapters, par, cfg.export_hf, base, plan.dtype, marker))
-        merged = plan.lora.merged(run.model, run.adapters, par.tp_rank, par.pp_rank)
+        merged = plan.lora.merged(cast(StageModel, run.model), run.adapters, par.tp_rank, par.pp_rank)
     return str(
         export_hf(run.model, plan.spec, par, cfg.export_hf, source_dir, plan.dtype, export_run(cfg), step, merged)
     )

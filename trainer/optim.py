@@ -22,13 +22,13 @@ After the last micro-batch's backward:
    slice on its first holder only; the squared norms are summed over tp x pp (dp replicas hold the
    same reduced gradients). Clipping scales the gradients.
 
-Update. `torch.optim.AdamW` runs on fp32 masters: the parameter itself in fp32 runs, an fp32 copy
-for bf16 parameters (copied back to bf16 after the step). With ZeRO-1 the optimizer state is cut
-exactly as NxD's ZeRO-1 optimizer cuts it (torch-xla's ZeroRedundancyOptimizer): every tp-local
-parameter's dim 0 is padded to a multiple of dp (with --ep: of dp / ep, the expert-data-parallel
-group) and chunked, dp rank d keeps the fp32 master and
-Adam moments of chunk d (`shardkit.checkpoint.zero1.dp_shard`) and updates those rows only (AdamW
-is elementwise, so this is the unsharded update); then the dp ranks all-gather the updated rows.
+Update. `torch.optim.AdamW` (or LAMB, `--optimizer lamb`: trainer/lamb.py) runs on fp32 masters: the
+parameter itself in fp32 runs, an fp32 copy for bf16 parameters (copied back to bf16 after the
+step). With ZeRO-1 the optimizer state is cut exactly as NxD's ZeRO-1 optimizer cuts it (torch-xla's
+ZeroRedundancyOptimizer): every tp-local parameter's dim 0 is padded to a multiple of dp (with --ep:
+of dp / ep, the expert-data-parallel group) and chunked, dp rank d keeps the fp32 master and Adam
+moments of chunk d (`shardkit.checkpoint.zero1.dp_shard`) and updates those rows only (AdamW is
+elementwise, so this is the unsharded update); then the dp ranks all-gather the updated rows.
 
 Optimizer state is exposed keyed by piece name, `{name: {"exp_avg", "exp_avg_sq", "step"}}` (+
 `"master"` for bf16 parameters), which is what layout-independent checkpoints need; with ZeRO-1
@@ -266,8 +266,10 @@ class Optimizer:
         experts: frozenset[str] | set[str] = frozenset(),
         tp_partial: frozenset[str] | set[str] = frozenset(),
         grad_bucket_mb: float = 512.0,
+        algorithm: str = "adamw",
     ):
         self.par = par
+        self.algorithm, self.spec = algorithm, spec  # "lamb": trainer/lamb.py on the same masters and state
         # gradients are reduced in buckets of at most this many bytes (bounded extra memory where a
         # bucket is flattened; separate collectives a compiler can overlap with other work)
         self.bucket_bytes = max(1, int(grad_bucket_mb * 2**20))
@@ -409,7 +411,7 @@ class Optimizer:
                 slot.norm_mask = torch.ones_like(slot.grad)
             slot.norm_mask.narrow(iv.dim, held.offset, iv.length).zero_()
 
-    def _make_adam(self, lr: float, betas, eps: float, weight_decay: float) -> torch.optim.AdamW | None:
+    def _make_adam(self, lr: float, betas, eps: float, weight_decay: float) -> torch.optim.Optimizer | None:
         """torch's AdamW on the masters this rank owns (no weight decay for norms and biases).
         Group 0 ("decay") and 1 ("no_decay") are NxD's two param groups."""
         self.hyper: dict[str, dict[str, Any]] = {
@@ -428,6 +430,11 @@ class Optimizer:
         ]
         if not param_groups:
             return None
+        if self.algorithm == "lamb":
+            from .lamb import Lamb, trust_norms
+
+            norms = trust_norms(self.owned, self.spec, self.par, self.zero_group if self.zero1 else None)
+            return Lamb(param_groups, lr, tuple(betas), eps, norms)
         return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
 
     def _initial_state(self) -> None:
@@ -589,6 +596,11 @@ class Optimizer:
         if self.adam is None:
             return
         ok = torch.isfinite(norm)
+        if self.algorithm == "lamb":
+            for group in self.adam.param_groups:
+                group["lr"] = lr
+            self.adam.step(ok=ok)  # type: ignore[call-overload]  # trainer/lamb.py's update on the device
+            return
         lr_t = torch.tensor(lr, dtype=torch.float32, device=self.par.device)
         for group in self.adam.param_groups:
             beta1, beta2 = group["betas"]

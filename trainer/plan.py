@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 from . import checkpointing, lora, moe
 from .config import TrainConfig, check_positions
 from .data import TokenFile
+from .encoder import TaskPlan, plan_task
 from .errors import DataError, TrainerError
 from .model import ModelSpec
 from .optim import LRSchedule
@@ -47,7 +48,7 @@ class Plan:
     dp: int
     spec: ModelSpec
     source: Checkpoint | None
-    tokens: TokenFile
+    tokens: TokenFile | None  # None: an encoder task's rows (`task`)
     dtype: torch.dtype
     resume: checkpointing.ResumePoint | None = None
     metrics_path: Path | None = None
@@ -55,6 +56,7 @@ class Plan:
     eval_tokens: TokenFile | None = None
     eval_steps: int = 0  # batches per evaluation
     lora: lora.Lora | None = None  # --lora-rank: the adapters (only they train)
+    task: TaskPlan | None = None  # BERT's --task: its head and rows (trainer/encoder.py)
 
     @property
     def micro_batches(self) -> int:
@@ -139,19 +141,23 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
         raise TrainerError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file: give a directory")
     moe.check_plan(cfg, model_config, dp)
     check_positions(cfg.seq_len, model_config)
-    spec = ModelSpec.from_config(model_config, layout)
+    task = plan_task(cfg, model_config, layout, tokenizer_folders(cfg, source), resume)  # None: a causal LM
+    spec = task.spec if task is not None else ModelSpec.from_config(model_config, layout)
     resolve_schedule(cfg.pp_schedule, cfg.pp, cfg.vpp, cfg.global_batch // (cfg.micro_batch * dp), spec.dims.num_layers)
-    tokens = open_data(cfg.data, "--data", data_options(cfg), tokenizer_folders(cfg, source))
-    if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
-        raise DataError(
-            f"{cfg.data} was tokenized with a vocabulary of {tokens.vocab_size} ids, but the model has "
-            f"{spec.dims.vocab_size}: tokenize with the model's tokenizer"
-        )
-    if len(tokens) < cfg.seq_len + 1:
-        raise DataError(
-            f"{cfg.data} holds {len(tokens)} tokens: fewer than one sequence of --seq-len {cfg.seq_len} + 1"
-        )
-    eval_tokens, eval_steps = plan_eval(cfg, spec, source)
+    tokens: TokenFile | None = None
+    eval_tokens, eval_steps = None, task.eval_steps if task is not None else 0
+    if task is None:
+        tokens = open_data(cfg.data, "--data", data_options(cfg), tokenizer_folders(cfg, source))
+        if tokens.vocab_size is not None and tokens.vocab_size > spec.dims.vocab_size:
+            raise DataError(
+                f"{cfg.data} was tokenized with a vocabulary of {tokens.vocab_size} ids, but the model has "
+                f"{spec.dims.vocab_size}: tokenize with the model's tokenizer"
+            )
+        if len(tokens) < cfg.seq_len + 1:
+            raise DataError(
+                f"{cfg.data} holds {len(tokens)} tokens: fewer than one sequence of --seq-len {cfg.seq_len} + 1"
+            )
+        eval_tokens, eval_steps = plan_eval(cfg, spec, source)
     if resume is not None:
         check_resume_settings(cfg, resume)
     exported_step = check_export_destination(cfg) if cfg.export_hf else None
@@ -171,6 +177,7 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
     )
     plan.lora = lora.make_lora(lora_settings, spec)
     return plan
+    plan.task = task
 
 
 def plan_eval(cfg: TrainConfig, spec: ModelSpec, source: Checkpoint | None = None) -> tuple[TokenFile | None, int]:

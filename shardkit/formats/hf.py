@@ -29,6 +29,7 @@ SIDE_FILES = (
     "added_tokens.json",
     "vocab.json",
     "merges.txt",
+    "vocab.txt",  # BERT's WordPiece vocabulary
     "chat_template.jinja",
 )
 
