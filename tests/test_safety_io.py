@@ -544,7 +544,7 @@ def test_the_trainer_killed_while_saving_again_and_again_always_resumes_from_a_s
         child = subprocess.Popen(trainer(10_000, *async_save), env=env, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
-        while not (ckpt.exists() and {p.name for p in ckpt.iterdir()} - before - {"metrics.jsonl"}):
+        while not (ckpt.exists() and {p.name for p in ckpt.iterdir()} - before - {"metrics.jsonl", "run.json"}):
             assert child.poll() is None, child.stderr.read() if child.stderr else ""
             assert time.monotonic() < deadline, "the trainer wrote no checkpoint in 2 minutes"
             time.sleep(0.01)

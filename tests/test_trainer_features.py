@@ -541,3 +541,173 @@ def test_usage_error_of_python_m_trainer_is_one_line():
     )
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "--tpp 2 (Did you mean one of: --tp," in done.stderr and "usage:" not in done.stderr
+
+
+# ---- 7. a checkpoint folder belongs to one run ----------------------------------------------------------
+
+
+def _folder_state(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` and its bytes (what a refused run must leave as it was)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _refused(main, args: list[str], capsys, *phrases: str) -> str:
+    capsys.readouterr()  # what ran before
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trainer: error: "), err
+    for phrase in phrases:
+        assert phrase in err[0], (phrase, err[0])
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def run_a(work, hf_model, tokens):
+    """Run A: 2 steps (seed 1), a checkpoint after each, its metrics in the checkpoint folder."""
+    ckpt = work / "ckpt-run-a"
+    args = ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "2", "--seed", "1",
+            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    run_inprocess(args)
+    return ckpt, args
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def test_a_checkpoint_folder_records_its_run(run_a):
+    """run.json names the run (model, data identity, layout-free settings); the metrics' start
+    record names it too; tp/pp/dp and where the outputs go are not part of it."""
+    from trainer.checkpointing import JOB_OPTIONS
+
+    ckpt, _ = run_a
+    record = json.loads((ckpt / "run.json").read_text())
+    assert record["format"] == "shardkit-trainer-run" and len(record["run"]) == 12
+    assert record["settings"]["seed"] == 1 and record["settings"]["lr"] == 1e-2 and record["settings"]["seq_len"] == 32
+    assert record["data"]["identity"] and record["model"]["config"] and record["model"]["path"]
+    assert not set(record["settings"]) & {"tp", "pp", "dp", "ep", "zero1", "micro_batch", "checkpoint_dir", "metrics"}
+    assert {"tp", "pp", "dp", "ep", "vpp", "zero1", "micro_batch", "resume"} <= JOB_OPTIONS
+    start = json.loads((ckpt / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and start["run"] == record["run"]
+
+
+def test_a_fresh_run_never_writes_beside_another_runs_checkpoints(run_a, tmp_path, capsys):
+    """Another run (--seed 2) into A's folder: one line naming A's run, its tags and what differs,
+    exit 2, the folder (tags, run.json, metrics) untouched; with --num-kept it would have pruned
+    A's tags and latest_if_exists would have picked them up."""
+    from trainer.__main__ import main
+
+    ckpt = _copy(run_a[0], tmp_path / "ckpt")
+    before = _folder_state(ckpt)
+    args = [*run_a[1][:-4], "--checkpoint-dir", str(ckpt), "--seed", "2", "--steps", "1", "--num-kept", "1"]
+    line = _refused(main, args, capsys, "'s checkpoints (step_1, step_2)", "--seed 1 -> 2",
+                    "pass --resume to continue it or choose another --checkpoint-dir")
+    assert _folder_state(ckpt) == before
+    assert f"holds run {json.loads((ckpt / 'run.json').read_text())['run']}'s" in line
+    (ckpt / "run.json").unlink()  # an older trainer's folder, or NxD's: tags no run record names
+    before = _folder_state(ckpt)
+    _refused(main, args, capsys, "checkpoints no run record names (step_1, step_2", "pass --resume")
+    assert _folder_state(ckpt) == before
+
+
+def test_the_same_run_restarted_without_resume_is_told_to_resume(run_a, tmp_path, capsys):
+    """The same command again (a restarted job) into its folder holding its tags: refused with
+    --resume latest_if_exists as the fix; with it, it continues from step 2 and the folder stays
+    the run's (the same run.json, a second start record naming the same run)."""
+    from trainer.__main__ import main
+
+    ckpt = _copy(run_a[0], tmp_path / "ckpt")
+    args = [*run_a[1][:-4], "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    record = (ckpt / "run.json").read_bytes()
+    _refused(main, args, capsys, "already holds this run's checkpoints (step_1, step_2)",
+             "--resume latest_if_exists")
+    assert main([*args, "--steps", "3", "--override-schedule", "--resume", "latest_if_exists"]) == 0
+    assert (ckpt / "step_3" / "done").is_file() and (ckpt / "run.json").read_bytes() == record
+    starts = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    starts = [r for r in starts if r["event"] == "start"]
+    assert [r["step"] for r in starts] == [0, 2] and len({r["run"] for r in starts}) == 1
+
+
+def test_resume_into_another_runs_folder_is_refused(run_a, tmp_path, capsys, hf_model, tokens):
+    """--resume A/step_1 continues A: into a new folder it records A's run; into a folder of
+    another run's tags (or tags no record names) it is refused; latest_if_exists of a folder
+    holding only another run's record (it saved nothing) does not take the folder over."""
+    from trainer.__main__ import main
+
+    a_id = json.loads((run_a[0] / "run.json").read_text())["run"]
+    base = ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "2", "--seed", "1",
+            "--resume", str(run_a[0] / "step_1")]
+    moved = tmp_path / "moved"
+    assert main([*base, "--checkpoint-dir", str(moved)]) == 0
+    assert json.loads((moved / "run.json").read_text())["run"] == a_id
+    other = tmp_path / "other"
+    run_inprocess(["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "1", "--seed", "7",
+                   "--checkpoint-dir", str(other)])
+    before = _folder_state(other)
+    _refused(main, [*base, "--checkpoint-dir", str(other)], capsys, "'s checkpoints (step_1)",
+             f"not those of the run --resume {run_a[0] / 'step_1'} continues (run {a_id})")
+    assert _folder_state(other) == before
+    claimed = tmp_path / "claimed"
+    claimed.mkdir()
+    (claimed / "run.json").write_bytes((other / "run.json").read_bytes())
+    _refused(main, ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "1",
+                    "--checkpoint-dir", str(claimed), "--resume", "latest_if_exists"], capsys,
+             "'s record (run.json, no checkpoint)", "--seed 7 -> 1234", "no complete checkpoint to continue")
+    assert sorted(p.name for p in claimed.iterdir()) == ["run.json"]
+
+
+def test_metrics_of_another_run_are_never_appended_to(run_a, tmp_path, capsys, hf_model, tokens):
+    """--metrics naming another run's metrics file, or a file that is not the trainer's: refused,
+    untouched; the same run's file is appended to."""
+    from trainer.__main__ import main
+
+    theirs = tmp_path / "theirs.jsonl"
+    theirs.write_bytes((run_a[0] / "metrics.jsonl").read_bytes())
+    base = ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "1"]
+    line = _refused(main, [*base, "--metrics", str(theirs)], capsys, "'s metrics", "choose another --metrics")
+    assert theirs.read_bytes() == (run_a[0] / "metrics.jsonl").read_bytes()
+    assert f"holds run {json.loads((run_a[0] / 'run.json').read_text())['run']}'s metrics" in line
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    _refused(main, [*base, "--metrics", str(notes)], capsys, "is not the trainer's")
+    assert notes.read_text() == "my notes\n"
+    mine = tmp_path / "mine.jsonl"
+    assert main([*base, "--metrics", str(mine)]) == 0 and main([*base, "--metrics", str(mine)]) == 0
+    assert [json.loads(line)["event"] for line in mine.read_text().splitlines()].count("start") == 2
+
+
+def test_a_run_record_is_claimed_once_and_never_through_a_link(tmp_path):
+    """claim_record: the first claim creates the record, the next reads it back; a run.json that
+    links out of the folder is refused, never followed; a claim that finds another run's record
+    (it appeared after the check) is refused in one line."""
+    from shardkit.errors import ShardkitError
+    from shardkit.io.records import claim_record, read_head
+    from trainer.checkpointing import RunRecord, claim_run
+    from trainer.errors import TrainerError
+
+    assert claim_record(tmp_path / "a", "run.json", b"first", "run record") is None
+    assert claim_record(tmp_path / "a", "run.json", b"second", "run record") == b"first"
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["run.json"]
+    secret = tmp_path / "secret"
+    secret.write_text("x")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "run.json").symlink_to(secret)
+    with pytest.raises(ShardkitError, match="outside"):
+        claim_record(tmp_path / "b", "run.json", b"mine", "run record")
+    assert secret.read_text() == "x"
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "run.json").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ShardkitError, match="does not exist"):
+        claim_record(tmp_path / "c", "run.json", b"mine", "run record")
+    assert not (tmp_path / "nowhere").exists()
+    ours, theirs = RunRecord({"path": "m"}, {"identity": "d"}, {"seed": 1}), RunRecord({"path": "m"}, {}, {"seed": 2})
+    plan = type("Plan", (), {"cfg": type("Cfg", (), {"checkpoint_dir": str(tmp_path / "d")})()})()
+    claim_record(tmp_path / "d", "run.json", theirs.to_json(), "run record")
+    with pytest.raises(TrainerError, match=f"claimed by another run \\({theirs.id}\\)"):
+        claim_run(plan, ours)
+    claim_run(type("Plan", (), {"cfg": type("Cfg", (), {"checkpoint_dir": str(tmp_path / "e")})()})(), ours)
+    assert RunRecord.from_json((tmp_path / "e" / "run.json").read_bytes(), "e").id == ours.id
+    assert read_head(tmp_path / "e" / "run.json", "run record") == b"{"

@@ -160,7 +160,12 @@ class TrainConfig:
         choices=("bf16", "fp32"),
     )
     # ---- checkpoints ---------------------------------------------------------------------------
-    checkpoint_dir: str = _opt(None, "Where training checkpoints go (NxD tree: <dir>/<tag>/...).", metavar="DIR")
+    checkpoint_dir: str = _opt(
+        None,
+        "Where training checkpoints go (NxD tree: <dir>/<tag>/...): one run's, recorded in <dir>/run.json; a run "
+        "without --resume into another run's folder is refused.",
+        metavar="DIR",
+    )
     checkpoint_every: int = _opt(0, "Save a checkpoint every N steps (0: only at the end when --checkpoint-dir).")
     num_kept: int = _opt(0, "Keep the newest N checkpoints (0: keep all).")
     keep_every: int = _opt(0, "Also keep every checkpoint whose step is a multiple of N (0: none).")
@@ -169,7 +174,8 @@ class TrainConfig:
     resume: str = _opt(
         None,
         "Resume from a training checkpoint of ANY layout: a tag directory, a checkpoint "
-        "directory (newest tag), or latest_if_exists (newest tag of --checkpoint-dir, if any).",
+        "directory (newest tag), or latest_if_exists (newest tag of --checkpoint-dir, if any); the run goes on as "
+        "that checkpoint's run.",
         metavar="CKPT",
     )
     override_schedule: bool = _opt(

@@ -194,19 +194,20 @@ def train(cfg: TrainConfig) -> Summary:
     if devices:
         return _train_in_threads(cfg, devices)
     _, world, local_rank = world_from_env()
-    device, plan, error = None, None, None
+    device, plan, run_record, error = None, None, None, None
     try:
         device = choose_device(cfg.device, local_rank)
         plan = plan_run(cfg, world)
+        run_record = checkpointing.check_run(plan)  # whose --checkpoint-dir and metrics are: before any write
     except Exception as e:  # noqa: BLE001 - agreed on below, then raised on every rank
         error = e
     comm = join(device, cfg.timeout)
     try:
         agree(comm, error)
-        assert device is not None and plan is not None  # agree() raised if choosing either failed
+        assert device is not None and plan is not None and run_record is not None  # agree() raised if any failed
         use_threads(cfg.threads)
         par = init_parallel(cfg.tp, cfg.pp, plan.dp, device, cfg.timeout, cfg.ep, comm=comm)
-        return _run(plan, par)
+        return _run(plan, par, run_record)
     finally:
         comm.shutdown()
 
@@ -279,10 +280,10 @@ class Run:
     target_weight: TargetWeight = field(default_factory=TargetWeight)  # masked data: 1 / the step's unmasked targets
 
 
-def _run(plan: Plan, par: Parallel) -> Summary:
+def _run(plan: Plan, par: Parallel, record: checkpointing.RunRecord) -> Summary:
     run = _set_up(plan, par)
     _announce(plan, par, run)
-    summary = _train_steps(plan, par, run)
+    summary = _train_steps(plan, par, run, record)
     if plan.cfg.export_hf:
         summary.exported = _export(plan, par, run, summary)
     return summary
@@ -473,9 +474,10 @@ def _announce(plan: Plan, par: Parallel, run: Run) -> None:
     )
 
 
-def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
+def _train_steps(plan: Plan, par: Parallel, run: Run, record: checkpointing.RunRecord) -> Summary:
     """The optimizer steps from run.start_step to --steps, with metrics and checkpoints."""
     cfg = plan.cfg
+    par.all_ok(lambda: checkpointing.claim_run(plan, record) if par.leader else None)  # run.json: whose the folder is
     saver = checkpointing.Saver(plan, par, plan.lora.spec if plan.lora else None) if cfg.checkpoint_dir else None
     reporter = Reporter(plan, par, run.start_step)
     summary = Summary(first_step=run.start_step, layout=plan.spec.layout.describe())
@@ -483,6 +485,7 @@ def _train_steps(plan: Plan, par: Parallel, run: Run) -> Summary:
         reporter.write(
             {
                 "event": "start",
+                "run": record.id,
                 "step": run.start_step,
                 "world": par.world,
                 "dp": par.dp,
