@@ -230,6 +230,26 @@ def test_families_equal_gloo(name, work, moe_tokens):
     assert rel_diff(losses(xla), losses(gloo)) < REL, (losses(xla), losses(gloo))
 
 
+def test_bert_classification_dp4_equals_gloo(work):
+    """BERT sequence classification from fixtures/tweets-tiny.csv (the README's workload) at dp4 on
+    four XLA devices: the 4-process gloo run's losses and evaluation (fp32, 1e-5);
+    tests/test_trainer_bert.py proves the gloo run equals transformers + AdamW."""
+    from test_trainer_bert import CLS, TWEETS, bert_model, eval_records, write_vocab
+
+    model = bert_model(work, "bert-cls", write_vocab(work / "bert-tokenizer"), "BertForSequenceClassification",
+                       id2label={0: "negative", 1: "neutral", 2: "positive"})
+    common = [*COMMON, "--seq-len", "16", "--global-batch", "36", "--micro-batch", "9", "--lr", "1e-3", "--dp", "4"]
+    gloo, xla = work / "bert-dp4-gloo.jsonl", work / "bert-dp4-xla.jsonl"
+    args = ["--model", str(model), "--data", str(TWEETS), "--eval-data", str(TWEETS), *common, *CLS]
+    check_ok(run_ranks(4, [*args, "--metrics", str(gloo), *CPU]))
+    xla_ok(4, [*args, "--metrics", str(xla)])
+    assert len(losses(xla)) == 5
+    assert rel_diff(losses(xla), losses(gloo)) < REL, (losses(xla), losses(gloo))
+    (ours,), (theirs,) = eval_records(xla), eval_records(gloo)
+    assert abs(ours["eval_loss"] - theirs["eval_loss"]) < REL * theirs["eval_loss"]
+    assert ours["eval_accuracy"] == theirs["eval_accuracy"]
+
+
 @pytest.mark.slow
 def test_interleaved_stages_equal_gloo(work, hf_model, tokens):
     """pp2 vpp2 (interleaved 1F1B by neighbour exchanges) against gloo's ScheduleInterleaved1F1B."""

@@ -143,7 +143,10 @@ class Dense(nn.Module):
 
 
 def _activation(spec: EncoderSpec) -> Callable[[torch.Tensor], torch.Tensor]:
-    from transformers.activations import ACT2FN
+    from .tokenizing import LOADING
+
+    with LOADING:  # ranks that are threads of one process (XLA on CPU): transformers imports one at a time
+        from transformers.activations import ACT2FN
 
     name = str(spec.config.get("hidden_act", "gelu"))
     if name not in ACT2FN:

@@ -56,6 +56,7 @@ TOKENIZER_FILES = tuple(n for n in SIDE_FILES if n != "generation_config.json")
 WAIT_S = 0.5
 COPY_BLOCK = 16 << 20
 _BUILDING = threading.Lock()  # ranks that are threads of one process tokenize one at a time
+LOADING = threading.Lock()  # ... and load tokenizers one at a time: transformers' lazy imports are not thread-safe
 
 
 @dataclass
@@ -96,12 +97,13 @@ def load_tokenizer(directory: str | Path, what: str = "--tokenizer") -> Tokenize
             f"{what} {folder} holds no tokenizer (no tokenizer.json, tokenizer_config.json or tokenizer.model): "
             "give the model's folder or its tokenizer's"
         )
-    from transformers import AutoTokenizer
+    with LOADING:
+        from transformers import AutoTokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - transformers' many errors for a broken tokenizer folder
-        raise DataError(f"{what} {folder}: its tokenizer does not load ({sources.first_line(e)})") from None
+        try:
+            tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - transformers' many errors for a broken tokenizer folder
+            raise DataError(f"{what} {folder}: its tokenizer does not load ({sources.first_line(e)})") from None
     digest = xxhash.xxh3_128(type(tok).__name__.encode())
     for name in TOKENIZER_FILES:
         if os.path.lexists(folder / name):
