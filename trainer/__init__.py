@@ -12,7 +12,8 @@ rank's grid coordinates, device and groups), `comm` (the one communication inter
 through torch.distributed, torch-xla), `layers` (tensor-parallel layers and the vocab-parallel
 loss), `model` (a decoder built from one rank's pieces), `pipeline` (1F1B with
 torch.distributed.pipelining), `exchange` (the XLA path's pipeline by neighbour exchanges), `optim`
-(master weights, ZeRO-1, clipping), `data` (token files and the sample order), `weights` (loading
+(master weights, ZeRO-1, clipping), `data` (token files and the sample order), `sources` and
+`tokenizing` (text data read and tokenized into a cached token file), `weights` (loading
 pieces, --export-hf), `checkpointing` (shardkit.checkpoint), `cpus` (CPU threads), `loop` (the run).
 """
 
