@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from shardkit.errors import ShardkitError  # noqa: E402
+from shardkit.io.overlap import overlaps  # noqa: E402
 from trainer.data import TokenFile, bits, write_tokens  # noqa: E402
 from trainer.errors import DataError  # noqa: E402
 from trainer.sources import Source, locate, text_pieces  # noqa: E402
@@ -104,6 +105,9 @@ def prepare(args: argparse.Namespace) -> tuple[TokenFile, str]:
             write_tokens(args.out, np.tile(tokens.tokens, args.repeat), tok.vocab_size, mask)
         return TokenFile(args.out), how
     files = [source.fetch()] if source is not None else text_files(args.inputs)
+    for f in files:
+        if overlaps(args.out, f):
+            raise DataError(f"--out {args.out} is the input {f}: write the token file elsewhere")
     ids, vocab, how = several_texts(files, tok)
     write_tokens(args.out, np.tile(ids, args.repeat) if args.repeat > 1 else ids, vocab)
     return TokenFile(args.out), how

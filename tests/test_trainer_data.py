@@ -499,7 +499,13 @@ def _bad_cases(work: Path, tok_dir: Path) -> dict[str, tuple[Path | str, list[st
         "bad-message": (work / "bad-message.jsonl", [], "line 2: 'messages' is not a list of"),
         "messages-as-text": (work / "chat-text.parquet", [], "column 'messages' holds string"),
         "data-cache-is-a-file": (work / "glue.jsonl", ["--data-cache", str(work / "empty.csv")], "is a file"),
+        "data-cache-in-the-data": (
+            work / "saved",
+            ["--data-cache", str(work / "saved" / "cache")],
+            "overlaps the data",
+        ),
     }
+    datasets.Dataset.from_list(text_rows()).save_to_disk(str(work / "saved"))
     os.mkfifo(work / "fifo.jsonl")
     pq.write_table(pa.table({"text": [1, 2]}), work / "numbers.parquet")
     (work / "latin.csv").write_bytes("text\nfine\ncaf\u00e9\n".encode("latin-1"))
@@ -572,6 +578,58 @@ def test_prepare_data_writes_what_the_cache_holds(work, tok_dir, hf_model):
         text=True,
     )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--tokenizer" in done.stderr
+    data = work / "prep.csv"
+    before = data.read_bytes()
+    done = subprocess.run(
+        [sys.executable, "scripts/prepare_data.py", str(data), "--tokenizer", str(tok_dir), "--out", str(data)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "overlaps the input" in done.stderr and data.read_bytes() == before
+
+
+def test_a_file_changed_while_tokenized_is_refused(work, tok_dir, monkeypatch):
+    """The cache key is the contents before the read: a file that changes while it is tokenized
+    (a job still writing it) is refused in one line and nothing is cached."""
+    from trainer import tokenizing
+    from trainer.errors import DataError
+    from trainer.tokenizing import DataOptions, open_data
+
+    data = write_rows("jsonl", work / "growing.jsonl", text_rows())
+    add_rows = tokenizing._add_rows
+
+    def appending(*args) -> None:
+        with open(data, "a") as f:
+            f.write(json.dumps({"text": "one more"}) + "\n")
+        add_rows(*args)
+
+    monkeypatch.setattr(tokenizing, "_add_rows", appending)
+    cache = work / "cache-growing"
+    with pytest.raises(DataError, match="changed while it was read"):
+        open_data(str(data), "--data", DataOptions(cache=str(cache)), [tok_dir])
+    assert not [p for p in cache.rglob("*") if p.is_file()]
+
+
+def test_a_changed_token_file_is_said_on_resume(tmp_path):
+    """A token file of the same length with other ids has another identity (a digest of sampled
+    blocks): the resumed position is kept and the change said, as a changed length always was."""
+    from trainer.data import Batches, TokenFile, write_tokens
+
+    path = write_tokens(tmp_path / "t.bin", np.arange(100_000) % 97, 97)
+    saved = Batches(TokenFile(path), 9, 8, 2, 1, 0, seed=5).state().to_dict()
+    write_tokens(path, (np.arange(100_000) + 1) % 97, 97)
+    notes: list[str] = []
+
+    class Log:
+        def warning(self, text: str, *args) -> None:
+            notes.append(text % args)
+
+    again = Batches(TokenFile(path), 9, 8, 2, 1, 0, seed=5)
+    again.load_state(saved, Log())
+    assert again.consumed_samples == 0 and len(notes) == 1 and "its contents changed" in notes[0], notes
+    Batches(TokenFile(path), 9, 8, 2, 1, 0, seed=5).load_state(again.state().to_dict(), Log())
+    assert len(notes) == 1  # the same file: nothing said
 
 
 def test_two_runs_tokenizing_at_once_do_not_mix(tmp_path):

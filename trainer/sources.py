@@ -89,6 +89,19 @@ class Source:
             remote_io.close_mirror_of(self.path)
             self.path = None
 
+    def stamp(self) -> list[tuple[int, ...]]:
+        """The stat identity of a local source's files (io.remote.stamp: device, inode, size and
+        times); [] for S3 (its reads are pinned to the listed ETag)."""
+        if self.loc is not None or self.path is None:
+            return []
+        files = sorted(p for p in self.path.iterdir() if p.is_file()) if self.path.is_dir() else [self.path]
+        return [remote_io.stamp(os.stat(f)) for f in files]
+
+    def check_unchanged(self, before: list[tuple[int, ...]]) -> None:
+        """Refuse (one line) a source whose files changed since `before` (while it was read)."""
+        if self.stamp() != before:
+            raise DataError(f"{self.shown} changed while it was read: run again once it is complete (nothing was kept)")
+
     def identity(self) -> str:
         """What the data is: an S3 object's URL, size and ETag; a local file's or folder's contents
         (xxh3-128 of every byte: a cache hit must not depend on times a copy changes)."""

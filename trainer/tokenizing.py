@@ -39,6 +39,7 @@ from shardkit.distributed import Job
 from shardkit.formats.hf import SIDE_FILES
 from shardkit.io.location import as_local
 from shardkit.io.lock import FolderInUseError
+from shardkit.io.overlap import overlaps
 from shardkit.io.small import COPY_LIMIT, read_json, read_small
 from shardkit.io.transaction import commit_all, scratch_folder, staged_output, write_file
 
@@ -352,10 +353,17 @@ def cached_tokens(source: Source, tok: Tokenizer, options: DataOptions, what: st
     cache = as_local(options.cache, "--data-cache") if options.cache else default_cache()
     if cache.exists() and not cache.is_dir():
         raise DataError(f"--data-cache {cache} is a file: give a folder")
+    if source.loc is None and source.path is not None and overlaps(cache, source.path):
+        raise DataError(
+            f"--data-cache {cache} overlaps the data {source.shown}: keep the cache out of the data (and the data "
+            "out of the cache)"
+        )
+    before = source.stamp()
     key = cache_key(source, options.text_column, tok)
 
     def make(folder: Path) -> None:
         writer, documents = build(folder, source, options.text_column, tok, options.progress)
+        source.check_unchanged(before)  # the key was its contents before it was read
         about = {"source": source.shown, "read": documents, "tokenizer": str(tok.directory), "tokens": writer.count}
         write_file(folder / ABOUT, [json.dumps(about, indent=1).encode()], what="token cache note")
 
@@ -421,9 +429,13 @@ def _complete(tokens: Path) -> bool:
 def write_prepared(source: Source, tok: Tokenizer, options: DataOptions, out: str | Path) -> tuple[TokenFile, str]:
     """scripts/prepare_data.py: the token file the cache would hold, written to `out` (made in a
     scratch folder beside it, then written through the I/O core); (it, what the documents were)."""
+    if source.loc is None and source.path is not None and overlaps(out, source.path):
+        raise DataError(f"--out {out} overlaps the input {source.shown}: write the token file elsewhere")
+    before = source.stamp()
     with scratch_folder(out, job=Job()) as folder:
         try:
             writer, documents = build(folder, source, options.text_column, tok, options.progress)
+            source.check_unchanged(before)
         finally:
             source.release()
 
