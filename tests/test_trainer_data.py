@@ -553,40 +553,50 @@ def test_bad_data_is_one_line_and_exit_2(work, hf_model, bare_model, tok_dir, ca
 # ---- 6. prepare_data.py; two runs at once -------------------------------------------------------------------
 
 
-def test_prepare_data_writes_what_the_cache_holds(work, tok_dir, hf_model):
-    """prepare_data.py on the same inputs (plain text as .csv, instruction data as .jsonl) writes
-    the token file the trainer's cache holds, byte for byte; bad input is one line, exit 2."""
+def prepare_data(args: list[str], capsys) -> tuple[int, str, str]:
+    """scripts/prepare_data.py's main in this process: (exit code, stdout, stderr)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    capsys.readouterr()
+    code = module.main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_prepare_data_writes_what_the_cache_holds(work, tok_dir, hf_model, capsys):
+    """prepare_data.py on the same inputs (plain text as .csv, instruction data as .jsonl; the
+    first as a command) writes the token file the trainer's cache holds, byte for byte; bad input
+    (no tokenizer, --out the input) is one line, exit 2, the input untouched."""
     from trainer.tokenizing import DataOptions, open_data
 
     for name, rows in (("prep.csv", text_rows()), ("prep-sft.jsonl", instruction_rows())):
         data = write_rows(name.split(".")[1], work / name, rows)
         out = work / f"{name}.bin"
-        done = subprocess.run(
-            [sys.executable, "scripts/prepare_data.py", str(data), "--tokenizer", str(tok_dir), "--out", str(out)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
-        assert done.returncode == 0, done.stderr
+        args = [str(data), "--tokenizer", str(tok_dir), "--out", str(out)]
+        if name == "prep.csv":
+            done = subprocess.run(
+                [sys.executable, "scripts/prepare_data.py", *args], cwd=ROOT, capture_output=True, text=True
+            )
+            code, stdout, stderr = done.returncode, done.stdout, done.stderr
+        else:
+            code, stdout, stderr = prepare_data(args, capsys)
+        assert code == 0, stderr
         held = open_data(str(data), "--data", DataOptions(cache=str(work / "cache-prep")), [hf_model])
         assert out.read_bytes() == held.path.read_bytes(), name
-        assert ("loss mask" in done.stdout) == (held.mask is not None)
-    done = subprocess.run(
-        [sys.executable, "scripts/prepare_data.py", str(work / "prep.csv"), "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--tokenizer" in done.stderr
+        assert ("loss mask" in stdout) == (held.mask is not None)
     data = work / "prep.csv"
     before = data.read_bytes()
-    done = subprocess.run(
-        [sys.executable, "scripts/prepare_data.py", str(data), "--tokenizer", str(tok_dir), "--out", str(data)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 2 and "overlaps the input" in done.stderr and data.read_bytes() == before
+    for args, fragment in (
+        ([str(data), "--out", str(out)], "--tokenizer"),
+        ([str(data), "--tokenizer", str(tok_dir), "--out", str(data)], "overlaps the input"),
+    ):
+        code, _, stderr = prepare_data(args, capsys)
+        assert code == 2 and len(stderr.strip().splitlines()) == 1 and fragment in stderr, stderr
+    assert data.read_bytes() == before
 
 
 def test_a_file_changed_while_tokenized_is_refused(work, tok_dir, monkeypatch):
