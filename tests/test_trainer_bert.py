@@ -183,9 +183,12 @@ def test_classification_trains_like_transformers_and_adamw(single, classifier, t
     assert record["eval_samples"] == len(dev_rows)
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--dp", "2", "--zero1"]], ids=["tp2", "dp2-zero1"])
+@pytest.mark.parametrize(
+    "layout", [["--tp", "2"], ["--dp", "2", "--zero1", "--activation-checkpointing"]], ids=["tp2", "dp2-zero1-ac"]
+)
 def test_classification_layouts_equal_one_process(layout, work, single, classifier):
-    """tp2 and dp2 (ZeRO-1) give the one-process run's losses and evaluation (1e-5)."""
+    """tp2, and dp2 with ZeRO-1 and activation checkpointing, give the one-process run's losses and
+    evaluation (1e-5)."""
     metrics = work / f"cls-{'-'.join(layout)}.jsonl"
     check_ok(
         run_ranks(
@@ -276,6 +279,48 @@ def test_a_pretrained_encoder_gets_a_seeded_classifier(work, pretrained, caplog)
     )
     assert any("classifier.bias, classifier.weight not in" in r.getMessage() for r in caplog.records)
     assert len(losses(metrics)) == 1 and math.isfinite(losses(metrics)[0])
+
+
+def test_any_source_gives_the_same_pieces(work, pretrained, tok_dir):
+    """The encoder's pieces of a Hugging Face folder equal those of its tp2 shards (resharded on
+    load); a bare BertModel folder (saved without the `bert.` prefix) gives its encoder and pooler."""
+    from safetensors.torch import load_file
+
+    from shardkit import Layout, convert, open_checkpoint
+    from trainer.encoder import EncoderSpec, read_pieces
+
+    config = {
+        **open_checkpoint(pretrained).config,
+        "architectures": ["BertForSequenceClassification"],
+        "id2label": dict(enumerate(LABELS)),
+    }
+    spec = EncoderSpec.for_task(config, Layout(tp=2), "sequence-classification")
+    convert(pretrained, work / "pre-tp2", Layout(tp=2))
+    for t in range(2):
+        a, _ = read_pieces(open_checkpoint(pretrained), spec, t, SEED)
+        b, _ = read_pieces(open_checkpoint(work / "pre-tp2"), spec, t, SEED)
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    bare = bert_model(work, "bert-bare", tok_dir, "BertModel")
+    saved = load_file(bare / "model.safetensors")
+    pieces, drawn = read_pieces(
+        open_checkpoint(bare), EncoderSpec.for_task(config, Layout(), "sequence-classification"), 0, SEED
+    )
+    assert drawn == ["classifier.bias", "classifier.weight"]
+    assert all(torch.equal(pieces["bert." + k], v) for k, v in saved.items() if "position_ids" not in k)
+
+
+def test_a_csv_with_a_byte_order_mark_reads_its_header(work, classifier):
+    """A spreadsheet's CSV (UTF-8 with a byte-order mark): the same rows, the same first loss."""
+    marked = work / "tweets-bom.csv"
+    marked.write_bytes(b"\xef\xbb\xbf" + TWEETS.read_bytes())
+    got = []
+    for data in (TWEETS, marked):
+        metrics = work / f"bom-{data.stem}.jsonl"
+        run_inprocess(
+            ["--model", str(classifier), "--data", str(data), "--metrics", str(metrics), *COMMON, *CLS, "--steps", "1"]
+        )
+        got.append(losses(metrics))
+    assert got[0] == got[1]
 
 
 # ---- pre-training ---------------------------------------------------------------------------------------
@@ -399,6 +444,53 @@ def test_pretraining_tp2_equals_tp1_and_transformers(optimizer, work, pretrained
         assert rel_diff(losses(zero), losses(one)) < 1e-5
 
 
+def test_lamb_trust_ratios_are_whole_tensors_for_decoders(work):
+    """LAMB on a Llama whose pieces mix tensors and replicate them: tp2 with q/k/v fused into one
+    piece and K/V replicated twice (--kv-multiplier 2) equals transformers + the reference LAMB on
+    the whole tensors (3 full-batch steps, 1e-4): each segment takes its own tensor's ratio and a
+    replicated slice counts once."""
+    from trainer_helpers import CORPUS
+    from transformers import AutoModelForCausalLM
+
+    from trainer.data import Batches, TokenFile, write_tokens
+
+    seq, sequences, micro, lr = 32, 16, 4, 1e-2
+    model_dir = make_tiny_model("llama-trainer-tiny", work / "llama-lamb", seed=3)
+    data = np.frombuffer(CORPUS.read_bytes(), dtype=np.uint8)[: sequences * seq + 1].astype(np.int64)
+    tokens = write_tokens(work / "llama-lamb.bin", data, 256)
+    metrics = work / "llama-lamb.jsonl"
+    check_ok(run_ranks(2, [
+        "--model", str(model_dir), "--data", str(tokens), "--metrics", str(metrics), "--seq-len", str(seq),
+        "--micro-batch", str(micro), "--global-batch", str(sequences), "--steps", str(STEPS), "--lr", str(lr),
+        "--warmup", "0", "--decay", "constant", "--clip-grad", "0", "--dtype", "fp32", "--no-progress",
+        "--threads", "1", *OPTIMIZERS["lamb"], "--tp", "2", "--qkv", "fused", "--kv-multiplier", "2",
+    ]))  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = list(model.parameters())
+    opt = Lamb(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr,
+        (0.9, 0.999),
+        1e-6,
+        0.01,
+    )
+    batches = Batches(TokenFile(tokens), seq, sequences, micro, 1, 0, SEED)
+    expected = []
+    for _ in range(STEPS):
+        inputs, targets = batches.step_batch()
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(float(loss.detach()))
+    assert max(abs(e - expected[0]) for e in expected) > 0.01 * expected[0], "the weights barely moved"
+    assert rel_diff(losses(metrics), expected) < REL, (losses(metrics), expected)
+
+
 def test_masks_follow_the_recipe_and_the_sample_not_the_layout(pretrained, pairs):
     """15% of the non-special tokens chosen, of them 80% [MASK], 10% random, 10% kept; specials and
     padding never chosen; a sample's masks depend on (seed, its index) only: dp2's two halves are
@@ -446,6 +538,7 @@ def bad_cases(work: Path, classifier: Path, pretrained: Path) -> dict[str, tuple
         "unknown-label.csv": "text,sentiment\nthe city,neutral\nthe park,angry\n",
         "bad.jsonl": '{"text": "hello", "sentiment": "positive"}\n{"text": "the city", \n',
         "number-text.jsonl": '{"text": "hello", "sentiment": "positive"}\n{"text": 5, "sentiment": "neutral"}\n',
+        "negative-label.csv": "text,sentiment\nhello,0\nthe city,-1\n",
     }
     for name, text in files.items():
         (folder / name).write_text(text)
@@ -485,6 +578,33 @@ def bad_cases(work: Path, classifier: Path, pretrained: Path) -> dict[str, tuple
         "bert as a causal LM": (
             ["--model", str(pretrained), "--data", str(TWEETS), "--task", "causal-lm"],
             "bert is an encoder, not a causal LM",
+        ),
+        "negative label": (
+            [*model, *data("negative-label.csv")],
+            "negative-label.csv line 3: label -1 is negative: labels count from 0",
+        ),
+        "absurd label count": (
+            [*model, *data("label-outside.csv"), "--num-labels", "1000000000"],
+            "--num-labels 1000000000 is more labels than any classification has",
+        ),
+        "labels for pre-training": (
+            ["--model", str(pretrained), "--data", str(TWEETS), "--task", "pretraining", "--num-labels", "3"],
+            "--num-labels is for --task sequence-classification",
+        ),
+        "lamb with lora": (
+            [
+                "--model",
+                str(make_tiny_model("llama-trainer-tiny", folder / "llama")),
+                "--data",
+                str(TWEETS),
+                "--task",
+                "causal-lm",
+                "--optimizer",
+                "lamb",
+                "--lora-rank",
+                "4",
+            ],
+            "--optimizer lamb does not take --lora-rank",
         ),
         "sequence parallel for bert": (
             [*model, "--data", str(TWEETS), "--sequence-parallel"],

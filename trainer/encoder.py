@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardkit.families.bert import MAX_LABELS
 from shardkit.formats import Checkpoint, SourceReader
 from shardkit.layout import Layout, ModelDims
 from shardkit.placements import Replicated, Segment, build_piece
@@ -345,6 +346,7 @@ def plan_task(
     from .tokenizing import DataOptions, find_tokenizer
 
     model_type = str(model_config.get("model_type", ""))
+    _check_optimizer(cfg, model_config)
     if cfg.task == "causal-lm":
         if model_type == "bert":
             raise TrainerError(
@@ -361,6 +363,12 @@ def plan_task(
         raise TrainerError("--num-labels 1 is a regression, not a classification: give 2 or more labels")
     if cfg.num_labels < 0:
         raise TrainerError(f"--num-labels must not be negative, got {cfg.num_labels}")
+    if cfg.num_labels > MAX_LABELS:
+        raise TrainerError(
+            f"--num-labels {cfg.num_labels} is more labels than any classification has (at most {MAX_LABELS})"
+        )
+    if cfg.task == PRETRAINING and cfg.num_labels:
+        raise TrainerError("--num-labels is for --task sequence-classification: pre-training has no labels to count")
     tok = find_tokenizer(DataOptions(cfg.text_column, cfg.tokenizer, cfg.data_cache), folders, "--data", cfg.data).tok
     vocab = int(model_config["vocab_size"])
     flags = {cfg.text_column: "--text-column", cfg.label_column: "--label-column"}
@@ -393,6 +401,17 @@ def plan_task(
     if resume is not None:
         _check_resume(resume, spec)
     return TaskPlan(spec, train, evaluated, _eval_steps(cfg, evaluated), nsp, columns, labels)
+
+
+def _check_optimizer(cfg: Any, model_config: Mapping[str, Any]) -> None:
+    """LAMB's trust ratios are whole tensors' (trainer/lamb.py): refused where a piece stacks experts
+    or only adapters train, in one line, before anything starts."""
+    if cfg.optimizer != "lamb":
+        return
+    if cfg.lora_rank:
+        raise TrainerError("--optimizer lamb does not take --lora-rank: train LoRA adapters with adamw")
+    if ModelDims.from_config(model_config).num_experts:
+        raise TrainerError("--optimizer lamb does not train mixture-of-experts models here: use adamw")
 
 
 def _check_labels(model_config: Mapping[str, Any], labels: tasks.Labels, given: int, arch: str) -> None:

@@ -368,6 +368,7 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
         experts=experts,
         tp_partial=tp_partial,
         grad_bucket_mb=cfg.grad_bucket_mb,
+        algorithm=cfg.optimizer,
     )
     del tensors
     schedule = RunSchedule(cfg)

@@ -3,7 +3,8 @@
 The data is what `--data` / `--eval-data` name for text (trainer/sources.py locates it, local or
 s3://, and fetches it): a `.csv` file (a header, then rows; values are text, quoted values may
 span lines), a `.jsonl` file (one JSON object per line), a `.parquet` file or a `datasets`
-save_to_disk folder. CSV and Parquet are read by pyarrow, a datasets folder by `datasets`, JSON
+save_to_disk folder. CSV (UTF-8, a byte-order mark
+skipped, as spreadsheets write it) and Parquet are read by pyarrow, a datasets folder by `datasets`, JSON
 lines by the standard library (each line one object: its line number comes for free), all in
 batches of `sources.BATCH_ROWS` rows, so the reading itself holds one batch at a time.
 
@@ -103,7 +104,7 @@ def _column_names(path: Path, kind: str, shown: str) -> list[str]:
     if kind == "jsonl":
         return list(_first_object(path, shown))
     if kind == "csv":
-        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
             try:
                 header = next(csv.reader(f), None)
             except csv.Error as e:
@@ -190,7 +191,7 @@ def _csv_batches(path: Path, names: Sequence[str], shown: str) -> Iterator[dict[
 def _csv_problem(path: Path, shown: str) -> str | None:
     """The first record of a CSV file that does not parse or whose number of fields is not the
     header's, with its line."""
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
         reader = csv.reader(f)
         try:
             header = next(reader, [])
@@ -213,7 +214,7 @@ def _line_of(path: Path, kind: str, index: int) -> int | None:
             if i == index:
                 return number
     elif kind == "csv":
-        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
             reader = csv.reader(f)
             next(reader, None)
             for i, _ in enumerate(reader):

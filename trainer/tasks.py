@@ -198,7 +198,9 @@ def choose_labels(data: RowData, raw: list[Any], num_labels: int, model_labels: 
             raise table.error(i, "the label is missing")
     numbers = [_whole(v) for v in raw]
     if all(n is not None for n in numbers):
-        count = num_labels or (len(model_labels) if model_labels else max(n for n in numbers if n is not None) + 1)
+        if model_labels:  # the model's own names of its label ids
+            return Labels(sorted(model_labels, key=lambda k: model_labels[k]), None)
+        count = num_labels or max(0, *(n for n in numbers if n is not None)) + 1
         return Labels([f"LABEL_{i}" for i in range(count)], None)
     texts = [str(v).strip() for v in raw]
     if model_labels:
@@ -225,7 +227,9 @@ def assign_labels(data: RowData, raw: list[Any], labels: Labels, what: str) -> N
             n = _whole(value)
             if n is None:
                 raise table.error(i, f"label {value!r} is not a whole number like the labels of --data")
-            if not 0 <= n < count:
+            if n < 0:
+                raise table.error(i, f"label {n} is negative: labels count from 0")
+            if n >= count:
                 raise table.error(
                     i,
                     f"label {n} is outside --num-labels {count} (labels 0 to {count - 1}): fix the row or pass --num-labels {n + 1}",
