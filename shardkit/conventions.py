@@ -10,8 +10,15 @@ neighbouring rows where Hugging Face's pairs the two halves. The permutation sta
 head, so a slice of whole heads maps onto the same rows in both conventions; Adam's moments,
 being elementwise, are permuted exactly like their weights.
 
-A convention is data: one table of renames per family and the tensors whose heads are permuted.
-`CONVENTIONS` lists them; `names` and `find` answer which one a set of names follows.
+torchtitan 0.3's llama3 (every config's default, `fuse_qkv=True`) holds q, k and v as one
+parameter, `layers.{i}.attention.qkv_linear.wqkv.weight` (its `FusedQKVLinear`): a state-dict hook
+gives the model's tensors apart (`wq`, `wk`, `wv`, as above), but the optimizer keys their state by
+the fused parameter. Its rows are grouped per kv head: the group's q heads (heads / kv heads of
+them), then its k head, then its v head, each q and k head's rows permuted as above (`Fusion`).
+
+A convention is data: one table of renames per family, the tensors whose heads are permuted and
+the parameters that may be fused. `CONVENTIONS` lists them; `names` and `find` answer which one a
+set of names follows.
 """
 
 from __future__ import annotations
@@ -28,6 +35,31 @@ from .layout import ModelDims
 HF = "hf"
 TITAN = "torchtitan"
 TITAN_03 = "torchtitan-0.3"
+TITAN_03_UNFUSED = "torchtitan-0.3-unfused"
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """Hugging Face tensors a trainer's module holds as one parameter, `native` (`{i}`: the layer),
+    while its state dict gives them apart: q, k and v (`parts`, Hugging Face patterns) in
+    torchtitan 0.3's `FusedQKVLinear`, whose rows are, per kv head, its q heads', then its k and
+    its v head's rows."""
+
+    native: str
+    parts: tuple[str, str, str]
+
+    def blocks(self, layer: str, dims: ModelDims) -> list[tuple[str, int, int]]:
+        """The fused tensor's rows in order, as (Hugging Face name, start, stop) row ranges of the parts."""
+        q, k, v = (p.replace("{i}", layer) for p in self.parts)
+        hd, per = dims.head_dim, dims.num_heads // dims.num_kv_heads
+        out = []
+        for g in range(dims.num_kv_heads):
+            out += [(q, g * per * hd, (g + 1) * per * hd), (k, g * hd, (g + 1) * hd), (v, g * hd, (g + 1) * hd)]
+        return out
+
+    def shape(self, dims: ModelDims) -> tuple[int, int]:
+        """The fused tensor's shape."""
+        return (dims.q_size + 2 * dims.kv_size, dims.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -45,6 +77,10 @@ class Convention:
     permuted: tuple[str, ...] = ()
     unties: bool = True
     """Whether a model with tied embeddings can be written (torchtitan's Llama 3 stores no tie)."""
+    fusions: tuple[Fusion, ...] = ()
+    """Parameters the trainer may hold fused (read either way: found in the checkpoint)."""
+    fused: bool = False
+    """Whether a training checkpoint is written with the optimizer's state of `fusions` fused."""
     _to: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
     _from: list[tuple[re.Pattern[str], str]] = field(default_factory=list, compare=False, repr=False)
 
@@ -83,6 +119,34 @@ class Convention:
             if m:
                 return hf.replace("{i}", m.group(1)) if "{i}" in hf else hf
         return None
+
+    def fusion(self, hf_name: str) -> tuple[Fusion, str] | None:
+        """The fusion a Hugging Face tensor is part of, and its layer; None when none is."""
+        abstract, layer = _abstract(hf_name)
+        for fusion in self.fusions:
+            if abstract in fusion.parts and layer is not None:
+                return fusion, layer
+        return None
+
+    def fused_rows(self, hf_name: str, dims: ModelDims) -> tuple[str, list[tuple[int, int]]]:
+        """The fused parameter holding a part, and the row ranges of it that are the part's rows, in order."""
+        found = self.fusion(hf_name)
+        if found is None:
+            raise ShardkitError(f"the {self.name} convention fuses no parameter of {hf_name}")
+        fusion, layer = found
+        rows, at = [], 0
+        for name, start, stop in fusion.blocks(layer, dims):
+            if name == hf_name:
+                rows.append((at, at + stop - start))
+            at += stop - start
+        return fusion.native.replace("{i}", layer), rows
+
+    def fused_shape(self, hf_name: str, dims: ModelDims) -> tuple[int, ...]:
+        """The shape of the fused parameter a part is in."""
+        found = self.fusion(hf_name)
+        if found is None:
+            raise ShardkitError(f"the {self.name} convention fuses no parameter of {hf_name}")
+        return found[0].shape(dims)
 
     def head_dim(self, hf_name: str, dims: ModelDims) -> int | None:
         """The head size whose rotary halves are interleaved in this tensor's rows, or None."""
@@ -123,17 +187,32 @@ def _titan(attention: str, output: str) -> tuple[tuple[str, str], ...]:
 _PERMUTED = ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight")
 
 
-def _titan_convention(name: str, version: str, attention: str, output: str) -> Convention:
-    """torchtitan's llama3 names of one release line (`attention` before wq/wk/wv, the output's name)."""
+_QKV = Fusion(
+    "layers.{i}.attention.qkv_linear.wqkv.weight",
+    (
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "model.layers.{i}.self_attn.v_proj.weight",
+    ),
+)
+
+
+def _titan_convention(
+    name: str, version: str, attention: str, output: str, fused: bool | None = None, note: str = ""
+) -> Convention:
+    """torchtitan's llama3 names of one release line (`attention` before wq/wk/wv, the output's
+    name); `fused`: 0.3's fused qkv, written fused (True) or apart (False)."""
     return Convention(
         name,
-        f"torchtitan {version} Llama 3",
+        f"torchtitan {version} Llama 3" + note,
         f"torchtitan {version} llama3 names (tok_embeddings, layers.{{i}}.attention.{attention}wq, {output}), "
-        "q/k heads permuted",
+        "q/k heads permuted" + note,
         families=("llama",),
         renames=_titan(attention, output),
         permuted=_PERMUTED,
         unties=False,
+        fusions=(_QKV,) if fused is not None else (),
+        fused=bool(fused),
     )
 
 
@@ -142,7 +221,8 @@ CONVENTIONS: dict[str, Convention] = {
     for c in (
         Convention(HF, "Hugging Face", "transformers' own names (model.layers.{i}.self_attn.q_proj.weight ...)"),
         _titan_convention(TITAN, "0.1-0.2", "", "output.weight"),
-        _titan_convention(TITAN_03, "0.3", "qkv_linear.", "lm_head.weight"),
+        _titan_convention(TITAN_03, "0.3", "qkv_linear.", "lm_head.weight", True),
+        _titan_convention(TITAN_03_UNFUSED, "0.3", "qkv_linear.", "lm_head.weight", False, " (fuse_qkv=False)"),
     )
 }
 

@@ -190,12 +190,13 @@ def test_bad_dcp_is_one_line_exit_2(tiny_model, tmp_path, damage):
 @pytest.mark.skipif(not (os.environ.get("TORCHTITAN_SRC") or os.environ.get("TORCHTITAN_PYTHON")),
                     reason="torchtitan's files are not here: `python scripts/check_torchtitan.py fetch DIR`, then "
                     "TORCHTITAN_SRC=DIR (or TORCHTITAN_PYTHON: a python with torchtitan installed)")
-def test_torchtitans_own_adapter_reads_shardkits_dcp(tiny_model, tmp_path):
+@pytest.mark.parametrize("convention", ["torchtitan", "torchtitan-0.3"])
+def test_torchtitans_own_adapter_reads_shardkits_dcp(tiny_model, tmp_path, convention):
     """torchtitan's Llama3StateDictAdapter (its own files, from its published wheel or an installed
-    torchtitan, run in its own process) maps shardkit's torchtitan-named DCP back to the source's
-    Hugging Face tensors and the source to the DCP's tensors (scripts/check_torchtitan.py)."""
+    torchtitan, run in its own process; 0.2's or 0.3's) maps shardkit's torchtitan-named DCP back to
+    the source's Hugging Face tensors and the source to the DCP's tensors (scripts/check_torchtitan.py)."""
     src = tiny_model(MODEL)
-    shardkit.convert(src, tmp_path / "dcp", Layout(tp=2, pp=2), format="dcp", convention="torchtitan")
+    shardkit.convert(src, tmp_path / "dcp", Layout(tp=2, pp=2), format="dcp", convention=convention)
     python = os.environ.get("TORCHTITAN_PYTHON") or sys.executable
     done = subprocess.run([python, str(HERE.parent / "scripts/check_torchtitan.py"), str(src), str(tmp_path / "dcp")],
                           capture_output=True, text=True, timeout=600)

@@ -13,6 +13,7 @@ resumed from the NxD tree takes the same first step as torch's AdamW from the sa
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,19 @@ from shardkit.layout import Layout
 from test_dcp import torch_reads
 from test_trainer import _hf_names, serial_adamw_step
 from test_nxd_modes import _flat
-from titan_dcp import hf_rows, titan_state, to_hf
+from titan_dcp import (
+    TitanLlama03,
+    hf_rows,
+    qkv_rows,
+    titan03_code,
+    titan03_optimizer,
+    titan03_state,
+    titan03_states,
+    titan_state,
+    to_hf,
+    to_hf03,
+    to_titan03,
+)
 
 HERE = Path(__file__).resolve().parent
 MODEL = "llama-trainer-tiny"  # 8 q heads, 2 kv heads, head_dim 4, hidden 32, 4 layers, vocab 256
@@ -57,7 +70,7 @@ def _reshard(*args) -> None:
 def test_titan_to_nxd_tp2_pp2_by_meaning_and_back_bit_identical(titan, tmp_path):
     src, state, ckpt = titan
     cfg = json.loads((src / "config.json").read_text())
-    _reshard(ckpt, tmp_path / "nxd", "--config", src / "config.json", "--tp", 2, "--pp", 2, "--dp", 2, "--qkv", "gqa",
+    _reshard(ckpt, tmp_path / "nxd", "--config", src / "config.json", "--tp", 2, "--pp", 2, "--dp", 2, "--zero1", "--qkv", "gqa",
              "--format", "torch")
     tag = tmp_path / "nxd/step_2"
     assert sorted(p.name for p in (tag / "optim").iterdir()) == sorted(
@@ -131,3 +144,178 @@ def test_a_dcp_without_optimizer_state_is_one_line_exit_2(tiny_model, tmp_path):
     assert run.exit_code == 2 and len(run.output.strip().splitlines()) == 1, run.output
     assert "optimizer.state.tok_embeddings.weight.exp_avg is missing" in run.output
     assert not (tmp_path / "out").exists()
+
+
+# ---- torchtitan 0.3, q/k/v fused (its llama3 default) or not -------------------------------------
+
+
+@pytest.fixture(scope="module", params=["fused", "unfused"])
+def titan03(request, tiny_model, tmp_path_factory):
+    """(HF model dir, the full state, torchtitan 0.3's checkpoint folder `ckpt/step-2`), saved as
+    torchtitan 0.3 saves it from 2 FSDP2 processes (tests/titan_dcp.py), q/k/v fused or not."""
+    src = tiny_model(MODEL)
+    config = json.loads((src / "config.json").read_text())
+    tmp = tmp_path_factory.mktemp(f"titan03-{request.param}")
+    state = titan03_state(load_file(str(src / "model.safetensors")), config, request.param == "fused", steps=2)
+    torch.save(state, tmp / "state.pt")
+    done = subprocess.run([sys.executable, str(HERE / "titan_dcp.py"), str(tmp / "ckpt/step-2"), str(tmp / "state.pt"),
+                           str(src / "config.json"), "2", "--0.3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return src, state, tmp / "ckpt"
+
+
+def _by_name03(state: dict, config: dict, moment: str) -> dict[str, torch.Tensor]:
+    """A moment of the 0.3 state per Hugging Face tensor, by the test's own mapping: the fused
+    parameter's q, k and v rows (`qkv_rows`), then 0.3's names and row order undone."""
+    split = {}
+    for name, entry in state["optimizer"].items():
+        if name.endswith(".wqkv.weight"):
+            rows = qkv_rows(config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"])
+            for part, index in zip(("wq", "wk", "wv"), rows):
+                split[name.replace(".wqkv.", f".{part}.")] = entry[moment][index]
+        else:
+            split[name] = entry[moment]
+    return to_hf03(split, config)
+
+
+def test_titan03_to_nxd_by_meaning_and_its_export(titan03, tmp_path):
+    """torchtitan 0.3's checkpoint, q/k/v fused (its optimizer state under `qkv_linear.wqkv`) or
+    not: `ckpt reshard` to NxD's tree at tp2 pp2 dp2 holds every weight and moment of the state
+    (in Hugging Face's names and rows, by the test's own mapping), and its merge to Hugging Face gives
+    the weights."""
+    src, state, ckpt = titan03
+    cfg = json.loads((src / "config.json").read_text())
+    _reshard(ckpt, tmp_path / "nxd", "--config", src / "config.json", "--tp", 2, "--pp", 2, "--dp", 2, "--zero1", "--qkv", "gqa",
+             "--format", "torch")
+    loaded = load_checkpoint(tmp_path / "nxd", None, target_layout=Layout(), rank=(0, 0))
+    want = to_hf03(state["model"], cfg)
+    got = _hf_names(loaded.model)
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    for moment in ("exp_avg", "exp_avg_sq"):
+        wanted = _by_name03(state, cfg, moment)
+        have = _hf_names({n: e[moment] for n, e in loaded.optimizer.state.items()})
+        assert set(have) == set(wanted) and all(torch.equal(have[n], wanted[n]) for n in wanted), moment
+    assert {float(e["step"]) for e in loaded.optimizer.state.values()} == {2.0}
+    assert loaded.optimizer.param_groups == [state["hyper"]]  # betas saved as the tuple it is
+    run = CliRunner().invoke(cli, ["merge", str(ckpt / "step-2"), str(tmp_path / "hf"), "--config",
+                                   str(src / "config.json")])
+    assert run.exit_code == 0, run.output
+    merged = load_file(str(tmp_path / "hf/model.safetensors"))
+    assert set(merged) == set(want) and all(torch.equal(merged[n], want[n]) for n in want)
+    run = CliRunner().invoke(cli, ["ckpt", "inspect", str(ckpt), "--config", str(src / "config.json")])
+    names = "torchtitan-0.3" if state["fused"] else "torchtitan-0.3-unfused"
+    assert f"a torchtitan checkpoint ({names} names)" in run.output, run.output
+
+
+def _load_like_titan03(folder: Path, config: dict, fused: bool) -> tuple[dict, dict]:
+    """Load a DCP checkpoint as torchtitan 0.3's `CheckpointManager` loads one into its llama3
+    model (q/k/v fused or not) and optimizer (`dcp.load` of what it saves, then the model's and the
+    optimizer's own load): (the model's state dict, the optimizer's flat one). A key the model or
+    optimizer has and the checkpoint lacks fails in `dcp.load` ("Missing key in checkpoint")."""
+    import functools
+
+    import torch.distributed.checkpoint as dcp
+    from titan_dcp import _warmup
+
+    code = titan03_code()
+    model = TitanLlama03(config, code if fused else None)
+    optimizer = titan03_optimizer(model)
+    torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_warmup, steps=10))
+    states = titan03_states(model, optimizer, code, 0)
+    dcp.load(states, checkpoint_id=str(folder))
+    model.load_state_dict({k: v for k, v in states.items() if isinstance(v, torch.Tensor)})
+    code.load_flat_state(optimizer, states["optimizer"])
+    return model.state_dict(), code.flat_state(optimizer)
+
+
+def test_titan03_written_back_loads_in_torchtitans_model(titan03, tmp_path):
+    """NxD's tree written from it, written back with `--convention torchtitan-0.3` (fused, 0.3's
+    default) or `torchtitan-0.3-unfused` as the source was: torch's DCP reader reads every item of
+    the original, bit for bit; torchtitan 0.3's load (its hooks and optimizer functions) loads it
+    into the model of the same kind with the state's values; the other kind's keys are missing."""
+    src, state, ckpt = titan03
+    cfg = json.loads((src / "config.json").read_text())
+    _reshard(ckpt, tmp_path / "nxd", "--config", src / "config.json", "--tp", 2, "--pp", 2, "--dp", 2, "--zero1", "--qkv", "gqa",
+             "--format", "torch")
+    mine, other = ("torchtitan-0.3", "torchtitan-0.3-unfused")[:: 1 if state["fused"] else -1]
+    _reshard(tmp_path / "nxd", tmp_path / "back", "--format", "dcp", "--convention", mine, "--tp", "2")
+    got, want = _flat(torch_reads(tmp_path / "back/step-2", tmp_path / "b.pt")), _flat(torch_reads(ckpt / "step-2", tmp_path / "a.pt"))
+    assert set(got) == set(want) and len(want) > 500
+    for key, value in want.items():
+        assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
+    model, optim = _load_like_titan03(tmp_path / "back/step-2", cfg, state["fused"])
+    assert set(model) == set(state["model"]) and all(torch.equal(model[k], v) for k, v in state["model"].items())
+    for name, entry in state["optimizer"].items():
+        for key, value in entry.items():
+            assert torch.equal(optim[f"state.{name}.{key}"], value), (name, key)
+    _reshard(tmp_path / "nxd", tmp_path / "other", "--format", "dcp", "--convention", other)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optimizer\.state\.layers\.\d+"
+                       r"\.attention\.qkv_linear\.wq"):
+        _load_like_titan03(tmp_path / "other/step-2", cfg, state["fused"])
+
+
+def test_titan03_moments_in_128_chunks_are_read_or_refused(titan03, tmp_path):
+    """The q moments (the fused parameter's, or wq's) saved in 128 chunks (a 16 x 8 grid): resharded
+    exactly; with one chunk missing and another listed twice, `ckpt reshard` refuses in one line."""
+    from test_dcp import _miscounted, grid, retile
+
+    src, state, ckpt = titan03
+    cfg = json.loads((src / "config.json").read_text())
+    name = "layers.0.attention.qkv_linear." + ("wqkv" if state["fused"] else "wq") + ".weight"
+    moment = state["optimizer"][name]["exp_avg"]
+    for case, tiles in (("good", grid(tuple(moment.shape), 16, 8)), ("bad", _miscounted(grid(tuple(moment.shape), 16, 8)))):
+        shutil.copytree(ckpt, tmp_path / case)
+        retile(tmp_path / case / "step-2", f"optimizer.state.{name}.exp_avg", tiles, moment)
+        run = CliRunner().invoke(cli, ["ckpt", "reshard", str(tmp_path / case), str(tmp_path / f"{case}-nxd"),
+                                       "--config", str(src / "config.json"), "--format", "torch"])
+        if case == "bad":
+            assert run.exit_code == 2 and len(run.output.strip().splitlines()) == 1, run.output
+            assert f"the chunks of optimizer.state.{name}.exp_avg do not tile its shape" in run.output
+            assert not (tmp_path / "bad-nxd").exists()
+            continue
+        assert run.exit_code == 0, run.output
+        loaded = load_checkpoint(tmp_path / "good-nxd", None, target_layout=Layout(), rank=(0, 0))
+        have = _hf_names({n: e["exp_avg"] for n, e in loaded.optimizer.state.items()})
+        wanted = _by_name03(state, cfg, "exp_avg")
+        assert all(torch.equal(have[n], wanted[n]) for n in wanted)
+
+
+@pytest.mark.skipif(titan03_code().whose == "imitation", reason="torchtitan 0.3's files are not here: "
+                    "`python scripts/check_torchtitan.py fetch DIR`, then TORCHTITAN_SRC=DIR")
+def test_the_imitation_of_torchtitan03_is_torchtitans_code(tiny_model):
+    """tests/titan_dcp.py's imitation of torchtitan 0.3's fused-qkv hooks and flat optimizer state
+    gives what torchtitan's own code (its published wheel's files) gives: the model's state dict
+    and the flat optimizer state of a fused model after two steps, and the load of both back."""
+    import titan_dcp
+
+    src = tiny_model(MODEL)
+    cfg = json.loads((src / "config.json").read_text())
+    hf = load_file(str(src / "model.safetensors"))
+    own = titan03_code()
+    imitation = titan_dcp.TitanCode(titan_dcp.split_fused, titan_dcp.merge_fused, titan_dcp.init_state,
+                                    titan_dcp.flat_state, titan_dcp.load_flat_state, "imitation")
+    results = []
+    for code in (own, imitation):
+        model = TitanLlama03(cfg, code)
+        model.load_state_dict(to_titan03(hf, cfg))
+        optimizer = titan03_optimizer(model)
+        code.init_state(optimizer)
+        torch.manual_seed(1)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        states = titan03_states(model, optimizer, code, 1)
+        again = TitanLlama03(cfg, code)
+        fresh = titan03_optimizer(again)
+        code.init_state(fresh)
+        again.load_state_dict({k: v for k, v in states.items() if isinstance(v, torch.Tensor)})
+        code.load_flat_state(fresh, states["optimizer"])
+        results.append((_flat(states), dict(again.named_parameters()), fresh.state_dict()["state"]))
+    (a, pa, sa), (b, pb, sb) = results
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+                                    for k in a)
+    assert any(".wqkv." in k for k in a) and any(".qkv_linear.wq." in k for k in a)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])

@@ -29,21 +29,21 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ..conventions import get_convention, to_native
+from ..conventions import TITAN_03, TITAN_03_UNFUSED, Convention, Fusion, get_convention, to_native
 from ..distributed import Job
 from ..formats import Checkpoint, SourceReader, open_checkpoint
-from ..formats.dcp import describe_model, parse_chunk_name, plan_outputs
+from ..formats.dcp import CHUNK_BYTES, describe_model, parse_chunk_name, plan_outputs
 from ..formats.dcp_files import METADATA, DcpFileWriter, DcpFolder, finish_folder, read_tensor
 from ..formats.manifest import MANIFEST, file_record, manifest
 from ..io.digest import FileRecord
 from ..io.durable import write_text
 from ..io.transaction import commit_all, staged_output
-from ..layout import FULL, Layout
-from ..placements import Piece
+from ..layout import FULL, Layout, ModelDims
+from ..placements import Piece, Segment
 from .base import CheckpointError
 from .tree import CONFIG
 from .zero1 import MOMENTS, SEP, StageOrder, Zero1Tag, prefixed
@@ -119,10 +119,13 @@ def open_titan(step_dir: Path, config: Any = None) -> TitanTag:
         raise CheckpointError(f"{step_dir} is not a DCP checkpoint")
     moments = describe_model(step_dir, model.family, model.dims, model.convention, [m + SEP for m in MOMENTS])
     folder = moments.folder
+    if moments.convention.fusions:  # torchtitan 0.3: say whether its q, k and v were one parameter
+        fused = any(p != moments.convention.native(h) for h, p in moments.params.items())
+        model.convention = TITAN_03 if fused else TITAN_03_UNFUSED
     view = Checkpoint(
         **{**model.__dict__, "files": moments.files, "holdings": moments.holdings, "opener": moments.open}
     )
-    hyper, groups_of, step = _groups_and_step(folder, moments.prefix, model)
+    hyper, groups_of, step = _groups_and_step(folder, moments.prefix, model, moments.params)
     names = list(model.full_shapes)
     optimizer = TitanOptimizer(step_dir, model, dp=1, step=float(step), hyper=hyper)
     optimizer.moments_view, optimizer.groups_of = view, groups_of
@@ -138,15 +141,15 @@ def open_titan(step_dir: Path, config: Any = None) -> TitanTag:
 
 
 def _groups_and_step(
-    folder: DcpFolder, at: str, model: Checkpoint
+    folder: DcpFolder, at: str, model: Checkpoint, params: Mapping[str, str]
 ) -> tuple[list[dict[str, Any]], dict[str, int], float]:
-    """The distinct hyperparameter sets (param groups), each parameter's group, and the one step."""
-    convention = get_convention(model.convention)
+    """The distinct hyperparameter sets (param groups), each parameter's group, and the one step
+    (`params`: the parameter each HF tensor's state is kept under)."""
     hyper: list[dict[str, Any]] = []
     groups: dict[str, int] = {}
     steps: set[float] = set()
     for hf in model.full_shapes:
-        fqn = convention.native(hf)
+        fqn = params[hf]
         mine = {
             k.rsplit(".", 1)[1]: folder.object(k)
             for k in folder.objects
@@ -243,13 +246,24 @@ def write_titan(src_dir: Path, dst: Path, plan: TitanWrite, job: Job, check: Any
     return dst / name
 
 
+class _State(NamedTuple):
+    """The source's optimizer state, as `_write_files` writes it: its reader, param groups, step."""
+
+    reader: SourceReader
+    groups: Mapping[str, int]  # HF name -> param group
+    hyper: Sequence[Mapping[str, Any]]
+    step: float
+
+
 def _write_files(folder: Path, plan: TitanWrite, files: list[tuple[str, list[Piece], Any]]) -> list[FileRecord]:
     """This process's data files: the rank's chunks of every parameter and its moments; the step,
-    hyperparameters and kept items once."""
+    hyperparameters and kept items once; where the convention fuses q, k and v, their moments as
+    chunks of the fused parameter's (`fused_chunks`)."""
     model = SourceReader(plan.model)
-    optim = SourceReader(plan.optimizer.view()) if plan.optimizer is not None else None
-    groups = plan.optimizer.group_of() if plan.optimizer is not None else {}
-    hyper = plan.optimizer.hyper if plan.optimizer is not None else []
+    opt = plan.optimizer
+    state = _State(SourceReader(opt.view()), opt.group_of(), opt.hyper, float(opt.step or 0)) if opt else None
+    convention = get_convention(plan.convention)
+    fused = fused_chunks(files, convention, plan.model.dims) if state is not None and convention.fused else {}
     records: list[FileRecord] = []
     try:
         for path, pieces, _ in files:
@@ -258,12 +272,15 @@ def _write_files(folder: Path, plan: TitanWrite, files: list[tuple[str, list[Pie
                     for key, (nested, value) in plan.items.items():
                         writer.add_object(key, value, path=tuple(nested))
                 for piece in pieces:
-                    _write_chunk(writer, piece, model, optim, plan, hyper, groups)
+                    _write_chunk(writer, piece, model, state, plan, convention)
+                for fusion, layer, rows in fused.get(path, []):
+                    assert state is not None
+                    _write_fused(writer, fusion, layer, rows, state, plan, convention)
                 records += writer.close()
     finally:
         model.close()
-        if optim is not None:
-            optim.close()
+        if state is not None:
+            state.reader.close()
     return records
 
 
@@ -271,13 +288,12 @@ def _write_chunk(
     writer: DcpFileWriter,
     piece: Piece,
     model: SourceReader,
-    optim: SourceReader | None,
+    state: _State | None,
     plan: TitanWrite,
-    hyper: Sequence[Mapping[str, Any]],
-    groups: Mapping[str, int],
+    convention: Convention,
 ) -> None:
     """One chunk of a parameter and of each of its moments (and, with its first chunk, its step and
-    hyperparameters)."""
+    hyperparameters); the moments of a part of a fused parameter are the fused one's (`_write_fused`)."""
     fqn, offsets, shape, head_dim = parse_chunk_name(piece.name)
     source = piece.segments[0].source
 
@@ -285,25 +301,80 @@ def _write_chunk(
         return to_native(t, head_dim) if head_dim else t
 
     writer.add_tensor(fqn, native(model.read_piece(piece).to(plan.dtype)), offsets=offsets, shape=shape, owned=True)
-    if optim is None or plan.optimizer is None:
+    if state is None or (convention.fused and convention.fusion(source)):
         return
-    key = f"optimizer.state.{fqn}"
     if not any(offsets or ()):
-        writer.add_tensor(
-            f"{key}.step", torch.tensor(float(plan.optimizer.step or 0)), path=("optimizer", f"state.{fqn}.step")
-        )
-        for k, v in hyper[groups.get(source, 0)].items():
-            writer.add_object(f"optimizer.param_groups.{fqn}.{k}", v, path=("optimizer", f"param_groups.{fqn}.{k}"))
+        _write_step(writer, fqn, source, state)
     for moment in MOMENTS:
-        tensor = native(optim.read_piece(prefixed(piece, moment + SEP)))
-        writer.add_tensor(
-            f"{key}.{moment}",
-            tensor,
-            offsets=offsets,
-            shape=shape,
-            path=("optimizer", f"state.{fqn}.{moment}"),
-            owned=True,
-        )
+        key, path = _state_key(fqn, moment)
+        tensor = native(state.reader.read_piece(prefixed(piece, moment + SEP)))
+        writer.add_tensor(key, tensor, offsets=offsets, shape=shape, path=path, owned=True)
+
+
+def _state_key(fqn: str, name: str) -> tuple[str, tuple[str, str]]:
+    """The flat key of a parameter's optimizer state `name`, and its nested path (torchtitan's)."""
+    return f"optimizer.state.{fqn}.{name}", ("optimizer", f"state.{fqn}.{name}")
+
+
+def _write_step(writer: DcpFileWriter, fqn: str, source: str, state: _State) -> None:
+    """A parameter's step and hyperparameters (those of `source`'s param group), as torchtitan keeps them."""
+    key, path = _state_key(fqn, "step")
+    writer.add_tensor(key, torch.tensor(state.step), path=path)
+    for k, v in state.hyper[state.groups.get(source, 0)].items():
+        writer.add_object(f"optimizer.param_groups.{fqn}.{k}", v, path=("optimizer", f"param_groups.{fqn}.{k}"))
+
+
+def fused_chunks(
+    files: Sequence[tuple[str, list[Piece], Any]], convention: Convention, dims: ModelDims
+) -> dict[str, list[tuple[Fusion, str, tuple[int, int]]]]:
+    """Which data file holds which rows of each fused parameter's moments: its kv heads' groups of
+    rows shared out, in rank order, among the files that hold its parts (as a tensor-parallel cut
+    of the fused parameter would), each share in chunks of at most `CHUNK_BYTES` of whole heads.
+    Returns {file: [(fusion, layer, (first row, end row))]}."""
+    holders: dict[tuple[Fusion, str], list[str]] = {}
+    for path, pieces, _ in files:
+        for piece in pieces:
+            for seg in piece.segments:
+                found = convention.fusion(seg.source)
+                if found is not None and path not in holders.setdefault(found, []):
+                    holders[found].append(path)
+    out: dict[str, list[tuple[Fusion, str, tuple[int, int]]]] = {}
+    group = dims.q_size // dims.num_kv_heads + 2 * dims.head_dim  # rows per kv head
+    step = max(dims.head_dim, CHUNK_BYTES // (4 * dims.hidden_size) // dims.head_dim * dims.head_dim)
+    for (fusion, layer), paths in holders.items():
+        for n, path in enumerate(paths):
+            first, last = (dims.num_kv_heads * k // len(paths) * group for k in (n, n + 1))
+            out.setdefault(path, []).extend((fusion, layer, (a, min(last, a + step))) for a in range(first, last, step))
+    return out
+
+
+def _write_fused(
+    writer: DcpFileWriter,
+    fusion: Fusion,
+    layer: str,
+    rows: tuple[int, int],
+    state: _State,
+    plan: TitanWrite,
+    convention: Convention,
+) -> None:
+    """Rows [start, stop) (whole heads) of a fused parameter's moments, read from its parts' moments
+    (q and k heads in the convention's row order); with its first rows, its step and hyperparameters."""
+    dims = plan.model.dims
+    fqn, blocks = fusion.native.replace("{i}", layer), fusion.blocks(layer, dims)
+    if rows[0] == 0:
+        _write_step(writer, fqn, blocks[0][0], state)
+    for moment in MOMENTS:
+        parts, at = [], 0
+        for name, start, stop in blocks:
+            lo, hi = max(rows[0], at), min(rows[1], at + stop - start)
+            if lo < hi:
+                part = state.reader.read_segment(Segment(moment + SEP + name, 0, start + lo - at, start + hi - at))
+                head_dim = convention.head_dim(name, dims)
+                parts.append(to_native(part, head_dim) if head_dim else part)
+            at += stop - start
+        key, path = _state_key(fqn, moment)
+        tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
+        writer.add_tensor(key, tensor, offsets=[rows[0], 0], shape=fusion.shape(dims), path=path, owned=True)
 
 
 def _finish(folder: Path, plan: TitanWrite, records: list[FileRecord], check: Any) -> None:

@@ -223,10 +223,12 @@ param_order_option = click.option(
 )
 @click.option(
     "--convention",
-    type=click.Choice(["torchtitan", "torchtitan-0.3", "hf"]),
+    type=click.Choice(["torchtitan", "torchtitan-0.3", "torchtitan-0.3-unfused", "hf"]),
     default=None,
     help="With --format dcp: the tensor names (default torchtitan: torchtitan 0.1-0.2's llama3 names, q and k in "
-    "its row order; torchtitan-0.3: 0.3's names; hf: Hugging Face's).",
+    "its row order; torchtitan-0.3: 0.3's names, the optimizer state of q, k and v under the fused "
+    "qkv_linear.wqkv as 0.3's llama3 configs (fuse_qkv) hold it; torchtitan-0.3-unfused: 0.3 with fuse_qkv=False; "
+    "hf: Hugging Face's).",
 )
 @click.option("--tag", default=None, help="The tag to reshard (default: the newest complete one).")
 @click.option(

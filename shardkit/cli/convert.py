@@ -47,7 +47,8 @@ convention_option = click.option(
     help="With --format dcp: whose names the tensors get. hf (default): Hugging Face's; torchtitan: torchtitan "
     "0.1-0.2's llama3 names (tok_embeddings, layers.{i}.attention.wq, output) with q and k stored as torchtitan's "
     "rotary expects (each head's halves interleaved); torchtitan-0.3: the same with 0.3's names "
-    "(attention.qkv_linear.wq, lm_head). A DCP source's convention is recognised from its names.",
+    "(attention.qkv_linear.wq, lm_head; torchtitan-0.3-unfused names a model's tensors alike, it differs in a "
+    "training checkpoint's optimizer state). A DCP source's convention is recognised from its names.",
 )
 
 FORMAT_HELP = (

@@ -141,35 +141,64 @@ class DcpFile(ChunkFile):
         )
 
 
+Rows = list[tuple[int, int]]
+"""Row ranges of a tensor that, one after another, are another tensor's rows (a fused parameter's part)."""
+
+
 class DcpTensors:
     """A TensorFile of whole tensors of a DCP folder under Hugging Face names (`names`: HF name ->
-    fqn), each slice assembled from its chunks (`read_global`)."""
+    fqn), each slice assembled from its chunks (`read_global`); a name in `parts` is the rows
+    `parts[name]` of its fqn, one range after another (a part of a fused parameter)."""
 
-    def __init__(self, folder: DcpFolder, names: Mapping[str, str], head_dims: Mapping[str, int] | None = None):
+    def __init__(
+        self,
+        folder: DcpFolder,
+        names: Mapping[str, str],
+        head_dims: Mapping[str, int] | None = None,
+        parts: Mapping[str, Rows] | None = None,
+    ):
         self.path = folder.root / METADATA
         self._folder, self._names, self._heads = folder, dict(names), dict(head_dims or {})
+        self._parts = {k: v for k, v in (parts or {}).items() if k in self._names}
         self._files: dict[str, ChunkFile] = {}
 
     def keys(self) -> list[str]:
         return list(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._folder.tensors[self._names[name]].shape
+        shape = self._folder.tensors[self._names[name]].shape
+        if name in self._parts:
+            return (sum(b - a for a, b in self._parts[name]), *shape[1:])
+        return shape
 
     def dtype(self, name: str) -> torch.dtype:
         return self._folder.tensors[self._names[name]].dtype
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        fqn = self._names[name]
-        rows = self.shape(name)[0] if self.shape(name) else 1
-        return _heads(
-            lambda d, a, b: read_global(self._folder, self._files, fqn, d, a, b),
-            rows,
-            dim,
-            start,
-            stop,
-            self._heads.get(name),
-        )
+        fqn, rows = self._names[name], self._parts.get(name)
+
+        def native(d: int, a: int | None, b: int | None) -> torch.Tensor:
+            if rows is None:
+                return read_global(self._folder, self._files, fqn, d, a, b)
+            return self._read_rows(fqn, rows, d, a, b)
+
+        return _heads(native, self.shape(name)[0] if self.shape(name) else 1, dim, start, stop, self._heads.get(name))
+
+    def _read_rows(self, fqn: str, rows: Rows, dim: int, start: int | None, stop: int | None) -> torch.Tensor:
+        """The slice [start, stop) along `dim` of the tensor that is `rows` of `fqn`."""
+        if dim != 0:
+            blocks = [read_global(self._folder, self._files, fqn, 0, a, b) for a, b in rows]
+            whole = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+            return compact(whole.narrow(dim, start or 0, (whole.shape[dim] if stop is None else stop) - (start or 0)))
+        total = sum(b - a for a, b in rows)
+        start, stop = start or 0, total if stop is None else stop
+        blocks, at = [], 0
+        for a, b in rows:
+            lo, hi = max(start, at), min(stop, at + b - a)
+            if lo < hi:
+                blocks.append(read_global(self._folder, self._files, fqn, 0, a + lo - at, a + hi - at))
+            at += b - a
+        return torch.cat(blocks) if len(blocks) > 1 else blocks[0]
 
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         return False
@@ -198,11 +227,14 @@ class DcpModel:
     holdings: dict[str, list[Piece]] = field(default_factory=dict)
     head_dims: dict[str, int] = field(default_factory=dict)  # piece or HF name -> head size (permuted rows)
     chunks: dict[str, list[Chunk]] = field(default_factory=dict)
+    parts: dict[str, Rows] = field(default_factory=dict)  # source -> its rows in a fused parameter
+    params: dict[str, str] = field(default_factory=dict)
+    """HF name -> the parameter (fqn, without the prefix) the optimizer keys its state by (fused or not)."""
 
     def open(self, key: str) -> Any:
         if key == COMPOSITE:
             names = {p.name: self.names[p.name] for p in self.holdings[key]}
-            return DcpTensors(self.folder, names, self.head_dims)
+            return DcpTensors(self.folder, names, self.head_dims, self.parts)
         return DcpFile(self.files[key], self.chunks[key], self.head_dims)
 
 
@@ -251,28 +283,59 @@ def describe_model(
     """The model a DCP folder holds, as pieces per data file (see `DcpModel`), its shapes checked.
     A prefix "exp_avg::" (`SEP`) takes instead the state of that name kept as
     "optimizer.state.<fqn>.exp_avg" (as torchtitan saves AdamW's moments): pieces of the full
-    tensors "exp_avg::<HF name>", cut and permuted like their parameters."""
+    tensors "exp_avg::<HF name>", cut and permuted like their parameters; the state of a part of a
+    parameter the trainer held fused (`Convention.fusions`, found in the folder) is its rows of
+    the fused parameter's state (`DcpModel.parts`)."""
     folder = read_folder(root)
     chosen, at, names = model_names(folder, family, dims, convention)
     model = DcpModel(folder, chosen, at, names)
     split, full = family.split_dims(dims), family.full_shapes(dims)
+    if any(prefixes):
+        model.params = optimizer_params(folder, chosen, at, names, dims)
     sources: dict[str, tuple[str, str]] = {}
     for prefix in prefixes:
         moment = prefix.partition(SEP)[0]
         for hf, fqn in names.items():
-            sources[prefix + hf] = (f"{at}optimizer.state.{fqn[len(at) :]}.{moment}" if prefix else fqn, hf)
+            sources[prefix + hf] = (f"{at}optimizer.state.{model.params[hf]}.{moment}" if prefix else fqn, hf)
     shapes = {source: full[hf] for source, (_, hf) in sources.items()}
     for source, (fqn, hf) in sources.items():
+        fused = source != hf and model.params[hf] != names[hf][len(at) :]
+        want = chosen.fused_shape(hf, dims) if fused else tuple(shapes[source])
         entry = folder.tensors.get(fqn)
-        if entry is None or entry.shape != tuple(shapes[source]):
+        if entry is None or entry.shape != want:
             found = "is missing" if entry is None else f"is {list(entry.shape)}"
+            made = f"{hf} {list(shapes[source])}" if not fused else f"it {list(want)} (q, k and v of {hf})"
             raise FormatError(
-                f"{root}: {fqn} {found}, the config makes {hf} {list(shapes[source])}: the config does not match "
-                "the checkpoint (pass the right --config)"
+                f"{root}: {fqn} {found}, the config makes {made}: the config does not match the checkpoint "
+                "(pass the right --config)"
             )
-        _describe(model, root, entry, source, split[hf], chosen.head_dim(hf, dims), shapes)
+        if fused:
+            model.parts[source] = chosen.fused_rows(hf, dims)[1]
+            _composite(model, root, source, split[hf], chosen.head_dim(hf, dims), shapes)
+        else:
+            _describe(model, root, entry, source, split[hf], chosen.head_dim(hf, dims), shapes)
     model.names = {source: fqn for source, (fqn, _) in sources.items()}
     return model
+
+
+def optimizer_params(
+    folder: DcpFolder, convention: Convention, at: str, names: Mapping[str, str], dims: ModelDims
+) -> dict[str, str]:
+    """HF name -> the parameter under which the folder holds the tensor's optimizer state: its own
+    name, or the fused parameter it is part of where the folder holds that one's state."""
+    state = f"{at}optimizer.state."
+    held = {k[len(state) :].rpartition(".")[0] for k in folder.tensors if k.startswith(state)}
+    out = {}
+    for hf, fqn in names.items():
+        own = fqn[len(at) :]
+        fused = convention.fused_rows(hf, dims)[0] if convention.fusion(hf) else None
+        if fused is not None and fused in held and own in held:
+            raise FormatError(
+                f"{folder.root} holds the optimizer state of {own} both apart and fused ({fused}): the checkpoint "
+                "mixes two saves (re-create it)"
+            )
+        out[hf] = fused if fused is not None and fused in held else own
+    return out
 
 
 def _describe(
@@ -286,12 +349,7 @@ def _describe(
 ) -> None:
     """One tensor's chunks as pieces of their data files, or the whole tensor under COMPOSITE."""
     if not all(_segment_of(c, entry.shape, dim, head_dim) for c in entry.chunks):
-        model.files[COMPOSITE] = root / METADATA
-        model.holdings.setdefault(COMPOSITE, []).append(
-            make_piece(source, [Segment(source, dim, 0, _len(entry.shape, dim))], shapes)
-        )
-        if head_dim:
-            model.head_dims[source] = head_dim
+        _composite(model, root, source, dim, head_dim, shapes)
         return
     for c in entry.chunks:
         if not math.prod(c.sizes):
@@ -305,6 +363,18 @@ def _describe(
         model.chunks.setdefault(c.file, []).append(c)
         if head_dim:
             model.head_dims[c.name] = head_dim
+
+
+def _composite(
+    model: DcpModel, root: Path, source: str, dim: int, head_dim: int | None, shapes: Mapping[str, tuple[int, ...]]
+) -> None:
+    """The whole tensor `source` held under COMPOSITE, read by `DcpTensors`."""
+    model.files[COMPOSITE] = root / METADATA
+    model.holdings.setdefault(COMPOSITE, []).append(
+        make_piece(source, [Segment(source, dim, 0, _len(shapes[source], dim))], shapes)
+    )
+    if head_dim:
+        model.head_dims[source] = head_dim
 
 
 def _len(shape: tuple[int, ...], dim: int) -> int:
