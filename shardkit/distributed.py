@@ -10,10 +10,12 @@ Without a distributed environment this is a one-process job and costs nothing.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -103,9 +105,27 @@ def _destroy_group() -> None:
             dist.destroy_process_group()
 
 
+_ALONE = threading.local()
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """While the block runs, in this thread, `current_job()` is a one-process job even inside a
+    torch.distributed job: one process writes an output by itself (an upload to object storage,
+    whose local staging only this host has), the others not taking part."""
+    before = getattr(_ALONE, "on", False)
+    _ALONE.on = True
+    try:
+        yield
+    finally:
+        _ALONE.on = before
+
+
 def current_job() -> Job:
     """The job of this process: from an initialised process group, or torchrun's environment
-    (the gloo group is then created here), or a single process."""
+    (the gloo group is then created here), or a single process (also inside `alone`)."""
+    if getattr(_ALONE, "on", False):
+        return Job()
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch always has it, but stay importable

@@ -1,6 +1,7 @@
 """A loopback HTTP proxy in front of the tests' moto server that answers some requests itself
 with the errors a real S3 gives under load (503 SlowDown, 500 InternalError) instead of
-forwarding them: what shardkit's retries are tested against (tests/test_s3.py)."""
+forwarding them: what shardkit's retries are tested against (tests/test_s3.py); or never answers
+some (a hung connection: tests/test_safety_s3.py)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,18 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "content-lengt
 class FaultProxy:
     """`fail_every`: every n-th request gets a fault (alternately SlowDown and InternalError);
     `fail_all`: every request does; `fail_first`: the first attempt of each request whose method
-    and path (query included) contain that text does. Counts requests and faults; `url` is its
-    endpoint."""
+    and path (query included) contain that text does; `hang`: a GET with a Range header whose
+    path contains that text is never answered (until `close`; `hung` is set once one is). Counts
+    requests and faults; `url` is its endpoint."""
 
-    def __init__(self, upstream: str, fail_every: int = 0, fail_all: bool = False, fail_first: str = ""):
+    def __init__(  # noqa: PLR0913
+        self, upstream: str, fail_every: int = 0, fail_all: bool = False, fail_first: str = "", hang: str = ""
+    ):
         self.upstream = urlsplit(upstream)
         self.fail_every, self.fail_all, self.fail_first = fail_every, fail_all, fail_first
+        self.hang = hang
+        self.hung = threading.Event()
+        self._closing = threading.Event()
         self._seen: set[str] = set()
         self.requests = self.faults = 0
         self.faulted: list[str] = []
@@ -52,6 +59,10 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 body = self._body()
+                if proxy.hang and self.command == "GET" and "Range" in self.headers and proxy.hang in self.path:
+                    proxy.hung.set()
+                    proxy._closing.wait(600)  # the connection stays open and silent
+                    return
                 fault = proxy._fault(f"{self.command} {self.path}")
                 if fault is not None:
                     status, code, message = fault
@@ -106,5 +117,7 @@ class FaultProxy:
             return None
 
     def close(self) -> None:
+        self._closing.set()
         self._server.shutdown()
         self._server.server_close()
+

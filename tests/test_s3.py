@@ -131,10 +131,10 @@ def no_mirrors_left() -> None:
     one that has ended."""
     from shardkit.io.transaction import pid_alive
 
-    base = Path(tempfile.gettempdir())
+    base = Path(tempfile.gettempdir()) / f"shardkit-{os.getuid()}"
     left = []
-    for entry in os.listdir(base):
-        if not entry.startswith("shardkit-s3-") or entry.startswith("shardkit-s3-save-"):
+    for entry in os.listdir(base) if base.is_dir() else []:
+        if not entry.startswith("shardkit-s3-"):
             continue
         try:
             pid = int((base / entry / ".shardkit-owner").read_text().split()[1])
@@ -808,7 +808,7 @@ def test_claim_of_a_prefix_is_atomic(tiny_model, bucket, workdir, monkeypatch):
 
     hf = tiny_model("tinyllama-mini", torch.bfloat16)
     _marker(bucket, "raced", "other-host", 4242)  # the winner's, put just after this run checked
-    monkeypatch.setattr(upload, "check_destination", lambda loc, overwrite, sources: [])
+    monkeypatch.setattr(upload, "check_destination", lambda loc, overwrite, sources, patterns: [])
     with pytest.raises(DestinationExistsError, match="process 4242 on other-host, which began while"):
         shardkit.convert(hf, f"s3://{bucket}/raced", shardkit.make_layout(tp=2))
     assert keys(bucket, "raced/") == ["raced/.shardkit-writing"]
@@ -1142,11 +1142,12 @@ def test_a_killed_runs_mirror_is_removed_by_the_next_and_no_other(tmp_path, monk
         "no-owner": (disk, None),
     }
     for name, (base, text) in owners.items():
-        folder = base / f"{remote.MIRROR_PREFIX}{name}"
+        folder = base / f"shardkit-{os.getuid()}" / f"{remote.MIRROR_PREFIX}{name}"
         (folder / "root").mkdir(parents=True)
         (folder / "root" / "w.safetensors").write_bytes(b"x" * 100)
         if text is not None:
             (folder / ".shardkit-owner").write_text(text)
     remote._remove_stale()
-    left = sorted(p.name[len(remote.MIRROR_PREFIX) :] for base in (disk, memory) for p in base.iterdir())
+    mine = [base / f"shardkit-{os.getuid()}" for base in (disk, memory)]
+    left = sorted(p.name[len(remote.MIRROR_PREFIX) :] for base in mine for p in base.iterdir())
     assert left == ["garbled", "mine", "no-owner", "other-host", "running"]

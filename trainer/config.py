@@ -187,7 +187,8 @@ class TrainConfig:
     # ---- output --------------------------------------------------------------------------------
     export_hf: str = _opt(
         None,
-        "At the end, write the merged Hugging Face model here. DIR must be new, empty, or "
+        "At the end, write the merged Hugging Face model here (a folder, or s3://bucket/prefix: "
+        "uploaded and committed like shardkit's outputs). DIR must be new, empty, or "
         "this run's own earlier export (same --model, --data and --checkpoint-dir), which is "
         "replaced, or kept when it already holds the final step.",
         metavar="DIR",

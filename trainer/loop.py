@@ -378,7 +378,7 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
     if restored is not None:
         assert plan.resume is not None  # _initial_tensors restores a checkpoint only when resuming
         start_step = par.all_ok(lambda: checkpointing.apply(restored, optimizer, schedule, batches))
-        log.info("resumed from %s at step %d (%s)", plan.resume.path, start_step, spec.layout.describe())
+        log.info("resumed from %s at step %d (%s)", plan.resume.shown, start_step, spec.layout.describe())
     scale, tp_group, target_weight = 1.0 / (plan.micro_batches * plan.dp), par.tp_group, TargetWeight()
 
     def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

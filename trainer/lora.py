@@ -33,6 +33,7 @@ import json
 import logging
 import math
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -53,7 +54,9 @@ from shardkit.families.lora import (
 )
 from shardkit.formats import open_checkpoint
 from shardkit.io.durable import write_text
+from shardkit.io.location import remote as remote_location
 from shardkit.io.transaction import commit_all, staged_output
+from shardkit.io.upload import remote_output
 from shardkit.layout import ModelDims
 from shardkit.placements import Piece, Segment, build_piece
 
@@ -351,25 +354,31 @@ def export_peft(
     base_model: str | None,
     dtype: torch.dtype,
     marker: tuple[str, dict[str, Any]],
-) -> Path:
+) -> str | Path:
     """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, peft's names)
     to `dst`, replacing it (all ranks call this): the adapter pieces are saved as a checkpoint tag
     in a staging folder, from which rank 0 writes the folder as `shardkit ckpt export` does
-    (shardkit's `checkpoint.lora.write_peft` gathers the full tensors)."""
-    dst = Path(dst).absolute()
+    (shardkit's `checkpoint.lora.write_peft` gathers the full tensors); an s3:// `dst` is uploaded
+    and committed as every shardkit output in object storage (`io.upload.remote_output`)."""
+    loc = remote_location(dst, "--export-hf")
+    target: str | Path = str(loc) if loc is not None else Path(dst).absolute()
 
     def write(staging: Path) -> None:
         if not par.leader:
             return
         alone = Job()  # rank 0 alone writes the adapter folder
-        with staged_output(dst, sources=[staging], overwrite=True, what="exporting LoRA adapters", job=alone) as out:
+        into = remote_output(loc, overwrite=True, what="exporting LoRA adapters") if loc else nullcontext(target)
+        with (
+            into as folder,
+            staged_output(folder, sources=[staging], overwrite=True, what="exporting LoRA adapters", job=alone) as out,
+        ):
             write_peft(open_checkpoint(staging / "adapters"), out.path, base_model)
             write_text(out.path / marker[0], json.dumps(marker[1], indent=2) + "\n", fsync=False)
             commit_all(out, alone)
 
-    with staged_tag(par, dst, "lora") as (staging, checkpointer):
+    with staged_tag(par, target, "lora") as (staging, checkpointer):
         state = {k: v.detach().to(dtype) for k, v in adapters.state_dict().items()}
         rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=0, dp=par.dp_rank)
         checkpointer.save(staging, "adapters", state, layout=lora.spec.layout, config=lora.spec.config, rank=rank)
         par.all_ok(lambda: write(staging))
-    return dst
+    return target

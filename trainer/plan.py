@@ -64,12 +64,13 @@ class Plan:
 
 
 def _check_locations(cfg: TrainConfig) -> None:
-    """--model, --checkpoint-dir and --resume: a local path or s3://bucket/prefix; the other paths
-    local. Any other URL is refused here, in one line, before anything is read or written."""
-    for name in ("model", "checkpoint_dir", "resume", "data", "eval_data"):
+    """--model, --checkpoint-dir, --resume, --data, --eval-data and --export-hf: a local path or
+    s3://bucket/prefix; the other paths local. Any other URL is refused here, in one line, before
+    anything is read or written."""
+    for name in ("model", "checkpoint_dir", "resume", "data", "eval_data", "export_hf"):
         if getattr(cfg, name):
             parse_location(getattr(cfg, name), f"--{name.replace('_', '-')}")
-    for name in ("model_config", "export_hf", "metrics", "tensorboard", "tokenizer", "data_cache"):
+    for name in ("model_config", "metrics", "tensorboard", "tokenizer", "data_cache"):
         if getattr(cfg, name):
             as_local(getattr(cfg, name), f"--{name.replace('_', '-')}")
 
@@ -326,7 +327,7 @@ def check_resume_settings(cfg: TrainConfig, point: Any) -> None:
         why = " (--override-schedule)" if refused else " (they change no step's learning rate or batch)"
         log.info(
             "resuming %s with settings other than its run's: %s%s",
-            point.path,
+            point.shown,
             ", ".join(change(f) for f in (*refused, *noted)),
             why,
         )

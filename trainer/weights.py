@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,15 @@ import torch
 
 from shardkit.api import export_checkpoint
 from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank
+from shardkit.distributed import alone
 from shardkit.formats import Checkpoint, SourceReader, hf
-from shardkit.io.location import is_url
+from shardkit.io import published, s3
+from shardkit.io.location import RemoteLocation, is_url
+from shardkit.io.location import remote as remote_location
 from shardkit.io.overlap import resolved
 from shardkit.io.small import SmallFileError, read_json
-from shardkit.io.transaction import scratch_folder
+from shardkit.io.transaction import private_root, scratch_folder
+from shardkit.io.upload import replaceable
 from shardkit.placements import Segment, build_piece
 
 from .errors import TrainerError
@@ -155,22 +160,27 @@ def _marker(dst: Path) -> dict[str, Any] | None:
     return marker if isinstance(marker, dict) else None
 
 
-def _inputs(cfg) -> list[tuple[str, Path]]:
+def _inputs(cfg) -> list[tuple[str, Path | RemoteLocation]]:
     named = [
         ("--model", cfg.model),
         ("--model-config", getattr(cfg, "model_config", None)),
         ("--checkpoint-dir", cfg.checkpoint_dir),
     ]
-    if cfg.resume and Path(cfg.resume).exists():
+    if cfg.resume and (is_url(cfg.resume) or Path(cfg.resume).exists()):
         named.append(("--resume", cfg.resume))
-    return [(flag, resolved(path)) for flag, path in named if path]
+    return [(flag, remote_location(path, flag) or resolved(path)) for flag, path in named if path]
 
 
 def check_export_destination(cfg) -> int | None:
     """Check --export-hf before the job starts (nothing is written). Returns the step of this run's
     own earlier export found there, or None when there is none."""
+    loc = remote_location(cfg.export_hf, "--export-hf")
+    if loc is not None:
+        return _check_remote_export(cfg, loc)
     dst = resolved(cfg.export_hf)  # real paths: an alias (`..`, a symlink) of an input is that input
     for flag, src in _inputs(cfg):
+        if isinstance(src, RemoteLocation):
+            continue
         if dst == src or dst in src.parents or (flag != "--checkpoint-dir" and src in dst.parents):
             raise TrainerError(f"--export-hf {cfg.export_hf} overlaps {flag} {src}: export to another directory")
     if dst.exists() and not dst.is_dir():
@@ -188,13 +198,58 @@ def check_export_destination(cfg) -> int | None:
     )
 
 
+def _check_remote_export(cfg, loc: RemoteLocation) -> int | None:
+    """`check_export_destination` of an s3:// --export-hf: not overlapping an s3:// input, not
+    written by a job of several hosts (rank 0 merges it from its host's staging), and empty, or
+    this run's earlier export, or with --overwrite-export an output shardkit wrote there."""
+    for flag, src in _inputs(cfg):
+        if isinstance(src, RemoteLocation) and (src.contains(loc) if flag == "--checkpoint-dir" else loc.overlaps(src)):
+            raise TrainerError(f"--export-hf {cfg.export_hf} overlaps {flag} {src}: export to another prefix")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > int(os.environ.get("LOCAL_WORLD_SIZE", str(world))):
+        raise TrainerError(
+            f"--export-hf {cfg.export_hf}: a job of several hosts exports to a local or shared folder, not to "
+            "s3:// (rank 0 merges the export from the files its own host stages); export there, then copy it"
+        )
+    listed = s3.list_objects(loc)
+    if not [o for o in listed if not published.hidden(o.name)]:
+        s3.check_bucket(loc)
+        return None
+    marker = next((o for o in published.readable_objects(loc, listed) if o.name == EXPORT_MARKER), None)
+    raw = s3.get_bytes(loc, marker.stored or marker.name) if marker is not None else None
+    try:
+        found = json.loads(raw) if raw is not None else None
+    except ValueError:
+        found = None
+    if isinstance(found, dict) and found.get("run") == export_run(cfg):
+        return int(found.get("step", -1))
+    if cfg.overwrite_export:
+        replaceable(loc, [o.name for o in listed])  # objects shardkit did not write are never replaced
+        return None
+    raise TrainerError(
+        f"--export-hf {cfg.export_hf} holds objects and is not an earlier export of this run: choose another "
+        "prefix, or pass --overwrite-export to replace it"
+    )
+
+
+def _scratch_near(dst: str | Path) -> Path:
+    """Where an export's scratch tag goes (beside it: `scratch_folder`): beside a local --export-hf;
+    for s3://, in this user's private folder of the temporary folder (`private_root`)."""
+    loc = remote_location(dst, "--export-hf")
+    if loc is None:
+        return Path(dst).absolute()
+    digest = hashlib.sha256(str(loc).encode()).hexdigest()[:16]
+    return private_root(None, "trainer-export") / digest
+
+
 @contextlib.contextmanager
-def staged_tag(par: Parallel, dst: Path, what: str) -> Iterator[tuple[Path, Checkpointer]]:
-    """A scratch folder beside `dst` (one path for every rank, `io.transaction.scratch_folder`) and a
-    throwaway Checkpointer to save a tag into it, for an export (`what`); the Checkpointer is closed
-    and, once every rank is done, the folder is removed."""
+def staged_tag(par: Parallel, dst: str | Path, what: str) -> Iterator[tuple[Path, Checkpointer]]:
+    """A scratch folder beside `dst` (one path for every rank, `io.transaction.scratch_folder`; for
+    an s3:// `dst` in the temporary folder) and a throwaway Checkpointer to save a tag into it, for
+    an export (`what`); the Checkpointer is closed and, once every rank is done, the folder is
+    removed."""
     checkpointer = par.comm.checkpointer(CheckpointerConfig(format="torch", fsync=False))
-    with scratch_folder(dst, par.job) as scratch:
+    with scratch_folder(_scratch_near(dst), par.job) as scratch:
         log.debug("%s: scratch tag in %s", what, scratch)
         try:
             yield scratch, checkpointer
@@ -212,13 +267,15 @@ def export_hf(
     run: dict[str, Any],
     step: int,
     tensors: dict[str, torch.Tensor] | None = None,
-) -> Path:
+) -> str | Path:
     """Write the merged Hugging Face model of the current weights (of `step`) to `dst`, replacing
     it (all ranks call this): the rank files are saved as a model-only checkpoint tag in a staging
-    folder, which `export_checkpoint` merges (divided among the job's processes); rank 0 then
+    folder, which `export_checkpoint` merges (divided among the job's processes; into s3://, by
+    rank 0 alone, uploaded and committed as every shardkit output in object storage); rank 0 then
     marks it as `run`'s export. `tensors`: the rank's pieces to write instead of the model's own
     (LoRA's merged weights)."""
-    dst = Path(dst).absolute()
+    remote = remote_location(dst, "--export-hf") is not None
+    dst = str(dst) if remote else Path(dst).absolute()
     with staged_tag(par, dst, "export") as (staging, checkpointer):
 
         def copy_side_files() -> None:
@@ -231,6 +288,14 @@ def export_hf(
         checkpointer.save(staging, EXPORT_TAG, state, layout=spec.layout, config=spec.config, rank=rank)
         par.all_ok(copy_side_files)
         marker = {EXPORT_MARKER: json.dumps({"run": run, "step": step}, indent=2) + "\n"}
-        if par.leader or not par.comm.shares_process:  # shardkit divides the merge among processes
+
+        def merge_alone() -> None:
+            if par.leader:
+                with alone():
+                    export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype, overwrite=True, extra_files=marker)
+
+        if remote:
+            par.all_ok(merge_alone)
+        elif par.leader or not par.comm.shares_process:  # shardkit divides the merge among processes
             export_checkpoint(staging, dst, EXPORT_TAG, dtype=dtype, overwrite=True, extra_files=marker)
     return dst

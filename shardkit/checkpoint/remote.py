@@ -28,7 +28,6 @@ import dataclasses
 import hashlib
 import logging
 import socket
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from ..io import s3, sinks
 from ..io.delete import remove_tree
 from ..io.location import RemoteLocation
 from ..io.location import remote as remote_location
-from ..io.transaction import OWNER_FILE, owner_text
+from ..io.transaction import OWNER_FILE, owner_text, private_root
 from ..io.upload import StreamingUpload, remove_objects, upload_tree
 from .tree import (
     CHECKPOINT_MARKER,
@@ -56,11 +55,11 @@ log = logging.getLogger(__name__)
 
 def staging_root(loc: RemoteLocation) -> Path:
     """The local folder a save to `loc` writes its tag into before uploading it: the same path for
-    every rank of this host (named after the location), in the system's temporary folder."""
-    digest = hashlib.sha256(str(loc).encode()).hexdigest()[:16]
-    root = Path(tempfile.gettempdir()) / f"shardkit-s3-save-{digest}"
-    root.mkdir(mode=0o700, exist_ok=True)
-    return root
+    every rank of this host (named after the location), inside this user's private folder of the
+    system's temporary folder (`io.transaction.private_root`: never followed through a link,
+    never another user's)."""
+    digest = hashlib.sha256(str(loc).encode(errors="surrogateescape")).hexdigest()[:16]
+    return private_root(None, f"s3-save-{digest}")
 
 
 def list_remote(loc: RemoteLocation, details: bool = True) -> list[CheckpointInfo]:

@@ -430,11 +430,27 @@ def output_options(destination: str = "DST", manifest: bool = True) -> Callable:
     """--dtype/--workers/--overwrite/--verify-hashes/--direct-io (and --sha256 for outputs with a
     manifest), handed to the command as one `write` dict (the engine's WriteArgs), and --json
     (`as_json`)."""
-    names = ["dtype", "workers", "overwrite", "verify_hashes", "direct_io"] + (["sha256"] if manifest else [])
+    names = ["dtype", "workers", "overwrite", "replace_objects", "verify_hashes", "direct_io"]
+    names += ["sha256"] if manifest else []
     return stacked(
         dtype_option(),
         workers_option(),
-        click.option("--overwrite", is_flag=True, help=f"Replace {destination} if it exists and is not empty."),
+        click.option(
+            "--overwrite",
+            is_flag=True,
+            help=f"Replace {destination} if it exists and is not empty. An s3:// {destination} is replaced at "
+            "its commit: the old output stays readable, and is deleted only once the new one is complete; "
+            "objects shardkit did not write are refused unless --replace-objects names them.",
+        ),
+        click.option(
+            "--replace-objects",
+            "replace_objects",
+            metavar="GLOB",
+            multiple=True,
+            help=f"With --overwrite of an s3:// {destination}: also replace the objects under it that shardkit "
+            "did not write and that match GLOB (a name relative to the prefix; * and ? as in a shell; repeat "
+            "for more). A bucket's root needs every object named ('*' for all).",
+        ),
         verify_hashes_option,
         direct_io_option(),
         *([sha256_option] if manifest else []),

@@ -10,7 +10,7 @@ and nothing below sees the old spellings.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +78,10 @@ class WriteArgs(TypedDict, total=False):
     256 MiB together."""
     overwrite: bool
     """Replace a destination that exists and is not empty (default False)."""
+    replace_objects: Sequence[str]
+    """With `overwrite` of an s3:// destination: globs (names relative to its prefix) of objects
+    shardkit did not write that may be replaced too (`io.upload.replaceable`); without them such
+    objects, and any object at a bucket's root, are refused. Local destinations ignore it."""
     progress: ProgressCallback | None
     """Called as progress(bytes_done, bytes_total) while output is written."""
     direct_io: bool | str

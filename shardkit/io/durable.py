@@ -17,8 +17,9 @@ def fsync_path(path: str | Path) -> None:
 
 
 def write_text(path: str | Path, text: str, fsync: bool = True) -> None:
-    """Write a small new text file (see `write_bytes`)."""
-    write_bytes(path, text.encode(), fsync)
+    """Write a small new text file (see `write_bytes`), UTF-8; a name in it that is not UTF-8 (a
+    path's bytes as `os.fsdecode` gives them) is written as those bytes."""
+    write_bytes(path, text.encode("utf-8", "surrogateescape"), fsync)
 
 
 def write_bytes(path: str | Path, data: bytes, fsync: bool = True, mode: int = 0o644) -> None:

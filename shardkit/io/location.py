@@ -96,6 +96,12 @@ def parse_location(text: str | os.PathLike[str] | RemoteLocation, what: str = "p
     parts = prefix.split("/") if prefix else []
     if any(p in ("", ".", "..") for p in parts) or "\x00" in prefix:
         raise LocationError(f"{what} {text!r}: empty, '.' or '..' parts are not allowed in an S3 prefix")
+    try:
+        prefix.encode("utf-8")
+    except UnicodeEncodeError:  # bytes of a name that is not UTF-8 (os.fsdecode's surrogates)
+        raise LocationError(
+            f"{what} {text!r} is not valid UTF-8, and S3 keys are UTF-8: give the prefix in UTF-8"
+        ) from None
     return RemoteLocation(scheme, bucket, prefix)
 
 

@@ -30,9 +30,12 @@ Streamed sources (a merge's, read once): see `io.streamed`.
 
 Fetched bytes change a mirror file's mtime and ctime: `stamp` gives the stable identity the
 "source changed while read" checks compare instead (every GET is made If-Match the object's
-listed ETag, so a replaced object is refused, never mixed). The folder (in the system's temporary
-folder, or a streamed source's in MEMORY_DIR) is removed when the mirror closes, and a killed
-run's mirror by the next run (its owner process is gone).
+listed ETag, so a replaced object is refused, never mixed). The folder (in this user's private
+folder of the system's temporary folder, or a streamed source's of MEMORY_DIR:
+`transaction.private_root`) is removed when the mirror closes, also on Ctrl-C and SIGTERM
+(closing never waits for a GET the store does not answer: `io.fetching`), and a killed run's
+mirror by the next run (its owner process is gone). A listing is trusted only as far as it can
+be: a size no object can have is refused, and every GET checks the object's real size.
 """
 
 from __future__ import annotations
@@ -45,18 +48,19 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from ..errors import FormatError, ShardkitError
 from ..paths import inside
-from . import containers, s3
+from . import containers, published, s3
 from . import streamed as stream_io
 from .delete import remove_tree
+from .fetching import GetPool, Planner, joined, wait_all
 from .location import RemoteLocation
 from .ranges import Ranges, whole_parts
-from .transaction import dead_owner, write_owner
+from .transaction import private_root, remove_dead_folders, remove_on_sigterm, terminate_as_interrupt, write_owner
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +83,6 @@ MEMORY_DIR = "/dev/shm"
 """Where a streamed source's mirror lives when this is a writable folder whose file system can
 punch holes (a memory file system, tmpfs): see "Streamed sources" above."""
 MIRROR_PREFIX = "shardkit-s3-"
-WRITING = ".shardkit-writing"
-"""A remote output's first object and the last one deleted (`io.upload`): while it exists the
-prefix is incomplete."""
 
 
 class Need(enum.Enum):
@@ -101,10 +102,19 @@ _REGISTRY_LOCK = threading.Lock()
 class MirrorFile:
     """One object's sparse local copy, and which of its bytes are there or on their way."""
 
-    def __init__(self, mirror: Mirror, name: str, path: Path, size: int, etag: str):  # noqa: PLR0913
+    def __init__(self, mirror: Mirror, name: str, path: Path, size: int, etag: str, stored: str = ""):  # noqa: PLR0913
         self.mirror, self.name, self.path, self.size, self.etag = mirror, name, path, size, etag
+        self.stored = stored or name  # the object's name under the location (where its bytes are read)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        os.ftruncate(self.fd, size)
+        try:
+            os.ftruncate(self.fd, size)
+        except (OSError, OverflowError) as e:
+            os.close(self.fd)
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise s3.RemoteError(
+                f"cannot mirror {mirror.loc}/{name}, listed as {size:,} bytes, in the temporary folder: {reason}: "
+                "check the object (and the store's listing), or set TMPDIR to a file system that takes a file this large"
+            ) from None
         st = os.fstat(self.fd)
         self.identity = (st.st_dev, st.st_ino)
         self.fetched = Ranges()
@@ -120,6 +130,8 @@ class MirrorFile:
         self.verified: set[int] = set()  # blocks checked (their bytes may be dropped once read)
         self.checking: set[int] = set()  # blocks being checked now
         self.later: list[tuple[list[tuple[int, int]], Callable[[int], None]]] = []  # checks before commit
+        self.active = 0  # GETs writing into the file now (its descriptor is closed once none is)
+        self.closed = False
 
     def _claim(self, start: int, end: int, feeding: bool = False) -> tuple[list[tuple[int, int]], list[Future[int]]]:
         """Under the lock: the parts nobody fetches yet (now claimed) and the fetches to wait for
@@ -131,8 +143,10 @@ class MirrorFile:
             wanted = [r for s, e in wanted for r in self.dropped.missing(s, e)]
         for s, e in wanted:
             covered = Ranges()
-            for (ps, pe), future in self.pending.items():
-                if ps < e and pe > s:
+            for (ps, pe), future in list(self.pending.items()):
+                if future.cancelled():  # given up (the mirror's fetches failed or were interrupted)
+                    del self.pending[(ps, pe)]
+                elif ps < e and pe > s:
                     waits.append(future)
                     covered.add(ps, pe)
             for ms, me in covered.missing(s, e):
@@ -157,7 +171,7 @@ class MirrorFile:
 
     def fetch_ranges(self, ranges: Iterable[tuple[int, int]]) -> list[Future[int]]:
         """Start fetching [start, end) ranges, joined across holes under HOLE."""
-        return [f for s, e in _joined(ranges) for f in self.fetch_async(s, e)]
+        return [f for s, e in joined(ranges, HOLE) for f in self.fetch_async(s, e)]
 
     def pread(self, offset: int, n: int) -> bytes:
         """Bytes already fetched (the metadata steps read only those)."""
@@ -172,8 +186,15 @@ class MirrorFile:
             future.result()
 
     def _get(self, start: int, end: int) -> int:
+        with self.lock:
+            if self.closed:
+                self.pending.pop((start, end), None)
+                raise s3.RemoteError(f"{self.mirror.loc}/{self.name}: the mirror was closed")
+            self.active += 1
         try:
-            got = s3.get_range(self.mirror.loc, self.name, start, end - start, self.etag, self.fd, start)
+            got = s3.get_range(
+                self.mirror.loc, self.stored, start, end - start, self.etag, self.fd, start, size=self.size
+            )
             with self.lock:
                 self.fetched.add(start, end)
             self.mirror.count(got)
@@ -183,6 +204,10 @@ class MirrorFile:
         finally:
             with self.lock:
                 self.pending.pop((start, end), None)
+                self.active -= 1
+                last = self.closed and not self.active
+            if last:
+                os.close(self.fd)
 
     def check_blocks(self, start: int, end: int) -> None:
         """Check each block touching [start, end) whose bytes have all arrived against its digest;
@@ -253,6 +278,13 @@ class MirrorFile:
         return out
 
     def close(self) -> None:
+        """Close the file's descriptor, or (while GETs still write into it) let the last one close it."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self.active:
+                return
         with contextlib.suppress(OSError):
             os.close(self.fd)
 
@@ -269,13 +301,13 @@ class Mirror:
         memory = (
             stream_io.memory_dir(MEMORY_DIR, 4 * STREAM_BUDGET, sum(o.size for o in objects)) if self.streamed else None
         )
-        self.base = Path(tempfile.mkdtemp(prefix=MIRROR_PREFIX, dir=memory))
+        self.base = Path(tempfile.mkdtemp(prefix=MIRROR_PREFIX, dir=private_root(memory)))
         self.root = self.base / (loc.name or loc.bucket)
-        self.pool = ThreadPoolExecutor(GETS_IN_FLIGHT, thread_name_prefix="shardkit-s3-get")
+        self.pool = GetPool(GETS_IN_FLIGHT, "shardkit-s3-get")
         self.files: dict[str, MirrorFile] = {}
         self.bytes_fetched = 0
         self._count_lock = threading.Lock()
-        self._planner: _Planner | None = None
+        self._planner: Planner | None = None
         self.held = 0  # bytes of streamed files fetched or being fetched, not yet dropped
         self.most_held = 0
         self._cond = threading.Condition()
@@ -290,14 +322,16 @@ class Mirror:
             write_owner(self.base)  # a killed run's mirror is removed by the next (`_remove_stale`)
             self.root.mkdir()
             for obj in objects:
+                if published.hidden(obj.name):  # shardkit's bookkeeping (a writing marker, a staged replace)
+                    continue
                 path = inside(self.root, obj.name, f"object key under {loc}")  # never outside the mirror
                 path.parent.mkdir(parents=True, exist_ok=True)
-                mf = MirrorFile(self, obj.name, path, obj.size, obj.etag)
+                mf = MirrorFile(self, obj.name, path, obj.size, obj.etag, obj.stored or obj.name)
                 self.files[obj.name] = mf
                 with _REGISTRY_LOCK:
                     _MIRRORED[mf.identity] = mf
             waits = [f for mf in self.files.values() if not _lazy(mf) for f in mf.fetch_async(0, mf.size)]
-            _wait_all(waits)
+            wait_all(waits)
         except BaseException:
             self.close()
             raise
@@ -324,7 +358,7 @@ class Mirror:
                 self._start(self._feed)
         elif need is Need.EVERYTHING:  # part i of every file, then part i + 1: many objects at once
             parts = max((-(-mf.size // PART) for mf in chosen), default=0)
-            _wait_all([f for i in range(parts) for mf in chosen for f in mf.fetch_async(i * PART, (i + 1) * PART)])
+            wait_all([f for i in range(parts) for mf in chosen for f in mf.fetch_async(i * PART, (i + 1) * PART)])
         else:
             containers.fetch_metadata(_fetch_all, [mf for mf in chosen if not mf.prepared])
         for mf in chosen:
@@ -338,7 +372,7 @@ class Mirror:
         futures: list[Future[int]] = []
         for mf, ranges in wanted:
             exact: list[tuple[int, int]] = []
-            for start, end, metadata in whole_parts(_joined(ranges), mf.size, PART):
+            for start, end, metadata in whole_parts(joined(ranges, HOLE), mf.size, PART):
                 absent = [sum(b - a for a, b in mf.fetched.missing(s, e)) for s, e in [(start, end), *metadata]]
                 more = absent[0] - sum(absent[1:])  # bytes still to fetch beyond the metadata
                 if self.held + more > STREAM_BUDGET:
@@ -347,7 +381,7 @@ class Mirror:
                 self.hold(more)
                 futures += mf.fetch_async(start, end)
             futures += mf.fetch_ranges(exact)
-        _wait_all(futures)
+        wait_all(futures)
 
     def hold(self, n: int) -> None:
         with self._cond:
@@ -503,7 +537,7 @@ class Mirror:
             return
         if self._planner is not None:
             self._planner.stop()
-        self._planner = _Planner(planned)
+        self._planner = Planner(planned, WINDOW, HOLE, PART)
 
     def _by_path(self, path: Path) -> MirrorFile | None:
         try:
@@ -525,7 +559,7 @@ class Mirror:
             self._cond.notify_all()
         for thread in self._threads:
             thread.join()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown()  # GETs not started are cancelled; a running one (a hung read) is not waited for
         for mf in self.files.values():
             with _REGISTRY_LOCK:
                 _MIRRORED.pop(mf.identity, None)
@@ -535,80 +569,13 @@ class Mirror:
         log.debug("%s: fetched %d bytes, at most %d held at once", self.loc, self.bytes_fetched, self.most_held)
 
 
-class _Planner:
-    """Fetches the plan's ranges in order in a thread, a bounded window ahead of the readers."""
-
-    def __init__(self, planned: list[tuple[MirrorFile, int, int]]):
-        self.planned = planned
-        self._asked = 0
-        self._stop = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="shardkit-s3-plan", daemon=True)
-        self._thread.start()
-
-    def asked(self, n: int) -> None:
-        with self._cond:
-            self._asked += n
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        ahead = 0
-        run: list[Any] = []  # [file, start, end]: planned ranges of one file joined into one fetch so far
-        try:
-            for mf, offset, length in self.planned:
-                with self._cond:
-                    while not self._stop and ahead > self._asked + WINDOW:
-                        self._cond.wait(0.5)
-                    if self._stop:
-                        return
-                end = offset + length
-                if run and run[0] is mf and run[2] - HOLE <= offset <= run[2] + HOLE and end - run[1] <= PART:
-                    run[1], run[2] = min(run[1], offset), max(run[2], end)
-                else:
-                    if run:
-                        run[0].fetch_async(run[1], run[2])
-                    run = [mf, offset, end]
-                ahead += length
-            if run:
-                run[0].fetch_async(run[1], run[2])
-        except Exception as e:  # noqa: BLE001 - readers fetch on demand and meet real errors themselves
-            log.debug("planned fetches stopped: %s", e)
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join()
-
-
 def _lazy(mf: MirrorFile) -> bool:
     """A tensor container too large to fetch whole: only its metadata and the used spans are."""
     return mf.size > SMALL and mf.name.endswith(TENSOR_SUFFIXES)
 
 
-def _joined(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s, e in sorted(ranges):
-        if out and s - out[-1][1] <= HOLE:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
 def _fetch_all(wanted: Iterable[tuple[MirrorFile, list[tuple[int, int]]]]) -> None:
-    _wait_all([f for mf, ranges in wanted for f in mf.fetch_ranges(ranges)])
-
-
-def _wait_all(futures: Iterable[Future[int]]) -> None:
-    first: BaseException | None = None
-    for future in futures:
-        try:
-            future.result()
-        except BaseException as e:  # noqa: BLE001 - the first failure is raised once all are done
-            first = first or e
-    if first is not None:
-        raise first
+    wait_all([f for mf, ranges in wanted for f in mf.fetch_ranges(ranges)])
 
 
 # ---- opening, and the hooks every read path calls ------------------------------------------------------
@@ -625,7 +592,12 @@ def open_mirror(loc: RemoteLocation, objects: Sequence[s3.ObjectInfo] | None = N
     mirror = Mirror(loc, s3.list_objects(loc) if objects is None else objects, streamed)
     with _OPEN_LOCK:
         _OPEN.append(mirror)
+    remove_on_sigterm(_mirror_folders)  # a mirror kept until exit goes on SIGTERM too
     return mirror
+
+
+def _mirror_folders() -> list[Path]:
+    return [m.base for m in list(_OPEN)]
 
 
 class Unpredicted(FormatError):
@@ -653,28 +625,37 @@ def close_mirrors(keep: int = 0) -> None:
 
 @contextlib.contextmanager
 def mirrors_scope() -> Iterator[None]:
-    """Mirrors opened inside the block are closed (their folders removed) when it ends; an error
-    raised inside it names the URLs its mirrors stand for, not their local folders."""
+    """Mirrors opened inside the block are closed (their folders removed) when it ends, also on
+    Ctrl-C and SIGTERM (`transaction.terminate_as_interrupt`; closing never waits for a GET the
+    store does not answer); an error raised inside it names the URLs its mirrors stand for, not
+    their local folders."""
     with _OPEN_LOCK:
         keep = len(_OPEN)
-    try:
-        yield
-    except ShardkitError as e:
-        _name_urls(e)
-        raise
-    finally:
-        close_mirrors(keep)
+    with terminate_as_interrupt():
+        try:
+            yield
+        except ShardkitError as e:
+            _name_urls(e)
+            raise
+        finally:
+            close_mirrors(keep)
 
 
 def _name_urls(error: ShardkitError) -> None:
-    if len(error.args) != 1 or not isinstance(error.args[0], str):
-        return
-    text = error.args[0]
+    if len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (named(error.args[0]),)
+
+
+def named(text: object) -> str:
+    """`text` (a message, a path) as shown to the user: every open mirror's local folder in it
+    replaced by the s3:// URL it stands for (`<tmp>/shardkit-UID/shardkit-s3-x/step_4` ->
+    `s3://bucket/ckpt/step_4`). The one mapping of mirror paths to URLs for every message."""
+    out = str(text)
     with _OPEN_LOCK:
         mirrors = list(_OPEN)
     for mirror in mirrors:
-        text = text.replace(str(mirror.root), str(mirror.loc))
-    error.args = (text,)
+        out = out.replace(str(mirror.root), str(mirror.loc))
+    return out
 
 
 atexit.register(close_mirrors)
@@ -682,16 +663,9 @@ atexit.register(close_mirrors)
 
 def _remove_stale() -> None:
     """Remove the mirror folders of this host's runs that no longer run (killed mid-way)."""
-    entries = []
     for base in (Path(tempfile.gettempdir()), Path(MEMORY_DIR)):
-        with contextlib.suppress(OSError):
-            entries += [base / e for e in os.listdir(base) if e.startswith(MIRROR_PREFIX)]
-    for folder in entries:
-        pid = dead_owner(folder)
-        if pid is not None:
-            with contextlib.suppress(OSError, ShardkitError):
-                remove_tree(folder)
-                log.info("removed %s, the S3 mirror of a run (process %s) that no longer runs", folder, pid)
+        for folder, pid in remove_dead_folders(base, MIRROR_PREFIX):
+            log.info("removed %s, the S3 mirror of a run (process %s) that no longer runs", folder, pid)
 
 
 def _in_mirrors(path: str | os.PathLike[str]) -> Iterator[tuple[Mirror, str]]:
@@ -737,7 +711,7 @@ def readable(text: str, what: str) -> Path | None:
     if not objects:
         s3.check_bucket(loc)
         return None
-    return open_mirror(loc, [o for o in objects if o.name != WRITING]).root
+    return open_mirror(loc, objects).root
 
 
 def active() -> bool:
@@ -877,19 +851,16 @@ def open_prefix(
 ) -> Mirror:
     """A mirror of `loc` to read from (see `open_mirror`), with what `need` says of every tensor
     container fetched (None: nothing yet; the caller prepares the part it reads). `output` (an
-    engine source: one output of one run): a prefix still marked as being written is refused; a
-    training checkpoint root is not (its tags say for themselves whether they are complete). An
-    empty or absent prefix is a one-line error."""
+    engine source: one output of one run): the objects its record names are read, where it says
+    (`published.readable_objects`: the old output while a replace runs, the new one once it is
+    committed), and a prefix being written for the first time is refused; a training checkpoint
+    root is read whole (its tags say for themselves whether they are complete). An empty or
+    absent prefix is a one-line error."""
     objects = s3.list_objects(loc)
     if not objects:
         s3.check_bucket(loc)
         raise FormatError(f"{loc} holds no objects: check the bucket and prefix")
-    if output and any(o.name == WRITING for o in objects):
-        raise FormatError(
-            f"{loc} is incomplete (an upload was interrupted, or is still running): write it again "
-            "(the next run into it removes the partial upload, saying so)"
-        )
-    mirror = open_mirror(loc, [o for o in objects if o.name != WRITING], streamed)
+    mirror = open_mirror(loc, published.readable_objects(loc, objects) if output else objects, streamed)
     if need is not None:
         mirror.prepare("", need)
     return mirror

@@ -48,13 +48,21 @@ class MissingDependencyError(ShardkitError):
     """boto3 (the `s3` extra) is not installed."""
 
 
+MAX_OBJECT_SIZE = 1 << 50
+"""More than any store holds in one object (S3: 5 TiB; MinIO: 50 TiB): a listing claiming more is
+refused before anything is made of it."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
-    """One object under a location: its name relative to the location, size and ETag."""
+    """One object under a location: its name relative to the location, size and ETag; `stored`,
+    when not "", the name (under the same location) its bytes are read from (an output's objects
+    staged under a sub-prefix while their replace is finished: `io.published`)."""
 
     name: str
     size: int
     etag: str
+    stored: str = ""
 
 
 def _boto3() -> Any:
@@ -95,6 +103,9 @@ def client() -> Any:
                 read_timeout=120,
                 s3={"addressing_style": "path"} if endpoint else {},
             )
+            # botocore says at INFO where it found the credentials ("Found credentials in environment
+            # variables."): not a message of shardkit's, nor of a trainer that logs at INFO
+            logging.getLogger("botocore.credentials").setLevel(logging.WARNING)
             session = boto3.session.Session()
             _CLIENT = session.client("s3", endpoint_url=endpoint or None, config=config)
             _CLIENT_PID = os.getpid()
@@ -128,7 +139,7 @@ def error(e: BaseException, action: str, where: object) -> ShardkitError:
         code = str(err.get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if code == "NoSuchBucket":
-            bucket = getattr(where, "bucket", where)
+            bucket = getattr(where, "bucket", None) or str(where).partition("://")[2].split("/")[0] or where
             return RemoteError(
                 f"cannot {action} {where}: the bucket {bucket} does not exist (create it, or fix the URL)"
             )
@@ -173,8 +184,22 @@ def list_objects(loc: RemoteLocation) -> list[ObjectInfo]:
             for obj in page.get("Contents", []):
                 name = obj["Key"][len(prefix) :]
                 if name and not name.endswith("/"):
-                    found.append(ObjectInfo(name, int(obj["Size"]), str(obj.get("ETag", ""))))
+                    found.append(ObjectInfo(name, _listed_size(obj.get("Size"), loc, name), str(obj.get("ETag", ""))))
     return sorted(found, key=lambda o: o.name)
+
+
+def _listed_size(size: object, loc: RemoteLocation, name: str) -> int:
+    """An object's size as listed, refused (one line naming the object) when no object can have it."""
+    try:
+        value = int(size)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):
+        value = -1
+    if not 0 <= value <= MAX_OBJECT_SIZE or isinstance(size, bool):
+        raise RemoteError(
+            f"{loc}/{name}: the store lists its size as {size!r} bytes, which no object can have: check the store "
+            "(AWS_ENDPOINT_URL) and the object, then run again"
+        )
+    return value
 
 
 def check_bucket(loc: RemoteLocation) -> None:
@@ -183,10 +208,13 @@ def check_bucket(loc: RemoteLocation) -> None:
         client().head_bucket(Bucket=loc.bucket)
 
 
-def get_range(loc: RemoteLocation, name: str, start: int, length: int, etag: str, fd: int, at: int) -> int:
+def get_range(  # noqa: PLR0913
+    loc: RemoteLocation, name: str, start: int, length: int, etag: str, fd: int, at: int, size: int | None = None
+) -> int:
     """Write `length` bytes of object `name` from `start` into `fd` at `at` (one ranged GET, its
     body streamed in GET_CHUNK blocks); the object must still have `etag` (If-Match), so bytes of
-    a replaced object are never mixed with the old one's. Returns the bytes written."""
+    a replaced object are never mixed with the old one's, and (`size`) the size it was listed
+    with. Returns the bytes written."""
     if length <= 0:
         return 0
     args: dict[str, Any] = {"Bucket": loc.bucket, "Key": loc.key(name), "Range": f"bytes={start}-{start + length - 1}"}
@@ -194,7 +222,15 @@ def get_range(loc: RemoteLocation, name: str, start: int, length: int, etag: str
         args["IfMatch"] = etag
     where = f"{loc}/{name}"
     with _translated("read", where):
-        body = client().get_object(**args)["Body"]
+        answer = client().get_object(**args)
+        body = answer["Body"]
+        total = str(answer.get("ContentRange") or "").rpartition("/")[2]
+        if size is not None and total.isdigit() and int(total) != size:
+            body.close()
+            raise RemoteError(
+                f"{where} holds {int(total):,} bytes, not the {size:,} its listing said: it was replaced while "
+                "shardkit read it, or the store lists it wrongly: run the command again"
+            )
         done = 0
         try:
             while done < length:
@@ -380,6 +416,39 @@ class Uploader:
             for future, _, _ in self._futures:
                 future.cancel()
         self._manager.shutdown()
+
+
+def copy_objects(loc: RemoteLocation, pairs: Iterable[tuple[str, str, int, str]]) -> int:
+    """Copy objects inside `loc`'s bucket without moving their bytes through this host (server-side:
+    CopyObject, or a multipart copy past PART_SIZE), several at once: each (source name, name,
+    size, ETag), the source copied only while it still has that ETag. Returns how many."""
+    pairs = list(pairs)
+    if not pairs:
+        return 0
+    from boto3.s3.transfer import TransferConfig, TransferManager
+
+    chunk = _part_size(max(size for _, _, size, _ in pairs))
+    config = TransferConfig(multipart_threshold=PART_SIZE, multipart_chunksize=chunk, max_concurrency=CONCURRENCY)
+    manager = TransferManager(client(), config)
+    futures = []
+    ok = False
+    try:
+        for source, name, _, etag in pairs:
+            extra = {"CopySourceIfMatch": etag} if etag else {}
+            copy_source = {"Bucket": loc.bucket, "Key": loc.key(source)}
+            futures.append((manager.copy(copy_source, loc.bucket, loc.key(name), extra_args=extra), f"{loc}/{name}"))
+        for future, where in futures:
+            try:
+                future.result()
+            except Exception as e:  # noqa: BLE001 - said as one line
+                raise error(e, "copy to", where) from None
+        ok = True
+    finally:
+        if not ok:
+            for future, _ in futures:
+                future.cancel()
+        manager.shutdown()
+    return len(pairs)
 
 
 def delete_objects(loc: RemoteLocation, names: Iterable[str]) -> int:

@@ -23,12 +23,14 @@ is written last, as NxD's checkpoint protocol (`<tag>/done`) and object stores (
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
 import re
 import signal
 import socket
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -68,7 +70,7 @@ def sibling_name(dst: str | Path, tag: str, pid: int | None = None) -> Path:
     dst = Path(dst)
     suffix = f".{tag}-{os.getpid() if pid is None else pid}"
     name = f".{dst.name}"
-    if len((name + suffix).encode()) > NAME_MAX:
+    if len(os.fsencode(name + suffix)) > NAME_MAX:
         digest = hashlib.sha256(dst.name.encode(errors="surrogateescape")).hexdigest()[:16]
         name = f".{dst.name.encode(errors='surrogateescape')[:120].decode(errors='ignore')}~{digest}"
     return dst.parent / (name + suffix)
@@ -230,6 +232,74 @@ def signals_deferred() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+# ---- private roots in shared temporary folders ------------------------------------------------------
+
+
+class UnsafeFolderError(ShardkitError):
+    """A folder shardkit keeps its own files in is not safely this user's (a link, not a folder,
+    another user's, or writable by others)."""
+
+
+PRIVATE_ROOT = "shardkit-{uid}"
+"""This user's folder in a shared temporary folder (the system's, /dev/shm): every staging root,
+mirror and temporary folder shardkit makes there lives inside it (`private_root`)."""
+
+
+def private_root(parent: str | Path | None = None, name: str | None = None) -> Path:
+    """This user's own folder for shardkit's work in a shared place: `shardkit-UID` in `parent`
+    (default: the system's temporary folder), and with `name` the folder `name` inside that.
+    Each is created mode 0700, opened without following a link and refused (UnsafeFolderError,
+    one line) when it is a link, not a folder, not this user's, or writable by group or others;
+    so a name another user can predict and plant (a link to somewhere else, a folder of theirs)
+    is never written, locked or deleted through."""
+    base = Path(tempfile.gettempdir() if parent is None else parent)
+    root = _private(base / PRIVATE_ROOT.format(uid=os.getuid()))
+    return root if name is None else _private(root / name)
+
+
+def _private(path: Path) -> Path:
+    """`path` made (0700) or found, and checked to be this user's own private folder."""
+    fix = "remove it, or set TMPDIR to a folder of your own"
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) or is_link(path):
+            what = "a symlink" if is_link(path) else "not a folder"
+            raise UnsafeFolderError(
+                f"{shown(path)} is {what}: shardkit keeps its temporary files there and never follows a link; {fix}"
+            ) from None
+        raise disk_error(e, "create the temporary folder", path) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise UnsafeFolderError(
+                f"{shown(path)} belongs to another user (uid {st.st_uid}): shardkit keeps its temporary files in a "
+                f"folder of its user's own; {fix}"
+            )
+        if st.st_mode & 0o022:
+            raise UnsafeFolderError(
+                f"{shown(path)} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): shardkit keeps its "
+                f"temporary files in a folder only its user can write; {fix}"
+            )
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)  # this user's own folder, readable by others: made private
+    finally:
+        os.close(fd)
+    return path
+
+
+def owned_folder(path: str | Path) -> bool:
+    """Whether `path` is a real folder (not a link) of this user: what a cleanup of leftovers in a
+    shared place may look into."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
 def refuse_link(dst: str | Path) -> None:
     """The destination check of every writer: a destination folder that is a symlink (dangling
     or not) is refused in one line, before anything is written or deleted through it."""
@@ -238,6 +308,56 @@ def refuse_link(dst: str | Path) -> None:
             f"{shown(dst)} is a symlink (to {shown(os.readlink(dst))}): shardkit never writes or deletes "
             "through a link; give the real destination path"
         )
+
+
+def remove_dead_folders(base: str | Path, prefix: str) -> list[tuple[Path, int]]:
+    """Remove the folders named `prefix...` in this user's `private_root` of `base` (when it is
+    there) whose owner file names a process of this host that no longer runs (a killed run's
+    mirror or temporary folder): never another user's, never through a link. Returns what was
+    removed, with its owner's pid."""
+    mine = Path(base) / PRIVATE_ROOT.format(uid=os.getuid())
+    if not owned_folder(mine):
+        return []
+    removed = []
+    with contextlib.suppress(OSError, ShardkitError):
+        mine = private_root(base)  # refused unless private: nothing in it is then looked at
+        for entry in sorted(os.listdir(mine)):
+            folder = mine / entry
+            pid = dead_owner(folder) if entry.startswith(prefix) and owned_folder(folder) else None
+            if pid is not None:
+                with contextlib.suppress(OSError, ShardkitError):
+                    remove_tree(folder)
+                    removed.append((folder, pid))
+    return removed
+
+
+def remove_on_sigterm(folders: Callable[[], Iterable[Path]]) -> None:
+    """Chain SIGTERM's handler (in the main thread; once): first remove the folders `folders()`
+    names (files only: no lock the interrupted code may hold is taken), then do what it did
+    before (the default: end the process, which runs no exit handlers). For folders that live
+    until the process exits (a mirror kept for a trainer's run), which SIGTERM would otherwise
+    leave to the next run."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+        if getattr(previous, "removes_folders", None) is folders:
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            for folder in folders():
+                with contextlib.suppress(OSError, ShardkitError):
+                    remove_tree(folder)
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous in (signal.SIG_DFL, None):
+                os.kill(os.getpid(), signum)
+
+        handler.removes_folders = folders  # type: ignore[attr-defined]
+        signal.signal(signal.SIGTERM, handler)
+    except (ValueError, OSError):  # not allowed here (an embedded interpreter)
+        return
 
 
 # ---- a staged output -----------------------------------------------------------------------------------
@@ -447,10 +567,11 @@ class TemporaryFolder:
 
 @contextlib.contextmanager
 def temporary_folder(parent: str | Path | None = None, prefix: str = "shardkit-") -> Iterator[TemporaryFolder]:
-    """A new folder under `parent` (default: the system's temporary folder) for one run's work,
-    removed at the end (also on failure, Ctrl-C and SIGTERM) unless its `keep` is set; removed
-    through `delete.remove_tree`, so links placed in it are unlinked, never followed."""
-    folder = TemporaryFolder(Path(tempfile.mkdtemp(prefix=prefix, dir=parent)))
+    """A new folder under `parent` (default: this user's `private_root` in the system's temporary
+    folder) for one run's work, removed at the end (also on failure, Ctrl-C and SIGTERM) unless
+    its `keep` is set; removed through `delete.remove_tree`, so links placed in it are unlinked,
+    never followed."""
+    folder = TemporaryFolder(Path(tempfile.mkdtemp(prefix=prefix, dir=private_root() if parent is None else parent)))
     with terminate_as_interrupt():
         try:
             write_owner(folder.path)
