@@ -12,6 +12,7 @@ directory must never cost a checkpoint.
 6. Tag names: one validator (no control characters, separators, dots, leading '-', spaces at the
    ends, more than 255 bytes) for save, load, list, prune and the CLI's --tag.
 7. A checkpoint folder that is a symlink is never saved into or pruned through.
+8. Two files of one rank (its number spelled twice) are refused, never one of them taken.
 """
 
 from __future__ import annotations
@@ -690,3 +691,23 @@ def test_saving_into_or_pruning_a_checkpoint_folder_that_is_a_symlink_is_refused
     assert out.exit_code == 2 and one_line(out.output) and "is a symlink" in out.output, out.output
     assert snapshot(ckpt) == before
     assert load_checkpoint(link, "latest_if_exists").tag == "step_2"  # reading through it is fine
+
+
+# ---- 8. two files of one rank -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["model", "optim"])
+def test_two_files_of_one_rank_are_refused_not_one_of_them_picked(ckpt, tmp_path, kind):
+    """An NxD tree holding, beside a rank's file, step_1's file of the same rank under another
+    spelling of the rank number (`tp_rank_0` for `tp_rank_00`): which one is the tag's cannot be
+    told, and taking whichever the folder lists last could resume from step_1's state. `ckpt
+    reshard` refuses it in one line naming both; nothing is written."""
+    tag = _nxd_copy(ckpt, "step_99")
+    name, stale = "dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_00_tp_rank_0_pp_rank_00.pt"
+    shutil.copyfile(ckpt / "step_1" / kind / name, tag / kind / stale)
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    run = CliRunner().invoke(cli, ["ckpt", "reshard", str(ckpt), str(tmp_path / "out"), "--tag", "step_99",
+                                   "--config", str(tmp_path / "config.json")])
+    assert run.exit_code == 2 and one_line(run.output), run.output
+    assert f"{name} and " in run.output and f"{kind}/{stale} are both the" in run.output
+    assert not (tmp_path / "out").exists()

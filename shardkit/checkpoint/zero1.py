@@ -280,11 +280,17 @@ class Zero1Tag:
         return f"{self.tag_dir.name}/{path.relative_to(self.tag_dir).as_posix()}"
 
     def _scan(self, folder: Path) -> None:
-        for entry in folder.iterdir():
+        for entry in sorted(folder.iterdir()):
             m = _OPTIM_RE.match(entry.name)
             if m:  # an expert-parallel rank's file holds its experts' state (`ep_rank_EE_`)
                 ep = int(m.group(2)) if m.group(2) is not None else 0
-                self.files[(int(m.group(1)), ep, int(m.group(3)), int(m.group(4)))] = entry
+                key = (int(m.group(1)), ep, int(m.group(3)), int(m.group(4)))
+                if key in self.files:  # two files say they are the same shard: which is this run's?
+                    raise OptimFileError(
+                        f"{self._rel(self.files[key])} and {self._rel(entry)} are both the ZeRO-1 shard of dp {key[0]}, "
+                        f"ep {ep}, tp {key[2]}, pp {key[3]}: move the one that is not this checkpoint's away"
+                    )
+                self.files[key] = entry
         if not self.files:
             raise OptimFileError(
                 f"{self.tag_dir.name}/{OPTIM_DIR} holds no optimizer files "

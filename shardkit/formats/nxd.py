@@ -55,18 +55,23 @@ def find_rank_files(root: Path) -> RankFiles | None:
     for folder in (model, root):
         if not folder.is_dir():
             continue
-        for entry in folder.iterdir():
+        for entry in sorted(folder.iterdir()):
+            key, path = None, entry
             if m := _V3.match(entry.name):
                 if int(m.group(1)) == 0:
-                    found[(int(m.group(2)), int(m.group(3)), int(m.group(4)))] = entry
-                    naming = "v3"
+                    key, naming = (int(m.group(2)), int(m.group(3)), int(m.group(4))), "v3"
             elif m := _V2.match(entry.name):
                 if int(m.group(1)) == 0:
-                    found[(0, int(m.group(2)), int(m.group(3)))] = entry
-                    naming = naming or "v2"
+                    key, naming = (0, int(m.group(2)), int(m.group(3))), naming or "v2"
             elif (m := _V1.match(entry.name)) and (entry / "checkpoint.pt").exists():
-                found[(0, int(m.group(1)), int(m.group(2)))] = entry / "checkpoint.pt"
-                naming = naming or "v1"
+                key, path, naming = (0, int(m.group(1)), int(m.group(2))), entry / "checkpoint.pt", naming or "v1"
+            if key is not None and key in found:  # two files say they are the same rank's: which is this model's?
+                raise FormatError(
+                    f"{found[key]} and {path} are both the rank file of ep {key[0]}, tp {key[1]}, pp {key[2]}: move "
+                    "the one that is not this checkpoint's away"
+                )
+            if key is not None:
+                found[key] = path
         if found:
             break
     if not found:
