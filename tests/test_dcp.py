@@ -396,3 +396,21 @@ def test_tiling_check_is_fast_for_100k_chunks():
     assert tiling_problem((100_000, 16), rows) is None and tiling_problem((632, 948), tiles) is None
     assert "do not tile" in tiling_problem((632, 948), _miscounted(tiles))
     assert time.perf_counter() - started < 15
+
+
+@pytest.mark.parametrize("size", [[-256, 32], [0, 1 << 70], [1 << 40, 1 << 40]], ids=["negative", "huge-empty", "huge"])
+def test_a_tensor_of_an_impossible_shape_is_one_line_exit_2(tiny_dcp, tmp_path, size):
+    """`.metadata` giving a tensor a negative size, or more than 2**63 elements on an axis or in all
+    (its one chunk as large): refused in one line (no overflow deep in numpy or torch)."""
+    src, folder = tiny_dcp
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    entry = meta.state_dict_metadata["model.embed_tokens.weight"]
+    entry.size = torch.Size(size)
+    if min(size) >= 0:  # its one chunk the whole of it, as the metadata says
+        entry.chunks[0].sizes = torch.Size(size)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    run = CliRunner().invoke(cli, ["merge", str(folder), str(tmp_path / "out"), "--no-verify-hashes"])
+    assert run.exit_code == 2, run.output
+    line, = run.output.strip().splitlines()
+    assert f"model.embed_tokens.weight has the impossible shape {size}" in line
+    assert not (tmp_path / "out").exists()

@@ -225,7 +225,7 @@ def _file(root: Path, name: Any) -> str:
 def _entry(path: Path, root: Path, fqn: str, meta: Any, where: Mapping) -> Entry:
     """A tensor entry with its chunks located and checked (inside the tensor, tiling it)."""
     shape = tuple(int(v) for v in meta.size)
-    if any(n < 0 for n in shape) or math.prod(shape) >= 1 << 63:
+    if any(n < 0 or n >= 1 << 63 for n in shape) or math.prod(shape) >= 1 << 63:
         raise FormatError(f"{path}: {fqn} has the impossible shape {list(shape)}: the metadata is corrupt")
     dtype = meta.properties.dtype
     if not isinstance(dtype, torch.dtype):
