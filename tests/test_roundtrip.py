@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from shardkit import Layout, convert, merge, open_checkpoint
+from shardkit.checkpoint import Rank
 
 QKV_STYLES = ("separate", "gqa", "fused", "coalesced")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -37,7 +38,8 @@ def load_hf(folder: Path) -> dict[str, torch.Tensor]:
 
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str = "") -> None:
     assert set(got) == set(want), (
-        f"{where}: key sets differ; missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}")
+        f"{where}: key sets differ; missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}"
+    )
     for name in want:
         g, w = got[name], want[name]
         assert g.dtype == w.dtype, f"{where}: {name} dtype {g.dtype} != {w.dtype}"
@@ -52,7 +54,9 @@ def check_shards(shards: Path, layout: Layout, fmt: str, dtype: torch.dtype) -> 
     """The shard directory holds one file per rank, in `fmt`, of `dtype`, described as `layout`."""
     model = shards / "model"
     names = {p.name for p in model.iterdir() if p.is_file() and not p.name.endswith(".info.pt")}
-    want = {f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}{SUFFIX[fmt]}" for t in range(layout.tp) for p in range(layout.pp)}
+    want = {
+        f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}{SUFFIX[fmt]}" for t in range(layout.tp) for p in range(layout.pp)
+    }
     assert names == want, f"rank files differ: {sorted(names ^ want)[:6]}"
     tensor_dirs = [p for p in model.iterdir() if p.is_dir() and p.name.endswith(".tensors")]
     assert len(tensor_dirs) == (len(want) if fmt == "xser" else 0)
@@ -69,8 +73,9 @@ def check_shards(shards: Path, layout: Layout, fmt: str, dtype: torch.dtype) -> 
             assert all(f.get_tensor(k).dtype == dtype for k in f.keys())
 
 
-def roundtrip(src: Path, tmp_path: Path, layout: Layout, fmt: str = "torch", dtype: torch.dtype | None = None,
-              infer: bool = False) -> Path:
+def roundtrip(
+    src: Path, tmp_path: Path, layout: Layout, fmt: str = "torch", dtype: torch.dtype | None = None, infer: bool = False
+) -> Path:
     """convert src to `layout`, check the shards, merge back; returns the merged directory.
 
     With `infer`, shardkit's manifest is removed first, so the merge sees plain NxD rank files and
@@ -145,7 +150,9 @@ def test_bias(tiny_model, tmp_path, qkv, tp, m):
     """attention_bias and mlp_bias: q/k/v biases follow the heads, gate/up biases the fused split."""
     src = tiny_model("llama-bias")
     source = load_hf(src)
-    assert any(k.endswith("self_attn.q_proj.bias") for k in source) and any(k.endswith("mlp.up_proj.bias") for k in source)
+    assert any(k.endswith("self_attn.q_proj.bias") for k in source) and any(
+        k.endswith("mlp.up_proj.bias") for k in source
+    )
     layout = Layout(tp=tp, pp=2, kv_multiplier=m, qkv=qkv)
     out = roundtrip(src, tmp_path, layout, infer=True)
     assert_same_tensors(load_hf(out), source, layout.describe())
@@ -179,7 +186,7 @@ def test_kv8_tied_tp4_gqa(tiny_model, tmp_path):
     last = torch.load(tmp_path / "shards" / "model" / "dp_rank_00_tp_rank_01_pp_rank_01.pt", weights_only=True)
     emb = source["model.embed_tokens.weight"]
     rows = emb.shape[0] // 4
-    assert torch.equal(last["lm_head.weight"], emb[rows:2 * rows])
+    assert torch.equal(last["lm_head.weight"], emb[rows : 2 * rows])
 
     ids = _input_ids(json.loads((src / "config.json").read_text())["vocab_size"])
     assert torch.equal(_logits(out, ids), _logits(src, ids))
@@ -249,7 +256,9 @@ def test_merge_split_by_max_shard_size(tiny_model, tmp_path):
     total = 0
     for name in files:
         tensors = load_file(out / name)
-        assert set(tensors) == {k for k, f in weight_map.items() if f == name}, f"{name} holds other tensors than the index says"
+        assert set(tensors) == {k for k, f in weight_map.items() if f == name}, (
+            f"{name} holds other tensors than the index says"
+        )
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         with safe_open(str(out / name), framework="pt") as f:
             assert f.metadata() == {"format": "pt"}
@@ -258,3 +267,43 @@ def test_merge_split_by_max_shard_size(tiny_model, tmp_path):
 
     ids = _input_ids(json.loads((src / "config.json").read_text())["vocab_size"])
     assert torch.equal(_logits(out, ids), _logits(src, ids))
+
+
+# ---- training checkpoints: ckpt reshard there and back ------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["torch", "xser"])
+def test_ckpt_reshard_there_and_back_gives_back_the_saved_files(tmp_path, fmt):
+    """A tag written by save_checkpoint (the trainer's writer, whose torch files name their zip
+    records' folder `archive/`, as torch.save into a stream does; NxD's name it after the file),
+    resharded to tp 1 pp 2 and back to tp 2: every file but shardkit.json byte for byte. The
+    records' folder follows the source's way at every step."""
+    import zipfile
+
+    import ckpt_child
+
+    from shardkit.checkpoint import finalize_checkpoint, save_checkpoint
+    from shardkit.checkpoint.reshard import reshard_training
+    from shardkit.testing import fixture_config
+
+    config = fixture_config("llama-mha")
+    tp2 = Layout(tp=2)
+    state = ckpt_child.full_state(config, 3)
+    ranks = [Rank(tp=0), Rank(tp=1)]
+    model = {(r.tp, r.pp): ckpt_child.rank_pieces(config, tp2, r, state["weight"]) for r in ranks}
+    optim = {(r.tp, r.pp): ckpt_child.rank_optimizer(config, tp2, r, state, 3) for r in ranks}
+    save_checkpoint(
+        tmp_path / "a", "step_3", model, optim, {"last_epoch": 3}, {"step": 3}, layout=tp2, config=config, format=fmt
+    )
+    finalize_checkpoint()
+    there = reshard_training(tmp_path / "a", tmp_path / "b", Layout(pp=2))
+    back = reshard_training(there.parent, tmp_path / "c", tp2)
+    first = there / "model" / "dp_rank_00_tp_rank_00_pp_rank_01.pt"
+    assert zipfile.ZipFile(first).namelist()[0] == "archive/data.pkl"
+    orig = tmp_path / "a" / "step_3"
+    files = sorted(f for f in orig.rglob("*") if f.is_file() and f.name != "shardkit.json")
+    assert len(files) >= (40 if fmt == "xser" else 8)
+    differ = [
+        f.relative_to(orig).as_posix() for f in files if (back / f.relative_to(orig)).read_bytes() != f.read_bytes()
+    ]
+    assert not differ, differ

@@ -59,7 +59,7 @@ from .nxd_modes import (
     stage_sizes,
     write_dcp_optim,
 )
-from .saving import Deferred, save_object, save_together
+from .saving import Deferred, archive_of_files, save_object, save_together
 from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT
 from .zero1 import (
     MASTER,
@@ -149,6 +149,8 @@ class RankReaders:
     model: SourceReader | None = None
     optim: SourceReader | None = None
     groups: dict[str, int] = field(default_factory=dict)
+    archives: tuple[str | None, str | None] = (None, None)
+    """How the source's model and optimizer files name their zip records' folder: kept when written."""
 
     def __post_init__(self) -> None:
         if self.src.zero1 is not None:
@@ -156,6 +158,8 @@ class RankReaders:
             self.groups = self.src.zero1.group_of()
         if self.src.has_data:
             self.model = SourceReader(self.src.model)
+        optim_files = self.src.zero1.files.values() if self.src.zero1 is not None else ()
+        self.archives = (archive_of_files(self.src.model.files.values()), archive_of_files(optim_files))
 
     def weights(self, pieces: list[Piece], dtype: torch.dtype) -> dict[str, Deferred]:
         """Each piece's weights, read when written (`save_together`)."""
@@ -244,9 +248,12 @@ def write_rank(
     written: list[Path | FileRecord] = []
     model_path = out_tag / nxd.rank_file_name(ep, tp, pp, layout, "torch")
     if mode == AVOID_LP:  # names, shapes and dtypes only: the weights are the master weights
-        written += save_object(model_path, bare_weights(pieces, dtype), use_xser, expert, data=False)
+        written += save_object(
+            model_path, bare_weights(pieces, dtype), use_xser, expert, False, archive=readers.archives[0], root=out_tag
+        )
     else:
-        written += save_together([model_path], [readers.weights(pieces, dtype)], use_xser, expert, out_tag)
+        weights = readers.weights(pieces, dtype)
+        written += save_together([model_path], [weights], use_xser, expert, out_tag, archive=readers.archives[0])
     if src.zero1 is not None:
         moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
         names = [p.name for p in pieces]
@@ -258,7 +265,7 @@ def write_rank(
         state = readers.state(pieces, moments)  # read as the dp files are written, a tensor at a time
         objs = [build_optim(names, groups, src.zero1.hyper, state, dp, d, master) for d in range(dp)]
         paths = [out_tag / optim_name(d, tp, pp, ep if layout.ep > 1 else None) for d in range(dp)]
-        written += save_together(paths, objs, use_xser, bool(expert), out_tag)
+        written += save_together(paths, objs, use_xser, bool(expert), out_tag, archive=readers.archives[1])
     return written
 
 

@@ -16,10 +16,10 @@ import contextlib
 import errno
 import os
 import sys
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -27,11 +27,21 @@ from .. import torch_compat
 from ..formats import xser
 from ..formats.base import TensorSpec
 from ..formats.manifest import file_record
-from ..formats.torch_io import TensorReference, TorchWriter, keep_forever, object_pickle, stub_tensor, written_natively
+from ..formats.torch_io import (
+    TensorReference,
+    TorchWriter,
+    keep_forever,
+    object_pickle,
+    stub_tensor,
+    torch_save,
+    written_natively,
+)
+from ..formats.torch_zip import ARCHIVE, read_archive
 from ..io import sinks
 from ..io.delete import remove_file
 from ..io.digest import FileRecord
 from ..io.durable import fsync_path
+from ..io.hashing import HashingFile
 from ..io.oserror import disk_error
 from ..paths import ensure_free_space, free_space, no_space_error
 
@@ -99,16 +109,32 @@ def _stored_bytes(obj: Any) -> int:
     return sum(seen.values())
 
 
-def torch_save_file(obj: Any, path: Path, **kwargs: Any) -> None:
+def torch_save_file(
+    obj: Any, path: Path, archive: str | None = None, root: Path | None = None, **kwargs: Any
+) -> Path | FileRecord:
     """torch.save(obj, path), as NxD does (the archive named after the file), with a full disk
     refused before writing (the size is known to within the zip's overhead) and any failure of
-    torch's writer (its "enforce fail at inline_container.cc") turned into a one-line error."""
+    torch's writer (its "enforce fail at inline_container.cc") turned into a one-line error.
+    With `archive` ARCHIVE: the records under "archive/", as torch.save into a stream names them
+    (shardkit's save_checkpoint, the trainer), written through the I/O core: its record (relative
+    to `root`, default the file's folder) is returned instead of the path."""
     needed = _stored_bytes(obj) + (64 << 10)
     ensure_free_space(path.parent, needed)
+    if archive is not None:
+        if archive != ARCHIVE:
+            raise ValueError(f"torch.save names the records' folder after the file or {ARCHIVE!r}, not {archive!r}")
+        out = HashingFile(path, root or path.parent)
+        try:
+            torch_save(obj, out, **kwargs)
+            return out.close()
+        except BaseException:
+            out.abort()
+            raise
     try:
         torch.save(obj, str(path), **kwargs)
     except RuntimeError as e:
         raise _writer_failure(e, path, needed) from None
+    return path
 
 
 def _writer_failure(e: RuntimeError, path: Path, needed: int) -> Exception:
@@ -137,6 +163,23 @@ class Deferred:
     make: Callable[[], torch.Tensor]
 
 
+def archive_of(path: Path) -> str | None:
+    """How the torch file at `path` names its zip records' folder: ARCHIVE ("archive/": torch.save
+    into a stream, as shardkit's save_checkpoint and the trainer write) or None (after the file
+    itself: torch.save of a path, as NxD writes; also what is no zip archive). A rewrite of the
+    file keeps it (`save_together`, `save_object`: `archive=`), so that a round trip gives back
+    its bytes."""
+    found = read_archive(Path(path))
+    return ARCHIVE if found is not None and found.prefix == ARCHIVE else None
+
+
+def archive_of_files(paths: Iterable[Path]) -> str | None:
+    """`archive_of` the first `.pt` file of `paths` (a source's model or its optimizer files, which
+    one writer wrote alike); None when there is none."""
+    first = next((Path(p) for p in paths if Path(p).suffix == ".pt"), None)
+    return archive_of(first) if first is not None else None
+
+
 def save_together(
     paths: Sequence[Path],
     objs: Sequence[Any],
@@ -144,27 +187,30 @@ def save_together(
     expert: bool | Collection[str] = False,
     root: Path | None = None,
     fsync: bool = False,
+    archive: str | None = None,
 ) -> list[Path | FileRecord]:
     """Save objects of the same structure whose tensors are `Deferred` (or compact tensors) as
     `save_object` would, byte for byte, but a tensor at a time: the k-th tensor of every file,
     then the next, so that one `make()` result (a moment read once, cut into dp shards) serves
     all files while it is the last read, and memory holds one tensor per file, never an object.
-    Returns the files written: the records (relative to `root`, default each file's folder) of
-    those written through the I/O core (which an object-store output may send away as they
-    close; with `fsync`, durable), the paths of the others (xser's: the caller syncs them)."""
+    `archive`: None names each file's zip records' folder after the file (torch.save of a path,
+    NxD's), ARCHIVE "archive/" (`archive_of`). Returns the files written: the records (relative
+    to `root`, default each file's folder) of those written through the I/O core (which an
+    object-store output may send away as they close; with `fsync`, durable), the paths of the
+    others (torch's own writer's: the caller syncs them)."""
     paths = [Path(p) for p in paths]
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
     if use_xser:
-        return _xser_together(paths, objs, expert)
+        return _xser_together(paths, objs, expert, archive, root)
     plans = [_stubbed(obj) for obj in objs]
     writers: list[TorchWriter | _TorchFileWriter] = []
     try:
         for path, (pkl, leaves) in zip(paths, plans):
             specs = [TensorSpec(str(k), tuple(leaf.shape), leaf.dtype) for k, leaf in enumerate(leaves)]
-            archive = path.stem + "/"  # torch.save names the records' folder after the file it opens
-            if written_natively(specs, pkl, archive):
-                writers.append(TorchWriter(path, root or path.parent, specs, data_pkl=pkl, archive=archive))
+            folder = archive or path.stem + "/"  # torch.save names the records' folder after the file it opens
+            if archive is not None or written_natively(specs, pkl, folder):  # "archive/": torch's stream writer else
+                writers.append(TorchWriter(path, root or path.parent, specs, data_pkl=pkl, archive=folder))
             else:
                 writers.append(_TorchFileWriter(path, root or path.parent, pkl, sum(spec.nbytes for spec in specs)))
         for k in range(len(plans[0][1]) if plans else 0):
@@ -256,7 +302,13 @@ def _compact(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
 
 
-def _xser_together(paths: list[Path], objs: Sequence[Any], expert: bool | Collection[str]) -> list[Path | FileRecord]:
+def _xser_together(
+    paths: list[Path],
+    objs: Sequence[Any],
+    expert: bool | Collection[str],
+    archive: str | None = None,
+    root: Path | None = None,
+) -> list[Path | FileRecord]:
     """`save_together` in xser: each tensor its own file, then the reference file and `.info.pt`."""
     walks = []
     for obj in objs:
@@ -267,13 +319,10 @@ def _xser_together(paths: list[Path], objs: Sequence[Any], expert: bool | Collec
         xser.tensors_dir(path).mkdir(exist_ok=True)
     for k in range(len(walks[0][1]) if walks else 0):
         for path, (_, leaves) in zip(paths, walks):
-            target = xser.tensor_path(path, k)
-            torch_save_file(_made(leaves[k]), target)
-            written.append(target)
+            written.append(torch_save_file(_made(leaves[k]), xser.tensor_path(path, k), archive, root))
     for path, obj, (refs, leaves) in zip(paths, objs, walks):
-        torch_save_file(refs, path, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
-        torch_save_file(_xser_info(obj, leaves, expert), xser.info_path(path))
-        written += [path, xser.info_path(path)]
+        written.append(torch_save_file(refs, path, archive, root, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2))
+        written.append(torch_save_file(_xser_info(obj, leaves, expert), xser.info_path(path), archive, root))
     return written
 
 
@@ -289,29 +338,53 @@ def _xser_info(obj: Any, tensors: Sequence[Any], expert: bool | Collection[str])
     }
 
 
+@overload
 def save_object(
-    path: Path, obj: Any, use_xser: bool, expert: bool | Collection[str] = False, data: bool = True
-) -> list[Path]:
-    """torch.save `obj` to `path` exactly as NxD does (the archive is named after the file), or
-    as xser (reference file, `.info.pt`, one file per tensor). `expert`: xser's
-    `expert_model_parallel` flag of every tensor, or the keys of a flat dict `obj` whose tensors
-    get it. Without `data`, the xser tensor files are left out, as NxD's
-    `avoid_saving_lower_precision_weights` saves a model (`obj`'s tensors may then be on the meta
-    device: only their shapes and dtypes are written). Returns the files written."""
+    path: Path, obj: Any, use_xser: bool, expert: bool | Collection[str] = ..., data: bool = ..., archive: None = ...
+) -> list[Path]: ...
+
+
+@overload
+def save_object(
+    path: Path,
+    obj: Any,
+    use_xser: bool,
+    expert: bool | Collection[str] = ...,
+    data: bool = ...,
+    *,
+    archive: str | None,
+    root: Path | None = ...,
+) -> list[Path | FileRecord]: ...
+
+
+def save_object(
+    path: Path,
+    obj: Any,
+    use_xser: bool,
+    expert: bool | Collection[str] = False,
+    data: bool = True,
+    archive: str | None = None,
+    root: Path | None = None,
+) -> list[Path] | list[Path | FileRecord]:
+    """torch.save `obj` to `path` exactly as NxD does (the archive is named after the file; with
+    `archive` ARCHIVE under "archive/", see `archive_of`), or as xser (reference file,
+    `.info.pt`, one file per tensor). `expert`: xser's `expert_model_parallel` flag of every
+    tensor, or the keys of a flat dict `obj` whose tensors get it. Without `data`, the xser tensor
+    files are left out, as NxD's `avoid_saving_lower_precision_weights` saves a model (`obj`'s
+    tensors may then be on the meta device: only their shapes and dtypes are written). Returns
+    the files written (with `archive`, the records of those written through the I/O core,
+    relative to `root`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not use_xser:
-        torch_save_file(obj, path)
-        return [path]
+        return [torch_save_file(obj, path, archive, root)]
     tensors: list[torch.Tensor] = []
     refs = _reference_walk(obj, tensors)
     written = []
     if data:
         xser.tensors_dir(path).mkdir(exist_ok=True)
     for tid, tensor in enumerate(tensors if data else []):
-        target = xser.tensor_path(path, tid)
-        torch_save_file(tensor, target)
-        written.append(target)
-    torch_save_file(refs, path, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
-    torch_save_file(_xser_info(obj, tensors, expert), xser.info_path(path))
-    return [path, xser.info_path(path), *written]
+        written.append(torch_save_file(tensor, xser.tensor_path(path, tid), archive, root))
+    main = torch_save_file(refs, path, archive, root, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
+    info = torch_save_file(_xser_info(obj, tensors, expert), xser.info_path(path), archive, root)
+    return [main, info, *written]  # Paths alone without `archive`
