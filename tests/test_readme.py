@@ -14,6 +14,7 @@ the training runs take a few steps instead of hundreds. Nothing leaves 127.0.0.1
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -40,7 +41,9 @@ MODELS = {
     # README path -> the fixture config built there. llama-gqa64 has 64 q heads, 8 kv heads, 5 layers,
     # so the README's tp 32 pp 4 kv-multiplier 4 (and tp 8 / tp 16 reshards) fit it as they fit 70B.
     "Llama-2-70b-hf": "llama-gqa64",
+    "bert-base-uncased": "bert-tiny",  # with a WordPiece tokenizer of the tweets' words (TOKENIZED)
 }
+TOKENIZED = ("bert-base-uncased",)
 HUB_REPOS = {"meta-llama/Llama-2-7b-hf": "llama-gqa64"}  # served by the stand-in Hub
 MIXTRAL_CHECKPOINT = "mixtral-ckpt"  # a tiny Mixtral's checkpoint, trained 2 steps at ep 2 on 2 processes
 SHORTER = {  # the README's training runs, shortened (whole words only)
@@ -85,6 +88,8 @@ TRAINING_GROUP = [
     "--num-kept 3 --async-save --resume latest_if_exists --export-hf ./runs/llama-trained",
     "python -m trainer --model runs/demo/tinyllama-mini --data runs/tokens.bin --seq-len 64 --steps 100 "
     "--lora-rank 8 --lora-targets q,k,v,o --checkpoint-dir ./runs/ckpt-lora",
+    "python -m trainer --model ./bert-base-uncased --task sequence-classification --data fixtures/tweets-tiny.csv "
+    "--label-column sentiment --seq-len 32 --global-batch 12 --steps 30 --lr 5e-5 --export-hf ./runs/bert-tweets",
     "shardkit ckpt list ./runs/ckpt",
     "shardkit ckpt inspect ./runs/ckpt",
     "shardkit ckpt export ./runs/ckpt ./runs/step200-hf --tag step_200",
@@ -187,6 +192,10 @@ def workspace(tmp_path: Path) -> Path:
         (work / name).symlink_to(ROOT / name, target_is_directory=True)
     for path, config in MODELS.items():
         make_tiny_model(config, work / path)
+    for path in TOKENIZED:
+        from test_trainer_bert import write_vocab
+
+        write_vocab(work / path)
     return work
 
 
@@ -296,4 +305,6 @@ def test_readme_training_and_checkpoint_commands_run(tmp_path, monkeypatch):
     assert (runs / "llama-trained/model.safetensors").is_file()
     assert (runs / "lora-adapter/adapter_config.json").is_file()
     assert (runs / "lora-merged-from-shards/model.safetensors").is_file()
+    assert json.loads((runs / "bert-tweets/config.json").read_text())["id2label"] == {
+        "0": "negative", "1": "neutral", "2": "positive"}
     assert (runs / "mixtral-ckpt-ep4").is_dir()
