@@ -13,9 +13,11 @@ resumed from the NxD tree takes the same first step as torch's AdamW from the sa
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -319,3 +321,22 @@ def test_the_imitation_of_torchtitan03_is_torchtitans_code(tiny_model):
     assert any(".wqkv." in k for k in a) and any(".qkv_linear.wq." in k for k in a)
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+def test_titan03_state_both_fused_and_apart_is_one_line_exit_2(titan03, tmp_path):
+    """A 0.3 checkpoint holding q's moments both under the fused parameter and apart (two saves
+    mixed): which is the state cannot be told; `ckpt reshard` refuses it in one line."""
+    src, state, ckpt = titan03
+    shutil.copytree(ckpt, tmp_path / "mixed")
+    folder = tmp_path / "mixed/step-2"
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    fused, apart = (f"optimizer.state.layers.1.attention.qkv_linear.{p}.weight.exp_avg" for p in ("wqkv", "wq"))
+    have, add = (fused, apart) if state["fused"] else (apart, fused)
+    meta.state_dict_metadata[add] = meta.state_dict_metadata[have]  # the same chunks, listed under the other name
+    meta.storage_data.update({replace(k, fqn=add): v for k, v in meta.storage_data.items() if k.fqn == have})
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    run = CliRunner().invoke(cli, ["ckpt", "reshard", str(tmp_path / "mixed"), str(tmp_path / "out"), "--config",
+                                   str(src / "config.json"), "--format", "torch"])
+    assert run.exit_code == 2 and len(run.output.strip().splitlines()) == 1, run.output
+    assert "holds the optimizer state of layers.1.attention.qkv_linear.wq.weight both apart and fused" in run.output
+    assert not (tmp_path / "out").exists()
