@@ -543,6 +543,9 @@ def test_a_tag_that_only_looks_complete_is_never_latest_nor_kept_in_place_of_a_l
     assert "UNLOADABLE" in row and "latest" not in row, out.stdout
     reason = next(line for line in out.stderr.splitlines() if line.startswith("step_99"))
     assert "cannot be loaded" in reason and why in reason, out.stderr
+    out = runner.invoke(cli, ["ckpt", "export", str(ckpt), str(ckpt.parent / "hf"), "--tag", "step_99"])
+    assert out.exit_code == 2 and one_line(out.output) and "cannot be loaded" in out.output, out.output
+    assert not (ckpt.parent / "hf").exists()
     listed = json.loads(runner.invoke(cli, ["ckpt", "list", str(ckpt), "--json"]).stdout)
     assert listed["latest"] == "step_2" and latest(ckpt) == "step_2"
     info = {c["tag"]: c for c in listed["checkpoints"]}["step_99"]
@@ -680,8 +683,9 @@ def test_saving_into_or_pruning_a_checkpoint_folder_that_is_a_symlink_is_refused
                 link, "step_3", pieces(3), layout=LAYOUT, config=CONFIG, async_save=async_save, num_kept=1
             )
         assert one_line(str(e.value))
-    with pytest.raises(ShardkitError, match="is a symlink"):
-        save_checkpoint(str(link) + "/", "step_3", pieces(3), layout=LAYOUT, config=CONFIG)
+    for spelled in (str(link) + "/", str(link) + "/step_1/..", str(link) + "/./"):
+        with pytest.raises(ShardkitError, match="is a symlink"):
+            save_checkpoint(spelled, "step_3", pieces(3), layout=LAYOUT, config=CONFIG)
     dangling = tmp_path / "dangling"
     dangling.symlink_to(tmp_path / "nowhere", target_is_directory=True)
     with pytest.raises(ShardkitError, match="is a symlink"):
@@ -706,8 +710,19 @@ def test_two_files_of_one_rank_are_refused_not_one_of_them_picked(ckpt, tmp_path
     name, stale = "dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_00_tp_rank_0_pp_rank_00.pt"
     shutil.copyfile(ckpt / "step_1" / kind / name, tag / kind / stale)
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    run = CliRunner().invoke(cli, ["ckpt", "reshard", str(ckpt), str(tmp_path / "out"), "--tag", "step_99",
-                                   "--config", str(tmp_path / "config.json")])
+    run = CliRunner().invoke(
+        cli,
+        [
+            "ckpt",
+            "reshard",
+            str(ckpt),
+            str(tmp_path / "out"),
+            "--tag",
+            "step_99",
+            "--config",
+            str(tmp_path / "config.json"),
+        ],
+    )
     assert run.exit_code == 2 and one_line(run.output), run.output
     assert f"{name} and " in run.output and f"{kind}/{stale} are both the" in run.output
     assert not (tmp_path / "out").exists()

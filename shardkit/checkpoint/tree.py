@@ -188,8 +188,8 @@ def _optim_name(dp: int, ep: int | None, tp: int, pp: int) -> str:
 
 def _expected_files(manifest: dict[str, Any]) -> list[str]:
     """The files a tag whose manifest is sound must list: the model file of every rank of its
-    layout (with xser's `.info.pt`), and when it says an optimizer was saved, dp rank 0's
-    optimizer file of every rank (NxD's zero1-dcp layout: `optim/.metadata`)."""
+    layout (with xser's `.info.pt`), and when it says an optimizer was saved, the optimizer file
+    of every rank (of every dp rank with ZeRO-1; NxD's zero1-dcp layout: `optim/.metadata`)."""
     section = manifest.get("checkpoint") or {}
     if section.get("generic"):
         return [f"{MODEL_DIR}/dp_rank_00_tp_rank_00_pp_rank_00.pt"]
@@ -197,13 +197,14 @@ def _expected_files(manifest: dict[str, Any]) -> list[str]:
     if fmt not in FORMATS:
         return []
     layout = Layout.from_dict(manifest["layout"])
+    dp = section.get("dp") if section.get("zero1") is True and _whole_number(section.get("dp")) else 1
     names = []
     for ep, tp, pp in layout.ranks():
         names.append(nxd.rank_file_name(ep, tp, pp, layout, fmt))
         if fmt == "xser":
             names.append(names[-1] + ".info.pt")
         if section.get("nxd_mode") != "zero1-dcp" and section.get("optimizer"):
-            names.append(_optim_name(0, ep if layout.ep > 1 else None, tp, pp))
+            names += [_optim_name(d, ep if layout.ep > 1 else None, tp, pp) for d in range(max(1, dp))]
     if section.get("nxd_mode") == "zero1-dcp":
         names.append(f"{OPTIM_DIR}/.metadata")
     return names

@@ -302,12 +302,14 @@ def owned_folder(path: str | Path) -> bool:
 
 def refuse_link(dst: str | Path) -> None:
     """The destination check of every writer: a destination folder that is a symlink (dangling
-    or not) is refused in one line, before anything is written or deleted through it."""
-    if is_link(dst):
-        raise DestinationExistsError(
-            f"{shown(dst)} is a symlink (to {shown(os.readlink(dst))}): shardkit never writes or deletes "
-            "through a link; give the real destination path"
-        )
+    or not), also when spelled through it (`link/sub/..`), is refused in one line, before anything
+    is written or deleted through it."""
+    for path in (Path(dst), Path(os.path.normpath(dst))):
+        if is_link(path):
+            raise DestinationExistsError(
+                f"{shown(path)} is a symlink (to {shown(os.readlink(path))}): shardkit never writes or deletes "
+                "through a link; give the real destination path"
+            )
 
 
 def remove_dead_folders(base: str | Path, prefix: str) -> list[tuple[Path, int]]:
