@@ -27,6 +27,11 @@ from trainer_helpers import check_ok, losses, rel_diff, run_inprocess, run_ranks
 
 from shardkit.testing import fixture_config, make_tiny_model
 
+try:  # the moto S3 server and a fresh bucket, shared with tests/test_s3.py
+    from test_s3 import bucket, s3_server  # noqa: F401
+except pytest.skip.Exception:  # moto or boto3 not installed: the S3 test is skipped
+    s3_server = bucket = None
+
 ROOT = Path(__file__).resolve().parent.parent
 TWEETS = ROOT / "fixtures" / "tweets-tiny.csv"
 STEPS, SEQ, ROWS, MICRO, LR, SEED = 3, 16, 36, 6, 1e-3, 1234
@@ -323,6 +328,52 @@ def test_a_csv_with_a_byte_order_mark_reads_its_header(work, classifier):
     assert got[0] == got[1]
 
 
+def test_rows_from_parquet_datasets_and_s3_train_like_the_csv(work, classifier, bucket, caplog):  # noqa: F811
+    """The tweets as .parquet (labels as whole numbers in float64, as pandas may store them), as a
+    datasets folder and as s3://bucket/key.csv: the csv's first loss."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = tweets()
+    table = pa.table(
+        {"text": [r["text"] for r in rows], "sentiment": [float(LABELS.index(r["sentiment"])) for r in rows]}
+    )
+    pq.write_table(table, work / "tweets.parquet")
+    sources = {"parquet": str(work / "tweets.parquet")}
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict(
+        {"text": [r["text"] for r in rows], "sentiment": [r["sentiment"] for r in rows]}
+    ).save_to_disk(str(work / "tweets-ds"))
+    sources["datasets"] = str(work / "tweets-ds")
+    if bucket is not None:
+        from shardkit.io import s3
+
+        s3.client().put_object(Bucket=bucket, Key="tweets/train.csv", Body=TWEETS.read_bytes())
+        sources["s3"] = f"s3://{bucket}/tweets/train.csv"
+    want = None
+    for name, data in {"csv": str(TWEETS), **sources}.items():
+        metrics = work / f"rows-{name}.jsonl"
+        labels = ["--num-labels", "3"] if name == "parquet" else []
+        run_inprocess(
+            [
+                "--model",
+                str(classifier),
+                "--data",
+                data,
+                "--metrics",
+                str(metrics),
+                *COMMON,
+                *CLS,
+                *labels,
+                "--steps",
+                "1",
+            ]
+        )
+        got = losses(metrics)
+        want = want or got
+        assert got == want, name
+
+
 # ---- pre-training ---------------------------------------------------------------------------------------
 
 
@@ -539,6 +590,8 @@ def bad_cases(work: Path, classifier: Path, pretrained: Path) -> dict[str, tuple
         "bad.jsonl": '{"text": "hello", "sentiment": "positive"}\n{"text": "the city", \n',
         "number-text.jsonl": '{"text": "hello", "sentiment": "positive"}\n{"text": 5, "sentiment": "neutral"}\n',
         "negative-label.csv": "text,sentiment\nhello,0\nthe city,-1\n",
+        "list-label.jsonl": '{"text": "hello", "sentiment": 1}\n{"text": "the city", "sentiment": [2]}\n',
+        "pairs-without-nsp.jsonl": '{"text": "hello", "second": "the city"}\n',
     }
     for name, text in files.items():
         (folder / name).write_text(text)
@@ -562,7 +615,7 @@ def bad_cases(work: Path, classifier: Path, pretrained: Path) -> dict[str, tuple
         "missing label": ([*model, *data("missing-label.csv")], "missing-label.csv line 3: the label is missing"),
         "unknown eval label": (
             [*model, "--data", str(TWEETS), "--eval-data", str(folder / "unknown-label.csv")],
-            "unknown-label.csv line 3: label 'angry' is not one of the 3 labels",
+            "unknown-label.csv line 3: label 'angry' is not one of the 3 labels of the model",
         ),
         "jsonl not parsing": ([*model, *data("bad.jsonl")], "bad.jsonl line 2 is not JSON"),
         "text not text": (
@@ -606,6 +659,27 @@ def bad_cases(work: Path, classifier: Path, pretrained: Path) -> dict[str, tuple
             ],
             "--optimizer lamb does not take --lora-rank",
         ),
+        "label not a label": (
+            [*model, *data("list-label.jsonl")],
+            "list-label.jsonl line 2: label [2] is neither a whole number nor text",
+        ),
+        "eval pairs without nsp": (
+            [
+                "--model",
+                str(pretrained),
+                "--data",
+                str(work / "pairs.jsonl"),
+                "--task",
+                "pretraining",
+                "--text-pair-column",
+                "second",
+                "--eval-data",
+                str(folder / "pairs-without-nsp.jsonl"),
+                "--num-labels",
+                "0",
+            ],
+            "has no column 'next_sentence_label' (its columns: 'text', 'second'): the next-sentence labels of --data",
+        ),
         "sequence parallel for bert": (
             [*model, "--data", str(TWEETS), "--sequence-parallel"],
             "does not take --sequence-parallel",
@@ -613,7 +687,7 @@ def bad_cases(work: Path, classifier: Path, pretrained: Path) -> dict[str, tuple
     }
 
 
-def test_bad_data_is_one_line_and_exit_2(work, classifier, pretrained, capsys):
+def test_bad_data_is_one_line_and_exit_2(work, classifier, pretrained, pairs, capsys):
     from trainer.__main__ import main
 
     cases = bad_cases(work, classifier, pretrained)

@@ -371,16 +371,20 @@ def plan_task(
         raise TrainerError("--num-labels is for --task sequence-classification: pre-training has no labels to count")
     tok = find_tokenizer(DataOptions(cfg.text_column, cfg.tokenizer, cfg.data_cache), folders, "--data", cfg.data).tok
     vocab = int(model_config["vocab_size"])
-    flags = {cfg.text_column: "--text-column", cfg.label_column: "--label-column"}
+    hints = {
+        cfg.text_column: "pass --text-column NAME",
+        cfg.label_column: "pass --label-column NAME",
+        tasks.NSP_COLUMN: "the next-sentence labels of --data (0: the second text follows, 1: it does not)",
+    }
     if cfg.text_pair_column:
-        flags[cfg.text_pair_column] = "--text-pair-column"
+        hints[cfg.text_pair_column] = "pass --text-pair-column NAME"
     nsp = False
     if cfg.task == PRETRAINING:
         if tok.mask_token_id is None:
             raise DataError(f"the tokenizer {tok.name_or_path} has no mask token: masked-LM pre-training needs [MASK]")
         nsp = bool(cfg.text_pair_column) and tasks.NSP_COLUMN in rows.open_table(cfg.data, "--data").columns
     label = cfg.label_column if cfg.task == CLASSIFICATION else tasks.NSP_COLUMN if nsp else None
-    columns = tasks.Columns(cfg.text_column, cfg.text_pair_column, label, flags)
+    columns = tasks.Columns(cfg.text_column, cfg.text_pair_column, label, hints)
     train, raw = tasks.read_rows(cfg.data, "--data", columns, tok, cfg.seq_len, vocab)
     evaluated, eval_raw = (
         tasks.read_rows(cfg.eval_data, "--eval-data", columns, tok, cfg.seq_len, vocab) if cfg.eval_data else (None, [])
@@ -390,9 +394,9 @@ def plan_task(
         model_labels = model_config.get("label2id") if architecture(model_config) == CLS_ARCH else None
         labels = tasks.choose_labels(train, raw, cfg.num_labels, model_labels)
         _check_labels(model_config, labels, cfg.num_labels, CLS_ARCH)
-        tasks.assign_labels(train, raw, labels, "--data")
+        tasks.assign_labels(train, raw, labels, "the model" if model_labels else "--data")
         if evaluated is not None:
-            tasks.assign_labels(evaluated, eval_raw, labels, "--data")
+            tasks.assign_labels(evaluated, eval_raw, labels, "the model" if model_labels else "--data")
     elif nsp:
         tasks.assign_next_sentence(train, raw)
         if evaluated is not None:

@@ -64,11 +64,11 @@ def open_table(text: str, what: str) -> Table:
     return Table(source, path, _column_names(path, source.kind, text))
 
 
-def require(table: Table, name: str, flag: str) -> None:
-    """Refuse a table without column `name` (the option `flag` names it), naming the columns it has."""
+def require(table: Table, name: str, hint: str) -> None:
+    """Refuse a table without column `name`, naming the columns it has; `hint`: what to do."""
     if name not in table.columns:
         have = ", ".join(repr(c) for c in table.columns) or "none"
-        raise DataError(f"{table.shown} has no column {name!r} (its columns: {have}): pass {flag} NAME")
+        raise DataError(f"{table.shown} has no column {name!r} (its columns: {have}): {hint}")
 
 
 def batches(table: Table, names: Sequence[str]) -> Iterator[dict[str, list[Any]]]:

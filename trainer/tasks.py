@@ -57,7 +57,7 @@ class Columns:
     text: str
     pair: str | None
     label: str | None
-    flags: dict[str, str] = field(default_factory=dict)  # column -> the option naming it
+    hints: dict[str, str] = field(default_factory=dict)  # column -> what to do when a table lacks it
 
 
 @dataclass
@@ -109,7 +109,7 @@ def read_rows(text: str, what: str, columns: Columns, tok: Any, seq_len: int, vo
     table = rows.open_table(text, what)
     for name in (columns.text, columns.pair, columns.label):
         if name is not None:
-            rows.require(table, name, columns.flags.get(name, "--text-column"))
+            rows.require(table, name, columns.hints.get(name, "pass --text-column NAME"))
     names = [n for n in (columns.text, columns.pair, columns.label) if n is not None]
     if tok.pad_token_id is None:
         raise DataError(f"the tokenizer {tok.name_or_path} has no padding token: a BERT tokenizer has [PAD]")
@@ -179,14 +179,24 @@ def _table(data: RowData) -> rows.Table:
 
 
 def _whole(value: Any) -> int | None:
-    """`value` as a whole number (an int, or text holding one), else None."""
+    """`value` as a whole number (an int, a float without a fraction, or text holding one), else None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
         return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     if isinstance(value, str) and WHOLE.fullmatch(value.strip()):
         return int(value)
     return None
+
+
+def _check_label(table: rows.Table, index: int, value: Any) -> None:
+    """A label is a whole number or text: one line naming the row otherwise (missing, a list, ...)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise table.error(index, "the label is missing")
+    if not isinstance(value, str) and _whole(value) is None:
+        raise table.error(index, f"label {value!r} is neither a whole number nor text")
 
 
 def choose_labels(data: RowData, raw: list[Any], num_labels: int, model_labels: Mapping[str, int] | None) -> Labels:
@@ -194,8 +204,7 @@ def choose_labels(data: RowData, raw: list[Any], num_labels: int, model_labels: 
     (or by the model's own `label2id`); `num_labels` 0: as many as the model or the data has."""
     table = _table(data)
     for i, value in enumerate(raw):
-        if value is None or (isinstance(value, str) and not value.strip()):
-            raise table.error(i, "the label is missing")
+        _check_label(table, i, value)
     numbers = [_whole(v) for v in raw]
     if all(n is not None for n in numbers):
         if model_labels:  # the model's own names of its label ids
@@ -221,8 +230,7 @@ def assign_labels(data: RowData, raw: list[Any], labels: Labels, what: str) -> N
     table = _table(data)
     count = len(labels.names)
     for i, value in enumerate(raw):
-        if value is None or (isinstance(value, str) and not value.strip()):
-            raise table.error(i, "the label is missing")
+        _check_label(table, i, value)
         if labels.ids is None:
             n = _whole(value)
             if n is None:
@@ -239,7 +247,7 @@ def assign_labels(data: RowData, raw: list[Any], labels: Labels, what: str) -> N
         key = str(value).strip()
         if key not in labels.ids:
             known = ", ".join(labels.names[:8]) + (", ..." if count > 8 else "")
-            raise table.error(i, f"label {key!r} is not one of the {count} labels ({known}) {what} was trained with")
+            raise table.error(i, f"label {key!r} is not one of the {count} labels of {what} ({known})")
         data.labels[i] = labels.ids[key]
 
 
