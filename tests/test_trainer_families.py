@@ -21,6 +21,9 @@ from trainer_helpers import CORPUS, check_ok, losses, rel_diff, run_args, run_ra
 from shardkit import Layout, open_checkpoint
 from shardkit.testing import fixture_config, make_tiny_model
 
+# each family trained end to end against transformers: minutes in all, CI's slow job runs them
+pytestmark = pytest.mark.slow
+
 STEPS, SEQ, SEQUENCES, MICRO, LR, VOCAB, SEED = 3, 32, 16, 4, 1e-2, 64, 1234
 REL = 1e-4
 COMMON = [
