@@ -495,6 +495,14 @@ def _manifest_without_the_model(ckpt: Path) -> str:
     return f"{MODEL_FILE} is not listed"
 
 
+def _manifest_claiming_a_billion_ranks(ckpt: Path) -> str:
+    """A sound manifest whose layout names ranks it has no files of: caught at the first gap (never
+    a listing that walks a billion names)."""
+    shutil.copytree(ckpt / "step_2", ckpt / "step_99")
+    edit_manifest(ckpt / "step_99", lambda d: (d["checkpoint"].update(step=99), d["layout"].update(tp=10**9)))
+    return "dp_rank_00_tp_rank_01_pp_rank_00.pt is not listed"
+
+
 def _nxd_tree_without_its_model_file(ckpt: Path) -> str:
     (_nxd_copy(ckpt, "step_99") / MODEL_FILE).unlink()
     return "no model files"
@@ -523,6 +531,7 @@ SHELLS = {
     "done only": _done_only,
     "markers and an empty model folder": _markers_and_empty_model_folder,
     "manifest without the model file": _manifest_without_the_model,
+    "manifest claiming a billion ranks": _manifest_claiming_a_billion_ranks,
     "NxD tree without its model file": _nxd_tree_without_its_model_file,
     "NxD tree missing a tp rank": _nxd_tree_missing_a_tp_rank,
     "NxD tree with an empty model file": _nxd_tree_with_an_empty_model_file,

@@ -21,6 +21,7 @@ import os
 import re
 import stat
 import unicodedata
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -186,28 +187,30 @@ def _optim_name(dp: int, ep: int | None, tp: int, pp: int) -> str:
     return f"{OPTIM_DIR}/dp_rank_{dp:02d}_{mid}tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
 
 
-def _expected_files(manifest: dict[str, Any]) -> list[str]:
+def _expected_files(manifest: dict[str, Any]) -> Iterator[str]:
     """The files a tag whose manifest is sound must list: the model file of every rank of its
     layout (with xser's `.info.pt`), and when it says an optimizer was saved, the optimizer file
-    of every rank (of every dp rank with ZeRO-1; NxD's zero1-dcp layout: `optim/.metadata`)."""
+    of every rank (of every dp rank with ZeRO-1; NxD's zero1-dcp layout: `optim/.metadata`).
+    Named one at a time: a crafted layout of a billion ranks is caught at its first gap."""
     section = manifest.get("checkpoint") or {}
     if section.get("generic"):
-        return [f"{MODEL_DIR}/dp_rank_00_tp_rank_00_pp_rank_00.pt"]
+        yield f"{MODEL_DIR}/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+        return
     fmt = manifest["format"]
     if fmt not in FORMATS:
-        return []
+        return
     layout = Layout.from_dict(manifest["layout"])
-    dp = section.get("dp") if section.get("zero1") is True and _whole_number(section.get("dp")) else 1
-    names = []
-    for ep, tp, pp in layout.ranks():
-        names.append(nxd.rank_file_name(ep, tp, pp, layout, fmt))
-        if fmt == "xser":
-            names.append(names[-1] + ".info.pt")
-        if section.get("nxd_mode") != "zero1-dcp" and section.get("optimizer"):
-            names += [_optim_name(d, ep if layout.ep > 1 else None, tp, pp) for d in range(max(1, dp))]
+    dp: int = section["dp"] if section.get("zero1") is True and _whole_number(section.get("dp")) else 1
+    optimizer = section.get("nxd_mode") != "zero1-dcp" and bool(section.get("optimizer"))
     if section.get("nxd_mode") == "zero1-dcp":
-        names.append(f"{OPTIM_DIR}/.metadata")
-    return names
+        yield f"{OPTIM_DIR}/.metadata"
+    for ep, tp, pp in layout.ranks():
+        model = nxd.rank_file_name(ep, tp, pp, layout, fmt)
+        yield model
+        if fmt == "xser":
+            yield model + ".info.pt"
+        for d in range(max(1, dp)) if optimizer else ():
+            yield _optim_name(d, ep if layout.ep > 1 else None, tp, pp)
 
 
 _RANK_FILE = re.compile(r"^dp_rank_(\d+)_(?:ep_rank_(\d+)_)?tp_rank_(\d+)_pp_rank_(\d+)(\.pt|\.safetensors)$")
@@ -252,7 +255,7 @@ def nxd_problem(tag_dir: Path) -> str | None:
     v1 = all(name.endswith("/" + _V1_FILE) for name in model.values())
     suffix = next(iter(model.values())).rsplit(".", 1)[1]
     xser = any(os.path.lexists(tag_dir / f"{where}{name}.info.pt") for name in model.values())
-    implied = f"(the rank files say tp {tp}, pp {pp}{f', ep {ep}' if ep > 1 else ''})"
+    said = f"the rank files say tp {tp}, pp {pp}" + (f", ep {ep}" if ep > 1 else "")
     for e, t, p in ((e, t, p) for e in range(ep) for t in range(tp) for p in range(pp)):
         mid = f"ep_rank_{e:02d}_" if v3 else ""
         named = (
@@ -262,14 +265,14 @@ def nxd_problem(tag_dir: Path) -> str | None:
         for rel in [where + name] + ([f"{where}{name}.info.pt"] if xser else []):
             problem = _file_problem(tag_dir, rel)
             if problem:
-                return f"{problem} {implied}"
+                return f"{problem} ({said})"
     dp = max((k[0] for k in optim), default=-1) + 1
     for d, e, t, p in ((d, e, t, p) for d in range(dp) for e in range(ep) for t in range(tp) for p in range(pp)):
         found = optim.get((d, e, t, p))
         rel = f"{OPTIM_DIR}/{found}" if found else _optim_name(d, e if ep > 1 else None, t, p)
         problem = _file_problem(tag_dir, rel)
         if problem:
-            return f"{problem} {implied[:-1]}, dp {dp})"
+            return f"{problem} ({said}, dp {dp})"
     return None
 
 
@@ -293,9 +296,9 @@ def tag_problem(tag_dir: Path) -> tuple[dict[str, Any] | None, str | None, bool]
     problem = files_problem(tag_dir, manifest)
     if problem is None:
         listed = {entry["path"] for entry in manifest["files"]}
-        missing = [name for name in _expected_files(manifest) if name not in listed]
+        missing = next((name for name in _expected_files(manifest) if name not in listed), None)
         if missing:
-            problem = f"{missing[0]} is not listed in {MANIFEST} (a checkpoint of its layout has it)"
+            problem = f"{missing} is not listed in {MANIFEST} (a checkpoint of its layout has it)"
     return manifest, problem, True
 
 
