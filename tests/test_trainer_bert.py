@@ -592,6 +592,7 @@ def bad_cases(work: Path, classifier: Path, pretrained: Path) -> dict[str, tuple
         "negative-label.csv": "text,sentiment\nhello,0\nthe city,-1\n",
         "list-label.jsonl": '{"text": "hello", "sentiment": 1}\n{"text": "the city", "sentiment": [2]}\n',
         "pairs-without-nsp.jsonl": '{"text": "hello", "second": "the city"}\n',
+        "one-label.csv": "text,sentiment\nhello,positive\nthe city,positive\n",
     }
     for name, text in files.items():
         (folder / name).write_text(text)
@@ -659,6 +660,14 @@ def bad_cases(work: Path, classifier: Path, pretrained: Path) -> dict[str, tuple
             ],
             "--optimizer lamb does not take --lora-rank",
         ),
+        "one label": (
+            ["--model", str(pretrained), *data("one-label.csv"), "--num-labels", "0"],
+            "one-label.csv holds one label ('positive'): a classification needs 2 or more",
+        ),
+        "resume of another task": (
+            ["--model", str(pretrained), "--data", str(TWEETS), "--resume", str(work / "pre-ckpt" / "step_1")],
+            "holds BertForPreTraining, this run trains BertForSequenceClassification",
+        ),
         "label not a label": (
             [*model, *data("list-label.jsonl")],
             "list-label.jsonl line 2: label [2] is neither a whole number nor text",
@@ -690,6 +699,20 @@ def bad_cases(work: Path, classifier: Path, pretrained: Path) -> dict[str, tuple
 def test_bad_data_is_one_line_and_exit_2(work, classifier, pretrained, pairs, capsys):
     from trainer.__main__ import main
 
+    run_inprocess(
+        [
+            "--model",
+            str(pretrained),
+            "--data",
+            str(pairs),
+            *COMMON,
+            *PRE,
+            "--steps",
+            "1",
+            "--checkpoint-dir",
+            str(work / "pre-ckpt"),
+        ]
+    )
     cases = bad_cases(work, classifier, pretrained)
     capsys.readouterr()
     for name, (args, fragment) in cases.items():

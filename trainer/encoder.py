@@ -393,6 +393,11 @@ def plan_task(
     if cfg.task == CLASSIFICATION:
         model_labels = model_config.get("label2id") if architecture(model_config) == CLS_ARCH else None
         labels = tasks.choose_labels(train, raw, cfg.num_labels, model_labels)
+        if len(labels.names) < 2:
+            raise DataError(
+                f"{cfg.data} holds one label ({labels.names[0]!r}): a classification needs 2 or more; pass "
+                "--num-labels N for N labels of which the data holds some"
+            )
         _check_labels(model_config, labels, cfg.num_labels, CLS_ARCH)
         tasks.assign_labels(train, raw, labels, "the model" if model_labels else "--data")
         if evaluated is not None:
