@@ -300,6 +300,9 @@ DAMAGE = {
     "checkpoint is a list": lambda d: d.update(checkpoint=[]),
     "layout is text": lambda d: d.update(layout="tp2"),
     "bad file entry": lambda d: d["files"].append({"path": 3}),
+    "a file name with a newline": lambda d: d["files"].append(
+        {"path": "model/x\nstep_3 complete", "size": 1, "sha256": "0" * 64}
+    ),
 }
 
 

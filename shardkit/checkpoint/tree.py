@@ -92,8 +92,8 @@ def tag_name_problem(tag: str) -> str | None:
 
 
 def shown_tag(tag: str) -> str:
-    """A tag as printed on one line: itself, or quoted with escapes when it holds what a terminal
-    would not show as it is (a newline, an escape sequence)."""
+    """A tag (or a file name) as printed on one line: itself, or quoted with escapes when it holds
+    what a terminal would not show as it is (a newline, an escape sequence)."""
     return tag if tag.isprintable() else ascii(tag)
 
 
@@ -327,6 +327,8 @@ def manifest_problem(data: Any) -> str | None:
             and has_digest(entry)
         ):
             return f"{MANIFEST} lists a file entry {str(entry)[:80]!r} without a path, size and digest"
+        if any(unicodedata.category(c) in _HIDDEN for c in entry["path"]):
+            return f"{MANIFEST} lists a file name with a control character ({ascii(entry['path'])[:80]})"
     info = data.get("checkpoint")
     if info is None:
         return None
