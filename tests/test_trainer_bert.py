@@ -601,7 +601,13 @@ def bad_cases(work: Path, classifier: Path, pretrained: Path) -> dict[str, tuple
         return ["--data", str(folder / name)]
 
     model = ["--model", str(classifier)]
+    odd = folder / "odd-labels"
+    if not odd.exists():
+        shutil.copytree(classifier, odd)
+        config = json.loads((odd / "config.json").read_text())
+        (odd / "config.json").write_text(json.dumps({**config, "id2label": {"0": "negative", "5": "neutral", "2": 7}}))
     return {
+        "malformed id2label": (["--model", str(odd), "--data", str(TWEETS)], "id2label must map the ids 0 .. n-1"),
         "missing column": (
             [*model, *data("no-label-column.csv")],
             "has no column 'sentiment' (its columns: 'text', 'mood'): pass --label-column NAME",

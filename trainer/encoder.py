@@ -370,7 +370,7 @@ def plan_task(
     if cfg.task == PRETRAINING and cfg.num_labels:
         raise TrainerError("--num-labels is for --task sequence-classification: pre-training has no labels to count")
     tok = find_tokenizer(DataOptions(cfg.text_column, cfg.tokenizer, cfg.data_cache), folders, "--data", cfg.data).tok
-    vocab = int(model_config["vocab_size"])
+    vocab = ModelDims.from_config(model_config).vocab_size  # checked: one line for a malformed config
     hints = {
         cfg.text_column: "pass --text-column NAME",
         cfg.label_column: "pass --label-column NAME",
@@ -391,7 +391,7 @@ def plan_task(
     )
     labels = None
     if cfg.task == CLASSIFICATION:
-        model_labels = model_config.get("label2id") if architecture(model_config) == CLS_ARCH else None
+        model_labels = _model_labels(model_config) if architecture(model_config) == CLS_ARCH else None
         labels = tasks.choose_labels(train, raw, cfg.num_labels, model_labels)
         if len(labels.names) < 2:
             raise DataError(
@@ -410,6 +410,23 @@ def plan_task(
     if resume is not None:
         _check_resume(resume, spec)
     return TaskPlan(spec, train, evaluated, _eval_steps(cfg, evaluated), nsp, columns, labels)
+
+
+def _model_labels(config: Mapping[str, Any]) -> dict[str, int] | None:
+    """A classifier's labels by name, from its config's `id2label` (ids "0" .. "n-1", names text);
+    None when it names none; one line when it is malformed."""
+    from shardkit.families.bert import num_labels
+
+    id2label = config.get("id2label")
+    if id2label is None:
+        return None
+    count = num_labels(config)  # an object of the right size, or one line
+    names = {str(k): v for k, v in id2label.items()}
+    if sorted(names) != sorted(str(i) for i in range(count)) or not all(isinstance(v, str) for v in names.values()):
+        raise TrainerError("the model's config.json id2label must map the ids 0 .. n-1 to label names: fix it")
+    if len(set(names.values())) != count:
+        raise TrainerError("the model's config.json id2label names a label twice: fix it")
+    return {names[str(i)]: i for i in range(count)}
 
 
 def _check_optimizer(cfg: Any, model_config: Mapping[str, Any]) -> None:
