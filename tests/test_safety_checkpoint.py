@@ -577,7 +577,10 @@ def test_a_tag_that_only_looks_complete_is_never_latest_nor_kept_in_place_of_a_l
     assert [t for t, _ in tags(ckpt)] == ["step_2", "step_99"]
 
     with Checkpointer() as ck:  # a save's retention, and an async save's, count only loadable tags
-        save(ckpt, 3, ck, num_kept=1)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shardkit"):
+            save(ckpt, 3, ck, num_kept=1)
+        assert "step_99" in caplog.text and "cannot be loaded" in caplog.text  # and say why they keep it
         assert [t for t, _ in tags(ckpt)] == ["step_3", "step_99"]
         ck.save(ckpt, "step_4", pieces(4), layout=LAYOUT, config=CONFIG, async_save=True, num_kept=1)
         ck.wait()

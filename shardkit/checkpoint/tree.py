@@ -602,6 +602,8 @@ def plan_retention(
             why = why[1:]
         else:
             plan.keep.append(info.tag)
+            if info.damaged and (info.complete or info.unloadable):  # said by every retention, not only prune's
+                log.warning("retention leaves %s alone: it %s (not counted; fix or remove it)", info.path, info.verdict)
         plan.reasons[info.tag] = why
     return plan
 
