@@ -73,7 +73,7 @@ def run_reshard(src: str, dst: str, tp: int, dp: int) -> dict[str, Any]:
     import shardkit
     import shardkit.api
 
-    shardkit.api.reshard_training_checkpoint(src, dst, shardkit.make_layout(tp=tp, qkv="gqa"), dp=dp)
+    shardkit.api.reshard_training_checkpoint(src, dst, shardkit.make_layout(tp=tp, qkv="gqa"), dp=dp, zero1=True)
     return {}
 
 

@@ -513,6 +513,37 @@ def test_cli(saved, model, tmp_path):
     assert out.exit_code == 2 and "does not exist" in out.output and "--checkpoint-dir" in out.output
 
 
+
+def test_reshard_keeps_every_dimension_it_is_not_given(saved, model, tmp_path):
+    """`ckpt reshard`'s flags mean the trainer's: --tp alone keeps the source's pp 2 (it was reset
+    to 1) and its unsharded optimizer (ZeRO-1 was switched on), saying so in one line; --dp is the
+    data-parallel degree, ZeRO-1 only when asked of a source without it (--dp alone shards nothing:
+    refused), and --zero1 without a --dp the source cannot tell is refused; a ZeRO-1 result keeps
+    its dp and ZeRO-1 through the next reshard."""
+    config, _, hf = model
+    runner = CliRunner()
+    src = saved["torch"]
+    out = runner.invoke(cli, ["ckpt", "reshard", str(src), str(tmp_path / "tp1"), "--tp", "1"])
+    assert out.exit_code == 0, out.output
+    assert "kept the source's qkv style gqa, pp 2 and no ZeRO-1" in out.stderr and "--pp" in out.stderr, out.stderr
+    info = json.loads(runner.invoke(cli, ["ckpt", "inspect", str(tmp_path / "tp1"), "--json"]).output)
+    assert (info["layout"]["tp"], info["layout"]["pp"], info["dp"], info["zero1"]) == (1, 2, 1, False)
+    for args, phrase in ((["--dp", "2"], "--dp 2 shards nothing"), (["--zero1"], "ZeRO-1 needs --dp"),
+                         (["--pp", "0"], "Invalid value for '--pp'")):
+        out = runner.invoke(cli, ["ckpt", "reshard", str(src), str(tmp_path / "no"), *args])
+        lines = out.stderr.strip().splitlines()
+        assert out.exit_code == 2 and len(lines) == 1 and phrase in lines[0], (args, out.stderr)
+        assert not (tmp_path / "no").exists()
+    out = runner.invoke(cli, ["ckpt", "reshard", str(src), str(tmp_path / "dp2"), "--dp", "2", "--zero1"])
+    assert out.exit_code == 0, out.output
+    assert "tp 2 and pp 2" in out.stderr and "dp" not in out.stderr.split("(")[0], out.stderr
+    out = runner.invoke(cli, ["ckpt", "reshard", str(tmp_path / "dp2"), str(tmp_path / "pp1"), "--pp", "1"])
+    assert out.exit_code == 0 and "tp 2, dp 2 and ZeRO-1" in out.stderr, out.stderr
+    info = json.loads(runner.invoke(cli, ["ckpt", "inspect", str(tmp_path / "pp1"), "--json"]).output)
+    assert (info["layout"]["tp"], info["layout"]["pp"], info["data_parallel"], info["zero1"]) == (2, 1, 2, True)
+    assert len(list((tmp_path / "pp1" / "step_100" / "optim").glob("dp_rank_01_*.pt"))) == 2
+    assert shardkit.verify(hf, export_checkpoint(tmp_path / "pp1", tmp_path / "hf").path).ok
+
 # ---- crash safety under SIGKILL (acceptance 1) ------------------------------------------------------------
 
 

@@ -49,6 +49,7 @@ def test_reshard_without_ep_keeps_the_sources_ep_and_says_so(ep2, tmp_path):
     result = run("ckpt", "reshard", ep2, tmp_path / "tp2", "--tp", "2")
     ok(result)
     assert "kept the source's ep 2" in result.stderr and "--ep" in result.stderr, result.stderr
+    assert "pp 1, dp 2 and no ZeRO-1" in result.stderr, result.stderr  # the trainer's run: dp 2, no ZeRO-1
     assert layout_of(tmp_path / "tp2")["ep"] == 2 and layout_of(tmp_path / "tp2")["tp"] == 2
     assert "ep 2" in ok(run("ckpt", "inspect", tmp_path / "tp2"))
     optim = sorted(p.name for p in (tmp_path / "tp2" / "step_2" / "optim").iterdir())
@@ -82,3 +83,30 @@ def test_plain_reshard_keeps_the_sources_ep_too(ep2, tmp_path):
     ok(result)
     assert "kept the source's ep 2" in result.stderr
     assert json.loads(ok(run("inspect", tmp_path / "shards", "--json")))["layout"]["ep"] == 2
+
+
+def test_dp_counts_every_data_parallel_rank_as_the_trainers_does(ep2, tmp_path):
+    """--dp is the trainer's: all data-parallel ranks, the ep ranks carved out of them. At ep 2,
+    --dp 4 --zero1 writes 2 optimizer shards per ep rank (the trainer's --dp 4 --ep 2 --zero1
+    files); --zero1 alone keeps the source's dp 2 (1 shard per ep rank); --ep 1 --zero1 puts that
+    dp 2 in 2 shards; a dp that ep does not divide, and a --dp that would shard nothing, are one line."""
+    ok(run("ckpt", "reshard", ep2, tmp_path / "dp4", "--dp", "4", "--zero1"))
+    optim = sorted(p.name for p in (tmp_path / "dp4" / "step_2" / "optim").iterdir())
+    assert optim == [f"dp_rank_0{d}_ep_rank_0{e}_tp_rank_00_pp_rank_00.pt" for d in (0, 1) for e in (0, 1)]
+    assert "dp 4 (ZeRO-1, 2 shards per ep rank)" in ok(run("ckpt", "inspect", tmp_path / "dp4"))
+    assert json.loads(ok(run("ckpt", "inspect", tmp_path / "dp4", "--json")))["data_parallel"] == 4
+    result = run("ckpt", "reshard", tmp_path / "dp4", tmp_path / "again", "--tp", "2")
+    assert "dp 4 and ZeRO-1" in ok(result), result.stderr  # kept, as the trainer keeps what it is not told
+    assert len(list((tmp_path / "again" / "step_2" / "optim").iterdir())) == 8  # 2 ep x 2 tp x 2 shards
+    ok(run("ckpt", "reshard", ep2, tmp_path / "kept", "--zero1"))
+    assert sorted(p.name for p in (tmp_path / "kept" / "step_2" / "optim").iterdir()) == [f[6:] for f in FILES[2:]]
+    ok(run("ckpt", "reshard", ep2, tmp_path / "ep1", "--ep", "1", "--zero1"))
+    assert sorted(p.name for p in (tmp_path / "ep1" / "step_2" / "optim").iterdir()) == [
+        f"dp_rank_0{d}_tp_rank_00_pp_rank_00.pt" for d in (0, 1)]
+    for args, phrase in ((["--dp", "3", "--zero1"], "--dp 3 is not a multiple of ep 2"),
+                         (["--dp", "4"], "--dp 4 shards nothing"),
+                         (["--ep", "4", "--zero1"], "the source's dp 2 is not a multiple of ep 4")):
+        result = run("ckpt", "reshard", ep2, tmp_path / "refused", *args)
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and phrase in lines[0], (args, result.stderr)
+        assert not (tmp_path / "refused").exists()

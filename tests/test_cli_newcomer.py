@@ -210,7 +210,7 @@ def test_ckpt_inspect_prints_numbers_as_people_write_them(trained):
 
 def test_ckpt_list_shows_the_whole_layout(trained, tmp_path):
     out = tmp_path / "vpp"
-    assert run("ckpt", "reshard", trained, out, "--pp", "2", "--vpp", "2", "--dp", "2").exit_code == 0
+    assert run("ckpt", "reshard", trained, out, "--pp", "2", "--vpp", "2", "--dp", "2", "--zero1").exit_code == 0
     row = next(line for line in run("ckpt", "list", out).output.splitlines() if line.startswith("step_3"))
     assert "tp1 pp2 vpp2 dp2 ZeRO-1" in row, row
     row = next(line for line in run("ckpt", "list", trained).output.splitlines() if line.startswith("step_3"))

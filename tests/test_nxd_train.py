@@ -159,7 +159,7 @@ def test_tp4_kv_multiplier_2_round_trip(tmp_path):
     save_checkpoint(tmp_path / "ref1", "step_7", {(r.tp, r.pp): ckpt_child.rank_pieces(cfg, tp2, r, full["weight"]) for r in ranks},
                     {(r.tp, r.pp): grouped(r) for r in ranks}, layout=tp2, config=cfg)
     finalize_checkpoint()
-    reshard_training(tmp_path / "ref1", tmp_path / "ref", tp2, dp=2)
+    reshard_training(tmp_path / "ref1", tmp_path / "ref", tp2, dp=2, zero1=True)  # ref1 was saved without ZeRO-1
     reshard_training(tmp_path / "ref", tmp_path / "kv", Layout(tp=4, kv_multiplier=2, qkv="gqa"), dp=1)
     reshard_training(tmp_path / "kv", tmp_path / "back", tp2, dp=2)
     orig = tmp_path / "ref" / "step_7"
@@ -206,7 +206,8 @@ def test_cli_reshard_and_inspect(tmp_path):
     assert "kept the source's qkv style gqa" in result.stderr
     result = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path / "out"), "--json"])
     info = json.loads(result.output)
-    assert (info["layout"]["tp"], info["dp"], info["format"], info["step"], info["master_weights"]) == (1, 1, "xser", 3.0, False)
+    # --tp 1 alone: dp (2, ZeRO-1) and pp are the source's, as in a resume of the trainer
+    assert (info["layout"]["tp"], info["dp"], info["format"], info["step"], info["master_weights"]) == (1, 2, "xser", 3.0, False)
     assert [len(g["parameters_on_tp0_pp0"]) for g in info["param_groups"]] == [14, 5]
 
 
@@ -264,7 +265,7 @@ def test_ckpt_reshard_under_torchrun_equals_one_process(tmp_path):
     root = nxd()
     src = root / "tp2_pp2_dp1_torch"
     args = ["ckpt", "reshard", str(src), str(tmp_path / "dist"), "--config", str(root / "config.json"), "--tp", "2",
-            "--dp", "2"]
+            "--pp", "1", "--dp", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

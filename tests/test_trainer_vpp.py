@@ -251,8 +251,8 @@ def test_vpp_checkpoint_merges_and_reshards_to_plain_pp(work, hf_model, tokens, 
 
     tag = vpp_run[1] / "step_3"
     plain = work / "ckpt-plain-pp2"
-    done = run_cli("ckpt", "reshard", vpp_run[1], plain, "--config", hf_model / "config.json", "--pp", "2",
-                   "--tag", "step_3", "--qkv", "separate", "--no-zero1")
+    done = run_cli("ckpt", "reshard", vpp_run[1], plain, "--config", hf_model / "config.json", "--vpp", "1",
+                   "--tag", "step_3", "--qkv", "separate", "--no-zero1")  # pp: the source's 2
     assert done.exit_code == 0, done.output
     plain_tag = plain / "step_3"
     assert "vpp" not in json.loads((plain_tag / "shardkit.json").read_text())["layout"]

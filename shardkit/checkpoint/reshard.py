@@ -29,6 +29,7 @@ from typing_extensions import Unpack
 
 from ..conventions import TITAN
 from ..distributed import Job, current_job
+from ..errors import ShardkitError
 from ..families.lora import base_config, saved_settings
 from ..formats import Checkpoint, SourceReader, load_config, nxd
 from ..formats.base import compact
@@ -60,7 +61,7 @@ from .nxd_modes import (
     write_dcp_optim,
 )
 from .saving import Deferred, archive_of_files, save_object, save_together
-from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT
+from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT, read_manifest
 from .zero1 import (
     MASTER,
     MOMENTS,
@@ -272,10 +273,13 @@ def write_rank(
 class TrainingReshardOptions(TypedDict, total=False):
     """How `reshard_training` reads its source and writes the new training checkpoint."""
 
-    dp: int
-    """Data-parallel ranks of the new layout: the number of ZeRO-1 optimizer shards (default 1)."""
-    zero1: bool
-    """One optimizer file per dp rank (default True), or one unsharded file per (tp, pp)."""
+    dp: int | None
+    """The new data-parallel degree, counted as the trainer counts it (every data-parallel rank;
+    with ep > 1 the expert-parallel ranks are carved out of them): with ZeRO-1, dp / ep optimizer
+    shards per (ep, tp, pp) rank. Default: the source's (`source_parallelism`)."""
+    zero1: bool | None
+    """One optimizer shard per data-parallel rank (NxD's ZeRO-1), or one unsharded file per rank.
+    Default: as the source was saved."""
     config: Any
     """The model's Hugging Face config (dict or config.json) when the tag carries none."""
     tag: str | None
@@ -312,19 +316,85 @@ class _Plan:
     mode: str = "default"
     fmt: str = "torch"
     check: TagCheck | None = None
+    data_parallel: int | None = None
+    """The data-parallel degree as the trainer counts it (`dp` is the optimizer files per rank)."""
+
+
+def source_parallelism(src: Source) -> tuple[int | None, bool]:
+    """(data-parallel degree, ZeRO-1) the source was saved with. The degree counts every
+    data-parallel rank, as the trainer's --dp does (with ep > 1: ep x the optimizer shards per
+    rank); None when the files cannot tell it and nothing records it (a shardkit manifest's
+    `data_parallel`, the trainer's user content). ZeRO-1: several shards per rank, or what the
+    manifest or the trainer recorded; one shard per rank and no record (NxD's own tags) is read as
+    NxD's ZeRO-1 optimizer at that degree (the files are the same either way)."""
+    per_rank = src.zero1.dp if src.zero1 is not None else None
+    if not per_rank:
+        return None, False
+    section = (read_manifest(src.tag_dir) or {}).get("checkpoint") or {}
+    content = _trainer_content(src)
+    said = next((r["zero1"] for r in (section, content) if isinstance(r.get("zero1"), bool)), None)
+    if per_rank > 1 or said is not False or src.mode == ZERO1_DCP:
+        return per_rank * src.model.layout.ep, True
+    recorded = next((r[k] for r, k in ((section, "data_parallel"), (content, "dp")) if _whole_positive(r.get(k))), None)
+    return recorded, False
+
+
+def _whole_positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _trainer_content(src: Source) -> dict[str, Any]:
+    """The `trainer` section of the source's user content (shardkit's trainer records its dp and
+    ZeRO-1 there); empty when there is none or it cannot be read."""
+    try:
+        content = _plain_value(src, USER_CONTENT)
+    except (ShardkitError, OSError):
+        return {}
+    section = content.get("trainer") if isinstance(content, Mapping) else None
+    return dict(section) if isinstance(section, Mapping) else {}
+
+
+def _data_parallel(src: Source, layout: Layout, options: TrainingReshardOptions) -> tuple[int | None, bool]:
+    """(the new data-parallel degree, ZeRO-1): the options', else the source's (see
+    TrainingReshardOptions); refused in one line when they cannot be met."""
+    dp, zero1 = options.get("dp"), options.get("zero1")
+    if dp is not None and (not isinstance(dp, int) or isinstance(dp, bool) or dp < 1):
+        raise CheckpointError(f"--dp must be a whole number >= 1, got {dp!r}")
+    source_dp, source_zero1 = source_parallelism(src)
+    kept = source_zero1 or options.get("nxd_mode") == ZERO1_DCP  # NxD's zero1-dcp mode is ZeRO-1's
+    if zero1 is None and dp is not None and not kept and dp != source_dp:
+        raise CheckpointError(
+            f"--dp {dp} shards nothing: {src.tag_dir} was saved without ZeRO-1 (one optimizer file per rank), which "
+            f"is kept unless asked: add --zero1 for {dp} optimizer shards, or --no-zero1"
+        )
+    zero1 = kept if zero1 is None else bool(zero1)
+    dp = source_dp if dp is None else dp
+    if not zero1:
+        return dp, False
+    if dp is None:
+        raise CheckpointError(
+            f"ZeRO-1 needs --dp: {src.tag_dir} has no ZeRO-1 shards and records no data-parallel degree (give the "
+            "data-parallel degree of the run that will resume it, as the trainer's --dp counts it)"
+        )
+    if dp % layout.ep:
+        whose = "--dp" if options.get("dp") is not None else "the source's dp"
+        raise CheckpointError(
+            f"{whose} {dp} is not a multiple of ep {layout.ep}: the expert-parallel ranks are carved out of the "
+            f"data-parallel ones (the trainer's --dp counts them all), so give a --dp divisible by {layout.ep}"
+        )
+    return dp, True
 
 
 def _plan(src_dir: Path, layout: Layout, param_order: ParamOrder, options: TrainingReshardOptions) -> _Plan:
     """Open the source tag and check every option against it (every rank: nothing written yet)."""
-    dp, zero1, config = options.get("dp", 1), options.get("zero1", True), options.get("config")
+    config = options.get("config")
     master_weights = options.get("master_weights", "keep")
     if master_weights not in ("keep", "drop"):
         raise CheckpointError(f"--master-weights must be keep or drop, not {master_weights!r}")
-    if not isinstance(dp, int) or dp < 1:
-        raise CheckpointError(f"--dp must be a whole number >= 1, got {dp!r}")
     cfg = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
     name, src = _open_source(src_dir, cfg, param_order, options)
     layout.validate(src.model.dims)
+    total, zero1 = _data_parallel(src, layout, options)
     fmt = options.get("format") or optimum.native_format(src.tag_dir, src.model.format)
     if fmt not in ("torch", "xser", "dcp"):
         raise CheckpointError(f"--format {fmt} is not one NxD's or torchtitan's trainer writes: use torch, xser or dcp")
@@ -336,9 +406,11 @@ def _plan(src_dir: Path, layout: Layout, param_order: ParamOrder, options: Train
         raise CheckpointError("--ep > 1 is written in NxD's default or avoid-lp mode only, not through DCP")
     if fmt != "dcp":
         groups = len(src.zero1.hyper) if src.zero1 is not None else 1
-        check_mode(mode, use_xser=fmt == "xser", master=master, zero1=bool(zero1), groups=groups, layout=layout)
-    dp = dp if zero1 else 1
-    return _Plan(src, name, layout, dp, bool(zero1), fmt == "xser", master, model_dtype(src), mode, fmt)
+        check_mode(mode, use_xser=fmt == "xser", master=master, zero1=zero1, groups=groups, layout=layout)
+    per_rank = total // layout.ep if zero1 and total is not None else 1
+    plan = _Plan(src, name, layout, per_rank, zero1, fmt == "xser", master, model_dtype(src), mode, fmt)
+    plan.data_parallel = total
+    return plan
 
 
 def _open_source(
@@ -382,13 +454,14 @@ def reshard_training(
         commit_all(out, job, lambda staging: _finish_tag(plan, out_tag, written))
     src = plan.src
     log.info(
-        "resharded %s (%s, dp %d) to %s (%s, dp %d) in %.1fs",
+        "resharded %s (%s, dp %s) to %s (%s, dp %s%s) in %.1fs",
         src.tag_dir,
         src.model.layout.describe(),
-        src.zero1.dp if src.zero1 else 1,
+        source_parallelism(src)[0] or "?",
         dst / plan.name,
         layout.describe(),
-        plan.dp,
+        plan.data_parallel or "?",
+        ", ZeRO-1" if plan.zero1 else "",
         time.monotonic() - started,
     )
     return dst / plan.name
@@ -474,6 +547,7 @@ def _finish_tag(plan: _Plan, out_tag: Path, written: list[str | FileRecord]) -> 
             "tag": plan.name,
             "step": _step(src, plan.name),
             "dp": plan.dp,
+            "data_parallel": plan.data_parallel,
             "zero1": plan.zero1,
             "master_weights": plan.master,
             "nxd": True,
@@ -517,6 +591,7 @@ def inspect_training(
     src_dir, name = tag_to_read(src_dir, tag, "shardkit inspect DIR")
     src = open_training_tag(src_dir / name, config, None, param_order)
     zero = src.zero1
+    data_parallel, zero1 = source_parallelism(src)
     optim_bytes = 0
     if zero is not None:
         for path in zero.files.values():
@@ -540,7 +615,8 @@ def inspect_training(
         "layout": src.model.layout.to_dict(),
         "describe": src.model.layout.describe(),
         "dp": zero.dp if zero else None,
-        "zero1": bool(zero and zero.dp > 1),
+        "data_parallel": data_parallel,
+        "zero1": zero1,
         "step": _whole(zero.step) if zero else _step(src, name),
         "master_weights": bool(zero and zero.master),
         "model_has_data": src.has_data,

@@ -200,17 +200,19 @@ param_order_option = click.option(
 @click.argument("src", type=LOCATION)
 @click.argument("dst", type=LOCATION)
 @tag_config_option
-@layout_options()
+@layout_options(keep_source=True)
 @degree_option(
     "dp",
-    "Data-parallel degree of the new layout (the number of ZeRO-1 optimizer shards); with --ep > 1, per "
-    "expert-parallel rank (the expert-data-parallel degree: the trainer's --dp / --ep).",
+    "Data-parallel degree of the new layout, counted as the trainer's --dp counts it: every data-parallel "
+    "rank, the expert-parallel ones carved out of them (with ZeRO-1, dp / ep optimizer shards per ep rank). "
+    "Default: the source's.",
+    default=None,
 )
 @click.option(
     "--zero1/--no-zero1",
-    default=True,
-    show_default=True,
-    help="One optimizer shard per dp rank (NxD's ZeRO-1), or one unsharded optimizer file per (tp, pp).",
+    default=None,
+    help="One optimizer shard per data-parallel rank (NxD's ZeRO-1), or one unsharded optimizer file per rank. "
+    "Default: as the source was saved.",
 )
 @click.option(
     "--format",
@@ -282,8 +284,9 @@ def ckpt_reshard(
     checkpoint (a checkpoint-<step> folder, or the output directory holding them), whose
     shards/optim/ files are its optimizer state at dp 1 (a ZeRO-1 run with several data-parallel
     ranks saved one rank's shard only: refused). SRC and DST: folders or s3://bucket/prefix.
-    Without --ep, --qkv (and --kv-replication / --hw) the source's expert parallelism, qkv style
-    (and replica order) are kept, and a line says so.
+    The flags mean what the trainer's mean: a dimension not given (--tp, --pp, --vpp, --ep,
+    --kv-multiplier, --dp, --zero1, --qkv, --kv-replication) is the source's, and a line says
+    which were kept; --dp is the whole data-parallel degree.
 
     \b
     Example (tp8 pp4 dp16 -> tp32 pp2 dp8):
@@ -298,11 +301,13 @@ def ckpt_reshard(
     titan = isinstance(src, Path) and titan_step_dir(src, tag) is not None
     local = isinstance(src, Path) and not titan
     src_dir, name = tag_to_read(src, tag, "shardkit reshard DIR DST") if local else (src, tag)
-    source = Layout.from_dict(inspect_training_checkpoint(src_dir, name, config, param_order)["layout"])
+    info = inspect_training_checkpoint(src_dir, name, config, param_order)
+    source = Layout.from_dict(info["layout"])
     layout = build_layout(layout_opts, inherit=source)
-    kept = kept_from_source(layout_opts, source, layout)
-    if kept and is_leader():
-        note(ctx, kept)
+    more = [(f"dp {info['data_parallel']}", "--dp")] if dp is None and info.get("data_parallel") else []
+    if zero1 is None and info["dp"] is not None and nxd_mode != "zero1-dcp":
+        more.append(("ZeRO-1" if info["zero1"] else "no ZeRO-1", "--zero1"))
+    kept = kept_from_source(layout_opts, source, layout, more)
     out = reshard_training_checkpoint(
         src,
         dst,
@@ -318,6 +323,8 @@ def ckpt_reshard(
         nxd_mode=nxd_mode,
         convention=convention,
     )
+    if kept and is_leader():  # said once it is done: bad input stays one line
+        note(ctx, kept)
     click.echo(f"wrote {out}")
 
 
@@ -337,11 +344,14 @@ def ckpt_inspect(directory, tag, config, param_order, as_json):
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return
+    total, ep = info.get("data_parallel"), info["layout"].get("ep", 1)
     if info["dp"] is None:
         optimizer = "no optimizer files"
+    elif info["zero1"]:  # dp counted as the trainer counts it; info["dp"]: the shards per ep rank
+        shards = f", {info['dp']} shards per ep rank" if ep > 1 else ""
+        optimizer = f"dp {total} (ZeRO-1{shards})"
     else:
-        per_ep = " per ep rank" if info["layout"].get("ep", 1) > 1 else ""
-        optimizer = f"dp {info['dp']}{per_ep}{' (ZeRO-1)' if info['zero1'] else ''}"
+        optimizer = f"{f'dp {total}, ' if total else ''}no ZeRO-1 (one optimizer file per rank)"
     click.echo(
         f"{info['path']}: {info['describe']}, {optimizer}, {info['format']}, step {number(info['step'])}, "
         f"master weights {'yes' if info['master_weights'] else 'no'}, optimizer {format_bytes(info['optimizer_bytes'])}, "

@@ -205,9 +205,12 @@ KV_MULTIPLIER_HELP = (
 )
 
 
-def layout_options() -> Callable:
+def layout_options(keep_source: bool = False) -> Callable:
     """--tp/--pp/--vpp/--ep/--kv-multiplier/--kv-replication/--hw/--qkv (+ NxD's spellings), handed to
-    the command as `layout_opts` for `build_layout`."""
+    the command as `layout_opts` for `build_layout`. With `keep_source` (`ckpt reshard`) every
+    degree not given is the source's, as in the trainer's resume, not 1."""
+    kept = " Default: the source's." if keep_source else ""
+    default = None if keep_source else 1
     ep = degree_option(
         "ep",
         "Expert-parallel degree (mixture-of-experts models): experts split over this many ranks; "
@@ -215,11 +218,11 @@ def layout_options() -> Callable:
         default=None,
     )
     options = [
-        degree_option("tp", TP_HELP),
-        degree_option("pp", PP_HELP),
-        degree_option("vpp", VPP_HELP, nxd="--virtual-pipeline-size"),
+        degree_option("tp", TP_HELP + kept, default=default),
+        degree_option("pp", PP_HELP + kept, default=default),
+        degree_option("vpp", VPP_HELP + kept, nxd="--virtual-pipeline-size", default=default),
         ep,
-        degree_option("kv-multiplier", KV_MULTIPLIER_HELP, nxd="--kv-size-multiplier"),
+        degree_option("kv-multiplier", KV_MULTIPLIER_HELP + kept, nxd="--kv-size-multiplier", default=default),
         *replication_options(
             "Order of K/V replicas: interleaved (Trn1, tensor.repeat) or blocked (Trn2, "
             "repeat_interleave). Default: interleaved (reshard: the source's).",
@@ -254,16 +257,20 @@ def qkv_style(qkv: str | None, qkv_linear: bool, fuse_qkv: bool, coalesce_qkv: b
 
 
 def build_layout(o: Mapping[str, Any], inherit=None):
-    """The Layout the layout options ask for. Unset ep, qkv style and replication come from
-    `inherit` (the source's layout) when given, else the defaults (1, separate, interleaved)."""
+    """The Layout the layout options ask for. Unset degrees (`layout_options(keep_source=True)`),
+    ep, qkv style and replication come from `inherit` (the source's layout) when given, else the
+    defaults (1, separate, interleaved)."""
     from ..layout import make_layout
 
+    def degree(name: str) -> int:
+        return o.get(name) or (getattr(inherit, name) if inherit is not None else 1)
+
     return make_layout(
-        tp=o["tp"],
-        pp=o["pp"],
-        vpp=o["vpp"],
-        ep=o.get("ep") or (inherit.ep if inherit is not None else 1),
-        kv_multiplier=o["kv_multiplier"],
+        tp=degree("tp"),
+        pp=degree("pp"),
+        vpp=degree("vpp"),
+        ep=degree("ep"),
+        kv_multiplier=degree("kv_multiplier"),
         kv_replication=o["kv_replication"],
         hw=o["hw"],
         qkv=qkv_style(o["qkv"], o["qkv_linear"], o["fuse_qkv"], o["coalesce_qkv"]),
@@ -271,20 +278,30 @@ def build_layout(o: Mapping[str, Any], inherit=None):
     )
 
 
-def kept_from_source(layout_opts: Mapping[str, Any], source, target) -> str | None:
-    """The line saying which layout choices reshard kept from the source (None: nothing kept)."""
-    kept = []
-    kept_ep = source.ep > 1 and not layout_opts.get("ep")
-    if kept_ep:
-        kept.append(f"ep {target.ep}")
+def kept_from_source(
+    layout_opts: Mapping[str, Any], source, target, more: Sequence[tuple[str, str]] = ()
+) -> str | None:
+    """The line saying which layout choices reshard kept from the source (None: nothing kept):
+    ep, qkv style and replication, the degrees not given (`layout_options(keep_source=True)`; tp
+    and pp always, vpp and the kv multiplier above 1), and `more` ((what, its flag) pairs)."""
+    kept: list[tuple[str, str]] = []
+    if source.ep > 1 and not layout_opts.get("ep"):
+        kept.append((f"ep {target.ep}", "--ep"))
     if not any(layout_opts.get(k) for k in ("qkv", "qkv_linear", "fuse_qkv", "coalesce_qkv")):
-        kept.append(f"qkv style {target.qkv}")
+        kept.append((f"qkv style {target.qkv}", "--qkv"))
     if target.kv_multiplier > 1 and not (layout_opts.get("kv_replication") or layout_opts.get("hw")):
-        kept.append(f"kv replication {target.kv_replication}")
+        kept.append((f"kv replication {target.kv_replication}", "--kv-replication"))
+    for name, what in (("tp", "tp"), ("pp", "pp"), ("vpp", "vpp"), ("kv_multiplier", "kv multiplier")):
+        value = getattr(target, name)
+        if name in layout_opts and layout_opts[name] is None and (name in ("tp", "pp") or value > 1):
+            kept.append((f"{what} {value}", f"--{name.replace('_', '-')}"))
+    kept += more
     if not kept:
         return None
-    flags = ["--ep", "--qkv", "--kv-replication"] if kept_ep else ["--qkv", "--kv-replication"]
-    return f"kept the source's {' and '.join(kept)} ({source.describe()}); give {' / '.join(flags)} to change"
+    said = [what for what, _ in kept]
+    listed = said[0] if len(said) == 1 else f"{', '.join(said[:-1])} and {said[-1]}"
+    flags = " / ".join(dict.fromkeys(flag for _, flag in kept))
+    return f"kept the source's {listed} ({source.describe()}); give {flags} to change"
 
 
 def hints(kv_replication: str | None, hw: str | None) -> dict:
