@@ -304,6 +304,8 @@ def describe_model(
         entry = folder.tensors.get(fqn)
         if entry is None or entry.shape != want:
             found = "is missing" if entry is None else f"is {list(entry.shape)}"
+            if entry is None and source != hf and chosen.fusion(hf):
+                found += f" (and so is the fused {chosen.fused_rows(hf, dims)[0]}'s)"
             made = f"{hf} {list(shapes[source])}" if not fused else f"it {list(want)} (q, k and v of {hf})"
             raise FormatError(
                 f"{root}: {fqn} {found}, the config makes {made}: the config does not match the checkpoint "
