@@ -361,7 +361,9 @@ def _whose(owner: RunRecord | None, tags: list[str]) -> str:
     listed = ", ".join(tags) if len(tags) <= 3 else f"{tags[0]} ... {tags[-1]}, {len(tags)} tags"
     if owner is None:
         return f"checkpoints no run record names ({listed}: an older trainer's, or NxD's)"
-    return f"run {owner.id}'s checkpoints ({listed})" if tags else f"run {owner.id}'s record ({RUN_FILE}, no checkpoint)"
+    return (
+        f"run {owner.id}'s checkpoints ({listed})" if tags else f"run {owner.id}'s record ({RUN_FILE}, no checkpoint)"
+    )
 
 
 def _source_folder(point: ResumePoint) -> str:
