@@ -161,7 +161,7 @@ def test_rendezvous_of_threads():
 # ---- the optimizer's lazy path, on CPU tensors --------------------------------------------------------------
 
 
-def _trained_weights(lazy: bool, steps: int = 3) -> tuple[dict[str, torch.Tensor], object]:
+def _trained_weights(lazy: bool, steps: int = 3, algorithm: str = "adamw") -> tuple[dict[str, torch.Tensor], object]:
     """The tiny Llama (one rank, fp32) after `steps` AdamW steps on random tokens with clipping
     engaged, through the optimizer's eager path or its lazy (XLA) one: per-parameter gradients,
     the clipping, the skip of a non-finite step and AdamW as device tensors. Returns the weights
@@ -190,7 +190,7 @@ def _trained_weights(lazy: bool, steps: int = 3) -> tuple[dict[str, torch.Tensor
     spec = ModelSpec.from_config(fixture_config("llama-trainer-tiny"), make_layout())
     model = StageModel(spec, TPContext(par.tp_group, False), 0, torch.float32, cpu)
     model.load_pieces(init_rank_pieces(spec, 5, 0, 0))
-    opt = Optimizer(model, spec, par, lr=1e-2, clip_grad=0.5, weight_decay=0.1)
+    opt = Optimizer(model, spec, par, lr=1e-2, clip_grad=0.5, weight_decay=0.1, algorithm=algorithm)
     opt.zero_grad()
     ids = torch.randint(0, spec.dims.vocab_size, (steps, 2, 2, 17), generator=torch.Generator().manual_seed(1))
     for step in range(steps):
@@ -201,13 +201,15 @@ def _trained_weights(lazy: bool, steps: int = 3) -> tuple[dict[str, torch.Tensor
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, opt
 
 
-def test_lazy_optimizer_path_equals_the_eager_one():
+@pytest.mark.parametrize("algorithm", ["adamw", "lamb"])
+def test_lazy_optimizer_path_equals_the_eager_one(algorithm):
     """The XLA path's optimizer arithmetic (run here on CPU tensors) gives the eager path's
     weights, and keeps each gradient in a tensor of its own: XLA writes into a view of a buffer
     by a select over the whole buffer, so gradients as views of one flat buffer made a rank's
-    graphs, memory and step time grow with parameters x buffer size."""
-    eager, eager_opt = _trained_weights(lazy=False)
-    lazy, lazy_opt = _trained_weights(lazy=True)
+    graphs, memory and step time grow with parameters x buffer size. LAMB (trainer/lamb.py) too:
+    its step count, bias corrections and skip as device tensors."""
+    eager, eager_opt = _trained_weights(lazy=False, algorithm=algorithm)
+    lazy, lazy_opt = _trained_weights(lazy=True, algorithm=algorithm)
     assert eager.keys() == lazy.keys()
     for name in eager:
         torch.testing.assert_close(lazy[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
