@@ -491,7 +491,7 @@ def announce(plan: Any, drawn: list[str]) -> None:
         log.info(
             "%s not in %s: initialised as transformers does (normal(0, %g), zero bias, LayerNorm one) from --seed %d",
             ", ".join(drawn) if len(drawn) <= 6 else f"{len(drawn)} tensors",
-            cfg.model or "the checkpoint",
+            cfg.model or "--model-config (random weights)",
             float(spec.config.get("initializer_range") or 0.02),
             cfg.seed,
         )
