@@ -139,7 +139,9 @@ class TrainConfig:
     warmup: int = _opt(0, "Linear warm-up steps.")
     decay: str = _opt("cosine", "Learning-rate decay after warm-up.", choices=("cosine", "linear", "constant"))
     optimizer: str = _opt(
-        "adamw", "AdamW, or LAMB (trainer/lamb.py: NxD's BERT example's, with its trust ratio).", choices=("adamw", "lamb")
+        "adamw",
+        "AdamW, or LAMB (trainer/lamb.py: NxD's BERT example's, with its trust ratio).",
+        choices=("adamw", "lamb"),
     )
     weight_decay: float = _opt(0.0, "AdamW weight decay (not applied to norms and biases).")
     beta1: float = _opt(0.9, "AdamW beta1.")

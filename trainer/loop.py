@@ -322,10 +322,10 @@ def _exact_weights(restored: checkpointing.Restored, tensors: dict[str, torch.Te
 
 def _set_up(plan: Plan, par: Parallel) -> Run:
     """Load this rank's weights (and a resumed state) into its stage, optimizer, schedule and data."""
-    cfg, spec = plan.cfg, plan.spec
     if plan.task is not None:  # BERT's tasks: trainer/encoder.py
         model_, optimizer_, schedule_, batches_, loss_, start = encoder.set_up(plan, par)
         return Run(model_, optimizer_, schedule_, batches_, loss_, None, start)
+    cfg, spec = plan.cfg, plan.spec
     tensors, restored = _initial_tensors(plan, par)
     ctx = TPContext(par.tp_group, cfg.sequence_parallel)
     is_moe = moe.is_moe(spec)
@@ -372,8 +372,8 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
     )
     del tensors
     schedule = RunSchedule(cfg)
-    batches = _batches(plan, par, plan.tokens)
     assert plan.tokens is not None  # a causal LM's plan has its tokens
+    batches = _batches(plan, par, plan.tokens)
     start_step = 0
     if restored is not None:
         assert plan.resume is not None  # _initial_tensors restores a checkpoint only when resuming
@@ -600,11 +600,11 @@ def _summed(par: Parallel, values: list[Any], local: Sequence[Any] = ()) -> list
 def _evaluate(plan: Plan, par: Parallel, run: Run, step: int) -> dict[str, Any]:
     """Loss and perplexity on the first `plan.eval_steps` batches of --eval-data (forward only,
     the same batches every time and in every layout); returns the metrics record."""
+    if plan.task is not None:  # BERT's tasks: loss and accuracy over every held-out row
+        return encoder.evaluate(plan, par, run, step, _summed, _counted)
     cfg = plan.cfg
     t0 = time.perf_counter()
     assert plan.eval_tokens is not None  # plan_eval gives eval_steps > 0 only with --eval-data's tokens
-    if plan.task is not None:  # BERT's tasks: loss and accuracy over every held-out row
-        return encoder.evaluate(plan, par, run, step, _summed, _counted)
     batches = _batches(plan, par, plan.eval_tokens, shuffle=False)
     total: Any = 0.0
     run.model.eval()

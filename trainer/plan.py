@@ -177,8 +177,8 @@ def plan_run(cfg: TrainConfig, world: int) -> Plan:
         cfg, world, dp, spec, source, tokens, DTYPES[cfg.dtype], resume, metrics, exported_step, eval_tokens, eval_steps
     )
     plan.lora = lora.make_lora(lora_settings, spec)
-    return plan
     plan.task = task
+    return plan
 
 
 def plan_eval(cfg: TrainConfig, spec: ModelSpec, source: Checkpoint | None = None) -> tuple[TokenFile | None, int]:
