@@ -489,9 +489,9 @@ def test_streamed_metadata_comes_in_the_parts_that_hold_it(tiny_model, bucket, s
     gets: list[tuple[str, int, int]] = []
     get_range = s3.get_range
 
-    def counted(loc, name, start, length, *args):
+    def counted(loc, name, start, length, *args, **kwargs):
         gets.append((name, start, length))
-        return get_range(loc, name, start, length, *args)
+        return get_range(loc, name, start, length, *args, **kwargs)
 
     monkeypatch.setattr(s3, "get_range", counted)
 
