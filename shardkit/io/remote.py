@@ -131,6 +131,7 @@ class MirrorFile:
         self.checking: set[int] = set()  # blocks being checked now
         self.later: list[tuple[list[tuple[int, int]], Callable[[int], None]]] = []  # checks before commit
         self.active = 0  # GETs writing into the file now (its descriptor is closed once none is)
+        self.failed: ShardkitError | None = None  # a GET's failure: its other GETs are not sent
         self.closed = False
 
     def _claim(self, start: int, end: int, feeding: bool = False) -> tuple[list[tuple[int, int]], list[Future[int]]]:
@@ -187,14 +188,18 @@ class MirrorFile:
 
     def _get(self, start: int, end: int) -> int:
         with self.lock:
-            if self.closed:
+            if self.closed or self.failed is not None:
                 self.pending.pop((start, end), None)
-                raise s3.RemoteError(f"{self.mirror.loc}/{self.name}: the mirror was closed")
+                raise self.failed or s3.RemoteError(f"{self.mirror.loc}/{self.name}: the mirror was closed")
             self.active += 1
         try:
-            got = s3.get_range(
-                self.mirror.loc, self.stored, start, end - start, self.etag, self.fd, start, size=self.size
-            )
+            try:
+                got = s3.get_range(
+                    self.mirror.loc, self.stored, start, end - start, self.etag, self.fd, start, size=self.size
+                )
+            except ShardkitError as e:  # final (botocore retried what can be): the file's other GETs fail at once
+                self.failed = e
+                raise
             with self.lock:
                 self.fetched.add(start, end)
             self.mirror.count(got)
