@@ -120,4 +120,3 @@ class FaultProxy:
         self._closing.set()
         self._server.shutdown()
         self._server.server_close()
-

@@ -589,9 +589,10 @@ def _drop_a_descriptor_signature(path: Path, record: str) -> None:
     if data[end - 20 : end - 16] == b"PK\x06\x07":  # zip64 end records (torch writes them)
         record = struct.unpack_from("<Q", data, end - 12)[0]
         struct.pack_into("<Q", data, end - 12, record - 4)
-        count, directory = struct.unpack_from("<Q", data, record - 4 + 32)[0], struct.unpack_from(
-            "<Q", data, record - 4 + 48
-        )[0]
+        count, directory = (
+            struct.unpack_from("<Q", data, record - 4 + 32)[0],
+            struct.unpack_from("<Q", data, record - 4 + 48)[0],
+        )
         struct.pack_into("<Q", data, record - 4 + 48, directory - 4)
     if struct.unpack_from("<I", data, end + 16)[0] != 0xFFFFFFFF:
         struct.pack_into("<I", data, end + 16, directory - 4)
