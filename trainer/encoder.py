@@ -535,7 +535,7 @@ def set_up(plan: Any, par: Any) -> tuple[Encoder, Any, Any, tasks.RowBatches, Ca
     """This rank's encoder with its pieces (read, drawn or resumed), optimizer, schedule, rows and
     loss: what trainer/loop.py's `Run` holds."""
     from . import checkpointing
-    from .optim import Optimizer
+    from .optim import Optimizer, run_settings
     from .plan import RunSchedule
 
     cfg, spec, task = plan.cfg, plan.spec, plan.task
@@ -556,16 +556,8 @@ def set_up(plan: Any, par: Any) -> tuple[Encoder, Any, Any, tasks.RowBatches, Ca
         model,
         spec,
         par,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        clip_grad=cfg.clip_grad,
-        zero1=cfg.zero1,
         sources=tensors,
-        masters={n: e["master"] for n, e in restored.optimizer.items() if "master" in e} if restored else None,
-        grad_bucket_mb=cfg.grad_bucket_mb,
-        algorithm=cfg.optimizer,
+        **run_settings(cfg, restored),
     )
     schedule = RunSchedule(cfg)
     batches = tasks.RowBatches(task.train, spec.task, cfg.global_batch, cfg.micro_batch, plan.dp, par.dp_rank, cfg.seed)

@@ -41,7 +41,7 @@ from .errors import TrainerError
 from .exchange import ExchangePipeline
 from .layers import TPContext, vocab_parallel_cross_entropy
 from .model import StageModel, param_count
-from .optim import LRSchedule, Optimizer
+from .optim import LRSchedule, Optimizer, run_settings
 from .parallel import Parallel, agree, choose_device, device_kind, init_parallel, join, world_from_env
 from .pipeline import Pipeline, resolve_schedule, run_micro_batches
 from .plan import DTYPES, Plan, RunSchedule, check_resume_settings, plan_eval, plan_run, run_layout, saved_settings
@@ -356,19 +356,11 @@ def _set_up(plan: Plan, par: Parallel) -> Run:
         trained,
         trained_spec,
         par,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        clip_grad=cfg.clip_grad,
-        zero1=cfg.zero1,
         sequence_parallel=cfg.sequence_parallel,
         sources=tensors,
-        masters={n: e["master"] for n, e in restored.optimizer.items() if "master" in e} if restored else None,
         experts=experts,
         tp_partial=tp_partial,
-        grad_bucket_mb=cfg.grad_bucket_mb,
-        algorithm=cfg.optimizer,
+        **run_settings(cfg, restored),
     )
     del tensors
     schedule = RunSchedule(cfg)

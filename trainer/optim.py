@@ -245,6 +245,24 @@ def _all_reduce_each(group: Group, tensors: list[torch.Tensor], cap_bytes: int) 
         group.all_reduce_many(bucket)
 
 
+def run_settings(cfg: Any, restored: Any = None) -> dict[str, Any]:
+    """The Optimizer's keyword arguments that the run's options give (--lr, --beta1/2, --eps,
+    --weight-decay, --clip-grad, --zero1, --grad-bucket-mb, --optimizer), with a resumed
+    checkpoint's fp32 masters (`restored`: checkpointing.Restored or None)."""
+    masters = {n: e["master"] for n, e in restored.optimizer.items() if "master" in e} if restored else None
+    return dict(
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        clip_grad=cfg.clip_grad,
+        zero1=cfg.zero1,
+        masters=masters,
+        grad_bucket_mb=cfg.grad_bucket_mb,
+        algorithm=cfg.optimizer,
+    )
+
+
 class Optimizer:
     """See the module docstring. `step(lr)` synchronises, clips and updates; returns the norm."""
 

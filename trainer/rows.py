@@ -16,7 +16,6 @@ are, named), a row that does not parse (its line), a value that is missing (its 
 from __future__ import annotations
 
 import csv
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,30 +133,15 @@ def _datasets(path: Path, shown: str) -> Any:
         raise DataError(f"{shown} is not a readable datasets folder ({sources.first_line(e)})") from None
 
 
-def _objects(path: Path, shown: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) of every non-blank line of a .jsonl file."""
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{shown} line {number} is not JSON ({e}): one JSON object per line") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{shown} line {number} is not a JSON object: one object per line")
-            yield number, row
-
-
 def _first_object(path: Path, shown: str) -> dict[str, Any]:
-    for _, row in _objects(path, shown):
+    for _, row in sources.json_objects(path, shown):
         return row
     raise DataError(f"{shown} is empty: it holds no rows")
 
 
 def _jsonl_batches(path: Path, names: Sequence[str], shown: str) -> Iterator[dict[str, list[Any]]]:
     batch: dict[str, list[Any]] = {n: [] for n in names}
-    for number, row in _objects(path, shown):
+    for number, row in sources.json_objects(path, shown):
         for n in names:
             if n not in row:
                 have = ", ".join(repr(k) for k in row) or "none"
@@ -210,7 +194,7 @@ def _line_of(path: Path, kind: str, index: int) -> int | None:
     """The line where row `index` of a .csv (its record's last line) or .jsonl file is; None for
     the other kinds."""
     if kind == "jsonl":
-        for i, (number, _) in enumerate(_objects(path, str(path))):
+        for i, (number, _) in enumerate(sources.json_objects(path, str(path))):
             if i == index:
                 return number
     elif kind == "csv":

@@ -249,17 +249,25 @@ def _jsonl(path: Path, text_column: str, shown: str) -> tuple[Columns, Iterator[
     return columns, batches(), None
 
 
-def _first_json_row(path: Path, shown: str) -> dict[str, Any]:
+def json_objects(path: Path, shown: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every non-blank line of a .jsonl file (a line that is not a JSON
+    object: one DataError naming it)."""
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError as e:
-                    raise DataError(f"{shown} line {number} is not JSON ({e}): one JSON object per line") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{shown} line {number} is not a JSON object: one object per line")
-                return row
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{shown} line {number} is not JSON ({e}): one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{shown} line {number} is not a JSON object: one object per line")
+            yield number, row
+
+
+def _first_json_row(path: Path, shown: str) -> dict[str, Any]:
+    for _, row in json_objects(path, shown):
+        return row
     raise DataError(f"{shown} is empty: it holds no documents")
 
 
