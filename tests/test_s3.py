@@ -723,10 +723,8 @@ def test_next_file_goes_up_while_the_store_completes_the_last(bucket, tmp_path, 
     assert len([w for w in proxy.faulted if "partNumber=" in w]) == 9, proxy.faulted
 
 
-def test_interrupted_upload_is_incomplete_and_cleaned_up(tiny_model, bucket, tmp_path, workdir):
-    hf = tiny_model("tinyllama-mini", torch.bfloat16)
-    url = f"s3://{bucket}/killed"
-    # a run that uploads slowly, killed while it uploads
+def kill_while_uploading(args: list[str], workdir) -> None:
+    """Run `shardkit ARGS` in a process whose uploads are slowed down, and kill -9 it while it uploads."""
     code = (
         "import time, sys\n"
         "from shardkit.io import s3\n"
@@ -734,7 +732,7 @@ def test_interrupted_upload_is_incomplete_and_cleaned_up(tiny_model, bucket, tmp
         "def slow(self, *a, **k):\n"
         "    print('UPLOADING', flush=True); time.sleep(0.5); return orig(self, *a, **k)\n"
         "s3.Uploader.upload = slow\n"
-        f"sys.argv = ['shardkit', 'convert', {str(hf)!r}, {url!r}, '--tp', '2']\n"
+        f"sys.argv = ['shardkit', *{args!r}]\n"
         "from shardkit.cli import main; main()\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=workdir)
@@ -745,6 +743,12 @@ def test_interrupted_upload_is_incomplete_and_cleaned_up(tiny_model, bucket, tmp
     time.sleep(1.2)
     proc.kill()
     proc.wait()
+
+
+def test_interrupted_upload_is_incomplete_and_cleaned_up(tiny_model, bucket, tmp_path, workdir):
+    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    url = f"s3://{bucket}/killed"
+    kill_while_uploading(['convert', str(hf), url, '--tp', '2'], workdir)  # a slow upload, killed
     names = keys(bucket, "killed/")
     assert "killed/.shardkit-writing" in names and "killed/shardkit.json" not in names
     refused = run_sub("merge", url, tmp_path / "m", cwd=workdir)

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -179,24 +178,7 @@ def test_killed_overwrite_keeps_the_old_output_and_the_next_run_removes_what_it_
     before (the killed run's marker and staged objects are not part of it); the next run removes
     them, saying so, and replaces the output."""
     hf, url, before = old_output
-    code = (
-        "import time, sys\n"
-        "from shardkit.io import s3\n"
-        "orig = s3.Uploader.upload\n"
-        "def slow(self, *a, **k):\n"
-        "    print('UPLOADING', flush=True); time.sleep(0.5); return orig(self, *a, **k)\n"
-        "s3.Uploader.upload = slow\n"
-        f"sys.argv = ['shardkit', 'convert', {str(hf)!r}, {url!r}, '--tp', '4', '--overwrite']\n"
-        "from shardkit.cli import main; main()\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=workdir)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "UPLOADING" in line:
-            break
-    time.sleep(1.2)
-    proc.kill()
-    proc.wait()
+    test_s3.kill_while_uploading(["convert", str(hf), url, "--tp", "4", "--overwrite"], workdir)
     now = objects(bucket, "out/")
     assert "out/.shardkit-writing" in now and any(STAGED in k for k in now)
     assert {k: v for k, v in now.items() if k in before} == before  # the old output, as it was
