@@ -99,7 +99,20 @@ def test_reshard_carries_optimums_moments_by_meaning(optim, tiny_model, tmp_path
     content = torch.load(tag / "user_content.pt", weights_only=True)
     assert content == json.loads((folder / "trainer_state.json").read_text())
     assert (tag / "optim/dp_rank_01_tp_rank_01_pp_rank_00.pt.tensors").is_dir() == optim.endswith("xser")
-    invoke("ckpt", "reshard", tmp_path / "tp2dp2", tmp_path / "tp1", "--tp", "1", "--pp", "1", "--dp", "1", "--format", "torch")
+    invoke(
+        "ckpt",
+        "reshard",
+        tmp_path / "tp2dp2",
+        tmp_path / "tp1",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--dp",
+        "1",
+        "--format",
+        "torch",
+    )
     moments = nxd_tp1_moments(tmp_path / "tp1/checkpoint-2")
     assert len(moments) == len(truth) - sum("gate_proj" in n for n in truth)  # gate and up fused
     for name, state in moments.items():
