@@ -30,11 +30,16 @@ OPS = ("convert", "merge", "reshard", "cp")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--refs", default="HEAD,WORK", help="two (or more) versions, comma-separated: git refs or WORK")
     p.add_argument("--rounds", type=int, default=4, help="rounds; each runs every op of every version once")
-    p.add_argument("--ops", default="convert,merge,cp",
-                   help="steps per version and round: convert, merge, reshard (the shards to tp/2, pp*2), cp")
+    p.add_argument(
+        "--ops",
+        default="convert,merge,cp",
+        help="steps per version and round: convert, merge, reshard (the shards to tp/2, pp*2), cp",
+    )
     p.add_argument("--shape", choices=sorted(bc.SHAPES), default=None, help="named model shape (default tinyllama)")
     p.add_argument("--config", default=None, help="a Llama-style config.json instead of --shape")
     p.add_argument("--tp", type=int, default=8)
@@ -71,13 +76,27 @@ def main(argv=None) -> int:
     for ref in args.refs.split(","):
         envs[ref] = bc.child_env(SCRIPTS.parent if ref == "WORK" else bc.shardkit_snapshot(ref, workdir)[0])
     ops = args.ops.split(",")
-    kwargs = {"src": str(src), "tp": args.tp, "pp": args.pp, "qkv": "gqa", "fmt": "torch", "workers": args.workers,
-              "kv_multiplier": smallest_kv_multiplier(config, args.tp)}
+    kwargs = {
+        "src": str(src),
+        "tp": args.tp,
+        "pp": args.pp,
+        "qkv": "gqa",
+        "fmt": "torch",
+        "workers": args.workers,
+        "kv_multiplier": smallest_kv_multiplier(config, args.tp),
+    }
     shards = run_dir / "shards"
     if "merge" in ops or "reshard" in ops:  # their input, written once by the first version
         bc.remove(shards)
-        bc.run_python("convert", "bench_convert:run_convert", dict(kwargs, dst=str(shards)), logdir, preload=PRELOAD,
-                      env=envs[next(iter(envs))], sys_path=[SCRIPTS])
+        bc.run_python(
+            "convert",
+            "bench_convert:run_convert",
+            dict(kwargs, dst=str(shards)),
+            logdir,
+            preload=PRELOAD,
+            env=envs[next(iter(envs))],
+            sys_path=[SCRIPTS],
+        )
     samples: dict[tuple[str, str], list[float]] = {}
     for r in range(args.rounds):
         for ref, env in envs.items():
@@ -86,18 +105,45 @@ def main(argv=None) -> int:
                 if op == "cp":
                     m = bc.cp_baseline("cp -r source", src, dst, logdir, keep=True, drop=args.drop_caches)
                 elif op == "convert":
-                    m = bc.run_python(op, "bench_convert:run_convert", dict(kwargs, dst=str(dst)), logdir, preload=PRELOAD,
-                                      env=env, sys_path=[SCRIPTS], before=lambda d=dst: bc.settle(args.drop_caches, d))
+                    m = bc.run_python(
+                        op,
+                        "bench_convert:run_convert",
+                        dict(kwargs, dst=str(dst)),
+                        logdir,
+                        preload=PRELOAD,
+                        env=env,
+                        sys_path=[SCRIPTS],
+                        before=lambda d=dst: bc.settle(args.drop_caches, d),
+                    )
                 elif op == "reshard":
-                    target = {"tp": max(1, args.tp // 2), "pp": args.pp * 2, "qkv": "gqa", "workers": args.workers,
-                              "kv_multiplier": smallest_kv_multiplier(config, max(1, args.tp // 2))}
-                    m = bc.run_python(op, "bench_reshard:run_reshard", dict(target, src=str(shards), dst=str(dst)),
-                                      logdir, preload=PRELOAD, env=env, sys_path=[SCRIPTS],
-                                      before=lambda d=dst: bc.settle(args.drop_caches, d))
+                    target = {
+                        "tp": max(1, args.tp // 2),
+                        "pp": args.pp * 2,
+                        "qkv": "gqa",
+                        "workers": args.workers,
+                        "kv_multiplier": smallest_kv_multiplier(config, max(1, args.tp // 2)),
+                    }
+                    m = bc.run_python(
+                        op,
+                        "bench_reshard:run_reshard",
+                        dict(target, src=str(shards), dst=str(dst)),
+                        logdir,
+                        preload=PRELOAD,
+                        env=env,
+                        sys_path=[SCRIPTS],
+                        before=lambda d=dst: bc.settle(args.drop_caches, d),
+                    )
                 else:
-                    m = bc.run_python(op, "bench_convert:run_merge", {"src": str(shards), "dst": str(dst), "workers": args.workers},
-                                      logdir, preload=PRELOAD, env=env, sys_path=[SCRIPTS],
-                                      before=lambda d=dst: bc.settle(args.drop_caches, d))
+                    m = bc.run_python(
+                        op,
+                        "bench_convert:run_merge",
+                        {"src": str(shards), "dst": str(dst), "workers": args.workers},
+                        logdir,
+                        preload=PRELOAD,
+                        env=env,
+                        sys_path=[SCRIPTS],
+                        before=lambda d=dst: bc.settle(args.drop_caches, d),
+                    )
                 samples.setdefault((ref, op), []).append(m.seconds)
                 cpu = f"  CPU {m.cpu_seconds:.2f} s  {bc.thread_cpu_line(m)}" if m.cpu_seconds is not None else ""
                 print(f"round {r + 1}  {ref:10s} {op:8s} {m.seconds:6.2f} s{cpu}", flush=True)

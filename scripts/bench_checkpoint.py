@@ -73,9 +73,22 @@ def _rank_pieces(src: str, layout) -> tuple[dict, dict]:
     return pieces, ckpt.config
 
 
-def run_format(src: str, workdir: str, fmt: str, tp: int, pp: int, qkv: str, kv_multiplier: int,
-               sync_saves: int, async_saves: int, interval: float | None, step_ms: float, reshard_tp: int,
-               drop_caches: bool, optimizer: str = "none") -> dict[str, Any]:
+def run_format(
+    src: str,
+    workdir: str,
+    fmt: str,
+    tp: int,
+    pp: int,
+    qkv: str,
+    kv_multiplier: int,
+    sync_saves: int,
+    async_saves: int,
+    interval: float | None,
+    step_ms: float,
+    reshard_tp: int,
+    drop_caches: bool,
+    optimizer: str = "none",
+) -> dict[str, Any]:
     """The whole scenario for one format (see the module docstring); returns the timings."""
     import torch
 
@@ -89,12 +102,19 @@ def run_format(src: str, workdir: str, fmt: str, tp: int, pp: int, qkv: str, kv_
     optim = None
     if optimizer != "none":  # Adam moments shaped like their parameters (values do not matter here)
         dtype = getattr(torch, optimizer)
-        optim = {rank: {n: {"exp_avg": t.to(dtype), "exp_avg_sq": t.to(dtype).abs(), "step": 1}
-                        for n, t in part.items()} for rank, part in model.items()}
+        optim = {
+            rank: {n: {"exp_avg": t.to(dtype), "exp_avg_sq": t.to(dtype).abs(), "step": 1} for n, t in part.items()}
+            for rank, part in model.items()
+        }
     state_bytes = sum(t.numel() * t.element_size() for part in model.values() for t in part.values())
     if optim:
-        state_bytes += sum(m.numel() * m.element_size() for part in optim.values() for entry in part.values()
-                           for m in entry.values() if isinstance(m, torch.Tensor))
+        state_bytes += sum(
+            m.numel() * m.element_size()
+            for part in optim.values()
+            for entry in part.values()
+            for m in entry.values()
+            if isinstance(m, torch.Tensor)
+        )
     root = Path(workdir) / f"ckpt-{fmt}"
     if root.exists():
         import shutil
@@ -142,8 +162,7 @@ def run_format(src: str, workdir: str, fmt: str, tp: int, pp: int, qkv: str, kv_
             if len(records) < saves and now >= next_save:
                 tag_no += 1
                 s = time.perf_counter()
-                ck.save(root, f"step_{tag_no}", model, optim, layout=layout, config=config,
-                        async_save=mode == "async")
+                ck.save(root, f"step_{tag_no}", model, optim, layout=layout, config=config, async_save=mode == "async")
                 e = time.perf_counter()
                 records.append({"blocked": e - s, "returned": e})
                 next_save = e + gap
@@ -170,8 +189,9 @@ def run_format(src: str, workdir: str, fmt: str, tp: int, pp: int, qkv: str, kv_
     cache = "warm (the save's pages)"
     cases = [("same layout, verify", layout, True), ("same layout", layout, False)]
     if reshard_tp and reshard_tp != tp:
-        cases.append((f"into tp {reshard_tp} pp {pp}", Layout(tp=reshard_tp, pp=pp, qkv=qkv,
-                                                              kv_multiplier=kv_multiplier), False))
+        cases.append(
+            (f"into tp {reshard_tp} pp {pp}", Layout(tp=reshard_tp, pp=pp, qkv=qkv, kv_multiplier=kv_multiplier), False)
+        )
     for label, target, verify in cases:
         if drop_caches and bc.drop_caches()[0]:
             cache = "dropped before each load"
@@ -181,15 +201,32 @@ def run_format(src: str, workdir: str, fmt: str, tp: int, pp: int, qkv: str, kv_
             loaded = load_checkpoint(root, target_layout=target, rank=(ep, t, p), verify=verify)
             nbytes += sum(x.numel() * x.element_size() for x in loaded.model.values())
             if loaded.optimizer is not None:
-                nbytes += sum(m.numel() * m.element_size() for entry in loaded.optimizer.state.values()
-                              for m in entry.values() if isinstance(m, torch.Tensor))
+                nbytes += sum(
+                    m.numel() * m.element_size()
+                    for entry in loaded.optimizer.state.values()
+                    for m in entry.values()
+                    if isinstance(m, torch.Tensor)
+                )
             del loaded
-        loads[label] = {"seconds": time.perf_counter() - s, "bytes": nbytes, "verify": verify,
-                        "ranks": target.tp * target.pp * target.ep}
+        loads[label] = {
+            "seconds": time.perf_counter() - s,
+            "bytes": nbytes,
+            "verify": verify,
+            "ranks": target.tp * target.pp * target.ep,
+        }
     return {
-        "format": fmt, "state_bytes": state_bytes, "checkpoint_bytes": info.size, "files": info.files,
-        "prepare_seconds": prepare_seconds, "step_reps": reps, "interval": gap, "sync": sync, "async": asyn,
-        "loads": loads, "cache": cache, "torch_threads": torch.get_num_threads(),
+        "format": fmt,
+        "state_bytes": state_bytes,
+        "checkpoint_bytes": info.size,
+        "files": info.files,
+        "prepare_seconds": prepare_seconds,
+        "step_reps": reps,
+        "interval": gap,
+        "sync": sync,
+        "async": asyn,
+        "loads": loads,
+        "cache": cache,
+        "torch_threads": torch.get_num_threads(),
     }
 
 
@@ -197,8 +234,9 @@ def run_format(src: str, workdir: str, fmt: str, tp: int, pp: int, qkv: str, kv_
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shape", default="tinyllama", choices=sorted(bc.SHAPES), help="named model shape")
     p.add_argument("--config", help="a Llama-style config.json to use instead of --shape")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -209,12 +247,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-multiplier", type=int, default=1)
     p.add_argument("--reshard-tp", type=int, default=2, help="also load into this tp (0: skip)")
     p.add_argument("--formats", default="torch,xser,safetensors", help="comma-separated formats to measure")
-    p.add_argument("--optimizer", default="none", choices=("none", "bfloat16", "float32"),
-                   help="also save Adam moments (exp_avg, exp_avg_sq) in this dtype (default: model state only)")
+    p.add_argument(
+        "--optimizer",
+        default="none",
+        choices=("none", "bfloat16", "float32"),
+        help="also save Adam moments (exp_avg, exp_avg_sq) in this dtype (default: model state only)",
+    )
     p.add_argument("--sync-saves", type=int, default=2)
     p.add_argument("--async-saves", type=int, default=3)
-    p.add_argument("--interval", type=float, default=None,
-                   help="seconds of training between async saves (default 2 x the sync save time)")
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=None,
+        help="seconds of training between async saves (default 2 x the sync save time)",
+    )
     p.add_argument("--step-ms", type=float, default=100.0, help="duration of one simulated training step")
     p.add_argument("--workdir", default=str(DEFAULT_WORKDIR), help=f"cache and outputs (default {DEFAULT_WORKDIR})")
     p.add_argument("--drop-caches", action="store_true", help="drop the page cache before each load (needs root)")
@@ -257,17 +303,35 @@ def build_fixture(args, workdir: Path, name: str, config: dict) -> tuple[Path, s
 def measure_format(args, src: Path, workdir: Path, fmt: str) -> dict:
     """The whole scenario of one format in a fresh child; its result with the child's peak RSS."""
     bc.progress(f"{fmt}: {args.sync_saves} sync + {args.async_saves} async saves, then loads")
-    m = bc.run_python(f"checkpoint-{fmt}", "bench_checkpoint:run_format", {
-        "src": str(src), "workdir": str(workdir), "fmt": fmt, "tp": args.tp, "pp": args.pp, "qkv": args.qkv,
-        "kv_multiplier": args.kv_multiplier, "sync_saves": args.sync_saves, "async_saves": args.async_saves,
-        "interval": args.interval, "step_ms": args.step_ms, "reshard_tp": args.reshard_tp,
-        "drop_caches": args.drop_caches, "optimizer": args.optimizer}, workdir / "logs", preload=PRELOAD)
+    m = bc.run_python(
+        f"checkpoint-{fmt}",
+        "bench_checkpoint:run_format",
+        {
+            "src": str(src),
+            "workdir": str(workdir),
+            "fmt": fmt,
+            "tp": args.tp,
+            "pp": args.pp,
+            "qkv": args.qkv,
+            "kv_multiplier": args.kv_multiplier,
+            "sync_saves": args.sync_saves,
+            "async_saves": args.async_saves,
+            "interval": args.interval,
+            "step_ms": args.step_ms,
+            "reshard_tp": args.reshard_tp,
+            "drop_caches": args.drop_caches,
+            "optimizer": args.optimizer,
+        },
+        workdir / "logs",
+        preload=PRELOAD,
+    )
     r = m.result
     r["peak_rss"] = m.peak_rss
     sync_s = statistics.median(r["sync"]["blocked"])
     steady = statistics.median(r["async"]["blocked"][1:])
-    bc.progress(f"{fmt}: sync save {sync_s:.2f} s, async blocked {steady:.3f} s (first "
-                f"{r['async']['blocked'][0]:.3f} s)")
+    bc.progress(
+        f"{fmt}: sync save {sync_s:.2f} s, async blocked {steady:.3f} s (first {r['async']['blocked'][0]:.3f} s)"
+    )
     bc.remove(workdir / f"ckpt-{fmt}")
     return r
 
@@ -284,42 +348,85 @@ def summarize(results: list[dict]) -> tuple[list[list], list[dict]]:
         lv, ln = loads["same layout, verify"], loads["same layout"]
         reshard = next((v for k, v in loads.items() if k.startswith("into")), None)
         ratio = steady / sync_s
-        rows.append([
-            r["format"], bc.fmt(gb, 2), r["files"], bc.fmt(sync_s, 2), bc.fmt(gb / sync_s, 2),
-            bc.fmt(first, 3), bc.fmt(steady, 3), bc.fmt(100 * ratio, 1, "%"),
-            bc.fmt(statistics.median(writes), 1) if writes else "-",
-            bc.fmt(lv["bytes"] / bc.GB / lv["seconds"], 2), bc.fmt(ln["bytes"] / bc.GB / ln["seconds"], 2),
-            bc.fmt(reshard["bytes"] / bc.GB / reshard["seconds"], 2) if reshard else "-",
-            bc.fmt(r["async"]["step_idle_ms"], 0), bc.fmt(r["async"]["step_during_write_ms"], 0),
-            bc.fmt(r["peak_rss"] / bc.GB, 1),
-        ])
+        rows.append(
+            [
+                r["format"],
+                bc.fmt(gb, 2),
+                r["files"],
+                bc.fmt(sync_s, 2),
+                bc.fmt(gb / sync_s, 2),
+                bc.fmt(first, 3),
+                bc.fmt(steady, 3),
+                bc.fmt(100 * ratio, 1, "%"),
+                bc.fmt(statistics.median(writes), 1) if writes else "-",
+                bc.fmt(lv["bytes"] / bc.GB / lv["seconds"], 2),
+                bc.fmt(ln["bytes"] / bc.GB / ln["seconds"], 2),
+                bc.fmt(reshard["bytes"] / bc.GB / reshard["seconds"], 2) if reshard else "-",
+                bc.fmt(r["async"]["step_idle_ms"], 0),
+                bc.fmt(r["async"]["step_during_write_ms"], 0),
+                bc.fmt(r["peak_rss"] / bc.GB, 1),
+            ]
+        )
         targets.append({"format": r["format"], "blocked_ratio": ratio, "pass": ratio <= BLOCKED_TARGET})
     return rows, targets
 
 
-def print_report(args, name: str, config: dict, disk: str, results: list[dict], rows: list[list],
-                 targets: list[dict], loads: dict, machine: dict) -> None:
+def print_report(
+    args,
+    name: str,
+    config: dict,
+    disk: str,
+    results: list[dict],
+    rows: list[list],
+    targets: list[dict],
+    loads: dict,
+    machine: dict,
+) -> None:
     n_params = sum(bc.numel(s) for _, s in bc.llama_tensors(config))
     print(f"shardkit checkpoint benchmark ({machine['cpus']} CPUs, python {machine['python']})")
-    print(f"model:  {name}: {n_params / 1e9:.3f} B params, {args.dtype}, "
-          f"{results[0]['state_bytes'] / bc.GB:.2f} GB of state ("
-          + ("model only" if args.optimizer == "none" else f"model + Adam moments in {args.optimizer}") + "), "
-          f"layout tp {args.tp} pp {args.pp} ({args.tp * args.pp} rank files) in one process")
+    print(
+        f"model:  {name}: {n_params / 1e9:.3f} B params, {args.dtype}, "
+        f"{results[0]['state_bytes'] / bc.GB:.2f} GB of state ("
+        + ("model only" if args.optimizer == "none" else f"model + Adam moments in {args.optimizer}")
+        + "), "
+        f"layout tp {args.tp} pp {args.pp} ({args.tp * args.pp} rank files) in one process"
+    )
     print(f"disk:   {disk}")
-    print(f"loop:   {args.step_ms:.0f} ms steps ({results[0]['step_reps']} matmuls of 768x768 when the CPUs are free); "
-          f"{args.sync_saves} sync then {args.async_saves} async saves "
-          f"(fsync, num_kept 1); async saves every {results[0]['interval']:.0f} s of training")
+    print(
+        f"loop:   {args.step_ms:.0f} ms steps ({results[0]['step_reps']} matmuls of 768x768 when the CPUs are free); "
+        f"{args.sync_saves} sync then {args.async_saves} async saves "
+        f"(fsync, num_kept 1); async saves every {results[0]['interval']:.0f} s of training"
+    )
     print(f"cache:  loads: {results[0]['cache']}")
     for line in bc.load_lines(loads["start"], loads["end"]):
         print(line)
     print()
-    print(bc.format_table(
-        ["format", "GB", "files", "sync save s", "save GB/s", "async blocked s (first)", "(steady)",
-         "blocked / sync", "bg write s", "load GB/s (verify)", "(no verify)", f"(into tp {args.reshard_tp})",
-         "step ms", "step ms (during write)", "peak RSS GB"], rows))
+    print(
+        bc.format_table(
+            [
+                "format",
+                "GB",
+                "files",
+                "sync save s",
+                "save GB/s",
+                "async blocked s (first)",
+                "(steady)",
+                "blocked / sync",
+                "bg write s",
+                "load GB/s (verify)",
+                "(no verify)",
+                f"(into tp {args.reshard_tp})",
+                "step ms",
+                "step ms (during write)",
+                "peak RSS GB",
+            ],
+            rows,
+        )
+    )
     print()
-    print(f"target: an async save blocks the loop for at most {BLOCKED_TARGET:.0%} of a synchronous save "
-          "(steady state)")
+    print(
+        f"target: an async save blocks the loop for at most {BLOCKED_TARGET:.0%} of a synchronous save (steady state)"
+    )
     for t in targets:
         print(f"  {t['format']:<12} {100 * t['blocked_ratio']:5.1f}%  {'PASS' if t['pass'] else 'FAIL'}")
 
@@ -335,9 +442,20 @@ def main(argv=None) -> int:
     rows, targets = summarize(results)
     machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
     if args.json:
-        bc.print_json({"model": name, "config": config, "dtype": args.dtype, "source": str(src), "disk": disk,
-                       "layout": {"tp": args.tp, "pp": args.pp, "qkv": args.qkv, "kv_multiplier": args.kv_multiplier},
-                       "env": machine, "load_average": loads, "results": results, "targets": targets})
+        bc.print_json(
+            {
+                "model": name,
+                "config": config,
+                "dtype": args.dtype,
+                "source": str(src),
+                "disk": disk,
+                "layout": {"tp": args.tp, "pp": args.pp, "qkv": args.qkv, "kv_multiplier": args.kv_multiplier},
+                "env": machine,
+                "load_average": loads,
+                "results": results,
+                "targets": targets,
+            }
+        )
     else:
         print_report(args, name, config, disk, results, rows, targets, loads, machine)
     return 0

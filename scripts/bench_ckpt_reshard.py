@@ -100,8 +100,16 @@ def main() -> None:
         for ref in refs:
             bc.settle(False, out)
             kwargs = {"src": str(root), "dst": str(out), "tp": 1, "dp": 2}
-            runs[ref].append(bc.run_python(f"ckpt reshard {ref}", "bench_ckpt_reshard:run_reshard", kwargs, logs,
-                                           preload=("shardkit.api",), env=envs[ref]))
+            runs[ref].append(
+                bc.run_python(
+                    f"ckpt reshard {ref}",
+                    "bench_ckpt_reshard:run_reshard",
+                    kwargs,
+                    logs,
+                    preload=("shardkit.api",),
+                    env=envs[ref],
+                )
+            )
         runs["cp -r"].append(bc.cp_baseline("cp -r", root / TAG, out / TAG, logs))
     bc.remove(out)
     cp = statistics.median(m.seconds for m in runs["cp -r"])
@@ -111,7 +119,9 @@ def main() -> None:
         seconds = statistics.median(m.seconds for m in ms)
         rss = statistics.median(m.peak_rss for m in ms)
         anon = statistics.median(m.peak_anon or 0 for m in ms)
-        rows.append([what, f"{seconds:.2f} s", f"{cp / seconds:.2f}x", f"{rss / 2**20:.0f} MiB", f"{anon / 2**20:.0f} MiB"])
+        rows.append(
+            [what, f"{seconds:.2f} s", f"{cp / seconds:.2f}x", f"{rss / 2**20:.0f} MiB", f"{anon / 2**20:.0f} MiB"]
+        )
     # peak RSS counts the pages of memory-mapped source files too (the page cache's, given back
     # under pressure); the sampled anonymous peak is the memory the process itself holds
     print(bc.format_table(["", "wall", "vs cp -r", "peak RSS", "peak anonymous"], rows))

@@ -165,7 +165,9 @@ def numel(shape: Sequence[int]) -> int:
     return n
 
 
-def split_files(tensors: list[tuple[str, tuple[int, ...]]], itemsize: int, max_shard_size: int | str) -> dict[str, list[str]]:
+def split_files(
+    tensors: list[tuple[str, tuple[int, ...]]], itemsize: int, max_shard_size: int | str
+) -> dict[str, list[str]]:
     """File name -> tensor names, the way transformers/huggingface_hub split a state dict
     (greedy in state-dict order; a tensor larger than the limit gets its own file)."""
     from shardkit.sizes import parse_size  # here, not at the top: the parent never imports shardkit (and torch)
@@ -192,8 +194,9 @@ def split_files(tensors: list[tuple[str, tuple[int, ...]]], itemsize: int, max_s
     return {f"model-{i + 1:05d}-of-{total:05d}.safetensors": names for i, names in enumerate(shards)}
 
 
-def synthetic_spec(name: str, config: dict[str, Any], dtype: str = "bfloat16", max_shard_size: int | str | None = None,
-                   seed: int = 0) -> dict[str, Any]:
+def synthetic_spec(
+    name: str, config: dict[str, Any], dtype: str = "bfloat16", max_shard_size: int | str | None = None, seed: int = 0
+) -> dict[str, Any]:
     return {
         "builder_version": BUILDER_VERSION,
         "shape": name,
@@ -284,24 +287,35 @@ def build_synthetic_checkpoint(workdir: str, spec: dict[str, Any], chunk_elems: 
         total_size = sum(numel(s) * itemsize for _, s in tensors)
         weight_map = {name: fname for fname, names in files.items() for name in names}
         (stage / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n")
+            json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n"
+        )
     config = dict(spec["config"])
     config["torch_dtype"] = spec["dtype"]
     (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (stage / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config.get("bos_token_id", 1), "eos_token_id": config.get("eos_token_id", 2)}, indent=2) + "\n")
+    (stage / "generation_config.json").write_text(
+        json.dumps(
+            {"bos_token_id": config.get("bos_token_id", 1), "eos_token_id": config.get("eos_token_id", 2)}, indent=2
+        )
+        + "\n"
+    )
     (stage / MARKER).write_text(json.dumps({"spec": spec, "files": sizes}, indent=2) + "\n")
     os.rename(stage, final)
     return {"path": str(final), "cached": False}
 
 
-def synthetic_source(workdir: Path, logdir: Path, name: str, config: dict[str, Any], dtype: str = "bfloat16",
-                     seed: int = 0) -> tuple[Path, Measurement]:
+def synthetic_source(
+    workdir: Path, logdir: Path, name: str, config: dict[str, Any], dtype: str = "bfloat16", seed: int = 0
+) -> tuple[Path, Measurement]:
     """Build (or reuse) the synthetic checkpoint in a child process, so that the parent never
     imports torch; returns its directory and the build's Measurement (`.result["cached"]`)."""
     spec = synthetic_spec(name, config, dtype, seed=seed)
-    built = run_python("build", "bench_common:build_synthetic_checkpoint", {"workdir": str(workdir), "spec": spec},
-                       logdir, preload=("torch",))
+    built = run_python(
+        "build",
+        "bench_common:build_synthetic_checkpoint",
+        {"workdir": str(workdir), "spec": spec},
+        logdir,
+        preload=("torch",),
+    )
     return Path(built.result["path"]), built
 
 
@@ -350,8 +364,11 @@ DROP_CACHES_EXIT = 2
 
 
 def _refuse_drop_caches(why: str) -> None:
-    print(f"--drop-caches: {why}; the page cache cannot be dropped here (needs root and a writable "
-          "/proc/sys/vm/drop_caches). Run without --drop-caches for a warm-cache measurement.", file=sys.stderr)
+    print(
+        f"--drop-caches: {why}; the page cache cannot be dropped here (needs root and a writable "
+        "/proc/sys/vm/drop_caches). Run without --drop-caches for a warm-cache measurement.",
+        file=sys.stderr,
+    )
     raise SystemExit(DROP_CACHES_EXIT)
 
 
@@ -370,10 +387,15 @@ SETTLE_WAIT = 0.0
 
 def add_settle_wait(parser: Any) -> None:
     """The --settle-wait option of the benchmark scripts (see `settle`)."""
-    parser.add_argument("--settle-wait", type=float, default=0.0, metavar="SECONDS",
-                        help="wait this long after settling, before every timed step, cp included (default 0: start "
-                             "right away). On a VM that hands free memory back to its host, 5 s measures every step "
-                             "in the state where fresh memory costs a host fault")
+    parser.add_argument(
+        "--settle-wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long after settling, before every timed step, cp included (default 0: start "
+        "right away). On a VM that hands free memory back to its host, 5 s measures every step "
+        "in the state where fresh memory costs a host fault",
+    )
 
 
 def use_settle_wait(args: Any) -> None:
@@ -418,8 +440,11 @@ REPO_ROOT = SCRIPTS_DIR.parent
 
 def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
     """HEAD commit of the repository and whether shardkit/ has uncommitted changes."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True
+        ).stdout.strip()
 
     try:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "shardkit"))}
@@ -430,14 +455,20 @@ def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
 def shardkit_snapshot(ref: str, workdir: str | Path, repo: Path = REPO_ROOT) -> tuple[Path, str]:
     """Export shardkit/ at git `ref` to workdir/snapshots/<sha> (once); returns (dir for
     PYTHONPATH, commit sha). Lets a benchmark measure a fixed commit while the tree is edited."""
-    sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", f"{ref}^{{commit}}"],
-                         capture_output=True, text=True, check=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--verify", f"{ref}^{{commit}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     dest = Path(workdir) / "snapshots" / sha[:12]
     if not (dest / "shardkit" / "__init__.py").is_file():
         tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(repo), "archive", sha, "shardkit"], capture_output=True, check=True).stdout
+        archive = subprocess.run(
+            ["git", "-C", str(repo), "archive", sha, "shardkit"], capture_output=True, check=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
         shutil.rmtree(dest, ignore_errors=True)
         os.rename(tmp, dest)
@@ -465,8 +496,11 @@ def busy_note(load: tuple[float, float, float] | None) -> str:
     cpus = os.cpu_count() or 1
     if load is None:
         return ""
-    return (f"WARNING: 1-min load average {load[0]:.1f} on {cpus} CPUs: other processes compete, timings are noisy"
-            if load[0] > 0.5 * cpus else "")
+    return (
+        f"WARNING: 1-min load average {load[0]:.1f} on {cpus} CPUs: other processes compete, timings are noisy"
+        if load[0] > 0.5 * cpus
+        else ""
+    )
 
 
 def load_lines(start: tuple[float, float, float] | None, end: tuple[float, float, float] | None) -> list[str]:
@@ -474,8 +508,10 @@ def load_lines(start: tuple[float, float, float] | None, end: tuple[float, float
     warning under it when either shows a busy machine (none when the load average is unknown)."""
     if not (start and end):
         return []
-    first = (f"load:   1/5/15-min load average {'/'.join(f'{x:.1f}' for x in start)} at start, "
-             f"{'/'.join(f'{x:.1f}' for x in end)} at end")
+    first = (
+        f"load:   1/5/15-min load average {'/'.join(f'{x:.1f}' for x in start)} at start, "
+        f"{'/'.join(f'{x:.1f}' for x in end)} at end"
+    )
     lines = [first]
     lines += [f"        {note}" for note in {busy_note(start), busy_note(end)} - {""}]
     return lines
@@ -523,9 +559,18 @@ def _tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
-def run_python(op: str, target: str, kwargs: dict[str, Any], logdir: str | Path, *, preload: Iterable[str] = (),
-               sys_path: Iterable[str | Path] = (), profile: str | Path | None = None,
-               env: dict[str, str] | None = None, before: Callable[[], None] | None = None) -> Measurement:
+def run_python(
+    op: str,
+    target: str,
+    kwargs: dict[str, Any],
+    logdir: str | Path,
+    *,
+    preload: Iterable[str] = (),
+    sys_path: Iterable[str | Path] = (),
+    profile: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    before: Callable[[], None] | None = None,
+) -> Measurement:
     """Run `target` ("module:function") with JSON `kwargs` in a fresh Python process and measure it.
 
     The child imports `preload` and the target's module, says it is ready, and waits; the parent
@@ -551,12 +596,19 @@ def run_python(op: str, target: str, kwargs: dict[str, Any], logdir: str | Path,
     ready_read, ready_write = os.pipe()
     spec["ready_fd"] = ready_write
     spec_path.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-B", str(Path(__file__).resolve()), "--child", str(spec_path)]  # -B: no __pycache__ in scripts/
+    cmd = [
+        sys.executable,
+        "-B",
+        str(Path(__file__).resolve()),
+        "--child",
+        str(spec_path),
+    ]  # -B: no __pycache__ in scripts/
     t0 = time.perf_counter()
     with open(log_path, "wb") as log, os.fdopen(ready_read, "rb") as ready:
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    pass_fds=(ready_write,))
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(ready_write,)
+            )
         finally:
             os.close(ready_write)  # the child's copy is its own: EOF here once it exits
         try:
@@ -580,9 +632,16 @@ def run_python(op: str, target: str, kwargs: dict[str, Any], logdir: str | Path,
     if log_path.stat().st_size == 0:
         log_path.unlink()
     return Measurement(
-        op=op, seconds=res["seconds"], process_seconds=wall, peak_rss=res["peak_rss"], base_rss=res["base_rss"],
-        peak_anon=res["peak_anon"], peak_file=res["peak_file"], cpu_seconds=res["cpu_seconds"],
-        cpu_by_thread=res.get("cpu_by_thread"), rss_method="VmHWM of the child (/proc/self/status)",
+        op=op,
+        seconds=res["seconds"],
+        process_seconds=wall,
+        peak_rss=res["peak_rss"],
+        base_rss=res["base_rss"],
+        peak_anon=res["peak_anon"],
+        peak_file=res["peak_file"],
+        cpu_seconds=res["cpu_seconds"],
+        cpu_by_thread=res.get("cpu_by_thread"),
+        rss_method="VmHWM of the child (/proc/self/status)",
         result=res["return"],
     )
 
@@ -624,8 +683,9 @@ def run_command(op: str, cmd: Sequence[str], logdir: str | Path) -> Measurement:
     return Measurement(op=op, seconds=wall, process_seconds=wall, peak_rss=peak, cpu_seconds=cpu, rss_method=method)
 
 
-def cp_baseline(op: str, src: str | Path, dst: str | Path, logdir: str | Path, *, keep: bool = False,
-                drop: bool = False) -> Measurement:
+def cp_baseline(
+    op: str, src: str | Path, dst: str | Path, logdir: str | Path, *, keep: bool = False, drop: bool = False
+) -> Measurement:
     """`cp -r src dst` (no reflinks, so bytes are really copied), started right after `settle(drop,
     dst)` as every timed step is; bytes_written = size of the copy. The copy is removed afterwards
     unless `keep`."""
@@ -762,7 +822,7 @@ class _ThreadCPU:
 
 
 def thread_cpu_line(m: Measurement | dict[str, list[float]] | None) -> str:
-    """"MainThread 2.63 s (sys 1.26), shardkit-hash-writes 1.40 s (sys 0.00), ..." by CPU, or "" (of a
+    """ "MainThread 2.63 s (sys 1.26), shardkit-hash-writes 1.40 s (sys 0.00), ..." by CPU, or "" (of a
     Measurement, or of its cpu_by_thread)."""
     by_thread = m.cpu_by_thread if isinstance(m, Measurement) else m
     if not by_thread:
@@ -793,11 +853,20 @@ def combine(samples: Sequence[Measurement], stat: str = "median") -> Measurement
         cpu_by_thread=middle.cpu_by_thread,
         process_seconds=pick([s.process_seconds for s in samples]),
         peak_rss=max(s.peak_rss for s in samples),
-        base_rss=mx("base_rss"), peak_anon=mx("peak_anon"), peak_file=mx("peak_file"),
-        cpu_seconds=pick([s.cpu_seconds for s in samples if s.cpu_seconds is not None]) if first.cpu_seconds is not None else None,
-        bytes_written=first.bytes_written, rss_method=first.rss_method, result=first.result,
-        extra={"repeats": len(samples), "seconds_all": [s.seconds for s in samples],
-               "peak_rss_all": [s.peak_rss for s in samples]},
+        base_rss=mx("base_rss"),
+        peak_anon=mx("peak_anon"),
+        peak_file=mx("peak_file"),
+        cpu_seconds=pick([s.cpu_seconds for s in samples if s.cpu_seconds is not None])
+        if first.cpu_seconds is not None
+        else None,
+        bytes_written=first.bytes_written,
+        rss_method=first.rss_method,
+        result=first.result,
+        extra={
+            "repeats": len(samples),
+            "seconds_all": [s.seconds for s in samples],
+            "peak_rss_all": [s.peak_rss for s in samples],
+        },
     )
 
 
@@ -896,18 +965,28 @@ def compare_hf_dirs(a: str | Path, b: str | Path, names: Sequence[str] | None = 
             problems.append(f"{name}: {ca[name][1:3]} vs {cb[name][1:3]}")
     checked = 0
     checked_bytes = 0
-    for name in (names if names is not None else sorted(ca)):
+    for name in names if names is not None else sorted(ca):
         if name not in ca or name not in cb:
             continue
         fa, _, _, sa, na = ca[name]
         fb, _, _, sb, nb = cb[name]
-        same = read_range(fa, sa, na) == read_range(fb, sb, nb) if na <= 256 * 2**20 else _digest(fa, sa, na) == _digest(fb, sb, nb)
+        same = (
+            read_range(fa, sa, na) == read_range(fb, sb, nb)
+            if na <= 256 * 2**20
+            else _digest(fa, sa, na) == _digest(fb, sb, nb)
+        )
         if not same:
             problems.append(f"{name}: data differ")
         checked += 1
         checked_bytes += na
-    return {"ok": not problems, "structure_ok": structure_ok, "tensors": len(ca), "compared": checked, "compared_bytes": checked_bytes,
-            "problems": problems[:10]}
+    return {
+        "ok": not problems,
+        "structure_ok": structure_ok,
+        "tensors": len(ca),
+        "compared": checked,
+        "compared_bytes": checked_bytes,
+        "problems": problems[:10],
+    }
 
 
 if __name__ == "__main__":

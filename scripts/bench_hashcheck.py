@@ -70,9 +70,23 @@ def main(argv=None) -> int:
     if not _has_both_digests(shards):  # absent, or written by a shardkit without xxh3-128 or without --sha256
         bc.remove(shards)
         bc.progress("setup: converting to tp 8 pp 2 (untimed)")
-        bc.run_python("setup", "bench_convert:run_convert", {"src": str(hf), "dst": str(shards), "tp": 8, "pp": 2,
-                      "qkv": "gqa", "kv_multiplier": smallest_kv_multiplier(config, 8), "fmt": "torch",
-                      "workers": 2, "sha256": True}, logdir, preload=PRELOAD)
+        bc.run_python(
+            "setup",
+            "bench_convert:run_convert",
+            {
+                "src": str(hf),
+                "dst": str(shards),
+                "tp": 8,
+                "pp": 2,
+                "qkv": "gqa",
+                "kv_multiplier": smallest_kv_multiplier(config, 8),
+                "fmt": "torch",
+                "workers": 2,
+                "sha256": True,
+            },
+            logdir,
+            preload=PRELOAD,
+        )
     env = dict(os.environ, BENCH_KV=str(smallest_kv_multiplier(config, 4)))
     dst = workdir / "run" / "hashcheck-out"
     start = os.getloadavg()
@@ -80,16 +94,25 @@ def main(argv=None) -> int:
     for i in range(args.repeat):
         for op in args.ops.split(","):
             for verify in MODES:
-                m = bc.run_python(f"{op} verify={verify}", "bench_hashcheck:run_op",
-                                  {"op": op, "src": str(shards), "dst": str(dst), "verify": verify,
-                                   "workers": args.workers}, logdir, preload=PRELOAD, env=env,
-                                  before=lambda: bc.settle(args.drop_caches, dst))
+                m = bc.run_python(
+                    f"{op} verify={verify}",
+                    "bench_hashcheck:run_op",
+                    {"op": op, "src": str(shards), "dst": str(dst), "verify": verify, "workers": args.workers},
+                    logdir,
+                    preload=PRELOAD,
+                    env=env,
+                    before=lambda: bc.settle(args.drop_caches, dst),
+                )
                 seen.setdefault((op, verify), []).append(m)
-                bc.progress(f"[{i + 1}/{args.repeat}] {op} verify={verify}: {m.seconds:.2f} s, CPU {m.cpu_seconds:.2f} s")
+                bc.progress(
+                    f"[{i + 1}/{args.repeat}] {op} verify={verify}: {m.seconds:.2f} s, CPU {m.cpu_seconds:.2f} s"
+                )
     bc.remove(dst)
     end = os.getloadavg()
-    print(f"hash verification on read: {name}, tp 8 pp 2 torch shards, workers {args.workers}, "
-          f"{'cold (drop_caches before every step)' if args.drop_caches else 'warm page cache'}, median of {args.repeat}")
+    print(
+        f"hash verification on read: {name}, tp 8 pp 2 torch shards, workers {args.workers}, "
+        f"{'cold (drop_caches before every step)' if args.drop_caches else 'warm page cache'}, median of {args.repeat}"
+    )
     for line in bc.load_lines(start, end):
         print(line)
     rows = []
@@ -101,10 +124,24 @@ def main(argv=None) -> int:
             c_on = statistics.median(m.cpu_seconds for m in seen[(op, mode)])
             cost = t_on / t_off - 1
             target = ("PASS" if cost <= TARGET else "FAIL") if mode == "fast" else "-"
-            rows.append([op, mode, f"{t_off:.2f}", f"{t_on:.2f}", f"{100 * cost:+.0f}%", f"{c_off:.2f}", f"{c_on:.2f}",
-                         target])
-    print(bc.format_table(["operation", "check", "s (no check)", "s (check)", "cost", "CPU s (no check)",
-                           "CPU s (check)", f"<= {TARGET:.0%}"], rows))
+            rows.append(
+                [op, mode, f"{t_off:.2f}", f"{t_on:.2f}", f"{100 * cost:+.0f}%", f"{c_off:.2f}", f"{c_on:.2f}", target]
+            )
+    print(
+        bc.format_table(
+            [
+                "operation",
+                "check",
+                "s (no check)",
+                "s (check)",
+                "cost",
+                "CPU s (no check)",
+                "CPU s (check)",
+                f"<= {TARGET:.0%}",
+            ],
+            rows,
+        )
+    )
     return 0
 
 

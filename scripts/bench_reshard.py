@@ -38,13 +38,29 @@ SPEEDUP_TARGET = 2.0
 RSS_TARGET = 0.25
 
 
-def run_reshard(src: str, dst: str, tp: int, pp: int, qkv: str, kv_multiplier: int, workers: int,
-                direct_io: str | None = None, sha256: bool = False) -> dict:
+def run_reshard(
+    src: str,
+    dst: str,
+    tp: int,
+    pp: int,
+    qkv: str,
+    kv_multiplier: int,
+    workers: int,
+    direct_io: str | None = None,
+    sha256: bool = False,
+) -> dict:
     import shardkit
     from bench_convert import direct_io_options, sha256_option
 
-    result = shardkit.reshard(src, dst, shardkit.Layout(tp=tp, pp=pp, kv_multiplier=kv_multiplier, qkv=qkv),
-                              workers=workers, overwrite=True, **direct_io_options(direct_io), **sha256_option(sha256))
+    result = shardkit.reshard(
+        src,
+        dst,
+        shardkit.Layout(tp=tp, pp=pp, kv_multiplier=kv_multiplier, qkv=qkv),
+        workers=workers,
+        overwrite=True,
+        **direct_io_options(direct_io),
+        **sha256_option(sha256),
+    )
     return {"files": len(result.files), "bytes": result.bytes, "shardkit": str(Path(shardkit.__file__).parent)}
 
 
@@ -57,16 +73,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qkv", default="gqa", help="qkv style of both layouts")
     p.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated")
     p.add_argument("--repeat", type=int, default=1, help="repeats per worker count (median taken)")
-    p.add_argument("--direct-io", choices=("auto", "on", "off"),
-                   help="shardkit's --direct-io for every step (default: shardkit's default)")
+    p.add_argument(
+        "--direct-io",
+        choices=("auto", "on", "off"),
+        help="shardkit's --direct-io for every step (default: shardkit's default)",
+    )
     p.add_argument("--workdir", default=str(bc.DEFAULT_WORKDIR), help="cache and scratch folder")
-    p.add_argument("--drop-caches", action="store_true",
-                   help="drop the page cache before every timed step, cp included (needs root; exits 2 otherwise)")
+    p.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="drop the page cache before every timed step, cp included (needs root; exits 2 otherwise)",
+    )
     bc.add_settle_wait(p)
-    p.add_argument("--sha256", action="store_true",
-                   help="reshard and convert record each shard's sha256 as well as xxh3-128 (shardkit's --sha256)")
-    p.add_argument("--direct-only", action="store_true",
-                   help="time the direct reshard and cp only, not merge-then-convert (no speed-up column)")
+    p.add_argument(
+        "--sha256",
+        action="store_true",
+        help="reshard and convert record each shard's sha256 as well as xxh3-128 (shardkit's --sha256)",
+    )
+    p.add_argument(
+        "--direct-only",
+        action="store_true",
+        help="time the direct reshard and cp only, not merge-then-convert (no speed-up column)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p.parse_args(argv)
 
@@ -83,39 +111,81 @@ def prepare_source(args, workdir: Path, name: str, config: dict, source: Path, s
     hf, _ = bc.synthetic_source(workdir, logdir, name, config, args.dtype)
     bc.remove(source)
     bc.progress(f"setup: converting {hf.name} to tp {stp} pp {spp} (untimed)")
-    bc.run_python("setup", "bench_convert:run_convert", {"src": str(hf), "dst": str(source), "tp": stp, "pp": spp,
-                  "qkv": args.qkv, "kv_multiplier": smallest_kv_multiplier(config, stp), "fmt": "torch", "workers": 2},
-                  logdir, preload=PRELOAD)
+    bc.run_python(
+        "setup",
+        "bench_convert:run_convert",
+        {
+            "src": str(hf),
+            "dst": str(source),
+            "tp": stp,
+            "pp": spp,
+            "qkv": args.qkv,
+            "kv_multiplier": smallest_kv_multiplier(config, stp),
+            "fmt": "torch",
+            "workers": 2,
+        },
+        logdir,
+        preload=PRELOAD,
+    )
     return bc.dir_bytes(hf)
 
 
 def measured_ops(args, source: Path, rundir: Path, ttp: int, tpp: int, tkv: int, workers: int):
     """(key, child target, kwargs) of the direct reshard and of the two steps of merge-then-convert."""
-    target = {"tp": ttp, "pp": tpp, "qkv": args.qkv, "kv_multiplier": tkv, "workers": workers,
-              "direct_io": args.direct_io, "sha256": args.sha256}
+    target = {
+        "tp": ttp,
+        "pp": tpp,
+        "qkv": args.qkv,
+        "kv_multiplier": tkv,
+        "workers": workers,
+        "direct_io": args.direct_io,
+        "sha256": args.sha256,
+    }
     return (
         ("direct", "bench_reshard:run_reshard", {"src": str(source), "dst": str(rundir / "direct"), **target}),
-        ("merge", "bench_convert:run_merge", {"src": str(source), "dst": str(rundir / "merged"), "workers": workers,
-                                              "direct_io": args.direct_io}),
-        ("convert", "bench_convert:run_convert", {"src": str(rundir / "merged"), "dst": str(rundir / "two-step"),
-                                                  **target, "fmt": "torch"}),
+        (
+            "merge",
+            "bench_convert:run_merge",
+            {"src": str(source), "dst": str(rundir / "merged"), "workers": workers, "direct_io": args.direct_io},
+        ),
+        (
+            "convert",
+            "bench_convert:run_convert",
+            {"src": str(rundir / "merged"), "dst": str(rundir / "two-step"), **target, "fmt": "torch"},
+        ),
     )
 
 
-def run_repeat(args, source: Path, rundir: Path, logdir: Path, ttp: int, tpp: int, tkv: int, workers: int,
-               samples: dict[str, list]) -> bool:
+def run_repeat(
+    args, source: Path, rundir: Path, logdir: Path, ttp: int, tpp: int, tkv: int, workers: int, samples: dict[str, list]
+) -> bool:
     """One repeat: cp baseline, direct reshard, merge, convert; returns whether both ways agree."""
     # every step's output stays until that step runs again (see bench_common.settle), cp's too
-    samples["cp"].append(bc.cp_baseline("cp -r shards", source, rundir / "cp", logdir, keep=True,
-                                        drop=args.drop_caches))
+    samples["cp"].append(
+        bc.cp_baseline("cp -r shards", source, rundir / "cp", logdir, keep=True, drop=args.drop_caches)
+    )
     ops = measured_ops(args, source, rundir, ttp, tpp, tkv, workers)
     for key, target, kwargs in ops[:1] if args.direct_only else ops:
-        m = bc.run_python(f"{key} w{workers}", target, kwargs, logdir, preload=PRELOAD,
-                          before=lambda dst=kwargs["dst"]: bc.settle(args.drop_caches, dst))
+        m = bc.run_python(
+            f"{key} w{workers}",
+            target,
+            kwargs,
+            logdir,
+            preload=PRELOAD,
+            before=lambda dst=kwargs["dst"]: bc.settle(args.drop_caches, dst),
+        )
         samples[key].append(m)
         bc.progress(f"workers {workers}: {key} {m.seconds:.2f} s, peak RSS {m.peak_rss / bc.MB:.0f} MB")
-    return args.direct_only or bc.run_python("compare", "bench_reshard:same_shards", {"a": str(rundir / "direct"),
-                                             "b": str(rundir / "two-step")}, logdir, preload=PRELOAD).result
+    return (
+        args.direct_only
+        or bc.run_python(
+            "compare",
+            "bench_reshard:same_shards",
+            {"a": str(rundir / "direct"), "b": str(rundir / "two-step")},
+            logdir,
+            preload=PRELOAD,
+        ).result
+    )
 
 
 OUTPUTS = ("cp", "direct", "merged", "two-step")
@@ -128,15 +198,30 @@ def summarize(workers: int, c: dict[str, bc.Measurement], ok: bool, size: int) -
     speedup = two_step / c["direct"].seconds
     rss = max(c["direct"].peak_rss, 1) / size
     vs_cp = c["cp"].seconds / c["direct"].seconds  # the same bytes in and out: a ratio of throughputs
-    row = (workers, f"{c['cp'].seconds:.2f}", f"{c['direct'].seconds:.2f}", f"{vs_cp:.2f}x", f"{two_step:.2f}",
-           f"{speedup:.2f}x", f"{c['direct'].peak_rss / bc.MB:.0f}", f"{100 * rss:.1f}%",
-           f"{max(c['merge'].peak_rss, c['convert'].peak_rss) / bc.MB:.0f}" if "merge" in c else "-",
-           ("not compared" if "merge" not in c else "equal") if ok else "DIFFER")
-    record = {"workers": workers, "cp_s": c["cp"].seconds, "direct_s": c["direct"].seconds,
-              "merge_s": c["merge"].seconds if "merge" in c else None,
-              "convert_s": c["convert"].seconds if "convert" in c else None, "speedup": speedup, "vs_cp": vs_cp,
-              "direct_peak_rss": c["direct"].peak_rss, "same_result": ok,
-              "direct_cpu_by_thread": c["direct"].cpu_by_thread}
+    row = (
+        workers,
+        f"{c['cp'].seconds:.2f}",
+        f"{c['direct'].seconds:.2f}",
+        f"{vs_cp:.2f}x",
+        f"{two_step:.2f}",
+        f"{speedup:.2f}x",
+        f"{c['direct'].peak_rss / bc.MB:.0f}",
+        f"{100 * rss:.1f}%",
+        f"{max(c['merge'].peak_rss, c['convert'].peak_rss) / bc.MB:.0f}" if "merge" in c else "-",
+        ("not compared" if "merge" not in c else "equal") if ok else "DIFFER",
+    )
+    record = {
+        "workers": workers,
+        "cp_s": c["cp"].seconds,
+        "direct_s": c["direct"].seconds,
+        "merge_s": c["merge"].seconds if "merge" in c else None,
+        "convert_s": c["convert"].seconds if "convert" in c else None,
+        "speedup": speedup,
+        "vs_cp": vs_cp,
+        "direct_peak_rss": c["direct"].peak_rss,
+        "same_result": ok,
+        "direct_cpu_by_thread": c["direct"].cpu_by_thread,
+    }
     return row, record
 
 
@@ -144,14 +229,33 @@ def print_report(args, name: str, size: int, layouts, rows: list, report: dict) 
     (stp, spp), (ttp, tpp) = layouts
     print(f"\n{name} ({size / bc.GB:.2f} GB {args.dtype}): tp {stp} pp {spp} -> tp {ttp} pp {tpp}, qkv {args.qkv}")
     print(bc.busy_note(bc.load_average()))
-    print(bc.format_table(("workers", "cp -r s", "reshard s", "vs cp", "merge+convert s", "speed-up", "reshard RSS MB",
-                           "RSS % ckpt", "2-step RSS MB", "result"), rows))
+    print(
+        bc.format_table(
+            (
+                "workers",
+                "cp -r s",
+                "reshard s",
+                "vs cp",
+                "merge+convert s",
+                "speed-up",
+                "reshard RSS MB",
+                "RSS % ckpt",
+                "2-step RSS MB",
+                "result",
+            ),
+            rows,
+        )
+    )
     for r in report["runs"]:
-        print(f"  workers {r['workers']}: reshard CPU by thread (median run): "
-              f"{bc.thread_cpu_line(r['direct_cpu_by_thread']) or 'not measured'}")
-        print(f"  workers {r['workers']}: speed-up >= {SPEEDUP_TARGET}x  {'PASS' if r['speedup'] >= SPEEDUP_TARGET else 'FAIL' if r['merge_s'] else '-'};"
-              f"  throughput >= {CP_TARGET}x cp  {'PASS' if r['vs_cp'] >= CP_TARGET else 'FAIL'};"
-              f"  RSS < 25%  {'PASS' if r['direct_peak_rss'] / size < RSS_TARGET else 'FAIL'}")
+        print(
+            f"  workers {r['workers']}: reshard CPU by thread (median run): "
+            f"{bc.thread_cpu_line(r['direct_cpu_by_thread']) or 'not measured'}"
+        )
+        print(
+            f"  workers {r['workers']}: speed-up >= {SPEEDUP_TARGET}x  {'PASS' if r['speedup'] >= SPEEDUP_TARGET else 'FAIL' if r['merge_s'] else '-'};"
+            f"  throughput >= {CP_TARGET}x cp  {'PASS' if r['vs_cp'] >= CP_TARGET else 'FAIL'};"
+            f"  RSS < 25%  {'PASS' if r['direct_peak_rss'] / size < RSS_TARGET else 'FAIL'}"
+        )
 
 
 def main(argv=None) -> int:
@@ -168,10 +272,13 @@ def main(argv=None) -> int:
     tkv = smallest_kv_multiplier(config, ttp)
     rows, report = [], {"checkpoint_bytes": size, "runs": []}
     for workers in bc.parse_int_list(args.workers):
-        samples: dict[str, list] = {"cp": [], "direct": []} if args.direct_only else \
-            {"cp": [], "direct": [], "merge": [], "convert": []}
+        samples: dict[str, list] = (
+            {"cp": [], "direct": []} if args.direct_only else {"cp": [], "direct": [], "merge": [], "convert": []}
+        )
         try:
-            oks = [run_repeat(args, source, rundir, logdir, ttp, tpp, tkv, workers, samples) for _ in range(args.repeat)]
+            oks = [
+                run_repeat(args, source, rundir, logdir, ttp, tpp, tkv, workers, samples) for _ in range(args.repeat)
+            ]
         finally:
             for d in OUTPUTS:
                 bc.remove(rundir / d)

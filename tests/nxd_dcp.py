@@ -47,14 +47,22 @@ def _sharded(tensor: torch.Tensor, shape: list[int], d: int, dp: int, tp: int, t
     rows = [each] * (dp - 1) + [each - padding]
     starts = [sum(rows[:i]) for i in range(dp)]
     rest = list(tensor.shape[1:])
-    metadata = [ShardMetadata([s] + [0] * len(rest), [r] + rest, f"rank:{i * tp + t}/cpu")
-                for i, (s, r) in enumerate(zip(starts, rows))]
-    props = TensorProperties(dtype=tensor.dtype, layout=tensor.layout, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
+    metadata = [
+        ShardMetadata([s] + [0] * len(rest), [r] + rest, f"rank:{i * tp + t}/cpu")
+        for i, (s, r) in enumerate(zip(starts, rows))
+    ]
+    props = TensorProperties(
+        dtype=tensor.dtype,
+        layout=tensor.layout,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
     global_md = ShardedTensorMetadata(metadata, torch.Size(shape), props)
     local = [Shard.from_tensor_and_offsets(tensor, [starts[d]] + [0] * len(rest), d * tp + t)]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, sharded_tensor_metadata=global_md,
-                                                                     process_group=group)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, sharded_tensor_metadata=global_md, process_group=group
+    )
 
 
 def _wrap(obj: dict, names: list[str], d: int, dp: int, tp: int, t: int, group) -> dict:

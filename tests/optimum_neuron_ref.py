@@ -58,8 +58,12 @@ import torch
 OPTIMUM_NEURON_VERSION = "0.4.5"
 UNAVAILABLE = 77  # exit status when optimum-neuron's source cannot be had
 TRAINING = "optimum/neuron/models/training"
-FILES = (f"{TRAINING}/transformations_utils.py", f"{TRAINING}/checkpointing.py", f"{TRAINING}/modeling_utils.py",
-         "optimum/neuron/peft/peft_model.py")
+FILES = (
+    f"{TRAINING}/transformations_utils.py",
+    f"{TRAINING}/checkpointing.py",
+    f"{TRAINING}/modeling_utils.py",
+    "optimum/neuron/peft/peft_model.py",
+)
 
 
 def source_dir() -> Path:
@@ -68,8 +72,11 @@ def source_dir() -> Path:
     given = os.environ.get("OPTIMUM_NEURON_SRC")
     folder = Path(given) if given else None
     if folder is None or not all((folder / f).is_file() for f in FILES):
-        print(f"optimum-neuron {OPTIMUM_NEURON_VERSION}'s source is not here: run `python tests/optimum_neuron_ref.py "
-              "fetch DIR` (needs PyPI) and set OPTIMUM_NEURON_SRC=DIR", file=sys.stderr)
+        print(
+            f"optimum-neuron {OPTIMUM_NEURON_VERSION}'s source is not here: run `python tests/optimum_neuron_ref.py "
+            "fetch DIR` (needs PyPI) and set OPTIMUM_NEURON_SRC=DIR",
+            file=sys.stderr,
+        )
         raise SystemExit(UNAVAILABLE)
     return folder
 
@@ -114,8 +121,11 @@ def load() -> tuple[types.ModuleType, types.ModuleType]:
     _package("neuronx_distributed")
     _package("neuronx_distributed.parallel_layers")
     _package("neuronx_distributed.parallel_layers.layers", create_local_weight=_NxD.create_local_weight)
-    _package("neuronx_distributed.parallel_layers.parallel_state",
-             get_tensor_model_parallel_rank=lambda: _NxD.rank, get_tensor_model_parallel_size=lambda: _NxD.size)
+    _package(
+        "neuronx_distributed.parallel_layers.parallel_state",
+        get_tensor_model_parallel_rank=lambda: _NxD.rank,
+        get_tensor_model_parallel_size=lambda: _NxD.size,
+    )
     _package("optimum")
     _package("optimum.utils", logging=types.SimpleNamespace(get_logger=lambda *a: logging.getLogger("optimum")))
     _package("optimum.neuron")
@@ -194,24 +204,48 @@ def _llama(tu, cfg: dict, tp: int, fuse_qkv: bool, kv_multiplier: int | None):
         if qkv_linear:
             names = ["weight_qkv"] if fuse_qkv else ["weight_q", "weight_k", "weight_v"]
             params.update({f"{attn}.qkv_proj.{n}": _Param(0, 1, tp) for n in names})
-            modules[attn].specs.add_spec(tu.GQAQKVColumnParallelLinearSpec(
-                gqa_qkv_projection_name="qkv_proj", query_projection_name="q_proj", key_projection_name="k_proj",
-                value_projection_name="v_proj", output_projection_name="o_proj", num_attention_heads=heads,
-                num_key_value_heads=kv, kv_size_multiplier=mult, q_output_size_per_partition=heads * head_dim // tp,
-                kv_output_size_per_partition=kv * mult * head_dim // tp, fuse_qkv=fuse_qkv, bias=False))
+            modules[attn].specs.add_spec(
+                tu.GQAQKVColumnParallelLinearSpec(
+                    gqa_qkv_projection_name="qkv_proj",
+                    query_projection_name="q_proj",
+                    key_projection_name="k_proj",
+                    value_projection_name="v_proj",
+                    output_projection_name="o_proj",
+                    num_attention_heads=heads,
+                    num_key_value_heads=kv,
+                    kv_size_multiplier=mult,
+                    q_output_size_per_partition=heads * head_dim // tp,
+                    kv_output_size_per_partition=kv * mult * head_dim // tp,
+                    fuse_qkv=fuse_qkv,
+                    bias=False,
+                )
+            )
         elif fuse_qkv and heads == kv:
             params[f"{attn}.qkv_proj.weight"] = _Param(0, 3, tp)
-            modules[attn].specs.add_spec(tu.FusedLinearsSpec(
-                fused_linear_name="qkv_proj", linear_names=["q_proj", "k_proj", "v_proj"], bias=False,
-                fuse_axis="column", original_dims=[heads * head_dim] * 3))
+            modules[attn].specs.add_spec(
+                tu.FusedLinearsSpec(
+                    fused_linear_name="qkv_proj",
+                    linear_names=["q_proj", "k_proj", "v_proj"],
+                    bias=False,
+                    fuse_axis="column",
+                    original_dims=[heads * head_dim] * 3,
+                )
+            )
         else:
             params.update({f"{attn}.{p}.weight": _Param(0, 1, tp) for p in ("q_proj", "k_proj", "v_proj")})
         params[f"{attn}.o_proj.weight"] = _Param(1, 1, tp)
         params[f"{mlp}.gate_up_proj.weight"] = _Param(0, 2, tp)
         params[f"{mlp}.down_proj.weight"] = _Param(1, 1, tp)
-        modules[mlp].specs = tu.ModelWeightTransformationSpecs(module_fully_qualified_name=mlp, specs=tu.FusedLinearsSpec(
-            fused_linear_name="gate_up_proj", linear_names=["gate_proj", "up_proj"], bias=False, fuse_axis="column",
-            original_dims=[cfg["intermediate_size"]] * 2))
+        modules[mlp].specs = tu.ModelWeightTransformationSpecs(
+            module_fully_qualified_name=mlp,
+            specs=tu.FusedLinearsSpec(
+                fused_linear_name="gate_up_proj",
+                linear_names=["gate_proj", "up_proj"],
+                bias=False,
+                fuse_axis="column",
+                original_dims=[cfg["intermediate_size"]] * 2,
+            ),
+        )
         for norm in ("input_layernorm", "post_attention_layernorm"):
             params[f"model.layers.{i}.{norm}.weight"] = _Param()
     params["model.norm.weight"] = _Param()
@@ -226,8 +260,16 @@ def _in_stage(name: str, stage: int, layers: range, pp: int) -> bool:
     return stage == 0 if name.startswith("model.embed_tokens") else stage == pp - 1
 
 
-def save(hf_dir: Path, out: Path, tp: int, pp: int, fuse_qkv: bool, kv_multiplier: int | None,
-         optim: str | None = None, grads_file: Path | None = None) -> None:
+def save(
+    hf_dir: Path,
+    out: Path,
+    tp: int,
+    pp: int,
+    fuse_qkv: bool,
+    kv_multiplier: int | None,
+    optim: str | None = None,
+    grads_file: Path | None = None,
+) -> None:
     """Every rank's state dict made by optimum-neuron's `adapt_state_dict` (as its from_pretrained
     shards a Hugging Face model) and its metadata by `create_parameter_metadata` (as its
     save_pretrained writes mp_metadata_pp_rank_P.json); with `optim`, the optimizer files too."""
@@ -249,7 +291,9 @@ def save(hf_dir: Path, out: Path, tp: int, pp: int, fuse_qkv: bool, kv_multiplie
     for stage, layers in enumerate(_stages(cfg["num_hidden_layers"], pp)):
         model = _Model(params, modules, {n for n in params if _in_stage(n, stage, layers, pp)})
 
-        def local(tensors: dict, stage=stage, layers=layers, model=model) -> dict:  # this tp rank's tensors of the stage, by optimum-neuron's own sharding
+        def local(
+            tensors: dict, stage=stage, layers=layers, model=model
+        ) -> dict:  # this tp rank's tensors of the stage, by optimum-neuron's own sharding
             state = {n: w.clone() for n, w in tensors.items() if _in_stage(n, stage, layers, pp)}
             state = tu.adapt_state_dict(model, state, {}, inplace=False)
             ordered = {n: state[n].contiguous() for n in params if n in model.parameters_for_current_stage}
@@ -270,8 +314,7 @@ def save(hf_dir: Path, out: Path, tp: int, pp: int, fuse_qkv: bool, kv_multiplie
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     if optim:
         _trainer_files(out)
-        save_file({f"step{k}.{n}": g for k, step in enumerate(grads) for n, g in step.items()},
-                  str(grads_file))
+        save_file({f"step{k}.{n}": g for k, step in enumerate(grads) for n, g in step.items()}, str(grads_file))
 
 
 # ---- the optimizer state of optimum-neuron's NeuronTrainer ---------------------------------------
@@ -305,8 +348,10 @@ def _adamw(names: list, weights: dict, grads: list) -> torch.optim.AdamW:
     over `grads`."""
     tensors = {n: torch.nn.Parameter(weights[n].float()) for n in names}
     no_decay = [n for n in names if any(k in n for k in _NORMS)]
-    groups = [{"params": [tensors[n] for n in names if n not in no_decay], "weight_decay": 0.01},
-              {"params": [tensors[n] for n in no_decay], "weight_decay": 0.0}]
+    groups = [
+        {"params": [tensors[n] for n in names if n not in no_decay], "weight_decay": 0.01},
+        {"params": [tensors[n] for n in no_decay], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, lr=1e-3, foreach=False)
     for step in grads:
         for n in names:
@@ -331,10 +376,22 @@ def _optimizer_files(weights: dict, grads: list, optim: str, tp: int, pp: int) -
         rows = -(-t.shape[0] // dp)
         return t[:rows].clone()
 
-    base = {i: {"step": state["state"][i]["step"], "exp_avg": chunk0(state["state"][i]["exp_avg"]),
-                "exp_avg_sq": chunk0(state["state"][i]["exp_avg_sq"])} for i in order}
-    return {name: {"state": {}, "param_groups": state["param_groups"], "base_state": base,
-                   "shape_info": {i: list(shapes[i]) for i in order}}}
+    base = {
+        i: {
+            "step": state["state"][i]["step"],
+            "exp_avg": chunk0(state["state"][i]["exp_avg"]),
+            "exp_avg_sq": chunk0(state["state"][i]["exp_avg_sq"]),
+        }
+        for i in order
+    }
+    return {
+        name: {
+            "state": {},
+            "param_groups": state["param_groups"],
+            "base_state": base,
+            "shape_info": {i: list(shapes[i]) for i in order},
+        }
+    }
 
 
 class _TensorReference:

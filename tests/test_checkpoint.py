@@ -35,7 +35,6 @@ from shardkit.checkpoint import (
     OptimizerState,
     Rank,
     StateMismatchError,
-
     finalize_checkpoint,
     has_checkpoint,
     latest,
@@ -65,8 +64,9 @@ GROUPS = [{"lr": 0.001, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}]
 def write_hf(path: Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
     """A Hugging Face directory holding `weights` (no transformers needed)."""
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"), metadata={"format": "pt"}
+    )
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -78,10 +78,21 @@ def ranks_of(layout: Layout) -> list[Rank]:
 def save_all_ranks(root: Path, tag: str, layout: Layout, config: dict, state: dict, step: int, **options) -> None:
     """Every rank's pieces from one process ({(tp, pp): pieces})."""
     model = {(r.tp, r.pp): ckpt_child.rank_pieces(config, layout, r, state["weight"]) for r in ranks_of(layout)}
-    optim = {(r.tp, r.pp): OptimizerState(ckpt_child.rank_optimizer(config, layout, r, state, step), GROUPS)
-             for r in ranks_of(layout)}
-    save_checkpoint(root, tag, model, optim, user_content={"step": step, "data": torch.arange(3)},
-                    scheduler={"last_epoch": step, "_last_lr": [0.001]}, layout=layout, config=config, **options)
+    optim = {
+        (r.tp, r.pp): OptimizerState(ckpt_child.rank_optimizer(config, layout, r, state, step), GROUPS)
+        for r in ranks_of(layout)
+    }
+    save_checkpoint(
+        root,
+        tag,
+        model,
+        optim,
+        user_content={"step": step, "data": torch.arange(3)},
+        scheduler={"last_epoch": step, "_last_lr": [0.001]},
+        layout=layout,
+        config=config,
+        **options,
+    )
 
 
 def assert_pieces_equal(got: dict, want: dict) -> None:
@@ -91,8 +102,9 @@ def assert_pieces_equal(got: dict, want: dict) -> None:
 
 
 def direct_rank(direct: Path, rank: Rank) -> dict[str, torch.Tensor]:
-    return torch.load(direct / "model" / f"dp_rank_00_tp_rank_{rank.tp:02d}_pp_rank_{rank.pp:02d}.pt",
-                      weights_only=True)
+    return torch.load(
+        direct / "model" / f"dp_rank_00_tp_rank_{rank.tp:02d}_pp_rank_{rank.pp:02d}.pt", weights_only=True
+    )
 
 
 def tree(path: Path) -> list[str]:
@@ -154,13 +166,21 @@ def test_tree_is_nxds(saved, model, tmp_path, fmt):
             got, want = (load_file(p / "model" / f) for p in (tag, tmp_path / "direct"))
         assert_pieces_equal(got, want)
     # the optimizer file is NxD's ZeRO-1 state (dp 1 here): numbered parameters in NxD's order
-    optim = (xser.load if fmt == "xser" else (lambda p: torch.load(p, weights_only=True)))(tag / "optim" / optim_files[0])
+    optim = (xser.load if fmt == "xser" else (lambda p: torch.load(p, weights_only=True)))(
+        tag / "optim" / optim_files[0]
+    )
     assert list(optim) == ["state", "param_groups", "base_state", "shape_info"]
-    names = list(torch.load(tmp_path / "direct" / "model" / f"dp_rank_00_tp_rank_00_pp_rank_00{suffix}",
-                            weights_only=True) if fmt == "torch" else got)
+    names = list(
+        torch.load(tmp_path / "direct" / "model" / f"dp_rank_00_tp_rank_00_pp_rank_00{suffix}", weights_only=True)
+        if fmt == "torch"
+        else got
+    )
     assert list(optim["base_state"][0]) == ["step", "exp_avg", "exp_avg_sq"]
-    assert optim["shape_info"][0] == list(direct_rank(tmp_path / "direct", Rank()).get(names[0]).shape) \
-        if fmt == "torch" else True
+    assert (
+        optim["shape_info"][0] == list(direct_rank(tmp_path / "direct", Rank()).get(names[0]).shape)
+        if fmt == "torch"
+        else True
+    )
     # plain data loads without pickle code
     assert torch.load(tag / "scheduler.pt", weights_only=True) == {"last_epoch": 100, "_last_lr": [0.001]}
     assert torch.load(tag / "user_content.pt", weights_only=True)["step"] == 100
@@ -227,8 +247,15 @@ def test_optimizer_state_from_and_to_torch(tmp_path):
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
-    save_checkpoint(tmp_path, "step_2", {n: p.data for n, p in zip(names, params)}, opt.state_dict(),
-                    layout=layout, config=config, param_names=names)
+    save_checkpoint(
+        tmp_path,
+        "step_2",
+        {n: p.data for n, p in zip(names, params)},
+        opt.state_dict(),
+        layout=layout,
+        config=config,
+        param_names=names,
+    )
     loaded = load_checkpoint(tmp_path)
     fresh = [torch.nn.Parameter(t.clone()) for t in loaded.model.values()]
     opt2 = torch.optim.AdamW([{"params": fresh[:3], "weight_decay": 0.0}, {"params": fresh[3:]}], lr=0.5)
@@ -261,8 +288,10 @@ def _copy_tree(src: Path, dst: Path) -> None:
 def test_nxd_golden_tags_load(tmp_path):
     golden = golden_or_skip()
     root = tmp_path / "ckpt"
-    for tag, case in (("step_10", golden / "nxd" / "gqa-tp8-pp2-qkvlinear"),
-                      ("step_20", golden / "nxd-xser" / "gqa-tp8-pp2-qkvlinear")):
+    for tag, case in (
+        ("step_10", golden / "nxd" / "gqa-tp8-pp2-qkvlinear"),
+        ("step_20", golden / "nxd-xser" / "gqa-tp8-pp2-qkvlinear"),
+    ):
         _copy_tree(case / "model", root / tag / "model")
         (root / tag / "checkpoint").write_text("1")
         (root / tag / "done").write_text("1")
@@ -271,15 +300,23 @@ def test_nxd_golden_tags_load(tmp_path):
     config = json.loads((hf / "config.json").read_text())
     infos = list_checkpoints(root)
     assert [(i.tag, i.complete, i.step, i.format, i.layout_text) for i in infos] == [
-        ("step_10", True, 10, "torch", "tp8 pp2"), ("step_20", True, 20, "xser", "tp8 pp2")]
+        ("step_10", True, 10, "torch", "tp8 pp2"),
+        ("step_20", True, 20, "xser", "tp8 pp2"),
+    ]
     gqa = Layout(tp=8, pp=2, qkv="gqa")
     full = load_file(hf / "model.safetensors")
     for tag, case in (("step_10", "nxd"), ("step_20", "nxd")):
         for rank in (Rank(tp=3, pp=0), Rank(tp=7, pp=1)):
             loaded = load_checkpoint(root, tag, target_layout=gqa, rank=rank, config=config)
             assert loaded.layout == gqa and loaded.optimizer is None and loaded.step == int(tag[5:])
-            want = torch.load(golden / case / "gqa-tp8-pp2-qkvlinear" / "model" /
-                              f"dp_rank_00_tp_rank_{rank.tp:02d}_pp_rank_{rank.pp:02d}.pt", weights_only=True)
+            want = torch.load(
+                golden
+                / case
+                / "gqa-tp8-pp2-qkvlinear"
+                / "model"
+                / f"dp_rank_00_tp_rank_{rank.tp:02d}_pp_rank_{rank.pp:02d}.pt",
+                weights_only=True,
+            )
             assert_pieces_equal(loaded.model, want)
         whole = load_checkpoint(root, tag, target_layout=Layout(), config=config)  # one rank: NxD names, fused MLP
         assert_pieces_equal(whole.model, ckpt_child.rank_pieces(config, Layout(), Rank(), full))
@@ -389,8 +426,10 @@ def test_retention(model, tmp_path, monkeypatch):
 
 
 def test_retention_never_removes_the_newest_complete(tmp_path):
-    infos = [ckpt_tree.CheckpointInfo(f"step_{s}", tmp_path, c, s, None, None, 0, s) for s, c in
-             ((1, True), (2, False), (3, True), (4, False))]
+    infos = [
+        ckpt_tree.CheckpointInfo(f"step_{s}", tmp_path, c, s, None, None, 0, s)
+        for s, c in ((1, True), (2, False), (3, True), (4, False))
+    ]
     plan = ckpt_tree.plan_retention(infos, 1, None)
     assert plan.remove == ["step_1", "step_2"] and plan.keep == ["step_3", "step_4"]
     assert ckpt_tree.plan_retention(infos[:1], 1, None).remove == []
@@ -470,8 +509,14 @@ def test_bad_state_is_refused_before_anything_is_written(model, tmp_path):
     with pytest.raises(CheckpointError, match="user_content.*is a object"):
         save_checkpoint(root, "step_1", both, user_content={"x": object()}, layout=layout, config=config)
     with pytest.raises(StateMismatchError, match="exp_avg.*not its parameter's shape"):
-        save_checkpoint(root, "step_1", both, {(0, 0): {"model.norm.weight": {"exp_avg": torch.zeros(2)}}},
-                        layout=layout, config=config)
+        save_checkpoint(
+            root,
+            "step_1",
+            both,
+            {(0, 0): {"model.norm.weight": {"exp_avg": torch.zeros(2)}}},
+            layout=layout,
+            config=config,
+        )
     with pytest.raises(CheckpointError, match="not a plain folder name"):
         save_checkpoint(root, "../x", both, layout=layout, config=config)
     with pytest.raises(LayoutError):
@@ -513,7 +558,6 @@ def test_cli(saved, model, tmp_path):
     assert out.exit_code == 2 and "does not exist" in out.output and "--checkpoint-dir" in out.output
 
 
-
 def test_reshard_keeps_every_dimension_it_is_not_given(saved, model, tmp_path):
     """`ckpt reshard`'s flags mean the trainer's: --tp alone keeps the source's pp 2 (it was reset
     to 1) and its unsharded optimizer (ZeRO-1 was switched on), saying so in one line; --dp is the
@@ -528,8 +572,11 @@ def test_reshard_keeps_every_dimension_it_is_not_given(saved, model, tmp_path):
     assert "kept the source's qkv style gqa, pp 2 and no ZeRO-1" in out.stderr and "--pp" in out.stderr, out.stderr
     info = json.loads(runner.invoke(cli, ["ckpt", "inspect", str(tmp_path / "tp1"), "--json"]).output)
     assert (info["layout"]["tp"], info["layout"]["pp"], info["dp"], info["zero1"]) == (1, 2, 1, False)
-    for args, phrase in ((["--dp", "2"], "--dp 2 shards nothing"), (["--zero1"], "ZeRO-1 needs --dp"),
-                         (["--pp", "0"], "Invalid value for '--pp'")):
+    for args, phrase in (
+        (["--dp", "2"], "--dp 2 shards nothing"),
+        (["--zero1"], "ZeRO-1 needs --dp"),
+        (["--pp", "0"], "Invalid value for '--pp'"),
+    ):
         out = runner.invoke(cli, ["ckpt", "reshard", str(src), str(tmp_path / "no"), *args])
         lines = out.stderr.strip().splitlines()
         assert out.exit_code == 2 and len(lines) == 1 and phrase in lines[0], (args, out.stderr)
@@ -543,6 +590,7 @@ def test_reshard_keeps_every_dimension_it_is_not_given(saved, model, tmp_path):
     assert (info["layout"]["tp"], info["layout"]["pp"], info["data_parallel"], info["zero1"]) == (2, 1, 2, True)
     assert len(list((tmp_path / "pp1" / "step_100" / "optim").glob("dp_rank_01_*.pt"))) == 2
     assert shardkit.verify(hf, export_checkpoint(tmp_path / "pp1", tmp_path / "hf").path).ok
+
 
 # ---- crash safety under SIGKILL (acceptance 1) ------------------------------------------------------------
 
@@ -567,7 +615,7 @@ def _wait_for(path: Path, word: str, proc, timeout: float = 60.0, after: str | N
         lines = _read_log(path)
         if after is not None:
             starts = [n for n, line in enumerate(lines) if line.startswith(after)]
-            lines = lines[starts[-1] + 1:] if starts else []
+            lines = lines[starts[-1] + 1 :] if starts else []
         return any(line.startswith(word) for line in lines)
 
     while not seen():
@@ -602,8 +650,9 @@ def test_sigkill_at_random_moments_never_loses_a_complete_checkpoint(forkserver,
     durable = 0
     formats = ["torch", "safetensors", "xser", "torch", "safetensors"]  # xser writes a file per tensor: slower
     log_path = tmp_path / "run-0.log"
-    first = forkserver.Process(target=ckpt_child.train_until_killed,
-                               args=(str(root), str(log_path), "torch", False, 0, 3))
+    first = forkserver.Process(
+        target=ckpt_child.train_until_killed, args=(str(root), str(log_path), "torch", False, 0, 3)
+    )
     first.start()
     first.join(60)
     assert first.exitcode == 0, _read_log(log_path)[-5:]
@@ -611,8 +660,10 @@ def test_sigkill_at_random_moments_never_loses_a_complete_checkpoint(forkserver,
     targets = [None, "phase write", None, "phase marker-done", None, "phase delete", None, "phase marker-checkpoint"]
     for i in range(1, 33):
         log_path = tmp_path / f"run-{i}.log"
-        proc = forkserver.Process(target=ckpt_child.train_until_killed,
-                                  args=(str(root), str(log_path), formats[i % len(formats)], i % 2 == 0, i))
+        proc = forkserver.Process(
+            target=ckpt_child.train_until_killed,
+            args=(str(root), str(log_path), formats[i % len(formats)], i % 2 == 0, i),
+        )
         proc.start()
         _wait_for(log_path, "ready", proc)
         target = targets[i % len(targets)]
@@ -629,13 +680,14 @@ def test_sigkill_at_random_moments_never_loses_a_complete_checkpoint(forkserver,
         durable = max([durable] + [int(x.split()[1]) for x in lines if x.startswith("durable")])
         last_phase = next((x.split()[1] for x in reversed(lines) if x.startswith("phase")), "before any save")
         if last_phase.startswith("marker-"):  # killed around a marker (before or after writing it)
-            last_phase = "around " + last_phase[len("marker-"):] + " marker"
+            last_phase = "around " + last_phase[len("marker-") :] + " marker"
         phases[last_phase] = phases.get(last_phase, 0) + 1
         _check_invariant(root, config, durable)
     # a last run to the end: retention has removed every leftover
     log_path = tmp_path / "run-final.log"
-    final = forkserver.Process(target=ckpt_child.train_until_killed,
-                               args=(str(root), str(log_path), "torch", True, 99, 3))
+    final = forkserver.Process(
+        target=ckpt_child.train_until_killed, args=(str(root), str(log_path), "torch", True, 99, 3)
+    )
     final.start()
     final.join(60)
     assert final.exitcode == 0
@@ -662,21 +714,29 @@ def test_gloo_job_resumes_in_any_layout(forkserver, tmp_path):
     state = ckpt_child.full_state(config, 100, seed=1)
     hf = write_hf(tmp_path / "hf", config, state["weight"])
     direct = tmp_path / "direct"
-    for name, layout in (("tp2pp2", Layout(tp=2, pp=2, qkv="gqa")), ("tp4pp1", Layout(tp=4, pp=1)),
-                         ("tp1pp1", Layout())):
+    for name, layout in (
+        ("tp2pp2", Layout(tp=2, pp=2, qkv="gqa")),
+        ("tp4pp1", Layout(tp=4, pp=1)),
+        ("tp1pp1", Layout()),
+    ):
         shardkit.convert(hf, direct / name, layout)
     root, port = tmp_path / "ckpt", _free_port()
-    procs = [forkserver.Process(target=ckpt_child.gloo_worker, args=(r, 4, port, str(root), str(direct)))
-             for r in range(4)]
+    procs = [
+        forkserver.Process(target=ckpt_child.gloo_worker, args=(r, 4, port, str(root), str(direct))) for r in range(4)
+    ]
     for p in procs:
         p.start()
     for p in procs:
         p.join(180)
     assert [p.exitcode for p in procs] == [0, 0, 0, 0]
     assert [(i.tag, i.complete, i.layout_text, i.format) for i in list_checkpoints(root)] == [
-        ("step_100", True, "tp2 pp2 gqa dp1", "torch"), ("step_200", True, "tp4 pp1 dp1", "xser"),
-        ("step_300", True, "tp1 pp1 dp1", "torch")]
+        ("step_100", True, "tp2 pp2 gqa dp1", "torch"),
+        ("step_200", True, "tp4 pp1 dp1", "xser"),
+        ("step_300", True, "tp1 pp1 dp1", "torch"),
+    ]
     assert [f for f in tree(root / "step_300") if f.startswith(("model/", "optim/"))] == [
-        "model/dp_rank_00_tp_rank_00_pp_rank_00.pt", "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"]
+        "model/dp_rank_00_tp_rank_00_pp_rank_00.pt",
+        "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt",
+    ]
     manifest = json.loads((root / "step_100" / "shardkit.json").read_text())
     assert manifest["checkpoint"]["world_size"] == 4 and manifest["checkpoint"]["async"] is True

@@ -38,9 +38,32 @@ def ep2(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("ckpt-ep")
     model = make_tiny_model(fixture_config("mixtral-tiny"), work / "hf", seed=3)
     tokens = corpus_tokens(work / "tokens.bin", vocab=64)
-    check_ok(run_ranks(2, ["--model", str(model), "--data", str(tokens), "--seq-len", "32", "--global-batch", "4",
-                           "--steps", "2", "--dtype", "fp32", "--no-progress", "--threads", "1", "--ep", "2",
-                           "--checkpoint-dir", str(work / "ckpt")]))
+    check_ok(
+        run_ranks(
+            2,
+            [
+                "--model",
+                str(model),
+                "--data",
+                str(tokens),
+                "--seq-len",
+                "32",
+                "--global-batch",
+                "4",
+                "--steps",
+                "2",
+                "--dtype",
+                "fp32",
+                "--no-progress",
+                "--threads",
+                "1",
+                "--ep",
+                "2",
+                "--checkpoint-dir",
+                str(work / "ckpt"),
+            ],
+        )
+    )
     assert layout_of(work / "ckpt")["ep"] == 2
     return work / "ckpt"
 
@@ -67,7 +90,8 @@ def test_ep_1_then_back_to_ep_2(ep2, tmp_path):
     assert "kept the source's ep" not in result.stderr
     assert layout_of(tmp_path / "ep1")["ep"] == 1
     assert sorted(p.name for p in (tmp_path / "ep1" / "step_2" / "model").iterdir()) == [
-        "dp_rank_00_tp_rank_00_pp_rank_00.pt"]
+        "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    ]
     ok(run("ckpt", "export", ep2, tmp_path / "a"))
     ok(run("ckpt", "export", tmp_path / "ep1", tmp_path / "b"))
     ok(run("verify", tmp_path / "a", tmp_path / "b"))
@@ -102,10 +126,13 @@ def test_dp_counts_every_data_parallel_rank_as_the_trainers_does(ep2, tmp_path):
     assert sorted(p.name for p in (tmp_path / "kept" / "step_2" / "optim").iterdir()) == [f[6:] for f in FILES[2:]]
     ok(run("ckpt", "reshard", ep2, tmp_path / "ep1", "--ep", "1", "--zero1"))
     assert sorted(p.name for p in (tmp_path / "ep1" / "step_2" / "optim").iterdir()) == [
-        f"dp_rank_0{d}_tp_rank_00_pp_rank_00.pt" for d in (0, 1)]
-    for args, phrase in ((["--dp", "3", "--zero1"], "--dp 3 is not a multiple of ep 2"),
-                         (["--dp", "4"], "--dp 4 shards nothing"),
-                         (["--ep", "4", "--zero1"], "the source's dp 2 is not a multiple of ep 4")):
+        f"dp_rank_0{d}_tp_rank_00_pp_rank_00.pt" for d in (0, 1)
+    ]
+    for args, phrase in (
+        (["--dp", "3", "--zero1"], "--dp 3 is not a multiple of ep 2"),
+        (["--dp", "4"], "--dp 4 shards nothing"),
+        (["--ep", "4", "--zero1"], "the source's dp 2 is not a multiple of ep 4"),
+    ):
         result = run("ckpt", "reshard", ep2, tmp_path / "refused", *args)
         lines = result.stderr.strip().splitlines()
         assert result.exit_code == 2 and len(lines) == 1 and phrase in lines[0], (args, result.stderr)

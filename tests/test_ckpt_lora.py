@@ -86,8 +86,13 @@ def test_list_and_inspect_show_the_adapters(trained, hf_model):
     assert info["lora"]["rank"] == 4 and info["lora"]["base_model"] == str(hf_model.absolute())
     # as a user runs it: a fresh process, where no trainer has registered anything
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-m", "shardkit", "ckpt", "inspect", str(ckpt)], capture_output=True,
-                          text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "shardkit", "ckpt", "inspect", str(ckpt)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0 and "LoRA adapters: rank 4" in done.stdout, done.stderr
 
 
@@ -122,7 +127,9 @@ def test_reshard_moves_adapters_and_their_adam_state(trained, hf_model, tmp_path
     assert_same_adapters(tmp_path / "peft", peft)
     assert torch.equal(logits(hf_model, tmp_path / "peft"), logits(hf_model, peft))
     ok(run("ckpt", "reshard", tmp_path / "tp2", tmp_path / "back", "--tp", "1", "--qkv", "separate"))
-    for src, back in zip(sorted((ckpt / "step_3" / "optim").iterdir()), sorted((tmp_path / "back" / "step_3" / "optim").iterdir())):
+    for src, back in zip(
+        sorted((ckpt / "step_3" / "optim").iterdir()), sorted((tmp_path / "back" / "step_3" / "optim").iterdir())
+    ):
         assert src.read_bytes() == back.read_bytes(), src.name  # Adam moments resharded and back, byte for byte
 
 
@@ -130,17 +137,33 @@ def test_wrong_requests_are_one_line(trained, hf_model, tokens, work, tmp_path):
     ckpt, _, _ = trained
     full = work / "full-ckpt"
     if not full.exists():
-        run_inprocess(["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "1",
-                       "--checkpoint-dir", str(full)])
+        run_inprocess(
+            ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "1", "--checkpoint-dir", str(full)]
+        )
     one_line_error(run("ckpt", "export", full, tmp_path / "a", "--merged"), "not LoRA adapters", "--merged")
     gone = tmp_path / "gone"  # a base model deleted after training
     shutil.copytree(hf_model, gone)
-    run_inprocess(["--model", str(gone), "--data", str(tokens), *COMMON, *LORA, "--steps", "1",
-                   "--checkpoint-dir", str(tmp_path / "ck")])
+    run_inprocess(
+        [
+            "--model",
+            str(gone),
+            "--data",
+            str(tokens),
+            *COMMON,
+            *LORA,
+            "--steps",
+            "1",
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+        ]
+    )
     shutil.rmtree(gone)
     one_line_error(run("ckpt", "export", tmp_path / "ck", tmp_path / "b", "--merged"), "does not exist", "--base")
     other = make_tiny_model(fixture_config("llama-trainer-tiny") | {"intermediate_size": 96}, tmp_path / "other")
-    one_line_error(run("ckpt", "export", ckpt, tmp_path / "c", "--merged", "--base", other),
-                   "not the model the adapters were trained on", "--base")
+    one_line_error(
+        run("ckpt", "export", ckpt, tmp_path / "c", "--merged", "--base", other),
+        "not the model the adapters were trained on",
+        "--base",
+    )
     one_line_error(run("merge", ckpt / "step_3", tmp_path / "d"), "holds LoRA adapters", "ckpt export", "--merged")
     assert not any((tmp_path / n).exists() for n in "abcd")

@@ -198,9 +198,35 @@ def test_every_option_has_help():
 
 def test_nxd_flag_spellings_mean_the_same(tiny_model, tmp_path):
     src = tiny_model("llama-gqa64")
-    a = run("convert", src, tmp_path / "a", "--tp", "16", "--pp", "2", "--qkv", "gqa", "--kv-multiplier", "2", "--hw", "trn1")
-    b = run("convert", src, tmp_path / "b", "--tp-size", "16", "--pp-size", "2", "--qkv-linear",
-            "--kv-size-multiplier", "2", "--kv-replication", "interleaved")
+    a = run(
+        "convert",
+        src,
+        tmp_path / "a",
+        "--tp",
+        "16",
+        "--pp",
+        "2",
+        "--qkv",
+        "gqa",
+        "--kv-multiplier",
+        "2",
+        "--hw",
+        "trn1",
+    )
+    b = run(
+        "convert",
+        src,
+        tmp_path / "b",
+        "--tp-size",
+        "16",
+        "--pp-size",
+        "2",
+        "--qkv-linear",
+        "--kv-size-multiplier",
+        "2",
+        "--kv-replication",
+        "interleaved",
+    )
     assert a.exit_code == b.exit_code == 0
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a/model").iterdir())
     assert len(files) == 32

@@ -122,8 +122,9 @@ def test_small_max_shard_size_splits_and_bad_sizes_are_one_line(gqa_shards, tmp_
     assert len(set(index["weight_map"].values())) > 1
     one_line_error(invoke("merge", shards, tmp_path / "x", "--max-shard-size", "lots"), "max shard size 'lots'")
     assert not (tmp_path / "x").exists()
-    one_line_error(invoke("plan", "--config", ROOT / "fixtures/llama-2-7b.json", "--device-memory", "16"),
-                   "give a unit")
+    one_line_error(
+        invoke("plan", "--config", ROOT / "fixtures/llama-2-7b.json", "--device-memory", "16"), "give a unit"
+    )
     # the library takes the same grammar: huggingface_hub's splitter gets bytes
     assert shardkit.api.merge(shards, tmp_path / "lib", max_shard_size="5GiB").path == tmp_path / "lib"
 
@@ -141,8 +142,12 @@ def test_missing_local_path_is_not_a_hub_lookup(where, tmp_path, monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr("shardkit.hub.download._download", no_network)
     monkeypatch.chdir(tmp_path)
-    for args in (["convert", where, tmp_path / "o", "--tp", "2"], ["merge", where, tmp_path / "o"],
-                 ["inspect", where], ["reshard", where, tmp_path / "o"]):
+    for args in (
+        ["convert", where, tmp_path / "o", "--tp", "2"],
+        ["merge", where, tmp_path / "o"],
+        ["inspect", where],
+        ["reshard", where, tmp_path / "o"],
+    ):
         one_line_error(invoke(*args), f"{where} does not exist")
     assert not (tmp_path / "o").exists()
 
@@ -174,8 +179,9 @@ def test_rank0_progress_counts_every_rank_in_the_staging_folder(tmp_path):
     import os
 
     seen = []
-    watcher = StagingProgress(lambda done, total: seen.append((done, total)), tmp_path / "out", total=1000,
-                              interval=0.01)
+    watcher = StagingProgress(
+        lambda done, total: seen.append((done, total)), tmp_path / "out", total=1000, interval=0.01
+    )
     staging = tmp_path / f".out.shardkit-tmp-{os.getpid()}"
     assert watcher.staging == staging
     (staging / "model").mkdir(parents=True)
@@ -202,8 +208,20 @@ def test_reshard_keeps_the_sources_qkv_style_and_replication(gqa_shards, tmp_pat
     assert len(notes) == 1 and "qkv style gqa" in notes[0] and "kv replication blocked" in notes[0]
     quiet = invoke("reshard", shards, tmp_path / "q", "--tp", "4", "--kv-multiplier", "2", "-q")
     assert quiet.exit_code == 0 and quiet.stderr == ""
-    asked = invoke("-q", "reshard", shards, tmp_path / "sep", "--tp", "4", "--kv-multiplier", "2", "--qkv", "separate",
-                   "--hw", "trn1")
+    asked = invoke(
+        "-q",
+        "reshard",
+        shards,
+        tmp_path / "sep",
+        "--tp",
+        "4",
+        "--kv-multiplier",
+        "2",
+        "--qkv",
+        "separate",
+        "--hw",
+        "trn1",
+    )
     assert asked.exit_code == 0, asked.stderr
     layout = json.loads((tmp_path / "sep" / "shardkit.json").read_text())["layout"]
     assert layout["qkv"] == "separate" and layout["kv_replication"] == "interleaved"
@@ -259,8 +277,9 @@ def test_single_file_source_writes_beside_the_file(tmp_path):
     assert result.exit_code == 0, result.stderr
     assert (folder / "out" / "shardkit.json").is_file() and (folder / "sd.pt").is_file()
     one_line_error(invoke("convert", folder / "sd.pt", folder / "sd.pt", "--config", folder / "cfg.json"), "overlaps")
-    one_line_error(invoke("convert", folder / "sd.pt", folder, "--config", folder / "cfg.json", "--overwrite"),
-                   "overlaps")
+    one_line_error(
+        invoke("convert", folder / "sd.pt", folder, "--config", folder / "cfg.json", "--overwrite"), "overlaps"
+    )
     assert (folder / "sd.pt").is_file()
 
 
@@ -278,8 +297,9 @@ def test_ckpt_export_copies_generation_config_from_the_checkpoint_dir(tiny_model
 
 
 def test_plan_suggest_leaves_out_layouts_that_add_nothing():
-    result = invoke("plan", "--config", ROOT / "fixtures/llama-gqa64.json", "--suggest", "--device-memory", "1GiB",
-                    "--limit", "0")
+    result = invoke(
+        "plan", "--config", ROOT / "fixtures/llama-gqa64.json", "--suggest", "--device-memory", "1GiB", "--limit", "0"
+    )
     assert result.exit_code == 0, result.stderr
     rows = [line.split() for line in result.output.splitlines() if line.startswith("  ") and line.split()[0].isdigit()]
     tp1 = [(int(r[1]), r[5] + r[6]) for r in rows if r[0] == "1"]

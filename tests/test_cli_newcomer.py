@@ -50,12 +50,24 @@ def shards(tiny_model, tmp_path_factory) -> Path:
 # ---- 1. the wrong kind of folder -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [["merge", "{src}", "{out}"], ["reshard", "{src}", "{out}", "--tp", "1"],
-                                     ["inspect", "{src}"], ["verify", "{src}", "{src}"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["merge", "{src}", "{out}"],
+        ["reshard", "{src}", "{out}", "--tp", "1"],
+        ["inspect", "{src}"],
+        ["verify", "{src}", "{src}"],
+    ],
+)
 def test_a_checkpoint_root_names_ckpt_export_and_a_tag(command, ckpt_root, tmp_path):
     args = [a.format(src=ckpt_root, out=tmp_path / "out") for a in command]
-    line = one_line_error(run(*args), "training checkpoint directory", f"shardkit ckpt export {ckpt_root} OUT",
-                          "--tag", str(ckpt_root / "step_2"))
+    line = one_line_error(
+        run(*args),
+        "training checkpoint directory",
+        f"shardkit ckpt export {ckpt_root} OUT",
+        "--tag",
+        str(ckpt_root / "step_2"),
+    )
     assert "not a model directory" not in line
     assert not (tmp_path / "out").exists()
 
@@ -69,10 +81,14 @@ def test_weights_without_config_name_config(tiny_model, tmp_path):
     assert run("merge", src, tmp_path / "out", "--config", tiny_model("llama-gqa64")).exit_code == 0
 
 
-@pytest.mark.parametrize("command,names", [(["ckpt", "export", "{src}", "{out}"], "shardkit merge {src} OUT"),
-                                           (["ckpt", "reshard", "{src}", "{out}", "--tp", "1"],
-                                            "shardkit reshard {src} DST"),
-                                           (["ckpt", "inspect", "{src}"], "shardkit inspect {src}")])
+@pytest.mark.parametrize(
+    "command,names",
+    [
+        (["ckpt", "export", "{src}", "{out}"], "shardkit merge {src} OUT"),
+        (["ckpt", "reshard", "{src}", "{out}", "--tp", "1"], "shardkit reshard {src} DST"),
+        (["ckpt", "inspect", "{src}"], "shardkit inspect {src}"),
+    ],
+)
 def test_a_model_folder_given_to_ckpt_names_the_model_command(command, names, shards, tiny_model, tmp_path):
     for src, kind in ((shards, "shardkit shards"), (tiny_model("llama-gqa64"), "a Hugging Face model")):
         args = [a.format(src=src, out=tmp_path / "out") for a in command]
@@ -84,8 +100,9 @@ def test_a_model_folder_given_to_ckpt_names_the_model_command(command, names, sh
 
 def test_an_empty_checkpoint_directory_speaks_no_python(tmp_path):
     (tmp_path / "empty").mkdir()
-    line = one_line_error(run("ckpt", "export", tmp_path / "empty", tmp_path / "out"), "no checkpoint tags",
-                          "--checkpoint-dir")
+    line = one_line_error(
+        run("ckpt", "export", tmp_path / "empty", tmp_path / "out"), "no checkpoint tags", "--checkpoint-dir"
+    )
     assert "tag=" not in line
 
 
@@ -127,12 +144,19 @@ runpy.run_module("shardkit", run_name="__main__", alter_sys=True)
 @pytest.mark.parametrize("target", ["click", "torch"])
 def test_ctrl_c_while_the_command_starts_is_one_line(how, target, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", EARLY_INTERRUPT, how, target, "inspect", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", EARLY_INTERRUPT, how, target, "inspect", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == 130 and len(lines) == 1 and lines[0].startswith("shardkit: interrupted"), (
-        done.returncode, done.stderr)
+        done.returncode,
+        done.stderr,
+    )
 
 
 def test_importing_the_command_line_imports_no_torch():
@@ -151,8 +175,17 @@ def test_trainer_refuses_a_seq_len_beyond_the_models_positions(tiny_model, tmp_p
 
     model = make_tiny_model(fixture_config("mixtral-tiny"), tmp_path / "mixtral")  # 64 positions
     capsys.readouterr()
-    base = ["--model", str(model), "--data", str(tmp_path / "tokens.bin"), "--global-batch", "4", "--no-progress",
-            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    base = [
+        "--model",
+        str(model),
+        "--data",
+        str(tmp_path / "tokens.bin"),
+        "--global-batch",
+        "4",
+        "--no-progress",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+    ]
     assert main([*base, "--seq-len", "512"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("trainer: error: --seq-len 512"), err
@@ -170,9 +203,28 @@ def test_a_failure_under_torchrun_ends_with_the_trainers_line(tiny_model, tmp_pa
 
     tokens = corpus_tokens(tmp_path / "tokens.bin")
     model = tiny_model("llama-gqa64")
-    done = torchrun(2, ["--model", str(model), "--data", str(tokens), "--seq-len", "32", "--global-batch", "4",
-                        "--tp", "2", "--lora-rank", "4", "--lora-targets", "q,qkv", "--checkpoint-dir",
-                        str(tmp_path / "c")], timeout=120)
+    done = torchrun(
+        2,
+        [
+            "--model",
+            str(model),
+            "--data",
+            str(tokens),
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "4",
+            "--tp",
+            "2",
+            "--lora-rank",
+            "4",
+            "--lora-targets",
+            "q,qkv",
+            "--checkpoint-dir",
+            str(tmp_path / "c"),
+        ],
+        timeout=120,
+    )
     assert done.returncode == 1 and worker_exit_codes(done.stderr) == {0: 2, 1: 2}, done.stderr
     line = "trainer: error: --lora-targets: unknown target 'qkv'; known: q,k,v,o,gate,up,down"
     text = [t.strip() for t in done.stderr.splitlines() if t.strip() and set(t.strip()) != {"="}]
@@ -192,8 +244,23 @@ def trained(tmp_path_factory) -> Path:
 
     work = tmp_path_factory.mktemp("newcomer-trained")
     model = make_tiny_model("llama-trainer-tiny", work / "hf", seed=3)
-    run_inprocess(["--model", str(model), "--data", str(corpus_tokens(work / "tokens.bin")), *COMMON, "--steps", "3",
-                   "--lr", "3e-4", "--min-lr-ratio", "0.1", "--checkpoint-dir", str(work / "ckpt")])
+    run_inprocess(
+        [
+            "--model",
+            str(model),
+            "--data",
+            str(corpus_tokens(work / "tokens.bin")),
+            *COMMON,
+            "--steps",
+            "3",
+            "--lr",
+            "3e-4",
+            "--min-lr-ratio",
+            "0.1",
+            "--checkpoint-dir",
+            str(work / "ckpt"),
+        ]
+    )
     return work / "ckpt"
 
 
@@ -224,15 +291,30 @@ def test_a_convert_to_xser_counts_files_as_inspect_does(tiny_model, tmp_path):
     import json
 
     out = tmp_path / "xser"
-    wrote = CliRunner().invoke(cli, ["convert", str(tiny_model("llama-gqa64")), str(out), "--tp", "2", "--pp", "2",
-                                     "--format", "xser"], catch_exceptions=False)
+    wrote = CliRunner().invoke(
+        cli,
+        ["convert", str(tiny_model("llama-gqa64")), str(out), "--tp", "2", "--pp", "2", "--format", "xser"],
+        catch_exceptions=False,
+    )
     assert wrote.exit_code == 0, wrote.stderr
     shown = run("inspect", out).output
     said = wrote.output.split(": ", 1)[1].split(", ")[0]  # "4 rank files (+N tensor and info files beside them)"
     assert said.startswith("4 rank files (+") and f"files:   {said}," in shown, (wrote.output, shown)
     beside = sum(1 for p in (out / "model").rglob("*") if p.is_file()) - 4
     assert f"(+{beside} tensor and info files beside them)" in said
-    report = json.loads(run("convert", tiny_model("llama-gqa64"), tmp_path / "x2", "--tp", "2", "--pp", "2",
-                            "--format", "xser", "--json").output)
+    report = json.loads(
+        run(
+            "convert",
+            tiny_model("llama-gqa64"),
+            tmp_path / "x2",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--format",
+            "xser",
+            "--json",
+        ).output
+    )
     inspected = json.loads(run("inspect", tmp_path / "x2", "--json").output)
     assert (report["files"], report["files_beside"]) == (inspected["files"], inspected["files_beside"]) == (4, beside)

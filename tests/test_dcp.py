@@ -28,8 +28,11 @@ from titan_dcp import to_titan
 
 HERE = Path(__file__).resolve().parent
 MODEL = "tinyllama-mini"
-LAYOUTS = {"full": Layout(), "tp2pp2": Layout(tp=2, pp=2), "tp4-kv2-blocked": Layout(tp=4, kv_multiplier=2,
-                                                                                      kv_replication="blocked")}
+LAYOUTS = {
+    "full": Layout(),
+    "tp2pp2": Layout(tp=2, pp=2),
+    "tp4-kv2-blocked": Layout(tp=4, kv_multiplier=2, kv_replication="blocked"),
+}
 
 
 def torch_reads(folder: Path, tmp: Path) -> dict[str, torch.Tensor]:
@@ -53,8 +56,10 @@ def test_convert_to_dcp_holds_every_tensor_as_torch_reads_it(tiny_model, tmp_pat
     src = tiny_model(MODEL)
     config = json.loads((src / "config.json").read_text())
     out = tmp_path / "dcp"
-    run = CliRunner().invoke(cli, ["convert", str(src), str(out), "--format", "dcp", "--convention", convention,
-                                   *_layout_args(LAYOUTS[layout])])
+    run = CliRunner().invoke(
+        cli,
+        ["convert", str(src), str(out), "--format", "dcp", "--convention", convention, *_layout_args(LAYOUTS[layout])],
+    )
     assert run.exit_code == 0, run.output
     ranks = LAYOUTS[layout].tp * LAYOUTS[layout].pp
     assert sorted(p.name for p in out.glob("*.distcp")) == sorted(f"__{r}_0.distcp" for r in range(ranks))
@@ -105,8 +110,20 @@ def fsdp_dcp(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     state = titan_state(hf_state(src), json.loads((src / "config.json").read_text()), steps=0)
     torch.save(state, tmp / "state.pt")
-    done = subprocess.run([sys.executable, str(HERE / "titan_dcp.py"), str(tmp / "dcp"), str(tmp / "state.pt"),
-                           str(src / "config.json"), "3", "--model-only"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "titan_dcp.py"),
+            str(tmp / "dcp"),
+            str(tmp / "state.pt"),
+            str(src / "config.json"),
+            "3",
+            "--model-only",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return src, tmp / "dcp"
 
@@ -134,8 +151,20 @@ def test_dcp_reshards_to_dcp_in_another_convention(tiny_model, tmp_path):
     src = tiny_model(MODEL)
     config = json.loads((src / "config.json").read_text())
     shardkit.convert(src, tmp_path / "a", Layout(tp=2), format="dcp")
-    run = CliRunner().invoke(cli, ["reshard", str(tmp_path / "a"), str(tmp_path / "b"), "--pp", "2", "--format",
-                                   "dcp", "--convention", "torchtitan"])
+    run = CliRunner().invoke(
+        cli,
+        [
+            "reshard",
+            str(tmp_path / "a"),
+            str(tmp_path / "b"),
+            "--pp",
+            "2",
+            "--format",
+            "dcp",
+            "--convention",
+            "torchtitan",
+        ],
+    )
     assert run.exit_code == 0, run.output
     got, want = torch_reads(tmp_path / "b", tmp_path / "b.pt"), to_titan(hf_state(src), config)
     assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
@@ -183,13 +212,17 @@ def test_bad_dcp_is_one_line_exit_2(tiny_model, tmp_path, damage):
     assert run.exit_code == 2, run.output
     lines = run.output.strip().splitlines()
     assert len(lines) == 1, run.output
-    assert {"global": "never runs arbitrary pickle", "truncated": "truncated", "missing": "__0_0.distcp"}[damage] in lines[0]
+    assert {"global": "never runs arbitrary pickle", "truncated": "truncated", "missing": "__0_0.distcp"}[
+        damage
+    ] in lines[0]
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.skipif(not (os.environ.get("TORCHTITAN_SRC") or os.environ.get("TORCHTITAN_PYTHON")),
-                    reason="torchtitan's files are not here: `python scripts/check_torchtitan.py fetch DIR`, then "
-                    "TORCHTITAN_SRC=DIR (or TORCHTITAN_PYTHON: a python with torchtitan installed)")
+@pytest.mark.skipif(
+    not (os.environ.get("TORCHTITAN_SRC") or os.environ.get("TORCHTITAN_PYTHON")),
+    reason="torchtitan's files are not here: `python scripts/check_torchtitan.py fetch DIR`, then "
+    "TORCHTITAN_SRC=DIR (or TORCHTITAN_PYTHON: a python with torchtitan installed)",
+)
 @pytest.mark.parametrize("convention", ["torchtitan", "torchtitan-0.3"])
 def test_torchtitans_own_adapter_reads_shardkits_dcp(tiny_model, tmp_path, convention):
     """torchtitan's Llama3StateDictAdapter (its own files, from its published wheel or an installed
@@ -198,8 +231,12 @@ def test_torchtitans_own_adapter_reads_shardkits_dcp(tiny_model, tmp_path, conve
     src = tiny_model(MODEL)
     shardkit.convert(src, tmp_path / "dcp", Layout(tp=2, pp=2), format="dcp", convention=convention)
     python = os.environ.get("TORCHTITAN_PYTHON") or sys.executable
-    done = subprocess.run([python, str(HERE.parent / "scripts/check_torchtitan.py"), str(src), str(tmp_path / "dcp")],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [python, str(HERE.parent / "scripts/check_torchtitan.py"), str(src), str(tmp_path / "dcp")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0 and "torchtitan's adapter agrees" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
@@ -208,12 +245,42 @@ def test_dcp_convert_under_torchrun_equals_one_process(tiny_model, tmp_path):
     rank 0 writes `.metadata` from every rank's records; the folder is byte for byte the
     one-process folder."""
     src = tiny_model(MODEL)
-    args = ["convert", str(src), str(tmp_path / "dist"), "--format", "dcp", "--convention", "torchtitan", "--tp", "2",
-            "--pp", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "shardkit", "-v", *args], capture_output=True, text=True, timeout=240, env=env)
+    args = [
+        "convert",
+        str(src),
+        str(tmp_path / "dist"),
+        "--format",
+        "dcp",
+        "--convention",
+        "torchtitan",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "shardkit",
+            "-v",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     shardkit.convert(src, tmp_path / "one", Layout(tp=2, pp=2), format="dcp", convention="torchtitan")
     names = sorted(p.name for p in (tmp_path / "one").iterdir())
@@ -264,8 +331,9 @@ def retile(folder: Path, fqn: str, tiles: list[tuple[list[int], list[int]]], ful
             start = data.tell()
             torch.save(full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone(), data)
             entry.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-            meta.storage_data[MetadataIndex(fqn, offsets, index)] = _StorageInfo("__99_0.distcp", start,
-                                                                                 data.tell() - start)
+            meta.storage_data[MetadataIndex(fqn, offsets, index)] = _StorageInfo(
+                "__99_0.distcp", start, data.tell() - start
+            )
     (folder / ".metadata").write_bytes(pickle.dumps(meta))
     (folder / "shardkit.json").unlink(missing_ok=True)
 
@@ -289,8 +357,10 @@ def _miscounted(tiles: list) -> list:
     return [first if i == twin else t for i, t in enumerate(tiles)]
 
 
-TILINGS = {"128 rows": lambda shape: [([r, 0], [h, shape[1]]) for r, h in bands(shape[0], 128)],
-           "1000 tiles": lambda shape: grid(shape, 40, 25)}
+TILINGS = {
+    "128 rows": lambda shape: [([r, 0], [h, shape[1]]) for r, h in bands(shape[0], 128)],
+    "1000 tiles": lambda shape: grid(shape, 40, 25),
+}
 
 
 @pytest.fixture()
@@ -329,7 +399,7 @@ def test_chunks_with_one_missing_and_one_twice_are_one_line_exit_2(tiny_dcp, tmp
     args = [command, str(folder), str(tmp_path / "out")] + (["--tp", "2"] if command == "convert" else [])
     run = CliRunner().invoke(cli, args)
     assert run.exit_code == 2, run.output
-    line, = run.output.strip().splitlines()
+    (line,) = run.output.strip().splitlines()
     assert f"the chunks of {name} do not tile its shape [256, 32]: element [" in line
     assert "is in no chunk (a gap)" in line or "is in more than one chunk (an overlap)" in line
     assert not (tmp_path / "out").exists()
@@ -370,8 +440,9 @@ def test_tiling_check_is_exact_against_counting_every_element():
             return [(offsets, sizes)]
         at = rng.randint(1, sizes[k] - 1)
         upper = [o + (at if i == k else 0) for i, o in enumerate(offsets)]
-        return (cut(offsets, [at if i == k else s for i, s in enumerate(sizes)], depth - 1)
-                + cut(upper, [s - at if i == k else s for i, s in enumerate(sizes)], depth - 1))
+        return cut(offsets, [at if i == k else s for i, s in enumerate(sizes)], depth - 1) + cut(
+            upper, [s - at if i == k else s for i, s in enumerate(sizes)], depth - 1
+        )
 
     for _ in range(400):
         shape = tuple(rng.randint(1, 9) for _ in range(rng.randint(1, 4)))
@@ -408,6 +479,6 @@ def test_a_tensor_of_an_impossible_shape_is_one_line_exit_2(tiny_dcp, tmp_path, 
     (folder / ".metadata").write_bytes(pickle.dumps(meta))
     run = CliRunner().invoke(cli, ["merge", str(folder), str(tmp_path / "out"), "--no-verify-hashes"])
     assert run.exit_code == 2, run.output
-    line, = run.output.strip().splitlines()
+    (line,) = run.output.strip().splitlines()
     assert f"model.embed_tokens.weight has the impossible shape {size}" in line
     assert not (tmp_path / "out").exists()

@@ -20,16 +20,23 @@ MARK = ".shardkit-demo"
 
 
 def demo(out: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(DEMO), "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, str(DEMO), "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def one_line(done: subprocess.CompletedProcess, *phrases: str) -> None:
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("demo: error:"), (done.returncode,
-                                                                                             done.stderr)
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("demo: error:"), (
+        done.returncode,
+        done.stderr,
+    )
     for phrase in phrases:
         assert phrase in lines[0], lines[0]
 
@@ -56,4 +63,5 @@ def test_demo_runs_and_runs_again_in_its_own_folder(tmp_path):
         assert done.returncode == 0, (run, done.stdout[-3000:], done.stderr[-3000:])
         assert "are identical to the original's" in done.stdout, done.stdout[-2000:]
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [MARK, "tinyllama-mini", "tinyllama-mini-tp8pp2", "tinyllama-mini-merged"])
+        [MARK, "tinyllama-mini", "tinyllama-mini-tp8pp2", "tinyllama-mini-merged"]
+    )

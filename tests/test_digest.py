@@ -84,8 +84,10 @@ def test_the_check_compares_the_digest_it_names(tmp_path):
         expected_digest({"path": "f", "size": 1000}, "sha256")
 
 
-@pytest.mark.parametrize("value,mode", [(True, "fast"), ("fast", "fast"), ("sha256", "sha256"), (False, "none"),
-                                        (None, "none"), ("none", "none")])
+@pytest.mark.parametrize(
+    "value,mode",
+    [(True, "fast"), ("fast", "fast"), ("sha256", "sha256"), (False, "none"), (None, "none"), ("none", "none")],
+)
 def test_check_modes(value, mode):
     assert check_mode(value) == mode
 

@@ -183,17 +183,23 @@ def test_cli_direct_io_option(tiny_model, tmp_path, small_chunks, direct_writes,
     runner = CliRunner()
     assert "--direct-io [auto|on|off]" in runner.invoke(cli, ["convert", "--help"]).output
     src = str(tiny_model(MODEL))
-    result = runner.invoke(cli, ["convert", src, str(tmp_path / "on"), "--to-sharded", "--tp", "2", "--direct-io", "on"])
+    result = runner.invoke(
+        cli, ["convert", src, str(tmp_path / "on"), "--to-sharded", "--tp", "2", "--direct-io", "on"]
+    )
     assert result.exit_code == 0, result.output
     assert direct_writes.count(True) >= 10
     direct_writes.clear()
-    result = runner.invoke(cli, ["convert", src, str(tmp_path / "off"), "--to-sharded", "--tp", "2", "--direct-io", "off"])
+    result = runner.invoke(
+        cli, ["convert", src, str(tmp_path / "off"), "--to-sharded", "--tp", "2", "--direct-io", "off"]
+    )
     assert result.exit_code == 0 and not direct_writes
     # auto goes around the page cache past the dirty limit only; the default is off, past it too
     monkeypatch.setattr("shardkit.engine.planning.direct_io_pays", lambda nbytes: True)
     result = runner.invoke(cli, ["convert", src, str(tmp_path / "default"), "--to-sharded", "--tp", "2"])
     assert result.exit_code == 0 and not direct_writes
-    result = runner.invoke(cli, ["convert", src, str(tmp_path / "auto"), "--to-sharded", "--tp", "2", "--direct-io", "auto"])
+    result = runner.invoke(
+        cli, ["convert", src, str(tmp_path / "auto"), "--to-sharded", "--tp", "2", "--direct-io", "auto"]
+    )
     assert result.exit_code == 0 and direct_writes.count(True) >= 10
     bad = runner.invoke(cli, ["convert", src, str(tmp_path / "x"), "--to-sharded", "--direct-io", "sometimes"])
     assert bad.exit_code == 2 and "sometimes" in bad.output

@@ -16,8 +16,19 @@ pytestmark = pytest.mark.slow
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "shardkit", "-v", "-q", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "shardkit",
+        "-v",
+        "-q",
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
 
@@ -29,13 +40,30 @@ def load_all(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
 def test_reshard_divided_among_three_processes(tiny_model, tmp_path):
     src = tiny_model("llama-gqa64")
     shardkit.convert(src, tmp_path / "tp4pp2", shardkit.Layout(tp=4, pp=2, qkv="gqa"))
-    result = torchrun(3, "reshard", str(tmp_path / "tp4pp2"), str(tmp_path / "dist"), "--tp", "8", "--pp", "3",
-                      "--kv-multiplier", "2", "--hw", "trn2", "--qkv", "fused")
+    result = torchrun(
+        3,
+        "reshard",
+        str(tmp_path / "tp4pp2"),
+        str(tmp_path / "dist"),
+        "--tp",
+        "8",
+        "--pp",
+        "3",
+        "--kv-multiplier",
+        "2",
+        "--hw",
+        "trn2",
+        "--qkv",
+        "fused",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank, count in ((0, 8), (1, 8), (2, 8)):
         assert f"rank {rank} wrote {count} of 24 files" in result.stderr or rank == 0
-    single = shardkit.reshard(tmp_path / "tp4pp2", tmp_path / "single",
-                              shardkit.make_layout(tp=8, pp=3, kv_multiplier=2, hw="trn2", qkv="fused"))
+    single = shardkit.reshard(
+        tmp_path / "tp4pp2",
+        tmp_path / "single",
+        shardkit.make_layout(tp=8, pp=3, kv_multiplier=2, hw="trn2", qkv="fused"),
+    )
     got, want = load_all(tmp_path / "dist"), load_all(tmp_path / "single")
     assert got.keys() == want.keys() and len(got) == 24
     for name in want:

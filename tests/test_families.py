@@ -134,9 +134,17 @@ def test_existing_families_shapes_by_hand():
     dims = ModelDims.from_config(json.loads((FIXTURES / "llama-2-7b.json").read_text()))
     shapes = family_for({"model_type": "llama"}).full_shapes(dims)
     H, I, V = 4096, 11008, 32000
-    layer = {"self_attn.q_proj.weight": (H, H), "self_attn.k_proj.weight": (H, H), "self_attn.v_proj.weight": (H, H),
-             "self_attn.o_proj.weight": (H, H), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
-             "mlp.down_proj.weight": (H, I), "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
+    layer = {
+        "self_attn.q_proj.weight": (H, H),
+        "self_attn.k_proj.weight": (H, H),
+        "self_attn.v_proj.weight": (H, H),
+        "self_attn.o_proj.weight": (H, H),
+        "mlp.gate_proj.weight": (I, H),
+        "mlp.up_proj.weight": (I, H),
+        "mlp.down_proj.weight": (H, I),
+        "input_layernorm.weight": (H,),
+        "post_attention_layernorm.weight": (H,),
+    }
     want = {"model.embed_tokens.weight": (V, H)}
     for i in range(32):
         want.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
@@ -149,8 +157,9 @@ def test_existing_families_shapes_by_hand():
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (64, 64)  # 16 heads of 4
 
 
-@pytest.mark.parametrize("change", [{"mlp_only_layers": [1]}, {"decoder_sparse_step": 2},
-                                    {"mlp_only_layers": [0], "num_local_experts": 4}])
+@pytest.mark.parametrize(
+    "change", [{"mlp_only_layers": [1]}, {"decoder_sparse_step": 2}, {"mlp_only_layers": [0], "num_local_experts": 4}]
+)
 def test_qwen3_moe_dense_layers_are_refused(change):
     cfg = {**fixture_config("qwen3-moe-tiny"), **change}
     with pytest.raises(ConfigMismatchError, match="dense MLP"):
@@ -230,15 +239,30 @@ class Spec:
         t = config["model_type"]
         if t == "dbrx":  # DBRX's own config names
             attn, ffn = config["attn_config"], config["ffn_config"]
-            s = cls(config, hidden=config["d_model"], heads=config["n_heads"], kv=attn["kv_n_heads"],
-                    head_dim=config["d_model"] // config["n_heads"], vocab=config["vocab_size"],
-                    layers=config["n_layers"], eps=1e-5, layer_norm=True, clip=attn.get("clip_qkv"),
-                    experts=ffn["moe_num_experts"], top_k=ffn["moe_top_k"], moe_inter=ffn["ffn_hidden_size"],
-                    norm_p=ffn.get("moe_normalize_expert_weights"), embed="transformer.wte.weight",
-                    layer_prefix="transformer.blocks.{i}.", attn_scope="norm_attn_norm.attn.", mlp_scope="ffn.",
-                    norm_1="norm_attn_norm.norm_1.weight", norm_2="norm_attn_norm.norm_2.weight",
-                    final_norm="transformer.norm_f.weight")
-            s.scale = s.head_dim ** -0.5
+            s = cls(
+                config,
+                hidden=config["d_model"],
+                heads=config["n_heads"],
+                kv=attn["kv_n_heads"],
+                head_dim=config["d_model"] // config["n_heads"],
+                vocab=config["vocab_size"],
+                layers=config["n_layers"],
+                eps=1e-5,
+                layer_norm=True,
+                clip=attn.get("clip_qkv"),
+                experts=ffn["moe_num_experts"],
+                top_k=ffn["moe_top_k"],
+                moe_inter=ffn["ffn_hidden_size"],
+                norm_p=ffn.get("moe_normalize_expert_weights"),
+                embed="transformer.wte.weight",
+                layer_prefix="transformer.blocks.{i}.",
+                attn_scope="norm_attn_norm.attn.",
+                mlp_scope="ffn.",
+                norm_1="norm_attn_norm.norm_1.weight",
+                norm_2="norm_attn_norm.norm_2.weight",
+                final_norm="transformer.norm_f.weight",
+            )
+            s.scale = s.head_dim**-0.5
             return s
         s = cls(config)
         s.hidden, s.heads = config["hidden_size"], config["num_attention_heads"]
@@ -257,7 +281,7 @@ class Spec:
             s.scale = config["query_pre_attn_scalar"] ** -0.5
             s.attn_cap, s.final_cap = config.get("attn_logit_softcapping"), config.get("final_logit_softcapping")
         else:
-            s.scale = s.head_dim ** -0.5
+            s.scale = s.head_dim**-0.5
         return s
 
 
@@ -268,10 +292,12 @@ def rank_path(shard_dir: Path, layout: Layout, ep: int, tp: int, pp: int) -> Pat
 
 
 def load_ranks(shard_dir: Path, layout: Layout) -> dict[tuple[int, int, int], dict]:
-    return {(e, t, p): torch.load(rank_path(shard_dir, layout, e, t, p), map_location="cpu", weights_only=True)
-            for e in range(layout.ep) for t in range(layout.tp) for p in range(layout.pp)}
-
-
+    return {
+        (e, t, p): torch.load(rank_path(shard_dir, layout, e, t, p), map_location="cpu", weights_only=True)
+        for e in range(layout.ep)
+        for t in range(layout.tp)
+        for p in range(layout.pp)
+    }
 
 
 def rms(x, w, eps, gemma: bool):
@@ -286,7 +312,7 @@ def norm(s: "Spec", x, w):
 
 
 def rotate_half(x):
-    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-b, a), dim=-1)
 
 
@@ -302,8 +328,11 @@ def local_qkv(sd, attn, s: Spec, layout: Layout):
         parts = [sd[attn + n] for n in names]
     else:
         parts = list(torch.split(sd[attn + names[0]], [nq * s.head_dim, nkv * s.head_dim, nkv * s.head_dim]))
-    assert [p.shape for p in parts] == [(nq * s.head_dim, s.hidden), (nkv * s.head_dim, s.hidden),
-                                        (nkv * s.head_dim, s.hidden)]
+    assert [p.shape for p in parts] == [
+        (nq * s.head_dim, s.hidden),
+        (nkv * s.head_dim, s.hidden),
+        (nkv * s.head_dim, s.hidden),
+    ]
     return parts
 
 
@@ -378,7 +407,7 @@ def sharded_logits(ranks, s: Spec, layout: Layout, ids, rope) -> torch.Tensor:
                 inside = (local >= 0) & (local < per)
                 h = h + sd[s.embed][local.clamp(0, per - 1)] * inside[..., None]
             if s.gemma:
-                h = h * torch.tensor(s.hidden ** 0.5, dtype=h.dtype)
+                h = h * torch.tensor(s.hidden**0.5, dtype=h.dtype)
         for layer in layers:
             pre = s.layer_prefix.format(i=layer)
             cos, sin = rope(layer)
@@ -477,8 +506,10 @@ def plan_params(name: str, layout: Layout) -> list[int]:
 def test_plan_llama_3_1_8b_tp8_pp2():
     H, I, L, V, D, kv, tp = 4096, 14336, 32, 128256, 128, 8, 8
     per_layer = (H * H + 2 * kv * D * H + H * H) // tp + 3 * H * I // tp + 2 * H
-    assert plan_params("llama-3.1-8b", Layout(tp=8, pp=2)) == [V * H // tp + 16 * per_layer,
-                                                              16 * per_layer + H + V * H // tp]
+    assert plan_params("llama-3.1-8b", Layout(tp=8, pp=2)) == [
+        V * H // tp + 16 * per_layer,
+        16 * per_layer + H + V * H // tp,
+    ]
 
 
 def test_plan_llama_3_2_3b_tied_tp4():
@@ -492,8 +523,10 @@ def test_plan_qwen3_8b_tp8_kv_multiplier():
     H, I, L, V, D, q, kv, tp = 4096, 12288, 36, 151936, 128, 32, 8, 8
     attn = (q * D * H + 2 * kv * D * H + H * q * D) // tp
     per_layer = attn + 3 * H * I // tp + 2 * H + 2 * D  # two norms, q_norm and k_norm
-    assert plan_params("qwen3-8b", Layout(tp=8, pp=2)) == [V * H // tp + 18 * per_layer,
-                                                          18 * per_layer + H + V * H // tp]
+    assert plan_params("qwen3-8b", Layout(tp=8, pp=2)) == [
+        V * H // tp + 18 * per_layer,
+        18 * per_layer + H + V * H // tp,
+    ]
     # kv multiplier 2 at tp 16: each rank holds one kv head of k and of v (8 x 2 / 16)
     attn16 = (q * D * H) // 16 + 2 * 1 * D * H + (H * q * D) // 16
     per16 = attn16 + 3 * H * I // 16 + 2 * H + 2 * D
@@ -506,12 +539,16 @@ def test_plan_qwen3_30b_a3b_tp4_ep():
     experts = E * 3 * H * I // tp  # plan counts a replica's ep rank 0: all experts at ep 1
     per_layer = attn + 2 * D + E * H + experts + 2 * H
     assert plan_params("qwen3-30b-a3b", Layout(tp=4, pp=4)) == [
-        V * H // tp + 12 * per_layer, 12 * per_layer, 12 * per_layer, 12 * per_layer + H + V * H // tp]
+        V * H // tp + 12 * per_layer,
+        12 * per_layer,
+        12 * per_layer,
+        12 * per_layer + H + V * H // tp,
+    ]
 
 
 def test_plan_phi_3_mini_tp4():
     H, I, L, V, tp = 3072, 8192, 32, 32064, 4
-    per_layer = 4 * H * H // tp + 3 * H * I // tp + 2 * H   # MHA: qkv_proj (3H, H) cut by heads
+    per_layer = 4 * H * H // tp + 3 * H * I // tp + 2 * H  # MHA: qkv_proj (3H, H) cut by heads
     assert plan_params("phi-3-mini-4k", Layout(tp=4)) == [V * H // tp + L * per_layer + H + V * H // tp]
 
 
@@ -519,8 +556,10 @@ def test_plan_gemma_2_9b_tp8_pp2():
     H, I, L, V, D, q, kv, tp = 3584, 14336, 42, 256000, 256, 16, 8, 8
     per_layer = (q * D * H + 2 * kv * D * H + H * q * D) // tp + 3 * H * I // tp + 4 * H  # four norms
     # tied embeddings: stage 0 holds the embedding slice, the last stage the lm_head slice (same values)
-    assert plan_params("gemma-2-9b", Layout(tp=8, pp=2)) == [V * H // tp + 21 * per_layer,
-                                                            21 * per_layer + H + V * H // tp]
+    assert plan_params("gemma-2-9b", Layout(tp=8, pp=2)) == [
+        V * H // tp + 21 * per_layer,
+        21 * per_layer + H + V * H // tp,
+    ]
 
 
 def test_plan_gemma_3_1b_tp4_kv_multiplier_4():
@@ -579,15 +618,18 @@ def neox_sharded_logits(ranks, config: dict, layout: Layout, ids, cos, sin) -> t
                 c, s = cos[:, None], sin[:, None]
                 q = torch.cat((q[..., :rot] * c + rotate_half(q[..., :rot]) * s, q[..., rot:]), dim=-1)
                 k = torch.cat((k[..., :rot] * c + rotate_half(k[..., :rot]) * s, k[..., rot:]), dim=-1)
-                scores = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 + causal_mask(S)
+                scores = torch.matmul(q, k.transpose(2, 3)) * D**-0.5 + causal_mask(S)
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
                 out = torch.matmul(probs, v).transpose(1, 2).reshape(B, S, -1)
                 attn = attn + out @ sd[p + "attention.dense.weight"].T
             attn = attn + sds[0][p + "attention.dense.bias"]
             mlp_in = h if parallel else h + attn
             y = layer_norm(mlp_in, sds[0], p + "post_attention_layernorm", eps)
-            mlp = sum(act(F.linear(y, sd[p + "mlp.dense_h_to_4h.weight"], sd[p + "mlp.dense_h_to_4h.bias"]))
-                      @ sd[p + "mlp.dense_4h_to_h.weight"].T for sd in sds)
+            mlp = sum(
+                act(F.linear(y, sd[p + "mlp.dense_h_to_4h.weight"], sd[p + "mlp.dense_h_to_4h.bias"]))
+                @ sd[p + "mlp.dense_4h_to_h.weight"].T
+                for sd in sds
+            )
             mlp = mlp + sds[0][p + "mlp.dense_4h_to_h.bias"]
             h = h + attn + mlp if parallel else mlp_in + mlp
         if stage == layout.pp - 1:
@@ -624,11 +666,19 @@ def test_gpt_neox_reshard_equals_direct_convert(shards, tmp_path):
 
 def test_plan_pythia_6_9b_tp8_pp2():
     H, I, L, V, tp = 4096, 16384, 32, 50432, 8
-    per_layer = ((3 * H * H + 3 * H) // tp + H * H // tp + H          # query_key_value (+bias), dense, dense bias
-                 + (I * H + I) // tp + I * H // tp + H                # h_to_4h (+bias), 4h_to_h, its bias
-                 + 4 * H)                                             # two LayerNorms, weight and bias
-    assert plan_params("pythia-6.9b", Layout(tp=8, pp=2)) == [V * H // tp + 16 * per_layer,
-                                                             16 * per_layer + 2 * H + V * H // tp]
+    per_layer = (
+        (3 * H * H + 3 * H) // tp
+        + H * H // tp
+        + H  # query_key_value (+bias), dense, dense bias
+        + (I * H + I) // tp
+        + I * H // tp
+        + H  # h_to_4h (+bias), 4h_to_h, its bias
+        + 4 * H
+    )  # two LayerNorms, weight and bias
+    assert plan_params("pythia-6.9b", Layout(tp=8, pp=2)) == [
+        V * H // tp + 16 * per_layer,
+        16 * per_layer + 2 * H + V * H // tp,
+    ]
 
 
 @pytest.mark.parametrize("qkv", ["gqa", "fused", "coalesced"])
@@ -645,8 +695,9 @@ def test_gpt_neox_kv_multiplier_is_refused(tiny_model, tmp_path):
 
 
 def test_cli_refuses_qkv_with_one_line(tiny_model, tmp_path):
-    result = CliRunner().invoke(cli, ["-q", "convert", str(tiny_model("gpt-neox-tiny")), str(tmp_path / "out"),
-                                      "--tp", "2", "--qkv", "fused"])
+    result = CliRunner().invoke(
+        cli, ["-q", "convert", str(tiny_model("gpt-neox-tiny")), str(tmp_path / "out"), "--tp", "2", "--qkv", "fused"]
+    )
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--qkv fused does not apply to gpt_neox" in lines[0], result.stderr
@@ -686,26 +737,40 @@ def bert_sharded(ranks, config: dict, layout: Layout, ids, types, mask):
         sds = [ranks[(0, t, stage)] for t in range(tp)]
         if stage == 0:
             e = sds[0]
-            h = (e["bert.embeddings.word_embeddings.weight"][ids] + e["bert.embeddings.token_type_embeddings.weight"][types]
-                 + e["bert.embeddings.position_embeddings.weight"][torch.arange(S)][None])
+            h = (
+                e["bert.embeddings.word_embeddings.weight"][ids]
+                + e["bert.embeddings.token_type_embeddings.weight"][types]
+                + e["bert.embeddings.position_embeddings.weight"][torch.arange(S)][None]
+            )
             h = layer_norm(h, e, "bert.embeddings.LayerNorm", eps)
         for layer in layers:
             p = f"bert.encoder.layer.{layer}."
             attn = 0
             for sd in sds:
-                q, k, v = (F.linear(h, sd[p + f"attention.self.{w}.weight"], sd[p + f"attention.self.{w}.bias"])
-                           .view(B, S, n // tp, D).transpose(1, 2) for w in ("query", "key", "value"))
-                probs = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 + ext, dim=-1)
+                q, k, v = (
+                    F.linear(h, sd[p + f"attention.self.{w}.weight"], sd[p + f"attention.self.{w}.bias"])
+                    .view(B, S, n // tp, D)
+                    .transpose(1, 2)
+                    for w in ("query", "key", "value")
+                )
+                probs = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * D**-0.5 + ext, dim=-1)
                 ctx = torch.matmul(probs, v).transpose(1, 2).reshape(B, S, -1)
                 attn = attn + ctx @ sd[p + "attention.output.dense.weight"].T
-            h1 = layer_norm(attn + sds[0][p + "attention.output.dense.bias"] + h, sds[0], p + "attention.output.LayerNorm", eps)
-            mlp = sum(F.gelu(F.linear(h1, sd[p + "intermediate.dense.weight"], sd[p + "intermediate.dense.bias"]))
-                      @ sd[p + "output.dense.weight"].T for sd in sds)
+            h1 = layer_norm(
+                attn + sds[0][p + "attention.output.dense.bias"] + h, sds[0], p + "attention.output.LayerNorm", eps
+            )
+            mlp = sum(
+                F.gelu(F.linear(h1, sd[p + "intermediate.dense.weight"], sd[p + "intermediate.dense.bias"]))
+                @ sd[p + "output.dense.weight"].T
+                for sd in sds
+            )
             h = layer_norm(mlp + sds[0][p + "output.dense.bias"] + h1, sds[0], p + "output.LayerNorm", eps)
         if stage == layout.pp - 1:
             f = sds[0]
             pooled = torch.tanh(F.linear(h[:, 0], f["bert.pooler.dense.weight"], f["bert.pooler.dense.bias"]))
-            t = F.gelu(F.linear(h, f["cls.predictions.transform.dense.weight"], f["cls.predictions.transform.dense.bias"]))
+            t = F.gelu(
+                F.linear(h, f["cls.predictions.transform.dense.weight"], f["cls.predictions.transform.dense.bias"])
+            )
             t = layer_norm(t, f, "cls.predictions.transform.LayerNorm", eps)
             mlm = F.linear(t, f["cls.predictions.decoder.weight"], f["cls.predictions.bias"])
             nsp = F.linear(pooled, f["cls.seq_relationship.weight"], f["cls.seq_relationship.bias"])
@@ -737,14 +802,19 @@ def test_bert_sharded_forward_from_rank_files(shards):
     with torch.no_grad():
         want = bert_model(hf_dir)(ids, token_type_ids=types, attention_mask=mask)
         mlm, nsp = bert_sharded(ranks, config, layout, ids, types, mask)
-        assert torch.allclose(mlm, want.prediction_logits, atol=ATOL, rtol=1e-4), (mlm - want.prediction_logits).abs().max()
+        assert torch.allclose(mlm, want.prediction_logits, atol=ATOL, rtol=1e-4), (
+            (mlm - want.prediction_logits).abs().max()
+        )
         assert torch.allclose(nsp, want.seq_relationship_logits, atol=ATOL, rtol=1e-4)
         # negative control: rank 0's keys with rank 1's queries (heads mismatched) is far off
         swapped = {key: dict(sd) for key, sd in ranks.items()}
         for stage in range(layout.pp):
             for name in ranks[(0, 0, stage)]:
                 if name.endswith("attention.self.key.weight"):
-                    swapped[(0, 0, stage)][name], swapped[(0, 1, stage)][name] = ranks[(0, 1, stage)][name], ranks[(0, 0, stage)][name]
+                    swapped[(0, 0, stage)][name], swapped[(0, 1, stage)][name] = (
+                        ranks[(0, 1, stage)][name],
+                        ranks[(0, 0, stage)][name],
+                    )
         bad, _ = bert_sharded(swapped, config, layout, ids, types, mask)
         assert (bad - want.prediction_logits).abs().max().item() > 10 * ATOL, (bad - want.prediction_logits).abs().max()
 
@@ -755,20 +825,32 @@ def test_bert_reshard_equals_direct_convert(shards, tmp_path):
 
 def test_plan_bert_large_tp2():
     H, I, L, V, P, T, tp = 1024, 4096, 24, 30522, 512, 2, 2
-    embeddings = V * H + P * H + T * H + 2 * H                    # replicated on every tp rank
-    per_layer = (3 * (H * H + H) // tp + H * H // tp + H + 2 * H  # q k v (+biases), output.dense (+bias), LN
-                 + (I * H + I) // tp + I * H // tp + H + 2 * H)  # intermediate (+bias), output (+bias), LN
+    embeddings = V * H + P * H + T * H + 2 * H  # replicated on every tp rank
+    per_layer = (
+        3 * (H * H + H) // tp
+        + H * H // tp
+        + H
+        + 2 * H  # q k v (+biases), output.dense (+bias), LN
+        + (I * H + I) // tp
+        + I * H // tp
+        + H
+        + 2 * H
+    )  # intermediate (+bias), output (+bias), LN
     heads = (H * H + H) + (H * H + H) + 2 * H + V + (2 * H + 2)  # pooler, transform, its LN, MLM bias, NSP
     # one stage: the tied MLM decoder is the word embeddings, counted once
     assert plan_params("bert-large-uncased", Layout(tp=2)) == [embeddings + L * per_layer + heads]
     # two stages: the last one holds its own copy of the decoder (V x H)
-    assert plan_params("bert-large-uncased", Layout(tp=2, pp=2)) == [embeddings + 12 * per_layer,
-                                                                   12 * per_layer + heads + V * H]
+    assert plan_params("bert-large-uncased", Layout(tp=2, pp=2)) == [
+        embeddings + 12 * per_layer,
+        12 * per_layer + heads + V * H,
+    ]
 
 
 BERT_HEADS = {  # architecture -> config changes: the variants of the table the config's architecture chooses
-    "BertForSequenceClassification": {"id2label": {"0": "negative", "1": "neutral", "2": "positive"},
-                                      "label2id": {"negative": 0, "neutral": 1, "positive": 2}},
+    "BertForSequenceClassification": {
+        "id2label": {"0": "negative", "1": "neutral", "2": "positive"},
+        "label2id": {"negative": 0, "neutral": 1, "positive": 2},
+    },
     "BertModel": {},
 }
 
@@ -818,9 +900,11 @@ def test_bert_classification_labels_are_checked():
     """A classification config whose label count is not one: one line naming the field."""
     base = {**fixture_config("bert-tiny"), "architectures": ["BertForSequenceClassification"]}
     assert family_for(base).full_shapes(ModelDims.from_config(base))["classifier.weight"] == (2, 64)  # default 2
-    for bad, what in (({"num_labels": 3, "id2label": {"0": "a", "1": "b"}}, "num_labels is 3 but id2label names 2"),
-                      ({"num_labels": 0}, "num_labels must be a whole number"),
-                      ({"id2label": ["a", "b"]}, "id2label must be an object")):
+    for bad, what in (
+        ({"num_labels": 3, "id2label": {"0": "a", "1": "b"}}, "num_labels is 3 but id2label names 2"),
+        ({"num_labels": 0}, "num_labels must be a whole number"),
+        ({"id2label": ["a", "b"]}, "id2label must be an object"),
+    ):
         with pytest.raises(ConfigMismatchError, match=what) as e:
             family_for({**base, **bad})
         assert "\n" not in str(e.value)
@@ -877,16 +961,23 @@ def test_dbrx_names_follow_nxd_and_experts_are_segments_of_the_flat_tensors(shar
 def test_plan_dbrx_base_tp8_pp4():
     H, I, L, V, D, q, kv, E, tp = 6144, 10752, 40, 100352, 128, 48, 8, 16, 8
     attn = (q * D * H + 2 * kv * D * H + H * q * D) // tp
-    per_layer = attn + E * H + E * 3 * I * H // tp + 2 * H   # router replicated, every expert at ep 1, two norms
-    assert plan_params("dbrx-base", Layout(tp=8, pp=4)) == [V * H // tp + 10 * per_layer, 10 * per_layer,
-                                                           10 * per_layer, 10 * per_layer + H + V * H // tp]
+    per_layer = attn + E * H + E * 3 * I * H // tp + 2 * H  # router replicated, every expert at ep 1, two norms
+    assert plan_params("dbrx-base", Layout(tp=8, pp=4)) == [
+        V * H // tp + 10 * per_layer,
+        10 * per_layer,
+        10 * per_layer,
+        10 * per_layer + H + V * H // tp,
+    ]
 
 
 # ---- the training checkpoint API ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "ep" not in c.layout] + [NEOX, BERT] +
-                         [c for c in CASES if "ep" in c.layout], ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if "ep" not in c.layout] + [NEOX, BERT] + [c for c in CASES if "ep" in c.layout],
+    ids=lambda c: c.id,
+)
 def test_training_checkpoint_saves_and_loads_on_another_layout(case, shards, tmp_path):
     """save_checkpoint of the rank files of one layout (one process, every rank), then
     load_checkpoint on the reshard target layout gives each rank what a direct convert writes."""
@@ -916,8 +1007,9 @@ def test_trainer_refuses_the_families_it_cannot_express():
     assert "\n" not in str(e.value) and "convert/merge/reshard still work" in str(e.value)
 
 
-@pytest.mark.parametrize("fixture", ["qwen3-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "gpt-neox-tiny",
-                                     "dbrx-tiny"])
+@pytest.mark.parametrize(
+    "fixture", ["qwen3-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "gpt-neox-tiny", "dbrx-tiny"]
+)
 def test_trainer_accepts_every_decoder_family(fixture):
     from trainer.model import ModelSpec
 

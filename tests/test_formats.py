@@ -164,7 +164,7 @@ def load(path):
 
 # Loads xser files with the fake torch-xla (never importing shardkit) and saves what it got as
 # plain state dicts, so the test process can compare them.
-LOAD_SCRIPT = '''
+LOAD_SCRIPT = """
 import json, os, sys
 import torch
 import torch_xla
@@ -191,11 +191,11 @@ for i, path in enumerate(sys.argv[2:]):
     })
 report["shardkit_imported"] = sorted(m for m in sys.modules if m == "shardkit" or m.startswith("shardkit."))
 print(json.dumps(report))
-'''
+"""
 
 # Writes xser files with the fake torch-xla: tensors named in "device" become references, the
 # others stay inline; NxD's .info.pt is added when asked.
-SAVE_SCRIPT = '''
+SAVE_SCRIPT = """
 import json, sys
 import torch
 import torch_xla.utils.serialization as xser
@@ -211,7 +211,7 @@ for job in jobs:
                 for k, v in refs.items() if type(v) is xser.TensorReference}
         torch.save(info, job["dst"] + ".info.pt")
 print("ok")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -232,8 +232,9 @@ def run_with_fake_xla(fake_xla: Path, script: str, *args, tmp: Path) -> str:
     path.write_text(script)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(fake_xla)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, str(path), *map(str, args)], capture_output=True, text=True, env=env,
-                          cwd=tmp, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(path), *map(str, args)], capture_output=True, text=True, env=env, cwd=tmp, timeout=120
+    )
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stderr[-3000:]}"
     return proc.stdout.strip().splitlines()[-1]
 
@@ -437,7 +438,10 @@ def test_xser_tensor_files_are_torch_save_of_the_bare_tensor(writer, monkeypatch
         assert raw == want.getvalue(), name
         record = records[file.relative_to(tmp_path).as_posix()]
         assert (record.size, record.sha256, record.xxh3_128) == (
-            len(raw), hashlib.sha256(raw).hexdigest(), xxhash.xxh3_128_hexdigest(raw)), name
+            len(raw),
+            hashlib.sha256(raw).hexdigest(),
+            xxhash.xxh3_128_hexdigest(raw),
+        ), name
 
 
 def test_xser_output_matches_real_torch_xla_golden(tmp_path):
@@ -624,8 +628,10 @@ def test_refuses_malicious_xser_files(kind, target, hand_xser, tmp_path):
         torch.save(payload(kind, marker), bad)
     elif target == "main":
         bad = main  # the reference file: payload first, then the file's tensors (inline)
-        resolved = {k: (load_plain(Path(str(main) + ".tensors") / f"tensor_{v.tid}.pt") if isinstance(v, _Ref) else v)
-                    for k, v in load_refs(main).items()}
+        resolved = {
+            k: (load_plain(Path(str(main) + ".tensors") / f"tensor_{v.tid}.pt") if isinstance(v, _Ref) else v)
+            for k, v in load_refs(main).items()
+        }
         resolved[next(iter(resolved))] = payload(kind, marker)
         torch.save(resolved, main)
     else:
@@ -701,7 +707,7 @@ def test_cli_refuses_malicious_files(torch_shards, tiny_model, tmp_path):
 def read_st_header(path: Path) -> tuple[int, dict]:
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
-    return length, json.loads(raw[8:8 + length])
+    return length, json.loads(raw[8 : 8 + length])
 
 
 def check_st_layout(path: Path) -> dict:
@@ -718,8 +724,9 @@ def check_st_layout(path: Path) -> dict:
     return header
 
 
-@pytest.mark.parametrize("model,dtype", [(MODEL, torch.float32), (MODEL, torch.bfloat16),
-                                         ("llama-bias", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "model,dtype", [(MODEL, torch.float32), (MODEL, torch.bfloat16), ("llama-bias", torch.bfloat16)]
+)
 def test_safetensors_shards(model, dtype, tiny_model, tmp_path):
     src = tiny_model(model, dtype=dtype)
     layout = Layout(tp=2, pp=2, qkv="gqa")
@@ -809,8 +816,9 @@ def test_torch_writer_streams_exactly_what_torch_save_writes(writer, tmp_path, m
     expected = io.BytesIO()
     torch.save({n: t.contiguous().clone() for n, t in tensors.items()}, expected)
     path = tmp_path / "model" / "rank.pt"
-    writer_ = TorchWriter(path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
-                          digests="sha256")
+    writer_ = TorchWriter(
+        path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], digests="sha256"
+    )
     assert (writer_._native is not None) == (writer == "native")
     for name, tensor in tensors.items():
         writer_.write(name, tensor)
@@ -918,7 +926,14 @@ def test_a_whole_tensor_read_along_a_later_dim_is_one_positional_read(tmp_path, 
     path.write_bytes(full.numpy().tobytes())
     reads: list[tuple[int, int]] = []
     real_pread = strided.pread_exact
-    monkeypatch.setattr(strided, "pread_exact", lambda fd, view, offset, what, tapped=True: (reads.append((offset, len(view))), real_pread(fd, view, offset, what))[1])
+    monkeypatch.setattr(
+        strided,
+        "pread_exact",
+        lambda fd, view, offset, what, tapped=True: (
+            reads.append((offset, len(view))),
+            real_pread(fd, view, offset, what),
+        )[1],
+    )
     fd = os.open(path, os.O_RDONLY)
     try:
         got = strided.read_stored(fd, strided.StoredTensor(torch.float32, (7, 5, 6), 0), 1, 0, 5, "raw.bin")
@@ -937,7 +952,11 @@ def test_advise_names_the_bytes_a_slice_spans(tmp_path, monkeypatch):
     path = tmp_path / "raw.bin"
     path.write_bytes(bytes(8 + 4 * (4 + 7 * 5 * 6)))
     real_pread = strided.pread_exact
-    monkeypatch.setattr(strided, "pread_exact", lambda fd, view, offset, what: (reads.append((offset, len(view))), real_pread(fd, view, offset, what))[1])
+    monkeypatch.setattr(
+        strided,
+        "pread_exact",
+        lambda fd, view, offset, what: (reads.append((offset, len(view))), real_pread(fd, view, offset, what))[1],
+    )
     fd = os.open(path, os.O_RDONLY)
     try:
         for dim, start, stop in [(0, 2, 5), (1, 1, 4), (2, 3, 6), (0, None, None)]:
@@ -985,8 +1004,9 @@ def test_torch_writer_owned_tensors_write_and_hash_the_same_bytes(tmp_path):
     expected = io.BytesIO()
     torch.save({n: t.clone() for n, t in tensors.items()}, expected)
     path = tmp_path / "rank.pt"
-    writer = TorchWriter(path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
-                         digests="sha256")
+    writer = TorchWriter(
+        path, tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], digests="sha256"
+    )
     for name in list(tensors):
         writer.write(name, tensors.pop(name), owned=True)  # the writer holds the only reference
     (record,) = writer.close()
@@ -1064,8 +1084,12 @@ def test_torch_files_with_dtypes_that_have_no_typed_storage_read_back(tmp_path):
     from shardkit.formats.torch_io import TorchFile, TorchWriter
 
     torch.manual_seed(0)
-    tensors = {"f8": torch.randn(6, 4).to(torch.float8_e4m3fn), "f8b": torch.randn(3).to(torch.float8_e5m2),
-               "u16": torch.arange(10, dtype=torch.int32).to(torch.uint16).reshape(2, 5), "f32": torch.randn(2, 3)}
+    tensors = {
+        "f8": torch.randn(6, 4).to(torch.float8_e4m3fn),
+        "f8b": torch.randn(3).to(torch.float8_e5m2),
+        "u16": torch.arange(10, dtype=torch.int32).to(torch.uint16).reshape(2, 5),
+        "f32": torch.randn(2, 3),
+    }
     with open(tmp_path / "ref.pt", "wb") as fh:  # through a file object, as the streaming writer writes
         torch.save(tensors, fh)
     reader = TorchFile(tmp_path / "ref.pt")

@@ -24,6 +24,7 @@ from shardkit import Layout, convert, merge, open_checkpoint
 
 # ---- reading the golden folder (independently of shardkit) -------------------------------------
 
+
 def _case_names(sub: str) -> list[str]:
     folder = GOLDEN / sub
     if not folder.is_dir():
@@ -36,8 +37,15 @@ XSER_CASES = _case_names("nxd-xser")
 
 _TRUE = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 # Flags that name paths or modes and say nothing about the shards' layout.
-_IGNORED_FLAGS = {"--input_dir", "--output_dir", "--config", "--convert_from_full_state", "--convert_to_full_state",
-                  "--save_xser", "--load_xser"}
+_IGNORED_FLAGS = {
+    "--input_dir",
+    "--output_dir",
+    "--config",
+    "--convert_from_full_state",
+    "--convert_to_full_state",
+    "--save_xser",
+    "--load_xser",
+}
 
 
 def layout_from_args(text: str) -> Layout:
@@ -54,8 +62,15 @@ def layout_from_args(text: str) -> Layout:
         else:
             flags[flag] = "True"
             i += 1
-    known = {"--tp_size", "--pp_size", "--qkv_linear", "--coalesce_qkv", "--fuse_qkv", "--kv_size_multiplier",
-             "--hw_backend"} | _IGNORED_FLAGS
+    known = {
+        "--tp_size",
+        "--pp_size",
+        "--qkv_linear",
+        "--coalesce_qkv",
+        "--fuse_qkv",
+        "--kv_size_multiplier",
+        "--hw_backend",
+    } | _IGNORED_FLAGS
     unknown = set(flags) - known
     assert not unknown, f"args.txt has flags this test does not understand: {sorted(unknown)}"
 
@@ -84,7 +99,8 @@ def test_layout_from_args_parses_nxd_flags():
     assert layout_from_args("--tp_size 4 --pp_size 3 --coalesce_qkv True") == Layout(tp=4, pp=3, qkv="coalesced")
     assert layout_from_args("--tp_size 2 --pp_size 2") == Layout(tp=2, pp=2, qkv="separate")
     assert layout_from_args("--tp_size 16 --pp_size 2 --qkv_linear True --kv_size_multiplier 2") == Layout(
-        tp=16, pp=2, qkv="gqa", kv_multiplier=2, kv_replication="interleaved")
+        tp=16, pp=2, qkv="gqa", kv_multiplier=2, kv_replication="interleaved"
+    )
     assert layout_from_args("--tp_size 4 --qkv_linear True --fuse_qkv True --hw_backend trn2").qkv == "fused"
     with pytest.raises(AssertionError):
         layout_from_args("--tp_size 4 --mystery_flag 3")
@@ -119,12 +135,15 @@ def load_torch(path: Path) -> dict[str, torch.Tensor]:
 
 def rank_files(model_dir: Path) -> dict[str, Path]:
     """name -> path of the rank files (*.pt, not xser .info.pt side files) in a model/ folder."""
-    return {p.name: p for p in model_dir.iterdir() if p.is_file() and p.suffix == ".pt" and not p.name.endswith(".info.pt")}
+    return {
+        p.name: p for p in model_dir.iterdir() if p.is_file() and p.suffix == ".pt" and not p.name.endswith(".info.pt")
+    }
 
 
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str) -> None:
     assert set(got) == set(want), (
-        f"{where}: key sets differ; missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}")
+        f"{where}: key sets differ; missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}"
+    )
     for name in want:
         g, w = got[name], want[name]
         assert isinstance(g, torch.Tensor), f"{where}: {name} is a {type(g).__name__}"
@@ -158,8 +177,9 @@ def load_xser(path: Path) -> dict[str, torch.Tensor]:
             out[name] = value
         else:
             assert isinstance(value, _TensorReference), f"{path}: {name} is a {type(value).__name__}"
-            out[name] = torch.load(Path(f"{path}.tensors") / f"tensor_{value.tid}.pt", map_location="cpu",
-                                   weights_only=True)
+            out[name] = torch.load(
+                Path(f"{path}.tensors") / f"tensor_{value.tid}.pt", map_location="cpu", weights_only=True
+            )
     return out
 
 
@@ -169,7 +189,8 @@ def hf_weights(golden: Path, model: str) -> dict[str, torch.Tensor]:
 
 def check_inferred_layout(got: Layout, want: Layout) -> None:
     assert (got.tp, got.pp, got.qkv, got.kv_multiplier) == (want.tp, want.pp, want.qkv, want.kv_multiplier), (
-        f"inferred {got.describe()}, NxD wrote {want.describe()}")
+        f"inferred {got.describe()}, NxD wrote {want.describe()}"
+    )
     if want.kv_multiplier > 1:
         assert got.kv_replication == want.kv_replication, f"inferred {got.kv_replication} kv replication"
 
@@ -190,8 +211,9 @@ def test_convert_full_state_dict_file_matches_nxd(case, tmp_path):
     """From the single torch state dict NxD's converter reads (config passed explicitly)."""
     golden, case_dir, model, layout = case_info(case)
     out = tmp_path / "shards"
-    convert(golden / "hf" / f"{model}.full.pt", out, layout, format="torch",
-            config=golden / "hf" / model / "config.json")
+    convert(
+        golden / "hf" / f"{model}.full.pt", out, layout, format="torch", config=golden / "hf" / model / "config.json"
+    )
     assert_dirs_match_golden(out / "model", case_dir / "model")
 
 

@@ -66,9 +66,13 @@ def hub():
     """The stand-in Hub on 127.0.0.1 (a free port), shut down afterwards. LFS objects of 96 KiB and
     more go through the multipart transfer (32 KiB parts), smaller ones through the basic one."""
     server = HubStandIn(
-        {TOKEN: Token("alice", orgs=("shardkit-test",)), READ_TOKEN: Token("alice", write=False),
-         BOB_TOKEN: Token("bob")},
-        multipart_threshold=96 * 1024, part_size=32 * 1024,
+        {
+            TOKEN: Token("alice", orgs=("shardkit-test",)),
+            READ_TOKEN: Token("alice", write=False),
+            BOB_TOKEN: Token("bob"),
+        },
+        multipart_threshold=96 * 1024,
+        part_size=32 * 1024,
     )
     server.start()
     try:
@@ -92,8 +96,14 @@ def client(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=lambda seconds: None))
-    set_client_factory(lambda: httpx2.Client(event_hooks={"request": [_http.hf_request_event_hook]},
-                                             follow_redirects=True, timeout=httpx2.Timeout(30.0), trust_env=False))
+    set_client_factory(
+        lambda: httpx2.Client(
+            event_hooks={"request": [_http.hf_request_event_hook]},
+            follow_redirects=True,
+            timeout=httpx2.Timeout(30.0),
+            trust_env=False,
+        )
+    )
     bars_were_disabled = are_progress_bars_disabled()
     disable_progress_bars()
     try:
@@ -141,8 +151,16 @@ def reference(shards, tmp_path_factory) -> Path:
 def hub_env(hub: HubStandIn, home: Path, token: str | None = TOKEN, offline: bool = False) -> dict[str, str]:
     """The environment of a user whose Hub is the stand-in (as a user would set it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
-    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="10", NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
+    env.update(
+        HF_ENDPOINT=hub.url,
+        HF_HOME=str(home),
+        HF_HUB_DISABLE_XET="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_ETAG_TIMEOUT="10",
+        HF_HUB_DOWNLOAD_TIMEOUT="10",
+        NO_PROXY="127.0.0.1",
+        no_proxy="127.0.0.1",
+    )
     if token:
         env["HF_TOKEN"] = token
     if offline:
@@ -152,8 +170,13 @@ def hub_env(hub: HubStandIn, home: Path, token: str | None = TOKEN, offline: boo
 
 def run_cli(*args, hub: HubStandIn, home: Path, token: str | None = TOKEN, offline: bool = False):
     """`python -m shardkit ARGS` with the Hub settings in its environment."""
-    return subprocess.run([sys.executable, "-m", "shardkit", *map(str, args)], env=hub_env(hub, home, token, offline),
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit", *map(str, args)],
+        env=hub_env(hub, home, token, offline),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def one_line_error(result, *phrases: str) -> str:
@@ -170,20 +193,42 @@ def one_line_error(result, *phrases: str) -> str:
 
 
 def test_choose_files_prefers_safetensors_and_skips_the_rest():
-    listing = [".gitattributes", "README.md", "config.json", "generation_config.json", "model.safetensors",
-               "pytorch_model.bin", "tokenizer.json", "tokenizer_config.json", "original/consolidated.00.pth",
-               "onnx/model.onnx"]
+    listing = [
+        ".gitattributes",
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "pytorch_model.bin",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "original/consolidated.00.pth",
+        "onnx/model.onnx",
+    ]
     assert skhub.choose_files(listing) == sorted(FETCHED)
-    sharded = ["config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
-               "model-00002-of-00002.safetensors", "consolidated.safetensors", "pytorch_model.bin"]
+    sharded = [
+        "config.json",
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "consolidated.safetensors",
+        "pytorch_model.bin",
+    ]
     assert skhub.choose_files(sharded) == ["config.json", "model.safetensors.index.json"]  # index first
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
-    assert skhub.choose_files(sharded, index) == ["config.json", "model-00001-of-00002.safetensors",
-                                                  "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert skhub.choose_files(sharded, index) == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
     assert skhub.choose_files(["config.json", "pytorch_model.bin", "README.md"]) == ["config.json", "pytorch_model.bin"]
     shardkit_repo = ["shardkit.json", "config.json", "model/dp_rank_00_tp_rank_00_pp_rank_00.pt", "README.md"]
-    assert skhub.choose_files(shardkit_repo) == ["config.json", "model/dp_rank_00_tp_rank_00_pp_rank_00.pt",
-                                                 "shardkit.json"]
+    assert skhub.choose_files(shardkit_repo) == [
+        "config.json",
+        "model/dp_rank_00_tp_rank_00_pp_rank_00.pt",
+        "shardkit.json",
+    ]
     with pytest.raises(shardkit.FormatError, match="no model weights"):
         skhub.choose_files(["config.json", "README.md"])
 
@@ -286,15 +331,21 @@ def test_reshard_inspect_and_verify_take_repo_ids(hub, served, shards, tmp_path)
         assert shardkit.inspect("alice/tp2pp3")["layout"]["pp"] == 3
         shardkit.merge("alice/tp2pp3", {str(tmp_path / "merged")!r})
     """)
-    result = subprocess.run([sys.executable, "-c", api], env=hub_env(hub, tmp_path / "api-home"), capture_output=True,
-                            text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "-c", api],
+        env=hub_env(hub, tmp_path / "api-home"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr
     assert shardkit.verify(served, tmp_path / "merged").ok
 
 
 def test_cli_offline_without_cache_is_one_clear_line(hub, tmp_path):
-    result = run_cli("-q", "convert", REPO, tmp_path / "out", "--tp", "2", hub=hub, home=tmp_path / "empty-home",
-                     offline=True)
+    result = run_cli(
+        "-q", "convert", REPO, tmp_path / "out", "--tp", "2", hub=hub, home=tmp_path / "empty-home", offline=True
+    )
     one_line_error(result, REPO, "not in the local Hugging Face cache", "HF_HUB_OFFLINE")
     assert not hub.requests and not (tmp_path / "out").exists()
 
@@ -302,36 +353,54 @@ def test_cli_offline_without_cache_is_one_clear_line(hub, tmp_path):
 def test_cli_gated_and_missing_repos_are_one_clear_line(hub, served, tmp_path):
     hub.add_repo("shardkit-test/gated", served, gated=True, granted=(BOB_TOKEN,))
     gated = run_cli("-q", "convert", "shardkit-test/gated", tmp_path / "out", "--tp", "2", hub=hub, home=tmp_path / "h")
-    one_line_error(gated, "shardkit-test/gated is a gated repo", "request access at",
-                   f"{hub.url}/shardkit-test/gated")
+    one_line_error(gated, "shardkit-test/gated is a gated repo", "request access at", f"{hub.url}/shardkit-test/gated")
     assert hub.count("HEAD", r"^/shardkit-test/gated/resolve/", status=403), "the server refused as gated"
     missing = run_cli("-q", "merge", "shardkit-test/nope", tmp_path / "out", hub=hub, home=tmp_path / "h")
     one_line_error(missing, "shardkit-test/nope is neither a local path nor a Hub repo")
     assert not (tmp_path / "out").exists()
     # the granted account downloads the gated repo
-    granted = run_cli("-q", "convert", "shardkit-test/gated", tmp_path / "ok", "--tp", "2", hub=hub,
-                      home=tmp_path / "h", token=BOB_TOKEN)
+    granted = run_cli(
+        "-q",
+        "convert",
+        "shardkit-test/gated",
+        tmp_path / "ok",
+        "--tp",
+        "2",
+        hub=hub,
+        home=tmp_path / "h",
+        token=BOB_TOKEN,
+    )
     assert granted.returncode == 0, granted.stderr
 
 
 # ---- push ----------------------------------------------------------------------------------------
 
 
-def test_push_of_shards_uploads_the_merge_byte_for_byte_with_a_model_card(hub, client, shards, reference, tmp_path,
-                                                                          caplog):
+def test_push_of_shards_uploads_the_merge_byte_for_byte_with_a_model_card(
+    hub, client, shards, reference, tmp_path, caplog
+):
     caplog.set_level(logging.DEBUG)
     stage = tmp_path / "stage"
     stage.mkdir()
-    result = skhub.push(shards, "alice/tiny-merged", create=True, private=True, endpoint=hub.url,
-                        max_shard_size=SHARD_SIZE, tmp_dir=stage, command="shardkit push ./tp2pp3 alice/tiny-merged")
+    result = skhub.push(
+        shards,
+        "alice/tiny-merged",
+        create=True,
+        private=True,
+        endpoint=hub.url,
+        max_shard_size=SHARD_SIZE,
+        tmp_dir=stage,
+        command="shardkit push ./tp2pp3 alice/tiny-merged",
+    )
     got = hub.files("alice/tiny-merged")
     want = tree(reference)
     assert_same_bytes(got, want)
     assert set(got) == set(want) | {"README.md", ".gitattributes"}
     for name in want:
         assert hub.blob("alice/tiny-merged", name).lfs == name.endswith(".safetensors")
-    assert hub.count("PUT", r"^/__lfs/[0-9a-f]{64}/part/\d+$") and hub.count("PUT", r"^/__lfs/[0-9a-f]{64}$"), \
+    assert hub.count("PUT", r"^/__lfs/[0-9a-f]{64}/part/\d+$") and hub.count("PUT", r"^/__lfs/[0-9a-f]{64}$"), (
         "both LFS transfers (multipart for the larger files, basic for the smaller) were used"
+    )
     assert hub.repos["alice/tiny-merged"].private
 
     stats = skhub.weight_stats(reference)
@@ -418,8 +487,7 @@ def test_a_dropped_upload_connection_is_retried(hub, client, shards, reference):
 def test_a_failed_commit_is_retried_without_uploading_again(hub, client, shards, reference, caplog):
     caplog.set_level(logging.WARNING)
     hub.fail("POST", r"/commit/main$", mode="status", status=500, times=1)
-    skhub.push(shards, "alice/commit-retry", create=True, endpoint=hub.url, max_shard_size=SHARD_SIZE,
-               retry_wait=0)
+    skhub.push(shards, "alice/commit-retry", create=True, endpoint=hub.url, max_shard_size=SHARD_SIZE, retry_wait=0)
     assert hub.count("POST", r"/commit/main$") == 2
     objects = {sha256(d) for n, d in tree(reference).items() if n.endswith(".safetensors")}
     uploads = [r["path"] for r in hub.requests if r["method"] == "PUT" and r["status"] == 200]
@@ -430,16 +498,23 @@ def test_a_failed_commit_is_retried_without_uploading_again(hub, client, shards,
     assert_same_bytes(hub.files("alice/commit-retry"), tree(reference))
 
 
-def test_an_upload_that_keeps_failing_says_how_to_resume_and_resumes(hub, client, shards, reference, tmp_path,
-                                                                     caplog):
+def test_an_upload_that_keeps_failing_says_how_to_resume_and_resumes(hub, client, shards, reference, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     hub.multipart_threshold = None  # one PUT per file
     hub.fail("PUT", r"^/__lfs/", mode="drop", after=2, times=10**6)  # the network dies after two files
     stage = tmp_path / "stage"
     stage.mkdir()
     with pytest.raises(skhub.HubUploadError) as info:
-        skhub.push(shards, "alice/resume", create=True, endpoint=hub.url, max_shard_size=SHARD_SIZE, tmp_dir=stage,
-                   retries=2, retry_wait=0)
+        skhub.push(
+            shards,
+            "alice/resume",
+            create=True,
+            endpoint=hub.url,
+            max_shard_size=SHARD_SIZE,
+            tmp_dir=stage,
+            retries=2,
+            retry_wait=0,
+        )
     message = str(info.value)
     assert "\n" not in message and "failed after 2 attempts" in message
     kept = Path(re.search(r"the merged model is kept in (\S+);", message).group(1))
@@ -464,8 +539,21 @@ def test_an_upload_that_keeps_failing_says_how_to_resume_and_resumes(hub, client
 
 def test_cli_merge_push_to_and_push_errors_never_show_the_token(hub, shards, reference, tmp_path):
     dst = tmp_path / "merged"
-    result = run_cli("-v", "merge", shards, dst, "--max-shard-size", SHARD_SIZE, "--push-to", "alice/cli-merged",
-                     "--create", "--private", "--json", hub=hub, home=tmp_path / "h")
+    result = run_cli(
+        "-v",
+        "merge",
+        shards,
+        dst,
+        "--max-shard-size",
+        SHARD_SIZE,
+        "--push-to",
+        "alice/cli-merged",
+        "--create",
+        "--private",
+        "--json",
+        hub=hub,
+        home=tmp_path / "h",
+    )
     assert result.returncode == 0, result.stderr
     assert TOKEN not in result.stdout and TOKEN not in result.stderr
     report = json.loads(result.stdout)
@@ -493,8 +581,9 @@ def test_cli_push_of_shards_converted_from_the_hub_records_the_base_model(hub, s
     home = tmp_path / "h"
     converted = run_cli("-q", "convert", REPO, tmp_path / "tp2", "--tp", "2", hub=hub, home=home)
     assert converted.returncode == 0, converted.stderr
-    pushed = run_cli("push", tmp_path / "tp2", "alice/from-hub", "--create", "--commit-message", "tp2 round trip",
-                     hub=hub, home=home)
+    pushed = run_cli(
+        "push", tmp_path / "tp2", "alice/from-hub", "--create", "--commit-message", "tp2 round trip", hub=hub, home=home
+    )
     assert pushed.returncode == 0, pushed.stderr
     assert pushed.stdout.startswith("pushed to alice/from-hub (main): ") and "model card generated" in pushed.stdout
     card = hub.files("alice/from-hub")["README.md"].decode()
@@ -534,9 +623,15 @@ def test_a_missing_path_beside_a_local_folder_is_never_looked_up_on_the_hub(tiny
     (tmp_path / "runs").mkdir()
     model = str(tiny_model("llama-mha"))
     where = "runs/llama70b-tp16pp2"
-    for args in (["convert", where, "out", "--tp", "2"], ["merge", where, "out"], ["reshard", where, "out"],
-                 ["inspect", where], ["verify", where, model], ["verify", model, where],
-                 ["merge", where, "out", "--push-to", "me/model"]):
+    for args in (
+        ["convert", where, "out", "--tp", "2"],
+        ["merge", where, "out"],
+        ["reshard", where, "out"],
+        ["inspect", where],
+        ["verify", where, model],
+        ["verify", model, where],
+        ["merge", where, "out", "--push-to", "me/model"],
+    ):
         result = CliRunner().invoke(cli, ["-q", *args])
         assert result.exit_code == 2, (args, result.output)
         lines = [line for line in result.stderr.splitlines() if line.strip()]

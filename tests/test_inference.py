@@ -38,6 +38,7 @@ def _assert_merges_exactly(src: Path, shards: Path, out: Path) -> None:
 
 # ---- 1. kv replication decided from the family's own k source --------------------------------
 
+
 @pytest.mark.parametrize("model", ["phi3-tiny", "dbrx-tiny"])
 def test_blocked_replication_of_fused_qkv_families_is_inferred(tiny_model, tmp_path, model):
     layout = Layout(tp=4, pp=1, kv_multiplier=2, kv_replication="blocked")
@@ -64,12 +65,16 @@ def test_blocked_replication_of_llama_coalesced_is_inferred(tiny_model, tmp_path
 
 # ---- 2. families with their own layer prefix and qkv names ---------------------------------
 
-@pytest.mark.parametrize("model, layout", [
-    ("gpt-neox-tiny", Layout(tp=2, pp=1)),
-    ("gpt-neox-tiny", Layout(tp=4, pp=3)),
-    ("bert-tiny", Layout(tp=2, pp=1)),
-    ("bert-tiny", Layout(tp=4, pp=2)),
-])
+
+@pytest.mark.parametrize(
+    "model, layout",
+    [
+        ("gpt-neox-tiny", Layout(tp=2, pp=1)),
+        ("gpt-neox-tiny", Layout(tp=4, pp=3)),
+        ("bert-tiny", Layout(tp=2, pp=1)),
+        ("bert-tiny", Layout(tp=4, pp=2)),
+    ],
+)
 def test_gpt_neox_and_bert_shards_without_manifest_open_and_merge(tiny_model, tmp_path, model, layout):
     src, shards = _nxd_style(tiny_model, tmp_path, model, layout)
     assert open_checkpoint(shards).layout == layout
@@ -99,11 +104,14 @@ def test_rank_files_without_data_say_to_pass_the_layout(tiny_model, tmp_path, mo
     with pytest.raises(FormatError, match="holds no data.*shardkit.json") as excinfo:
         open_checkpoint(shards)
     assert "\n" not in str(excinfo.value)
-    layout = open_checkpoint(shards, hints={"qkv": "separate", "kv_multiplier": 1, "kv_replication": "interleaved"}).layout
+    layout = open_checkpoint(
+        shards, hints={"qkv": "separate", "kv_multiplier": 1, "kv_replication": "interleaved"}
+    ).layout
     assert (layout.tp, layout.kv_multiplier, layout.qkv) == (2, 1, "separate")
 
 
 # ---- 3. the vocabulary rule belongs to families that split the vocabulary ----------------------
+
 
 def test_bert_large_plans_at_tp_8_its_vocabulary_is_replicated():
     from shardkit.memory import plan_memory, suggest_layouts
@@ -151,6 +159,7 @@ def test_llama_converts_refuses_a_tp_that_does_not_divide_its_vocabulary(tmp_pat
 
 
 # ---- 4. plan errors name the config file ---------------------------------------------------------
+
 
 def test_plan_errors_name_the_config_file(tmp_path):
     from shardkit.errors import ConfigMismatchError

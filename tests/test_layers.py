@@ -31,8 +31,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("placements", ("shardkit.placements",)),
     ("layout", ("shardkit.layout",)),
     ("io", ("shardkit.io",)),
-    ("foundation", ("shardkit.distributed", "shardkit.paths", "shardkit.sizes", "shardkit.errors",
-                    "shardkit.version", "shardkit.testing", "shardkit.torch_compat")),
+    (
+        "foundation",
+        (
+            "shardkit.distributed",
+            "shardkit.paths",
+            "shardkit.sizes",
+            "shardkit.errors",
+            "shardkit.version",
+            "shardkit.testing",
+            "shardkit.torch_compat",
+        ),
+    ),
 ]
 
 
@@ -50,7 +60,8 @@ def all_modules() -> dict[str, Path]:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _runtime_nodes(tree: ast.AST):
@@ -133,7 +144,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()

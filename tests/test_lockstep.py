@@ -104,9 +104,7 @@ def test_a_stage_reads_each_column_split_tensor_once_and_writes_the_same_bytes(
     assert len(column_split) == 10
     spans = [span[:2] for span in map(SafetensorsFile(src / "model.safetensors").span, column_split)]
     windows = [
-        (offset, length)
-        for _, offset, length in column_reads["whole"]
-        if any(a <= offset < a + n for a, n in spans)
+        (offset, length) for _, offset, length in column_reads["whole"] if any(a <= offset < a + n for a, n in spans)
     ]
     assert len(set(windows)) == len(windows)  # no window of rows read twice
     assert sum(length for _, length in windows) == sum(n for _, n in spans)  # every row read, once

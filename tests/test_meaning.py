@@ -76,8 +76,6 @@ def read_dims(hf_dir: Path) -> Dims:
     return Dims(json.loads((Path(hf_dir) / "config.json").read_text()))
 
 
-
-
 # ---- reading rank files ------------------------------------------------------------------------
 
 
@@ -121,7 +119,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-b, a), dim=-1)
 
 
@@ -221,13 +219,18 @@ def replicated_bias(sd, name: str, present: bool):
 def layer_forward_tp(rank_sds, layer, x, cos, sin, mask, dims, layout, qkv_override=None) -> torch.Tensor:
     """One decoder layer from a stage's rank dicts; the all-reduce is a sum over ranks."""
     prefix = f"model.layers.{layer}."
-    for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.bias",
-                 "mlp.down_proj.bias"):
+    for name in (
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.o_proj.bias",
+        "mlp.down_proj.bias",
+    ):
         if prefix + name in rank_sds[0]:  # replicated tensors are the same on every rank
             assert all(torch.equal(sd[prefix + name], rank_sds[0][prefix + name]) for sd in rank_sds), name
     attn = sum(
-        attention_partial(sd, layer, x, cos, sin, mask, dims, layout,
-                          qkv=None if qkv_override is None else qkv_override[r])
+        attention_partial(
+            sd, layer, x, cos, sin, mask, dims, layout, qkv=None if qkv_override is None else qkv_override[r]
+        )
         for r, sd in enumerate(rank_sds)
     )
     o_bias = replicated_bias(rank_sds[0], prefix + "self_attn.o_proj.bias", dims.attention_bias)
@@ -265,8 +268,9 @@ def hf_layer_io(model, layer: int, seed: int = 1234):
     cos, sin = model.model.rotary_emb(x, position_ids)
     mask = causal_mask(BATCH, SEQ)
     with torch.no_grad():
-        out = model.model.layers[layer](x, attention_mask=mask, position_ids=position_ids,
-                                        position_embeddings=(cos, sin))
+        out = model.model.layers[layer](
+            x, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin)
+        )
     if isinstance(out, tuple):
         out = out[0]
     return x, cos, sin, mask, out
@@ -358,15 +362,21 @@ def test_layer_forward_matches_hf(case, sharded):
 # o over ranks computes the same thing), but NxD groups replicas by the hardware convention, so the
 # order is checked directly against FORMATS.md, from the HF tensors, without shardkit's functions.
 
-REPLICA_CASES = [
-    ("llama-gqa64", dict(tp=32, pp=4, kv_multiplier=4, kv_replication=rep, qkv="gqa")) for rep in ("interleaved", "blocked")
-] + [
-    ("llama-gqa64", dict(tp=16, pp=2, kv_multiplier=2, kv_replication=rep, qkv="gqa")) for rep in ("interleaved", "blocked")
-] + [
-    ("llama-gqa64", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="interleaved", qkv="gqa")),
-    ("llama-bias", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="blocked", qkv="fused")),
-    ("llama-bias", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="interleaved", qkv="gqa")),
-]
+REPLICA_CASES = (
+    [
+        ("llama-gqa64", dict(tp=32, pp=4, kv_multiplier=4, kv_replication=rep, qkv="gqa"))
+        for rep in ("interleaved", "blocked")
+    ]
+    + [
+        ("llama-gqa64", dict(tp=16, pp=2, kv_multiplier=2, kv_replication=rep, qkv="gqa"))
+        for rep in ("interleaved", "blocked")
+    ]
+    + [
+        ("llama-gqa64", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="interleaved", qkv="gqa")),
+        ("llama-bias", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="blocked", qkv="fused")),
+        ("llama-bias", dict(tp=4, pp=2, kv_multiplier=2, kv_replication="interleaved", qkv="gqa")),
+    ]
+)
 
 
 @pytest.mark.parametrize("case", REPLICA_CASES, ids=case_id)
@@ -380,13 +390,15 @@ def test_kv_replica_order_follows_formats(case, sharded):
     kv, m, t, d = dims.kv_heads, layout.kv_multiplier, layout.tp, dims.head_dim
     # the replicated kv head order: interleaved = `repeat`, blocked = `repeat_interleave`
     order = list(range(kv)) * m if layout.kv_replication == "interleaved" else [h for h in range(kv) for _ in range(m)]
-    replica = [i // kv for i in range(kv * m)] if layout.kv_replication == "interleaved" else [i % m for i in range(kv * m)]
+    replica = (
+        [i // kv for i in range(kv * m)] if layout.kv_replication == "interleaved" else [i % m for i in range(kv * m)]
+    )
     per_rank, group, serve = kv * m // t, dims.heads // kv, dims.heads // (kv * m)
     layer = stage_layers(dims.layers, layout.pp)[-1][-1]
     attn = f"model.layers.{layer}.self_attn."
 
     def rows(tensor, heads):
-        return torch.cat([tensor[h * d:(h + 1) * d] for h in heads], dim=0)
+        return torch.cat([tensor[h * d : (h + 1) * d] for h in heads], dim=0)
 
     for r in range(t):
         sd = load_rank(shard_dir, r, layout.pp - 1)
@@ -452,7 +464,8 @@ def test_negative_swapped_rank_k_pieces(sharded):
         return rank_sds, [tuple(t) for t in qkv]
 
     bad, honest = _mismatch(
-        "llama-gqa64", dict(tp=16, pp=2, kv_multiplier=2, kv_replication="blocked", qkv="gqa"), tamper, sharded)
+        "llama-gqa64", dict(tp=16, pp=2, kv_multiplier=2, kv_replication="blocked", qkv="gqa"), tamper, sharded
+    )
     assert honest <= ATOL_LAYER
     assert bad > 1e-2, f"swapped k pieces still matched HF (max diff {bad:.3g})"
 
@@ -515,8 +528,7 @@ def _dist_worker(rank: int, world: int, init_method: str, jobs: list[dict], resu
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         report = {"rank": rank}
         for job in jobs:
@@ -545,7 +557,8 @@ def _dist_worker(rank: int, world: int, init_method: str, jobs: list[dict], resu
             diff = (x - io["expected"]).abs().max().item()
             report[job["name"]] = diff
             assert torch.allclose(x, io["expected"], atol=ATOL_LAYER, rtol=1e-5), (
-                f"{job['name']} rank {rank}: max |diff| {diff:.3g}")
+                f"{job['name']} rank {rank}: max |diff| {diff:.3g}"
+            )
             # without the sum over ranks one rank's attention is far from the full attention output
             full_attn = io["attn0"]
             if dims.attention_bias:
@@ -603,10 +616,28 @@ def test_layer_forward_torch_distributed_gloo(sharded, tmp_path):
                 if isinstance(expected, tuple):
                     expected = expected[0]
         io_path = tmp_path / f"{name}-io.pt"
-        torch.save({"config": config, "layers": layers, "x": x, "cos": cos, "sin": sin, "mask": mask.contiguous(),
-                    "expected": expected, "attn0": attn0}, io_path)
-        jobs.append({"name": case_id((name, layout_kw)), "io": str(io_path), "shards": str(shard_dir),
-                     "stage": stage, "layout": layout_kw})
+        torch.save(
+            {
+                "config": config,
+                "layers": layers,
+                "x": x,
+                "cos": cos,
+                "sin": sin,
+                "mask": mask.contiguous(),
+                "expected": expected,
+                "attn0": attn0,
+            },
+            io_path,
+        )
+        jobs.append(
+            {
+                "name": case_id((name, layout_kw)),
+                "io": str(io_path),
+                "shards": str(shard_dir),
+                "stage": stage,
+                "layout": layout_kw,
+            }
+        )
     world = DIST_CASES[0][1]["tp"]
     results = tmp_path / "results"
     results.mkdir()

@@ -69,7 +69,12 @@ def test_convert_and_merge_run_without_full_collections_from_opening_the_source_
 
     monkeypatch.setattr(api, "open_source", opening)
     progress: list[int] = []
-    convert(src, tmp_path / "shards", Layout(tp=2, pp=1), progress=lambda done, total: progress.append(gc.get_threshold()[2]))
+    convert(
+        src,
+        tmp_path / "shards",
+        Layout(tp=2, pp=1),
+        progress=lambda done, total: progress.append(gc.get_threshold()[2]),
+    )
     merge(tmp_path / "shards", tmp_path / "merged")
     assert seen == [executor.FULL_COLLECTIONS_OFF] * 2
     assert progress and set(progress) == {executor.FULL_COLLECTIONS_OFF}

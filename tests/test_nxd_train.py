@@ -20,8 +20,11 @@ from shardkit.checkpoint.reshard import reshard_training
 from shardkit.cli import cli
 from shardkit.layout import Layout
 
-CASES = {"tp2_dp2_pp1_torch": (Layout(tp=2, qkv="gqa"), 2), "tp2_dp2_pp1_xser": (Layout(tp=2, qkv="gqa"), 2),
-         "tp2_pp2_dp1_torch": (Layout(tp=2, pp=2, qkv="gqa"), 1)}
+CASES = {
+    "tp2_dp2_pp1_torch": (Layout(tp=2, qkv="gqa"), 2),
+    "tp2_dp2_pp1_xser": (Layout(tp=2, qkv="gqa"), 2),
+    "tp2_pp2_dp1_torch": (Layout(tp=2, pp=2, qkv="gqa"), 1),
+}
 
 
 def nxd() -> Path:
@@ -53,8 +56,9 @@ def writable_copy(src: Path, dst: Path) -> Path:
 def test_reference_reassembles_to_nxds_logical_tensors(case):
     root = nxd()
     want = json.loads((root / f"{case}.load.json").read_text())
-    loaded = load_checkpoint(root / case, "latest_if_exists", target_layout=Layout(qkv="gqa"), rank=(0, 0),
-                             config=root / "config.json")
+    loaded = load_checkpoint(
+        root / case, "latest_if_exists", target_layout=Layout(qkv="gqa"), rank=(0, 0), config=root / "config.json"
+    )
     assert loaded.tag == "step_3" and set(loaded.model) == set(want["params"])
     for name, entry in want["params"].items():
         weight, state = loaded.model[name], loaded.optimizer.state[name]
@@ -74,14 +78,15 @@ def test_every_rank_of_the_source_layout_reads_its_own_shards():
     for tp in range(2):
         for pp in range(2):
             loaded = load_checkpoint(case, "step_3", rank=(tp, pp), config=root / "config.json")
-            on_disk = torch.load(case / f"step_3/model/dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt",
-                                 weights_only=True)
+            on_disk = torch.load(
+                case / f"step_3/model/dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt", weights_only=True
+            )
             assert list(loaded.model) == list(on_disk)
             assert all(torch.equal(loaded.model[n], on_disk[n]) for n in on_disk)
-            optim = torch.load(case / f"step_3/optim/dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt",
-                               weights_only=True)
-            for idx, name in enumerate(n for g in [0, 1] for n in loaded.model
-                                       if loaded.optimizer.groups[n] == g):
+            optim = torch.load(
+                case / f"step_3/optim/dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt", weights_only=True
+            )
+            for idx, name in enumerate(n for g in [0, 1] for n in loaded.model if loaded.optimizer.groups[n] == g):
                 assert torch.equal(loaded.optimizer.state[name]["exp_avg"], optim["base_state"][idx]["exp_avg"])
 
 
@@ -89,7 +94,9 @@ def test_every_rank_of_the_source_layout_reads_its_own_shards():
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("mid", [(Layout(qkv="gqa"), 1), (Layout(tp=2, pp=2, qkv="gqa"), 2)], ids=["tp1pp1dp1", "tp2pp2dp2"])
+@pytest.mark.parametrize(
+    "mid", [(Layout(qkv="gqa"), 1), (Layout(tp=2, pp=2, qkv="gqa"), 2)], ids=["tp1pp1dp1", "tp2pp2dp2"]
+)
 def test_reshard_round_trip_is_byte_equal(case, mid, tmp_path):
     root = nxd()
     layout, dp = CASES[case]
@@ -146,18 +153,30 @@ def test_tp4_kv_multiplier_2_round_trip(tmp_path):
 
     family, dims = family_for(cfg), ModelDims.from_config(cfg)
     gen = torch.Generator().manual_seed(0)
-    full = {m: {n: torch.randn(s, generator=gen).abs() for n, s in family.full_shapes(dims).items()}
-            for m in ("weight", "exp_avg", "exp_avg_sq")}
+    full = {
+        m: {n: torch.randn(s, generator=gen).abs() for n, s in family.full_shapes(dims).items()}
+        for m in ("weight", "exp_avg", "exp_avg_sq")
+    }
     full["weight"] = {n: t.to(torch.bfloat16) for n, t in full["weight"].items()}
     tp2 = Layout(tp=2, qkv="gqa")
     ranks = [Rank(tp=t) for t in range(2)]
-    groups = [{"lr": 0.001, "betas": [0.9, 0.95], "weight_decay": 0.01}, {"lr": 0.001, "betas": [0.9, 0.95], "weight_decay": 0.0}]
+    groups = [
+        {"lr": 0.001, "betas": [0.9, 0.95], "weight_decay": 0.01},
+        {"lr": 0.001, "betas": [0.9, 0.95], "weight_decay": 0.0},
+    ]
 
     def grouped(r):
         state = ckpt_child.rank_optimizer(cfg, tp2, r, full, 7)
         return OptimizerState(state, groups, {n: int("norm" in n) for n in state})
-    save_checkpoint(tmp_path / "ref1", "step_7", {(r.tp, r.pp): ckpt_child.rank_pieces(cfg, tp2, r, full["weight"]) for r in ranks},
-                    {(r.tp, r.pp): grouped(r) for r in ranks}, layout=tp2, config=cfg)
+
+    save_checkpoint(
+        tmp_path / "ref1",
+        "step_7",
+        {(r.tp, r.pp): ckpt_child.rank_pieces(cfg, tp2, r, full["weight"]) for r in ranks},
+        {(r.tp, r.pp): grouped(r) for r in ranks},
+        layout=tp2,
+        config=cfg,
+    )
     finalize_checkpoint()
     reshard_training(tmp_path / "ref1", tmp_path / "ref", tp2, dp=2, zero1=True)  # ref1 was saved without ZeRO-1
     reshard_training(tmp_path / "ref", tmp_path / "kv", Layout(tp=4, kv_multiplier=2, qkv="gqa"), dp=1)
@@ -207,7 +226,13 @@ def test_cli_reshard_and_inspect(tmp_path):
     result = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path / "out"), "--json"])
     info = json.loads(result.output)
     # --tp 1 alone: dp (2, ZeRO-1) and pp are the source's, as in a resume of the trainer
-    assert (info["layout"]["tp"], info["dp"], info["format"], info["step"], info["master_weights"]) == (1, 2, "xser", 3.0, False)
+    assert (info["layout"]["tp"], info["dp"], info["format"], info["step"], info["master_weights"]) == (
+        1,
+        2,
+        "xser",
+        3.0,
+        False,
+    )
     assert [len(g["parameters_on_tp0_pp0"]) for g in info["param_groups"]] == [14, 5]
 
 
@@ -218,8 +243,9 @@ def test_cli_reshard_qkv_style_is_the_sources_unless_asked(tmp_path):
     src, cfg = root / "tp2_pp2_dp1_torch", str(root / "config.json")
     runs = {"kept": [], "fused": ["--qkv", "fused"], "nxd-flag": ["--qkv-linear", "--fuse-qkv"]}
     for name, extra in runs.items():
-        result = CliRunner().invoke(cli, ["ckpt", "reshard", str(src), str(tmp_path / name), "--config", cfg,
-                                          "--tp", "2", *extra])
+        result = CliRunner().invoke(
+            cli, ["ckpt", "reshard", str(src), str(tmp_path / name), "--config", cfg, "--tp", "2", *extra]
+        )
         assert result.exit_code == 0, result.output
         assert ("kept the source's qkv style" in result.stderr) == (name == "kept")
         keys = torch.load(tmp_path / name / "step_3/model/dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
@@ -238,8 +264,16 @@ def test_generic_save_load_without_layout(tmp_path):
     opt.step()
     sched = {"last_epoch": 1}
     for step in (1, 2, 3, 4):
-        save_checkpoint(tmp_path, f"step_{step}", net.state_dict(), opt.state_dict(), sched, {"total_steps": step},
-                        async_save=True, num_kept=3)
+        save_checkpoint(
+            tmp_path,
+            f"step_{step}",
+            net.state_dict(),
+            opt.state_dict(),
+            sched,
+            {"total_steps": step},
+            async_save=True,
+            num_kept=3,
+        )
     finalize_checkpoint()
     loaded = load_checkpoint(tmp_path, "latest_if_exists")
     assert loaded.tag == "step_4" and loaded.user_content == {"total_steps": 4} and loaded.scheduler == sched
@@ -264,12 +298,43 @@ def test_ckpt_reshard_under_torchrun_equals_one_process(tmp_path):
 
     root = nxd()
     src = root / "tp2_pp2_dp1_torch"
-    args = ["ckpt", "reshard", str(src), str(tmp_path / "dist"), "--config", str(root / "config.json"), "--tp", "2",
-            "--pp", "1", "--dp", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "shardkit", "-v", *args], capture_output=True, text=True, timeout=240, env=env)
+    args = [
+        "ckpt",
+        "reshard",
+        str(src),
+        str(tmp_path / "dist"),
+        "--config",
+        str(root / "config.json"),
+        "--tp",
+        "2",
+        "--pp",
+        "1",
+        "--dp",
+        "2",
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "shardkit",
+            "-v",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "joined a job of 2 processes" in done.stderr
     reshard_training(src, tmp_path / "single", Layout(tp=2, qkv="gqa"), dp=2, config=root / "config.json")

@@ -88,7 +88,9 @@ def test_optimum_consolidates_shardkits_checkpoint_to_the_original(case, tiny_mo
     assert set(mine) == set(want)
     for name in want:
         same_tensors(mine[name], want[name])
-    assert (ours / "shards/done").is_file() and json.loads((ours / "trn_config.json").read_text())["tensor_parallel_size"]
+    assert (ours / "shards/done").is_file() and json.loads((ours / "trn_config.json").read_text())[
+        "tensor_parallel_size"
+    ]
 
 
 @pytest.mark.parametrize("case", ["tp4pp2-gqa", "tp4-fused-kv4", "tp2-coalesced"])
@@ -119,13 +121,37 @@ def test_reshard_optimums_checkpoint_to_another_layout_and_back(tiny_model, tmp_
     hf = tiny_model("llama-3.1-tiny", torch.bfloat16)
     theirs = optimum_saved(hf, tmp_path / "theirs", "tp4pp2-gqa")
     there = tmp_path / "tp2pp3"
-    invoke("reshard", theirs, there, "--format", "optimum-neuron", "--tp", "2", "--pp", "3", "--qkv", "separate",
-           "--kv-multiplier", "1")
+    invoke(
+        "reshard",
+        theirs,
+        there,
+        "--format",
+        "optimum-neuron",
+        "--tp",
+        "2",
+        "--pp",
+        "3",
+        "--qkv",
+        "separate",
+        "--kv-multiplier",
+        "1",
+    )
     ref("consolidate", there, tmp_path / "consolidated")
     same_tensors(load_file(str(tmp_path / "consolidated/model.safetensors")), load_file(str(hf / "model.safetensors")))
     invoke("reshard", there, tmp_path / "nxd", "--format", "torch", "--tp", "4", "--qkv", "gqa", "--kv-multiplier", "2")
-    invoke("reshard", tmp_path / "nxd", tmp_path / "back", "--format", "optimum-neuron", "--tp", "4", "--pp", "2",
-           "--kv-multiplier", "2")
+    invoke(
+        "reshard",
+        tmp_path / "nxd",
+        tmp_path / "back",
+        "--format",
+        "optimum-neuron",
+        "--tp",
+        "4",
+        "--pp",
+        "2",
+        "--kv-multiplier",
+        "2",
+    )
     mine, want = rank_files(tmp_path / "back"), rank_files(theirs)
     assert set(mine) == set(want)
     for name in want:
@@ -144,12 +170,33 @@ def test_layouts_optimum_does_not_build_are_refused(tiny_model, tmp_path):
     build is one line naming the flags to use; so are other families and ep."""
     hf = tiny_model("llama-3.1-tiny")
     out = tmp_path / "out"
-    _one_line_refusal(["convert", hf, out, "--format", "optimum-neuron", "--tp", "4", "--qkv", "separate",
-                       "--kv-multiplier", "2"], out, "--qkv gqa")
-    _one_line_refusal(["convert", hf, out, "--format", "optimum-neuron", "--tp", "2", "--qkv", "gqa"], out,
-                      "--qkv separate")
-    _one_line_refusal(["convert", hf, out, "--format", "optimum-neuron", "--tp", "4", "--qkv", "gqa",
-                       "--kv-multiplier", "2", "--kv-replication", "blocked"], out, "interleaved")
+    _one_line_refusal(
+        ["convert", hf, out, "--format", "optimum-neuron", "--tp", "4", "--qkv", "separate", "--kv-multiplier", "2"],
+        out,
+        "--qkv gqa",
+    )
+    _one_line_refusal(
+        ["convert", hf, out, "--format", "optimum-neuron", "--tp", "2", "--qkv", "gqa"], out, "--qkv separate"
+    )
+    _one_line_refusal(
+        [
+            "convert",
+            hf,
+            out,
+            "--format",
+            "optimum-neuron",
+            "--tp",
+            "4",
+            "--qkv",
+            "gqa",
+            "--kv-multiplier",
+            "2",
+            "--kv-replication",
+            "blocked",
+        ],
+        out,
+        "interleaved",
+    )
     _one_line_refusal(["convert", tiny_model("qwen2-tiny"), out, "--format", "optimum-neuron"], out, "Llama")
 
 
@@ -159,8 +206,21 @@ def test_a_checkpoint_unlike_optimums_is_refused(damage, tiny_model, tmp_path):
     or a missing rank file: one line, exit 2, nothing written."""
     hf = tiny_model("llama-3.1-tiny")
     src = tmp_path / "src"
-    invoke("convert", hf, src, "--format", "optimum-neuron", "--tp", "4", "--pp", "2", "--qkv", "gqa",
-           "--kv-multiplier", "2")
+    invoke(
+        "convert",
+        hf,
+        src,
+        "--format",
+        "optimum-neuron",
+        "--tp",
+        "4",
+        "--pp",
+        "2",
+        "--qkv",
+        "gqa",
+        "--kv-multiplier",
+        "2",
+    )
     if damage == "metadata":
         path = src / "shards/mp_metadata_pp_rank_1.json"
         meta = json.loads(path.read_text())

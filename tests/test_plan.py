@@ -59,13 +59,23 @@ def assert_clean_failure(result, *phrases: str) -> None:
 # ---- the fixtures are the real Llama-2 configs ------------------------------------------------
 
 
-@pytest.mark.parametrize("path, dims", [
-    (L7B, (4096, 11008, 32, 32, 32)), (L13B, (5120, 13824, 40, 40, 40)), (L70B, (8192, 28672, 80, 64, 8)),
-])
+@pytest.mark.parametrize(
+    "path, dims",
+    [
+        (L7B, (4096, 11008, 32, 32, 32)),
+        (L13B, (5120, 13824, 40, 40, 40)),
+        (L70B, (8192, 28672, 80, 64, 8)),
+    ],
+)
 def test_fixture_configs(path, dims):
     c = json.loads(Path(path).read_text())
-    assert (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"],
-            c["num_key_value_heads"]) == dims
+    assert (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_hidden_layers"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+    ) == dims
     assert c["vocab_size"] == 32000 and c["rms_norm_eps"] == 1e-5 and c["model_type"] == "llama"
     assert c["tie_word_embeddings"] is False
 
@@ -77,8 +87,8 @@ V = 32000
 
 def test_7b_whole_model():
     H, I, L = 4096, 11008, 32
-    layer = 4 * H * H + 3 * H * I + 2 * H          # q k v o (32 kv heads = MHA), gate up down, two norms
-    total = V * H + L * layer + H + V * H          # embed, layers, final norm, lm_head
+    layer = 4 * H * H + 3 * H * I + 2 * H  # q k v o (32 kv heads = MHA), gate up down, two norms
+    total = V * H + L * layer + H + V * H  # embed, layers, final norm, lm_head
     assert total == 6_738_415_616
     r = plan_memory(L7B, Layout())
     assert r.parameters == r.held_parameters == total
@@ -90,8 +100,8 @@ def test_7b_whole_model():
 
 def test_7b_tp8():
     H, I, L, tp = 4096, 11008, 32, 8
-    per_layer = 4 * H * H // tp + 3 * H * I // tp + 2 * H     # norms replicated on every tp rank
-    per_rank = V * H // tp + L * per_layer + H + V * H // tp   # embed and lm_head vocab-parallel
+    per_layer = 4 * H * H // tp + 3 * H * I // tp + 2 * H  # norms replicated on every tp rank
+    per_rank = V * H // tp + L * per_layer + H + V * H // tp  # embed and lm_head vocab-parallel
     assert per_rank == 842_534_912
     r = plan_memory(L7B, Layout(tp=8))
     assert [s.params for s in r.stages] == [per_rank]
@@ -176,7 +186,8 @@ def test_70b_tp8_no_replication():
     per_layer = (8 * 128 * H) + 2 * (128 * H) + (H * 8 * 128) + 3 * H * I // tp + 2 * H  # one kv head per rank
     r = plan_memory(L70B, Layout(tp=8, pp=8))
     assert [s.params for s in r.stages] == [V * H // tp + 10 * per_layer] + [10 * per_layer] * 6 + [
-        10 * per_layer + H + V * H // tp]
+        10 * per_layer + H + V * H // tp
+    ]
     assert r.held_parameters == r.parameters + (tp - 1) * (2 * L + 1) * H
 
 
@@ -196,12 +207,19 @@ def test_tied_embedding_counts_once_on_one_stage():
 # ---- the fast path used by --suggest is the same algebra ----------------------------------------
 
 
-@pytest.mark.parametrize("config, layout", [
-    (L7B, Layout(tp=4, pp=3)), (L7B, Layout(tp=1, pp=1)), (L13B, Layout(tp=2, pp=7)),
-    (L70B, Layout(tp=16, pp=6, kv_multiplier=2)), (L70B, Layout(tp=64, pp=80, kv_multiplier=8)),
-    (FIXTURES / "llama-kv8-tied.json", Layout(tp=2, pp=1)), (FIXTURES / "llama-kv8-tied.json", Layout(tp=4, pp=3)),
-    (FIXTURES / "llama-bias.json", Layout(tp=4, pp=2, kv_multiplier=2)),
-])
+@pytest.mark.parametrize(
+    "config, layout",
+    [
+        (L7B, Layout(tp=4, pp=3)),
+        (L7B, Layout(tp=1, pp=1)),
+        (L13B, Layout(tp=2, pp=7)),
+        (L70B, Layout(tp=16, pp=6, kv_multiplier=2)),
+        (L70B, Layout(tp=64, pp=80, kv_multiplier=8)),
+        (FIXTURES / "llama-kv8-tied.json", Layout(tp=2, pp=1)),
+        (FIXTURES / "llama-kv8-tied.json", Layout(tp=4, pp=3)),
+        (FIXTURES / "llama-bias.json", Layout(tp=4, pp=2, kv_multiplier=2)),
+    ],
+)
 def test_suggestions_match_direct_plans(config, layout):
     direct = plan_memory(config, layout, device_memory="1TiB")
     (found,) = suggest_layouts(config, "1TiB", tp=layout.tp, pp=layout.pp, kv_multiplier=layout.kv_multiplier).layouts
@@ -218,10 +236,20 @@ def test_fit_boundary_is_exact():
     assert plan_memory(L7B, Layout(tp=8), device_memory=peak, reserve="0%").fits is True
 
 
-@pytest.mark.parametrize("text, nbytes", [
-    ("16GiB", 16 * GiB), ("16GB", 16 * 10**9), ("32G", 32 * GiB), ("16 gib", 16 * GiB), ("1.5TiB", 3 * 2**39),
-    ("512MiB", 2**29), ("96g", 96 * GiB), ("1024", 1024), (4096, 4096),
-])
+@pytest.mark.parametrize(
+    "text, nbytes",
+    [
+        ("16GiB", 16 * GiB),
+        ("16GB", 16 * 10**9),
+        ("32G", 32 * GiB),
+        ("16 gib", 16 * GiB),
+        ("1.5TiB", 3 * 2**39),
+        ("512MiB", 2**29),
+        ("96g", 96 * GiB),
+        ("1024", 1024),
+        (4096, 4096),
+    ],
+)
 def test_parse_size(text, nbytes):
     assert parse_size(text) == nbytes
 
@@ -244,8 +272,11 @@ def test_parse_reserve():
 
 
 def _smallest_multiplier(dims: ModelDims, tp: int) -> int:
-    return next(m for m in range(1, dims.num_heads // dims.num_kv_heads + 1)
-                if (dims.num_kv_heads * m) % tp == 0 and dims.num_heads % (dims.num_kv_heads * m) == 0)
+    return next(
+        m
+        for m in range(1, dims.num_heads // dims.num_kv_heads + 1)
+        if (dims.num_kv_heads * m) % tp == 0 and dims.num_heads % (dims.num_kv_heads * m) == 0
+    )
 
 
 def test_suggest_70b_world_128_zero1():
@@ -307,7 +338,9 @@ def test_impossible_layout_raises_with_reason():
 
 
 def test_cli_plan_70b_text():
-    result = run("plan", "--config", L70B, "--tp", "32", "--pp", "4", "--kv-multiplier", "4", "--device-memory", "16GiB")
+    result = run(
+        "plan", "--config", L70B, "--tp", "32", "--pp", "4", "--kv-multiplier", "4", "--device-memory", "16GiB"
+    )
     assert result.exit_code == 0, result.stderr
     out = result.output
     assert "tp 32, pp 4, kv-multiplier 4" in out and "574,758,912" in out
@@ -318,18 +351,50 @@ def test_cli_plan_70b_text():
 def test_cli_plan_does_not_fit_exits_1():
     result = run("plan", "--config", L70B, "--tp", "32", "--pp", "4", "--kv-multiplier", "4", "--device-memory", "8GiB")
     assert result.exit_code == 1 and "does NOT fit" in result.output
-    result = run("plan", "--config", L70B, "--tp", "32", "--pp", "4", "--kv-multiplier", "4", "--device-memory", "8GiB",
-                 "--zero1", "--dp", "4")
+    result = run(
+        "plan",
+        "--config",
+        L70B,
+        "--tp",
+        "32",
+        "--pp",
+        "4",
+        "--kv-multiplier",
+        "4",
+        "--device-memory",
+        "8GiB",
+        "--zero1",
+        "--dp",
+        "4",
+    )
     assert result.exit_code == 0 and "fits" in result.output
 
 
 def test_cli_plan_json_matches_library():
-    result = run("plan", "--config", L13B, "--tp-size", "8", "--pp-size", "2", "--dtype", "fp32", "--world-size", "64",
-                 "--zero1", "--device-memory", "32G", "--reserve", "2GiB", "--json")
+    result = run(
+        "plan",
+        "--config",
+        L13B,
+        "--tp-size",
+        "8",
+        "--pp-size",
+        "2",
+        "--dtype",
+        "fp32",
+        "--world-size",
+        "64",
+        "--zero1",
+        "--device-memory",
+        "32G",
+        "--reserve",
+        "2GiB",
+        "--json",
+    )
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.output)
-    expected = plan_memory(L13B, Layout(tp=8, pp=2), dtype="fp32", zero1=True, dp=4, device_memory=32 * GiB,
-                           reserve=2 * GiB).to_dict()
+    expected = plan_memory(
+        L13B, Layout(tp=8, pp=2), dtype="fp32", zero1=True, dp=4, device_memory=32 * GiB, reserve=2 * GiB
+    ).to_dict()
     assert data == expected
     assert data["dp"] == 4 and data["usable_bytes"] == 30 * GiB and data["activations_estimated"] is False
 
@@ -355,21 +420,32 @@ def test_cli_suggest_nothing_fits_exits_1():
     assert result.exit_code == 1 and "no valid layout fits" in result.output and "tp 64, pp 80" in result.output
 
 
-@pytest.mark.parametrize("config, flags, phrase", [
-    (L70B, ["--tp", "32", "--pp", "4"], "8 kv heads x kv-multiplier 1 = 8 is not a multiple of tp 32: use --kv-multiplier 4"),
-    (L70B, ["--tp", "48"], "64 q heads are not divisible by tp 48"),
-    (L70B, ["--tp", "8", "--kv-multiplier", "16"], "kv-multiplier 16 is too large"),
-    (L70B, ["--pp", "81"], "80 layers cannot fill 81 pipeline stages"),
-    (L13B, ["--tp", "5"], "intermediate size 13824 is not divisible by tp 5"),
-    (L13B, ["--tp", "5", "--suggest", "--device-memory", "16GiB"], "intermediate size 13824 is not divisible by tp 5"),
-    (L70B, ["--suggest", "--pp", "81", "--device-memory", "16GiB"], "80 layers cannot fill 81"),
-    (L7B, ["--device-memory", "lots"], "device memory 'lots' is not understood"),
-    (L7B, ["--device-memory", "16GiB", "--reserve", "20GiB"], "give a smaller --reserve"),
-    (L7B, ["--zero1"], "give --dp"),
-    (L7B, ["--tp", "8", "--world-size", "12"], "cannot make --world-size 12"),
-    (L7B, ["--max-pp", "4"], "--max-pp only applies with --suggest"),
-    (L7B, ["--suggest"], "--suggest needs --device-memory"),
-])
+@pytest.mark.parametrize(
+    "config, flags, phrase",
+    [
+        (
+            L70B,
+            ["--tp", "32", "--pp", "4"],
+            "8 kv heads x kv-multiplier 1 = 8 is not a multiple of tp 32: use --kv-multiplier 4",
+        ),
+        (L70B, ["--tp", "48"], "64 q heads are not divisible by tp 48"),
+        (L70B, ["--tp", "8", "--kv-multiplier", "16"], "kv-multiplier 16 is too large"),
+        (L70B, ["--pp", "81"], "80 layers cannot fill 81 pipeline stages"),
+        (L13B, ["--tp", "5"], "intermediate size 13824 is not divisible by tp 5"),
+        (
+            L13B,
+            ["--tp", "5", "--suggest", "--device-memory", "16GiB"],
+            "intermediate size 13824 is not divisible by tp 5",
+        ),
+        (L70B, ["--suggest", "--pp", "81", "--device-memory", "16GiB"], "80 layers cannot fill 81"),
+        (L7B, ["--device-memory", "lots"], "device memory 'lots' is not understood"),
+        (L7B, ["--device-memory", "16GiB", "--reserve", "20GiB"], "give a smaller --reserve"),
+        (L7B, ["--zero1"], "give --dp"),
+        (L7B, ["--tp", "8", "--world-size", "12"], "cannot make --world-size 12"),
+        (L7B, ["--max-pp", "4"], "--max-pp only applies with --suggest"),
+        (L7B, ["--suggest"], "--suggest needs --device-memory"),
+    ],
+)
 def test_cli_impossible_says_why(config, flags, phrase):
     assert_clean_failure(run("plan", "--config", config, *flags), phrase)
 
@@ -405,8 +481,9 @@ def test_layout_vpp_round_trips_and_plain_manifests_are_unchanged():
 PLACEMENTS = (Replicated, Split, Fused, HeadGroups, Experts, FlatExperts)
 
 
-def exact_report(config, layout: Layout, *, dtype="bf16", zero1=False, dp=1, device_memory=None,
-                 reserve=DEFAULT_RESERVE, family=None) -> PlanReport:
+def exact_report(
+    config, layout: Layout, *, dtype="bf16", zero1=False, dp=1, device_memory=None, reserve=DEFAULT_RESERVE, family=None
+) -> PlanReport:
     """The plan of `layout` priced piece by piece (every rank, every stage, every layer)."""
     data = config if isinstance(config, dict) else json.loads(Path(config).read_text())
     family, dims = family or family_for(data), ModelDims.from_config(data)
@@ -417,12 +494,31 @@ def exact_report(config, layout: Layout, *, dtype="bf16", zero1=False, dp=1, dev
         per_rank = [rank_params(family.rank_pieces(layout, dims, r, s, shapes)) for r in range(layout.tp)]
         held += sum(per_rank)
         n = max(per_rank)
-        stages.append(StagePlan(s, (layers[0], layers[-1]), n, per_rank.index(n), n * weight, n * weight,
-                                (math.ceil(n / dp) if zero1 else n) * optim))
+        stages.append(
+            StagePlan(
+                s,
+                (layers[0], layers[-1]),
+                n,
+                per_rank.index(n),
+                n * weight,
+                n * weight,
+                (math.ceil(n / dp) if zero1 else n) * optim,
+            )
+        )
     memory = None if device_memory is None else parse_size(device_memory)
-    return PlanReport(family.name, dims.model_type, sum(math.prod(v) for v in shapes.values()), held, layout,
-                      dtype, zero1, dp, tuple(stages), memory,
-                      None if memory is None else parse_reserve(reserve, memory))
+    return PlanReport(
+        family.name,
+        dims.model_type,
+        sum(math.prod(v) for v in shapes.values()),
+        held,
+        layout,
+        dtype,
+        zero1,
+        dp,
+        tuple(stages),
+        memory,
+        None if memory is None else parse_reserve(reserve, memory),
+    )
 
 
 def assert_same_plan(report: PlanReport, exact: PlanReport) -> None:
@@ -466,18 +562,35 @@ def fixture_layouts(path: Path) -> list[Layout]:
 
 
 LAYOUTS_OF_THE_TESTS = [  # the layouts tests/ price by hand (this file, test_families, test_inference)
-    ("llama-2-7b", Layout()), ("llama-2-7b", Layout(tp=8)), ("llama-2-7b", Layout(tp=4, pp=3)),
-    ("llama-2-13b", Layout(tp=8, pp=2)), ("llama-2-13b", Layout(tp=4, pp=4)), ("llama-2-13b", Layout(tp=2, pp=7)),
-    ("llama-2-70b", Layout(tp=32, pp=4, kv_multiplier=4)), ("llama-2-70b", Layout(tp=8, pp=8)),
-    ("llama-2-70b", Layout(tp=16, pp=6, kv_multiplier=2)), ("llama-2-70b", Layout(tp=64, pp=80, kv_multiplier=8)),
-    ("llama-2-70b", Layout(pp=64)), ("llama-kv8-tied", Layout(tp=2)), ("llama-kv8-tied", Layout(tp=2, pp=2)),
-    ("llama-kv8-tied", Layout(tp=4, pp=3)), ("llama-bias", Layout(tp=4, pp=2, kv_multiplier=2)),
-    ("llama-3.1-8b", Layout(tp=8, pp=2)), ("llama-3.2-3b", Layout(tp=4)), ("qwen3-8b", Layout(tp=8, pp=2)),
-    ("qwen3-8b", Layout(tp=16, kv_multiplier=2)), ("qwen3-30b-a3b", Layout(tp=4, pp=4)),
-    ("phi-3-mini-4k", Layout(tp=4)), ("gemma-2-9b", Layout(tp=8, pp=2)), ("gemma-2-9b", Layout(tp=8)),
-    ("gemma-3-1b", Layout(tp=4, kv_multiplier=4)), ("pythia-6.9b", Layout(tp=8, pp=2)),
-    ("bert-large-uncased", Layout(tp=2)), ("bert-large-uncased", Layout(tp=2, pp=2)),
-    ("bert-large-uncased", Layout(tp=8)), ("dbrx-base", Layout(tp=8, pp=4)),
+    ("llama-2-7b", Layout()),
+    ("llama-2-7b", Layout(tp=8)),
+    ("llama-2-7b", Layout(tp=4, pp=3)),
+    ("llama-2-13b", Layout(tp=8, pp=2)),
+    ("llama-2-13b", Layout(tp=4, pp=4)),
+    ("llama-2-13b", Layout(tp=2, pp=7)),
+    ("llama-2-70b", Layout(tp=32, pp=4, kv_multiplier=4)),
+    ("llama-2-70b", Layout(tp=8, pp=8)),
+    ("llama-2-70b", Layout(tp=16, pp=6, kv_multiplier=2)),
+    ("llama-2-70b", Layout(tp=64, pp=80, kv_multiplier=8)),
+    ("llama-2-70b", Layout(pp=64)),
+    ("llama-kv8-tied", Layout(tp=2)),
+    ("llama-kv8-tied", Layout(tp=2, pp=2)),
+    ("llama-kv8-tied", Layout(tp=4, pp=3)),
+    ("llama-bias", Layout(tp=4, pp=2, kv_multiplier=2)),
+    ("llama-3.1-8b", Layout(tp=8, pp=2)),
+    ("llama-3.2-3b", Layout(tp=4)),
+    ("qwen3-8b", Layout(tp=8, pp=2)),
+    ("qwen3-8b", Layout(tp=16, kv_multiplier=2)),
+    ("qwen3-30b-a3b", Layout(tp=4, pp=4)),
+    ("phi-3-mini-4k", Layout(tp=4)),
+    ("gemma-2-9b", Layout(tp=8, pp=2)),
+    ("gemma-2-9b", Layout(tp=8)),
+    ("gemma-3-1b", Layout(tp=4, kv_multiplier=4)),
+    ("pythia-6.9b", Layout(tp=8, pp=2)),
+    ("bert-large-uncased", Layout(tp=2)),
+    ("bert-large-uncased", Layout(tp=2, pp=2)),
+    ("bert-large-uncased", Layout(tp=8)),
+    ("dbrx-base", Layout(tp=8, pp=4)),
 ]
 
 
@@ -518,14 +631,16 @@ class Lopsided:
         return [make_piece(prefix + self.name, [Segment(prefix + self.name, 0, 0, rows)], full_shapes)]
 
 
-@pytest.mark.parametrize("layout", [Layout(tp=4), Layout(tp=4, pp=2), Layout(tp=8, pp=3), Layout(tp=2, pp=2, vpp=2)],
-                         ids=Layout.describe)
+@pytest.mark.parametrize(
+    "layout", [Layout(tp=4), Layout(tp=4, pp=2), Layout(tp=8, pp=3), Layout(tp=2, pp=2, vpp=2)], ids=Layout.describe
+)
 def test_block_pricing_prices_every_rank_when_ranks_differ(monkeypatch, layout):
     """A family with a placement plan does not know to cut equal shares is priced rank by rank
     (the first block's largest rank is rank 0, a layer's the last one)."""
     llama = family_for({"model_type": "llama"})
-    family = dataclasses.replace(llama, first=llama.first + (Lopsided("model.lopsided.weight", reverse=True),),
-                                 layer=llama.layer + (Lopsided(),))
+    family = dataclasses.replace(
+        llama, first=llama.first + (Lopsided("model.lopsided.weight", reverse=True),), layer=llama.layer + (Lopsided(),)
+    )
     monkeypatch.setattr(memory, "family_for", lambda config: family)
     monkeypatch.setattr(memory, "_PRICINGS", {})
     path = FIXTURES / "llama-kv8-tied.json"  # 4 layers, lm_head tied to the embedding
@@ -550,10 +665,15 @@ def valid(family, dims, layout: Layout) -> bool:
         return False
 
 
-@pytest.mark.parametrize("layers, device_memory, options", [
-    (7, "16GiB", {}), (12, "30GiB", {"all_kv_multipliers": True}), (7, "16GiB", {"world_size": 56, "zero1": True}),
-    (12, "100MiB", {"tp": 64}),
-])
+@pytest.mark.parametrize(
+    "layers, device_memory, options",
+    [
+        (7, "16GiB", {}),
+        (12, "30GiB", {"all_kv_multipliers": True}),
+        (7, "16GiB", {"world_size": 56, "zero1": True}),
+        (12, "100MiB", {"tp": 64}),
+    ],
+)
 def test_suggestions_equal_pricing_every_piece_at_a_modest_layer_count(tmp_path, layers, device_memory, options):
     """Every valid layout is priced piece by piece: those that fit are exactly the suggestions,
     with the same bytes; when none fits, the closest is the same."""
@@ -569,8 +689,13 @@ def test_suggestions_equal_pricing_every_piece_at_a_modest_layer_count(tmp_path,
                 if "world_size" in options and options["world_size"] % (tp * pp):
                     continue
                 dp = options["world_size"] // (tp * pp) if "world_size" in options else 1
-                exact = exact_report(path, Layout(tp=tp, pp=pp, kv_multiplier=m), zero1=options.get("zero1", False),
-                                     dp=dp, device_memory=device_memory)
+                exact = exact_report(
+                    path,
+                    Layout(tp=tp, pp=pp, kv_multiplier=m),
+                    zero1=options.get("zero1", False),
+                    dp=dp,
+                    device_memory=device_memory,
+                )
                 considered += 1
                 if exact.fits:
                     expected.append(exact)
@@ -578,7 +703,8 @@ def test_suggestions_equal_pricing_every_piece_at_a_modest_layer_count(tmp_path,
                     closest = exact
     assert found.considered == considered
     assert [r.to_dict() for r in found.layouts] == [
-        r.to_dict() for r in sorted(expected, key=lambda r: (r.layout.tp, r.layout.pp, r.layout.kv_multiplier))]
+        r.to_dict() for r in sorted(expected, key=lambda r: (r.layout.tp, r.layout.pp, r.layout.kv_multiplier))
+    ]
     assert (found.closest.to_dict() if found.closest else None) == (None if expected else closest.to_dict())
 
 
@@ -590,11 +716,13 @@ def pieces_cut(monkeypatch):
     memory._PRICINGS.clear()  # each run prices afresh: what it costs without an earlier run's work
     memory._stand_in.cache_clear()
     for cls in PLACEMENTS:
+
         def counted(self, *args, _real=cls.pieces, **kwargs):
             out = _real(self, *args, **kwargs)
             count["pieces"] += len(out)
             assert count["pieces"] <= count["limit"], f"more than {count['limit']} pieces cut"
             return out
+
         monkeypatch.setattr(cls, "pieces", counted)
     return count
 
@@ -646,22 +774,32 @@ def test_suggest_at_4096_layers_answers_as_pricing_every_piece(tmp_path, pieces_
 
 def test_plan_4096_layers_prints_every_stage(tmp_path, pieces_cut):
     pieces_cut["limit"] = 2000
-    result = run("plan", "--config", with_layers(tmp_path, 4096), "--tp", "8", "--pp", "4096", "--device-memory",
-                 "16GiB")
+    result = run(
+        "plan", "--config", with_layers(tmp_path, 4096), "--tp", "8", "--pp", "4096", "--device-memory", "16GiB"
+    )
     assert result.exit_code == 0, result.stderr
     rows = [line.split() for line in result.output.splitlines() if line.startswith("  ") and line.split()[0].isdigit()]
     assert len(rows) == 4096 and rows[-1][:2] == ["4095", "4095-4095"]
 
 
-WIDE = {"num_attention_heads": 15120, "num_key_value_heads": 15120, "hidden_size": 15120 * 8,
-        "intermediate_size": 15120 * 277, "vocab_size": 15120 * 1000, "num_hidden_layers": 4096}
+WIDE = {
+    "num_attention_heads": 15120,
+    "num_key_value_heads": 15120,
+    "hidden_size": 15120 * 8,
+    "intermediate_size": 15120 * 277,
+    "vocab_size": 15120 * 1000,
+    "num_hidden_layers": 4096,
+}
 
 
-@pytest.mark.parametrize("changes, flags", [
-    ({}, []),  # 80 tps x 4096 pp
-    ({"num_key_value_heads": 1}, ["--all-kv-multipliers", "--max-pp", "30"]),  # 1350 (tp, kv-multiplier) pairs
-    ({"num_hidden_layers": 63, "model_type": "mixtral", "num_local_experts": 4096}, []),  # 4096 experts, 80 tps
-])
+@pytest.mark.parametrize(
+    "changes, flags",
+    [
+        ({}, []),  # 80 tps x 4096 pp
+        ({"num_key_value_heads": 1}, ["--all-kv-multipliers", "--max-pp", "30"]),  # 1350 (tp, kv-multiplier) pairs
+        ({"num_hidden_layers": 63, "model_type": "mixtral", "num_local_experts": 4096}, []),  # 4096 experts, 80 tps
+    ],
+)
 def test_plan_refuses_a_search_too_large_at_once(tmp_path, pieces_cut, changes, flags):
     """Configs at the limits ModelDims accepts: a search that would take minutes is one line and
     exit 2, before anything is priced; one tp of it answers."""
@@ -669,8 +807,11 @@ def test_plan_refuses_a_search_too_large_at_once(tmp_path, pieces_cut, changes, 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     pieces_cut["limit"] = 0
-    assert_clean_failure(run("plan", "--config", path, "--suggest", "--device-memory", "16GiB", *flags),
-                         "the work plan allows", "narrow the search with --tp")
+    assert_clean_failure(
+        run("plan", "--config", path, "--suggest", "--device-memory", "16GiB", *flags),
+        "the work plan allows",
+        "narrow the search with --tp",
+    )
     pieces_cut["limit"] = 10**9
     result = run("plan", "--config", path, "--suggest", "--device-memory", "1TiB", "--tp", "840", "--max-pp", "8")
     assert result.exit_code in (0, 1) and "activations are not estimated" in result.output, result.stderr

@@ -482,7 +482,9 @@ def test_warm_bytes_are_never_read_around_the_page_cache(tiny_model, tmp_path, m
     merge(tmp_path / "shards", tmp_path / "cold", workers=1, verify_hashes=False)
     assert recorded.pop()._direct and not copies  # every shard served from the buffers
     for name in ("warm", "cold"):
-        assert (tmp_path / name / "model.safetensors").read_bytes() == (tmp_path / "warm" / "model.safetensors").read_bytes()
+        assert (tmp_path / name / "model.safetensors").read_bytes() == (
+            tmp_path / "warm" / "model.safetensors"
+        ).read_bytes()
 
 
 def test_only_spans_read_once_and_overlapped_by_none_are_read_into_buffers():

@@ -168,7 +168,9 @@ def test_readme_is_for_users():
         assert not re.findall(r"(?<![\w&])#\d+", body), f"{path.name}: issue references"
         rounds = re.findall(r"\brounds?\b(?![ -]trips?\b|-robin)", body, flags=re.I)  # round trips are fine
         assert not rounds, f"{path.name}: round names"
-        assert not re.findall(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", body), f"{path.name}: commit ids"
+        assert not re.findall(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", body), (
+            f"{path.name}: commit ids"
+        )
         assert "tried and dropped" not in body.lower(), path.name
     assert ".ci/run" not in text and "shared/golden" not in text
     # CI runs the README's test command (.ci/run says so): it stays as CI has it
@@ -274,8 +276,15 @@ def test_readme_hub_commands_run(tmp_path, monkeypatch):
     hub.start()
     try:
         env = {k: v for k, v in python_env().items() if not k.startswith(("HF_", "HUGGING_FACE"))}
-        env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf-home"), HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1",
-                   HF_HUB_DISABLE_TELEMETRY="1", NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
+        env.update(
+            HF_ENDPOINT=hub.url,
+            HF_HOME=str(tmp_path / "hf-home"),
+            HF_TOKEN=TOKEN,
+            HF_HUB_DISABLE_XET="1",
+            HF_HUB_DISABLE_TELEMETRY="1",
+            NO_PROXY="127.0.0.1",
+            no_proxy="127.0.0.1",
+        )
         for command in HUB_GROUP:
             args = shlex.split(command)
             run_process([sys.executable, "-m", "shardkit", *args[1:]], work, env=env, timeout=300)
@@ -293,9 +302,32 @@ def test_readme_training_and_checkpoint_commands_run(tmp_path, monkeypatch):
     # from a server whose working folder is not this one)
     model = make_tiny_model(fixture_config("mixtral-tiny"), tmp_path / "mixtral-hf", seed=3)
     tokens = corpus_tokens(tmp_path / "mixtral-tokens.bin", vocab=64)
-    check_ok(run_ranks(2, ["--model", str(model), "--data", str(tokens), "--seq-len", "32",
-                           "--global-batch", "4", "--steps", "2", "--dtype", "fp32", "--no-progress", "--threads", "1",
-                           "--ep", "2", "--checkpoint-dir", str(work / MIXTRAL_CHECKPOINT)]))
+    check_ok(
+        run_ranks(
+            2,
+            [
+                "--model",
+                str(model),
+                "--data",
+                str(tokens),
+                "--seq-len",
+                "32",
+                "--global-batch",
+                "4",
+                "--steps",
+                "2",
+                "--dtype",
+                "fp32",
+                "--no-progress",
+                "--threads",
+                "1",
+                "--ep",
+                "2",
+                "--checkpoint-dir",
+                str(work / MIXTRAL_CHECKPOINT),
+            ],
+        )
+    )
     before = {p.name for p in work.iterdir()}
     monkeypatch.chdir(work)
     for command in TRAINING_GROUP:
@@ -306,5 +338,8 @@ def test_readme_training_and_checkpoint_commands_run(tmp_path, monkeypatch):
     assert (runs / "lora-adapter/adapter_config.json").is_file()
     assert (runs / "lora-merged-from-shards/model.safetensors").is_file()
     assert json.loads((runs / "bert-tweets/config.json").read_text())["id2label"] == {
-        "0": "negative", "1": "neutral", "2": "positive"}
+        "0": "negative",
+        "1": "neutral",
+        "2": "positive",
+    }
     assert (runs / "mixtral-ckpt-ep4").is_dir()

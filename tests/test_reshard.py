@@ -68,49 +68,131 @@ def L(tp, pp, m=1, rep="interleaved", qkv="separate", ep=1) -> dict:
 CASES = [
     # llama-gqa64: 64 q heads, 8 kv heads, head_dim 2, 5 layers
     Case("gqa64-tp4-up-tp16", "llama-gqa64", L(4, 2), "torch", L(16, 2, 2, "blocked", "gqa"), "xser"),
-    Case("gqa64-tp32-down-tp8", "llama-gqa64", L(32, 2, 4, "interleaved", "fused"), "xser",
-         L(8, 2, 1, qkv="coalesced"), "safetensors"),
+    Case(
+        "gqa64-tp32-down-tp8",
+        "llama-gqa64",
+        L(32, 2, 4, "interleaved", "fused"),
+        "xser",
+        L(8, 2, 1, qkv="coalesced"),
+        "safetensors",
+    ),
     Case("gqa64-tp2-up-tp8", "llama-gqa64", L(2, 1, qkv="gqa"), "safetensors", L(8, 1, qkv="gqa"), "torch"),
     Case("gqa64-tp16-down-tp4-m2", "llama-gqa64", L(16, 1, 2), "torch", L(4, 1, 2), "torch"),
     Case("gqa64-pp2-up-pp5", "llama-gqa64", L(8, 2, qkv="fused"), "torch", L(8, 5, qkv="fused"), "torch"),
     Case("gqa64-pp4-down-pp1", "llama-gqa64", L(4, 4, qkv="coalesced"), "torch", L(4, 1, qkv="coalesced"), "torch"),
     Case("gqa64-m1-to-m4", "llama-gqa64", L(8, 1), "torch", L(8, 1, 4), "torch"),
-    Case("gqa64-m4-to-m2-blocked", "llama-gqa64", L(16, 2, 4, "blocked", "gqa"), "torch",
-         L(16, 2, 2, "blocked", "gqa"), "torch"),
-    Case("gqa64-interleaved-to-blocked", "llama-gqa64", L(16, 1, 4, "interleaved", "gqa"), "torch",
-         L(16, 1, 4, "blocked", "gqa"), "torch"),
-    Case("gqa64-blocked-to-interleaved", "llama-gqa64", L(8, 2, 2, "blocked", "fused"), "torch",
-         L(8, 2, 2, "interleaved", "coalesced"), "torch"),
-    Case("gqa64-nxd-blocked-torch", "llama-gqa64", L(16, 2, 2, "blocked"), "torch",
-         L(4, 3, qkv="fused"), "xser", nxd=True),
+    Case(
+        "gqa64-m4-to-m2-blocked",
+        "llama-gqa64",
+        L(16, 2, 4, "blocked", "gqa"),
+        "torch",
+        L(16, 2, 2, "blocked", "gqa"),
+        "torch",
+    ),
+    Case(
+        "gqa64-interleaved-to-blocked",
+        "llama-gqa64",
+        L(16, 1, 4, "interleaved", "gqa"),
+        "torch",
+        L(16, 1, 4, "blocked", "gqa"),
+        "torch",
+    ),
+    Case(
+        "gqa64-blocked-to-interleaved",
+        "llama-gqa64",
+        L(8, 2, 2, "blocked", "fused"),
+        "torch",
+        L(8, 2, 2, "interleaved", "coalesced"),
+        "torch",
+    ),
+    Case(
+        "gqa64-nxd-blocked-torch",
+        "llama-gqa64",
+        L(16, 2, 2, "blocked"),
+        "torch",
+        L(4, 3, qkv="fused"),
+        "xser",
+        nxd=True,
+    ),
     Case("gqa64-nxd-xser", "llama-gqa64", L(8, 5, qkv="gqa"), "xser", L(16, 1, 2, "interleaved"), "torch", nxd=True),
-    Case("gqa64-bf16-tp8pp2-to-tp4pp4", "llama-gqa64", L(8, 2, qkv="gqa"), "torch", L(4, 4), "safetensors",
-         dtype=torch.bfloat16),
+    Case(
+        "gqa64-bf16-tp8pp2-to-tp4pp4",
+        "llama-gqa64",
+        L(8, 2, qkv="gqa"),
+        "torch",
+        L(4, 4),
+        "safetensors",
+        dtype=torch.bfloat16,
+    ),
     # llama-bias: q/k/v/o and MLP biases; 8 q heads, 2 kv heads, 2 layers
-    Case("bias-tp2-up-tp4-m2-blocked", "llama-bias", L(2, 2, qkv="gqa"), "torch",
-         L(4, 1, 2, "blocked", "fused"), "safetensors"),
+    Case(
+        "bias-tp2-up-tp4-m2-blocked",
+        "llama-bias",
+        L(2, 2, qkv="gqa"),
+        "torch",
+        L(4, 1, 2, "blocked", "fused"),
+        "safetensors",
+    ),
     Case("bias-tp8-m4-down-tp2", "llama-bias", L(8, 1, 4, "interleaved", "coalesced"), "xser", L(2, 2), "torch"),
-    Case("bias-nxd-interleaved-to-blocked", "llama-bias", L(4, 2, 2, "interleaved"), "torch",
-         L(4, 2, 2, "blocked", "gqa"), "torch", nxd=True),
+    Case(
+        "bias-nxd-interleaved-to-blocked",
+        "llama-bias",
+        L(4, 2, 2, "interleaved"),
+        "torch",
+        L(4, 2, 2, "blocked", "gqa"),
+        "torch",
+        nxd=True,
+    ),
     # llama-kv8-tied: 16 q heads, 8 kv heads, tied embeddings (lm_head shards from embed_tokens)
-    Case("kv8tied-tp4-up-tp16-blocked", "llama-kv8-tied", L(4, 2, qkv="gqa"), "torch",
-         L(16, 2, 2, "blocked"), "xser"),
-    Case("kv8tied-nxd-safetensors-down", "llama-kv8-tied", L(16, 1, 2, "interleaved", "fused"), "safetensors",
-         L(2, 3, qkv="gqa"), "torch", nxd=True),
+    Case("kv8tied-tp4-up-tp16-blocked", "llama-kv8-tied", L(4, 2, qkv="gqa"), "torch", L(16, 2, 2, "blocked"), "xser"),
+    Case(
+        "kv8tied-nxd-safetensors-down",
+        "llama-kv8-tied",
+        L(16, 1, 2, "interleaved", "fused"),
+        "safetensors",
+        L(2, 3, qkv="gqa"),
+        "torch",
+        nxd=True,
+    ),
     # qwen2-tiny: q/k/v biases, no o bias, tied; 16 q heads, 2 kv heads
     Case("qwen2-tp2-up-tp8-m4-blocked", "qwen2-tiny", L(2, 3), "torch", L(8, 1, 4, "blocked", "gqa"), "torch"),
-    Case("qwen2-m8-down-m2", "qwen2-tiny", L(16, 1, 8, "interleaved", "coalesced"), "xser",
-         L(4, 3, 2, "interleaved", "fused"), "xser"),
+    Case(
+        "qwen2-m8-down-m2",
+        "qwen2-tiny",
+        L(16, 1, 8, "interleaved", "coalesced"),
+        "xser",
+        L(4, 3, 2, "interleaved", "fused"),
+        "xser",
+    ),
     # mistral-tiny: 16 q heads, 4 kv heads
-    Case("mistral-tp4-up-tp16-m4", "mistral-tiny", L(4, 3, qkv="fused"), "xser",
-         L(16, 1, 4, "blocked", "coalesced"), "torch"),
-    Case("mistral-tp8-m2-down-tp2", "mistral-tiny", L(8, 1, 2, "interleaved", "gqa"), "safetensors",
-         L(2, 2), "safetensors"),
+    Case(
+        "mistral-tp4-up-tp16-m4",
+        "mistral-tiny",
+        L(4, 3, qkv="fused"),
+        "xser",
+        L(16, 1, 4, "blocked", "coalesced"),
+        "torch",
+    ),
+    Case(
+        "mistral-tp8-m2-down-tp2",
+        "mistral-tiny",
+        L(8, 1, 2, "interleaved", "gqa"),
+        "safetensors",
+        L(2, 2),
+        "safetensors",
+    ),
     # mixtral-tiny: 4 experts, expert axis over ep (v3 file names), experts' matrices over tp
     Case("mixtral-ep1-to-ep2-tp4", "mixtral-tiny", L(2, 1), "torch", L(4, 3, qkv="gqa", ep=2), "torch"),
     Case("mixtral-ep2-to-ep1-tp1", "mixtral-tiny", L(4, 3, ep=2), "torch", L(1, 1), "xser"),
-    Case("mixtral-nxd-ep2-xser-to-ep4-tp8", "mixtral-tiny", L(2, 1, qkv="gqa", ep=2), "xser",
-         L(8, 2, 2, "blocked", "fused", ep=4), "safetensors", nxd=True),
+    Case(
+        "mixtral-nxd-ep2-xser-to-ep4-tp8",
+        "mixtral-tiny",
+        L(2, 1, qkv="gqa", ep=2),
+        "xser",
+        L(8, 2, 2, "blocked", "fused", ep=4),
+        "safetensors",
+        nxd=True,
+    ),
 ]
 CASE_BY_ID = {c.id: c for c in CASES}
 
@@ -124,14 +206,22 @@ def test_matrix_covers_the_requirement():
     assert any(s.kv_multiplier > d.kv_multiplier > 1 for s, d, _ in pairs)
     assert {s.qkv for s, _, _ in pairs} == {d.qkv for _, d, _ in pairs} == {"separate", "gqa", "fused", "coalesced"}
     for a, b in (("interleaved", "blocked"), ("blocked", "interleaved")):
-        assert any(s.kv_replication == a and d.kv_replication == b and s.kv_multiplier > 1 and d.kv_multiplier > 1
-                   for s, d, _ in pairs), (a, b)
+        assert any(
+            s.kv_replication == a and d.kv_replication == b and s.kv_multiplier > 1 and d.kv_multiplier > 1
+            for s, d, _ in pairs
+        ), (a, b)
     fmts = {(c.src_fmt, c.dst_fmt) for c in CASES}
     assert {("torch", "xser"), ("xser", "safetensors"), ("safetensors", "torch")} <= fmts
     assert any(d.ep > s.ep for s, d, _ in pairs) and any(d.ep < s.ep for s, d, _ in pairs)
     assert {c.src_fmt for c in CASES if c.nxd} == {"torch", "xser", "safetensors"}
-    assert {c.model for c in CASES} == {"llama-gqa64", "llama-bias", "llama-kv8-tied", "qwen2-tiny", "mistral-tiny",
-                                       "mixtral-tiny"}
+    assert {c.model for c in CASES} == {
+        "llama-gqa64",
+        "llama-bias",
+        "llama-kv8-tied",
+        "qwen2-tiny",
+        "mistral-tiny",
+        "mixtral-tiny",
+    }
 
 
 # ---- helpers: independent of shardkit's planner ------------------------------------------------------
@@ -149,8 +239,11 @@ def expected_rank_files(layout: Layout, fmt: str) -> set[str]:
 
 
 def rank_file_names(root: Path) -> set[str]:
-    return {p.name for p in (root / "model").iterdir()
-            if p.is_file() and (p.suffix == ".safetensors" or (p.suffix == ".pt" and not p.name.endswith(".info.pt")))}
+    return {
+        p.name
+        for p in (root / "model").iterdir()
+        if p.is_file() and (p.suffix == ".safetensors" or (p.suffix == ".pt" and not p.name.endswith(".info.pt")))
+    }
 
 
 def all_files(root: Path) -> set[str]:
@@ -195,9 +288,11 @@ def raw_bytes(t: torch.Tensor) -> bytes:
 @contextmanager
 def no_full_model():
     """reshard must not rebuild full tensors (placements.gather), merge, or plan the full model."""
+
     def refuse(what):
         def fail(*args, **kwargs):
             raise AssertionError(f"reshard called {what}: it must not go through the full model")
+
         return fail
 
     with pytest.MonkeyPatch.context() as mp:
@@ -224,8 +319,12 @@ def assert_same_shards(got: Path, want: Path, layout: Layout, fmt: str, dtype: t
         g, w = g_files[name], w_files[name]
         assert list(g) == list(w), f"{where}: {name} keys differ: {sorted(set(g) ^ set(w))[:5]} (or order)"
         for key in w:
-            assert g[key].dtype == w[key].dtype == dtype, f"{where}: {name} {key} dtype {g[key].dtype} vs {w[key].dtype}"
-            assert g[key].shape == w[key].shape, f"{where}: {name} {key} shape {tuple(g[key].shape)} vs {tuple(w[key].shape)}"
+            assert g[key].dtype == w[key].dtype == dtype, (
+                f"{where}: {name} {key} dtype {g[key].dtype} vs {w[key].dtype}"
+            )
+            assert g[key].shape == w[key].shape, (
+                f"{where}: {name} {key} shape {tuple(g[key].shape)} vs {tuple(w[key].shape)}"
+            )
             assert torch.equal(g[key], w[key]), f"{where}: {name} {key} values differ"
     assert json.loads((got / "config.json").read_text()) == json.loads((want / "config.json").read_text()), where
     gm, wm = (json.loads((d / "shardkit.json").read_text()) for d in (got, want))
@@ -271,8 +370,10 @@ class Work:
         src = self.source(case)
         merged = self._once(("merged", src), lambda: merge(src, self.tmp.mktemp("merged") / "hf").path)
         key = ("expected", merged, tuple(case.dst.items()), case.dst_fmt)
-        return self._once(key, lambda: convert(merged, self.tmp.mktemp("expected") / "out", Layout(**case.dst),
-                                               format=case.dst_fmt).path)
+        return self._once(
+            key,
+            lambda: convert(merged, self.tmp.mktemp("expected") / "out", Layout(**case.dst), format=case.dst_fmt).path,
+        )
 
     def resharded(self, case: Case) -> Path:
         def build():
@@ -315,9 +416,15 @@ def special_values_model(tiny_model, tmp_path_factory) -> Path:
     tensors = load_file(src / "model.safetensors")
     specials = torch.tensor([0x8000, 0x7F81, 0xFFC3, 0x7F80, 0xFF80, 0x0001, 0x8003, 0x7FC0], dtype=torch.int32)
     specials = specials.to(torch.int16).view(torch.bfloat16)  # -0, sNaN, -qNaN payload, +inf, -inf, subnormals, NaN
-    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                 "model.layers.1.self_attn.k_proj.weight", "model.layers.4.self_attn.v_proj.weight",
-                 "model.layers.2.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.4.self_attn.v_proj.weight",
+        "model.layers.2.mlp.down_proj.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ):
         flat = tensors[name].reshape(-1).clone()
         every = flat[::13]  # a view: the pattern lands in every rank's slice
         every.copy_(specials.repeat(every.numel() // len(specials) + 1)[: every.numel()])
@@ -329,8 +436,14 @@ def special_values_model(tiny_model, tmp_path_factory) -> Path:
     return out
 
 
-FORMAT_PAIRS = [("torch", "xser"), ("torch", "safetensors"), ("xser", "torch"), ("safetensors", "torch"),
-                ("xser", "safetensors"), ("safetensors", "xser")]
+FORMAT_PAIRS = [
+    ("torch", "xser"),
+    ("torch", "safetensors"),
+    ("xser", "torch"),
+    ("safetensors", "torch"),
+    ("xser", "safetensors"),
+    ("safetensors", "xser"),
+]
 
 
 @pytest.mark.parametrize("src_fmt,dst_fmt", FORMAT_PAIRS, ids=[f"{a}-to-{b}" for a, b in FORMAT_PAIRS])
@@ -339,8 +452,10 @@ def test_format_only_reshard_keeps_bytes(src_fmt, dst_fmt, special_values_model,
     src = tmp_path / "src"
     convert(special_values_model, src, layout, format=src_fmt)
     source = read_rank_files(src)
-    for planted in (source["dp_rank_00_tp_rank_07_pp_rank_00" + SUFFIX[src_fmt]]["model.embed_tokens.weight"],
-                    source["dp_rank_00_tp_rank_03_pp_rank_01" + SUFFIX[src_fmt]]["lm_head.weight"]):
+    for planted in (
+        source["dp_rank_00_tp_rank_07_pp_rank_00" + SUFFIX[src_fmt]]["model.embed_tokens.weight"],
+        source["dp_rank_00_tp_rank_03_pp_rank_01" + SUFFIX[src_fmt]]["lm_head.weight"],
+    ):
         assert planted.isnan().any() and planted.isinf().any(), "the special values did not reach the source shards"
         assert (planted.view(torch.int16) == -0x8000).any(), "no -0.0 planted"
 
@@ -390,8 +505,10 @@ def _hf_logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-@pytest.mark.parametrize("case_id", ["gqa64-m4-to-m2-blocked", "mixtral-ep1-to-ep2-tp4", "qwen2-tp2-up-tp8-m4-blocked",
-                                     "kv8tied-tp4-up-tp16-blocked"])
+@pytest.mark.parametrize(
+    "case_id",
+    ["gqa64-m4-to-m2-blocked", "mixtral-ep1-to-ep2-tp4", "qwen2-tp2-up-tp8-m4-blocked", "kv8tied-tp4-up-tp16-blocked"],
+)
 def test_resharded_weights_give_hf_logits(case_id, work, tmp_path):
     """merge(reshard(...)) loads in transformers and gives the original model's logits exactly."""
     case = CASE_BY_ID[case_id]
@@ -419,10 +536,8 @@ QKV_WEIGHTS = {
 }
 
 
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-b, a), dim=-1)
 
 
@@ -465,8 +580,9 @@ def _load_rank_for_trainer(root: Path, tp: int, pp: int) -> dict[str, torch.Tens
     return torch.load(base.with_suffix(".pt"), map_location="cpu", weights_only=True)
 
 
-@pytest.mark.parametrize("case_id", ["gqa64-m4-to-m2-blocked", "gqa64-tp16-down-tp4-m2", "gqa64-m1-to-m4",
-                                     "gqa64-tp32-down-tp8"])
+@pytest.mark.parametrize(
+    "case_id", ["gqa64-m4-to-m2-blocked", "gqa64-tp16-down-tp4-m2", "gqa64-m1-to-m4", "gqa64-tp32-down-tp8"]
+)
 def test_sharded_attention_on_resharded_ranks_matches_hf(case_id, work):
     """For one layer of a llama-gqa64 target: rank-local attention on every tp rank's resharded
     file, o_proj partial outputs summed over tp (the all-reduce), equals HF's attention module."""
@@ -489,8 +605,9 @@ def test_sharded_attention_on_resharded_ranks_matches_hf(case_id, work):
     upper = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
     mask = torch.zeros(S, S).masked_fill(upper, torch.finfo(torch.float32).min)[None, None].expand(B, 1, S, S)
     with torch.no_grad():
-        want = model.model.layers[layer].self_attn(hidden_states=x, position_embeddings=(cos, sin),
-                                                   attention_mask=mask)[0]
+        want = model.model.layers[layer].self_attn(
+            hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask
+        )[0]
         partials = [_local_attention(sd, layer, x, cos, sin, mask, cfg, layout) for sd in rank_sds]
     got = sum(partials)
     assert got.shape == want.shape
@@ -522,6 +639,7 @@ def test_reshard_reads_only_needed_source_files_and_bytes(work, tmp_path, monkey
     read_bytes: Counter = Counter()
     orig_open, torch_format = Checkpoint.open, registry.FORMATS["torch"]
     from shardkit.formats.torch_io import TorchFile
+
     orig_read, orig_read_into = TorchFile.read, TorchFile.read_into
 
     def counting_open(self, key):
@@ -587,7 +705,9 @@ def test_reshard_reads_only_needed_source_files_and_bytes(work, tmp_path, monkey
         allowed = {source_key(r, s) for r in range(8) for s in stages}
         assert needed <= set(counter), f"{name}: needed sources not read: {sorted(needed - set(counter))}"
         assert set(counter) <= allowed, f"{name}: read files of other stages: {sorted(set(counter) - allowed)}"
-        assert len(counter) <= len(needed) + len(stages), f"{name}: opened {len(counter)} source files: {sorted(counter)}"
+        assert len(counter) <= len(needed) + len(stages), (
+            f"{name}: opened {len(counter)} source files: {sorted(counter)}"
+        )
         assert max(counter.values()) == 1, f"{name}: a source file was opened several times: {counter}"
         sd = torch.load(dst / out, map_location="cpu", weights_only=True)
         written = sum(v.numel() * v.element_size() for v in sd.values())
@@ -682,8 +802,23 @@ def test_cli_reshard_matches_api(work, tmp_path):
     case = CASE_BY_ID["gqa64-tp4-up-tp16"]
     src = work.source(case)
     dst = tmp_path / "cli"
-    result = run_cli("reshard", src, dst, "--tp", 16, "--pp", 2, "--kv-multiplier", 2, "--kv-replication", "blocked",
-                     "--qkv", "gqa", "--format", "xser")
+    result = run_cli(
+        "reshard",
+        src,
+        dst,
+        "--tp",
+        16,
+        "--pp",
+        2,
+        "--kv-multiplier",
+        2,
+        "--kv-replication",
+        "blocked",
+        "--qkv",
+        "gqa",
+        "--format",
+        "xser",
+    )
     assert result.exit_code == 0, result.stderr
     assert_same_shards(dst, work.expected(case), Layout(**case.dst), "xser", torch.float32, "cli")
 

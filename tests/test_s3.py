@@ -748,7 +748,7 @@ def kill_while_uploading(args: list[str], workdir) -> None:
 def test_interrupted_upload_is_incomplete_and_cleaned_up(tiny_model, bucket, tmp_path, workdir):
     hf = tiny_model("tinyllama-mini", torch.bfloat16)
     url = f"s3://{bucket}/killed"
-    kill_while_uploading(['convert', str(hf), url, '--tp', '2'], workdir)  # a slow upload, killed
+    kill_while_uploading(["convert", str(hf), url, "--tp", "2"], workdir)  # a slow upload, killed
     names = keys(bucket, "killed/")
     assert "killed/.shardkit-writing" in names and "killed/shardkit.json" not in names
     refused = run_sub("merge", url, tmp_path / "m", cwd=workdir)

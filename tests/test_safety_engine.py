@@ -128,8 +128,9 @@ def test_single_file_source_with_a_sibling_destination_still_works(tiny_model, t
     assert result.exit_code == 0, result.stderr
     # ... but the folder holding the file is the source's: never replaced
     before = (folder / "sd.pt").read_bytes()
-    one_line_error(run("convert", folder / "sd.pt", tmp_path / "x" / ".." / "m", "--tp", "2", "--overwrite"),
-                   "overlaps the source")
+    one_line_error(
+        run("convert", folder / "sd.pt", tmp_path / "x" / ".." / "m", "--tp", "2", "--overwrite"), "overlaps the source"
+    )
     assert (folder / "sd.pt").read_bytes() == before
 
 
@@ -151,8 +152,12 @@ def test_sigterm_mid_convert_leaves_no_staging_folder(tiny_model, tmp_path):
         api.convert(src, dst, Layout(tp=2), progress=progress)
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    child = subprocess.Popen([sys.executable, "-c", script, str(tiny_model("llama-mha")), str(dst), str(ready)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, str(tiny_model("llama-mha")), str(dst), str(ready)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -296,7 +301,9 @@ def test_sha256_is_recorded_on_request_and_its_check_needs_it(src_copy, tmp_path
     assert run("reshard", src_copy, strong, "--tp", "2", "--sha256").exit_code == 0
     for entry in json.loads((strong / "shardkit.json").read_text())["files"]:
         data = (strong / entry["path"]).read_bytes()
-        assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["xxh3_128"] == xxhash.xxh3_128_hexdigest(data)
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["xxh3_128"] == xxhash.xxh3_128_hexdigest(
+            data
+        )
     assert run("merge", strong, tmp_path / "hf3", "--verify-sha256").exit_code == 0
 
 
@@ -308,7 +315,10 @@ def test_flipped_byte_is_refused_by_ckpt_export(shards, tmp_path):
     one_line_error(run("ckpt", "export", tmp_path / "ckpt", tmp_path / "hf", "--tag", "step_5"), "xxh3_128")
     with pytest.raises(ShardkitError, match="xxh3_128"):
         api.export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", "step_5")
-    assert run("ckpt", "export", tmp_path / "ckpt", tmp_path / "hf", "--tag", "step_5", "--no-verify-hashes").exit_code == 0
+    assert (
+        run("ckpt", "export", tmp_path / "ckpt", tmp_path / "hf", "--tag", "step_5", "--no-verify-hashes").exit_code
+        == 0
+    )
 
 
 def test_each_source_file_is_hashed_once_and_from_the_reads_themselves(shards, tmp_path, monkeypatch):
@@ -354,7 +364,11 @@ def test_after_another_failure_only_the_files_readers_opened_are_hashed(src_copy
     flip_last_byte(files[-1])  # corrupt, but never opened before the failure: not reported
     hashed: list[str] = []
     real_feed, real_file = reader.feed_file, reader.SourceReader._file
-    monkeypatch.setattr(reader, "feed_file", lambda path, digest, start=0: hashed.append(Path(path).name) or real_feed(path, digest, start))
+    monkeypatch.setattr(
+        reader,
+        "feed_file",
+        lambda path, digest, start=0: hashed.append(Path(path).name) or real_feed(path, digest, start),
+    )
 
     def full_disk_after_one_file(self, key):
         if len(self._open) == 1 and key not in self._open:
@@ -429,16 +443,19 @@ def config_with(tmp_path: Path, **changes) -> Path:
     return path
 
 
-@pytest.mark.parametrize("field, value, phrase", [
-    ("num_hidden_layers", 10 ** 9, "more than any real model"),
-    ("num_hidden_layers", 1e9, "whole number"),
-    ("hidden_size", "abc", "whole number"),
-    ("hidden_size", None, "whole number"),
-    ("intermediate_size", [96], "whole number"),
-    ("num_attention_heads", 0, "at least 1"),
-    ("vocab_size", -5, "at least 1"),
-    ("tie_word_embeddings", "yes", "true or false"),
-])
+@pytest.mark.parametrize(
+    "field, value, phrase",
+    [
+        ("num_hidden_layers", 10**9, "more than any real model"),
+        ("num_hidden_layers", 1e9, "whole number"),
+        ("hidden_size", "abc", "whole number"),
+        ("hidden_size", None, "whole number"),
+        ("intermediate_size", [96], "whole number"),
+        ("num_attention_heads", 0, "at least 1"),
+        ("vocab_size", -5, "at least 1"),
+        ("tie_word_embeddings", "yes", "true or false"),
+    ],
+)
 def test_plan_refuses_absurd_configs_at_once(tmp_path, field, value, phrase):
     path = config_with(tmp_path, **{field: value})
     one_line_error(run("plan", "--config", path), field, phrase, "config.json")  # refused before any pricing
@@ -449,7 +466,7 @@ def test_inspect_refuses_more_layers_than_tensors(tiny_model, tmp_path):
     shutil.copytree(tiny_model("llama-mha"), folder)
     config_with(folder, num_hidden_layers=4000)
     one_line_error(run("inspect", folder), "num_hidden_layers", "4000", "tensors", str(folder / "config.json"))
-    config_with(folder, num_hidden_layers=10 ** 9)
+    config_with(folder, num_hidden_layers=10**9)
     one_line_error(run("inspect", folder), "num_hidden_layers", str(folder / "config.json"))
     config_with(folder, hidden_size="abc")
     one_line_error(run("inspect", folder), "hidden_size", "whole number", str(folder / "config.json"))

@@ -47,8 +47,9 @@ def run_child(script: str, tmp: Path, timeout: float = 120) -> subprocess.Comple
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     path = tmp / "child.py"
     path.write_text(textwrap.dedent(script))
-    return subprocess.run([sys.executable, str(path), str(tmp)], capture_output=True, text=True, env=env,
-                          cwd=tmp, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(path), str(tmp)], capture_output=True, text=True, env=env, cwd=tmp, timeout=timeout
+    )
 
 
 # a file object that fails after LIMIT bytes, installed as the `open` HashingFile uses
@@ -94,7 +95,9 @@ def choose_writer(writer: str) -> str:
 
 
 def clean_exit(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode not in (134, -6) and "terminate called" not in proc.stderr, f"the process aborted:\n{proc.stderr[-2000:]}"
+    assert proc.returncode not in (134, -6) and "terminate called" not in proc.stderr, (
+        f"the process aborted:\n{proc.stderr[-2000:]}"
+    )
     assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr[-2000:]}"
 
 
@@ -157,7 +160,10 @@ def hf_dir(tiny_model, tmp_path: Path) -> Path:
 def test_torch_writer_disk_full_is_a_clean_error(limit, writer, tmp_path):
     """ENOSPC from the file under the zip writer: a one-line NoSpaceError, no abort (exit 134)
     when the failed writer is collected, and no partial file left."""
-    proc = run_child(FAILING_OPEN.replace("LIMIT", str(limit)).replace("HOW", '"enospc"') + choose_writer(writer) + """
+    proc = run_child(
+        FAILING_OPEN.replace("LIMIT", str(limit)).replace("HOW", '"enospc"')
+        + choose_writer(writer)
+        + """
     from shardkit.formats.torch_io import TorchWriter
     def run():
         w = TorchWriter(tmp / "out" / "x.pt", tmp / "out", SPECS)
@@ -170,7 +176,9 @@ def test_torch_writer_disk_full_is_a_clean_error(limit, writer, tmp_path):
         print(type(e).__name__, "|", e)
     gc.collect()
     print("left", os.path.exists(tmp / "out" / "x.pt"))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     clean_exit(proc)
     assert "NoSpaceError | no space left on" in proc.stdout and "needed" in proc.stdout, proc.stdout
     assert "left False" in proc.stdout
@@ -180,7 +188,10 @@ def test_torch_writer_disk_full_is_a_clean_error(limit, writer, tmp_path):
 def test_torch_writer_ctrl_c_is_a_clean_keyboard_interrupt(writer, tmp_path):
     """SIGINT arriving while the zip writer is pushing a record: KeyboardInterrupt reaches the
     caller, the process does not abort, the partial file is deleted."""
-    proc = run_child(FAILING_OPEN.replace("LIMIT", "9000").replace("HOW", '"sigint"') + choose_writer(writer) + """
+    proc = run_child(
+        FAILING_OPEN.replace("LIMIT", "9000").replace("HOW", '"sigint"')
+        + choose_writer(writer)
+        + """
     from shardkit.formats.torch_io import TorchWriter
     def run():
         w = TorchWriter(tmp / "out" / "x.pt", tmp / "out", SPECS)
@@ -194,7 +205,9 @@ def test_torch_writer_ctrl_c_is_a_clean_keyboard_interrupt(writer, tmp_path):
         print("interrupted")
     gc.collect()
     print("left", os.path.exists(tmp / "out" / "x.pt"))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     clean_exit(proc)
     assert "interrupted" in proc.stdout and "left False" in proc.stdout, proc.stdout
 
@@ -207,7 +220,10 @@ def test_a_failure_behind_the_writes_is_clean(fmt, how, tmp_path):
     queued a KeyboardInterrupt; no abort, no partial file, no thread left writing."""
     limit = 5 * (3 << 20) // 2  # inside the third tensor
     writer = choose_writer("torch" if fmt == "torch-own-writer" else "native")
-    proc = run_child(FAILING_OPEN.replace("LIMIT", str(limit)).replace("HOW", f'"{how}"') + writer + f"""
+    proc = run_child(
+        FAILING_OPEN.replace("LIMIT", str(limit)).replace("HOW", f'"{how}"')
+        + writer
+        + f"""
     import threading
     from shardkit.formats.torch_io import TorchWriter
     from shardkit.formats.safetensors_io import SafetensorsWriter
@@ -229,7 +245,9 @@ def test_a_failure_behind_the_writes_is_clean(fmt, how, tmp_path):
     print("left", os.path.exists(tmp / "out" / "x.bin"))
     from shardkit.io.hashing import queued_writes
     print("writers", queued_writes())
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     clean_exit(proc)
     expected = "interrupted" if how == "sigint" else "NoSpaceError | no space left on"
     assert expected in proc.stdout and "left False" in proc.stdout and "writers 0" in proc.stdout, proc.stdout
@@ -285,8 +303,12 @@ def test_owned_blocks_written_behind_keep_the_file_order(writer, tmp_path, monke
         tensors[f"small{i}"] = torch.randn(7 + i, generator=gen)
     expected = io.BytesIO()
     torch.save({n: t.clone() for n, t in tensors.items()}, expected)
-    writer = TorchWriter(tmp_path / "x.pt", tmp_path, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
-                         digests="sha256")
+    writer = TorchWriter(
+        tmp_path / "x.pt",
+        tmp_path,
+        [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
+        digests="sha256",
+    )
     for name in list(tensors):
         tensor = tensors.pop(name)
         writer.write(name, tensor, owned=name.startswith("big"))
@@ -294,14 +316,18 @@ def test_owned_blocks_written_behind_keep_the_file_order(writer, tmp_path, monke
     (record,) = writer.close()
     raw = (tmp_path / "x.pt").read_bytes()
     assert raw == expected.getvalue()
-    assert (record.size, record.sha256, record.xxh3_128) == (len(raw), hashlib.sha256(raw).hexdigest(),
-                                                             xxhash.xxh3_128_hexdigest(raw))
+    assert (record.size, record.sha256, record.xxh3_128) == (
+        len(raw),
+        hashlib.sha256(raw).hexdigest(),
+        xxhash.xxh3_128_hexdigest(raw),
+    )
 
 
 def test_exception_thrown_through_torch_does_not_abort_later(tmp_path):
     """An exception that escapes into torch's C++ writer (e.g. Ctrl-C before the sink's guard)
     leaves it mid-record: it must never be destroyed (its destructor would std::terminate)."""
-    proc = run_child("""
+    proc = run_child(
+        """
     import gc, os, sys
     from pathlib import Path
     import torch
@@ -323,7 +349,9 @@ def test_exception_thrown_through_torch_does_not_abort_later(tmp_path):
         print("interrupted")
     gc.collect()
     print("left", os.path.exists(tmp / "out" / "x.pt"))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     clean_exit(proc)
     assert "interrupted" in proc.stdout and "left False" in proc.stdout, proc.stdout
 
@@ -332,7 +360,9 @@ def test_exception_thrown_through_torch_does_not_abort_later(tmp_path):
 def test_abandoned_torch_writer_is_discarded_when_collected(writer, tmp_path):
     """A writer dropped mid-way (an exception elsewhere) and collected later: exit 0, and the
     end of archive is not written (no half checkpoint that looks finished): the file is gone."""
-    proc = run_child(choose_writer(writer) + """
+    proc = run_child(
+        choose_writer(writer)
+        + """
     import gc, os, sys
     from pathlib import Path
     import torch
@@ -347,7 +377,9 @@ def test_abandoned_torch_writer_is_discarded_when_collected(writer, tmp_path):
     run()
     gc.collect()
     print("left", os.path.exists(tmp / "out" / "x.pt"))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     clean_exit(proc)
     assert "left False" in proc.stdout, proc.stdout
 
@@ -355,7 +387,9 @@ def test_abandoned_torch_writer_is_discarded_when_collected(writer, tmp_path):
 def test_xser_writer_disk_full_is_a_clean_error(tmp_path):
     """xser's per-tensor torch.save on a full disk: NoSpaceError (not torch's 'enforce fail ...
     unexpected pos'), the files written so far deleted."""
-    proc = run_child(FAILING_OPEN.replace("LIMIT", "9000").replace("HOW", '"enospc"') + """
+    proc = run_child(
+        FAILING_OPEN.replace("LIMIT", "9000").replace("HOW", '"enospc"')
+        + """
     from shardkit.formats.xser import XserWriter
     def run():
         w = XserWriter(tmp / "out" / "x.pt", tmp / "out", SPECS)
@@ -368,7 +402,9 @@ def test_xser_writer_disk_full_is_a_clean_error(tmp_path):
         print(type(e).__name__, "|", e)
     gc.collect()
     print("left", sorted(str(p.relative_to(tmp)) for p in (tmp / "out").rglob("*")))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     clean_exit(proc)
     assert "NoSpaceError | no space left on" in proc.stdout and "enforce fail" not in proc.stdout, proc.stdout
     assert "left []" in proc.stdout
@@ -409,8 +445,9 @@ def test_free_space_is_checked_before_writing(fmt, tmp_path, monkeypatch):
 
     def tiny(path):
         st = real(path)
-        return os.statvfs_result((st.f_bsize, 4096, st.f_blocks, 2, 2, st.f_files, st.f_ffree, st.f_favail,
-                                  st.f_flag, st.f_namemax))
+        return os.statvfs_result(
+            (st.f_bsize, 4096, st.f_blocks, 2, 2, st.f_files, st.f_ffree, st.f_favail, st.f_flag, st.f_namemax)
+        )
 
     monkeypatch.setattr(os, "statvfs", tiny)
     make = {"torch": TorchWriter, "xser": XserWriter, "safetensors": SafetensorsWriter}[fmt]
@@ -468,14 +505,22 @@ def test_torch_size_bound_is_an_upper_bound_and_tight(tmp_path):
     from shardkit.formats.torch_io import _zip_size_bound, state_dict_pickle
     from torch.serialization import _get_storage_alignment
 
-    specs = [TensorSpec("a" * 60, (3, 7), torch.bfloat16), TensorSpec("e", (0,), torch.float32),
-             TensorSpec("b", (100_000,), torch.float32), TensorSpec("c", (), torch.int64)]
+    specs = [
+        TensorSpec("a" * 60, (3, 7), torch.bfloat16),
+        TensorSpec("e", (0,), torch.float32),
+        TensorSpec("b", (100_000,), torch.float32),
+        TensorSpec("c", (), torch.int64),
+    ]
     writer = TorchWriter(tmp_path / "x.pt", tmp_path, specs)
     for spec in specs:
         writer.write(spec.name, torch.zeros(spec.shape, dtype=spec.dtype))
     size = writer.close()[0].size
-    records = [("data.pkl", len(state_dict_pickle(specs))), (".format_version", 1), (".storage_alignment", 8),
-               ("byteorder", 8)] + [(f"data/{i}", s.nbytes) for i, s in enumerate(specs)]
+    records = [
+        ("data.pkl", len(state_dict_pickle(specs))),
+        (".format_version", 1),
+        (".storage_alignment", 8),
+        ("byteorder", 8),
+    ] + [(f"data/{i}", s.nbytes) for i, s in enumerate(specs)]
     bound = _zip_size_bound(records, _get_storage_alignment())
     assert size <= bound < size + 300 * (len(records) + 3), (size, bound)
 
@@ -487,8 +532,10 @@ STRICT_CASES = {
     "gap": ({"a": entry([0, 8]), "b": entry([12, 20])}, 20),
     "not-at-0": ({"a": entry([4, 12])}, 12),
     "trailing-bytes": ({"a": entry([0, 8])}, 12),
-    "duplicate-key": (b'{"a":' + json.dumps(entry([0, 8])).encode() + b',"a":' + json.dumps(entry([0, 8])).encode()
-                      + b"}", 8),
+    "duplicate-key": (
+        b'{"a":' + json.dumps(entry([0, 8])).encode() + b',"a":' + json.dumps(entry([0, 8])).encode() + b"}",
+        8,
+    ),
     "duplicate-field": (b'{"a":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}}', 8),
     "list": (b"[1, 2]", 0),
     "number": (b"42", 0),
@@ -529,8 +576,15 @@ def test_safetensors_reader_accepts_what_the_library_accepts(tmp_path):
     from safetensors import safe_open
 
     data = torch.arange(6, dtype=torch.float32)
-    header = (b' {"b":' + json.dumps(entry([8, 24], [4])).encode() + b',"__metadata__":null,"z":'
-              + json.dumps(entry([24, 24], [0, 3])).encode() + b',"a":' + json.dumps(entry([0, 8])).encode() + b"}")
+    header = (
+        b' {"b":'
+        + json.dumps(entry([8, 24], [4])).encode()
+        + b',"__metadata__":null,"z":'
+        + json.dumps(entry([24, 24], [0, 3])).encode()
+        + b',"a":'
+        + json.dumps(entry([0, 8])).encode()
+        + b"}"
+    )
     path = tmp_path / "ok.safetensors"
     path.write_bytes(st_bytes(header, data.numpy().tobytes()))
     with safe_open(str(path), "pt") as f:
@@ -569,8 +623,11 @@ def test_safetensors_reader_does_not_leak_file_handles(tmp_path):
 
 
 def test_shardkit_writer_output_passes_its_own_reader(tmp_path):
-    specs = [TensorSpec("w", (3, 5), torch.bfloat16), TensorSpec("e", (0,), torch.float32),
-             TensorSpec("b", (7,), torch.int64)]
+    specs = [
+        TensorSpec("w", (3, 5), torch.bfloat16),
+        TensorSpec("e", (0,), torch.float32),
+        TensorSpec("b", (7,), torch.int64),
+    ]
     writer = SafetensorsWriter(tmp_path / "x.safetensors", tmp_path, specs)
     tensors = {"w": torch.randn(3, 5).bfloat16(), "e": torch.zeros(0), "b": torch.arange(7)}
     for spec in specs:
@@ -586,7 +643,9 @@ def test_shardkit_writer_output_passes_its_own_reader(tmp_path):
 # ---- 4. names used as paths -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["/ABS/outside.safetensors", "../outside.safetensors", "sub/../../outside.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["/ABS/outside.safetensors", "../outside.safetensors", "sub/../../outside.safetensors"]
+)
 def test_hf_index_names_outside_the_folder_are_refused(name, tiny_model, tmp_path):
     root = hf_dir(tiny_model, tmp_path)
     outside = tmp_path / "outside.safetensors"
@@ -619,7 +678,8 @@ def test_hf_index_of_linked_files_like_the_hub_cache_still_works(tiny_model, tmp
     shutil.copyfile(next(tiny_model(MODEL).glob("*.safetensors")), blobs / "0123abcd")
     (root / "model-00001-of-00001.safetensors").symlink_to(blobs / "0123abcd")
     (root / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"x": "model-00001-of-00001.safetensors"}}))
+        json.dumps({"weight_map": {"x": "model-00001-of-00001.safetensors"}})
+    )
     assert hf.weight_files(root) == [root / "model-00001-of-00001.safetensors"]
 
 
@@ -667,7 +727,9 @@ def test_an_xser_rank_file_is_parsed_once_until_it_changes(tmp_path, monkeypatch
     assert loads[2:] == [path]
 
     other = tmp_path / "other" / "r.pt"  # the same size and mtime, other names: renamed over it
-    with XserWriter(other, tmp_path / "other", [TensorSpec(n, s.shape, s.dtype) for n, s in zip(("u0", "u1"), SPECS)]) as w:
+    with XserWriter(
+        other, tmp_path / "other", [TensorSpec(n, s.shape, s.dtype) for n, s in zip(("u0", "u1"), SPECS)]
+    ) as w:
         w.write("u0", torch.ones(1000))
         w.write("u1", torch.zeros(1000))
         w.close()
@@ -823,8 +885,9 @@ def test_an_optimum_checkpoint_never_embeds_a_trainer_state_or_tokenizer_linked_
     assert content == {"global_step": 2}
 
 
-def test_merge_of_a_hugging_face_model_refuses_to_write_it_again_and_says_what_a_resave_changes(tiny_model, tmp_path,
-                                                                                               caplog):
+def test_merge_of_a_hugging_face_model_refuses_to_write_it_again_and_says_what_a_resave_changes(
+    tiny_model, tmp_path, caplog
+):
     """Nothing to merge in a Hugging Face model: refused when the merge would write it again as it
     is; a re-save that changes something (dtype, file split, .bin to safetensors) says what."""
     src = tmp_path / "hf"

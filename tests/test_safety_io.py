@@ -132,7 +132,9 @@ def test_a_bind_mount_alias_of_the_source_is_refused(tiny_model, tmp_path):
     with mounted("--bind", str(real), str(alias)):
         # A/inner is P/inner under another name: replacing it would delete the source
         one_line_error(run("convert", real / "inner" / "src", alias / "inner", "--tp", "2", "--overwrite"), "overlaps")
-        one_line_error(run("merge", alias / "inner" / "src", real / "inner", "--overwrite", "--dtype", "bf16"), "overlaps")  # a re-save (same model: refused first)
+        one_line_error(
+            run("merge", alias / "inner" / "src", real / "inner", "--overwrite", "--dtype", "bf16"), "overlaps"
+        )  # a re-save (same model: refused first)
     assert tree_digest(real) == before
 
 
@@ -263,8 +265,13 @@ def test_ckpt_reshard_killed_again_and_again_leaves_nothing_a_rerun_does_not_rem
     rng = random.Random(11)
     killed = []
     for round_ in range(6):
-        child = subprocess.Popen([sys.executable, "-c", KILLED, str(ckpt), str(out), str(round_)], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", KILLED, str(ckpt), str(out), str(round_)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert child.stdout is not None and child.stdout.readline().strip() == "writing"
         time.sleep(0.0 if round_ == 0 else rng.uniform(0.0, 0.2))  # the first kill surely before the commit
         sig = signal.SIGKILL if round_ % 2 == 0 else signal.SIGTERM
@@ -310,8 +317,9 @@ def test_retention_never_counts_a_tag_whose_files_fail_the_manifests_size_check(
 def _shardkit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """The CLI in its own process, with a deadline: a test of a would-be hang must not hang."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "shardkit", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit", *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
@@ -354,7 +362,9 @@ def test_a_config_that_is_a_fifo_is_one_line(tiny_model, tmp_path):
     os.mkfifo(model / "config.json")
     done = _shardkit("inspect", model)  # answers at once: nothing waits on the FIFO
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
-    done = _shardkit("convert", tiny_model("llama-mha"), tmp_path / "out", "--tp", "2", "--config", model / "config.json")
+    done = _shardkit(
+        "convert", tiny_model("llama-mha"), tmp_path / "out", "--tp", "2", "--config", model / "config.json"
+    )
     assert done.returncode == 2 and "not a regular file" in done.stderr and len(done.stderr.splitlines()) == 1
 
 
@@ -403,8 +413,9 @@ def test_an_index_naming_a_file_too_long_for_the_file_system_is_one_line(tiny_mo
 # ---- 8. push never publishes what a shard folder links to -------------------------------------------------
 
 
-def test_push_of_shards_whose_tokenizer_links_to_a_secret_is_refused_before_any_hub_call(sources, tmp_path,
-                                                                                          monkeypatch):
+def test_push_of_shards_whose_tokenizer_links_to_a_secret_is_refused_before_any_hub_call(
+    sources, tmp_path, monkeypatch
+):
     _, shards, _ = sources
     folder = tmp_path / "shards"
     shutil.copytree(shards, folder)
@@ -434,8 +445,20 @@ def test_negative_token_ids_are_one_line(tiny_model, tmp_path, capsys):
     np.save(data, np.array([5, 7, -3, 9] * 200, dtype=np.int64))
     model = tiny_model("llama-trainer-tiny")
     capsys.readouterr()  # building the model printed its own progress
-    args = ["--model", str(model), "--data", str(data), "--seq-len", "16",
-            "--global-batch", "2", "--steps", "1", "--checkpoint-dir", str(tmp_path / "c")]
+    args = [
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--seq-len",
+        "16",
+        "--global-batch",
+        "2",
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        str(tmp_path / "c"),
+    ]
     assert main(args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trainer")]
     assert len(err) == 1 and "negative token id" in err[0] and "Traceback" not in err[0], err
@@ -480,8 +503,9 @@ def test_user_content_that_is_a_fifo_or_a_device_is_one_line_and_never_hangs(ckp
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_full_disk_under_the_trainers_checkpoints_is_one_line_and_leaves_no_tag(tiny_model, tmp_path, capsys,
-                                                                                   async_save):
+def test_a_full_disk_under_the_trainers_checkpoints_is_one_line_and_leaves_no_tag(
+    tiny_model, tmp_path, capsys, async_save
+):
     import numpy as np
 
     from trainer.__main__ import main
@@ -491,9 +515,23 @@ def test_a_full_disk_under_the_trainers_checkpoints_is_one_line_and_leaves_no_ta
     model = tiny_model("llama-trainer-tiny")
     capsys.readouterr()
     with tiny_disk(tmp_path / "disk", "256k") as disk:
-        args = ["--model", str(model), "--data", str(data), "--seq-len", "16", "--global-batch", "2",
-                "--steps", "3", "--checkpoint-dir", str(disk / "ckpt"), "--checkpoint-every", "1",
-                *(["--async-save"] if async_save else [])]
+        args = [
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "2",
+            "--steps",
+            "3",
+            "--checkpoint-dir",
+            str(disk / "ckpt"),
+            "--checkpoint-every",
+            "1",
+            *(["--async-save"] if async_save else []),
+        ]
         assert main(args) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trainer")]
         assert len(err) == 1 and "no space left" in err[0].lower() and "enforce fail" not in err[0], err
@@ -530,9 +568,33 @@ def test_the_trainer_killed_while_saving_again_and_again_always_resumes_from_a_s
     env = dict(os.environ, PYTHONPATH=str(REPO))
 
     def trainer(steps: int, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "trainer", "--model", str(model), "--data", str(data), "--seq-len", "16",
-                "--global-batch", "2", "--steps", str(steps), "--checkpoint-dir", str(ckpt), "--checkpoint-every",
-                "1", "--num-kept", "2", "--resume", "latest_if_exists", "--no-progress", "--threads", "1", *extra]
+        return [
+            sys.executable,
+            "-m",
+            "trainer",
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "2",
+            "--steps",
+            str(steps),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "1",
+            "--num-kept",
+            "2",
+            "--resume",
+            "latest_if_exists",
+            "--no-progress",
+            "--threads",
+            "1",
+            *extra,
+        ]
 
     rng = random.Random(5)
     kills = cut_short = 0
@@ -541,8 +603,9 @@ def test_the_trainer_killed_while_saving_again_and_again_always_resumes_from_a_s
             break
         async_save = ["--async-save"] if round_ % 2 else []
         before = {p.name for p in ckpt.iterdir()} if ckpt.exists() else set()
-        child = subprocess.Popen(trainer(10_000, *async_save), env=env, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            trainer(10_000, *async_save), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         deadline = time.monotonic() + 120
         while not (ckpt.exists() and {p.name for p in ckpt.iterdir()} - before - {"metrics.jsonl", "run.json"}):
             assert child.poll() is None, child.stderr.read() if child.stderr else ""
@@ -559,7 +622,9 @@ def test_the_trainer_killed_while_saving_again_and_again_always_resumes_from_a_s
                 cut_short += 1
     assert kills >= 6 and cut_short, f"none of {kills} kills landed inside a save"
     newest = max(i.step for i in list_checkpoints(ckpt) if i.loadable)
-    done = subprocess.run(trainer(newest + 2, "--override-schedule"), env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        trainer(newest + 2, "--override-schedule"), env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     infos = list_checkpoints(ckpt)
     assert [i.step for i in infos] == [newest + 1, newest + 2] and all(i.loadable for i in infos), infos
@@ -710,8 +775,13 @@ def test_reading_within_a_folder_refuses_links_out_dangling_loops_and_magic_link
     assert read_small(folder / "inside", "side file", within=folder) == b"{}"
     assert check_small(folder / "inside", "side file", within=folder) == (folder / "sub" / "real.json").resolve()
     assert read_small(folder / "outside", "side file") == SECRET.encode()  # only `within` asks where it leads
-    expected = {"outside": "outside", "dotdot": "outside", "magic": "outside", "dangling": "does not exist",
-                "loop": "loop"}
+    expected = {
+        "outside": "outside",
+        "dotdot": "outside",
+        "magic": "outside",
+        "dangling": "does not exist",
+        "loop": "loop",
+    }
     for name, words in expected.items():
         for reader in (read_small, check_small):
             with pytest.raises(SmallFileError, match=words) as caught:

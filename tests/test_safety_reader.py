@@ -61,26 +61,41 @@ def ordered() -> bytes:
     return glob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE
 
 
-def pid(kind: bytes = glob("torch", "FloatStorage"), key: bytes = text("0"), loc: bytes = text("cpu"), numel: bytes = num(6)) -> bytes:
+def pid(
+    kind: bytes = glob("torch", "FloatStorage"), key: bytes = text("0"), loc: bytes = text("cpu"), numel: bytes = num(6)
+) -> bytes:
     return tup(text("storage"), kind, key, loc, numel) + BINPERSID
 
 
 UNTYPED = glob("torch.storage", "UntypedStorage")
 
 
-def v2(storage: bytes | None = None, offset: bytes = num(0), size: bytes = tup(num(2), num(3)),
-       stride: bytes = tup(num(3), num(1)), grad: bytes = FALSE, hooks: bytes | None = None,
-       meta: bytes | None = None) -> bytes:
+def v2(
+    storage: bytes | None = None,
+    offset: bytes = num(0),
+    size: bytes = tup(num(2), num(3)),
+    stride: bytes = tup(num(3), num(1)),
+    grad: bytes = FALSE,
+    hooks: bytes | None = None,
+    meta: bytes | None = None,
+) -> bytes:
     """_rebuild_tensor_v2 of the float32 (2, 3) tensor in record 0, or what the arguments say."""
     args = [pid() if storage is None else storage, offset, size, stride, grad, ordered() if hooks is None else hooks]
     return glob("torch._utils", "_rebuild_tensor_v2") + tup(*args, *([meta] if meta else [])) + REDUCE
 
 
-def v3(dtype: bytes = glob("torch", "bfloat16"), storage: bytes | None = None, size: bytes = tup(num(2), num(3)),
-       stride: bytes = tup(num(3), num(1)), grad: bytes = FALSE) -> bytes:
+def v3(
+    dtype: bytes = glob("torch", "bfloat16"),
+    storage: bytes | None = None,
+    size: bytes = tup(num(2), num(3)),
+    stride: bytes = tup(num(3), num(1)),
+    grad: bytes = FALSE,
+) -> bytes:
     """_rebuild_tensor_v3: record 1's 24 bytes as `dtype` (bf16: (2, 3) of the first 12)."""
     storage = pid(UNTYPED, text("1"), numel=num(24)) if storage is None else storage
-    return glob("torch._utils", "_rebuild_tensor_v3") + tup(storage, num(0), size, stride, grad, ordered(), dtype) + REDUCE
+    return (
+        glob("torch._utils", "_rebuild_tensor_v3") + tup(storage, num(0), size, stride, grad, ordered(), dtype) + REDUCE
+    )
 
 
 def param(data: bytes, grad: bytes = TRUE, hooks: bytes | None = None) -> bytes:
@@ -118,9 +133,16 @@ def records_of(path: Path) -> list[tuple[str, bytes]]:
         return [(info.filename, archive.read(info)) for info in archive.infolist()]
 
 
-def write_zip(path: Path, records: list[tuple[str, bytes]], crc: dict[str, int] | None = None,
-              local_name: dict[str, str] | None = None, local_size: dict[str, int] | None = None,
-              offsets: dict[str, int] | None = None, tail: bytes = b"", zip64: bool = False) -> Path:
+def write_zip(
+    path: Path,
+    records: list[tuple[str, bytes]],
+    crc: dict[str, int] | None = None,
+    local_name: dict[str, str] | None = None,
+    local_size: dict[str, int] | None = None,
+    offsets: dict[str, int] | None = None,
+    tail: bytes = b"",
+    zip64: bool = False,
+) -> Path:
     """A stored zip archive of `records`, written field by field, so that a test can make it say
     what no zip writer would: a CRC, a local header's name or size, a directory entry's offset.
     zip64: every size and offset in zip64 fields (as in archives of 4 GiB and more)."""
@@ -139,8 +161,30 @@ def write_zip(path: Path, records: list[tuple[str, bytes]], crc: dict[str, int] 
         raw = name.encode()
         extra = struct.pack("<HHQQQ", 1, 24, len(data), len(data), offset) if zip64 else b""
         size, where = (wide, wide) if zip64 else (len(data), offset)
-        directory += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, 0, 0, 0, check, size, size,
-                                 len(raw), len(extra), 0, 0, 0, 0, where) + raw + extra
+        directory += (
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                45,
+                45,
+                0,
+                0,
+                0,
+                0,
+                check,
+                size,
+                size,
+                len(raw),
+                len(extra),
+                0,
+                0,
+                0,
+                0,
+                where,
+            )
+            + raw
+            + extra
+        )
         count += 1
     start = len(out)
     out += directory
@@ -215,7 +259,9 @@ def same(ours, theirs) -> bool:
             return False
         return torch.equal(_bytes(ours), _bytes(theirs))
     if isinstance(theirs, dict):
-        return type(ours) is type(theirs) and list(ours) == list(theirs) and all(same(ours[k], theirs[k]) for k in theirs)
+        return (
+            type(ours) is type(theirs) and list(ours) == list(theirs) and all(same(ours[k], theirs[k]) for k in theirs)
+        )
     if isinstance(theirs, (list, tuple)):
         return type(ours) is type(theirs) and len(ours) == len(theirs) and all(map(same, ours, theirs))
     return type(ours) is type(theirs) and ours == theirs
@@ -230,8 +276,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 # BUILD on torch.FloatStorage with slot state (None, {"dtype": float16}), as the C unpickler sets a
 # __slots__ object's fields; then POP, and an otherwise plain state dict
 POISONING = (
-    PROTO + glob("torch", "FloatStorage") + NONE + EMPTY_DICT + text("dtype") + glob("torch", "float16") + SETITEM
-    + b"\x86" + BUILD + b"0"
+    PROTO
+    + glob("torch", "FloatStorage")
+    + NONE
+    + EMPTY_DICT
+    + text("dtype")
+    + glob("torch", "float16")
+    + SETITEM
+    + b"\x86"
+    + BUILD
+    + b"0"
 )
 POISON = POISONING + sd(w=v2())[2:]
 
@@ -255,18 +309,28 @@ HALF = glob("torch", "HalfStorage")
 CASES = {
     # read by both, the same
     "plain": sd(w=v2()),
-    "a storage used by two tensors (memo)": sd(w=v2(storage=pid() + put(200)), v=v2(storage=get(200), size=tup(num(3)), stride=tup(num(2)))),
+    "a storage used by two tensors (memo)": sd(
+        w=v2(storage=pid() + put(200)), v=v2(storage=get(200), size=tup(num(3)), stride=tup(num(2)))
+    ),
     "the same tensor twice (memo)": entries(("w", v2() + put(200)), ("v", get(200))),
     "a view: offset and strides": sd(w=v2(offset=num(1), size=tup(num(2), num(2)), stride=tup(num(1), num(2)))),
     "v3: bf16 over untyped bytes": sd(b=v3()),
-    "v3: float8 and uint16": sd(f=v3(glob("torch", "float8_e4m3fn"), size=tup(num(24)), stride=tup(num(1))),
-                                i=v3(glob("torch", "uint16"), size=tup(num(12)), stride=tup(num(1)))),
+    "v3: float8 and uint16": sd(
+        f=v3(glob("torch", "float8_e4m3fn"), size=tup(num(24)), stride=tup(num(1))),
+        i=v3(glob("torch", "uint16"), size=tup(num(12)), stride=tup(num(1))),
+    ),
     "a parameter": sd(p=param(v2())),
     "a parameter not requiring grad": sd(p=param(v2(), FALSE)),
     "a parameter of a parameter": sd(p=param(param(v2()))),
-    "hooks: None, 5, a full OrderedDict": sd(a=v2(hooks=NONE), b=v2(hooks=num(5)), c=v2(hooks=ordered() + text("h") + num(1) + SETITEM),
-                                             p=param(v2(), hooks=num(5))),
-    "metadata: empty, 0, an unknown key": sd(a=v2(meta=EMPTY_DICT), b=v2(meta=num(0)), c=v2(meta=EMPTY_DICT + text("xyz") + TRUE + SETITEM)),
+    "hooks: None, 5, a full OrderedDict": sd(
+        a=v2(hooks=NONE),
+        b=v2(hooks=num(5)),
+        c=v2(hooks=ordered() + text("h") + num(1) + SETITEM),
+        p=param(v2(), hooks=num(5)),
+    ),
+    "metadata: empty, 0, an unknown key": sd(
+        a=v2(meta=EMPTY_DICT), b=v2(meta=num(0)), c=v2(meta=EMPTY_DICT + text("xyz") + TRUE + SETITEM)
+    ),
     "a tensor requiring grad": sd(w=v2(grad=TRUE)),
     "sizes as a list": sd(w=v2(size=EMPTY_LIST + MARK + num(2) + num(3) + b"e")),
     "an empty tensor far past its storage": sd(w=v2(offset=num(1 << 40), size=tup(num(0), num(3)))),
@@ -274,23 +338,50 @@ CASES = {
     "an integer storage key": sd(w=v2(storage=pid(key=num(0)))),
     "one key, two dtypes: the first wins": sd(w=v2(), h=v2(storage=pid(HALF, numel=num(12)))),
     "pickle protocol 4": b"\x80\x04" + sd(w=v2())[2:],
-    "a global named torch / _utils._rebuild_tensor_v2": sd(w=glob("torch", "_utils._rebuild_tensor_v2") + v2()[len(REDUCER_V2):]),
-    "a Python 2 module name (UserDict.OrderedDict)": sd(o=glob("UserDict", "OrderedDict") + EMPTY_TUPLE + REDUCE, w=v2()),
+    "a global named torch / _utils._rebuild_tensor_v2": sd(
+        w=glob("torch", "_utils._rebuild_tensor_v2") + v2()[len(REDUCER_V2) :]
+    ),
+    "a Python 2 module name (UserDict.OrderedDict)": sd(
+        o=glob("UserDict", "OrderedDict") + EMPTY_TUPLE + REDUCE, w=v2()
+    ),
     "torch.cuda.FloatStorage": sd(w=v2(storage=pid(glob("torch.cuda", "FloatStorage")))),
-    "BUILD of an OrderedDict (a state dict's _metadata)": sd(o=ordered() + EMPTY_DICT + text("_metadata") + num(1) + SETITEM + BUILD, w=v2()),
-    "BUILD of a tensor (set_ to another view)": sd(w=v2() + tup(pid(), num(2), tup(num(3),), tup(num(1),)) + BUILD),
-    "a Counter, a list, nested tuples": sd(c=glob("collections", "Counter") + EMPTY_TUPLE + REDUCE + MARK + text("a") + num(2) + SETITEMS,
-                                           l=EMPTY_LIST + v2() + APPEND,
-                                           t=tup(tup(num(1), NONE), text("x"), b"G" + struct.pack(">d", 2.5))),
+    "BUILD of an OrderedDict (a state dict's _metadata)": sd(
+        o=ordered() + EMPTY_DICT + text("_metadata") + num(1) + SETITEM + BUILD, w=v2()
+    ),
+    "BUILD of a tensor (set_ to another view)": sd(
+        w=v2()
+        + tup(
+            pid(),
+            num(2),
+            tup(
+                num(3),
+            ),
+            tup(
+                num(1),
+            ),
+        )
+        + BUILD
+    ),
+    "a Counter, a list, nested tuples": sd(
+        c=glob("collections", "Counter") + EMPTY_TUPLE + REDUCE + MARK + text("a") + num(2) + SETITEMS,
+        l=EMPTY_LIST + v2() + APPEND,
+        t=tup(tup(num(1), NONE), text("x"), b"G" + struct.pack(">d", 2.5)),
+    ),
     "NEWOBJ of an OrderedDict": sd(o=glob("collections", "OrderedDict") + EMPTY_TUPLE + b"\x81", w=v2()),
     # refused by both
     "BUILD of a storage class (stand-in)": POISON,
-    "BUILD of a dtype": sd(d=glob("torch", "float32") + EMPTY_DICT + text("itemsize") + num(8) + SETITEM + BUILD, w=v2()),
+    "BUILD of a dtype": sd(
+        d=glob("torch", "float32") + EMPTY_DICT + text("itemsize") + num(8) + SETITEM + BUILD, w=v2()
+    ),
     "SETITEM on a list": sd(l=EMPTY_LIST + v2() + APPEND + num(0) + num(5) + SETITEM),
     "APPEND to a dict": sd(d=EMPTY_DICT + num(1) + APPEND),
-    "BUILD of an OrderedDict with a (state, slots) pair": sd(o=ordered() + tup(NONE, EMPTY_DICT + text("x") + num(1) + SETITEM) + BUILD),
+    "BUILD of an OrderedDict with a (state, slots) pair": sd(
+        o=ordered() + tup(NONE, EMPTY_DICT + text("x") + num(1) + SETITEM) + BUILD
+    ),
     "an alias dtype name (torch.float)": sd(w=v3(glob("torch", "float"))),
-    "torch.UntypedStorage (not torch.storage's)": sd(w=v3(storage=pid(glob("torch", "UntypedStorage"), text("1"), numel=num(24)))),
+    "torch.UntypedStorage (not torch.storage's)": sd(
+        w=v3(storage=pid(glob("torch", "UntypedStorage"), text("1"), numel=num(24)))
+    ),
     "os.system": PROTO + glob("os", "system") + tup(text("true")) + REDUCE + STOP,
     "requires_grad 1": sd(w=v2(grad=num(1))),
     "requires_grad None": sd(w=v2(grad=NONE)),
@@ -305,23 +396,53 @@ CASES = {
     "a negative offset": sd(w=v2(offset=num(-1))),
     "more elements than int64": sd(w=v2(size=tup(num(1 << 40), num(1 << 40)), stride=tup(num(0), num(0)))),
     "a storage whose record is missing (unused)": sd(w=v2(), x=pid(key=text("9"))),
-    "a persistent id of 4 fields": sd(w=v2(storage=tup(text("storage"), glob("torch", "FloatStorage"), text("0"), text("cpu")) + BINPERSID)),
+    "a persistent id of 4 fields": sd(
+        w=v2(storage=tup(text("storage"), glob("torch", "FloatStorage"), text("0"), text("cpu")) + BINPERSID)
+    ),
     "a persistent id that is an int": sd(w=num(0) + BINPERSID),
-    "a persistent id of another kind": sd(w=tup(text("module"), glob("torch", "FloatStorage"), text("0"), text("cpu"), num(6)) + BINPERSID),
-    "v2 with 5 arguments": sd(w=REDUCER_V2 + tup(pid(), num(0), tup(num(6),), tup(num(1),), FALSE) + REDUCE),
+    "a persistent id of another kind": sd(
+        w=tup(text("module"), glob("torch", "FloatStorage"), text("0"), text("cpu"), num(6)) + BINPERSID
+    ),
+    "v2 with 5 arguments": sd(
+        w=REDUCER_V2
+        + tup(
+            pid(),
+            num(0),
+            tup(
+                num(6),
+            ),
+            tup(
+                num(1),
+            ),
+            FALSE,
+        )
+        + REDUCE
+    ),
     "a tensor of an int instead of a storage": sd(w=v2(storage=num(0))),
     "a protocol 4 opcode (SHORT_BINUNICODE)": PROTO + EMPTY_DICT + b"\x8c\x01w" + v2() + SETITEM + STOP,
     "DUP and POP": sd(w=v2() + b"2" + b"0"),
     "a memo entry never put": sd(w=get(77)),
     "a truncated pickle": sd(w=v2())[:-10],
-    "a state dict of a tensor's parameter of an int tensor requiring grad": sd(p=param(v2(storage=pid(glob("torch", "IntStorage"))))),
+    "a state dict of a tensor's parameter of an int tensor requiring grad": sd(
+        p=param(v2(storage=pid(glob("torch", "IntStorage"))))
+    ),
 }
 
 STRICTER = {
     # torch reads these as values other than the file's bytes, or as objects a state dict never holds
     "metadata neg (torch negates every value)": sd(w=v2(meta=EMPTY_DICT + text("neg") + TRUE + SETITEM)),
     "a list that contains itself": sd(l=EMPTY_LIST + put(201) + get(201) + APPEND, w=v2()),
-    "a quantized tensor (qint8 without a quantizer)": sd(w=v2(storage=pid(glob("torch", "QInt8Storage"), numel=num(24)), size=tup(num(4),), stride=tup(num(1),))),
+    "a quantized tensor (qint8 without a quantizer)": sd(
+        w=v2(
+            storage=pid(glob("torch", "QInt8Storage"), numel=num(24)),
+            size=tup(
+                num(4),
+            ),
+            stride=tup(
+                num(1),
+            ),
+        )
+    ),
     "a bits8 tensor": sd(b=v3(glob("torch", "bits8"), size=tup(num(24)), stride=tup(num(1)))),
 }
 
@@ -432,9 +553,11 @@ TORCH_ARCHIVE_RULES = {  # what torch itself checks before the pickle (the first
     "no version record": lambda records: {"records": [(n, d) for n, d in records if not n.endswith("/version")]},
     "version 11": lambda records: {"records": [(n, b"11\n" if n.endswith("/version") else d) for n, d in records]},
     "a storage alignment that is no number": lambda records: {
-        "records": [(n, b"x" if n.endswith("/.storage_alignment") else d) for n, d in records]},
+        "records": [(n, b"x" if n.endswith("/.storage_alignment") else d) for n, d in records]
+    },
     "big-endian bytes (torch swaps them)": lambda records: {
-        "records": [(n, b"big" if n.endswith("/byteorder") else d) for n, d in records]},
+        "records": [(n, b"big" if n.endswith("/byteorder") else d) for n, d in records]
+    },
     "bytes after the archive": lambda records: {"records": records, "tail": b"junk"},
 }
 

@@ -150,7 +150,10 @@ def test_format_table_aligns_numbers_right():
     assert text.splitlines() == ["op       seconds", "-------  -------", "cp          1.50", "convert    12.25"]
 
 
-@pytest.mark.parametrize("script", ["bench_ab.py", "bench_convert.py", "bench_reshard.py", "bench_checkpoint.py", "bench_train.py", "bench_verify.py"])
+@pytest.mark.parametrize(
+    "script",
+    ["bench_ab.py", "bench_convert.py", "bench_reshard.py", "bench_checkpoint.py", "bench_train.py", "bench_verify.py"],
+)
 def test_scripts_parse_their_options(script):
     out = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"], capture_output=True, text=True, check=True)
     assert "usage:" in out.stdout

@@ -58,8 +58,19 @@ def titan(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("titan")
     state = titan_state(load_file(str(src / "model.safetensors")), config, steps=2)
     torch.save(state, tmp / "state.pt")
-    done = subprocess.run([sys.executable, str(HERE / "titan_dcp.py"), str(tmp / "ckpt/step-2"), str(tmp / "state.pt"),
-                           str(src / "config.json"), "2"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "titan_dcp.py"),
+            str(tmp / "ckpt/step-2"),
+            str(tmp / "state.pt"),
+            str(src / "config.json"),
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return src, state, tmp / "ckpt"
 
@@ -72,11 +83,27 @@ def _reshard(*args) -> None:
 def test_titan_to_nxd_tp2_pp2_by_meaning_and_back_bit_identical(titan, tmp_path):
     src, state, ckpt = titan
     cfg = json.loads((src / "config.json").read_text())
-    _reshard(ckpt, tmp_path / "nxd", "--config", src / "config.json", "--tp", 2, "--pp", 2, "--dp", 2, "--zero1", "--qkv", "gqa",
-             "--format", "torch")
+    _reshard(
+        ckpt,
+        tmp_path / "nxd",
+        "--config",
+        src / "config.json",
+        "--tp",
+        2,
+        "--pp",
+        2,
+        "--dp",
+        2,
+        "--zero1",
+        "--qkv",
+        "gqa",
+        "--format",
+        "torch",
+    )
     tag = tmp_path / "nxd/step_2"
     assert sorted(p.name for p in (tag / "optim").iterdir()) == sorted(
-        f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_{p:02d}.pt" for d in range(2) for t in range(2) for p in range(2))
+        f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_{p:02d}.pt" for d in range(2) for t in range(2) for p in range(2)
+    )
     # by meaning: every weight and moment is the torchtitan state's, in Hugging Face's names and rows
     loaded = load_checkpoint(tmp_path / "nxd", None, target_layout=Layout(), rank=(0, 0))
     want = to_hf(state["model"], cfg)
@@ -91,13 +118,18 @@ def test_titan_to_nxd_tp2_pp2_by_meaning_and_back_bit_identical(titan, tmp_path)
     assert loaded.scheduler["last_epoch"] == 2 and loaded.user_content["step"] == 2
     # and back: torch's DCP reader reads every item of the original, bit for bit
     _reshard(tmp_path / "nxd", tmp_path / "back", "--format", "dcp")
-    got, want = _flat(torch_reads(tmp_path / "back/step-2", tmp_path / "b.pt")), _flat(torch_reads(ckpt / "step-2", tmp_path / "a.pt"))
+    got, want = (
+        _flat(torch_reads(tmp_path / "back/step-2", tmp_path / "b.pt")),
+        _flat(torch_reads(ckpt / "step-2", tmp_path / "a.pt")),
+    )
     assert set(got) == set(want) and len(want) > 600
     for key, value in want.items():
         assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
     q = "layers.0.attention.wq.weight"  # q stays in torchtitan's row order, the moments too
-    assert torch.equal(hf_rows(got[f"optimizer.state.{q}.exp_avg"], 8), to_hf(
-        {q: state["optimizer"][q]["exp_avg"]}, cfg)["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(
+        hf_rows(got[f"optimizer.state.{q}.exp_avg"], 8),
+        to_hf({q: state["optimizer"][q]["exp_avg"]}, cfg)["model.layers.0.self_attn.q_proj.weight"],
+    )
 
 
 def test_inspect_says_torchtitan(titan):
@@ -114,17 +146,60 @@ def test_resume_from_titan_via_nxd_first_step_is_adamw(titan, tmp_path):
     from trainer.data import Batches, TokenFile
 
     src, _, ckpt = titan
-    _reshard(ckpt, tmp_path / "nxd", "--config", src / "config.json", "--tp", 2, "--pp", 2, "--qkv", "gqa",
-             "--format", "torch")
+    _reshard(
+        ckpt,
+        tmp_path / "nxd",
+        "--config",
+        src / "config.json",
+        "--tp",
+        2,
+        "--pp",
+        2,
+        "--qkv",
+        "gqa",
+        "--format",
+        "torch",
+    )
     tag = tmp_path / "nxd/step_2"
     lr = torch.load(tag / "scheduler.pt", weights_only=True)["_last_lr"][0]
     tokens = corpus_tokens(tmp_path / "tokens.bin", vocab=256)
-    args = ["--model", str(src), "--data", str(tokens), "--resume", str(tag), "--export-hf", str(tmp_path / "out"),
-            "--metrics", str(tmp_path / "m.jsonl"), "--steps", "3", "--dtype", "fp32", "--seq-len", "16",
-            "--micro-batch", "1", "--global-batch", "4", "--no-progress", "--threads", "1", "--lr", str(lr),
-            "--decay", "constant", "--tp", "2", "--pp", "2", "--qkv", "gqa"]
+    args = [
+        "--model",
+        str(src),
+        "--data",
+        str(tokens),
+        "--resume",
+        str(tag),
+        "--export-hf",
+        str(tmp_path / "out"),
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+        "--steps",
+        "3",
+        "--dtype",
+        "fp32",
+        "--seq-len",
+        "16",
+        "--micro-batch",
+        "1",
+        "--global-batch",
+        "4",
+        "--no-progress",
+        "--threads",
+        "1",
+        "--lr",
+        str(lr),
+        "--decay",
+        "constant",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--qkv",
+        "gqa",
+    ]
     check_ok(run_ranks(4, args))
-    record, = steps(tmp_path / "m.jsonl")
+    (record,) = steps(tmp_path / "m.jsonl")
     assert record["step"] == 3 and record["lr"] == pytest.approx(lr, rel=1e-12)
     inputs, targets = Batches(TokenFile(tokens), 16, 4, 1, 1, 0, 1234, 256).step_batch()
     before, after, loss = serial_adamw_step(tag, src / "config.json", inputs, targets)
@@ -142,7 +217,9 @@ def test_a_dcp_without_optimizer_state_is_one_line_exit_2(tiny_model, tmp_path):
 
     src = tiny_model(MODEL)
     shardkit.convert(src, tmp_path / "dcp", Layout(), format="dcp", convention="torchtitan")
-    run = CliRunner().invoke(cli, ["ckpt", "reshard", str(tmp_path / "dcp"), str(tmp_path / "out"), "--format", "torch"])
+    run = CliRunner().invoke(
+        cli, ["ckpt", "reshard", str(tmp_path / "dcp"), str(tmp_path / "out"), "--format", "torch"]
+    )
     assert run.exit_code == 2 and len(run.output.strip().splitlines()) == 1, run.output
     assert "optimizer.state.tok_embeddings.weight.exp_avg is missing" in run.output
     assert not (tmp_path / "out").exists()
@@ -160,8 +237,20 @@ def titan03(request, tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"titan03-{request.param}")
     state = titan03_state(load_file(str(src / "model.safetensors")), config, request.param == "fused", steps=2)
     torch.save(state, tmp / "state.pt")
-    done = subprocess.run([sys.executable, str(HERE / "titan_dcp.py"), str(tmp / "ckpt/step-2"), str(tmp / "state.pt"),
-                           str(src / "config.json"), "2", "--0.3"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "titan_dcp.py"),
+            str(tmp / "ckpt/step-2"),
+            str(tmp / "state.pt"),
+            str(src / "config.json"),
+            "2",
+            "--0.3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return src, state, tmp / "ckpt"
 
@@ -187,8 +276,23 @@ def test_titan03_to_nxd_by_meaning_and_its_export(titan03, tmp_path):
     the weights."""
     src, state, ckpt = titan03
     cfg = json.loads((src / "config.json").read_text())
-    _reshard(ckpt, tmp_path / "nxd", "--config", src / "config.json", "--tp", 2, "--pp", 2, "--dp", 2, "--zero1", "--qkv", "gqa",
-             "--format", "torch")
+    _reshard(
+        ckpt,
+        tmp_path / "nxd",
+        "--config",
+        src / "config.json",
+        "--tp",
+        2,
+        "--pp",
+        2,
+        "--dp",
+        2,
+        "--zero1",
+        "--qkv",
+        "gqa",
+        "--format",
+        "torch",
+    )
     loaded = load_checkpoint(tmp_path / "nxd", None, target_layout=Layout(), rank=(0, 0))
     want = to_hf03(state["model"], cfg)
     got = _hf_names(loaded.model)
@@ -199,8 +303,9 @@ def test_titan03_to_nxd_by_meaning_and_its_export(titan03, tmp_path):
         assert set(have) == set(wanted) and all(torch.equal(have[n], wanted[n]) for n in wanted), moment
     assert {float(e["step"]) for e in loaded.optimizer.state.values()} == {2.0}
     assert loaded.optimizer.param_groups == [state["hyper"]]  # betas saved as the tuple it is
-    run = CliRunner().invoke(cli, ["merge", str(ckpt / "step-2"), str(tmp_path / "hf"), "--config",
-                                   str(src / "config.json")])
+    run = CliRunner().invoke(
+        cli, ["merge", str(ckpt / "step-2"), str(tmp_path / "hf"), "--config", str(src / "config.json")]
+    )
     assert run.exit_code == 0, run.output
     merged = load_file(str(tmp_path / "hf/model.safetensors"))
     assert set(merged) == set(want) and all(torch.equal(merged[n], want[n]) for n in want)
@@ -237,11 +342,29 @@ def test_titan03_written_back_loads_in_torchtitans_model(titan03, tmp_path):
     into the model of the same kind with the state's values; the other kind's keys are missing."""
     src, state, ckpt = titan03
     cfg = json.loads((src / "config.json").read_text())
-    _reshard(ckpt, tmp_path / "nxd", "--config", src / "config.json", "--tp", 2, "--pp", 2, "--dp", 2, "--zero1", "--qkv", "gqa",
-             "--format", "torch")
+    _reshard(
+        ckpt,
+        tmp_path / "nxd",
+        "--config",
+        src / "config.json",
+        "--tp",
+        2,
+        "--pp",
+        2,
+        "--dp",
+        2,
+        "--zero1",
+        "--qkv",
+        "gqa",
+        "--format",
+        "torch",
+    )
     mine, other = ("torchtitan-0.3", "torchtitan-0.3-unfused")[:: 1 if state["fused"] else -1]
     _reshard(tmp_path / "nxd", tmp_path / "back", "--format", "dcp", "--convention", mine, "--tp", "2")
-    got, want = _flat(torch_reads(tmp_path / "back/step-2", tmp_path / "b.pt")), _flat(torch_reads(ckpt / "step-2", tmp_path / "a.pt"))
+    got, want = (
+        _flat(torch_reads(tmp_path / "back/step-2", tmp_path / "b.pt")),
+        _flat(torch_reads(ckpt / "step-2", tmp_path / "a.pt")),
+    )
     assert set(got) == set(want) and len(want) > 500
     for key, value in want.items():
         assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
@@ -253,8 +376,11 @@ def test_titan03_written_back_loads_in_torchtitans_model(titan03, tmp_path):
     _reshard(tmp_path / "nxd", tmp_path / "other", "--format", "dcp", "--convention", other)
     from torch.distributed.checkpoint.api import CheckpointException
 
-    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optimizer\.state\.layers\.\d+"
-                       r"\.attention\.qkv_linear\.wq"):
+    with pytest.raises(
+        CheckpointException,
+        match=r"Missing key in checkpoint state_dict: optimizer\.state\.layers\.\d+"
+        r"\.attention\.qkv_linear\.wq",
+    ):
         _load_like_titan03(tmp_path / "other/step-2", cfg, state["fused"])
 
 
@@ -267,11 +393,25 @@ def test_titan03_moments_in_128_chunks_are_read_or_refused(titan03, tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     name = "layers.0.attention.qkv_linear." + ("wqkv" if state["fused"] else "wq") + ".weight"
     moment = state["optimizer"][name]["exp_avg"]
-    for case, tiles in (("good", grid(tuple(moment.shape), 16, 8)), ("bad", _miscounted(grid(tuple(moment.shape), 16, 8)))):
+    for case, tiles in (
+        ("good", grid(tuple(moment.shape), 16, 8)),
+        ("bad", _miscounted(grid(tuple(moment.shape), 16, 8))),
+    ):
         shutil.copytree(ckpt, tmp_path / case)
         retile(tmp_path / case / "step-2", f"optimizer.state.{name}.exp_avg", tiles, moment)
-        run = CliRunner().invoke(cli, ["ckpt", "reshard", str(tmp_path / case), str(tmp_path / f"{case}-nxd"),
-                                       "--config", str(src / "config.json"), "--format", "torch"])
+        run = CliRunner().invoke(
+            cli,
+            [
+                "ckpt",
+                "reshard",
+                str(tmp_path / case),
+                str(tmp_path / f"{case}-nxd"),
+                "--config",
+                str(src / "config.json"),
+                "--format",
+                "torch",
+            ],
+        )
         if case == "bad":
             assert run.exit_code == 2 and len(run.output.strip().splitlines()) == 1, run.output
             assert f"the chunks of optimizer.state.{name}.exp_avg do not tile its shape" in run.output
@@ -284,8 +424,11 @@ def test_titan03_moments_in_128_chunks_are_read_or_refused(titan03, tmp_path):
         assert all(torch.equal(have[n], wanted[n]) for n in wanted)
 
 
-@pytest.mark.skipif(titan03_code().whose == "imitation", reason="torchtitan 0.3's files are not here: "
-                    "`python scripts/check_torchtitan.py fetch DIR`, then TORCHTITAN_SRC=DIR")
+@pytest.mark.skipif(
+    titan03_code().whose == "imitation",
+    reason="torchtitan 0.3's files are not here: "
+    "`python scripts/check_torchtitan.py fetch DIR`, then TORCHTITAN_SRC=DIR",
+)
 def test_the_imitation_of_torchtitan03_is_torchtitans_code(tiny_model):
     """tests/titan_dcp.py's imitation of torchtitan 0.3's fused-qkv hooks and flat optimizer state
     gives what torchtitan's own code (its published wheel's files) gives: the model's state dict
@@ -296,8 +439,14 @@ def test_the_imitation_of_torchtitan03_is_torchtitans_code(tiny_model):
     cfg = json.loads((src / "config.json").read_text())
     hf = load_file(str(src / "model.safetensors"))
     own = titan03_code()
-    imitation = titan_dcp.TitanCode(titan_dcp.split_fused, titan_dcp.merge_fused, titan_dcp.init_state,
-                                    titan_dcp.flat_state, titan_dcp.load_flat_state, "imitation")
+    imitation = titan_dcp.TitanCode(
+        titan_dcp.split_fused,
+        titan_dcp.merge_fused,
+        titan_dcp.init_state,
+        titan_dcp.flat_state,
+        titan_dcp.load_flat_state,
+        "imitation",
+    )
     results = []
     for code in (own, imitation):
         model = TitanLlama03(cfg, code)
@@ -316,8 +465,9 @@ def test_the_imitation_of_torchtitan03_is_torchtitans_code(tiny_model):
         code.load_flat_state(fresh, states["optimizer"])
         results.append((_flat(states), dict(again.named_parameters()), fresh.state_dict()["state"]))
     (a, pa, sa), (b, pb, sb) = results
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
-                                    for k in a)
+    assert set(a) == set(b) and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
     assert any(".wqkv." in k for k in a) and any(".qkv_linear.wq." in k for k in a)
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
@@ -335,8 +485,19 @@ def test_titan03_state_both_fused_and_apart_is_one_line_exit_2(titan03, tmp_path
     meta.state_dict_metadata[add] = meta.state_dict_metadata[have]  # the same chunks, listed under the other name
     meta.storage_data.update({replace(k, fqn=add): v for k, v in meta.storage_data.items() if k.fqn == have})
     (folder / ".metadata").write_bytes(pickle.dumps(meta))
-    run = CliRunner().invoke(cli, ["ckpt", "reshard", str(tmp_path / "mixed"), str(tmp_path / "out"), "--config",
-                                   str(src / "config.json"), "--format", "torch"])
+    run = CliRunner().invoke(
+        cli,
+        [
+            "ckpt",
+            "reshard",
+            str(tmp_path / "mixed"),
+            str(tmp_path / "out"),
+            "--config",
+            str(src / "config.json"),
+            "--format",
+            "torch",
+        ],
+    )
     assert run.exit_code == 2 and len(run.output.strip().splitlines()) == 1, run.output
     assert "holds the optimizer state of layers.1.attention.qkv_linear.wq.weight both apart and fused" in run.output
     assert not (tmp_path / "out").exists()

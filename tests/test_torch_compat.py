@@ -29,8 +29,10 @@ SPECS = [TensorSpec("a", (2, 3), torch.float32), TensorSpec("b", (4,), torch.uin
 
 def clear_error(name: str) -> re.Pattern:
     lo, hi = torch_compat.TESTED_TORCH
-    return re.compile(rf"^torch {re.escape(torch_compat.torch_version())} changed an internal shardkit relies on "
-                      rf"\({re.escape(name)}\): install torch {re.escape(lo)}–{re.escape(hi)} \(tested\) or report this$")
+    return re.compile(
+        rf"^torch {re.escape(torch_compat.torch_version())} changed an internal shardkit relies on "
+        rf"\({re.escape(name)}\): install torch {re.escape(lo)}–{re.escape(hi)} \(tested\) or report this$"
+    )
 
 
 def assert_clear(excinfo, name: str) -> None:
@@ -50,7 +52,10 @@ def fresh_checks():
 
 
 def tensors():
-    return {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.arange(4, dtype=torch.int32).to(torch.uint16)}
+    return {
+        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.arange(4, dtype=torch.int32).to(torch.uint16),
+    }
 
 
 def write_torch_file(path: Path) -> Path:
@@ -62,6 +67,7 @@ def write_torch_file(path: Path) -> Path:
 
 
 # --- the normal path, on the running torch ---------------------------------------------------------
+
 
 def test_tested_range_is_pyprojects_floor_and_cis():
     text = (ROOT / "pyproject.toml").read_text()
@@ -95,6 +101,7 @@ def test_normal_path_accessors():
 
 # --- each internal moved away or changed -------------------------------------------------------------
 
+
 def _rebuild(storage, storage_offset, size):  # a changed signature
     raise AssertionError("never called")
 
@@ -111,9 +118,15 @@ def test_rebuild_tensor(monkeypatch, attr, how):
     assert_clear(excinfo, f"torch._utils.{attr}")
 
 
-@pytest.mark.parametrize("attr,how", [("_new_dtypes", "moved"), ("_new_dtypes", "changed"),
-                                      ("_dtype_to_storage_type_map", "moved"),
-                                      ("_dtype_to_storage_type_map", "changed")])
+@pytest.mark.parametrize(
+    "attr,how",
+    [
+        ("_new_dtypes", "moved"),
+        ("_new_dtypes", "changed"),
+        ("_dtype_to_storage_type_map", "moved"),
+        ("_dtype_to_storage_type_map", "changed"),
+    ],
+)
 def test_storage_tables(monkeypatch, attr, how):
     if how == "moved":
         monkeypatch.delattr(torch.storage, attr)
@@ -136,20 +149,25 @@ def test_weights_only_unpickler(monkeypatch, tmp_path, how):
     if how == "moved":
         monkeypatch.delattr(wou, "Unpickler")
     else:
+
         class Unpickler:  # lost the encoding keyword
             def __init__(self, file):
                 pass
+
         monkeypatch.setattr(wou, "Unpickler", Unpickler)
     with pytest.raises(TorchInternalsError) as excinfo:
         load_metadata(path)
     assert_clear(excinfo, "torch._weights_only_unpickler.Unpickler")
 
 
-@pytest.mark.parametrize("module,attr,name", [
-    (torch._C, "PyTorchFileWriter", "torch._C.PyTorchFileWriter"),
-    (torch.serialization, "get_crc32_options", "torch.serialization.get_crc32_options"),
-    (torch.serialization, "_get_storage_alignment", "torch.serialization._get_storage_alignment"),
-])
+@pytest.mark.parametrize(
+    "module,attr,name",
+    [
+        (torch._C, "PyTorchFileWriter", "torch._C.PyTorchFileWriter"),
+        (torch.serialization, "get_crc32_options", "torch.serialization.get_crc32_options"),
+        (torch.serialization, "_get_storage_alignment", "torch.serialization._get_storage_alignment"),
+    ],
+)
 def test_file_writer_moved(monkeypatch, tmp_path, module, attr, name):
     monkeypatch.delattr(module, attr)
     with pytest.raises(TorchInternalsError) as excinfo:
@@ -161,6 +179,7 @@ def test_file_writer_changed(monkeypatch, tmp_path):
     class PyTorchFileWriter:  # takes the stream alone, as torch before 2.5 did
         def __init__(self, out):
             pass
+
     monkeypatch.setattr(torch._C, "PyTorchFileWriter", PyTorchFileWriter)
     with pytest.raises(TorchInternalsError) as excinfo:
         TorchWriter(tmp_path / "rank.pt", tmp_path, SPECS)
@@ -179,6 +198,7 @@ def test_pure_pickler_moved(monkeypatch):
 
     class Sub(missing):  # as xser's reference pickler subclasses it at import
         pass
+
     with pytest.raises(TorchInternalsError, match=r"changed an internal shardkit relies on \(pickle\._Pickler\)"):
         Sub(io.BytesIO(), protocol=2)
 
@@ -190,6 +210,7 @@ def test_xser_pickler_is_pure_python():
 
 
 # --- optional stacks ---------------------------------------------------------------------------------
+
 
 def test_imports_without_torch_xla_and_neuronx_distributed():
     """Every shardkit module imports, and the CLI answers, with torch-xla and neuronx-distributed
@@ -209,6 +230,12 @@ assert result.exit_code == 0, result.output
 assert not any(n.split(".")[0] in ("torch_xla", "neuronx_distributed") for n, m in sys.modules.items() if m is not None)
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -171,7 +171,11 @@ class _Moved:
 
     def __reduce__(self):
         hooks = __import__("collections").OrderedDict()
-        return (torch._utils._rebuild_tensor_v2, (_MARK, 0, (4,), (1,), False, hooks), {"file_offset": 0, "shape": (1 << 20,)})
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (_MARK, 0, (4,), (1,), False, hooks),
+            {"file_offset": 0, "shape": (1 << 20,)},
+        )
 
 
 def test_fields_changed_after_a_tensor_is_built_are_never_trusted(tmp_path, monkeypatch):

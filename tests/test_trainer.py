@@ -50,8 +50,6 @@ REL = 1e-5
 work, hf_model, tokens = tiny_run_fixtures("trainer", CONFIG)
 
 
-
-
 @pytest.fixture(scope="module")
 def serial(work, hf_model, tokens):
     """The reference: tp1pp1 in this process; its metrics and its exported HF weights."""
@@ -130,9 +128,35 @@ def test_tiny_model_learns_and_exports(work, tokens):
     start = work / "learn-hf"
     AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg)).save_pretrained(start)
     metrics, export = work / "learn.jsonl", work / "learn-export"
-    run_inprocess(["--model", str(start), "--data", str(tokens), "--metrics", str(metrics), "--seq-len", "128",
-                   "--micro-batch", "16", "--global-batch", "16", "--steps", "150", "--lr", "1e-2", "--warmup", "15",
-                   "--dtype", "fp32", "--no-progress", "--threads", "1", "--export-hf", str(export)])
+    run_inprocess(
+        [
+            "--model",
+            str(start),
+            "--data",
+            str(tokens),
+            "--metrics",
+            str(metrics),
+            "--seq-len",
+            "128",
+            "--micro-batch",
+            "16",
+            "--global-batch",
+            "16",
+            "--steps",
+            "150",
+            "--lr",
+            "1e-2",
+            "--warmup",
+            "15",
+            "--dtype",
+            "fp32",
+            "--no-progress",
+            "--threads",
+            "1",
+            "--export-hf",
+            str(export),
+        ]
+    )
     text = np.frombuffer(CORPUS.read_bytes(), dtype=np.uint8)
     entropy = unigram_entropy(text)
     trained = losses(metrics)
@@ -141,14 +165,14 @@ def test_tiny_model_learns_and_exports(work, tokens):
     assert final < 0.75 * entropy, f"final loss {final:.3f} is not well below the unigram entropy {entropy:.3f}"
 
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
-    windows = torch.from_numpy(text[:16 * 128].astype(np.int64)).view(16, 128)  # the trained length
+    windows = torch.from_numpy(text[: 16 * 128].astype(np.int64)).view(16, 128)  # the trained length
     with torch.no_grad():
         loss = model(input_ids=windows, labels=windows).loss.item()
     assert loss < 0.8 * entropy, f"exported model's loss {loss:.3f} (trainer's {final:.3f})"
     prompt = torch.tensor([list(b"The river ")])
     out = model.generate(prompt, max_new_tokens=40, do_sample=False)
     assert out.shape == (1, prompt.shape[1] + 40)
-    generated = bytes(out[0, prompt.shape[1]:].tolist())
+    generated = bytes(out[0, prompt.shape[1] :].tolist())
     assert sum(32 <= b < 127 for b in generated) >= 30, generated  # mostly printable text
 
 
@@ -171,8 +195,20 @@ BAD_CASES = {
 def test_bad_input_one_line_every_rank_exits(name, work, hf_model, tokens):
     nproc, extra, fragment = BAD_CASES[name]
     out = work / f"bad-{name}"
-    args = ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--checkpoint-dir", str(out / "ckpt"),
-            "--metrics", str(out / "metrics.jsonl"), "--export-hf", str(out / "export"), *extra]
+    args = [
+        "--model",
+        str(hf_model),
+        "--data",
+        str(tokens),
+        *COMMON,
+        "--checkpoint-dir",
+        str(out / "ckpt"),
+        "--metrics",
+        str(out / "metrics.jsonl"),
+        "--export-hf",
+        str(out / "export"),
+        *extra,
+    ]
     done = torchrun(nproc, args, timeout=120)  # a hang fails here
     assert done.returncode == 1, done.stderr  # torchrun's own code when its workers fail
     assert worker_exit_codes(done.stderr) == {rank: 2 for rank in range(nproc)}, done.stderr  # none SIGTERMed
@@ -189,8 +225,20 @@ def test_bad_input_single_process(tmp_path, hf_model, tokens, capsys):
     code = main(["--model", str(tmp_path / "nope"), "--data", str(tokens), "--checkpoint-dir", str(tmp_path / "c")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("trainer: error:") and "does not exist" in err[0]
-    code = main(["--model", str(hf_model), "--data", str(tokens), "--seq-len", "32", "--global-batch", "3",
-                 "--micro-batch", "2"])
+    code = main(
+        [
+            "--model",
+            str(hf_model),
+            "--data",
+            str(tokens),
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "3",
+            "--micro-batch",
+            "2",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "multiple of --micro-batch 2" in err[0]
     from trainer.config import parse_args
@@ -200,15 +248,44 @@ def test_bad_input_single_process(tmp_path, hf_model, tokens, capsys):
     with pytest.raises(TrainerError, match="launch 4 processes"):
         plan_run(parse_args(["--model", str(hf_model), "--data", str(tokens), "--dp", "4"]), world=2)
     with pytest.raises(TrainerError, match="sequence-parallel needs --seq-len divisible"):
-        plan_run(parse_args(["--model", str(hf_model), "--data", str(tokens), "--tp", "4", "--kv-multiplier", "2",
-                             "--seq-len", "30", "--sequence-parallel"]), world=4)
+        plan_run(
+            parse_args(
+                [
+                    "--model",
+                    str(hf_model),
+                    "--data",
+                    str(tokens),
+                    "--tp",
+                    "4",
+                    "--kv-multiplier",
+                    "2",
+                    "--seq-len",
+                    "30",
+                    "--sequence-parallel",
+                ]
+            ),
+            world=4,
+        )
     from trainer.data import write_tokens
 
     wide = write_tokens(tmp_path / "wide.bin", np.arange(5000) % 300, 512)  # another tokenizer's ids
     (tmp_path / "t.bin").write_bytes(b"not a token file at all, sorry" * 3)
     for data, fragment in ((tmp_path / "t.bin", "not a token file"), (wide, "vocabulary of 512 ids")):
-        assert main(["--model", str(hf_model), "--data", str(data), "--seq-len", "32", "--checkpoint-dir",
-                     str(tmp_path / "c")]) == 2
+        assert (
+            main(
+                [
+                    "--model",
+                    str(hf_model),
+                    "--data",
+                    str(data),
+                    "--seq-len",
+                    "32",
+                    "--checkpoint-dir",
+                    str(tmp_path / "c"),
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and fragment in err[0], err
     assert not (tmp_path / "c").exists()
@@ -244,9 +321,28 @@ def test_rerunning_the_finished_readme_command_succeeds(tmp_path, hf_model, toke
     """README's command (checkpoints, async save, latest_if_exists, --export-hf) run twice under
     torchrun: the second run finds the run finished, keeps its own export and exits 0."""
     ckpt, export = tmp_path / "ckpt", tmp_path / "trained"
-    args = ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "2", "--tp", "2",
-            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--num-kept", "3", "--async-save",
-            "--resume", "latest_if_exists", "--export-hf", str(export)]
+    args = [
+        "--model",
+        str(hf_model),
+        "--data",
+        str(tokens),
+        *COMMON,
+        "--steps",
+        "2",
+        "--tp",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "1",
+        "--num-kept",
+        "3",
+        "--async-save",
+        "--resume",
+        "latest_if_exists",
+        "--export-hf",
+        str(export),
+    ]
     check_ok(torchrun(2, args, timeout=120))
     weights = (export / "model.safetensors").read_bytes()
     assert json.loads((export / "trainer-export.json").read_text())["step"] == 2
@@ -277,7 +373,9 @@ def test_export_destination_rules(tmp_path, hf_model, tokens, capsys):
     first = load_file(str(export / "model.safetensors"))
     assert main([*base, "--steps", "2"]) == 0  # the same run, one step further: its export is replaced
     assert json.loads((export / "trainer-export.json").read_text())["step"] == 2
-    assert not torch.equal(load_file(str(export / "model.safetensors"))["model.norm.weight"], first["model.norm.weight"])
+    assert not torch.equal(
+        load_file(str(export / "model.safetensors"))["model.norm.weight"], first["model.norm.weight"]
+    )
     capsys.readouterr()
     assert main([*base[:-1], str(hf_model), "--overwrite-export"]) == 2
     assert "overlaps --model" in capsys.readouterr().err
@@ -311,8 +409,12 @@ def test_load_keeps_the_sources_qkv_style_and_kv_replication(tmp_path, hf_model,
     with caplog.at_level(logging.INFO, logger="trainer"):
         layout = plan_run(parse_args([*base, "--qkv", "gqa"]), world=2).spec.layout
     assert (layout.qkv, layout.kv_replication) == ("gqa", "blocked")
-    assert plan_run(parse_args(["--model", str(hf_model), "--data", str(tokens), "--seq-len", "32"]),
-                    world=1).spec.layout.qkv == "separate"
+    assert (
+        plan_run(
+            parse_args(["--model", str(hf_model), "--data", str(tokens), "--seq-len", "32"]), world=1
+        ).spec.layout.qkv
+        == "separate"
+    )
 
 
 # ---- parts --------------------------------------------------------------------------------------------
@@ -344,8 +446,12 @@ def test_prepare_data_bytes(tmp_path):
     from trainer.data import TokenFile
 
     out = tmp_path / "tokens.bin"
-    done = subprocess.run([sys.executable, "scripts/prepare_data.py", str(CORPUS), "--out", str(out)],
-                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "scripts/prepare_data.py", str(CORPUS), "--out", str(out)],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert "unigram entropy" in done.stdout
     f = TokenFile(out)
@@ -386,9 +492,11 @@ def test_model_state_dict_is_the_rank_file(work, hf_model):
 def test_issue_command_line_parses():
     from trainer import parse_args
 
-    cfg = parse_args("--model ./llama-tp2pp2 --data ./tokens.bin --tp 2 --pp 2 --dp 2 --zero1 --micro-batch 1 "
-                     "--global-batch 16 --seq-len 2048 --lr 3e-4 --warmup 100 --steps 1000 --checkpoint-dir ./ckpt "
-                     "--checkpoint-every 100 --num-kept 3 --async-save --resume latest_if_exists".split())
+    cfg = parse_args(
+        "--model ./llama-tp2pp2 --data ./tokens.bin --tp 2 --pp 2 --dp 2 --zero1 --micro-batch 1 "
+        "--global-batch 16 --seq-len 2048 --lr 3e-4 --warmup 100 --steps 1000 --checkpoint-dir ./ckpt "
+        "--checkpoint-every 100 --num-kept 3 --async-save --resume latest_if_exists".split()
+    )
     assert (cfg.tp, cfg.pp, cfg.dp, cfg.zero1, cfg.async_save, cfg.num_kept) == (2, 2, 2, True, True, 3)
     assert cfg.resume == "latest_if_exists" and cfg.lr == 3e-4 and cfg.seq_len == 2048
 
@@ -411,8 +519,25 @@ SIX = ["--steps", "6"]  # after COMMON's 5: the later option wins
 def uninterrupted(work, hf_model, tokens):
     """6 steps at tp2pp2 without a break, checkpointing at step 3 (and 6)."""
     ckpt, metrics = work / "ckpt-tp2pp2", work / "six-tp2pp2.jsonl"
-    check_ok(run_ranks(4, run_args(hf_model, tokens, metrics, *SIX, "--tp", "2", "--pp", "2",
-                                  "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3")))
+    check_ok(
+        run_ranks(
+            4,
+            run_args(
+                hf_model,
+                tokens,
+                metrics,
+                *SIX,
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--checkpoint-dir",
+                str(ckpt),
+                "--checkpoint-every",
+                "3",
+            ),
+        )
+    )
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_3", "step_6"]
     return losses(metrics), ckpt
 
@@ -426,8 +551,24 @@ def test_resume_on_another_layout(target, work, hf_model, tokens, uninterrupted)
     metrics = work / f"resume-{target}.jsonl"
     args = run_args(hf_model, tokens, metrics, *SIX, "--resume", str(ckpt / "step_3"))
     if target == "tp4pp1":
-        check_ok(run_ranks(4, [*args, "--tp", "4", "--kv-multiplier", "2", "--kv-replication", "blocked", "--qkv",
-                              "fused", "--sequence-parallel", "--activation-checkpointing"]))
+        check_ok(
+            run_ranks(
+                4,
+                [
+                    *args,
+                    "--tp",
+                    "4",
+                    "--kv-multiplier",
+                    "2",
+                    "--kv-replication",
+                    "blocked",
+                    "--qkv",
+                    "fused",
+                    "--sequence-parallel",
+                    "--activation-checkpointing",
+                ],
+            )
+        )
     else:
         summary = run_inprocess(args)
         assert summary.first_step == 3 and summary.steps == 3
@@ -444,8 +585,23 @@ def test_resume_checkpoint_of_another_model(work, tokens, uninterrupted):
     cfg = fixture_config(CONFIG) | {"hidden_size": 64, "intermediate_size": 128}
     other = make_tiny_model(cfg, work / "other-hf")
     out = work / "bad-other-model"
-    done = run_ranks(2, ["--model", str(other), "--data", str(tokens), *COMMON, "--tp", "2",
-                        "--resume", str(uninterrupted[1] / "step_3"), "--metrics", str(out / "m.jsonl")], timeout=120)
+    done = run_ranks(
+        2,
+        [
+            "--model",
+            str(other),
+            "--data",
+            str(tokens),
+            *COMMON,
+            "--tp",
+            "2",
+            "--resume",
+            str(uninterrupted[1] / "step_3"),
+            "--metrics",
+            str(out / "m.jsonl"),
+        ],
+        timeout=120,
+    )
     assert done.returncode != 0
     lines = _error_lines(done.stderr)
     assert len(lines) == 1 and "another model" in lines[0] and "hidden_size" in lines[0], done.stderr
@@ -457,8 +613,22 @@ def test_zero1_async_retention_and_latest_if_exists(work, hf_model, tokens):
     and started again with the same command (--resume latest_if_exists): steps 5-6 equal those of an
     uninterrupted run. (Constant LR after warm-up, so the schedule does not depend on --steps.)"""
     ckpt = work / "ckpt-zero1"
-    flags = ["--dp", "2", "--zero1", "--decay", "constant", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-             "--num-kept", "1", "--async-save", "--resume", "latest_if_exists"]
+    flags = [
+        "--dp",
+        "2",
+        "--zero1",
+        "--decay",
+        "constant",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "2",
+        "--num-kept",
+        "1",
+        "--async-save",
+        "--resume",
+        "latest_if_exists",
+    ]
     check_ok(run_ranks(2, run_args(hf_model, tokens, work / "z-first.jsonl", "--steps", "4", *flags)))
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_4"]
     check_ok(run_ranks(2, run_args(hf_model, tokens, work / "z-second.jsonl", *SIX, *flags)))
@@ -505,7 +675,7 @@ def test_device_and_backend_choice_with_a_fake_torch_xla(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     par = parallel.init_parallel(1, 1, 2, torch.device("xla"), 30.0)
-    (backend, kwargs), = calls
+    ((backend, kwargs),) = calls
     assert backend == "xla" and kwargs["init_method"] == "xla://" and par.backend == "xla"
     assert par.dp_group.ranks == [0, 1]
 
@@ -518,8 +688,21 @@ NXD_CASES = {
     "tp2_pp2_dp1_torch": (1, []),  # remapped to tp1 pp1, separate q/k/v
     "reshard:tp2_dp2_pp1_xser": (2, ["--dp", "2", "--zero1"]),  # `ckpt reshard` to tp1 dp2 (xser), then dp2
 }
-NXD_RUN = ["--steps", "4", "--dtype", "fp32", "--seq-len", "16", "--micro-batch", "1", "--global-batch", "4",
-           "--no-progress", "--threads", "1"]
+NXD_RUN = [
+    "--steps",
+    "4",
+    "--dtype",
+    "fp32",
+    "--seq-len",
+    "16",
+    "--micro-batch",
+    "1",
+    "--global-batch",
+    "4",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 def nxd_golden() -> Path:
@@ -569,12 +752,23 @@ def serial_adamw_step(tag_dir: Path, config: Path, inputs: torch.Tensor, targets
     named = dict(model.named_parameters())
     groups = []
     for g, hyper in enumerate(opt_state.param_groups):
-        groups.append({"params": [named[n] for n in named if int(groups_of[n][0]) == g], "lr": lr,
-                       "betas": tuple(hyper["betas"]), "eps": hyper["eps"], "weight_decay": hyper["weight_decay"]})
+        groups.append(
+            {
+                "params": [named[n] for n in named if int(groups_of[n][0]) == g],
+                "lr": lr,
+                "betas": tuple(hyper["betas"]),
+                "eps": hyper["eps"],
+                "weight_decay": hyper["weight_decay"],
+            }
+        )
     opt = torch.optim.AdamW(groups)
     step = steps.pop()
     for n, p in named.items():
-        opt.state[p] = {"step": torch.tensor(step), "exp_avg": moments["exp_avg"][n].clone(), "exp_avg_sq": moments["exp_avg_sq"][n].clone()}
+        opt.state[p] = {
+            "step": torch.tensor(step),
+            "exp_avg": moments["exp_avg"][n].clone(),
+            "exp_avg_sq": moments["exp_avg_sq"][n].clone(),
+        }
     before = {n: p.detach().clone() for n, p in named.items()}
     logits = model(input_ids=inputs).logits.float()
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -608,13 +802,25 @@ def test_resume_from_nxd_checkpoint_first_step_is_adamw(case, tmp_path):
     hf = tmp_path / "hf"  # --model: the model's config (an NxD tag has none) and its weights, as HF
     export_checkpoint(root / name, hf, config=config)
     tokens = corpus_tokens(tmp_path / "tokens.bin", vocab=90)
-    args = ["--model", str(hf), "--data", str(tokens), "--resume", str(tag), "--export-hf", str(tmp_path / "out"),
-            "--metrics", str(tmp_path / "m.jsonl"), *NXD_RUN, *flags]
+    args = [
+        "--model",
+        str(hf),
+        "--data",
+        str(tokens),
+        "--resume",
+        str(tag),
+        "--export-hf",
+        str(tmp_path / "out"),
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+        *NXD_RUN,
+        *flags,
+    ]
     if nproc == 1:
         run_inprocess(args)
     else:
         check_ok(run_ranks(nproc, args))
-    record, = steps(tmp_path / "m.jsonl")
+    (record,) = steps(tmp_path / "m.jsonl")
     assert record["step"] == 4
 
     inputs, targets = Batches(TokenFile(tokens), 16, 4, 1, 1, 0, 1234, 90).step_batch()
@@ -636,9 +842,31 @@ def test_resume_from_nxd_checkpoint_first_step_is_adamw(case, tmp_path):
 def zero1_bf16(work, hf_model, tokens) -> Path:
     """tp2 dp2 ZeRO-1 in bf16 (fp32 master weights, weight decay 0.1) for 2 steps: tag step_2."""
     ckpt = work / "ckpt-zero1-bf16"
-    check_ok(run_ranks(4, run_args(hf_model, tokens, work / "zb.jsonl", "--steps", "2", "--dtype", "bf16",
-                                  "--tp", "2", "--dp", "2", "--zero1", "--qkv", "gqa", "--weight-decay", "0.1",
-                                  "--checkpoint-dir", str(ckpt))))
+    check_ok(
+        run_ranks(
+            4,
+            run_args(
+                hf_model,
+                tokens,
+                work / "zb.jsonl",
+                "--steps",
+                "2",
+                "--dtype",
+                "bf16",
+                "--tp",
+                "2",
+                "--dp",
+                "2",
+                "--zero1",
+                "--qkv",
+                "gqa",
+                "--weight-decay",
+                "0.1",
+                "--checkpoint-dir",
+                str(ckpt),
+            ),
+        )
+    )
     return ckpt / "step_2"
 
 
@@ -652,9 +880,11 @@ def test_zero1_checkpoint_each_dp_rank_writes_its_nxd_shard(zero1_bf16):
 
     tag = zero1_bf16
     assert sorted(p.name for p in (tag / "optim").iterdir()) == [
-        f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt" for d in range(2) for t in range(2)]
+        f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt" for d in range(2) for t in range(2)
+    ]
     assert sorted(p.name for p in (tag / "model").iterdir()) == [
-        f"dp_rank_00_tp_rank_{t:02d}_pp_rank_00.pt" for t in range(2)]
+        f"dp_rank_00_tp_rank_{t:02d}_pp_rank_00.pt" for t in range(2)
+    ]
     info = json.loads((tag / "shardkit.json").read_text())["checkpoint"]
     assert info["zero1"] and info["dp"] == 2 and info["world_size"] == 4 and info["optimizer"]["master_weights"]
     finer = 0
@@ -667,8 +897,10 @@ def test_zero1_checkpoint_each_dp_rank_writes_its_nxd_shard(zero1_bf16):
             obj = torch.load(tag / f"optim/dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt", weights_only=True)
             assert list(obj) == ["state", "param_groups", "base_state", "shape_info", "sharded_master_weights"]
             assert [g["weight_decay"] for g in obj["param_groups"]] == [0.1, 0.0]
-            assert [g["params"] for g in obj["param_groups"]] == [list(range(len(order) - 9)),
-                                                                 list(range(len(order) - 9, len(order)))]
+            assert [g["params"] for g in obj["param_groups"]] == [
+                list(range(len(order) - 9)),
+                list(range(len(order) - 9, len(order))),
+            ]
             for idx, name in enumerate(order):
                 state = loaded.optimizer.state[name]
                 assert obj["shape_info"][idx] == list(loaded.model[name].shape)
@@ -730,8 +962,9 @@ def test_master_weights_survive_reshard_and_carry_a_model_without_data(zero1_bf1
     export_checkpoint(out.parent, tmp_path / "hf-direct", out.name)
     direct = load_file(str(tmp_path / "hf-direct" / "model.safetensors"))
     assert torch.equal(direct["model.embed_tokens.weight"], src.model["model.embed_tokens.weight"])
-    assert torch.equal(direct["model.layers.3.self_attn.v_proj.weight"],
-                       src.model["model.layers.3.self_attn.qkv_proj.weight_v"])
+    assert torch.equal(
+        direct["model.layers.3.self_attn.v_proj.weight"], src.model["model.layers.3.self_attn.qkv_proj.weight_v"]
+    )
     # ckpt reshard writes the model from the masters: then it exports like any checkpoint
     again = reshard_training(out.parent, tmp_path / "materialised", Layout(qkv="gqa"), dp=1)
     export_checkpoint(again.parent, tmp_path / "hf")

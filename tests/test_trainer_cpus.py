@@ -86,7 +86,9 @@ def test_busy_cpus_sees_a_busy_loop():
     """/proc/stat's share: a process spinning on one CPU shows up as about one busy CPU."""
     if cpus.busy_cpus(0.05) is None:
         pytest.skip("no /proc/stat on this platform")
-    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"]
+    )
     try:
         time.sleep(0.5)
         assert cpus.busy_cpus(0.5) >= 0.7

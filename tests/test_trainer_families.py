@@ -122,7 +122,9 @@ def test_family_trains_like_transformers_and_adamw(name, work, tokens):
     got = losses(metrics)
     expected, trained = adamw_reference(model_dir, tokens)
     assert len(got) == STEPS
-    assert abs(expected[-1] - expected[0]) > 0.05 * expected[0], "the weights barely moved: the comparison would be weak"
+    assert abs(expected[-1] - expected[0]) > 0.05 * expected[0], (
+        "the weights barely moved: the comparison would be weak"
+    )
     assert rel_diff(got, expected) < REL, f"{name}: {got} vs transformers + AdamW {expected}"
     exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     ours, ref = probe_logits(exported), probe_logits(trained)
@@ -142,7 +144,9 @@ def stage_model(model_dir: Path, layout: Layout, tp_rank: int = 0, pp_rank: int 
 
     ckpt = open_checkpoint(model_dir)
     spec = ModelSpec.from_config(ckpt.config, layout)
-    model = StageModel(spec, TPContext(Group(list(range(layout.tp)), tp_rank)), pp_rank, torch.float32, torch.device("cpu"))
+    model = StageModel(
+        spec, TPContext(Group(list(range(layout.tp)), tp_rank)), pp_rank, torch.float32, torch.device("cpu")
+    )
     pieces = read_rank_pieces(ckpt, spec, tp_rank, pp_rank)
     model.load_pieces(pieces)
     return spec, model, pieces
@@ -172,7 +176,9 @@ def test_phi3_longrope_gives_transformers_logits(work):
         "short_factor": [1.0 + 0.1 * i for i in range(half)],
         "long_factor": [2.0 + 0.3 * i for i in range(half)],
     }
-    model_dir = tiny_model(work, "phi3-longrope", "phi3-tiny", {"rope_scaling": scaling, "original_max_position_embeddings": 16})
+    model_dir = tiny_model(
+        work, "phi3-longrope", "phi3-tiny", {"rope_scaling": scaling, "original_max_position_embeddings": 16}
+    )
     _, model, _ = stage_model(model_dir, Layout())
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for seq in (12, 40):
@@ -235,9 +241,24 @@ def test_family_resumes_on_another_layout(name, target, work, tokens):
     fixture, changes, nproc, layout = CASES[name]
     model_dir = tiny_model(work, name, fixture, changes)
     ckpt, whole, resumed = work / f"{name}-ckpt", work / f"{name}-whole.jsonl", work / f"{name}-resumed.jsonl"
-    check_ok(run_ranks(nproc, run_args(model_dir, tokens, whole, *layout, "--checkpoint-dir", str(ckpt),
-                                       "--checkpoint-every", "2", common=COMMON)))
+    check_ok(
+        run_ranks(
+            nproc,
+            run_args(
+                model_dir,
+                tokens,
+                whole,
+                *layout,
+                "--checkpoint-dir",
+                str(ckpt),
+                "--checkpoint-every",
+                "2",
+                common=COMMON,
+            ),
+        )
+    )
     procs = 2 if target else 1
-    check_ok(run_ranks(procs, run_args(model_dir, tokens, resumed, *target, "--resume", str(ckpt / "step_2"),
-                                       common=COMMON)))
+    check_ok(
+        run_ranks(procs, run_args(model_dir, tokens, resumed, *target, "--resume", str(ckpt / "step_2"), common=COMMON))
+    )
     assert rel_diff(losses(resumed), losses(whole)[2:]) < 1e-5, (losses(resumed), losses(whole))

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_helpers import (COMMON, ROOT, check_ok, losses, rel_diff, run_inprocess, run_ranks, steps,
-                             tiny_run_fixtures)
+from trainer_helpers import COMMON, ROOT, check_ok, losses, rel_diff, run_inprocess, run_ranks, steps, tiny_run_fixtures
 
 from shardkit.testing import fixture_config, make_tiny_model
 
@@ -122,8 +121,16 @@ def torchrun_script(nproc: int, script: Path, args: list[str], timeout: float = 
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -153,8 +160,22 @@ def serial_eval(work, hf_model, split_tokens):
     """tp1pp1 with evaluation every 2 steps (and after the last) and TensorBoard, in this process."""
     train, held_out = split_tokens
     metrics, tb = work / "eval-tp1pp1.jsonl", work / "tb-tp1pp1"
-    summary = run_inprocess(["--model", str(hf_model), "--data", str(train), "--eval-data", str(held_out), *COMMON,
-                             *EVAL, "--metrics", str(metrics), "--tensorboard", str(tb)])
+    summary = run_inprocess(
+        [
+            "--model",
+            str(hf_model),
+            "--data",
+            str(train),
+            "--eval-data",
+            str(held_out),
+            *COMMON,
+            *EVAL,
+            "--metrics",
+            str(metrics),
+            "--tensorboard",
+            str(tb),
+        ]
+    )
     return summary, metrics, tb
 
 
@@ -177,8 +198,22 @@ def test_evaluation_is_the_same_in_every_layout(layout, work, hf_model, split_to
     train, held_out = split_tokens
     metrics, tb = work / f"eval-{layout}.jsonl", work / f"tb-{layout}"
     extra = ["--tp", "2", "--progress", "--tensorboard", str(tb)] if layout == "tp2pp1" else ["--pp", "2"]
-    done = run_ranks(2, ["--model", str(hf_model), "--data", str(train), "--eval-data", str(held_out), *COMMON, *EVAL,
-                        "--metrics", str(metrics), *extra])
+    done = run_ranks(
+        2,
+        [
+            "--model",
+            str(hf_model),
+            "--data",
+            str(train),
+            "--eval-data",
+            str(held_out),
+            *COMMON,
+            *EVAL,
+            "--metrics",
+            str(metrics),
+            *extra,
+        ],
+    )
     check_ok(done)
     _, serial_metrics, _ = serial_eval
     got, expected = eval_records(metrics), eval_records(serial_metrics)
@@ -200,13 +235,21 @@ def test_tensorboard_event_file(serial_eval):
     events = EventAccumulator(str(tb))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "memory/peak_mb", "eval/loss",
-            "eval/perplexity"} <= tags
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "memory/peak_mb",
+        "eval/loss",
+        "eval/perplexity",
+    } <= tags
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses(metrics), rel=1e-6)
     assert [e.value for e in events.Scalars("train/lr")] == pytest.approx([r["lr"] for r in steps(metrics)], rel=1e-6)
-    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == \
-        [(r["step"], pytest.approx(r["eval_loss"], rel=1e-6)) for r in eval_records(metrics)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [
+        (r["step"], pytest.approx(r["eval_loss"], rel=1e-6)) for r in eval_records(metrics)
+    ]
 
 
 def _fake_tensorboard_module(monkeypatch):
@@ -238,15 +281,32 @@ def test_tensorboard_writer_calls(tmp_path, hf_model, split_tokens, monkeypatch)
     monkeypatch.setattr(loop, "summary_writer", FakeWriter)
     train, held_out = split_tokens
     metrics = tmp_path / "m.jsonl"
-    run_inprocess(["--model", str(hf_model), "--data", str(train), "--eval-data", str(held_out), *COMMON, "--steps", "2",
-                   "--eval-steps", "1", "--metrics", str(metrics), "--tensorboard", str(tmp_path / "tb")])
+    run_inprocess(
+        [
+            "--model",
+            str(hf_model),
+            "--data",
+            str(train),
+            "--eval-data",
+            str(held_out),
+            *COMMON,
+            "--steps",
+            "2",
+            "--eval-steps",
+            "1",
+            "--metrics",
+            str(metrics),
+            "--tensorboard",
+            str(tmp_path / "tb"),
+        ]
+    )
     assert calls[0] == ("init", str(tmp_path / "tb")) and closed == [True]
     by_tag = {}
     for tag, value, step in calls[1:]:
         by_tag.setdefault(tag, []).append((step, value))
     assert [s for s, _ in by_tag["train/loss"]] == [1, 2]
     assert [v for _, v in by_tag["train/loss"]] == pytest.approx(losses(metrics))
-    (step, value), = by_tag["eval/loss"]
+    ((step, value),) = by_tag["eval/loss"]
     assert step == 2 and value == pytest.approx(eval_records(metrics)[0]["eval_loss"])
     assert by_tag["eval/perplexity"][0][1] == pytest.approx(math.exp(value))
     for tag in ("train/lr", "train/grad_norm", "train/tokens_per_s", "memory/peak_mb"):
@@ -260,8 +320,19 @@ def test_tensorboard_missing_is_one_line_exit_2(tmp_path, hf_model, tokens, monk
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` fails as when not installed
     out = tmp_path / "run"
-    code = main(["--model", str(hf_model), "--data", str(tokens), *COMMON, "--tensorboard", str(out / "tb"),
-                 "--checkpoint-dir", str(out / "ckpt")])
+    code = main(
+        [
+            "--model",
+            str(hf_model),
+            "--data",
+            str(tokens),
+            *COMMON,
+            "--tensorboard",
+            str(out / "tb"),
+            "--checkpoint-dir",
+            str(out / "ckpt"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "pip install tensorboard" in err[0], err
     assert not out.exists()
@@ -312,23 +383,31 @@ def test_model_config_init_is_the_same_full_weights_in_every_layout(work):
         full = {name: drawn.rows(name, 0, shape[0]) for name, shape in serial.full_shapes.items()}
         for piece in serial.rank_pieces(0, 0):  # tp1pp1 (gate_up fused, as NxD holds it) is the same
             assert torch.equal(init_rank_pieces(serial, 1234, 0, 0)[piece.name], shard(piece, full))
-        layouts = [make_layout(tp=2, pp=2, qkv="fused"),
-                   make_layout(tp=4, kv_multiplier=2, kv_replication="blocked", qkv="gqa")]
+        layouts = [
+            make_layout(tp=2, pp=2, qkv="fused"),
+            make_layout(tp=4, kv_multiplier=2, kv_replication="blocked", qkv="gqa"),
+        ]
         for layout in layouts:
             spec = ModelSpec.from_config(cfg, layout)
             for pp in range(layout.pp):
                 for tp in range(layout.tp):
                     mine = init_rank_pieces(spec, 1234, tp, pp)
                     for piece in spec.rank_pieces(tp, pp):
-                        assert torch.equal(mine[piece.name], shard(piece, full)), (layout.describe(), tp, pp, piece.name)
+                        assert torch.equal(mine[piece.name], shard(piece, full)), (
+                            layout.describe(),
+                            tp,
+                            pp,
+                            piece.name,
+                        )
     embed = full["model.embed_tokens.weight"]
     assert torch.equal(embed[0], torch.zeros_like(embed[0]))
     assert float(embed[1:].std()) == pytest.approx(0.05, rel=0.05)
     assert float(full["model.layers.0.mlp.down_proj.weight"].mean()) == pytest.approx(0.0, abs=0.005)
     assert torch.equal(full["model.norm.weight"], torch.ones_like(full["model.norm.weight"]))
     other = InitialWeights(ModelSpec.from_config(config, make_layout()), 99)
-    assert not torch.equal(other.rows("model.layers.0.self_attn.q_proj.weight", 0, 32),
-                           full["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        other.rows("model.layers.0.self_attn.q_proj.weight", 0, 32), full["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def test_pretrain_from_config_in_any_layout(work, tokens):
@@ -364,8 +443,23 @@ def test_model_and_model_config_together_refused(tmp_path, hf_model, tokens, cap
 def four_steps(work, hf_model, tokens):
     """4 steps (cosine after 2 warm-up steps), checkpoints at steps 2 and 4."""
     ckpt = work / "ckpt-honest"
-    run_inprocess(["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "4", "--checkpoint-dir",
-                   str(ckpt), "--checkpoint-every", "2", "--metrics", str(work / "honest-first.jsonl")])
+    run_inprocess(
+        [
+            "--model",
+            str(hf_model),
+            "--data",
+            str(tokens),
+            *COMMON,
+            "--steps",
+            "4",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "2",
+            "--metrics",
+            str(work / "honest-first.jsonl"),
+        ]
+    )
     return ckpt
 
 
@@ -375,8 +469,19 @@ def test_resume_with_another_schedule_is_refused(tmp_path, hf_model, tokens, fou
     from trainer.__main__ import main
 
     out = tmp_path / "out"
-    base = ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--resume", str(four_steps / "step_2"),
-            "--metrics", str(out / "m.jsonl"), "--checkpoint-dir", str(out / "ckpt")]
+    base = [
+        "--model",
+        str(hf_model),
+        "--data",
+        str(tokens),
+        *COMMON,
+        "--resume",
+        str(four_steps / "step_2"),
+        "--metrics",
+        str(out / "m.jsonl"),
+        "--checkpoint-dir",
+        str(out / "ckpt"),
+    ]
     assert main([*base, "--steps", "6"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--steps 4 -> 6" in err[0] and "--override-schedule" in err[0], err
@@ -480,10 +585,28 @@ def test_bucketed_all_reduce_sums_each_tensor_with_bounded_collectives():
 @pytest.mark.parametrize("layout", [["--dp", "2"], ["--dp", "2", "--zero1"], ["--tp", "2", "--sequence-parallel"]])
 def test_small_buckets_give_the_same_training(layout, work, hf_model, tokens):
     """Buckets of 2 KiB (dozens of collectives a step) train exactly as one bucket of everything."""
-    whole, small = work / f"bucket-whole-{len(layout)}-{layout[0]}.jsonl", work / f"bucket-small-{len(layout)}-{layout[0]}.jsonl"
+    whole, small = (
+        work / f"bucket-whole-{len(layout)}-{layout[0]}.jsonl",
+        work / f"bucket-small-{len(layout)}-{layout[0]}.jsonl",
+    )
     for metrics, mb in ((whole, "512"), (small, "0.002")):
-        check_ok(run_ranks(2, ["--model", str(hf_model), "--data", str(tokens), "--metrics", str(metrics), *COMMON,
-                               *layout, "--grad-bucket-mb", mb]))
+        check_ok(
+            run_ranks(
+                2,
+                [
+                    "--model",
+                    str(hf_model),
+                    "--data",
+                    str(tokens),
+                    "--metrics",
+                    str(metrics),
+                    *COMMON,
+                    *layout,
+                    "--grad-bucket-mb",
+                    mb,
+                ],
+            )
+        )
     assert rel_diff(losses(small), losses(whole)) < 1e-6, (losses(small), losses(whole))
     assert [r["grad_norm"] for r in steps(small)] == pytest.approx([r["grad_norm"] for r in steps(whole)], rel=1e-6)
 
@@ -491,8 +614,9 @@ def test_small_buckets_give_the_same_training(layout, work, hf_model, tokens):
 def test_grad_bucket_mb_must_be_positive(tmp_path, hf_model, tokens, capsys):
     from trainer.__main__ import main
 
-    code = main(["--model", str(hf_model), "--data", str(tokens), "--grad-bucket-mb", "0", "--device", "cpu",
-                 "--no-progress"])
+    code = main(
+        ["--model", str(hf_model), "--data", str(tokens), "--grad-bucket-mb", "0", "--device", "cpu", "--no-progress"]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--grad-bucket-mb must be positive" in err[0], err
 
@@ -565,8 +689,21 @@ def _refused(main, args: list[str], capsys, *phrases: str) -> str:
 def run_a(work, hf_model, tokens):
     """Run A: 2 steps (seed 1), a checkpoint after each, its metrics in the checkpoint folder."""
     ckpt = work / "ckpt-run-a"
-    args = ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "2", "--seed", "1",
-            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    args = [
+        "--model",
+        str(hf_model),
+        "--data",
+        str(tokens),
+        *COMMON,
+        "--steps",
+        "2",
+        "--seed",
+        "1",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "1",
+    ]
     run_inprocess(args)
     return ckpt, args
 
@@ -603,8 +740,14 @@ def test_a_fresh_run_never_writes_beside_another_runs_checkpoints(run_a, tmp_pat
     ckpt = _copy(run_a[0], tmp_path / "ckpt")
     before = _folder_state(ckpt)
     args = [*run_a[1][:-4], "--checkpoint-dir", str(ckpt), "--seed", "2", "--steps", "1", "--num-kept", "1"]
-    line = _refused(main, args, capsys, "'s checkpoints (step_1, step_2)", "--seed 1 -> 2",
-                    "pass --resume to continue it or choose another --checkpoint-dir")
+    line = _refused(
+        main,
+        args,
+        capsys,
+        "'s checkpoints (step_1, step_2)",
+        "--seed 1 -> 2",
+        "pass --resume to continue it or choose another --checkpoint-dir",
+    )
     assert _folder_state(ckpt) == before
     assert f"holds run {json.loads((ckpt / 'run.json').read_text())['run']}'s" in line
     (ckpt / "run.json").unlink()  # an older trainer's folder, or NxD's: tags no run record names
@@ -622,8 +765,7 @@ def test_the_same_run_restarted_without_resume_is_told_to_resume(run_a, tmp_path
     ckpt = _copy(run_a[0], tmp_path / "ckpt")
     args = [*run_a[1][:-4], "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
     record = (ckpt / "run.json").read_bytes()
-    _refused(main, args, capsys, "already holds this run's checkpoints (step_1, step_2)",
-             "--resume latest_if_exists")
+    _refused(main, args, capsys, "already holds this run's checkpoints (step_1, step_2)", "--resume latest_if_exists")
     assert main([*args, "--steps", "3", "--override-schedule", "--resume", "latest_if_exists"]) == 0
     assert (ckpt / "step_3" / "done").is_file() and (ckpt / "run.json").read_bytes() == record
     starts = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
@@ -638,24 +780,70 @@ def test_resume_into_another_runs_folder_is_refused(run_a, tmp_path, capsys, hf_
     from trainer.__main__ import main
 
     a_id = json.loads((run_a[0] / "run.json").read_text())["run"]
-    base = ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "2", "--seed", "1",
-            "--resume", str(run_a[0] / "step_1")]
+    base = [
+        "--model",
+        str(hf_model),
+        "--data",
+        str(tokens),
+        *COMMON,
+        "--steps",
+        "2",
+        "--seed",
+        "1",
+        "--resume",
+        str(run_a[0] / "step_1"),
+    ]
     moved = tmp_path / "moved"
     assert main([*base, "--checkpoint-dir", str(moved)]) == 0
     assert json.loads((moved / "run.json").read_text())["run"] == a_id
     other = tmp_path / "other"
-    run_inprocess(["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "1", "--seed", "7",
-                   "--checkpoint-dir", str(other)])
+    run_inprocess(
+        [
+            "--model",
+            str(hf_model),
+            "--data",
+            str(tokens),
+            *COMMON,
+            "--steps",
+            "1",
+            "--seed",
+            "7",
+            "--checkpoint-dir",
+            str(other),
+        ]
+    )
     before = _folder_state(other)
-    _refused(main, [*base, "--checkpoint-dir", str(other)], capsys, "'s checkpoints (step_1)",
-             f"not those of the run --resume {run_a[0] / 'step_1'} continues (run {a_id})")
+    _refused(
+        main,
+        [*base, "--checkpoint-dir", str(other)],
+        capsys,
+        "'s checkpoints (step_1)",
+        f"not those of the run --resume {run_a[0] / 'step_1'} continues (run {a_id})",
+    )
     assert _folder_state(other) == before
     claimed = tmp_path / "claimed"
     claimed.mkdir()
     (claimed / "run.json").write_bytes((other / "run.json").read_bytes())
-    _refused(main, ["--model", str(hf_model), "--data", str(tokens), *COMMON, "--steps", "1",
-                    "--checkpoint-dir", str(claimed), "--resume", "latest_if_exists"], capsys,
-             "'s record (run.json, no checkpoint)", "--seed 7 -> 1234", "no complete checkpoint to continue")
+    _refused(
+        main,
+        [
+            "--model",
+            str(hf_model),
+            "--data",
+            str(tokens),
+            *COMMON,
+            "--steps",
+            "1",
+            "--checkpoint-dir",
+            str(claimed),
+            "--resume",
+            "latest_if_exists",
+        ],
+        capsys,
+        "'s record (run.json, no checkpoint)",
+        "--seed 7 -> 1234",
+        "no complete checkpoint to continue",
+    )
     assert sorted(p.name for p in claimed.iterdir()) == ["run.json"]
 
 

@@ -19,8 +19,18 @@ import pytest
 import torch
 
 from trainer_helpers import COMMON as BASE_COMMON
-from trainer_helpers import (adamw_reference, check_ok, losses, rel_diff, run_inprocess, run_ranks, steps,
-                             tiny_run_fixtures, torchrun, worker_exit_codes)
+from trainer_helpers import (
+    adamw_reference,
+    check_ok,
+    losses,
+    rel_diff,
+    run_inprocess,
+    run_ranks,
+    steps,
+    tiny_run_fixtures,
+    torchrun,
+    worker_exit_codes,
+)
 from trainer_helpers import run_args as base_run_args
 
 REL = 1e-5
@@ -33,8 +43,17 @@ PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # 1e-5 apart between layouts (whose sums round differently) while the median differs by 4e-9.
 # eps 1e-6 (typical adapter gradients here are ~1e-2) damps that without changing real updates.
 EPS = 1e-6
-COMMON = [*BASE_COMMON, "--eps", str(EPS), "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA),
-          "--lora-targets", TARGETS]
+COMMON = [
+    *BASE_COMMON,
+    "--eps",
+    str(EPS),
+    "--lora-rank",
+    str(RANK),
+    "--lora-alpha",
+    str(ALPHA),
+    "--lora-targets",
+    TARGETS,
+]
 SIX = ["--steps", "6"]
 
 
@@ -61,8 +80,18 @@ def assert_same_adapters(got: dict[str, torch.Tensor], expected: dict[str, torch
 def serial(work, hf_model, tokens):
     """tp1 in this process: its losses, its PEFT export and its checkpoint."""
     metrics = work / "tp1.jsonl"
-    summary = run_inprocess(run_args(hf_model, tokens, metrics, "--export-hf", str(work / "tp1-peft"),
-                                     "--export-lora", "--checkpoint-dir", str(work / "tp1-ckpt")))
+    summary = run_inprocess(
+        run_args(
+            hf_model,
+            tokens,
+            metrics,
+            "--export-hf",
+            str(work / "tp1-peft"),
+            "--export-lora",
+            "--checkpoint-dir",
+            str(work / "tp1-ckpt"),
+        )
+    )
     assert summary.steps == 5
     found = adapters(work / "tp1-peft")
     assert len(found) == 2 * 7 * 4  # A and B of 7 modules in 4 layers
@@ -83,8 +112,7 @@ PARALLEL_CASES = {
 def test_lora_parallel_equals_serial(name, work, hf_model, tokens, serial):
     nproc, extra = PARALLEL_CASES[name]
     metrics, export = work / f"{name}.jsonl", work / f"{name}-peft"
-    check_ok(run_ranks(nproc, run_args(hf_model, tokens, metrics, *extra, "--export-hf", str(export),
-                                      "--export-lora")))
+    check_ok(run_ranks(nproc, run_args(hf_model, tokens, metrics, *extra, "--export-hf", str(export), "--export-lora")))
     expected, expected_adapters = serial
     got = losses(metrics)
     assert len(got) == 5 and rel_diff(got, expected) < REL, (got, expected)
@@ -106,8 +134,9 @@ def test_lora_serial_equals_peft_and_adamw(hf_model, tokens, serial):
     from trainer.model import ModelSpec
 
     base = AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=int(ALPHA), lora_dropout=0.0,
-                                            target_modules=PEFT_TARGETS))
+    model = get_peft_model(
+        base, LoraConfig(r=RANK, lora_alpha=int(ALPHA), lora_dropout=0.0, target_modules=PEFT_TARGETS)
+    )
     spec = ModelSpec.from_config(load_config(hf_model), make_layout())
     lora = make_lora(LoraSettings(RANK, ALPHA, parse_targets(TARGETS)), spec)
     initial = lora.initial(1234, 0, 0)  # the trainer's initial adapters (tp1: the full tensors)
@@ -131,9 +160,31 @@ def test_lora_serial_equals_peft_and_adamw(hf_model, tokens, serial):
 def uninterrupted(work, hf_model, tokens):
     """6 steps at tp2 x dp2 with ZeRO-1 without a break, checkpointing at steps 3 and 6."""
     ckpt, metrics, export = work / "ckpt-tp2dp2", work / "six-tp2dp2.jsonl", work / "six-tp2dp2-peft"
-    check_ok(run_ranks(4, run_args(hf_model, tokens, metrics, *SIX, "--tp", "2", "--dp", "2", "--zero1",
-                                  "--qkv", "coalesced", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3",
-                                  "--export-hf", str(export), "--export-lora")))
+    check_ok(
+        run_ranks(
+            4,
+            run_args(
+                hf_model,
+                tokens,
+                metrics,
+                *SIX,
+                "--tp",
+                "2",
+                "--dp",
+                "2",
+                "--zero1",
+                "--qkv",
+                "coalesced",
+                "--checkpoint-dir",
+                str(ckpt),
+                "--checkpoint-every",
+                "3",
+                "--export-hf",
+                str(export),
+                "--export-lora",
+            ),
+        )
+    )
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_3", "step_6"]
     return losses(metrics), ckpt, adapters(export)
 
@@ -143,8 +194,19 @@ def test_lora_resume_on_another_layout(work, hf_model, tokens, uninterrupted):
     uninterrupted run and its final adapters (adapter pieces and their Adam moments resharded)."""
     expected, ckpt, expected_adapters = uninterrupted
     metrics, export = work / "resumed-tp1.jsonl", work / "resumed-tp1-peft"
-    summary = run_inprocess(run_args(hf_model, tokens, metrics, *SIX, "--resume", str(ckpt / "step_3"),
-                                     "--export-hf", str(export), "--export-lora"))
+    summary = run_inprocess(
+        run_args(
+            hf_model,
+            tokens,
+            metrics,
+            *SIX,
+            "--resume",
+            str(ckpt / "step_3"),
+            "--export-hf",
+            str(export),
+            "--export-lora",
+        )
+    )
     assert summary.first_step == 3 and summary.steps == 3
     records = steps(metrics)
     assert [r["step"] for r in records] == [4, 5, 6]
@@ -161,8 +223,13 @@ def test_lora_checkpoint_holds_only_adapters(work, hf_model, serial):
     names = set(safe_load(model_files[0], mmap=False))
     assert names == {n.removeprefix("base_model.model.") for n in serial[1]}
     config = json.loads((tag / "config.json").read_text())
-    assert config["trainer_lora"] == {"rank": RANK, "alpha": ALPHA, "targets": TARGETS.split(","),
-                                      "base_model": str(hf_model.absolute()), "base_model_type": "llama"}
+    assert config["trainer_lora"] == {
+        "rank": RANK,
+        "alpha": ALPHA,
+        "targets": TARGETS.split(","),
+        "base_model": str(hf_model.absolute()),
+        "base_model_type": "llama",
+    }
 
 
 # ---- 4. exports ---------------------------------------------------------------------------------------------------
@@ -176,12 +243,24 @@ def test_lora_peft_export_loads_and_equals_the_merged_export(work, hf_model, tok
     from transformers import AutoModelForCausalLM
 
     merged_dir = work / "tp1-merged"
-    summary = run_inprocess(run_args(hf_model, tokens, work / "merged.jsonl", "--resume",
-                                     str(work / "tp1-ckpt" / "step_5"), "--export-hf", str(merged_dir)))
+    summary = run_inprocess(
+        run_args(
+            hf_model,
+            tokens,
+            work / "merged.jsonl",
+            "--resume",
+            str(work / "tp1-ckpt" / "step_5"),
+            "--export-hf",
+            str(merged_dir),
+        )
+    )
     assert summary.steps == 0 and summary.exported
     config = json.loads((work / "tp1-peft" / "adapter_config.json").read_text())
-    assert config["r"] == RANK and config["lora_alpha"] == ALPHA and sorted(config["target_modules"]) == sorted(
-        PEFT_TARGETS)
+    assert (
+        config["r"] == RANK
+        and config["lora_alpha"] == ALPHA
+        and sorted(config["target_modules"]) == sorted(PEFT_TARGETS)
+    )
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     base = AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.float32)
     with torch.no_grad():
@@ -198,8 +277,19 @@ def test_lora_peft_export_loads_and_equals_the_merged_export(work, hf_model, tok
 def test_lora_bad_input_one_line_exit_2(tmp_path, work, hf_model, tokens, serial, capsys):
     from trainer.__main__ import main
 
-    base = ["--model", str(hf_model), "--data", str(tokens), "--seq-len", "32", "--global-batch", "4",
-            "--no-progress", "--checkpoint-dir", str(tmp_path / "c")]
+    base = [
+        "--model",
+        str(hf_model),
+        "--data",
+        str(tokens),
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "4",
+        "--no-progress",
+        "--checkpoint-dir",
+        str(tmp_path / "c"),
+    ]
     full_ckpt = tmp_path / "full-ckpt"
     cases = [
         (["--lora-rank", "-1"], "--lora-rank must be a positive whole number"),
@@ -208,8 +298,10 @@ def test_lora_bad_input_one_line_exit_2(tmp_path, work, hf_model, tokens, serial
         (["--export-lora", "--export-hf", str(tmp_path / "e")], "--export-lora writes LoRA adapters"),
         (["--lora-rank", "4", "--export-lora"], "give --export-hf"),
         (["--resume", str(work / "tp1-ckpt" / "step_5")], "holds LoRA adapters (rank 4, alpha 8"),
-        (["--lora-rank", "8", "--lora-targets", TARGETS, "--resume", str(work / "tp1-ckpt" / "step_5")],
-         "this run asks for rank 8"),
+        (
+            ["--lora-rank", "8", "--lora-targets", TARGETS, "--resume", str(work / "tp1-ckpt" / "step_5")],
+            "this run asks for rank 8",
+        ),
     ]
     for extra, fragment in cases:
         assert main([*base, *extra]) == 2, extra
@@ -219,8 +311,25 @@ def test_lora_bad_input_one_line_exit_2(tmp_path, work, hf_model, tokens, serial
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "fine-tunes an existing model" in err[0], err
     # a checkpoint of full weights is not resumed as adapters
-    run_inprocess(["--model", str(hf_model), "--data", str(tokens), "--seq-len", "32", "--global-batch", "4",
-                   "--steps", "1", "--dtype", "fp32", "--no-progress", "--checkpoint-dir", str(full_ckpt)])
+    run_inprocess(
+        [
+            "--model",
+            str(hf_model),
+            "--data",
+            str(tokens),
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "4",
+            "--steps",
+            "1",
+            "--dtype",
+            "fp32",
+            "--no-progress",
+            "--checkpoint-dir",
+            str(full_ckpt),
+        ]
+    )
     assert main([*base, "--lora-rank", "4", "--resume", str(full_ckpt / "step_1")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds full weights, not LoRA adapters" in err[0], err
@@ -228,9 +337,28 @@ def test_lora_bad_input_one_line_exit_2(tmp_path, work, hf_model, tokens, serial
 
 
 def test_lora_bad_input_every_rank_exits_2(tmp_path, hf_model, tokens):
-    done = torchrun(2, ["--model", str(hf_model), "--data", str(tokens), "--seq-len", "32", "--global-batch", "4",
-                        "--tp", "2", "--lora-rank", "4", "--lora-targets", "q,qkv", "--checkpoint-dir",
-                        str(tmp_path / "c")], timeout=120)
+    done = torchrun(
+        2,
+        [
+            "--model",
+            str(hf_model),
+            "--data",
+            str(tokens),
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "4",
+            "--tp",
+            "2",
+            "--lora-rank",
+            "4",
+            "--lora-targets",
+            "q,qkv",
+            "--checkpoint-dir",
+            str(tmp_path / "c"),
+        ],
+        timeout=120,
+    )
     assert done.returncode == 1  # torchrun's own code when its workers fail
     assert worker_exit_codes(done.stderr) == {0: 2, 1: 2}, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("trainer: error:")]
@@ -241,8 +369,14 @@ def test_lora_bad_input_every_rank_exits_2(tmp_path, hf_model, tokens):
 # ---- the placements (no processes) ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, qkv="fused"), dict(tp=4, kv_multiplier=2, qkv="gqa"),
-                                    dict(tp=4, kv_multiplier=2, kv_replication="blocked", qkv="coalesced")])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(tp=2, pp=2, qkv="fused"),
+        dict(tp=4, kv_multiplier=2, qkv="gqa"),
+        dict(tp=4, kv_multiplier=2, kv_replication="blocked", qkv="coalesced"),
+    ],
+)
 def test_adapter_pieces_follow_the_base_placement(layout, hf_model):
     """B of q/k/v/gate/up holds exactly the base piece's rows (kv replicas included), A of o/down
     its columns; the pieces of every rank gather to the full initial adapters of tp1 (the same
@@ -271,8 +405,12 @@ def test_adapter_pieces_follow_the_base_placement(layout, hf_model):
             for name, piece in pieces.items():
                 module, kind = name.rsplit(".lora_", 1)
                 cut = [(s.dim, s.start, s.stop) for s in piece.segments]
-                if kind == "B.weight" and module.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) \
-                        or kind == "A.weight" and module.endswith(("o_proj", "down_proj")):
+                if (
+                    kind == "B.weight"
+                    and module.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+                    or kind == "A.weight"
+                    and module.endswith(("o_proj", "down_proj"))
+                ):
                     merged = []  # the base piece's segments of this weight, adjacent ones merged
                     for d, a, b in base[module + ".weight"]:
                         if merged and merged[-1][2] == a:

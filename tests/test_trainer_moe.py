@@ -34,8 +34,25 @@ AUX_COEF = 0.5
 VOCAB = 64
 REL = 1e-5
 EVAL = ["--eval-every", "2"]  # --eval-data: the training tokens' first batch (held-out data in real runs)
-COMMON = ["--seq-len", "32", "--micro-batch", "1", "--global-batch", "4", "--steps", "5", "--lr", "1e-2",
-          "--warmup", "2", "--dtype", "fp32", "--no-progress", "--threads", "1"]
+COMMON = [
+    "--seq-len",
+    "32",
+    "--micro-batch",
+    "1",
+    "--global-batch",
+    "4",
+    "--steps",
+    "5",
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "2",
+    "--dtype",
+    "fp32",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +83,20 @@ def curves(metrics: Path) -> tuple[list[float], list[float]]:
 def serial(work, hf_model, tokens):
     """ep1 tp1 pp1 in this process: its (LM losses, aux losses) and its export."""
     metrics = work / "ep1.jsonl"
-    summary = run_inprocess(run_args(hf_model, tokens, metrics, *EVAL, "--eval-data", str(tokens), "--eval-steps", "1",
-                                     "--export-hf", str(work / "ep1-export")))
+    summary = run_inprocess(
+        run_args(
+            hf_model,
+            tokens,
+            metrics,
+            *EVAL,
+            "--eval-data",
+            str(tokens),
+            "--eval-steps",
+            "1",
+            "--export-hf",
+            str(work / "ep1-export"),
+        )
+    )
     assert summary.eval_loss is not None
     return curves(metrics), work / "ep1-export"
 
@@ -195,8 +224,11 @@ def test_parallel_equals_serial(name, work, hf_model, tokens, serial):
 def test_interleaved_chunks_carry_the_moe_statistics(work, tokens):
     """pp2 vpp2 (4 chunks of one layer, ScheduleInterleaved1F1B) with ep2: the load-balancing
     statistics travel through every chunk boundary beside the hidden states; equals one process."""
-    model = make_tiny_model(fixture_config(CONFIG) | {"router_aux_loss_coef": AUX_COEF, "num_hidden_layers": 4},
-                            work / "hf-4-layers", seed=3)
+    model = make_tiny_model(
+        fixture_config(CONFIG) | {"router_aux_loss_coef": AUX_COEF, "num_hidden_layers": 4},
+        work / "hf-4-layers",
+        seed=3,
+    )
     one, chunked = work / "4-layers-ep1.jsonl", work / "4-layers-pp2-vpp2-ep2.jsonl"
     run_inprocess(run_args(model, tokens, one))
     check_ok(run_ranks(4, run_args(model, tokens, chunked, "--pp", "2", "--vpp", "2", "--ep", "2")))
@@ -217,17 +249,40 @@ def test_resume_ep2_checkpoint_at_ep1_tp2(work, hf_model, tokens):
     from shardkit.checkpoint import load_checkpoint
 
     ckpt, metrics = work / "ckpt-ep2", work / "six-ep2.jsonl"
-    check_ok(run_ranks(2, run_args(hf_model, tokens, metrics, *SIX, "--ep", "2", "--checkpoint-dir", str(ckpt),
-                                  "--checkpoint-every", "3")))
+    check_ok(
+        run_ranks(
+            2,
+            run_args(
+                hf_model, tokens, metrics, *SIX, "--ep", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"
+            ),
+        )
+    )
     expected = curves(metrics)
     saved = load_checkpoint(ckpt, "step_3", rank=(1, 0, 0))  # ep rank 1's file: its two experts only
     assert saved is not None and saved.layout.ep == 2
-    assert {n.split(".mlp.")[-1] for n in saved.model} == {"expert_mlps.mlp_op.gate_up_proj.weight",
-                                                           "expert_mlps.mlp_op.down_proj.weight"}
+    assert {n.split(".mlp.")[-1] for n in saved.model} == {
+        "expert_mlps.mlp_op.gate_up_proj.weight",
+        "expert_mlps.mlp_op.down_proj.weight",
+    }
     assert saved.model["model.layers.0.mlp.expert_mlps.mlp_op.gate_up_proj.weight"].shape == (2, 64, 64)
     resumed = work / "resume-ep1tp2.jsonl"
-    check_ok(run_ranks(2, run_args(hf_model, tokens, resumed, *SIX, "--tp", "2", "--sequence-parallel",
-                                  "--activation-checkpointing", "--resume", str(ckpt / "step_3"))))
+    check_ok(
+        run_ranks(
+            2,
+            run_args(
+                hf_model,
+                tokens,
+                resumed,
+                *SIX,
+                "--tp",
+                "2",
+                "--sequence-parallel",
+                "--activation-checkpointing",
+                "--resume",
+                str(ckpt / "step_3"),
+            ),
+        )
+    )
     records = steps(resumed)
     assert [r["step"] for r in records] == [4, 5, 6]
     lm, aux = curves(resumed)
@@ -302,8 +357,19 @@ def test_bad_input(tmp_path, work, hf_model, tokens, capsys):
         (hf_model, ["--capacity-factor", "-1"], "--capacity-factor must be"),
     ]
     for model, extra, fragment in cases:
-        code = main(["--model", str(model), "--data", str(tokens), "--checkpoint-dir", str(tmp_path / "c"),
-                     "--seq-len", "32", *extra])
+        code = main(
+            [
+                "--model",
+                str(model),
+                "--data",
+                str(tokens),
+                "--checkpoint-dir",
+                str(tmp_path / "c"),
+                "--seq-len",
+                "32",
+                *extra,
+            ]
+        )
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and err[0].startswith("trainer: error:"), (extra, err)
         assert fragment in err[0], err[0]
@@ -313,8 +379,25 @@ def test_bad_input(tmp_path, work, hf_model, tokens, capsys):
     from trainer.loop import plan_run
 
     with pytest.raises(TrainerError, match="--ep 2 does not divide the data-parallel degree 1"):
-        plan_run(parse_args(["--model", str(hf_model), "--data", str(tokens), "--seq-len", "32", "--ep", "2",
-                             "--tp", "2", "--pp", "2"]), world=4)
+        plan_run(
+            parse_args(
+                [
+                    "--model",
+                    str(hf_model),
+                    "--data",
+                    str(tokens),
+                    "--seq-len",
+                    "32",
+                    "--ep",
+                    "2",
+                    "--tp",
+                    "2",
+                    "--pp",
+                    "2",
+                ]
+            ),
+            world=4,
+        )
 
 
 def test_bad_ep_every_rank_exits_2(work, hf_model, tokens):
@@ -349,10 +432,41 @@ def test_tiny_mixtral_learns_and_exports(work):
     AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg)).save_pretrained(start)
     data = corpus_tokens(work / "corpus256.bin")
     metrics, export = work / "learn.jsonl", work / "learn-export"
-    check_ok(run_ranks(2, ["--model", str(start), "--data", str(data), "--metrics", str(metrics), "--ep", "2",
-                          "--seq-len", "128", "--micro-batch", "8", "--global-batch", "16", "--steps", "200",
-                          "--lr", "1e-2", "--warmup", "20", "--dtype", "fp32", "--no-progress", "--threads", "1",
-                          "--export-hf", str(export)], timeout=900))
+    check_ok(
+        run_ranks(
+            2,
+            [
+                "--model",
+                str(start),
+                "--data",
+                str(data),
+                "--metrics",
+                str(metrics),
+                "--ep",
+                "2",
+                "--seq-len",
+                "128",
+                "--micro-batch",
+                "8",
+                "--global-batch",
+                "16",
+                "--steps",
+                "200",
+                "--lr",
+                "1e-2",
+                "--warmup",
+                "20",
+                "--dtype",
+                "fp32",
+                "--no-progress",
+                "--threads",
+                "1",
+                "--export-hf",
+                str(export),
+            ],
+            timeout=900,
+        )
+    )
     text = np.frombuffer(CORPUS.read_bytes(), dtype=np.uint8)
     entropy = unigram_entropy(text)
     trained = [r["loss"] for r in steps(metrics)]
@@ -368,5 +482,5 @@ def test_tiny_mixtral_learns_and_exports(work):
     assert loss < 0.8 * entropy, f"exported model's loss {loss:.3f} (trainer's {final:.3f})"
     prompt = torch.tensor([list(b"The river ")])
     out = model.generate(prompt, max_new_tokens=40, do_sample=False)
-    generated = bytes(out[0, prompt.shape[1]:].tolist())
+    generated = bytes(out[0, prompt.shape[1] :].tolist())
     assert sum(32 <= b < 127 for b in generated) >= 30, generated

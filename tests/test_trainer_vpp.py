@@ -169,8 +169,6 @@ EVAL = ["--eval-every", "2", "--eval-steps", "1"]  # forward-only passes of the 
 work, hf_model, tokens = tiny_run_fixtures("trainer-vpp", CONFIG)
 
 
-
-
 def eval_losses(metrics: Path) -> list[float]:
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [r["eval_loss"] for r in records if r.get("event") == "eval"]
@@ -182,7 +180,9 @@ def serial(work, hf_model, tokens):
     from trainer_helpers import losses, run_inprocess
 
     metrics = work / "pp1.jsonl"
-    summary = run_inprocess(run_args(hf_model, tokens, metrics, *EVAL, "--eval-data", str(tokens), "--export-hf", str(work / "pp1-export")))
+    summary = run_inprocess(
+        run_args(hf_model, tokens, metrics, *EVAL, "--eval-data", str(tokens), "--export-hf", str(work / "pp1-export"))
+    )
     assert summary.steps == 5
     found = losses(metrics)
     assert abs(found[-1] - found[0]) > 0.1, "the weights barely moved: the comparison would be weak"
@@ -203,9 +203,29 @@ def vpp_run(work, hf_model, tokens):
     from trainer_helpers import check_ok, losses, run_ranks, steps
 
     metrics, ckpt = work / "pp2vpp2.jsonl", work / "ckpt-pp2vpp2"
-    check_ok(run_ranks(2, run_args(hf_model, tokens, metrics, *EVAL, "--eval-data", str(tokens), "--pp", "2",
-                                  "--vpp", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3",
-                                  "--export-hf", str(work / "vpp-export"))))
+    check_ok(
+        run_ranks(
+            2,
+            run_args(
+                hf_model,
+                tokens,
+                metrics,
+                *EVAL,
+                "--eval-data",
+                str(tokens),
+                "--pp",
+                "2",
+                "--vpp",
+                "2",
+                "--checkpoint-dir",
+                str(ckpt),
+                "--checkpoint-every",
+                "3",
+                "--export-hf",
+                str(work / "vpp-export"),
+            ),
+        )
+    )
     start = json.loads(metrics.read_text().splitlines()[0])
     assert start["schedule"] == "ScheduleInterleaved1F1B" and start["layout"]["vpp"] == 2
     assert len(steps(metrics)) == 5
@@ -236,8 +256,11 @@ def test_vpp_run_resumes_at_another_layout(work, hf_model, tokens, vpp_run):
     from trainer_helpers import check_ok, rel_diff, run_ranks, steps
 
     metrics = work / "resume-tp2.jsonl"
-    check_ok(run_ranks(2, run_args(hf_model, tokens, metrics, "--tp", "2", "--qkv", "gqa",
-                                  "--resume", str(vpp_run[1] / "step_3"))))
+    check_ok(
+        run_ranks(
+            2, run_args(hf_model, tokens, metrics, "--tp", "2", "--qkv", "gqa", "--resume", str(vpp_run[1] / "step_3"))
+        )
+    )
     records = steps(metrics)
     assert [r["step"] for r in records] == [4, 5]
     assert rel_diff([r["loss"] for r in records], vpp_run[0][3:]) < REL
@@ -251,8 +274,21 @@ def test_vpp_checkpoint_merges_and_reshards_to_plain_pp(work, hf_model, tokens, 
 
     tag = vpp_run[1] / "step_3"
     plain = work / "ckpt-plain-pp2"
-    done = run_cli("ckpt", "reshard", vpp_run[1], plain, "--config", hf_model / "config.json", "--vpp", "1",
-                   "--tag", "step_3", "--qkv", "separate", "--no-zero1")  # pp: the source's 2
+    done = run_cli(
+        "ckpt",
+        "reshard",
+        vpp_run[1],
+        plain,
+        "--config",
+        hf_model / "config.json",
+        "--vpp",
+        "1",
+        "--tag",
+        "step_3",
+        "--qkv",
+        "separate",
+        "--no-zero1",
+    )  # pp: the source's 2
     assert done.exit_code == 0, done.output
     plain_tag = plain / "step_3"
     assert "vpp" not in json.loads((plain_tag / "shardkit.json").read_text())["layout"]
@@ -272,8 +308,24 @@ def test_vpp_checkpoint_merges_and_reshards_to_plain_pp(work, hf_model, tokens, 
     merged_back = hf_tensors(work / "merged-back")
     assert all(torch.equal(merged_back[k], merged_vpp[k]) for k in merged_vpp)
     metrics = work / "resume-vpp.jsonl"
-    check_ok(run_ranks(2, run_args(hf_model, tokens, metrics, "--pp", "2", "--vpp", "2", "--pp-schedule",
-                                  "looped-bfs", "--resume", str(plain_tag))))
+    check_ok(
+        run_ranks(
+            2,
+            run_args(
+                hf_model,
+                tokens,
+                metrics,
+                "--pp",
+                "2",
+                "--vpp",
+                "2",
+                "--pp-schedule",
+                "looped-bfs",
+                "--resume",
+                str(plain_tag),
+            ),
+        )
+    )
     records = steps(metrics)
     assert [r["step"] for r in records] == [4, 5]
     assert rel_diff([r["loss"] for r in records], vpp_run[0][3:]) < REL
@@ -286,13 +338,29 @@ SCHEDULES = {
     "interleaved-zb": (2, ["--pp", "2", "--vpp", "2", "--pp-schedule", "interleaved-zb"]),
     "looped-bfs": (2, ["--pp", "2", "--vpp", "2", "--pp-schedule", "looped-bfs"]),
     "interleaved-dp2-zero1": (4, ["--pp", "2", "--vpp", "2", "--dp", "2", "--zero1"]),  # 2 micro-batches: 1 round
-    "interleaved-tp2-sp": (4, ["--tp", "2", "--pp", "2", "--vpp", "2", "--pp-schedule", "interleaved", "--qkv",
-                               "fused", "--sequence-parallel", "--activation-checkpointing"]),
+    "interleaved-tp2-sp": (
+        4,
+        [
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--vpp",
+            "2",
+            "--pp-schedule",
+            "interleaved",
+            "--qkv",
+            "fused",
+            "--sequence-parallel",
+            "--activation-checkpointing",
+        ],
+    ),
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if SCHEDULES[n][0] > 2 else n
-                                  for n in SCHEDULES])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if SCHEDULES[n][0] > 2 else n for n in SCHEDULES]
+)
 def test_each_schedule_equals_pp1(name, work, hf_model, tokens, serial):
     from trainer_helpers import check_ok, losses, rel_diff, run_ranks
 
@@ -340,8 +408,23 @@ def test_zbv_refused_on_every_rank(work, hf_model, tokens):
     from trainer_helpers import torchrun, worker_exit_codes
 
     out = work / "bad-zbv"
-    done = torchrun(2, run_args(hf_model, tokens, out / "m.jsonl", "--pp", "2", "--vpp", "2", "--pp-schedule", "zbv",
-                                "--checkpoint-dir", str(out / "ckpt")), timeout=120)
+    done = torchrun(
+        2,
+        run_args(
+            hf_model,
+            tokens,
+            out / "m.jsonl",
+            "--pp",
+            "2",
+            "--vpp",
+            "2",
+            "--pp-schedule",
+            "zbv",
+            "--checkpoint-dir",
+            str(out / "ckpt"),
+        ),
+        timeout=120,
+    )
     assert done.returncode == 1, done.stderr
     assert worker_exit_codes(done.stderr) == {0: 2, 1: 2}, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("trainer: error:")]

@@ -130,8 +130,21 @@ def gloo_run(work: Path, hf_model: Path, tokens: Path, name: str) -> Path:
 def xla_tp2(work, hf_model, tokens) -> Path:
     """The tp2 run on two XLA devices, saving step 3 (xser) under work/xla-ckpt: its metrics."""
     metrics = work / "tp2-xla.jsonl"
-    xla_ok(2, run_args(hf_model, tokens, metrics, *LAYOUTS["tp2"][1], "--checkpoint-dir", str(work / "xla-ckpt"),
-                       "--checkpoint-every", "3", "--checkpoint-format", "xser"))
+    xla_ok(
+        2,
+        run_args(
+            hf_model,
+            tokens,
+            metrics,
+            *LAYOUTS["tp2"][1],
+            "--checkpoint-dir",
+            str(work / "xla-ckpt"),
+            "--checkpoint-every",
+            "3",
+            "--checkpoint-format",
+            "xser",
+        ),
+    )
     return metrics
 
 
@@ -171,8 +184,21 @@ def test_trainium_command_in_bf16_resumes_on_gloo(work, hf_model, tokens):
 
     devices, layout = LAYOUTS["tp2pp2"]
     metrics, ckpt = work / "trainium-bf16.jsonl", work / "trainium-ckpt"
-    xla_ok(devices, run_args(hf_model, tokens, metrics, *layout, "--dtype", "bf16", "--checkpoint-dir", str(ckpt),
-                             "--checkpoint-every", "3"))
+    xla_ok(
+        devices,
+        run_args(
+            hf_model,
+            tokens,
+            metrics,
+            *layout,
+            "--dtype",
+            "bf16",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "3",
+        ),
+    )
     fp32 = losses(gloo_run(work, hf_model, tokens, "tp2pp2"))
     assert rel_diff(losses(metrics), fp32) < BF16_REL, (losses(metrics), fp32)
     tag = ckpt / "step_3"
@@ -186,7 +212,8 @@ def test_trainium_command_in_bf16_resumes_on_gloo(work, hf_model, tokens):
                 assert master.dtype == torch.float32
                 assert torch.equal(master.to(torch.bfloat16), weight), name
             assert any(not torch.equal(states[n]["master"], w.float()) for n, w in weights.items()), (
-                "the masters hold no more than the bf16 weights")
+                "the masters hold no more than the bf16 weights"
+            )
     resumed = work / "trainium-resumed-gloo.jsonl"
     run_inprocess(run_args(hf_model, tokens, resumed, *CPU, "--dtype", "bf16", "--resume", str(tag)))
     assert [r["step"] for r in steps(resumed)] == [4, 5]
@@ -236,8 +263,13 @@ def test_bert_classification_dp4_equals_gloo(work):
     tests/test_trainer_bert.py proves the gloo run equals transformers + AdamW."""
     from test_trainer_bert import CLS, TWEETS, bert_model, eval_records, write_vocab
 
-    model = bert_model(work, "bert-cls", write_vocab(work / "bert-tokenizer"), "BertForSequenceClassification",
-                       id2label={0: "negative", 1: "neutral", 2: "positive"})
+    model = bert_model(
+        work,
+        "bert-cls",
+        write_vocab(work / "bert-tokenizer"),
+        "BertForSequenceClassification",
+        id2label={0: "negative", 1: "neutral", 2: "positive"},
+    )
     common = [*COMMON, "--seq-len", "16", "--global-batch", "36", "--micro-batch", "9", "--lr", "1e-3", "--dp", "4"]
     gloo, xla = work / "bert-dp4-gloo.jsonl", work / "bert-dp4-xla.jsonl"
     args = ["--model", str(model), "--data", str(TWEETS), "--eval-data", str(TWEETS), *common, *CLS]
@@ -267,8 +299,11 @@ def test_interleaved_stages_equal_gloo(work, hf_model, tokens):
 def serial(work, hf_model, tokens) -> list[float]:
     """tp1pp1 on gloo, 5 steps, saving step 3 (torch format): the losses every resume continues."""
     metrics = work / "serial.jsonl"
-    run_inprocess(run_args(hf_model, tokens, metrics, *CPU, "--checkpoint-dir", str(work / "gloo-ckpt"),
-                           "--checkpoint-every", "3"))
+    run_inprocess(
+        run_args(
+            hf_model, tokens, metrics, *CPU, "--checkpoint-dir", str(work / "gloo-ckpt"), "--checkpoint-every", "3"
+        )
+    )
     return losses(metrics)
 
 
@@ -285,8 +320,9 @@ def test_xla_checkpoint_resumes_on_gloo(work, hf_model, tokens, serial, xla_tp2)
 def test_gloo_checkpoint_resumes_on_xla(work, hf_model, tokens, serial):
     """The serial gloo run's step-3 checkpoint resumed at dp2 with ZeRO-1 on two XLA devices."""
     metrics = work / "resume-on-xla.jsonl"
-    xla_ok(2, run_args(hf_model, tokens, metrics, "--dp", "2", "--zero1", "--resume",
-                       str(work / "gloo-ckpt" / "step_3")))
+    xla_ok(
+        2, run_args(hf_model, tokens, metrics, "--dp", "2", "--zero1", "--resume", str(work / "gloo-ckpt" / "step_3"))
+    )
     assert [r["step"] for r in steps(metrics)] == [4, 5]
     assert rel_diff(losses(metrics), serial[3:]) < REL, (losses(metrics), serial[3:])
 
@@ -300,8 +336,14 @@ def cached_run(cache: Path, args: list[str]) -> dict[str, int]:
     report = cache.parent / f"{cache.name}-{len(list(cache.parent.glob(cache.name + '-*.json')))}.json"
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "xla_cached_run.py"), str(cache), str(report), *args,
-                           "--device", "xla"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=XLA_TIMEOUT)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "xla_cached_run.py"), str(cache), str(report), *args, "--device", "xla"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=XLA_TIMEOUT,
+    )
     assert done.returncode == 0, f"XLA run failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
     return json.loads(report.read_text())
 
@@ -312,18 +354,41 @@ def test_resumed_run_compiles_only_a_fresh_runs_graphs(work, hf_model, tokens):
     checkpoint compiles no graph whose key the fresh run's cache does not hold -- so a
     `neuron_parallel_compile` cache made from a short fresh run (one eval, one save) serves it."""
     cache, fresh, resumed = work / "xla-cache", work / "compiles-fresh.jsonl", work / "compiles-resumed.jsonl"
-    common = [*COMMON, "--steps", "8", *BF16, "--eval-data", str(tokens), "--eval-every", "2", "--eval-steps", "1",
-              "--checkpoint-every", "3"]
-    counters = cached_run(cache, run_args(hf_model, tokens, fresh, "--checkpoint-dir", str(work / "compiles-ckpt"),
-                                          common=common))
+    common = [
+        *COMMON,
+        "--steps",
+        "8",
+        *BF16,
+        "--eval-data",
+        str(tokens),
+        "--eval-every",
+        "2",
+        "--eval-steps",
+        "1",
+        "--checkpoint-every",
+        "3",
+    ]
+    counters = cached_run(
+        cache, run_args(hf_model, tokens, fresh, "--checkpoint-dir", str(work / "compiles-ckpt"), common=common)
+    )
     records = [json.loads(line) for line in fresh.read_text().splitlines()]
     counts = [(r["event"], r["step"], r["xla_compiles"]) for r in records if "xla_compiles" in r]
     after_third = {c for _, step, c in counts if step >= 3}
     assert len(after_third) == 1, f"graphs compiled after step 3: {counts}"
     assert counters.get("PersistentCacheMiss", 0) == next(iter(after_third)), (counters, counts)
-    counters = cached_run(cache, run_args(hf_model, tokens, resumed, "--checkpoint-dir",
-                                          str(work / "compiles-ckpt-resumed"), "--resume",
-                                          str(work / "compiles-ckpt" / "step_3"), common=common))
+    counters = cached_run(
+        cache,
+        run_args(
+            hf_model,
+            tokens,
+            resumed,
+            "--checkpoint-dir",
+            str(work / "compiles-ckpt-resumed"),
+            "--resume",
+            str(work / "compiles-ckpt" / "step_3"),
+            common=common,
+        ),
+    )
     assert [r["step"] for r in steps(resumed)] == [4, 5, 6, 7, 8]
     assert counters.get("PersistentCacheMiss", 0) == 0, f"the resumed run compiled new graphs: {counters}"
     assert rel_diff(losses(resumed), losses(fresh)[3:]) < 1e-6, (losses(resumed), losses(fresh))
@@ -350,8 +415,9 @@ def test_bucket_all_reduce_of_tensors_in_place():
     of one otherwise): one collective of both tensors, whose sum here is the tensors themselves."""
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", XLA_ALWAYS_ALLREDUCE="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", XLA_LIST_ALL_REDUCE], env=env, capture_output=True, text=True,
-                          timeout=XLA_TIMEOUT)
+    done = subprocess.run(
+        [sys.executable, "-c", XLA_LIST_ALL_REDUCE], env=env, capture_output=True, text=True, timeout=XLA_TIMEOUT
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     collectives, lines = done.stdout.strip().splitlines()[-2:]
     assert collectives == "1 True", done.stdout

@@ -111,7 +111,7 @@ def test_static_shape_dispatch_equals_all_to_all_dispatch(capacity):
         xi = x.clone().requires_grad_(True)
         out = block(xi)
         (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
-        (s, dropped, routed), = stats.layers
+        ((s, dropped, routed),) = stats.layers
         results.append((out.detach(), xi.grad, [p.grad for p in block.parameters()], s, int(dropped), routed))
     (o1, g1, p1, s1, d1, r1), (o2, g2, p2, s2, d2, r2) = results
     assert torch.allclose(o1, o2, atol=1e-6) and torch.allclose(g1, g2, atol=1e-6)

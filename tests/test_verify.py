@@ -172,8 +172,10 @@ def test_different_dtypes_compare_in_float32_and_differ_unless_ignored(tiny_mode
     convert(bf16, tmp_path / "fp32", Layout(tp=2, pp=1), dtype="float32")
     report = shardkit.verify(bf16, tmp_path / "fp32")
     assert all(t.equal and t.max_abs_diff == 0.0 for t in report.tensors)  # bf16 -> fp32 is exact
-    assert all(t.note == "dtype bfloat16 vs float32" and (t.dtype_a, t.dtype_b) == ("bfloat16", "float32")
-               for t in report.tensors)
+    assert all(
+        t.note == "dtype bfloat16 vs float32" and (t.dtype_a, t.dtype_b) == ("bfloat16", "float32")
+        for t in report.tensors
+    )
     assert not report.ok and len(report.mismatches) == len(report.dtype_differences) == len(report.tensors)
     ignored = shardkit.verify(bf16, tmp_path / "fp32", ignore_dtype=True)
     assert ignored.ok and len(ignored.dtype_differences) == len(report.tensors)  # still named
@@ -330,11 +332,14 @@ def hostile(out: Path, dst: Path, files) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("name,words", [
-    ("../../etc/passwd", "climbs out"),
-    ("/etc/passwd", "not a relative path"),
-    ("model/../../x", "climbs out"),
-])
+@pytest.mark.parametrize(
+    "name,words",
+    [
+        ("../../etc/passwd", "climbs out"),
+        ("/etc/passwd", "not a relative path"),
+        ("model/../../x", "climbs out"),
+    ],
+)
 def test_manifest_paths_outside_the_folder_are_problems_not_opens(shards, tmp_path, monkeypatch, name, words):
     _, out = shards
     root = hostile(out, tmp_path / "hostile", lambda files: files + [{"path": name, "size": 1, "sha256": "0" * 64}])
@@ -352,21 +357,26 @@ def test_symlink_out_of_the_folder_is_refused(shards, tmp_path, monkeypatch):
     _, out = shards
     secret = tmp_path / "secret.bin"
     secret.write_bytes(b"secret")
-    root = hostile(out, tmp_path / "hostile", lambda files: files + [{"path": "link.bin", "size": 6, "sha256": "0" * 64}])
+    root = hostile(
+        out, tmp_path / "hostile", lambda files: files + [{"path": "link.bin", "size": 6, "sha256": "0" * 64}]
+    )
     (root / "link.bin").symlink_to(secret)
     report = shardkit.inspect(root, check_data=True)
     assert any("link.bin" in p and "outside" in p for p in report["problems"])
 
 
-@pytest.mark.parametrize("files", [
-    "model.pt",
-    {"path": "model"},
-    [["model/x.pt", 1, "ab"]],
-    [{"path": 3, "size": 1, "sha256": "ab"}],
-    [{"path": "model/x.pt", "size": "1", "sha256": "ab"}],
-    [{"path": "model/x.pt", "size": True, "sha256": "ab"}],
-    [{"path": "model/x.pt", "size": 1}],
-])
+@pytest.mark.parametrize(
+    "files",
+    [
+        "model.pt",
+        {"path": "model"},
+        [["model/x.pt", 1, "ab"]],
+        [{"path": 3, "size": 1, "sha256": "ab"}],
+        [{"path": "model/x.pt", "size": "1", "sha256": "ab"}],
+        [{"path": "model/x.pt", "size": True, "sha256": "ab"}],
+        [{"path": "model/x.pt", "size": 1}],
+    ],
+)
 def test_malformed_manifest_files_are_problems_not_crashes(shards, tmp_path, files):
     _, out = shards
     root = hostile(out, tmp_path / "malformed", lambda _: files)

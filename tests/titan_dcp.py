@@ -63,12 +63,13 @@ def hf_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
 
 
-def _renamed(state: dict[str, torch.Tensor], config: dict, table: dict[str, str], rows, prefix: str,
-             q: str, k: str) -> dict[str, torch.Tensor]:
+def _renamed(
+    state: dict[str, torch.Tensor], config: dict, table: dict[str, str], rows, prefix: str, q: str, k: str
+) -> dict[str, torch.Tensor]:
     """`state` under `table`'s names ({} = the layer index after `prefix`), q and k rows by `rows`."""
     out = {}
     for key, value in state.items():
-        layer = key[len(prefix):].split(".")[0] if key.startswith(prefix) else None
+        layer = key[len(prefix) :].split(".")[0] if key.startswith(prefix) else None
         abstract = key.replace(f".{layer}.", ".{}.", 1) if layer is not None else key
         if abstract.endswith(q):
             value = rows(value, config["num_attention_heads"])
@@ -98,14 +99,22 @@ class _Norm(nn.Module):
 class _Attention(nn.Module):
     def __init__(self, h: int, q: int, kv: int):
         super().__init__()
-        self.wq, self.wk, self.wv = nn.Linear(h, q, bias=False), nn.Linear(h, kv, bias=False), nn.Linear(h, kv, bias=False)
+        self.wq, self.wk, self.wv = (
+            nn.Linear(h, q, bias=False),
+            nn.Linear(h, kv, bias=False),
+            nn.Linear(h, kv, bias=False),
+        )
         self.wo = nn.Linear(q, h, bias=False)
 
 
 class _FeedForward(nn.Module):
     def __init__(self, h: int, i: int):
         super().__init__()
-        self.w1, self.w2, self.w3 = nn.Linear(h, i, bias=False), nn.Linear(i, h, bias=False), nn.Linear(h, i, bias=False)
+        self.w1, self.w2, self.w3 = (
+            nn.Linear(h, i, bias=False),
+            nn.Linear(i, h, bias=False),
+            nn.Linear(h, i, bias=False),
+        )
 
 
 class _Block(nn.Module):
@@ -191,7 +200,9 @@ def _worker(rank: int, world: int, port: int, state_path: str, config: str, out:
         states: dict = dict(get_model_state_dict(model))
         if not model_only:
             optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
-            torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_warmup, steps=10))  # as torchtitan builds it
+            torch.optim.lr_scheduler.LambdaLR(
+                optimizer, functools.partial(_warmup, steps=10)
+            )  # as torchtitan builds it
             keyed = {"state": full["optimizer"], "param_groups": [{**full["hyper"], "params": list(full["optimizer"])}]}
             set_optimizer_state_dict(model, optimizer, keyed, options=StateDictOptions(full_state_dict=True))
             states["optimizer"] = get_optimizer_state_dict(
@@ -368,8 +379,14 @@ def titan03_code() -> TitanCode:
         return TitanCode(split_fused, merge_fused, init_state, flat_state, load_flat_state, "imitation")
     split, merge = fused_qkv_hooks(root)
     utils = optimizer_utils(root)
-    return TitanCode(split, merge, utils.init_optim_state, utils.get_flat_optim_state_dict,
-                     utils.load_flat_optim_state_dict, f"torchtitan's own ({root})")
+    return TitanCode(
+        split,
+        merge,
+        utils.init_optim_state,
+        utils.get_flat_optim_state_dict,
+        utils.load_flat_optim_state_dict,
+        f"torchtitan's own ({root})",
+    )
 
 
 class _QKV(nn.Module):
@@ -455,8 +472,12 @@ def titan03_states(model: nn.Module, optimizer: torch.optim.Optimizer, code: Tit
     """What torchtitan 0.3's `CheckpointManager` saves and loads (`_flattened_model_states_sd`): the
     model's state dict at the top, the flat optimizer state, the schedule and train state."""
     code.init_state(optimizer)
-    return {**model.state_dict(), "optimizer": code.flat_state(optimizer), "lr_scheduler": {"last_epoch": step},
-            "train_state": {"step": step, "ntokens_seen": 1234 * step}}
+    return {
+        **model.state_dict(),
+        "optimizer": code.flat_state(optimizer),
+        "lr_scheduler": {"last_epoch": step},
+        "train_state": {"step": step, "ntokens_seen": 1234 * step},
+    }
 
 
 def _worker03(rank: int, world: int, port: int, state_path: str, config: str, out: str) -> None:
@@ -511,5 +532,6 @@ if __name__ == "__main__":
     if sys.argv[5:] == ["--0.3"]:
         build03(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
     else:
-        build(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]),
-              sys.argv[5:] == ["--model-only"])
+        build(
+            Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5:] == ["--model-only"]
+        )

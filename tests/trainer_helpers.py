@@ -24,8 +24,25 @@ CORPUS = ROOT / "fixtures" / "tiny-corpus.txt"
 TORCHRUN_TIMEOUT = 240
 TINY_CONFIG = "llama-trainer-tiny"  # 8 q heads, 2 kv heads, head_dim 4, hidden 32, 4 layers, vocab 256
 # 5 steps of 4 sequences of 32 tokens, lr high enough that the weights move visibly every step
-COMMON = ["--seq-len", "32", "--micro-batch", "1", "--global-batch", "4", "--steps", "5", "--lr", "1e-2",
-          "--warmup", "2", "--dtype", "fp32", "--no-progress", "--threads", "1"]
+COMMON = [
+    "--seq-len",
+    "32",
+    "--micro-batch",
+    "1",
+    "--global-batch",
+    "4",
+    "--steps",
+    "5",
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "2",
+    "--dtype",
+    "fp32",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 def run_args(model: Path, data: Path, metrics: Path, *extra: str, common: list[str] = COMMON) -> list[str]:
@@ -96,7 +113,9 @@ def corpus_tokens(out: Path, vocab: int = 256) -> Path:
 
 
 def steps(metrics: Path) -> list[dict]:
-    return [r for r in (json.loads(line) for line in Path(metrics).read_text().splitlines()) if r.get("event") == "step"]
+    return [
+        r for r in (json.loads(line) for line in Path(metrics).read_text().splitlines()) if r.get("event") == "step"
+    ]
 
 
 def losses(metrics: Path) -> list[float]:
@@ -110,19 +129,35 @@ def run_inprocess(args: list[str]):
     return train(parse_args(args))
 
 
-def torchrun(nproc: int, args: list[str], timeout: float = TORCHRUN_TIMEOUT, env: dict | None = None
-             ) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, args: list[str], timeout: float = TORCHRUN_TIMEOUT, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node N -m trainer ARGS`, one intra-op thread per process."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "trainer", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "trainer",
+        *args,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 # Modules every rank needs, imported once by the fork server instead of by every rank (~2 CPU-s each).
-RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "transformers", "trainer.__main__",
-                "trainer.loop"]
+RANK_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.pipelining",
+    "transformers",
+    "trainer.__main__",
+    "trainer.loop",
+]
 _forkserver = None
 FAILED_RANK_GRACE_S = 30.0  # torchrun's behaviour: once a rank has failed, the others are stopped
 
@@ -184,8 +219,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(nproc: int, args: list[str], timeout: float = TORCHRUN_TIMEOUT, env: dict | None = None
-              ) -> subprocess.CompletedProcess:
+def run_ranks(
+    nproc: int, args: list[str], timeout: float = TORCHRUN_TIMEOUT, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """The trainer as an `nproc`-process gloo job, like `torchrun(...)` but each rank forked from a
     server that has already imported torch and the trainer: the same process group, environment
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and exit path, without torchrun's launcher and
@@ -194,14 +230,23 @@ def run_ranks(nproc: int, args: list[str], timeout: float = TORCHRUN_TIMEOUT, en
     rank's code. Tests of torchrun's own behaviour (its exit code and failure report) use `torchrun`."""
     ctx = _rank_context()
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
-                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1")
+    base.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+        GROUP_WORLD_SIZE="1",
+    )
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         procs = []
         for rank in range(nproc):
             rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
-            proc = ctx.Process(target=_rank_main, args=(args, rank_env, f"{logs}/{rank}.out", f"{logs}/{rank}.err"),
-                               name=f"trainer-rank-{rank}")
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(args, rank_env, f"{logs}/{rank}.out", f"{logs}/{rank}.err"),
+                name=f"trainer-rank-{rank}",
+            )
             proc.start()
             procs.append(proc)
         deadline, failed_at = time.monotonic() + timeout, None
@@ -248,8 +293,9 @@ def worker_exit_codes(stderr: str) -> dict[int, int]:
 XLA_TIMEOUT = 900
 
 
-def run_xla(devices: int, args: list[str], timeout: float = XLA_TIMEOUT, env: dict | None = None
-            ) -> subprocess.CompletedProcess:
+def run_xla(
+    devices: int, args: list[str], timeout: float = XLA_TIMEOUT, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`python -m trainer ARGS --device xla` in a fresh process on torch-xla's CPU runtime with
     `devices` devices (PJRT_DEVICE=CPU, CPU_NUM_DEVICES): one rank per device, each a thread of
     that process, as torch-xla runs several devices on CPU."""
