@@ -49,8 +49,9 @@ def run_reshard(
     direct_io: str | None = None,
     sha256: bool = False,
 ) -> dict:
-    import shardkit
     from bench_convert import direct_io_options, sha256_option
+
+    import shardkit
 
     result = shardkit.reshard(
         src,

@@ -149,7 +149,7 @@ class HubStandIn:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> "HubStandIn":
+    def start(self) -> HubStandIn:
         server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         server.daemon_threads = True
         server.block_on_close = False
@@ -178,7 +178,7 @@ class HubStandIn:
             self._thread.join(timeout=5)
             self._server = None
 
-    def __enter__(self) -> "HubStandIn":
+    def __enter__(self) -> HubStandIn:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -478,9 +478,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self, method: str, path: str, query: dict, body: bytes) -> None:
         R = self.REPO
         routes = [
-            ("GET", rf"^/api/whoami-v2$", self._whoami),
-            ("POST", rf"^/api/repos/create$", self._create_repo),
-            ("POST", rf"^/api/validate-yaml$", self._validate_yaml),
+            ("GET", r"^/api/whoami-v2$", self._whoami),
+            ("POST", r"^/api/repos/create$", self._create_repo),
+            ("POST", r"^/api/validate-yaml$", self._validate_yaml),
             ("GET", rf"^/api/models/{R}/tree/(?P<rev>[^/]+)(?:/(?P<sub>.*))?$", self._tree),
             ("POST", rf"^/api/models/{R}/preupload/(?P<rev>[^/]+)$", self._preupload),
             ("POST", rf"^/api/models/{R}/commit/(?P<rev>[^/]+)$", self._commit),

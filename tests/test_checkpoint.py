@@ -17,14 +17,15 @@ import socket
 import time
 from pathlib import Path
 
+import ckpt_child
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import golden_or_skip
 from safetensors.torch import load_file, save_file
 
-import ckpt_child
 import shardkit
-from conftest import golden_or_skip
+from shardkit.api import export_checkpoint
 from shardkit.checkpoint import (
     Checkpointer,
     CheckpointerConfig,
@@ -43,7 +44,6 @@ from shardkit.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
-from shardkit.api import export_checkpoint
 from shardkit.checkpoint import save as ckpt_save
 from shardkit.checkpoint import tree as ckpt_tree
 from shardkit.cli import cli

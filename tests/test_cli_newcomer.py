@@ -239,8 +239,9 @@ def test_a_failure_under_torchrun_ends_with_the_trainers_line(tiny_model, tmp_pa
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A checkpoint directory of 3 steps of the trainer's tiny Llama, lr 3e-4 decayed to 3e-4 x 0.1."""
-    from shardkit.testing import make_tiny_model
     from trainer_helpers import COMMON, corpus_tokens, run_inprocess
+
+    from shardkit.testing import make_tiny_model
 
     work = tmp_path_factory.mktemp("newcomer-trained")
     model = make_tiny_model("llama-trainer-tiny", work / "hf", seed=3)

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from shardkit import Layout, convert, merge, reshard
-from shardkit.errors import FormatError, ShardkitError
 from shardkit.engine import planning
+from shardkit.errors import FormatError, ShardkitError
 from shardkit.formats.base import tensor_bytes
 from shardkit.io import copy as io_copy
 from shardkit.io import hashing, taps

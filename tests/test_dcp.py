@@ -19,12 +19,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from test_roundtrip import _input_ids, _logits
+from titan_dcp import to_titan
 
 import shardkit
 from shardkit.cli import cli
 from shardkit.layout import Layout
-from test_roundtrip import _input_ids, _logits
-from titan_dcp import to_titan
 
 HERE = Path(__file__).resolve().parent
 MODEL = "tinyllama-mini"

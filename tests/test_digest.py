@@ -127,8 +127,8 @@ def test_only_outputs_a_manifest_lists_are_hashed(tiny_model, tmp_path):
 
 
 def test_a_record_without_digests_cannot_enter_a_manifest():
-    from shardkit.io.digest import FileRecord
     from shardkit.formats.manifest import file_entry
+    from shardkit.io.digest import FileRecord
 
     with pytest.raises(ValueError, match="without digests"):
         file_entry(FileRecord("model/x.pt", 10, None))

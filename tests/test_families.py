@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
-
 from conftest import stage_layers
+
 from shardkit import Layout, convert, inspect, merge, reshard, verify
 from shardkit.cli import cli
 from shardkit.errors import ConfigMismatchError, LayoutError
@@ -235,7 +235,7 @@ class Spec:
     final_norm: str = "model.norm.weight"
 
     @classmethod
-    def of(cls, config: dict) -> "Spec":
+    def of(cls, config: dict) -> Spec:
         t = config["model_type"]
         if t == "dbrx":  # DBRX's own config names
             attn, ffn = config["attn_config"], config["ffn_config"]
@@ -306,7 +306,7 @@ def rms(x, w, eps, gemma: bool):
     return (n * (1.0 + w.float())).type_as(x) if gemma else w * n.to(x.dtype)
 
 
-def norm(s: "Spec", x, w):
+def norm(s: Spec, x, w):
     """The model's norm: RMSNorm (Gemma's with 1 + w), or DBRX's LayerNorm without bias."""
     return F.layer_norm(x, x.shape[-1:], w, None, s.eps) if s.layer_norm else rms(x, w, s.eps, s.gemma)
 

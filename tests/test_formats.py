@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from conftest import golden_or_skip
 from safetensors.torch import load_file
 
-from conftest import golden_or_skip
 from shardkit import FormatError, Layout, convert, merge, open_checkpoint
+from shardkit.formats.base import TensorSpec
 from shardkit.formats.safetensors_io import SafetensorsWriter
 from shardkit.formats.torch_io import TorchWriter
-from shardkit.formats.base import TensorSpec
 from shardkit.formats.xser import XserFile
 from shardkit.formats.xser import load as shardkit_xser_load
 

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import GOLDEN, golden_or_skip
 from safetensors.torch import load_file
 
-from conftest import GOLDEN, golden_or_skip
 from shardkit import Layout, convert, merge, open_checkpoint
-
 
 # ---- reading the golden folder (independently of shardkit) -------------------------------------
 

@@ -17,8 +17,8 @@ import os
 import re
 import shutil
 import subprocess
-import textwrap
 import sys
+import textwrap
 import types
 from pathlib import Path
 

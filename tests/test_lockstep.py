@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 from shardkit import Layout, convert, merge, reshard
-from shardkit.errors import ShardkitError
 from shardkit.engine import planning
 from shardkit.engine.outputs import plan_full, plan_sharded
+from shardkit.errors import ShardkitError
 from shardkit.formats import open_checkpoint
+from shardkit.formats.safetensors_io import SafetensorsFile
 from shardkit.io import hashing, strided
 from shardkit.io.hashing import HashingFile
-from shardkit.formats.safetensors_io import SafetensorsFile
 
 
 def _files(root) -> dict[str, bytes]:

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import stage_layers
+
 from shardkit import Layout, convert, merge
 
 ATOL_LAYER = 1e-5

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-
 from conftest import golden_or_skip
+from test_nxd_train import file_hash, sha
+
 from shardkit.checkpoint import load_checkpoint
 from shardkit.checkpoint.reshard import reshard_training
 from shardkit.cli import cli
 from shardkit.errors import FormatError
 from shardkit.layout import Layout
-from test_nxd_train import file_hash, sha
 
 AVOID = "tp2_dp2_pp1_xser_avoidlp"
 
@@ -289,6 +289,7 @@ def zero1_dcp(tmp_path_factory):
     import sys
 
     import ckpt_child
+
     from shardkit.checkpoint import OptimizerState, Rank, finalize_checkpoint, save_checkpoint
 
     root = nxd()

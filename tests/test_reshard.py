@@ -17,8 +17,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import dataclasses
+import hashlib
 import importlib
 import json
 import shutil
@@ -31,10 +31,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from conftest import stage_layers
 from safetensors.torch import load_file, save_file
 
 import shardkit
-from conftest import stage_layers
 from shardkit import Layout, LayoutError, ShardkitError, convert, merge, open_checkpoint, reshard
 from shardkit.formats import Checkpoint
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import ckpt_child
 import pytest
 from click.testing import CliRunner
+from test_s3 import bucket, s3_server  # noqa: F401 - a moto S3 server on loopback, and a new bucket in it
 
 from shardkit.checkpoint import (
     Checkpointer,
@@ -53,7 +54,6 @@ from shardkit.io import s3
 from shardkit.layout import Layout
 from shardkit.paths import UnsafePathError
 from shardkit.testing import fixture_config
-from test_s3 import bucket, s3_server  # noqa: F401 - a moto S3 server on loopback, and a new bucket in it
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = fixture_config("llama-mha")

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-import xxhash
 import torch
+import xxhash
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 

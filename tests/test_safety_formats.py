@@ -27,11 +27,11 @@ import torch
 from shardkit import FormatError, open_checkpoint
 from shardkit.errors import ShardkitError
 from shardkit.formats import hf, nxd, torch_io, xser
-from shardkit.io import hashing
 from shardkit.formats.base import TensorSpec
 from shardkit.formats.safetensors_io import SafetensorsFile, SafetensorsWriter, read_header
 from shardkit.formats.torch_io import TensorReference, TorchWriter
 from shardkit.formats.xser import XserFile, XserWriter
+from shardkit.io import hashing
 from shardkit.paths import NoSpaceError, UnsafePathError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -502,8 +502,9 @@ def test_abort_leaves_a_newer_file_at_the_same_path_alone(tmp_path):
 def test_torch_size_bound_is_an_upper_bound_and_tight(tmp_path):
     """The pre-check's estimate of a torch file's size never undershoots (or a file that fits
     could be refused) and stays within a few hundred bytes per record."""
-    from shardkit.formats.torch_io import _zip_size_bound, state_dict_pickle
     from torch.serialization import _get_storage_alignment
+
+    from shardkit.formats.torch_io import _zip_size_bound, state_dict_pickle
 
     specs = [
         TensorSpec("a" * 60, (3, 7), torch.bfloat16),

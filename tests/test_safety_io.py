@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_safety_checkpoint import CONFIG, LAYOUT, MODEL_FILE, pieces, precious_folder, save, snapshot, tags
+from test_safety_engine import leftovers, one_line_error, run, tree_digest
 
 import shardkit.api as api
 from shardkit.checkpoint import Checkpointer, load_checkpoint, prune_checkpoints, save_checkpoint
@@ -31,8 +33,6 @@ from shardkit.errors import ShardkitError
 from shardkit.io.lock import lock_destination
 from shardkit.io.transaction import recover_interrupted
 from shardkit.layout import Layout
-from test_safety_checkpoint import CONFIG, LAYOUT, MODEL_FILE, pieces, precious_folder, save, snapshot, tags
-from test_safety_engine import leftovers, one_line_error, run, tree_digest
 
 REPO = Path(__file__).resolve().parent.parent
 

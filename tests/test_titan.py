@@ -24,14 +24,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from trainer_helpers import check_ok, corpus_tokens, run_ranks, steps
-
-from shardkit.checkpoint import load_checkpoint
-from shardkit.cli import cli
-from shardkit.layout import Layout
 from test_dcp import torch_reads
-from test_trainer import _hf_names, serial_adamw_step
 from test_nxd_modes import _flat
+from test_trainer import _hf_names, serial_adamw_step
 from titan_dcp import (
     TitanLlama03,
     hf_rows,
@@ -45,6 +40,11 @@ from titan_dcp import (
     to_hf03,
     to_titan03,
 )
+from trainer_helpers import check_ok, corpus_tokens, run_ranks, steps
+
+from shardkit.checkpoint import load_checkpoint
+from shardkit.cli import cli
+from shardkit.layout import Layout
 
 HERE = Path(__file__).resolve().parent
 MODEL = "llama-trainer-tiny"  # 8 q heads, 2 kv heads, head_dim 4, hidden 32, 4 layers, vocab 256

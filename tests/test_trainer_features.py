@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from trainer_helpers import COMMON, ROOT, check_ok, losses, rel_diff, run_inprocess, run_ranks, steps, tiny_run_fixtures
 
 from shardkit.testing import fixture_config, make_tiny_model

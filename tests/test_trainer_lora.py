@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from trainer_helpers import COMMON as BASE_COMMON
 from trainer_helpers import (
     adamw_reference,

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from trainer_helpers import CORPUS, check_ok, corpus_tokens, rel_diff, run_inprocess, run_ranks, steps, torchrun
 
 from shardkit import Layout, convert

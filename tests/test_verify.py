@@ -210,7 +210,7 @@ def test_cli_names_the_tensors_whose_dtype_differs_and_exits_1_unless_ignored(ti
 
     result = cli_run("verify", bf16, tmp_path / "fp32", "--ignore-dtype")
     assert result.exit_code == 0, result.output
-    assert f"differ in dtype" in result.stdout and "ignored (--ignore-dtype)" in result.stdout
+    assert "differ in dtype" in result.stdout and "ignored (--ignore-dtype)" in result.stdout
     result = cli_run("verify", bf16, bf16)
     assert result.exit_code == 0 and result.stdout.strip().endswith(f"{count} tensors compared: equal")
 
