@@ -500,7 +500,7 @@ def run_profiles(b: Bench) -> dict:
         return {}
     w = b.args.workers[0]
     shards, merged = b.rundir / "profile-shards", b.rundir / "profile-merged"
-    bc.progress("profiling convert and merge under cProfile (workers %d)" % w)
+    bc.progress(f"profiling convert and merge under cProfile (workers {w})")
     profiles = {
         "convert": profile_op(
             "convert",

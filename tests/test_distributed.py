@@ -64,6 +64,7 @@ def test_reshard_divided_among_three_processes(tiny_model, tmp_path):
         tmp_path / "single",
         shardkit.make_layout(tp=8, pp=3, kv_multiplier=2, hw="trn2", qkv="fused"),
     )
+    assert single.rank_files == 24  # the count each rank's share of the distributed run adds up to
     got, want = load_all(tmp_path / "dist"), load_all(tmp_path / "single")
     assert got.keys() == want.keys() and len(got) == 24
     for name in want:

@@ -507,8 +507,8 @@ def test_plan_llama_3_1_8b_tp8_pp2():
     H, I, L, V, D, kv, tp = 4096, 14336, 32, 128256, 128, 8, 8
     per_layer = (H * H + 2 * kv * D * H + H * H) // tp + 3 * H * I // tp + 2 * H
     assert plan_params("llama-3.1-8b", Layout(tp=8, pp=2)) == [
-        V * H // tp + 16 * per_layer,
-        16 * per_layer + H + V * H // tp,
+        V * H // tp + L // 2 * per_layer,
+        L // 2 * per_layer + H + V * H // tp,
     ]
 
 
@@ -539,10 +539,10 @@ def test_plan_qwen3_30b_a3b_tp4_ep():
     experts = E * 3 * H * I // tp  # plan counts a replica's ep rank 0: all experts at ep 1
     per_layer = attn + 2 * D + E * H + experts + 2 * H
     assert plan_params("qwen3-30b-a3b", Layout(tp=4, pp=4)) == [
-        V * H // tp + 12 * per_layer,
-        12 * per_layer,
-        12 * per_layer,
-        12 * per_layer + H + V * H // tp,
+        V * H // tp + L // 4 * per_layer,
+        L // 4 * per_layer,
+        L // 4 * per_layer,
+        L // 4 * per_layer + H + V * H // tp,
     ]
 
 
@@ -557,15 +557,15 @@ def test_plan_gemma_2_9b_tp8_pp2():
     per_layer = (q * D * H + 2 * kv * D * H + H * q * D) // tp + 3 * H * I // tp + 4 * H  # four norms
     # tied embeddings: stage 0 holds the embedding slice, the last stage the lm_head slice (same values)
     assert plan_params("gemma-2-9b", Layout(tp=8, pp=2)) == [
-        V * H // tp + 21 * per_layer,
-        21 * per_layer + H + V * H // tp,
+        V * H // tp + L // 2 * per_layer,
+        L // 2 * per_layer + H + V * H // tp,
     ]
 
 
 def test_plan_gemma_3_1b_tp4_kv_multiplier_4():
     H, I, L, V, D, q, kv, tp = 1152, 6912, 26, 262144, 256, 4, 1, 4
     # one kv head replicated 4 times: every rank holds one q head and a whole k and v head
-    per_layer = q * D * H // tp + 2 * D * H + H * q * D // tp + 3 * H * I // tp + 4 * H + 2 * D
+    per_layer = q * D * H // tp + 2 * (kv * 4 // tp) * D * H + H * q * D // tp + 3 * H * I // tp + 4 * H + 2 * D
     assert plan_params("gemma-3-1b", Layout(tp=4, kv_multiplier=4)) == [V * H // tp + L * per_layer + H]
 
 
@@ -676,8 +676,8 @@ def test_plan_pythia_6_9b_tp8_pp2():
         + 4 * H
     )  # two LayerNorms, weight and bias
     assert plan_params("pythia-6.9b", Layout(tp=8, pp=2)) == [
-        V * H // tp + 16 * per_layer,
-        16 * per_layer + 2 * H + V * H // tp,
+        V * H // tp + L // 2 * per_layer,
+        L // 2 * per_layer + 2 * H + V * H // tp,
     ]
 
 
@@ -963,10 +963,10 @@ def test_plan_dbrx_base_tp8_pp4():
     attn = (q * D * H + 2 * kv * D * H + H * q * D) // tp
     per_layer = attn + E * H + E * 3 * I * H // tp + 2 * H  # router replicated, every expert at ep 1, two norms
     assert plan_params("dbrx-base", Layout(tp=8, pp=4)) == [
-        V * H // tp + 10 * per_layer,
-        10 * per_layer,
-        10 * per_layer,
-        10 * per_layer + H + V * H // tp,
+        V * H // tp + L // 4 * per_layer,
+        L // 4 * per_layer,
+        L // 4 * per_layer,
+        L // 4 * per_layer + H + V * H // tp,
     ]
 
 

@@ -459,7 +459,7 @@ def test_xser_output_matches_real_torch_xla_golden(tmp_path):
         assert [(k, v.tid) for k, v in got_refs.items()] == [(k, v.tid) for k, v in want_refs.items()], want_path.name
         assert pickle_globals(got_path) == pickle_globals(want_path)
         assert load_plain(Path(str(got_path) + ".info.pt")) == load_plain(Path(str(want_path) + ".info.pt"))
-        for key, ref in want_refs.items():
+        for ref in want_refs.values():
             rel = f"{want_path.name}.tensors/tensor_{ref.tid}.pt"
             assert_same_tensor(load_plain(got_root / "model" / rel), load_plain(want_root / "model" / rel), rel)
 

@@ -441,7 +441,7 @@ def test_negative_nxd_trn2_bug_kv_interleaved_q_blocked(sharded):
     def tamper(rank_sds, qkv, dims, layout, sharded):
         _, inter_dir, inter_layout = sharded("llama-gqa64", kv_replication="interleaved", **kw)
         out = []
-        for r, (wq, wk, wv, bq, bk, bv) in enumerate(qkv):
+        for r, (wq, _wk, _wv, bq, bk, bv) in enumerate(qkv):
             isd = load_rank(inter_dir, r, 0)
             iwq, iwk, iwv, _, _, _ = unpack_qkv(isd, "model.layers.0.", dims, inter_layout)
             out.append((wq, iwk, iwv, bq, bk, bv))
@@ -501,7 +501,7 @@ def test_negative_within_rank_q_head_order(sharded):
     def tamper(rank_sds, qkv, dims, layout, sharded):
         d = dims.head_dim
         out = []
-        for sd, (wq, *rest) in zip(rank_sds, qkv):
+        for wq, *rest in qkv:
             heads = wq.view(-1, d, wq.shape[1]).flip(0).reshape_as(wq)
             out.append((heads, *rest))
         new_sds = []

@@ -208,7 +208,7 @@ def test_resume_from_titan_via_nxd_first_step_is_adamw(titan, tmp_path):
     assert set(got) == set(after)
     assert max(float((after[n] - before[n]).abs().max()) for n in after) > 1e-4
     for n in after:
-        torch.testing.assert_close(got[n], after[n], rtol=0, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(got[n], after[n], rtol=0, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_a_dcp_without_optimizer_state_is_one_line_exit_2(tiny_model, tmp_path):

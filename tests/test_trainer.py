@@ -832,7 +832,7 @@ def test_resume_from_nxd_checkpoint_first_step_is_adamw(case, tmp_path):
     moved = max(float((after[n] - before[n]).abs().max()) for n in after)
     assert moved > 1e-4, "the step barely moved the weights: the comparison would be weak"
     for n in after:
-        torch.testing.assert_close(got[n], after[n], rtol=0, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(got[n], after[n], rtol=0, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
 # ---- ZeRO-1 checkpoints sharded over dp, fp32 master weights end to end --------------------------------
