@@ -10,6 +10,9 @@ import torch
 
 from shardkit.testing import make_tiny_model
 
+# the tests' S3 (a moto server, buckets, a faulty proxy), asked for by name in any module
+pytest_plugins = ["s3_fixtures"]
+
 
 @pytest.fixture(autouse=True)
 def _restore_logger_levels():

@@ -1,4 +1,4 @@
-"""s3:// everywhere, against a real S3 API on loopback: moto's server mode, started here.
+"""s3:// everywhere, against a real S3 API on loopback: moto's server mode (tests/s3_fixtures.py).
 
 Every command, the checkpoint API and the trainer read from and write to a bucket of a moto server
 on 127.0.0.1 (no network). Checked: exact results (verify), the objects really in the bucket,
@@ -30,6 +30,7 @@ boto3 = pytest.importorskip("boto3", reason="boto3 is not installed (pip install
 
 import ckpt_child  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
+from s3_fixtures import ENV, free_port  # noqa: E402
 
 import shardkit  # noqa: E402
 from shardkit.api import convert, merge, verify  # noqa: E402
@@ -41,84 +42,21 @@ from shardkit.layout import Layout  # noqa: E402
 from shardkit.testing import fixture_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def s3_server():
-    """A moto S3 server on 127.0.0.1 (its own process), and the environment that points boto3 at it."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail("the moto server did not start")
-            time.sleep(0.1)
-    saved = {k: os.environ.get(k) for k in [*ENV, "AWS_ENDPOINT_URL"]}
-    os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
-    s3.reset_client()
-    yield endpoint
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    s3.reset_client()
-
-
-_COUNT = [0]
-
-
-@pytest.fixture
-def bucket(s3_server):
-    """A new empty bucket."""
-    _COUNT[0] += 1
-    name = f"shardkit-test-{_COUNT[0]}"
-    s3.client().create_bucket(Bucket=name)
-    return name
 
 
 @pytest.fixture(autouse=True)
-def own_temporary_folder(tmp_path, monkeypatch):
-    """The test's own system temporary folder (this process's and its commands'): what a test
-    leaves there (mirrors, staged outputs, a save's staging root) is seen by it alone and never
-    left in the machine's."""
-    folder = tmp_path / "system-temporary-folder"
-    folder.mkdir()
-    monkeypatch.setenv("TMPDIR", str(folder))
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
+def own_temporary_folder(own_temporary_folder):
+    """Every test here has its own system temporary folder (tests/s3_fixtures.py)."""
+    return own_temporary_folder
 
 
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    """The working directory of the test (checked to stay empty)."""
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    monkeypatch.chdir(cwd)
-    return cwd
+def __getattr__(name: str):
+    """tests/test_s3_reads.py still imports `bucket` and `s3_server` from here. They are
+    tests/s3_fixtures.py's fixtures now, which every module sees: the names stay importable (as
+    None, which pytest does not take for a fixture) until that import drops them."""
+    if name in ("bucket", "s3_server"):
+        return None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def keys(bucket: str, prefix: str = "") -> list[str]:
@@ -272,27 +210,6 @@ def test_denied_access_is_one_line(s3_server, bucket, tiny_model, workdir):
         auth("inf")
     assert not keys(bucket)
     assert not list(workdir.iterdir())
-
-
-@pytest.fixture
-def faulty(s3_server):
-    """A proxy in front of the server that fails some requests (`tests/s3_faults.py`); boto3 in
-    this process goes through it while the test runs."""
-    from s3_faults import FaultProxy
-
-    proxies: list[FaultProxy] = []
-
-    def start(**options) -> FaultProxy:
-        proxies.append(FaultProxy(s3_server, **options))
-        os.environ["AWS_ENDPOINT_URL"] = proxies[-1].url
-        s3.reset_client()
-        return proxies[-1]
-
-    yield start
-    os.environ["AWS_ENDPOINT_URL"] = s3_server
-    s3.reset_client()
-    for proxy in proxies:
-        proxy.close()
 
 
 def test_throttling_and_5xx_are_retried(tiny_model, bucket, tmp_path, faulty):
@@ -1054,7 +971,7 @@ def test_save_from_several_hosts_uploads_every_hosts_files(bucket, tmp_path):
 
     url = f"s3://{bucket}/hosts"
     env = {k: os.environ[k] for k in [*ENV, "AWS_ENDPOINT_URL"]}
-    port = _free_port()
+    port = free_port()
     spawn = multiprocessing.get_context("spawn")
     tmps = [tmp_path / f"host-{r}" for r in range(2)]
     procs = []

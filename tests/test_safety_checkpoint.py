@@ -33,7 +33,6 @@ from pathlib import Path
 import ckpt_child
 import pytest
 from click.testing import CliRunner
-from test_s3 import bucket, s3_server  # noqa: F401 - a moto S3 server on loopback, and a new bucket in it
 
 from shardkit.checkpoint import (
     Checkpointer,

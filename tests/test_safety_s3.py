@@ -4,7 +4,7 @@ shardkit did not write are never replaced unless named; staging and mirror roots
 temporary folder are per-user, 0700 and never followed through a link; SIGTERM during a read the
 store never answers removes the mirror; listings that claim impossible sizes; names that are not
 UTF-8; messages that name s3:// URLs, not local mirrors; the trainer's export to s3://.
-Against the moto server of tests/test_s3.py (its fixtures are used here).
+Against the moto server of tests/s3_fixtures.py.
 """
 
 from __future__ import annotations
@@ -26,15 +26,12 @@ import shardkit
 from shardkit.api import convert, verify
 from shardkit.io import s3, upload
 
-# the fixtures of tests/test_s3.py: its moto server, a new bucket, a proxy of the server, the
-# test's own system temporary folder and working directory
-s3_server, bucket, faulty, own_temporary_folder, workdir = (
-    test_s3.s3_server,
-    test_s3.bucket,
-    test_s3.faulty,
-    test_s3.own_temporary_folder,
-    test_s3.workdir,
-)
+
+@pytest.fixture(autouse=True)
+def own_temporary_folder(own_temporary_folder):
+    """Every test here has its own system temporary folder (tests/s3_fixtures.py)."""
+    return own_temporary_folder
+
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGED, WRITING, RECORD = ".shardkit-staged-", ".shardkit-writing", ".shardkit-output"

@@ -27,11 +27,6 @@ from trainer_helpers import check_ok, losses, rel_diff, run_inprocess, run_ranks
 
 from shardkit.testing import fixture_config, make_tiny_model
 
-try:  # the moto S3 server and a fresh bucket, shared with tests/test_s3.py
-    from test_s3 import bucket, s3_server  # noqa: F401
-except pytest.skip.Exception:  # moto or boto3 not installed: the S3 test is skipped
-    s3_server = bucket = None
-
 ROOT = Path(__file__).resolve().parent.parent
 TWEETS = ROOT / "fixtures" / "tweets-tiny.csv"
 STEPS, SEQ, ROWS, MICRO, LR, SEED = 3, 16, 36, 6, 1e-3, 1234
@@ -328,7 +323,7 @@ def test_a_csv_with_a_byte_order_mark_reads_its_header(work, classifier):
     assert got[0] == got[1]
 
 
-def test_rows_from_parquet_datasets_and_s3_train_like_the_csv(work, classifier, bucket, caplog):  # noqa: F811
+def test_rows_from_parquet_datasets_and_s3_train_like_the_csv(work, classifier, bucket, caplog):
     """The tweets as .parquet (labels as whole numbers in float64, as pandas may store them), as a
     datasets folder and as s3://bucket/key.csv: the csv's first loss."""
     import pyarrow as pa
@@ -345,11 +340,10 @@ def test_rows_from_parquet_datasets_and_s3_train_like_the_csv(work, classifier, 
         {"text": [r["text"] for r in rows], "sentiment": [r["sentiment"] for r in rows]}
     ).save_to_disk(str(work / "tweets-ds"))
     sources["datasets"] = str(work / "tweets-ds")
-    if bucket is not None:
-        from shardkit.io import s3
+    from shardkit.io import s3
 
-        s3.client().put_object(Bucket=bucket, Key="tweets/train.csv", Body=TWEETS.read_bytes())
-        sources["s3"] = f"s3://{bucket}/tweets/train.csv"
+    s3.client().put_object(Bucket=bucket, Key="tweets/train.csv", Body=TWEETS.read_bytes())
+    sources["s3"] = f"s3://{bucket}/tweets/train.csv"
     want = None
     for name, data in {"csv": str(TWEETS), **sources}.items():
         metrics = work / f"rows-{name}.jsonl"

@@ -6,7 +6,7 @@ completions only.
 1. every kind trains exactly like the token file of the same documents (equal per-step losses);
 2. instruction data: the first step's loss is transformers' cross-entropy over the completion
    tokens of the global batch, and dp2, tp2, pp2 and micro-batches of 2 give dp1's losses;
-3. s3:// data (the moto server of tests/test_s3.py);
+3. s3:// data (the moto server of tests/s3_fixtures.py);
 4. resuming mid-epoch on another layout continues exactly; a changed file is said on resume;
 5. bad data: one line, exit 2, nothing left in the cache;
 6. prepare_data.py writes the bytes the cache holds; two runs tokenizing at once do not mix.
@@ -35,11 +35,6 @@ import torch
 from trainer_helpers import CORPUS, ROOT, check_ok, losses, rel_diff, run_args, run_inprocess, run_ranks
 
 from shardkit.testing import make_tiny_model
-
-try:  # the moto S3 server and a fresh bucket, shared with tests/test_s3.py
-    from test_s3 import bucket, s3_server  # noqa: F401
-except pytest.skip.Exception:  # moto or boto3 not installed: the S3 test is skipped
-    s3_server = bucket = None
 
 CONFIG = "llama-trainer-tiny"  # vocab 256: the tokenizer's 200 ids fit
 REL = 1e-5
@@ -351,11 +346,9 @@ def test_messages_train_on_the_assistant_turns(work, tok, tok_dir):
 # ---- 3. s3:// --------------------------------------------------------------------------------------------
 
 
-def test_s3_data_trains_like_the_local_file(work, hf_model, reference, bucket, caplog):  # noqa: F811
+def test_s3_data_trains_like_the_local_file(work, hf_model, reference, bucket, caplog):
     """s3://bucket/key.jsonl (and a token file in S3) train like the local files; the second run
     finds its cache by the object's ETag; a missing key is one line."""
-    if bucket is None:
-        pytest.skip("moto[server] and boto3 are needed (pip install -e '.[test]')")
     from shardkit.io import s3
 
     data = write_rows("jsonl", work / "s3.jsonl", text_rows())
