@@ -166,7 +166,7 @@ def torchtitan_adapter():
 
 
 def main(hf_dir: Path, dcp_dir: Path) -> int:
-    import torch  # imported here: `fetch` runs before .ci/run installs the project's dependencies
+    import torch  # imported here: `fetch` needs neither torch nor the project's dependencies
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
