@@ -143,7 +143,10 @@ def _read_once(
     streamed torch file laid out otherwise than torch.save lays it out (its predicted tensor
     offsets did not hold) is read again, fetched whole first, so any valid file is read right."""
     streamed = _streams(src, options)
-    ckpt = open_source(src, config, hints, revision, Need.EVERYTHING, streamed)
+    unchecked = check_mode(options.get("verify_hashes", True)) == NONE  # no digest asks for the bytes not read
+    ckpt = open_source(
+        src, config, hints, revision, Need.PLANNED if streamed and unchecked else Need.EVERYTHING, streamed
+    )
     checked = dict(options)
     _check_fetched(ckpt, checked)
     try:
@@ -170,8 +173,13 @@ def _check_fetched(ckpt: Checkpoint, options: dict[str, Any]) -> None:
         return
     mirror = remote_io.mirror_of(ckpt.root)
     blocks = {}
+    read = tuple(ckpt.files)
     for entry in ckpt.manifest.get("files", []) or []:
-        path = inside(Path(ckpt.root), str(entry.get("path", "")), "file the manifest lists")
+        listed = str(entry.get("path", ""))
+        unread = not (listed in read or listed.startswith(tuple(f"{key}." for key in read)))
+        if unread and (listed.endswith(remote_io.TENSOR_SUFFIXES) or ".tensors/" in listed):
+            continue  # tensors the operation does not read (a tag's optimizer files, for its model) are not fetched
+        path = inside(Path(ckpt.root), listed, "file the manifest lists")
         if mirror is not None and remote_io.is_streamed(path) and isinstance(entry.get(BLOCKS_KEY), list):
             blocks[path.relative_to(mirror.root).as_posix()] = [str(b) for b in entry[BLOCKS_KEY]]
             continue  # checked block by block as it arrives (io.remote), before the output is committed
@@ -252,8 +260,10 @@ def reshard(
     may be s3://bucket/prefix."""
     replace = options.get("replace_objects")
     with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,), replace) as out:
-        # not streamed: a reshard reads pieces more than once and reads copied bytes back to hash them
-        ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
+        # not streamed: a reshard reads pieces more than once and reads copied bytes back to hash them;
+        # checked by no digest, it fetches the ranges it plans to read (not a K/V head's other replicas)
+        unchecked = check_mode(options.get("verify_hashes", True)) == NONE
+        ckpt = open_source(src, config, hints, revision, Need.METADATA if unchecked else Need.EVERYTHING)
         _check_fetched(ckpt, options)  # type: ignore[arg-type]
         result = reshard_checkpoint(ckpt, out, layout, format=format, command=command, convention=convention, **options)
     return _located(result, dst)
@@ -387,9 +397,8 @@ def export_checkpoint(
     with remote_io.mirrors_scope(), _destination(out, bool(options.get("overwrite")), (dir,), replace) as local_out:
         mirror = _checkpoint_root(dir)
         root, name = tag_to_read(mirror.root if mirror is not None else dir, tag, "shardkit merge DIR OUT")
-        if mirror is not None:  # the model files whole; master weights in optim/ as the merge reads them
+        if mirror is not None:  # the model files whole (master weights in optim/: as the merge reads them)
             mirror.prepare(f"{name}/model", Need.EVERYTHING)
-            mirror.prepare(name, Need.METADATA)
         # the tag's model files, or its fp32 master weights when the model files hold no data
         model = model_checkpoint(inside(root, name, "checkpoint tag"), config, hints)
         settings = settings_of(model)
@@ -441,23 +450,27 @@ def _export_lora(
 def reshard_training_checkpoint(
     src: str | Path,
     dst: str | Path,
-    layout: Layout,
+    layout: Layout | Callable[[dict[str, Any]], Layout],
     *,
     param_order: str | Path | list[list[str]] | None = None,
     **options: Unpack[TrainingReshardOptions],
 ) -> Path | str:
     """Write the training checkpoint `src` (NxD's or shardkit's: model, ZeRO-1 optimizer shards,
     master weights, scheduler, user content) for `layout` and `dp` data-parallel ranks as a new
-    checkpoint root `dst`, in NxD's format (see shardkit.checkpoint.reshard). `param_order`: a
-    JSON file (or list) of parameter names per param group, when the optimizer's order cannot be
+    checkpoint root `dst`, in NxD's format (see shardkit.checkpoint.reshard). `layout` may be a
+    function of the source tag's `inspect_training_checkpoint` (the CLI's "a dimension not given
+    is the source's"): the tag is then read once, also from object storage. `param_order`: a JSON
+    file (or list) of parameter names per param group, when the optimizer's order cannot be
     recovered from the model files."""
-    from .checkpoint.reshard import reshard_training
+    from .checkpoint.reshard import inspect_training, reshard_training
     from .checkpoint.zero1 import read_param_order
 
     order = read_param_order(param_order) if isinstance(param_order, (str, Path)) else param_order
     with remote_io.mirrors_scope(), _destination(dst, False, (src,)) as out:
         mirror = _checkpoint_root(src)
         root = _prepared_tag_root(mirror, options.get("tag"), Need.EVERYTHING) if mirror is not None else src
+        if not isinstance(layout, Layout):
+            layout = layout(inspect_training(root, options.get("tag"), options.get("config"), order))
         written = reshard_training(root, out, layout, param_order=order, **options)
     loc = remote_location(dst)
     return written if loc is None else str(loc.child(written.name))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import http.client
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 FAULTS = (
     (503, "SlowDown", "Please reduce your request rate."),
@@ -22,7 +22,8 @@ class FaultProxy:
     `fail_all`: every request does; `fail_first`: the first attempt of each request whose method
     and path (query included) contain that text does; `hang`: a GET with a Range header whose
     path contains that text is never answered (until `close`; `hung` is set once one is). Counts
-    requests and faults; `url` is its endpoint."""
+    requests and faults, and the body bytes each GET returned by object key (`got`, `reset_counts`);
+    `url` is its endpoint."""
 
     def __init__(  # noqa: PLR0913
         self, upstream: str, fail_every: int = 0, fail_all: bool = False, fail_first: str = "", hang: str = ""
@@ -35,6 +36,7 @@ class FaultProxy:
         self._seen: set[str] = set()
         self.requests = self.faults = 0
         self.faulted: list[str] = []
+        self.got: dict[str, int] = {}
         self._lock = threading.Lock()
         proxy = self
 
@@ -93,6 +95,8 @@ class FaultProxy:
                     self.end_headers()
                     if self.command != "HEAD":
                         self.wfile.write(data)
+                    if self.command == "GET" and resp.status in (200, 206) and "list-type" not in self.path:
+                        proxy._count(urlsplit(self.path).path, len(data))
                 finally:
                     conn.close()
 
@@ -115,6 +119,16 @@ class FaultProxy:
                 self.faulted.append(what)
                 return FAULTS[self.faults % 2]
             return None
+
+    def _count(self, path: str, size: int) -> None:
+        key = unquote(path.lstrip("/").split("/", 1)[-1])
+        with self._lock:
+            self.got[key] = self.got.get(key, 0) + size
+
+    def reset_counts(self) -> None:
+        """Forget the bytes counted so far."""
+        with self._lock:
+            self.got.clear()
 
     def close(self) -> None:
         self._closing.set()

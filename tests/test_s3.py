@@ -50,15 +50,6 @@ def own_temporary_folder(own_temporary_folder):
     return own_temporary_folder
 
 
-def __getattr__(name: str):
-    """tests/test_s3_reads.py still imports `bucket` and `s3_server` from here. They are
-    tests/s3_fixtures.py's fixtures now, which every module sees: the names stay importable (as
-    None, which pytest does not take for a fixture) until that import drops them."""
-    if name in ("bucket", "s3_server"):
-        return None
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def keys(bucket: str, prefix: str = "") -> list[str]:
     pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
@@ -399,7 +390,7 @@ def test_streamed_metadata_comes_in_the_parts_that_hold_it(tiny_model, bucket, s
     """A streamed source's metadata (a torch shard's head and tail) is fetched as the whole parts
     holding it, which the feeder then skips: each part of each shard is one GET, none is a GET for
     metadata alone. With no room in the window for those parts, the metadata alone is fetched."""
-    monkeypatch.setattr(remote, "HOLE", 0)  # head and tail apart, as in a shard of a real model
+    monkeypatch.setattr(remote, "PART_HOLE", 0)  # head and tail apart, as in a shard of a real model
     hf = tiny_model("tinyllama-mini", torch.bfloat16)
     url = f"s3://{bucket}/tp4"
     convert(hf, url, shardkit.make_layout(tp=4, pp=2, qkv="gqa"))

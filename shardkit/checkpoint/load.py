@@ -287,6 +287,8 @@ def read_pieces(
 ) -> dict[str, torch.Tensor]:
     """Check, then read, the target pieces from `ckpt` (only the slices they are made of)."""
     plan, needed = _plan_reads(ckpt, pieces, rank, same_layout)
+    # in object storage: the metadata of these files (and their xser tensor files), fetched together
+    remote_io.prepare_paths(p for key in sorted(needed) for p in (ckpt.files[key], Path(f"{ckpt.files[key]}.tensors")))
     _check_files(ckpt, needed)
     if verify and manifest is not None:
         _verify_hashes(ckpt.root, manifest, needed)
@@ -405,11 +407,10 @@ def load_checkpoint(
     s3://bucket/prefix: read through a local mirror, fetching the ranges read."""
     if (loc := remote_location(dir, "checkpoint directory")) is not None:
         with remote_io.mirrors_scope():
-            mirror = remote_io.open_prefix(loc, need=None, output=False)
+            mirror = remote_io.open_prefix(loc, need=None, output=False)  # files fetched as this rank reads them
             name = resolve_tag(mirror.root, tag)
             if name is None:
                 return None
-            mirror.prepare(name)
             return load_checkpoint(
                 mirror.root,
                 name,

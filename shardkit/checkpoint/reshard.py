@@ -127,9 +127,12 @@ def model_checkpoint(
     its weights: its optimizer files are not opened."""
     if optimum.is_optimum_tag(tag_dir):
         return optimum.open_model(tag_dir, config)
+    if config is None and not (Path(tag_dir) / CONFIG).is_file():
+        return open_training_tag(tag_dir, config, hints, param_order).model  # (its one-line error)
+    model = open_model(Path(tag_dir), config, hints)
+    if model_has_data(model):
+        return model  # the optimizer files are not opened (nor fetched from object storage)
     src = open_training_tag(tag_dir, config, hints, param_order)
-    if src.has_data:
-        return src.model
     if src.zero1 is None:
         raise CheckpointError(
             f"{tag_dir}: the model files hold no tensor data and there are no optimizer files "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -297,17 +298,26 @@ def ckpt_reshard(
     from ..checkpoint.load import tag_to_read
     from ..layout import Layout
 
-    # a torchtitan checkpoint has no NxD tags; a tag in object storage is found by the API, through its mirror
+    kept: list[str | None] = []  # the line saying which dimensions were the source's
+
+    def target(info: dict) -> Layout:
+        """The layout asked for, a dimension not given being the source tag's."""
+        source = Layout.from_dict(info["layout"])
+        layout = build_layout(layout_opts, inherit=source)
+        more = [(f"dp {info['data_parallel']}", "--dp")] if dp is None and info.get("data_parallel") else []
+        if zero1 is None and info["dp"] is not None and nxd_mode != "zero1-dcp":
+            more.append(("ZeRO-1" if info["zero1"] else "no ZeRO-1", "--zero1"))
+        kept.append(kept_from_source(layout_opts, source, layout, more))
+        return layout
+
+    # a torchtitan checkpoint has no NxD tags; a tag in object storage is inspected by the API as it
+    # reshards it (its bytes fetched once)
     titan = isinstance(src, Path) and titan_step_dir(src, tag) is not None
     local = isinstance(src, Path) and not titan
-    src_dir, name = tag_to_read(src, tag, "shardkit reshard DIR DST") if local else (src, tag)
-    info = inspect_training_checkpoint(src_dir, name, config, param_order)
-    source = Layout.from_dict(info["layout"])
-    layout = build_layout(layout_opts, inherit=source)
-    more = [(f"dp {info['data_parallel']}", "--dp")] if dp is None and info.get("data_parallel") else []
-    if zero1 is None and info["dp"] is not None and nxd_mode != "zero1-dcp":
-        more.append(("ZeRO-1" if info["zero1"] else "no ZeRO-1", "--zero1"))
-    kept = kept_from_source(layout_opts, source, layout, more)
+    layout: Layout | Callable[[dict], Layout] = target
+    if isinstance(src, Path):
+        src_dir, name = tag_to_read(src, tag, "shardkit reshard DIR DST") if local else (src, tag)
+        layout = target(inspect_training_checkpoint(src_dir, name, config, param_order))
     out = reshard_training_checkpoint(
         src,
         dst,
@@ -323,8 +333,8 @@ def ckpt_reshard(
         nxd_mode=nxd_mode,
         convention=convention,
     )
-    if kept and is_leader():  # said once it is done: bad input stays one line
-        note(ctx, kept)
+    if kept and kept[0] and is_leader():  # said once it is done: bad input stays one line
+        note(ctx, kept[0])
     click.echo(f"wrote {out}")
 
 

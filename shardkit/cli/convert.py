@@ -206,7 +206,8 @@ def reshard(ctx, src, dst, fmt, convention, source_kv_replication, write, as_jso
     started = time.perf_counter()
     hub_quiet(ctx)
     with mirrors_scope():  # an s3:// source's local mirror is removed at the end
-        source = open_source(src, config, {"kv_replication": source_kv_replication}, revision, Need.EVERYTHING)
+        # its metadata: the reshard fetches what it reads (every byte when checked against digests)
+        source = open_source(src, config, {"kv_replication": source_kv_replication}, revision, Need.METADATA)
         layout = build_layout(layout_opts, inherit=source.layout)
         kept = kept_from_source(layout_opts, source.layout, layout)
         if kept and is_leader():

@@ -17,11 +17,12 @@ holding one sparse file per object, of the object's size, into which byte ranges
 - anything else on demand, before the read (`before_read`: `io.taps.read_exact`, kernel copies,
   the mappings of `io.strided`, whole-file hashing and `torch.load` through `ensure_file`).
 
-Why whole files and joined holes rather than one GET per record: a request costs a round trip
-(and, on a server such as moto, a read of the whole object), while the bytes of a hole cost
-little; Apache Arrow's read coalescing sets its hole limit the same way (time to first byte times
-bandwidth: a few MiB on S3). A torch shard of TinyLlama at tp 8 has 201 records: one GET per
-local header would be 201 round trips per file.
+Why joined holes rather than one GET per record: a request costs a round trip (and, on a server
+such as moto, a read of the whole object), while the bytes of a small hole cost little: a torch
+shard's small records (norms, biases) and their zip headers come in one GET with their neighbours.
+Why no larger holes: the bytes an operation skips are then never fetched: a rank's load reads its
+own files, an export no optimizer file, a reshard one replica of each K/V head (Apache Arrow's
+read coalescing uses a hole limit of the same order by default). Requests go GETS_IN_FLIGHT at once.
 
 So an operation reads from the store the bytes it uses, plus holes of at most `HOLE`, and nothing
 ever reads a hole of the mirror.
@@ -69,8 +70,13 @@ SMALL = 1 << 20
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".bin", ".pth")
 PART = s3.PART_SIZE
 """The largest single ranged GET: a larger range is fetched as several GETs in flight."""
-HOLE = 4 << 20
-"""Wanted ranges of one object at most this far apart are fetched in one GET (the hole too)."""
+HOLE = 64 << 10
+"""Wanted ranges of one object at most this far apart are fetched in one GET (the hole too). A
+larger hole is bytes the operation skips (another rank's records, a K/V head's other replicas):
+not fetched."""
+PART_HOLE = 4 << 20
+"""A streamed file's metadata ranges this close are taken as one when choosing the whole parts
+that hold them (read once anyway: those parts are fetched, not the holes' bytes alone)."""
 GETS_IN_FLIGHT = s3.CONCURRENCY
 WINDOW = 512 << 20
 """How far (bytes) the planned fetches may run ahead of the bytes readers have asked for."""
@@ -92,6 +98,9 @@ class Need(enum.Enum):
     """Their metadata when opened, then the ranges planned or read."""
     EVERYTHING = "everything"
     """All their bytes (merge, reshard, verify, export: all but a few percent of a source)."""
+    PLANNED = "planned"
+    """Of a streamed source checked by no digest: its metadata, then the ranges the engine plans
+    to read and nothing more (a K/V head's other replicas are not fetched)."""
 
 
 _MIRRORED: dict[tuple[int, int], MirrorFile] = {}
@@ -122,6 +131,7 @@ class MirrorFile:
         self.lock = threading.Lock()
         self.prepared = False
         self.streamed = False  # see "Streamed sources" above
+        self.planned_only = False  # streamed as the engine plans it, nothing more (Need.PLANNED)
         self.once = Ranges()  # bytes the operation's plan reads exactly once
         self.consumed = Ranges()  # of those, the bytes read so far
         self.dropped = Ranges()  # bytes punched out of the file once read (never fetched again but on demand)
@@ -345,20 +355,24 @@ class Mirror:
         with self._count_lock:
             self.bytes_fetched += n
 
-    def prepare(self, under: str = "", need: Need = Need.METADATA) -> None:
-        """Fetch what opening the tensor containers under `under` (a relative folder; "" for all)
-        reads, or with Need.EVERYTHING every byte of them (see the module's docstring)."""
-        inside_ = under.rstrip("/") + "/"
+    def prepare(self, under: str | Sequence[str] = "", need: Need = Need.METADATA) -> None:
+        """Fetch what opening the tensor containers under `under` (a relative folder or file, or
+        several; "" for all) reads, or with Need.EVERYTHING every byte of them (see the module's
+        docstring). Several files are prepared together: each step's GETs of all of them in flight."""
+        wanted = [under] if isinstance(under, str) else list(under)
+        folders = [w.rstrip("/") + "/" for w in wanted]
         chosen = [
             mf
             for name, mf in self.files.items()
-            if _lazy(mf) and (not under or name == under or name.startswith(inside_))
+            if _lazy(mf) and ("" in wanted or name in wanted or name.startswith(tuple(folders)))
         ]
-        if need is Need.EVERYTHING and self.streamed:
+        if need is not Need.METADATA and self.streamed:
             fresh = [mf for mf in chosen if not mf.streamed]
-            containers.fetch_metadata(self._fetch_parts, [mf for mf in fresh if not mf.prepared], tensor_headers=False)
+            fetch = _fetch_all if need is Need.PLANNED else self._fetch_parts
+            containers.fetch_metadata(fetch, [mf for mf in fresh if not mf.prepared], tensor_headers=False)
             for mf in fresh:
                 mf.streamed = True
+                mf.planned_only = need is Need.PLANNED
             if fresh:
                 self._start(self._feed)
         elif need is Need.EVERYTHING:  # part i of every file, then part i + 1: many objects at once
@@ -377,7 +391,7 @@ class Mirror:
         futures: list[Future[int]] = []
         for mf, ranges in wanted:
             exact: list[tuple[int, int]] = []
-            for start, end, metadata in whole_parts(joined(ranges, HOLE), mf.size, PART):
+            for start, end, metadata in whole_parts(joined(ranges, PART_HOLE), mf.size, PART):
                 absent = [sum(b - a for a, b in mf.fetched.missing(s, e)) for s, e in [(start, end), *metadata]]
                 more = absent[0] - sum(absent[1:])  # bytes still to fetch beyond the metadata
                 if self.held + more > STREAM_BUDGET:
@@ -444,7 +458,8 @@ class Mirror:
     def order_parts(self, plan: Sequence[tuple[MirrorFile, int, int]] | None) -> None:
         """Set the feeder's order once: the PART-sized parts of the streamed files in the order
         `plan` ((file, offset, length) ranges) first reads them, then the rest, part i of every
-        file before part i + 1 (None: in that order alone)."""
+        file before part i + 1 (None: in that order alone). A file prepared with Need.PLANNED is
+        fetched as planned, nothing more: its ranges joined across holes under HOLE."""
         with self._cond:
             if self._order is not None:
                 return
@@ -456,10 +471,26 @@ class Mirror:
                     seen.add((mf, index))
                     order.append((mf, index * PART, min(mf.size, (index + 1) * PART)))
 
+            unchecked: list[list[Any]] = []  # [file, start, end]: a file not checked by blocks, read as planned
             for mf, offset, length in plan or ():
+                if mf.planned_only:
+                    last = unchecked[-1] if unchecked else None
+                    if (
+                        last
+                        and last[0] is mf
+                        and last[2] <= offset <= last[2] + HOLE
+                        and offset + length - last[1] <= PART
+                    ):
+                        last[2] = max(last[2], offset + length)
+                    else:
+                        unchecked.append([mf, offset, offset + length])
+                    continue
                 for index in range(offset // PART, -(-(offset + length) // PART)):
                     add(mf, index)
-            streamed = [mf for mf in self.files.values() if mf.streamed]
+            order += [(mf, start, end) for mf, start, end in unchecked]
+            # the rest of every file but those read as planned (of every file when the plan came
+            # too late: bytes were read before it)
+            streamed = [mf for mf in self.files.values() if mf.streamed and (plan is None or not mf.planned_only)]
             for index in range(max((-(-mf.size // PART) for mf in streamed), default=0)):
                 for mf in streamed:
                     if index * PART < mf.size:
@@ -700,8 +731,19 @@ def location_of(path: str | os.PathLike[str]) -> RemoteLocation | None:
 
 def prepare_path(path: str | os.PathLike[str], need: Need = Need.METADATA) -> None:
     """`Mirror.prepare` of the part of an open mirror that `path` names (nothing for a local path)."""
-    for mirror, rel in _in_mirrors(path):
-        mirror.prepare(rel, need)
+    prepare_paths([path], need)
+
+
+def prepare_paths(paths: Iterable[str | os.PathLike[str]], need: Need = Need.METADATA) -> None:
+    """`Mirror.prepare` of the files (or folders) `paths` of open mirrors, together: an operation
+    that knows which files it reads fetches those, and nothing else of the prefix (local paths:
+    nothing to do)."""
+    chosen: dict[int, tuple[Mirror, list[str]]] = {}
+    for path in paths:
+        for mirror, rel in _in_mirrors(path):
+            chosen.setdefault(id(mirror), (mirror, []))[1].append(rel)
+    for mirror, rels in chosen.values():
+        mirror.prepare(rels, need)
 
 
 def readable(text: str, what: str) -> Path | None:
