@@ -10,6 +10,7 @@ import click
 from ..conventions import CONVENTIONS
 from ..errors import ShardkitError
 from ..formats.registry import output_format_names
+from ..io.digest import NONE, check_mode
 from ..io.location import is_url
 from ..io.remote import Need, mirrors_scope
 from .hub import hub_check, hub_push, hub_quiet, hub_source, merge_and_push_report
@@ -206,8 +207,10 @@ def reshard(ctx, src, dst, fmt, convention, source_kv_replication, write, as_jso
     started = time.perf_counter()
     hub_quiet(ctx)
     with mirrors_scope():  # an s3:// source's local mirror is removed at the end
-        # its metadata: the reshard fetches what it reads (every byte when checked against digests)
-        source = open_source(src, config, {"kv_replication": source_kv_replication}, revision, Need.METADATA)
+        # checked against its digests, every byte (in parts of all files at once); else its metadata,
+        # then what the reshard reads (one replica of each K/V head)
+        need = Need.METADATA if check_mode(write.get("verify_hashes", True)) == NONE else Need.EVERYTHING
+        source = open_source(src, config, {"kv_replication": source_kv_replication}, revision, need)
         layout = build_layout(layout_opts, inherit=source.layout)
         kept = kept_from_source(layout_opts, source.layout, layout)
         if kept and is_leader():
