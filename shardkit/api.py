@@ -196,7 +196,7 @@ def _checkpoint_root(src: str | Path) -> remote_io.Mirror | None:
     """A mirror of a training checkpoint root in object storage (its small objects fetched; the
     caller prepares the tag it reads), None for a local path."""
     loc = remote_location(src, "SRC")
-    return None if loc is None else remote_io.open_prefix(loc, need=None, output=False)
+    return None if loc is None else remote_io.open_prefix(loc, output=False)
 
 
 def open_source(
@@ -215,7 +215,7 @@ def open_source(
         return src
     loc = remote_location(src, "SRC")
     if loc is not None:
-        mirror = remote_io.open_prefix(loc, need=None, streamed=streamed)
+        mirror = remote_io.open_prefix(loc, streamed=streamed)
         _refuse_checkpoint_root(mirror.root, str(src))  # before any of its tags is fetched
         mirror.prepare("", need)
         return open_checkpoint(mirror.root, config, hints)

@@ -845,7 +845,7 @@ def test_checkpoint_save_list_reshard_export(bucket, tmp_path, workdir, monkeypa
 def test_checkpoint_files_upload_as_they_close(bucket, monkeypatch):
     """A save to object storage uploads each rank file as it is closed: what is left for the end
     is the markers, the manifest and config.json."""
-    from shardkit.checkpoint import remote as ckpt_remote
+    from shardkit.checkpoint import s3_tags as ckpt_remote
 
     swept: list[str] = []
     upload_tree = ckpt_remote.upload_tree
@@ -866,7 +866,7 @@ def test_checkpoint_files_upload_as_they_close(bucket, monkeypatch):
 def test_killed_checkpoint_upload_lists_incomplete_and_next_save_removes_it(bucket, workdir, caplog):
     import logging
 
-    from shardkit.checkpoint.remote import staging_root
+    from shardkit.checkpoint.s3_tags import staging_root
 
     config = fixture_config(CONFIG)
     state = ckpt_child.full_state(config, 100, seed=1)
@@ -914,7 +914,7 @@ def test_failed_save_leaves_no_partial_tag(bucket, monkeypatch):
     that name it replaces is gone, as a local save replaces it) and no local copy; the other tags
     stay."""
     from shardkit.checkpoint import save as ckpt_save
-    from shardkit.checkpoint.remote import staging_root
+    from shardkit.checkpoint.s3_tags import staging_root
     from shardkit.errors import ShardkitError
 
     config = fixture_config(CONFIG)

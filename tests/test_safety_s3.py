@@ -254,7 +254,7 @@ def test_planted_staging_root_is_refused_and_nothing_outside_is_touched(
     predict: a link planted there (at this user's root, or at the save's folder inside it), a
     folder others may write, or another user's folder is refused in one line; the folder a link
     points to is not written, locked or deleted in, and nothing is uploaded."""
-    from shardkit.checkpoint.remote import staging_root
+    from shardkit.checkpoint.s3_tags import staging_root
     from shardkit.errors import ShardkitError
 
     victim, was = _precious(tmp_path)
@@ -291,7 +291,7 @@ def test_planted_staging_root_is_refused_and_nothing_outside_is_touched(
 def test_staging_root_is_this_users_and_private(bucket, own_temporary_folder):
     """A save creates its staging root 0700 inside this user's 0700 folder (one readable by
     others is made private), and uses it again."""
-    from shardkit.checkpoint.remote import staging_root
+    from shardkit.checkpoint.s3_tags import staging_root
 
     root = own_temporary_folder / f"shardkit-{os.getuid()}"
     root.mkdir(mode=0o755)

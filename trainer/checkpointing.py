@@ -106,7 +106,6 @@ def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | No
         log.info("no checkpoint in %s yet: starting from %s", remote_io.named(directory), cfg.model)
         return None
     tag_dir = directory / name
-    remote_io.prepare_path(tag_dir)  # a tag in object storage: its files' metadata fetched
     if not (tag_dir / "config.json").is_file():
         lora.check_checkpoint(cfg, None, tag_dir)
         if model_config is None:  # an NxD checkpoint carries no config: the model's comes from --model

@@ -536,7 +536,7 @@ def set_up(plan: Any, par: Any) -> tuple[Encoder, Any, Any, tasks.RowBatches, Ca
     loss: what trainer/loop.py's `Run` holds."""
     from . import checkpointing
     from .optim import Optimizer, run_settings
-    from .plan import RunSchedule
+    from .preflight import RunSchedule
 
     cfg, spec, task = plan.cfg, plan.spec, plan.task
     restored, drawn = None, []

@@ -44,7 +44,7 @@ from .model import StageModel, param_count
 from .optim import LRSchedule, Optimizer, run_settings
 from .parallel import Parallel, agree, choose_device, device_kind, init_parallel, join, world_from_env
 from .pipeline import Pipeline, resolve_schedule, run_micro_batches
-from .plan import DTYPES, Plan, RunSchedule, check_resume_settings, plan_eval, plan_run, run_layout, saved_settings
+from .preflight import DTYPES, Plan, RunSchedule, check_resume_settings, plan_eval, plan_run, run_layout, saved_settings
 from .weights import EXPORT_MARKER, absolute, export_hf, export_run, init_rank_pieces, read_rank_pieces
 
 log = logging.getLogger("trainer")

@@ -35,10 +35,10 @@ from .base import (
     optimizer_state_from_torch,
 )
 from .load import LATEST_IF_EXISTS, load_checkpoint, resolve_tag
-from .remote import has_checkpoint_at as has_checkpoint  # a local folder or s3://bucket/prefix
-from .remote import latest_at as latest
-from .remote import list_checkpoints_at as list_checkpoints
-from .remote import prune_checkpoints_at as prune_checkpoints
+from .s3_tags import has_checkpoint_at as has_checkpoint  # a local folder or s3://bucket/prefix
+from .s3_tags import latest_at as latest
+from .s3_tags import list_checkpoints_at as list_checkpoints
+from .s3_tags import prune_checkpoints_at as prune_checkpoints
 from .save import Checkpointer, default_checkpointer, finalize_checkpoint, save_checkpoint
 from .state import model_file, optim_file
 from .tree import CheckpointInfo, RetentionPlan, plan_retention, remove_tag

@@ -407,7 +407,7 @@ def load_checkpoint(
     s3://bucket/prefix: read through a local mirror, fetching the ranges read."""
     if (loc := remote_location(dir, "checkpoint directory")) is not None:
         with remote_io.mirrors_scope():
-            mirror = remote_io.open_prefix(loc, need=None, output=False)  # files fetched as this rank reads them
+            mirror = remote_io.open_prefix(loc, output=False)  # files fetched as this rank reads them
             name = resolve_tag(mirror.root, tag)
             if name is None:
                 return None

@@ -33,7 +33,6 @@ import torch
 
 from ..errors import FormatError
 from ..formats import Checkpoint, open_checkpoint
-from ..formats.checkpoint import decide_replication
 from ..formats.dcp import DcpTensors
 from ..formats.dcp_files import (
     METADATA,
@@ -45,6 +44,7 @@ from ..formats.dcp_files import (
     read_folder,
     read_tensor,
 )
+from ..formats.source import decide_replication
 from ..io.digest import FileRecord
 from ..layout import Layout
 from ..placements import Piece

@@ -4,7 +4,7 @@ weights) written for another tp / pp / dp / kv-multiplier layout, in NxD's exact
 The unit of work is one (tp, pp) rank of the target: its model file and its D optimizer files
 (one per dp rank). Its pieces are read slice by slice from the source (moments through
 `Zero1Tag.view`, resharded like their parameters: kv replicas, fused gate_up, vocab rows, dp
-padding) as the files are written (`saving.save_together`: the D optimizer files a tensor at a
+padding) as the files are written (`object_writer.save_together`: the D optimizer files a tensor at a
 time, each moment read once and cut into its D shards), so memory holds one tensor and its
 shards, never a rank's state (but for the zero1-dcp mode, which writes a rank's state at once).
 Under torchrun the units are divided among the
@@ -60,7 +60,7 @@ from .nxd_modes import (
     stage_sizes,
     write_dcp_optim,
 )
-from .saving import Deferred, archive_of_files, save_object, save_together
+from .object_writer import Deferred, archive_of_files, save_object, save_together
 from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT, read_manifest
 from .zero1 import (
     MASTER,

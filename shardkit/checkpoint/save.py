@@ -66,7 +66,7 @@ from .base import (
     distributed_rank,
     jsonable,
 )
-from .saving import save_object, save_together
+from .object_writer import save_object, save_together
 from .state import (
     RankState,
     check_plain,
@@ -499,7 +499,7 @@ class Checkpointer:
             async_save = options.get("async_save")
             saver = run_save
             if (loc := remote_location(dir, "checkpoint directory")) is not None:  # s3://: staged, then uploaded
-                from .remote import remote_saver, staging_root
+                from .s3_tags import remote_saver, staging_root
 
                 dir, saver = staging_root(loc), remote_saver(loc, run_save, agree)
             request = SaveRequest(

@@ -13,7 +13,7 @@ steps), recovers which parameter each idx is (from the model file's key order, t
 `shape_info`), and offers the merged (dp-unsharded, unpadded) tp-local tensors as a `Checkpoint`
 whose pieces are `"<moment>::<piece name>"`, so the engine's `SourceReader` reshards moments
 slice by slice exactly like their parameters. `build_optim` builds the objects NxD would
-save for a rank of any layout (their tensors given, or `saving.Deferred`: read when written);
+save for a rank of any layout (their tensors given, or `object_writer.Deferred`: read when written);
 `saving` writes them byte for byte as torch.save (or xser) does. Only plain data is ever loaded (weights_only).
 """
 
@@ -34,7 +34,7 @@ from ..formats import Checkpoint, xser
 from ..formats.torch_io import TensorReference, safe_load
 from ..io.small import SmallFileError, read_json
 from ..placements import Piece
-from .saving import KEEP, Deferred, map_leaves
+from .object_writer import KEEP, Deferred, map_leaves
 from .tree import MODEL_DIR, OPTIM_DIR
 
 log = logging.getLogger(__name__)

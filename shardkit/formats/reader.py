@@ -30,7 +30,7 @@ from .manifest import MANIFEST
 from .registry import format_of_file
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
+    from .source import Checkpoint
 
 
 COLUMN_BLOCK_BYTES = 4 << 20

@@ -7,25 +7,19 @@ holding one sparse file per object, of the object's size, into which byte ranges
 
 - when the mirror opens: every small object whole, and every larger file that is not a tensor
   container (tokenizer.json);
-- when a part of it is prepared (`Mirror.prepare`), as the operation needs (`Need`):
-  EVERYTHING (merge, reshard, verify, export, ckpt reshard: they read all but a few percent of the
-  source, kv replicas): every byte, in `PART` GETs; METADATA (inspect, load_checkpoint, the
-  trainer): a safetensors header, or a torch zip's head and tail, then its central directory,
-  local headers and small records (`io.containers`), in GETs joined across holes under `HOLE`;
-- the tensor spans the engine's plan lists, in order, joined as above, a bounded window ahead of
-  the read-ahead (`expect`, called by `engine.prefetch.Prefetcher`);
+- what an operation prepares (`Mirror.prepare`, `prepare_paths`: only the files it opens), as it
+  needs (`Need`): EVERYTHING (a checked source: a digest needs every byte), METADATA (a safetensors
+  header, or a torch zip's head, tail, central directory, local headers and small records:
+  `io.containers`), PLANNED (an unchecked streamed source: its metadata, then the plan's ranges);
+- the tensor spans the engine's plan lists, in order, a bounded window ahead of the read-ahead
+  (`expect`, called by `engine.prefetch.Prefetcher`);
 - anything else on demand, before the read (`before_read`: `io.taps.read_exact`, kernel copies,
   the mappings of `io.strided`, whole-file hashing and `torch.load` through `ensure_file`).
 
-Why joined holes rather than one GET per record: a request costs a round trip (and, on a server
-such as moto, a read of the whole object), while the bytes of a small hole cost little: a torch
-shard's small records (norms, biases) and their zip headers come in one GET with their neighbours.
-Why no larger holes: the bytes an operation skips are then never fetched: a rank's load reads its
-own files, an export no optimizer file, a reshard one replica of each K/V head (Apache Arrow's
-read coalescing uses a hole limit of the same order by default). Requests go GETS_IN_FLIGHT at once.
-
-So an operation reads from the store the bytes it uses, plus holes of at most `HOLE`, and nothing
-ever reads a hole of the mirror.
+Ranges of one object are joined across holes of at most `HOLE` (64 KiB): a request costs a round
+trip, the bytes of a small hole little (small records and zip headers come with their
+neighbours); larger holes are bytes the operation skips (other ranks' records, a K/V head's
+other replicas), never fetched. Nothing ever reads a hole of the mirror.
 
 Streamed sources (a merge's, read once): see `io.streamed`.
 
@@ -729,11 +723,6 @@ def location_of(path: str | os.PathLike[str]) -> RemoteLocation | None:
     return None
 
 
-def prepare_path(path: str | os.PathLike[str], need: Need = Need.METADATA) -> None:
-    """`Mirror.prepare` of the part of an open mirror that `path` names (nothing for a local path)."""
-    prepare_paths([path], need)
-
-
 def prepare_paths(paths: Iterable[str | os.PathLike[str]], need: Need = Need.METADATA) -> None:
     """`Mirror.prepare` of the files (or folders) `paths` of open mirrors, together: an operation
     that knows which files it reads fetches those, and nothing else of the prefix (local paths:
@@ -893,11 +882,9 @@ def stamp(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def open_prefix(
-    loc: RemoteLocation, *, need: Need | None = Need.METADATA, output: bool = True, streamed: bool = False
-) -> Mirror:
-    """A mirror of `loc` to read from (see `open_mirror`), with what `need` says of every tensor
-    container fetched (None: nothing yet; the caller prepares the part it reads). `output` (an
+def open_prefix(loc: RemoteLocation, *, output: bool = True, streamed: bool = False) -> Mirror:
+    """A mirror of `loc` to read from (see `open_mirror`; no tensor container fetched yet: the
+    caller prepares the files it reads). `output` (an
     engine source: one output of one run): the objects its record names are read, where it says
     (`published.readable_objects`: the old output while a replace runs, the new one once it is
     committed), and a prefix being written for the first time is refused; a training checkpoint
@@ -907,7 +894,4 @@ def open_prefix(
     if not objects:
         s3.check_bucket(loc)
         raise FormatError(f"{loc} holds no objects: check the bucket and prefix")
-    mirror = open_mirror(loc, published.readable_objects(loc, objects) if output else objects, streamed)
-    if need is not None:
-        mirror.prepare("", need)
-    return mirror
+    return open_mirror(loc, published.readable_objects(loc, objects) if output else objects, streamed)
