@@ -16,7 +16,7 @@ folder's. Only the adapter's module and its base class are loaded (torchtitan's 
 in training-only dependencies such as triton); their few imports of the rest of torchtitan are
 stood in for. Exit 0 when both agree.
 
-The tests of torchtitan 0.3's fused q/k/v (tests/titan_dcp.py) run, from the same fetched files,
+The tests of torchtitan 0.3's fused q/k/v (tests/support/titan_dcp.py) run, from the same fetched files,
 the state-dict hooks of its `FusedQKVLinear` (`fused_qkv_hooks`: the two functions alone, taken
 from the module's source) and its optimizer's flat state-dict functions (`optimizer_utils`).
 """

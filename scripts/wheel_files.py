@@ -1,5 +1,5 @@
 """Files of a published wheel, fetched without installing it (`pip download --no-deps`): the
-oracles that run another project's own code outside shardkit (tests/optimum_neuron_ref.py,
+oracles that run another project's own code outside shardkit (tests/support/optimum_neuron_ref.py,
 scripts/check_torchtitan.py) take only the modules they execute."""
 
 from __future__ import annotations
