@@ -1,6 +1,6 @@
 """A loopback HTTP proxy in front of the tests' moto server that answers some requests itself
 with the errors a real S3 gives under load (503 SlowDown, 500 InternalError) instead of
-forwarding them: what shardkit's retries are tested against (tests/system/s3/test_s3.py); or never answers
+forwarding them: what shardkit's retries are tested against (tests/system/s3/test_s3_locations.py); or never answers
 some (a hung connection: tests/system/safety/test_safety_s3.py)."""
 
 from __future__ import annotations

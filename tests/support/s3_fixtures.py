@@ -3,7 +3,8 @@ that fails some requests, and a test's own system temporary folder and working d
 
 A fixture plugin (tests/conftest.py's `pytest_plugins`): every test module asks for these fixtures
 by name, none imports them. `own_temporary_folder` is autouse only where a module says so (as
-tests/system/s3/test_s3.py and tests/system/safety/test_safety_s3.py do, by overriding it with an autouse fixture).
+the modules of tests/system/s3 and tests/system/safety/test_safety_s3.py do, by overriding it with an
+autouse fixture: their own, or s3_helpers' imported).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ bucket's keys, the CLI in process and in a subprocess, checkpoints saved to a bu
 killed while it uploads, and the per-test temporary folder (import `own_temporary_folder`: autouse).
 
 Importing this module skips the importing test module without moto[server] or boto3, as the S3 test
-modules did when they imported test_s3."""
+modules did when they imported the former test_s3.py."""
 
 from __future__ import annotations
 
