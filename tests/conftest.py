@@ -10,8 +10,10 @@ import torch
 
 from shardkit.testing import make_tiny_model
 
-# the tests' S3 (a moto server, buckets, a faulty proxy), asked for by name in any module
-pytest_plugins = ["s3_fixtures"]
+# fixture plugins in tests/support (on the import path: pyproject's pythonpath), asked for by name in
+# any module: the tests' S3 (a moto server, buckets, a faulty proxy), and the format tests' shared
+# shards (torch, and xser written by a fake torch-xla)
+pytest_plugins = ["s3_fixtures", "format_fixtures"]
 
 
 @pytest.fixture(autouse=True)
