@@ -30,7 +30,7 @@ from the same layer table (its index changes names only), so a rank's stage is (
 on stage 0) + (its number of layers) x (one layer) + (the final block, on the last stage). Each
 block is priced once per (tp, kv-multiplier) with `Family.block_pieces` on a one-layer stand-in
 of the model, at tp rank 0 only when the family's placements give every rank the same share, and
-a layout's peak is found among the few stages that can be the largest. `tests/test_plan.py`
+a layout's peak is found among the few stages that can be the largest. `tests/unit/memory/test_plan.py`
 checks this against pricing every piece of every layer of every rank, byte for byte. What is left
 is bounded: a plan or search estimated at more than MAX_WORK (a few seconds) is refused, to be
 narrowed.
