@@ -182,9 +182,12 @@ class Prefetcher:
     ):
         self.spans = spans  # as planned (the hash check knows by them which reads come later)
         self._once_spans: list[tuple[Path, int, int]] = []
-        if remote.active():
-            self._once_spans = [span for span, single in zip(spans, once or ()) if single]
-            once = None  # an object store's mirror files: fetched by the mirror, never read around the page cache
+        if remote.active() and once is not None:
+            # an object store's mirror files: fetched by the mirror, never read around the page cache
+            # (a local file is, whatever mirrors this process holds open)
+            mirrored = {path: remote.is_mirrored(path) for path in {span[0] for span in spans}}
+            self._once_spans = [span for span, single in zip(spans, once) if single and mirrored[span[0]]]
+            once = [bool(single) and not mirrored[span[0]] for span, single in zip(spans, once)]
         self._requested = 0  # the most spans a worker has asked for
         self.window = window_bytes() if window is None else window
         self.extents, self._covered, self._members = _coalesce(spans, once)

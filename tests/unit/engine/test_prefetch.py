@@ -243,6 +243,26 @@ def test_cold_bytes_read_once_are_served_from_buffers_each_once_then_freed(tmp_p
         ahead.stop()
 
 
+def test_a_mirror_open_elsewhere_in_the_process_leaves_local_files_read_around_the_cache(tmp_path, cold, monkeypatch):
+    """A mirror of object storage held open by this process (a trainer resumed from S3 keeps its
+    mirror until exit) takes its own files out of the reads around the page cache, not a local
+    file's: cold local bytes read once still go around it."""
+    from shardkit.io import remote
+
+    path = tmp_path / "src.bin"
+    path.write_bytes(os.urandom(2 * MiB))
+    _direct_or_skip(path)
+    monkeypatch.setitem(remote._MIRRORED, (-1, -1), None)  # another operation's mirror file
+    assert remote.active()
+    spans = [(path, i * 500_000, 400_000) for i in range(4)]
+    ahead = Prefetcher(spans, window=64 * MiB, once=[True] * 4).start()
+    try:
+        ahead.wait(len(spans))
+        assert ahead.direct_bytes == 4 * 400_000
+    finally:
+        ahead.stop()
+
+
 def test_small_extents_read_together_still_let_each_wait_return_in_turn(tmp_path, cold, monkeypatch):
     """Small extents are read around the page cache several at once; a worker waiting for the
     first of them returns as soon as they are read, while the read-ahead stays paused at its
