@@ -66,7 +66,9 @@ class TagCheck:
                     )
                     return
             except ShardkitError as e:  # an unsafe listed name, or a file open_regular refuses (one line each)
-                self.error = e
+                rel = str(entry.get("path", ""))
+                gone = rel in self.stamps and not os.path.lexists(self.tag_dir / rel)  # removed since opened
+                self.error = self._changed(rel, "was removed") if gone else e
                 return
             except FileNotFoundError as e:  # removed since the tag was opened: a change, as verify says
                 rel = str(entry["path"])
