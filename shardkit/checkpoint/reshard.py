@@ -100,6 +100,15 @@ Hints = Mapping[str, Any] | None  # layout facts the files cannot tell (kv_repli
 ParamOrder = list[list[str]] | None  # parameter names per optimizer param group
 
 
+def _config_given(tag_dir: Path, config: Any) -> None:
+    """A tag without config.json (NxD's carry none) needs the model's config from the caller."""
+    if config is None and not (tag_dir / CONFIG).is_file():
+        raise CheckpointError(
+            f"{tag_dir} has no config.json (NxD checkpoints carry none): pass the model's "
+            "Hugging Face config with --config"
+        )
+
+
 def open_training_tag(tag_dir: Path, config: Any = None, hints: Hints = None, param_order: ParamOrder = None) -> Source:
     """Open a tag (NxD's, shardkit's or an optimum-neuron checkpoint folder) and check its optimizer
     files against its model files."""
@@ -107,11 +116,7 @@ def open_training_tag(tag_dir: Path, config: Any = None, hints: Hints = None, pa
     if optimum.is_optimum_tag(tag_dir):
         model, zero, plain = optimum.open_parts(tag_dir, config, param_order)
         return Source(tag_dir, model, zero, True, DEFAULT, plain)
-    if config is None and not (tag_dir / CONFIG).is_file():
-        raise CheckpointError(
-            f"{tag_dir} has no config.json (NxD checkpoints carry none): pass the model's "
-            "Hugging Face config with --config"
-        )
+    _config_given(tag_dir, config)
     model = open_model(tag_dir, config, hints)
     zero = open_optimizer(tag_dir, model, param_order)
     has_data = model_has_data(model)
@@ -127,18 +132,17 @@ def model_checkpoint(
     its weights: its optimizer files are not opened."""
     if optimum.is_optimum_tag(tag_dir):
         return optimum.open_model(tag_dir, config)
-    if config is None and not (Path(tag_dir) / CONFIG).is_file():
-        return open_training_tag(tag_dir, config, hints, param_order).model  # (its one-line error)
+    _config_given(Path(tag_dir), config)
     model = open_model(Path(tag_dir), config, hints)
     if model_has_data(model):
         return model  # the optimizer files are not opened (nor fetched from object storage)
-    src = open_training_tag(tag_dir, config, hints, param_order)
-    if src.zero1 is None:
+    zero = open_optimizer(Path(tag_dir), model, param_order)
+    if zero is None:
         raise CheckpointError(
             f"{tag_dir}: the model files hold no tensor data and there are no optimizer files "
             "with master weights: the checkpoint holds no weights"
         )
-    return master_weights_view(src.model, src.zero1)
+    return master_weights_view(model, zero)
 
 
 def model_dtype(src: Source) -> torch.dtype:
