@@ -45,7 +45,7 @@ from .base import (
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_MARKER = "checkpoint"
+CHECKPOINT_MARKER = nxd.TAG_MARKER
 DONE_MARKER = "done"
 CONFIG = "config.json"
 SCHEDULER = "scheduler.pt"

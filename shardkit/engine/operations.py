@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from typing_extensions import Unpack
 
-from ..checkpoint.tree import CHECKPOINT_MARKER
 from ..conventions import HF
 from ..distributed import current_job
 from ..formats import MANIFEST, Checkpoint, SourceReader, get_format, hf
+from ..formats.nxd import TAG_MARKER
 from ..formats.manifest import file_record, manifest
 from ..io.digest import FileRecord, Recording
 from ..io.durable import write_text
@@ -55,7 +55,7 @@ def _config_for_output(src: Checkpoint, dtype: torch.dtype | None) -> dict[str, 
 def _side_file_dirs(src: Checkpoint) -> list[Path]:
     """Where generation config and tokenizer files may be: the checkpoint's folder, and for NxD
     shards without a manifest or a training checkpoint tag (DIR/<tag>) also the folder above."""
-    if src.kind == "sharded" and (src.manifest is None or (src.root / CHECKPOINT_MARKER).is_file()):
+    if src.kind == "sharded" and (src.manifest is None or (src.root / TAG_MARKER).is_file()):
         return [src.root, src.root.parent]
     return [src.root]
 

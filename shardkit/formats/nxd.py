@@ -18,6 +18,9 @@ from ..placements import QKV_NAMES, HeadGroups, Split
 from .registry import SUFFIXES, detect_format, get_format
 from .torch_io import regular
 
+TAG_MARKER = "checkpoint"
+"""The empty file NxD's `save_checkpoint` writes in each training checkpoint tag (DIR/<tag>/checkpoint)."""
+
 _SUFFIX = "(" + "|".join(re.escape(s) for s in SUFFIXES) + ")"
 _V3 = re.compile(r"^dp_rank_(\d+)_ep_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)" + _SUFFIX + "$")
 _V2 = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)" + _SUFFIX + "$")
