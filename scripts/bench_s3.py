@@ -42,7 +42,8 @@ fetched, gets, window = [], [0], [0]
 if step.startswith("shardkit"):
     import shardkit
     import shardkit.api, shardkit.checkpoint.reshard  # imported before the clock starts (shardkit imports lazily)
-    from shardkit.io import remote, s3
+    from shardkit.io.objects import remote
+    from shardkit.io.objects import s3
     # the baseline moves its bytes in requests of the same size, as many at once
     assert (s3.PART_SIZE, s3.CONCURRENCY) == (args["part"], args["concurrency"]), "update PART/CONCURRENCY"
     close, get_range = remote.Mirror.close, s3.get_range
@@ -127,9 +128,9 @@ def free_port() -> int:
 
 
 PART = 32 << 20
-"""The part size of both sides (shardkit's `io.s3.PART_SIZE`, checked by its steps)."""
+"""The part size of both sides (shardkit's `io.objects.s3.PART_SIZE`, checked by its steps)."""
 CONCURRENCY = 16
-"""Requests in flight on both sides (shardkit's `io.s3.CONCURRENCY`)."""
+"""Requests in flight on both sides (shardkit's `io.objects.s3.CONCURRENCY`)."""
 
 
 DROP_CACHES = [False]

@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from shardkit.distributed import Job  # noqa: E402
-from shardkit.io.durable import write_text  # noqa: E402
-from shardkit.io.transaction import commit_all, staged_output  # noqa: E402
+from shardkit.io.safety.durable import write_text  # noqa: E402
+from shardkit.io.safety.transaction import commit_all, staged_output  # noqa: E402
 from shardkit.testing import make_tiny_model  # noqa: E402
 
 MARK = ".shardkit-demo"

@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from shardkit.errors import ShardkitError  # noqa: E402
-from shardkit.io.overlap import overlaps  # noqa: E402
+from shardkit.io.safety.overlap import overlaps  # noqa: E402
 from trainer.data import TokenFile, bits, write_tokens  # noqa: E402
 from trainer.errors import DataError  # noqa: E402
 from trainer.sources import Source, locate, text_pieces  # noqa: E402

@@ -40,13 +40,13 @@ from .errors import FormatError, ShardkitError
 from .formats import Checkpoint, open_checkpoint, optimum_neuron
 from .formats.base import parse_dtype
 from .hub import resolve_source
-from .io import digest
-from .io import remote as remote_io
-from .io.digest import BLOCKS_KEY, FAST, NONE, check_mode, file_matches, recording_blocks
+from .io.data import digest
+from .io.data.digest import BLOCKS_KEY, FAST, NONE, check_mode, file_matches, recording_blocks
 from .io.location import remote as remote_location
-from .io.remote import Need
-from .io.transaction import recover_interrupted
-from .io.upload import remote_output
+from .io.objects import remote as remote_io
+from .io.objects.remote import Need
+from .io.objects.upload import remote_output
+from .io.safety.transaction import recover_interrupted
 from .layout import FULL, Layout, make_layout
 from .paths import inside
 
@@ -77,7 +77,7 @@ def _destination(
     dst: str | Path, overwrite: bool, sources: tuple[object, ...] = (), replace: Any = ()
 ) -> Iterator[str | Path]:
     """The local folder to write `dst` into: `dst` itself, or for s3:// a staging folder
-    uploaded once the operation succeeds (`io.upload.remote_output`; `replace`: the globs of
+    uploaded once the operation succeeds (`io.objects.upload.remote_output`; `replace`: the globs of
     `WriteArgs.replace_objects`)."""
     loc = remote_location(dst, "DST")
     if loc is None:
@@ -94,7 +94,7 @@ def _destination(
     ]
     patterns = [replace] if isinstance(replace, str) else list(replace or ())
     with remote_output(loc, overwrite=overwrite, sources=remote_sources, replace=patterns) as local, recording_blocks():
-        yield local  # its manifest lists block digests: a later read of it streams (io.remote)
+        yield local  # its manifest lists block digests: a later read of it streams (io.objects.remote)
 
 
 def _located(result: Result, dst: str | Path) -> Result:
@@ -103,14 +103,14 @@ def _located(result: Result, dst: str | Path) -> Result:
 
 
 def _streams(src: object, options: Mapping[str, Any]) -> bool:
-    """Whether a source in object storage can be streamed (`io.remote`: fetched a bounded window
+    """Whether a source in object storage can be streamed (`io.objects.remote`: fetched a bounded window
     ahead of the engine and dropped once read, instead of fetched whole first): when it is not to
     be checked, has no manifest, or its manifest lists block digests of every file (outputs
     shardkit wrote to object storage do), so that each block is checked as it arrives."""
     import json
 
     from .formats.manifest import MANIFEST
-    from .io import s3
+    from .io.objects import s3
 
     loc = remote_location(src, "SRC") if isinstance(src, (str, Path)) else None
     if loc is None:
@@ -162,7 +162,7 @@ def _read_once(
 
 def _check_fetched(ckpt: Checkpoint, options: dict[str, Any]) -> None:
     """A source from object storage is checked against its manifest here: a streamed file's
-    blocks as they arrive (`io.remote.Mirror.check`, settled before the output is committed), any
+    blocks as they arrive (`io.objects.remote.Mirror.check`, settled before the output is committed), any
     other file whole as it lies in the mirror, before anything is written (xxh3-128: 0.24 s for
     TinyLlama's 2.2 GB); the engine then does not check on read, which would have the merge read
     every shard in its worker instead of copying it by the kernel (2.5 s more on that merge)."""
@@ -182,7 +182,7 @@ def _check_fetched(ckpt: Checkpoint, options: dict[str, Any]) -> None:
         path = inside(Path(ckpt.root), listed, "file the manifest lists")
         if mirror is not None and remote_io.is_streamed(path) and isinstance(entry.get(BLOCKS_KEY), list):
             blocks[path.relative_to(mirror.root).as_posix()] = [str(b) for b in entry[BLOCKS_KEY]]
-            continue  # checked block by block as it arrives (io.remote), before the output is committed
+            continue  # checked block by block as it arrives (io.objects.remote), before the output is committed
         remote_io.ensure_file(path)
         if not file_matches(path, entry, mode):
             where = remote_io.location_of(path)
@@ -210,7 +210,7 @@ def open_source(
     """A checkpoint to read from: `src` itself, a local path, a Hub repo id (fetched into the
     Hugging Face cache; `revision` picks its branch, tag or commit), or s3://bucket/prefix (a
     local mirror fetching what `need` says, then the ranges read; `streamed`: its tensor files
-    are read once by an engine run, a bounded window at a time, see `io.remote`)."""
+    are read once by an engine run, a bounded window at a time, see `io.objects.remote`)."""
     if isinstance(src, Checkpoint):
         return src
     loc = remote_location(src, "SRC")

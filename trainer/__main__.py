@@ -90,7 +90,7 @@ def _tell_torchrun(line: str, error: BaseException, debug: bool) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    from shardkit.io.durable import write_text
+    from shardkit.io.safety.durable import write_text
 
     from .errors import JobFailed
 

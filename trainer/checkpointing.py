@@ -43,10 +43,10 @@ from shardkit.checkpoint import (
 from shardkit.checkpoint.tree import CHECKPOINT_MARKER, DONE_MARKER
 from shardkit.families.lora import base_config
 from shardkit.formats import load_config
-from shardkit.io import remote as remote_io
 from shardkit.io.location import is_url, parse_location
-from shardkit.io.overlap import resolved
+from shardkit.io.objects import remote as remote_io
 from shardkit.io.records import claim_record, read_head, read_record
+from shardkit.io.safety.overlap import resolved
 from shardkit.layout import ModelDims
 
 from . import lora

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import xxhash
 
-from shardkit.io.transaction import write_file
+from shardkit.io.safety.transaction import write_file
 from shardkit.paths import regular_file
 
 from .errors import DataError

@@ -53,10 +53,10 @@ from shardkit.families.lora import (
     saved_settings,
 )
 from shardkit.formats import open_checkpoint
-from shardkit.io.durable import write_text
 from shardkit.io.location import remote as remote_location
-from shardkit.io.transaction import commit_all, staged_output
-from shardkit.io.upload import remote_output
+from shardkit.io.objects.upload import remote_output
+from shardkit.io.safety.durable import write_text
+from shardkit.io.safety.transaction import commit_all, staged_output
 from shardkit.layout import ModelDims
 from shardkit.placements import Piece, Segment, build_piece
 
@@ -359,7 +359,7 @@ def export_peft(
     to `dst`, replacing it (all ranks call this): the adapter pieces are saved as a checkpoint tag
     in a staging folder, from which rank 0 writes the folder as `shardkit ckpt export` does
     (shardkit's `checkpoint.lora.write_peft` gathers the full tensors); an s3:// `dst` is uploaded
-    and committed as every shardkit output in object storage (`io.upload.remote_output`)."""
+    and committed as every shardkit output in object storage (`io.objects.upload.remote_output`)."""
     loc = remote_location(dst, "--export-hf")
     target: str | Path = str(loc) if loc is not None else Path(dst).absolute()
 

@@ -21,7 +21,7 @@ Bad data is one line (DataError, exit 2): an empty file, a missing column (the o
 are named), a row that does not parse or holds no text (its line for .jsonl and .csv, found by
 reading the file again with the standard library once pyarrow has refused it).
 
-An object in S3 is read through shardkit's mirrors (io.remote): its identity is its ETag and
+An object in S3 is read through shardkit's mirrors (io.objects.remote): its identity is its ETag and
 size, so a cached tokenization is found without fetching the object; the bytes are fetched
 only to tokenize it (or whole, for a token file).
 """
@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.io import remote as remote_io
-from shardkit.io import s3
-from shardkit.io.digest import file_digests
+from shardkit.io.data.digest import file_digests
 from shardkit.io.location import RemoteLocation, remote
+from shardkit.io.objects import remote as remote_io
+from shardkit.io.objects import s3
 from shardkit.paths import regular_file
 
 from .errors import DataError
@@ -90,7 +90,7 @@ class Source:
             self.path = None
 
     def stamp(self) -> list[tuple[int, ...]]:
-        """The stat identity of a local source's files (io.remote.stamp: device, inode, size and
+        """The stat identity of a local source's files (io.objects.remote.stamp: device, inode, size and
         times); [] for S3 (its reads are pinned to the listed ETag)."""
         if self.loc is not None or self.path is None:
             return []

@@ -38,10 +38,10 @@ import xxhash
 from shardkit.distributed import Job
 from shardkit.formats.hf import SIDE_FILES
 from shardkit.io.location import as_local
-from shardkit.io.lock import FolderInUseError
-from shardkit.io.overlap import overlaps
-from shardkit.io.small import COPY_LIMIT, read_json, read_small
-from shardkit.io.transaction import commit_all, scratch_folder, staged_output, write_file
+from shardkit.io.safety.lock import FolderInUseError
+from shardkit.io.safety.overlap import overlaps
+from shardkit.io.safety.small import COPY_LIMIT, read_json, read_small
+from shardkit.io.safety.transaction import commit_all, scratch_folder, staged_output, write_file
 
 from . import sources
 from .data import HEADER, TokenFile, header, token_dtype

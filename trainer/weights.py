@@ -43,13 +43,13 @@ from shardkit.api import export_checkpoint
 from shardkit.checkpoint import Checkpointer, CheckpointerConfig, Rank
 from shardkit.distributed import alone
 from shardkit.formats import Checkpoint, SourceReader, hf
-from shardkit.io import published, s3
 from shardkit.io.location import RemoteLocation, is_url
 from shardkit.io.location import remote as remote_location
-from shardkit.io.overlap import resolved
-from shardkit.io.small import SmallFileError, read_json
-from shardkit.io.transaction import private_root, scratch_folder
-from shardkit.io.upload import replaceable
+from shardkit.io.objects import published, s3
+from shardkit.io.objects.upload import replaceable
+from shardkit.io.safety.overlap import resolved
+from shardkit.io.safety.small import SmallFileError, read_json
+from shardkit.io.safety.transaction import private_root, scratch_folder
 from shardkit.placements import Segment, build_piece
 
 from .errors import TrainerError
@@ -244,7 +244,7 @@ def _scratch_near(dst: str | Path) -> Path:
 
 @contextlib.contextmanager
 def staged_tag(par: Parallel, dst: str | Path, what: str) -> Iterator[tuple[Path, Checkpointer]]:
-    """A scratch folder beside `dst` (one path for every rank, `io.transaction.scratch_folder`; for
+    """A scratch folder beside `dst` (one path for every rank, `io.safety.transaction.scratch_folder`; for
     an s3:// `dst` in the temporary folder) and a throwaway Checkpointer to save a tag into it, for
     an export (`what`); the Checkpointer is closed and, once every rank is done, the folder is
     removed."""

@@ -39,9 +39,9 @@ from ..formats import Checkpoint, SourceReader, open_checkpoint
 from ..formats.dcp import CHUNK_BYTES, describe_model, parse_chunk_name, plan_outputs
 from ..formats.dcp_files import METADATA, DcpFileWriter, DcpFolder, finish_folder, read_tensor
 from ..formats.manifest import MANIFEST, file_record, manifest
-from ..io.digest import FileRecord
-from ..io.durable import write_text
-from ..io.transaction import commit_all, staged_output
+from ..io.data.digest import FileRecord
+from ..io.safety.durable import write_text
+from ..io.safety.transaction import commit_all, staged_output
 from ..layout import FULL, Layout, ModelDims
 from ..placements import Piece, Segment
 from .base import CheckpointError

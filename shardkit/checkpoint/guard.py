@@ -16,8 +16,8 @@ from pathlib import Path
 
 from ..errors import FormatError, ShardkitError
 from ..formats import MANIFEST
-from ..io import remote
-from ..io.digest import FAST, expected_digest, file_matches
+from ..io.data.digest import FAST, expected_digest, file_matches
+from ..io.objects import remote
 from ..paths import inside
 from .tree import read_manifest
 
@@ -35,7 +35,7 @@ def stamp_tree(folder: Path) -> dict[str, Stamp]:
                 st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            stamps[os.path.relpath(path, folder)] = remote.stamp(st)  # a mirror file: see io.remote.stamp
+            stamps[os.path.relpath(path, folder)] = remote.stamp(st)  # a mirror file: see io.objects.remote.stamp
     return stamps
 
 

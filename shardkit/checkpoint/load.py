@@ -34,9 +34,9 @@ import torch
 from ..errors import ConfigMismatchError, FormatError
 from ..formats import Checkpoint, SourceReader, load_config
 from ..formats.torch_io import load_small
-from ..io import remote as remote_io
-from ..io.digest import FAST, expected_digest, file_matches
+from ..io.data.digest import FAST, expected_digest, file_matches
 from ..io.location import remote as remote_location
+from ..io.objects import remote as remote_io
 from ..layout import Layout, ModelDims
 from ..paths import UnsafePathError, inside
 from ..placements import Piece, Read

@@ -27,9 +27,9 @@ from ..families.lora import TARGETS, LoraSettings, adapted_weights, base_config,
 from ..formats import Checkpoint, SourceReader
 from ..formats.base import TensorFile, TensorSpec
 from ..formats.safetensors_io import SafetensorsWriter
-from ..io.digest import FileRecord, Recording
-from ..io.durable import write_text
-from ..io.transaction import commit_all, staged_output
+from ..io.data.digest import FileRecord, Recording
+from ..io.safety.durable import write_text
+from ..io.safety.transaction import commit_all, staged_output
 from ..layout import ModelDims
 from ..placements import Piece, make_piece, whole
 from .guard import TagCheck

@@ -45,7 +45,7 @@ from ..formats.dcp_files import (
     read_tensor,
 )
 from ..formats.source import decide_replication
-from ..io.digest import FileRecord
+from ..io.data.digest import FileRecord
 from ..layout import Layout
 from ..placements import Piece
 from .base import CheckpointError

@@ -37,12 +37,12 @@ from ..formats.torch_io import (
     written_natively,
 )
 from ..formats.torch_zip import ARCHIVE, read_archive
-from ..io import sinks
-from ..io.delete import remove_file
-from ..io.digest import FileRecord
-from ..io.durable import fsync_path
-from ..io.hashing import HashingFile
-from ..io.oserror import disk_error
+from ..io.data.digest import FileRecord
+from ..io.data.hashing import HashingFile
+from ..io.objects import sinks
+from ..io.safety.delete import remove_file
+from ..io.safety.durable import fsync_path
+from ..io.safety.oserror import disk_error
 from ..paths import ensure_free_space, free_space, no_space_error
 
 KEEP = object()

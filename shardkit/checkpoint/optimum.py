@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..formats import Checkpoint, open_checkpoint, optimum_neuron
-from ..io.small import SmallFileError, read_json
+from ..io.safety.small import SmallFileError, read_json
 from .base import IncompleteCheckpointError, NoCheckpointError
 from .tree import DONE_MARKER, OPTIM_DIR, USER_CONTENT, tag_path, tag_step
 from .zero1 import MOMENTS, MergedOptimFile, OptimFileError, Zero1Tag, is_xser_tag, load_object

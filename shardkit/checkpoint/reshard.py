@@ -35,11 +35,11 @@ from ..formats import Checkpoint, SourceReader, load_config, nxd
 from ..formats.base import compact
 from ..formats.manifest import MANIFEST, file_record, manifest
 from ..formats.torch_io import load_small
-from ..io.buffers import one_torch_thread, reused_buffers
-from ..io.digest import FileRecord
-from ..io.durable import write_marker, write_text
-from ..io.small import PICKLE_LIMIT, copy_small
-from ..io.transaction import commit_all, staged_output
+from ..io.data.buffers import one_torch_thread, reused_buffers
+from ..io.data.digest import FileRecord
+from ..io.safety.durable import write_marker, write_text
+from ..io.safety.small import PICKLE_LIMIT, copy_small
+from ..io.safety.transaction import commit_all, staged_output
 from ..layout import Layout
 from ..placements import Piece
 from . import optimum

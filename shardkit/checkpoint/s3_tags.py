@@ -5,7 +5,7 @@ NxD's trainer keeps its checkpoints in S3 under the same tree as on disk
 `user_content.pt`, `checkpoint`, and `done` written last), a tag being complete once `done`
 exists. shardkit reads and writes exactly that:
 
-- listing, loading and inspecting go through a local mirror of the prefix (`io.remote`): small
+- listing, loading and inspecting go through a local mirror of the prefix (`io.objects.remote`): small
   objects (markers, manifests, the scheduler) are fetched whole, tensor files only in the ranges
   read;
 - a save: rank 0 writes `<tag>/.shardkit-owner` (host, pid) and removes a tag of that name;
@@ -33,13 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardkitError
-from ..io import remote as remote_io
-from ..io import s3, sinks
-from ..io.delete import remove_tree
 from ..io.location import RemoteLocation
 from ..io.location import remote as remote_location
-from ..io.transaction import OWNER_FILE, owner_text, private_root
-from ..io.upload import StreamingUpload, remove_objects, upload_tree
+from ..io.objects import remote as remote_io
+from ..io.objects import s3, sinks
+from ..io.objects.upload import StreamingUpload, remove_objects, upload_tree
+from ..io.safety.delete import remove_tree
+from ..io.safety.transaction import OWNER_FILE, owner_text, private_root
 from .tree import (
     CHECKPOINT_MARKER,
     DONE_MARKER,
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 def staging_root(loc: RemoteLocation) -> Path:
     """The local folder a save to `loc` writes its tag into before uploading it: the same path for
     every rank of this host (named after the location), inside this user's private folder of the
-    system's temporary folder (`io.transaction.private_root`: never followed through a link,
+    system's temporary folder (`io.safety.transaction.private_root`: never followed through a link,
     never another user's)."""
     digest = hashlib.sha256(str(loc).encode(errors="surrogateescape")).hexdigest()[:16]
     return private_root(None, f"s3-save-{digest}")
@@ -158,7 +158,7 @@ def remote_saver(loc: RemoteLocation, run_save: Callable[..., None], agree: Call
     """`save.run_save` for a checkpoint directory in object storage. The leader writes the tag's
     owner object (and removes a tag of that name); every rank saves into its host's staging root
     (`staging_root`: local disk), retention there skipped, each file it writes uploaded as soon as
-    it is closed (`io.upload.StreamingUpload`) and deleted locally once up; then the first rank of
+    it is closed (`io.objects.upload.StreamingUpload`) and deleted locally once up; then the first rank of
     each host uploads what was not streamed, and the leader uploads `done` and applies retention to
     the prefix. A failure anywhere fails the save on every rank: the uploads under way are
     cancelled, each host's staged files removed, and the leader deletes what was uploaded."""

@@ -45,15 +45,15 @@ from ..formats.manifest import manifest as build_manifest
 from ..formats.safetensors_io import SafetensorsWriter
 from ..formats.torch_io import TorchWriter, torch_save
 from ..formats.xser import XserWriter, tensors_dir
-from ..io import sinks
-from ..io.buffers import one_torch_thread
-from ..io.delete import is_link
-from ..io.digest import FileRecord
-from ..io.durable import fsync_path, write_text
-from ..io.hashing import HashingFile
+from ..io.data.buffers import one_torch_thread
+from ..io.data.digest import FileRecord
+from ..io.data.hashing import HashingFile
 from ..io.location import remote as remote_location
-from ..io.oserror import disk_error, translated
-from ..io.transaction import refuse_link, terminate_as_interrupt
+from ..io.objects import sinks
+from ..io.safety.delete import is_link
+from ..io.safety.durable import fsync_path, write_text
+from ..io.safety.oserror import disk_error, translated
+from ..io.safety.transaction import refuse_link, terminate_as_interrupt
 from ..layout import Layout, ModelDims
 from .async_save import BackgroundWriter, HostStaging, host_copy
 from .base import (

@@ -28,11 +28,11 @@ from typing import Any
 
 from ..errors import ShardkitError
 from ..formats import MANIFEST, hf, nxd
-from ..io.delete import is_link, refuse_mounts
-from ..io.digest import has_digest
-from ..io.lock import FolderLock, lock_folder
-from ..io.small import SmallFileError, read_json
-from ..io.transaction import MarkedFolder, dead_owner, refuse_link
+from ..io.data.digest import has_digest
+from ..io.safety.delete import is_link, refuse_mounts
+from ..io.safety.lock import FolderLock, lock_folder
+from ..io.safety.small import SmallFileError, read_json
+from ..io.safety.transaction import MarkedFolder, dead_owner, refuse_link
 from ..layout import Layout
 from ..paths import UnsafePathError, inside
 from .base import (
@@ -654,7 +654,7 @@ def remove_tag(tag_dir: Path, fsync: bool = True) -> None:
     """Delete a tag so that an interruption at any point leaves an incomplete tag (or nothing):
     `done` first (durably), then every file, then the `checkpoint` marker, then the folder. A tag
     that is a symlink is removed by unlinking the link (its target is never touched); a tag with a
-    mount point inside is refused before anything is deleted (`io.delete`)."""
+    mount point inside is refused before anything is deleted (`io.safety.delete`)."""
     tag_dir = Path(tag_dir)
     if is_link(tag_dir):
         log.info(
@@ -722,6 +722,6 @@ DirectoryLock = FolderLock
 
 
 def lock_directory(directory: str | Path, what: str) -> FolderLock:
-    """Take the checkpoint directory's writer lock (`<dir>/.shardkit.lock`, `io.lock`) without
+    """Take the checkpoint directory's writer lock (`<dir>/.shardkit.lock`, `io.safety.lock`) without
     waiting, or raise CheckpointLockedError naming the holder."""
     return lock_folder(directory, what, error=CheckpointLockedError)

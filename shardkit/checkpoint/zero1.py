@@ -32,7 +32,7 @@ import torch
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, xser
 from ..formats.torch_io import TensorReference, safe_load
-from ..io.small import SmallFileError, read_json
+from ..io.safety.small import SmallFileError, read_json
 from ..placements import Piece
 from .object_writer import KEEP, Deferred, map_leaves
 from .tree import MODEL_DIR, OPTIM_DIR

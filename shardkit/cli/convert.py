@@ -10,9 +10,9 @@ import click
 from ..conventions import CONVENTIONS
 from ..errors import ShardkitError
 from ..formats.registry import output_format_names
-from ..io.digest import NONE, check_mode
+from ..io.data.digest import NONE, check_mode
 from ..io.location import is_url
-from ..io.remote import Need, mirrors_scope
+from ..io.objects.remote import Need, mirrors_scope
 from .hub import hub_check, hub_push, hub_quiet, hub_source, merge_and_push_report
 from .options import (
     LOCATION,

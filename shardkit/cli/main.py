@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from ..errors import ShardkitError
-from ..io.oserror import disk_error, shown
+from ..io.safety.oserror import disk_error, shown
 from ..version import __version__
 from . import ckpt, convert, hub, inspect, plan
 from .options import common_options, configure_logging, settings

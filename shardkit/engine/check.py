@@ -19,8 +19,8 @@ from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, SourceReader
 from ..formats.manifest import MANIFEST
 from ..formats.registry import format_of_file
-from ..io.buffers import one_torch_thread
-from ..io.digest import FAST_DIGEST, file_digests, has_digest
+from ..io.data.buffers import one_torch_thread
+from ..io.data.digest import FAST_DIGEST, file_digests, has_digest
 from ..layout import Layout
 from ..paths import UnsafePathError, inside, regular_file
 from ..placements import Segment, SegmentIndex

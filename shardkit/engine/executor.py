@@ -24,10 +24,10 @@ from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
 from ..formats.base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFileWriter, TensorSpec
 from ..formats.reader import SourceStamps
-from ..io import remote
-from ..io.buffers import one_torch_thread, reused_buffers
-from ..io.digest import FileRecord
-from ..io.strided import shared_column_reads
+from ..io.data.buffers import one_torch_thread, reused_buffers
+from ..io.data.digest import FileRecord
+from ..io.data.strided import shared_column_reads
+from ..io.objects import remote
 from ..placements import Piece
 from .options import ProgressCallback, WriteOptions
 from .outputs import OutputFile
@@ -163,7 +163,7 @@ class _Builder:
         self.sources = ahead.source_for if ahead is not None else None
         self.ready = plan.read_ahead.waiter(ahead) if ahead is not None and plan.read_ahead is not None else None
         self.advise = plan.read_ahead is None  # sources that do not say where their bytes are: read-ahead hints
-        self.stamps = SourceStamps()  # the sources as first opened (see io.hashing.HashingFile.copy_ranges)
+        self.stamps = SourceStamps()  # the sources as first opened (see io.data.hashing.HashingFile.copy_ranges)
         self.progress = _Progress(options.progress, plan.total)
         self.cancel = threading.Event()
 
@@ -340,7 +340,7 @@ def _write_one_by_one(build, groups, records: list[FileRecord]) -> None:
     their queued writes and copies, then the zip directories) in a helper thread while the next
     group's tensors are read: the files' write-behind threads are then busy while this one is, as
     with two workers. At most two groups are in flight (memory: their files' queued blocks, at
-    most `io.hashing.WRITE_BEHIND_ALL` in all); a failure waits for the files being closed (they are
+    most `io.data.hashing.WRITE_BEHIND_ALL` in all); a failure waits for the files being closed (they are
     written into the staging folder) before it is raised."""
     closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-close")
     closing = None

@@ -24,11 +24,11 @@ from typing_extensions import Unpack
 from ..conventions import HF
 from ..distributed import current_job
 from ..formats import MANIFEST, Checkpoint, SourceReader, get_format, hf
-from ..formats.nxd import TAG_MARKER
 from ..formats.manifest import file_record, manifest
-from ..io.digest import FileRecord, Recording
-from ..io.durable import write_text
-from ..io.transaction import STAGING_TAG, sibling_name
+from ..formats.nxd import TAG_MARKER
+from ..io.data.digest import FileRecord, Recording
+from ..io.safety.durable import write_text
+from ..io.safety.transaction import STAGING_TAG, sibling_name
 from ..layout import FULL, Layout
 from ..paths import inside
 from .options import ProgressCallback, WriteArgs, WriteOptions
@@ -79,7 +79,7 @@ def _copy_side_files(sides: list[tuple[Path, str]], dst: Path) -> None:
 
 class StagingProgress:
     """Progress of the whole torchrun job, as rank 0 sees it: every rank writes its files into
-    the one staging folder (io.transaction.staged_output: `.<dst>.shardkit-tmp-<rank 0's pid>` beside
+    the one staging folder (io.safety.transaction.staged_output: `.<dst>.shardkit-tmp-<rank 0's pid>` beside
     dst), so rank 0 polls the size of that folder against the planned bytes of all outputs.
 
     What rank 0 shows is bytes on disk: file headers count, a file being written counts as far as

@@ -17,7 +17,7 @@ import torch
 from typing_extensions import TypedDict
 
 from ..formats.base import parse_dtype
-from ..io.digest import FAST, CheckMode, Recording, check_mode
+from ..io.data.digest import FAST, CheckMode, Recording, check_mode
 
 ProgressCallback = Callable[[int, int], None]
 """Called as progress(bytes_done_now, bytes_total) while output is written."""
@@ -39,7 +39,7 @@ class DirectIO(enum.Enum):
     ON = "on"
     AUTO = "auto"
     """On when this host's processes write more than the kernel's dirty limit
-    (`io.direct.direct_io_pays`)."""
+    (`io.data.direct.direct_io_pays`)."""
 
 
 def parse_direct_io(value: bool | str | DirectIO) -> DirectIO:
@@ -80,19 +80,19 @@ class WriteArgs(TypedDict, total=False):
     """Replace a destination that exists and is not empty (default False)."""
     replace_objects: Sequence[str]
     """With `overwrite` of an s3:// destination: globs (names relative to its prefix) of objects
-    shardkit did not write that may be replaced too (`io.upload.replaceable`); without them such
+    shardkit did not write that may be replaced too (`io.objects.upload.replaceable`); without them such
     objects, and any object at a bucket's root, are refused. Local destinations ignore it."""
     progress: ProgressCallback | None
     """Called as progress(bytes_done, bytes_total) while output is written."""
     direct_io: bool | str
     """Write the output around the page cache (O_DIRECT): True, False (the default), or "auto":
-    when the output is larger than the kernel's dirty limit (see `io.direct.direct_io_pays`). It saves
+    when the output is larger than the kernel's dirty limit (see `io.data.direct.direct_io_pays`). It saves
     the kernel's copy into the page cache (dear on a VM) and leaves the output on the device when
     the call returns; whether it is faster depends on the storage, so it is off by default."""
     sha256: bool
     """Also record each output file's sha256 in the manifest (default False: xxh3-128 only, which
     catches any accidental change; sha256 is many times slower and is for manifests whose own hash
-    is pinned elsewhere, see `io.digest`). Outputs without a manifest ignore it."""
+    is pinned elsewhere, see `io.data.digest`). Outputs without a manifest ignore it."""
     verify_hashes: bool | str | CheckMode
     """Check each source file against the digest its manifest lists before the output is
     committed: True or "fast" (the default) checks the fast xxh3-128 where the manifest has it and

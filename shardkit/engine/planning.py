@@ -24,10 +24,10 @@ from ..formats import Checkpoint, get_format
 from ..formats.base import TensorSpec
 from ..formats.reader import HashCheck
 from ..formats.registry import Abilities
-from ..io import remote
-from ..io.digest import NONE, Recording
-from ..io.direct import direct_io_pays
-from ..io.strided import SHARED_WINDOW
+from ..io.data.digest import NONE, Recording
+from ..io.data.direct import direct_io_pays
+from ..io.data.strided import SHARED_WINDOW
+from ..io.objects import remote
 from ..placements import Piece, Read, SegmentIndex
 from .options import AUTO, Auto, DirectIO, WriteOptions, parse_workers
 from .outputs import OutputFile
@@ -249,7 +249,7 @@ def lockstep_groups(outputs: Sequence[OutputFile], index: SegmentIndex) -> list[
     file in turn (`in_order`). Files that hold the same tensors in the same order (the tp ranks of
     one pipeline stage) and read blocks of columns of their sources (row-parallel weights cut
     from full tensors: a convert) go together, at most LOCKSTEP_MAX: each source tensor is then
-    read once for all of them (`io.strided.shared_column_reads`), where built one after another each
+    read once for all of them (`io.data.strided.shared_column_reads`), where built one after another each
     would touch all of its bytes for its 1/tp of them (most of the worker's time, at tp 8 and
     more). Any other file is a group of its own. Groups keep the order of their first file."""
     groups: list[list[OutputFile]] = []
@@ -329,7 +329,7 @@ def plan_read_ahead(
     if not plan:
         return None
     around = reads_around_pay((sum(length for _, _, length in plan) + written) * ranks_here())
-    # a source streamed from object storage drops the bytes read once as they are read (io.remote)
+    # a source streamed from object storage drops the bytes read once as they are read (io.objects.remote)
     return ReadAhead(plan, _read_once(plan, uses) if around or remote.streaming() else None, order, spans)
 
 

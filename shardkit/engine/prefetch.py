@@ -47,9 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ShardkitError
-from ..io import remote
-from ..io.direct import is_direct, meminfo, set_direct, unmap
-from ..io.taps import ReadSource, read_exact
+from ..io.data.direct import is_direct, meminfo, set_direct, unmap
+from ..io.data.taps import ReadSource, read_exact
+from ..io.objects import remote
 from ..paths import open_regular
 
 logger = logging.getLogger(__name__)

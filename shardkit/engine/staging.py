@@ -1,5 +1,5 @@
 """Producing an output folder: the engine's outputs written through the I/O core's staged
-output (`io.transaction.staged_output`: staging beside the destination, overlap and lock checks,
+output (`io.safety.transaction.staged_output`: staging beside the destination, overlap and lock checks,
 cleanup on failure, Ctrl-C and SIGTERM, commit by rename). Under torchrun the output files are
 divided among the job's processes (`distributed.Job`).
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ..distributed import current_job
 from ..formats import Checkpoint
-from ..io.digest import FileRecord
-from ..io.transaction import commit_all, staged_output
+from ..io.data.digest import FileRecord
+from ..io.safety.transaction import commit_all, staged_output
 from .executor import execute
 from .options import WriteOptions
 from .outputs import OutputFile

@@ -23,9 +23,9 @@ from typing import Protocol
 import torch
 
 from ..errors import FormatError
-from ..io.buffers import array_view
-from ..io.copy import FileRange
-from ..io.digest import FileRecord
+from ..io.data.buffers import array_view
+from ..io.data.copy import FileRange
+from ..io.data.digest import FileRecord
 
 DTYPE_NAMES = {
     "float32": torch.float32,
@@ -149,7 +149,7 @@ class RowStreamingWriter(TensorFileWriter, Protocol):
 
 class CopyingWriter(TensorFileWriter, Protocol):
     """A writer of a format whose registry entry declares `kernel_copies`: it also takes a tensor
-    as byte ranges of source files, copied by the kernel (`io.hashing.HashingFile.copy_ranges`),
+    as byte ranges of source files, copied by the kernel (`io.data.hashing.HashingFile.copy_ranges`),
     where its file allows it (`can_copy`)."""
 
     def can_copy(self) -> bool:

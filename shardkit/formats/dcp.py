@@ -24,9 +24,9 @@ import torch
 from ..conventions import Convention, find, get_convention, to_hf, to_native
 from ..errors import FormatError, ShardkitError
 from ..families import Family
-from ..io.copy import FileRange
-from ..io.digest import FileRecord, Recording
-from ..io.strided import (
+from ..io.data.copy import FileRange
+from ..io.data.digest import FileRecord, Recording
+from ..io.data.strided import (
     advise_stored,
     byte_span,
     read_block,
@@ -115,7 +115,7 @@ class DcpFile(ChunkFile):
         return read_rows_into(self._open_fd, self.stored(self._chunks[name]), start, stop, out, str(self.path))
 
     def read_block(self, name: str, first: int, last: int, start: int, stop: int, out: torch.Tensor) -> bool:
-        """Rows [first, last), columns [start, stop) of a chunk into `out` (see `io.strided.read_block`)."""
+        """Rows [first, last), columns [start, stop) of a chunk into `out` (see `io.data.strided.read_block`)."""
         if name in self._heads:
             return False
         chunk = self.stored(self._chunks[name])

@@ -37,14 +37,14 @@ import torch
 
 from .. import torch_compat
 from ..errors import FormatError
-from ..io.buffers import array_view
-from ..io.copy import FileRange
-from ..io.digest import FileRecord, Recording
-from ..io.durable import write_bytes
-from ..io.hashing import HashingFile
-from ..io.small import PICKLE_LIMIT, read_small
-from ..io.strided import StoredTensor, read_stored
-from ..io.taps import DescriptorReader, pread_exact
+from ..io.data.buffers import array_view
+from ..io.data.copy import FileRange
+from ..io.data.digest import FileRecord, Recording
+from ..io.data.hashing import HashingFile
+from ..io.data.strided import StoredTensor, read_stored
+from ..io.data.taps import DescriptorReader, pread_exact
+from ..io.safety.durable import write_bytes
+from ..io.safety.small import PICKLE_LIMIT, read_small
 from ..paths import inside
 from .base import DiscardOnFailure, TensorSpec, compact, tensor_bytes
 from .torch_io import embedded_tensor, parsed_once, regular, tensor_pickle, torch_save, written_natively

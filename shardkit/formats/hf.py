@@ -15,7 +15,7 @@ from pathlib import Path
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from ..errors import FormatError
-from ..io.small import COPY_LIMIT, check_small, copy_small, read_json
+from ..io.safety.small import COPY_LIMIT, check_small, copy_small, read_json
 from ..paths import member
 from .safetensors_io import read_header
 from .torch_io import regular
@@ -81,7 +81,7 @@ def side_files(src: Path, names: Iterable[str] = SIDE_FILES) -> list[str]:
     """The side files (`names`: generation config, tokenizer and chat files) `src` holds, each
     checked as `copy_side_files` will read it: a regular file inside `src`, or a link that stays
     inside it. A link leading outside `src`, a dangling one or a loop is refused in one line
-    (io.small.SmallFileError), before anything is written."""
+    (io.safety.small.SmallFileError), before anything is written."""
     found = []
     for name in names:
         if os.path.lexists(src / name):
@@ -92,7 +92,7 @@ def side_files(src: Path, names: Iterable[str] = SIDE_FILES) -> list[str]:
 
 def copy_side_files(src: Path, dst: Path, names: Iterable[str] = SIDE_FILES) -> list[str]:
     """Copy the side files `src` holds (`side_files`) into `dst`, through the I/O core's reader
-    (io.small.copy_small: read within `src`, never through a link out of it; the copy is no more
+    (io.safety.small.copy_small: read within `src`, never through a link out of it; the copy is no more
     readable than the source file). Returns the names copied."""
     copied = side_files(src, names)
     for name in copied:

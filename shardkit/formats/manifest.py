@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..io import digest
-from ..io.digest import BLOCKS_KEY, FAST_DIGEST, Digests, FileRecord, feed_file
+from ..io.data import digest
+from ..io.data.digest import BLOCKS_KEY, FAST_DIGEST, Digests, FileRecord, feed_file
 from ..layout import Layout
 from ..version import __version__
 

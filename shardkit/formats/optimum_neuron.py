@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import FormatError, LayoutError
-from ..io.digest import FileRecord
-from ..io.durable import write_marker, write_text
-from ..io.small import read_json
+from ..io.data.digest import FileRecord
+from ..io.safety.durable import write_marker, write_text
+from ..io.safety.small import read_json
 from ..layout import Layout, ModelDims
 from ..placements import Piece
 

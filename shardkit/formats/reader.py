@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from ..errors import FormatError
-from ..io import remote
-from ..io.buffers import empty_tensor
-from ..io.copy import FileRange
-from ..io.digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
-from ..io.strided import window_rows
-from ..io.taps import ReadSource, ReadTap, pread_exact
+from ..io.data.buffers import empty_tensor
+from ..io.data.copy import FileRange
+from ..io.data.digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
+from ..io.data.strided import window_rows
+from ..io.data.taps import ReadSource, ReadTap, pread_exact
+from ..io.objects import remote
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
 from .base import TensorFile
 from .manifest import MANIFEST
@@ -151,7 +151,7 @@ class _FileCheck:
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
     """A file's identity and what changes when it is written: device, inode, size, mtime, ctime
-    (an object store's mirror file: see `io.remote.stamp`)."""
+    (an object store's mirror file: see `io.objects.remote.stamp`)."""
     return remote.stamp(st)
 
 
@@ -172,7 +172,7 @@ class SourceStamps:
     committed, refuses a file written to meanwhile, also where no manifest's check covers it (a
     Hugging Face folder; a checked file is refused by its check as well, `_FileCheck.unchanged`).
     The bytes of their kernel copies are then hashed from the worker's own read of them, a moment
-    before the kernel copies them (`io.hashing.HashingFile.copy_ranges`)."""
+    before the kernel copies them (`io.data.hashing.HashingFile.copy_ranges`)."""
 
     def __init__(self) -> None:
         self._seen: dict[str, tuple[int, ...]] = {}
@@ -355,7 +355,7 @@ def _merged(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
 class _Tap:
     """Feeds the reads of one file to its check; `wants(offset, length)` says whether bytes are
     still to be fed (not when the check has hashed past them, or the file was handed on): the
-    worker then need not read the bytes of a copy for it (`io.taps._feed_taps`)."""
+    worker then need not read the bytes of a copy for it (`io.data.taps._feed_taps`)."""
 
     def __init__(self, hashes: HashCheck, check: _FileCheck):
         self.hashes, self.check = hashes, check
@@ -548,11 +548,11 @@ class SourceReader:
         return self._column_blocks(piece, reads)
 
     def column_windows(self, piece: Piece) -> list[tuple[int, int]] | None:
-        """The windows of rows (`io.strided.window_rows`) in which a matrix joined along dim 1 from
+        """The windows of rows (`io.data.strided.window_rows`) in which a matrix joined along dim 1 from
         blocks of columns of row-major source matrices (a tp rank's part of a row-parallel
         weight) can be read (`read_column_rows`), when the files holding them can cut blocks from rows
         (`read_block`): the files of a group built together then read each window once for all
-        of them (`io.strided.shared_column_reads`). None otherwise."""
+        of them (`io.data.strided.shared_column_reads`). None otherwise."""
         reads = self._column_reads(piece)
         if reads is None:
             return None

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import cast
 
 from ..errors import ShardkitError
-from ..io.digest import Recording
+from ..io.data.digest import Recording
 from ..placements import Piece
 from . import dcp, dcp_files, optimum_neuron
 from .base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFile, TensorFileWriter, TensorSpec
@@ -26,8 +26,8 @@ from .xser import XserFile, XserWriter, info_path, tensors_dir
 
 WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str], Recording, bool], TensorFileWriter]
 """writer(path, root, specs, expert_names, digests, direct): a writer of one rank file under `root`
-(`digests`: what its records carry, see `io.digest.Recording`; `direct`:
-written around the page cache, see `io.direct.DirectFile`)."""
+(`digests`: what its records carry, see `io.data.digest.Recording`; `direct`:
+written around the page cache, see `io.data.direct.DirectFile`)."""
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,19 @@ from pathlib import Path
 import torch
 
 from ..errors import FormatError, ShardkitError
-from ..io.copy import FileRange
-from ..io.digest import FileRecord, Recording
-from ..io.hashing import HashingFile
-from ..io.strided import StoredTensor, advise_stored, byte_span, read_block, read_rows_into, read_stored, stored_range
-from ..io.taps import DescriptorReader
+from ..io.data.copy import FileRange
+from ..io.data.digest import FileRecord, Recording
+from ..io.data.hashing import HashingFile
+from ..io.data.strided import (
+    StoredTensor,
+    advise_stored,
+    byte_span,
+    read_block,
+    read_rows_into,
+    read_stored,
+    stored_range,
+)
+from ..io.data.taps import DescriptorReader
 from ..paths import open_regular
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, tensor_bytes
 from .torch_io import regular
@@ -245,7 +253,7 @@ class SafetensorsFile(DescriptorReader):
         return read_rows_into(self._open_fd, self._tensors[name], start, stop, out, str(self.path))
 
     def read_block(self, name: str, first: int, last: int, start: int, stop: int, out: torch.Tensor) -> bool:
-        """Rows [first, last), columns [start, stop) of a matrix into `out` (see `io.strided.read_block`)."""
+        """Rows [first, last), columns [start, stop) of a matrix into `out` (see `io.data.strided.read_block`)."""
         return read_block(self._open_fd, self._tensors[name], first, last, start, stop, out, str(self.path))
 
     def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:

@@ -18,8 +18,8 @@ import torch
 
 from ..errors import ConfigMismatchError, FormatError
 from ..families import Family, family_for
-from ..io.small import read_json
-from ..io.transaction import recover_interrupted
+from ..io.safety.small import read_json
+from ..io.safety.transaction import recover_interrupted
 from ..layout import FULL, Layout, ModelDims
 from ..placements import Piece, Segment, SegmentIndex, make_piece
 from . import dcp, hf, nxd, optimum_neuron
@@ -109,7 +109,7 @@ class Checkpoint:
 
 def load_config(path: Path | str, within: Path | str | None = None) -> dict[str, Any]:
     """The config.json `path` (or the one in the folder `path`); `within`: the source folder a
-    config found beside weights must lie in (io.small: a link out of it is refused)."""
+    config found beside weights must lie in (io.safety.small: a link out of it is refused)."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"

@@ -28,14 +28,22 @@ import torch
 
 from .. import torch_compat
 from ..errors import FormatError, ShardkitError
-from ..io import remote
-from ..io.copy import FileRange
-from ..io.digest import FileRecord, Recording
-from ..io.hashing import PARALLEL_HASH_MIN, HashingFile
-from ..io.oserror import disk_error
-from ..io.small import check_small
-from ..io.strided import StoredTensor, advise_stored, byte_span, read_block, read_rows_into, read_stored, stored_range
-from ..io.taps import DescriptorReader
+from ..io.data.copy import FileRange
+from ..io.data.digest import FileRecord, Recording
+from ..io.data.hashing import PARALLEL_HASH_MIN, HashingFile
+from ..io.data.strided import (
+    StoredTensor,
+    advise_stored,
+    byte_span,
+    read_block,
+    read_rows_into,
+    read_stored,
+    stored_range,
+)
+from ..io.data.taps import DescriptorReader
+from ..io.objects import remote
+from ..io.safety.oserror import disk_error
+from ..io.safety.small import check_small
 from ..paths import regular_file
 from . import torch_pickle
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, compact, narrow, tensor_bytes
@@ -115,7 +123,7 @@ def safe_load(path: Path, mmap: bool = True) -> Any:
 def load_small(path: Path, what: str, within: Path | None = None) -> Any:
     """A small torch file read whole (scheduler, user content, xser info): `safe_load`, once the
     bounded reader's rules hold (a regular file, not too large, and with `within` one lying inside
-    that folder: `io.small.check_small`)."""
+    that folder: `io.safety.small.check_small`)."""
     return safe_load(check_small(path, what, within=within), mmap=False)
 
 

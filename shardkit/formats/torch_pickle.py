@@ -28,7 +28,7 @@ import torch
 
 from .. import torch_compat
 from ..errors import FormatError
-from ..io.strided import StoredTensor
+from ..io.data.strided import StoredTensor
 
 INT64 = 1 << 63
 

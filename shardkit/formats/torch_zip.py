@@ -46,8 +46,8 @@ except ImportError:  # pragma: no cover - a platform without zlib-ng's wheels: s
 
 from .. import torch_compat
 from ..errors import FormatError
-from ..io import remote
-from ..io.copy import FileRange
+from ..io.data.copy import FileRange
+from ..io.objects import remote
 
 ARCHIVE = "archive/"
 """The folder torch's writer puts every record in when it writes to a stream."""
@@ -541,7 +541,7 @@ def _tensor(record: _Listed) -> bool:
 
 
 def _predict_data(fd: int, listed: list[_Listed], directory: int) -> bool:
-    """For a file streamed from object storage (`io.remote`), whose tensor records' local headers
+    """For a file streamed from object storage (`io.objects.remote`), whose tensor records' local headers
     have not been fetched: each tensor record's data offset from the directory alone, as torch.save
     lays records out (each record's data, then a data descriptor of the same size as the first
     tensor record's, then the next record; descriptors of zip64 records 8 bytes longer), checked

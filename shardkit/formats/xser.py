@@ -21,10 +21,10 @@ import torch
 
 from .. import torch_compat
 from ..errors import FormatError
-from ..io.copy import FileRange
-from ..io.digest import FileRecord, Recording
-from ..io.hashing import HashingFile
-from ..io.taps import ReadTap
+from ..io.data.copy import FileRange
+from ..io.data.digest import FileRecord, Recording
+from ..io.data.hashing import HashingFile
+from ..io.data.taps import ReadTap
 from ..paths import NoSpaceError, ensure_free_space, no_space_error
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, compact, narrow
 from .torch_io import (

@@ -14,7 +14,7 @@ from ..errors import ShardkitError
 from ..formats import Checkpoint, get_format, hf, is_plain_hf_dir, open_checkpoint
 from ..formats.safetensors_io import read_header
 from ..formats.torch_io import TorchFile
-from ..io.small import SmallFileError, read_json
+from ..io.safety.small import SmallFileError, read_json
 from ..sizes import format_bytes
 from ..version import __version__
 from .download import missing_local_path

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import FormatError, ShardkitError
 from ..formats import MANIFEST, hf
-from ..io.small import read_json
+from ..io.safety.small import read_json
 from .errors import HubError, HubOfflineError, _api, _offline, _offline_message, _translate
 
 log = logging.getLogger(__name__)

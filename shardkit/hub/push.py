@@ -22,8 +22,8 @@ from ..engine import merge_checkpoint
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, is_plain_hf_dir, open_checkpoint
 from ..formats.hf import SIDE_FILES
-from ..io.durable import write_text
-from ..io.transaction import temporary_folder
+from ..io.safety.durable import write_text
+from ..io.safety.transaction import temporary_folder
 from .card import model_card, weight_stats
 from .errors import (
     HubAuthError,

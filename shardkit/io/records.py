@@ -2,7 +2,7 @@
 and the first line of a log a writer appends to (whose records a metrics file holds).
 
 A record lives in a local folder or an s3:// prefix. It is read bounded and within its folder (a
-link leading out of it is refused, `io.small`), and created only when absent: a local one is
+link leading out of it is refused, `io.safety.small`), and created only when absent: a local one is
 written beside its place and hard-linked there (`link` fails when the name exists, so of two
 writers at once one creates it and the other reads the winner's, never a torn file; on a file
 system without hard links, created with O_EXCL), an object in S3 by a conditional PUT. Failures
@@ -17,12 +17,12 @@ from pathlib import Path
 
 from ..errors import ShardkitError
 from ..paths import open_regular
-from . import s3
-from .durable import fsync_path, write_bytes
 from .location import remote as remote_location
-from .oserror import disk_error, shown
-from .small import SmallFileError, read_small
-from .transaction import STAGING_TAG, sibling_name
+from .objects import s3
+from .safety.durable import fsync_path, write_bytes
+from .safety.oserror import disk_error, shown
+from .safety.small import SmallFileError, read_small
+from .safety.transaction import STAGING_TAG, sibling_name
 
 RECORD_LIMIT = 1 << 20
 """The largest record read (a run record is a few KB)."""

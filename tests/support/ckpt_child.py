@@ -14,9 +14,9 @@ import torch
 from shardkit.checkpoint import Rank, load_checkpoint, save_checkpoint
 from shardkit.checkpoint import save as ckpt_save
 from shardkit.families import family_for
-from shardkit.io import delete as io_delete
-from shardkit.io import transaction as io_transaction
-from shardkit.io.hashing import HashingFile
+from shardkit.io.data.hashing import HashingFile
+from shardkit.io.safety import delete as io_delete
+from shardkit.io.safety import transaction as io_transaction
 from shardkit.layout import Layout, ModelDims
 from shardkit.placements import shard
 from shardkit.testing import fixture_config
@@ -318,7 +318,7 @@ def s3_save_killed_while_uploading(root: str, tag: str, step: int) -> None:
     UPLOADING as its first part is sent (its multipart upload created): the test kills it there."""
     import sys
 
-    from shardkit.io import s3
+    from shardkit.io.objects import s3
 
     s3.PART_SIZE = 5 << 20
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from shardkit.io import s3
+from shardkit.io.objects import s3
 
 ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

@@ -23,7 +23,7 @@ import ckpt_child  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 
 from shardkit.cli import cli  # noqa: E402
-from shardkit.io import remote, s3  # noqa: E402
+from shardkit.io.objects import remote, s3  # noqa: E402
 from shardkit.layout import Layout  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def keys(bucket: str, prefix: str = "") -> list[str]:
 def no_mirrors_left() -> None:
     """No mirror or output staging folder left in the test's temporary folder by this process or
     one that has ended."""
-    from shardkit.io.transaction import pid_alive
+    from shardkit.io.safety.transaction import pid_alive
 
     base = Path(tempfile.gettempdir()) / f"shardkit-{os.getuid()}"
     left = []

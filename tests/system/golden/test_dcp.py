@@ -168,7 +168,7 @@ def test_reading_a_tensor_reads_only_its_chunks(fsdp_dcp, monkeypatch):
     """A tensor is read from the bytes of the chunks it meets (here one per data file), never a
     whole file."""
     from shardkit.formats import SourceReader, open_checkpoint
-    from shardkit.io import taps
+    from shardkit.io.data import taps
     from shardkit.placements import Segment
 
     src, folder = fsdp_dcp

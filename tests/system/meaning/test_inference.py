@@ -187,7 +187,7 @@ def test_save_object_hashed_writes_the_bytes_torch_save_writes(tmp_path):
     import zipfile
 
     from shardkit.checkpoint.save import save_object_hashed
-    from shardkit.io.hashing import HashingFile
+    from shardkit.io.data.hashing import HashingFile
 
     for name, obj in (("scheduler.pt", SCHEDULER_STATE), ("user_content.pt", {"step": 3, "note": "x" * 100})):
         before = HashingFile(tmp_path / "before" / name, tmp_path / "before")  # what save_object_hashed wrote before
@@ -204,7 +204,7 @@ def test_save_object_hashed_on_a_full_disk_is_no_space_error(tmp_path, monkeypat
     import builtins
     import errno
 
-    import shardkit.io.hashing as hashing
+    import shardkit.io.data.hashing as hashing
     from shardkit.checkpoint.save import save_object_hashed
     from shardkit.paths import NoSpaceError
 

@@ -37,7 +37,7 @@ from s3_helpers import (  # noqa: E402
 import shardkit  # noqa: E402
 from shardkit.api import convert, verify  # noqa: E402
 from shardkit.checkpoint import finalize_checkpoint, list_checkpoints, load_checkpoint  # noqa: E402
-from shardkit.io import remote, s3  # noqa: E402
+from shardkit.io.objects import remote, s3  # noqa: E402
 from shardkit.testing import fixture_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]

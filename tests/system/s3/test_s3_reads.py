@@ -14,7 +14,7 @@ from s3_helpers import CONFIG, TP2PP2, _save, keys, own_temporary_folder, run  #
 import shardkit
 from shardkit.api import convert
 from shardkit.checkpoint import finalize_checkpoint, load_checkpoint
-from shardkit.io import s3
+from shardkit.io.objects import s3
 from shardkit.testing import fixture_config, make_tiny_model
 
 SLACK = 256 << 10

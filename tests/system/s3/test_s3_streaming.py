@@ -29,7 +29,7 @@ from s3_helpers import (  # noqa: E402
 import shardkit  # noqa: E402
 from shardkit.api import convert, merge, verify  # noqa: E402
 from shardkit.errors import FormatError  # noqa: E402
-from shardkit.io import remote, s3, streamed  # noqa: E402
+from shardkit.io.objects import remote, s3, streamed  # noqa: E402
 
 # ---- convert, merge, reshard, verify -----------------------------------------------------------------
 
@@ -106,7 +106,7 @@ def test_reads_fetch_each_byte_once_in_few_requests(tiny_model, bucket, tmp_path
 def streamed_sizes(monkeypatch):
     """Parts, blocks, the window and the whole-object threshold scaled down to the tiny model's
     files, so that its shards stream as a large model's do (every other path is unchanged)."""
-    from shardkit.io import digest
+    from shardkit.io.data import digest
 
     monkeypatch.setattr(remote, "SMALL", 8 << 10)
     monkeypatch.setattr(remote, "PART", 32 << 10)
@@ -136,7 +136,7 @@ def test_streamed_source_holds_a_window_and_checks_every_block(tiny_model, bucke
     """A source shardkit wrote to object storage lists block digests; a merge of it fetches it a
     bounded window ahead, checks each block as it arrives and drops what it has read: the result
     is exact while at most the window is held."""
-    from shardkit.io import digest
+    from shardkit.io.data import digest
 
     hf = tiny_model("tinyllama-mini", torch.bfloat16)
     url = f"s3://{bucket}/tp4"

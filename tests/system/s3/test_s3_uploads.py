@@ -31,7 +31,7 @@ from s3_helpers import (  # noqa: E402
 
 import shardkit  # noqa: E402
 from shardkit.api import convert, verify  # noqa: E402
-from shardkit.io import s3  # noqa: E402
+from shardkit.io.objects import s3  # noqa: E402
 
 
 def _hf_tensors(hf: Path) -> list[torch.Tensor]:
@@ -43,7 +43,7 @@ def _hf_tensors(hf: Path) -> list[torch.Tensor]:
 def test_outputs_upload_as_their_files_close(tiny_model, bucket, workdir, monkeypatch):
     """Each shard goes up as soon as it is written (the sink of the staging folder), and the local
     copy holds only the files in flight, never the whole output."""
-    from shardkit.io import upload
+    from shardkit.io.objects import upload
 
     hf = tiny_model("tinyllama-mini", torch.bfloat16)
     monkeypatch.setattr(upload, "FILES_IN_FLIGHT", 1)
@@ -182,7 +182,7 @@ def test_claim_of_a_prefix_is_atomic(tiny_model, bucket, workdir, monkeypatch):
     """Two runs that both found the prefix free: the marker's conditional PUT lets one write; the
     other is refused in one line and touches nothing (not even the winner's marker)."""
     from shardkit.errors import DestinationExistsError
-    from shardkit.io import upload
+    from shardkit.io.objects import upload
 
     hf = tiny_model("tinyllama-mini", torch.bfloat16)
     _marker(bucket, "raced", "other-host", 4242)  # the winner's, put just after this run checked

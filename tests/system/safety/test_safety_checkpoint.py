@@ -50,7 +50,7 @@ from shardkit.checkpoint import (
 from shardkit.checkpoint import save as ckpt_save
 from shardkit.cli import cli
 from shardkit.errors import FormatError, ShardkitError
-from shardkit.io import s3
+from shardkit.io.objects import s3
 from shardkit.layout import Layout
 from shardkit.paths import UnsafePathError
 

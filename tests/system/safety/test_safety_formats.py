@@ -31,7 +31,7 @@ from shardkit.formats.base import TensorSpec
 from shardkit.formats.safetensors_io import SafetensorsFile, SafetensorsWriter, read_header
 from shardkit.formats.torch_io import TensorReference, TorchWriter
 from shardkit.formats.xser import XserFile, XserWriter
-from shardkit.io import hashing
+from shardkit.io.data import hashing
 from shardkit.paths import NoSpaceError, UnsafePathError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -57,7 +57,7 @@ FAILING_OPEN = """
     import errno, gc, io, os, signal, sys
     from pathlib import Path
     import torch
-    import shardkit.io.hashing as hashing
+    import shardkit.io.data.hashing as hashing
     from shardkit.formats.base import TensorSpec
     tmp = Path(sys.argv[1])
     SPECS = [TensorSpec(f"t{i}", (1000,), torch.float32) for i in range(5)]
@@ -243,7 +243,7 @@ def test_a_failure_behind_the_writes_is_clean(fmt, how, tmp_path):
         print(type(e).__name__, "|", e)
     gc.collect()
     print("left", os.path.exists(tmp / "out" / "x.bin"))
-    from shardkit.io.hashing import queued_writes
+    from shardkit.io.data.hashing import queued_writes
     print("writers", queued_writes())
     """,
         tmp_path,
@@ -259,7 +259,7 @@ def test_abort_takes_its_blocks_back_from_the_hash_helper(tmp_path):
     (the helper is stopped inside torch's tensor deallocator)."""
     import weakref
 
-    from shardkit.io.digest import Digests
+    from shardkit.io.data.digest import Digests
 
     class Block:
         def __init__(self) -> None:

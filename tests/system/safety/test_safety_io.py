@@ -43,8 +43,8 @@ from shardkit.checkpoint import Checkpointer, load_checkpoint, prune_checkpoints
 from shardkit.checkpoint import reshard as ckpt_reshard
 from shardkit.cli import cli
 from shardkit.errors import ShardkitError
-from shardkit.io.lock import lock_destination
-from shardkit.io.transaction import recover_interrupted
+from shardkit.io.safety.lock import lock_destination
+from shardkit.io.safety.transaction import recover_interrupted
 from shardkit.layout import Layout
 
 REPO = Path(__file__).resolve().parents[3]
@@ -759,7 +759,7 @@ def test_reading_within_a_folder_refuses_links_out_dangling_loops_and_magic_link
     """The I/O core's small-file reader, `within` a folder: what the descriptor really opened
     must lie inside it (or in a Hub cache snapshot's blobs); every other case is one line."""
     from shardkit.formats import hf
-    from shardkit.io.small import SmallFileError, check_small, read_small
+    from shardkit.io.safety.small import SmallFileError, check_small, read_small
 
     folder = tmp_path / "src"
     (folder / "sub").mkdir(parents=True)

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from shardkit.cli import cli
 from shardkit.errors import FormatError
 from shardkit.formats import torch_io, xser
-from shardkit.io.strided import StoredTensor, read_stored
+from shardkit.io.data.strided import StoredTensor, read_stored
 
 # ---- a pickle assembler (protocol 2, the opcodes torch.save writes) ---------------------------------
 

@@ -23,7 +23,7 @@ from s3_helpers import keys, kill_while_uploading, no_mirrors_left, run, run_sub
 
 import shardkit
 from shardkit.api import convert, verify
-from shardkit.io import s3, upload
+from shardkit.io.objects import s3, upload
 
 
 @pytest.fixture(autouse=True)
@@ -281,7 +281,7 @@ def test_planted_staging_root_is_refused_and_nothing_outside_is_touched(
     assert _tree(victim) == was
     assert not keys(bucket, "ckpt/")
     if planted != "inner link":  # every other root shardkit makes there (mirrors, staged outputs): refused too
-        from shardkit.io.transaction import private_root
+        from shardkit.io.safety.transaction import private_root
 
         with pytest.raises(ShardkitError):
             private_root()

@@ -49,7 +49,7 @@ from shardkit.checkpoint import tree as ckpt_tree
 from shardkit.cli import cli
 from shardkit.errors import ConfigMismatchError, FormatError, LayoutError
 from shardkit.formats import xser
-from shardkit.io import delete as io_delete
+from shardkit.io.safety import delete as io_delete
 from shardkit.layout import Layout
 from shardkit.testing import fixture_config
 

@@ -168,7 +168,7 @@ def test_ckpt_reshard_keeps_each_weights_stored_dtype(tmp_path):
 
 def test_ckpt_reshard_runs_on_one_torch_thread_and_gives_the_threads_back(tmp_path, monkeypatch):
     """Its tensor work is copies: torch's OpenMP threads would spin between them, taking CPU from
-    the reads, writes and uploads beside them (`io.buffers.one_torch_thread`)."""
+    the reads, writes and uploads beside them (`io.data.buffers.one_torch_thread`)."""
     import ckpt_child
 
     from shardkit.checkpoint import Rank, finalize_checkpoint, save_checkpoint
@@ -201,7 +201,7 @@ def test_ckpt_reshard_runs_on_one_torch_thread_and_gives_the_threads_back(tmp_pa
 
 
 def test_one_torch_thread_gives_the_threads_back_after_an_error():
-    from shardkit.io.buffers import one_torch_thread
+    from shardkit.io.data.buffers import one_torch_thread
 
     before = torch.get_num_threads()
     threads = max(2, before)

@@ -1,6 +1,6 @@
 """The tp files of one pipeline stage are built together, a piece of each in turn, when they cut
 blocks of columns out of their sources (`planning.lockstep_groups`): each such source tensor is
-then read once for all of them (`io.strided.shared_column_reads`). The files are byte for byte those
+then read once for all of them (`io.data.strided.shared_column_reads`). The files are byte for byte those
 built one after another, the check on read still refuses a flipped bit, a failure in one file
 leaves none behind, and the files' write-behind queues together stay under WRITE_BEHIND_ALL."""
 
@@ -20,8 +20,8 @@ from shardkit.engine.outputs import plan_full, plan_sharded
 from shardkit.errors import ShardkitError
 from shardkit.formats import open_checkpoint
 from shardkit.formats.safetensors_io import SafetensorsFile
-from shardkit.io import hashing, strided
-from shardkit.io.hashing import HashingFile
+from shardkit.io.data import hashing, strided
+from shardkit.io.data.hashing import HashingFile
 
 
 def _files(root) -> dict[str, bytes]:
@@ -280,8 +280,8 @@ def test_owned_blocks_are_hashed_by_their_files_write_behind_thread_in_file_orde
     write-behind threads as they write them, never by the shared hash helper (which hashed them
     before and stalled on one file's copies while every other file's blocks waited in memory);
     each file's digests are those of its bytes, small writes in between included."""
-    from shardkit.io.copy import FileRange
-    from shardkit.io.digest import file_digests
+    from shardkit.io.data.copy import FileRange
+    from shardkit.io.data.digest import file_digests
 
     helper: list[int] = []
     real_submit = hashing._HASHER.submit

@@ -18,8 +18,8 @@ from shardkit import Layout, convert, merge, reshard
 from shardkit.engine import executor, planning, prefetch
 from shardkit.engine.prefetch import Prefetcher
 from shardkit.errors import FormatError
-from shardkit.io.hashing import HashingFile
-from shardkit.io.taps import read_exact
+from shardkit.io.data.hashing import HashingFile
+from shardkit.io.data.taps import read_exact
 
 MiB = 1 << 20
 
@@ -247,7 +247,7 @@ def test_a_mirror_open_elsewhere_in_the_process_leaves_local_files_read_around_t
     """A mirror of object storage held open by this process (a trainer resumed from S3 keeps its
     mirror until exit) takes its own files out of the reads around the page cache, not a local
     file's: cold local bytes read once still go around it."""
-    from shardkit.io import remote
+    from shardkit.io.objects import remote
 
     path = tmp_path / "src.bin"
     path.write_bytes(os.urandom(2 * MiB))

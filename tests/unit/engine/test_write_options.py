@@ -15,7 +15,7 @@ from shardkit.engine.options import AUTO, DirectIO, WriteOptions
 from shardkit.engine.outputs import plan_full, plan_sharded
 from shardkit.engine.planning import Way, plan_write
 from shardkit.formats import open_checkpoint
-from shardkit.io.digest import CheckMode, Recording
+from shardkit.io.data.digest import CheckMode, Recording
 
 
 @pytest.mark.parametrize(

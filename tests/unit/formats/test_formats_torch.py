@@ -119,7 +119,7 @@ def test_own_zip_writer_leaves_zip64_archives_and_changed_torch_to_torch(tmp_pat
 @pytest.mark.parametrize("chunk", [64, 1 << 30])
 def test_positional_reads_of_column_blocks_in_row_chunks(chunk, tmp_path, monkeypatch):
     """Slices along dims > 0 are read in bounded blocks of rows: same result as slicing in memory."""
-    import shardkit.io.strided as strided
+    import shardkit.io.data.strided as strided
 
     monkeypatch.setattr(strided, "STRIDED_READ_CHUNK", chunk)
     monkeypatch.setattr(strided, "MAP_WINDOW", chunk)  # 64: a mapping per row, at unaligned offsets
@@ -144,7 +144,7 @@ def test_positional_reads_of_column_blocks_in_row_chunks(chunk, tmp_path, monkey
 def test_a_whole_tensor_read_along_a_later_dim_is_one_positional_read(tmp_path, monkeypatch):
     """A "slice" along dim 1 that spans the whole dim is the whole tensor: one contiguous read
     (which the hash check on read can hash), not a strided copy out of a mapping."""
-    import shardkit.io.strided as strided
+    import shardkit.io.data.strided as strided
 
     monkeypatch.setattr(strided, "STRIDED_READ_CHUNK", 64)
     monkeypatch.setattr(strided, "_copy_columns", lambda *a: pytest.fail("copied out of a mapping"))
@@ -171,7 +171,7 @@ def test_a_whole_tensor_read_along_a_later_dim_is_one_positional_read(tmp_path, 
 
 def test_advise_names_the_bytes_a_slice_spans(tmp_path, monkeypatch):
     """The read-ahead hint of a slice covers exactly the bytes read_stored reads for it."""
-    import shardkit.io.strided as strided
+    import shardkit.io.data.strided as strided
 
     stored = strided.StoredTensor(torch.float32, (7, 5, 6), file_offset=8, storage_offset=4)
     hints, reads = [], []
@@ -202,7 +202,7 @@ def test_owned_writes_are_hashed_in_file_order(tmp_path, monkeypatch):
     """Blocks written with write_owned are hashed behind the writes (by the helper thread or the
     writer), small writes between them follow them: the digest is the file's whatever the order
     the threads ran in, also when the window of unhashed bytes forces waits."""
-    import shardkit.io.hashing as hashing
+    import shardkit.io.data.hashing as hashing
     from shardkit.formats.base import tensor_bytes
 
     monkeypatch.setattr(hashing, "HASH_BEHIND", 3 << 20)

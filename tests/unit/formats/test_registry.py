@@ -15,8 +15,8 @@ import torch
 from shardkit.formats import torch_io
 from shardkit.formats.base import TensorSpec
 from shardkit.formats.registry import FORMATS, Format
-from shardkit.io.copy import FileRange
-from shardkit.io.digest import Recording
+from shardkit.io.data.copy import FileRange
+from shardkit.io.data.digest import Recording
 
 MATRIX = torch.arange(6 * 4, dtype=torch.bfloat16).reshape(6, 4)
 VECTOR = torch.arange(3, dtype=torch.float32)

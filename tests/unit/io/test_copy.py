@@ -20,11 +20,11 @@ from shardkit import Layout, convert, merge, reshard
 from shardkit.engine import planning
 from shardkit.errors import FormatError, ShardkitError
 from shardkit.formats.base import tensor_bytes
-from shardkit.io import copy as io_copy
-from shardkit.io import hashing, taps
-from shardkit.io.copy import FileRange
-from shardkit.io.digest import file_digests
-from shardkit.io.hashing import HashingFile
+from shardkit.io.data import copy as io_copy
+from shardkit.io.data import hashing, taps
+from shardkit.io.data.copy import FileRange
+from shardkit.io.data.digest import file_digests
+from shardkit.io.data.hashing import HashingFile
 
 READ_EXACT_CALLERS = (taps, hashing)
 """The modules whose code reads through `read_exact` (positional reads and the checks' taps;

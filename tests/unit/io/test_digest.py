@@ -1,4 +1,4 @@
-"""The digests shardkit records and checks (shardkit/io/digest.py): the same values as hashlib
+"""The digests shardkit records and checks (shardkit/io/data/digest.py): the same values as hashlib
 and xxhash over the file's bytes whichever way the file is read, and the check's choice of digest."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import os
 import pytest
 import xxhash
 
-from shardkit.io import digest
-from shardkit.io.digest import NoSha256Error, check_mode, expected_digest, file_digests, file_matches
+from shardkit.io.data import digest
+from shardkit.io.data.digest import NoSha256Error, check_mode, expected_digest, file_digests, file_matches
 
 
 def expected(data: bytes) -> tuple[str, str]:
@@ -128,7 +128,7 @@ def test_only_outputs_a_manifest_lists_are_hashed(tiny_model, tmp_path):
 
 def test_a_record_without_digests_cannot_enter_a_manifest():
     from shardkit.formats.manifest import file_entry
-    from shardkit.io.digest import FileRecord
+    from shardkit.io.data.digest import FileRecord
 
     with pytest.raises(ValueError, match="without digests"):
         file_entry(FileRecord("model/x.pt", 10, None))

@@ -1,4 +1,4 @@
-"""Writing around the page cache (O_DIRECT, `io.direct.DirectFile`): the same bytes as buffered writes
+"""Writing around the page cache (O_DIRECT, `io.data.direct.DirectFile`): the same bytes as buffered writes
 whatever the write sizes, flushes in the middle, file systems that refuse O_DIRECT at open or at
 the first write, a full disk and Ctrl-C mid-file (one-line error, no file left), the "auto"
 choice, and convert/merge/reshard with --direct-io on writing exactly what they write without it."""
@@ -18,9 +18,9 @@ from click.testing import CliRunner
 
 from shardkit import Layout, convert, merge, reshard
 from shardkit.cli import cli
-from shardkit.io import direct as io_direct
-from shardkit.io.direct import DirectFile
-from shardkit.io.hashing import HashingFile
+from shardkit.io.data import direct as io_direct
+from shardkit.io.data.direct import DirectFile
+from shardkit.io.data.hashing import HashingFile
 from shardkit.paths import NoSpaceError
 
 MODEL = "llama-gqa64"

@@ -1,5 +1,5 @@
 """A file whose size is known in advance gets its disk blocks reserved before it is written
-(`io.direct.preallocate`): the blocks are there before the first write, blocks reserved past what was
+(`io.data.direct.preallocate`): the blocks are there before the first write, blocks reserved past what was
 written are freed at close, a full disk is refused before anything is written, and a file system
 without reservations is written as before."""
 
@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from shardkit.io import direct as io_direct
-from shardkit.io import hashing
-from shardkit.io.hashing import HashingFile
+from shardkit.io.data import direct as io_direct
+from shardkit.io.data import hashing
+from shardkit.io.data.hashing import HashingFile
 from shardkit.paths import NoSpaceError
 
 MiB = 1 << 20

@@ -306,7 +306,7 @@ def test_rows_from_parquet_datasets_and_s3_train_like_the_csv(work, classifier, 
         {"text": [r["text"] for r in rows], "sentiment": [r["sentiment"] for r in rows]}
     ).save_to_disk(str(work / "tweets-ds"))
     sources["datasets"] = str(work / "tweets-ds")
-    from shardkit.io import s3
+    from shardkit.io.objects import s3
 
     s3.client().put_object(Bucket=bucket, Key="tweets/train.csv", Body=TWEETS.read_bytes())
     sources["s3"] = f"s3://{bucket}/tweets/train.csv"

@@ -349,7 +349,7 @@ def test_messages_train_on_the_assistant_turns(work, tok, tok_dir):
 def test_s3_data_trains_like_the_local_file(work, hf_model, reference, bucket, caplog):
     """s3://bucket/key.jsonl (and a token file in S3) train like the local files; the second run
     finds its cache by the object's ETag; a missing key is one line."""
-    from shardkit.io import s3
+    from shardkit.io.objects import s3
 
     data = write_rows("jsonl", work / "s3.jsonl", text_rows())
     s3.client().put_object(Bucket=bucket, Key="sst2/train.jsonl", Body=data.read_bytes())

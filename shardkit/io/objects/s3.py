@@ -20,21 +20,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ShardkitError
-from ..sizes import format_bytes
-from .direct import WRITE_BLOCK
-from .location import RemoteLocation
+from ...errors import ShardkitError
+from ...sizes import format_bytes
+from ..data.direct import WRITE_BLOCK
+from ..location import RemoteLocation
 
 log = logging.getLogger(__name__)
 
 EXTRA = "pip install 'shardkit[s3]'"
 GET_CHUNK = 1 << 20
 """A ranged GET's body is read in blocks of this size (bounded memory), each written to the mirror
-in writes of at most `io.direct.WRITE_BLOCK` (the kernel's copy into the page cache costs several
+in writes of at most `io.data.direct.WRITE_BLOCK` (the kernel's copy into the page cache costs several
 times as much per byte in larger writes)."""
 PART_SIZE = 32 << 20
 """A multipart upload's part (raised for files that would need more than 10,000 parts), and the
-largest ranged GET (`io.remote`): large enough that a request's round trip costs little beside
+largest ranged GET (`io.objects.remote`): large enough that a request's round trip costs little beside
 its bytes, small enough that a file of a few hundred MB still moves as many requests at once."""
 CONCURRENCY = 16
 """Requests in flight: the GETs of a mirror, the part uploads of an uploader."""
@@ -57,7 +57,7 @@ refused before anything is made of it."""
 class ObjectInfo:
     """One object under a location: its name relative to the location, size and ETag; `stored`,
     when not "", the name (under the same location) its bytes are read from (an output's objects
-    staged under a sub-prefix while their replace is finished: `io.published`)."""
+    staged under a sub-prefix while their replace is finished: `io.objects.published`)."""
 
     name: str
     size: int

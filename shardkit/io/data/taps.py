@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import cast
 
-from ..errors import FormatError
-from . import remote
+from ...errors import FormatError
+from ..objects import remote
 from .copy import _COPY_BUFFER, COPY_BLOCK, FileRange
 
 ReadTap = Callable[[int, int, memoryview], None]

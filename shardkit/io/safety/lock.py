@@ -22,7 +22,7 @@ import stat
 import sys
 from pathlib import Path
 
-from ..errors import ShardkitError
+from ...errors import ShardkitError
 from .oserror import disk_error, shown
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ..errors import FormatError
-from ..sizes import format_bytes
+from ...errors import FormatError
+from ...sizes import format_bytes
 from .durable import write_bytes
 from .oserror import disk_error, shown
 

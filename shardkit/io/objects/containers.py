@@ -1,7 +1,7 @@
 """Where a tensor container's metadata lies, read from the bytes of it already fetched.
 
 An object store charges a request per ranged GET (and takes a round trip for each), so a
-mirror (`io.remote`) fetches a container's metadata in as few GETs as the format allows: its head
+mirror (`io.objects.remote`) fetches a container's metadata in as few GETs as the format allows: its head
 and tail first, then what they point at (`after_head_and_tail`), then the zip records' local
 headers and small records (`zip_records`), and only if a header's extra field reaches past the
 window fetched with it, the rest (`zip_header_rests`). Each function takes `pread(offset, n)` over

@@ -10,25 +10,25 @@ holding one sparse file per object, of the object's size, into which byte ranges
 - what an operation prepares (`Mirror.prepare`, `prepare_paths`: only the files it opens), as it
   needs (`Need`): EVERYTHING (a checked source: a digest needs every byte), METADATA (a safetensors
   header, or a torch zip's head, tail, central directory, local headers and small records:
-  `io.containers`), PLANNED (an unchecked streamed source: its metadata, then the plan's ranges);
+  `io.objects.containers`), PLANNED (an unchecked streamed source: its metadata, then the plan's ranges);
 - the tensor spans the engine's plan lists, in order, a bounded window ahead of the read-ahead
   (`expect`, called by `engine.prefetch.Prefetcher`);
-- anything else on demand, before the read (`before_read`: `io.taps.read_exact`, kernel copies,
-  the mappings of `io.strided`, whole-file hashing and `torch.load` through `ensure_file`).
+- anything else on demand, before the read (`before_read`: `io.data.taps.read_exact`, kernel copies,
+  the mappings of `io.data.strided`, whole-file hashing and `torch.load` through `ensure_file`).
 
 Ranges of one object are joined across holes of at most `HOLE` (64 KiB): a request costs a round
 trip, the bytes of a small hole little (small records and zip headers come with their
 neighbours); larger holes are bytes the operation skips (other ranks' records, a K/V head's
 other replicas), never fetched. Nothing ever reads a hole of the mirror.
 
-Streamed sources (a merge's, read once): see `io.streamed`.
+Streamed sources (a merge's, read once): see `io.objects.streamed`.
 
 Fetched bytes change a mirror file's mtime and ctime: `stamp` gives the stable identity the
 "source changed while read" checks compare instead (every GET is made If-Match the object's
 listed ETag, so a replaced object is refused, never mixed). The folder (in this user's private
 folder of the system's temporary folder, or a streamed source's of MEMORY_DIR:
 `transaction.private_root`) is removed when the mirror closes, also on Ctrl-C and SIGTERM
-(closing never waits for a GET the store does not answer: `io.fetching`), and a killed run's
+(closing never waits for a GET the store does not answer: `io.objects.fetching`), and a killed run's
 mirror by the next run (its owner process is gone). A listing is trusted only as far as it can
 be: a size no object can have is refused, and every GET checks the object's real size.
 """
@@ -47,15 +47,15 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ..errors import FormatError, ShardkitError
-from ..paths import inside
+from ...errors import FormatError, ShardkitError
+from ...paths import inside
+from ..location import RemoteLocation
+from ..safety import transaction
+from ..safety.delete import remove_tree
 from . import containers, published, s3
 from . import streamed as stream_io
-from .delete import remove_tree
 from .fetching import GetPool, Planner, joined, wait_all
-from .location import RemoteLocation
 from .ranges import Ranges, whole_parts
-from .transaction import private_root, remove_dead_folders, remove_on_sigterm, terminate_as_interrupt, write_owner
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ class Mirror:
         memory = (
             stream_io.memory_dir(MEMORY_DIR, 4 * STREAM_BUDGET, sum(o.size for o in objects)) if self.streamed else None
         )
-        self.base = Path(tempfile.mkdtemp(prefix=MIRROR_PREFIX, dir=private_root(memory)))
+        self.base = Path(tempfile.mkdtemp(prefix=MIRROR_PREFIX, dir=transaction.private_root(memory)))
         self.root = self.base / (loc.name or loc.bucket)
         self.pool = GetPool(GETS_IN_FLIGHT, "shardkit-s3-get")
         self.files: dict[str, MirrorFile] = {}
@@ -328,7 +328,7 @@ class Mirror:
         self._order: list[tuple[MirrorFile, int, int]] | None = None  # the feeder's parts, in order
         self._failure: BaseException | None = None
         try:
-            write_owner(self.base)  # a killed run's mirror is removed by the next (`_remove_stale`)
+            transaction.write_owner(self.base)  # a killed run's mirror is removed by the next (`_remove_stale`)
             self.root.mkdir()
             for obj in objects:
                 if published.hidden(obj.name):  # shardkit's bookkeeping (a writing marker, a staged replace)
@@ -622,7 +622,7 @@ def open_mirror(loc: RemoteLocation, objects: Sequence[s3.ObjectInfo] | None = N
     mirror = Mirror(loc, s3.list_objects(loc) if objects is None else objects, streamed)
     with _OPEN_LOCK:
         _OPEN.append(mirror)
-    remove_on_sigterm(_mirror_folders)  # a mirror kept until exit goes on SIGTERM too
+    transaction.remove_on_sigterm(_mirror_folders)  # a mirror kept until exit goes on SIGTERM too
     return mirror
 
 
@@ -661,7 +661,7 @@ def mirrors_scope() -> Iterator[None]:
     their local folders."""
     with _OPEN_LOCK:
         keep = len(_OPEN)
-    with terminate_as_interrupt():
+    with transaction.terminate_as_interrupt():
         try:
             yield
         except ShardkitError as e:
@@ -694,7 +694,7 @@ atexit.register(close_mirrors)
 def _remove_stale() -> None:
     """Remove the mirror folders of this host's runs that no longer run (killed mid-way)."""
     for base in (Path(tempfile.gettempdir()), Path(MEMORY_DIR)):
-        for folder, pid in remove_dead_folders(base, MIRROR_PREFIX):
+        for folder, pid in transaction.remove_dead_folders(base, MIRROR_PREFIX):
             log.info("removed %s, the S3 mirror of a run (process %s) that no longer runs", folder, pid)
 
 
@@ -738,7 +738,7 @@ def prepare_paths(paths: Iterable[str | os.PathLike[str]], need: Need = Need.MET
 def readable(text: str, what: str) -> Path | None:
     """A local path to read `text` through: itself, or for s3:// a mirror of the prefix (kept until
     exit; None when the prefix holds nothing yet)."""
-    from .location import remote as remote_location
+    from ..location import remote as remote_location
 
     loc = remote_location(text, what)
     if loc is None:
@@ -811,7 +811,7 @@ def after_read(fd: int, offset: int, length: int) -> None:
 def streamed_fd(fd: int) -> bool:
     """Whether `fd` is a streamed mirror file: its tensor records' local headers are not fetched
     before the engine's plan (see `formats.torch_zip._predict_data`), and its bytes are read into
-    memory, never copied by the kernel (`io.copy.kernel_copy`): a copy read back to hash it would
+    memory, never copied by the kernel (`io.data.copy.kernel_copy`): a copy read back to hash it would
     find them dropped."""
     if not _MIRRORED:
         return False

@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..distributed import Job, current_job
-from ..errors import DestinationExistsError, ShardkitError
-from ..sizes import format_bytes
-from . import sinks
+from ...distributed import Job, current_job
+from ...errors import DestinationExistsError, ShardkitError
+from ...sizes import format_bytes
+from ..objects import sinks
 from .delete import is_link, refuse_mounts, remove_file, remove_tree
 from .durable import fsync_path, write_marker, write_text
 from .lock import FolderLock, lock_destination

@@ -29,9 +29,9 @@ from typing import Any
 
 import xxhash
 
-from ..errors import FormatError
-from ..paths import open_regular
-from . import remote
+from ...errors import FormatError
+from ...paths import open_regular
+from ..objects import remote
 
 FAST_DIGEST = "xxh3_128"
 """The manifest key of the fast digest (hex)."""
@@ -120,7 +120,7 @@ def recording_blocks() -> Iterator[None]:
     """Records made inside the block also carry block digests. An output bound for object storage
     records them: a reader that receives a file's bytes out of order, as ranged GETs in the order
     an operation reads them, checks each block as it arrives and need not keep the bytes it has
-    read until the whole file has been checked in order (`io.remote`, streamed sources)."""
+    read until the whole file has been checked in order (`io.objects.remote`, streamed sources)."""
     _RECORDING_BLOCKS[0] += 1
     try:
         yield

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import FormatError
-from . import sinks
+from ...errors import FormatError
+from ..objects import sinks
 from .copy import _COPY_BUFFER, COPY_BLOCK, FileRange, kernel_copy
 from .digest import Digests, FileRecord, Recording
 from .direct import WRITE_BLOCK, DirectFile, preallocate
@@ -479,7 +479,7 @@ class HashingFile:
         digests: Recording = Recording.FAST,
         direct: bool = False,
     ):
-        from ..paths import ensure_free_space
+        from ...paths import ensure_free_space
 
         self.path = Path(path)
         self.root = Path(root)
@@ -526,7 +526,7 @@ class HashingFile:
     def _failed(self, error: OSError, pending: int = 0) -> Exception:
         import errno
 
-        from ..paths import no_space_error
+        from ...paths import no_space_error
 
         if error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
             needed = self.expected_size if self.expected_size is not None else self.size + pending

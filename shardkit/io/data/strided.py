@@ -19,8 +19,8 @@ from typing import cast
 
 import torch
 
-from ..errors import FormatError
-from . import remote
+from ...errors import FormatError
+from ..objects import remote
 from .buffers import _thread_scope, array_view, empty_bytes, empty_tensor
 from .copy import FileRange
 from .hashing import BEHIND_MIN

@@ -12,7 +12,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from . import remote
+from ..objects import remote
 
 
 @dataclass(frozen=True)

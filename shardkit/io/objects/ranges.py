@@ -1,4 +1,4 @@
-"""Sets of byte ranges: which bytes of a file are fetched, read, or given back (`io.remote`)."""
+"""Sets of byte ranges: which bytes of a file are fetched, read, or given back (`io.objects.remote`)."""
 
 from __future__ import annotations
 

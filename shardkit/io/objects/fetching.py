@@ -1,4 +1,4 @@
-"""The GETs of a mirror (`io.remote`): a pool of daemon threads, the planner that fetches an
+"""The GETs of a mirror (`io.objects.remote`): a pool of daemon threads, the planner that fetches an
 engine's plan a bounded window ahead of its readers, and waiting for a set of fetches.
 
 The pool's threads are daemon threads, so a request the store never answers (a hung connection,
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Protocol
 
-from ..errors import ShardkitError
+from ...errors import ShardkitError
 
 log = logging.getLogger(__name__)
 

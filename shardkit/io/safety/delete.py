@@ -16,7 +16,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import ShardkitError
+from ...errors import ShardkitError
 from .oserror import shown
 
 log = logging.getLogger(__name__)

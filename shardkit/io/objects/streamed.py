@@ -1,8 +1,8 @@
-"""Streamed sources (`io.remote`). A merge reads all of its source once. Fetched whole into a
+"""Streamed sources (`io.objects.remote`). A merge reads all of its source once. Fetched whole into a
 mirror on disk first, the source would need its own size of local disk, its bytes would be
 written twice locally (the mirror, then the output) and the engine would wait for the last byte
 before the first output byte. Instead, a source whose every file can be checked as it arrives
-(its manifest lists block digests, see `io.digest.BLOCK_SIZE`, as every output shardkit writes to
+(its manifest lists block digests, see `io.data.digest.BLOCK_SIZE`, as every output shardkit writes to
 object storage does; or it has no manifest, or is not to be checked) is streamed:
 
 - its mirror lives in MEMORY_DIR (a memory file system) when that can punch holes and the source
@@ -84,7 +84,7 @@ def memory_dir(folder: str, room: int, source: int) -> str | None:
     `room` bytes free, able to punch holes, and the source at most a quarter of the memory
     available, so that even a read that gave nothing back could not exhaust it (else None: the
     system's temporary folder holds it)."""
-    from .direct import meminfo
+    from ..data.direct import meminfo
 
     available = meminfo("MemAvailable")
     try:

@@ -12,9 +12,9 @@ import errno
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import ShardkitError
-from ..paths import NoSpaceError, free_space
-from ..sizes import format_bytes
+from ...errors import ShardkitError
+from ...paths import NoSpaceError, free_space
+from ...sizes import format_bytes
 
 
 class DiskError(ShardkitError):

@@ -1,7 +1,7 @@
 """Writing object storage: the output transaction without rename.
 
 An object store has no rename, so an output there is complete only once its record is written
-(`io.published`: `.shardkit-output`, naming every object of the output; after a Hugging Face
+(`io.objects.published`: `.shardkit-output`, naming every object of the output; after a Hugging Face
 folder's index and config, a manifest or a checkpoint tag's `done`). `remote_output` is the
 object-store twin of `transaction.staged_output`:
 
@@ -20,7 +20,7 @@ object-store twin of `transaction.staged_output`:
 3. the caller writes into a local staging folder in this user's private temporary folder
    (`transaction.private_root`; nothing beside the destination, nothing in the working
    directory); each file its writers close goes up at once (`StreamingUpload`, the folder's
-   `io.sinks` sink: multipart, several files in flight, the local copy deleted once it is up), so
+   `io.objects.sinks` sink: multipart, several files in flight, the local copy deleted once it is up), so
    uploading overlaps writing and the local folder holds only the files in flight. A first
    output goes to its own names; a replace goes beside the old output, under a staged sub-prefix,
    while the old output stays as it was, readable;
@@ -45,13 +45,11 @@ import socket
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
-from ..errors import DestinationExistsError, ShardkitError
-from ..sizes import format_bytes
-from . import published, s3, sinks
-from .location import RemoteLocation
-from .oserror import shown
-from .published import WRITING, final_rank, remove_objects
-from .transaction import (
+from ...errors import DestinationExistsError, ShardkitError
+from ...sizes import format_bytes
+from ..location import RemoteLocation
+from ..safety.oserror import shown
+from ..safety.transaction import (
     OWNER_FILE,
     STAGING_TAG,
     owner_text,
@@ -62,6 +60,8 @@ from .transaction import (
     temporary_folder,
     terminate_as_interrupt,
 )
+from . import published, s3, sinks
+from .published import WRITING, final_rank, remove_objects
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def _examples(names: Sequence[str]) -> str:
 
 
 class StreamingUpload:
-    """The sink (`io.sinks`) of a remote output's local folder: each file the writers close in
+    """The sink (`io.objects.sinks`) of a remote output's local folder: each file the writers close in
     its staging folder goes up at once (several in flight; `files_in_flight` bounds them, so a
     writer that gets ahead waits and the local copy holds only the files in flight), and is
     deleted locally once it is up. The final objects wait for `upload_tree` at the commit."""

@@ -1,7 +1,7 @@
 """An output in object storage: the record naming its objects, and how a replace commits.
 
 An object store has no rename, so an output there cannot be swapped in whole the way a local one
-is (`transaction.StagedOutput.commit`). Each output `io.upload.remote_output` writes therefore
+is (`transaction.StagedOutput.commit`). Each output `io.objects.upload.remote_output` writes therefore
 ends with a record, `<prefix>/.shardkit-output` (JSON), naming every object of the output; one
 PUT of the record is the commit, and S3 makes a PUT visible whole. A reader of the prefix
 (`readable_objects`) reads the objects the record names and nothing else:
@@ -30,16 +30,16 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import FormatError
+from ...errors import FormatError
+from ..location import RemoteLocation
 from . import s3
-from .location import RemoteLocation
 
 log = logging.getLogger(__name__)
 
 RECORD = ".shardkit-output"
 """The record of an output's objects, written last (see the module's docstring)."""
 WRITING = ".shardkit-writing"
-"""A remote output's first object and the last one deleted (`io.upload`): while it exists a run
+"""A remote output's first object and the last one deleted (`io.objects.upload`): while it exists a run
 writes the prefix (and, with no record, the prefix is incomplete)."""
 STAGED = ".shardkit-staged-"
 """The start of a staged sub-prefix's name: a replace's new output until it is committed."""

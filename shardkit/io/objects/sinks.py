@@ -2,8 +2,8 @@
 
 An output bound for object storage is written into a local folder first (every writer works on
 local files). Rather than uploading the whole folder at the end, its files are handed to a sink
-as each one is closed (`io.hashing.HashingFile.close` calls `closed`), so uploading overlaps
-writing and the local copy holds only the files still in flight (`io.upload.StreamingUpload`).
+as each one is closed (`io.data.hashing.HashingFile.close` calls `closed`), so uploading overlaps
+writing and the local copy holds only the files still in flight (`io.objects.upload.StreamingUpload`).
 The staged output's commit waits for the sink (`drain`) before it renames the staging folder.
 Without a registered sink (every local output) both calls return at once.
 """
