@@ -43,10 +43,8 @@ from .hub import resolve_source
 from .io.data import digest
 from .io.data.digest import BLOCKS_KEY, FAST, NONE, check_mode, file_matches, recording_blocks
 from .io.location import remote as remote_location
-from .io.objects import remote as remote_io
-from .io.objects.remote import Need
-from .io.objects.upload import remote_output
 from .io.safety.transaction import recover_interrupted
+from .io.store import TENSOR_SUFFIXES, MirrorStore, Need, Store, Unpredicted, open_store, prefix, remote_output, scope
 from .layout import FULL, Layout, make_layout
 from .paths import inside
 
@@ -86,7 +84,7 @@ def _destination(
     remote_sources = [
         r
         for r in (
-            remote_io.location_of(s.root) if isinstance(s, Checkpoint) else remote_location(s, "SRC")
+            s.store.location() if isinstance(s, Checkpoint) else remote_location(s, "SRC")
             for s in sources
             if isinstance(s, (str, Path, Checkpoint))
         )
@@ -110,7 +108,6 @@ def _streams(src: object, options: Mapping[str, Any]) -> bool:
     import json
 
     from .formats.manifest import MANIFEST
-    from .io.objects import s3
 
     loc = remote_location(src, "SRC") if isinstance(src, (str, Path)) else None
     if loc is None:
@@ -118,7 +115,7 @@ def _streams(src: object, options: Mapping[str, Any]) -> bool:
     mode = check_mode(options.get("verify_hashes", True))
     if mode == NONE:
         return True
-    raw = s3.get_bytes(loc, MANIFEST)
+    raw = prefix(loc).get(MANIFEST)
     if raw is None:
         return True
     try:
@@ -151,9 +148,9 @@ def _read_once(
     _check_fetched(ckpt, checked)
     try:
         return run(ckpt, checked)
-    except remote_io.Unpredicted as e:
+    except Unpredicted as e:
         log.warning("%s: reading it again, fetched whole first", e)
-        remote_io.close_mirror_of(ckpt.root)
+        ckpt.store.close()
     ckpt = open_source(src, config, hints, revision, Need.EVERYTHING)
     checked = dict(options)
     _check_fetched(ckpt, checked)
@@ -166,37 +163,36 @@ def _check_fetched(ckpt: Checkpoint, options: dict[str, Any]) -> None:
     other file whole as it lies in the mirror, before anything is written (xxh3-128: 0.24 s for
     TinyLlama's 2.2 GB); the engine then does not check on read, which would have the merge read
     every shard in its worker instead of copying it by the kernel (2.5 s more on that merge)."""
-    if remote_io.location_of(ckpt.root) is None or not ckpt.manifest:
+    store = ckpt.store
+    if not isinstance(store, MirrorStore) or not ckpt.manifest:
         return
     mode = check_mode(options.get("verify_hashes", True))
     if mode == NONE:
         return
-    mirror = remote_io.mirror_of(ckpt.root)
     blocks = {}
     read = tuple(ckpt.files)
     for entry in ckpt.manifest.get("files", []) or []:
         listed = str(entry.get("path", ""))
         unread = not (listed in read or listed.startswith(tuple(f"{key}." for key in read)))
-        if unread and (listed.endswith(remote_io.TENSOR_SUFFIXES) or ".tensors/" in listed):
+        if unread and (listed.endswith(TENSOR_SUFFIXES) or ".tensors/" in listed):
             continue  # tensors the operation does not read (a tag's optimizer files, for its model) are not fetched
         path = inside(Path(ckpt.root), listed, "file the manifest lists")
-        if mirror is not None and remote_io.is_streamed(path) and isinstance(entry.get(BLOCKS_KEY), list):
-            blocks[path.relative_to(mirror.root).as_posix()] = [str(b) for b in entry[BLOCKS_KEY]]
+        if store.is_streamed(path) and isinstance(entry.get(BLOCKS_KEY), list):
+            blocks[path.relative_to(store.root).as_posix()] = [str(b) for b in entry[BLOCKS_KEY]]
             continue  # checked block by block as it arrives (io.objects.remote), before the output is committed
-        remote_io.ensure_file(path)
+        store.ensure(path)
         if not file_matches(path, entry, mode):
-            where = remote_io.location_of(path)
-            raise FormatError(f"{where} does not match the digest its manifest lists: re-create it")
-    if mirror is not None and blocks:
-        mirror.check(blocks, digest.BLOCK_SIZE)  # (the size `_streams` found every entry to list)
+            raise FormatError(f"{store.shown(path)} does not match the digest its manifest lists: re-create it")
+    if blocks:
+        store.mirror.check(blocks, digest.BLOCK_SIZE)  # (the size `_streams` found every entry to list)
     options["verify_hashes"] = "none"
 
 
-def _checkpoint_root(src: str | Path) -> remote_io.Mirror | None:
-    """A mirror of a training checkpoint root in object storage (its small objects fetched; the
+def _checkpoint_root(src: str | Path) -> Store | None:
+    """The store of a training checkpoint root in object storage (its small objects fetched; the
     caller prepares the tag it reads), None for a local path."""
     loc = remote_location(src, "SRC")
-    return None if loc is None else remote_io.open_prefix(loc, output=False)
+    return None if loc is None else open_store(loc, output=False)
 
 
 def open_source(
@@ -215,10 +211,12 @@ def open_source(
         return src
     loc = remote_location(src, "SRC")
     if loc is not None:
-        mirror = remote_io.open_prefix(loc, streamed=streamed)
-        _refuse_checkpoint_root(mirror.root, str(src))  # before any of its tags is fetched
-        mirror.prepare("", need)
-        return open_checkpoint(mirror.root, config, hints)
+        store = open_store(loc, streamed=streamed)
+        _refuse_checkpoint_root(store.root, str(src))  # before any of its tags is fetched
+        store.prepare([store.root], need)
+        ckpt = open_checkpoint(store.root, config, hints)
+        ckpt.store = store
+        return ckpt
     if not os.path.lexists(src):
         recover_interrupted(Path(src), log)  # a run killed while replacing it left it beside, renamed
     else:
@@ -259,7 +257,7 @@ def reshard(
     a DCP output (`hf`, the default, or `torchtitan`: see shardkit.conventions). `src` and `dst`
     may be s3://bucket/prefix."""
     replace = options.get("replace_objects")
-    with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,), replace) as out:
+    with scope(), _destination(dst, bool(options.get("overwrite")), (src,), replace) as out:
         # not streamed: a reshard reads pieces more than once and reads copied bytes back to hash them;
         # checked by no digest, it fetches the ranges it plans to read (not a K/V head's other replicas)
         unchecked = check_mode(options.get("verify_hashes", True)) == NONE
@@ -291,7 +289,7 @@ def merge(
 
     def run(ckpt: Checkpoint, checked: dict[str, Any]) -> Result:
         if settings_of(ckpt) is not None:
-            shown = remote_io.location_of(ckpt.root) or ckpt.root
+            shown = ckpt.store.shown(ckpt.root)
             raise FormatError(
                 f"{shown} holds LoRA adapters, not a model: `shardkit ckpt export {shown} OUT` writes their "
                 "PEFT adapter folder, and with --merged the model they were trained on with them merged in"
@@ -301,7 +299,7 @@ def merge(
         return merge_checkpoint(ckpt, out, max_shard_size=max_shard_size, **checked)
 
     replace = options.get("replace_objects")
-    with remote_io.mirrors_scope(), _destination(dst, bool(options.get("overwrite")), (src,), replace) as out:
+    with scope(), _destination(dst, bool(options.get("overwrite")), (src,), replace) as out:
         result = _read_once(src, config, hints, revision, dict(options), run)
     return _located(result, dst)
 
@@ -312,7 +310,7 @@ def _refuse_resave(ckpt: Checkpoint, max_shard_size: int | str, dtype: Any) -> N
     .bin to safetensors, the dtype, the file split)."""
     if ckpt.kind != "hf" or ckpt.single_file:
         return
-    shown = remote_io.location_of(ckpt.root) or ckpt.root
+    shown = ckpt.store.shown(ckpt.root)
     changes = resave_changes(ckpt, max_shard_size, parse_dtype(dtype))
     if not changes:
         raise FormatError(
@@ -335,7 +333,7 @@ def inspect(
     With `check_data`, also re-hash files against the manifest and compare every replicated
     copy of every slice (reads the whole checkpoint; `progress(bytes_done, bytes_total)` follows
     it), and say what was checked in the report's "checked"."""
-    with remote_io.mirrors_scope():
+    with scope():
         ckpt = open_source(path, config, hints, revision, Need.EVERYTHING if check_data else Need.METADATA)
         report = inspect_checkpoint(ckpt, check_data, progress=progress)
         if remote_location(path) is not None:
@@ -365,7 +363,7 @@ def verify(
     tensor stored in different dtypes is a mismatch unless `ignore_dtype`; the report names them
     either way. `progress(bytes_done, bytes_total)` counts the bytes of A's tensors."""
     check_atol(atol)  # before anything is opened or fetched
-    with remote_io.mirrors_scope():
+    with scope():
         ca = open_source(a, config_a, hints_a, revision_a, Need.EVERYTHING)
         cb = open_source(b, config_b, hints_b, revision_b, Need.EVERYTHING)
         return verify_checkpoints(
@@ -394,13 +392,15 @@ def export_checkpoint(
     `merged` the Hugging Face model of its base with the adapters merged in: `base` (a model
     directory of any layout, or a Hub repo id) or else the base model the checkpoint records."""
     replace = options.get("replace_objects")
-    with remote_io.mirrors_scope(), _destination(out, bool(options.get("overwrite")), (dir,), replace) as local_out:
-        mirror = _checkpoint_root(dir)
-        root, name = tag_to_read(mirror.root if mirror is not None else dir, tag, "shardkit merge DIR OUT")
-        if mirror is not None:  # the model files whole (master weights in optim/: as the merge reads them)
-            mirror.prepare(f"{name}/model", Need.EVERYTHING)
+    with scope(), _destination(out, bool(options.get("overwrite")), (dir,), replace) as local_out:
+        store = _checkpoint_root(dir)
+        root, name = tag_to_read(store.root if store is not None else dir, tag, "shardkit merge DIR OUT")
+        if store is not None:  # the model files whole (master weights in optim/: as the merge reads them)
+            store.prepare([store.root / name / "model"], Need.EVERYTHING)
         # the tag's model files, or its fp32 master weights when the model files hold no data
         model = model_checkpoint(inside(root, name, "checkpoint tag"), config, hints)
+        if store is not None:
+            model.store = store
         settings = settings_of(model)
         if settings is None:
             if merged or base is not None:
@@ -466,9 +466,9 @@ def reshard_training_checkpoint(
     from .checkpoint.zero1 import read_param_order
 
     order = read_param_order(param_order) if isinstance(param_order, (str, Path)) else param_order
-    with remote_io.mirrors_scope(), _destination(dst, False, (src,)) as out:
-        mirror = _checkpoint_root(src)
-        root = _prepared_tag_root(mirror, options.get("tag"), Need.EVERYTHING) if mirror is not None else src
+    with scope(), _destination(dst, False, (src,)) as out:
+        store = _checkpoint_root(src)
+        root = _prepared_tag_root(store, options.get("tag"), Need.EVERYTHING) if store is not None else src
         if not isinstance(layout, Layout):
             layout = layout(inspect_training(root, options.get("tag"), options.get("config"), order))
         written = reshard_training(root, out, layout, param_order=order, **options)
@@ -488,23 +488,22 @@ def inspect_training_checkpoint(
     from .checkpoint.zero1 import read_param_order
 
     order = read_param_order(param_order) if isinstance(param_order, (str, Path)) else param_order
-    with remote_io.mirrors_scope():
-        mirror = _checkpoint_root(src)
-        root = _prepared_tag_root(mirror, tag, Need.METADATA) if mirror is not None else src
+    with scope():
+        store = _checkpoint_root(src)
+        root = _prepared_tag_root(store, tag, Need.METADATA) if store is not None else src
         info = inspect_training(root, tag, config, order)
-    if mirror is not None and isinstance(info.get("path"), str):
-        info["path"] = info["path"].replace(str(mirror.root), str(src), 1)
+    if store is not None and isinstance(info.get("path"), str):
+        info["path"] = info["path"].replace(str(store.root), str(src), 1)
     return info
 
 
-def _prepared_tag_root(mirror: remote_io.Mirror, tag: str | None, need: Need) -> Path:
+def _prepared_tag_root(store: Store, tag: str | None, need: Need) -> Path:
     """The mirror's root, with what `need` says of the tag an operation reads fetched (the named
     tag, or the newest complete one, or the root itself when it is a tag). A root without tags is
     left as it is: the operation says what it is."""
     try:
-        root, name = tag_to_read(mirror.root, tag, "shardkit reshard DIR DST")
+        root, name = tag_to_read(store.root, tag, "shardkit reshard DIR DST")
     except ShardkitError:
-        return mirror.root
-    rel = (root / name).relative_to(mirror.root).as_posix()
-    mirror.prepare("" if rel == "." else rel, need)
-    return mirror.root
+        return store.root
+    store.prepare([root / name], need)
+    return store.root

@@ -44,9 +44,9 @@ from shardkit.checkpoint.tree import CHECKPOINT_MARKER, DONE_MARKER
 from shardkit.families.lora import base_config
 from shardkit.formats import load_config
 from shardkit.io.location import is_url, parse_location
-from shardkit.io.objects import remote as remote_io
 from shardkit.io.records import claim_record, read_head, read_record
 from shardkit.io.safety.overlap import resolved
+from shardkit.io.store import named, readable
 from shardkit.layout import ModelDims
 
 from . import lora
@@ -71,7 +71,7 @@ class ResumePoint:
     @property
     def shown(self) -> str:
         """The tag as messages name it: its s3:// URL when it is read through a mirror."""
-        return remote_io.named(self.path)
+        return named(self.path)
 
 
 def _resolve(cfg) -> tuple[Path, str | None] | None:
@@ -82,9 +82,10 @@ def _resolve(cfg) -> tuple[Path, str | None] | None:
     if spec == LATEST_IF_EXISTS:
         if not cfg.checkpoint_dir:
             raise TrainerError("--resume latest_if_exists needs --checkpoint-dir (where to look for checkpoints)")
-        found = remote_io.readable(cfg.checkpoint_dir, "--checkpoint-dir")  # s3://: a local mirror
-        return None if found is None else (found, LATEST_IF_EXISTS)
-    path = remote_io.readable(spec, "--resume") or Path(spec)
+        found = readable(cfg.checkpoint_dir, "--checkpoint-dir")  # s3://: a local mirror
+        return None if found is None else (found.root, LATEST_IF_EXISTS)
+    store = readable(spec, "--resume")
+    path = store.root if store is not None else Path(spec)
     if not path.exists():
         raise TrainerError(
             f"--resume {path} does not exist: give a checkpoint tag directory, a checkpoint "
@@ -103,7 +104,7 @@ def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | No
     directory, tag = where
     name = resolve_tag(directory, tag)
     if name is None:
-        log.info("no checkpoint in %s yet: starting from %s", remote_io.named(directory), cfg.model)
+        log.info("no checkpoint in %s yet: starting from %s", named(directory), cfg.model)
         return None
     tag_dir = directory / name
     if not (tag_dir / "config.json").is_file():
@@ -367,8 +368,7 @@ def _whose(owner: RunRecord | None, tags: list[str]) -> str:
 
 def _source_folder(point: ResumePoint) -> str:
     """Where the checkpoint --resume reads lies: its folder, or the s3:// prefix its mirror stands for."""
-    loc = remote_io.location_of(point.directory)
-    return str(loc) if loc is not None else str(point.directory)
+    return named(point.directory)
 
 
 def _same_folder(a: str, b: str) -> bool:

@@ -42,7 +42,7 @@ def exit_code(error: BaseException) -> int:
 def one_line(error: BaseException) -> str:
     """`error` as one line: its message for bad input, `Type: first line` for anything else; a
     local mirror of object storage in it named by its s3:// URL."""
-    from shardkit.io.objects.remote import named
+    from shardkit.io.store import named
 
     text = named(error).strip()
     first = text.splitlines()[0] if text else ""

@@ -54,9 +54,9 @@ from shardkit.families.lora import (
 )
 from shardkit.formats import open_checkpoint
 from shardkit.io.location import remote as remote_location
-from shardkit.io.objects.upload import remote_output
 from shardkit.io.safety.durable import write_text
 from shardkit.io.safety.transaction import commit_all, staged_output
+from shardkit.io.store import remote_output
 from shardkit.layout import ModelDims
 from shardkit.placements import Piece, Segment, build_piece
 

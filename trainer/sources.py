@@ -34,14 +34,13 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shardkit.io.data.digest import file_digests
 from shardkit.io.location import RemoteLocation, remote
-from shardkit.io.objects import remote as remote_io
-from shardkit.io.objects import s3
+from shardkit.io.store import ObjectInfo, Store, prefix, stamp
 from shardkit.paths import regular_file
 
 from .errors import DataError
@@ -66,7 +65,8 @@ class Source:
     kind: str  # one of TEXT_KINDS, or "tokens"
     path: Path | None  # None: an S3 object not fetched yet (`fetch`)
     loc: RemoteLocation | None = None
-    objects: tuple[s3.ObjectInfo, ...] = ()
+    objects: tuple[ObjectInfo, ...] = ()
+    store: Store | None = field(default=None, repr=False)  # an S3 source's, once fetched
 
     @property
     def is_text(self) -> bool:
@@ -77,25 +77,25 @@ class Source:
         if self.path is None:
             assert self.loc is not None  # `locate` gives an S3 source its location
             base = self.loc if self.kind == "datasets" else self.loc.parent
-            mirror = remote_io.open_mirror(base, list(self.objects))
-            self.path = mirror.root if self.kind == "datasets" else mirror.root / self.loc.name
+            self.store = prefix(base).mirror(list(self.objects))
+            self.path = self.store.root if self.kind == "datasets" else self.store.root / self.loc.name
             for name in (o.name for o in self.objects):
-                remote_io.ensure_file(mirror.root / name)
+                self.store.ensure(self.store.root / name)
         return self.path
 
     def release(self) -> None:
         """Drop the local copy of an S3 text source once it is tokenized (its mirror closed)."""
-        if self.loc is not None and self.path is not None and self.is_text:
-            remote_io.close_mirror_of(self.path)
-            self.path = None
+        if self.store is not None and self.is_text:
+            self.store.close()
+            self.store = self.path = None
 
     def stamp(self) -> list[tuple[int, ...]]:
-        """The stat identity of a local source's files (io.objects.remote.stamp: device, inode, size and
+        """The stat identity of a local source's files (io.store.stamp: device, inode, size and
         times); [] for S3 (its reads are pinned to the listed ETag)."""
         if self.loc is not None or self.path is None:
             return []
         files = sorted(p for p in self.path.iterdir() if p.is_file()) if self.path.is_dir() else [self.path]
-        return [remote_io.stamp(os.stat(f)) for f in files]
+        return [stamp(os.stat(f)) for f in files]
 
     def check_unchanged(self, before: list[tuple[int, ...]]) -> None:
         """Refuse (one line) a source whose files changed since `before` (while it was read)."""
@@ -136,29 +136,18 @@ def locate(text: str, what: str) -> Source:
         elif kind_of(text) in TEXT_KINDS:
             raise DataError(f"{what} {text} does not exist: give a .txt, .jsonl, .csv or .parquet file")
         return Source(text, kind_of(text), path)
-    head = _head(loc) if loc.prefix else None
+    objects = prefix(loc)
+    head = objects.head() if loc.prefix else None
     if head is not None:
         source = Source(text, kind_of(loc.name), None, loc, (head,))
         if source.kind == "tokens":  # read by mapping: fetched whole now
             source.fetch()
         return source
-    inside = s3.list_objects(loc)
+    inside = objects.listing()
     if inside:
         return Source(text, "datasets", None, loc, tuple(inside))
-    s3.check_bucket(loc)
+    objects.check_bucket()
     raise DataError(f"{what} {text}: no such object in S3 (nor a folder of objects under it): check the key")
-
-
-def _head(loc: RemoteLocation) -> s3.ObjectInfo | None:
-    """The object `loc` names (its name relative to its parent), or None when there is none."""
-    try:
-        head = s3.client().head_object(Bucket=loc.bucket, Key=loc.prefix)
-    except Exception as e:  # noqa: BLE001 - botocore's errors: a missing key is None, others one line
-        code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
-        if code in ("404", "NoSuchKey", "NotFound"):
-            return None
-        raise s3.error(e, "read", loc) from None
-    return s3.ObjectInfo(loc.name, int(head["ContentLength"]), str(head.get("ETag", "")))
 
 
 # ---- columns ------------------------------------------------------------------------------------------

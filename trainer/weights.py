@@ -45,11 +45,10 @@ from shardkit.distributed import alone
 from shardkit.formats import Checkpoint, SourceReader, hf
 from shardkit.io.location import RemoteLocation, is_url
 from shardkit.io.location import remote as remote_location
-from shardkit.io.objects import published, s3
-from shardkit.io.objects.upload import replaceable
 from shardkit.io.safety.overlap import resolved
 from shardkit.io.safety.small import SmallFileError, read_json
 from shardkit.io.safety.transaction import private_root, scratch_folder
+from shardkit.io.store import hidden, prefix
 from shardkit.placements import Segment, build_piece
 
 from .errors import TrainerError
@@ -211,12 +210,13 @@ def _check_remote_export(cfg, loc: RemoteLocation) -> int | None:
             f"--export-hf {cfg.export_hf}: a job of several hosts exports to a local or shared folder, not to "
             "s3:// (rank 0 merges the export from the files its own host stages); export there, then copy it"
         )
-    listed = s3.list_objects(loc)
-    if not [o for o in listed if not published.hidden(o.name)]:
-        s3.check_bucket(loc)
+    objects = prefix(loc)
+    listed = objects.listing()
+    if not [o for o in listed if not hidden(o.name)]:
+        objects.check_bucket()
         return None
-    marker = next((o for o in published.readable_objects(loc, listed) if o.name == EXPORT_MARKER), None)
-    raw = s3.get_bytes(loc, marker.stored or marker.name) if marker is not None else None
+    marker = next((o for o in objects.published(listed) if o.name == EXPORT_MARKER), None)
+    raw = objects.get(marker.stored or marker.name) if marker is not None else None
     try:
         found = json.loads(raw) if raw is not None else None
     except ValueError:
@@ -224,7 +224,7 @@ def _check_remote_export(cfg, loc: RemoteLocation) -> int | None:
     if isinstance(found, dict) and found.get("run") == export_run(cfg):
         return int(found.get("step", -1))
     if cfg.overwrite_export:
-        replaceable(loc, [o.name for o in listed])  # objects shardkit did not write are never replaced
+        objects.replaceable([o.name for o in listed])  # objects shardkit did not write are never replaced
         return None
     raise TrainerError(
         f"--export-hf {cfg.export_hf} holds objects and is not an earlier export of this run: choose another "

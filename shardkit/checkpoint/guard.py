@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import FormatError, ShardkitError
 from ..formats import MANIFEST
 from ..io.data.digest import FAST, expected_digest, file_matches
-from ..io.objects import remote
+from ..io.store import stamp
 from ..paths import inside
 from .tree import read_manifest
 
@@ -35,7 +35,7 @@ def stamp_tree(folder: Path) -> dict[str, Stamp]:
                 st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            stamps[os.path.relpath(path, folder)] = remote.stamp(st)  # a mirror file: see io.objects.remote.stamp
+            stamps[os.path.relpath(path, folder)] = stamp(st)  # a mirror file: see io.store.stamp
     return stamps
 
 

@@ -36,7 +36,7 @@ from ..formats import Checkpoint, SourceReader, load_config
 from ..formats.torch_io import load_small
 from ..io.data.digest import FAST, expected_digest, file_matches
 from ..io.location import remote as remote_location
-from ..io.objects import remote as remote_io
+from ..io.store import Store, open_store, scope
 from ..layout import Layout, ModelDims
 from ..paths import UnsafePathError, inside
 from ..placements import Piece, Read
@@ -288,7 +288,7 @@ def read_pieces(
     """Check, then read, the target pieces from `ckpt` (only the slices they are made of)."""
     plan, needed = _plan_reads(ckpt, pieces, rank, same_layout)
     # in object storage: the metadata of these files (and their xser tensor files), fetched together
-    remote_io.prepare_paths(p for key in sorted(needed) for p in (ckpt.files[key], Path(f"{ckpt.files[key]}.tensors")))
+    ckpt.store.prepare(p for key in sorted(needed) for p in (ckpt.files[key], Path(f"{ckpt.files[key]}.tensors")))
     _check_files(ckpt, needed)
     if verify and manifest is not None:
         _verify_hashes(ckpt.root, manifest, needed)
@@ -406,27 +406,32 @@ def load_checkpoint(
     shapes; `zero1.dp_shard(t, dp, d)` gives dp rank d's ZeRO-1 part of it. `dir` may be
     s3://bucket/prefix: read through a local mirror, fetching the ranges read."""
     if (loc := remote_location(dir, "checkpoint directory")) is not None:
-        with remote_io.mirrors_scope():
-            mirror = remote_io.open_prefix(loc, output=False)  # files fetched as this rank reads them
-            name = resolve_tag(mirror.root, tag)
+        with scope():
+            store = open_store(loc, output=False)  # files fetched as this rank reads them
+            name = resolve_tag(store.root, tag)
             if name is None:
                 return None
-            return load_checkpoint(
-                mirror.root,
-                name,
-                target_layout=target_layout,
-                rank=rank,
-                config=config,
-                hints=hints,
-                optimizer=optimizer,
-                verify=verify,
-                param_order=param_order,
-            )
-    root = Path(dir)
+            return _load(store.root, name, target_layout, rank, config, hints, optimizer, verify, param_order, store)
+    return _load(Path(dir), tag, target_layout, rank, config, hints, optimizer, verify, param_order, Store(dir))
+
+
+def _load(  # noqa: PLR0913 - load_checkpoint's arguments, resolved
+    root: Path,
+    tag: str | None,
+    target_layout: Layout | None,
+    rank: Any,
+    config: Mapping[str, Any] | str | Path | None,
+    hints: Mapping[str, Any] | None,
+    optimizer: bool,
+    verify: bool,
+    param_order: list[list[str]] | None,
+    store: Store,
+) -> LoadedCheckpoint | None:
+    """`load_checkpoint` of the local folder `root` (a mirror's, read through `store`)."""
     if tag is not None and tag != LATEST_IF_EXISTS:
         name = resolve_tag(root, tag)
         assert name is not None
-        return _load_tag(root, name, target_layout, rank, config, hints, optimizer, verify, None, param_order)
+        return _load_tag(root, name, target_layout, rank, config, hints, optimizer, verify, None, param_order, store)
     candidates = _candidates(root, tag)
     if not candidates:
         return None
@@ -435,7 +440,9 @@ def load_checkpoint(
     for pos, name in enumerate(candidates):
         shared = [True]  # still in the checks every rank makes alike
         try:
-            return _load_tag(root, name, target_layout, rank, config, hints, optimizer, verify, shared, param_order)
+            return _load_tag(
+                root, name, target_layout, rank, config, hints, optimizer, verify, shared, param_order, store
+            )
         except _SKIPPABLE as e:
             first = first or e
             if not (one_process or shared[0]):
@@ -471,6 +478,7 @@ def _load_tag(
     verify: bool,
     shared: list[bool] | None = None,
     param_order: list[list[str]] | None = None,
+    store: Store | None = None,
 ) -> LoadedCheckpoint:
     tag_dir = root / name
     if not is_complete(tag_dir):
@@ -485,6 +493,8 @@ def _load_tag(
     if saved is not None and given is not None:
         _compare_configs(saved, given, tag_dir)
     ckpt = open_model(tag_dir, saved or given, hints)
+    if store is not None:
+        ckpt.store = store  # (before the optimizer's views of it are made)
     target = target_layout or ckpt.layout
     target.validate(ckpt.dims)
     me = Rank.of(rank, target)

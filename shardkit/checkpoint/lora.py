@@ -30,6 +30,7 @@ from ..formats.safetensors_io import SafetensorsWriter
 from ..io.data.digest import FileRecord, Recording
 from ..io.safety.durable import write_text
 from ..io.safety.transaction import commit_all, staged_output
+from ..io.store import joined
 from ..layout import ModelDims
 from ..placements import Piece, make_piece, whole
 from .guard import TagCheck
@@ -249,5 +250,6 @@ def merged_view(base: Checkpoint, adapters: Checkpoint) -> Checkpoint:
             f"the adapters' model has {getattr(want, field)!r}): pass that model with --base"
         )
     view = _MergedCheckpoint(**base.__dict__)
+    view.store = joined(base.store, adapters.store)
     view.adapters = _Adapters(adapters, settings)
     return view

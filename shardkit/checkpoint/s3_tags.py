@@ -35,11 +35,10 @@ from typing import Any
 from ..errors import ShardkitError
 from ..io.location import RemoteLocation
 from ..io.location import remote as remote_location
-from ..io.objects import remote as remote_io
-from ..io.objects import s3, sinks
-from ..io.objects.upload import StreamingUpload, remove_objects, upload_tree
+from ..io.objects import sinks
 from ..io.safety.delete import remove_tree
 from ..io.safety.transaction import OWNER_FILE, owner_text, private_root
+from ..io.store import prefix, scope
 from .tree import (
     CHECKPOINT_MARKER,
     DONE_MARKER,
@@ -65,13 +64,13 @@ def staging_root(loc: RemoteLocation) -> Path:
 def list_remote(loc: RemoteLocation, details: bool = True) -> list[CheckpointInfo]:
     """`tree.list_checkpoints` of a prefix (its markers and small files fetched, nothing else);
     each info's path is the tag's URL."""
-    with remote_io.mirrors_scope():
-        objects = s3.list_objects(loc)
+    with scope():
+        objects = prefix(loc).listing()
         if not objects:
-            s3.check_bucket(loc)
+            prefix(loc).check_bucket()
             return []
-        mirror = remote_io.open_mirror(loc, objects)
-        infos = list_checkpoints(mirror.root, details)
+        store = prefix(loc).mirror(objects)
+        infos = list_checkpoints(store.root, details)
         return [dataclasses.replace(i, path=str(loc.child(i.tag))) for i in infos]  # type: ignore[arg-type]
 
 
@@ -80,15 +79,15 @@ def remove_remote_tags(loc: RemoteLocation, tags: list[str]) -> RetentionPlan:
     and the multipart uploads a killed save left open under the tag (stored and billed until
     aborted, though no listing shows them)."""
     plan = RetentionPlan(remove=list(tags))
-    names = [o.name for o in s3.list_objects(loc)]
+    names = [o.name for o in prefix(loc).listing()]
     by_tag = {tag: [n for n in names if n.startswith(tag + "/")] for tag in tags}
-    s3.delete_objects(loc, [f"{t}/{DONE_MARKER}" for t in tags if f"{t}/{DONE_MARKER}" in by_tag[t]])
+    prefix(loc).delete([f"{t}/{DONE_MARKER}" for t in tags if f"{t}/{DONE_MARKER}" in by_tag[t]])
     for tag, members in by_tag.items():
         try:
             marker = f"{tag}/{CHECKPOINT_MARKER}"
-            remove_objects(loc, [n for n in members if n != marker])
-            s3.delete_objects(loc, [marker] if marker in members else [])
-            s3.abort_uploads(loc.child(tag))
+            prefix(loc).remove_objects([n for n in members if n != marker])
+            prefix(loc).delete([marker] if marker in members else [])
+            prefix(loc.child(tag)).abort_uploads()
             plan.removed.append(tag)
         except Exception as e:  # noqa: BLE001 - recorded; the other tags are still removed
             plan.failed[tag] = str(e)
@@ -130,18 +129,18 @@ def _begin_tag(loc: RemoteLocation, tag: str) -> None:
     """Leader: `<tag>/.shardkit-owner` (host, pid) first, then a tag of that name is removed
     (its `done` first, as a local save replaces one), then the `checkpoint` marker: from here
     until `done`, the tag lists as incomplete (and as its owner's, for the next save's retention)."""
-    existing = [o.name for o in s3.list_objects(loc.child(tag))]
-    s3.put_bytes(loc, f"{tag}/{OWNER_FILE}", owner_text().encode())
+    existing = [o.name for o in prefix(loc.child(tag)).listing()]
+    prefix(loc).put(f"{tag}/{OWNER_FILE}", owner_text().encode())
     if existing:
-        remove_objects(loc.child(tag), [n for n in existing if n != OWNER_FILE])
-    s3.put_bytes(loc, f"{tag}/{CHECKPOINT_MARKER}", b"1")  # NxD's marker, as `save.prepare_tag` writes it
+        prefix(loc.child(tag)).remove_objects([n for n in existing if n != OWNER_FILE])
+    prefix(loc).put(f"{tag}/{CHECKPOINT_MARKER}", b"1")  # NxD's marker, as `save.prepare_tag` writes it
 
 
 def _upload_rest(job: Any, loc: RemoteLocation) -> None:
     """The first rank of each host, once every rank's streamed files are up: what its host's
     ranks wrote that was not streamed (markers, the manifest, config.json), but `done`."""
     (job.tag_dir / OWNER_FILE).unlink(missing_ok=True)
-    upload_tree(job.tag_dir, loc.child(job.tag), exclude=(DONE_MARKER,))
+    prefix(loc.child(job.tag)).upload_tree(job.tag_dir, exclude=(DONE_MARKER,))
     if not job.leader:
         remove_tree(job.tag_dir)
 
@@ -149,8 +148,8 @@ def _upload_rest(job: Any, loc: RemoteLocation) -> None:
 def _finish_tag(job: Any, loc: RemoteLocation) -> None:
     """Leader, once every host's files are up: `done`, then the owner object goes; the local
     tag folder is removed."""
-    upload_tree(job.tag_dir, loc.child(job.tag))  # what is left: `done`
-    s3.delete_objects(loc, [f"{job.tag}/{OWNER_FILE}"])
+    prefix(loc.child(job.tag)).upload_tree(job.tag_dir)  # what is left: `done`
+    prefix(loc).delete([f"{job.tag}/{OWNER_FILE}"])
     remove_tree(job.tag_dir)
 
 
@@ -158,7 +157,7 @@ def remote_saver(loc: RemoteLocation, run_save: Callable[..., None], agree: Call
     """`save.run_save` for a checkpoint directory in object storage. The leader writes the tag's
     owner object (and removes a tag of that name); every rank saves into its host's staging root
     (`staging_root`: local disk), retention there skipped, each file it writes uploaded as soon as
-    it is closed (`io.objects.upload.StreamingUpload`) and deleted locally once up; then the first rank of
+    it is closed (`io.store.S3Prefix.streaming_upload`) and deleted locally once up; then the first rank of
     each host uploads what was not streamed, and the leader uploads `done` and applies retention to
     the prefix. A failure anywhere fails the save on every rank: the uploads under way are
     cancelled, each host's staged files removed, and the leader deletes what was uploaded."""
@@ -171,7 +170,7 @@ def remote_saver(loc: RemoteLocation, run_save: Callable[..., None], agree: Call
         hosts = comm.gather(socket.gethostname())
         first_on_host = hosts.index(hosts[comm.rank]) == comm.rank
         agree(comm, what, lambda: _clear_host(job) if first_on_host else None, job.tag_dir)
-        streaming = StreamingUpload(loc.child(job.tag), job.tag_dir)
+        streaming = prefix(loc.child(job.tag)).streaming_upload(job.tag_dir)
         ok = False
         try:
             agree(comm, what, lambda: _begin_tag(loc, job.tag) if job.leader else None, job.tag_dir)

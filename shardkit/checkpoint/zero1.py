@@ -522,6 +522,7 @@ class Zero1Tag:
             ranks,
             None,
             "v2",
+            store=self.model.store,
         )
         view.zero1 = self
         return view
@@ -665,6 +666,7 @@ def master_weights_view(model: Checkpoint, zero: Zero1Tag) -> Checkpoint:
         model.ranks,
         model.manifest,
         model.naming,
+        store=model.store,
     )
     view.zero1 = zero
     view.weights_dtype = stored_dtype(model)

@@ -12,7 +12,7 @@ from ..errors import ShardkitError
 from ..formats.registry import output_format_names
 from ..io.data.digest import NONE, check_mode
 from ..io.location import is_url
-from ..io.objects.remote import Need, mirrors_scope
+from ..io.store import Need, scope
 from .hub import hub_check, hub_push, hub_quiet, hub_source, merge_and_push_report
 from .options import (
     LOCATION,
@@ -206,7 +206,7 @@ def reshard(ctx, src, dst, fmt, convention, source_kv_replication, write, as_jso
 
     started = time.perf_counter()
     hub_quiet(ctx)
-    with mirrors_scope():  # an s3:// source's local mirror is removed at the end
+    with scope():  # an s3:// source's local mirror is removed at the end
         # checked against its digests, every byte (in parts of all files at once); else its metadata,
         # then what the reshard reads (one replica of each K/V head)
         need = Need.METADATA if check_mode(write.get("verify_hashes", True)) == NONE else Need.EVERYTHING

@@ -27,7 +27,6 @@ from ..formats.reader import SourceStamps
 from ..io.data.buffers import one_torch_thread, reused_buffers
 from ..io.data.digest import FileRecord
 from ..io.data.strided import shared_column_reads
-from ..io.objects import remote
 from ..placements import Piece
 from .options import ProgressCallback, WriteOptions
 from .outputs import OutputFile
@@ -77,7 +76,9 @@ def run(src: Checkpoint, plan: Plan, out_root: Path, options: WriteOptions) -> l
     output files by `plan.workers` threads, then the sources are compared with their stamps and
     their check finished, so that nothing is returned (and committed) from changed or corrupt
     sources."""
-    ahead = Prefetcher(plan.read_ahead.spans, once=plan.read_ahead.once) if plan.read_ahead is not None else None
+    ahead = None
+    if plan.read_ahead is not None:
+        ahead = Prefetcher(plan.read_ahead.spans, once=plan.read_ahead.once, store=src.store)
     hashes = plan.hashes
     builder = _Builder(src, plan, out_root, options, ahead)
     records: list[FileRecord] = []
@@ -92,7 +93,7 @@ def run(src: Checkpoint, plan: Plan, out_root: Path, options: WriteOptions) -> l
                     hashes.start(plan.checked)
             _write_all(builder.build, plan.groups, plan.workers, records, builder.cancel, builder.progress.drain)
             builder.stamps.verify()  # every copy is done: a source written to meanwhile is refused before commit
-            remote.check_streamed()  # sources streamed from object storage: checked as fetched, before commit
+            src.store.verified()  # a source streamed from object storage: checked as fetched, before commit
             if hashes is not None:
                 hashes.finish()  # before anything is committed: corrupt sources never reach the destination
         except KeyboardInterrupt:

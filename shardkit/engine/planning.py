@@ -27,7 +27,6 @@ from ..formats.registry import Abilities
 from ..io.data.digest import NONE, Recording
 from ..io.data.direct import direct_io_pays
 from ..io.data.strided import SHARED_WINDOW
-from ..io.objects import remote
 from ..placements import Piece, Read, SegmentIndex
 from .options import AUTO, Auto, DirectIO, WriteOptions, parse_workers
 from .outputs import OutputFile
@@ -141,7 +140,7 @@ def plan_write(src: Checkpoint, outputs: Sequence[OutputFile], options: WriteOpt
         hashes = HashCheck(src, options.verify_hashes)
     dtypes = _output_dtypes(outputs, source_dtypes, options.dtype)
     total = sum(p.numel() * dtypes[p.segments[0].source].itemsize for o in outputs for p in o.pieces)
-    read_ahead = plan_read_ahead(groups, index, spans, total)  # see prefetch.py
+    read_ahead = plan_read_ahead(groups, index, spans, total, src.store.streamed)  # see prefetch.py
     # the page cache is the host's: under torchrun, this host's ranks write about as much each
     direct = options.direct_io is DirectIO.ON or (
         options.direct_io is DirectIO.AUTO and direct_io_pays(total * ranks_here())
@@ -297,7 +296,11 @@ def in_order(groups: Sequence[Sequence[OutputFile]]) -> Iterator[Piece]:
 
 
 def plan_read_ahead(
-    groups: Sequence[Sequence[OutputFile]], index: SegmentIndex, spans: dict[tuple[str, str], Span], written: int = 0
+    groups: Sequence[Sequence[OutputFile]],
+    index: SegmentIndex,
+    spans: dict[tuple[str, str], Span],
+    written: int = 0,
+    streamed: bool = False,
 ) -> ReadAhead | None:
     """The read-ahead of the source bytes in the order the outputs first read them (`in_order`),
     which a worker waits for before each read (`ReadAhead.waiter`). A block of
@@ -330,7 +333,7 @@ def plan_read_ahead(
         return None
     around = reads_around_pay((sum(length for _, _, length in plan) + written) * ranks_here())
     # a source streamed from object storage drops the bytes read once as they are read (io.objects.remote)
-    return ReadAhead(plan, _read_once(plan, uses) if around or remote.streaming() else None, order, spans)
+    return ReadAhead(plan, _read_once(plan, uses) if around or streamed else None, order, spans)
 
 
 def _span_keys(r: Read, spans: dict[tuple[str, str], Span]) -> tuple[tuple, tuple] | None:

@@ -49,7 +49,7 @@ from pathlib import Path
 from ..errors import ShardkitError
 from ..io.data.direct import is_direct, meminfo, set_direct, unmap
 from ..io.data.taps import ReadSource, read_exact
-from ..io.objects import remote
+from ..io.store import Store
 from ..paths import open_regular
 
 logger = logging.getLogger(__name__)
@@ -178,14 +178,19 @@ class Prefetcher:
     workers then read as without it and meet the error themselves."""
 
     def __init__(
-        self, spans: Sequence[tuple[Path, int, int]], window: int | None = None, once: Sequence[bool] | None = None
+        self,
+        spans: Sequence[tuple[Path, int, int]],
+        window: int | None = None,
+        once: Sequence[bool] | None = None,
+        store: Store | None = None,
     ):
         self.spans = spans  # as planned (the hash check knows by them which reads come later)
+        self.store = store if store is not None else Store("/")
         self._once_spans: list[tuple[Path, int, int]] = []
-        if remote.active() and once is not None:
+        if type(self.store) is not Store and once is not None:
             # an object store's mirror files: fetched by the mirror, never read around the page cache
             # (a local file is, whatever mirrors this process holds open)
-            mirrored = {path: remote.is_mirrored(path) for path in {span[0] for span in spans}}
+            mirrored = {path: self.store.holds(path) for path in {span[0] for span in spans}}
             self._once_spans = [span for span, single in zip(spans, once) if single and mirrored[span[0]]]
             once = [bool(single) and not mirrored[span[0]] for span, single in zip(spans, once)]
         self._requested = 0  # the most spans a worker has asked for
@@ -215,7 +220,7 @@ class Prefetcher:
 
     def start(self) -> Prefetcher:
         if self.extents and self._thread is None:
-            remote.expect(self.extents, self._once_spans)  # an object store's spans: fetched in this order
+            self.store.expect(self.extents, self._once_spans)  # an object store's spans: fetched in this order
             self._thread = threading.Thread(target=self._run, name="shardkit-read-ahead", daemon=True)
             self._thread.start()
         else:
@@ -384,13 +389,15 @@ class Prefetcher:
             i = 0
             while i < len(self.extents):
                 path, offset, length = self.extents[i]
-                if remote.is_streamed(path):  # its mirror fetches it, a bounded window ahead, and drops it once read
+                if self.store.is_streamed(
+                    path
+                ):  # its mirror fetches it, a bounded window ahead, and drops it once read
                     with self._cond:
                         self._done = i + 1
                         self._cond.notify_all()
                     i += 1
                     continue
-                remote.ensure_range(path, offset, length)  # a mirror file's bytes are there before they are read
+                self.store.ensure(path, offset, length)  # a mirror file's bytes are there before they are read
                 opened = cold(i)
                 done = 0
                 if opened is not None:

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from ..errors import FormatError
+from ..io import store
 from ..io.data.buffers import empty_tensor
 from ..io.data.copy import FileRange
 from ..io.data.digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
 from ..io.data.strided import window_rows
 from ..io.data.taps import ReadSource, ReadTap, pread_exact
-from ..io.objects import remote
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
 from .base import TensorFile
 from .manifest import MANIFEST
@@ -151,8 +151,8 @@ class _FileCheck:
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
     """A file's identity and what changes when it is written: device, inode, size, mtime, ctime
-    (an object store's mirror file: see `io.objects.remote.stamp`)."""
-    return remote.stamp(st)
+    (an object store's mirror file: see `io.store.stamp`)."""
+    return store.stamp(st)
 
 
 def _refuse_if_changed(path: Path | str, stamp: tuple[int, ...]) -> None:

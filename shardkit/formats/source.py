@@ -20,6 +20,7 @@ from ..errors import ConfigMismatchError, FormatError
 from ..families import Family, family_for
 from ..io.safety.small import read_json
 from ..io.safety.transaction import recover_interrupted
+from ..io.store import Store
 from ..layout import FULL, Layout, ModelDims
 from ..placements import Piece, Segment, SegmentIndex, make_piece
 from . import dcp, hf, nxd, optimum_neuron
@@ -50,6 +51,11 @@ class Checkpoint:
     single_file: bool = False  # opened from one state-dict file: only that file (not root) is the source
     convention: str = "hf"  # whose names the files use (conventions.py): a DCP folder may use torchtitan's
     opener: Callable[[str], TensorFile] | None = None  # a format whose readers need more than a path (DCP)
+    store: Store = field(default=None)  # type: ignore[assignment]  # where its files are read from (io.store)
+
+    def __post_init__(self) -> None:
+        if self.store is None:
+            self.store = Store(self.root)  # a local folder; api.open_source gives an object store's
 
     @property
     def full_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -41,9 +41,9 @@ from ..io.data.strided import (
     stored_range,
 )
 from ..io.data.taps import DescriptorReader
-from ..io.objects import remote
 from ..io.safety.oserror import disk_error
 from ..io.safety.small import check_small
+from ..io.store import fetch_whole
 from ..paths import regular_file
 from . import torch_pickle
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, compact, narrow, tensor_bytes
@@ -100,7 +100,7 @@ def safe_load(path: Path, mmap: bool = True) -> Any:
     """torch.load with weights_only=True; TensorReference allowed; clear errors for bad files. A zip
     archive's directory is validated first (`torch_zip.read_archive`), as for `load_metadata`."""
     path = regular(Path(path))
-    remote.ensure_file(path)  # a mirror file of an object store: fetched whole before torch reads it
+    fetch_whole(path)  # a mirror file of an object store: fetched whole before torch reads it
     try:
         read_archive(path)
         with _reference_allowed():

@@ -46,8 +46,8 @@ except ImportError:  # pragma: no cover - a platform without zlib-ng's wheels: s
 
 from .. import torch_compat
 from ..errors import FormatError
+from ..io import store
 from ..io.data.copy import FileRange
-from ..io.objects import remote
 
 ARCHIVE = "archive/"
 """The folder torch's writer puts every record in when it writes to a stream."""
@@ -360,7 +360,7 @@ def _read_archive(fd: int, size: int) -> Archive:
     count, start, length = _directory_place(fd, size)
     listed = _central_directory(os.pread(fd, length, start), count)
     prefix = _folder(listed)
-    if not (remote.streamed_fd(fd) and _predict_data(fd, listed, start)):
+    if not (store.streamed_fd(fd) and _predict_data(fd, listed, start)):
         _local_headers(fd, listed, start)
     records = {r.name: (r.data, r.size) for r in listed}
     # The small records torch reads before the pickle (and data.pkl itself) are read whole here:
@@ -546,7 +546,7 @@ def _predict_data(fd: int, listed: list[_Listed], directory: int) -> bool:
     lays records out (each record's data, then a data descriptor of the same size as the first
     tensor record's, then the next record; descriptors of zip64 records 8 bytes longer), checked
     against the real local headers before anything written from it is committed
-    (`remote.check_later`). False where the layout is not that (the headers are then read now)."""
+    (`store.check_later`). False where the layout is not that (the headers are then read now)."""
     ordered = sorted(listed, key=lambda r: r.header)
     tensors = [r for r in ordered if _tensor(r)]
     if not tensors or any(r.flags & 0x08 == 0 for r in tensors):
@@ -569,14 +569,14 @@ def _predict_data(fd: int, listed: list[_Listed], directory: int) -> bool:
         try:
             _local_headers(fd, real, directory)
         except _Refused as e:
-            raise FormatError(f"{remote.location_of_fd(fd)} is corrupt ({e}): re-create it") from None
+            raise FormatError(f"{store.location_of_fd(fd)} is corrupt ({e}): re-create it") from None
         for guess, found in zip(predicted, real):
             if guess.data != found.data:
-                raise remote.Unpredicted(
-                    f"{remote.location_of_fd(fd)} is not laid out as torch.save lays out its records (record {found.name})"
+                raise store.Unpredicted(
+                    f"{store.location_of_fd(fd)} is not laid out as torch.save lays out its records (record {found.name})"
                 )
 
-    remote.check_later(fd, check, [(r.header, r.data) for r in tensors])
+    store.check_later(fd, check, [(r.header, r.data) for r in tensors])
     return True
 
 

@@ -97,7 +97,7 @@ def kill_while_uploading(args: list[str], workdir) -> None:
     """Run `shardkit ARGS` in a process whose uploads are slowed down, and kill -9 it while it uploads."""
     code = (
         "import time, sys\n"
-        "from shardkit.io import s3\n"
+        "from shardkit.io.objects import s3\n"
         "orig = s3.Uploader.upload\n"
         "def slow(self, *a, **k):\n"
         "    print('UPLOADING', flush=True); time.sleep(0.5); return orig(self, *a, **k)\n"

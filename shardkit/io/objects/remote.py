@@ -7,12 +7,12 @@ holding one sparse file per object, of the object's size, into which byte ranges
 
 - when the mirror opens: every small object whole, and every larger file that is not a tensor
   container (tokenizer.json);
-- what an operation prepares (`Mirror.prepare`, `prepare_paths`: only the files it opens), as it
+- what an operation prepares (`Mirror.prepare`, through `io.store.Store.prepare`: only the files it opens), as it
   needs (`Need`): EVERYTHING (a checked source: a digest needs every byte), METADATA (a safetensors
   header, or a torch zip's head, tail, central directory, local headers and small records:
   `io.objects.containers`), PLANNED (an unchecked streamed source: its metadata, then the plan's ranges);
 - the tensor spans the engine's plan lists, in order, a bounded window ahead of the read-ahead
-  (`expect`, called by `engine.prefetch.Prefetcher`);
+  (`Mirror.expect`, called through the source's store by `engine.prefetch.Prefetcher`);
 - anything else on demand, before the read (`before_read`: `io.data.taps.read_exact`, kernel copies,
   the mappings of `io.data.strided`, whole-file hashing and `torch.load` through `ensure_file`).
 
@@ -314,6 +314,7 @@ class Mirror:
         self.root = self.base / (loc.name or loc.bucket)
         self.pool = GetPool(GETS_IN_FLIGHT, "shardkit-s3-get")
         self.files: dict[str, MirrorFile] = {}
+        self.by_identity: dict[tuple[int, int], MirrorFile] = {}
         self.bytes_fetched = 0
         self._count_lock = threading.Lock()
         self._planner: Planner | None = None
@@ -337,6 +338,7 @@ class Mirror:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 mf = MirrorFile(self, obj.name, path, obj.size, obj.etag, obj.stored or obj.name)
                 self.files[obj.name] = mf
+                self.by_identity[mf.identity] = mf
                 with _REGISTRY_LOCK:
                     _MIRRORED[mf.identity] = mf
             waits = [f for mf in self.files.values() if not _lazy(mf) for f in mf.fetch_async(0, mf.size)]
@@ -551,7 +553,7 @@ class Mirror:
 
         def of(path: Path) -> MirrorFile | None:
             if path not in by_path:
-                by_path[path] = self._by_path(path)
+                by_path[path] = self.file_at(path)
             return by_path[path]
 
         for p, o, n in once:
@@ -569,13 +571,13 @@ class Mirror:
             self._planner.stop()
         self._planner = Planner(planned, WINDOW, HOLE, PART)
 
-    def _by_path(self, path: Path) -> MirrorFile | None:
+    def file_at(self, path: str | os.PathLike[str]) -> MirrorFile | None:
+        """The mirror file `path` is (by device and inode: never by name), if any."""
         try:
             st = os.stat(path)
         except OSError:
             return None
-        found = _MIRRORED.get((st.st_dev, st.st_ino))
-        return found if found is not None and found.mirror is self else None
+        return self.by_identity.get((st.st_dev, st.st_ino))
 
     def asked(self, n: int) -> None:
         if self._planner is not None:
@@ -635,14 +637,12 @@ class Unpredicted(FormatError):
     (`check_later`): the operation is to read it again, fetched whole first."""
 
 
-def close_mirror_of(path: str | os.PathLike[str]) -> None:
-    """Close the open mirror holding `path` (its folder removed), if any."""
-    mirror = mirror_of(path)
-    if mirror is not None:
-        with _OPEN_LOCK:
-            if mirror in _OPEN:
-                _OPEN.remove(mirror)
-        mirror.close()
+def close_mirror(mirror: Mirror) -> None:
+    """Close `mirror` (its folder removed), before its scope ends."""
+    with _OPEN_LOCK:
+        if mirror in _OPEN:
+            _OPEN.remove(mirror)
+    mirror.close()
 
 
 def close_mirrors(keep: int = 0) -> None:
@@ -716,25 +716,6 @@ def mirror_of(path: str | os.PathLike[str]) -> Mirror | None:
     return None
 
 
-def location_of(path: str | os.PathLike[str]) -> RemoteLocation | None:
-    """The remote location an open mirror's local path stands for (None: not in a mirror)."""
-    for mirror, rel in _in_mirrors(path):
-        return mirror.loc.child(rel) if rel else mirror.loc
-    return None
-
-
-def prepare_paths(paths: Iterable[str | os.PathLike[str]], need: Need = Need.METADATA) -> None:
-    """`Mirror.prepare` of the files (or folders) `paths` of open mirrors, together: an operation
-    that knows which files it reads fetches those, and nothing else of the prefix (local paths:
-    nothing to do)."""
-    chosen: dict[int, tuple[Mirror, list[str]]] = {}
-    for path in paths:
-        for mirror, rel in _in_mirrors(path):
-            chosen.setdefault(id(mirror), (mirror, []))[1].append(rel)
-    for mirror, rels in chosen.values():
-        mirror.prepare(rels, need)
-
-
 def readable(text: str, what: str) -> Path | None:
     """A local path to read `text` through: itself, or for s3:// a mirror of the prefix (kept until
     exit; None when the prefix holds nothing yet)."""
@@ -790,15 +771,6 @@ def ensure_file(path: str | os.PathLike[str]) -> None:
         mf.ensure(0, mf.size)
 
 
-def expect(extents: Sequence[tuple[Path, int, int]], once: Sequence[tuple[Path, int, int]] = ()) -> None:
-    """The engine's read plan (see `Mirror.expect`); nothing to do without mirrors."""
-    if _MIRRORED:
-        with _OPEN_LOCK:
-            mirrors = list(_OPEN)
-        for mirror in mirrors:
-            mirror.expect(extents, once)
-
-
 def after_read(fd: int, offset: int, length: int) -> None:
     """Called after a read of `length` bytes at `offset` through `fd` (once they are copied out):
     a streamed mirror file drops them when its plan reads them once."""
@@ -821,7 +793,7 @@ def streamed_fd(fd: int) -> bool:
 
 def check_later(fd: int, check: Callable[[int], None], ranges: list[tuple[int, int]]) -> None:
     """Run `check` (given the file's descriptor) once bytes `ranges` of the streamed mirror file
-    `fd` are there, before an engine run that read it commits (`check_streamed`)."""
+    `fd` are there, before an engine run that read it commits (`Mirror.verified`)."""
     mf = _of_fd(fd)
     if mf is None:
         raise ValueError("not a mirror file")
@@ -832,45 +804,6 @@ def location_of_fd(fd: int) -> str:
     """The object a mirror file's descriptor stands for (its path for a local file)."""
     mf = _of_fd(fd)
     return f"{mf.mirror.loc}/{mf.name}" if mf is not None else os.readlink(f"/proc/self/fd/{fd}")
-
-
-def streaming() -> bool:
-    """Whether an open mirror streams its files (see "Streamed sources" above)."""
-    with _OPEN_LOCK:
-        return any(mirror.streamed for mirror in _OPEN)
-
-
-def is_streamed(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a streamed mirror file (its bytes arrive as the feeder fetches them)."""
-    mf = _of_path(path)
-    return mf is not None and mf.streamed
-
-
-def check_streamed() -> None:
-    """Before an engine run's output is committed: every open mirror's streamed files that are
-    checked against their digests are, and match (FormatError naming the first that does not)."""
-    with _OPEN_LOCK:
-        mirrors = list(_OPEN)
-    for mirror in mirrors:
-        mirror.verified()
-
-
-def ensure_range(path: str | os.PathLike[str], offset: int, length: int) -> None:
-    """Fetch bytes [offset, offset + length) of `path` when it is a mirror file."""
-    mf = _of_path(path)
-    if mf is not None:
-        mf.mirror.asked(length)
-        mf.ensure(offset, length)
-
-
-def is_mirrored(path: str | os.PathLike[str]) -> bool:
-    if not _MIRRORED:
-        return False
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) in _MIRRORED
 
 
 def stamp(st: os.stat_result) -> tuple[int, ...]:

@@ -249,6 +249,18 @@ def get_range(  # noqa: PLR0913
     return done
 
 
+def head(loc: RemoteLocation) -> ObjectInfo | None:
+    """The object `loc` names (its name relative to its parent), or None when there is none."""
+    try:
+        found = client().head_object(Bucket=loc.bucket, Key=loc.prefix)
+    except Exception as e:  # noqa: BLE001 - botocore's errors: a missing key is None, others one line
+        code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise error(e, "read", loc) from None
+    return ObjectInfo(loc.name, int(found["ContentLength"]), str(found.get("ETag", "")))
+
+
 def get_bytes(loc: RemoteLocation, name: str) -> bytes | None:
     """A small object's bytes, None when it does not exist."""
     import botocore.exceptions as bex

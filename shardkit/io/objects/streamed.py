@@ -19,7 +19,7 @@ object storage does; or it has no manifest, or is not to be checked) is streamed
 - once read (`after_read`, called by every read path), the bytes the plan reads exactly once are
   punched out of the file (whole pages, only in checked blocks), so the mirror holds a window of
   the source, never all of it;
-- before the engine commits (`check_streamed`) every block has arrived and matched (else a
+- before the engine commits (`Mirror.verified`, through the source's store) every block has arrived and matched (else a
   one-line FormatError, nothing written) and every predicted torch offset agreed with its local
   header (else `Unpredicted`: the operation reads the source again, fetched whole first).
 

@@ -96,16 +96,16 @@ def test_checkpoint_save_list_reshard_export(bucket, tmp_path, workdir, monkeypa
 def test_checkpoint_files_upload_as_they_close(bucket, monkeypatch):
     """A save to object storage uploads each rank file as it is closed: what is left for the end
     is the markers, the manifest and config.json."""
-    from shardkit.checkpoint import s3_tags as ckpt_remote
+    from shardkit.io.store import S3Prefix
 
     swept: list[str] = []
-    upload_tree = ckpt_remote.upload_tree
+    upload_tree = S3Prefix.upload_tree
 
-    def recording(local, loc, *args, **kwargs):
+    def recording(self, local, *args, **kwargs):
         swept.extend(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-        return upload_tree(local, loc, *args, **kwargs)
+        return upload_tree(self, local, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt_remote, "upload_tree", recording)
+    monkeypatch.setattr(S3Prefix, "upload_tree", recording)
     config = fixture_config(CONFIG)
     _save(f"s3://{bucket}/streamed", "step_1", TP2PP2, config, ckpt_child.full_state(config, 1, seed=1), 1)
     names = keys(bucket, "streamed/step_1/")

@@ -90,3 +90,21 @@ def test_mqa_reshard_fetches_one_replica_of_each_kv_head(bucket, proxy, tmp_path
     assert 7 * kv_replica > 0.15 * unique  # fetching every replica would fail the bound
     assert fetched(proxy, "mqa8/") <= 1.05 * unique, (fetched(proxy, "mqa8/"), unique)
     assert os.path.isdir(tmp_path / "tp4")
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_inspect_fetches_the_manifest_and_the_files_metadata_only(bucket, proxy, tmp_path, fmt):
+    """`inspect` without --check-data reads the manifest, the config and each tensor file's header
+    (a safetensors header; a torch zip's directory and records' headers), never the tensors."""
+    config = fixture_config(CONFIG)
+    config.update(hidden_size=512, num_hidden_layers=2)
+    hf = make_tiny_model(config, tmp_path / "hf", dtype=torch.bfloat16)
+    url = f"s3://{bucket}/inspect-{fmt}"
+    convert(hf, url, shardkit.make_layout(tp=2, pp=1), format=fmt)
+    proxy.reset_counts()
+    res = run("inspect", url, "--json")
+    assert res.exit_code == 0, res.output
+    total = sum(sizes(bucket, f"inspect-{fmt}/").values())
+    files = len([k for k in sizes(bucket, f"inspect-{fmt}/") if k.endswith((".pt", ".safetensors"))])
+    assert total > 10 * files * SLACK  # fetching the tensors would fail the bound by far
+    assert fetched(proxy, f"inspect-{fmt}/") <= files * SLACK, (fetched(proxy, f"inspect-{fmt}/"), total)

@@ -226,7 +226,7 @@ def test_terminated_upload_removes_what_it_uploaded(tiny_model, bucket, workdir)
     url = f"s3://{bucket}/terminated"
     code = (
         "import sys, time\n"
-        "from shardkit.io import s3\n"
+        "from shardkit.io.objects import s3\n"
         "s3.PART_SIZE = 5 << 20\n"
         "def part_sent(**kwargs):\n"
         "    print('UPLOADING', flush=True); time.sleep(0.5)\n"

@@ -139,9 +139,9 @@ def test_convert_reads_ahead_each_source_byte_once_and_in_order(tiny_model, tmp_
     real = executor.Prefetcher
 
     class Recording(real):  # type: ignore[misc, valid-type]
-        def __init__(self, spans, window=None, once=None):
+        def __init__(self, spans, window=None, once=None, store=None):
             plans.append(list(spans))
-            super().__init__(spans, window, once)
+            super().__init__(spans, window, once, store)
 
     monkeypatch.setattr(executor, "Prefetcher", Recording)
     layout = Layout(tp=2, pp=2)
@@ -164,7 +164,7 @@ def test_convert_reads_ahead_each_source_byte_once_and_in_order(tiny_model, tmp_
     # row blocks are planned apart: more spans than source tensors
     assert len(convert_plan) > sum(len(load_file(f)) for f in src.glob("*.safetensors"))
 
-    monkeypatch.setattr(planning, "plan_read_ahead", lambda outputs, index, spans, written=0: None)
+    monkeypatch.setattr(planning, "plan_read_ahead", lambda outputs, index, spans, written=0, streamed=False: None)
     convert(src, tmp_path / "plain", layout, format="torch", workers=1)
     shards = sorted((tmp_path / "plain").rglob("*.pt"))
     assert shards
@@ -443,8 +443,8 @@ def recorded(monkeypatch) -> list[Prefetcher]:
     real = executor.Prefetcher
 
     class Recording(real):  # type: ignore[misc, valid-type]
-        def __init__(self, spans, window=None, once=None):
-            super().__init__(spans, window, once)
+        def __init__(self, spans, window=None, once=None, store=None):
+            super().__init__(spans, window, once, store)
             made.append(self)
 
         def stop(self):
@@ -530,7 +530,7 @@ def test_a_cold_merge_through_the_buffers_writes_the_same_bytes(tiny_model, tmp_
     assert made and made[0].direct_bytes > 0
     assert made[0].left == 0  # every byte read ahead into a buffer was served from it
     assert made[0].direct_bytes < made[0].position  # some through the page cache
-    monkeypatch.setattr(planning, "plan_read_ahead", lambda outputs, index, spans, written=0: None)
+    monkeypatch.setattr(planning, "plan_read_ahead", lambda outputs, index, spans, written=0, streamed=False: None)
     merge(tmp_path / "shards", tmp_path / "plain", workers=1)
     files = sorted(p.relative_to(tmp_path / "plain") for p in (tmp_path / "plain").rglob("*") if p.is_file())
     assert files
@@ -575,7 +575,7 @@ def test_convert_and_reshard_through_the_buffers_write_the_same_bytes(
     monkeypatch.setattr(prefetch, "DIRECT_BUDGET", 8 * (16 << 10))
     run(tmp_path / "direct")
     assert recorded and recorded[-1].direct_bytes > 0 and recorded[-1].left == 0
-    monkeypatch.setattr(planning, "plan_read_ahead", lambda outputs, index, spans, written=0: None)
+    monkeypatch.setattr(planning, "plan_read_ahead", lambda outputs, index, spans, written=0, streamed=False: None)
     run(tmp_path / "plain")
     tensors = sorted(
         p.relative_to(tmp_path / "plain")
