@@ -44,7 +44,7 @@ from ..io.durable import write_bytes
 from ..io.hashing import HashingFile
 from ..io.small import PICKLE_LIMIT, read_small
 from ..io.strided import StoredTensor, read_stored
-from ..io.taps import DescriptorReader, pread_exact
+from ..io.taps import DescriptorReader, OpenFile, pread_exact
 from ..paths import inside
 from .base import DiscardOnFailure, TensorSpec, compact, tensor_bytes
 from .torch_io import embedded_tensor, parsed_once, regular, tensor_pickle, torch_save, written_natively
@@ -348,7 +348,7 @@ class ChunkFile(DescriptorReader):
 
     def __init__(self, path: Path):
         self.path = regular(Path(path), "DCP data file")
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._file = OpenFile(os.open(self.path, os.O_RDONLY))
         self._stored: dict[tuple[int, int], StoredTensor] = {}
 
     def stored(self, chunk: Chunk) -> StoredTensor:
@@ -364,7 +364,7 @@ class ChunkFile(DescriptorReader):
         return self._stored[key]
 
     def read_chunk(self, chunk: Chunk, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        return read_stored(self._open_fd, self.stored(chunk), dim, start, stop, str(self.path))
+        return read_stored(self._open_file, self.stored(chunk), dim, start, stop, str(self.path))
 
     def close(self) -> None:
         self._close_fd()
@@ -444,7 +444,7 @@ def from_ranges(ranges: Iterable[FileRange], spec: TensorSpec) -> torch.Tensor:
     data = torch.empty(spec.nbytes, dtype=torch.uint8)
     view, at = array_view(data.numpy()), 0
     for r in ranges:
-        pread_exact(r.fd, view[at : at + r.length], r.offset, r.what)
+        pread_exact(r.file, view[at : at + r.length], r.offset, r.what)
         at += r.length
     if at != spec.nbytes:
         raise RuntimeError(f"{spec.name}: {at} bytes in its ranges, expected {spec.nbytes}")
