@@ -112,28 +112,28 @@ class DcpFile(ChunkFile):
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         if name in self._heads:
             return False
-        return read_rows_into(self._open_fd, self.stored(self._chunks[name]), start, stop, out, str(self.path))
+        return read_rows_into(self._open_file, self.stored(self._chunks[name]), start, stop, out, str(self.path))
 
     def read_block(self, name: str, first: int, last: int, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [first, last), columns [start, stop) of a chunk into `out` (see `io.data.strided.read_block`)."""
         if name in self._heads:
             return False
         chunk = self.stored(self._chunks[name])
-        return read_block(self._open_fd, chunk, first, last, start, stop, out, str(self.path))
+        return read_block(self._open_file, chunk, first, last, start, stop, out, str(self.path))
 
     def byte_range(
         self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None
     ) -> FileRange | None:
         if name in self._heads:
             return None
-        return stored_range(self._open_fd, self.stored(self._chunks[name]), dim, start, stop, str(self.path))
+        return stored_range(self._open_file, self.stored(self._chunks[name]), dim, start, stop, str(self.path))
 
     def span(self, name: str) -> tuple[int, int, int] | None:
         return None if name in self._heads else byte_span(self.stored(self._chunks[name]))
 
     def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
         advise_stored(
-            self._open_fd,
+            self._open_file.fd,
             self.stored(self._chunks[name]),
             dim,
             0 if name in self._heads else start,

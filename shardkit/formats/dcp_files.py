@@ -42,7 +42,7 @@ from ..io.data.copy import FileRange
 from ..io.data.digest import FileRecord, Recording
 from ..io.data.hashing import HashingFile
 from ..io.data.strided import StoredTensor, read_stored
-from ..io.data.taps import DescriptorReader, pread_exact
+from ..io.data.taps import DescriptorReader, OpenFile, pread_exact
 from ..io.safety.durable import write_bytes
 from ..io.safety.small import PICKLE_LIMIT, read_small
 from ..paths import inside
@@ -348,7 +348,7 @@ class ChunkFile(DescriptorReader):
 
     def __init__(self, path: Path):
         self.path = regular(Path(path), "DCP data file")
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._file = OpenFile(os.open(self.path, os.O_RDONLY))
         self._stored: dict[tuple[int, int], StoredTensor] = {}
 
     def stored(self, chunk: Chunk) -> StoredTensor:
@@ -364,7 +364,7 @@ class ChunkFile(DescriptorReader):
         return self._stored[key]
 
     def read_chunk(self, chunk: Chunk, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        return read_stored(self._open_fd, self.stored(chunk), dim, start, stop, str(self.path))
+        return read_stored(self._open_file, self.stored(chunk), dim, start, stop, str(self.path))
 
     def close(self) -> None:
         self._close_fd()
@@ -444,7 +444,7 @@ def from_ranges(ranges: Iterable[FileRange], spec: TensorSpec) -> torch.Tensor:
     data = torch.empty(spec.nbytes, dtype=torch.uint8)
     view, at = array_view(data.numpy()), 0
     for r in ranges:
-        pread_exact(r.fd, view[at : at + r.length], r.offset, r.what)
+        pread_exact(r.file, view[at : at + r.length], r.offset, r.what)
         at += r.length
     if at != spec.nbytes:
         raise RuntimeError(f"{spec.name}: {at} bytes in its ranges, expected {spec.nbytes}")

@@ -23,7 +23,7 @@ from ..io.data.buffers import empty_tensor
 from ..io.data.copy import FileRange
 from ..io.data.digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
 from ..io.data.strided import window_rows
-from ..io.data.taps import ReadSource, ReadTap, pread_exact
+from ..io.data.taps import ReadSource, ReadTap, read_exact
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
 from .base import TensorFile
 from .manifest import MANIFEST
@@ -97,7 +97,7 @@ class _FileCheck:
                 if offset - self.upto > SMALL_GAP:
                     return False
                 gap = memoryview(bytearray(offset - self.upto))
-                pread_exact(fd, gap, self.upto, str(self.path), tapped=False)
+                read_exact(fd, gap, self.upto, str(self.path))  # for the check only: tapped by nobody
                 self.digest.update(gap)
                 self.upto = offset
             self.digest.update(view[self.upto - offset :])

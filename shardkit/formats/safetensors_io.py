@@ -34,7 +34,7 @@ from ..io.data.strided import (
     read_stored,
     stored_range,
 )
-from ..io.data.taps import DescriptorReader
+from ..io.data.taps import DescriptorReader, OpenFile
 from ..paths import open_regular
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, tensor_bytes
 from .torch_io import regular
@@ -215,7 +215,6 @@ class SafetensorsFile(DescriptorReader):
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._fd: int | None = None
         fd, size = _open(self.path)
         try:
             header, data_start = _parse(self.path, fd, size)
@@ -234,7 +233,7 @@ class SafetensorsFile(DescriptorReader):
         except BaseException:
             os.close(fd)
             raise
-        self._fd = fd
+        self._file = OpenFile(fd)
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -246,25 +245,25 @@ class SafetensorsFile(DescriptorReader):
         return self._tensors[name].dtype
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        return read_stored(self._open_fd, self._tensors[name], dim, start, stop, str(self.path))
+        return read_stored(self._open_file, self._tensors[name], dim, start, stop, str(self.path))
 
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
-        return read_rows_into(self._open_fd, self._tensors[name], start, stop, out, str(self.path))
+        return read_rows_into(self._open_file, self._tensors[name], start, stop, out, str(self.path))
 
     def read_block(self, name: str, first: int, last: int, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [first, last), columns [start, stop) of a matrix into `out` (see `io.data.strided.read_block`)."""
-        return read_block(self._open_fd, self._tensors[name], first, last, start, stop, out, str(self.path))
+        return read_block(self._open_file, self._tensors[name], first, last, start, stop, out, str(self.path))
 
     def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
         """Start reading a slice's bytes in the background (see `advise_stored`)."""
-        advise_stored(self._open_fd, self._tensors[name], dim, start, stop)
+        advise_stored(self._open_file.fd, self._tensors[name], dim, start, stop)
 
     def byte_range(
         self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None
     ) -> FileRange | None:
         """The file bytes of a slice, when the kernel can copy them as they are (`stored_range`)."""
-        return stored_range(self._open_fd, self._tensors[name], dim, start, stop, str(self.path))
+        return stored_range(self._open_file, self._tensors[name], dim, start, stop, str(self.path))
 
     def span(self, name: str) -> tuple[int, int, int] | None:
         """Where a tensor's bytes are in the file, for read-ahead (see `byte_span`)."""

@@ -40,7 +40,7 @@ from ..io.data.strided import (
     read_stored,
     stored_range,
 )
-from ..io.data.taps import DescriptorReader
+from ..io.data.taps import DescriptorReader, OpenFile
 from ..io.safety.oserror import disk_error
 from ..io.safety.small import check_small
 from ..io.store import fetch_whole
@@ -401,11 +401,11 @@ class TorchFile(DescriptorReader):
     def __init__(self, path: Path, single_tensor: bool = False):
         self.path = regular(Path(path))
         meta = read_metadata(self.path)
-        self._fd: int | None = None
+        self._file: OpenFile | None = None
         if meta is None:  # legacy format: load it (bounded by one rank file)
             meta = safe_load(self.path, mmap=False)
         else:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            self._file = OpenFile(os.open(self.path, os.O_RDONLY))
         if single_tensor:
             if not isinstance(meta, (torch.Tensor, StoredTensor)):
                 raise FormatError(f"{self.path} does not hold a tensor")
@@ -428,43 +428,43 @@ class TorchFile(DescriptorReader):
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         value = self._sd[name]
         if isinstance(value, StoredTensor):
-            return read_stored(self._open_fd, value, dim, start, stop, str(self.path))
+            return read_stored(self._open_file, value, dim, start, stop, str(self.path))
         return compact(narrow(value, dim, start, stop))
 
     def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [start, stop) straight into `out`; False when not possible (then use read)."""
         value = self._sd[name]
         return isinstance(value, StoredTensor) and read_rows_into(
-            self._open_fd, value, start, stop, out, str(self.path)
+            self._open_file, value, start, stop, out, str(self.path)
         )
 
     def read_block(self, name: str, first: int, last: int, start: int, stop: int, out: torch.Tensor) -> bool:
         """Rows [first, last), columns [start, stop) of a matrix into `out` (see `read_block`)."""
         value = self._sd[name]
         return isinstance(value, StoredTensor) and read_block(
-            self._open_fd, value, first, last, start, stop, out, str(self.path)
+            self._open_file, value, first, last, start, stop, out, str(self.path)
         )
 
     def advise(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> None:
         """Start reading a slice's bytes in the background (see `advise_stored`)."""
         value = self._sd[name]
         if isinstance(value, StoredTensor):
-            advise_stored(self._open_fd, value, dim, start, stop)
+            advise_stored(self._open_file.fd, value, dim, start, stop)
 
     def byte_range(
         self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None
     ) -> FileRange | None:
         """The file bytes of a slice, when the kernel can copy them as they are (`stored_range`)."""
         value = self._sd[name]
-        if not isinstance(value, StoredTensor) or self._fd is None:
+        if not isinstance(value, StoredTensor) or self._file is None:
             return None
-        return stored_range(self._fd, value, dim, start, stop, str(self.path))
+        return stored_range(self._file, value, dim, start, stop, str(self.path))
 
     def span(self, name: str) -> tuple[int, int, int] | None:
         """Where a tensor's bytes are in the file, for read-ahead (see `byte_span`); None when
         the file was loaded whole (legacy format)."""
         value = self._sd[name]
-        return byte_span(value) if isinstance(value, StoredTensor) and self._fd is not None else None
+        return byte_span(value) if isinstance(value, StoredTensor) and self._file is not None else None
 
     def close(self) -> None:
         self._close_fd()

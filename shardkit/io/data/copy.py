@@ -11,20 +11,29 @@ import errno
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..objects import remote
+
+if TYPE_CHECKING:
+    from .taps import OpenFile
 
 
 @dataclass(frozen=True)
 class FileRange:
     """Bytes of an open source file that go into an output unchanged: `length` bytes at `offset` of
-    descriptor `fd` (`what` names the file in errors). Written by the kernel's copy
-    (`HashingFile.copy_ranges`), not through this process's memory."""
+    `file` (`what` names the file in errors; the file's tap and watch come with it). Written by
+    the kernel's copy (`HashingFile.copy_ranges`), not through this process's memory."""
 
-    fd: int
+    file: OpenFile
     offset: int
     length: int
     what: str
+
+    @property
+    def fd(self) -> int:
+        """The file's descriptor (ValueError once its reader closed it)."""
+        return self.file.fd
 
 
 COPY_BLOCK = 1 << 20

@@ -26,7 +26,7 @@ from ..objects import sinks
 from .copy import _COPY_BUFFER, COPY_BLOCK, FileRange, kernel_copy
 from .digest import Digests, FileRecord, Recording
 from .direct import WRITE_BLOCK, DirectFile, preallocate
-from .taps import _TAPS, _WATCHED, _feed_taps, read_exact
+from .taps import OpenFile, _feed_taps, read_exact
 
 if TYPE_CHECKING:
     import io
@@ -373,7 +373,7 @@ class _CopyJob:
                 self._copy(cast("io.BufferedRandom", fh))
         finally:
             for source in self.ranges:
-                os.close(source.fd)
+                source.file.close()
             self.ranges, self.prev, self.seen, self.after = [], None, None, None
             self.done.set()
 
@@ -644,7 +644,7 @@ class HashingFile:
         process's memory is a second copy, and on a VM the dearer one. The file's write-behind
         thread copies them while the caller prepares what comes next. What needs the bytes (the
         file's digests, `seen`: a CRC32, and the sources' checks on read) gets them one of two
-        ways. When every source is checked or watched (`_WATCHED`), the caller reads them here,
+        ways. When every source is checked or watched (`OpenFile.watched`), the caller reads them here,
         once, for all three (`_read_copied`): the worker waits for the write-behind threads most of
         the time, and the copy then reads nothing back; a source written to between that read and
         the copy is refused by its check or its stamp. Otherwise the sources' checks are fed here (`_feed_taps`), and the
@@ -661,7 +661,7 @@ class HashingFile:
         if isinstance(fh, DirectFile):
             view = _COPY_BUFFER.view
             for source in sources:
-                tap = _TAPS.get(source.fd)
+                tap = source.file.tap
                 for start in range(0, source.length, COPY_BLOCK):
                     block = view[: min(COPY_BLOCK, source.length - start)]
                     read_exact(source.fd, block, source.offset + start, source.what)
@@ -682,7 +682,7 @@ class HashingFile:
         needed = self._hash is not None or seen is not None  # else only the checks want the bytes
         inline = (
             needed
-            and all(source.fd in _TAPS or source.fd in _WATCHED for source in sources)
+            and all(source.file.tap is not None or source.file.watched for source in sources)
             and (self._hash is None or self._hash.sha256 is None)  # sha256 would slow the worker: hashed behind
         )
         if inline:
@@ -693,10 +693,10 @@ class HashingFile:
         held: list[FileRange] = []
         try:  # the reader may close its descriptor before the copy runs: the job keeps its own
             for source in sources:
-                held.append(FileRange(os.dup(source.fd), source.offset, source.length, source.what))
+                held.append(FileRange(OpenFile(os.dup(source.fd)), source.offset, source.length, source.what))
         except BaseException:
             for source in held:
-                os.close(source.fd)
+                source.file.close()
             raise
         behind = self._behind
         prefix = None

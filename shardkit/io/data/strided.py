@@ -24,7 +24,7 @@ from ..objects import remote
 from .buffers import _thread_scope, array_view, empty_bytes, empty_tensor
 from .copy import FileRange
 from .hashing import BEHIND_MIN
-from .taps import _SOURCES, pread_exact
+from .taps import OpenFile, pread_exact
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,12 @@ STRIDED_READ_CHUNK = 4 << 20  # bytes read at once for a slice along a dimension
 
 
 def stored_range(
-    fd: int, t: StoredTensor, dim: int, start: int | None, stop: int | None, what: str
+    file: OpenFile, t: StoredTensor, dim: int, start: int | None, stop: int | None, what: str
 ) -> FileRange | None:
-    """The file bytes of a slice of a stored tensor, when they are the slice's bytes in order (the
-    whole of a row-major tensor, or a block of its rows) and no read-ahead buffer serves them
-    (`DescriptorReader.read_from`): the kernel can then copy the slice. None otherwise."""
-    if fd in _SOURCES or not t.shape:
+    """The bytes of `file` a slice of a stored tensor spans, when they are the slice's bytes in
+    order (the whole of a row-major tensor, or a block of its rows) and no read-ahead buffer serves
+    them (`DescriptorReader.read_from`): the kernel can then copy the slice. None otherwise."""
+    if file.source is not None or not t.shape:
         return None
     shape = list(t.shape)
     start = 0 if start is None else start
@@ -70,22 +70,24 @@ def stored_range(
     if 0 in sub or list(t.strides()) != list(StoredTensor(t.dtype, tuple(sub), 0).strides()):
         return None  # (row-major strides of the slice's own shape: its bytes are one run, in order)
     offset, length = cast(tuple[int, int], stored_span(t, dim, start, stop))
-    return FileRange(fd, offset, length, what)
+    return FileRange(file, offset, length, what)
 
 
-def pread_into(fd: int, nbytes: int, offset: int, what: str) -> torch.Tensor:
+def pread_into(file: OpenFile, nbytes: int, offset: int, what: str) -> torch.Tensor:
     """Read exactly nbytes at offset into a new uint8 tensor. The buffer is not zero-filled first."""
     buf = empty_bytes(nbytes)
-    pread_exact(fd, array_view(buf.numpy()), offset, what)
+    pread_exact(file, array_view(buf.numpy()), offset, what)
     return buf
 
 
-def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int | None, what: str) -> torch.Tensor:
+def read_stored(
+    file: OpenFile, t: StoredTensor, dim: int, start: int | None, stop: int | None, what: str
+) -> torch.Tensor:
     """Read [start, stop) along dim of a stored tensor with positional reads: only the bytes the
     slice spans are read, and the result owns its memory (nothing stays mapped)."""
     shape, stride, item = list(t.shape), list(t.strides()), t.dtype.itemsize
     if not shape:
-        buf = pread_into(fd, item, t.file_offset + t.storage_offset * item, what)
+        buf = pread_into(file, item, t.file_offset + t.storage_offset * item, what)
         return buf.view(t.dtype).reshape(())
     start = 0 if start is None else start
     stop = shape[dim] if stop is None else stop
@@ -102,9 +104,9 @@ def read_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int
         # bytes of the block are copied (reading the span copied all of it, once per rank). The
         # files built together cut their blocks from rows read once instead (`read_block`).
         out = empty_tensor(out_shape, t.dtype)
-        _copy_columns(fd, t, dim, start, out, what)
+        _copy_columns(file.fd, t, dim, start, out, what)
         return out
-    view = _read_span(fd, t, dim, start, stop, what)
+    view = _read_span(file, t, dim, start, stop, what)
     return view if view.is_contiguous() else _copy(view)
 
 
@@ -189,7 +191,7 @@ def window_rows(row_bytes: int, block_row_bytes: int) -> int:
 
 
 def read_block(
-    fd: int, t: StoredTensor, first: int, last: int, start: int, stop: int, out: torch.Tensor, what: str
+    file: OpenFile, t: StoredTensor, first: int, last: int, start: int, stop: int, out: torch.Tensor, what: str
 ) -> bool:
     """Fill `out` (last - first rows, stop - start columns; each row contiguous) with that block
     of a 2-D row-major stored tensor, from its rows [first, last) read whole (one positional read,
@@ -209,7 +211,7 @@ def read_block(
     row = t.shape[1] * item
     offset, length = t.file_offset + (t.storage_offset + first * t.shape[1]) * item, (last - first) * row
     if _SHARED.depth:
-        st = os.fstat(fd)
+        st = os.fstat(file.fd)
         key = (st.st_dev, st.st_ino, offset, length)
         windows = _SHARED.windows
         buffer = windows.get(key)
@@ -219,14 +221,14 @@ def read_block(
                 spare = windows.popitem(last=False)[1]  # the oldest goes before a new one is made
             buffer = spare if spare is not None and len(spare) >= length else bytearray(length)
             del spare
-            pread_exact(fd, memoryview(buffer)[:length], offset, what)
+            pread_exact(file, memoryview(buffer)[:length], offset, what)
             windows[key] = buffer
         else:
             windows.move_to_end(key)
         data = numpy.frombuffer(buffer, dtype=numpy.uint8, count=length)
     else:
         data = empty_bytes(length).numpy()
-        pread_exact(fd, array_view(data), offset, what)
+        pread_exact(file, array_view(data), offset, what)
     rows = data.reshape(last - first, t.shape[1], item)
     target = out.view(torch.uint8).unflatten(1, (stop - start, item)).numpy()
     numpy.copyto(target, rows[:, start:stop])
@@ -239,7 +241,9 @@ def _copy(view: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _read_span(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int | None, what: str) -> torch.Tensor:
+def _read_span(
+    file: OpenFile, t: StoredTensor, dim: int, start: int | None, stop: int | None, what: str
+) -> torch.Tensor:
     """[start, stop) along dim of a stored tensor, as a view of a buffer holding the bytes the slice
     spans (contiguous when the slice is a run of whole rows)."""
     shape, stride, item = list(t.shape), list(t.strides()), t.dtype.itemsize
@@ -249,7 +253,7 @@ def _read_span(fd: int, t: StoredTensor, dim: int, start: int | None, stop: int 
     out_shape[dim] = stop - start
     first = t.storage_offset + start * stride[dim]
     extent = 1 + sum((n - 1) * st for n, st in zip(out_shape, stride))
-    buf = pread_into(fd, extent * item, t.file_offset + first * item, what)
+    buf = pread_into(file, extent * item, t.file_offset + first * item, what)
     base = buf.view(t.dtype)
     if extent == math.prod(out_shape) and stride == list(StoredTensor(t.dtype, tuple(out_shape), 0).strides()):
         return base.reshape(out_shape)  # a contiguous run of rows: no copy
@@ -298,7 +302,7 @@ def advise_stored(fd: int, t: StoredTensor, dim: int, start: int | None, stop: i
         pass
 
 
-def read_rows_into(fd: int, t: StoredTensor, start: int, stop: int, out: torch.Tensor, what: str) -> bool:
+def read_rows_into(file: OpenFile, t: StoredTensor, start: int, stop: int, out: torch.Tensor, what: str) -> bool:
     """Read rows [start, stop) of a row-major stored tensor straight into `out` (a contiguous
     tensor of the same dtype and row shape). False when the stored layout does not allow it."""
     stride = list(t.strides())
@@ -316,5 +320,5 @@ def read_rows_into(fd: int, t: StoredTensor, start: int, stop: int, out: torch.T
         return False
     first = t.storage_offset + start * (stride[0] if stride else 1)
     view = array_view(out.view(torch.uint8).reshape(-1).numpy()) if nbytes else memoryview(b"")
-    pread_exact(fd, view, t.file_offset + first * t.dtype.itemsize, what)
+    pread_exact(file, view, t.file_offset + first * t.dtype.itemsize, what)
     return True

@@ -1,10 +1,11 @@
 """Positional reads through a source file's descriptor, and what may watch or serve them.
 
-A descriptor a reader reads through may have a tap (the check on read hashes the bytes the
-operation reads anyway, instead of reading them again), a source (the read-ahead's buffers serve
-cold bytes read around the page cache) and a watch (its file is compared, once the operation's
-copies are done, with its stat as opened). Each is kept per open descriptor and dropped as it
-closes, so a reused descriptor number inherits none.
+A reader reads a file through an `OpenFile`: its descriptor, and what its reads pass through. It
+may have a tap (the check on read hashes the bytes the operation reads anyway, instead of reading
+them again), a source (the read-ahead's buffers serve cold bytes read around the page cache) and a
+watch (its file is compared, once the operation's copies are done, with its stat as opened). They
+are state of that open file, set by its reader (`DescriptorReader`) and dropped as it closes: a new
+open is a new `OpenFile`, so a descriptor number the system reuses inherits none of them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import cast
 
 from ...errors import FormatError
 from ..objects import remote
@@ -22,81 +22,95 @@ ReadTap = Callable[[int, int, memoryview], None]
 """Called as tap(fd, offset, bytes) with every byte range a reader has just read (see
 `DescriptorReader.tap`)."""
 
-_TAPS: dict[int, ReadTap] = {}
-"""Open descriptors whose reads are passed on: fd -> tap (an entry lives as long as its reader's
-descriptor is open, so a reused descriptor number never inherits it)."""
-
 ReadSource = Callable[[int, memoryview, int, str], bool]
 """Called as source(fd, view, offset, what) by `pread_exact` before it reads: True when it has
 filled `view` with the bytes at `offset` of fd's file (from memory it holds, reading the rest
 through fd), False when it holds none of them (see `DescriptorReader.read_from`)."""
 
-_SOURCES: dict[int, ReadSource] = {}
-"""Open descriptors whose reads may be served from memory: fd -> source (kept like `_TAPS`)."""
 
-_WATCHED: set[int] = set()
-"""Open descriptors of sources whose file is compared, once the operation's copies are done, with
-what it was when opened (`DescriptorReader.watch`, `reader.SourceStamps`): the bytes of a kernel
-copy may then be hashed from the worker's own read of them, a moment before the kernel copies
-them (kept like `_TAPS`)."""
+class OpenFile:
+    """One open descriptor of a source file and what its reads pass through: `tap` (passed every
+    byte range read), `source` (may serve reads from memory) and `watched` (the file is compared
+    with its stat as opened once the operation's copies are done: the bytes of a kernel copy may
+    then be hashed from the worker's own read of them, a moment before the kernel copies them).
+    Owned by the reader that opened it, which closes it."""
+
+    __slots__ = ("_fd", "tap", "source", "watched")
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+        self.tap: ReadTap | None = None
+        self.source: ReadSource | None = None
+        self.watched = False
+
+    @property
+    def fd(self) -> int:
+        """The descriptor; ValueError once closed (never a number the system gave out again)."""
+        if self._fd is None:
+            raise ValueError("the source file is closed")
+        return self._fd
+
+    def close(self) -> None:
+        """Close the descriptor and drop its tap, source and watch (idempotent)."""
+        fd, self._fd = self._fd, None
+        self.tap, self.source, self.watched = None, None, False
+        if fd is not None:
+            os.close(fd)
 
 
 class DescriptorReader:
-    """The open file descriptor a lazy reader reads positionally through (`_fd`, None once closed)."""
+    """A lazy reader that reads positionally through the file it has open (`_file`, None once
+    closed)."""
 
     path: Path
-    _fd: int | None = None
+    _file: OpenFile | None = None
 
     @property
-    def _open_fd(self) -> int:
-        """The file's descriptor; ValueError once the reader is closed."""
-        if self._fd is None:
+    def _open_file(self) -> OpenFile:
+        """The open file; ValueError once the reader is closed."""
+        if self._file is None:
             raise ValueError(f"{self.path}: the reader is closed")
-        return self._fd
+        return self._file
 
     def tap(self, taps: Callable[[Path], ReadTap | None]) -> None:
         """Pass every byte range this reader reads from now on to `taps(path)` (when that is not
         None): the hash check on read hashes the bytes the operation reads anyway."""
         tap = taps(self.path)
-        if tap is not None and self._fd is not None:
-            _TAPS[self._fd] = tap
+        if tap is not None and self._file is not None:
+            self._file.tap = tap
 
     def read_from(self, sources: Callable[[os.stat_result], ReadSource | None]) -> None:
         """Let `sources(stat of this reader's descriptor)` serve this reader's reads from now on
         (when that is not None): the read-ahead's buffers of a cold file. The source is chosen by
         the identity of the file this reader has open, so bytes read ahead from another file put
         at the same path since are never served as this one's."""
-        if self._fd is not None:
-            source = sources(os.fstat(self._fd))
+        if self._file is not None:
+            source = sources(os.fstat(self._file.fd))
             if source is not None:
-                _SOURCES[self._fd] = source
+                self._file.source = source
 
     def watch(self) -> os.stat_result | None:
         """Mark this reader's file as compared with its stat as opened (returned) once the
-        operation's copies are done (see `_WATCHED`); None once closed."""
-        if self._fd is None:
+        operation's copies are done (see `OpenFile.watched`); None once closed."""
+        if self._file is None:
             return None
-        _WATCHED.add(self._fd)
-        return os.fstat(self._fd)
+        self._file.watched = True
+        return os.fstat(self._file.fd)
 
     def _close_fd(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            _TAPS.pop(fd, None)
-            _SOURCES.pop(fd, None)
-            _WATCHED.discard(fd)
-            os.close(fd)
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
 
 
-def pread_exact(fd: int, view: memoryview, offset: int, what: str, tapped: bool = True) -> None:
-    """Fill `view` with the bytes at `offset` (FormatError when the file is shorter: truncated),
-    from the descriptor's source where it has them (see `read_from`), and pass them to its tap,
-    if any. `tapped` False (bytes outside the operation's plan, read for the hash check): read
-    from the file itself, tapped by nobody."""
-    source = _SOURCES.get(fd) if tapped else None
+def pread_exact(file: OpenFile, view: memoryview, offset: int, what: str) -> None:
+    """Fill `view` with the bytes at `offset` of `file` (FormatError when the file is shorter:
+    truncated), from its source where it has them (see `DescriptorReader.read_from`), and pass
+    them to its tap, if any."""
+    fd, source, tap = file.fd, file.source, file.tap
     if source is None or not source(fd, view, offset, what):
         read_exact(fd, view, offset, what)
-    if tapped and (tap := _TAPS.get(fd)) is not None:
+    if tap is not None:
         tap(fd, offset, view)
 
 
@@ -119,7 +133,7 @@ def _feed_taps(sources: Sequence[FileRange], every: Callable[[memoryview], None]
     to their taps; with `every`, read every byte and pass each block to it too."""
     view = _COPY_BUFFER.view
     for source in sources:
-        tap = _TAPS.get(source.fd)
+        tap = source.file.tap
         if tap is None and every is None:
             continue
         wants = getattr(tap, "wants", None)
@@ -132,5 +146,5 @@ def _feed_taps(sources: Sequence[FileRange], every: Callable[[memoryview], None]
             read_exact(source.fd, block, source.offset + start, source.what)
             if every is not None:
                 every(block)
-            if wanted:
-                cast(ReadTap, tap)(source.fd, source.offset + start, block)
+            if tap is not None and wanted:
+                tap(source.fd, source.offset + start, block)

@@ -27,6 +27,7 @@ from shardkit.cli import cli
 from shardkit.errors import FormatError
 from shardkit.formats import torch_io, xser
 from shardkit.io.data.strided import StoredTensor, read_stored
+from shardkit.io.data.taps import OpenFile
 
 # ---- a pickle assembler (protocol 2, the opcodes torch.save writes) ---------------------------------
 
@@ -241,7 +242,7 @@ def shardkit_reads(path: Path):
 
 def _materialize(value, fd: int, what: str):
     if isinstance(value, StoredTensor):
-        return read_stored(fd, value, 0, None, None, what)
+        return read_stored(OpenFile(fd), value, 0, None, None, what)
     if isinstance(value, dict):
         out = type(value)()
         for k, v in value.items():

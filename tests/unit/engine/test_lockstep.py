@@ -39,9 +39,9 @@ def column_reads(monkeypatch) -> dict[str, list]:
     seen: dict[str, list] = {"whole": [], "mapped": []}
     real_pread, real_map = strided.pread_exact, strided._copy_columns
 
-    def pread(fd, view, offset, what, tapped=True):
+    def pread(file, view, offset, what):
         seen["whole"].append((what, offset, len(view)))
-        return real_pread(fd, view, offset, what, tapped)
+        return real_pread(file, view, offset, what)
 
     def mapped(fd, t, dim, start, out, what):
         seen["mapped"].append((what, t.file_offset, start))
@@ -282,6 +282,7 @@ def test_owned_blocks_are_hashed_by_their_files_write_behind_thread_in_file_orde
     each file's digests are those of its bytes, small writes in between included."""
     from shardkit.io.data.copy import FileRange
     from shardkit.io.data.digest import file_digests
+    from shardkit.io.data.taps import OpenFile
 
     helper: list[int] = []
     real_submit = hashing._HASHER.submit
@@ -300,7 +301,7 @@ def test_owned_blocks_are_hashed_by_their_files_write_behind_thread_in_file_orde
         files = [HashingFile(tmp_path / f"out{i}", tmp_path) for i in range(4)]
         for step in range(3):
             for f in files:
-                f.copy_ranges([FileRange(fd, step << 20, 1 << 20, "source.bin")])
+                f.copy_ranges([FileRange(OpenFile(fd), step << 20, 1 << 20, "source.bin")])
                 f.write(b"header %d" % step)  # a small write behind the copy
                 block = torch.full((300 << 10,), step, dtype=torch.uint8)
                 f.write_owned(block.numpy(), block)

@@ -15,6 +15,7 @@ import xxhash
 from shardkit import FormatError
 from shardkit.formats.base import TensorSpec
 from shardkit.formats.torch_io import TorchWriter
+from shardkit.io.data.taps import OpenFile
 
 
 @pytest.mark.parametrize("writer", ["native", "torch"])
@@ -131,12 +132,12 @@ def test_positional_reads_of_column_blocks_in_row_chunks(chunk, tmp_path, monkey
     fd = os.open(path, os.O_RDONLY)
     try:
         for dim, start, stop in [(1, 1, 4), (2, 0, 3), (2, 5, 6), (0, 2, 5), (1, 0, 5)]:
-            got = strided.read_stored(fd, stored, dim, start, stop, "raw.bin")
+            got = strided.read_stored(OpenFile(fd), stored, dim, start, stop, "raw.bin")
             assert torch.equal(got, full.narrow(dim, start, stop - start)), (dim, start, stop)
         # a tensor said to reach past the end of the file: a FormatError, never a fault (SIGBUS)
         past_end = strided.StoredTensor(torch.float32, (8, 5, 6), file_offset=8, storage_offset=4)
         with pytest.raises(FormatError, match="truncated"):
-            strided.read_stored(fd, past_end, 2, 1, 3, "raw.bin")
+            strided.read_stored(OpenFile(fd), past_end, 2, 1, 3, "raw.bin")
     finally:
         os.close(fd)
 
@@ -156,14 +157,11 @@ def test_a_whole_tensor_read_along_a_later_dim_is_one_positional_read(tmp_path, 
     monkeypatch.setattr(
         strided,
         "pread_exact",
-        lambda fd, view, offset, what, tapped=True: (
-            reads.append((offset, len(view))),
-            real_pread(fd, view, offset, what),
-        )[1],
+        lambda file, view, offset, what: (reads.append((offset, len(view))), real_pread(file, view, offset, what))[1],
     )
     fd = os.open(path, os.O_RDONLY)
     try:
-        got = strided.read_stored(fd, strided.StoredTensor(torch.float32, (7, 5, 6), 0), 1, 0, 5, "raw.bin")
+        got = strided.read_stored(OpenFile(fd), strided.StoredTensor(torch.float32, (7, 5, 6), 0), 1, 0, 5, "raw.bin")
     finally:
         os.close(fd)
     assert torch.equal(got, full) and reads == [(0, full.numel() * 4)]
@@ -182,14 +180,14 @@ def test_advise_names_the_bytes_a_slice_spans(tmp_path, monkeypatch):
     monkeypatch.setattr(
         strided,
         "pread_exact",
-        lambda fd, view, offset, what: (reads.append((offset, len(view))), real_pread(fd, view, offset, what))[1],
+        lambda file, view, offset, what: (reads.append((offset, len(view))), real_pread(file, view, offset, what))[1],
     )
     fd = os.open(path, os.O_RDONLY)
     try:
         for dim, start, stop in [(0, 2, 5), (1, 1, 4), (2, 3, 6), (0, None, None)]:
             hints.clear(), reads.clear()
             strided.advise_stored(fd, stored, dim, start, stop)
-            strided.read_stored(fd, stored, dim, start, stop, "raw.bin")
+            strided.read_stored(OpenFile(fd), stored, dim, start, stop, "raw.bin")
             assert hints == reads, (dim, start, stop)
         hints.clear()
         strided.advise_stored(fd, stored, 1, 2, 2)  # empty: nothing to read, no hint

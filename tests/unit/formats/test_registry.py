@@ -17,6 +17,7 @@ from shardkit.formats.base import TensorSpec
 from shardkit.formats.registry import FORMATS, Format
 from shardkit.io.data.copy import FileRange
 from shardkit.io.data.digest import Recording
+from shardkit.io.data.taps import OpenFile
 
 MATRIX = torch.arange(6 * 4, dtype=torch.bfloat16).reshape(6, 4)
 VECTOR = torch.arange(3, dtype=torch.float32)
@@ -44,7 +45,9 @@ def _write(fmt: Format, out: Path, how: str, source: Path) -> dict[str, bytes]:
         assert copying is writer
         fd = os.open(source, os.O_RDONLY)
         try:  # the matrix's bytes, in two ranges of a source file
-            copying.write_copy("m", [FileRange(fd, 100, 20, "source"), FileRange(fd, 120, 28, "source")])
+            copying.write_copy(
+                "m", [FileRange(OpenFile(fd), 100, 20, "source"), FileRange(OpenFile(fd), 120, 28, "source")]
+            )
         finally:
             os.close(fd)
     elif how == "rows":

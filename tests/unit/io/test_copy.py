@@ -19,16 +19,19 @@ from safetensors.torch import load_file
 from shardkit import Layout, convert, merge, reshard
 from shardkit.engine import planning
 from shardkit.errors import FormatError, ShardkitError
+from shardkit.formats import reader
 from shardkit.formats.base import tensor_bytes
 from shardkit.io.data import copy as io_copy
 from shardkit.io.data import hashing, taps
 from shardkit.io.data.copy import FileRange
 from shardkit.io.data.digest import file_digests
 from shardkit.io.data.hashing import HashingFile
+from shardkit.io.data.taps import OpenFile
 
-READ_EXACT_CALLERS = (taps, hashing)
+READ_EXACT_CALLERS = (taps, hashing, reader)
 """The modules whose code reads through `read_exact` (positional reads and the checks' taps;
-the copies, their read-back and the reads of a file written around the page cache)."""
+the copies, their read-back and the reads of a file written around the page cache; the gaps a
+check reads between the operation's reads)."""
 
 
 def _open_fds() -> int:
@@ -113,7 +116,10 @@ def test_digests_and_crc_of_copied_bytes_follow_file_order(tmp_path):
         big = torch.frombuffer(bytearray(os.urandom(3 << 20)), dtype=torch.uint8)
         out.write(b"header")
         out.write_owned(tensor_bytes(big), big)
-        ranges = [FileRange(fd, 7, (2 << 20) + 3, "source"), FileRange(fd, 3 << 20, 1 << 20, "source")]
+        ranges = [
+            FileRange(OpenFile(fd), 7, (2 << 20) + 3, "source"),
+            FileRange(OpenFile(fd), 3 << 20, 1 << 20, "source"),
+        ]
         assert out.copy_ranges(ranges, lambda b: seen.append(bytes(b)), lambda: b"after", 5) == (3 << 20) + 3
         out.write(b"tail")
         out.write_owned(tensor_bytes(big), big)
@@ -149,7 +155,7 @@ def test_where_the_kernel_cannot_copy_the_bytes_are_read_and_written(tmp_path, m
     try:
         out = HashingFile(tmp_path / "out.bin", tmp_path)
         out.write(b"x")
-        out.copy_ranges([FileRange(fd, 5, len(data) - 5, "source")])
+        out.copy_ranges([FileRange(OpenFile(fd), 5, len(data) - 5, "source")])
         record = out.close()
     finally:
         os.close(fd)
@@ -266,7 +272,7 @@ def test_giving_up_a_file_stops_its_copy_between_blocks_and_closes_the_sources(t
     before = _open_fds()
     try:
         out = HashingFile(tmp_path / "out.bin", tmp_path)
-        out.copy_ranges([FileRange(fd, 0, 8 * io_copy.COPY_BLOCK, "source")])
+        out.copy_ranges([FileRange(OpenFile(fd), 0, 8 * io_copy.COPY_BLOCK, "source")])
         assert started.wait(10)
         stopper = threading.Thread(target=out.abort)
         stopper.start()
@@ -344,7 +350,6 @@ def test_the_check_on_read_hashes_the_copied_bytes_without_reading_them_again(
     """Reshard (torch output, with digests) copies the shards' row blocks by the kernel; the check
     of the shards against their manifest is fed from the worker's reads of the ranges it queues
     for copying, in file order, so no listed file is read a second time for it."""
-    from shardkit.formats import reader
 
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
@@ -445,7 +450,6 @@ def test_a_shard_read_by_two_output_files_is_checked_without_reading_it_whole_ag
     over bytes only the later one reads: they are dropped and read again once the later file's
     reads bring the shard's check there, instead of the shard being hashed whole a second time.
     The output is a direct convert's, and a flipped bit in a dropped read is refused."""
-    from shardkit.formats import reader
 
     # the tensors of tinyllama-mini are 64x smaller than TinyLlama-1.1B's: so are the gaps here
     monkeypatch.setattr(reader, "FILL_GAP", reader.FILL_GAP // 64)
@@ -536,7 +540,6 @@ def test_a_source_written_to_while_it_is_read_is_refused(tiny_model, tmp_path, m
     """The check hashes a range as the worker queues its copy, a moment before the kernel moves
     it: a shard written to in between (here: a byte rewritten with its own value, after the first
     ranges were hashed) is refused before anything is committed, whatever its bytes now are."""
-    from shardkit.formats import reader
 
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
@@ -689,7 +692,9 @@ def test_xser_writer_rows_and_copies_match_write_and_misuse_discards_everything(
         else:
             fd = os.open(source, os.O_RDONLY)
             try:
-                w.write_copy("m", [FileRange(fd, 100, 20, "source"), FileRange(fd, 120, 28, "source")])
+                w.write_copy(
+                    "m", [FileRange(OpenFile(fd), 100, 20, "source"), FileRange(OpenFile(fd), 120, 28, "source")]
+                )
             finally:
                 os.close(fd)
         for spec in specs[2:]:
