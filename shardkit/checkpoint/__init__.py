@@ -16,7 +16,7 @@ One concern per module: `base` (the protocol, ranks, configuration, errors), `tr
 listing, ordering, retention and deletion), `state` (what a rank saves, checked against the
 layout), `save` (the save protocol and the Checkpointer), `async_save` (host copies and the
 background writer), `load` (resolving tags, checking, resharding reads). Exporting a tag to a Hugging Face directory
-is `shardkit.api.export_checkpoint` (it needs the engine, which sits above this package).
+is `shardkit.api.export_checkpoint` (it resolves sources the way every api function does, then merges with the engine).
 """
 
 from .base import (
