@@ -45,7 +45,8 @@ class OpenFile:
 
     @property
     def fd(self) -> int:
-        """The descriptor; ValueError once closed (never a number the system gave out again)."""
+        """The descriptor; ValueError once closed (a range of a closed file never reads another
+        file that was given its number since)."""
         if self._fd is None:
             raise ValueError("the source file is closed")
         return self._fd
