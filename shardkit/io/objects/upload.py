@@ -5,7 +5,8 @@ An object store has no rename, so an output there is complete only once its reco
 folder's index and config, a manifest or a checkpoint tag's `done`). `remote_output` is the
 object-store twin of `transaction.staged_output`:
 
-1. the destination is checked: it must not overlap a source prefix; it must be empty unless
+1. this host's write lock on the prefix is taken (`_write_lock`: one writer per prefix per host,
+   threads included), then the destination is checked: it must not overlap a source prefix; it must be empty unless
    `overwrite`, which replaces only what shardkit wrote there (its record's objects, or an older
    output's manifest's) and the objects named by `replace` globs: any other object, and any at a
    bucket's root, is refused in one line (`replaceable`). What an interrupted run of this host
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import logging
 import os
 import secrets
@@ -48,6 +50,7 @@ from pathlib import Path
 from ...errors import DestinationExistsError, ShardkitError
 from ...sizes import format_bytes
 from ..location import RemoteLocation
+from ..safety.lock import FolderInUseError, FolderLock, lock_folder
 from ..safety.oserror import shown
 from ..safety.transaction import (
     OWNER_FILE,
@@ -55,6 +58,7 @@ from ..safety.transaction import (
     owner_text,
     parse_owner,
     pid_alive,
+    private_root,
     sibling_name,
     signals_deferred,
     temporary_folder,
@@ -70,17 +74,29 @@ FILES_IN_FLIGHT = 4
 output holds at most these, beside the files being written)."""
 
 
-_WRITING_HERE: set[str] = set()
-"""The prefixes this process is writing now (`remote_output`)."""
-
-
 def writing_here(owner: tuple[str, int] | None, loc: RemoteLocation) -> bool | None:
-    """Whether the writer a marker of `loc` names still writes it: a process of this host that
-    still runs (this process: while it writes `loc`); None for another host's, which cannot be
-    told from here."""
+    """Whether the writer a marker of `loc` names still writes it, asked with this host's write
+    lock on `loc` held (`_write_lock`): this process is then the only one of the host writing it,
+    so a marker naming it is one an earlier write left; another process of this host that still
+    runs may be a writer without the lock (an older shardkit); None for another host's, which
+    cannot be told from here."""
     if owner is None or owner[0] != socket.gethostname():
         return None
-    return str(loc) in _WRITING_HERE if owner[1] == os.getpid() else pid_alive(owner[1])
+    return False if owner[1] == os.getpid() else pid_alive(owner[1])
+
+
+def _write_lock(loc: RemoteLocation) -> FolderLock:
+    """This host's lock on writing `loc`: one writer of a prefix per host, threads of one process
+    included (an flock on a file of this user's private folder, named by the prefix's digest)."""
+    root = private_root(None, "s3-writing")
+    digest = hashlib.sha256(str(loc).encode(errors="surrogateescape")).hexdigest()[:24]
+    try:
+        return lock_folder(root, f"writing {loc}", name=str(root / f"{digest}.lock"), remove=True)
+    except FolderInUseError:
+        raise DestinationExistsError(
+            f"{loc} is being written by another run of this host: wait for it to finish (or stop it) and run "
+            "again, or write elsewhere"
+        ) from None
 
 
 def _writer(owner: tuple[str, int] | None) -> str:
@@ -268,7 +284,7 @@ def remote_output(
     its files go up as they are closed, the rest on a normal exit, then the output is committed
     (`published.commit`), as the module's docstring says. `replace`: globs naming objects
     shardkit did not write that `overwrite` may replace (`replaceable`)."""
-    with terminate_as_interrupt():
+    with terminate_as_interrupt(), _write_lock(loc):
         replaced = check_destination(loc, overwrite, sources, replace)
         staged = f"{published.STAGED}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}" if replaced else ""
         marker = owner_text() + (f"staged {staged}\n" if staged else "")
@@ -280,7 +296,6 @@ def remote_output(
             )
         target = loc.child(staged) if staged else loc  # a replace writes beside the old output
         started = True
-        _WRITING_HERE.add(str(loc))
         streaming: StreamingUpload | None = None
         try:
             with temporary_folder(prefix="shardkit-s3-out-") as work:
@@ -304,7 +319,6 @@ def remote_output(
                 streaming.close(cancel=started)
             if started:
                 _undo(loc, staged)
-            _WRITING_HERE.discard(str(loc))
 
 
 def _finish(loc: RemoteLocation, record: published.Record) -> None:

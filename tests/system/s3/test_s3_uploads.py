@@ -31,7 +31,7 @@ from s3_helpers import (  # noqa: E402
 
 import shardkit  # noqa: E402
 from shardkit.api import convert, verify  # noqa: E402
-from shardkit.io.objects import s3  # noqa: E402
+from shardkit.io.objects import s3, upload  # noqa: E402
 
 
 def _hf_tensors(hf: Path) -> list[torch.Tensor]:
@@ -176,6 +176,46 @@ def test_prefix_left_by_a_failed_write_of_this_process_is_cleaned_up(tiny_model,
     assert "left incomplete by a run" in caplog.text
     assert "mine/model/part.pt" not in keys(bucket, "mine/")
     assert verify(hf, f"s3://{bucket}/mine").ok
+
+
+def test_a_prefix_another_thread_of_this_process_writes_is_refused(bucket, tmp_path):
+    """Two threads of one process writing one prefix: the second is refused in one line (this
+    host's write lock on the prefix is held), touching nothing; once the first is done, the prefix
+    is free again."""
+    from shardkit.errors import DestinationExistsError
+    from shardkit.io.location import parse_location
+
+    loc = parse_location(f"s3://{bucket}/threads")
+    inside, release, failures = threading.Event(), threading.Event(), []
+
+    def first() -> None:
+        try:
+            with upload.remote_output(loc) as local:
+                local.mkdir(parents=True)
+                (local / "a.txt").write_text("first")
+                inside.set()
+                release.wait(30)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            failures.append(e)
+            inside.set()
+
+    writer = threading.Thread(target=first)
+    writer.start()
+    try:
+        assert inside.wait(30) and not failures, failures
+        with pytest.raises(DestinationExistsError, match="being written by another run of this host"):
+            with upload.remote_output(loc, overwrite=True):
+                pass
+        assert keys(bucket, "threads/") == ["threads/.shardkit-writing"]  # the first's marker, untouched
+    finally:
+        release.set()
+        writer.join(30)
+    assert not failures, failures
+    assert "threads/a.txt" in keys(bucket, "threads/")
+    with upload.remote_output(loc, overwrite=True) as local:
+        local.mkdir(parents=True)
+        (local / "a.txt").write_text("second")
+    assert s3.client().get_object(Bucket=bucket, Key="threads/a.txt")["Body"].read() == b"second"
 
 
 def test_claim_of_a_prefix_is_atomic(tiny_model, bucket, workdir, monkeypatch):
