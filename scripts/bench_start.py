@@ -91,8 +91,10 @@ def vs_cp(cp: float, merge: float, floor: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    workdir = Path(args.workdir)
+    workdir = Path(args.workdir).resolve()
     logdir, out = workdir / "logs", workdir / "run-start"
+    workdir.mkdir(parents=True, exist_ok=True)
+    os.chdir(workdir)  # `python -m` puts the current folder first on the path: a checkout here would win
     envs = {
         ref: child_env(SCRIPTS.parent if ref == "WORK" else bc.shardkit_snapshot(ref, workdir)[0], workdir)
         for ref in args.refs.split(",")
