@@ -1,16 +1,36 @@
 """The streaming operations hold off the interpreter's full garbage collections while they run
-(`engine.no_full_collections`) and give the thresholds back after, whatever happens."""
+(`engine.no_full_collections`) and give the thresholds back after, whatever happens; the command's
+start-up (torch, click, the commands) runs none either, and leaves what it imported frozen."""
 
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from shardkit import Layout, api, convert, merge
 from shardkit.engine import executor, no_full_collections
+
+ROOT = Path(__file__).resolve().parents[3]
+
+COMMAND_START = r"""
+import gc, sys
+full = []
+gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] == 2 and full.append(1))
+from shardkit.cli import main  # the console script's two lines
+sys.argv = ["shardkit", "--version"]
+try:
+    main()
+except SystemExit:
+    pass
+print(len(full), gc.isenabled(), gc.get_freeze_count())
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -78,3 +98,15 @@ def test_convert_and_merge_run_without_full_collections_from_opening_the_source_
     merge(tmp_path / "shards", tmp_path / "merged")
     assert seen == [executor.FULL_COLLECTIONS_OFF] * 2
     assert progress and set(progress) == {executor.FULL_COLLECTIONS_OFF}
+
+
+def test_the_command_starts_without_full_collections_and_with_the_collector_on():
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(
+        [sys.executable, "-c", COMMAND_START], capture_output=True, text=True, env=env, timeout=120, check=True
+    )
+    version, counts = done.stdout.strip().splitlines()
+    full, enabled, frozen = counts.split()
+    assert version.startswith("shardkit, version")
+    assert (full, enabled) == ("0", "True"), done.stdout
+    assert int(frozen) > 50_000  # torch's and the commands' objects: no full collection walks them again

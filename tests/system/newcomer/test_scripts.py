@@ -152,7 +152,15 @@ def test_format_table_aligns_numbers_right():
 
 @pytest.mark.parametrize(
     "script",
-    ["bench_ab.py", "bench_convert.py", "bench_reshard.py", "bench_checkpoint.py", "bench_train.py", "bench_verify.py"],
+    [
+        "bench_ab.py",
+        "bench_convert.py",
+        "bench_reshard.py",
+        "bench_checkpoint.py",
+        "bench_start.py",
+        "bench_train.py",
+        "bench_verify.py",
+    ],
 )
 def test_scripts_parse_their_options(script):
     out = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"], capture_output=True, text=True, check=True)
