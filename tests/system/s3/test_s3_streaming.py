@@ -57,10 +57,16 @@ def test_convert_merge_reshard_verify_through_s3(tiny_model, bucket, tmp_path, w
     res = run("reshard", url, url2, "--tp", "2", "--pp", "1")
     assert res.exit_code == 0, res.output
     assert verify(url, url2).ok and verify(hf, url2).ok
+    # an existing output is replaced only with --overwrite; an output inside its source is refused
+    again = run("convert", hf, url2, "--tp", "2")
+    assert again.exit_code == 2 and "--overwrite" in again.stderr, again.stderr
+    overlap = run("reshard", url, f"{url}/inner", "--tp", "1")
+    assert overlap.exit_code == 2 and "overlaps" in overlap.stderr, overlap.stderr
     assert not list(workdir.iterdir())
     no_mirrors_left()
 
 
+@pytest.mark.slow  # the CLI in its own processes (8 of them); in process: the test above
 def test_cli_convert_to_s3_and_verify(tiny_model, bucket, workdir):
     hf = tiny_model("tinyllama-mini", torch.bfloat16)
     url = f"s3://{bucket}/cli/tp2"
@@ -200,6 +206,7 @@ def test_streamed_metadata_comes_in_the_parts_that_hold_it(tiny_model, bucket, s
     assert any(start % remote.PART for _, start, _ in first)  # the metadata alone (a tail's start)
 
 
+@pytest.mark.slow  # the window on disk; in memory: test_streamed_source_holds_a_window_and_checks_every_block
 def test_streamed_source_without_a_memory_folder_streams_on_disk(
     tiny_model, bucket, tmp_path, streamed_sizes, monkeypatch
 ):

@@ -436,6 +436,7 @@ def test_messages_name_the_bucket_and_not_botocore(s3_server, caplog):
     assert "Found credentials" not in caplog.text
 
 
+@pytest.mark.slow  # the trainer resumes from s3:// in the main suite: test_s3_checkpoints
 def test_trainer_resume_message_names_the_url(tiny_model, bucket, tmp_path, workdir, caplog):
     """The trainer's "resumed from" names the checkpoint's s3:// URL, not its local mirror, and
     botocore's credentials note is not among its messages."""

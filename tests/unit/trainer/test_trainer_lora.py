@@ -335,6 +335,7 @@ def test_lora_bad_input_one_line_exit_2(tmp_path, work, hf_model, tokens, serial
     assert not (tmp_path / "c").exists() and not (tmp_path / "e").exists()
 
 
+@pytest.mark.slow  # in process: the bad input above; every rank exits 2: test_trainer's bad input
 def test_lora_bad_input_every_rank_exits_2(tmp_path, hf_model, tokens):
     done = torchrun(
         2,
