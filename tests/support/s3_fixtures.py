@@ -1,5 +1,6 @@
 """The tests' S3: a moto server on loopback (one for the session), a new bucket in it, a proxy of it
-that fails some requests, and a test's own system temporary folder and working directory.
+that fails some requests, a model small enough to move through it, and a test's own system
+temporary folder and working directory.
 
 A fixture plugin (tests/conftest.py's `pytest_plugins`): every test module asks for these fixtures
 by name, none imports them. `own_temporary_folder` is autouse only where a module says so (as
@@ -69,6 +70,27 @@ def s3_server():
         else:
             os.environ[k] = v
     s3.reset_client()
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory):
+    """small_model(dtype=torch.float32) -> tinyllama-mini with 4 of its 22 layers, saved (cached):
+    for tests where the model's size is not the point, since every byte goes through the loopback
+    server (7 MB in bf16, not 31; the streamed tests' 32 KiB parts make each MB 32 GETs)."""
+    import torch
+
+    from shardkit.testing import fixture_config, make_tiny_model
+
+    cache: dict = {}
+
+    def build(dtype: torch.dtype = torch.float32):
+        if dtype not in cache:
+            out = tmp_path_factory.mktemp(f"tinyllama-mini-4-layers-{str(dtype).split('.')[-1]}")
+            config = fixture_config("tinyllama-mini") | {"num_hidden_layers": 4}
+            cache[dtype] = make_tiny_model(config, out / "hf", dtype=dtype)
+        return cache[dtype]
+
+    return build
 
 
 _COUNT = [0]

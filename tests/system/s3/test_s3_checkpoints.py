@@ -238,14 +238,14 @@ def test_save_from_several_hosts_uploads_every_hosts_files(bucket, tmp_path):
 # ---- the trainer -------------------------------------------------------------------------------------
 
 
-def test_trainer_saves_to_and_resumes_from_s3(tiny_model, bucket, tmp_path, workdir, caplog):
+def test_trainer_saves_to_and_resumes_from_s3(small_model, bucket, tmp_path, workdir, caplog):
     import logging
 
     from trainer_helpers import COMMON
 
     from trainer.__main__ import main
 
-    hf = tiny_model("tinyllama-mini")
+    hf = small_model()
     model_url = f"s3://{bucket}/base"
     convert(hf, model_url, shardkit.make_layout(tp=2, pp=1))
     tokens = tmp_path / "tokens.bin"

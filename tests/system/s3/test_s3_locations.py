@@ -19,6 +19,7 @@ from click.testing import CliRunner  # noqa: E402
 from s3_helpers import (  # noqa: E402
     keys,
     own_temporary_folder,  # noqa: F401 - autouse: each test its own temporary folder
+    run,
     run_sub,
 )
 
@@ -26,6 +27,7 @@ import shardkit  # noqa: E402
 from shardkit.api import convert, merge, verify  # noqa: E402
 from shardkit.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
 from shardkit.cli import cli  # noqa: E402
+from shardkit.io import s3  # noqa: E402
 
 # ---- the location parser -------------------------------------------------------------------------------
 
@@ -71,19 +73,21 @@ def test_without_boto3_the_extra_is_named(tmp_path, workdir):
 
 
 def test_missing_bucket_and_credentials_are_one_line(s3_server, tmp_path, workdir, monkeypatch):
-    out = run_sub("ckpt", "list", "s3://no-such-bucket-here/x")
-    assert out.returncode == 2 and "does not exist" in out.stderr and len(out.stderr.strip().splitlines()) == 1
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") or k == "AWS_ENDPOINT_URL"}
-    env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
-    env["AWS_EC2_METADATA_DISABLED"] = "true"
-    out = subprocess.run(
-        [sys.executable, "-m", "shardkit", "ckpt", "list", "s3://bucket/x"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=workdir,
-    )
-    assert out.returncode == 2 and "no AWS credentials" in out.stderr, out.stderr
+    out = run("ckpt", "list", "s3://no-such-bucket-here/x")
+    assert out.exit_code == 2 and "does not exist" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    with monkeypatch.context() as m:  # a client made without credentials, for this command only
+        for k in [k for k in os.environ if k.startswith("AWS_") and k != "AWS_ENDPOINT_URL"]:
+            m.delenv(k)
+        m.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+        m.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+        m.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        s3.reset_client()
+        try:
+            out = run("ckpt", "list", "s3://bucket/x")
+        finally:
+            m.undo()
+            s3.reset_client()
+    assert out.exit_code == 2 and "no AWS credentials" in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
 
@@ -112,7 +116,7 @@ def test_api_and_trainer_refuse_other_schemes(tmp_path, workdir, capsys):
     assert not list(workdir.iterdir())
 
 
-def test_denied_access_is_one_line(s3_server, bucket, tiny_model, workdir):
+def test_denied_access_is_one_line(s3_server, bucket, small_model, workdir, monkeypatch):
     """A user the store knows, with no permission on the bucket: one line, exit 2, for a read
     and for a write (moto checks IAM once its authentication is switched on)."""
     import urllib.request
@@ -120,7 +124,7 @@ def test_denied_access_is_one_line(s3_server, bucket, tiny_model, workdir):
     iam = boto3.client("iam", endpoint_url=s3_server, region_name="us-east-1")
     iam.create_user(UserName="nobody")
     key = iam.create_access_key(UserName="nobody")["AccessKey"]
-    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    hf = small_model(torch.bfloat16)
 
     def auth(count: str) -> None:
         request = urllib.request.Request(
@@ -133,16 +137,17 @@ def test_denied_access_is_one_line(s3_server, bucket, tiny_model, workdir):
 
     auth("0")
     try:
-        env = dict(os.environ, AWS_ACCESS_KEY_ID=key["AccessKeyId"], AWS_SECRET_ACCESS_KEY=key["SecretAccessKey"])
         for args in (["ckpt", "list", f"s3://{bucket}/x"], ["convert", hf, f"s3://{bucket}/y", "--tp", "2"]):
-            out = subprocess.run(
-                [sys.executable, "-m", "shardkit", *map(str, args)],
-                capture_output=True,
-                text=True,
-                env=env,
-                cwd=workdir,
-            )
-            assert out.returncode == 2, out.stderr
+            with monkeypatch.context() as m:  # this user's client, for this command only
+                m.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+                m.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+                s3.reset_client()
+                try:
+                    out = run(*args)
+                finally:
+                    m.undo()
+                    s3.reset_client()
+            assert out.exit_code == 2, out.stderr
             lines = out.stderr.strip().splitlines()
             # (moto answers a signed listing of this user SignatureDoesNotMatch, a PUT AccessDenied: both 403)
             assert len(lines) == 1 and "access denied (" in lines[0] and f"s3://{bucket}/" in lines[0], lines

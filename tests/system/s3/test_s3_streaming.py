@@ -57,10 +57,16 @@ def test_convert_merge_reshard_verify_through_s3(tiny_model, bucket, tmp_path, w
     res = run("reshard", url, url2, "--tp", "2", "--pp", "1")
     assert res.exit_code == 0, res.output
     assert verify(url, url2).ok and verify(hf, url2).ok
+    # an existing output is replaced only with --overwrite; an output inside its source is refused
+    again = run("convert", hf, url2, "--tp", "2")
+    assert again.exit_code == 2 and "--overwrite" in again.stderr, again.stderr
+    overlap = run("reshard", url, f"{url}/inner", "--tp", "1")
+    assert overlap.exit_code == 2 and "overlaps" in overlap.stderr, overlap.stderr
     assert not list(workdir.iterdir())
     no_mirrors_left()
 
 
+@pytest.mark.slow  # the CLI in its own processes (8 of them); in process: the test above
 def test_cli_convert_to_s3_and_verify(tiny_model, bucket, workdir):
     hf = tiny_model("tinyllama-mini", torch.bfloat16)
     url = f"s3://{bucket}/cli/tp2"
@@ -132,13 +138,13 @@ def streamed_sizes(monkeypatch):
     return seen
 
 
-def test_streamed_source_holds_a_window_and_checks_every_block(tiny_model, bucket, tmp_path, streamed_sizes):
+def test_streamed_source_holds_a_window_and_checks_every_block(small_model, bucket, tmp_path, streamed_sizes):
     """A source shardkit wrote to object storage lists block digests; a merge of it fetches it a
     bounded window ahead, checks each block as it arrives and drops what it has read: the result
     is exact while at most the window is held."""
     from shardkit.io.data import digest
 
-    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    hf = small_model(torch.bfloat16)
     url = f"s3://{bucket}/tp4"
     convert(hf, url, shardkit.make_layout(tp=4, pp=2, qkv="gqa"))
     manifest = json.loads(s3.client().get_object(Bucket=bucket, Key="tp4/shardkit.json")["Body"].read())
@@ -159,12 +165,12 @@ def test_streamed_source_holds_a_window_and_checks_every_block(tiny_model, bucke
     no_mirrors_left()
 
 
-def test_streamed_metadata_comes_in_the_parts_that_hold_it(tiny_model, bucket, streamed_sizes, monkeypatch):
+def test_streamed_metadata_comes_in_the_parts_that_hold_it(small_model, bucket, streamed_sizes, monkeypatch):
     """A streamed source's metadata (a torch shard's head and tail) is fetched as the whole parts
     holding it, which the feeder then skips: each part of each shard is one GET, none is a GET for
     metadata alone. With no room in the window for those parts, the metadata alone is fetched."""
     monkeypatch.setattr(remote, "PART_HOLE", 0)  # head and tail apart, as in a shard of a real model
-    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    hf = small_model(torch.bfloat16)
     url = f"s3://{bucket}/tp4"
     convert(hf, url, shardkit.make_layout(tp=4, pp=2, qkv="gqa"))
     gets: list[tuple[str, int, int]] = []
@@ -200,13 +206,14 @@ def test_streamed_metadata_comes_in_the_parts_that_hold_it(tiny_model, bucket, s
     assert any(start % remote.PART for _, start, _ in first)  # the metadata alone (a tail's start)
 
 
+@pytest.mark.slow  # the window on disk; in memory: test_streamed_source_holds_a_window_and_checks_every_block
 def test_streamed_source_without_a_memory_folder_streams_on_disk(
-    tiny_model, bucket, tmp_path, streamed_sizes, monkeypatch
+    small_model, bucket, tmp_path, streamed_sizes, monkeypatch
 ):
     """No memory file system to hold the window (a container without /dev/shm): the mirror is in
     the temporary folder, and still gives back what has been read."""
     monkeypatch.setattr(remote, "MEMORY_DIR", str(tmp_path / "no-such-folder"))
-    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    hf = small_model(torch.bfloat16)
     url = f"s3://{bucket}/disk"
     convert(hf, url, shardkit.make_layout(tp=2, qkv="gqa"))
     merge(url, tmp_path / "merged")
@@ -216,10 +223,10 @@ def test_streamed_source_without_a_memory_folder_streams_on_disk(
     no_mirrors_left()
 
 
-def test_streamed_source_with_a_flipped_bit_is_refused(tiny_model, bucket, tmp_path, streamed_sizes):
+def test_streamed_source_with_a_flipped_bit_is_refused(small_model, bucket, tmp_path, streamed_sizes):
     """A byte changed in the store after the manifest was written: the block holding it does not
     match, and nothing is written."""
-    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    hf = small_model(torch.bfloat16)
     url = f"s3://{bucket}/flip"
     convert(hf, url, shardkit.make_layout(tp=2, qkv="gqa"))
     key = "flip/model/dp_rank_00_tp_rank_01_pp_rank_00.pt"
@@ -233,10 +240,10 @@ def test_streamed_source_with_a_flipped_bit_is_refused(tiny_model, bucket, tmp_p
     no_mirrors_left()
 
 
-def test_source_without_block_digests_is_fetched_whole_and_checked(tiny_model, bucket, tmp_path, streamed_sizes):
+def test_source_without_block_digests_is_fetched_whole_and_checked(small_model, bucket, tmp_path, streamed_sizes):
     """Shards written locally and copied up by another tool list no block digests: read as
     before (fetched whole, each file checked), exact, and a flipped bit is still refused."""
-    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    hf = small_model(torch.bfloat16)
     local = tmp_path / "tp2"
     convert(hf, local, shardkit.make_layout(tp=2, qkv="gqa"))
     for f in sorted(p for p in local.rglob("*") if p.is_file()):
@@ -287,13 +294,13 @@ def _drop_a_descriptor_signature(path: Path, record: str) -> None:
 
 
 def test_streamed_torch_file_laid_out_otherwise_is_read_again_whole(
-    tiny_model, bucket, tmp_path, streamed_sizes, caplog
+    small_model, bucket, tmp_path, streamed_sizes, caplog
 ):
     """A streamed torch file's tensor offsets are predicted from its central directory (its local
     headers are not fetched ahead of the plan) and checked against the real headers before the
     output is committed: a valid archive laid out otherwise (a descriptor without its signature)
     is read again, fetched whole first, and the result is exact."""
-    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    hf = small_model(torch.bfloat16)
     local = tmp_path / "tp2"
     convert(hf, local, shardkit.make_layout(tp=2, qkv="gqa"))
     shard = local / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"

@@ -25,6 +25,7 @@ from s3_helpers import (  # noqa: E402
     kill_while_uploading,
     no_mirrors_left,
     own_temporary_folder,  # noqa: F401 - autouse: each test its own temporary folder
+    run,
     run_sub,
     s3_loc,
 )
@@ -118,6 +119,7 @@ def test_next_file_goes_up_while_the_store_completes_the_last(bucket, tmp_path, 
     assert len([w for w in proxy.faulted if "partNumber=" in w]) == 9, proxy.faulted
 
 
+@pytest.mark.slow  # kill -9 while uploading: in the main suite, test_safety_s3's killed overwrite
 def test_interrupted_upload_is_incomplete_and_cleaned_up(tiny_model, bucket, tmp_path, workdir):
     hf = tiny_model("tinyllama-mini", torch.bfloat16)
     url = f"s3://{bucket}/killed"
@@ -163,14 +165,17 @@ def test_prefix_written_by_a_running_process_is_refused_even_with_overwrite(tiny
     assert verify(hf, url).ok
 
 
-def test_prefix_left_by_a_failed_write_of_this_process_is_cleaned_up(tiny_model, bucket, workdir, caplog):
+def test_prefix_left_by_a_failed_write_of_this_process_is_cleaned_up(tiny_model, bucket, tmp_path, workdir, caplog):
     """A marker naming this very process, which is not writing that prefix now (an earlier write
-    of it failed and could not remove its objects): the next write removes them, saying so."""
+    of it failed and could not remove its objects): a read of it is refused as incomplete; the
+    next write removes them, saying so."""
     import socket
 
     hf = tiny_model("tinyllama-mini", torch.bfloat16)
     _marker(bucket, "mine", socket.gethostname(), os.getpid())
     s3.client().put_object(Bucket=bucket, Key="mine/model/part.pt", Body=b"left")
+    refused = run("merge", f"s3://{bucket}/mine", tmp_path / "m")
+    assert refused.exit_code == 2 and "incomplete" in refused.stderr, refused.stderr
     with caplog.at_level(logging.WARNING, logger="shardkit"):
         convert(hf, f"s3://{bucket}/mine", shardkit.make_layout(tp=2))
     assert "left incomplete by a run" in caplog.text

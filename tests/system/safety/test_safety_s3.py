@@ -378,10 +378,10 @@ def test_sigterm_removes_a_mirror_kept_until_exit(tiny_model, bucket, own_tempor
 
 
 @pytest.mark.parametrize("claimed", [1 << 64, 10**18, -5, 1 << 40])
-def test_listing_that_claims_an_impossible_size_is_one_line(claimed, tiny_model, bucket, tmp_path, workdir):
+def test_listing_that_claims_an_impossible_size_is_one_line(claimed, small_model, bucket, tmp_path, workdir):
     """The store lists a tensor file as larger than it is (or at a size no object has): one line,
     exit 2, naming the s3:// object, after a handful of GETs (not one per part of the claim)."""
-    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+    hf = small_model(torch.bfloat16)
     url = f"s3://{bucket}/claims"
     convert(hf, url, shardkit.make_layout(tp=2))
     gets: list[str] = []
@@ -436,6 +436,7 @@ def test_messages_name_the_bucket_and_not_botocore(s3_server, caplog):
     assert "Found credentials" not in caplog.text
 
 
+@pytest.mark.slow  # the trainer resumes from s3:// in the main suite: test_s3_checkpoints
 def test_trainer_resume_message_names_the_url(tiny_model, bucket, tmp_path, workdir, caplog):
     """The trainer's "resumed from" names the checkpoint's s3:// URL, not its local mirror, and
     botocore's credentials note is not among its messages."""

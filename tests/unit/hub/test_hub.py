@@ -302,6 +302,7 @@ def test_cli_convert_from_a_repo_id_end_to_end_then_offline_from_the_cache(hub, 
     assert shardkit.verify(served, tmp_path / "tp2-offline").ok
 
 
+@pytest.mark.slow  # every command with repo ids (subprocesses); a repo id as SRC: the convert tests
 def test_reshard_inspect_and_verify_take_repo_ids(hub, served, shards, tmp_path):
     """Every command's SRC may be a Hub repo id: reshard a repo of shards, inspect it, verify a
     local result against the original repo; the library API takes repo ids as the CLI does."""

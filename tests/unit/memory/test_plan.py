@@ -748,6 +748,7 @@ def test_plan_work_does_not_grow_with_the_layer_count(tmp_path, pieces_cut, flag
     assert cut[0] == cut[1] and 0 < cut[0] <= 2000, cut
 
 
+@pytest.mark.slow  # the work at 4096 layers: test_plan_work_does_not_grow_with_the_layer_count
 def test_suggest_at_4096_layers_answers_as_pricing_every_piece(tmp_path, pieces_cut, stage_layers_once):
     """`plan --suggest` on Llama-2-70B edited to 4096 layers: a few dozen pieces cut and a few
     MiB held (it was minutes and gigabytes), and the layouts it names are priced as piece by piece."""

@@ -192,7 +192,10 @@ BAD_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(BAD_CASES))
+# one case under torchrun in the main suite (the others: -m slow, and single-process below)
+@pytest.mark.parametrize(
+    "name", [name if name == "layout-vs-model" else pytest.param(name, marks=pytest.mark.slow) for name in BAD_CASES]
+)
 def test_bad_input_one_line_every_rank_exits(name, work, hf_model, tokens):
     nproc, extra, fragment = BAD_CASES[name]
     out = work / f"bad-{name}"

@@ -335,6 +335,7 @@ def test_lora_bad_input_one_line_exit_2(tmp_path, work, hf_model, tokens, serial
     assert not (tmp_path / "c").exists() and not (tmp_path / "e").exists()
 
 
+@pytest.mark.slow  # the same command under torchrun: test_cli_newcomer's; in process: the test above
 def test_lora_bad_input_every_rank_exits_2(tmp_path, hf_model, tokens):
     done = torchrun(
         2,

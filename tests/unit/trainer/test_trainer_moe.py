@@ -399,6 +399,7 @@ def test_bad_input(tmp_path, work, hf_model, tokens, capsys):
         )
 
 
+@pytest.mark.slow  # in process: the --ep checks above; every rank exits 2: test_trainer's bad input
 def test_bad_ep_every_rank_exits_2(work, hf_model, tokens):
     """ep 4 over dp 2: one line on rank 0, both ranks exit 2."""
     from trainer_helpers import worker_exit_codes

@@ -403,6 +403,7 @@ def test_bad_vpp_input_is_one_line(work, hf_model, tokens, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow  # in process: the refusals above; every rank exits 2: test_trainer's bad input
 def test_zbv_refused_on_every_rank(work, hf_model, tokens):
     """Under torchrun: rank 0 prints the one line, every rank exits 2, nothing is written."""
     from trainer_helpers import torchrun, worker_exit_codes
