@@ -27,7 +27,7 @@ import shardkit  # noqa: E402
 from shardkit.api import convert, merge, verify  # noqa: E402
 from shardkit.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
 from shardkit.cli import cli  # noqa: E402
-from shardkit.io import s3  # noqa: E402
+from shardkit.io.objects import s3  # noqa: E402
 
 # ---- the location parser -------------------------------------------------------------------------------
 
