@@ -411,12 +411,12 @@ def load_checkpoint(
             name = resolve_tag(store.root, tag)
             if name is None:
                 return None
-            return _load(store.root, name, target_layout, rank, config, hints, optimizer, verify, param_order, store)
-    return _load(Path(dir), tag, target_layout, rank, config, hints, optimizer, verify, param_order, Store(dir))
+            return _load(store, name, target_layout, rank, config, hints, optimizer, verify, param_order)
+    return _load(Store(dir), tag, target_layout, rank, config, hints, optimizer, verify, param_order)
 
 
 def _load(  # noqa: PLR0913 - load_checkpoint's arguments, resolved
-    root: Path,
+    store: Store,
     tag: str | None,
     target_layout: Layout | None,
     rank: Any,
@@ -425,9 +425,9 @@ def _load(  # noqa: PLR0913 - load_checkpoint's arguments, resolved
     optimizer: bool,
     verify: bool,
     param_order: list[list[str]] | None,
-    store: Store,
 ) -> LoadedCheckpoint | None:
-    """`load_checkpoint` of the local folder `root` (a mirror's, read through `store`)."""
+    """`load_checkpoint` of the local folder `store.root` (a mirror's, read through `store`)."""
+    root = store.root
     if tag is not None and tag != LATEST_IF_EXISTS:
         name = resolve_tag(root, tag)
         assert name is not None

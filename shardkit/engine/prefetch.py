@@ -187,7 +187,7 @@ class Prefetcher:
         self.spans = spans  # as planned (the hash check knows by them which reads come later)
         self.store = store if store is not None else Store("/")
         self._once_spans: list[tuple[Path, int, int]] = []
-        if type(self.store) is not Store and once is not None:
+        if self.store.fetches and once is not None:
             # an object store's mirror files: fetched by the mirror, never read around the page cache
             # (a local file is, whatever mirrors this process holds open)
             mirrored = {path: self.store.holds(path) for path in {span[0] for span in spans}}

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from .location import RemoteLocation
+from .location import remote as remote_location
 from .objects import published, remote, s3, upload
 from .objects.remote import TENSOR_SUFFIXES, Need, Unpredicted
 from .objects.remote import mirrors_scope as scope
@@ -53,6 +54,7 @@ Extent = tuple[Path, int, int]
 class Store:
     """A local folder: every byte is there, nothing is fetched."""
 
+    fetches = False  # whether its files' bytes are fetched before they are read (object storage)
     streamed = False  # whether its tensor files are streamed (read once, dropped once read)
 
     def __init__(self, root: str | os.PathLike[str]):
@@ -98,28 +100,27 @@ class MirrorStore(Store):
     def __init__(self, mirror: remote.Mirror):
         super().__init__(mirror.root)
         self.mirror = mirror
+        self.fetches = True
         self.streamed = mirror.streamed
 
     def holds(self, path: str | os.PathLike[str]) -> bool:
         return self.mirror.file_at(path) is not None
 
-    def location(self, path: str | os.PathLike[str] | None = None) -> RemoteLocation | None:
-        if path is None:
-            return self.mirror.loc
+    def _relative(self, path: str | os.PathLike[str]) -> str | None:
+        """`path` relative to the mirror's root ("" for the root), None when outside it."""
         here = Path(path)
         if here == self.root:
-            return self.mirror.loc
-        if self.root not in here.parents:
+            return ""
+        return here.relative_to(self.root).as_posix() if self.root in here.parents else None
+
+    def location(self, path: str | os.PathLike[str] | None = None) -> RemoteLocation | None:
+        rel = "" if path is None else self._relative(path)
+        if rel is None:
             return None
-        return self.mirror.loc.child(here.relative_to(self.root).as_posix())
+        return self.mirror.loc.child(rel) if rel else self.mirror.loc
 
     def prepare(self, paths: Iterable[str | os.PathLike[str]], need: Need = Need.METADATA) -> None:
-        rels = []
-        for path in paths:
-            here = Path(path)
-            if here == self.root or self.root in here.parents:
-                rel = here.relative_to(self.root).as_posix()
-                rels.append("" if rel == "." else rel)
+        rels = [rel for rel in map(self._relative, paths) if rel is not None]
         if rels:
             self.mirror.prepare(rels, need)
 
@@ -150,6 +151,7 @@ class _Joined(Store):
     def __init__(self, stores: Sequence[Store]):
         super().__init__(stores[0].root)
         self.stores = list(stores)
+        self.fetches = any(s.fetches for s in stores)
         self.streamed = any(s.streamed for s in stores)
 
     def _of(self, path: str | os.PathLike[str]) -> Store | None:
@@ -188,7 +190,7 @@ class _Joined(Store):
 
 def joined(*stores: Store) -> Store:
     """One store reading through each of `stores` (when all are local folders: the first)."""
-    if all(type(s) is Store for s in stores):
+    if not any(s.fetches for s in stores):
         return stores[0]
     return _Joined(stores)
 
@@ -206,12 +208,6 @@ class Prefix:
 
     def __init__(self, loc: RemoteLocation):
         self.loc = loc
-
-    def __str__(self) -> str:
-        return str(self.loc)
-
-    def child(self, name: str) -> Prefix:
-        return type(self)(self.loc.child(name))
 
 
 class S3Prefix(Prefix):
@@ -280,11 +276,15 @@ def hidden(name: str) -> bool:
 def readable(text: str, what: str) -> Store | None:
     """The store to read `text` through: a local folder, or for s3:// a mirror of the prefix, kept
     until the process exits (None when the prefix holds nothing yet)."""
-    root = remote.readable(text, what)
-    if root is None:
+    loc = remote_location(text, what)
+    if loc is None:
+        return Store(text)
+    objects = prefix(loc)
+    listed = objects.listing()
+    if not listed:
+        objects.check_bucket()
         return None
-    mirror = remote.mirror_of(root)
-    return Store(root) if mirror is None else MirrorStore(mirror)
+    return objects.mirror(listed)
 
 
 # ---- what a reader asks of the file it holds open -------------------------------------------------

@@ -698,39 +698,6 @@ def _remove_stale() -> None:
             log.info("removed %s, the S3 mirror of a run (process %s) that no longer runs", folder, pid)
 
 
-def _in_mirrors(path: str | os.PathLike[str]) -> Iterator[tuple[Mirror, str]]:
-    """Each open mirror holding the local `path`, with `path` relative to its root ("" for the root)."""
-    here = Path(path)
-    with _OPEN_LOCK:
-        mirrors = list(_OPEN)
-    for mirror in mirrors:
-        if here == mirror.root or mirror.root in here.parents:
-            rel = here.relative_to(mirror.root).as_posix()
-            yield mirror, "" if rel == "." else rel
-
-
-def mirror_of(path: str | os.PathLike[str]) -> Mirror | None:
-    """The open mirror holding the local `path`, if any."""
-    for mirror, _ in _in_mirrors(path):
-        return mirror
-    return None
-
-
-def readable(text: str, what: str) -> Path | None:
-    """A local path to read `text` through: itself, or for s3:// a mirror of the prefix (kept until
-    exit; None when the prefix holds nothing yet)."""
-    from ..location import remote as remote_location
-
-    loc = remote_location(text, what)
-    if loc is None:
-        return Path(text)
-    objects = s3.list_objects(loc)
-    if not objects:
-        s3.check_bucket(loc)
-        return None
-    return open_mirror(loc, objects).root
-
-
 def active() -> bool:
     return bool(_MIRRORED)
 

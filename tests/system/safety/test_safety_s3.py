@@ -357,8 +357,8 @@ def test_sigterm_removes_a_mirror_kept_until_exit(tiny_model, bucket, own_tempor
     convert(hf, url, shardkit.make_layout(tp=2))
     code = (
         "import sys, time\n"
-        "from shardkit.io.objects import remote\n"
-        f"print(remote.readable({url!r}, 'x'), flush=True)\n"
+        "from shardkit.io.store import readable\n"
+        f"print(readable({url!r}, 'x').root, flush=True)\n"
         "time.sleep(60)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
