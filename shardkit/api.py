@@ -43,6 +43,7 @@ from .hub import resolve_source
 from .io.data import digest
 from .io.data.digest import BLOCKS_KEY, FAST, NONE, check_mode, file_matches, recording_blocks
 from .io.location import remote as remote_location
+from .io.safety.sinks import NO_SINK, Sink
 from .io.safety.transaction import recover_interrupted
 from .io.store import TENSOR_SUFFIXES, MirrorStore, Need, Store, Unpredicted, open_store, prefix, remote_output, scope
 from .layout import FULL, Layout, make_layout
@@ -73,13 +74,14 @@ ConfigArg = str | Path | Mapping[str, Any] | None
 @contextlib.contextmanager
 def _destination(
     dst: str | Path, overwrite: bool, sources: tuple[object, ...] = (), replace: Any = ()
-) -> Iterator[str | Path]:
-    """The local folder to write `dst` into: `dst` itself, or for s3:// a staging folder
-    uploaded once the operation succeeds (`io.objects.upload.remote_output`; `replace`: the globs of
-    `WriteArgs.replace_objects`)."""
+) -> Iterator[tuple[str | Path, Sink]]:
+    """The local folder to write `dst` into, and the sink its writers hand each finished file to
+    (`io.safety.sinks`): `dst` itself (nothing to do), or for s3:// a staging folder whose files
+    are uploaded as they close and committed once the operation succeeds
+    (`io.objects.upload.remote_output`; `replace`: the globs of `WriteArgs.replace_objects`)."""
     loc = remote_location(dst, "DST")
     if loc is None:
-        yield dst
+        yield dst, NO_SINK
         return
     remote_sources = [
         r
@@ -91,8 +93,8 @@ def _destination(
         if r is not None
     ]
     patterns = [replace] if isinstance(replace, str) else list(replace or ())
-    with remote_output(loc, overwrite=overwrite, sources=remote_sources, replace=patterns) as local, recording_blocks():
-        yield local  # its manifest lists block digests: a later read of it streams (io.objects.remote)
+    with remote_output(loc, overwrite=overwrite, sources=remote_sources, replace=patterns) as out, recording_blocks():
+        yield out  # its manifest lists block digests: a later read of it streams (io.objects.remote)
 
 
 def _located(result: Result, dst: str | Path) -> Result:
@@ -257,13 +259,15 @@ def reshard(
     a DCP output (`hf`, the default, or `torchtitan`: see shardkit.conventions). `src` and `dst`
     may be s3://bucket/prefix."""
     replace = options.get("replace_objects")
-    with scope(), _destination(dst, bool(options.get("overwrite")), (src,), replace) as out:
+    with scope(), _destination(dst, bool(options.get("overwrite")), (src,), replace) as (out, sink):
         # not streamed: a reshard reads pieces more than once and reads copied bytes back to hash them;
         # checked by no digest, it fetches the ranges it plans to read (not a K/V head's other replicas)
         unchecked = check_mode(options.get("verify_hashes", True)) == NONE
         ckpt = open_source(src, config, hints, revision, Need.METADATA if unchecked else Need.EVERYTHING)
         _check_fetched(ckpt, options)  # type: ignore[arg-type]
-        result = reshard_checkpoint(ckpt, out, layout, format=format, command=command, convention=convention, **options)
+        result = reshard_checkpoint(
+            ckpt, out, layout, format=format, command=command, convention=convention, sink=sink, **options
+        )
     return _located(result, dst)
 
 
@@ -286,6 +290,23 @@ def merge(
 ) -> Result:
     """Any checkpoint (a path or a Hub repo id) -> a Hugging Face model directory (safetensors +
     index + config), in files of at most `max_shard_size`. `options` as for `reshard`."""
+    replace = options.get("replace_objects")
+    with scope(), _destination(dst, bool(options.get("overwrite")), (src,), replace) as (out, sink):
+        result = _merge(src, out, sink, max_shard_size, config, hints, revision, dict(options))
+    return _located(result, dst)
+
+
+def _merge(
+    src: str | Path | Checkpoint,
+    out: str | Path,
+    sink: Sink,
+    max_shard_size: int | str,
+    config: ConfigArg,
+    hints: Mapping | None,
+    revision: str | None,
+    options: dict[str, Any],
+) -> Result:
+    """`merge` into the local folder `out`, its finished files handed to `sink`."""
 
     def run(ckpt: Checkpoint, checked: dict[str, Any]) -> Result:
         if settings_of(ckpt) is not None:
@@ -296,12 +317,9 @@ def merge(
             )
         if not isinstance(src, Checkpoint):  # a view (a LoRA merge, an export) is never a plain re-save
             _refuse_resave(ckpt, max_shard_size, checked.get("dtype"))
-        return merge_checkpoint(ckpt, out, max_shard_size=max_shard_size, **checked)
+        return merge_checkpoint(ckpt, out, max_shard_size=max_shard_size, sink=sink, **checked)
 
-    replace = options.get("replace_objects")
-    with scope(), _destination(dst, bool(options.get("overwrite")), (src,), replace) as out:
-        result = _read_once(src, config, hints, revision, dict(options), run)
-    return _located(result, dst)
+    return _read_once(src, config, hints, revision, options, run)
 
 
 def _refuse_resave(ckpt: Checkpoint, max_shard_size: int | str, dtype: Any) -> None:
@@ -392,7 +410,7 @@ def export_checkpoint(
     `merged` the Hugging Face model of its base with the adapters merged in: `base` (a model
     directory of any layout, or a Hub repo id) or else the base model the checkpoint records."""
     replace = options.get("replace_objects")
-    with scope(), _destination(out, bool(options.get("overwrite")), (dir,), replace) as local_out:
+    with scope(), _destination(out, bool(options.get("overwrite")), (dir,), replace) as (local_out, sink):
         store = _checkpoint_root(dir)
         root, name = tag_to_read(store.root if store is not None else dir, tag, "shardkit merge DIR OUT")
         if store is not None:  # the model files whole (master weights in optim/: as the merge reads them)
@@ -408,15 +426,16 @@ def export_checkpoint(
                     f"{model.root} holds full weights, not LoRA adapters: --merged and --base apply to LoRA "
                     "checkpoints only; leave them out"
                 )
-            result = merge(model, local_out, max_shard_size=max_shard_size, **options)
+            result = _merge(model, local_out, sink, max_shard_size, None, None, None, dict(options))
         else:
-            result = _export_lora(model, local_out, settings.base_model, merged, base, max_shard_size, options)
+            result = _export_lora(model, local_out, sink, settings.base_model, merged, base, max_shard_size, options)
     return _located(result, out)
 
 
 def _export_lora(
     model: Checkpoint,
     out: str | Path,
+    sink: Sink,
     recorded: str | None,
     merged: bool,
     base: str | Path | None,
@@ -424,13 +443,20 @@ def _export_lora(
     options: Any,
 ) -> Result:
     """`export_checkpoint` of a LoRA adapter checkpoint: its PEFT folder, or `merged` its base model
-    (`base`, else the one the checkpoint records) with the adapters merged in."""
+    (`base`, else the one the checkpoint records) with the adapters merged in; each finished file
+    of `out` handed to `sink`."""
     base_model = str(base) if base is not None else recorded
     if not merged:
         verify = options.get("verify_hashes", True) not in (False, "none")
         dtype = parse_dtype(options.get("dtype"))
         records = export_peft(
-            model, out, base_model, dtype=dtype, overwrite=options.get("overwrite", False), verify_hashes=verify
+            model,
+            out,
+            base_model,
+            dtype=dtype,
+            overwrite=options.get("overwrite", False),
+            verify_hashes=verify,
+            sink=sink,
         )
         return Result(Path(out), records, FULL, "peft")
     if base_model is None:
@@ -443,7 +469,7 @@ def _export_lora(
         )
     TagCheck(model.root, options.get("verify_hashes", True) not in (False, "none")).verify()
     base_ckpt = open_source(base_model, need=Need.EVERYTHING)
-    return merge(merged_view(base_ckpt, model), out, max_shard_size=max_shard_size, **options)
+    return _merge(merged_view(base_ckpt, model), out, sink, max_shard_size, None, None, None, dict(options))
 
 
 @no_full_collections()
@@ -466,12 +492,12 @@ def reshard_training_checkpoint(
     from .checkpoint.zero1 import read_param_order
 
     order = read_param_order(param_order) if isinstance(param_order, (str, Path)) else param_order
-    with scope(), _destination(dst, False, (src,)) as out:
+    with scope(), _destination(dst, False, (src,)) as (out, sink):
         store = _checkpoint_root(src)
         root = _prepared_tag_root(store, options.get("tag"), Need.EVERYTHING) if store is not None else src
         if not isinstance(layout, Layout):
             layout = layout(inspect_training(root, options.get("tag"), options.get("config"), order))
-        written = reshard_training(root, out, layout, param_order=order, **options)
+        written = reshard_training(root, out, layout, param_order=order, sink=sink, **options)
     loc = remote_location(dst)
     return written if loc is None else str(loc.child(written.name))
 

@@ -55,6 +55,7 @@ from shardkit.families.lora import (
 from shardkit.formats import open_checkpoint
 from shardkit.io.location import remote as remote_location
 from shardkit.io.safety.durable import write_text
+from shardkit.io.safety.sinks import NO_SINK
 from shardkit.io.safety.transaction import commit_all, staged_output
 from shardkit.io.store import remote_output
 from shardkit.layout import ModelDims
@@ -367,12 +368,18 @@ def export_peft(
         if not par.leader:
             return
         alone = Job()  # rank 0 alone writes the adapter folder
-        into = remote_output(loc, overwrite=True, what="exporting LoRA adapters") if loc else nullcontext(target)
+        into = (
+            remote_output(loc, overwrite=True, what="exporting LoRA adapters")
+            if loc
+            else nullcontext((target, NO_SINK))
+        )
         with (
-            into as folder,
-            staged_output(folder, sources=[staging], overwrite=True, what="exporting LoRA adapters", job=alone) as out,
+            into as (folder, sink),
+            staged_output(
+                folder, sources=[staging], overwrite=True, what="exporting LoRA adapters", job=alone, sink=sink
+            ) as out,
         ):
-            write_peft(open_checkpoint(staging / "adapters"), out.path, base_model)
+            write_peft(open_checkpoint(staging / "adapters"), out.path, base_model, sink=out.sink)
             write_text(out.path / marker[0], json.dumps(marker[1], indent=2) + "\n", fsync=False)
             commit_all(out, alone)
 

@@ -41,6 +41,7 @@ from ..formats.dcp_files import METADATA, DcpFileWriter, DcpFolder, finish_folde
 from ..formats.manifest import MANIFEST, file_record, manifest
 from ..io.data.digest import FileRecord
 from ..io.safety.durable import write_text
+from ..io.safety.sinks import NO_SINK, Sink
 from ..io.safety.transaction import commit_all, staged_output
 from ..layout import FULL, Layout, ModelDims
 from ..placements import Piece, Segment
@@ -232,15 +233,16 @@ class TitanWrite:
     dtype: torch.dtype
 
 
-def write_titan(src_dir: Path, dst: Path, plan: TitanWrite, job: Job, check: Any = None) -> Path:
+def write_titan(src_dir: Path, dst: Path, plan: TitanWrite, job: Job, check: Any = None, sink: Sink = NO_SINK) -> Path:
     """`dst/step-<N>`: the training state in torchtitan's DCP layout (see the module's doc),
-    written through the I/O core's staged output; a data file per rank of `plan.layout`."""
+    written through the I/O core's staged output; a data file per rank of `plan.layout`, each
+    handed to `sink` (`io.safety.sinks`) once written."""
     convention = get_convention(plan.convention)
     convention.check(plan.model.family.name, plan.model.dims)
     files = plan_outputs(plan.model.family, plan.model.dims, plan.layout, plan.convention)
     name = f"step-{plan.step}"
-    with staged_output(dst, sources=[src_dir], what="ckpt reshard", job=job) as out:
-        mine = job.run_all_or_none(lambda: _write_files(out.path / name, plan, job.share(files)))
+    with staged_output(dst, sources=[src_dir], what="ckpt reshard", job=job, sink=sink) as out:
+        mine = job.run_all_or_none(lambda: _write_files(out.path / name, plan, job.share(files), out.sink))
         records = [r for part in job.gather(mine) for r in part]
         commit_all(out, job, lambda staging: _finish(staging / name, plan, records, check))
     return dst / name
@@ -255,7 +257,9 @@ class _State(NamedTuple):
     step: float
 
 
-def _write_files(folder: Path, plan: TitanWrite, files: list[tuple[str, list[Piece], Any]]) -> list[FileRecord]:
+def _write_files(
+    folder: Path, plan: TitanWrite, files: list[tuple[str, list[Piece], Any]], sink: Sink
+) -> list[FileRecord]:
     """This process's data files: the rank's chunks of every parameter and its moments; the step,
     hyperparameters and kept items once; where the convention fuses q, k and v, their moments as
     chunks of the fused parameter's (`fused_chunks`)."""
@@ -267,7 +271,7 @@ def _write_files(folder: Path, plan: TitanWrite, files: list[tuple[str, list[Pie
     records: list[FileRecord] = []
     try:
         for path, pieces, _ in files:
-            with DcpFileWriter(folder / path, folder) as writer:
+            with DcpFileWriter(folder / path, folder, sink=sink) as writer:
                 if path == "__0_0.distcp":
                     for key, (nested, value) in plan.items.items():
                         writer.add_object(key, value, path=tuple(nested))

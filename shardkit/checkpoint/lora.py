@@ -29,6 +29,7 @@ from ..formats.base import TensorFile, TensorSpec
 from ..formats.safetensors_io import SafetensorsWriter
 from ..io.data.digest import FileRecord, Recording
 from ..io.safety.durable import write_text
+from ..io.safety.sinks import NO_SINK, Sink
 from ..io.safety.transaction import commit_all, staged_output
 from ..io.store import joined
 from ..layout import ModelDims
@@ -73,12 +74,17 @@ def _whole_piece(ckpt: Checkpoint, name: str) -> Piece:
 
 
 def write_peft(
-    adapters: Checkpoint, folder: Path, base_model: str | None, dtype: torch.dtype | None = None
+    adapters: Checkpoint,
+    folder: Path,
+    base_model: str | None,
+    dtype: torch.dtype | None = None,
+    sink: Sink = NO_SINK,
 ) -> list[FileRecord]:
     """Write the PEFT adapter files of `adapters` (an adapter checkpoint of any layout) into
     `folder` (a staging folder): the full A and B of every layer, gathered one at a time and
     streamed into `adapter_model.safetensors` under peft's names, and `adapter_config.json` naming
-    `base_model`. `dtype`: cast the adapters (default: as stored)."""
+    `base_model`. `dtype`: cast the adapters (default: as stored); `sink`: the output's, which
+    the adapter file is handed to once written (`io.safety.sinks`)."""
     settings = settings_of(adapters)
     if settings is None:
         raise ConfigMismatchError(f"{adapters.root} holds full weights, not LoRA adapters")
@@ -87,7 +93,7 @@ def write_peft(
     specs = [TensorSpec(PEFT_PREFIX + n, tuple(s), dtype) for n, s in shapes.items()]
     reader = SourceReader(adapters)
     try:
-        writer = SafetensorsWriter(folder / ADAPTER_FILE, folder, specs, digests=Recording.NONE)
+        writer = SafetensorsWriter(folder / ADAPTER_FILE, folder, specs, digests=Recording.NONE, sink=sink)
         try:
             for name in shapes:
                 writer.write(PEFT_PREFIX + name, reader.read_piece(_whole_piece(adapters, name)).to(dtype).contiguous())
@@ -111,20 +117,21 @@ def export_peft(
     overwrite: bool = False,
     verify_hashes: bool = True,
     job: Job | None = None,
+    sink: Sink = NO_SINK,
 ) -> list[FileRecord]:
     """The PEFT adapter folder of the adapter checkpoint tag `adapters` as the new folder `dst`
     (written by the job's leader through a staged output; the tag is checked against its manifest
-    and for changes before the commit)."""
+    and for changes before the commit; `sink`: where its finished files go, `io.safety.sinks`)."""
     job = job or current_job()
     tag_dir = adapters.root
     records: list[FileRecord] = []
-    with staged_output(dst, sources=[tag_dir], overwrite=overwrite, what="ckpt export", job=job) as out:
+    with staged_output(dst, sources=[tag_dir], overwrite=overwrite, what="ckpt export", job=job, sink=sink) as out:
 
         def write() -> None:
             if job.leader:
                 check = TagCheck(tag_dir, verify_hashes)
                 try:
-                    records.extend(write_peft(adapters, out.path, base_model, dtype))
+                    records.extend(write_peft(adapters, out.path, base_model, dtype, out.sink))
                 except BaseException:
                     check.stop()
                     raise

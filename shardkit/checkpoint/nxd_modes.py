@@ -46,6 +46,7 @@ from ..formats.dcp_files import (
 )
 from ..formats.source import decide_replication
 from ..io.data.digest import FileRecord
+from ..io.safety.sinks import NO_SINK, Sink
 from ..layout import Layout
 from ..placements import Piece
 from .base import CheckpointError
@@ -287,16 +288,17 @@ def write_dcp_optim(
     hyper: Sequence[Mapping[str, Any]],
     state: Mapping[str, Mapping[str, Any]],
     stages: Sequence[int],
+    sink: Sink = NO_SINK,
 ) -> list[FileRecord]:
     """The DCP data files of one (tp, pp) rank's dp ranks in NxD's zero1-dcp layout (see the
     module's docstring): each dp rank's unpadded shard of every moment, the steps and plain values
-    once (from the lowest rank that has them). Returns their records (`finish_optim` writes
-    `.metadata` from them)."""
+    once (from the lowest rank that has them), each handed to `sink` once written. Returns their
+    records (`finish_optim` writes `.metadata` from them)."""
     suffix = (f"|pp-{pp:04d}" if layout.pp > 1 else "") + (f"|tp-{tp:04d}" if layout.tp > 1 else "")
     records: list[FileRecord] = []
     for d in range(dp):
         rank = (pp * dp + d) * layout.tp + tp
-        with DcpFileWriter(out_tag / OPTIM_DIR / data_file(rank), out_tag) as writer:
+        with DcpFileWriter(out_tag / OPTIM_DIR / data_file(rank), out_tag, sink=sink) as writer:
             first = d == 0 and tp == 0
             if first:
                 _plain_values(writer, pp, names, hyper, state, stages)

@@ -39,10 +39,10 @@ from ..formats.torch_io import (
 from ..formats.torch_zip import ARCHIVE, read_archive
 from ..io.data.digest import FileRecord
 from ..io.data.hashing import HashingFile
-from ..io.objects import sinks
 from ..io.safety.delete import remove_file
 from ..io.safety.durable import fsync_path
 from ..io.safety.oserror import disk_error
+from ..io.safety.sinks import NO_SINK, Sink
 from ..paths import ensure_free_space, free_space, no_space_error
 
 KEEP = object()
@@ -110,20 +110,21 @@ def _stored_bytes(obj: Any) -> int:
 
 
 def torch_save_file(
-    obj: Any, path: Path, archive: str | None = None, root: Path | None = None, **kwargs: Any
+    obj: Any, path: Path, archive: str | None = None, root: Path | None = None, sink: Sink = NO_SINK, **kwargs: Any
 ) -> Path | FileRecord:
     """torch.save(obj, path), as NxD does (the archive named after the file), with a full disk
     refused before writing (the size is known to within the zip's overhead) and any failure of
     torch's writer (its "enforce fail at inline_container.cc") turned into a one-line error.
     With `archive` ARCHIVE: the records under "archive/", as torch.save into a stream names them
     (shardkit's save_checkpoint, the trainer), written through the I/O core: its record (relative
-    to `root`, default the file's folder) is returned instead of the path."""
+    to `root`, default the file's folder) is returned instead of the path, and the file handed to
+    `sink` once closed (torch's own writer's path is left to the caller, who reads it back first)."""
     needed = _stored_bytes(obj) + (64 << 10)
     ensure_free_space(path.parent, needed)
     if archive is not None:
         if archive != ARCHIVE:
             raise ValueError(f"torch.save names the records' folder after the file or {ARCHIVE!r}, not {archive!r}")
-        out = HashingFile(path, root or path.parent)
+        out = HashingFile(path, root or path.parent, sink=sink)
         try:
             torch_save(obj, out, **kwargs)
             return out.close()
@@ -188,6 +189,7 @@ def save_together(
     root: Path | None = None,
     fsync: bool = False,
     archive: str | None = None,
+    sink: Sink = NO_SINK,
 ) -> list[Path | FileRecord]:
     """Save objects of the same structure whose tensors are `Deferred` (or compact tensors) as
     `save_object` would, byte for byte, but a tensor at a time: the k-th tensor of every file,
@@ -195,14 +197,14 @@ def save_together(
     all files while it is the last read, and memory holds one tensor per file, never an object.
     `archive`: None names each file's zip records' folder after the file (torch.save of a path,
     NxD's), ARCHIVE "archive/" (`archive_of`). Returns the files written: the records (relative
-    to `root`, default each file's folder) of those written through the I/O core (which an
-    object-store output may send away as they close; with `fsync`, durable), the paths of the
-    others (torch's own writer's: the caller syncs them)."""
+    to `root`, default each file's folder) of those written through the I/O core (handed to
+    `sink`, the output's, as they close; with `fsync`, durable), the paths of the others (torch's
+    own writer's: the caller syncs them)."""
     paths = [Path(p) for p in paths]
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
     if use_xser:
-        return _xser_together(paths, objs, expert, archive, root)
+        return _xser_together(paths, objs, expert, archive, root, sink)
     plans = [_stubbed(obj) for obj in objs]
     writers: list[TorchWriter | _TorchFileWriter] = []
     try:
@@ -210,9 +212,10 @@ def save_together(
             specs = [TensorSpec(str(k), tuple(leaf.shape), leaf.dtype) for k, leaf in enumerate(leaves)]
             folder = archive or path.stem + "/"  # torch.save names the records' folder after the file it opens
             if archive is not None or written_natively(specs, pkl, folder):  # "archive/": torch's stream writer else
-                writers.append(TorchWriter(path, root or path.parent, specs, data_pkl=pkl, archive=folder))
+                writers.append(TorchWriter(path, root or path.parent, specs, data_pkl=pkl, archive=folder, sink=sink))
             else:
-                writers.append(_TorchFileWriter(path, root or path.parent, pkl, sum(spec.nbytes for spec in specs)))
+                size = sum(spec.nbytes for spec in specs)
+                writers.append(_TorchFileWriter(path, root or path.parent, pkl, size, sink))
         for k in range(len(plans[0][1]) if plans else 0):
             for writer, (_, leaves) in zip(writers, plans):
                 writer.write(str(k), _made(leaves[k]), owned=True)
@@ -230,8 +233,9 @@ class _TorchFileWriter:
     """torch.save's own writer of a path, fed a record at a time in torch.save's order: for the
     archives `torch_zip` leaves to torch (4 GiB or more: zip64 fields in every record)."""
 
-    def __init__(self, path: Path, root: Path, data_pkl: bytes, data_bytes: int):
+    def __init__(self, path: Path, root: Path, data_pkl: bytes, data_bytes: int, sink: Sink = NO_SINK):
         self.path, self.root, self.needed = path, root, data_bytes + len(data_pkl) + (64 << 10)
+        self.sink = sink
         ensure_free_space(path.parent, self.needed)
         self._zip, alignment = torch_compat.file_writer(str(path))
         self._broken = False
@@ -262,7 +266,7 @@ class _TorchFileWriter:
         if fsync:
             fsync_path(self.path)
         record = file_record(self.path, self.root)  # read back once: torch's writer hashes nothing
-        sinks.closed(self.path)  # an output bound for object storage may send it now
+        self.sink.closed(self.path)  # an output bound for object storage may send it now
         return [record]
 
     def abort(self) -> None:
@@ -308,6 +312,7 @@ def _xser_together(
     expert: bool | Collection[str],
     archive: str | None = None,
     root: Path | None = None,
+    sink: Sink = NO_SINK,
 ) -> list[Path | FileRecord]:
     """`save_together` in xser: each tensor its own file, then the reference file and `.info.pt`."""
     walks = []
@@ -319,10 +324,12 @@ def _xser_together(
         xser.tensors_dir(path).mkdir(exist_ok=True)
     for k in range(len(walks[0][1]) if walks else 0):
         for path, (_, leaves) in zip(paths, walks):
-            written.append(torch_save_file(_made(leaves[k]), xser.tensor_path(path, k), archive, root))
+            written.append(torch_save_file(_made(leaves[k]), xser.tensor_path(path, k), archive, root, sink))
     for path, obj, (refs, leaves) in zip(paths, objs, walks):
-        written.append(torch_save_file(refs, path, archive, root, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2))
-        written.append(torch_save_file(_xser_info(obj, leaves, expert), xser.info_path(path), archive, root))
+        written.append(
+            torch_save_file(refs, path, archive, root, sink, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
+        )
+        written.append(torch_save_file(_xser_info(obj, leaves, expert), xser.info_path(path), archive, root, sink))
     return written
 
 
@@ -354,6 +361,7 @@ def save_object(
     *,
     archive: str | None,
     root: Path | None = ...,
+    sink: Sink = ...,
 ) -> list[Path | FileRecord]: ...
 
 
@@ -365,6 +373,7 @@ def save_object(
     data: bool = True,
     archive: str | None = None,
     root: Path | None = None,
+    sink: Sink = NO_SINK,
 ) -> list[Path] | list[Path | FileRecord]:
     """torch.save `obj` to `path` exactly as NxD does (the archive is named after the file; with
     `archive` ARCHIVE under "archive/", see `archive_of`), or as xser (reference file,
@@ -373,18 +382,18 @@ def save_object(
     files are left out, as NxD's `avoid_saving_lower_precision_weights` saves a model (`obj`'s
     tensors may then be on the meta device: only their shapes and dtypes are written). Returns
     the files written (with `archive`, the records of those written through the I/O core,
-    relative to `root`)."""
+    relative to `root`, each handed to `sink` as it closes)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not use_xser:
-        return [torch_save_file(obj, path, archive, root)]
+        return [torch_save_file(obj, path, archive, root, sink)]
     tensors: list[torch.Tensor] = []
     refs = _reference_walk(obj, tensors)
     written = []
     if data:
         xser.tensors_dir(path).mkdir(exist_ok=True)
     for tid, tensor in enumerate(tensors if data else []):
-        written.append(torch_save_file(tensor, xser.tensor_path(path, tid), archive, root))
-    main = torch_save_file(refs, path, archive, root, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
-    info = torch_save_file(_xser_info(obj, tensors, expert), xser.info_path(path), archive, root)
+        written.append(torch_save_file(tensor, xser.tensor_path(path, tid), archive, root, sink))
+    main = torch_save_file(refs, path, archive, root, sink, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
+    info = torch_save_file(_xser_info(obj, tensors, expert), xser.info_path(path), archive, root, sink)
     return [main, info, *written]  # Paths alone without `archive`

@@ -38,6 +38,7 @@ from ..formats.torch_io import load_small
 from ..io.data.buffers import one_torch_thread, reused_buffers
 from ..io.data.digest import FileRecord
 from ..io.safety.durable import write_marker, write_text
+from ..io.safety.sinks import NO_SINK, Sink
 from ..io.safety.small import PICKLE_LIMIT, copy_small
 from ..io.safety.transaction import commit_all, staged_output
 from ..layout import Layout
@@ -245,10 +246,12 @@ def write_rank(
     dtype: torch.dtype,
     mode: str = "default",
     stages: list[int] | None = None,
+    sink: Sink = NO_SINK,
 ) -> list[Path | FileRecord]:
     """One target (ep, tp, pp) rank: its model file and its dp optimizer files (NxD's format, saved
     as `mode` says: `nxd_modes`; v3 names with ep_rank when ep > 1, ep ranks > 0 holding only their
-    experts); DCP data files are returned as their records."""
+    experts); DCP data files are returned as their records. The files written through the I/O
+    core are handed to `sink` (the output's, `io.safety.sinks`) as they close."""
     src = readers.src
     ep, tp, pp = rank
     pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes, ep)
@@ -257,23 +260,32 @@ def write_rank(
     model_path = out_tag / nxd.rank_file_name(ep, tp, pp, layout, "torch")
     if mode == AVOID_LP:  # names, shapes and dtypes only: the weights are the master weights
         written += save_object(
-            model_path, bare_weights(pieces, dtype), use_xser, expert, False, archive=readers.archives[0], root=out_tag
+            model_path,
+            bare_weights(pieces, dtype),
+            use_xser,
+            expert,
+            False,
+            archive=readers.archives[0],
+            root=out_tag,
+            sink=sink,
         )
     else:
         weights = readers.weights(pieces, dtype)
-        written += save_together([model_path], [weights], use_xser, expert, out_tag, archive=readers.archives[0])
+        written += save_together(
+            [model_path], [weights], use_xser, expert, out_tag, archive=readers.archives[0], sink=sink
+        )
     if src.zero1 is not None:
         moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
         names = [p.name for p in pieces]
         groups = [readers.group(p) for p in pieces]
         if mode == ZERO1_DCP:
             state = readers.state(pieces, moments, deferred=False)
-            written += write_dcp_optim(out_tag, layout, tp, pp, dp, names, src.zero1.hyper, state, stages or [])
+            written += write_dcp_optim(out_tag, layout, tp, pp, dp, names, src.zero1.hyper, state, stages or [], sink)
             return written
         state = readers.state(pieces, moments)  # read as the dp files are written, a tensor at a time
         objs = [build_optim(names, groups, src.zero1.hyper, state, dp, d, master) for d in range(dp)]
         paths = [out_tag / optim_name(d, tp, pp, ep if layout.ep > 1 else None) for d in range(dp)]
-        written += save_together(paths, objs, use_xser, bool(expert), out_tag, archive=readers.archives[1])
+        written += save_together(paths, objs, use_xser, bool(expert), out_tag, archive=readers.archives[1], sink=sink)
     return written
 
 
@@ -440,24 +452,27 @@ def reshard_training(
     *,
     param_order: list[list[str]] | None = None,
     job: Job | None = None,
+    sink: Sink = NO_SINK,
     **options: Unpack[TrainingReshardOptions],
 ) -> Path:
     """Write checkpoint `src_dir` (its newest complete tag, or `tag`) as a training checkpoint root
     `dst` (`dst/<tag>/...`) for `layout` and `dp` data-parallel ranks, in NxD's format, through the
     I/O core's staged output (nothing of it exists until it is complete; the source is checked
-    against its manifest and for changes before the commit). Returns the tag folder written."""
+    against its manifest and for changes before the commit; `sink`: where its finished files go,
+    `io.safety.sinks`). Returns the tag folder written."""
     job = job or current_job()
     src_dir, dst = Path(src_dir), Path(dst)
     plan = job.run_all_or_none(lambda: _plan(src_dir, layout, param_order, options))
     if plan.fmt == "dcp":
-        return _to_titan(src_dir, dst, plan, job, options)
+        return _to_titan(src_dir, dst, plan, job, options, sink)
     started = time.monotonic()
-    with staged_output(dst, sources=[src_dir, plan.src.tag_dir], what="ckpt reshard", job=job) as out:
+    with staged_output(dst, sources=[src_dir, plan.src.tag_dir], what="ckpt reshard", job=job, sink=sink) as out:
         if job.leader:
             plan.check = TagCheck(plan.src.tag_dir, options.get("verify_hashes", True))
         out_tag = out.path / plan.name
         job.run_all_or_none(lambda: _begin_tag(out_tag) if job.leader else None)
-        written = [f for part in job.gather(job.run_all_or_none(lambda: _write_mine(job, plan, out_tag))) for f in part]
+        mine = job.run_all_or_none(lambda: _write_mine(job, plan, out_tag, out.sink))
+        written = [f for part in job.gather(mine) for f in part]
         commit_all(out, job, lambda staging: _finish_tag(plan, out_tag, written))
     src = plan.src
     log.info(
@@ -474,7 +489,9 @@ def reshard_training(
     return dst / plan.name
 
 
-def _to_titan(src_dir: Path, dst: Path, plan: _Plan, job: Job, options: TrainingReshardOptions) -> Path:
+def _to_titan(
+    src_dir: Path, dst: Path, plan: _Plan, job: Job, options: TrainingReshardOptions, sink: Sink = NO_SINK
+) -> Path:
     """The training state as a torchtitan DCP checkpoint `dst/step-<N>` (`checkpoint.dcp`)."""
     src = plan.src
     step = int(_step(src, plan.name) or 0)
@@ -490,7 +507,7 @@ def _to_titan(src_dir: Path, dst: Path, plan: _Plan, job: Job, options: Training
         plan.dtype,
     )
     check = TagCheck(src.tag_dir, options.get("verify_hashes", True)) if job.leader else None
-    out = write_titan(src_dir, dst, write, job, check)
+    out = write_titan(src_dir, dst, write, job, check, sink)
     log.info("wrote %s as a torchtitan checkpoint %s (%s names)", src.tag_dir, out, write.convention)
     return out
 
@@ -509,7 +526,7 @@ def _begin_tag(out_tag: Path) -> None:
     (out_tag / MODEL_DIR).mkdir()
 
 
-def _write_mine(job: Job, plan: _Plan, out_tag: Path) -> list[str | FileRecord]:
+def _write_mine(job: Job, plan: _Plan, out_tag: Path, sink: Sink = NO_SINK) -> list[str | FileRecord]:
     """This process's share of the target (ep, tp, pp) ranks (their model and optimizer files)."""
     units = sorted(plan.layout.ranks(), key=lambda r: (r[2], r[1], r[0]))  # pp, tp, ep: stage by stage
     readers = RankReaders(plan.src)
@@ -519,7 +536,7 @@ def _write_mine(job: Job, plan: _Plan, out_tag: Path) -> list[str | FileRecord]:
         with one_torch_thread(), reused_buffers():  # copies, each tensor written and dropped before the next
             for rank in job.share(units):
                 args = (plan.layout, rank, plan.dp, plan.use_xser, plan.master, plan.dtype, plan.mode, stages)
-                files += write_rank(out_tag, readers, *args)
+                files += write_rank(out_tag, readers, *args, sink=sink)
         return [f if isinstance(f, FileRecord) else str(f) for f in files]
     finally:
         readers.close()

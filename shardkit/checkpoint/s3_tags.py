@@ -35,7 +35,6 @@ from typing import Any
 from ..errors import ShardkitError
 from ..io.location import RemoteLocation
 from ..io.location import remote as remote_location
-from ..io.objects import sinks
 from ..io.safety.delete import remove_tree
 from ..io.safety.transaction import OWNER_FILE, owner_text, private_root
 from ..io.store import prefix, scope
@@ -157,7 +156,7 @@ def remote_saver(loc: RemoteLocation, run_save: Callable[..., None], agree: Call
     """`save.run_save` for a checkpoint directory in object storage. The leader writes the tag's
     owner object (and removes a tag of that name); every rank saves into its host's staging root
     (`staging_root`: local disk), retention there skipped, each file it writes uploaded as soon as
-    it is closed (`io.store.S3Prefix.streaming_upload`) and deleted locally once up; then the first rank of
+    it is closed (`io.store.S3Prefix.streaming_upload`, the save job's sink) and deleted locally once up; then the first rank of
     each host uploads what was not streamed, and the leader uploads `done` and applies retention to
     the prefix. A failure anywhere fails the save on every rank: the uploads under way are
     cancelled, each host's staged files removed, and the leader deletes what was uploaded."""
@@ -174,9 +173,9 @@ def remote_saver(loc: RemoteLocation, run_save: Callable[..., None], agree: Call
         ok = False
         try:
             agree(comm, what, lambda: _begin_tag(loc, job.tag) if job.leader else None, job.tag_dir)
-            with sinks.registered(job.tag_dir, streaming):
-                run_save(job, comm, retention=None)
-                agree(comm, what, streaming.drain, job.tag_dir)
+            job.sink = streaming  # the save's writers hand it each file they close
+            run_save(job, comm, retention=None)
+            agree(comm, what, streaming.drain, job.tag_dir)
             agree(comm, what, lambda: _upload_rest(job, loc) if first_on_host else None, job.tag_dir)
             agree(comm, what, lambda: _finish_tag(job, loc) if job.leader else None, job.tag_dir)
             ok = True

@@ -49,10 +49,10 @@ from ..io.data.buffers import one_torch_thread
 from ..io.data.digest import FileRecord
 from ..io.data.hashing import HashingFile
 from ..io.location import remote as remote_location
-from ..io.objects import sinks
 from ..io.safety.delete import is_link
 from ..io.safety.durable import fsync_path, write_text
 from ..io.safety.oserror import disk_error, translated
+from ..io.safety.sinks import NO_SINK, Sink
 from ..io.safety.transaction import refuse_link, terminate_as_interrupt
 from ..layout import Layout, ModelDims
 from .async_save import BackgroundWriter, HostStaging, host_copy
@@ -203,27 +203,35 @@ class SaveJob:
     zero1: bool = False
     dp_size: int = 1
     generic: dict[str, Any] | None = None  # generic: {"model": obj or None, "optimizer": obj or None, "dp": d}
+    sink: Sink = NO_SINK  # where each finished file goes (`io.safety.sinks`): a save to s3:// uploads it
 
     @property
     def tag_dir(self) -> Path:
         return self.root / self.tag
 
 
-def _make_writer(fmt: str, path: Path, root: Path, specs: list[TensorSpec], expert: set[str]):
+def _make_writer(fmt: str, path: Path, root: Path, specs: list[TensorSpec], expert: set[str], sink: Sink):
     if fmt == "safetensors":
-        return SafetensorsWriter(path, root, specs)
+        return SafetensorsWriter(path, root, specs, sink=sink)
     if fmt == "xser":
-        return XserWriter(path, root, specs, [s.name for s in specs if s.name in expert])
-    return TorchWriter(path, root, specs)
+        return XserWriter(path, root, specs, [s.name for s in specs if s.name in expert], sink=sink)
+    return TorchWriter(path, root, specs, sink=sink)
 
 
 def write_tensor_file(
-    tag_dir: Path, key: str, items: list[tuple[str, torch.Tensor]], fmt: str, expert: set[str], fsync: bool
+    tag_dir: Path,
+    key: str,
+    items: list[tuple[str, torch.Tensor]],
+    fmt: str,
+    expert: set[str],
+    fsync: bool,
+    sink: Sink = NO_SINK,
 ) -> list[FileRecord]:
-    """One rank file with the format's writer; durable (file, tensor files, folders) with fsync."""
+    """One rank file with the format's writer; durable (file, tensor files, folders) with fsync;
+    each file handed to `sink` as it closes."""
     path = tag_dir / key
     specs = [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in items]
-    writer = _make_writer(fmt, path, tag_dir, specs, expert)
+    writer = _make_writer(fmt, path, tag_dir, specs, expert, sink)
     for name, tensor in items:
         writer.write(name, tensor.cpu())
     records = writer.close(fsync=fsync)
@@ -238,11 +246,12 @@ def write_tensor_file(
     return records
 
 
-def save_object_hashed(tag_dir: Path, name: str, obj: Any, fsync: bool) -> FileRecord:
-    """torch.save of plain data (scheduler, user content), hashed and durable. Written through
-    `torch_save`, so a full disk is shardkit's one-line NoSpaceError (not torch's "enforce fail")
-    and the partial file is removed; the bytes are torch.save's into a file object."""
-    out = HashingFile(tag_dir / name, tag_dir)
+def save_object_hashed(tag_dir: Path, name: str, obj: Any, fsync: bool, sink: Sink = NO_SINK) -> FileRecord:
+    """torch.save of plain data (scheduler, user content), hashed and durable, then handed to
+    `sink`. Written through `torch_save`, so a full disk is shardkit's one-line NoSpaceError (not
+    torch's "enforce fail") and the partial file is removed; the bytes are torch.save's into a file
+    object."""
+    out = HashingFile(tag_dir / name, tag_dir, sink=sink)
     try:
         torch_save(obj, out)
         return out.close(fsync)
@@ -251,8 +260,8 @@ def save_object_hashed(tag_dir: Path, name: str, obj: Any, fsync: bool) -> FileR
         raise
 
 
-def _save_json(tag_dir: Path, name: str, data: Any, fsync: bool) -> FileRecord:
-    out = HashingFile(tag_dir / name, tag_dir)
+def _save_json(tag_dir: Path, name: str, data: Any, fsync: bool, sink: Sink) -> FileRecord:
+    out = HashingFile(tag_dir / name, tag_dir, sink=sink)
     out.write((json.dumps(data, indent=2) + "\n").encode())
     return out.close(fsync)
 
@@ -276,8 +285,9 @@ def prepare_tag(job: SaveJob) -> None:
         (job.tag_dir / MODEL_DIR).mkdir()
 
 
-def _written(tag_dir: Path, paths: list[Path], fsync: bool) -> list[FileRecord]:
-    """Records (size, digests) of files just written; durable with fsync (files and folders)."""
+def _written(tag_dir: Path, paths: list[Path], fsync: bool, sink: Sink) -> list[FileRecord]:
+    """Records (size, digests) of files just written; durable with fsync (files and folders); then
+    each is handed to `sink`."""
     records = []
     folders = set()
     for path in paths:
@@ -289,7 +299,7 @@ def _written(tag_dir: Path, paths: list[Path], fsync: bool) -> list[FileRecord]:
         for folder in sorted(folders, key=lambda f: -len(f.parts)):
             fsync_path(folder)
     for path in paths:  # (torch.save wrote them, not a HashingFile): a save to s3:// uploads them now
-        sinks.closed(path)
+        sink.closed(path)
     return records
 
 
@@ -302,15 +312,21 @@ def write_rank_files(job: SaveJob) -> dict[str, Any]:
     if job.generic is not None:
         if job.generic.get("model") is not None:
             path = job.tag_dir / MODEL_DIR / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
-            records += _written(job.tag_dir, save_object(path, job.generic["model"], False), job.fsync)
+            records += _written(job.tag_dir, save_object(path, job.generic["model"], False), job.fsync, job.sink)
         if job.generic.get("optimizer") is not None:
             path = job.tag_dir / optim_file(Rank(dp=job.generic["dp"]), Layout())
-            records += _written(job.tag_dir, save_object(path, job.generic["optimizer"], False), job.fsync)
+            records += _written(job.tag_dir, save_object(path, job.generic["optimizer"], False), job.fsync, job.sink)
     for state in job.ranks:
         assert job.layout is not None
         if state.write_model:
             records += write_tensor_file(
-                job.tag_dir, model_file(state.rank, job.layout, job.fmt), state.model, job.fmt, state.expert, job.fsync
+                job.tag_dir,
+                model_file(state.rank, job.layout, job.fmt),
+                state.model,
+                job.fmt,
+                state.expert,
+                job.fsync,
+                sink=job.sink,
             )
         if state.optim is not None:
             names = [n for n, _ in state.model]
@@ -327,19 +343,19 @@ def write_rank_files(job: SaveJob) -> dict[str, Any]:
             )
             path = job.tag_dir / optim_file(state.rank, job.layout)
             # a tensor at a time through the I/O core's writer (hashed as written, torch.save's bytes)
-            written = save_together([path], [obj], xser, bool(state.expert), job.tag_dir, job.fsync)
+            written = save_together([path], [obj], xser, bool(state.expert), job.tag_dir, job.fsync, sink=job.sink)
             records += [f for f in written if isinstance(f, FileRecord)]
-            records += _written(job.tag_dir, [f for f in written if isinstance(f, Path)], job.fsync)
+            records += _written(job.tag_dir, [f for f in written if isinstance(f, Path)], job.fsync, job.sink)
             if job.fsync:
                 fsync_path(path.parent)
             master = master or state.master
     if job.leader:
         if job.config is not None:
-            records.append(_save_json(job.tag_dir, CONFIG, job.config, job.fsync))
+            records.append(_save_json(job.tag_dir, CONFIG, job.config, job.fsync, job.sink))
         if job.scheduler is not None:
-            records.append(save_object_hashed(job.tag_dir, SCHEDULER, job.scheduler, job.fsync))
+            records.append(save_object_hashed(job.tag_dir, SCHEDULER, job.scheduler, job.fsync, job.sink))
         if job.user_content is not None:
-            records.append(save_object_hashed(job.tag_dir, USER_CONTENT, job.user_content, job.fsync))
+            records.append(save_object_hashed(job.tag_dir, USER_CONTENT, job.user_content, job.fsync, job.sink))
         if job.fsync:
             fsync_path(job.tag_dir)
     first = job.ranks[0].model[0][1].dtype if job.ranks and job.ranks[0].model else None

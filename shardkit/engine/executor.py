@@ -161,6 +161,7 @@ class _Builder:
         self.src, self.plan, self.out_root = src, plan, out_root
         self.format = get_format(options.fmt)
         self.digests = options.digests
+        self.sink = options.sink
         self.sources = ahead.source_for if ahead is not None else None
         self.ready = plan.read_ahead.waiter(ahead) if ahead is not None and plan.read_ahead is not None else None
         self.advise = plan.read_ahead is None  # sources that do not say where their bytes are: read-ahead hints
@@ -214,7 +215,13 @@ class _Builder:
         out, tensors = file.out, file.tensors
         specs = [t.spec for t in tensors]
         writer = self.format.writer(
-            self.out_root / out.path, self.out_root, specs, out.expert_parallel, self.digests, self.plan.direct
+            self.out_root / out.path,
+            self.out_root,
+            specs,
+            out.expert_parallel,
+            self.digests,
+            self.plan.direct,
+            self.sink,
         )
         # what the writer takes besides whole tensors, as its format's registry entry declares it
         ways = _Ways(self.format.copying(writer), self.format.streaming(writer), self.format.chunked(writer))

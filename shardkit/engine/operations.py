@@ -28,6 +28,7 @@ from ..formats.manifest import file_record, manifest
 from ..formats.nxd import TAG_MARKER
 from ..io.data.digest import FileRecord, Recording
 from ..io.safety.durable import write_text
+from ..io.safety.sinks import NO_SINK, Sink
 from ..io.safety.transaction import STAGING_TAG, sibling_name
 from ..layout import FULL, Layout
 from ..paths import inside
@@ -172,13 +173,15 @@ def reshard_checkpoint(
     format: str = "torch",
     command: str | None = None,
     convention: str | None = None,
+    sink: Sink = NO_SINK,
     **options: Unpack[WriteArgs],
 ) -> Result:
     """Write `ckpt` as shards of `layout` in `format`, reading only the slices each shard needs
     (`command`: the command line to record in the manifest; `convention`: the tensor names of a
-    format that chooses them, DCP: Hugging Face's by default, or torchtitan's)."""
+    format that chooses them, DCP: Hugging Face's by default, or torchtitan's; `sink`: where each
+    finished file of `dst` goes, see `io.safety.sinks`)."""
     fmt = get_format(format)
-    write = WriteOptions.from_args(options, format)
+    write = WriteOptions.from_args(options, format, sink=sink)
     target_dtype = write.dtype
     layout.validate(ckpt.dims)
     ckpt.check_files()
@@ -245,13 +248,18 @@ def _files(n: int) -> str:
 
 
 def merge_checkpoint(
-    ckpt: Checkpoint, dst: str | Path, *, max_shard_size: int | str = "5GB", **options: Unpack[WriteArgs]
+    ckpt: Checkpoint,
+    dst: str | Path,
+    *,
+    max_shard_size: int | str = "5GB",
+    sink: Sink = NO_SINK,
+    **options: Unpack[WriteArgs],
 ) -> Result:
     """Write `ckpt` as a Hugging Face model directory (safetensors + index + config), in files of
-    at most `max_shard_size`."""
+    at most `max_shard_size` (`sink`: where each finished file of `dst` goes, see `io.safety.sinks`)."""
     # a Hugging Face folder has no manifest: its files' digests would be computed for nobody (they
     # cost about as much CPU as the rest of a merge)
-    write = WriteOptions.from_args(options, "safetensors", manifest=False)
+    write = WriteOptions.from_args(options, "safetensors", manifest=False, sink=sink)
     target_dtype = write.dtype
     ckpt.check_files()
     itemsize = (target_dtype or ckpt.dtype()).itemsize

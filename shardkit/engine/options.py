@@ -18,6 +18,7 @@ from typing_extensions import TypedDict
 
 from ..formats.base import parse_dtype
 from ..io.data.digest import FAST, CheckMode, Recording, check_mode
+from ..io.safety.sinks import NO_SINK, Sink
 
 ProgressCallback = Callable[[int, int], None]
 """Called as progress(bytes_done_now, bytes_total) while output is written."""
@@ -122,11 +123,15 @@ class WriteOptions:
     """What the output files' records carry: NONE for outputs no manifest lists."""
     direct_io: DirectIO = DirectIO.OFF
     """Whether the output files are written around the page cache."""
+    sink: Sink = NO_SINK
+    """Where each output file goes once written (`io.safety.sinks`): the output's, handed down by
+    the caller that opened it (an output bound for object storage uploads it; a local one: nothing)."""
 
     @classmethod
-    def from_args(cls, args: WriteArgs, fmt: str, manifest: bool = True) -> WriteOptions:
+    def from_args(cls, args: WriteArgs, fmt: str, manifest: bool = True, sink: Sink = NO_SINK) -> WriteOptions:
         """The record of an operation's keyword arguments, for output files in `fmt`; `manifest`:
-        whether a manifest lists them (else they are not hashed, and `sha256` is ignored)."""
+        whether a manifest lists them (else they are not hashed, and `sha256` is ignored); `sink`:
+        the output's (not a user's argument: the caller that opened the output passes it)."""
         if not manifest:
             digests = Recording.NONE
         else:
@@ -140,4 +145,5 @@ class WriteOptions:
             verify_hashes=check_mode(args.get("verify_hashes", True)),
             digests=digests,
             direct_io=parse_direct_io(args.get("direct_io", False)),
+            sink=sink,
         )

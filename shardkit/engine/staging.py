@@ -38,14 +38,17 @@ def produce(
     finish: Callable[[Path, list[FileRecord]], None],
     options: WriteOptions,
 ) -> list[FileRecord]:
-    """Write `outputs` into a staging folder as `options` say (see `execute`), let `finish` add
-    its files, and rename to `dst`.
+    """Write `outputs` into a staging folder as `options` say (see `execute`; each file handed to
+    `options.sink` as it is closed, and the commit waits for it), let `finish` add its files, and
+    rename to `dst`.
 
     In a torch.distributed job every rank writes its share of the files (see distributed.py).
     With `options.verify_hashes`, every source file listed in the source's manifest is checked
     against its digest before the output is committed (see `execute`)."""
     job = current_job()
-    with staged_output(dst, sources=source_paths(src), overwrite=options.overwrite, what="writing", job=job) as out:
+    with staged_output(
+        dst, sources=source_paths(src), overwrite=options.overwrite, what="writing", job=job, sink=options.sink
+    ) as out:
         mine_options = options if job.leader else dataclasses.replace(options, progress=None)
         mine = job.run_all_or_none(lambda: execute(src, job.share(list(outputs)), out.path, mine_options))
         records = sorted((r for part in job.gather(mine) for r in part), key=lambda r: r.path)

@@ -33,6 +33,7 @@ from ..io.data.strided import (
     read_rows_into,
     stored_range,
 )
+from ..io.safety.sinks import NO_SINK, Sink
 from ..layout import Layout, ModelDims
 from ..paths import inside
 from ..placements import Piece, Segment, make_piece
@@ -440,9 +441,10 @@ class DcpWriter(DcpFileWriter):
         specs: Sequence[TensorSpec],
         digests: Recording = Recording.FAST,
         direct: bool = False,
+        sink: Sink = NO_SINK,
     ):
         check_specs(specs)
-        super().__init__(path, root, digests, direct)
+        super().__init__(path, root, digests, direct, sink)
         self._specs, self._next = list(specs), 0
         self._native = all(written_natively([spec], tensor_pickle(spec)) for spec in self._specs)
 

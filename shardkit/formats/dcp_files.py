@@ -44,6 +44,7 @@ from ..io.data.hashing import HashingFile
 from ..io.data.strided import StoredTensor, read_stored
 from ..io.data.taps import DescriptorReader, OpenFile, pread_exact
 from ..io.safety.durable import write_bytes
+from ..io.safety.sinks import NO_SINK, Sink
 from ..io.safety.small import PICKLE_LIMIT, read_small
 from ..paths import inside
 from .base import DiscardOnFailure, TensorSpec, compact, tensor_bytes
@@ -512,9 +513,16 @@ class DcpFileWriter(DiscardOnFailure):
     plain values, appended as DCP writes them; `close` returns a `ChunkedRecord` saying where each
     went, from which `finish_folder` writes `.metadata`. A failure deletes the file."""
 
-    def __init__(self, path: Path, root: Path, digests: Recording = Recording.FAST, direct: bool = False):
+    def __init__(
+        self,
+        path: Path,
+        root: Path,
+        digests: Recording = Recording.FAST,
+        direct: bool = False,
+        sink: Sink = NO_SINK,
+    ):
         self.path, self.root = Path(path), Path(root)
-        self._out: HashingFile | None = HashingFile(self.path, self.root, digests=digests, direct=direct)
+        self._out: HashingFile | None = HashingFile(self.path, self.root, digests=digests, direct=direct, sink=sink)
         self._items: list[Item] = []
 
     def add_tensor(

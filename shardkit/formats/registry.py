@@ -17,6 +17,7 @@ from typing import cast
 
 from ..errors import ShardkitError
 from ..io.data.digest import Recording
+from ..io.safety.sinks import Sink
 from ..placements import Piece
 from . import dcp, dcp_files, optimum_neuron
 from .base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFile, TensorFileWriter, TensorSpec
@@ -24,10 +25,11 @@ from .safetensors_io import SafetensorsFile, SafetensorsWriter
 from .torch_io import TorchFile, TorchWriter
 from .xser import XserFile, XserWriter, info_path, tensors_dir
 
-WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str], Recording, bool], TensorFileWriter]
-"""writer(path, root, specs, expert_names, digests, direct): a writer of one rank file under `root`
-(`digests`: what its records carry, see `io.data.digest.Recording`; `direct`:
-written around the page cache, see `io.data.direct.DirectFile`)."""
+WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str], Recording, bool, Sink], TensorFileWriter]
+"""writer(path, root, specs, expert_names, digests, direct, sink): a writer of one rank file under
+`root` (`digests`: what its records carry, see `io.data.digest.Recording`; `direct`: written
+around the page cache, see `io.data.direct.DirectFile`; `sink`: where each file it closes goes,
+the output's, see `io.safety.sinks`)."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,9 @@ def _xser_companions(path: Path) -> list[Path]:
 
 def _plain(writer: Callable[..., TensorFileWriter]) -> WriterFactory:
     """The factory of a writer that keeps no list of expert tensors."""
-    return lambda path, root, specs, expert, digests, direct: writer(path, root, specs, digests=digests, direct=direct)
+    return lambda path, root, specs, expert, digests, direct, sink: writer(
+        path, root, specs, digests=digests, direct=direct, sink=sink
+    )
 
 
 FORMATS: dict[str, Format] = {
@@ -120,8 +124,8 @@ FORMATS: dict[str, Format] = {
             "NxD xser",
             "torch-xla's xser: each tensor in its own file under <file>.tensors/",
             reader=XserFile,
-            writer=lambda path, root, specs, expert, digests, direct: XserWriter(
-                path, root, specs, list(expert), digests, direct
+            writer=lambda path, root, specs, expert, digests, direct, sink: XserWriter(
+                path, root, specs, list(expert), digests, direct, sink
             ),
             # a model file NxD saved without tensor data has its .info.pt but no tensor folder
             detect=lambda path: tensors_dir(path).is_dir() or info_path(path).is_file(),
@@ -152,7 +156,9 @@ FORMATS: dict[str, Format] = {
             "PyTorch DCP",
             "torch.distributed.checkpoint folders: .metadata and a data file per rank, tensors in chunks",
             dcp.DcpFile,
-            lambda path, root, specs, expert, digests, direct: dcp.DcpWriter(path, root, specs, digests, direct),
+            lambda path, root, specs, expert, digests, direct, sink: dcp.DcpWriter(
+                path, root, specs, digests, direct, sink
+            ),
             detect=lambda path: (path.parent / dcp_files.METADATA).is_file(),
             abilities=Abilities(kernel_copies=True, chunked_writes=True),
             plan=dcp.plan_outputs,

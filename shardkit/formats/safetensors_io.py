@@ -35,6 +35,7 @@ from ..io.data.strided import (
     stored_range,
 )
 from ..io.data.taps import DescriptorReader, OpenFile
+from ..io.safety.sinks import NO_SINK, Sink
 from ..paths import open_regular
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, tensor_bytes
 from .torch_io import regular
@@ -288,6 +289,7 @@ class SafetensorsWriter(DiscardOnFailure):
         metadata: dict[str, str] | None = None,
         digests: Recording = Recording.FAST,
         direct: bool = False,
+        sink: Sink = NO_SINK,
     ):
         check_specs(specs)
         self._specs = list(specs)
@@ -304,7 +306,9 @@ class SafetensorsWriter(DiscardOnFailure):
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self._file = HashingFile(path, root, expected_size=8 + len(raw) + offset, digests=digests, direct=direct)
+        self._file = HashingFile(
+            path, root, expected_size=8 + len(raw) + offset, digests=digests, direct=direct, sink=sink
+        )
         with self._discarding():
             self._file.write(struct.pack("<Q", len(raw)))
             self._file.write(raw)

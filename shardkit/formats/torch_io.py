@@ -42,6 +42,7 @@ from ..io.data.strided import (
 )
 from ..io.data.taps import DescriptorReader, OpenFile
 from ..io.safety.oserror import disk_error
+from ..io.safety.sinks import NO_SINK, Sink
 from ..io.safety.small import check_small
 from ..io.store import fetch_whole
 from ..paths import regular_file
@@ -670,6 +671,7 @@ class TorchWriter(DiscardOnFailure):
         direct: bool = False,
         data_pkl: bytes | None = None,
         archive: str = ARCHIVE,
+        sink: Sink = NO_SINK,
     ):
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
@@ -682,7 +684,7 @@ class TorchWriter(DiscardOnFailure):
             data_pkl = state_dict_pickle(self._specs)
         alignment = torch_compat.zip_options()[1]
         count, bound = _archive_size(self._specs, len(data_pkl), archive)
-        self._out = HashingFile(self.path, self.root, expected_size=bound, digests=digests, direct=direct)
+        self._out = HashingFile(self.path, self.root, expected_size=bound, digests=digests, direct=direct, sink=sink)
         self._sink = _ZipSink(self._out)
         with self._discarding():
             if native_writer(count, bound):

@@ -25,6 +25,7 @@ from ..io.data.copy import FileRange
 from ..io.data.digest import FileRecord, Recording
 from ..io.data.hashing import HashingFile
 from ..io.data.taps import ReadTap
+from ..io.safety.sinks import NO_SINK, Sink
 from ..paths import NoSpaceError, ensure_free_space, no_space_error
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, compact, narrow
 from .torch_io import (
@@ -303,11 +304,13 @@ class XserWriter(DiscardOnFailure):
         expert_parallel: Sequence[str] = (),
         digests: Recording = Recording.FAST,
         direct: bool = False,
+        sink: Sink = NO_SINK,
     ):
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
         self._digests = digests
         self._direct = direct
+        self._sink = sink  # each file goes to it as it closes: the tensor files one by one
         self._specs = list(specs)
         self._tids = {s.name: i for i, s in enumerate(self._specs)}
         self._expert = set(expert_parallel)
@@ -331,7 +334,7 @@ class XserWriter(DiscardOnFailure):
         return sum(_file_bound(s.nbytes) for s in left) + 2 * _file_bound(_PICKLE_BOUND * len(self._specs))
 
     def _save(self, obj: Any, path: Path, **kwargs) -> HashingFile:
-        out = HashingFile(path, self.root, digests=self._digests, direct=self._direct)
+        out = HashingFile(path, self.root, digests=self._digests, direct=self._direct, sink=self._sink)
         self._files.append(out)
         with self._space():
             torch_save(obj, out, **kwargs)
@@ -392,7 +395,13 @@ class XserWriter(DiscardOnFailure):
         self._started.add(tid)
         spec = self._specs[tid]
         writer = TorchWriter(
-            tensor_path(self.path, tid), self.root, [spec], self._digests, self._direct, self._pickles[tid]
+            tensor_path(self.path, tid),
+            self.root,
+            [spec],
+            self._digests,
+            self._direct,
+            self._pickles[tid],
+            sink=self._sink,
         )
         self._files.append(writer)
         return writer

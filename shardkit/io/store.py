@@ -252,7 +252,8 @@ class S3Prefix(Prefix):
         upload.upload_tree(local, self.loc, exclude=exclude)
 
     def streaming_upload(self, local: Path) -> upload.StreamingUpload:
-        """A sink sending each file closed under `local` up as it closes (`sinks.registered`)."""
+        """A sink (`io.safety.sinks`) sending each file under `local` handed to it up as it closes:
+        the caller gives it to the writers of `local`, and drains and closes it."""
         return upload.StreamingUpload(self.loc, local)
 
     def remove_objects(self, names: Iterable[str]) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ...errors import FormatError
-from ..objects import sinks
+from ..safety.sinks import NO_SINK, Sink
 from .copy import _COPY_BUFFER, COPY_BLOCK, FileRange, kernel_copy
 from .digest import Digests, FileRecord, Recording
 from .direct import WRITE_BLOCK, DirectFile, preallocate
@@ -469,7 +469,8 @@ class HashingFile:
     exhausted quota) while writing becomes a one-line NoSpaceError. `abort()` discards the file.
     `digests` (a `digest.Recording`): FAST hashes xxh3-128, SHA256 sha256 too, NONE nothing (for
     files no manifest will list: the record's digests are None). With `direct`, the bytes are
-    written around the page cache (`DirectFile`)."""
+    written around the page cache (`DirectFile`). Once closed, the file is handed to `sink`, the
+    output's (`io.safety.sinks`: an output bound for object storage starts its upload)."""
 
     def __init__(
         self,
@@ -478,11 +479,13 @@ class HashingFile:
         expected_size: int | None = None,
         digests: Recording = Recording.FAST,
         direct: bool = False,
+        sink: Sink = NO_SINK,
     ):
         from ...paths import ensure_free_space
 
         self.path = Path(path)
         self.root = Path(root)
+        self.sink = sink
         self.expected_size = expected_size
         self._fh: io.BufferedRandom | DirectFile | None = None
         self._behind: collections.deque[_HashJob | _CopyJob] = collections.deque()  # written, not yet hashed
@@ -775,7 +778,7 @@ class HashingFile:
             raise self._failed(e) from None
         digests = self._hash.hexdigests() if self._hash is not None else (None, None)
         blocks = self._hash.block_digests() if self._hash is not None else None
-        sinks.closed(self.path)  # an output bound for object storage starts its upload now
+        self.sink.closed(self.path)  # an output bound for object storage starts its upload now
         return FileRecord(self.path.relative_to(self.root).as_posix(), self.size, digests[0], digests[1], blocks)
 
     def abort(self) -> None:

@@ -20,9 +20,10 @@ object-store twin of `transaction.staged_output`:
    until its record is up (opening it as a source is refused, a checkpoint's tags lack `done`);
 3. the caller writes into a local staging folder in this user's private temporary folder
    (`transaction.private_root`; nothing beside the destination, nothing in the working
-   directory); each file its writers close goes up at once (`StreamingUpload`, the folder's
-   `io.objects.sinks` sink: multipart, several files in flight, the local copy deleted once it is up), so
-   uploading overlaps writing and the local folder holds only the files in flight. A first
+   directory); each file its writers close goes up at once (`StreamingUpload`, the output's sink,
+   which `remote_output` yields beside the folder for the caller to hand down to its staged output
+   and writers, `io.safety.sinks`: multipart, several files in flight, the local copy deleted once
+   it is up), so uploading overlaps writing and the local folder holds only the files in flight. A first
    output goes to its own names; a replace goes beside the old output, under a staged sub-prefix,
    while the old output stays as it was, readable;
 4. commit: the staged output's rename waits for those uploads; then the files written last (a
@@ -64,7 +65,7 @@ from ..safety.transaction import (
     temporary_folder,
     terminate_as_interrupt,
 )
-from . import published, s3, sinks
+from . import published, s3
 from .published import WRITING, final_rank, remove_objects
 
 log = logging.getLogger(__name__)
@@ -243,8 +244,8 @@ def _examples(names: Sequence[str]) -> str:
 
 
 class StreamingUpload:
-    """The sink (`io.objects.sinks`) of a remote output's local folder: each file the writers close in
-    its staging folder goes up at once (several in flight; `files_in_flight` bounds them, so a
+    """The sink (`io.safety.sinks`) of a remote output's local folder: each file the writers close in
+    it, or in its staging folder, goes up at once (several in flight; `files_in_flight` bounds them, so a
     writer that gets ahead waits and the local copy holds only the files in flight), and is
     deleted locally once it is up. The final objects wait for `upload_tree` at the commit."""
 
@@ -256,6 +257,7 @@ class StreamingUpload:
         self.names: list[str] = []  # the objects sent (their local files are gone)
 
     def closed(self, path: Path) -> None:
+        path = Path(path).absolute()
         for folder in self.folders:
             if folder in path.parents:
                 rel = path.relative_to(folder).as_posix()
@@ -279,9 +281,10 @@ def remote_output(
     sources: Sequence[RemoteLocation] = (),
     what: str = "write",
     replace: Sequence[str] = (),
-) -> Iterator[Path]:
-    """Yield a local path (not yet existing, in a temporary folder) to write the output into;
-    its files go up as they are closed, the rest on a normal exit, then the output is committed
+) -> Iterator[tuple[Path, StreamingUpload]]:
+    """Yield a local path (not yet existing, in a temporary folder) to write the output into, and
+    its sink: the files handed to the sink (by the writers and the staged output the caller gives
+    it to) go up as they are closed, the rest on a normal exit, then the output is committed
     (`published.commit`), as the module's docstring says. `replace`: globs naming objects
     shardkit did not write that `overwrite` may replace (`replaceable`)."""
     with terminate_as_interrupt(), _write_lock(loc):
@@ -301,9 +304,8 @@ def remote_output(
             with temporary_folder(prefix="shardkit-s3-out-") as work:
                 local = work.path / (loc.name or loc.bucket)
                 streaming = StreamingUpload(target, local, FILES_IN_FLIGHT)
-                with sinks.registered(work.path, streaming):
-                    yield local
-                    streaming.drain()
+                yield local, streaming
+                streaming.drain()
                 if not local.exists():
                     raise ShardkitError(f"nothing was written for {loc}")
                 names = set(streaming.names) | {rel for _, rel, _ in _tree_files(local)}

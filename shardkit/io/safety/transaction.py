@@ -41,12 +41,12 @@ from typing import Any
 from ...distributed import Job, current_job
 from ...errors import DestinationExistsError, ShardkitError
 from ...sizes import format_bytes
-from ..objects import sinks
 from .delete import is_link, refuse_mounts, remove_file, remove_tree
 from .durable import fsync_path, write_marker, write_text
 from .lock import FolderLock, lock_destination
 from .oserror import disk_error, shown
 from .overlap import overlaps
+from .sinks import NO_SINK, Sink
 
 log = logging.getLogger(__name__)
 
@@ -370,12 +370,14 @@ class StagedOutput:
     """A destination folder being produced in a staging folder beside it (see the module's doc).
 
     The checks, the lock, the staging folder and the commit are the leader's; under
-    torch.distributed every rank writes into `path` (the same staging folder)."""
+    torch.distributed every rank writes into `path` (the same staging folder). `sink`: where
+    its writers hand each finished file (`io.safety.sinks`); the commit waits for it."""
 
     dst: Path
     sources: list[Path] = field(default_factory=list)
     overwrite: bool = False
     what: str = "write"
+    sink: Sink = NO_SINK
     path: Path = Path()
     committed: bool = False
     _lock: FolderLock | None = None
@@ -420,7 +422,7 @@ class StagedOutput:
         folder; if the second rename fails the old one is put back."""
         dst, staging = self.dst, self.path
         old = None
-        sinks.drain(staging)  # files still being uploaded (an object-store output) are read by path
+        self.sink.drain()  # files still being uploaded (an object-store output) are read by path
         try:
             (staging / OWNER_FILE).unlink(missing_ok=True)
             if is_link(dst):
@@ -474,13 +476,15 @@ def staged_output(
     overwrite: bool = False,
     what: str = "write",
     job: Job | None = None,
+    sink: Sink = NO_SINK,
 ) -> Iterator[StagedOutput]:
     """A staged output on every rank of `job` (default: this process's job): yields the
     StagedOutput whose `path` is the staging folder. Call `commit_all(out, job, finish)` at the
     end; leaving the block otherwise (an error, Ctrl-C, SIGTERM) discards the staging folder.
-    OSErrors become one-line errors, naming a source file when a read failed."""
+    OSErrors become one-line errors, naming a source file when a read failed. `sink`: where the
+    output's finished files go (`io.safety.sinks`; the writers are given it as `out.sink`)."""
     job = job or current_job()
-    out = StagedOutput(Path(dst).expanduser().absolute(), [Path(s) for s in sources], overwrite, what)
+    out = StagedOutput(Path(dst).expanduser().absolute(), [Path(s) for s in sources], overwrite, what, sink=sink)
     with terminate_as_interrupt():
         prepared: Any = None
         if job.leader:

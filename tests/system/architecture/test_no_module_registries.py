@@ -75,10 +75,6 @@ TO_GO = {
     # issue #52: being replaced by state of the objects that open them, in a change of their own
     "shardkit/io/objects/remote.py:_MIRRORED",
     "shardkit/io/objects/remote.py:_OPEN",
-    # the sink of an output folder, looked up by path when a file closes (`sinks.closed`) and before
-    # a commit (`sinks.drain`): the writers and staged outputs get no sink handed to them yet (their
-    # callers, io/objects/upload.py's `remote_output` and the engine's executor, pass only a folder)
-    "shardkit/io/objects/sinks.py:_SINKS",
 }
 """Registries of open things still to go. An entry that no longer exists fails the test: remove it."""
 

@@ -195,7 +195,7 @@ def test_a_prefix_another_thread_of_this_process_writes_is_refused(bucket, tmp_p
 
     def first() -> None:
         try:
-            with upload.remote_output(loc) as local:
+            with upload.remote_output(loc) as (local, _):
                 local.mkdir(parents=True)
                 (local / "a.txt").write_text("first")
                 inside.set()
@@ -217,7 +217,7 @@ def test_a_prefix_another_thread_of_this_process_writes_is_refused(bucket, tmp_p
         writer.join(30)
     assert not failures, failures
     assert "threads/a.txt" in keys(bucket, "threads/")
-    with upload.remote_output(loc, overwrite=True) as local:
+    with upload.remote_output(loc, overwrite=True) as (local, _):
         local.mkdir(parents=True)
         (local / "a.txt").write_text("second")
     assert s3.client().get_object(Bucket=bucket, Key="threads/a.txt")["Body"].read() == b"second"

@@ -18,6 +18,7 @@ from shardkit.formats.registry import FORMATS, Format
 from shardkit.io.data.copy import FileRange
 from shardkit.io.data.digest import Recording
 from shardkit.io.data.taps import OpenFile
+from shardkit.io.safety.sinks import NO_SINK
 
 MATRIX = torch.arange(6 * 4, dtype=torch.bfloat16).reshape(6, 4)
 VECTOR = torch.arange(3, dtype=torch.float32)
@@ -37,7 +38,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def _write(fmt: Format, out: Path, how: str, source: Path) -> dict[str, bytes]:
     """One rank file of SPECS, its matrix written `how`; every file written under `out`."""
-    writer = fmt.writer(out / f"r{fmt.suffix}", out, SPECS, [], Recording.FAST, False)
+    writer = fmt.writer(out / f"r{fmt.suffix}", out, SPECS, [], Recording.FAST, False, NO_SINK)
     if how == "write":
         writer.write("m", MATRIX)
     elif how == "copy":
@@ -77,7 +78,9 @@ def test_a_formats_declared_abilities_are_what_its_writer_does(name, tmp_path):
         if getattr(fmt.abilities, ability):
             assert _write(fmt, tmp_path / how, how, source) == whole, (name, how)
             continue
-        writer = fmt.writer(tmp_path / how / f"r{fmt.suffix}", tmp_path / how, SPECS, [], Recording.FAST, False)
+        writer = fmt.writer(
+            tmp_path / how / f"r{fmt.suffix}", tmp_path / how, SPECS, [], Recording.FAST, False, NO_SINK
+        )
         try:
             accessor = {"copy": fmt.copying, "rows": fmt.streaming, "chunks": fmt.chunked}[how]
             assert accessor(writer) is None, (name, how)
@@ -96,7 +99,9 @@ def test_a_file_that_cannot_copy_or_stream_says_so_and_is_written_whole(name, tm
     source.write_bytes(b"\0" * 100 + MATRIX.view(torch.uint8).numpy().tobytes())
     native = _write(fmt, tmp_path / "native", "write", source)
     monkeypatch.setattr(torch_io, "native_writer", lambda records, bound: False)
-    writer = fmt.writer(tmp_path / "torch" / f"r{fmt.suffix}", tmp_path / "torch", SPECS, [], Recording.FAST, False)
+    writer = fmt.writer(
+        tmp_path / "torch" / f"r{fmt.suffix}", tmp_path / "torch", SPECS, [], Recording.FAST, False, NO_SINK
+    )
     try:
         assert fmt.copying(writer) is None and fmt.streaming(writer) is None
     finally:
