@@ -1,7 +1,8 @@
 """Writing to s3:// (moto's server on loopback, tests/support/s3_fixtures.py): outputs upload as
-their files close, the next file goes up while the store completes the last, and the commit protocol
-without rename: an interrupted or terminated upload never lists as complete and is cleaned up, a
-prefix another running process writes is refused, claims of a prefix are atomic.
+their files close (each to its own prefix, however many are written at once), the next file goes
+up while the store completes the last, and the commit protocol without rename: an interrupted or
+terminated upload never lists as complete and is cleaned up, a prefix another running process
+writes is refused, claims of a prefix are atomic.
 """
 
 from __future__ import annotations
@@ -221,6 +222,34 @@ def test_a_prefix_another_thread_of_this_process_writes_is_refused(bucket, tmp_p
         local.mkdir(parents=True)
         (local / "a.txt").write_text("second")
     assert s3.client().get_object(Bucket=bucket, Key="threads/a.txt")["Body"].read() == b"second"
+
+
+def test_two_outputs_written_at_once_each_upload_their_own_files_only(bucket, tmp_path):
+    """Two outputs of one process written at the same time, and a local one beside them: each
+    file goes up, as it closes, to the prefix of the output whose sink its writer was given, and
+    to no other; a sink ignores a file of another output's folder; the local file goes nowhere."""
+    from shardkit.io.data.hashing import HashingFile
+    from shardkit.io.location import parse_location
+
+    a, b = parse_location(f"s3://{bucket}/a"), parse_location(f"s3://{bucket}/b")
+    with upload.remote_output(a) as (local_a, sink_a), upload.remote_output(b) as (local_b, sink_b):
+        for i in range(3):
+            for local, sink, name in ((local_a, sink_a, "a"), (local_b, sink_b, "b")):
+                out = HashingFile(local / f"{name}{i}.bin", local, sink=sink)
+                out.write(name.encode() * (i + 1))
+                out.close()
+            mine = HashingFile(tmp_path / "local" / f"local{i}.bin", tmp_path / "local")
+            mine.write(b"local")
+            mine.close()
+        sink_a.closed(local_b / "b0.bin")  # not a file of its folder: never sent
+        sink_a.drain()
+        sink_b.drain()
+        assert sink_a.names == ["a0.bin", "a1.bin", "a2.bin"] and sink_b.names == ["b0.bin", "b1.bin", "b2.bin"]
+    assert [k for k in keys(bucket, "a/") if not k.startswith("a/.")] == ["a/a0.bin", "a/a1.bin", "a/a2.bin"]
+    assert [k for k in keys(bucket, "b/") if not k.startswith("b/.")] == ["b/b0.bin", "b/b1.bin", "b/b2.bin"]
+    assert s3.client().get_object(Bucket=bucket, Key="b/b2.bin")["Body"].read() == b"bbb"
+    assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["local0.bin", "local1.bin", "local2.bin"]
+    assert not [k for k in keys(bucket, "") if "local" in k]
 
 
 def test_claim_of_a_prefix_is_atomic(tiny_model, bucket, workdir, monkeypatch):
