@@ -156,10 +156,11 @@ def remote_saver(loc: RemoteLocation, run_save: Callable[..., None], agree: Call
     """`save.run_save` for a checkpoint directory in object storage. The leader writes the tag's
     owner object (and removes a tag of that name); every rank saves into its host's staging root
     (`staging_root`: local disk), retention there skipped, each file it writes uploaded as soon as
-    it is closed (`io.store.S3Prefix.streaming_upload`, the save job's sink) and deleted locally once up; then the first rank of
-    each host uploads what was not streamed, and the leader uploads `done` and applies retention to
-    the prefix. A failure anywhere fails the save on every rank: the uploads under way are
-    cancelled, each host's staged files removed, and the leader deletes what was uploaded."""
+    it is closed (`io.store.S3Prefix.streaming_upload`, the save job's sink) and deleted locally
+    once up; then the first rank of each host uploads what was not streamed, and the leader
+    uploads `done` and applies retention to the prefix. A failure anywhere fails the save on every
+    rank: the uploads under way are cancelled, each host's staged files removed, and the leader
+    deletes what was uploaded."""
 
     def run(job: Any, comm: Any, retention: Any = None) -> None:
         what = f"saving checkpoint {job.tag} to {loc}"

@@ -23,8 +23,8 @@ object-store twin of `transaction.staged_output`:
    directory); each file its writers close goes up at once (`StreamingUpload`, the output's sink,
    which `remote_output` yields beside the folder for the caller to hand down to its staged output
    and writers, `io.safety.sinks`: multipart, several files in flight, the local copy deleted once
-   it is up), so uploading overlaps writing and the local folder holds only the files in flight. A first
-   output goes to its own names; a replace goes beside the old output, under a staged sub-prefix,
+   it is up), so uploading overlaps writing and the local folder holds only the files in flight. A
+   first output goes to its own names; a replace goes beside the old output, under a staged sub-prefix,
    while the old output stays as it was, readable;
 4. commit: the staged output's rename waits for those uploads; then the files written last (a
    manifest, config, tokenizer files) go up, the final objects one kind after another, then the
@@ -244,10 +244,10 @@ def _examples(names: Sequence[str]) -> str:
 
 
 class StreamingUpload:
-    """The sink (`io.safety.sinks`) of a remote output's local folder: each file the writers close in
-    it, or in its staging folder, goes up at once (several in flight; `files_in_flight` bounds them, so a
-    writer that gets ahead waits and the local copy holds only the files in flight), and is
-    deleted locally once it is up. The final objects wait for `upload_tree` at the commit."""
+    """The sink (`io.safety.sinks`) of a remote output's local folder: each file the writers close
+    in it, or in its staging folder, goes up at once (several in flight; `files_in_flight` bounds
+    them, so a writer that gets ahead waits and the local copy holds only the files in flight), and
+    is deleted locally once it is up. The final objects wait for `upload_tree` at the commit."""
 
     def __init__(self, loc: RemoteLocation, local: Path, files_in_flight: int = FILES_IN_FLIGHT):
         self.loc = loc
