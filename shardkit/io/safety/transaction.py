@@ -12,7 +12,8 @@ and renamed into place at the end, so a failure, Ctrl-C or SIGTERM leaves nothin
    folder of a dead process of this host is removed; a destination caught between the two renames
    of a replace is put back;
 4. the caller writes into the staging folder (on every rank of a torch.distributed job);
-5. commit: the caller's last files (a manifest, a `done` marker), then the rename; a replace is two
+5. commit: the caller's last files (a manifest, a `done` marker), then, once the output's sink
+   has taken every file handed to it (`sinks`: an upload's), the rename; a replace is two
    renames (DST -> `.DST.shardkit-old-PID`, staging -> DST) with signals held between them;
 6. on any failure the staging folder is removed, and an OSError becomes one line (`oserror`).
 
