@@ -125,19 +125,22 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if world > 1 and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        from .loop import train
+    from shardkit.io.store import scope
 
-        summary = train(cfg)
-    except KeyboardInterrupt:
-        if rank == 0:
-            print("trainer: interrupted", file=sys.stderr, flush=True)
-        return 130
-    except Exception as e:  # noqa: BLE001 - one line, not a wall of tracebacks from every rank
-        code = exit_code(e)
-        decide_exit(code)
-        _tell_torchrun(_report(e, rank, code, debug), e, debug)
-        return code
+    with scope(interrupt=False):  # the run's s3:// mirrors: named by URL in its messages, removed at its end
+        try:
+            from .loop import train
+
+            summary = train(cfg)
+        except KeyboardInterrupt:
+            if rank == 0:
+                print("trainer: interrupted", file=sys.stderr, flush=True)
+            return 130
+        except Exception as e:  # noqa: BLE001 - one line, not a wall of tracebacks from every rank
+            code = exit_code(e)
+            decide_exit(code)
+            _tell_torchrun(_report(e, rank, code, debug), e, debug)
+            return code
     if rank == 0:
         exported = f"; exported {summary.exported}" if summary.exported else ""
         evaluated = f", eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else ""

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from .location import RemoteLocation
 from .location import remote as remote_location
-from .objects import published, remote, s3, upload
+from .objects import published, remote, s3, scopes, upload
 from .objects.remote import TENSOR_SUFFIXES, Need, Unpredicted
-from .objects.remote import mirrors_scope as scope
 from .objects.s3 import ObjectInfo
+from .objects.scopes import mirrors_scope as scope
 from .objects.upload import remote_output
 
 __all__ = [
@@ -304,8 +304,8 @@ def fetch_whole(path: str | os.PathLike[str]) -> None:
 
 
 def named(text: object) -> str:
-    """`text` with every open mirror's local folder in it named by its s3:// URL."""
-    return remote.named(text)
+    """`text` with the local folder of every mirror of the current scope named by its s3:// URL."""
+    return scopes.named(text)
 
 
 streamed_fd = remote.streamed_fd

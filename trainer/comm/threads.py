@@ -10,6 +10,7 @@ the job (agreeing on failures, small objects, checkpoint coordination) meets thr
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from collections.abc import Callable
@@ -164,7 +165,13 @@ def run_in_threads(
                 world.abort(e)
 
     threads = [
-        threading.Thread(target=body, args=(r, d), name=f"trainer-rank-{r}", daemon=True) for r, d in enumerate(devices)
+        threading.Thread(
+            target=contextvars.copy_context().run,  # each rank sees the caller's context (its mirror scope)
+            args=(body, r, d),
+            name=f"trainer-rank-{r}",
+            daemon=True,
+        )
+        for r, d in enumerate(devices)
     ]
     try:
         for t in threads:

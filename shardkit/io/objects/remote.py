@@ -35,14 +35,13 @@ be: a size no object can have is refused, and every GET checks the object's real
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import enum
 import logging
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ from ...paths import inside
 from ..location import RemoteLocation
 from ..safety import transaction
 from ..safety.delete import remove_tree
-from . import containers, published, s3
+from . import containers, published, s3, scopes
 from . import streamed as stream_io
 from .fetching import GetPool, Planner, joined, wait_all
 from .ranges import Ranges, whole_parts
@@ -303,6 +302,8 @@ class MirrorFile:
 
 class Mirror:
     """A remote prefix as a local folder of sparse files (see the module's docstring)."""
+
+    scope: scopes.MirrorScope | None = None  # its owner (`scopes.adopt`), None when it owns itself
 
     def __init__(self, loc: RemoteLocation, objects: Sequence[s3.ObjectInfo], streamed: bool = False):
         self.loc = loc
@@ -612,24 +613,16 @@ def _fetch_all(wanted: Iterable[tuple[MirrorFile, list[tuple[int, int]]]]) -> No
 
 # ---- opening, and the hooks every read path calls ------------------------------------------------------
 
-_OPEN: list[Mirror] = []
-_OPEN_LOCK = threading.Lock()
-
 
 def open_mirror(loc: RemoteLocation, objects: Sequence[s3.ObjectInfo] | None = None, streamed: bool = False) -> Mirror:
-    """A new mirror of `loc` (listed now unless `objects` is given); closed by `close_mirrors`,
-    at the end of a `mirrors_scope`, or at exit. `streamed`: its tensor containers are read once,
-    by an engine run (see "Streamed sources" above)."""
+    """A new mirror of `loc` (listed now unless `objects` is given), owned by the current
+    `scopes.mirrors_scope` (closed when it ends) or, outside any, by itself (removed at exit).
+    `streamed`: its tensor containers are read once, by an engine run (see "Streamed sources"
+    above)."""
     _remove_stale()
     mirror = Mirror(loc, s3.list_objects(loc) if objects is None else objects, streamed)
-    with _OPEN_LOCK:
-        _OPEN.append(mirror)
-    transaction.remove_on_sigterm(_mirror_folders)  # a mirror kept until exit goes on SIGTERM too
+    scopes.adopt(mirror)
     return mirror
-
-
-def _mirror_folders() -> list[Path]:
-    return [m.base for m in list(_OPEN)]
 
 
 class Unpredicted(FormatError):
@@ -639,56 +632,8 @@ class Unpredicted(FormatError):
 
 def close_mirror(mirror: Mirror) -> None:
     """Close `mirror` (its folder removed), before its scope ends."""
-    with _OPEN_LOCK:
-        if mirror in _OPEN:
-            _OPEN.remove(mirror)
+    scopes.release(mirror)
     mirror.close()
-
-
-def close_mirrors(keep: int = 0) -> None:
-    """Close every mirror opened after the first `keep`."""
-    with _OPEN_LOCK:
-        closing, _OPEN[keep:] = _OPEN[keep:], []
-    for mirror in closing:
-        mirror.close()
-
-
-@contextlib.contextmanager
-def mirrors_scope() -> Iterator[None]:
-    """Mirrors opened inside the block are closed (their folders removed) when it ends, also on
-    Ctrl-C and SIGTERM (`transaction.terminate_as_interrupt`; closing never waits for a GET the
-    store does not answer); an error raised inside it names the URLs its mirrors stand for, not
-    their local folders."""
-    with _OPEN_LOCK:
-        keep = len(_OPEN)
-    with transaction.terminate_as_interrupt():
-        try:
-            yield
-        except ShardkitError as e:
-            _name_urls(e)
-            raise
-        finally:
-            close_mirrors(keep)
-
-
-def _name_urls(error: ShardkitError) -> None:
-    if len(error.args) == 1 and isinstance(error.args[0], str):
-        error.args = (named(error.args[0]),)
-
-
-def named(text: object) -> str:
-    """`text` (a message, a path) as shown to the user: every open mirror's local folder in it
-    replaced by the s3:// URL it stands for (`<tmp>/shardkit-UID/shardkit-s3-x/step_4` ->
-    `s3://bucket/ckpt/step_4`). The one mapping of mirror paths to URLs for every message."""
-    out = str(text)
-    with _OPEN_LOCK:
-        mirrors = list(_OPEN)
-    for mirror in mirrors:
-        out = out.replace(str(mirror.root), str(mirror.loc))
-    return out
-
-
-atexit.register(close_mirrors)
 
 
 def _remove_stale() -> None:

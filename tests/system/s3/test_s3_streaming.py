@@ -29,7 +29,7 @@ from s3_helpers import (  # noqa: E402
 import shardkit  # noqa: E402
 from shardkit.api import convert, merge, verify  # noqa: E402
 from shardkit.errors import FormatError  # noqa: E402
-from shardkit.io.objects import remote, s3, streamed  # noqa: E402
+from shardkit.io.objects import remote, s3, scopes, streamed  # noqa: E402
 
 # ---- convert, merge, reshard, verify -----------------------------------------------------------------
 
@@ -185,7 +185,7 @@ def test_streamed_metadata_comes_in_the_parts_that_hold_it(small_model, bucket, 
     def fetch(budget: int) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]], int]:
         monkeypatch.setattr(remote, "STREAM_BUDGET", budget)
         gets.clear()
-        with remote.mirrors_scope():
+        with scopes.mirrors_scope():
             mirror = remote.open_mirror(s3_loc(url), streamed=True)
             shards = [mf for mf in mirror.files.values() if mf.name.endswith(".pt")]
             mirror.prepare("", remote.Need.EVERYTHING)
