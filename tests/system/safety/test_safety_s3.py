@@ -384,7 +384,7 @@ def test_sigterm_removes_a_mirror_kept_until_exit(tiny_model, bucket, own_tempor
         10**18,
         -5,
         1 << 36,
-        # 32768 parts of 32 MiB to plan (~10 s on 2 cores): the same path, with 2048 parts, is the case above
+        # 32768 parts of 32 MiB to plan (5-30 s on 2 shared cores): the same path, 2048 parts, is the case above
         pytest.param(1 << 40, marks=pytest.mark.slow),
     ],
 )
