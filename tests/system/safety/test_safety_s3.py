@@ -448,7 +448,7 @@ def test_messages_name_the_bucket_and_not_botocore(s3_server, caplog):
 
 
 @pytest.mark.slow  # the trainer resumes from s3:// in the main suite: test_s3_checkpoints
-def test_trainer_resume_message_names_the_url(tiny_model, bucket, tmp_path, workdir, caplog):
+def test_trainer_resume_message_names_the_url(small_model, bucket, tmp_path, workdir, caplog):
     """The trainer's "resumed from" names the checkpoint's s3:// URL, not its local mirror, and
     botocore's credentials note is not among its messages."""
     from trainer_helpers import COMMON
@@ -456,7 +456,7 @@ def test_trainer_resume_message_names_the_url(tiny_model, bucket, tmp_path, work
     from trainer.__main__ import main
 
     ckpt = f"s3://{bucket}/train"
-    args = [*_trainer_inputs(tiny_model, tmp_path), *COMMON, "--checkpoint-dir", ckpt, "--resume", "latest_if_exists"]
+    args = [*_trainer_inputs(small_model, tmp_path), *COMMON, "--checkpoint-dir", ckpt, "--resume", "latest_if_exists"]
     assert main([*args, "--steps", "1"]) == 0
     caplog.clear()
     with caplog.at_level(logging.INFO):
@@ -468,17 +468,17 @@ def test_trainer_resume_message_names_the_url(tiny_model, bucket, tmp_path, work
 # ---- 7. the trainer's --export-hf s3:// ---------------------------------------------------------------
 
 
-def _trainer_inputs(tiny_model, tmp_path: Path) -> list[str]:
+def _trainer_inputs(small_model, tmp_path: Path) -> list[str]:
     tokens = tmp_path / "tokens.bin"
     if not tokens.exists():
         script = ROOT / "scripts" / "prepare_data.py"
         subprocess.run(
             [sys.executable, str(script), str(ROOT / "fixtures" / "tiny-corpus.txt"), "--out", str(tokens)], check=True
         )
-    return ["--model", str(tiny_model("tinyllama-mini")), "--data", str(tokens)]
+    return ["--model", str(small_model()), "--data", str(tokens)]
 
 
-def test_trainer_exports_to_s3(tiny_model, bucket, tmp_path, workdir):
+def test_trainer_exports_to_s3(small_model, bucket, tmp_path, workdir):
     """--export-hf s3://bucket/prefix: the merged model is uploaded and committed (the same tensors
     as a local export of the same run), the same command run again keeps it, and another run's
     export is refused unless --overwrite-export."""
@@ -487,7 +487,7 @@ def test_trainer_exports_to_s3(tiny_model, bucket, tmp_path, workdir):
     from trainer.__main__ import main
 
     url = f"s3://{bucket}/export"
-    base = [*_trainer_inputs(tiny_model, tmp_path), *COMMON, "--steps", "1"]
+    base = [*_trainer_inputs(small_model, tmp_path), *COMMON, "--steps", "1"]
     assert main([*base, "--export-hf", url]) == 0
     names = keys(bucket, "export/")
     assert "export/model.safetensors" in names and "export/trainer-export.json" in names
