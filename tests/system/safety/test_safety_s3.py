@@ -57,9 +57,9 @@ def layout_of(url: str) -> dict:
 
 
 @pytest.fixture
-def old_output(tiny_model, bucket):
-    """An s3:// output (tp 2) of the tiny model, its objects and ETags: what a replace must keep."""
-    hf = tiny_model("tinyllama-mini", torch.bfloat16)
+def old_output(small_model, bucket):
+    """An s3:// output (tp 2) of the small model, its objects and ETags: what a replace must keep."""
+    hf = small_model(torch.bfloat16)
     url = f"s3://{bucket}/out"
     convert(hf, url, shardkit.make_layout(tp=2))
     return hf, url, objects(bucket, "out/")
@@ -240,7 +240,7 @@ def _save(url: str, tag: str = "step_1") -> None:
     from shardkit.layout import Layout
     from shardkit.testing import fixture_config
 
-    config = fixture_config("tinyllama-mini")
+    config = fixture_config("tinyllama-mini") | {"num_hidden_layers": 4}  # its size is not the point
     ckpt_child.save_all_ranks(url, tag, Layout(tp=2, pp=1, qkv="gqa"), config, ckpt_child.full_state(config, 1), 1)
     finalize_checkpoint()
 
