@@ -110,7 +110,9 @@ def save_like_nxd(tag: Path, tp: int, dp: int) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(tp * dp, port, str(tag), tp, dp), nprocs=tp * dp)
+    import torch.distributed.checkpoint  # noqa: F401  (imported once, before the workers are forked)
+
+    mp.start_processes(_worker, args=(tp * dp, port, str(tag), tp, dp), nprocs=tp * dp, start_method="fork")
     for f in (Path(tag) / "optim").glob("dp_rank_*.pt"):
         f.unlink()
 

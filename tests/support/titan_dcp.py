@@ -226,15 +226,32 @@ def exit_saved() -> None:
     os._exit(0)
 
 
+def _preload() -> None:
+    """Import what the workers use before they are forked. Forked, not spawned: a spawned worker
+    imports torch and this module again (seconds each on 2 cores); the parent has run no torch op
+    yet, so no thread pool is forked."""
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.state_dict
+    import torch.distributed.device_mesh
+    import torch.distributed.fsdp
+    import torch.distributed.tensor  # noqa: F401
+
+
 def build(out: Path, state_path: Path, config: Path, world: int = 2, model_only: bool = False) -> None:
     """Save the state of `state_path` (`titan_state`) as torchtitan does, by FSDP2 over `world`
     gloo processes, into the DCP folder `out`."""
     import torch.multiprocessing as mp
 
+    _preload()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, str(state_path), str(config), str(out), model_only), nprocs=world)
+    mp.start_processes(
+        _worker,
+        args=(world, port, str(state_path), str(config), str(out), model_only),
+        nprocs=world,
+        start_method="fork",
+    )
 
 
 # ---- torchtitan 0.3 ----------------------------------------------------------------------------
@@ -522,10 +539,13 @@ def build03(out: Path, state_path: Path, config: Path, world: int = 2) -> None:
     model sharded by FSDP2 over `world` gloo processes, into the DCP folder `out`."""
     import torch.multiprocessing as mp
 
+    _preload()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker03, args=(world, port, str(state_path), str(config), str(out)), nprocs=world)
+    mp.start_processes(
+        _worker03, args=(world, port, str(state_path), str(config), str(out)), nprocs=world, start_method="fork"
+    )
 
 
 if __name__ == "__main__":

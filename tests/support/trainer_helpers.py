@@ -166,10 +166,11 @@ _forkserver = None
 FAILED_RANK_GRACE_S = 30.0  # torchrun's behaviour: once a rank has failed, the others are stopped
 
 
-def _rank_context():
-    """The fork server the ranks of `run_ranks` start from (one per test session). It only imports
-    (no torch op runs in it, so no thread pool exists to be broken by fork), with one OpenMP thread
-    like torchrun's workers."""
+def fork_server():
+    """The fork server the ranks of `run_ranks` start from (one per test session; other gloo
+    workers too: multiprocessing's "forkserver" start method then forks them from it). It only
+    imports (no torch op runs in it, so no thread pool exists to be broken by fork), with one
+    OpenMP thread like torchrun's workers."""
     global _forkserver
     if _forkserver is None:
         ctx = multiprocessing.get_context("forkserver")
@@ -232,7 +233,7 @@ def run_ranks(
     ~2 CPU-s of imports per process (a 4-rank test takes 5 s instead of 14 on 2 cores). stderr is
     the ranks' stderr in rank order; returncode 0 when every rank exited 0, else the first failing
     rank's code. Tests of torchrun's own behaviour (its exit code and failure report) use `torchrun`."""
-    ctx = _rank_context()
+    ctx = fork_server()
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     base.update(
         MASTER_ADDR="127.0.0.1",

@@ -570,12 +570,15 @@ def _dist_worker(rank: int, world: int, init_method: str, jobs: list[dict], resu
         dist.destroy_process_group()
 
 
-def _run_spawned(fn, args, nprocs: int, timeout: float) -> None:
-    """torch.multiprocessing spawn with a deadline; a child's exception or exit fails the caller
-    (ProcessContext.join raises and terminates the remaining children)."""
+def _run_workers(fn, args, nprocs: int, timeout: float) -> None:
+    """torch.multiprocessing's processes with a deadline; a child's exception or exit fails the
+    caller (ProcessContext.join raises and terminates the remaining children). They are forked from
+    the tests' fork server, which has imported torch and transformers once for them all."""
     import torch.multiprocessing as mp
+    from trainer_helpers import fork_server
 
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    fork_server()
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=1.0):
@@ -642,7 +645,7 @@ def test_layer_forward_torch_distributed_gloo(sharded, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     init_method = f"file://{tmp_path / 'store'}"
-    _run_spawned(_dist_worker, (world, init_method, jobs, str(results)), world, DIST_TIMEOUT_S)
+    _run_workers(_dist_worker, (world, init_method, jobs, str(results)), world, DIST_TIMEOUT_S)
     reports = [json.loads(p.read_text()) for p in sorted(results.glob("rank*.json"))]
     assert sorted(r["rank"] for r in reports) == list(range(world)), "not every tp rank reported"
     for r in reports:

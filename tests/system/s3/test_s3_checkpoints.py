@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_checkpoint_save_list_reshard_export(bucket, tmp_path, workdir, monkeypatch):
-    config = fixture_config(CONFIG)
+    config = fixture_config(CONFIG) | {"num_hidden_layers": 4}  # the checkpoint's size is not the point here
     state = ckpt_child.full_state(config, 100, seed=1)
     root = f"s3://{bucket}/run1"
     _save(root, "step_100", TP2PP2, config, state, 100)

@@ -3,7 +3,8 @@
 1. parallel equals serial: from the same weights and data, the per-step losses of tp1pp1, tp2pp1,
    tp1pp2, tp2pp2, dp2 (with and without ZeRO-1) and tp4 with kv-multiplier 2 (8 q heads, 2 kv
    heads) agree to 1e-5 relative over 5 steps (real gloo jobs, fp32, their ranks forked by
-   trainer_helpers.run_ranks; the README's command and the failure cases run under torchrun);
+   trainer_helpers.run_ranks, as is the README's command run twice; the failure cases run under
+   torchrun);
    tp1pp1 also equals transformers' model + torch AdamW; exports of tp1pp1 and tp2pp2 hold the
    same weights;
 3. a tiny model learns the bundled text (loss well below the unigram entropy) and its
@@ -322,8 +323,8 @@ def test_debug_prints_the_failing_ranks_traceback(tmp_path, tokens, capsys):
 
 
 def test_rerunning_the_finished_readme_command_succeeds(tmp_path, hf_model, tokens):
-    """README's command (checkpoints, async save, latest_if_exists, --export-hf) run twice under
-    torchrun: the second run finds the run finished, keeps its own export and exits 0."""
+    """README's command (checkpoints, async save, latest_if_exists, --export-hf) run twice as a
+    2-rank gloo job: the second run finds the run finished, keeps its own export and exits 0."""
     ckpt, export = tmp_path / "ckpt", tmp_path / "trained"
     args = [
         "--model",
@@ -347,10 +348,10 @@ def test_rerunning_the_finished_readme_command_succeeds(tmp_path, hf_model, toke
         "--export-hf",
         str(export),
     ]
-    check_ok(torchrun(2, args, timeout=120))
+    check_ok(run_ranks(2, args, timeout=120))
     weights = (export / "model.safetensors").read_bytes()
     assert json.loads((export / "trainer-export.json").read_text())["step"] == 2
-    again = torchrun(2, args, timeout=120)
+    again = run_ranks(2, args, timeout=120)
     check_ok(again)
     assert "already holds this run's export of step 2" in again.stderr, again.stderr
     assert "nothing to train: already at step 2" in again.stderr
