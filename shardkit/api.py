@@ -292,7 +292,7 @@ def merge(
     index + config), in files of at most `max_shard_size`. `options` as for `reshard`."""
     replace = options.get("replace_objects")
     with scope(), _destination(dst, bool(options.get("overwrite")), (src,), replace) as (out, sink):
-        result = _merge(src, out, sink, max_shard_size, config, hints, revision, dict(options))
+        result = _merge(src, out, sink, max_shard_size, dict(options), config, hints, revision)
     return _located(result, dst)
 
 
@@ -301,10 +301,10 @@ def _merge(
     out: str | Path,
     sink: Sink,
     max_shard_size: int | str,
-    config: ConfigArg,
-    hints: Mapping | None,
-    revision: str | None,
     options: dict[str, Any],
+    config: ConfigArg = None,
+    hints: Mapping | None = None,
+    revision: str | None = None,
 ) -> Result:
     """`merge` into the local folder `out`, its finished files handed to `sink`."""
 
@@ -426,7 +426,7 @@ def export_checkpoint(
                     f"{model.root} holds full weights, not LoRA adapters: --merged and --base apply to LoRA "
                     "checkpoints only; leave them out"
                 )
-            result = _merge(model, local_out, sink, max_shard_size, None, None, None, dict(options))
+            result = _merge(model, local_out, sink, max_shard_size, dict(options))
         else:
             result = _export_lora(model, local_out, sink, settings.base_model, merged, base, max_shard_size, options)
     return _located(result, out)
@@ -469,7 +469,7 @@ def _export_lora(
         )
     TagCheck(model.root, options.get("verify_hashes", True) not in (False, "none")).verify()
     base_ckpt = open_source(base_model, need=Need.EVERYTHING)
-    return _merge(merged_view(base_ckpt, model), out, sink, max_shard_size, None, None, None, dict(options))
+    return _merge(merged_view(base_ckpt, model), out, sink, max_shard_size, dict(options))
 
 
 @no_full_collections()
