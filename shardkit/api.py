@@ -183,7 +183,7 @@ def _check_fetched(ckpt: Checkpoint, options: dict[str, Any]) -> None:
             blocks[path.relative_to(store.root).as_posix()] = [str(b) for b in entry[BLOCKS_KEY]]
             continue  # checked block by block as it arrives (io.objects.remote), before the output is committed
         store.ensure(path)
-        if not file_matches(path, entry, mode):
+        if not file_matches(path, entry, mode, store):
             raise FormatError(f"{store.shown(path)} does not match the digest its manifest lists: re-create it")
     if blocks:
         store.mirror.check(blocks, digest.BLOCK_SIZE)  # (the size `_streams` found every entry to list)
@@ -216,9 +216,7 @@ def open_source(
         store = open_store(loc, streamed=streamed)
         _refuse_checkpoint_root(store.root, str(src))  # before any of its tags is fetched
         store.prepare([store.root], need)
-        ckpt = open_checkpoint(store.root, config, hints)
-        ckpt.store = store
-        return ckpt
+        return open_checkpoint(store.root, config, hints, store)
     if not os.path.lexists(src):
         recover_interrupted(Path(src), log)  # a run killed while replacing it left it beside, renamed
     else:
@@ -416,9 +414,7 @@ def export_checkpoint(
         if store is not None:  # the model files whole (master weights in optim/: as the merge reads them)
             store.prepare([store.root / name / "model"], Need.EVERYTHING)
         # the tag's model files, or its fp32 master weights when the model files hold no data
-        model = model_checkpoint(inside(root, name, "checkpoint tag"), config, hints)
-        if store is not None:
-            model.store = store
+        model = model_checkpoint(inside(root, name, "checkpoint tag"), config, hints, store=store)
         settings = settings_of(model)
         if settings is None:
             if merged or base is not None:

@@ -146,7 +146,9 @@ def load(point: ResumePoint, spec, par) -> Restored:
 
     def read(ep: int):
         rank = Rank(tp=par.tp_rank, pp=par.pp_rank, ep=ep, dp=par.edp_rank)
-        loaded = load_checkpoint(point.directory, point.tag, target_layout=spec.layout, rank=rank, config=spec.config)
+        loaded = load_checkpoint(
+            point.directory, point.tag, target_layout=spec.layout, rank=rank, config=spec.config, store=point.store
+        )
         if loaded is None:  # resolved before; it vanished since
             raise TrainerError(f"checkpoint {point.path} disappeared before it could be loaded")
         return loaded

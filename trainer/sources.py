@@ -40,7 +40,7 @@ from typing import Any
 
 from shardkit.io.data.digest import file_digests
 from shardkit.io.location import RemoteLocation, remote
-from shardkit.io.store import ObjectInfo, Store, prefix, stamp
+from shardkit.io.store import ObjectInfo, Store, prefix
 from shardkit.paths import regular_file
 
 from .errors import DataError
@@ -90,12 +90,13 @@ class Source:
             self.store = self.path = None
 
     def stamp(self) -> list[tuple[int, ...]]:
-        """The stat identity of a local source's files (io.store.stamp: device, inode, size and
+        """The stat identity of a local source's files (`Store.stamp`: device, inode, size and
         times); [] for S3 (its reads are pinned to the listed ETag)."""
         if self.loc is not None or self.path is None:
             return []
         files = sorted(p for p in self.path.iterdir() if p.is_file()) if self.path.is_dir() else [self.path]
-        return [stamp(os.stat(f)) for f in files]
+        local = Store(self.path)
+        return [local.stamp(os.stat(f)) for f in files]
 
     def check_unchanged(self, before: list[tuple[int, ...]]) -> None:
         """Refuse (one line) a source whose files changed since `before` (while it was read)."""

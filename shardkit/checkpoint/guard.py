@@ -17,16 +17,18 @@ from pathlib import Path
 from ..errors import FormatError, ShardkitError
 from ..formats import MANIFEST
 from ..io.data.digest import FAST, expected_digest, file_matches
-from ..io.store import stamp
+from ..io.store import Store
 from ..paths import inside
 from .tree import read_manifest
 
 Stamp = tuple[int, ...]
 
 
-def stamp_tree(folder: Path) -> dict[str, Stamp]:
-    """Every file (and link) under `folder`, by relative path: device, inode, size, mtime, ctime.
-    Links are stamped themselves, never followed."""
+def stamp_tree(folder: Path, store: Store | None = None) -> dict[str, Stamp]:
+    """Every file (and link) under `folder`, by relative path: device, inode, size, mtime, ctime
+    (`Store.stamp` of the store it is read through, default a local folder). Links are stamped
+    themselves, never followed."""
+    store = store if store is not None else Store(folder)
     stamps: dict[str, Stamp] = {}
     for here, dirs, names in os.walk(folder):
         for name in names + [d for d in dirs if os.path.islink(os.path.join(here, d))]:
@@ -35,16 +37,17 @@ def stamp_tree(folder: Path) -> dict[str, Stamp]:
                 st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            stamps[os.path.relpath(path, folder)] = stamp(st)  # a mirror file: see io.store.stamp
+            stamps[os.path.relpath(path, folder)] = store.stamp(st)  # a mirror file: see io.store.MirrorStore.stamp
     return stamps
 
 
 class TagCheck:
     """A tag's files as opened, and (with `hashes`) its listed files' digests, checked by `verify`."""
 
-    def __init__(self, tag_dir: Path, hashes: bool = True):
+    def __init__(self, tag_dir: Path, hashes: bool = True, store: Store | None = None):
         self.tag_dir = Path(tag_dir)
-        self.stamps = stamp_tree(self.tag_dir)
+        self.store = store if store is not None else Store(self.tag_dir)  # what the tag is read through
+        self.stamps = stamp_tree(self.tag_dir, self.store)
         manifest = read_manifest(self.tag_dir) if hashes else None
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -58,7 +61,7 @@ class TagCheck:
                 return
             try:
                 path = inside(self.tag_dir, entry["path"], f"file listed in {MANIFEST}")
-                if not file_matches(path, entry, FAST):
+                if not file_matches(path, entry, FAST, self.store):
                     self.error = FormatError(
                         f"{self.tag_dir.name}/{entry['path']} does not match its size and "
                         f"{expected_digest(entry, FAST)[0]} in {MANIFEST}: the file is corrupt or was changed; "
@@ -96,7 +99,7 @@ class TagCheck:
         self._thread.join()
         if self.error is not None:
             raise self.error
-        now = stamp_tree(self.tag_dir)
+        now = stamp_tree(self.tag_dir, self.store)
         for rel in sorted(set(self.stamps) | set(now)):
             before, after = self.stamps.get(rel), now.get(rel)
             if before == after:

@@ -72,11 +72,11 @@ log = logging.getLogger(__name__)
 LATEST_IF_EXISTS = "latest_if_exists"
 
 
-def plain_file(tag_dir: Path, name: str) -> Any:
+def plain_file(tag_dir: Path, name: str, store: Store | None = None) -> Any:
     """A tag's plain torch file (scheduler.pt, user_content.pt), read whole by the bounded reader,
     within the tag (a link out of it is refused); None when the tag has none."""
     path = Path(tag_dir) / name
-    return load_small(path, name, within=Path(tag_dir)) if os.path.lexists(path) else None
+    return load_small(path, name, within=Path(tag_dir), store=store) if os.path.lexists(path) else None
 
 
 def resolve_tag(directory: Path, tag: str | None) -> str | None:
@@ -222,7 +222,7 @@ def _check_files(ckpt: Checkpoint, keys: set[str]) -> None:
             reader.close()
 
 
-def _verify_hashes(tag_dir: Path, manifest: Mapping[str, Any], keys: set[str]) -> None:
+def _verify_hashes(tag_dir: Path, manifest: Mapping[str, Any], keys: set[str], store: Store | None = None) -> None:
     """Every file (and xser tensor file) behind `keys` against the manifest's fast digest (sha256
     where the manifest predates it)."""
     entries = manifest.get("files", [])
@@ -231,7 +231,7 @@ def _verify_hashes(tag_dir: Path, manifest: Mapping[str, Any], keys: set[str]) -
         if not mine:
             raise FormatError(f"the manifest of {tag_dir} does not list {key}: the checkpoint is damaged")
         for entry in mine:
-            if not file_matches(_listed_path(tag_dir, entry["path"]), entry, FAST):
+            if not file_matches(_listed_path(tag_dir, entry["path"]), entry, FAST, store):
                 raise FormatError(
                     f"{tag_dir.name}/{entry['path']} does not match its size and {expected_digest(entry, FAST)[0]} "
                     "in the manifest: the file is corrupt; load an older tag (tag=...)"
@@ -291,7 +291,7 @@ def read_pieces(
     ckpt.store.prepare(p for key in sorted(needed) for p in (ckpt.files[key], Path(f"{ckpt.files[key]}.tensors")))
     _check_files(ckpt, needed)
     if verify and manifest is not None:
-        _verify_hashes(ckpt.root, manifest, needed)
+        _verify_hashes(ckpt.root, manifest, needed, ckpt.store)
     reader = SourceReader(ckpt)  # positional reads: every tensor read owns its memory
     out: dict[str, torch.Tensor] = {}
     try:
@@ -335,14 +335,14 @@ def _from_master(ckpt: Checkpoint, zero: Zero1Tag | None, pieces: list[Piece]) -
 
 
 def _load_generic(
-    tag_dir: Path, name: str, manifest: Mapping[str, Any], rank: Any, optimizer: bool
+    tag_dir: Path, name: str, manifest: Mapping[str, Any], rank: Any, optimizer: bool, store: Store | None = None
 ) -> LoadedCheckpoint:
     """A checkpoint saved without layout/config: the objects exactly as saved (this process's
     ZeRO-1 optimizer shard when each dp rank saved its own)."""
     info = manifest.get("checkpoint") or {}
     dist_rank = distributed_rank()
     dp = rank.dp if isinstance(rank, Rank) else (dist_rank[0] if dist_rank else 0)
-    model = load_object(tag_dir / MODEL_DIR / "dp_rank_00_tp_rank_00_pp_rank_00.pt", False)
+    model = load_object(tag_dir / MODEL_DIR / "dp_rank_00_tp_rank_00_pp_rank_00.pt", False, store)
     opt = None
     if optimizer:
         path = tag_dir / optim_name(dp if info.get("zero1") else 0, 0, 0)
@@ -353,8 +353,8 @@ def _load_generic(
                     f"{len(list((tag_dir / OPTIM_DIR).iterdir()))} optimizer shards; load it with as many "
                     "processes as saved it"
                 )
-            opt = load_object(path, False)
-    scheduler, user_content = plain_file(tag_dir, SCHEDULER), plain_file(tag_dir, USER_CONTENT)
+            opt = load_object(path, False, store)
+    scheduler, user_content = plain_file(tag_dir, SCHEDULER, store), plain_file(tag_dir, USER_CONTENT, store)
     layout = Layout()
     return LoadedCheckpoint(
         name,
@@ -386,6 +386,7 @@ def load_checkpoint(
     optimizer: bool = True,
     verify: bool = True,
     param_order: list[list[str]] | None = None,
+    store: Store | None = None,
 ) -> LoadedCheckpoint | None:
     """This rank's model pieces and optimizer state for `target_layout`, from checkpoint `tag`.
 
@@ -404,7 +405,8 @@ def load_checkpoint(
     NxD's optimizer files (ZeRO-1, any dp) are read by meaning: `loaded.optimizer.state[piece]` is
     `{"exp_avg", "exp_avg_sq", "step"[, "master"]}` with this rank's tp-local (dp-unsharded)
     shapes; `zero1.dp_shard(t, dp, d)` gives dp rank d's ZeRO-1 part of it. `dir` may be
-    s3://bucket/prefix: read through a local mirror, fetching the ranges read."""
+    s3://bucket/prefix: read through a local mirror, fetching the ranges read; `store`: what a
+    local `dir` is read through (a mirror its caller keeps open, as the trainer's --resume)."""
     if (loc := remote_location(dir, "checkpoint directory")) is not None:
         with scope():
             store = open_store(loc, output=False)  # files fetched as this rank reads them
@@ -412,7 +414,7 @@ def load_checkpoint(
             if name is None:
                 return None
             return _load(store, name, target_layout, rank, config, hints, optimizer, verify, param_order)
-    return _load(Store(dir), tag, target_layout, rank, config, hints, optimizer, verify, param_order)
+    return _load(store or Store(dir), tag, target_layout, rank, config, hints, optimizer, verify, param_order)
 
 
 def _load(  # noqa: PLR0913 - load_checkpoint's arguments, resolved
@@ -487,14 +489,12 @@ def _load_tag(
         )
     manifest = check_loadable(tag_dir)
     if manifest is not None and (manifest.get("checkpoint") or {}).get("generic"):
-        return _load_generic(tag_dir, name, manifest, rank, optimizer)
+        return _load_generic(tag_dir, name, manifest, rank, optimizer, store)
     saved = load_config(tag_dir, within=tag_dir) if (tag_dir / CONFIG).is_file() else None
     given = load_config(config) if isinstance(config, (str, Path)) else (dict(config) if config else None)
     if saved is not None and given is not None:
         _compare_configs(saved, given, tag_dir)
-    ckpt = open_model(tag_dir, saved or given, hints)
-    if store is not None:
-        ckpt.store = store  # (before the optimizer's views of it are made)
+    ckpt = open_model(tag_dir, saved or given, hints, store)  # (its store before the optimizer's views are made)
     target = target_layout or ckpt.layout
     target.validate(ckpt.dims)
     me = Rank.of(rank, target)
@@ -509,9 +509,9 @@ def _load_tag(
     else:
         model = _from_master(ckpt, zero, pieces)
     if verify and manifest is not None and zero is not None:
-        _verify_hashes(tag_dir, manifest, {p.relative_to(tag_dir).as_posix() for p in zero.files.values()})
+        _verify_hashes(tag_dir, manifest, {p.relative_to(tag_dir).as_posix() for p in zero.files.values()}, store)
     opt = read_optimizer(zero, pieces) if optimizer and zero is not None else None
-    scheduler, user_content = plain_file(tag_dir, SCHEDULER), plain_file(tag_dir, USER_CONTENT)
+    scheduler, user_content = plain_file(tag_dir, SCHEDULER, store), plain_file(tag_dir, USER_CONTENT, store)
     step = (manifest.get("checkpoint") or {}).get("step") if manifest else None
     if step is None and isinstance(user_content, Mapping) and isinstance(user_content.get("step"), int):
         step = user_content["step"]

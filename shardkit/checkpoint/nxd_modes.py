@@ -47,6 +47,7 @@ from ..formats.dcp_files import (
 from ..formats.source import decide_replication
 from ..io.data.digest import FileRecord
 from ..io.safety.sinks import NO_SINK, Sink
+from ..io.store import Store
 from ..layout import Layout
 from ..placements import Piece
 from .base import CheckpointError
@@ -99,10 +100,13 @@ def open_optimizer(tag_dir: Path, model: Checkpoint, param_order: list[list[str]
     return Zero1Tag.open(tag_dir, model, param_order)
 
 
-def open_model(tag_dir: Path, config: Any = None, hints: Mapping[str, Any] | None = None) -> Checkpoint:
-    """A tag's model files opened (layout inferred for NxD's), with the kv replication read from
-    the master weights when the files hold no data to read it from (avoid-lp, kv-multiplier > 1)."""
-    model = open_checkpoint(tag_dir, config, hints)
+def open_model(
+    tag_dir: Path, config: Any = None, hints: Mapping[str, Any] | None = None, store: Store | None = None
+) -> Checkpoint:
+    """A tag's model files opened (layout inferred for NxD's; read through `store`, default the
+    local folder), with the kv replication read from the master weights when the files hold no
+    data to read it from (avoid-lp, kv-multiplier > 1)."""
+    model = open_checkpoint(tag_dir, config, hints, store)
     undecided = model.manifest is None and model.layout.kv_multiplier > 1 and not (hints or {}).get("kv_replication")
     if not undecided or model_has_data(model):
         return model

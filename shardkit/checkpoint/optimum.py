@@ -32,6 +32,7 @@ import torch
 
 from ..formats import Checkpoint, open_checkpoint, optimum_neuron
 from ..io.safety.small import SmallFileError, read_json
+from ..io.store import Store
 from .base import IncompleteCheckpointError, NoCheckpointError
 from .tree import DONE_MARKER, OPTIM_DIR, USER_CONTENT, tag_path, tag_step
 from .zero1 import MOMENTS, MergedOptimFile, OptimFileError, Zero1Tag, is_xser_tag, load_object
@@ -88,9 +89,9 @@ def native_format(tag_dir: Path, model_format: str) -> str:
     return "xser" if shards is not None and is_xser_tag(shards) else "torch"
 
 
-def open_model(tag_dir: Path, config: Any = None) -> Checkpoint:
-    """The checkpoint's model (its config.json, or `config`)."""
-    return open_checkpoint(tag_dir, config)
+def open_model(tag_dir: Path, config: Any = None, store: Store | None = None) -> Checkpoint:
+    """The checkpoint's model (its config.json, or `config`; read through `store`)."""
+    return open_checkpoint(tag_dir, config, store=store)
 
 
 def open_parts(

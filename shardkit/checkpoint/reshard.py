@@ -41,6 +41,7 @@ from ..io.safety.durable import write_marker, write_text
 from ..io.safety.sinks import NO_SINK, Sink
 from ..io.safety.small import PICKLE_LIMIT, copy_small
 from ..io.safety.transaction import commit_all, staged_output
+from ..io.store import Store
 from ..layout import Layout
 from ..placements import Piece
 from . import optimum
@@ -125,16 +126,17 @@ def open_training_tag(tag_dir: Path, config: Any = None, hints: Hints = None, pa
 
 
 def model_checkpoint(
-    tag_dir: Path, config: Any = None, hints: Hints = None, param_order: ParamOrder = None
+    tag_dir: Path, config: Any = None, hints: Hints = None, param_order: ParamOrder = None, store: Store | None = None
 ) -> Checkpoint:
     """A tag's model as the engine reads it (merge, export): its model files, or, when they hold no
     tensor data (NxD's avoid_saving_lower_precision_weights), its fp32 master weights in the
     model's dtype under the model's names. An optimum-neuron checkpoint's model files always hold
-    its weights: its optimizer files are not opened."""
+    its weights: its optimizer files are not opened. `store`: what the tag is read through
+    (default: the local folder)."""
     if optimum.is_optimum_tag(tag_dir):
-        return optimum.open_model(tag_dir, config)
+        return optimum.open_model(tag_dir, config, store)
     _config_given(Path(tag_dir), config)
-    model = open_model(Path(tag_dir), config, hints)
+    model = open_model(Path(tag_dir), config, hints, store)
     if model_has_data(model):
         return model  # the optimizer files are not opened (nor fetched from object storage)
     zero = open_optimizer(Path(tag_dir), model, param_order)

@@ -33,6 +33,7 @@ from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, xser
 from ..formats.torch_io import TensorReference, safe_load
 from ..io.safety.small import SmallFileError, read_json
+from ..io.store import Store
 from ..placements import Piece
 from .object_writer import KEEP, Deferred, map_leaves
 from .tree import MODEL_DIR, OPTIM_DIR
@@ -109,20 +110,21 @@ def is_xser_tag(tag_dir: Path) -> bool:
     return False
 
 
-def load_object(path: Path, use_xser: bool) -> Any:
-    """A saved object with every tensor (memory-mapped); xser references resolved."""
-    obj = safe_load(Path(path))
-    return _resolve(obj, Path(path)) if use_xser else obj
+def load_object(path: Path, use_xser: bool, store: Store | None = None) -> Any:
+    """A saved object with every tensor (memory-mapped); xser references resolved (read through
+    `store`, default a local folder)."""
+    obj = safe_load(Path(path), store=store)
+    return _resolve(obj, Path(path), store) if use_xser else obj
 
 
-def _resolve(obj: Any, path: Path) -> Any:
+def _resolve(obj: Any, path: Path, store: Store | None = None) -> Any:
     """xser.resolve that keeps shared objects shared."""
 
     def leaf(x: Any) -> Any:
         if not isinstance(x, TensorReference):
             return KEEP
         tid: Any = x.tid  # unpickled from the file, so anything: tensor_path refuses all but an int >= 0
-        return safe_load(xser.tensor_path(path, tid))
+        return safe_load(xser.tensor_path(path, tid), store=store)
 
     return map_leaves(obj, leaf)
 
@@ -317,7 +319,7 @@ class Zero1Tag:
         key = (d, ep, tp, pp)
         if key not in self._objects:
             path = self.files[key]
-            obj = load_object(path, self.use_xser)
+            obj = load_object(path, self.use_xser, self.model.store)
             if not (
                 isinstance(obj, dict)
                 and isinstance(obj.get("param_groups"), list)
@@ -560,7 +562,7 @@ class MergedOptimFile:
     def _objects(self) -> list[Any]:
         if self._objs is None:
             self._objs = [
-                load_object(self.tag.files[(d, self.ep, self.tp, self.pp)], self.tag.use_xser)
+                load_object(self.tag.files[(d, self.ep, self.tp, self.pp)], self.tag.use_xser, self.tag.model.store)
                 for d in range(self.tag.dp)
             ]
         return self._objs

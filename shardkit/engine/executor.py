@@ -165,7 +165,9 @@ class _Builder:
         self.sources = ahead.source_for if ahead is not None else None
         self.ready = plan.read_ahead.waiter(ahead) if ahead is not None and plan.read_ahead is not None else None
         self.advise = plan.read_ahead is None  # sources that do not say where their bytes are: read-ahead hints
-        self.stamps = SourceStamps()  # the sources as first opened (see io.data.hashing.HashingFile.copy_ranges)
+        self.stamps = SourceStamps(
+            src.store
+        )  # the sources as first opened (see io.data.hashing.HashingFile.copy_ranges)
         self.progress = _Progress(options.progress, plan.total)
         self.cancel = threading.Event()
 

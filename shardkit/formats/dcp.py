@@ -34,6 +34,7 @@ from ..io.data.strided import (
     stored_range,
 )
 from ..io.safety.sinks import NO_SINK, Sink
+from ..io.store import Store
 from ..layout import Layout, ModelDims
 from ..paths import inside
 from ..placements import Piece, Segment, make_piece
@@ -87,8 +88,14 @@ class DcpFile(ChunkFile):
     """A TensorFile of one data file's chunks, named `fqn@offsets` (`Chunk.name`), each in the
     Hugging Face row order when `head_dims` names it (a convention's permuted q/k)."""
 
-    def __init__(self, path: Path, chunks: Iterable[Chunk] | None = None, head_dims: Mapping[str, int] | None = None):
-        super().__init__(path)
+    def __init__(
+        self,
+        path: Path,
+        chunks: Iterable[Chunk] | None = None,
+        head_dims: Mapping[str, int] | None = None,
+        store: Store | None = None,
+    ):
+        super().__init__(path, store)
         if chunks is None:
             folder = read_folder(self.path.parent)
             chunks = [c for e in folder.tensors.values() for c in e.chunks if c.file == self.path.name]
@@ -232,11 +239,12 @@ class DcpModel:
     params: dict[str, str] = field(default_factory=dict)
     """HF name -> the parameter (fqn, without the prefix) the optimizer keys its state by (fused or not)."""
 
-    def open(self, key: str) -> Any:
+    def open(self, key: str, store: Store | None = None) -> Any:
+        """The reader of `key`'s data file (read through `store`), or of the composite tensors."""
         if key == COMPOSITE:
             names = {p.name: self.names[p.name] for p in self.holdings[key]}
             return DcpTensors(self.folder, names, self.head_dims, self.parts)
-        return DcpFile(self.files[key], self.chunks[key], self.head_dims)
+        return DcpFile(self.files[key], self.chunks[key], self.head_dims, store)
 
 
 def model_names(

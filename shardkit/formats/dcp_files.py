@@ -42,10 +42,11 @@ from ..io.data.copy import FileRange
 from ..io.data.digest import FileRecord, Recording
 from ..io.data.hashing import HashingFile
 from ..io.data.strided import StoredTensor, read_stored
-from ..io.data.taps import DescriptorReader, OpenFile, pread_exact
+from ..io.data.taps import DescriptorReader, pread_exact
 from ..io.safety.durable import write_bytes
 from ..io.safety.sinks import NO_SINK, Sink
 from ..io.safety.small import PICKLE_LIMIT, read_small
+from ..io.store import Store
 from ..paths import inside
 from .base import DiscardOnFailure, TensorSpec, compact, tensor_bytes
 from .torch_io import embedded_tensor, parsed_once, regular, tensor_pickle, torch_save, written_natively
@@ -347,9 +348,10 @@ def _corner_problem(
 class ChunkFile(DescriptorReader):
     """One data file's chunks, each located on first use (its archive's directory and pickle)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, store: Store | None = None):
+        """`store`: what the file is read through (default: a local folder)."""
         self.path = regular(Path(path), "DCP data file")
-        self._file = OpenFile(os.open(self.path, os.O_RDONLY))
+        self._file = (store if store is not None else Store(self.path.parent)).open(self.path, "DCP data file")
         self._stored: dict[tuple[int, int], StoredTensor] = {}
 
     def stored(self, chunk: Chunk) -> StoredTensor:

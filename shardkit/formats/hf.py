@@ -16,6 +16,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from ..errors import FormatError
 from ..io.safety.small import COPY_LIMIT, check_small, copy_small, read_json
+from ..io.store import Store
 from ..paths import member
 from .safetensors_io import read_header
 from .torch_io import regular
@@ -65,13 +66,14 @@ def weight_files(path: Path, strict: bool = True) -> list[Path]:
     return []
 
 
-def tensor_names(file: Path) -> list[str]:
-    """Names in a weight file, cheaply (safetensors header, or a mapped torch load)."""
+def tensor_names(file: Path, store: Store | None = None) -> list[str]:
+    """Names in a weight file, cheaply (safetensors header, or a torch file's metadata), read
+    through `store` (default: a local folder)."""
     if file.suffix == ".safetensors":
-        return [k for k in read_header(file) if k != "__metadata__"]
+        return [k for k in read_header(file, store) if k != "__metadata__"]
     from .torch_io import TorchFile
 
-    reader = TorchFile(file)
+    reader = TorchFile(file, store=store)
     names = reader.keys()
     reader.close()
     return names

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from ..errors import FormatError
-from ..io import store
 from ..io.data.buffers import empty_tensor
 from ..io.data.copy import FileRange
 from ..io.data.digest import FAST, FAST_DIGEST, CheckMode, NoSha256Error, expected_digest, feed_file, new_digest
 from ..io.data.strided import window_rows
-from ..io.data.taps import ReadSource, ReadTap, read_exact
+from ..io.data.taps import OpenFile, ReadSource, ReadTap, read_exact
+from ..io.store import Store
 from ..placements import Piece, Read, Segment, SegmentIndex, build_piece
 from .base import TensorFile
 from .manifest import MANIFEST
@@ -68,8 +68,10 @@ class _FileCheck:
         mode: CheckMode,
         planned: list[tuple[int, int, int]] | None = None,
         requested: Callable[[], int] | None = None,
+        store: Store | None = None,
     ):
         self.path, self.rel, self.entry = path, rel, entry
+        self.store = store if store is not None else Store(path.parent)  # what the file is read through
         self.algorithm, self.expected = expected_digest(entry, mode)
         self.digest = new_digest(self.algorithm)
         self.upto = 0
@@ -81,14 +83,14 @@ class _FileCheck:
         self.requested = requested or (lambda: 0)
         self.stamp: tuple[int, ...] | None = None  # the file as first read (see `unchanged`)
 
-    def feed(self, fd: int, offset: int, view: memoryview) -> bool:
-        """Feed bytes just read at `offset` where they continue the digest, after reading the gap
-        before them where there is one (see the class: a read may be dropped). False when the gap
-        is longer than SMALL_GAP (the file is then to be handed on)."""
+    def feed(self, file: OpenFile, offset: int, view: memoryview) -> bool:
+        """Feed bytes just read from `file` at `offset` where they continue the digest, after
+        reading the gap before them where there is one (see the class: a read may be dropped).
+        False when the gap is longer than SMALL_GAP (the file is then to be handed on)."""
         end = offset + len(view)
         with self.lock:
             if self.stamp is None:
-                self.stamp = _stamp(os.fstat(fd))
+                self.stamp = self.store.stamp(os.fstat(file.fd))
             if self.handed or end <= self.upto:
                 return True
             if offset > self.upto:
@@ -97,7 +99,9 @@ class _FileCheck:
                 if offset - self.upto > SMALL_GAP:
                     return False
                 gap = memoryview(bytearray(offset - self.upto))
-                read_exact(fd, gap, self.upto, str(self.path))  # for the check only: tapped by nobody
+                read_exact(
+                    file.fd, gap, self.upto, str(self.path), file.fetcher
+                )  # for the check only: tapped by nobody
                 self.digest.update(gap)
                 self.upto = offset
             self.digest.update(view[self.upto - offset :])
@@ -135,7 +139,7 @@ class _FileCheck:
     def finish(self) -> bool:
         """Hash the rest of the file (read again from `upto`, once handed); whether it has the
         listed size and digest."""
-        size = feed_file(self.path, self.digest, self.upto)
+        size = feed_file(self.path, self.digest, self.upto, self.store)
         listed = self.entry.get("size")
         return (listed is None or size == listed) and self.digest.hexdigest() == self.expected
 
@@ -146,19 +150,14 @@ class _FileCheck:
         on is read again: a file written to meanwhile could pass with bytes other than those
         used. (A file renamed over it is another file: the one read is unchanged.)"""
         if self.stamp is not None:
-            _refuse_if_changed(self.path, self.stamp)
+            _refuse_if_changed(self.path, self.stamp, self.store)
 
 
-def _stamp(st: os.stat_result) -> tuple[int, ...]:
-    """A file's identity and what changes when it is written: device, inode, size, mtime, ctime
-    (an object store's mirror file: see `io.store.stamp`)."""
-    return store.stamp(st)
-
-
-def _refuse_if_changed(path: Path | str, stamp: tuple[int, ...]) -> None:
-    """FormatError when the file at `path` is the one stamped (`_stamp`) and was written to since
-    (a file renamed over it is another file: the one read is unchanged)."""
-    now = _stamp(os.stat(path))
+def _refuse_if_changed(path: Path | str, stamp: tuple[int, ...], store: Store) -> None:
+    """FormatError when the file at `path` is the one stamped (`Store.stamp`: device, inode, size,
+    mtime, ctime; an object store's mirror file's first three) and was written to since (a file
+    renamed over it is another file: the one read is unchanged)."""
+    now = store.stamp(os.stat(path))
     if now[:2] == stamp[:2] and now != stamp:
         raise FormatError(
             f"{path} changed while shardkit read it (its size, mtime or ctime moved: written to, or its "
@@ -174,13 +173,14 @@ class SourceStamps:
     The bytes of their kernel copies are then hashed from the worker's own read of them, a moment
     before the kernel copies them (`io.data.hashing.HashingFile.copy_ranges`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: Store | None = None) -> None:
+        self.store = store if store is not None else Store("/")  # what the files are read through
         self._seen: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
 
     def watch(self, path: Path, st: os.stat_result) -> None:
         with self._lock:
-            self._seen.setdefault(_named(path), _stamp(st))
+            self._seen.setdefault(_named(path), self.store.stamp(st))
 
     def verify(self) -> None:
         """FormatError when a watched file changed (see `_refuse_if_changed`)."""
@@ -188,7 +188,7 @@ class SourceStamps:
             seen = list(self._seen.items())
         for path, stamp in seen:
             try:
-                _refuse_if_changed(path, stamp)
+                _refuse_if_changed(path, stamp, self.store)
             except OSError:
                 continue  # gone: the one read was not changed through its name
 
@@ -250,7 +250,7 @@ class HashCheck:
                     if name not in self._files:
                         ranges = _merged(spans.get(name, []))
                         self._files[name] = _FileCheck(
-                            Path(file), rel, self.expected[rel], self.mode, ranges, requested
+                            Path(file), rel, self.expected[rel], self.mode, ranges, requested, self.ckpt.store
                         )
                     check = self._files[name]
                     self._of_key.setdefault(key, []).append(check)
@@ -360,8 +360,8 @@ class _Tap:
     def __init__(self, hashes: HashCheck, check: _FileCheck):
         self.hashes, self.check = hashes, check
 
-    def __call__(self, fd: int, offset: int, view: memoryview) -> None:
-        if not self.check.feed(fd, offset, view):
+    def __call__(self, file: OpenFile, offset: int, view: memoryview) -> None:
+        if not self.check.feed(file, offset, view):
             self.hashes._hand(self.check)
 
     def wants(self, offset: int, length: int) -> bool:

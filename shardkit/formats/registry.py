@@ -59,7 +59,9 @@ class Format:
     label: str
     """How people call it (model cards, reports)."""
     summary: str
-    reader: Callable[[Path], TensorFile]
+    reader: Callable[..., TensorFile]
+    """reader(path, store=None): a reader of one file, read through `store` (`io.store.Store`;
+    default: a local folder)."""
     writer: WriterFactory
     detect: Callable[[Path], bool] = lambda path: True
     """True when the rank file at this path (with this format's suffix) is of this format

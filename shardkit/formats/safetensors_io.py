@@ -37,6 +37,7 @@ from ..io.data.strided import (
 from ..io.data.taps import DescriptorReader, OpenFile
 from ..io.safety.sinks import NO_SINK, Sink
 from ..paths import open_regular
+from ..io.store import Store
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, tensor_bytes
 from .torch_io import regular
 
@@ -83,15 +84,15 @@ _ST_BITS = {
 MAX_HEADER = 100_000_000  # bytes, as the safetensors library
 
 
-def _open(path: Path) -> tuple[int, int]:
-    """(descriptor, size) of a regular file, opened without blocking: a FIFO or device in place
-    of a weight file is refused, never waited on."""
+def _open(path: Path, store: Store | None = None) -> tuple[OpenFile, int]:
+    """(the open file, its size) of a regular file, opened through `store` (default: a local
+    folder) without blocking: a FIFO or device in place of a weight file is refused, never waited on."""
     path = regular(Path(path), "safetensors file")
     try:
-        fd = open_regular(path, "safetensors file")
+        file = (store if store is not None else Store(path.parent)).open(path, "safetensors file")
     except ShardkitError as e:
         raise FormatError(str(e)) from None
-    return fd, os.fstat(fd).st_size
+    return file, os.fstat(file.fd).st_size
 
 
 def _pread(fd: int, n: int, offset: int) -> bytes:
@@ -214,11 +215,12 @@ class SafetensorsFile(DescriptorReader):
     (safetensors' own `safe_open` memory-maps the file, and the tensors it returns keep that
     mapping alive: the pages of every byte read would stay in this process's resident memory.)"""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, store: Store | None = None):
+        """`store`: what the file is read through (default: a local folder)."""
         self.path = Path(path)
-        fd, size = _open(self.path)
+        file, size = _open(self.path, store)
         try:
-            header, data_start = _parse(self.path, fd, size)
+            header, data_start = _parse(self.path, file.fd, size)
             self._tensors: dict[str, StoredTensor] = {}
             for name, info in header.items():
                 if name == "__metadata__":
@@ -232,9 +234,9 @@ class SafetensorsFile(DescriptorReader):
                     _ST_TO_DTYPE[info["dtype"]], tuple(info["shape"]), data_start + info["data_offsets"][0]
                 )
         except BaseException:
-            os.close(fd)
+            file.close()
             raise
-        self._file = OpenFile(fd)
+        self._file = file
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -409,11 +411,11 @@ class SafetensorsWriter(DiscardOnFailure):
         return bool(getattr(self, "_file", None) is not None)
 
 
-def read_header(path: Path) -> dict:
+def read_header(path: Path, store: Store | None = None) -> dict:
     """The JSON header of a safetensors file (names, dtypes, shapes) without reading data,
-    validated as the safetensors library validates it."""
-    fd, size = _open(Path(path))
+    validated as the safetensors library validates it (read through `store`: see `_open`)."""
+    file, size = _open(Path(path), store)
     try:
-        return _parse(Path(path), fd, size)[0]
+        return _parse(Path(path), file.fd, size)[0]
     finally:
-        os.close(fd)
+        file.close()

@@ -50,7 +50,7 @@ class Checkpoint:
     naming: str = "hf"
     single_file: bool = False  # opened from one state-dict file: only that file (not root) is the source
     convention: str = "hf"  # whose names the files use (conventions.py): a DCP folder may use torchtitan's
-    opener: Callable[[str], TensorFile] | None = None  # a format whose readers need more than a path (DCP)
+    opener: Callable[[str, Store], TensorFile] | None = None  # a format whose readers need more than a path (DCP)
     store: Store = field(default=None)  # type: ignore[assignment]  # where its files are read from (io.store)
 
     def __post_init__(self) -> None:
@@ -63,9 +63,9 @@ class Checkpoint:
 
     def open(self, key: str) -> TensorFile:
         if self.opener is not None:
-            return self.opener(key)
+            return self.opener(key, self.store)
         path = self.files[key]
-        return format_of_file(path, self.format).reader(path)
+        return format_of_file(path, self.format).reader(path, store=self.store)
 
     def index(self) -> SegmentIndex:
         index = SegmentIndex()
@@ -128,11 +128,21 @@ def load_config(path: Path | str, within: Path | str | None = None) -> dict[str,
 
 
 def open_checkpoint(
-    path: Path | str, config: Path | str | Mapping | None = None, hints: Mapping | None = None
+    path: Path | str,
+    config: Path | str | Mapping | None = None,
+    hints: Mapping | None = None,
+    store: Store | None = None,
 ) -> Checkpoint:
     """Open any supported checkpoint. `config` overrides/provides config.json; `hints` are layout
-    fields (qkv, kv_multiplier, kv_replication) for NxD shards whose layout cannot be inferred."""
-    root = Path(path)
+    fields (qkv, kv_multiplier, kv_replication) for NxD shards whose layout cannot be inferred;
+    `store`: what its files are read through (an object store's mirror; default: the local folder)."""
+    ckpt = _open(Path(path), config, hints, store)
+    if store is not None:
+        ckpt.store = store
+    return ckpt
+
+
+def _open(root: Path, config: Path | str | Mapping | None, hints: Mapping | None, store: Store | None) -> Checkpoint:
     hints = {k: v for k, v in (hints or {}).items() if v is not None}
     if not root.exists():
         recover_interrupted(root, log)  # a run killed while replacing it leaves it beside, renamed
@@ -143,7 +153,7 @@ def open_checkpoint(
 
     if root.is_file():
         cfg = given or _config_near(root)
-        ckpt = _open_full(root.parent, {root.name: root}, cfg, where or _config_near_path(root))
+        ckpt = _open_full(root.parent, {root.name: root}, cfg, where or _config_near_path(root), store)
         ckpt.single_file = True
         return ckpt
     if (root / dcp.METADATA).is_file():
@@ -155,7 +165,7 @@ def open_checkpoint(
         return _open_shardkit(root, given, where)
     rank_files = nxd.find_rank_files(root)
     if rank_files is not None:
-        return _open_nxd(root, rank_files, given, hints, where)
+        return _open_nxd(root, rank_files, given, hints, where, store)
     if (root / "config.json").is_file() or given:
         files = hf.weight_files(root)
         return _open_full(
@@ -163,6 +173,7 @@ def open_checkpoint(
             {f.name: f for f in files},
             given or load_config(root, within=root),
             where or str(root / "config.json"),
+            store,
         )
     weights = hf.weight_files(root, strict=False) if root.is_dir() else []
     if weights:
@@ -209,8 +220,10 @@ def _family_dims(cfg: Mapping[str, Any], where: str | None = None) -> tuple[Fami
     return family, ModelDims.from_config(cfg, where or "config.json")
 
 
-def _open_full(root: Path, files: dict[str, Path], cfg: dict[str, Any], where: str | None = None) -> Checkpoint:
-    names = {key: hf.tensor_names(path) for key, path in files.items()}
+def _open_full(
+    root: Path, files: dict[str, Path], cfg: dict[str, Any], where: str | None = None, store: Store | None = None
+) -> Checkpoint:
+    names = {key: hf.tensor_names(path, store) for key, path in files.items()}
     family, dims = _family_dims(cfg, where)
     total = sum(len(n) for n in names.values())
     if dims.num_layers > total:
@@ -245,7 +258,7 @@ def _open_full(root: Path, files: dict[str, Path], cfg: dict[str, Any], where: s
             "the config does not match the weights"
         )
     fmt = "safetensors" if all(p.suffix == ".safetensors" for p in files.values()) else "torch"
-    return Checkpoint(root, "hf", fmt, cfg, family, dims, FULL, files, holdings)
+    return Checkpoint(root, "hf", fmt, cfg, family, dims, FULL, files, holdings, store=store or Store(root))
 
 
 def _open_dcp(root: Path, given: dict | None, hints: Mapping, where: str | None = None) -> Checkpoint:
@@ -359,7 +372,12 @@ def _open_shardkit(root: Path, given: dict | None, where: str | None = None) -> 
 
 
 def _open_nxd(
-    root: Path, rank_files: nxd.RankFiles, given: dict | None, hints: Mapping, where: str | None = None
+    root: Path,
+    rank_files: nxd.RankFiles,
+    given: dict | None,
+    hints: Mapping,
+    where: str | None = None,
+    store: Store | None = None,
 ) -> Checkpoint:
     if given is None:
         for candidate in (root / "config.json", root.parent / "config.json"):
@@ -374,7 +392,8 @@ def _open_nxd(
     family, dims = _family_dims(given, where)
     keys_by_rank = {rank: path.relative_to(root).as_posix() for rank, path in rank_files.files.items()}
     files = {key: root / key for key in keys_by_rank.values()}
-    probe = Checkpoint(root, "sharded", rank_files.format, given, family, dims, FULL, files, {})
+    store = store or Store(root)
+    probe = Checkpoint(root, "sharded", rank_files.format, given, family, dims, FULL, files, {}, store=store)
     first = probe.open(keys_by_rank[(0, 0, 0)])
     try:
         layout = nxd.infer_layout(rank_files, first, dims, dict(hints), family)
@@ -383,7 +402,19 @@ def _open_nxd(
         first.close()
     holdings, ranks = _sharded_holdings(family, dims, layout, keys_by_rank)
     ckpt = Checkpoint(
-        root, "sharded", rank_files.format, given, family, dims, layout, files, holdings, ranks, None, rank_files.naming
+        root,
+        "sharded",
+        rank_files.format,
+        given,
+        family,
+        dims,
+        layout,
+        files,
+        holdings,
+        ranks,
+        None,
+        rank_files.naming,
+        store=store,
     )
     if layout.kv_multiplier > 1 and "kv_replication" not in hints and not bare:
         ckpt = _decide_replication(ckpt, keys_by_rank)

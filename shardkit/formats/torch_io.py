@@ -44,7 +44,7 @@ from ..io.data.taps import DescriptorReader, OpenFile
 from ..io.safety.oserror import disk_error
 from ..io.safety.sinks import NO_SINK, Sink
 from ..io.safety.small import check_small
-from ..io.store import fetch_whole
+from ..io.store import Store
 from ..paths import regular_file
 from . import torch_pickle
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, compact, narrow, tensor_bytes
@@ -97,13 +97,15 @@ def regular(path: Path, what: str = "file") -> Path:
         raise FormatError(str(e)) from None
 
 
-def safe_load(path: Path, mmap: bool = True) -> Any:
+def safe_load(path: Path, mmap: bool = True, store: Store | None = None) -> Any:
     """torch.load with weights_only=True; TensorReference allowed; clear errors for bad files. A zip
-    archive's directory is validated first (`torch_zip.read_archive`), as for `load_metadata`."""
+    archive's directory is validated first (`torch_zip.read_archive`), as for `load_metadata`.
+    `store`: what the file is read through (default: a local folder)."""
     path = regular(Path(path))
-    fetch_whole(path)  # a mirror file of an object store: fetched whole before torch reads it
+    store = store if store is not None else Store(path.parent)
+    store.fetch_whole(path)  # a mirror file of an object store: fetched whole before torch reads it
     try:
-        read_archive(path)
+        read_archive(path, store=store)
         with _reference_allowed():
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -121,11 +123,11 @@ def safe_load(path: Path, mmap: bool = True) -> Any:
         raise _corrupt(path, e) from None
 
 
-def load_small(path: Path, what: str, within: Path | None = None) -> Any:
-    """A small torch file read whole (scheduler, user content, xser info): `safe_load`, once the
-    bounded reader's rules hold (a regular file, not too large, and with `within` one lying inside
-    that folder: `io.safety.small.check_small`)."""
-    return safe_load(check_small(path, what, within=within), mmap=False)
+def load_small(path: Path, what: str, within: Path | None = None, store: Store | None = None) -> Any:
+    """A small torch file read whole (scheduler, user content, xser info): `safe_load` (through
+    `store`), once the bounded reader's rules hold (a regular file, not too large, and with
+    `within` one lying inside that folder: `io.safety.small.check_small`)."""
+    return safe_load(check_small(path, what, within=within), mmap=False, store=store)
 
 
 def _refused(path: Path, e: Exception) -> FormatError:
@@ -236,15 +238,15 @@ def embedded_tensor(path: Path, offset: int, length: int) -> StoredTensor:
     return value
 
 
-def load_metadata(path: Path) -> Any:
+def load_metadata(path: Path, file: OpenFile | None = None) -> Any:
     """The object a torch.save file holds, every tensor as a StoredTensor saying where its bytes
     are (no tensor data read); None for a legacy (non-zip) file. The archive's directory is
     validated first (`torch_zip.read_archive`). A plain state dict's pickle is read by
     `torch_pickle.load_plain`; anything else by torch's weights-only unpickler with its storages on
     the meta device (`_torch_metadata`), which accepts exactly what torch.load(weights_only=True)
-    does, or refuses it."""
+    does, or refuses it. `file`: the file, opened (through its store); else opened here as a local file."""
     path = Path(path)
-    archive = read_archive(path)
+    archive = read_archive(path, file)
     if archive is None:
         return None
     plain = _plain_metadata(archive.pickle, path, archive.prefix, archive.records)
@@ -376,15 +378,15 @@ def parsed_once(path: Path, kind: str, parse: Callable[[Path], Any]) -> Any:
     return value
 
 
-def read_metadata(path: Path) -> Any:
+def read_metadata(path: Path, file: OpenFile | None = None) -> Any:
     """load_metadata with shardkit's errors (unsafe pickle refused, truncation reported), parsed
-    once per file (`parsed_once`)."""
-    return parsed_once(path, "torch", _read_metadata_uncached)
+    once per file (`parsed_once`; `file`: as for `load_metadata`)."""
+    return parsed_once(path, "torch", lambda p: _read_metadata_uncached(p, file))
 
 
-def _read_metadata_uncached(path: Path) -> Any:
+def _read_metadata_uncached(path: Path, file: OpenFile | None = None) -> Any:
     try:
-        return load_metadata(path)
+        return load_metadata(path, file)
     except ShardkitError:
         raise
     except pickle.UnpicklingError as e:
@@ -399,14 +401,19 @@ class TorchFile(DescriptorReader):
 
     SINGLE = ""  # the name of the one tensor of a single-tensor file (xser's tensor files)
 
-    def __init__(self, path: Path, single_tensor: bool = False):
+    def __init__(self, path: Path, single_tensor: bool = False, store: Store | None = None):
+        """`store`: what the file is read through (default: a local folder)."""
         self.path = regular(Path(path))
-        meta = read_metadata(self.path)
-        self._file: OpenFile | None = None
-        if meta is None:  # legacy format: load it (bounded by one rank file)
-            meta = safe_load(self.path, mmap=False)
-        else:
-            self._file = OpenFile(os.open(self.path, os.O_RDONLY))
+        store = store if store is not None else Store(self.path.parent)
+        self._file: OpenFile | None = store.open(self.path)
+        try:
+            meta = read_metadata(self.path, self._file)
+            if meta is None:  # legacy format: load it (bounded by one rank file)
+                self._close_fd()
+                meta = safe_load(self.path, mmap=False, store=store)
+        except BaseException:
+            self._close_fd()
+            raise
         if single_tensor:
             if not isinstance(meta, (torch.Tensor, StoredTensor)):
                 raise FormatError(f"{self.path} does not hold a tensor")

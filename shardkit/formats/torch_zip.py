@@ -37,6 +37,7 @@ import sys
 import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 try:  # SIMD CRC32, several times faster than the standard zlib's
@@ -46,8 +47,9 @@ except ImportError:  # pragma: no cover - a platform without zlib-ng's wheels: s
 
 from .. import torch_compat
 from ..errors import FormatError
-from ..io import store
 from ..io.data.copy import FileRange
+from ..io.data.taps import OpenFile
+from ..io.store import Store, Unpredicted
 
 ARCHIVE = "archive/"
 """The folder torch's writer puts every record in when it writes to a stream."""
@@ -339,28 +341,33 @@ class _Refused(Exception):
     """What is wrong with an archive; `read_archive` says it with the file's name."""
 
 
-def read_archive(path: Any) -> Archive | None:
-    """The validated directory of the torch.save archive at `path`; None when the file does not
-    start as a zip archive (torch reads it as a legacy pickle file). Anything torch could read
-    differently from shardkit is a one-line FormatError naming the file."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+def read_archive(path: Any, file: OpenFile | None = None, store: Store | None = None) -> Archive | None:
+    """The validated directory of the torch.save archive at `path` (read through `file`, that
+    file opened; else opened through `store`, default a local folder); None when the file does
+    not start as a zip archive (torch reads it as a legacy pickle file). Anything torch could read
+    differently from shardkit is a one-line FormatError naming the file. (Its metadata is read as
+    it is: a mirror's file has it fetched when its store prepares it, `io.store.Store.prepare`.)"""
+    opened = file if file is not None else (store if store is not None else Store(Path(path).parent)).open(path)
     try:
+        fd = opened.fd
         if os.pread(fd, 4, 0) != _LOCAL_SIGNATURE:
             return None
         try:
-            return _read_archive(fd, os.fstat(fd).st_size)
+            return _read_archive(opened, os.fstat(fd).st_size)
         except (_Refused, struct.error, UnicodeDecodeError) as e:
             what = str(e) if isinstance(e, _Refused) else f"an unreadable directory entry ({e})"
             raise FormatError(f"{path} is truncated or corrupt ({what}): re-create it") from None
     finally:
-        os.close(fd)
+        if file is None:
+            opened.close()
 
 
-def _read_archive(fd: int, size: int) -> Archive:
+def _read_archive(file: OpenFile, size: int) -> Archive:
+    fd = file.fd
     count, start, length = _directory_place(fd, size)
     listed = _central_directory(os.pread(fd, length, start), count)
     prefix = _folder(listed)
-    if not (store.streamed_fd(fd) and _predict_data(fd, listed, start)):
+    if not (file.fetcher is not None and file.fetcher.streamed and _predict_data(file, listed, start)):
         _local_headers(fd, listed, start)
     records = {r.name: (r.data, r.size) for r in listed}
     # The small records torch reads before the pickle (and data.pkl itself) are read whole here:
@@ -540,13 +547,15 @@ def _tensor(record: _Listed) -> bool:
     return "/data/" in record.name and not record.name.endswith(".pkl")
 
 
-def _predict_data(fd: int, listed: list[_Listed], directory: int) -> bool:
+def _predict_data(file: OpenFile, listed: list[_Listed], directory: int) -> bool:
     """For a file streamed from object storage (`io.objects.remote`), whose tensor records' local headers
     have not been fetched: each tensor record's data offset from the directory alone, as torch.save
     lays records out (each record's data, then a data descriptor of the same size as the first
     tensor record's, then the next record; descriptors of zip64 records 8 bytes longer), checked
     against the real local headers before anything written from it is committed
-    (`store.check_later`). False where the layout is not that (the headers are then read now)."""
+    (`Fetcher.check_later`). False where the layout is not that (the headers are then read now)."""
+    fd, fetcher = file.fd, file.fetcher
+    assert fetcher is not None  # a streamed file's
     ordered = sorted(listed, key=lambda r: r.header)
     tensors = [r for r in ordered if _tensor(r)]
     if not tensors or any(r.flags & 0x08 == 0 for r in tensors):
@@ -569,14 +578,14 @@ def _predict_data(fd: int, listed: list[_Listed], directory: int) -> bool:
         try:
             _local_headers(fd, real, directory)
         except _Refused as e:
-            raise FormatError(f"{store.location_of_fd(fd)} is corrupt ({e}): re-create it") from None
+            raise FormatError(f"{fetcher.shown} is corrupt ({e}): re-create it") from None
         for guess, found in zip(predicted, real):
             if guess.data != found.data:
-                raise store.Unpredicted(
-                    f"{store.location_of_fd(fd)} is not laid out as torch.save lays out its records (record {found.name})"
+                raise Unpredicted(
+                    f"{fetcher.shown} is not laid out as torch.save lays out its records (record {found.name})"
                 )
 
-    store.check_later(fd, check, [(r.header, r.data) for r in tensors])
+    fetcher.check_later(check, [(r.header, r.data) for r in tensors])
     return True
 
 

@@ -26,6 +26,7 @@ from ..io.data.digest import FileRecord, Recording
 from ..io.data.hashing import HashingFile
 from ..io.data.taps import ReadTap
 from ..io.safety.sinks import NO_SINK, Sink
+from ..io.store import Store
 from ..paths import NoSpaceError, ensure_free_space, no_space_error
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, compact, narrow
 from .torch_io import (
@@ -79,10 +80,10 @@ def load(path: Path) -> Any:
     return resolve(safe_load(Path(path)), Path(path))
 
 
-def _valid_info(path: Path) -> dict:
+def _valid_info(path: Path, store: Store | None = None) -> dict:
     """The `.info.pt` beside an xser file (`tid -> {dtype, shape, ...}`), checked: entries that
     would be used as shapes and dtypes must be exactly that."""
-    info = load_small(path, "xser info file")
+    info = load_small(path, "xser info file", store=store)
     if not isinstance(info, dict):
         raise FormatError(f"{path} is not an xser info file (expected tid -> {{dtype, shape}}): re-create it")
     for tid, entry in info.items():
@@ -100,10 +101,11 @@ def _valid_info(path: Path) -> dict:
     return info
 
 
-def _valid_references(path: Path) -> dict[str, Any]:
+def _valid_references(path: Path, store: Store | None = None) -> dict[str, Any]:
     """An xser rank file's state dict (name -> tensor or TensorReference), once every referenced
-    tensor file is there and a regular file (a file saved without tensor data: see `holds_data`)."""
-    sd = state_dict_of(safe_load(path), path)
+    tensor file is there and a regular file (a file saved without tensor data: see `holds_data`;
+    read through `store`)."""
+    sd = state_dict_of(safe_load(path, store=store), path)
     bare = not holds_data(path)
     for name, value in sd.items():
         if isinstance(value, TensorReference) and bare:
@@ -138,12 +140,14 @@ class XserFile:
     `holds_data` is False for a file saved without its tensors (see `holds_data`): names, shapes
     and dtypes come from its `.info.pt`, and reading a tensor is refused."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, store: Store | None = None):
+        """`store`: what its files are read through (default: a local folder)."""
         self.path = regular(Path(path), "xser file")
+        self.store = store if store is not None else Store(self.path.parent)
         # parsed and checked once per operation: its readers open each rank file several times
-        self._sd = parsed_once(self.path, "xser", _valid_references)
+        self._sd = parsed_once(self.path, "xser", lambda p: _valid_references(p, self.store))
         info = info_path(self.path)
-        self._info = parsed_once(info, "xser-info", _valid_info) if info.exists() else {}
+        self._info = parsed_once(info, "xser-info", lambda p: _valid_info(p, self.store)) if info.exists() else {}
         self.holds_data = holds_data(self.path)
         if not self.holds_data:
             missing = [n for n, v in self._sd.items() if isinstance(v, TensorReference) and v.tid not in self._info]
@@ -162,7 +166,7 @@ class XserFile:
         """The reader of one referenced tensor file (metadata only until a slice is read), once it
         holds what the info file says of it."""
         if tid not in self._files:
-            reader = TorchFile(tensor_path(self.path, tid), single_tensor=True)
+            reader = TorchFile(tensor_path(self.path, tid), single_tensor=True, store=self.store)
             try:
                 self._check_info(tid, reader)
             except FormatError:

@@ -4,10 +4,14 @@ above `io/` and object storage.
 Every reader works on local files. A `Store` is the folder they are read from: a local folder
 (`Store` itself: its bytes are there) or the mirror of an object-storage prefix (`MirrorStore`:
 `io.objects.remote`, whose bytes are fetched as an operation plans them). An opened source owns
-its store (`formats.Checkpoint.store`); the engine hands it its read plan (`expect`), asks it
-which files are streamed and, before committing, whether what was streamed matched its digests
-(`verified`). A source made of two others (a LoRA model over its base) reads through both
-(`joined`). Adding another object store means one new `Store` class, opened by `open_store`.
+its store (`formats.Checkpoint.store`), and its readers open their files through it (`open`: a
+mirror's file comes with what fetches its bytes before each read, `io.data.copy.Fetcher`); what
+reads a file whole asks it first (`fetch_whole`), and the "changed while read" checks stamp a file
+through it (`stamp`). The engine hands it its read plan (`expect`), asks it which files are
+streamed and, before committing, whether what was streamed matched its digests (`verified`). A
+source made of two others (a LoRA model over its base) reads through both (`joined`). A mirror's
+file read as a local file, not through its store, is an internal error (`ReadWithoutStore`), never
+zeros. Adding another object store means one new `Store` class, opened by `open_store`.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from ..paths import open_regular
+from .data.taps import OpenFile
 from .location import RemoteLocation
 from .location import remote as remote_location
 from .objects import published, remote, s3, scopes, upload
-from .objects.remote import TENSOR_SUFFIXES, Need, Unpredicted
+from .objects.remote import TENSOR_SUFFIXES, Need, ReadWithoutStore, Unpredicted
 from .objects.s3 import ObjectInfo
 from .objects.scopes import mirrors_scope as scope
 from .objects.upload import remote_output
@@ -28,12 +34,10 @@ __all__ = [
     "TENSOR_SUFFIXES",
     "MirrorStore",
     "Need",
+    "ReadWithoutStore",
     "Store",
     "Unpredicted",
-    "check_later",
-    "fetch_whole",
     "joined",
-    "location_of_fd",
     "ObjectInfo",
     "Prefix",
     "S3Prefix",
@@ -42,8 +46,6 @@ __all__ = [
     "named",
     "open_store",
     "readable",
-    "stamp",
-    "streamed_fd",
     "remote_output",
     "scope",
 ]
@@ -72,6 +74,21 @@ class Store:
         """`path` (default: the root) as messages name it: its URL in object storage, else itself."""
         where = self.location(path)
         return str(where) if where is not None else str(self.root if path is None else path)
+
+    def open(self, path: str | os.PathLike[str], what: str = "file") -> OpenFile:
+        """`path` opened for positional reads (`io.data.taps`), with what fetches its bytes; a
+        one-line ShardkitError unless it is a regular file (`paths.open_regular`)."""
+        remote.refuse_unfetched(path)  # a mirror's file opened as a local file: an internal error
+        return OpenFile(open_regular(os.fspath(path), what))
+
+    def fetch_whole(self, path: str | os.PathLike[str]) -> None:
+        """Every byte of `path` there before it is read whole (torch.load, a whole-file hash)."""
+        remote.refuse_unfetched(path)
+
+    def stamp(self, st: os.stat_result) -> tuple[int, ...]:
+        """The identity of the file `st` describes for the "changed while read" checks: device,
+        inode, size, mtime and ctime."""
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def prepare(self, paths: Iterable[str | os.PathLike[str]], need: Need = Need.METADATA) -> None:
         """Fetch what opening the files (or folders) `paths` reads, or what `need` says of them."""
@@ -105,6 +122,34 @@ class MirrorStore(Store):
 
     def holds(self, path: str | os.PathLike[str]) -> bool:
         return self.mirror.file_at(path) is not None
+
+    def open(self, path: str | os.PathLike[str], what: str = "file") -> OpenFile:
+        """`path` opened, with its mirror file as what fetches its bytes (the mirror's own file
+        the descriptor is, by device and inode; a file of no mirror is a local file)."""
+        fd = open_regular(os.fspath(path), what)
+        try:
+            st = os.fstat(fd)
+            mf = self.mirror.by_identity.get((st.st_dev, st.st_ino))
+            if mf is None:
+                remote.refuse_unfetched(path)  # another mirror's file
+        except BaseException:
+            os.close(fd)
+            raise
+        return OpenFile(fd, mf)
+
+    def fetch_whole(self, path: str | os.PathLike[str]) -> None:
+        mf = self.mirror.file_at(path)
+        if mf is None:
+            remote.refuse_unfetched(path)
+        else:
+            mf.ensure(0, mf.size)
+
+    def stamp(self, st: os.stat_result) -> tuple[int, ...]:
+        """A mirror file's device, inode and size: its times move as bytes arrive, and its object
+        is pinned by ETag on every GET."""
+        if (st.st_dev, st.st_ino) in self.mirror.by_identity:
+            return (st.st_dev, st.st_ino, st.st_size)
+        return super().stamp(st)
 
     def _relative(self, path: str | os.PathLike[str]) -> str | None:
         """`path` relative to the mirror's root ("" for the root), None when outside it."""
@@ -159,6 +204,15 @@ class _Joined(Store):
 
     def holds(self, path: str | os.PathLike[str]) -> bool:
         return self._of(path) is not None
+
+    def open(self, path: str | os.PathLike[str], what: str = "file") -> OpenFile:
+        return (self._of(path) or self.stores[0]).open(path, what)
+
+    def fetch_whole(self, path: str | os.PathLike[str]) -> None:
+        (self._of(path) or self.stores[0]).fetch_whole(path)
+
+    def stamp(self, st: os.stat_result) -> tuple[int, ...]:
+        return min((s.stamp(st) for s in self.stores), key=len)  # a mirror's file by its mirror's stamp
 
     def location(self, path: str | os.PathLike[str] | None = None) -> RemoteLocation | None:
         if path is None:
@@ -288,26 +342,6 @@ def readable(text: str, what: str) -> Store | None:
     return objects.mirror(listed)
 
 
-# ---- what a reader asks of the file it holds open -------------------------------------------------
-# A reader opens a local path; when that path is a mirror file of object storage, the bytes it
-# reads are fetched first. These hooks find the mirror file by the open file's device and inode.
-
-
-def stamp(st: os.stat_result) -> tuple[int, ...]:
-    """A file's identity for the "changed while read" checks (see `io.objects.remote.stamp`)."""
-    return remote.stamp(st)
-
-
-def fetch_whole(path: str | os.PathLike[str]) -> None:
-    """Every byte of `path` there, when it is a mirror file (before torch.load or a whole-file hash)."""
-    remote.ensure_file(path)
-
-
 def named(text: object) -> str:
     """`text` with the local folder of every mirror of the current scope named by its s3:// URL."""
     return scopes.named(text)
-
-
-streamed_fd = remote.streamed_fd
-check_later = remote.check_later
-location_of_fd = remote.location_of_fd

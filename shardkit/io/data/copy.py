@@ -10,13 +10,35 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from ..objects import remote
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from .taps import OpenFile
+
+
+class Fetcher(Protocol):
+    """What fetches an open file's bytes before they are read: a file of object storage's mirror
+    (`io.objects.remote.MirrorFile`), set on the `OpenFile` by the store that opened it."""
+
+    streamed: bool
+    """Its bytes arrive as the store streams them and are dropped once read: they are read into
+    memory, never copied by the kernel (a copy read back to hash it would find them dropped)."""
+
+    @property
+    def shown(self) -> str:
+        """The file as messages name it (the object it stands for)."""
+
+    def before(self, offset: int, length: int) -> None:
+        """Called before a read of `length` bytes at `offset`: they are fetched first."""
+
+    def after(self, offset: int, length: int) -> None:
+        """Called once such a read has copied its bytes out (a streamed file may drop them)."""
+
+    def check_later(self, check: Callable[[int], None], ranges: list[tuple[int, int]]) -> None:
+        """Run `check(descriptor)` once bytes `ranges` are there, before what read the file is
+        committed (a streamed torch file's predicted layout: `formats.torch_zip`)."""
 
 
 @dataclass(frozen=True)
@@ -53,15 +75,16 @@ _NO_KERNEL_COPY = (
 (ENOTSOCK: a sendfile that sends to sockets only, as on macOS)."""
 
 
-def kernel_copy(src: int, offset: int, out: int, count: int) -> int | None:
+def kernel_copy(src: int, offset: int, out: int, count: int, fetcher: Fetcher | None = None) -> int | None:
     """Copy up to `count` bytes at `offset` of descriptor `src` to descriptor `out` at its
     position, inside the kernel: copy_file_range (a server-side copy or a reflink where the file
     system offers one), else sendfile. The bytes copied (0: `src` ends at `offset`); None when
-    neither call can copy between these files (the caller then reads and writes)."""
-    if remote._MIRRORED:  # an object store's bytes are fetched into their mirror file first
-        if remote.streamed_fd(src):
+    neither call can copy between these files (the caller then reads and writes), as for a
+    streamed file (`fetcher`: the source file's, see `Fetcher`)."""
+    if fetcher is not None:  # an object store's bytes are fetched into their mirror file first
+        if fetcher.streamed:
             return None
-        remote.before_read(src, offset, count)
+        fetcher.before(offset, count)
     copy_file_range = getattr(os, "copy_file_range", None)  # Linux only
     if copy_file_range is not None:
         try:

@@ -25,13 +25,21 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import xxhash
 
 from ...errors import FormatError
 from ...paths import open_regular
 from ..objects import remote
+
+
+class WholeFiles(Protocol):
+    """What a file is read through when it is hashed whole: its store (`io.store.Store`)."""
+
+    def fetch_whole(self, path: str | os.PathLike[str]) -> None:
+        """Every byte of `path` there (an object store's mirror file: fetched)."""
+
 
 FAST_DIGEST = "xxh3_128"
 """The manifest key of the fast digest (hex)."""
@@ -174,13 +182,17 @@ class Digests:
         return (self.sha256.hexdigest() if self.sha256 is not None else None), self.fast.hexdigest()
 
 
-def feed_file(path: Path, digest: Any, start: int = 0) -> int:
+def feed_file(path: Path, digest: Any, start: int = 0, store: WholeFiles | None = None) -> int:
     """Feed a file's bytes from `start` to its end to `digest`, window by window out of a read-only
     mapping (see HASH_WINDOW), or read in blocks where the file system cannot map it; returns
-    the file's size."""
+    the file's size. `store`: the store the file is read through (an object store's mirror file's
+    every byte is fetched first; without one, the file must be a local file)."""
     import mmap
 
-    remote.ensure_file(path)  # a mirror file of an object store: every byte fetched before it is hashed
+    if store is not None:
+        store.fetch_whole(path)
+    else:
+        remote.refuse_unfetched(path)  # (a mirror's file that may miss bytes: an internal error)
     with os.fdopen(open_regular(path, "file to hash"), "rb", buffering=0) as fh:
         fd = fh.fileno()
         size = os.fstat(fd).st_size
@@ -217,10 +229,10 @@ def _read_into(fh: Any, digest: Any) -> None:
         digest.update(view[:n])
 
 
-def file_digests(path: Path, sha256: bool = False) -> tuple[str | None, str]:
-    """(sha256 when asked for else None, xxh3_128) of a file, from one read."""
+def file_digests(path: Path, sha256: bool = False, store: WholeFiles | None = None) -> tuple[str | None, str]:
+    """(sha256 when asked for else None, xxh3_128) of a file, from one read (`store`: see `feed_file`)."""
     digests = Digests(sha256)
-    feed_file(path, digests)
+    feed_file(path, digests, store=store)
     return digests.hexdigests()
 
 
@@ -252,12 +264,15 @@ def expected_digest(entry: Mapping[str, Any], check: CheckMode) -> tuple[str, st
     return "sha256", entry["sha256"]
 
 
-def file_matches(path: Path, entry: Mapping[str, Any], check: CheckMode = FAST) -> bool:
-    """Whether a file has the size and digest its manifest entry lists (OSError when unreadable)."""
+def file_matches(
+    path: Path, entry: Mapping[str, Any], check: CheckMode = FAST, store: WholeFiles | None = None
+) -> bool:
+    """Whether a file has the size and digest its manifest entry lists (OSError when unreadable;
+    `store`: see `feed_file`)."""
     size = entry.get("size")
     if size is not None and os.stat(path).st_size != size:
         return False
     algorithm, expected = expected_digest(entry, check)
     digest = new_digest(algorithm)
-    feed_file(path, digest)
+    feed_file(path, digest, store=store)
     return bool(digest.hexdigest() == expected)

@@ -393,7 +393,7 @@ class _CopyJob:
                 block = view[:n]
                 moved = 0
                 while by_kernel and moved < n:
-                    got = kernel_copy(source.fd, source.offset + start + moved, out, n - moved)
+                    got = kernel_copy(source.fd, source.offset + start + moved, out, n - moved, source.file.fetcher)
                     if got is None:  # not between these files: read and write from here on
                         by_kernel = False
                     elif got == 0:
@@ -401,7 +401,7 @@ class _CopyJob:
                     else:
                         moved += got
                 if moved < n:  # the block's rest (all of it where the kernel does not copy)
-                    read_exact(source.fd, block, source.offset + start, source.what)
+                    read_exact(source.fd, block, source.offset + start, source.what, source.file.fetcher)
                     for first in range(moved, n, WRITE_BLOCK):
                         _write_all(out, block[first : min(n, first + WRITE_BLOCK)])
                 elif readback:
@@ -667,12 +667,12 @@ class HashingFile:
                 tap = source.file.tap
                 for start in range(0, source.length, COPY_BLOCK):
                     block = view[: min(COPY_BLOCK, source.length - start)]
-                    read_exact(source.fd, block, source.offset + start, source.what)
+                    read_exact(source.fd, block, source.offset + start, source.what, source.file.fetcher)
                     self.write(block)
                     if seen is not None:
                         seen(block)
                     if tap is not None:
-                        tap(source.fd, source.offset + start, block)
+                        tap(source.file, source.offset + start, block)
             if after is not None:
                 self.write(_after_bytes(after, after_size, self.path))
             return total
@@ -696,7 +696,8 @@ class HashingFile:
         held: list[FileRange] = []
         try:  # the reader may close its descriptor before the copy runs: the job keeps its own
             for source in sources:
-                held.append(FileRange(OpenFile(os.dup(source.fd)), source.offset, source.length, source.what))
+                dup = OpenFile(os.dup(source.fd), source.file.fetcher)  # (its bytes still fetched by the mirror)
+                held.append(FileRange(dup, source.offset, source.length, source.what))
         except BaseException:
             for source in held:
                 source.file.close()

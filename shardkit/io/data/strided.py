@@ -20,7 +20,6 @@ from typing import cast
 import torch
 
 from ...errors import FormatError
-from ..objects import remote
 from .buffers import _thread_scope, array_view, empty_bytes, empty_tensor
 from .copy import FileRange
 from .hashing import BEHIND_MIN
@@ -104,7 +103,7 @@ def read_stored(
         # bytes of the block are copied (reading the span copied all of it, once per rank). The
         # files built together cut their blocks from rows read once instead (`read_block`).
         out = empty_tensor(out_shape, t.dtype)
-        _copy_columns(file.fd, t, dim, start, out, what)
+        _copy_columns(file, t, dim, start, out, what)
         return out
     view = _read_span(file, t, dim, start, stop, what)
     return view if view.is_contiguous() else _copy(view)
@@ -114,7 +113,7 @@ MAP_WINDOW = 32 << 20
 """At most this many bytes of a file are mapped at once by `_copy_columns`."""
 
 
-def _copy_columns(fd: int, t: StoredTensor, dim: int, start: int, out: torch.Tensor, what: str) -> None:
+def _copy_columns(file: OpenFile, t: StoredTensor, dim: int, start: int, out: torch.Tensor, what: str) -> None:
     """Fill `out` (contiguous) with the block of a row-major stored tensor that starts at `start`
     along `dim` > 0, copying just its bytes out of a private read-only mapping of the file, a window
     of rows at a time (mapped pages count as resident while mapped: at most MAP_WINDOW bytes)."""
@@ -122,6 +121,7 @@ def _copy_columns(fd: int, t: StoredTensor, dim: int, start: int, out: torch.Ten
 
     import numpy
 
+    fd, fetcher = file.fd, file.fetcher
     shape, stride, item = list(t.shape), list(t.strides()), t.dtype.itemsize
     out_shape = list(out.shape)
     target = out.view(torch.uint8).numpy().reshape(*out_shape, item)
@@ -135,7 +135,8 @@ def _copy_columns(fd: int, t: StoredTensor, dim: int, start: int, out: torch.Ten
         if end > file_size:  # a mapping past the end of the file would fault (SIGBUS) when touched
             raise FormatError(f"{what} is truncated: re-create it")
         base = first - first % mmap.ALLOCATIONGRANULARITY
-        remote.before_read(fd, first, end - first)  # a mirror file's bytes are fetched before they are mapped
+        if fetcher is not None:  # a mirror file's bytes are fetched before they are mapped
+            fetcher.before(first, end - first)
         mapping = mmap.mmap(fd, end - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ, offset=base)
         try:
             data = numpy.frombuffer(mapping, dtype=numpy.uint8, offset=first - base)
@@ -144,7 +145,8 @@ def _copy_columns(fd: int, t: StoredTensor, dim: int, start: int, out: torch.Ten
             )
             numpy.copyto(target[r0:r1], block)
             del data, block  # the buffer exports end before the mapping is closed
-            remote.after_read(fd, first, end - first)
+            if fetcher is not None:
+                fetcher.after(first, end - first)
         finally:
             try:
                 mapping.close()

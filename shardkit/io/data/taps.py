@@ -1,11 +1,13 @@
 """Positional reads through a source file's descriptor, and what may watch or serve them.
 
 A reader reads a file through an `OpenFile`: its descriptor, and what its reads pass through. It
-may have a tap (the check on read hashes the bytes the operation reads anyway, instead of reading
-them again), a source (the read-ahead's buffers serve cold bytes read around the page cache) and a
-watch (its file is compared, once the operation's copies are done, with its stat as opened). They
-are state of that open file, set by its reader (`DescriptorReader`) and dropped as it closes: a new
-open is a new `OpenFile`, so a descriptor number the system reuses inherits none of them.
+may have a fetcher (a file of object storage's mirror, whose bytes are fetched before they are
+read: set by the store that opened it, `io.store.Store.open`), a tap (the check on read hashes the
+bytes the operation reads anyway, instead of reading them again), a source (the read-ahead's
+buffers serve cold bytes read around the page cache) and a watch (its file is compared, once the
+operation's copies are done, with its stat as opened). They are state of that open file, set by
+its store and reader (`DescriptorReader`) and dropped as it closes: a new open is a new
+`OpenFile`, so a descriptor number the system reuses inherits none of them.
 """
 
 from __future__ import annotations
@@ -15,12 +17,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ...errors import FormatError
-from ..objects import remote
-from .copy import _COPY_BUFFER, COPY_BLOCK, FileRange
+from .copy import _COPY_BUFFER, COPY_BLOCK, Fetcher, FileRange
 
-ReadTap = Callable[[int, int, memoryview], None]
-"""Called as tap(fd, offset, bytes) with every byte range a reader has just read (see
-`DescriptorReader.tap`)."""
+ReadTap = Callable[["OpenFile", int, memoryview], None]
+"""Called as tap(file, offset, bytes) with every byte range a reader has just read from `file`
+(see `DescriptorReader.tap`)."""
 
 ReadSource = Callable[[int, memoryview, int, str], bool]
 """Called as source(fd, view, offset, what) by `pread_exact` before it reads: True when it has
@@ -33,12 +34,14 @@ class OpenFile:
     byte range read), `source` (may serve reads from memory) and `watched` (the file is compared
     with its stat as opened once the operation's copies are done: the bytes of a kernel copy may
     then be hashed from the worker's own read of them, a moment before the kernel copies them).
-    Owned by the reader that opened it, which closes it."""
+    Its `fetcher` (None for a local file) fetches the bytes a read is about to read (see
+    `Fetcher`). Owned by the reader that opened it, which closes it."""
 
-    __slots__ = ("_fd", "tap", "source", "watched")
+    __slots__ = ("_fd", "fetcher", "tap", "source", "watched")
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, fetcher: Fetcher | None = None) -> None:
         self._fd: int | None = fd
+        self.fetcher = fetcher
         self.tap: ReadTap | None = None
         self.source: ReadSource | None = None
         self.watched = False
@@ -110,23 +113,24 @@ def pread_exact(file: OpenFile, view: memoryview, offset: int, what: str) -> Non
     them to its tap, if any."""
     fd, source, tap = file.fd, file.source, file.tap
     if source is None or not source(fd, view, offset, what):
-        read_exact(fd, view, offset, what)
+        read_exact(fd, view, offset, what, file.fetcher)
     if tap is not None:
-        tap(fd, offset, view)
+        tap(file, offset, view)
 
 
-def read_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
-    """Fill `view` with the file's bytes at `offset` (FormatError when the file is shorter)."""
+def read_exact(fd: int, view: memoryview, offset: int, what: str, fetcher: Fetcher | None = None) -> None:
+    """Fill `view` with the file's bytes at `offset` (FormatError when the file is shorter);
+    `fetcher`: the file's, when it has one (see `OpenFile.fetcher`)."""
     done, nbytes = 0, len(view)
-    if remote._MIRRORED:  # an object store's bytes are fetched into their mirror file first
-        remote.before_read(fd, offset, nbytes)
+    if fetcher is not None:  # an object store's bytes are fetched into their mirror file first
+        fetcher.before(offset, nbytes)
     while done < nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
         if got <= 0:
             raise FormatError(f"{what} is truncated: re-create it")
         done += got
-    if remote._MIRRORED:  # a streamed mirror file drops what it holds once it is read
-        remote.after_read(fd, offset, nbytes)
+    if fetcher is not None:  # a streamed mirror file drops what it holds once it is read
+        fetcher.after(offset, nbytes)
 
 
 def _feed_taps(sources: Sequence[FileRange], every: Callable[[memoryview], None] | None = None) -> None:
@@ -144,8 +148,8 @@ def _feed_taps(sources: Sequence[FileRange], every: Callable[[memoryview], None]
             if not wanted and every is None:
                 continue
             block = view[:n]
-            read_exact(source.fd, block, source.offset + start, source.what)
+            read_exact(source.fd, block, source.offset + start, source.what, source.file.fetcher)
             if every is not None:
                 every(block)
             if tap is not None and wanted:
-                tap(source.fd, source.offset + start, block)
+                tap(source.file, source.offset + start, block)

@@ -96,11 +96,6 @@ class Need(enum.Enum):
     to read and nothing more (a K/V head's other replicas are not fetched)."""
 
 
-_MIRRORED: dict[tuple[int, int], MirrorFile] = {}
-"""Open mirror files by identity (device, inode), for the read hooks."""
-_REGISTRY_LOCK = threading.Lock()
-
-
 class MirrorFile:
     """One object's sparse local copy, and which of its bytes are there or on their way."""
 
@@ -188,6 +183,29 @@ class MirrorFile:
             self.mirror.order_parts(None)  # bytes read before the engine's plan came: the feeder goes on without it
         for future in futures:
             future.result()
+
+    # -- what a read through the file asks of it (`io.data.copy.Fetcher`, set by `io.store.MirrorStore.open`)
+
+    def before(self, offset: int, length: int) -> None:
+        """Before a read of `length` bytes at `offset`: they are fetched first (the planned
+        fetches' window moves on)."""
+        self.mirror.asked(length)
+        self.ensure(offset, length)
+
+    def after(self, offset: int, length: int) -> None:
+        """After such a read: a streamed file drops the bytes its plan reads once."""
+        if self.streamed:
+            self.read_done(offset, offset + length)
+
+    def check_later(self, check: Callable[[int], None], ranges: list[tuple[int, int]]) -> None:
+        """Run `check` (given the file's descriptor) once bytes `ranges` are there, before an
+        engine run that read the file commits (`Mirror.verified`)."""
+        self.later.append((ranges, check))
+
+    @property
+    def shown(self) -> str:
+        """The file as messages name it: the object it stands for."""
+        return f"{self.mirror.loc}/{self.name}"
 
     def _get(self, start: int, end: int) -> int:
         with self.lock:
@@ -340,8 +358,6 @@ class Mirror:
                 mf = MirrorFile(self, obj.name, path, obj.size, obj.etag, obj.stored or obj.name)
                 self.files[obj.name] = mf
                 self.by_identity[mf.identity] = mf
-                with _REGISTRY_LOCK:
-                    _MIRRORED[mf.identity] = mf
             waits = [f for mf in self.files.values() if not _lazy(mf) for f in mf.fetch_async(0, mf.size)]
             wait_all(waits)
         except BaseException:
@@ -594,8 +610,6 @@ class Mirror:
             thread.join()
         self.pool.shutdown()  # GETs not started are cancelled; a running one (a hung read) is not waited for
         for mf in self.files.values():
-            with _REGISTRY_LOCK:
-                _MIRRORED.pop(mf.identity, None)
             mf.close()
         with contextlib.suppress(OSError, ShardkitError):
             remove_tree(self.base)
@@ -643,88 +657,44 @@ def _remove_stale() -> None:
             log.info("removed %s, the S3 mirror of a run (process %s) that no longer runs", folder, pid)
 
 
-def active() -> bool:
-    return bool(_MIRRORED)
+class ReadWithoutStore(RuntimeError):
+    """An internal error: a file of a mirror whose bytes may not all be there read without its
+    store (`unfetched`): read as it is, the bytes not fetched yet would read as zeros."""
 
 
-def _of_fd(fd: int) -> MirrorFile | None:
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return None
-    return _MIRRORED.get((st.st_dev, st.st_ino))
-
-
-def before_read(fd: int, offset: int, length: int) -> None:
-    """Called before a read of `length` bytes at `offset` through `fd`: when fd is a mirror
-    file, those bytes are fetched first (nothing else to do for a local file)."""
-    if _MIRRORED:
-        mf = _of_fd(fd)
-        if mf is not None:
-            mf.mirror.asked(length)
-            mf.ensure(offset, length)
-
-
-def _of_path(path: str | os.PathLike[str]) -> MirrorFile | None:
-    """The mirror file `path` is (by device and inode), if any."""
-    if not _MIRRORED:
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return _MIRRORED.get((st.st_dev, st.st_ino))
-
-
-def ensure_file(path: str | os.PathLike[str]) -> None:
-    """Fetch the whole of `path` when it is a mirror file (before torch.load or hashing it whole)."""
-    mf = _of_path(path)
-    if mf is not None:
-        mf.ensure(0, mf.size)
-
-
-def after_read(fd: int, offset: int, length: int) -> None:
-    """Called after a read of `length` bytes at `offset` through `fd` (once they are copied out):
-    a streamed mirror file drops them when its plan reads them once."""
-    if _MIRRORED:
-        mf = _of_fd(fd)
-        if mf is not None and mf.streamed:
-            mf.read_done(offset, offset + length)
-
-
-def streamed_fd(fd: int) -> bool:
-    """Whether `fd` is a streamed mirror file: its tensor records' local headers are not fetched
-    before the engine's plan (see `formats.torch_zip._predict_data`), and its bytes are read into
-    memory, never copied by the kernel (`io.data.copy.kernel_copy`): a copy read back to hash it would
-    find them dropped."""
-    if not _MIRRORED:
+def unfetched(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a file of one of this user's mirrors with bytes not there: a tensor
+    container too large to be fetched as its mirror opened (`_lazy`; every other file of a mirror
+    is there whole), in a mirror's folder (MIRROR_PREFIX) of this user's private folder in the
+    system's temporary folder or MEMORY_DIR, with a hole (a range never fetched, or dropped once
+    read). Such a file is read through its store (`io.store.MirrorStore.open`, `fetch_whole`),
+    never as a local file; one fetched whole (`Need.EVERYTHING`) has no hole and reads as one."""
+    here = os.path.abspath(path)
+    if MIRROR_PREFIX not in here or not here.endswith(TENSOR_SUFFIXES):
         return False
-    mf = _of_fd(fd)
-    return mf is not None and mf.streamed
+    if not any(here.startswith(base + os.sep) for base in _bases_in(here)):
+        return False
+    try:
+        fd = os.open(here, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # (the reader meets the error itself)
+    try:
+        size = os.fstat(fd).st_size
+        return size > SMALL and os.lseek(fd, 0, os.SEEK_HOLE) < size
+    except OSError:
+        return True  # where no hole can be found, any may be there
+    finally:
+        os.close(fd)
 
 
-def check_later(fd: int, check: Callable[[int], None], ranges: list[tuple[int, int]]) -> None:
-    """Run `check` (given the file's descriptor) once bytes `ranges` of the streamed mirror file
-    `fd` are there, before an engine run that read it commits (`Mirror.verified`)."""
-    mf = _of_fd(fd)
-    if mf is None:
-        raise ValueError("not a mirror file")
-    mf.later.append((ranges, check))
-
-
-def location_of_fd(fd: int) -> str:
-    """The object a mirror file's descriptor stands for (its path for a local file)."""
-    mf = _of_fd(fd)
-    return f"{mf.mirror.loc}/{mf.name}" if mf is not None else os.readlink(f"/proc/self/fd/{fd}")
-
-
-def stamp(st: os.stat_result) -> tuple[int, ...]:
-    """A file's identity for the "changed while read" checks: device, inode, size, mtime and
-    ctime; for a mirror file (whose times move as bytes arrive) device, inode and size: its
-    object is pinned by ETag on every GET."""
-    if _MIRRORED and (st.st_dev, st.st_ino) in _MIRRORED:
-        return (st.st_dev, st.st_ino, st.st_size)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+def refuse_unfetched(path: str | os.PathLike[str]) -> None:
+    """ReadWithoutStore when `path` is a mirror's file that may miss bytes (`unfetched`): the
+    safety net of every reader of a local file."""
+    if unfetched(path):
+        raise ReadWithoutStore(
+            f"internal error: {path} is a file of an object store's mirror ({named(path)}) read as a local file, not "
+            "through its store: bytes not fetched yet would read as zeros"
+        )
 
 
 def open_prefix(loc: RemoteLocation, *, output: bool = True, streamed: bool = False) -> Mirror:

@@ -73,7 +73,6 @@ NOT_REGISTRIES = {
 
 TO_GO = {
     # issue #52: being replaced by state of the objects that open them, in a change of their own
-    "shardkit/io/objects/remote.py:_MIRRORED",
 }
 """Registries of open things still to go. An entry that no longer exists fails the test: remove it."""
 

@@ -187,9 +187,9 @@ def test_reading_a_tensor_reads_only_its_chunks(fsdp_dcp, monkeypatch):
     read: list[int] = []
     real = taps.read_exact
 
-    def counted(fd, view, offset, what):
+    def counted(fd, view, offset, what, fetcher=None):
         read.append(len(view))
-        return real(fd, view, offset, what)
+        return real(fd, view, offset, what, fetcher)
 
     monkeypatch.setattr(taps, "read_exact", counted)
     reader = SourceReader(ckpt)

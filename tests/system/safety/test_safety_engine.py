@@ -302,9 +302,9 @@ def test_each_source_file_is_hashed_once_and_from_the_reads_themselves(shards, t
     finished: dict[str, tuple[int, int]] = {}
     real = reader.feed_file
 
-    def counting(path, digest, start=0):
+    def counting(path, digest, start=0, store=None):
         assert Path(path).name not in finished, f"{path} hashed twice"
-        size = real(path, digest, start)
+        size = real(path, digest, start, store)
         finished[Path(path).name] = (start, size)
         return size
 

@@ -44,9 +44,9 @@ def column_reads(monkeypatch) -> dict[str, list]:
         seen["whole"].append((what, offset, len(view)))
         return real_pread(file, view, offset, what)
 
-    def mapped(fd, t, dim, start, out, what):
+    def mapped(file, t, dim, start, out, what):
         seen["mapped"].append((what, t.file_offset, start))
-        return real_map(fd, t, dim, start, out, what)
+        return real_map(file, t, dim, start, out, what)
 
     monkeypatch.setattr(strided, "pread_exact", pread)
     monkeypatch.setattr(strided, "_copy_columns", mapped)
@@ -290,7 +290,7 @@ def test_owned_blocks_are_hashed_by_their_files_write_behind_thread_in_file_orde
     monkeypatch.setattr(hashing._HASHER, "submit", lambda job: (helper.append(job.size), real_submit(job))[1])
     real_copy = hashing.kernel_copy
 
-    def slow_copy(src, offset, out, count):
+    def slow_copy(src, offset, out, count, fetcher=None):
         time.sleep(0.003)
         return real_copy(src, offset, out, count)
 

@@ -243,22 +243,29 @@ def test_cold_bytes_read_once_are_served_from_buffers_each_once_then_freed(tmp_p
         ahead.stop()
 
 
-def test_a_mirror_open_elsewhere_in_the_process_leaves_local_files_read_around_the_cache(tmp_path, cold, monkeypatch):
-    """A mirror of object storage held open by this process (a trainer resumed from S3 keeps its
-    mirror until exit) takes its own files out of the reads around the page cache, not a local
-    file's: cold local bytes read once still go around it."""
-    from shardkit.io.objects import remote
+def test_a_store_that_fetches_leaves_local_files_it_does_not_hold_read_around_the_cache(tmp_path, cold):
+    """The read-ahead asks its own store which files are mirror files (fetched by their mirror,
+    never read around the page cache), not the process: a file that store does not hold (a LoRA
+    model's local base beside its mirrored adapters) has its cold bytes read once around it."""
+    from shardkit.io.store import Store
+
+    class Fetching(Store):
+        fetches = True
+        asked: list[Path] = []
+
+        def holds(self, path):
+            self.asked.append(Path(path))
+            return False
 
     path = tmp_path / "src.bin"
     path.write_bytes(os.urandom(2 * MiB))
     _direct_or_skip(path)
-    monkeypatch.setitem(remote._MIRRORED, (-1, -1), None)  # another operation's mirror file
-    assert remote.active()
     spans = [(path, i * 500_000, 400_000) for i in range(4)]
-    ahead = Prefetcher(spans, window=64 * MiB, once=[True] * 4).start()
+    store = Fetching(tmp_path)
+    ahead = Prefetcher(spans, window=64 * MiB, once=[True] * 4, store=store).start()
     try:
         ahead.wait(len(spans))
-        assert ahead.direct_bytes == 4 * 400_000
+        assert ahead.direct_bytes == 4 * 400_000 and store.asked == [path]
     finally:
         ahead.stop()
 

@@ -44,9 +44,9 @@ def kernel_copies(monkeypatch) -> list[int]:
     asked: list[int] = []
     real = hashing.kernel_copy
 
-    def counting(src: int, offset: int, out: int, count: int) -> int | None:
+    def counting(src: int, offset: int, out: int, count: int, fetcher=None) -> int | None:
         asked.append(count)
-        return real(src, offset, out, count)
+        return real(src, offset, out, count, fetcher)
 
     monkeypatch.setattr(hashing, "kernel_copy", counting)
     return asked
@@ -144,7 +144,7 @@ def test_where_the_kernel_cannot_copy_the_bytes_are_read_and_written(tmp_path, m
     real = hashing.kernel_copy
     calls = {"n": 0}
 
-    def refusing(src: int, offset: int, out: int, count: int) -> int | None:
+    def refusing(src: int, offset: int, out: int, count: int, fetcher=None) -> int | None:
         calls["n"] += 1
         if how == "partly" and calls["n"] == 1:
             return real(src, offset, out, 1000)
@@ -207,7 +207,7 @@ def test_a_full_disk_during_a_copy_is_a_one_line_error_and_leaves_nothing(tiny_m
     calls = {"n": 0}
     real = hashing.kernel_copy
 
-    def filling(src_fd: int, offset: int, out: int, count: int) -> int | None:
+    def filling(src_fd: int, offset: int, out: int, count: int, fetcher=None) -> int | None:
         calls["n"] += 1
         if calls["n"] > 5:
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -226,7 +226,7 @@ def test_a_source_that_shrinks_during_a_copy_is_refused(tiny_model, tmp_path, mo
     """The kernel finds the source shorter than its header said (0 bytes copied): FormatError
     naming the file, nothing written."""
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
-    monkeypatch.setattr(hashing, "kernel_copy", lambda src_fd, offset, out, count: 0)
+    monkeypatch.setattr(hashing, "kernel_copy", lambda src_fd, offset, out, count, fetcher=None: 0)
     with pytest.raises(FormatError, match="truncated"):
         convert(src, tmp_path / "out", Layout(tp=2), format="torch", workers=1)
     assert sorted(os.listdir(tmp_path)) == []
@@ -261,7 +261,7 @@ def test_giving_up_a_file_stops_its_copy_between_blocks_and_closes_the_sources(t
     real = hashing.kernel_copy
     calls = {"n": 0}
 
-    def slow(src: int, offset: int, out: int, count: int) -> int | None:
+    def slow(src: int, offset: int, out: int, count: int, fetcher=None) -> int | None:
         calls["n"] += 1
         started.set()
         gate.wait(10)
@@ -356,8 +356,8 @@ def test_the_check_on_read_hashes_the_copied_bytes_without_reading_them_again(
     finished: dict[str, tuple[int, int]] = {}
     real = reader.feed_file
 
-    def counting(path, digest, start=0):
-        size = real(path, digest, start)
+    def counting(path, digest, start=0, store=None):
+        size = real(path, digest, start, store)
         finished[os.path.basename(path)] = (start, size)
         return size
 
@@ -463,8 +463,8 @@ def test_a_shard_read_by_two_output_files_is_checked_without_reading_it_whole_ag
     dropped: list[tuple[str, int]] = []
     real_feed, real_later = reader.feed_file, reader._FileCheck._later_than_soon
 
-    def counting(path, digest, start=0):
-        size = real_feed(path, digest, start)
+    def counting(path, digest, start=0, store=None):
+        size = real_feed(path, digest, start, store)
         finished[os.path.basename(path)] = (start, size)
         return size
 
@@ -508,9 +508,9 @@ def test_copies_from_checked_sources_are_not_read_back(tiny_model, tmp_path, ker
     read_from: list[str] = []
     real = taps.read_exact
 
-    def recording(fd, view, offset, what):
+    def recording(fd, view, offset, what, fetcher=None):
         read_from.append(os.readlink(f"/proc/self/fd/{fd}"))
-        return real(fd, view, offset, what)
+        return real(fd, view, offset, what, fetcher)
 
     for module in READ_EXACT_CALLERS:
         monkeypatch.setattr(module, "read_exact", recording)
@@ -576,10 +576,10 @@ def test_a_hugging_face_file_written_to_while_convert_reads_it_is_refused(tiny_m
     read_back: list[int] = []
     real_read = taps.read_exact
 
-    def reading(fd, view, offset, what):
+    def reading(fd, view, offset, what, fetcher=None):
         if threading.current_thread().name == "shardkit-write-behind":
             read_back.append(len(view))
-        return real_read(fd, view, offset, what)
+        return real_read(fd, view, offset, what, fetcher)
 
     for module in READ_EXACT_CALLERS:
         monkeypatch.setattr(module, "read_exact", reading)

@@ -12,6 +12,7 @@ import xxhash
 
 from shardkit.io.data import digest
 from shardkit.io.data.digest import NoSha256Error, check_mode, expected_digest, file_digests, file_matches
+from shardkit.io.data.taps import OpenFile
 
 
 def expected(data: bytes) -> tuple[str, str]:
@@ -170,7 +171,7 @@ def test_the_check_on_read_hashes_reads_in_order_and_fills_small_gaps(tmp_path, 
     for offset, count in [(100, 400), (800, 200), (0, 50), (1000, 3000), (3500, 1000)]:
         fd, view = _read(path, offset, count)
         try:
-            assert check.feed(fd, offset, view)
+            assert check.feed(OpenFile(fd), offset, view)
         finally:
             os.close(fd)
     assert check.upto == 4500
@@ -191,12 +192,12 @@ def test_the_check_on_read_sees_a_change_anywhere(tmp_path, monkeypatch, where):
     path.write_bytes(bytes(changed))
     fd, view = _read(path, 0, 200)
     try:
-        assert check.feed(fd, 0, view)
+        assert check.feed(OpenFile(fd), 0, view)
         fd2, view2 = _read(path, 500, 100)  # a gap of 300 bytes: filled
-        assert check.feed(fd2, 500, view2)
+        assert check.feed(OpenFile(fd2), 500, view2)
         os.close(fd2)
         fd3, view3 = _read(path, 5000, 100)  # 4400 bytes ahead: not filled, the file is handed on
-        assert not check.feed(fd3, 5000, view3)
+        assert not check.feed(OpenFile(fd3), 5000, view3)
         os.close(fd3)
     finally:
         os.close(fd)
@@ -230,7 +231,7 @@ def test_a_read_past_bytes_a_later_output_reads_is_dropped_and_read_again_later(
     def feed(check, offset, count):
         fd, view = _read(path, offset, count)
         try:
-            assert check.feed(fd, offset, view)
+            assert check.feed(OpenFile(fd), offset, view)
         finally:
             os.close(fd)
 

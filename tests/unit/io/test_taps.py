@@ -14,7 +14,7 @@ from shardkit.io.data import taps
 
 
 def _recorder(seen: list[tuple[int, int]]):
-    def tap(fd: int, offset: int, view: memoryview) -> None:
+    def tap(file: taps.OpenFile, offset: int, view: memoryview) -> None:
         seen.append((offset, len(view)))
 
     return tap
