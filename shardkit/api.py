@@ -513,7 +513,7 @@ def inspect_training_checkpoint(
     with scope():
         store = _checkpoint_root(src)
         root = _prepared_tag_root(store, tag, Need.METADATA) if store is not None else src
-        info = inspect_training(root, tag, config, order)
+        info = inspect_training(root, tag, config, order, store)
     if store is not None and isinstance(info.get("path"), str):
         info["path"] = info["path"].replace(str(store.root), str(src), 1)
     return info

@@ -413,11 +413,13 @@ def load_checkpoint(
             name = resolve_tag(store.root, tag)
             if name is None:
                 return None
-            return _load(store, name, target_layout, rank, config, hints, optimizer, verify, param_order)
-    return _load(store or Store(dir), tag, target_layout, rank, config, hints, optimizer, verify, param_order)
+            return _load(store.root, store, name, target_layout, rank, config, hints, optimizer, verify, param_order)
+    root = Path(dir)
+    return _load(root, store or Store(root), tag, target_layout, rank, config, hints, optimizer, verify, param_order)
 
 
 def _load(  # noqa: PLR0913 - load_checkpoint's arguments, resolved
+    root: Path,
     store: Store,
     tag: str | None,
     target_layout: Layout | None,
@@ -428,8 +430,7 @@ def _load(  # noqa: PLR0913 - load_checkpoint's arguments, resolved
     verify: bool,
     param_order: list[list[str]] | None,
 ) -> LoadedCheckpoint | None:
-    """`load_checkpoint` of the local folder `store.root` (a mirror's, read through `store`)."""
-    root = store.root
+    """`load_checkpoint` of the local folder `root`, read through `store` (a mirror's, or its own)."""
     if tag is not None and tag != LATEST_IF_EXISTS:
         name = resolve_tag(root, tag)
         assert name is not None

@@ -95,11 +95,11 @@ def open_model(tag_dir: Path, config: Any = None, store: Store | None = None) ->
 
 
 def open_parts(
-    tag_dir: Path, config: Any = None, param_order: list[list[str]] | None = None
+    tag_dir: Path, config: Any = None, param_order: list[list[str]] | None = None, store: Store | None = None
 ) -> tuple[Checkpoint, Zero1Tag | None, dict[str, Any]]:
-    """(model, optimizer state, plain values to write) of the checkpoint folder `tag_dir`: the
-    trainer's state (trainer_state.json) becomes the new tag's user content."""
-    model = open_model(tag_dir, config)
+    """(model, optimizer state, plain values to write) of the checkpoint folder `tag_dir` (read
+    through `store`): the trainer's state (trainer_state.json) becomes the new tag's user content."""
+    model = open_model(tag_dir, config, store)
     shards = optimum_neuron.shards_of(tag_dir)
     assert shards is not None
     zero = OptimumOptimizer.open(shards, model, param_order)
@@ -122,7 +122,8 @@ class OptimumOptimizer(Zero1Tag):
     def object(self, d: int, ep: int, tp: int, pp: int) -> dict[str, Any]:
         key = (d, ep, tp, pp)
         if key not in self._objects:
-            self._objects[key] = _as_zero1(load_object(self.files[key], self.use_xser), self._rel(self.files[key]))
+            obj = load_object(self.files[key], self.use_xser, self.model.store)
+            self._objects[key] = _as_zero1(obj, self._rel(self.files[key]))
         return self._objects[key]
 
     def merged_reader(self, ep: int, tp: int, pp: int) -> MergedOptimFile:

@@ -111,15 +111,17 @@ def _config_given(tag_dir: Path, config: Any) -> None:
         )
 
 
-def open_training_tag(tag_dir: Path, config: Any = None, hints: Hints = None, param_order: ParamOrder = None) -> Source:
+def open_training_tag(
+    tag_dir: Path, config: Any = None, hints: Hints = None, param_order: ParamOrder = None, store: Store | None = None
+) -> Source:
     """Open a tag (NxD's, shardkit's or an optimum-neuron checkpoint folder) and check its optimizer
-    files against its model files."""
+    files against its model files (read through `store`, default the local folder)."""
     tag_dir = Path(tag_dir)
     if optimum.is_optimum_tag(tag_dir):
-        model, zero, plain = optimum.open_parts(tag_dir, config, param_order)
+        model, zero, plain = optimum.open_parts(tag_dir, config, param_order, store)
         return Source(tag_dir, model, zero, True, DEFAULT, plain)
     _config_given(tag_dir, config)
-    model = open_model(tag_dir, config, hints)
+    model = open_model(tag_dir, config, hints, store)
     zero = open_optimizer(tag_dir, model, param_order)
     has_data = model_has_data(model)
     return Source(tag_dir, model, zero, has_data, mode_of(tag_dir, has_data, zero))
@@ -606,16 +608,20 @@ __all__ = [
 
 
 def inspect_training(
-    src_dir: str | Path, tag: str | None = None, config: Any = None, param_order: list[list[str]] | None = None
+    src_dir: str | Path,
+    tag: str | None = None,
+    config: Any = None,
+    param_order: list[list[str]] | None = None,
+    store: Store | None = None,
 ) -> dict[str, Any]:
     """What a training checkpoint tag holds: layout incl. dp and ZeRO-1, param groups and their
     hyper-parameters, step, master weights, optimizer bytes. `src_dir` is a checkpoint directory
-    (its newest complete tag, or `tag`) or a tag folder."""
+    (its newest complete tag, or `tag`) or a tag folder (read through `store`, default itself)."""
     titan = titan_step_dir(Path(src_dir), tag)
     if titan is not None:
         return inspect_titan(titan, config)
     src_dir, name = tag_to_read(src_dir, tag, "shardkit inspect DIR")
-    src = open_training_tag(src_dir / name, config, None, param_order)
+    src = open_training_tag(src_dir / name, config, None, param_order, store)
     zero = src.zero1
     data_parallel, zero1 = source_parallelism(src)
     optim_bytes = 0

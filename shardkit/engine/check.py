@@ -21,6 +21,7 @@ from ..formats.manifest import MANIFEST
 from ..formats.registry import format_of_file
 from ..io.data.buffers import one_torch_thread
 from ..io.data.digest import FAST_DIGEST, file_digests, has_digest
+from ..io.store import Store
 from ..layout import Layout
 from ..paths import UnsafePathError, inside, regular_file
 from ..placements import Segment, SegmentIndex
@@ -97,7 +98,7 @@ def inspect_checkpoint(
         hash_bytes = sum(size for _, _, size, _ in entries)
         total = hash_bytes + sum(nbytes for _, _, nbytes in groups)
         tick = _Progress(progress, total)
-        found, hashed, mismatched = _check_manifest_hashes(entries, tick)
+        found, hashed, mismatched = _check_manifest_hashes(entries, tick, ckpt.store)
         problems += found
         found, differ = _check_replicas(ckpt, index, groups, tick) if index is not None else ([], 0)
         problems += found
@@ -168,15 +169,15 @@ def _manifest_entries(ckpt: Checkpoint) -> tuple[list[tuple[str, Path, int, dict
     return entries, problems
 
 
-def _check_manifest_hashes(entries, tick: _Progress) -> tuple[list[str], int, int]:
-    """Re-hash every listed file against every digest its entry lists (xxh3-128, sha256), in one
-    read: (problems, files checked, files that differ from the manifest)."""
+def _check_manifest_hashes(entries, tick: _Progress, store: Store | None = None) -> tuple[list[str], int, int]:
+    """Re-hash every listed file (read through `store`) against every digest its entry lists
+    (xxh3-128, sha256), in one read: (problems, files checked, files that differ from the manifest)."""
     problems, hashed, mismatched = [], 0, 0
     for name, path, size, entry in entries:
         hashed += 1
         same = path.stat().st_size == size
         if same:
-            sha256, fast = file_digests(path, sha256=isinstance(entry.get("sha256"), str))
+            sha256, fast = file_digests(path, isinstance(entry.get("sha256"), str), store)
             same = entry.get("sha256", sha256) == sha256 and entry.get(FAST_DIGEST, fast) == fast
         if not same:
             mismatched += 1

@@ -13,8 +13,11 @@ holding one sparse file per object, of the object's size, into which byte ranges
   `io.objects.containers`), PLANNED (an unchecked streamed source: its metadata, then the plan's ranges);
 - the tensor spans the engine's plan lists, in order, a bounded window ahead of the read-ahead
   (`Mirror.expect`, called through the source's store by `engine.prefetch.Prefetcher`);
-- anything else on demand, before the read (`before_read`: `io.data.taps.read_exact`, kernel copies,
-  the mappings of `io.data.strided`, whole-file hashing and `torch.load` through `ensure_file`).
+- anything else on demand, before the read: a file opened through its store
+  (`io.store.MirrorStore.open`) carries its `MirrorFile` as what fetches its bytes
+  (`io.data.copy.Fetcher`: `before` and `after` every positional read, kernel copy and mapping of
+  `io.data`), and whole-file hashing and `torch.load` ask the store first (`fetch_whole`). A
+  tensor file read as a local file while it has a hole is an internal error (`refuse_unfetched`).
 
 Ranges of one object are joined across holes of at most `HOLE` (64 KiB): a request costs a round
 trip, the bytes of a small hole little (small records and zip headers come with their
@@ -23,14 +26,18 @@ other replicas), never fetched. Nothing ever reads a hole of the mirror.
 
 Streamed sources (a merge's, read once): see `io.objects.streamed`.
 
-Fetched bytes change a mirror file's mtime and ctime: `stamp` gives the stable identity the
-"source changed while read" checks compare instead (every GET is made If-Match the object's
-listed ETag, so a replaced object is refused, never mixed). The folder (in this user's private
-folder of the system's temporary folder, or a streamed source's of MEMORY_DIR:
-`transaction.private_root`) is removed when the mirror closes, also on Ctrl-C and SIGTERM
-(closing never waits for a GET the store does not answer: `io.objects.fetching`), and a killed run's
-mirror by the next run (its owner process is gone). A listing is trusted only as far as it can
-be: a size no object can have is refused, and every GET checks the object's real size.
+Fetched bytes change a mirror file's mtime and ctime: its store's `stamp` gives the stable
+identity the "source changed while read" checks compare instead (every GET is made If-Match the
+object's listed ETag, so a replaced object is refused, never mixed). The folder (in this user's
+private folder of the system's temporary folder, or a streamed source's of MEMORY_DIR:
+`transaction.private_root`) is removed when the mirror closes: by its store, at the end of the
+`mirrors_scope` it was opened in (a `MirrorScope`, also on Ctrl-C and SIGTERM), or, opened in no
+scope, once nothing refers to it and at exit (removed on SIGTERM too). Closing never waits for a
+GET the store does not answer (`io.objects.fetching`); a killed run's mirror goes with the next
+run (its owner process is gone). No module holds a table of open mirrors or their files: a mirror
+is its scope's or its store's, and messages name its URL from the mirror's own folder (`named`).
+A listing is trusted only as far as it can be: a size no object can have is refused, and every
+GET checks the object's real size.
 """
 
 from __future__ import annotations

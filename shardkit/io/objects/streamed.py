@@ -16,7 +16,7 @@ object storage does; or it has no manifest, or is not to be checked) is streamed
   (fetched or on their way, not yet dropped); readers that reach bytes the feeder has not fetched
   get them on demand, outside the budget;
 - each block is checked against its digest as soon as all its bytes are there (`check_blocks`);
-- once read (`after_read`, called by every read path), the bytes the plan reads exactly once are
+- once read (`MirrorFile.after`, called by every read path of `io.data`), the bytes the plan reads exactly once are
   punched out of the file (whole pages, only in checked blocks), so the mirror holds a window of
   the source, never all of it;
 - before the engine commits (`Mirror.verified`, through the source's store) every block has arrived and matched (else a

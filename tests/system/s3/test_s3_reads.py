@@ -14,7 +14,7 @@ from s3_helpers import CONFIG, TP2PP2, _save, keys, own_temporary_folder, run  #
 import shardkit
 from shardkit.api import convert
 from shardkit.checkpoint import finalize_checkpoint, load_checkpoint
-from shardkit.io.objects import s3
+from shardkit.io.objects import remote, s3
 from shardkit.testing import fixture_config, make_tiny_model
 
 SLACK = 256 << 10
@@ -66,6 +66,19 @@ def test_load_checkpoint_of_one_rank_fetches_that_ranks_model_file(bucket, proxy
     assert loaded is not None and loaded.model
     model_file = tag["run/step_3/model/dp_rank_00_tp_rank_00_pp_rank_00.pt"]
     assert fetched(proxy, "run/") <= 1.05 * model_file + SLACK, (fetched(proxy, "run/"), model_file)
+
+
+def test_ckpt_inspect_reads_the_optimizer_files_through_the_mirror(bucket, proxy, tag):
+    """`ckpt inspect` opens the tag's ZeRO-1 optimizer files whole (torch.load) through the
+    mirror's store, which fetches them first: never read as local files with holes."""
+    from shardkit.api import inspect_training_checkpoint
+
+    lazy = [k for k, n in tag.items() if "/optim/" in k and n > remote.SMALL]
+    assert lazy  # files the mirror does not fetch as it opens
+    info = inspect_training_checkpoint(f"s3://{bucket}/run")
+    assert info["tag"] == "step_3" and info["dp"] == 1 and info["param_groups"]
+    optim = sum(n for key, n in tag.items() if "/optim/" in key)
+    assert optim <= fetched(proxy, "run/") <= 1.05 * optim + SLACK * len(tag), (fetched(proxy, "run/"), optim)
 
 
 def test_ckpt_export_fetches_the_model_files_only(bucket, proxy, tag, tmp_path):
