@@ -177,7 +177,7 @@ def _check_manifest_hashes(entries, tick: _Progress, store: Store | None = None)
         hashed += 1
         same = path.stat().st_size == size
         if same:
-            sha256, fast = file_digests(path, isinstance(entry.get("sha256"), str), store)
+            sha256, fast = file_digests(path, sha256=isinstance(entry.get("sha256"), str), store=store)
             same = entry.get("sha256", sha256) == sha256 and entry.get(FAST_DIGEST, fast) == fast
         if not same:
             mismatched += 1

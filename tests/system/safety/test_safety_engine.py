@@ -340,7 +340,9 @@ def test_after_another_failure_only_the_files_readers_opened_are_hashed(src_copy
     monkeypatch.setattr(
         reader,
         "feed_file",
-        lambda path, digest, start=0: hashed.append(Path(path).name) or real_feed(path, digest, start),
+        lambda path, digest, start=0, store=None: (
+            hashed.append(Path(path).name) or real_feed(path, digest, start, store)
+        ),
     )
 
     def full_disk_after_one_file(self, key):
