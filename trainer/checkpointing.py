@@ -46,7 +46,7 @@ from shardkit.formats import load_config
 from shardkit.io.location import is_url, parse_location
 from shardkit.io.records import claim_record, read_head, read_record
 from shardkit.io.safety.overlap import resolved
-from shardkit.io.store import named, readable
+from shardkit.io.store import Store, named, readable
 from shardkit.layout import ModelDims
 
 from . import lora
@@ -63,6 +63,7 @@ class ResumePoint:
     directory: Path
     tag: str
     config: dict[str, Any]
+    store: Store | None = field(default=None, repr=False)  # what it is read through (an s3:// one's mirror)
 
     @property
     def path(self) -> Path:
@@ -74,8 +75,9 @@ class ResumePoint:
         return named(self.path)
 
 
-def _resolve(cfg) -> tuple[Path, str | None] | None:
-    """(checkpoint directory, tag or None for the newest) for --resume; None: nothing to resume."""
+def _resolve(cfg) -> tuple[Path, str | None, Store] | None:
+    """(checkpoint directory, tag or None for the newest, the store it is read through) for
+    --resume; None: nothing to resume."""
     spec = cfg.resume
     if spec is None:
         return None
@@ -83,17 +85,17 @@ def _resolve(cfg) -> tuple[Path, str | None] | None:
         if not cfg.checkpoint_dir:
             raise TrainerError("--resume latest_if_exists needs --checkpoint-dir (where to look for checkpoints)")
         found = readable(cfg.checkpoint_dir, "--checkpoint-dir")  # s3://: a local mirror
-        return None if found is None else (found.root, LATEST_IF_EXISTS)
-    store = readable(spec, "--resume")
-    path = store.root if store is not None else Path(spec)
+        return None if found is None else (found.root, LATEST_IF_EXISTS, found)
+    store = readable(spec, "--resume") or Store(spec)
+    path = store.root
     if not path.exists():
         raise TrainerError(
             f"--resume {path} does not exist: give a checkpoint tag directory, a checkpoint "
             "directory, or latest_if_exists"
         )
     if (path / CHECKPOINT_MARKER).exists() or (path / DONE_MARKER).exists():
-        return path.parent, path.name
-    return path, None
+        return path.parent, path.name, store
+    return path, None, store
 
 
 def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | None:
@@ -101,7 +103,7 @@ def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | No
     where = _resolve(cfg)
     if where is None:
         return None
-    directory, tag = where
+    directory, tag, store = where
     name = resolve_tag(directory, tag)
     if name is None:
         log.info("no checkpoint in %s yet: starting from %s", named(directory), cfg.model)
@@ -114,7 +116,7 @@ def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | No
                 f"checkpoint {tag_dir} has no config.json (an NxD checkpoint): pass --model with the "
                 "model's Hugging Face config"
             )
-        return ResumePoint(directory, name, dict(model_config))
+        return ResumePoint(directory, name, dict(model_config), store)
     saved = load_config(tag_dir / "config.json")
     lora.check_checkpoint(cfg, saved, tag_dir)
     if model_config is not None:  # (an adapter checkpoint's config wraps its model's)
@@ -125,7 +127,7 @@ def find_resume(cfg, model_config: Mapping[str, Any] | None) -> ResumePoint | No
                 f"checkpoint {tag_dir} is of another model ({field_name} {getattr(a, field_name)!r}, the model "
                 f"has {getattr(b, field_name)!r}): resume with that model's --model, or another checkpoint"
             )
-    return ResumePoint(directory, name, saved)
+    return ResumePoint(directory, name, saved, store)
 
 
 @dataclass

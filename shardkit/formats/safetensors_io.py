@@ -36,7 +36,6 @@ from ..io.data.strided import (
 )
 from ..io.data.taps import DescriptorReader, OpenFile
 from ..io.safety.sinks import NO_SINK, Sink
-from ..paths import open_regular
 from ..io.store import Store
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, tensor_bytes
 from .torch_io import regular

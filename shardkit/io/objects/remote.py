@@ -46,6 +46,7 @@ import contextlib
 import enum
 import logging
 import os
+import re
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -669,6 +670,15 @@ class ReadWithoutStore(RuntimeError):
     store (`unfetched`): read as it is, the bytes not fetched yet would read as zeros."""
 
 
+def _bases_in(text: str) -> set[str]:
+    """The mirror folders of this user (in the system's temporary folder or MEMORY_DIR) `text` names."""
+    found: set[str] = set()
+    for place in (Path(tempfile.gettempdir()), Path(MEMORY_DIR)):
+        root = re.escape(str(place / transaction.PRIVATE_ROOT.format(uid=os.getuid())))
+        found |= {m.group(0) for m in re.finditer(root + "/" + re.escape(MIRROR_PREFIX) + r"[A-Za-z0-9_]+", text)}
+    return found
+
+
 def unfetched(path: str | os.PathLike[str]) -> bool:
     """Whether `path` is a file of one of this user's mirrors with bytes not there: a tensor
     container too large to be fetched as its mirror opened (`_lazy`; every other file of a mirror
@@ -699,7 +709,7 @@ def refuse_unfetched(path: str | os.PathLike[str]) -> None:
     safety net of every reader of a local file."""
     if unfetched(path):
         raise ReadWithoutStore(
-            f"internal error: {path} is a file of an object store's mirror ({named(path)}) read as a local file, not "
+            f"internal error: {path} is a file of an object store's mirror ({scopes.named(path)}) read as a local file, not "
             "through its store: bytes not fetched yet would read as zeros"
         )
 

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from shardkit.formats.safetensors_io import SafetensorsFile
 from shardkit.io.data.digest import file_digests
 from shardkit.io.objects import remote, s3
-from shardkit.io.store import ReadWithoutStore, Store, prefix
+from shardkit.io.store import ReadWithoutStore, Store, prefix, scope
+
 
 @pytest.fixture
 def url(bucket) -> str:
@@ -46,25 +47,26 @@ def large(bucket, tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
 
 def test_a_mirror_file_read_without_its_store_is_an_internal_error_not_zeros(large):
     url, tensors = large
-    store = prefix(s3_loc(url)).mirror()
-    path = store.root / "m.safetensors"
-    assert remote.unfetched(path)
-    for read in (
-        lambda: Store(store.root).open(path),
-        lambda: SafetensorsFile(path),
-        lambda: file_digests(path),
-        lambda: Store(store.root).fetch_whole(path),
-    ):
-        with pytest.raises(ReadWithoutStore, match=f"{url}/m.safetensors"):
-            read()
-    store.prepare([path])  # its header
-    reader = SafetensorsFile(path, store=store)  # through its store: the bytes read are fetched first
-    try:
-        assert torch.equal(reader.read("b", 0, 100, 300), tensors["b"][100:300])
-        assert torch.equal(reader.read("a"), tensors["a"])
-    finally:
-        reader.close()
-    store.fetch_whole(path)  # every byte there: a local file like any other
-    assert not remote.unfetched(path)
-    assert file_digests(path) == file_digests(path, store=store)
-    store.close()
+    with scope():  # as every command opens its mirrors: errors name the mirror's URL
+        store = prefix(s3_loc(url)).mirror()
+        path = store.root / "m.safetensors"
+        assert remote.unfetched(path)
+        for read in (
+            lambda: Store(store.root).open(path),
+            lambda: SafetensorsFile(path),
+            lambda: file_digests(path),
+            lambda: Store(store.root).fetch_whole(path),
+        ):
+            with pytest.raises(ReadWithoutStore, match=f"{url}/m.safetensors"):
+                read()
+        store.prepare([path])  # its header
+        reader = SafetensorsFile(path, store=store)  # through its store: the bytes read are fetched first
+        try:
+            assert torch.equal(reader.read("b", 0, 100, 300), tensors["b"][100:300])
+            assert torch.equal(reader.read("a"), tensors["a"])
+        finally:
+            reader.close()
+        store.fetch_whole(path)  # every byte there: a local file like any other
+        assert not remote.unfetched(path)
+        assert file_digests(path) == file_digests(path, store=store)
+        store.close()
