@@ -17,11 +17,10 @@ from typing import Any
 from typing_extensions import Unpack
 
 from .checkpoint import list_checkpoints
-from .checkpoint.guard import TagCheck
 from .checkpoint.load import tag_to_read
 from .checkpoint.lora import export_peft, merged_view, settings_of
 from .checkpoint.reshard import TrainingReshardOptions, model_checkpoint
-from .checkpoint.tree import is_checkpoint_root
+from .checkpoint.tree import is_checkpoint_root, tag_check
 from .engine import (
     ProgressCallback,
     Result,
@@ -463,7 +462,7 @@ def _export_lora(
         raise ShardkitError(
             f"the base model {model.root} records, {base_model}, does not exist (moved or deleted?): pass --base DIR"
         )
-    TagCheck(model.root, options.get("verify_hashes", True) not in (False, "none")).verify()
+    tag_check(model.root, options.get("verify_hashes", True), model.store).finish()
     base_ckpt = open_source(base_model, need=Need.EVERYTHING)
     return _merge(merged_view(base_ckpt, model), out, sink, max_shard_size, dict(options))
 

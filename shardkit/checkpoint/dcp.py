@@ -400,7 +400,7 @@ def _finish(folder: Path, plan: TitanWrite, records: list[FileRecord], check: An
     )
     write_text(folder / MANIFEST, json.dumps(data, indent=2) + "\n", fsync=False)
     if check is not None:
-        check.verify()
+        check.finish()
 
 
 def inspect_titan(step_dir: Path, config: Any = None) -> dict[str, Any]:

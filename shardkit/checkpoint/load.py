@@ -33,8 +33,9 @@ import torch
 
 from ..errors import ConfigMismatchError, FormatError
 from ..formats import Checkpoint, SourceReader, load_config
+from ..formats.source_check import HashCheck
 from ..formats.torch_io import load_small
-from ..io.data.digest import FAST, expected_digest, file_matches
+from ..io.data.digest import FAST
 from ..io.location import remote as remote_location
 from ..io.store import Store, open_store, scope
 from ..layout import Layout, ModelDims
@@ -224,18 +225,23 @@ def _check_files(ckpt: Checkpoint, keys: set[str]) -> None:
 
 def _verify_hashes(tag_dir: Path, manifest: Mapping[str, Any], keys: set[str], store: Store | None = None) -> None:
     """Every file (and xser tensor file) behind `keys` against the manifest's fast digest (sha256
-    where the manifest predates it)."""
+    where the manifest predates it), hashed by the one source check (`HashCheck`)."""
     entries = manifest.get("files", [])
+    listed: dict[str, list[Path]] = {}
     for key in sorted(keys):
-        mine = [e for e in entries if e["path"] == key or e["path"].startswith(key + ".")]
+        mine = [e["path"] for e in entries if e["path"] == key or e["path"].startswith(key + ".")]
         if not mine:
             raise FormatError(f"the manifest of {tag_dir} does not list {key}: the checkpoint is damaged")
-        for entry in mine:
-            if not file_matches(_listed_path(tag_dir, entry["path"]), entry, FAST, store):
-                raise FormatError(
-                    f"{tag_dir.name}/{entry['path']} does not match its size and {expected_digest(entry, FAST)[0]} "
-                    "in the manifest: the file is corrupt; load an older tag (tag=...)"
-                )
+        listed[key] = [_listed_path(tag_dir, name) for name in mine]
+    check = HashCheck(
+        tag_dir,
+        manifest,
+        store if store is not None else Store(tag_dir),
+        FAST,
+        files_of=listed.__getitem__,
+        remedy="load an older tag (tag=...)",
+    )
+    check.start(listed, background=True).finish()
 
 
 # ---- reading ---------------------------------------------------------------------------------------

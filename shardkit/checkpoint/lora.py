@@ -34,7 +34,7 @@ from ..io.safety.transaction import commit_all, staged_output
 from ..io.store import joined
 from ..layout import ModelDims
 from ..placements import Piece, make_piece, whole
-from .guard import TagCheck
+from .tree import tag_check
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -129,13 +129,13 @@ def export_peft(
 
         def write() -> None:
             if job.leader:
-                check = TagCheck(tag_dir, verify_hashes)
+                check = tag_check(tag_dir, verify_hashes, adapters.store)
                 try:
                     records.extend(write_peft(adapters, out.path, base_model, dtype, out.sink))
                 except BaseException:
                     check.stop()
                     raise
-                check.verify()
+                check.finish()
 
         job.run_all_or_none(write)
         commit_all(out, job)

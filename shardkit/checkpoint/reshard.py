@@ -34,6 +34,7 @@ from ..families.lora import base_config, saved_settings
 from ..formats import Checkpoint, SourceReader, load_config, nxd
 from ..formats.base import compact
 from ..formats.manifest import MANIFEST, file_record, manifest
+from ..formats.source_check import HashCheck
 from ..formats.torch_io import load_small
 from ..io.data.buffers import one_torch_thread, reused_buffers
 from ..io.data.digest import FileRecord
@@ -47,7 +48,6 @@ from ..placements import Piece
 from . import optimum
 from .base import CheckpointError
 from .dcp import TitanWrite, inspect_titan, kept_items, open_titan, titan_step_dir, write_titan
-from .guard import TagCheck
 from .load import tag_to_read
 from .nxd_modes import (
     AVOID_LP,
@@ -63,7 +63,7 @@ from .nxd_modes import (
     write_dcp_optim,
 )
 from .object_writer import Deferred, archive_of_files, save_object, save_together
-from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT, read_manifest
+from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT, read_manifest, tag_check
 from .zero1 import (
     MASTER,
     MOMENTS,
@@ -338,7 +338,7 @@ class _Plan:
     dtype: torch.dtype
     mode: str = "default"
     fmt: str = "torch"
-    check: TagCheck | None = None
+    check: HashCheck | None = None
     data_parallel: int | None = None
     """The data-parallel degree as the trainer counts it (`dp` is the optimizer files per rank)."""
 
@@ -472,7 +472,7 @@ def reshard_training(
     started = time.monotonic()
     with staged_output(dst, sources=[src_dir, plan.src.tag_dir], what="ckpt reshard", job=job, sink=sink) as out:
         if job.leader:
-            plan.check = TagCheck(plan.src.tag_dir, options.get("verify_hashes", True))
+            plan.check = tag_check(plan.src.tag_dir, options.get("verify_hashes", True), plan.src.model.store)
         out_tag = out.path / plan.name
         job.run_all_or_none(lambda: _begin_tag(out_tag) if job.leader else None)
         mine = job.run_all_or_none(lambda: _write_mine(job, plan, out_tag, out.sink))
@@ -510,7 +510,7 @@ def _to_titan(
         kept_items(content, scheduler, step),
         plan.dtype,
     )
-    check = TagCheck(src.tag_dir, options.get("verify_hashes", True)) if job.leader else None
+    check = tag_check(src.tag_dir, options.get("verify_hashes", True), src.model.store) if job.leader else None
     out = write_titan(src_dir, dst, write, job, check, sink)
     log.info("wrote %s as a torchtitan checkpoint %s (%s names)", src.tag_dir, out, write.convention)
     return out
@@ -584,7 +584,7 @@ def _finish_tag(plan: _Plan, out_tag: Path, written: list[str | FileRecord]) -> 
     )
     write_text(out_tag / MANIFEST, json.dumps(data, indent=2) + "\n", fsync=False)
     if plan.check is not None:
-        plan.check.verify()
+        plan.check.finish()
     write_marker(out_tag, DONE_MARKER, fsync=True)
 
 

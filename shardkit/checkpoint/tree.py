@@ -28,11 +28,13 @@ from typing import Any
 
 from ..errors import ShardkitError
 from ..formats import MANIFEST, hf, nxd
-from ..io.data.digest import has_digest
+from ..formats.source_check import HashCheck
+from ..io.data.digest import FAST, NONE, CheckMode, check_mode, has_digest
 from ..io.safety.delete import is_link, refuse_mounts
 from ..io.safety.lock import FolderLock, lock_folder
 from ..io.safety.small import SmallFileError, read_json
 from ..io.safety.transaction import MarkedFolder, dead_owner, refuse_link
+from ..io.store import Store
 from ..layout import Layout
 from ..paths import UnsafePathError, inside
 from .base import (
@@ -133,6 +135,22 @@ def tag_step(tag: str) -> int | None:
 def read_manifest(tag_dir: Path) -> dict[str, Any] | None:
     """The tag's manifest when it is present and well-formed, else None (see check_manifest)."""
     return check_manifest(tag_dir)[0]
+
+
+TAG_REMEDY = "restore it or use another tag (--tag)"
+
+
+def tag_check(tag_dir: Path, verify_hashes: bool | str | CheckMode = True, store: Store | None = None) -> HashCheck:
+    """The check of a tag an operation reads (`ckpt reshard`, `ckpt export`): its listed files
+    against their digests, hashed by a thread while the operation reads them, and every file of
+    the tag held to what it was now. `finish()` (before the output is committed) refuses a tag
+    pruned, rewritten or damaged meanwhile: a flipped bit listed with its digest never becomes a
+    clean-looking new checkpoint."""
+    mode = check_mode(verify_hashes)
+    manifest = read_manifest(tag_dir) if mode is not NONE else None
+    store = store if store is not None else Store(tag_dir)
+    check = HashCheck(tag_dir, manifest, store, FAST if mode is NONE else mode, remedy=TAG_REMEDY, whole_folder=True)
+    return check.start(background=True)
 
 
 def check_manifest(tag_dir: Path) -> tuple[dict[str, Any] | None, str | None]:

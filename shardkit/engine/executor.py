@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
 from ..formats.base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFileWriter, TensorSpec
-from ..formats.reader import SourceStamps
+from ..formats.source_check import SourceStamps
 from ..io.data.buffers import one_torch_thread, reused_buffers
 from ..io.data.digest import FileRecord
 from ..io.data.strided import shared_column_reads

@@ -22,8 +22,8 @@ import torch
 from ..errors import FormatError
 from ..formats import Checkpoint, get_format
 from ..formats.base import TensorSpec
-from ..formats.reader import HashCheck
 from ..formats.registry import Abilities
+from ..formats.source_check import HashCheck
 from ..io.data.digest import NONE, Recording
 from ..io.data.direct import direct_io_pays
 from ..io.data.strided import SHARED_WINDOW
@@ -137,7 +137,7 @@ def plan_write(src: Checkpoint, outputs: Sequence[OutputFile], options: WriteOpt
     if options.verify_hashes != NONE:  # only the files this process reads (under torchrun, its share)
         needed = dict.fromkeys(r.holder for p in in_order(groups) for seg in p.segments for r in index.locate(seg))
         checked = tuple(key for key in needed if key in src.files)  # in the order the outputs first read them
-        hashes = HashCheck(src, options.verify_hashes)
+        hashes = HashCheck.of(src, options.verify_hashes)
     dtypes = _output_dtypes(outputs, source_dtypes, options.dtype)
     total = sum(p.numel() * dtypes[p.segments[0].source].itemsize for o in outputs for p in o.pieces)
     read_ahead = plan_read_ahead(groups, index, spans, total, src.store.streamed)  # see prefetch.py

@@ -297,10 +297,10 @@ def test_flipped_byte_is_refused_by_ckpt_export(shards, tmp_path):
 def test_each_source_file_is_hashed_once_and_from_the_reads_themselves(shards, tmp_path, monkeypatch):
     """Merge reads the shards in order: the check hashes the bytes it reads (no second read of
     them), finishing each listed file exactly once with only what no read reached."""
-    from shardkit.formats import reader
+    from shardkit.formats import source_check
 
     finished: dict[str, tuple[int, int]] = {}
-    real = reader.feed_file
+    real = source_check.feed_file
 
     def counting(path, digest, start=0, store=None):
         assert Path(path).name not in finished, f"{path} hashed twice"
@@ -308,7 +308,7 @@ def test_each_source_file_is_hashed_once_and_from_the_reads_themselves(shards, t
         finished[Path(path).name] = (start, size)
         return size
 
-    monkeypatch.setattr(reader, "feed_file", counting)
+    monkeypatch.setattr(source_check, "feed_file", counting)
     api.merge(shards, tmp_path / "hf", workers=3)
     files = json.loads((shards / "shardkit.json").read_text())["files"]
     assert sorted(finished) == sorted(Path(f["path"]).name for f in files)
@@ -330,15 +330,15 @@ def test_after_another_failure_only_the_files_readers_opened_are_hashed(src_copy
     """A merge that fails for another reason (here a full disk after the first file it reads)
     reports the check's verdict on the files it opened, and does not read the rest of the
     checkpoint first."""
-    from shardkit.formats import reader
+    from shardkit.formats import reader, source_check
     from shardkit.paths import NoSpaceError
 
     files = sorted((src_copy / "model").glob("*.safetensors"))
     flip_last_byte(files[-1])  # corrupt, but never opened before the failure: not reported
     hashed: list[str] = []
-    real_feed, real_file = reader.feed_file, reader.SourceReader._file
+    real_feed, real_file = source_check.feed_file, reader.SourceReader._file
     monkeypatch.setattr(
-        reader,
+        source_check,
         "feed_file",
         lambda path, digest, start=0, store=None: (
             hashed.append(Path(path).name) or real_feed(path, digest, start, store)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from shardkit import Layout, convert, merge, reshard
 from shardkit.engine import planning
 from shardkit.errors import FormatError, ShardkitError
-from shardkit.formats import reader
+from shardkit.formats import source_check
 from shardkit.formats.base import tensor_bytes
 from shardkit.io.data import copy as io_copy
 from shardkit.io.data import hashing, taps
@@ -28,7 +28,7 @@ from shardkit.io.data.digest import file_digests
 from shardkit.io.data.hashing import HashingFile
 from shardkit.io.data.taps import OpenFile
 
-READ_EXACT_CALLERS = (taps, hashing, reader)
+READ_EXACT_CALLERS = (taps, hashing, source_check)
 """The modules whose code reads through `read_exact` (positional reads and the checks' taps;
 the copies, their read-back and the reads of a file written around the page cache; the gaps a
 check reads between the operation's reads)."""
@@ -354,14 +354,14 @@ def test_the_check_on_read_hashes_the_copied_bytes_without_reading_them_again(
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
     finished: dict[str, tuple[int, int]] = {}
-    real = reader.feed_file
+    real = source_check.feed_file
 
     def counting(path, digest, start=0, store=None):
         size = real(path, digest, start, store)
         finished[os.path.basename(path)] = (start, size)
         return size
 
-    monkeypatch.setattr(reader, "feed_file", counting)
+    monkeypatch.setattr(source_check, "feed_file", counting)
     kernel_copies.clear()
     reshard(tmp_path / "shards", tmp_path / "tp1", Layout(tp=1), format="torch", workers=1)
     assert kernel_copies
@@ -452,8 +452,8 @@ def test_a_shard_read_by_two_output_files_is_checked_without_reading_it_whole_ag
     The output is a direct convert's, and a flipped bit in a dropped read is refused."""
 
     # the tensors of tinyllama-mini are 64x smaller than TinyLlama-1.1B's: so are the gaps here
-    monkeypatch.setattr(reader, "FILL_GAP", reader.FILL_GAP // 64)
-    monkeypatch.setattr(reader, "SMALL_GAP", reader.SMALL_GAP // 64)
+    monkeypatch.setattr(source_check, "FILL_GAP", source_check.FILL_GAP // 64)
+    monkeypatch.setattr(source_check, "SMALL_GAP", source_check.SMALL_GAP // 64)
     src = tiny_model("tinyllama-mini", dtype=torch.bfloat16)
     source = Layout(tp=8, pp=2, kv_multiplier=2, qkv="gqa")
     target = Layout(tp=4, pp=4, kv_multiplier=1, qkv="gqa")
@@ -461,7 +461,7 @@ def test_a_shard_read_by_two_output_files_is_checked_without_reading_it_whole_ag
     convert(src, tmp_path / "direct", target, format="torch", workers=1)
     finished: dict[str, tuple[int, int]] = {}
     dropped: list[tuple[str, int]] = []
-    real_feed, real_later = reader.feed_file, reader._FileCheck._later_than_soon
+    real_feed, real_later = source_check.feed_file, source_check._FileCheck._later_than_soon
 
     def counting(path, digest, start=0, store=None):
         size = real_feed(path, digest, start, store)
@@ -474,8 +474,8 @@ def test_a_shard_read_by_two_output_files_is_checked_without_reading_it_whole_ag
             dropped.append((check.rel, offset))
         return found
 
-    monkeypatch.setattr(reader, "feed_file", counting)
-    monkeypatch.setattr(reader._FileCheck, "_later_than_soon", later)
+    monkeypatch.setattr(source_check, "feed_file", counting)
+    monkeypatch.setattr(source_check._FileCheck, "_later_than_soon", later)
     reshard(tmp_path / "tp8", tmp_path / "tp4", target, format="torch", workers=1)
     assert kernel_copies and dropped
     assert len(finished) == 16
@@ -544,7 +544,7 @@ def test_a_source_written_to_while_it_is_read_is_refused(tiny_model, tmp_path, m
     src = tiny_model("llama-gqa64", dtype=torch.bfloat16)
     convert(src, tmp_path / "shards", Layout(tp=2), format="torch", workers=1)
     shard = sorted((tmp_path / "shards").rglob("*.pt"))[0]
-    real = reader._FileCheck.feed
+    real = source_check._FileCheck.feed
     calls = []
 
     def feeding_then_writing(check, fd, offset, view):
@@ -554,7 +554,7 @@ def test_a_source_written_to_while_it_is_read_is_refused(tiny_model, tmp_path, m
             _rewrite_first_byte(shard)
         return fed
 
-    monkeypatch.setattr(reader._FileCheck, "feed", feeding_then_writing)
+    monkeypatch.setattr(source_check._FileCheck, "feed", feeding_then_writing)
     for operation in (merge, lambda src, dst, **kw: reshard(src, dst, Layout(tp=1), format="torch", **kw)):
         calls.clear()
         with pytest.raises(FormatError, match="changed while shardkit read it"):

@@ -147,7 +147,7 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path):
 
 
 def _checked_file(tmp_path, data: bytes):
-    from shardkit.formats.reader import _FileCheck
+    from shardkit.formats.source_check import _FileCheck
 
     path = tmp_path / "f"
     path.write_bytes(data)
@@ -163,9 +163,9 @@ def _read(path, offset: int, count: int) -> tuple[int, memoryview]:
 def test_the_check_on_read_hashes_reads_in_order_and_fills_small_gaps(tmp_path, monkeypatch):
     """Reads that continue the digest feed it; a small jump is filled by reading the bytes
     between; reads behind it change nothing; finish() hashes the tail: the digest of the file."""
-    from shardkit.formats import reader
+    from shardkit.formats import source_check
 
-    monkeypatch.setattr(reader, "SMALL_GAP", 1000)
+    monkeypatch.setattr(source_check, "SMALL_GAP", 1000)
     data = os.urandom(10_000)
     path, check = _checked_file(tmp_path, data)
     for offset, count in [(100, 400), (800, 200), (0, 50), (1000, 3000), (3500, 1000)]:
@@ -182,9 +182,9 @@ def test_the_check_on_read_hashes_reads_in_order_and_fills_small_gaps(tmp_path, 
 def test_the_check_on_read_sees_a_change_anywhere(tmp_path, monkeypatch, where):
     """A changed byte is caught whether it came in through a read, a filled gap, the part left
     after a jump too long to fill (the file is then hashed by reading it), or the tail."""
-    from shardkit.formats import reader
+    from shardkit.formats import source_check
 
-    monkeypatch.setattr(reader, "SMALL_GAP", 1000)
+    monkeypatch.setattr(source_check, "SMALL_GAP", 1000)
     data = os.urandom(10_000)
     path, check = _checked_file(tmp_path, data)
     changed = bytearray(data)
@@ -217,9 +217,9 @@ def test_a_read_past_bytes_a_later_output_reads_is_dropped_and_read_again_later(
     the dropped bytes again once the later reads have brought it there. A gap the reads under way
     outweigh is read at once. The digest is the file's either way, and a changed byte in a dropped
     range is still caught."""
-    from shardkit.formats import reader
+    from shardkit.formats import source_check
 
-    monkeypatch.setattr(reader, "FILL_GAP", 0)
+    monkeypatch.setattr(source_check, "FILL_GAP", 0)
     data = os.urandom(10_000)
     path = tmp_path / "f"
     path.write_bytes(data)
@@ -235,7 +235,7 @@ def test_a_read_past_bytes_a_later_output_reads_is_dropped_and_read_again_later(
         finally:
             os.close(fd)
 
-    check = reader._FileCheck(path, "f", entry, "fast", planned, lambda: reached[0])
+    check = source_check._FileCheck(path, "f", entry, "fast", planned, lambda: reached[0])
     feed(check, 3000, 1000)  # 3000 later bytes before it, 1000 under way: dropped
     assert check.upto == 0
     reached[0] = 2
@@ -246,7 +246,7 @@ def test_a_read_past_bytes_a_later_output_reads_is_dropped_and_read_again_later(
     assert check.finish()
 
     reached[0] = 1
-    check = reader._FileCheck(path, "f", entry, "fast", [(0, 500, 1), (500, 4000, 0)], lambda: reached[0])
+    check = source_check._FileCheck(path, "f", entry, "fast", [(0, 500, 1), (500, 4000, 0)], lambda: reached[0])
     feed(check, 500, 3500)  # 500 later bytes, 3500 under way: the gap is read now
     assert check.upto == 4000
     assert check.finish()
@@ -255,7 +255,7 @@ def test_a_read_past_bytes_a_later_output_reads_is_dropped_and_read_again_later(
     changed[3500] ^= 1  # inside the dropped read
     path.write_bytes(bytes(changed))
     reached[0] = 1
-    check = reader._FileCheck(path, "f", entry, "fast", planned, lambda: reached[0])
+    check = source_check._FileCheck(path, "f", entry, "fast", planned, lambda: reached[0])
     feed(check, 3000, 1000)
     reached[0] = 2
     feed(check, 0, 3000)
