@@ -38,6 +38,7 @@ from .engine.check import check_atol
 from .errors import FormatError, ShardkitError
 from .formats import Checkpoint, open_checkpoint, optimum_neuron
 from .formats.base import parse_dtype
+from .formats.containers import fetch_metadata
 from .hub import resolve_source
 from .io.data import digest
 from .io.data.digest import BLOCKS_KEY, FAST, NONE, check_mode, file_matches, recording_blocks
@@ -214,7 +215,7 @@ def open_source(
     if loc is not None:
         store = open_store(loc, streamed=streamed)
         _refuse_checkpoint_root(store.root, str(src))  # before any of its tags is fetched
-        store.prepare([store.root], need)
+        store.prepare([store.root], need, fetch_metadata)
         return open_checkpoint(store.root, config, hints, store)
     if not os.path.lexists(src):
         recover_interrupted(Path(src), log)  # a run killed while replacing it left it beside, renamed
@@ -411,7 +412,7 @@ def export_checkpoint(
         store = _checkpoint_root(dir)
         root, name = tag_to_read(store.root if store is not None else dir, tag, "shardkit merge DIR OUT")
         if store is not None:  # the model files whole (master weights in optim/: as the merge reads them)
-            store.prepare([store.root / name / "model"], Need.EVERYTHING)
+            store.prepare([store.root / name / "model"], Need.EVERYTHING, fetch_metadata)
         # the tag's model files, or its fp32 master weights when the model files hold no data
         model = model_checkpoint(inside(root, name, "checkpoint tag"), config, hints, store=store)
         settings = settings_of(model)
@@ -526,5 +527,5 @@ def _prepared_tag_root(store: Store, tag: str | None, need: Need) -> Path:
         root, name = tag_to_read(store.root, tag, "shardkit reshard DIR DST")
     except ShardkitError:
         return store.root
-    store.prepare([root / name], need)
+    store.prepare([root / name], need, fetch_metadata)
     return store.root

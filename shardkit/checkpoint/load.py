@@ -33,11 +33,12 @@ import torch
 
 from ..errors import ConfigMismatchError, FormatError
 from ..formats import Checkpoint, SourceReader, load_config
+from ..formats.containers import fetch_metadata
 from ..formats.source_check import HashCheck
 from ..formats.torch_io import load_small
 from ..io.data.digest import FAST
 from ..io.location import remote as remote_location
-from ..io.store import Store, open_store, scope
+from ..io.store import Need, Store, open_store, scope
 from ..layout import Layout, ModelDims
 from ..paths import UnsafePathError, inside
 from ..placements import Piece, Read
@@ -294,7 +295,11 @@ def read_pieces(
     """Check, then read, the target pieces from `ckpt` (only the slices they are made of)."""
     plan, needed = _plan_reads(ckpt, pieces, rank, same_layout)
     # in object storage: the metadata of these files (and their xser tensor files), fetched together
-    ckpt.store.prepare(p for key in sorted(needed) for p in (ckpt.files[key], Path(f"{ckpt.files[key]}.tensors")))
+    ckpt.store.prepare(
+        (p for key in sorted(needed) for p in (ckpt.files[key], Path(f"{ckpt.files[key]}.tensors"))),
+        Need.METADATA,
+        fetch_metadata,
+    )
     _check_files(ckpt, needed)
     if verify and manifest is not None:
         _verify_hashes(ckpt.root, manifest, needed, ckpt.store)

@@ -25,7 +25,7 @@ from .data.taps import OpenFile
 from .location import RemoteLocation
 from .location import remote as remote_location
 from .objects import published, remote, s3, scopes, upload
-from .objects.remote import TENSOR_SUFFIXES, Need, ReadWithoutStore, Unpredicted
+from .objects.remote import TENSOR_SUFFIXES, Container, MetadataPlanner, Need, ReadWithoutStore, Unpredicted
 from .objects.s3 import ObjectInfo
 from .objects.scopes import mirrors_scope as scope
 from .objects.upload import remote_output
@@ -33,6 +33,8 @@ from .objects.upload import remote_output
 __all__ = [
     "TENSOR_SUFFIXES",
     "MirrorStore",
+    "Container",
+    "MetadataPlanner",
     "Need",
     "ReadWithoutStore",
     "Store",
@@ -90,8 +92,9 @@ class Store:
         inode, size, mtime and ctime."""
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
-    def prepare(self, paths: Iterable[str | os.PathLike[str]], need: Need = Need.METADATA) -> None:
-        """Fetch what opening the files (or folders) `paths` reads, or what `need` says of them."""
+    def prepare(self, paths: Iterable[str | os.PathLike[str]], need: Need, metadata: MetadataPlanner) -> None:
+        """Fetch what opening the files (or folders) `paths` reads, or what `need` says of them
+        (`metadata`: where a container's metadata lies, the formats' `containers.fetch_metadata`)."""
 
     def ensure(self, path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> None:
         """Have bytes [offset, offset + length) of `path` (default: all of it) there before a read."""
@@ -164,10 +167,10 @@ class MirrorStore(Store):
             return None
         return self.mirror.loc.child(rel) if rel else self.mirror.loc
 
-    def prepare(self, paths: Iterable[str | os.PathLike[str]], need: Need = Need.METADATA) -> None:
+    def prepare(self, paths: Iterable[str | os.PathLike[str]], need: Need, metadata: MetadataPlanner) -> None:
         rels = [rel for rel in map(self._relative, paths) if rel is not None]
         if rels:
-            self.mirror.prepare(rels, need)
+            self.mirror.prepare(rels, need, metadata)
 
     def ensure(self, path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> None:
         mf = self.mirror.file_at(path)
@@ -219,10 +222,10 @@ class _Joined(Store):
             return self.stores[0].location()
         return next((where for s in self.stores if (where := s.location(path)) is not None), None)
 
-    def prepare(self, paths: Iterable[str | os.PathLike[str]], need: Need = Need.METADATA) -> None:
+    def prepare(self, paths: Iterable[str | os.PathLike[str]], need: Need, metadata: MetadataPlanner) -> None:
         listed = list(paths)
         for s in self.stores:
-            s.prepare(listed, need)
+            s.prepare(listed, need, metadata)
 
     def ensure(self, path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> None:
         store = self._of(path)

@@ -10,7 +10,7 @@ holding one sparse file per object, of the object's size, into which byte ranges
 - what an operation prepares (`Mirror.prepare`, through `io.store.Store.prepare`: only the files it opens), as it
   needs (`Need`): EVERYTHING (a checked source: a digest needs every byte), METADATA (a safetensors
   header, or a torch zip's head, tail, central directory, local headers and small records:
-  `io.objects.containers`), PLANNED (an unchecked streamed source: its metadata, then the plan's ranges);
+  `formats.containers`, handed down as a `MetadataPlanner`), PLANNED (an unchecked streamed source: its metadata, then the plan's ranges);
 - the tensor spans the engine's plan lists, in order, a bounded window ahead of the read-ahead
   (`Mirror.expect`, called through the source's store by `engine.prefetch.Prefetcher`);
 - anything else on demand, before the read: a file opened through its store
@@ -52,14 +52,14 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ...errors import FormatError, ShardkitError
 from ...paths import inside
 from ..location import RemoteLocation
 from ..safety import transaction
 from ..safety.delete import remove_tree
-from . import containers, published, s3, scopes
+from . import published, s3, scopes
 from . import streamed as stream_io
 from .fetching import GetPool, Planner, joined, wait_all
 from .ranges import Ranges, whole_parts
@@ -90,6 +90,28 @@ MEMORY_DIR = "/dev/shm"
 """Where a streamed source's mirror lives when this is a writable folder whose file system can
 punch holes (a memory file system, tmpfs): see "Streamed sources" above."""
 MIRROR_PREFIX = "shardkit-s3-"
+
+
+class Container(Protocol):
+    """A file whose metadata a `MetadataPlanner` finds: its name, size, and reads of bytes there."""
+
+    name: str
+    size: int
+
+    def pread(self, offset: int, n: int) -> bytes: ...
+
+
+Fetch = Callable[[Iterable[tuple[Any, list[tuple[int, int]]]]], None]
+"""Fetches each file's byte ranges, returning once they are there."""
+
+
+class MetadataPlanner(Protocol):
+    """Where a tensor container's metadata lies: a format's knowledge, handed to the mirror by
+    whoever prepares files (`formats.containers.fetch_metadata`), never imported by `io`. It
+    fetches (`fetch`) what opening `files` reads, step by step from the bytes each step brought;
+    without `tensor_headers` (a streamed file) only the first tensor record's local header."""
+
+    def __call__(self, fetch: Fetch, files: Sequence[Container], tensor_headers: bool = True) -> None: ...
 
 
 class Need(enum.Enum):
@@ -376,10 +398,10 @@ class Mirror:
         with self._count_lock:
             self.bytes_fetched += n
 
-    def prepare(self, under: str | Sequence[str] = "", need: Need = Need.METADATA) -> None:
+    def prepare(self, under: str | Sequence[str], need: Need, metadata: MetadataPlanner) -> None:
         """Fetch what opening the tensor containers under `under` (a relative folder or file, or
-        several; "" for all) reads, or with Need.EVERYTHING every byte of them (see the module's
-        docstring). Several files are prepared together: each step's GETs of all of them in flight."""
+        several; "" for all) reads (`metadata`: where it lies), or with Need.EVERYTHING every byte
+        of them (see the module's docstring). Several files are prepared together: each step's GETs of all of them in flight."""
         wanted = [under] if isinstance(under, str) else list(under)
         folders = [w.rstrip("/") + "/" for w in wanted]
         chosen = [
@@ -390,7 +412,7 @@ class Mirror:
         if need is not Need.METADATA and self.streamed:
             fresh = [mf for mf in chosen if not mf.streamed]
             fetch = _fetch_all if need is Need.PLANNED else self._fetch_parts
-            containers.fetch_metadata(fetch, [mf for mf in fresh if not mf.prepared], tensor_headers=False)
+            metadata(fetch, [mf for mf in fresh if not mf.prepared], tensor_headers=False)
             for mf in fresh:
                 mf.streamed = True
                 mf.planned_only = need is Need.PLANNED
@@ -400,7 +422,7 @@ class Mirror:
             parts = max((-(-mf.size // PART) for mf in chosen), default=0)
             wait_all([f for i in range(parts) for mf in chosen for f in mf.fetch_async(i * PART, (i + 1) * PART)])
         else:
-            containers.fetch_metadata(_fetch_all, [mf for mf in chosen if not mf.prepared])
+            metadata(_fetch_all, [mf for mf in chosen if not mf.prepared])
         for mf in chosen:
             mf.prepared = True
 

@@ -13,10 +13,11 @@ import torch
 from s3_helpers import own_temporary_folder, s3_loc  # noqa: F401 - own_temporary_folder: autouse
 from safetensors.torch import save_file
 
+from shardkit.formats.containers import fetch_metadata
 from shardkit.formats.safetensors_io import SafetensorsFile
 from shardkit.io.data.digest import file_digests
 from shardkit.io.objects import remote, s3
-from shardkit.io.store import ReadWithoutStore, Store, prefix, scope
+from shardkit.io.store import Need, ReadWithoutStore, Store, prefix, scope
 
 
 @pytest.fixture
@@ -59,7 +60,7 @@ def test_a_mirror_file_read_without_its_store_is_an_internal_error_not_zeros(lar
         ):
             with pytest.raises(ReadWithoutStore, match=f"{url}/m.safetensors"):
                 read()
-        store.prepare([path])  # its header
+        store.prepare([path], Need.METADATA, fetch_metadata)  # its header
         reader = SafetensorsFile(path, store=store)  # through its store: the bytes read are fetched first
         try:
             assert torch.equal(reader.read("b", 0, 100, 300), tensors["b"][100:300])

@@ -29,6 +29,7 @@ from s3_helpers import (  # noqa: E402
 import shardkit  # noqa: E402
 from shardkit.api import convert, merge, verify  # noqa: E402
 from shardkit.errors import FormatError  # noqa: E402
+from shardkit.formats.containers import fetch_metadata  # noqa: E402
 from shardkit.io.objects import remote, s3, scopes, streamed  # noqa: E402
 
 # ---- convert, merge, reshard, verify -----------------------------------------------------------------
@@ -188,7 +189,7 @@ def test_streamed_metadata_comes_in_the_parts_that_hold_it(small_model, bucket, 
         with scopes.mirrors_scope():
             mirror = remote.open_mirror(s3_loc(url), streamed=True)
             shards = [mf for mf in mirror.files.values() if mf.name.endswith(".pt")]
-            mirror.prepare("", remote.Need.EVERYTHING)
+            mirror.prepare("", remote.Need.EVERYTHING, fetch_metadata)
             first = [g for g in gets if g[0].endswith(".pt")]
             mirror.order_parts(None)
             mirror.verified()  # the feeder has asked for every part; wait for them

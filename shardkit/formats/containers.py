@@ -5,8 +5,10 @@ mirror (`io.objects.remote`) fetches a container's metadata in as few GETs as th
 and tail first, then what they point at (`after_head_and_tail`), then the zip records' local
 headers and small records (`zip_records`), and only if a header's extra field reaches past the
 window fetched with it, the rest (`zip_header_rests`). Each function takes `pread(offset, n)` over
-bytes that are already local; none of them validates the container (the readers in `formats/`
-do, from the same bytes): they only say which bytes those readers will read.
+bytes that are already local; none of them validates the container (the format readers beside it
+do, from the same bytes): they only say which bytes those readers will read. `fetch_metadata` is
+what whoever prepares a store's files hands it (`io.store.Store.prepare`): the I/O core knows no
+format.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
+
+from ..io.store import Container
 
 Pread = Callable[[int, int], bytes]
 
@@ -155,16 +159,9 @@ def zip_header_rests(size: int, records: list[ZipRecord], pread: Pread) -> list[
     return ranges
 
 
-class _Container(Protocol):
-    name: str
-    size: int
-
-    def pread(self, offset: int, n: int) -> bytes: ...
-
-
 def fetch_metadata(
     fetch: Callable[[Iterable[tuple[Any, list[tuple[int, int]]]]], None],
-    files: Sequence[_Container],
+    files: Sequence[Container],
     tensor_headers: bool = True,
 ) -> None:
     """Fetch (`fetch`: each file with its ranges, returning once they are there) what opening
