@@ -62,7 +62,7 @@ from ..safety.delete import remove_tree
 from . import published, s3, scopes
 from . import streamed as stream_io
 from .fetching import GetPool, Planner, joined, wait_all
-from .ranges import Ranges, whole_parts
+from .ranges import Claimed, Ranges, whole_parts
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class MirrorFile:
         st = os.fstat(self.fd)
         self.identity = (st.st_dev, st.st_ino)
         self.fetched = Ranges()
-        self.pending: dict[tuple[int, int], Future[int]] = {}
+        self.pending = Claimed()  # the parts being fetched, with their futures
         self.lock = threading.Lock()
         self.prepared = False
         self.streamed = False  # see "Streamed sources" above
@@ -172,10 +172,10 @@ class MirrorFile:
             wanted = [r for s, e in wanted for r in self.dropped.missing(s, e)]
         for s, e in wanted:
             covered = Ranges()
-            for (ps, pe), future in list(self.pending.items()):
+            for ps, pe, future in self.pending.overlapping(s, e):
                 if future.cancelled():  # given up (the mirror's fetches failed or were interrupted)
-                    del self.pending[(ps, pe)]
-                elif ps < e and pe > s:
+                    self.pending.pop(ps, pe)
+                else:
                     waits.append(future)
                     covered.add(ps, pe)
             for ms, me in covered.missing(s, e):
@@ -194,7 +194,7 @@ class MirrorFile:
                 self.mirror.hold(sum(e - s for s, e in todo))
             for s, e in todo:
                 future = self.mirror.pool.submit(self._get, s, e)
-                self.pending[(s, e)] = future
+                self.pending.add(s, e, future)
                 waits.append(future)
         return waits
 
@@ -240,7 +240,7 @@ class MirrorFile:
     def _get(self, start: int, end: int) -> int:
         with self.lock:
             if self.closed or self.failed is not None:
-                self.pending.pop((start, end), None)
+                self.pending.pop(start, end)
                 raise self.failed or s3.RemoteError(f"{self.mirror.loc}/{self.name}: the mirror was closed")
             self.active += 1
         try:
@@ -259,7 +259,7 @@ class MirrorFile:
             return got
         finally:
             with self.lock:
-                self.pending.pop((start, end), None)
+                self.pending.pop(start, end)
                 self.active -= 1
                 last = self.closed and not self.active
             if last:
