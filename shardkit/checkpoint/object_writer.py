@@ -12,10 +12,6 @@ path where torch_zip cannot promise torch's bytes).
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import os
-import sys
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,27 +19,14 @@ from typing import Any, overload
 
 import torch
 
-from .. import torch_compat
 from ..formats import xser
 from ..formats.base import TensorSpec
-from ..formats.manifest import file_record
-from ..formats.torch_io import (
-    TensorReference,
-    TorchWriter,
-    keep_forever,
-    object_pickle,
-    stub_tensor,
-    torch_save,
-    written_natively,
-)
+from ..formats.torch_io import TorchWriter, object_pickle, save_file, stub_tensor
+from ..formats.torch_metadata import TensorReference
 from ..formats.torch_zip import ARCHIVE, read_archive
 from ..io.data.digest import FileRecord
-from ..io.data.hashing import HashingFile
-from ..io.safety.delete import remove_file
-from ..io.safety.durable import fsync_path
-from ..io.safety.oserror import disk_error
 from ..io.safety.sinks import NO_SINK, Sink
-from ..paths import ensure_free_space, free_space, no_space_error
+from ..paths import ensure_free_space
 
 KEEP = object()
 
@@ -119,39 +102,10 @@ def torch_save_file(
     (shardkit's save_checkpoint, the trainer), written through the I/O core: its record (relative
     to `root`, default the file's folder) is returned instead of the path, and the file handed to
     `sink` once closed (torch's own writer's path is left to the caller, who reads it back first)."""
-    needed = _stored_bytes(obj) + (64 << 10)
-    ensure_free_space(path.parent, needed)
-    if archive is not None:
-        if archive != ARCHIVE:
-            raise ValueError(f"torch.save names the records' folder after the file or {ARCHIVE!r}, not {archive!r}")
-        out = HashingFile(path, root or path.parent, sink=sink)
-        try:
-            torch_save(obj, out, **kwargs)
-            return out.close()
-        except BaseException:
-            out.abort()
-            raise
-    try:
-        torch.save(obj, str(path), **kwargs)
-    except RuntimeError as e:
-        raise _writer_failure(e, path, needed) from None
-    return path
-
-
-def _writer_failure(e: RuntimeError, path: Path, needed: int) -> Exception:
-    """The one-line error for a failure of torch's zip writer of `path` (its partial file deleted),
-    or `e` itself when it is not the writer's."""
-    text = str(e)
-    if "inline_container" not in text and "PytorchStreamWriter" not in text and "cannot be opened" not in text:
-        return e
-    with contextlib.suppress(OSError):
-        remove_file(path)  # torch's partial file (the I/O core's one delete)
-    free = free_space(path.parent)
-    if free is not None and free < needed:
-        return no_space_error(path.parent, needed, free)
-    if not os.access(path.parent, os.W_OK):
-        return disk_error(PermissionError(errno.EACCES, "Permission denied"), "write", path)
-    return disk_error(OSError(errno.EIO, f"torch's writer failed ({text.splitlines()[0][:120]})"), "write", path)
+    stored = _stored_bytes(obj)
+    ensure_free_space(path.parent, stored + (64 << 10))
+    saved = save_file(obj, path, root or path.parent, archive, sink=sink, stored=stored, **kwargs)
+    return saved.close() if archive is not None else path  # torch's writer of the path: the caller reads it back
 
 
 @dataclass(frozen=True)
@@ -206,16 +160,11 @@ def save_together(
     if use_xser:
         return _xser_together(paths, objs, expert, archive, root, sink)
     plans = [_stubbed(obj) for obj in objs]
-    writers: list[TorchWriter | _TorchFileWriter] = []
+    writers: list[TorchWriter] = []
     try:
         for path, (pkl, leaves) in zip(paths, plans):
             specs = [TensorSpec(str(k), tuple(leaf.shape), leaf.dtype) for k, leaf in enumerate(leaves)]
-            folder = archive or path.stem + "/"  # torch.save names the records' folder after the file it opens
-            if archive is not None or written_natively(specs, pkl, folder):  # "archive/": torch's stream writer else
-                writers.append(TorchWriter(path, root or path.parent, specs, data_pkl=pkl, archive=folder, sink=sink))
-            else:
-                size = sum(spec.nbytes for spec in specs)
-                writers.append(_TorchFileWriter(path, root or path.parent, pkl, size, sink))
+            writers.append(TorchWriter(path, root or path.parent, specs, data_pkl=pkl, archive=archive, sink=sink))
         for k in range(len(plans[0][1]) if plans else 0):
             for writer, (_, leaves) in zip(writers, plans):
                 writer.write(str(k), _made(leaves[k]), owned=True)
@@ -227,55 +176,6 @@ def save_together(
             writer.abort()
         raise
     return written
-
-
-class _TorchFileWriter:
-    """torch.save's own writer of a path, fed a record at a time in torch.save's order: for the
-    archives `torch_zip` leaves to torch (4 GiB or more: zip64 fields in every record)."""
-
-    def __init__(self, path: Path, root: Path, data_pkl: bytes, data_bytes: int, sink: Sink = NO_SINK):
-        self.path, self.root, self.needed = path, root, data_bytes + len(data_pkl) + (64 << 10)
-        self.sink = sink
-        ensure_free_space(path.parent, self.needed)
-        self._zip, alignment = torch_compat.file_writer(str(path))
-        self._broken = False
-        for name, data in (
-            ("data.pkl", data_pkl),
-            (".format_version", b"1"),
-            (".storage_alignment", str(alignment).encode()),
-            ("byteorder", sys.byteorder.encode()),
-        ):
-            self._call(self._zip.write_record, name, data, len(data))
-
-    def _call(self, method: Callable[..., None], *args: Any) -> None:
-        try:
-            method(*args)
-        except BaseException as e:
-            self._broken = True  # mid-record: destroying torch's writer now would abort the process
-            if isinstance(e, RuntimeError):
-                raise _writer_failure(e, self.path, self.needed) from None
-            raise
-
-    def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
-        storage = tensor.untyped_storage()
-        self._call(self._zip.write_record, f"data/{name}", storage, storage.nbytes())
-
-    def close(self, fsync: bool = False) -> list[FileRecord]:
-        self._call(self._zip.write_end_of_file)
-        self._zip = None
-        if fsync:
-            fsync_path(self.path)
-        record = file_record(self.path, self.root)  # read back once: torch's writer hashes nothing
-        self.sink.closed(self.path)  # an output bound for object storage may send it now
-        return [record]
-
-    def abort(self) -> None:
-        zip_writer, self._zip = self._zip, None
-        if zip_writer is not None and self._broken:
-            keep_forever(zip_writer)
-        del zip_writer  # unbroken: its destructor finishes an archive that is deleted next
-        with contextlib.suppress(OSError):
-            remove_file(self.path)
 
 
 def _made(leaf: Deferred | torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
@@ -29,6 +29,9 @@ from typing_extensions import Unpack
 
 from ..conventions import TITAN
 from ..distributed import Job, current_job
+from ..engine.executor import execute
+from ..engine.options import WriteOptions
+from ..engine.outputs import plan_sharded
 from ..errors import ShardkitError
 from ..families.lora import base_config, saved_settings
 from ..formats import Checkpoint, SourceReader, load_config, nxd
@@ -37,7 +40,7 @@ from ..formats.manifest import MANIFEST, file_record, manifest
 from ..formats.source_check import HashCheck
 from ..formats.torch_io import load_small
 from ..io.data.buffers import one_torch_thread, reused_buffers
-from ..io.data.digest import FileRecord
+from ..io.data.digest import NONE, FileRecord
 from ..io.safety.durable import write_marker, write_text
 from ..io.safety.sinks import NO_SINK, Sink
 from ..io.safety.small import PICKLE_LIMIT, copy_small
@@ -156,10 +159,9 @@ def model_dtype(src: Source) -> torch.dtype:
 
 @dataclass
 class RankReaders:
-    """Readers of a source's model and optimizer views (one per process, closed at the end)."""
+    """The reader of a source's optimizer view (one per process, closed at the end)."""
 
     src: Source
-    model: SourceReader | None = None
     optim: SourceReader | None = None
     groups: dict[str, int] = field(default_factory=dict)
     archives: tuple[str | None, str | None] = (None, None)
@@ -169,24 +171,8 @@ class RankReaders:
         if self.src.zero1 is not None:
             self.optim = SourceReader(self.src.zero1.view())
             self.groups = self.src.zero1.group_of()
-        if self.src.has_data:
-            self.model = SourceReader(self.src.model)
         optim_files = self.src.zero1.files.values() if self.src.zero1 is not None else ()
         self.archives = (archive_of_files(self.src.model.files.values()), archive_of_files(optim_files))
-
-    def weights(self, pieces: list[Piece], dtype: torch.dtype) -> dict[str, Deferred]:
-        """Each piece's weights, read when written (`save_together`)."""
-        model, optim, zero1 = self.model, self.optim, self.src.zero1
-        if model is not None:  # kept in the dtype each is stored in, as read
-            return {
-                p.name: Deferred(p.shape, model.dtype_of(p.segments[0].source), _reader(model, p, None)) for p in pieces
-            }
-        if optim is not None and zero1 is not None and zero1.master:
-            return {p.name: Deferred(p.shape, dtype, _reader(optim, prefixed(p, MASTER + SEP), dtype)) for p in pieces}
-        raise CheckpointError(
-            f"{self.src.tag_dir}: the model files hold no weights and the optimizer files "
-            "no master weights: the checkpoint has no weights to read"
-        )
 
     def state(self, pieces: list[Piece], moments: list[str], deferred: bool = True) -> dict[str, dict[str, Any]]:
         """Each piece's optimizer state: its moments read when written (`save_together`: the
@@ -208,9 +194,8 @@ class RankReaders:
         return self.groups.get(piece.segments[0].source, 0)
 
     def close(self) -> None:
-        for r in (self.model, self.optim):
-            if r is not None:
-                r.close()
+        if self.optim is not None:
+            self.optim.close()
 
 
 def _reader(reader: SourceReader, piece: Piece, dtype: torch.dtype | None) -> Callable[[], torch.Tensor]:
@@ -252,17 +237,19 @@ def write_rank(
     stages: list[int] | None = None,
     sink: Sink = NO_SINK,
 ) -> list[Path | FileRecord]:
-    """One target (ep, tp, pp) rank: its model file and its dp optimizer files (NxD's format, saved
-    as `mode` says: `nxd_modes`; v3 names with ep_rank when ep > 1, ep ranks > 0 holding only their
-    experts); DCP data files are returned as their records. The files written through the I/O
-    core are handed to `sink` (the output's, `io.safety.sinks`) as they close."""
+    """One target (ep, tp, pp) rank's training state beside its weights (which the engine writes:
+    `write_model_files`): its dp optimizer files (NxD's format, saved as `mode` says: `nxd_modes`;
+    v3 names with ep_rank when ep > 1, ep ranks > 0 holding only their experts), and in avoid-lp
+    mode its model file without tensor data. DCP data files are returned as their records. The
+    files written through the I/O core are handed to `sink` (the output's, `io.safety.sinks`) as
+    they close."""
     src = readers.src
     ep, tp, pp = rank
     pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes, ep)
     expert = {p.name for p in pieces if p.expert}  # xser's expert_model_parallel flags, as save writes them
     written: list[Path | FileRecord] = []
-    model_path = out_tag / nxd.rank_file_name(ep, tp, pp, layout, "torch")
     if mode == AVOID_LP:  # names, shapes and dtypes only: the weights are the master weights
+        model_path = out_tag / nxd.rank_file_name(ep, tp, pp, layout, "torch")
         written += save_object(
             model_path,
             bare_weights(pieces, dtype),
@@ -272,11 +259,6 @@ def write_rank(
             archive=readers.archives[0],
             root=out_tag,
             sink=sink,
-        )
-    else:
-        weights = readers.weights(pieces, dtype)
-        written += save_together(
-            [model_path], [weights], use_xser, expert, out_tag, archive=readers.archives[0], sink=sink
         )
     if src.zero1 is not None:
         moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
@@ -291,6 +273,32 @@ def write_rank(
         paths = [out_tag / optim_name(d, tp, pp, ep if layout.ep > 1 else None) for d in range(dp)]
         written += save_together(paths, objs, use_xser, bool(expert), out_tag, archive=readers.archives[1], sink=sink)
     return written
+
+
+def write_model_files(
+    src: Source, out_tag: Path, layout: Layout, ranks: Sequence[tuple[int, int, int]], use_xser: bool, sink: Sink
+) -> list[FileRecord]:
+    """The model files of the target (ep, tp, pp) `ranks`, written by the engine (`engine.execute`:
+    read-ahead, kernel copies of bytes that move unchanged, workers) from the source's model files,
+    or from its fp32 master weights in the model's dtype when its model files hold no tensor data.
+    Each keeps the stored dtype of its weights and the source's zip-record naming (NxD's is after
+    the file), so a round trip gives back the source's bytes. The source is not checked here: the
+    tag's own check (`tree.tag_check`) covers every file of it."""
+    if src.has_data:
+        weights = src.model
+    elif src.zero1 is not None and src.zero1.master:
+        weights = master_weights_view(src.model, src.zero1)
+    else:
+        raise CheckpointError(
+            f"{src.tag_dir}: the model files hold no weights and the optimizer files "
+            "no master weights: the checkpoint has no weights to read"
+        )
+    fmt = "xser" if use_xser else "torch"
+    wanted = set(ranks)
+    outputs = [o for o in plan_sharded(src.model.family, src.model.dims, layout, fmt) if o.rank in wanted]
+    archive = archive_of_files(src.model.files.values())
+    options = WriteOptions(fmt=fmt, verify_hashes=NONE, archive=archive, sink=sink)
+    return execute(weights, outputs, out_tag, options)
 
 
 class TrainingReshardOptions(TypedDict, total=False):
@@ -533,12 +541,15 @@ def _begin_tag(out_tag: Path) -> None:
 def _write_mine(job: Job, plan: _Plan, out_tag: Path, sink: Sink = NO_SINK) -> list[str | FileRecord]:
     """This process's share of the target (ep, tp, pp) ranks (their model and optimizer files)."""
     units = sorted(plan.layout.ranks(), key=lambda r: (r[2], r[1], r[0]))  # pp, tp, ep: stage by stage
+    mine = job.share(units)
+    files: list[Path | FileRecord] = []
+    if plan.mode != AVOID_LP:
+        files += write_model_files(plan.src, out_tag, plan.layout, mine, plan.use_xser, sink)
     readers = RankReaders(plan.src)
     stages = stage_sizes(plan.src.model, plan.layout) if plan.mode == ZERO1_DCP else None
     try:
-        files: list[Path | FileRecord] = []
         with one_torch_thread(), reused_buffers():  # copies, each tensor written and dropped before the next
-            for rank in job.share(units):
+            for rank in mine:
                 args = (plan.layout, rank, plan.dp, plan.use_xser, plan.master, plan.dtype, plan.mode, stages)
                 files += write_rank(out_tag, readers, *args, sink=sink)
         return [f if isinstance(f, FileRecord) else str(f) for f in files]
@@ -603,6 +614,7 @@ __all__ = [
     "Source",
     "model_has_data",
     "write_rank",
+    "write_model_files",
     "RankReaders",
 ]
 

@@ -31,7 +31,8 @@ import torch
 
 from ..errors import FormatError, ShardkitError
 from ..formats import Checkpoint, xser
-from ..formats.torch_io import TensorReference, safe_load
+from ..formats.torch_io import safe_load
+from ..formats.torch_metadata import TensorReference
 from ..io.safety.small import SmallFileError, read_json
 from ..io.store import Store
 from ..placements import Piece

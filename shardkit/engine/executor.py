@@ -162,6 +162,7 @@ class _Builder:
         self.format = get_format(options.fmt)
         self.digests = options.digests
         self.sink = options.sink
+        self.archive = options.archive
         self.sources = ahead.source_for if ahead is not None else None
         self.ready = plan.read_ahead.waiter(ahead) if ahead is not None and plan.read_ahead is not None else None
         self.advise = plan.read_ahead is None  # sources that do not say where their bytes are: read-ahead hints
@@ -224,6 +225,7 @@ class _Builder:
             self.digests,
             self.plan.direct,
             self.sink,
+            self.archive,
         )
         # what the writer takes besides whole tensors, as its format's registry entry declares it
         ways = _Ways(self.format.copying(writer), self.format.streaming(writer), self.format.chunked(writer))

@@ -17,6 +17,7 @@ import torch
 from typing_extensions import TypedDict
 
 from ..formats.base import parse_dtype
+from ..formats.torch_zip import ARCHIVE
 from ..io.data.digest import FAST, CheckMode, Recording, check_mode
 from ..io.safety.sinks import NO_SINK, Sink
 
@@ -123,6 +124,10 @@ class WriteOptions:
     """What the output files' records carry: NONE for outputs no manifest lists."""
     direct_io: DirectIO = DirectIO.OFF
     """Whether the output files are written around the page cache."""
+    archive: str | None = ARCHIVE
+    """The folder torch.save files name their zip records' under: "archive/" (torch.save into a
+    stream, shardkit's own files) or None: after each file (torch.save of a path, NxD's training
+    checkpoints; kept by `ckpt reshard`). Other formats ignore it."""
     sink: Sink = NO_SINK
     """Where each output file goes once written (`io.safety.sinks`): the output's, handed down by
     the caller that opened it (an output bound for object storage uploads it; a local one: nothing)."""

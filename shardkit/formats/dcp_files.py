@@ -49,7 +49,8 @@ from ..io.safety.small import PICKLE_LIMIT, read_small
 from ..io.store import Store
 from ..paths import inside
 from .base import DiscardOnFailure, TensorSpec, compact, tensor_bytes
-from .torch_io import embedded_tensor, parsed_once, regular, tensor_pickle, torch_save, written_natively
+from .torch_io import regular, tensor_pickle, torch_save, written_natively
+from .torch_metadata import embedded_tensor, parsed_once
 from .torch_zip import ZipRecords
 
 log = logging.getLogger(__name__)

@@ -25,11 +25,14 @@ from .safetensors_io import SafetensorsFile, SafetensorsWriter
 from .torch_io import TorchFile, TorchWriter
 from .xser import XserFile, XserWriter, info_path, tensors_dir
 
-WriterFactory = Callable[[Path, Path, Sequence[TensorSpec], Collection[str], Recording, bool, Sink], TensorFileWriter]
-"""writer(path, root, specs, expert_names, digests, direct, sink): a writer of one rank file under
-`root` (`digests`: what its records carry, see `io.data.digest.Recording`; `direct`: written
-around the page cache, see `io.data.direct.DirectFile`; `sink`: where each file it closes goes,
-the output's, see `io.safety.sinks`)."""
+WriterFactory = Callable[
+    [Path, Path, Sequence[TensorSpec], Collection[str], Recording, bool, Sink, "str | None"], TensorFileWriter
+]
+"""writer(path, root, specs, expert_names, digests, direct, sink, archive): a writer of one rank
+file under `root` (`digests`: what its records carry, see `io.data.digest.Recording`; `direct`:
+written around the page cache, see `io.data.direct.DirectFile`; `sink`: where each file it closes
+goes, the output's, see `io.safety.sinks`; `archive`: for torch.save files, the folder their zip
+records are under, see `torch_io.archive_folder`; other formats ignore it)."""
 
 
 @dataclass(frozen=True)
@@ -109,10 +112,11 @@ def _xser_companions(path: Path) -> list[Path]:
     return [p for p in (info_path(path),) if p.is_file()] + tensors
 
 
-def _plain(writer: Callable[..., TensorFileWriter]) -> WriterFactory:
-    """The factory of a writer that keeps no list of expert tensors."""
-    return lambda path, root, specs, expert, digests, direct, sink: writer(
-        path, root, specs, digests=digests, direct=direct, sink=sink
+def _plain(writer: Callable[..., TensorFileWriter], zip_archive: bool = False) -> WriterFactory:
+    """The factory of a writer that keeps no list of expert tensors (`zip_archive`: it takes the
+    folder of a torch.save file's records)."""
+    return lambda path, root, specs, expert, digests, direct, sink, archive: writer(
+        path, root, specs, digests=digests, direct=direct, sink=sink, **({"archive": archive} if zip_archive else {})
     )
 
 
@@ -126,8 +130,8 @@ FORMATS: dict[str, Format] = {
             "NxD xser",
             "torch-xla's xser: each tensor in its own file under <file>.tensors/",
             reader=XserFile,
-            writer=lambda path, root, specs, expert, digests, direct, sink: XserWriter(
-                path, root, specs, list(expert), digests, direct, sink
+            writer=lambda path, root, specs, expert, digests, direct, sink, archive: XserWriter(
+                path, root, specs, list(expert), digests, direct, sink, archive
             ),
             # a model file NxD saved without tensor data has its .info.pt but no tensor folder
             detect=lambda path: tensors_dir(path).is_dir() or info_path(path).is_file(),
@@ -140,7 +144,7 @@ FORMATS: dict[str, Format] = {
             "NxD torch",
             "torch.save state dicts, NxD's own rank files",
             TorchFile,
-            _plain(TorchWriter),
+            _plain(TorchWriter, zip_archive=True),
             abilities=Abilities(kernel_copies=True, row_streaming=True),
         ),
         Format(
@@ -158,7 +162,7 @@ FORMATS: dict[str, Format] = {
             "PyTorch DCP",
             "torch.distributed.checkpoint folders: .metadata and a data file per rank, tensors in chunks",
             dcp.DcpFile,
-            lambda path, root, specs, expert, digests, direct, sink: dcp.DcpWriter(
+            lambda path, root, specs, expert, digests, direct, sink, archive: dcp.DcpWriter(
                 path, root, specs, digests, direct, sink
             ),
             detect=lambda path: (path.parent / dcp_files.METADATA).is_file(),

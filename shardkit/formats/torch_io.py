@@ -3,24 +3,22 @@
 Loading never runs arbitrary pickle: `torch.load(weights_only=True)`, with the one foreign class
 the formats need (torch-xla's `TensorReference`, which xser files reference) allowed under its
 real name. A file that asks for anything else is refused with a clear error. A rank file's
-metadata is read without tensor data (`load_metadata`): its zip directory validated
-(`torch_zip.read_archive`), its pickle read by `torch_pickle` or, beyond a plain state dict, by
-torch's own weights-only unpickler: shardkit reads what torch.load reads, or refuses the file.
+metadata is read without tensor data (`torch_metadata`). Writing: `TorchWriter` streams a file a
+tensor at a time, `save_file` saves a small object whole; both name the zip records' folder as
+asked (`archive_folder`: "archive/", or after the file as NxD's files do).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import math
 import os
 import pickle
-import struct
 import sys
-import threading
-import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,51 +39,17 @@ from ..io.data.strided import (
     stored_range,
 )
 from ..io.data.taps import DescriptorReader, OpenFile
+from ..io.safety.delete import remove_file
+from ..io.safety.durable import fsync_path
 from ..io.safety.oserror import disk_error
 from ..io.safety.sinks import NO_SINK, Sink
 from ..io.safety.small import check_small
 from ..io.store import Store
-from ..paths import regular_file
-from . import torch_pickle
+from ..paths import ensure_free_space, free_space, no_space_error, regular_file
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, compact, narrow, tensor_bytes
-from .torch_zip import ARCHIVE, Archive, ZipRecords, native_writer, read_archive
-
-XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
-
-
-class TensorReference:
-    """Stand-in for torch_xla.utils.serialization.TensorReference: one int field `tid`."""
-
-    def __init__(self, tid: int | None = None):
-        self.tid = tid
-
-    def __repr__(self) -> str:
-        return f"TensorReference(tid={self.tid})"
-
-
-_ALLOWED_LOCK = threading.Lock()
-_allowed_users = 0
-
-
-@contextlib.contextmanager
-def _reference_allowed():
-    """torch.serialization.safe_globals([TensorReference]), safe across threads: torch's context
-    adds to and removes from one process-wide list, so a thread leaving it would disallow the
-    class under another thread's load (workers read xser files in parallel). Counted instead:
-    allowed while any thread is inside."""
-    global _allowed_users
-    entry = [(TensorReference, XSER_REFERENCE)]
-    with _ALLOWED_LOCK:
-        if _allowed_users == 0:
-            torch.serialization.add_safe_globals(entry)
-        _allowed_users += 1
-    try:
-        yield
-    finally:
-        with _ALLOWED_LOCK:
-            _allowed_users -= 1
-            if _allowed_users == 0:
-                torch.serialization.safe_globals(entry).__exit__(None, None, None)
+from .manifest import file_record
+from .torch_metadata import corrupt, read_metadata, references_allowed, refused
+from .torch_zip import ARCHIVE, ZipRecords, native_writer, read_archive
 
 
 def regular(path: Path, what: str = "file") -> Path:
@@ -106,7 +70,7 @@ def safe_load(path: Path, mmap: bool = True, store: Store | None = None) -> Any:
     store.fetch_whole(path)  # a mirror file of an object store: fetched whole before torch reads it
     try:
         read_archive(path, store=store)
-        with _reference_allowed():
+        with references_allowed():
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             except RuntimeError as e:
@@ -114,13 +78,13 @@ def safe_load(path: Path, mmap: bool = True, store: Store | None = None) -> Any:
                     return torch.load(path, map_location="cpu", weights_only=True)
                 raise
     except pickle.UnpicklingError as e:
-        raise _refused(path, e) from None
+        raise refused(path, e) from None
     except ShardkitError:
         raise
     except OSError as e:  # permissions, I/O errors: the file system's reason, not "corrupt"
         raise FormatError(str(disk_error(e, "read", path))) from None
     except Exception as e:  # noqa: BLE001 - whatever torch raises for a bad file, said on one line
-        raise _corrupt(path, e) from None
+        raise corrupt(path, e) from None
 
 
 def load_small(path: Path, what: str, within: Path | None = None, store: Store | None = None) -> Any:
@@ -130,26 +94,6 @@ def load_small(path: Path, what: str, within: Path | None = None, store: Store |
     return safe_load(check_small(path, what, within=within), mmap=False, store=store)
 
 
-def _refused(path: Path, e: Exception) -> FormatError:
-    reason = _refused_global(str(e)) if "GLOBAL" in str(e) else (str(e).splitlines() or [""])[0][:160]
-    return FormatError(
-        f"refusing to load {path}: it holds Python objects other than tensors ({reason}); "
-        "shardkit never runs arbitrary pickle: re-save it as a plain state dict"
-    )
-
-
-def _corrupt(path: Path, e: Exception) -> FormatError:
-    reason = str(e).splitlines()[0][:120] if str(e).strip() else type(e).__name__
-    return FormatError(f"{path} is truncated or corrupt ({reason}): re-create it")
-
-
-def _refused_global(message: str) -> str:
-    for line in message.splitlines():
-        if "GLOBAL" in line:
-            return line.strip()[:160]
-    return "unsupported global"
-
-
 def state_dict_of(obj: Any, path: Path) -> dict[str, Any]:
     """The flat name -> tensor dict inside a loaded file (training checkpoints wrap it in 'model')."""
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict) and "model.embed_tokens.weight" not in obj:
@@ -157,242 +101,6 @@ def state_dict_of(obj: Any, path: Path) -> dict[str, Any]:
     if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
         raise FormatError(f"{path} does not hold a state dict (name -> tensor)")
     return obj
-
-
-def _zip_record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]]]:
-    """The archive's folder prefix and, per record name, (data offset in the file, size).
-
-    torch.save writes records uncompressed (ZIP_STORED) and aligned; a record's data starts after
-    its local header, whose extra field (torch's alignment padding) may differ from the central one.
-    """
-    with zipfile.ZipFile(path) as archive, open(path, "rb") as fh:
-        return _archive_records(archive, fh.fileno(), 0, path)
-
-
-def _archive_records(
-    archive: zipfile.ZipFile, fd: int, base: int, path: Path
-) -> tuple[str, dict[str, tuple[int, int]]]:
-    """`_zip_record_offsets` of an archive that starts at byte `base` of the file open as `fd`."""
-    records: dict[str, tuple[int, int]] = {}
-    infos = archive.infolist()
-    pickles = [i.filename for i in infos if i.filename.endswith("data.pkl")]
-    if not pickles:
-        raise FormatError(f"{path} is not a torch.save file (no data.pkl): re-create it")
-    prefix = pickles[0][: -len("data.pkl")]
-    if hasattr(os, "posix_fadvise"):  # a cold file's headers (one per tensor) are read in parallel
-        for info in infos:
-            os.posix_fadvise(fd, base + info.header_offset + 26, 4, os.POSIX_FADV_WILLNEED)
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise FormatError(f"{path}: record {info.filename} is compressed; torch files never are")
-        name_len, extra_len = struct.unpack("<HH", os.pread(fd, 4, base + info.header_offset + 26))
-        records[info.filename] = (base + info.header_offset + 30 + name_len + extra_len, info.file_size)
-    return prefix, records
-
-
-class _Window(io.RawIOBase):
-    """Bytes [start, start + length) of an open file, as a file of their own (read positionally)."""
-
-    def __init__(self, fd: int, start: int, length: int):
-        self._fd, self._start, self._length, self._pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = max(0, offset + (0, self._pos, self._length)[whence])
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = max(0, min(len(view), self._length - self._pos))
-        data = os.pread(self._fd, n, self._start + self._pos) if n else b""
-        view[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
-def embedded_tensor(path: Path, offset: int, length: int) -> StoredTensor:
-    """Where the one tensor of a torch.save archive stored at bytes [offset, offset + length) of
-    `path` sits in that file (how PyTorch DCP's `.distcp` files hold each chunk, one archive after
-    another): read from the archive's directory and its small pickle, nothing else."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as fh, zipfile.ZipFile(_Window(fh.fileno(), offset, length)) as archive:
-            prefix, records = _archive_records(archive, fh.fileno(), offset, path)
-            raw = archive.read(prefix + "data.pkl")
-        value = _plain_metadata(raw, path, prefix, records)
-    except (zipfile.BadZipFile, OSError, ValueError, struct.error, KeyError, EOFError) as e:
-        raise FormatError(
-            f"{path}: the tensor stored at bytes {offset}..{offset + length} is truncated or corrupt "
-            f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}): re-create the checkpoint"
-        ) from None
-    if not isinstance(value, StoredTensor):
-        raise FormatError(f"{path}: bytes {offset}..{offset + length} do not hold one plain tensor: re-create it")
-    return value
-
-
-def load_metadata(path: Path, file: OpenFile | None = None) -> Any:
-    """The object a torch.save file holds, every tensor as a StoredTensor saying where its bytes
-    are (no tensor data read); None for a legacy (non-zip) file. The archive's directory is
-    validated first (`torch_zip.read_archive`). A plain state dict's pickle is read by
-    `torch_pickle.load_plain`; anything else by torch's weights-only unpickler with its storages on
-    the meta device (`_torch_metadata`), which accepts exactly what torch.load(weights_only=True)
-    does, or refuses it. `file`: the file, opened (through its store); else opened here as a local file."""
-    path = Path(path)
-    archive = read_archive(path, file)
-    if archive is None:
-        return None
-    plain = _plain_metadata(archive.pickle, path, archive.prefix, archive.records)
-    if plain is not None:
-        return plain
-    return _torch_metadata(archive, path)
-
-
-def _plain_metadata(raw: bytes, path: Path, prefix: str, records: dict[str, tuple[int, int]]) -> Any:
-    """A plain state dict's metadata read by `torch_pickle.load_plain`; None for any other pickle
-    (or one it cannot read), which torch's weights-only unpickler then reads or refuses."""
-    try:
-        return torch_pickle.load_plain(raw, path, records, prefix)
-    except FormatError:
-        raise
-    except Exception:  # noqa: BLE001 - torch's unpickler reads it, or says what is wrong with it
-        return None
-
-
-def _torch_metadata(archive: Archive, path: Path) -> Any:
-    """The pickle read by torch's own weights-only unpickler, its storages made on the meta device
-    the way torch.load makes them (`persistent_load`), then every tensor located (`_located`)."""
-    storages: dict[Any, torch.storage.TypedStorage] = {}
-    located: dict[int, tuple[int, int]] = {}  # a meta storage's id -> its record's (data offset, bytes)
-
-    def persistent_load(saved: Any) -> torch.storage.TypedStorage:
-        # as torch.serialization._load's: the first storage of a key is the one every later use gets
-        if not isinstance(saved, tuple) or _ascii(saved[0]) != "storage" or len(saved) != 5:
-            raise pickle.UnpicklingError("a persistent id other than a storage")
-        _, storage_type, key, location, numel = saved
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        if key in storages:
-            return storages[key]
-        if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0:
-            raise pickle.UnpicklingError("a storage of an unexpected type or size")
-        nbytes = numel * dtype.itemsize
-        offset = torch_pickle.record_offset(path, archive.records, f"{archive.prefix}data/{key}", nbytes)
-        _ascii(location)
-        storage = torch.UntypedStorage(nbytes, device="meta")
-        located[storage._cdata] = (offset, nbytes)
-        typed = storages[key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-        return typed
-
-    with _reference_allowed():
-        unpickler = torch_compat.weights_only_unpickler(io.BytesIO(archive.pickle), encoding="utf-8")
-        unpickler.persistent_load = persistent_load
-        obj = unpickler.load()
-    return _located(obj, path, located)
-
-
-def _ascii(value: Any) -> Any:
-    """torch.serialization._maybe_decode_ascii: bytes (a Python 2 pickle's) as ASCII text."""
-    return value.decode("ascii") if isinstance(value, bytes) else value
-
-
-def _located(obj: Any, path: Path, located: dict[int, tuple[int, int]]) -> Any:
-    """`obj` with every tensor replaced by the StoredTensor of its bytes in the file. A tensor torch
-    would read as other values than its bytes (quantized, sparse, conjugate or negative bits, a
-    subclass, not made from a storage of this file) is refused. Each object is visited once (a
-    pickle may repeat one many times); a container that contains itself is refused."""
-    done: dict[int, Any] = {}
-    busy: set[int] = set()
-
-    def locate(value: Any) -> Any:
-        if id(value) in done:
-            return done[id(value)]
-        if id(value) in busy:
-            raise FormatError(f"{path}: a container contains itself: the file is corrupt; re-create it")
-        busy.add(id(value))
-        result: Any
-        if isinstance(value, torch.Tensor):
-            result = _stored(value, path, located)
-        elif isinstance(value, dict):  # item by item: a Counter built from pairs would count them
-            result = type(value)()
-            for k, v in value.items():
-                result[k] = locate(v)
-        elif isinstance(value, (list, tuple)):
-            result = type(value)(locate(v) for v in value)
-        else:
-            result = value
-        busy.discard(id(value))
-        done[id(value)] = result
-        return result
-
-    return locate(obj)
-
-
-def _stored(tensor: torch.Tensor, path: Path, located: dict[int, tuple[int, int]]) -> StoredTensor:
-    """The StoredTensor of a meta tensor torch's unpickler built on a storage of this file."""
-    plain = (
-        type(tensor) in (torch.Tensor, torch.nn.Parameter)
-        and tensor.layout == torch.strided
-        and not tensor.is_quantized
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-    )
-    where = located.get(tensor.untyped_storage()._cdata) if plain and tensor.device.type == "meta" else None
-    if where is None:
-        raise FormatError(
-            f"{path}: a tensor is not a plain view of a storage of the file (a {type(tensor).__name__}, "
-            f"{tensor.layout}, conjugate or negative bits, or quantized): shardkit cannot read it as torch does"
-        )
-    offset, nbytes = where
-    shape, stride, start = tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())
-    torch_pickle.check_tensor(path, tensor.dtype, shape, stride, start, nbytes)
-    return StoredTensor(tensor.dtype, shape, offset, start, stride)
-
-
-_METADATA_CACHE: OrderedDict[tuple, Any] = OrderedDict()
-_METADATA_LOCK = threading.Lock()
-
-
-def parsed_once(path: Path, kind: str, parse: Callable[[Path], Any]) -> Any:
-    """`parse(path)`, cached per kind of parse and file as it is now (path, device, inode, size,
-    mtime, ctime): the many readers of one operation open a file's metadata many times and parse it
-    once, and a file written to or replaced meanwhile is parsed again. Callers never change what
-    it returns."""
-    stat = os.stat(path)
-    key = (kind, str(Path(path).absolute()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
-    with _METADATA_LOCK:
-        if key in _METADATA_CACHE:
-            _METADATA_CACHE.move_to_end(key)
-            return _METADATA_CACHE[key]
-    value = parse(path)
-    with _METADATA_LOCK:
-        _METADATA_CACHE[key] = value
-        while len(_METADATA_CACHE) > 4096:
-            _METADATA_CACHE.popitem(last=False)
-    return value
-
-
-def read_metadata(path: Path, file: OpenFile | None = None) -> Any:
-    """load_metadata with shardkit's errors (unsafe pickle refused, truncation reported), parsed
-    once per file (`parsed_once`; `file`: as for `load_metadata`)."""
-    return parsed_once(path, "torch", lambda p: _read_metadata_uncached(p, file))
-
-
-def _read_metadata_uncached(path: Path, file: OpenFile | None = None) -> Any:
-    try:
-        return load_metadata(path, file)
-    except ShardkitError:
-        raise
-    except pickle.UnpicklingError as e:
-        raise _refused(path, e) from None
-    except Exception as e:  # noqa: BLE001 - whatever torch's unpickler raises for a bad pickle, on one line
-        raise _corrupt(path, e) from None
 
 
 class TorchFile(DescriptorReader):
@@ -628,6 +336,96 @@ def _zip_size_bound(records: Sequence[tuple[str, int]], alignment: int, archive:
     return total
 
 
+def archive_folder(path: Path, archive: str | None) -> str:
+    """The folder a torch file's zip records are under: `archive` ("archive/": torch.save into a
+    stream, as shardkit's save_checkpoint and the trainer write), or None: named after the file,
+    as torch.save of a path names it (NxD's files: "x.pt" -> "x/", "x.pt.info.pt" -> "x.pt.info/")."""
+    return archive if archive is not None else Path(path).stem + "/"
+
+
+def writer_failure(e: RuntimeError, path: Path, needed: int) -> Exception:
+    """The one-line error for a failure of torch's zip writer of `path` (its partial file deleted),
+    or `e` itself when it is not the writer's."""
+    text = str(e)
+    if "inline_container" not in text and "PytorchStreamWriter" not in text and "cannot be opened" not in text:
+        return e
+    with contextlib.suppress(OSError):
+        remove_file(path)  # torch's partial file (the I/O core's one delete)
+    free = free_space(path.parent)
+    if free is not None and free < needed:
+        return no_space_error(path.parent, needed, free)
+    if not os.access(path.parent, os.W_OK):
+        return disk_error(PermissionError(errno.EACCES, "Permission denied"), "write", path)
+    return disk_error(OSError(errno.EIO, f"torch's writer failed ({text.splitlines()[0][:120]})"), "write", path)
+
+
+def _written_by_torch(path: Path, root: Path, digests: Recording, sink: Sink, fsync: bool) -> FileRecord:
+    """The record of a file torch's own writer wrote (read back once: it hashes nothing), which is
+    then handed to `sink`."""
+    if fsync:
+        fsync_path(path)
+    if digests:
+        record = file_record(path, root, sha256=digests is Recording.SHA256)
+    else:
+        record = FileRecord(path.relative_to(root).as_posix(), path.stat().st_size, None)
+    sink.closed(path)  # an output bound for object storage may send it now
+    return record
+
+
+class SavedByPath:
+    """A file torch.save wrote through its path (its records' folder named after the file): closed
+    into its record, or aborted (deleted), like a HashingFile."""
+
+    def __init__(self, path: Path, root: Path, digests: Recording, sink: Sink):
+        self.path, self.root, self.digests, self.sink = path, root, digests, sink
+
+    def close(self, fsync: bool = False) -> FileRecord:
+        return _written_by_torch(self.path, self.root, self.digests, self.sink, fsync)
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            remove_file(self.path)
+
+
+def save_file(
+    obj: Any,
+    path: Path,
+    root: Path,
+    archive: str | None = ARCHIVE,
+    digests: Recording = Recording.FAST,
+    direct: bool = False,
+    sink: Sink = NO_SINK,
+    stored: int = 0,
+    **kwargs: Any,
+) -> HashingFile | SavedByPath:
+    """torch.save(obj) to `path`, its records under `archive` (`archive_folder`): into a
+    HashingFile (hashed as written), or by torch's writer of the path when named after the file
+    (a full disk refused first, counting `stored` bytes of tensor data; its failures one line).
+    Returns the file, to be closed (its record, handed to `sink`) or aborted."""
+    if archive == ARCHIVE:
+        out = HashingFile(path, root, digests=digests, direct=direct, sink=sink)
+        try:
+            torch_save(obj, out, **kwargs)
+        except BaseException:
+            out.abort()
+            raise
+        return out
+    if archive is not None:
+        raise ValueError(f"torch.save names the records' folder after the file or {ARCHIVE!r}, not {archive!r}")
+    needed = stored + (64 << 10)
+    path.parent.mkdir(parents=True, exist_ok=True)  # as HashingFile does
+    ensure_free_space(path.parent, needed)
+    try:
+        torch.save(obj, str(path), **kwargs)
+    except RuntimeError as e:
+        raise writer_failure(e, path, needed) from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            remove_file(path)
+        raise
+    return SavedByPath(path, root, digests, sink)
+
+
 def torch_save(obj: Any, out: HashingFile, **kwargs) -> None:
     """torch.save into a HashingFile, safely: a write failure (a full disk, Ctrl-C) is raised as
     itself once torch has returned, never thrown through torch's zip writer (see _ZipSink)."""
@@ -677,7 +475,7 @@ class TorchWriter(DiscardOnFailure):
         digests: Recording = Recording.FAST,
         direct: bool = False,
         data_pkl: bytes | None = None,
-        archive: str = ARCHIVE,
+        archive: str | None = ARCHIVE,
         sink: Sink = NO_SINK,
     ):
         check_specs(specs)
@@ -687,19 +485,31 @@ class TorchWriter(DiscardOnFailure):
         self._zip = None
         self._native: ZipRecords | None = None
         self._broken = False
+        self._digests, self._handoff = digests, sink
         if data_pkl is None:  # a state dict of the specs; `tensor_pickle` for a file of one bare tensor
             data_pkl = state_dict_pickle(self._specs)
+        folder = archive_folder(self.path, archive)
         alignment = torch_compat.zip_options()[1]
-        count, bound = _archive_size(self._specs, len(data_pkl), archive)
-        self._out = HashingFile(self.path, self.root, expected_size=bound, digests=digests, direct=direct, sink=sink)
-        self._sink = _ZipSink(self._out)
+        count, bound = _archive_size(self._specs, len(data_pkl), folder)
+        self._out: HashingFile | None = None
+        self._sink: _ZipSink | None = None
+        self._needed = bound
+        if native_writer(count, bound) or folder == ARCHIVE:
+            self._out = HashingFile(
+                self.path, self.root, expected_size=bound, digests=digests, direct=direct, sink=sink
+            )
+            self._sink = _ZipSink(self._out)
+        else:  # torch's writer names the records' folder after the file only when it opens the path itself
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # as HashingFile does
+            ensure_free_space(self.path.parent, bound)
         with self._discarding():
             if native_writer(count, bound):
-                self._native = ZipRecords(self._out, alignment, archive)
-            elif archive != ARCHIVE:
-                raise RuntimeError(f"{self.path}: torch's writer names the records' folder {ARCHIVE!r} here")
-            else:
+                assert self._out is not None
+                self._native = ZipRecords(self._out, alignment, folder)
+            elif self._sink is not None:
                 self._zip, _ = torch_compat.file_writer(self._sink)
+            else:
+                self._zip, _ = torch_compat.file_writer(str(self.path))
             # the records torch.save writes before the storages, in its order
             self._record("data.pkl", data_pkl, len(data_pkl))
             self._record(".format_version", b"1", 1)
@@ -716,10 +526,12 @@ class TorchWriter(DiscardOnFailure):
             raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
         try:
             zip_writer.write_record(name, data, size)
-        except BaseException:
+        except BaseException as e:
             self._broken = True  # thrown through torch's C++ writer: it is mid-record now
+            if isinstance(e, RuntimeError) and self._sink is None:
+                raise writer_failure(e, self.path, self._needed) from None
             raise
-        if self._sink.error is not None:
+        if self._sink is not None and self._sink.error is not None:
             raise self._sink.error
 
     def write(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
@@ -740,11 +552,13 @@ class TorchWriter(DiscardOnFailure):
                 self._native.add(f"data/{self._next}", tensor_bytes(tensor), tensor if owned else None)
             else:
                 storage = tensor.untyped_storage()
-                self._sink.owner = storage if owned else None
+                if self._sink is not None:
+                    self._sink.owner = storage if owned else None
                 try:
                     self._record(f"data/{self._next}", storage, spec.nbytes)
                 finally:
-                    self._sink.owner = None
+                    if self._sink is not None:
+                        self._sink.owner = None
             self._next += 1
 
     def can_copy(self) -> bool:
@@ -798,14 +612,17 @@ class TorchWriter(DiscardOnFailure):
             elif self._zip is not None:
                 try:
                     self._zip.write_end_of_file()
-                except BaseException:
+                except BaseException as e:
                     self._broken = True
+                    if isinstance(e, RuntimeError) and self._sink is None:
+                        raise writer_failure(e, self.path, self._needed) from None
                     raise
-                if self._sink.error is not None:
+                if self._sink is not None and self._sink.error is not None:
                     raise self._sink.error
                 self._zip = None  # finished: its destructor writes nothing more
-            record = self._out.close(fsync)
-        return [record]
+            if self._out is not None:
+                return [self._out.close(fsync)]
+            return [_written_by_torch(self.path, self.root, self._digests, self._handoff, fsync)]
 
     def abort(self) -> None:
         """Give up this file: delete it and release torch's writer without finishing the archive.
@@ -822,6 +639,9 @@ class TorchWriter(DiscardOnFailure):
         out = getattr(self, "_out", None)
         if out is not None:
             out.abort()
+        elif hasattr(self, "_needed"):  # torch's writer of the path: its partial file
+            with contextlib.suppress(OSError):
+                remove_file(self.path)
 
     def _unfinished(self) -> bool:
         return getattr(self, "_zip", None) is not None or getattr(self, "_native", None) is not None

@@ -5,7 +5,7 @@ strings) in one pass of its opcodes, about 4x faster than torch's unpickler, whi
 meta tensors: it builds `StoredTensor`s, which say where each tensor's bytes are. It accepts a
 subset of what torch's `torch._weights_only_unpickler` accepts, opcode by opcode, with the same
 meaning: a pickle using anything more raises `NotPlain`, and torch's own unpickler then reads it
-or refuses it (`torch_io.load_metadata`).
+or refuses it (`torch_metadata.load_metadata`).
 
 Nothing outlives a load but what it returns: every object a pickle can change (BUILD, SETITEM(S),
 APPEND(S)) is one this load created (a dict, an OrderedDict, a list), and what a pickle can name

@@ -30,19 +30,21 @@ from ..io.store import Store
 from ..paths import NoSpaceError, ensure_free_space, no_space_error
 from .base import DiscardOnFailure, RowBlocks, TensorSpec, check_specs, compact, narrow
 from .torch_io import (
-    TensorReference,
+    SavedByPath,
     TorchFile,
     TorchWriter,
     _zip_size_bound,
+    archive_folder,
     load_small,
-    parsed_once,
     regular,
     safe_load,
+    save_file,
     state_dict_of,
     tensor_pickle,
-    torch_save,
     written_natively,
 )
+from .torch_metadata import TensorReference, parsed_once
+from .torch_zip import ARCHIVE
 
 
 def tensors_dir(path: Path) -> Path:
@@ -309,9 +311,11 @@ class XserWriter(DiscardOnFailure):
         digests: Recording = Recording.FAST,
         direct: bool = False,
         sink: Sink = NO_SINK,
+        archive: str | None = ARCHIVE,
     ):
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
+        self._archive = archive  # each file's records' folder: "archive/", or None: after the file (NxD's)
         self._digests = digests
         self._direct = direct
         self._sink = sink  # each file goes to it as it closes: the tensor files one by one
@@ -319,7 +323,9 @@ class XserWriter(DiscardOnFailure):
         self._tids = {s.name: i for i, s in enumerate(self._specs)}
         self._expert = set(expert_parallel)
         self._records: list[FileRecord] = []
-        self._files: list[HashingFile | TorchWriter] = []  # every file this writer created, to delete on abort
+        self._files: list[
+            HashingFile | SavedByPath | TorchWriter
+        ] = []  # every file this writer created, to delete on abort
         self._closing: deque[TorchWriter] = deque()  # tensor files written, not closed yet
         self._started: set[int] = set()  # tensors whose file was begun
         self._written = 0  # tensors written (their files may still be closing)
@@ -327,7 +333,10 @@ class XserWriter(DiscardOnFailure):
         self._open = True
         # whether every tensor's file is written by shardkit's own zip writer (see TorchWriter)
         self._pickles = [tensor_pickle(spec) for spec in self._specs]  # each tensor file's data.pkl
-        self._native = all(written_natively([spec], data) for spec, data in zip(self._specs, self._pickles))
+        self._native = all(
+            written_natively([spec], data, archive_folder(tensor_path(self.path, tid), archive))
+            for tid, (spec, data) in enumerate(zip(self._specs, self._pickles))
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         ensure_free_space(self.path.parent, self._remaining_bound())
 
@@ -337,11 +346,10 @@ class XserWriter(DiscardOnFailure):
         left = self._specs[self._written :]
         return sum(_file_bound(s.nbytes) for s in left) + 2 * _file_bound(_PICKLE_BOUND * len(self._specs))
 
-    def _save(self, obj: Any, path: Path, **kwargs) -> HashingFile:
-        out = HashingFile(path, self.root, digests=self._digests, direct=self._direct, sink=self._sink)
-        self._files.append(out)
+    def _save(self, obj: Any, path: Path, **kwargs) -> HashingFile | SavedByPath:
         with self._space():
-            torch_save(obj, out, **kwargs)
+            out = save_file(obj, path, self.root, self._archive, self._digests, self._direct, self._sink, **kwargs)
+        self._files.append(out)
         return out
 
     def can_copy(self) -> bool:
@@ -405,6 +413,7 @@ class XserWriter(DiscardOnFailure):
             self._digests,
             self._direct,
             self._pickles[tid],
+            self._archive,
             sink=self._sink,
         )
         self._files.append(writer)

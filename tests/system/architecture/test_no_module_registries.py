@@ -63,7 +63,7 @@ MUTATORS = {
 NOT_REGISTRIES = {
     "shardkit/families/base.py:REGISTRY": "model_type -> family, filled by `register` as family modules are imported",
     "shardkit/families/base.py:_LAYER_RES": "compiled layer patterns, rebuilt when the family table grows",
-    "shardkit/formats/torch_io.py:_METADATA_CACHE": "parsed metadata by file identity (a bounded cache)",
+    "shardkit/formats/torch_metadata.py:_METADATA_CACHE": "parsed metadata by file identity (a bounded cache)",
     "shardkit/formats/torch_io.py:_KEPT": "failed torch zip writers that must never be destroyed (it would abort)",
     "shardkit/io/data/digest.py:_RECORDING_BLOCKS": "the depth of `recording_blocks` blocks (a counter)",
     "shardkit/io/objects/streamed.py:_FALLOCATE": "libc's fallocate, looked up once",

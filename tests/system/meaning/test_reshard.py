@@ -647,9 +647,9 @@ def test_reshard_reads_only_needed_source_files_and_bytes(work, tmp_path, monkey
             opens[current["out"]][key] += 1
         return orig_open(self, key)
 
-    def tracking_writer(path, root, specs, expert, digests, direct, sink):
+    def tracking_writer(path, root, specs, expert, digests, direct, sink, archive):
         current["out"] = Path(path).relative_to(root).as_posix()
-        return torch_format.writer(path, root, specs, expert, digests, direct, sink)
+        return torch_format.writer(path, root, specs, expert, digests, direct, sink, archive)
 
     orig_config = engine._config_for_output
 

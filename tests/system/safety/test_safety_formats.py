@@ -29,7 +29,8 @@ from shardkit.errors import ShardkitError
 from shardkit.formats import hf, nxd, torch_io, xser
 from shardkit.formats.base import TensorSpec
 from shardkit.formats.safetensors_io import SafetensorsFile, SafetensorsWriter, read_header
-from shardkit.formats.torch_io import TensorReference, TorchWriter
+from shardkit.formats.torch_io import TorchWriter
+from shardkit.formats.torch_metadata import TensorReference
 from shardkit.formats.xser import XserFile, XserWriter
 from shardkit.io.data import hashing
 from shardkit.paths import NoSpaceError, UnsafePathError

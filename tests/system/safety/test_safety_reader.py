@@ -25,7 +25,7 @@ from click.testing import CliRunner
 
 from shardkit.cli import cli
 from shardkit.errors import FormatError
-from shardkit.formats import torch_io, xser
+from shardkit.formats import torch_io, torch_metadata, xser
 from shardkit.io.data.strided import StoredTensor, read_stored
 from shardkit.io.data.taps import OpenFile
 
@@ -229,7 +229,7 @@ def shardkit_reads(path: Path):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's unpickler warns of protocol 4 as torch.load does
-            meta = torch_io.read_metadata(path)
+            meta = torch_metadata.read_metadata(path)
     except FormatError as e:
         one_line(e)
         return REFUSED
@@ -596,7 +596,7 @@ def test_zip64_fields_are_read_as_torch_reads_them(tmp_path):
 def test_archives_read_differently_are_refused_with_one_line(attack, tmp_path):
     make = ARCHIVE_ATTACKS.get(attack) or TORCH_ARCHIVE_RULES[attack]
     path = crafted_archive(base_file(tmp_path / "base.pt"), tmp_path / "crafted.pt", make)
-    for read in (torch_io.read_metadata, torch_io.safe_load, torch_io.TorchFile):
+    for read in (torch_metadata.read_metadata, torch_io.safe_load, torch_io.TorchFile):
         with pytest.raises(FormatError) as info:
             read(path)
         assert str(path) in one_line(info.value) and "re-create it" in str(info.value)

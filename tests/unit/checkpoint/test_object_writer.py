@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint import object_writer
 from shardkit.checkpoint.object_writer import Deferred, save_object, save_together
 from shardkit.checkpoint.zero1 import MASTER, build_optim
+from shardkit.formats import torch_io
 from shardkit.formats.manifest import file_record
 
 NAMES = ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "lm_head.weight"]
@@ -72,7 +72,7 @@ def _optim_objects(state: dict, dp: int) -> list[dict]:
 @pytest.mark.parametrize("use_xser", [False, True], ids=["torch", "xser"])
 def test_dp_files_written_together_are_torch_save_bytes(tmp_path, monkeypatch, native, use_xser):
     if not native:  # what an archive of 4 GiB or more gets: torch's own writer of the path
-        monkeypatch.setattr(object_writer, "written_natively", lambda *a, **k: False)
+        monkeypatch.setattr(torch_io, "native_writer", lambda records, bound: False)
     dp = 3
     whole, lazy = tmp_path / "whole", tmp_path / "lazy"
     for d, obj in enumerate(_optim_objects(_state(), dp)):
@@ -103,7 +103,7 @@ def test_model_file_written_a_tensor_at_a_time_is_torch_save_bytes(tmp_path):
 @pytest.mark.parametrize("native", [True, False], ids=["shardkit-zip", "torch-writer"])
 def test_a_failing_read_leaves_no_file(tmp_path, monkeypatch, native):
     if not native:
-        monkeypatch.setattr(object_writer, "written_natively", lambda *a, **k: False)
+        monkeypatch.setattr(torch_io, "native_writer", lambda records, bound: False)
     state = _deferred(_state(), [])
     entry = state[NAMES[1]]
 

@@ -249,7 +249,7 @@ def test_a_matrix_written_in_blocks_of_rows_is_checked_and_gives_the_file_up_whe
     specs = [TensorSpec("m", (6, 4), torch.bfloat16), TensorSpec("v", (3,), torch.float32)]
 
     def write(path, blocks, finish=True):
-        w = writer_of(path, tmp_path, specs, [], True, False, NO_SINK)
+        w = writer_of(path, tmp_path, specs, [], True, False, NO_SINK, "archive/")
         rows = w.begin_rows("m")
         for block in blocks:
             rows.add(block)

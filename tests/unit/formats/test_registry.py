@@ -15,6 +15,7 @@ import torch
 from shardkit.formats import torch_io
 from shardkit.formats.base import TensorSpec
 from shardkit.formats.registry import FORMATS, Format
+from shardkit.formats.torch_zip import ARCHIVE
 from shardkit.io.data.copy import FileRange
 from shardkit.io.data.digest import Recording
 from shardkit.io.data.taps import OpenFile
@@ -38,7 +39,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def _write(fmt: Format, out: Path, how: str, source: Path) -> dict[str, bytes]:
     """One rank file of SPECS, its matrix written `how`; every file written under `out`."""
-    writer = fmt.writer(out / f"r{fmt.suffix}", out, SPECS, [], Recording.FAST, False, NO_SINK)
+    writer = fmt.writer(out / f"r{fmt.suffix}", out, SPECS, [], Recording.FAST, False, NO_SINK, ARCHIVE)
     if how == "write":
         writer.write("m", MATRIX)
     elif how == "copy":
@@ -79,7 +80,7 @@ def test_a_formats_declared_abilities_are_what_its_writer_does(name, tmp_path):
             assert _write(fmt, tmp_path / how, how, source) == whole, (name, how)
             continue
         writer = fmt.writer(
-            tmp_path / how / f"r{fmt.suffix}", tmp_path / how, SPECS, [], Recording.FAST, False, NO_SINK
+            tmp_path / how / f"r{fmt.suffix}", tmp_path / how, SPECS, [], Recording.FAST, False, NO_SINK, ARCHIVE
         )
         try:
             accessor = {"copy": fmt.copying, "rows": fmt.streaming, "chunks": fmt.chunked}[how]
@@ -100,7 +101,7 @@ def test_a_file_that_cannot_copy_or_stream_says_so_and_is_written_whole(name, tm
     native = _write(fmt, tmp_path / "native", "write", source)
     monkeypatch.setattr(torch_io, "native_writer", lambda records, bound: False)
     writer = fmt.writer(
-        tmp_path / "torch" / f"r{fmt.suffix}", tmp_path / "torch", SPECS, [], Recording.FAST, False, NO_SINK
+        tmp_path / "torch" / f"r{fmt.suffix}", tmp_path / "torch", SPECS, [], Recording.FAST, False, NO_SINK, ARCHIVE
     )
     try:
         assert fmt.copying(writer) is None and fmt.streaming(writer) is None

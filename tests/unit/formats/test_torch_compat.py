@@ -19,7 +19,8 @@ import torch
 from shardkit import ShardkitError, torch_compat
 from shardkit.formats import torch_zip
 from shardkit.formats.base import TensorSpec
-from shardkit.formats.torch_io import TorchWriter, load_metadata, state_dict_pickle
+from shardkit.formats.torch_io import TorchWriter, state_dict_pickle
+from shardkit.formats.torch_metadata import load_metadata
 from shardkit.formats.xser import _PICKLE_MODULE
 from shardkit.torch_compat import TorchInternalsError
 

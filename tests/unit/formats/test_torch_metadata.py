@@ -16,15 +16,15 @@ import torch
 
 from shardkit import torch_compat
 from shardkit.errors import FormatError
-from shardkit.formats import torch_io
-from shardkit.formats.torch_io import load_metadata
+from shardkit.formats import torch_metadata
+from shardkit.formats.torch_metadata import load_metadata
 
 GOLDEN = Path(__file__).resolve().parents[4] / "shared" / "golden"
 
 
 def _by_torch(path: Path, monkeypatch) -> object:
     with monkeypatch.context() as m:
-        m.setattr(torch_io, "_plain_metadata", lambda *args: None)
+        m.setattr(torch_metadata, "_plain_metadata", lambda *args: None)
         return load_metadata(path)
 
 
@@ -108,7 +108,7 @@ def test_a_pickle_that_calls_a_stand_in_calls_nothing(tmp_path):
     pickle.Pickler(buffer, protocol=2).dump({"w": _CallStorage()})
     _with_pickle(path, buffer.getvalue())
     with pytest.raises(FormatError) as info:
-        torch_io.read_metadata(path)
+        torch_metadata.read_metadata(path)
     assert "\n" not in str(info.value)
 
 
@@ -122,7 +122,7 @@ def test_a_tensor_past_its_storage_or_its_record_is_refused_as_before(tmp_path, 
     assert bad != raw
     _with_pickle(path, bad)
     with pytest.raises(FormatError, match="cut short") as fast:
-        torch_io.read_metadata(path)
+        torch_metadata.read_metadata(path)
     with pytest.raises(FormatError) as slow:
         _by_torch(path, monkeypatch)
     assert str(fast.value) == str(slow.value)
@@ -158,7 +158,7 @@ def test_payloads_never_run(tmp_path):
     pickle.Pickler(buffer, protocol=2).dump({"w": Payload()})
     _with_pickle(path, buffer.getvalue())
     with pytest.raises(FormatError, match="refusing"):
-        torch_io.read_metadata(path)
+        torch_metadata.read_metadata(path)
     assert not marker.exists()
 
 
@@ -189,7 +189,7 @@ def test_fields_changed_after_a_tensor_is_built_are_never_trusted(tmp_path, monk
     pickler.dump({"w": _Moved()})
     _with_pickle(path, buffer.getvalue())
     try:
-        meta = torch_io.read_metadata(path)
+        meta = torch_metadata.read_metadata(path)
     except FormatError as e:
         assert "\n" not in str(e)
         return
