@@ -38,15 +38,15 @@ from typing_extensions import Unpack
 from ..distributed import Job
 from ..errors import LayoutError, ShardkitError
 from ..families import Family, family_for
-from ..formats import MANIFEST, load_config
+from ..formats import MANIFEST, get_format, load_config
 from ..formats.base import TensorSpec
 from ..formats.manifest import file_record
 from ..formats.manifest import manifest as build_manifest
-from ..formats.safetensors_io import SafetensorsWriter
-from ..formats.torch_io import TorchWriter, torch_save
-from ..formats.xser import XserWriter, tensors_dir
+from ..formats.torch_io import save_file
+from ..formats.torch_zip import ARCHIVE
+from ..formats.xser import tensors_dir
 from ..io.data.buffers import one_torch_thread
-from ..io.data.digest import FileRecord
+from ..io.data.digest import FileRecord, Recording
 from ..io.data.hashing import HashingFile
 from ..io.location import remote as remote_location
 from ..io.safety.delete import is_link
@@ -210,14 +210,6 @@ class SaveJob:
         return self.root / self.tag
 
 
-def _make_writer(fmt: str, path: Path, root: Path, specs: list[TensorSpec], expert: set[str], sink: Sink):
-    if fmt == "safetensors":
-        return SafetensorsWriter(path, root, specs, sink=sink)
-    if fmt == "xser":
-        return XserWriter(path, root, specs, [s.name for s in specs if s.name in expert], sink=sink)
-    return TorchWriter(path, root, specs, sink=sink)
-
-
 def write_tensor_file(
     tag_dir: Path,
     key: str,
@@ -227,11 +219,12 @@ def write_tensor_file(
     fsync: bool,
     sink: Sink = NO_SINK,
 ) -> list[FileRecord]:
-    """One rank file with the format's writer; durable (file, tensor files, folders) with fsync;
-    each file handed to `sink` as it closes."""
+    """One rank file with the format's writer (the one the engine writes with: `formats.registry`);
+    durable (file, tensor files, folders) with fsync; each file handed to `sink` as it closes."""
     path = tag_dir / key
     specs = [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in items]
-    writer = _make_writer(fmt, path, tag_dir, specs, expert, sink)
+    experts = [s.name for s in specs if s.name in expert]
+    writer = get_format(fmt).writer(path, tag_dir, specs, experts, Recording.FAST, False, sink, ARCHIVE)
     for name, tensor in items:
         writer.write(name, tensor.cpu())
     records = writer.close(fsync=fsync)
@@ -248,16 +241,10 @@ def write_tensor_file(
 
 def save_object_hashed(tag_dir: Path, name: str, obj: Any, fsync: bool, sink: Sink = NO_SINK) -> FileRecord:
     """torch.save of plain data (scheduler, user content), hashed and durable, then handed to
-    `sink`. Written through `torch_save`, so a full disk is shardkit's one-line NoSpaceError (not
-    torch's "enforce fail") and the partial file is removed; the bytes are torch.save's into a file
-    object."""
-    out = HashingFile(tag_dir / name, tag_dir, sink=sink)
-    try:
-        torch_save(obj, out)
-        return out.close(fsync)
-    except BaseException:
-        out.abort()
-        raise
+    `sink`. Written through `torch_io.save_file`, so a full disk is shardkit's one-line NoSpaceError
+    (not torch's "enforce fail") and the partial file is removed; the bytes are torch.save's into a
+    file object (records under "archive/")."""
+    return save_file(obj, tag_dir / name, tag_dir, sink=sink).close(fsync)
 
 
 def _save_json(tag_dir: Path, name: str, data: Any, fsync: bool, sink: Sink) -> FileRecord:
