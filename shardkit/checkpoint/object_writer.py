@@ -1,13 +1,13 @@
 """Saving objects as NxD saves them: `torch.save` of a path (the archive named after the file)
 or xser (a reference file, `.info.pt` and one file per tensor), byte for byte.
 
-`save_object` saves an object held in memory. `save_together` saves objects whose tensors are
-`Deferred` (a shape and dtype now, the values when their turn comes), several files in lockstep:
-the k-th tensor of each, then the next, so that a tensor read once (a moment cut into its dp
-shards) serves every file and memory holds one tensor per file, never a rank's state. Its
-data.pkl is written from stand-ins before any tensor (`torch_io.object_pickle`: the same bytes
-torch's pickler writes), its records by `torch_io.TorchWriter` (or torch's own writer of the
-path where torch_zip cannot promise torch's bytes).
+`save_object` saves an object held in memory. An object whose tensors are `Deferred` (a shape
+and dtype now, the values when their turn comes) is written a tensor at a time by the format's
+object writer (`formats.registry.Format.objects`): its data.pkl from stand-ins before any tensor
+(`torch_io.object_pickle`: the same bytes torch's pickler writes), or for xser its reference
+object and `.info.pt` (`object_body`). The engine writes such objects whose tensors say their
+source piece (`ckpt reshard`'s optimizer files); `save_together` writes several in lockstep from
+tensors made by the caller (`save_checkpoint`'s optimizer files).
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ from typing import Any, overload
 
 import torch
 
-from ..formats import xser
-from ..formats.base import TensorSpec
-from ..formats.torch_io import TorchWriter, object_pickle, save_file, stub_tensor
+from ..engine.outputs import FileBody, Leaf
+from ..formats import get_format, xser
+from ..formats.base import TensorFileWriter, TensorSpec
+from ..formats.torch_io import object_pickle, save_file, stub_tensor
 from ..formats.torch_metadata import TensorReference
 from ..formats.torch_zip import ARCHIVE, read_archive
-from ..io.data.digest import FileRecord
+from ..io.data.digest import FileRecord, Recording
 from ..io.safety.sinks import NO_SINK, Sink
 from ..paths import ensure_free_space
+from ..placements import Piece
 
 KEEP = object()
 
@@ -111,11 +113,55 @@ def torch_save_file(
 @dataclass(frozen=True)
 class Deferred:
     """A tensor of an object to save, known by its shape and dtype; `make()` gives its values (a
-    compact tensor nobody else changes) when its turn to be written comes (`save_together`)."""
+    compact tensor nobody else changes) when its turn to be written comes (`save_together`). One
+    that says where it comes from (`piece`, a source piece, then made by `then`) can also be
+    written by the engine (`object_body`)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     make: Callable[[], torch.Tensor]
+    piece: Piece | None = None
+    then: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def after(self, fn: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> Deferred:
+        """This tensor made into another by `fn` (a new tensor of `shape` and `dtype`)."""
+        then = self.then
+        return Deferred(
+            shape, dtype, lambda: fn(self.make()), self.piece, fn if then is None else (lambda t: fn(then(t)))
+        )
+
+
+def object_body(obj: Any, use_xser: bool, expert: bool | Collection[str] = False) -> FileBody:
+    """`obj` as the engine writes it (`engine.outputs.FileBody`): its tensors as leaves, each a
+    `Deferred` that says its source piece or a tensor held, in the order torch.save (or xser, by
+    depth-first tids) writes them; torch.save's data.pkl of it, or xser's reference object and
+    `.info.pt` (`expert`: see `save_object`)."""
+    body, tensors = _object_parts(obj, use_xser, expert)
+    if any(isinstance(t, Deferred) and t.piece is None for t in tensors):
+        raise ValueError("the engine writes Deferred tensors that say their source piece")
+    return body
+
+
+def _object_parts(
+    obj: Any, use_xser: bool, expert: bool | Collection[str]
+) -> tuple[FileBody, list[Deferred | torch.Tensor]]:
+    """`object_body` and its tensors in the order they are written."""
+    tensors: list[Any] = []
+    if use_xser:
+        refs = _reference_walk(obj, tensors)
+        body = FileBody(
+            tuple(_leaf(k, t) for k, t in enumerate(tensors)), refs=refs, info=_xser_info(obj, tensors, expert)
+        )
+        return body, tensors
+    pkl, tensors = _stubbed(obj)
+    return FileBody(tuple(_leaf(k, t) for k, t in enumerate(tensors)), data_pkl=pkl), tensors
+
+
+def _leaf(k: int, t: Deferred | torch.Tensor) -> Leaf:
+    spec = TensorSpec(str(k), tuple(t.shape), t.dtype)
+    if isinstance(t, torch.Tensor):
+        return Leaf(spec, value=t)
+    return Leaf(spec, piece=t.piece, then=t.then)
 
 
 def archive_of(path: Path) -> str | None:
@@ -144,31 +190,29 @@ def save_together(
     fsync: bool = False,
     archive: str | None = None,
     sink: Sink = NO_SINK,
-) -> list[Path | FileRecord]:
+) -> list[FileRecord]:
     """Save objects of the same structure whose tensors are `Deferred` (or compact tensors) as
     `save_object` would, byte for byte, but a tensor at a time: the k-th tensor of every file,
-    then the next, so that one `make()` result (a moment read once, cut into dp shards) serves
-    all files while it is the last read, and memory holds one tensor per file, never an object.
-    `archive`: None names each file's zip records' folder after the file (torch.save of a path,
-    NxD's), ARCHIVE "archive/" (`archive_of`). Returns the files written: the records (relative
-    to `root`, default each file's folder) of those written through the I/O core (handed to
-    `sink`, the output's, as they close; with `fsync`, durable), the paths of the others (torch's
-    own writer's: the caller syncs them)."""
-    paths = [Path(p) for p in paths]
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    if use_xser:
-        return _xser_together(paths, objs, expert, archive, root, sink)
-    plans = [_stubbed(obj) for obj in objs]
-    writers: list[TorchWriter] = []
+    then the next, so that one `make()` result serves all files while it is the last made, and
+    memory holds one tensor per file, never an object. Written by the format's object writer (the
+    engine's: `formats.registry.Format.objects`). `archive`: None names each file's zip records'
+    folder after the file (torch.save of a path, NxD's), ARCHIVE "archive/" (`archive_of`).
+    Returns the records of the files written (relative to `root`, default each file's folder),
+    each handed to `sink`, the output's, as it closes; with `fsync`, durable."""
+    fmt = get_format("xser" if use_xser else "torch")
+    assert fmt.objects is not None
+    parts = [_object_parts(obj, use_xser, expert) for obj in objs]
+    writers: list[TensorFileWriter] = []
     try:
-        for path, (pkl, leaves) in zip(paths, plans):
-            specs = [TensorSpec(str(k), tuple(leaf.shape), leaf.dtype) for k, leaf in enumerate(leaves)]
-            writers.append(TorchWriter(path, root or path.parent, specs, data_pkl=pkl, archive=archive, sink=sink))
-        for k in range(len(plans[0][1]) if plans else 0):
-            for writer, (_, leaves) in zip(writers, plans):
+        for path, (body, _) in zip(paths, parts):
+            path = Path(path)
+            specs = [leaf.spec for leaf in body.leaves]
+            args = (body.data_pkl, body.refs, body.info, Recording.FAST, False, sink, archive)
+            writers.append(fmt.objects(path, root or path.parent, specs, *args))
+        for k in range(len(parts[0][1]) if parts else 0):
+            for writer, (_, leaves) in zip(writers, parts):
                 writer.write(str(k), _made(leaves[k]), owned=True)
-        written: list[Path | FileRecord] = []
+        written: list[FileRecord] = []
         for writer in writers:
             written += writer.close(fsync)
     except BaseException:
@@ -204,33 +248,6 @@ def _stubbed(obj: Any) -> tuple[bytes, list[Deferred | torch.Tensor]]:
 
 def _compact(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
-
-
-def _xser_together(
-    paths: list[Path],
-    objs: Sequence[Any],
-    expert: bool | Collection[str],
-    archive: str | None = None,
-    root: Path | None = None,
-    sink: Sink = NO_SINK,
-) -> list[Path | FileRecord]:
-    """`save_together` in xser: each tensor its own file, then the reference file and `.info.pt`."""
-    walks = []
-    for obj in objs:
-        leaves: list[Any] = []
-        walks.append((_reference_walk(obj, leaves), leaves))
-    written: list[Path | FileRecord] = []
-    for path in paths:
-        xser.tensors_dir(path).mkdir(exist_ok=True)
-    for k in range(len(walks[0][1]) if walks else 0):
-        for path, (_, leaves) in zip(paths, walks):
-            written.append(torch_save_file(_made(leaves[k]), xser.tensor_path(path, k), archive, root, sink))
-    for path, obj, (refs, leaves) in zip(paths, objs, walks):
-        written.append(
-            torch_save_file(refs, path, archive, root, sink, pickle_module=xser._PICKLE_MODULE, pickle_protocol=2)
-        )
-        written.append(torch_save_file(_xser_info(obj, leaves, expert), xser.info_path(path), archive, root, sink))
-    return written
 
 
 def _xser_info(obj: Any, tensors: Sequence[Any], expert: bool | Collection[str]) -> dict[int, dict[str, Any]]:

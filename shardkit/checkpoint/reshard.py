@@ -1,13 +1,14 @@
 """`shardkit ckpt reshard`: a whole NxD training state (model, ZeRO-1 optimizer shards, master
 weights) written for another tp / pp / dp / kv-multiplier layout, in NxD's exact format.
 
-The unit of work is one (tp, pp) rank of the target: its model file and its D optimizer files
-(one per dp rank). Its pieces are read slice by slice from the source (moments through
-`Zero1Tag.view`, resharded like their parameters: kv replicas, fused gate_up, vocab rows, dp
-padding) as the files are written (`object_writer.save_together`: the D optimizer files a tensor at a
-time, each moment read once and cut into its D shards), so memory holds one tensor and its
-shards, never a rank's state (but for the zero1-dcp mode, which writes a rank's state at once).
-Under torchrun the units are divided among the
+The unit of work is one (ep, tp, pp) rank of the target: its model file and its D optimizer
+files (one per dp rank), both written by the engine (`engine.executor`): the model files from the
+source's model view (or its master weights), the optimizer files as objects (`OutputFile.body`:
+NxD's `build_optim` objects) from the optimizer view (moments through `Zero1Tag.view`, resharded
+like their parameters: kv replicas, fused gate_up, vocab rows), the D files of a rank built
+together, a tensor of each in turn, so that each moment is read once and cut into its D shards:
+memory holds one tensor and its shards, never a rank's state (but for the zero1-dcp mode, which
+writes a rank's state at once: `write_rank`). Under torchrun the units are divided among the
 processes. Everything is written into a staging folder beside DST, `done` last, and renamed
 into place: a failure on any process leaves nothing behind.
 """
@@ -31,7 +32,7 @@ from ..conventions import TITAN
 from ..distributed import Job, current_job
 from ..engine.executor import execute
 from ..engine.options import WriteOptions
-from ..engine.outputs import plan_sharded
+from ..engine.outputs import OutputFile, plan_sharded
 from ..errors import ShardkitError
 from ..families.lora import base_config, saved_settings
 from ..formats import Checkpoint, SourceReader, load_config, nxd
@@ -65,7 +66,7 @@ from .nxd_modes import (
     stage_sizes,
     write_dcp_optim,
 )
-from .object_writer import Deferred, archive_of_files, save_object, save_together
+from .object_writer import Deferred, archive_of_files, object_body, save_object
 from .tree import CHECKPOINT_MARKER, CONFIG, DONE_MARKER, MODEL_DIR, SCHEDULER, USER_CONTENT, read_manifest, tag_check
 from .zero1 import (
     MASTER,
@@ -175,18 +176,19 @@ class RankReaders:
         self.archives = (archive_of_files(self.src.model.files.values()), archive_of_files(optim_files))
 
     def state(self, pieces: list[Piece], moments: list[str], deferred: bool = True) -> dict[str, dict[str, Any]]:
-        """Each piece's optimizer state: its moments read when written (`save_together`: the
-        latest read is kept, so that the dp files written together share it), or now."""
+        """Each piece's optimizer state: its moments as `Deferred` tensors that say their source
+        piece (the engine reads them when their files are written: `optimizer_outputs`), or read
+        now."""
         optim, zero1 = self.optim, self.src.zero1
         assert optim is not None and zero1 is not None
-        latest = _Latest()
         out: dict[str, dict[str, Any]] = {}
         for p in pieces:
             entry: dict[str, Any] = {"step": zero1.step}
             for m in moments:
-                read = _reader(optim, prefixed(p, m + SEP), None)
+                piece = prefixed(p, m + SEP)
+                read = _reader(optim, piece, None)
                 # saved as fp32 (`build_optim` cuts them to their dp shards as float)
-                entry[m] = Deferred(p.shape, torch.float32, latest.of(read)) if deferred else read()
+                entry[m] = Deferred(p.shape, torch.float32, read, piece) if deferred else read()
             out[p.name] = entry
         return out
 
@@ -206,24 +208,6 @@ def _reader(reader: SourceReader, piece: Piece, dtype: torch.dtype | None) -> Ca
     return read
 
 
-class _Latest:
-    """Keeps the latest tensor one of its readers made: asked again (by the next dp file), it
-    gives the same tensor without reading it twice."""
-
-    def __init__(self) -> None:
-        self.read: object = None
-        self.tensor: torch.Tensor | None = None
-
-    def of(self, read: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        def make() -> torch.Tensor:
-            if self.read is not read or self.tensor is None:
-                self.read, self.tensor = None, None  # the previous one dropped before the next read
-                self.read, self.tensor = read, read()
-            return self.tensor
-
-        return make
-
-
 def write_rank(
     out_tag: Path,
     readers: RankReaders,
@@ -237,12 +221,10 @@ def write_rank(
     stages: list[int] | None = None,
     sink: Sink = NO_SINK,
 ) -> list[Path | FileRecord]:
-    """One target (ep, tp, pp) rank's training state beside its weights (which the engine writes:
-    `write_model_files`): its dp optimizer files (NxD's format, saved as `mode` says: `nxd_modes`;
-    v3 names with ep_rank when ep > 1, ep ranks > 0 holding only their experts), and in avoid-lp
-    mode its model file without tensor data. DCP data files are returned as their records. The
-    files written through the I/O core are handed to `sink` (the output's, `io.safety.sinks`) as
-    they close."""
+    """What of one target (ep, tp, pp) rank the engine does not write (`write_model_files`,
+    `optimizer_outputs`): in avoid-lp mode its model file without tensor data, in zero1-dcp mode
+    its optimizer state through PyTorch DCP (returned as its records). The files written through
+    the I/O core are handed to `sink` (the output's, `io.safety.sinks`) as they close."""
     src = readers.src
     ep, tp, pp = rank
     pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes, ep)
@@ -260,19 +242,36 @@ def write_rank(
             root=out_tag,
             sink=sink,
         )
-    if src.zero1 is not None:
+    if src.zero1 is not None and mode == ZERO1_DCP:
         moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
         names = [p.name for p in pieces]
-        groups = [readers.group(p) for p in pieces]
-        if mode == ZERO1_DCP:
-            state = readers.state(pieces, moments, deferred=False)
-            written += write_dcp_optim(out_tag, layout, tp, pp, dp, names, src.zero1.hyper, state, stages or [], sink)
-            return written
-        state = readers.state(pieces, moments)  # read as the dp files are written, a tensor at a time
-        objs = [build_optim(names, groups, src.zero1.hyper, state, dp, d, master) for d in range(dp)]
-        paths = [out_tag / optim_name(d, tp, pp, ep if layout.ep > 1 else None) for d in range(dp)]
-        written += save_together(paths, objs, use_xser, bool(expert), out_tag, archive=readers.archives[1], sink=sink)
+        state = readers.state(pieces, moments, deferred=False)
+        written += write_dcp_optim(out_tag, layout, tp, pp, dp, names, src.zero1.hyper, state, stages or [], sink)
     return written
+
+
+def optimizer_outputs(
+    readers: RankReaders, layout: Layout, rank: tuple[int, int, int], dp: int, use_xser: bool, master: bool
+) -> list[OutputFile]:
+    """The dp ZeRO-1 optimizer files of one target (ep, tp, pp) rank as the engine writes them
+    (NxD's objects: `build_optim`; v3 names with ep_rank when ep > 1): built together, a tensor of
+    each in turn, so that each moment piece is read once and cut into its dp shards, and memory
+    holds one tensor and its shards, never a rank's state."""
+    src = readers.src
+    assert src.zero1 is not None
+    ep, tp, pp = rank
+    pieces = src.model.family.rank_pieces(layout, src.model.dims, tp, pp, src.model.full_shapes, ep)
+    expert = any(p.expert for p in pieces)  # xser's expert_model_parallel flag, as save writes it
+    moments = [*MOMENTS, MASTER] if master else list(MOMENTS)
+    names = [p.name for p in pieces]
+    groups = [readers.group(p) for p in pieces]
+    state = readers.state(pieces, moments)
+    outputs = []
+    for d in range(dp):
+        obj = build_optim(names, groups, src.zero1.hyper, state, dp, d, master)
+        path = optim_name(d, tp, pp, ep if layout.ep > 1 else None)
+        outputs.append(OutputFile.of_body(path, object_body(obj, use_xser, expert), together=rank))
+    return outputs
 
 
 def write_model_files(
@@ -548,6 +547,16 @@ def _write_mine(job: Job, plan: _Plan, out_tag: Path, sink: Sink = NO_SINK) -> l
     readers = RankReaders(plan.src)
     stages = stage_sizes(plan.src.model, plan.layout) if plan.mode == ZERO1_DCP else None
     try:
+        zero1 = plan.src.zero1
+        if zero1 is not None and plan.mode != ZERO1_DCP:
+            outputs = [
+                out
+                for rank in mine
+                for out in optimizer_outputs(readers, plan.layout, rank, plan.dp, plan.use_xser, plan.master)
+            ]
+            fmt = "xser" if plan.use_xser else "torch"
+            options = WriteOptions(fmt=fmt, verify_hashes=NONE, archive=readers.archives[1], sink=sink)
+            files += execute(zero1.view(), outputs, out_tag, options)
         with one_torch_thread(), reused_buffers():  # copies, each tensor written and dropped before the next
             for rank in mine:
                 args = (plan.layout, rank, plan.dp, plan.use_xser, plan.master, plan.dtype, plan.mode, stages)
@@ -615,6 +624,7 @@ __all__ = [
     "model_has_data",
     "write_rank",
     "write_model_files",
+    "optimizer_outputs",
     "RankReaders",
 ]
 

@@ -44,7 +44,6 @@ from ..formats.manifest import file_record
 from ..formats.manifest import manifest as build_manifest
 from ..formats.torch_io import save_file
 from ..formats.torch_zip import ARCHIVE
-from ..formats.xser import tensors_dir
 from ..io.data.buffers import one_torch_thread
 from ..io.data.digest import FileRecord, Recording
 from ..io.data.hashing import HashingFile
@@ -227,13 +226,8 @@ def write_tensor_file(
     writer = get_format(fmt).writer(path, tag_dir, specs, experts, Recording.FAST, False, sink, ARCHIVE)
     for name, tensor in items:
         writer.write(name, tensor.cpu())
-    records = writer.close(fsync=fsync)
+    records = writer.close(fsync=fsync)  # its files durable with fsync (xser: its tensor files too)
     if fsync:
-        if fmt == "xser":  # XserWriter syncs its reference and info files; the tensor files are ours
-            for record in records:
-                if ".tensors/" in record.path:
-                    fsync_path(tag_dir / record.path)
-            fsync_path(tensors_dir(path))
         fsync_path(path.parent)
         fsync_path(path.parent.parent)
     return records
@@ -330,9 +324,7 @@ def write_rank_files(job: SaveJob) -> dict[str, Any]:
             )
             path = job.tag_dir / optim_file(state.rank, job.layout)
             # a tensor at a time through the I/O core's writer (hashed as written, torch.save's bytes)
-            written = save_together([path], [obj], xser, bool(state.expert), job.tag_dir, job.fsync, sink=job.sink)
-            records += [f for f in written if isinstance(f, FileRecord)]
-            records += _written(job.tag_dir, [f for f in written if isinstance(f, Path)], job.fsync, job.sink)
+            records += save_together([path], [obj], xser, bool(state.expert), job.tag_dir, job.fsync, sink=job.sink)
             if job.fsync:
                 fsync_path(path.parent)
             master = master or state.master

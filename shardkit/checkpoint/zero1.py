@@ -153,7 +153,7 @@ def build_optim(
         if isinstance(t, Deferred):  # cut when it is written (`save_together`)
             rows = t.shape[0] if t.shape else 1
             shape = t.shape if presharded else (shard_rows(rows, dp), *t.shape[1:])
-            return Deferred(tuple(shape), torch.float32, lambda: cut(t.make()))
+            return t.after(cut, tuple(shape), torch.float32)
         return t.float().clone() if presharded else dp_shard(t.float(), dp, d)
 
     order = [i for g in range(len(hyper)) for i, gi in enumerate(groups) if gi == g]

@@ -20,6 +20,8 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..errors import FormatError
 from ..formats import Checkpoint, SourceReader, get_format
 from ..formats.base import ChunkedWriter, CopyingWriter, RowStreamingWriter, TensorFileWriter, TensorSpec
@@ -188,9 +190,12 @@ class _Builder:
             )
             steps: list[Generator[None, None, TensorFileWriter]] = []
             writers: dict[int, TensorFileWriter] = {}
+            last = _LastRead(reader)
             try:
                 for file in group:
-                    steps.append(self.build_file(file, reader))
+                    steps.append(
+                        self.build_body(file, last) if file.out.body is not None else self.build_file(file, reader)
+                    )
                     next(steps[-1])  # opens the writer
                 active = list(range(len(steps)))
                 while active:
@@ -243,6 +248,68 @@ class _Builder:
             writer.abort()
             raise
         return writer
+
+    def build_body(self, file: FilePlan, last: _LastRead) -> Generator[None, None, TensorFileWriter]:
+        """Writes one object file (`OutputFile.body`) as `build_file` writes a rank file, a leaf at
+        a step: a constant, or a source piece (read once for the files of its group: `last`)
+        made what is written by the leaf's `then`."""
+        body = file.out.body
+        assert body is not None
+        make = self.format.objects
+        if make is None:
+            raise FormatError(f"{self.format.name} files hold state dicts, not objects such as optimizer shards")
+        specs = [leaf.spec for leaf in body.leaves]
+        path = self.out_root / file.out.path
+        writer = make(
+            path,
+            self.out_root,
+            specs,
+            body.data_pkl,
+            body.refs,
+            body.info,
+            self.digests,
+            self.plan.direct,
+            self.sink,
+            self.archive,
+        )
+        try:
+            yield
+            for leaf in body.leaves:
+                if self.cancel.is_set():
+                    raise _Cancelled()
+                if leaf.value is not None:
+                    tensor, owned = leaf.value, False
+                else:
+                    assert leaf.piece is not None
+                    tensor, owned = last.read(leaf.piece), False
+                    if leaf.then is not None:
+                        tensor, owned = leaf.then(tensor), True  # a new tensor, this file's alone
+                if tensor.dtype != leaf.spec.dtype:
+                    tensor, owned = tensor.to(leaf.spec.dtype), True
+                writer.write(leaf.spec.name, tensor, owned=owned)
+                self.progress.report(leaf.spec.nbytes)
+                yield
+        except BaseException:
+            writer.abort()
+            raise
+        return writer
+
+
+class _LastRead:
+    """The last source piece read for a group of files built in lockstep: the next file of the
+    group asking for the same piece gets it without a second read. Dropped before the next read
+    (reads go into reused buffers: `io.data.buffers.reused_buffers`)."""
+
+    def __init__(self, reader: SourceReader):
+        self.reader = reader
+        self.piece: Piece | None = None
+        self.tensor: torch.Tensor | None = None
+
+    def read(self, piece: Piece) -> torch.Tensor:
+        if self.tensor is None or self.piece != piece:
+            self.piece, self.tensor = None, None
+            self.tensor, self.piece = self.reader.read_piece(piece), piece
+        return self.tensor
 
 
 def _write_tensor(

@@ -139,7 +139,7 @@ def plan_write(src: Checkpoint, outputs: Sequence[OutputFile], options: WriteOpt
         checked = tuple(key for key in needed if key in src.files)  # in the order the outputs first read them
         hashes = HashCheck.of(src, options.verify_hashes)
     dtypes = _output_dtypes(outputs, source_dtypes, options.dtype)
-    total = sum(p.numel() * dtypes[p.segments[0].source].itemsize for o in outputs for p in o.pieces)
+    total = sum(_file_bytes(o, dtypes) for o in outputs)
     read_ahead = plan_read_ahead(groups, index, spans, total, src.store.streamed)  # see prefetch.py
     # the page cache is the host's: under torchrun, this host's ranks write about as much each
     direct = options.direct_io is DirectIO.ON or (
@@ -153,6 +153,13 @@ def plan_write(src: Checkpoint, outputs: Sequence[OutputFile], options: WriteOpt
         for group in groups
     )
     return Plan(planned, index, total, workers, direct, read_ahead, hashes, checked)
+
+
+def _file_bytes(out: OutputFile, dtypes: dict[str, torch.dtype]) -> int:
+    """The bytes of an output file's tensors."""
+    if out.nbytes is not None:
+        return out.nbytes
+    return sum(p.numel() * dtypes[p.segments[0].source].itemsize for p in out.pieces)
 
 
 def _output_dtypes(
@@ -221,7 +228,10 @@ def _file_plan(
     """An output file's tensors and the ways each may be written: copied when the format takes
     copies, the operation copies and the bytes move unchanged (same dtype); as blocks of rows when
     the file is built together with others (blocks of columns cut from shared windows of rows); in
-    chunks when the format takes them; else whole."""
+    chunks when the format takes them; else whole. An object file's tensors are its body's leaves,
+    each made whole (`executor`)."""
+    if out.body is not None:
+        return FilePlan(out, ())
     tensors = []
     for piece in out.pieces:
         source = piece.segments[0].source
@@ -250,14 +260,16 @@ def lockstep_groups(outputs: Sequence[OutputFile], index: SegmentIndex) -> list[
     from full tensors: a convert) go together, at most LOCKSTEP_MAX: each source tensor is then
     read once for all of them (`io.data.strided.shared_column_reads`), where built one after another each
     would touch all of its bytes for its 1/tp of them (most of the worker's time, at tp 8 and
-    more). Any other file is a group of its own. Groups keep the order of their first file."""
+    more). So do files that say they go together (`OutputFile.together`: the dp optimizer shards
+    of a rank, each cut from the same pieces). Any other file is a group of its own. Groups keep
+    the order of their first file."""
     groups: list[list[OutputFile]] = []
-    open_group: dict[tuple[str, ...], list[OutputFile]] = {}
+    open_group: dict[tuple, list[OutputFile]] = {}
     for out in outputs:
-        if not _reads_columns(out, index):
+        if out.together is None and not _reads_columns(out, index):
             groups.append([out])
             continue
-        names = tuple(p.name for p in out.pieces)
+        names = ("together", out.together) if out.together is not None else tuple(p.name for p in out.pieces)
         group = open_group.get(names)
         if group is None or len(group) >= LOCKSTEP_MAX:
             group = open_group[names] = []

@@ -35,6 +35,13 @@ goes, the output's, see `io.safety.sinks`; `archive`: for torch.save files, the 
 records are under, see `torch_io.archive_folder`; other formats ignore it)."""
 
 
+ObjectWriterFactory = Callable[..., TensorFileWriter]
+"""objects(path, root, specs, data_pkl, refs, info, digests, direct, sink, archive): a writer of
+one object file, its tensors named by `specs` in the order they are written; torch.save's data.pkl
+of the object with its tensors stubbed (torch files), or its reference object and `.info.pt`
+(xser). The other arguments are `WriterFactory`'s."""
+
+
 @dataclass(frozen=True)
 class Abilities:
     """What a format's writer takes besides whole tensors (`write`). A writer whose format
@@ -80,6 +87,9 @@ class Format:
     finish: Callable[..., list[Path]] | None = None
     """Files such a format adds once every data file is written: finish(folder, records, family,
     dims, layout) (DCP's `.metadata`; optimum-neuron's metadata and markers)."""
+    objects: ObjectWriterFactory | None = None
+    """A writer of a file holding any object of tensors (a ZeRO-1 optimizer shard), not a state
+    dict; None when the format holds state dicts only."""
 
     def files_of(self, path: Path) -> list[Path]:
         """The rank file and every file that belongs to it."""
@@ -137,6 +147,9 @@ FORMATS: dict[str, Format] = {
             detect=lambda path: tensors_dir(path).is_dir() or info_path(path).is_file(),
             abilities=Abilities(kernel_copies=True, row_streaming=True),
             companions=_xser_companions,
+            objects=lambda path, root, specs, data_pkl, refs, info, digests, direct, sink, archive: XserWriter(
+                path, root, specs, (), digests, direct, sink, archive, refs=refs, info=info
+            ),
         ),
         Format(
             "torch",
@@ -146,6 +159,9 @@ FORMATS: dict[str, Format] = {
             TorchFile,
             _plain(TorchWriter, zip_archive=True),
             abilities=Abilities(kernel_copies=True, row_streaming=True),
+            objects=lambda path, root, specs, data_pkl, refs, info, digests, direct, sink, archive: TorchWriter(
+                path, root, specs, digests, direct, data_pkl, archive, sink
+            ),
         ),
         Format(
             "safetensors",

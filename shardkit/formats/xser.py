@@ -25,6 +25,7 @@ from ..io.data.copy import FileRange
 from ..io.data.digest import FileRecord, Recording
 from ..io.data.hashing import HashingFile
 from ..io.data.taps import ReadTap
+from ..io.safety.durable import fsync_path
 from ..io.safety.sinks import NO_SINK, Sink
 from ..io.store import Store
 from ..paths import NoSpaceError, ensure_free_space, no_space_error
@@ -312,9 +313,15 @@ class XserWriter(DiscardOnFailure):
         direct: bool = False,
         sink: Sink = NO_SINK,
         archive: str | None = ARCHIVE,
+        refs: Any = None,
+        info: Any = None,
     ):
+        """`refs` and `info`: the reference file's object and `.info.pt` of a file holding an
+        object, not a state dict (its tensors' TensorReference tids are their places in `specs`);
+        by default those of a state dict of `specs`."""
         check_specs(specs)
         self.path, self.root = Path(path), Path(root)
+        self._refs, self._info = refs, info
         self._archive = archive  # each file's records' folder: "archive/", or None: after the file (NxD's)
         self._digests = digests
         self._direct = direct
@@ -329,7 +336,6 @@ class XserWriter(DiscardOnFailure):
         self._closing: deque[TorchWriter] = deque()  # tensor files written, not closed yet
         self._started: set[int] = set()  # tensors whose file was begun
         self._written = 0  # tensors written (their files may still be closing)
-        self._fsync = False
         self._open = True
         # whether every tensor's file is written by shardkit's own zip writer (see TorchWriter)
         self._pickles = [tensor_pickle(spec) for spec in self._specs]  # each tensor file's data.pkl
@@ -435,6 +441,8 @@ class XserWriter(DiscardOnFailure):
             raise no_space_error(self.path.parent, self._remaining_bound()) from None
 
     def close(self, fsync: bool = False) -> list[FileRecord]:
+        """Finish the rank file: its tensor files, then the reference file and `.info.pt`; with
+        `fsync`, every file it wrote and the tensor folder are durable (not the folder it is in)."""
         with self._discarding():
             if not self._open:
                 raise RuntimeError(f"{self.path}: the writer is closed or was aborted")
@@ -444,19 +452,26 @@ class XserWriter(DiscardOnFailure):
             with self._space():
                 while self._closing:
                     self._records.extend(self._closing.popleft().close())
-            refs = {s.name: TensorReference(self._tids[s.name]) for s in self._specs}
+            if fsync:  # the tensor files (closed behind the writes), then their folder
+                for record in self._records:
+                    fsync_path(self.root / record.path)
+                if tensors_dir(self.path).is_dir():
+                    fsync_path(tensors_dir(self.path))
+            refs = self._refs
+            if refs is None:
+                refs = {s.name: TensorReference(self._tids[s.name]) for s in self._specs}
             main = self._save(refs, self.path, pickle_module=_PICKLE_MODULE, pickle_protocol=2)
-            info = self._save(
-                {
+            about = self._info
+            if about is None:
+                about = {
                     self._tids[s.name]: {
                         "dtype": s.dtype,
                         "shape": torch.Size(s.shape),
                         "expert_model_parallel": s.name in self._expert,
                     }
                     for s in self._specs
-                },
-                info_path(self.path),
-            )
+                }
+            info = self._save(about, info_path(self.path))
             records = [main.close(fsync), info.close(fsync)] + self._records
         self._open = False
         return records
