@@ -303,8 +303,10 @@ def _merge(
     config: ConfigArg = None,
     hints: Mapping | None = None,
     revision: str | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> Result:
-    """`merge` into the local folder `out`, its finished files handed to `sink`."""
+    """`merge` into the local folder `out`, its finished files handed to `sink` (`before_commit`:
+    see `merge_checkpoint`)."""
 
     def run(ckpt: Checkpoint, checked: dict[str, Any]) -> Result:
         if settings_of(ckpt) is not None:
@@ -315,7 +317,9 @@ def _merge(
             )
         if not isinstance(src, Checkpoint):  # a view (a LoRA merge, an export) is never a plain re-save
             _refuse_resave(ckpt, max_shard_size, checked.get("dtype"))
-        return merge_checkpoint(ckpt, out, max_shard_size=max_shard_size, sink=sink, **checked)
+        return merge_checkpoint(
+            ckpt, out, max_shard_size=max_shard_size, sink=sink, before_commit=before_commit, **checked
+        )
 
     return _read_once(src, config, hints, revision, options, run)
 
@@ -463,9 +467,14 @@ def _export_lora(
         raise ShardkitError(
             f"the base model {model.root} records, {base_model}, does not exist (moved or deleted?): pass --base DIR"
         )
-    tag_check(model.root, options.get("verify_hashes", True), model.store).finish()
     base_ckpt = open_source(base_model, need=Need.EVERYTHING)
-    return _merge(merged_view(base_ckpt, model), out, sink, max_shard_size, dict(options))
+    check = tag_check(model.root, options.get("verify_hashes", True), model.store)
+    try:  # the adapters' tag held from before the merge reads it until its commit
+        return _merge(
+            merged_view(base_ckpt, model), out, sink, max_shard_size, dict(options), before_commit=check.finish
+        )
+    finally:
+        check.stop()
 
 
 @no_full_collections()

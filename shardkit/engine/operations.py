@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,10 +253,13 @@ def merge_checkpoint(
     *,
     max_shard_size: int | str = "5GB",
     sink: Sink = NO_SINK,
+    before_commit: Callable[[], None] | None = None,
     **options: Unpack[WriteArgs],
 ) -> Result:
     """Write `ckpt` as a Hugging Face model directory (safetensors + index + config), in files of
-    at most `max_shard_size` (`sink`: where each finished file of `dst` goes, see `io.safety.sinks`)."""
+    at most `max_shard_size` (`sink`: where each finished file of `dst` goes, see `io.safety.sinks`;
+    `before_commit`: called once every file is written, before the output is committed: a check
+    of what else the operation read, which may refuse it)."""
     # a Hugging Face folder has no manifest: its files' digests would be computed for nobody (they
     # cost about as much CPU as the rest of a merge)
     write = WriteOptions.from_args(options, "safetensors", manifest=False, sink=sink)
@@ -273,6 +276,8 @@ def merge_checkpoint(
         _copy_side_files(sides, stage)
         for name, text in (options.get("extra_files") or {}).items():
             write_text(inside(stage, name, "extra output file"), text, fsync=False)
+        if before_commit is not None:
+            before_commit()
 
     records = _write(ckpt, outputs, dst, finish, write)
     log.info("merged %s into %s (%d files)", ckpt.root, dst, len(records))

@@ -118,6 +118,28 @@ def test_export_merged_equals_the_trainers_merged_export(trained, hf_model, tmp_
     ok(run("verify", tmp_path / "merged-from-shards", merged, "--atol", "1e-6"))
 
 
+def test_export_merged_refuses_a_tag_changed_during_the_merge(trained, tmp_path, monkeypatch):
+    """The adapters' tag is held from before the merge reads it until the merged model's commit:
+    a file added to it meanwhile is refused in one line, and nothing is written."""
+    import shutil
+
+    from shardkit.engine import executor
+
+    ckpt = shutil.copytree(trained[0], tmp_path / "ckpt")
+    real_run = executor.run
+
+    def run_then_change(*args, **kwargs):
+        records = real_run(*args, **kwargs)
+        (ckpt / "step_3" / "notes.txt").write_text("saved over meanwhile")
+        return records
+
+    monkeypatch.setattr(executor, "run", run_then_change)
+    one_line_error(
+        run("ckpt", "export", ckpt, tmp_path / "merged", "--merged"), "changed while shardkit read it", "notes.txt"
+    )
+    assert not (tmp_path / "merged").exists()
+
+
 def test_reshard_moves_adapters_and_their_adam_state(trained, hf_model, tmp_path):
     ckpt, peft, _ = trained
     ok(run("ckpt", "reshard", ckpt, tmp_path / "tp2", "--tp", "2", "--qkv", "gqa"))
